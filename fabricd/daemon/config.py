@@ -1,0 +1,189 @@
+"""The daemon's configuration: defaults < TOML file < environment < flags, with provenance.
+
+Every key is a top-level TOML key, an environment variable ``FABRICD_<KEY>`` (lists are
+comma-separated) and a flag ``--<key-with-dashes>``.  :func:`load` records where each effective
+value came from, which ``fabricctl config show`` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fabricd.errors import ConfigError
+from fabricd.ipc import default_socket_path
+from fabricd.transports.base import split_address
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """Effective settings of one daemon (systemd/fabricd.toml documents each key)."""
+
+    node_id: int = 0
+    nodes: tuple[str, ...] = ("127.0.0.1:7700",)
+    listen: str = ""
+    socket: str = field(default_factory=default_socket_path)
+    secret_file: str = ""
+    allowed_uids: tuple[int, ...] = ()
+    allowed_gids: tuple[int, ...] = ()
+    heartbeat_interval: float = 1.0
+    suspect_after: float = 3.0
+    down_after: float = 10.0
+    handshake_timeout: float = 2.0
+    reconnect_max_backoff: float = 2.0
+    route_timeout: float = 30.0
+    chunk_size: int = 4 * 1024 * 1024
+    max_payload: int = 64 * 1024 * 1024
+    max_meta: int = 64 * 1024
+    max_clients: int = 256
+    max_segments_per_client: int = 1024
+    drain_timeout: float = 10.0
+    log_level: str = "info"
+    log_format: str = "text"
+    event_loop: str = "uvloop"
+
+    @property
+    def listen_address(self) -> str:
+        """Where to bind: ``listen`` if set, else this node's entry of ``nodes``."""
+        return self.listen or self.nodes[self.node_id]
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the key when a value cannot work."""
+        if not self.nodes:
+            raise ConfigError("nodes: list at least this node's host:port")
+        if not 0 <= self.node_id < len(self.nodes):
+            raise ConfigError(
+                f"node_id {self.node_id} is not an index of nodes (0..{len(self.nodes) - 1})"
+            )
+        for key, address in [("nodes", a) for a in self.nodes] + [("listen", self.listen_address)]:
+            try:
+                split_address(address)
+            except ValueError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
+        if len(self.nodes) > 1 and not self.secret_file:
+            raise ConfigError("secret_file: required when nodes lists more than one node")
+        if not 0 < self.heartbeat_interval < self.suspect_after <= self.down_after:
+            raise ConfigError("need 0 < heartbeat_interval < suspect_after <= down_after")
+        if not 4096 <= self.chunk_size <= self.max_payload:
+            raise ConfigError("chunk_size must be between 4096 and max_payload")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError("log_format must be 'text' or 'json'")
+        if self.event_loop not in ("uvloop", "asyncio"):
+            raise ConfigError("event_loop must be 'uvloop' or 'asyncio'")
+        if not self.socket.startswith("/"):
+            raise ConfigError(
+                "socket must be an absolute path (abstract sockets have no permissions)"
+            )
+
+    def read_secret(self) -> bytes:
+        """Read the shared secret, refusing a file that others can read.
+
+        Raises:
+            ConfigError: missing, empty, or readable by group or others.
+        """
+        if not self.secret_file:
+            return b""
+        path = Path(self.secret_file)
+        try:
+            mode = path.stat().st_mode
+            secret = path.read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"secret_file {path}: {exc.strerror}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(
+                f"secret_file {path} is readable by group or others "
+                f"(mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}"
+            )
+        if len(secret) < 16:
+            raise ConfigError(f"secret_file {path} holds under 16 bytes; generate a longer secret")
+        return secret
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _coerce(key: str, value: Any, origin: str) -> Any:
+    kind = str(_FIELDS[key].type)
+    try:
+        if kind.startswith("tuple"):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            items = [i.strip() if isinstance(i, str) else i for i in items if i != ""]
+            return tuple(int(i) for i in items) if "int" in kind else tuple(str(i) for i in items)
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError
+        return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} ({origin}): {value!r} is not a valid {kind}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Loaded:
+    """A config plus where each value came from ("default", a file path, "env ...", "flag")."""
+
+    config: Config
+    sources: dict[str, str]
+
+    def describe(self) -> dict[str, dict[str, object]]:
+        """key -> {"value", "source"}, in declaration order, JSON-ready."""
+        out: dict[str, dict[str, object]] = {}
+        for key in _FIELDS:
+            value = getattr(self.config, key)
+            out[key] = {
+                "value": list(value) if isinstance(value, tuple) else value,
+                "source": self.sources[key],
+            }
+        return out
+
+
+def load(
+    path: str | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Loaded:
+    """Build the effective config.  ``flags`` holds only flags that were given.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, bad value, or an invalid combination.
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources = {key: "default" for key in _FIELDS}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+        for key, value in data.items():
+            if key not in _FIELDS:
+                raise ConfigError(f"config file {path}: unknown key {key!r}")
+            values[key], sources[key] = _coerce(key, value, path), path
+    for key in _FIELDS:
+        env_name = f"FABRICD_{key.upper()}"
+        if env_name in environ:
+            values[key] = _coerce(key, environ[env_name], env_name)
+            sources[key] = f"env {env_name}"
+    for key, value in (flags or {}).items():
+        if key not in _FIELDS:
+            raise ConfigError(f"unknown setting {key!r}")
+        values[key], sources[key] = _coerce(key, value, f"--{key.replace('_', '-')}"), "flag"
+    config = Config(**values)
+    config.validate()
+    return Loaded(config=config, sources=sources)

@@ -1,0 +1,565 @@
+"""The daemon of one node: wires the engines to the transport and to the client socket.
+
+This is the I/O shell of STYLE §11: every decision is an engine's (peer liveness in
+:mod:`~fabricd.engines.peers`, matching and failure in :mod:`~fabricd.engines.p2p`,
+authentication in :mod:`~fabricd.engines.handshake`); this module feeds them events with the
+loop's clock and performs the actions they return, then re-arms the one engine timer.
+
+Life cycle: :meth:`Daemon.run` binds the peer listener and the client socket, starts dialling,
+tells systemd READY=1 and pings its watchdog from the loop.  :meth:`Daemon.stop` (SIGTERM)
+starts a drain: new clients and new operations are refused, transfers under way finish (up to
+``drain_timeout``), whatever is left fails with code ``daemon_stopping``, peers get BYE, and
+``run`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from fabricd.daemon.datapath import Inbound, copy, stream
+from fabricd.daemon.peering import HandshakeSettings, Peering
+from fabricd.daemon.sdnotify import Notifier
+from fabricd.daemon.sessions import ClientSession, parse_hello, parse_transfer, request_id
+from fabricd.engines import p2p, peers
+from fabricd.engines.handshake import Channel, PeerIdentity
+from fabricd.engines.p2p import Messaging
+from fabricd.engines.peers import Incarnation, PeerState, PeerTable, Timeouts
+from fabricd.engines.routing import RankTable
+from fabricd.errors import FabricError, OperationFailed, ProtocolError, TransportError, UsageError
+from fabricd.ipc import IpcConnection, IpcServer
+from fabricd.shm import Segment
+from fabricd.transports.tcp import TcpTransport
+from fabricd.wire import PROTOCOL_VERSION, Frame, FrameHead, Kind, Limits, Meta, get_int, get_str
+
+if TYPE_CHECKING:
+    from fabricd.daemon.config import Loaded
+    from fabricd.transports.base import Link, Transport
+
+log = logging.getLogger("fabricd.daemon")
+
+_MESSAGING_KINDS = frozenset({Kind.ANNOUNCE, Kind.RTS, Kind.CTS, Kind.DONE, Kind.CANCEL})
+_PEER_KINDS = frozenset(k for k in Kind if k < Kind.REQUEST)
+
+Handler = Callable[[ClientSession, Meta, list[int]], dict[str, Any] | None]
+
+
+class Daemon:
+    """One node's daemon.  Build it, ``await run()``, call ``stop()`` to drain and end."""
+
+    def __init__(self, loaded: Loaded, *, transport: Transport | None = None) -> None:
+        cfg = loaded.config
+        self.loaded = loaded
+        self.config = cfg
+        self.incarnation = time.time_ns()  # grows across restarts: peers fence older ones
+        self.started = time.time()
+        self.loop = asyncio.get_running_loop()
+        self.peers = PeerTable(
+            node=cfg.node_id,
+            nodes=len(cfg.nodes),
+            now=self.loop.time(),
+            timeouts=Timeouts(
+                heartbeat_interval=cfg.heartbeat_interval,
+                suspect_after=cfg.suspect_after,
+                down_after=cfg.down_after,
+            ),
+        )
+        self.messaging = Messaging(
+            node=cfg.node_id, routes=RankTable(cfg.node_id), route_timeout=cfg.route_timeout
+        )
+        limits = Limits(max_meta=cfg.max_meta, max_payload=cfg.max_payload, kinds=_PEER_KINDS)
+        settings = HandshakeSettings(
+            node=cfg.node_id,
+            incarnation=self.incarnation,
+            secret=cfg.read_secret(),
+            fabric_size=len(cfg.nodes),
+            timeout=cfg.handshake_timeout,
+            limits=limits,
+        )
+        self.transport = transport or TcpTransport()
+        self.peering = Peering(self.transport, self, settings, cfg.nodes, cfg.reconnect_max_backoff)
+        self.ipc = IpcServer(
+            cfg.socket,
+            self,
+            allowed_uids=cfg.allowed_uids,
+            allowed_gids=cfg.allowed_gids,
+            max_clients=cfg.max_clients,
+        )
+        self.notifier = Notifier.from_environ()
+        self.control: dict[int, Link] = {}
+        self.data: dict[int, Link] = {}
+        self.inbound = Inbound()
+        self.sessions: dict[int, ClientSession] = {}
+        self.transfers: dict[int, p2p.Message] = {}
+        self.regions: dict[int, memoryview] = {}
+        self.owners: dict[int, tuple[ClientSession, int]] = {}
+        self.counters: Counter[str] = Counter()
+        self.address = cfg.listen_address
+        self.draining = False
+        self._op_ids = itertools.count(1)
+        self._timer: asyncio.TimerHandle | None = None
+        self._stopping = asyncio.Event()
+        self._idle = asyncio.Event()  #: set while draining once no transfer is under way
+        self._tasks: asyncio.TaskGroup | None = None
+        self._requests: dict[str, Handler] = {
+            "hello": self._hello,
+            "attach": self._attach,
+            "detach": self._detach,
+            "send": self._send,
+            "recv": self._recv,
+            "status": self._status,
+            "config": self._config,
+        }
+
+    # -- life cycle -------------------------------------------------------------------------
+    async def run(self, on_ready: Callable[[Daemon], None] | None = None) -> None:
+        """Serve until :meth:`stop`; returns after the drain."""
+        async with asyncio.TaskGroup() as tasks:
+            self._tasks = tasks
+            self.address = await self.peering.listen(self.config.listen_address)
+            self.ipc.start()
+            background = [
+                tasks.create_task(self.peering.keep_dialled(node))
+                for node in self.peering.dial_targets()
+            ]
+            if self.notifier is not None and self.notifier.watchdog_interval():
+                background.append(tasks.create_task(self._watchdog(self.notifier)))
+            self._rearm()
+            log.info(
+                "node %d of %d serving: peers on %s (%s), clients on %s, incarnation %d",
+                self.config.node_id,
+                len(self.config.nodes),
+                self.address,
+                self.transport.name,
+                self.config.socket,
+                self.incarnation,
+            )
+            if self.notifier is not None:
+                self.notifier.ready(f"serving node {self.config.node_id}")
+            if on_ready is not None:
+                on_ready(self)
+            await self._stopping.wait()
+            await self._drain()
+            for task in background:
+                task.cancel()
+        self._close_everything()
+
+    def stop(self) -> None:
+        """Begin a graceful stop (idempotent; safe from a signal handler)."""
+        if not self._stopping.is_set():
+            log.info(
+                "stopping: draining transfers under way (up to %.1fs)", self.config.drain_timeout
+            )
+            if self.notifier is not None:
+                self.notifier.stopping()
+            self._stopping.set()
+
+    async def _drain(self) -> None:
+        self.draining = True
+        self.ipc.stop_accepting()
+        if self.messaging.transfers():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.drain_timeout):
+                    await self._idle.wait()
+        for session in list(self.sessions.values()):
+            ops = list(session.ops)
+            self._perform(self.messaging.abandon(ops))
+            for op in ops:
+                self._reply_failure(op, "daemon_stopping", "the daemon is stopping; retry later")
+        for link in self.control.values():
+            with contextlib.suppress(TransportError):
+                link.send_nowait(Kind.BYE, {})
+        await self.peering.aclose()
+
+    def _close_everything(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for link in [*self.control.values(), *self.data.values()]:
+            link.close("daemon stopped")
+        self.ipc.close()
+        if self.notifier is not None:
+            self.notifier.close()
+        log.info("stopped")
+
+    async def _watchdog(self, notifier: Notifier) -> None:
+        interval = notifier.watchdog_interval() or 1.0
+        while True:
+            notifier.watchdog()  # from the loop, so a stalled loop stops the pings
+            await asyncio.sleep(interval)
+
+    # -- the engines' timer -----------------------------------------------------------------
+    def _rearm(self) -> None:
+        deadlines = [d for d in (self.peers.next_deadline(), self.messaging.next_deadline()) if d]
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if deadlines:
+            self._timer = self.loop.call_at(min(deadlines), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        now = self.loop.time()
+        self._perform(self.peers.on_timer(now))
+        self._perform(self.messaging.on_timer(now))
+        self._rearm()
+
+    # -- performing actions -----------------------------------------------------------------
+    def _perform(self, actions: Iterable[peers.Action | p2p.Action]) -> None:
+        for action in actions:
+            match action:
+                case peers.SendHeartbeat(node=node) | p2p.SendFrame(node=node):
+                    kind, meta = _frame_of(action)
+                    self._send_control(node, kind, meta)
+                case p2p.Broadcast(kind=kind, meta=meta):
+                    for node in list(self.control):
+                        self._send_control(node, kind, meta)
+                case peers.StateChanged():
+                    self._peer_state_changed(action)
+                case peers.PeerRestarted(node=node):
+                    log.warning(
+                        "node %d restarted (incarnation %d -> %d)",
+                        node,
+                        action.old_incarnation,
+                        action.new_incarnation,
+                    )
+                    self._reset_peer(node, "restarted", keep=None)
+                case p2p.StreamData(node=node, msg=msg, op=op):
+                    self._spawn(self._stream(node, msg, op))
+                case p2p.ExpectData(node=node, msg=msg, op=op):
+                    self.inbound.expect(node, msg, self.regions[op])
+                case p2p.DiscardData(node=node, msg=msg):
+                    self.inbound.discard(node, msg)
+                case p2p.CopyLocal(src_op=src, dst_op=dst):
+                    self._spawn(self._copy(src, dst))
+                case p2p.Complete(op=op, failure=failure):
+                    self._complete(op, failure)
+                case p2p.Notice(message=message):
+                    log.warning("%s", message)
+
+    def _send_control(self, node: int, kind: Kind, meta: Meta) -> None:
+        link = self.control.get(node)
+        if link is None:
+            log.debug("no control link to node %d: dropped %s", node, kind.name)
+            return
+        try:
+            link.send_nowait(kind, meta)
+        except TransportError as exc:
+            log.debug("dropped %s to node %d: %s", kind.name, node, exc)
+
+    def _spawn(self, coro: Any) -> None:
+        assert self._tasks is not None
+        self._tasks.create_task(coro)
+
+    def _peer_state_changed(self, change: peers.StateChanged) -> None:
+        level = (
+            logging.WARNING if change.new in (PeerState.DOWN, PeerState.SUSPECT) else logging.INFO
+        )
+        log.log(
+            level,
+            "node %d: %s -> %s (%s)",
+            change.node,
+            change.old.value,
+            change.new.value,
+            change.reason,
+        )
+        if change.new is PeerState.DOWN:
+            self._reset_peer(change.node, "down", keep=None)
+        elif change.new is PeerState.UP:  # after any reset the peer has forgotten our ranks
+            for meta in self.messaging.announcements():
+                self._send_control(change.node, Kind.ANNOUNCE, meta)
+
+    def _reset_peer(self, node: int, reason: str, keep: Link | None) -> None:
+        """Forget everything exchanged with ``node``: its links, ranks and transfers."""
+        for table in (self.control, self.data):
+            link = table.get(node)
+            if link is not None and link is not keep:
+                del table[node]
+                link.close(f"node {node} {reason}")
+        self.inbound.forget_node(node)
+        self._perform(self.messaging.peer_down(node, reason))
+
+    async def _stream(self, node: int, msg: int, op: int) -> None:
+        link = self.data.get(node)
+        try:
+            if link is None:
+                raise TransportError(f"no data link to node {node}")
+            await stream(link, msg, self.regions[op], self.config.chunk_size)
+            self.counters["bytes_sent"] += len(self.regions[op])
+        except TransportError as exc:
+            self._perform(
+                self.messaging.stream_failed(msg, f"sending to node {node} failed: {exc}")
+            )
+            self._rearm()
+
+    async def _copy(self, src: int, dst: int) -> None:
+        await copy(self.regions[dst], self.regions[src])
+        self.counters["bytes_copied"] += len(self.regions[src])
+        self._perform(self.messaging.copied(src, dst))
+
+    def _complete(self, op: int, failure: p2p.Failure | None) -> None:
+        if self.draining and not self.messaging.transfers():
+            self._idle.set()
+        self.regions.pop(op, None)
+        message = self.transfers.pop(op, None)
+        session, request = self.owners.pop(op, (None, 0))
+        if session is None or message is None:
+            return
+        session.ops.discard(op)
+        if failure is not None:
+            self.counters["ops_failed"] += 1
+            reply: Meta = {
+                "id": request,
+                "ok": False,
+                "code": failure.code,
+                "error": failure.message,
+            }
+            reply.update(rank=failure.rank, node=failure.node)
+            session.conn.reply(reply)
+            return
+        self.counters["ops_completed"] += 1
+        session.conn.reply(
+            {
+                "id": request,
+                "ok": True,
+                "nbytes": message.nbytes,
+                "src": message.src,
+                "tag": message.tag,
+            }
+        )
+
+    def _reply_failure(self, op: int, code: str, text: str) -> None:
+        self._complete(op, p2p.Failure(code=code, message=text))
+
+    # -- peers (PeerEvents) -----------------------------------------------------------------
+    def link_up(self, link: Link, peer: PeerIdentity) -> bool:
+        node = peer.node
+        verdict = self.peers.check_incarnation(node, peer.incarnation)
+        if verdict is Incarnation.STALE:
+            log.warning(
+                "refused %s link from node %d: incarnation %d is dead",
+                peer.channel,
+                node,
+                peer.incarnation,
+            )
+            link.close("stale incarnation")
+            return False
+        if peer.channel is Channel.DATA:
+            control = self.control.get(node)
+            if control is None or verdict is not Incarnation.SAME:
+                link.close("data channel opened before the control channel")
+                return False
+            old = self.data.pop(node, None)
+            if old is not None:
+                old.close("replaced by a new data link")
+            self.data[node] = link
+            return True
+        old = self.control.pop(node, None)
+        if old is not None:
+            old.close("replaced by a new control link")
+            self._reset_peer(node, "reconnected", keep=None)
+        self.control[node] = link
+        self._perform(self.peers.on_established(node, peer.incarnation, self.loop.time()))
+        self._rearm()
+        return True
+
+    def link_down(self, node: int, link: Link) -> None:
+        if self.control.get(node) is link:
+            log.warning("control link to node %d lost: %s", node, link.close_reason)
+            del self.control[node]
+            self._reset_peer(node, "unreachable (control link lost)", keep=None)
+            self._perform(self.peers.on_link_lost(node, self.loop.time()))
+        elif self.data.get(node) is link:
+            log.warning("data link to node %d lost: %s", node, link.close_reason)
+            del self.data[node]
+            control = self.control.pop(node, None)
+            if control is not None:
+                control.close("its data link was lost")
+        self._rearm()
+
+    def payload_buffer(self, node: int, link: Link, head: FrameHead) -> memoryview | None:
+        return self.inbound.payload_buffer(node, head)
+
+    def frame_received(self, node: int, link: Link, frame: Frame) -> None:
+        if link is not self.control.get(node) and link is not self.data.get(node):
+            link.close("frame on a link that is no longer current")  # fenced: a dead incarnation
+            return
+        now = self.loop.time()
+        self._perform(self.peers.on_heard(node, now))
+        if frame.kind is Kind.DATA:
+            msg = self.inbound.chunk_arrived(node, frame)
+            if msg is not None:
+                self._perform(self.messaging.data_complete(node, msg))
+        elif frame.kind in _MESSAGING_KINDS:
+            self._perform(self.messaging.on_frame(node, frame.kind, frame.meta, now))
+        elif frame.kind is Kind.BYE:
+            log.info("node %d is stopping", node)
+        elif frame.kind is not Kind.HEARTBEAT:
+            raise ProtocolError(f"unexpected {frame.kind.name} from node {node}")
+        self._rearm()
+
+    # -- clients (RequestHandler) -----------------------------------------------------------
+    def client_request(self, conn: IpcConnection, meta: Meta, fds: list[int]) -> None:
+        session = self.sessions.setdefault(conn.id, ClientSession(conn))
+        try:
+            rid = request_id(meta)
+            handler = self._requests.get(get_str(meta, "op"))
+            if handler is None:
+                raise UsageError(f"unknown request {meta.get('op')!r}")
+            result = handler(session, meta, fds)
+            if result is not None:
+                conn.reply({"id": rid, "ok": True, **result})
+        except ProtocolError as exc:
+            conn.close(f"protocol error: {exc}")
+        except OperationFailed as exc:
+            conn.reply_error(rid, exc.code, str(exc))
+        except FabricError as exc:
+            conn.reply_error(rid, "usage", str(exc))
+        finally:
+            for fd in fds:
+                _close_quietly(fd)
+        self._rearm()
+
+    def client_gone(self, conn: IpcConnection) -> None:
+        session = self.sessions.pop(conn.id, None)
+        if session is None:
+            return
+        ops = list(session.ops)
+        if session.job is not None:
+            actions = self.messaging.detach(session.job, session.rank, ops, self.loop.time())
+        else:
+            actions = self.messaging.abandon(ops)
+        self._perform(actions)
+        for op in ops:
+            if not self.messaging.holds(op):  # a transfer under way keeps its region mapped
+                self.regions.pop(op, None)
+                self.transfers.pop(op, None)
+                self.owners.pop(op, None)
+        for segment in session.segments.values():
+            segment.close()
+        self._rearm()
+
+    def _hello(self, session: ClientSession, meta: Meta, fds: list[int]) -> dict[str, Any]:
+        if session.job is not None:
+            raise UsageError("this connection already joined a job")
+        claim = parse_hello(meta)
+        if claim is not None:
+            if self.draining:
+                raise OperationFailed("the daemon is stopping; retry later", code="daemon_stopping")
+            job, rank, size = claim
+            self._perform(self.messaging.attach(job, rank, size, self.loop.time()))
+            session.job, session.rank, session.size = job, rank, size
+        return {
+            "node": self.config.node_id,
+            "nodes": len(self.config.nodes),
+            "incarnation": self.incarnation,
+            "version": PROTOCOL_VERSION,
+        }
+
+    def _attach(self, session: ClientSession, meta: Meta, fds: list[int]) -> dict[str, Any]:
+        seg, size = get_int(meta, "seg"), get_int(meta, "size", lo=1)
+        if len(fds) != 1:
+            raise UsageError("attach needs exactly one segment fd")
+        if seg in session.segments:
+            raise UsageError(f"segment {seg} is already attached")
+        if len(session.segments) >= self.config.max_segments_per_client:
+            raise UsageError(
+                f"over max_segments_per_client ({self.config.max_segments_per_client})"
+            )
+        session.segments[seg] = Segment.adopt(fds.pop(), size)
+        return {}
+
+    def _detach(self, session: ClientSession, meta: Meta, fds: list[int]) -> dict[str, Any]:
+        segment = session.segments.pop(get_int(meta, "seg"), None)
+        if segment is not None:
+            segment.close()
+        return {}
+
+    def _send(self, session: ClientSession, meta: Meta, fds: list[int]) -> None:
+        self._start_transfer(session, meta, is_send=True)
+
+    def _recv(self, session: ClientSession, meta: Meta, fds: list[int]) -> None:
+        self._start_transfer(session, meta, is_send=False)
+
+    def _start_transfer(self, session: ClientSession, meta: Meta, *, is_send: bool) -> None:
+        if self.draining:
+            raise OperationFailed("the daemon is stopping; retry later", code="daemon_stopping")
+        op = next(self._op_ids)
+        transfer = parse_transfer(session, meta, op=op, is_send=is_send)
+        self.transfers[op], self.regions[op] = transfer.message, transfer.region
+        self.owners[op] = (session, transfer.request)
+        session.ops.add(op)
+        post = self.messaging.post_send if is_send else self.messaging.post_recv
+        self._perform(post(op, transfer.message, self.loop.time()))
+
+    def _status(self, session: ClientSession, meta: Meta, fds: list[int]) -> dict[str, Any]:
+        return self.status()
+
+    def _config(self, session: ClientSession, meta: Meta, fds: list[int]) -> dict[str, Any]:
+        return {"config": self.loaded.describe()}
+
+    def status(self) -> dict[str, Any]:
+        """Everything ``fabricctl status`` and ``fabricctl peers`` show, JSON-ready."""
+        now = self.loop.time()
+        peer_rows = []
+        for info in self.peers.peers(now):
+            links = {
+                ch.value: table.get(info.node)
+                for ch, table in ((Channel.CONTROL, self.control), (Channel.DATA, self.data))
+            }
+            stats = [link.statistics() for link in links.values() if link is not None]
+            peer_rows.append(
+                {
+                    "node": info.node,
+                    "address": self.config.nodes[info.node],
+                    "state": info.state.value,
+                    "incarnation": info.incarnation,
+                    "silent_for": info.silent_for,
+                    "state_for": info.state_for,
+                    "links": {ch: link is not None for ch, link in links.items()},
+                    "bytes_sent": sum(s.bytes_sent for s in stats),
+                    "bytes_received": sum(s.bytes_received for s in stats),
+                }
+            )
+        return {
+            "node": self.config.node_id,
+            "nodes": len(self.config.nodes),
+            "address": self.address,
+            "socket": self.config.socket,
+            "transport": self.transport.name,
+            "incarnation": self.incarnation,
+            "uptime": time.time() - self.started,
+            "version": PROTOCOL_VERSION,
+            "state": "draining" if self.draining else "serving",
+            "peers": peer_rows,
+            "clients": [s.describe() for s in self.sessions.values()],
+            "ranks": [vars_of(e) for e in self.messaging.routes.entries()],
+            "pending_ops": self.messaging.pending(),
+            "counters": {
+                **self.counters,
+                "bytes_received": self.inbound.bytes,
+                "refused_links": self.peering.refused,
+                "refused_clients": self.ipc.refused,
+            },
+        }
+
+
+def vars_of(entry: Any) -> dict[str, Any]:
+    return {name: getattr(entry, name) for name in entry.__slots__}
+
+
+def _frame_of(action: peers.SendHeartbeat | p2p.SendFrame) -> tuple[Kind, Meta]:
+    if isinstance(action, peers.SendHeartbeat):
+        return Kind.HEARTBEAT, {}
+    return action.kind, action.meta
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)

@@ -1,0 +1,104 @@
+"""What the daemon holds for each connected client, and how it checks a client's requests.
+
+A session owns the client's mapped segments and knows which operations are its own, so that
+when the client leaves — cleanly or killed — everything it held is released and no other
+client notices.  Every field of a request is checked here before anything acts on it: an
+unknown segment, an offset outside it, a dtype fabricd does not move or a byte count that is
+not a whole number of elements is refused with a message that says what was wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fabricd.dtypes import ITEMSIZE
+from fabricd.engines.p2p import Message
+from fabricd.errors import ProtocolError, UsageError
+from fabricd.wire import Meta, get_int, get_str
+
+if TYPE_CHECKING:
+    from fabricd.ipc import IpcConnection
+    from fabricd.shm import Segment
+
+
+@dataclass(slots=True, kw_only=True)
+class Transfer:
+    """A send or receive a client asked for: what, from/into which bytes, which request."""
+
+    op: int
+    request: int
+    message: Message
+    region: memoryview
+    is_send: bool
+
+
+@dataclass(slots=True, eq=False)
+class ClientSession:
+    """One client connection's state in the daemon."""
+
+    conn: IpcConnection
+    job: str | None = None
+    rank: int = -1
+    size: int = 0
+    segments: dict[int, Segment] = field(default_factory=dict)
+    ops: set[int] = field(default_factory=set)
+
+    def describe(self) -> dict[str, object]:
+        creds = self.conn.credentials
+        return {
+            "id": self.conn.id,
+            "pid": creds.pid,
+            "uid": creds.uid,
+            "job": self.job,
+            "rank": self.rank if self.job else None,
+            "segments": len(self.segments),
+            "ops": len(self.ops),
+        }
+
+    def segment(self, seg: int) -> Segment:
+        try:
+            return self.segments[seg]
+        except KeyError:
+            raise UsageError(f"segment {seg} is not attached to this client") from None
+
+
+def request_id(meta: Meta) -> int:
+    return get_int(meta, "id")
+
+
+def parse_transfer(session: ClientSession, meta: Meta, *, op: int, is_send: bool) -> Transfer:
+    """Check a ``send``/``recv`` request against the session and build its :class:`Transfer`.
+
+    Raises:
+        UsageError: the request names something wrong (message says what).
+        ProtocolError: a field is missing or of the wrong type.
+    """
+    if session.job is None:
+        raise UsageError("connect with a job (fabricd.connect(job=...)) before sending")
+    dtype = get_str(meta, "dtype")
+    if dtype not in ITEMSIZE:
+        raise UsageError(f"dtype {dtype!r} is not supported; use one of {', '.join(ITEMSIZE)}")
+    nbytes, offset = get_int(meta, "nbytes"), get_int(meta, "off")
+    if nbytes % ITEMSIZE[dtype]:
+        raise UsageError(f"{nbytes} B is not a whole number of {dtype} elements")
+    peer = get_int(meta, "peer", hi=2**31)
+    if peer >= session.size:
+        raise UsageError(f"rank {peer} is outside job {session.job!r} of size {session.size}")
+    tag = get_int(meta, "tag", hi=2**31)
+    region = session.segment(get_int(meta, "seg")).view(offset, nbytes)
+    src, dst = (session.rank, peer) if is_send else (peer, session.rank)
+    message = Message(job=session.job, src=src, dst=dst, tag=tag, nbytes=nbytes, dtype=dtype)
+    return Transfer(
+        op=op, request=request_id(meta), message=message, region=region, is_send=is_send
+    )
+
+
+def parse_hello(meta: Meta) -> tuple[str, int, int] | None:
+    """The (job, rank, size) a ``hello`` claims, or ``None`` for a control client."""
+    if meta.get("job") is None:
+        return None
+    job = get_str(meta, "job")
+    if len(job) > 200:
+        raise ProtocolError("job name longer than 200 characters")
+    return job, get_int(meta, "rank", hi=2**31), get_int(meta, "size", lo=1, hi=2**31)

@@ -1,0 +1,230 @@
+"""Peer authentication: HMAC challenge-response with nonces from both sides.
+
+Rules: this module decides whether a new connection speaks for a node of this fabric; it sends
+nothing itself and reads no clock.  The daemon feeds it the first frames of a link (under tight
+decoder limits, so an unauthenticated peer can make us hold at most a few KiB) and enforces the
+time limit.
+
+Theory of operation (three frames; K is the shared secret, T the transcript)::
+
+    initiator                                            acceptor
+      HELLO {v, node, inc, nonce=Ni, channel}  ─────►
+                                               ◄─────  HELLO {v, node, inc, nonce=Na,
+                                                              mac=HMAC(K, "acceptor" ‖ T)}
+      AUTH {mac=HMAC(K, "initiator" ‖ T)}     ─────►
+
+    T = msgpack([Ni, Na, initiator node, initiator inc, acceptor node, acceptor inc, channel])
+
+Each side proves it knows K over a nonce the *other* side chose, so a recorded exchange cannot
+be replayed, and the role labels keep one side's answer from being reflected as the other's.
+The incarnation (a number that grows with each daemon start) rides in the authenticated
+transcript, so the daemon can reject links of a dead incarnation of a restarted peer.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Final
+
+import msgpack
+
+from fabricd.errors import RemoteProtocolError
+from fabricd.wire import PROTOCOL_VERSION, Kind, Limits, Meta, get_bytes, get_int, get_str
+
+NONCE_SIZE: Final = 32
+#: decoder limits while a link is unauthenticated: a few KiB at most, handshake frames only
+HANDSHAKE_LIMITS: Final = Limits(
+    max_meta=512,
+    max_payload=0,
+    max_str=64,
+    max_array=8,
+    max_map=8,
+    kinds=frozenset({Kind.HELLO, Kind.AUTH}),
+)
+
+
+class AuthenticationFailed(RemoteProtocolError):
+    """The peer does not know the shared secret, or is not who it says it is."""
+
+
+class Channel(enum.StrEnum):
+    """The two links of a peer pair (ASAP §5)."""
+
+    CONTROL = "control"  #: heartbeats, announcements, rendezvous; latency-bound
+    DATA = "data"  #: payload chunks; throughput-bound
+
+
+class Role(enum.Enum):
+    INITIATOR = "initiator"  #: opened the connection
+    ACCEPTOR = "acceptor"  #: accepted it
+
+
+class _State(enum.Enum):
+    START = enum.auto()  #: nothing exchanged yet
+    WAIT_HELLO = enum.auto()  #: waiting for the other side's HELLO
+    WAIT_AUTH = enum.auto()  #: acceptor: waiting for the initiator's AUTH
+    DONE = enum.auto()  #: authenticated
+    FAILED = enum.auto()  #: refused; the link must be closed
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerIdentity:
+    """Who is on the other end of an authenticated link."""
+
+    node: int
+    incarnation: int
+    channel: Channel
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outgoing:
+    """A handshake frame to send."""
+
+    kind: Kind
+    meta: Meta
+
+
+class Handshake:
+    """One side of the handshake of one link.
+
+    Args:
+        role: whether we opened the connection.
+        secret: the shared secret K.
+        node, incarnation: who we are.
+        nonce: ``NONCE_SIZE`` fresh random bytes (injected, so tests are deterministic).
+        fabric_size: node ids must be below this.
+        channel: which channel we open (initiator only).
+        expected_node: the node we dialled (initiator only).
+    """
+
+    def __init__(
+        self,
+        *,
+        role: Role,
+        secret: bytes,
+        node: int,
+        incarnation: int,
+        nonce: bytes,
+        fabric_size: int,
+        channel: Channel | None = None,
+        expected_node: int | None = None,
+    ) -> None:
+        if len(nonce) != NONCE_SIZE:
+            raise ValueError(f"nonce must be {NONCE_SIZE} bytes")
+        if role is Role.INITIATOR and (channel is None or expected_node is None):
+            raise ValueError("an initiator must name its channel and the node it dialled")
+        self.role = role
+        self._secret = secret
+        self._node = node
+        self._incarnation = incarnation
+        self._nonce = nonce
+        self._fabric_size = fabric_size
+        self._channel = channel
+        self._expected = expected_node
+        self._state = _State.START
+        self._peer: PeerIdentity | None = None
+        self._transcript = b""
+
+    @property
+    def peer(self) -> PeerIdentity | None:
+        """The authenticated peer, once the handshake is done."""
+        return self._peer if self._state is _State.DONE else None
+
+    def start(self) -> list[Outgoing]:
+        """Begin: the initiator sends its HELLO; the acceptor waits."""
+        if self._state is not _State.START:
+            raise RuntimeError("handshake already started")
+        self._state = _State.WAIT_HELLO
+        if self.role is Role.ACCEPTOR:
+            return []
+        return [Outgoing(kind=Kind.HELLO, meta=self._hello())]
+
+    def on_frame(self, kind: Kind, meta: Meta) -> list[Outgoing]:
+        """Take one frame from the peer; return what to send.  Check :attr:`peer` after.
+
+        Raises:
+            AuthenticationFailed: wrong secret or identity; close the link and log it.
+            RemoteProtocolError: a malformed or unexpected frame; close the link.
+        """
+        try:
+            return self._on_frame(kind, meta)
+        except RemoteProtocolError:
+            self._state = _State.FAILED
+            raise
+
+    def _on_frame(self, kind: Kind, meta: Meta) -> list[Outgoing]:
+        if self._state is _State.WAIT_HELLO and kind is Kind.HELLO:
+            return self._on_hello(meta)
+        if self._state is _State.WAIT_AUTH and kind is Kind.AUTH:
+            self._verify(meta, Role.INITIATOR)
+            self._state = _State.DONE
+            return []
+        raise RemoteProtocolError(f"unexpected {kind.name} during handshake ({self._state.name})")
+
+    def _hello(self, **extra: object) -> Meta:
+        meta: Meta = {"v": PROTOCOL_VERSION, "node": self._node, "inc": self._incarnation}
+        meta["nonce"] = self._nonce
+        if self._channel is not None and self.role is Role.INITIATOR:
+            meta["channel"] = self._channel.value
+        meta.update(extra)
+        return meta
+
+    def _on_hello(self, meta: Meta) -> list[Outgoing]:
+        if get_int(meta, "v") != PROTOCOL_VERSION:
+            raise RemoteProtocolError(
+                f"peer speaks protocol {meta['v']}, this daemon {PROTOCOL_VERSION}; "
+                "run the same fabricd release on every node"
+            )
+        node = get_int(meta, "node", hi=self._fabric_size - 1)
+        incarnation = get_int(meta, "inc")
+        nonce = get_bytes(meta, "nonce")
+        if len(nonce) != NONCE_SIZE:
+            raise RemoteProtocolError("handshake nonce has the wrong size")
+        if node == self._node:
+            raise AuthenticationFailed(f"peer claims to be this node ({node})")
+        if self.role is Role.INITIATOR:
+            if node != self._expected:
+                raise AuthenticationFailed(
+                    f"dialled node {self._expected} but node {node} answered"
+                )
+            assert self._channel is not None
+            channel = self._channel
+            self._transcript = self._make_transcript(self._nonce, nonce, node, incarnation, channel)
+            self._peer = PeerIdentity(node=node, incarnation=incarnation, channel=channel)
+            self._verify(meta, Role.ACCEPTOR)
+            self._state = _State.DONE
+            return [Outgoing(kind=Kind.AUTH, meta={"mac": self._mac(Role.INITIATOR)})]
+        try:
+            channel = Channel(get_str(meta, "channel"))
+        except ValueError:
+            raise RemoteProtocolError("unknown channel in HELLO") from None
+        self._channel = channel
+        self._transcript = self._make_transcript(nonce, self._nonce, node, incarnation, channel)
+        self._peer = PeerIdentity(node=node, incarnation=incarnation, channel=channel)
+        self._state = _State.WAIT_AUTH
+        return [Outgoing(kind=Kind.HELLO, meta=self._hello(mac=self._mac(Role.ACCEPTOR)))]
+
+    def _make_transcript(
+        self, initiator_nonce: bytes, acceptor_nonce: bytes, peer: int, peer_inc: int, ch: Channel
+    ) -> bytes:
+        if self.role is Role.INITIATOR:
+            ids = [self._node, self._incarnation, peer, peer_inc]
+        else:
+            ids = [peer, peer_inc, self._node, self._incarnation]
+        packed: bytes = msgpack.packb([initiator_nonce, acceptor_nonce, *ids, ch.value])
+        return packed
+
+    def _mac(self, role: Role) -> bytes:
+        label = b"fabricd-v1-" + role.value.encode()
+        return hmac.new(self._secret, label + self._transcript, hashlib.sha256).digest()
+
+    def _verify(self, meta: Meta, role: Role) -> None:
+        mac = get_bytes(meta, "mac")
+        if not hmac.compare_digest(mac, self._mac(role)):
+            raise AuthenticationFailed(
+                "authentication failed: the peer does not hold the same secret "
+                "(check secret_file on both nodes)"
+            )

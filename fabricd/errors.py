@@ -1,0 +1,82 @@
+"""The one error hierarchy of fabricd.
+
+Every error a user, a peer or an operator can meet is a :class:`FabricError`.  The kinds below
+each come with a defined reaction (STYLE §18):
+
+===========================  ====================================================================
+kind                         what the caller does
+===========================  ====================================================================
+``ProtocolError``            a frame broke the wire rules: close the connection that sent it
+  ``RemoteProtocolError``    the other side did it; close *that* link only and log why
+  ``LocalProtocolError``     we did it: a bug in fabricd, report it
+``TransportError``           the link is in an unknown state: drop it and reconnect
+``UsageError``               the caller's input is wrong: fix the call (the message says how)
+``ConfigError``              the configuration is wrong: fix the file/flag named in the message
+``DaemonUnavailable``        no daemon answers on the socket: start one (the message says how)
+``PeerFailed``               a rank's node went down or the rank left: the operation cannot finish
+``OperationFailed``          the operation was refused or aborted by the daemon (code says why)
+===========================  ====================================================================
+
+``ProtocolError`` is also a ``ValueError`` so that decoders behave like the standard library's
+parsers (RELIABILITY Z1).
+"""
+
+from __future__ import annotations
+
+
+class FabricError(Exception):
+    """Root of every error fabricd raises on purpose."""
+
+
+class ProtocolError(FabricError, ValueError):
+    """A frame or message broke the wire rules (docs/protocol.md)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The other side sent something malformed; close that connection only."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We were about to send something the protocol forbids (a fabricd bug)."""
+
+
+class TransportError(FabricError):
+    """A link failed or was closed; its state is unknown, so it must be recreated."""
+
+
+class UsageError(FabricError):
+    """The caller passed something wrong: a bad shape, dtype, rank or array."""
+
+
+class ConfigError(FabricError):
+    """The configuration (file, environment or flag) is invalid."""
+
+
+class DaemonUnavailable(FabricError):
+    """No fabricd daemon answers on the client socket."""
+
+
+class OperationFailed(FabricError):
+    """The daemon could not carry out an operation.
+
+    Attributes:
+        code: a short machine-readable reason (docs/protocol.md lists them).
+    """
+
+    def __init__(self, message: str, *, code: str = "failed") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PeerFailed(OperationFailed):
+    """The node that hosts a rank went down, or the rank left, before the operation finished.
+
+    Attributes:
+        rank: the rank that was lost, if known.
+        node: the node id that was lost, if known.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, node: int | None = None) -> None:
+        super().__init__(message, code="peer_failed")
+        self.rank = rank
+        self.node = node

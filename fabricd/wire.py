@@ -1,0 +1,364 @@
+"""The fabricd frame: encoding and an incremental, bounded, sans-IO decoder.
+
+One frame format serves both the client socket and the network (docs/protocol.md)::
+
+    0       4   5   6       8          12                  20
+    +-------+---+---+-------+----------+-------------------+------------------+-----------+
+    | magic |ver|knd| flags | meta_len |    payload_len    | meta (msgpack)   | payload   |
+    | FBRC  |u8 |u8 | u16   |   u32    |        u64        | meta_len bytes   | raw bytes |
+    +-------+---+---+-------+----------+-------------------+------------------+-----------+
+    all integers big-endian; meta is one msgpack map with str keys; payload is never msgpack
+
+Invariants the decoder keeps:
+
+* every length is checked against :class:`Limits` *before* anything is allocated for it;
+* every malformed input raises :class:`~fabricd.errors.RemoteProtocolError` (a ``ValueError``)
+  and nothing else; after that the decoder is dead and the connection must be closed;
+* the payload can be written straight into a buffer the caller supplies after seeing the
+  frame's head (:meth:`Decoder.set_payload_buffer`), and the kernel can write into it directly
+  (:meth:`Decoder.payload_target`), so large payloads land in place with no user-space copy.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import msgpack
+
+from fabricd.errors import LocalProtocolError, RemoteProtocolError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+MAGIC: Final = b"FBRC"
+PROTOCOL_VERSION: Final = 1
+_HEADER: Final = struct.Struct(">4sBBHIQ")
+HEADER_SIZE: Final = _HEADER.size
+
+Meta = dict[str, Any]
+
+
+class Kind(enum.IntEnum):
+    """What a frame is.  Peer kinds are below 32, client-socket kinds from 32 (protocol.md)."""
+
+    HELLO = 1  #: peer handshake, first frame each way
+    AUTH = 2  #: peer handshake, initiator's proof of the secret
+    HEARTBEAT = 3  #: liveness on the control channel
+    BYE = 4  #: the sender is draining and will close
+    ANNOUNCE = 5  #: (job, rank) now lives / no longer lives on the sender's node
+    RTS = 6  #: request to send a message (point-to-point rendezvous)
+    CTS = 7  #: clear to send: the receive is posted, stream the data
+    DATA = 8  #: one chunk of a message payload (data channel)
+    DONE = 9  #: the receiver has the whole message (or failed to take it)
+    CANCEL = 10  #: the sender withdraws a message it announced
+    REQUEST = 32  #: client -> daemon call
+    REPLY = 33  #: daemon -> client answer to a REQUEST
+
+
+#: No flag bits are defined in protocol version 1; a frame with any set is rejected.
+KNOWN_FLAGS: Final = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """Upper bounds enforced before allocation (RELIABILITY Z4).
+
+    Attributes:
+        max_meta: bytes of msgpack metadata per frame.
+        max_payload: bytes of raw payload per frame.
+        max_str: bytes of any one msgpack string.
+        max_array: items of any one msgpack array.
+        max_map: entries of any one msgpack map.
+        kinds: the frame kinds accepted; anything else is a protocol error.
+    """
+
+    max_meta: int = 64 * 1024
+    max_payload: int = 64 * 1024 * 1024
+    max_str: int = 4096
+    max_array: int = 1024
+    max_map: int = 256
+    kinds: frozenset[Kind] = frozenset(Kind)
+
+    def __post_init__(self) -> None:
+        if min(self.max_meta, self.max_str, self.max_array, self.max_map) < 1:
+            raise ValueError("wire limits must be positive")
+        if self.max_payload < 0:
+            raise ValueError("max_payload must be >= 0")
+
+
+DEFAULT_LIMITS: Final = Limits()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrameHead:
+    """A frame's header and metadata, seen before its payload arrives."""
+
+    kind: Kind
+    flags: int
+    meta: Meta
+    payload_len: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Frame:
+    """A whole frame.  ``payload`` is the caller's buffer if one was supplied."""
+
+    kind: Kind
+    flags: int
+    meta: Meta
+    payload: memoryview
+
+
+class NeedData(enum.Enum):
+    """Sentinel: the decoder needs more bytes before it can return another event."""
+
+    NEED_DATA = enum.auto()
+
+
+NEED_DATA: Final = NeedData.NEED_DATA
+
+
+def encode_head(
+    kind: Kind,
+    meta: Mapping[str, object],
+    payload_len: int = 0,
+    *,
+    flags: int = 0,
+    limits: Limits = DEFAULT_LIMITS,
+) -> bytes:
+    """Return the header and metadata of a frame; the payload is sent after it, unchanged.
+
+    Raises:
+        LocalProtocolError: the metadata or payload would exceed ``limits`` (a caller bug:
+            split the payload into chunks of at most ``limits.max_payload``).
+    """
+    packed = msgpack.packb(dict(meta), use_bin_type=True)
+    if len(packed) > limits.max_meta:
+        raise LocalProtocolError(f"metadata of {len(packed)} B exceeds {limits.max_meta} B")
+    if not 0 <= payload_len <= limits.max_payload:
+        raise LocalProtocolError(f"payload of {payload_len} B exceeds {limits.max_payload} B")
+    if flags & ~KNOWN_FLAGS:
+        raise LocalProtocolError(f"undefined flag bits {flags:#x}")
+    header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, flags, len(packed), payload_len)
+    return header + packed
+
+
+def encode(kind: Kind, meta: Mapping[str, object], payload: bytes = b"") -> bytes:
+    """Return a whole frame as one bytes object (for small frames and tests)."""
+    return encode_head(kind, meta, len(payload)) + payload
+
+
+class _State(enum.Enum):
+    HEADER = enum.auto()  #: waiting for the fixed header
+    META = enum.auto()  #: header parsed, waiting for metadata
+    PAYLOAD = enum.auto()  #: head returned, filling the payload buffer
+    DEAD = enum.auto()  #: a protocol error happened; nothing more is accepted
+
+
+class Decoder:
+    """Turns a byte stream into :class:`FrameHead` and :class:`Frame` events.
+
+    Feed bytes with :meth:`feed` (or write them straight into :meth:`payload_target` and report
+    them with :meth:`payload_written`), then call :meth:`next_event` until it returns
+    :data:`NEED_DATA`.  Each frame yields a ``FrameHead`` and then a ``Frame``; between the two
+    the caller may supply the payload's destination with :meth:`set_payload_buffer`.
+
+    Raises (from every method): :class:`RemoteProtocolError` on malformed input.  The decoder
+    is then dead; close the connection.
+    """
+
+    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.limits = limits
+        self._buf = bytearray()
+        self._state = _State.HEADER
+        self._kind = Kind.HELLO
+        self._flags = 0
+        self._meta_len = 0
+        self._meta: Meta = {}
+        self._payload: memoryview | None = None
+        self._payload_len = 0
+        self._filled = 0
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held that belong to headers or metadata not yet decoded."""
+        return len(self._buf)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Add received bytes."""
+        self._check_alive()
+        view = memoryview(data).cast("B")
+        if self._state is _State.PAYLOAD and not self._buf:
+            view = view[self._fill_payload(view) :]
+        if len(view):
+            self._buf += view
+
+    def payload_target(self) -> memoryview | None:
+        """The unfilled rest of the current payload buffer, if bytes may go straight there.
+
+        Returns ``None`` unless the decoder is inside a payload with nothing buffered ahead of it.
+        After writing ``n`` bytes into the returned view, call :meth:`payload_written`.
+        """
+        if self._state is not _State.PAYLOAD or self._buf:
+            return None
+        payload = self._ensure_payload()
+        return payload[self._filled :]
+
+    def payload_written(self, n: int) -> None:
+        """Record that ``n`` bytes were written into the view from :meth:`payload_target`."""
+        if self._state is not _State.PAYLOAD or not 0 <= n <= self._payload_len - self._filled:
+            raise LocalProtocolError("payload_written() without a matching payload_target()")
+        self._filled += n
+
+    def set_payload_buffer(self, buffer: memoryview) -> None:
+        """Direct the current frame's payload into ``buffer`` (exactly ``payload_len`` bytes).
+
+        Only valid right after :meth:`next_event` returned a :class:`FrameHead`.
+        """
+        if self._state is not _State.PAYLOAD or self._payload is not None:
+            raise LocalProtocolError("set_payload_buffer() must follow a FrameHead event")
+        view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+        if view.readonly or len(view) != self._payload_len:
+            raise LocalProtocolError(
+                f"payload buffer must be writable and {self._payload_len} B, got {len(view)} B"
+            )
+        self._payload = view
+
+    def next_event(self) -> FrameHead | Frame | NeedData:
+        """Return the next event, or :data:`NEED_DATA`."""
+        self._check_alive()
+        try:
+            if self._state is _State.HEADER and not self._parse_header():
+                return NEED_DATA
+            if self._state is _State.META:
+                return self._parse_meta()
+            return self._finish_payload()
+        except RemoteProtocolError:
+            self._state = _State.DEAD
+            raise
+
+    def _check_alive(self) -> None:
+        if self._state is _State.DEAD:
+            raise RemoteProtocolError("decoder already failed; the connection must be closed")
+
+    def _parse_header(self) -> bool:
+        if len(self._buf) < HEADER_SIZE:
+            if self._buf[: len(MAGIC)] != MAGIC[: len(self._buf)]:
+                raise RemoteProtocolError("bad magic: not a fabricd frame")
+            return False
+        magic, version, kind, flags, meta_len, payload_len = _HEADER.unpack_from(self._buf)
+        if magic != MAGIC:
+            raise RemoteProtocolError("bad magic: not a fabricd frame")
+        if version != PROTOCOL_VERSION:
+            raise RemoteProtocolError(
+                f"protocol version {version} is not supported (this side speaks "
+                f"{PROTOCOL_VERSION}); run the same fabricd release on every node"
+            )
+        try:
+            self._kind = Kind(kind)
+        except ValueError:
+            raise RemoteProtocolError(f"unknown frame kind {kind}") from None
+        if self._kind not in self.limits.kinds:
+            raise RemoteProtocolError(f"frame kind {self._kind.name} is not allowed here")
+        if flags & ~KNOWN_FLAGS:
+            raise RemoteProtocolError(f"undefined flag bits {flags:#x}")
+        if meta_len > self.limits.max_meta:
+            raise RemoteProtocolError(f"metadata of {meta_len} B exceeds {self.limits.max_meta} B")
+        if payload_len > self.limits.max_payload:
+            raise RemoteProtocolError(
+                f"payload of {payload_len} B exceeds {self.limits.max_payload} B"
+            )
+        self._flags, self._meta_len, self._payload_len = flags, meta_len, payload_len
+        del self._buf[:HEADER_SIZE]
+        self._state = _State.META
+        return True
+
+    def _parse_meta(self) -> FrameHead | Frame | NeedData:
+        if len(self._buf) < self._meta_len:
+            return NEED_DATA
+        raw = bytes(self._buf[: self._meta_len])
+        del self._buf[: self._meta_len]
+        self._meta = _unpack_meta(raw, self.limits)
+        self._state = _State.PAYLOAD
+        self._payload, self._filled = None, 0
+        return FrameHead(
+            kind=self._kind, flags=self._flags, meta=self._meta, payload_len=self._payload_len
+        )
+
+    def _finish_payload(self) -> Frame | NeedData:
+        if self._buf:
+            taken = self._fill_payload(memoryview(self._buf))
+            del self._buf[:taken]
+        if self._filled < self._payload_len:
+            return NEED_DATA
+        frame = Frame(
+            kind=self._kind, flags=self._flags, meta=self._meta, payload=self._ensure_payload()
+        )
+        self._state, self._payload, self._meta = _State.HEADER, None, {}
+        return frame
+
+    def _ensure_payload(self) -> memoryview:
+        if self._payload is None:
+            self._payload = memoryview(bytearray(self._payload_len))
+        return self._payload
+
+    def _fill_payload(self, view: memoryview) -> int:
+        payload = self._ensure_payload()
+        n = min(len(view), self._payload_len - self._filled)
+        payload[self._filled : self._filled + n] = view[:n]
+        self._filled += n
+        return n
+
+
+def _unpack_meta(raw: bytes, limits: Limits) -> Meta:
+    try:
+        meta = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=limits.max_str,
+            max_bin_len=limits.max_meta,
+            max_array_len=limits.max_array,
+            max_map_len=limits.max_map,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types; all mean "malformed"
+        raise RemoteProtocolError(f"malformed metadata: {exc}") from exc
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise RemoteProtocolError("metadata must be a map with string keys")
+    return meta
+
+
+def get_int(meta: Meta, key: str, *, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    """Return ``meta[key]`` as an int in ``[lo, hi]``, or raise RemoteProtocolError."""
+    value = meta.get(key)
+    if type(value) is not int or not lo <= value <= hi:
+        raise RemoteProtocolError(f"field {key!r} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def get_str(meta: Meta, key: str) -> str:
+    """Return ``meta[key]`` as a non-empty str, or raise RemoteProtocolError."""
+    value = meta.get(key)
+    if not isinstance(value, str) or not value:
+        raise RemoteProtocolError(f"field {key!r} must be a non-empty string")
+    return value
+
+
+def get_bytes(meta: Meta, key: str) -> bytes:
+    """Return ``meta[key]`` as bytes, or raise RemoteProtocolError."""
+    value = meta.get(key)
+    if not isinstance(value, bytes):
+        raise RemoteProtocolError(f"field {key!r} must be binary")
+    return value
+
+
+def get_ints(meta: Meta, key: str) -> tuple[int, ...]:
+    """Return ``meta[key]`` as a tuple of non-negative ints, or raise RemoteProtocolError."""
+    value = meta.get(key)
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise RemoteProtocolError(f"field {key!r} must be a list of non-negative integers")
+    return tuple(value)

@@ -1,0 +1,183 @@
+"""The transport contract: byte movers between daemons that know frames, never engines.
+
+A :class:`Transport` listens and connects; each connection is a :class:`Link`, one reliable,
+ordered stream of frames (:mod:`fabricd.wire`) to one peer.  The daemon opens two links per
+peer pair, a control channel and a bulk data channel (ASAP §5), and tells them apart in its
+handshake; the transport does not care which is which.
+
+Receiving is push-based, through a :class:`FrameSink` the upper layer installs:
+
+1. ``payload_buffer(link, head)`` is called once a frame's header and metadata have arrived and
+   *before* any payload byte is read.  Returning a writable view of exactly ``head.payload_len``
+   bytes makes the payload land there in place (the TCP transport lets the kernel write into it
+   directly); returning ``None`` makes the link allocate a buffer of its own.
+2. ``frame_received(link, frame)`` is called with the whole frame.
+3. ``link_lost(link, exc)`` is called exactly once when the link closes for any reason.
+
+Failure semantics, the same on every transport:
+
+* A frame that breaks the wire rules, or a sink that raises a ``ProtocolError``, closes the link
+  with a logged reason; other links are untouched.
+* :meth:`Link.send` hands the whole frame to the transport or raises ``TransportError``; it
+  returns once the frame is queued and the queue is under the link's high-water mark
+  (backpressure).  Queued payload buffers are referenced, not copied, until written: the caller
+  must keep them unchanged until the peer has acknowledged the data at a higher level.  A
+  cancelled ``send`` may or may not have queued its frame.
+* One writer at a time per frame: a frame's header and payload are queued together, so frames of
+  concurrent senders never interleave.
+* After ``close``, sends raise ``TransportError``; frames already queued may still go out.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, Protocol
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from fabricd.wire import Frame, FrameHead, Kind, Limits
+
+Buffer = bytes | bytearray | memoryview
+
+#: bytes a peer may leave unread on a link before ``send_nowait`` gives up on it (F10)
+MAX_UNREAD: Final = 64 * 1024 * 1024
+
+
+class FrameSink(Protocol):
+    """What a link delivers received frames to (see the module docstring)."""
+
+    def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | None:
+        """Return where ``head``'s payload should land, or ``None`` for a fresh buffer."""
+
+    def frame_received(self, link: Link, frame: Frame) -> None:
+        """Take a whole frame."""
+
+    def link_lost(self, link: Link, exc: BaseException | None) -> None:
+        """The link closed; ``exc`` says why (``None``: closed on purpose)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkStatistics:
+    """Counters of one link, for status output and metrics."""
+
+    frames_sent: int
+    frames_received: int
+    bytes_sent: int
+    bytes_received: int
+
+
+class Link(abc.ABC):
+    """One ordered, reliable stream of frames to one peer."""
+
+    def __init__(self, peer_address: str) -> None:
+        self.peer_address = peer_address
+        self.close_reason: str | None = None
+
+    @abc.abstractmethod
+    def set_sink(self, sink: FrameSink) -> None:
+        """Deliver received frames to ``sink`` from now on."""
+
+    @abc.abstractmethod
+    def set_limits(self, limits: Limits) -> None:
+        """Apply new decoder limits to frames not yet started (e.g. once authenticated)."""
+
+    @abc.abstractmethod
+    async def send(
+        self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
+    ) -> None:
+        """Queue one frame whose payload is the concatenation of ``payload``.
+
+        Raises:
+            TransportError: the link is closed; reconnect.
+        """
+
+    @abc.abstractmethod
+    def send_nowait(
+        self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
+    ) -> None:
+        """Queue one small frame without waiting for backpressure (control frames).
+
+        A peer that stops reading cannot make this grow without bound: past
+        ``MAX_UNREAD`` queued bytes the link is closed with a logged reason.
+
+        Raises:
+            TransportError: the link is closed; reconnect.
+        """
+
+    @abc.abstractmethod
+    def close(self, reason: str) -> None:
+        """Close the link; ``reason`` is logged and kept in :attr:`close_reason`."""
+
+    @abc.abstractmethod
+    async def wait_closed(self) -> None:
+        """Return once the link is fully closed and ``link_lost`` was delivered."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called or the connection was lost."""
+
+    @property
+    @abc.abstractmethod
+    def local_address(self) -> str:
+        """This side's address of the link, as ``host:port`` or a name."""
+
+    @abc.abstractmethod
+    def statistics(self) -> LinkStatistics:
+        """Counters since the link opened."""
+
+
+class Listener(abc.ABC):
+    """An open listening endpoint."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """The bound address, as ``host:port`` (the real port when 0 was asked for)."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Stop accepting; links already accepted stay open."""
+
+
+class Transport(abc.ABC):
+    """Opens links.  ``limits`` are the decoder limits a new link starts with."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def listen(
+        self, address: str, on_link: Callable[[Link], None], limits: Limits
+    ) -> Listener:
+        """Accept links at ``address``; ``on_link`` must install a sink before returning.
+
+        Raises:
+            TransportError: the address cannot be bound.
+        """
+
+    @abc.abstractmethod
+    async def connect(self, address: str, limits: Limits) -> Link:
+        """Open a link to ``address``.  Install a sink on it before awaiting anything else.
+
+        Raises:
+            TransportError: nobody accepts there (the caller retries with backoff).
+        """
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 as ``[::1]:port``) into its parts.
+
+    Raises:
+        ValueError: not of that form.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"address {address!r} is not host:port")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def join_address(host: str, port: int) -> str:
+    """The inverse of :func:`split_address`."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,211 @@
+"""In-process transport for tests and the simulator: two links joined in memory.
+
+Frames are encoded and decoded exactly as on the wire (the same :class:`Receiver` path as TCP,
+including the payload-buffer callback), so a test on ``inproc`` exercises the framing and limits
+too.  Optional ``latency`` (seconds) and ``bandwidth`` (bytes/s) delay delivery per link, in
+order, on the event loop's clock.  Backpressure: a sender waits while more than ``window``
+bytes are in flight on its link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+from typing import TYPE_CHECKING
+
+from fabricd.errors import TransportError
+from fabricd.transports.base import (
+    MAX_UNREAD,
+    Buffer,
+    FrameSink,
+    Link,
+    LinkStatistics,
+    Listener,
+    Transport,
+)
+from fabricd.transports.framing import Receiver
+from fabricd.wire import Kind, Limits, encode_head
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+
+class InprocLink(Link):
+    """One end of an in-memory link."""
+
+    def __init__(self, local: str, peer_address: str, limits: Limits, net: InprocTransport) -> None:
+        super().__init__(peer_address)
+        self._local = local
+        self._net = net
+        self._receiver = Receiver(self, limits)
+        self.peer: InprocLink | None = None
+        self._queue: collections.deque[tuple[float, bytes]] = collections.deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._in_flight = 0
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._closed = asyncio.get_running_loop().create_future()
+        self._is_closed = False
+        self._last_due = 0.0
+        self._frames_sent = 0
+        self._bytes_sent = 0
+
+    def set_sink(self, sink: FrameSink) -> None:
+        self._receiver.sink = sink
+
+    def set_limits(self, limits: Limits) -> None:
+        self._receiver.decoder.limits = limits
+
+    async def send(
+        self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
+    ) -> None:
+        self.send_nowait(kind, meta, payload)
+        if self._in_flight > self._net.window:
+            self._writable.clear()
+            await self._writable.wait()
+            if self._is_closed:
+                raise TransportError(f"link to {self.peer_address} closed while sending")
+
+    def send_nowait(
+        self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
+    ) -> None:
+        if self._is_closed:
+            raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
+        size = sum(memoryview(p).nbytes for p in payload)
+        data = b"".join([encode_head(kind, meta, size), *payload])
+        loop = asyncio.get_running_loop()
+        delay = self._net.latency + (len(data) / self._net.bandwidth if self._net.bandwidth else 0)
+        due = max(self._last_due, loop.time() + delay)
+        self._last_due = due
+        self._queue.append((due, data))
+        self._in_flight += len(data)
+        self._frames_sent += 1
+        self._bytes_sent += len(data)
+        self._arm(loop)
+        if self._in_flight > MAX_UNREAD:
+            self.close(f"peer is not reading (over {MAX_UNREAD} B unsent)")
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._timer is None and self._queue:
+            self._timer = loop.call_at(self._queue[0][0], self._deliver)
+
+    def _deliver(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        while self._queue and self._queue[0][0] <= loop.time() and not self._is_closed:
+            _, data = self._queue.popleft()
+            self._in_flight -= len(data)
+            if self.peer is not None and not self.peer.closed:
+                self.peer._receive(data)
+        if self._in_flight <= self._net.window // 2:
+            self._writable.set()
+        self._arm(loop)
+
+    def _receive(self, data: bytes) -> None:
+        self._receiver.bytes += len(data)
+        try:
+            self._receiver.decoder.feed(data)
+        except Exception as exc:
+            self.close(f"protocol error: {exc}")
+            return
+        reason = self._receiver.process()
+        if reason is not None:
+            self.close(reason)
+
+    def close(self, reason: str) -> None:
+        if self._is_closed:
+            return
+        self.close_reason = reason
+        self._is_closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        self._writable.set()
+        self._receiver.sink.link_lost(self, None)
+        self._closed.set_result(None)
+        if self.peer is not None:
+            self.peer._lost_peer()
+
+    def _lost_peer(self) -> None:
+        if not self._is_closed:
+            self.close_reason = "closed by peer"
+            self._is_closed = True
+            self._writable.set()
+            self._receiver.sink.link_lost(self, ConnectionResetError("peer closed the link"))
+            self._closed.set_result(None)
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._closed)
+
+    @property
+    def closed(self) -> bool:
+        return self._is_closed
+
+    @property
+    def local_address(self) -> str:
+        return self._local
+
+    def statistics(self) -> LinkStatistics:
+        return LinkStatistics(
+            frames_sent=self._frames_sent,
+            frames_received=self._receiver.frames,
+            bytes_sent=self._bytes_sent,
+            bytes_received=self._receiver.bytes,
+        )
+
+
+class InprocListener(Listener):
+    """A name in an :class:`InprocTransport`'s registry."""
+
+    def __init__(self, net: InprocTransport, address: str) -> None:
+        self._net = net
+        self._address = address
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    async def aclose(self) -> None:
+        self._net.listeners.pop(self._address, None)
+
+
+class InprocTransport(Transport):
+    """A private in-memory network; addresses are arbitrary names.
+
+    Args:
+        latency: one-way delay of every frame, in seconds.
+        bandwidth: bytes per second per link direction (0: unlimited).
+        window: bytes in flight per link direction before ``send`` waits.
+    """
+
+    name = "inproc"
+
+    def __init__(
+        self, *, latency: float = 0.0, bandwidth: float = 0.0, window: int = 8 << 20
+    ) -> None:
+        self.latency = latency
+        self.bandwidth = bandwidth
+        self.window = window
+        self.listeners: dict[str, tuple[Callable[[Link], None], Limits]] = {}
+        self._ports = itertools.count(1)
+
+    async def listen(
+        self, address: str, on_link: Callable[[Link], None], limits: Limits
+    ) -> InprocListener:
+        if address in self.listeners:
+            raise TransportError(f"cannot listen on {address}: address in use")
+        self.listeners[address] = (on_link, limits)
+        return InprocListener(self, address)
+
+    async def connect(self, address: str, limits: Limits) -> InprocLink:
+        try:
+            on_link, server_limits = self.listeners[address]
+        except KeyError:
+            raise TransportError(f"cannot connect to {address}: nobody listens") from None
+        local = f"inproc-client-{next(self._ports)}"
+        client = InprocLink(local, address, limits, self)
+        server = InprocLink(address, local, server_limits, self)
+        client.peer, server.peer = server, client
+        on_link(server)
+        await asyncio.sleep(0)  # like a real connect, let the accepting side run first
+        return client
