@@ -15,6 +15,7 @@ kind                         what the caller does
 ``DaemonUnavailable``        no daemon answers on the socket: start one (the message says how)
 ``PeerFailed``               a rank's node went down or the rank left: the operation cannot finish
 ``OperationFailed``          the operation was refused or aborted by the daemon (code says why)
+``Timeout``                  a wait ran out; the operation is still under way: wait again
 ===========================  ====================================================================
 
 ``ProtocolError`` is also a ``ValueError`` so that decoders behave like the standard library's
@@ -80,3 +81,7 @@ class PeerFailed(OperationFailed):
         super().__init__(message, code="peer_failed")
         self.rank = rank
         self.node = node
+
+
+class Timeout(FabricError, TimeoutError):
+    """A wait ran out of time.  The operation itself goes on; its handle can be waited again."""

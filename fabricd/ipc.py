@@ -297,11 +297,11 @@ class IpcServer:
             return
         cid = next(self._ids)
         self.connections[cid] = IpcConnection(cid, conn, creds, self)
-        log.info("client %d connected: pid=%d uid=%d gid=%d", cid, creds.pid, creds.uid, creds.gid)
+        log.debug("client %d connected: pid=%d uid=%d gid=%d", cid, creds.pid, creds.uid, creds.gid)
 
     def forget(self, conn: IpcConnection) -> None:
         if self.connections.pop(conn.id, None) is not None:
-            log.info(
+            log.debug(
                 "client %d (pid %d) left: %s", conn.id, conn.credentials.pid, conn.close_reason
             )
             self.handler.client_gone(conn)

@@ -55,7 +55,7 @@ class Receiver:
                 if isinstance(event, Frame):
                     self.frames += 1
                     self.sink.frame_received(self.link, event)
-                else:
+                elif event.payload_len:
                     buffer = self.sink.payload_buffer(self.link, event)
                     if buffer is not None:
                         self.decoder.set_payload_buffer(buffer)

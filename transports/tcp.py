@@ -38,6 +38,7 @@ from fabricd.wire import Kind, Limits, encode_head
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+from typing import cast
 
 _SCRATCH = 64 * 1024
 #: payload tails shorter than this are read through the scratch buffer, saving a syscall
@@ -66,15 +67,14 @@ class TcpLink(Link, asyncio.BufferedProtocol):
 
     # -- asyncio protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast("asyncio.Transport", transport)  # uvloop's is not a subclass
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._local = join_address(*sock.getsockname()[:2])
             if not self.peer_address:  # accepted: name the link after the remote end
                 self.peer_address = join_address(*sock.getpeername()[:2])
-        transport.set_write_buffer_limits(high=_HIGH_WATER, low=_LOW_WATER)
+        self._transport.set_write_buffer_limits(high=_HIGH_WATER, low=_LOW_WATER)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         target = self._receiver.decoder.payload_target()

@@ -432,6 +432,8 @@ class Daemon:
             return
         ops = list(session.ops)
         if session.job is not None:
+            log.info("rank %d of job %r left (client %d: %s); %d operations dropped", session.rank,
+                     session.job, conn.id, conn.close_reason, len(ops))  # fmt: skip
             actions = self.messaging.detach(session.job, session.rank, ops, self.loop.time())
         else:
             actions = self.messaging.abandon(ops)
@@ -455,6 +457,9 @@ class Daemon:
             job, rank, size = claim
             self._perform(self.messaging.attach(job, rank, size, self.loop.time()))
             session.job, session.rank, session.size = job, rank, size
+            creds = session.conn.credentials
+            log.info("client %d (pid %d, uid %d) joined job %r as rank %d of %d", session.conn.id,
+                     creds.pid, creds.uid, job, rank, size)  # fmt: skip
         return {
             "node": self.config.node_id,
             "nodes": len(self.config.nodes),

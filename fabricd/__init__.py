@@ -1,0 +1,48 @@
+"""fabricd: a per-node daemon that owns the network traffic of distributed ML training.
+
+Training scripts use the client library::
+
+    import fabricd
+    fab = fabricd.connect(job="demo")            # rank/size from RANK/WORLD_SIZE if not given
+    g = fab.array("grad", (1024,), "float32")
+    fab.send(g, to=1); fab.recv(g, src=1)
+    fab.close()
+
+Every error fabricd raises on purpose is a :class:`FabricError`.
+"""
+
+from __future__ import annotations
+
+from fabricd.client import Client, Completion, Handle, connect
+from fabricd.errors import (
+    ConfigError,
+    DaemonUnavailable,
+    FabricError,
+    OperationFailed,
+    PeerFailed,
+    ProtocolError,
+    RemoteProtocolError,
+    Timeout,
+    TransportError,
+    UsageError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client",
+    "Completion",
+    "ConfigError",
+    "DaemonUnavailable",
+    "FabricError",
+    "Handle",
+    "OperationFailed",
+    "PeerFailed",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "Timeout",
+    "TransportError",
+    "UsageError",
+    "__version__",
+    "connect",
+]

@@ -1,0 +1,233 @@
+"""A fabric of daemons on loopback, for development, tests, the demo and benchmarks.
+
+:class:`LocalCluster` writes a config and a 0600 secret into a private temporary directory,
+starts one ``fabricd`` process per node with its own ``NOTIFY_SOCKET`` (so it knows each one is
+listening exactly when systemd would), and on :meth:`LocalCluster.stop` sends SIGTERM, waits
+for the drain, and removes the directory: nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fabricd.errors import FabricError
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+#: liveness settings for development: failures show within a second, as RELIABILITY.md's tests use
+FAST_LIVENESS: dict[str, Any] = {
+    "heartbeat_interval": 0.1,
+    "suspect_after": 0.3,
+    "down_after": 1.0,
+}
+
+
+class ClusterError(FabricError):
+    """A local cluster could not start (the message carries the failing node's log)."""
+
+
+@dataclass(slots=True)
+class NodeProcess:
+    """One daemon of a local cluster."""
+
+    node: int
+    address: str
+    socket_path: str
+    log_path: Path
+    notify: socket.socket
+    process: subprocess.Popen[bytes] | None = None
+    ready: bool = False
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@dataclass(slots=True)
+class LocalCluster:
+    """N daemons on 127.0.0.1; a context manager that starts and stops them.
+
+    Args:
+        size: number of nodes.
+        settings: extra config keys for every node (e.g. liveness timeouts).
+        log_dir: where daemon logs go; default: inside the temporary directory (removed).
+    """
+
+    size: int
+    settings: dict[str, Any] = field(default_factory=dict)
+    log_dir: Path | None = None
+    nodes: list[NodeProcess] = field(default_factory=list)
+    directory: Path | None = None
+    config_path: Path | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start every daemon and wait until each has said READY=1.
+
+        Raises:
+            ClusterError: a daemon exited or stayed silent; its log tail is in the message.
+        """
+        if self.size < 1:
+            raise ClusterError("a cluster needs at least one node")
+        self.directory = Path(tempfile.mkdtemp(prefix="fabricd-cluster-"))
+        try:
+            self._write_files()
+            for node in self.nodes:
+                self._spawn(node)
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _write_files(self) -> None:
+        assert self.directory is not None
+        secret = self.directory / "secret"
+        secret.write_text(secrets.token_hex(32))
+        secret.chmod(0o600)
+        addresses = [f"127.0.0.1:{_free_port()}" for _ in range(self.size)]
+        lines = [f"nodes = {_toml_value(addresses)}", f"secret_file = {_toml_value(str(secret))}"]
+        for key, value in self.settings.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        self.config_path = self.directory / "fabricd.toml"
+        self.config_path.write_text("\n".join(lines) + "\n")
+        log_dir = self.log_dir or self.directory
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for i, address in enumerate(addresses):
+            notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            notify.bind(str(self.directory / f"notify{i}"))
+            notify.setblocking(False)
+            self.nodes.append(NodeProcess(
+                node=i, address=address, socket_path=str(self.directory / f"node{i}.sock"),
+                log_path=log_dir / f"node{i}.log", notify=notify,
+            ))  # fmt: skip
+
+    def _spawn(self, node: NodeProcess) -> None:
+        assert self.directory is not None
+        assert self.config_path is not None
+        env = {**os.environ, "NOTIFY_SOCKET": str(self.directory / f"notify{node.node}"),
+               "FABRICD_NODE_ID": str(node.node), "FABRICD_SOCKET": node.socket_path}  # fmt: skip
+        command = [sys.executable, "-m", "fabricd.cli.daemon", "--config", str(self.config_path)]
+        with open(node.log_path, "ab") as log:
+            node.process = subprocess.Popen(
+                command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                start_new_session=True,  # Ctrl-C reaches the launcher, which stops them in order
+            )  # fmt: skip
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(node.ready for node in self.nodes):
+            for node in self.nodes:
+                self._read_notify(node)
+                assert node.process is not None
+                if not node.ready and node.process.poll() is not None:
+                    raise ClusterError(
+                        f"node {node.node} exited with status {node.process.returncode}:\n"
+                        + node.log_tail()
+                    )
+            if time.monotonic() > deadline:
+                late = [n for n in self.nodes if not n.ready]
+                raise ClusterError(
+                    f"node {late[0].node} not ready after {timeout}s:\n" + late[0].log_tail()
+                )
+            time.sleep(0.01)
+
+    def _read_notify(self, node: NodeProcess) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                message = node.notify.recv(4096).decode(errors="replace")
+                if "READY=1" in message.splitlines():
+                    node.ready = True
+
+    def wait_connected(self, timeout: float = 30.0) -> None:
+        """Wait until every daemon sees every other one up.
+
+        Raises:
+            ClusterError: the mesh did not form in time.
+        """
+        from fabricd.client import connect
+
+        deadline = time.monotonic() + timeout
+        for node in self.nodes:
+            while True:
+                with connect(socket_path=node.socket_path) as client:
+                    states = [p["state"] for p in client.status()["peers"]]
+                if all(s == "up" for s in states):
+                    break
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"node {node.node} sees peers {states} after {timeout}s")
+                time.sleep(0.05)
+
+    def kill(self, node: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one daemon (for failure tests)."""
+        process = self.nodes[node].process
+        if process is not None and process.poll() is None:
+            process.send_signal(sig)
+
+    def stop(self, timeout: float = 15.0) -> dict[int, int | None]:
+        """SIGTERM every daemon, wait for them, remove the directory; return exit statuses."""
+        for node in self.nodes:
+            if node.process is not None and node.process.poll() is None:
+                node.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        statuses: dict[int, int | None] = {}
+        for node in self.nodes:
+            if node.process is None:
+                continue
+            try:
+                statuses[node.node] = node.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                node.process.kill()
+                statuses[node.node] = node.process.wait()
+            node.notify.close()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+        return statuses
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

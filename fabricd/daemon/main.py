@@ -1,0 +1,55 @@
+"""Running the daemon as a process: event loop choice, signals, exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import TYPE_CHECKING
+
+from fabricd.daemon import logs
+from fabricd.daemon.node import Daemon
+from fabricd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from fabricd.daemon.config import Loaded
+
+log = logging.getLogger("fabricd.daemon")
+
+#: exit status for a configuration the daemon refuses (sysexits EX_CONFIG)
+EXIT_CONFIG = 78
+
+
+def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if name == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        raise ConfigError("event_loop = 'uvloop' but uvloop is not installed") from None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+async def serve(loaded: Loaded) -> None:
+    """Run one daemon until SIGTERM or SIGINT, then drain and return."""
+    daemon = Daemon(loaded)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.stop)
+    await daemon.run()
+
+
+def run(loaded: Loaded) -> int:
+    """The process body of ``fabricd``: returns the exit status."""
+    cfg = loaded.config
+    logs.setup(cfg.log_level, cfg.log_format, cfg.node_id)
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory(cfg.event_loop)) as runner:
+            runner.run(serve(loaded))
+    except ConfigError as exc:
+        log.error("cannot start: %s", exc)
+        return EXIT_CONFIG
+    return 0
