@@ -25,14 +25,20 @@ def config_flags(func: Any) -> Any:
         param_type = _TYPES.get(kind, click.STRING)
         hint = "comma-separated" if kind.startswith("tuple") else kind
         option = click.option(
-            f"--{f.name.replace('_', '-')}", f.name, type=param_type, default=None,
+            f"--{f.name.replace('_', '-')}",
+            f.name,
+            type=param_type,
+            default=None,
             help=f"config key {f.name} ({hint})",
-        )  # fmt: skip
+        )
         func = option(func)
     return click.option(
-        "--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-        envvar="FABRICD_CONFIG", help="TOML config file (also $FABRICD_CONFIG)",
-    )(func)  # fmt: skip
+        "--config",
+        "config_path",
+        type=click.Path(exists=True, dir_okay=False),
+        envvar="FABRICD_CONFIG",
+        help="TOML config file (also $FABRICD_CONFIG)",
+    )(func)
 
 
 def load_from_cli(config_path: str | None, flags: dict[str, Any]) -> config_module.Loaded:

@@ -107,8 +107,11 @@ def _raise_for(reply: Meta, what: str) -> Meta:
     code, text = str(reply.get("code", "failed")), f"{what}: {reply.get('error', 'failed')}"
     if code in ("peer_failed", "receiver_left"):
         rank, node = reply.get("rank"), reply.get("node")
-        raise PeerFailed(text, rank=rank if isinstance(rank, int) else None,
-                         node=node if isinstance(node, int) else None)  # fmt: skip
+        raise PeerFailed(
+            text,
+            rank=rank if isinstance(rank, int) else None,
+            node=node if isinstance(node, int) else None,
+        )
     if code in ("usage", "mismatch"):
         raise UsageError(text)
     if code == "daemon_gone":
@@ -208,13 +211,15 @@ class Client:
         return array
 
     # -- point to point ---------------------------------------------------------------------
-    def send(self, array: np.ndarray[Any, Any], to: int, tag: int = 0, *,
-             timeout: float | None = None) -> Completion:  # fmt: skip
+    def send(
+        self, array: np.ndarray[Any, Any], to: int, tag: int = 0, *, timeout: float | None = None
+    ) -> Completion:
         """Send ``array`` to rank ``to``; returns once the receiver has all of it."""
         return self.send_async(array, to, tag).wait(timeout)
 
-    def recv(self, array: np.ndarray[Any, Any], src: int, tag: int = 0, *,
-             timeout: float | None = None) -> Completion:  # fmt: skip
+    def recv(
+        self, array: np.ndarray[Any, Any], src: int, tag: int = 0, *, timeout: float | None = None
+    ) -> Completion:
         """Receive from rank ``src`` into ``array`` (same byte size and dtype as sent)."""
         return self.recv_async(array, src, tag).wait(timeout)
 
@@ -234,8 +239,14 @@ class Client:
         if op == "recv" and not array.flags.writeable:
             raise UsageError("cannot receive into a read-only array")
         seg, offset = self._locate(array)
-        fields = {"seg": seg, "off": offset, "nbytes": array.nbytes, "dtype": array.dtype.name,
-                  "peer": peer, "tag": tag}  # fmt: skip
+        fields = {
+            "seg": seg,
+            "off": offset,
+            "nbytes": array.nbytes,
+            "dtype": array.dtype.name,
+            "peer": peer,
+            "tag": tag,
+        }
         what = f"{op} {'to' if op == 'send' else 'from'} rank {peer} (tag {tag})"
 
         def completion(reply: Meta) -> Completion:
@@ -293,8 +304,9 @@ class Client:
         self.close()
 
     # -- the socket -------------------------------------------------------------------------
-    def _call(self, op: str, *, timeout: float | None = 10.0, fds: Sequence[int] = (),
-              **fields: Any) -> Meta:  # fmt: skip
+    def _call(
+        self, op: str, *, timeout: float | None = 10.0, fds: Sequence[int] = (), **fields: Any
+    ) -> Meta:
         handle = Handle(self, op, _reply_fields)
         self._submit(op, handle, fds=fds, **fields)
         return handle.wait(timeout)

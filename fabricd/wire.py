@@ -313,6 +313,10 @@ class Decoder:
         return n
 
 
+def _reject_ext(code: int, data: bytes) -> object:
+    raise ValueError(f"msgpack ext type {code} is not allowed (no ext types are defined)")
+
+
 def _unpack_meta(raw: bytes, limits: Limits) -> Meta:
     try:
         meta = msgpack.unpackb(
@@ -324,9 +328,11 @@ def _unpack_meta(raw: bytes, limits: Limits) -> Meta:
             max_array_len=limits.max_array,
             max_map_len=limits.max_map,
             max_ext_len=0,
+            ext_hook=_reject_ext,  # max_ext_len=0 still lets a zero-length ext 8 through
         )
     except Exception as exc:  # msgpack raises several unrelated types; all mean "malformed"
-        raise RemoteProtocolError(f"malformed metadata: {exc}") from exc
+        reason = str(exc) or type(exc).__name__  # StackError (nesting too deep) has no text
+        raise RemoteProtocolError(f"malformed metadata: {reason}") from exc
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
         raise RemoteProtocolError("metadata must be a map with string keys")
     return meta

@@ -115,22 +115,35 @@ class LocalCluster:
             notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             notify.bind(str(self.directory / f"notify{i}"))
             notify.setblocking(False)
-            self.nodes.append(NodeProcess(
-                node=i, address=address, socket_path=str(self.directory / f"node{i}.sock"),
-                log_path=log_dir / f"node{i}.log", notify=notify,
-            ))  # fmt: skip
+            self.nodes.append(
+                NodeProcess(
+                    node=i,
+                    address=address,
+                    socket_path=str(self.directory / f"node{i}.sock"),
+                    log_path=log_dir / f"node{i}.log",
+                    notify=notify,
+                )
+            )
 
     def _spawn(self, node: NodeProcess) -> None:
         assert self.directory is not None
         assert self.config_path is not None
-        env = {**os.environ, "NOTIFY_SOCKET": str(self.directory / f"notify{node.node}"),
-               "FABRICD_NODE_ID": str(node.node), "FABRICD_SOCKET": node.socket_path}  # fmt: skip
+        env = {
+            **os.environ,
+            "NOTIFY_SOCKET": str(self.directory / f"notify{node.node}"),
+            "FABRICD_NODE_ID": str(node.node),
+            "FABRICD_SOCKET": node.socket_path,
+        }
         command = [sys.executable, "-m", "fabricd.cli.daemon", "--config", str(self.config_path)]
         with open(node.log_path, "ab") as log:
             node.process = subprocess.Popen(
-                command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
                 start_new_session=True,  # Ctrl-C reaches the launcher, which stops them in order
-            )  # fmt: skip
+            )
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

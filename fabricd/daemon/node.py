@@ -432,8 +432,14 @@ class Daemon:
             return
         ops = list(session.ops)
         if session.job is not None:
-            log.info("rank %d of job %r left (client %d: %s); %d operations dropped", session.rank,
-                     session.job, conn.id, conn.close_reason, len(ops))  # fmt: skip
+            log.info(
+                "rank %d of job %r left (client %d: %s); %d operations dropped",
+                session.rank,
+                session.job,
+                conn.id,
+                conn.close_reason,
+                len(ops),
+            )
             actions = self.messaging.detach(session.job, session.rank, ops, self.loop.time())
         else:
             actions = self.messaging.abandon(ops)
@@ -458,8 +464,15 @@ class Daemon:
             self._perform(self.messaging.attach(job, rank, size, self.loop.time()))
             session.job, session.rank, session.size = job, rank, size
             creds = session.conn.credentials
-            log.info("client %d (pid %d, uid %d) joined job %r as rank %d of %d", session.conn.id,
-                     creds.pid, creds.uid, job, rank, size)  # fmt: skip
+            log.info(
+                "client %d (pid %d, uid %d) joined job %r as rank %d of %d",
+                session.conn.id,
+                creds.pid,
+                creds.uid,
+                job,
+                rank,
+                size,
+            )
         return {
             "node": self.config.node_id,
             "nodes": len(self.config.nodes),
