@@ -53,6 +53,9 @@ MAX_PENDING_FDS: Final = 16
 MAX_OUTBOUND: Final = 8 * 1024 * 1024
 _RECV_SIZE: Final = 64 * 1024
 _FD_SPACE: Final = socket.CMSG_SPACE(MAX_FDS_PER_REQUEST * struct.calcsize("i"))
+#: SO_PEERGROUPS from <asm-generic/socket.h>; the socket module does not name it
+_SO_PEERGROUPS: Final = getattr(socket, "SO_PEERGROUPS", 59)
+_MAX_GROUPS: Final = 1024
 
 
 def default_socket_path() -> str:
@@ -72,13 +75,31 @@ class Credentials:
     pid: int
     uid: int
     gid: int
+    groups: frozenset[int] = frozenset()  #: supplementary groups, where the kernel tells
+
+    def allowed(self, uids: set[int], gids: set[int]) -> bool:
+        """Whether the uid, the primary gid or a supplementary group is on the lists."""
+        return self.uid in uids or self.gid in gids or not gids.isdisjoint(self.groups)
 
 
 def peer_credentials(sock: socket.socket) -> Credentials:
-    """Read SO_PEERCRED of a connected Unix socket."""
+    """Read SO_PEERCRED (and SO_PEERGROUPS) of a connected Unix socket."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
-    return Credentials(pid=pid, uid=uid, gid=gid)
+    return Credentials(pid=pid, uid=uid, gid=gid, groups=_peer_groups(sock))
+
+
+def _peer_groups(sock: socket.socket) -> frozenset[int]:
+    """The peer's supplementary groups (Linux >= 4.13); empty where the kernel can't say.
+
+    SO_PEERCRED carries only the primary gid, but operators grant socket access by adding
+    training users to a group, which is usually a supplementary one.
+    """
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * _MAX_GROUPS)
+    except OSError:
+        return frozenset()
+    return frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
 
 
 class RequestHandler(Protocol):
@@ -286,7 +307,7 @@ class IpcServer:
             return
         conn.setblocking(False)
         creds = peer_credentials(conn)
-        allowed = creds.uid in self.allowed_uids or creds.gid in self.allowed_gids
+        allowed = creds.allowed(self.allowed_uids, self.allowed_gids)
         if not allowed or len(self.connections) >= self.max_clients:
             why = "not in allowed_uids/allowed_gids" if not allowed else "max_clients reached"
             log.warning(
@@ -300,11 +321,12 @@ class IpcServer:
         log.debug("client %d connected: pid=%d uid=%d gid=%d", cid, creds.pid, creds.uid, creds.gid)
 
     def forget(self, conn: IpcConnection) -> None:
-        if self.connections.pop(conn.id, None) is not None:
-            log.debug(
-                "client %d (pid %d) left: %s", conn.id, conn.credentials.pid, conn.close_reason
-            )
-            self.handler.client_gone(conn)
+        if self.connections.pop(conn.id, None) is None:
+            return
+        reason = conn.close_reason or ""
+        level = logging.DEBUG if reason in ("disconnected", "daemon stopping") else logging.WARNING
+        log.log(level, "client %d (pid %d) disconnected: %s", conn.id, conn.credentials.pid, reason)
+        self.handler.client_gone(conn)
 
     def stop_accepting(self) -> None:
         """Refuse new clients (remove the socket file); connected ones stay."""

@@ -71,11 +71,13 @@ class LocalCluster:
         size: number of nodes.
         settings: extra config keys for every node (e.g. liveness timeouts).
         log_dir: where daemon logs go; default: inside the temporary directory (removed).
+        node_env: extra environment variables for single nodes (``FABRICD_<KEY>`` overrides).
     """
 
     size: int
     settings: dict[str, Any] = field(default_factory=dict)
     log_dir: Path | None = None
+    node_env: dict[int, dict[str, str]] = field(default_factory=dict)
     nodes: list[NodeProcess] = field(default_factory=list)
     directory: Path | None = None
     config_path: Path | None = None
@@ -133,6 +135,7 @@ class LocalCluster:
             "NOTIFY_SOCKET": str(self.directory / f"notify{node.node}"),
             "FABRICD_NODE_ID": str(node.node),
             "FABRICD_SOCKET": node.socket_path,
+            **self.node_env.get(node.node, {}),
         }
         command = [sys.executable, "-m", "fabricd.cli.daemon", "--config", str(self.config_path)]
         with open(node.log_path, "ab") as log:
@@ -188,6 +191,15 @@ class LocalCluster:
                 if time.monotonic() > deadline:
                     raise ClusterError(f"node {node.node} sees peers {states} after {timeout}s")
                 time.sleep(0.05)
+
+    def restart(self, node: int, timeout: float = 30.0) -> None:
+        """Start a node again after it exited or was killed (a new incarnation)."""
+        process = self.nodes[node].process
+        if process is not None and process.poll() is None:
+            raise ClusterError(f"node {node} is still running")
+        self.nodes[node].ready = False
+        self._spawn(self.nodes[node])
+        self._wait_ready(timeout)
 
     def kill(self, node: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to one daemon (for failure tests)."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.daemon import logs
 from fabricd.daemon.node import Daemon
-from fabricd.errors import ConfigError
+from fabricd.errors import ConfigError, TransportError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -20,6 +20,8 @@ log = logging.getLogger("fabricd.daemon")
 
 #: exit status for a configuration the daemon refuses (sysexits EX_CONFIG)
 EXIT_CONFIG = 78
+#: exit status when the peer address cannot be bound (sysexits EX_UNAVAILABLE)
+EXIT_UNAVAILABLE = 69
 
 
 def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -52,4 +54,7 @@ def run(loaded: Loaded) -> int:
     except ConfigError as exc:
         log.error("cannot start: %s", exc)
         return EXIT_CONFIG
+    except TransportError as exc:
+        log.error("cannot start: %s", exc)
+        return EXIT_UNAVAILABLE
     return 0

@@ -119,12 +119,27 @@ class Daemon:
         }
 
     # -- life cycle -------------------------------------------------------------------------
-    async def run(self, on_ready: Callable[[Daemon], None] | None = None) -> None:
-        """Serve until :meth:`stop`; returns after the drain."""
+    async def run(self) -> None:
+        """Serve until :meth:`stop`; returns after the drain.
+
+        Raises:
+            TransportError: the peer address cannot be bound.
+            ConfigError: the client socket cannot be bound (or another daemon serves it).
+        """
+        self.address = await self.peering.listen(self.config.listen_address)
+        try:
+            self.ipc.start()
+        except BaseException:
+            await self.peering.aclose()
+            raise
+        try:
+            await self._serve()
+        finally:
+            self._close_everything()
+
+    async def _serve(self) -> None:
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
-            self.address = await self.peering.listen(self.config.listen_address)
-            self.ipc.start()
             background = [
                 tasks.create_task(self.peering.keep_dialled(node))
                 for node in self.peering.dial_targets()
@@ -143,13 +158,10 @@ class Daemon:
             )
             if self.notifier is not None:
                 self.notifier.ready(f"serving node {self.config.node_id}")
-            if on_ready is not None:
-                on_ready(self)
             await self._stopping.wait()
             await self._drain()
             for task in background:
                 task.cancel()
-        self._close_everything()
 
     def stop(self) -> None:
         """Begin a graceful stop (idempotent; safe from a signal handler)."""

@@ -115,8 +115,10 @@ class _PendingSink:
         self._fail(link, TransportError("handshake timeout"))
 
     def _fail(self, link: Link, exc: Exception) -> None:
+        """Close the link; whoever dialled it sees a TransportError and retries later."""
         if not self.done.done():
-            self.done.set_exception(exc)
+            failure = exc if isinstance(exc, TransportError) else TransportError(str(exc))
+            self.done.set_exception(failure)
         self.done.exception()  # retrieved: an accepted link has nobody awaiting it
         link.close(str(exc))
 

@@ -182,10 +182,12 @@ class PeerTable:
             if peer.state not in (PeerState.UP, PeerState.SUSPECT):
                 continue
             silent = now - peer.last_heard
-            if silent >= self.timeouts.down_after:
+            # compare with the very sums next_deadline() returns: (t + d) - t can round below d,
+            # and a timer that fires on time must not find the peer a hair short of its bound
+            if now >= peer.last_heard + self.timeouts.down_after:
                 actions += self._move(node, _Input.DEAD, now, f"silent for {silent:.2f}s")
                 continue
-            if silent >= self.timeouts.suspect_after:
+            if now >= peer.last_heard + self.timeouts.suspect_after:
                 actions += self._move(node, _Input.SILENT, now, f"silent for {silent:.2f}s")
             if now >= peer.next_heartbeat:
                 peer.next_heartbeat = now + self.timeouts.heartbeat_interval
