@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from fabricd.daemon.launcher import FAST_LIVENESS, LocalCluster
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 
 @pytest.fixture

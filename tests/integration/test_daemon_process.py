@@ -58,6 +58,11 @@ def _wait_ready(sock: socket.socket) -> list[str]:
     return seen
 
 
+def _wait_for_ping(sock: socket.socket) -> None:
+    while "WATCHDOG=1" not in sock.recv(4096).decode().splitlines():
+        pass
+
+
 def test_ready_after_bind_watchdog_from_the_loop_and_stopping_on_sigterm(tmp_path):
     notify = _notify_socket(tmp_path)
     daemon = _start(
@@ -77,8 +82,7 @@ def test_ready_after_bind_watchdog_from_the_loop_and_stopping_on_sigterm(tmp_pat
         daemon.send_signal(signal.SIGSTOP)  # a stalled loop must stop the pings
         notify.settimeout(0.5)
         with pytest.raises(TimeoutError):
-            while True:
-                assert "WATCHDOG=1" not in notify.recv(4096).decode().splitlines()
+            _wait_for_ping(notify)
         daemon.send_signal(signal.SIGCONT)
         notify.settimeout(10)
         daemon.send_signal(signal.SIGTERM)

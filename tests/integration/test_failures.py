@@ -169,8 +169,12 @@ def test_client_killed_mid_send_leaves_the_daemon_serving(make_cluster, spawn, q
     with fabricd.connect(
         job="mid2", rank=0, size=1, socket_path=cluster.nodes[0].socket_path
     ) as fab:
-        x = fab.array("x", (3,), "int8")
-        assert fab.send_async(x, to=0) is not None and fab.recv(fab.array("y", (3,), "int8"), src=0)
+        x, y = fab.array("x", (3,), "int8"), fab.array("y", (3,), "int8")
+        x[:] = (1, 2, 3)
+        pending = fab.send_async(x, to=0)
+        assert fab.recv(y, src=0, timeout=10).nbytes == 3
+        pending.wait(timeout=10)
+        assert list(y) == [1, 2, 3]
 
 
 def _pending(socket_path: str) -> int:
