@@ -162,6 +162,27 @@ def test_second_daemon_on_the_same_socket_is_refused(tmp_path):
         notify.close()
 
 
+def _connect_as(user: pwd.struct_passwd, path: Path, report: int) -> int:
+    """In a forked child: become ``user``, connect, and see the daemon hang up unanswered."""
+    try:
+        os.setgroups([])
+        os.setgid(user.pw_gid)
+        os.setuid(user.pw_uid)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            sock.connect(str(path))
+            try:
+                sock.sendall(b"FBRC")
+                answer = sock.recv(16)
+            except (ConnectionResetError, BrokenPipeError):
+                answer = b""  # closed with our bytes unread: refused all the same
+        os.write(report, f"answer {answer!r}".encode())
+        return 0 if answer == b"" else 2
+    except Exception as exc:
+        os.write(report, repr(exc).encode())
+        return 1
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to user nobody needs root")
 def test_socket_is_0660_and_uids_outside_the_allow_list_are_refused(tmp_path):
     notify = _notify_socket(tmp_path)
@@ -178,25 +199,15 @@ def test_socket_is_0660_and_uids_outside_the_allow_list_are_refused(tmp_path):
         open_dir.chmod(0o755)
         path.chmod(0o666)
         nobody = pwd.getpwnam("nobody")
+        report, write_end = os.pipe()
         child = os.fork()
         if child == 0:  # pragma: no cover - runs in the child
-            code = 1
-            try:
-                os.setgroups([])
-                os.setgid(nobody.pw_gid)
-                os.setuid(nobody.pw_uid)
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(5)
-                sock.connect(str(path))
-                sock.sendall(b"FBRC")
-                try:
-                    code = 0 if sock.recv(16) == b"" else 2
-                except ConnectionResetError:  # closed with our bytes unread: also a refusal
-                    code = 0
-            finally:
-                os._exit(code)
+            os._exit(_connect_as(nobody, path, write_end))
+        os.close(write_end)
         _, status = os.waitpid(child, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, "the daemon must close without answering"
+        outcome = os.read(report, 4096).decode()
+        os.close(report)
+        assert os.waitstatus_to_exitcode(status) == 0, f"not refused as expected: {outcome}"
         with fabricd.connect(socket_path=str(path)) as control:
             assert control.status()["counters"]["refused_clients"] == 1
     finally:
