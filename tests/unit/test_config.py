@@ -1,0 +1,106 @@
+"""Configuration: precedence, provenance, validation and the secret file's mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from fabricd.daemon.config import Config, load
+from fabricd.errors import ConfigError
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "fabricd.toml"
+    path.write_text(
+        'nodes = ["10.0.0.1:7700", "10.0.0.2:7700"]\nnode_id = 1\n'
+        'secret_file = "/etc/fabricd/secret"\nheartbeat_interval = 0.5\n'
+    )
+    return path
+
+
+def test_defaults_are_sane_and_come_from_default():
+    loaded = load(None, environ={})
+    assert loaded.config.nodes == ("127.0.0.1:7700",)
+    assert loaded.config.listen_address == "127.0.0.1:7700"  # S3: never all interfaces
+    assert set(loaded.sources.values()) == {"default"}
+
+
+def test_precedence_is_default_file_env_flag(config_file):
+    loaded = load(
+        str(config_file),
+        environ={"FABRICD_HEARTBEAT_INTERVAL": "0.25", "FABRICD_DOWN_AFTER": "20"},
+        flags={"down_after": 30.0},
+    )
+    cfg, sources = loaded.config, loaded.sources
+    assert cfg.node_id == 1
+    assert sources["node_id"] == str(config_file)
+    assert cfg.heartbeat_interval == 0.25
+    assert sources["heartbeat_interval"] == "env FABRICD_HEARTBEAT_INTERVAL"
+    assert cfg.down_after == 30.0
+    assert sources["down_after"] == "flag"
+    assert cfg.suspect_after == 3.0
+    assert sources["suspect_after"] == "default"
+    assert cfg.listen_address == "10.0.0.2:7700"
+
+
+def test_lists_from_the_environment_are_comma_separated():
+    loaded = load(
+        None,
+        environ={
+            "FABRICD_NODES": "a:1, b:2",
+            "FABRICD_SECRET_FILE": "/s",
+            "FABRICD_ALLOWED_UIDS": "1000,1001",
+        },
+    )
+    assert loaded.config.nodes == ("a:1", "b:2")
+    assert loaded.config.allowed_uids == (1000, 1001)
+
+
+def test_describe_lists_every_key_with_value_and_source(config_file):
+    described = load(str(config_file), environ={}).describe()
+    assert list(described) == [f.name for f in Config.__dataclass_fields__.values()]
+    assert described["nodes"] == {
+        "value": ["10.0.0.1:7700", "10.0.0.2:7700"],
+        "source": str(config_file),
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("bogus = 1\n", "unknown key 'bogus'"),
+        ("node_id = 'x'\n", "node_id"),
+        ("nodes = [\n", "config file"),
+        ('log_format = "xml"\n', "log_format"),
+        ('socket = "relative.sock"\n', "absolute path"),
+        ("chunk_size = 100\n", "chunk_size"),
+        ("node_id = true\n", "node_id"),
+    ],
+)
+def test_invalid_files_name_the_problem(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load(str(path), environ={})
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="No such file"):
+        load(str(tmp_path / "absent.toml"), environ={})
+
+
+def test_secret_file_must_be_private_and_long_enough(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 40 + "\n")
+    secret.chmod(0o600)
+    cfg = Config(nodes=("a:1", "b:2"), secret_file=str(secret))
+    assert cfg.read_secret() == b"s" * 40
+    secret.chmod(0o604)
+    with pytest.raises(ConfigError, match=r"mode 0604.*chmod 600"):
+        cfg.read_secret()
+    secret.chmod(0o600)
+    secret.write_text("short")
+    with pytest.raises(ConfigError, match="under 16 bytes"):
+        cfg.read_secret()
+    with pytest.raises(ConfigError, match="No such file"):
+        Config(secret_file=str(tmp_path / "nope")).read_secret()
