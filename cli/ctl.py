@@ -6,6 +6,7 @@ package, and prints the result for humans (rich tables) or, with ``--json``, for
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import sys
@@ -156,21 +157,24 @@ def config() -> None:
 @config.command("show")
 @socket_option
 @json_option
-@config_flags
+@functools.partial(config_flags, exclude=("socket",))
 def config_show(
     socket_path: str | None, as_json: bool, config_path: str | None, **flags: Any
 ) -> None:
     """Each effective setting and where it came from.
 
-    Without --config (or other setting flags) this asks the running daemon; with them it shows
-    what a daemon started now with that file, this environment and those flags would use.
+    Without --config or setting flags this asks the running daemon (the one at --socket); with
+    them it shows what a daemon started now with that file, this environment and those flags
+    would use.
     """
     given = {k: v for k, v in flags.items() if v is not None}
-    if config_path is None and not given:
+    if config_path is None and not given:  # --socket alone: ask that daemon
         with _client(socket_path) as client:
             described = client.config()
         origin = "the running daemon"
     else:
+        if socket_path is not None:  # with a file or flags, --socket is the setting itself
+            given["socket"] = socket_path
         try:
             described = load_from_cli(config_path, given).describe()
         except FabricError as exc:

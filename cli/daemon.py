@@ -18,9 +18,11 @@ from fabricd.errors import ConfigError
 _TYPES: dict[str, Any] = {"int": click.INT, "float": click.FLOAT, "str": click.STRING}
 
 
-def config_flags(func: Any) -> Any:
+def config_flags(func: Any, exclude: tuple[str, ...] = ()) -> Any:
     """Add one ``--<key>`` option per config key (lists take comma-separated values)."""
     for f in reversed(dataclasses.fields(config_module.Config)):
+        if f.name in exclude:
+            continue
         kind = str(f.type)
         param_type = _TYPES.get(kind, click.STRING)
         hint = "comma-separated" if kind.startswith("tuple") else kind
