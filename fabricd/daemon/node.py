@@ -37,6 +37,7 @@ from fabricd.errors import FabricError, OperationFailed, ProtocolError, Transpor
 from fabricd.ipc import IpcConnection, IpcServer
 from fabricd.shm import Segment
 from fabricd.transports.tcp import TcpTransport
+from fabricd.transports.verbs import device as verbs_device
 from fabricd.wire import PROTOCOL_VERSION, Frame, FrameHead, Kind, Limits, Meta, get_int, get_str
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class Daemon:
             timeout=cfg.handshake_timeout,
             limits=limits,
         )
-        self.transport = transport or TcpTransport()
+        self.transport = transport or _default_transport()
         self.peering = Peering(self.transport, self, settings, cfg.nodes, cfg.reconnect_max_backoff)
         self.ipc = IpcServer(
             cfg.socket,
@@ -299,11 +300,17 @@ class Daemon:
 
     async def _stream(self, node: int, msg: int, op: int) -> None:
         link = self.data.get(node)
+        # The op can finish while this task waits: the receiver's DONE may arrive before the
+        # task resumes after its last chunk, or a failure DONE before it starts; _complete then
+        # drops the region, so hold it here rather than look it up again after an await.
+        region = self.regions.get(op)
+        if region is None:
+            return
         try:
             if link is None:
                 raise TransportError(f"no data link to node {node}")
-            await stream(link, msg, self.regions[op], self.config.chunk_size)
-            self.counters["bytes_sent"] += len(self.regions[op])
+            await stream(link, msg, region, self.config.chunk_size)
+            self.counters["bytes_sent"] += len(region)
         except TransportError as exc:
             self._perform(
                 self.messaging.stream_failed(msg, f"sending to node {node} failed: {exc}")
@@ -578,6 +585,16 @@ class Daemon:
                 "refused_clients": self.ipc.refused,
             },
         }
+
+
+def _default_transport() -> Transport:
+    """TCP, with one log line saying why not verbs (DESIGN §5)."""
+    found = verbs_device.probe()
+    if found.devices:
+        log.info("transport: tcp (%s found, but this release has no verbs link yet)", found.reason)
+    else:
+        log.info("transport: tcp (%s)", found.reason)
+    return TcpTransport()
 
 
 def vars_of(entry: Any) -> dict[str, Any]:
