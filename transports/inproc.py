@@ -60,7 +60,10 @@ class InprocLink(Link):
     async def send(
         self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
     ) -> None:
-        self.send_nowait(kind, meta, payload)
+        # bounded by the window, so the MAX_UNREAD guard of send_nowait does not apply: a
+        # single max_payload frame is over it, and tripping it here closed the link and then
+        # waited forever on the event close() had already set
+        self._enqueue(kind, meta, payload)
         if self._in_flight > self._net.window:
             self._writable.clear()
             await self._writable.wait()
@@ -70,6 +73,11 @@ class InprocLink(Link):
     def send_nowait(
         self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
     ) -> None:
+        self._enqueue(kind, meta, payload)
+        if self._in_flight > MAX_UNREAD:
+            self.close(f"peer is not reading (over {MAX_UNREAD} B unsent)")
+
+    def _enqueue(self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer]) -> None:
         if self._is_closed:
             raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
         size = sum(memoryview(p).nbytes for p in payload)
@@ -83,8 +91,6 @@ class InprocLink(Link):
         self._frames_sent += 1
         self._bytes_sent += len(data)
         self._arm(loop)
-        if self._in_flight > MAX_UNREAD:
-            self.close(f"peer is not reading (over {MAX_UNREAD} B unsent)")
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._timer is None and self._queue:

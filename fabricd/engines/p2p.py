@@ -453,11 +453,11 @@ class Messaging:
         op = self._out.get(msg_id)
         if op is None or self._sends[op].node != node:
             return []
+        failure = None  # parsed before anything changes: a malformed DONE must not lose the send
+        if "code" in meta:
+            failure = Failure(code=get_str(meta, "code"), message=get_str(meta, "error"), node=node)
         del self._out[msg_id]
         del self._sends[op]
-        if "code" not in meta:
-            return [Complete(op=op)]
-        failure = Failure(code=get_str(meta, "code"), message=get_str(meta, "error"), node=node)
         return [Complete(op=op, failure=failure)]
 
     def _on_cancel(self, node: int, msg_id: int) -> list[Action]:

@@ -1,0 +1,317 @@
+"""A fake network of point-to-point engines, one per node, that plays every daemon's part.
+
+:class:`FakeNet` holds N real :class:`~fabricd.engines.p2p.Messaging` engines, each with its own
+:class:`~fabricd.engines.routing.RankTable`, and performs their actions the way the daemon does,
+minus the I/O (STYLE §20):
+
+* ``SendFrame``/``Broadcast`` become control frames, encoded and decoded with the real wire codec
+  and queued per (sender, receiver) pair.  Each pair is FIFO, like the control link it stands
+  for; :meth:`deliver_one` picks which pair goes next, so frames between *different* pairs can be
+  reordered (``rng``), held back (:meth:`hold`) or dropped (``drop``).
+* ``StreamData`` copies the send's bytes into the region the receiver registered with
+  ``ExpectData`` and reports ``data_complete`` to the receiver at once (the data channel), unless
+  ``auto_stream`` is off, in which case it waits for :meth:`finish_stream`/:meth:`fail_stream`.
+* ``CopyLocal`` copies segment to segment and reports ``copied`` (or waits, with ``auto_copy``
+  off, for :meth:`finish_copy`).
+* ``Complete`` is recorded per (node, op); a second completion of one op is kept too, so tests
+  can assert "exactly once".
+
+Crashes: :meth:`crash` stops a node; frames to it vanish, frames it already sent stay in flight
+until a survivor notices (:meth:`detect`), which fences the dead node's frames and calls
+``peer_down`` as the daemon's link reset does.
+
+Time is ``now``, moved only by :meth:`advance` and :meth:`run_timers`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fabricd.engines.p2p import (
+    Broadcast,
+    Complete,
+    CopyLocal,
+    DiscardData,
+    ExpectData,
+    Failure,
+    Message,
+    Messaging,
+    Notice,
+    SendFrame,
+    StreamData,
+)
+from fabricd.engines.routing import RankTable
+from fabricd.wire import DEFAULT_LIMITS, Decoder, Frame, Kind, Meta, encode
+
+if TYPE_CHECKING:
+    import random
+    from collections.abc import Callable, Iterable
+
+    from fabricd.engines.p2p import Action
+
+JOB = "job"
+
+
+def transmit(kind: Kind, meta: Meta) -> Meta:
+    """Metadata as the peer decodes it (msgpack turns tuples into lists, and so on)."""
+    decoder = Decoder(DEFAULT_LIMITS)
+    decoder.feed(encode(kind, meta))
+    decoder.next_event()
+    frame = decoder.next_event()
+    assert isinstance(frame, Frame)
+    return frame.meta
+
+
+@dataclass(slots=True)
+class Posted:
+    """One operation a test posted, with what it needs for checking."""
+
+    node: int
+    op: int
+    send: bool
+    msg: Message
+    region: np.ndarray
+
+
+@dataclass
+class FakeNet:
+    nodes: int
+    route_timeout: float = 5.0
+    rng: random.Random | None = None  #: pick the next pair at random (reorders across pairs)
+    auto_stream: bool = True
+    auto_copy: bool = True
+    #: return True to lose a frame (sender, receiver, kind, meta): for deliberate fault tests
+    drop: Callable[[int, int, Kind, Meta], bool] | None = None
+    now: float = 0.0
+
+    engines: list[Messaging] = field(init=False)
+    links: dict[tuple[int, int], collections.deque[tuple[Kind, Meta]]] = field(init=False)
+    held: set[tuple[int, int]] = field(default_factory=set)
+    crashed: set[int] = field(default_factory=set)
+    fenced: set[tuple[int, int]] = field(default_factory=set)  #: (survivor, dead node)
+    ops: dict[tuple[int, int], Posted] = field(default_factory=dict)
+    expected: dict[tuple[int, int, int], int | None] = field(default_factory=dict)
+    streams: list[tuple[int, StreamData]] = field(default_factory=list)
+    copies: list[tuple[int, CopyLocal]] = field(default_factory=list)
+    completed: dict[tuple[int, int], list[Failure | None]] = field(default_factory=dict)
+    actions: list[tuple[int, Action]] = field(default_factory=list)
+    frames: list[tuple[int, int, Kind, Meta]] = field(default_factory=list)  #: delivered
+    notices: list[tuple[int, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.engines = [
+            Messaging(node=n, routes=RankTable(n), route_timeout=self.route_timeout)
+            for n in range(self.nodes)
+        ]
+        self.links = {
+            (a, b): collections.deque()
+            for a, b in itertools.product(range(self.nodes), repeat=2)
+            if a != b
+        }
+        self._ids = itertools.count(1)
+
+    # -- what clients do ----------------------------------------------------------------------
+    def attach(self, node: int, rank: int, size: int = 4, job: str = JOB) -> None:
+        self.perform(node, self.engines[node].attach(job, rank, size, self.now))
+
+    def detach(self, node: int, rank: int, ops: Iterable[int] = (), job: str = JOB) -> None:
+        self.perform(node, self.engines[node].detach(job, rank, list(ops), self.now))
+
+    def abandon(self, node: int, ops: Iterable[int]) -> None:
+        self.perform(node, self.engines[node].abandon(list(ops)))
+
+    def send(
+        self,
+        node: int,
+        src: int,
+        dst: int,
+        data: bytes,
+        *,
+        tag: int = 0,
+        dtype: str = "uint8",
+        job: str = JOB,
+    ) -> int:
+        """Post a send of ``data``; return its op id."""
+        msg = Message(job=job, src=src, dst=dst, tag=tag, nbytes=len(data), dtype=dtype)
+        region = np.frombuffer(bytearray(data), dtype=np.uint8)
+        op = self._post(node, True, msg, region)
+        self.perform(node, self.engines[node].post_send(op, msg, self.now))
+        return op
+
+    def recv(
+        self,
+        node: int,
+        src: int,
+        dst: int,
+        nbytes: int,
+        *,
+        tag: int = 0,
+        dtype: str = "uint8",
+        job: str = JOB,
+    ) -> int:
+        """Post a receive into a fresh region (filled with 0xEE, so unwritten bytes show)."""
+        msg = Message(job=job, src=src, dst=dst, tag=tag, nbytes=nbytes, dtype=dtype)
+        op = self._post(node, False, msg, np.full(nbytes, 0xEE, dtype=np.uint8))
+        self.perform(node, self.engines[node].post_recv(op, msg, self.now))
+        return op
+
+    def _post(self, node: int, send: bool, msg: Message, region: np.ndarray) -> int:
+        op = next(self._ids)
+        self.ops[node, op] = Posted(node=node, op=op, send=send, msg=msg, region=region)
+        return op
+
+    # -- what the daemon does -----------------------------------------------------------------
+    def perform(self, node: int, actions: list[Action]) -> None:
+        for action in actions:
+            self.actions.append((node, action))
+            match action:
+                case SendFrame(node=peer, kind=kind, meta=meta):
+                    self._queue(node, peer, kind, meta)
+                case Broadcast(kind=kind, meta=meta):
+                    for peer in range(self.nodes):
+                        if peer != node and (node, peer) not in self.fenced:
+                            self._queue(node, peer, kind, meta)
+                case StreamData():
+                    self.streams.append((node, action))
+                    if self.auto_stream:
+                        self.finish_stream(len(self.streams) - 1)
+                case ExpectData(node=peer, msg=msg, op=op, nbytes=nbytes):
+                    assert self.ops[node, op].region.nbytes == nbytes
+                    self.expected[node, peer, msg] = op
+                case DiscardData(node=peer, msg=msg):
+                    if (node, peer, msg) in self.expected:
+                        self.expected[node, peer, msg] = None
+                case CopyLocal():
+                    self.copies.append((node, action))
+                    if self.auto_copy:
+                        self.finish_copy(len(self.copies) - 1)
+                case Complete(op=op, failure=failure):
+                    self.completed.setdefault((node, op), []).append(failure)
+                case Notice(message=message):
+                    self.notices.append((node, message))
+
+    def _queue(self, src: int, dst: int, kind: Kind, meta: Meta) -> None:
+        assert src not in self.crashed, "a crashed node acted"
+        if dst not in self.crashed:
+            self.links[src, dst].append((kind, transmit(kind, meta)))
+
+    def finish_stream(self, index: int = 0) -> None:
+        """The daemon streamed every DATA frame of ``streams[index]``: they land at once."""
+        sender, stream = self.streams.pop(index)
+        receiver = stream.node
+        if receiver in self.crashed or (receiver, sender) in self.fenced:
+            return  # the bytes went into a dead or reset link
+        key = (receiver, sender, stream.msg)
+        if key not in self.expected:
+            return  # the receiver forgot the message (reset): its chunks are dropped
+        target = self.expected.pop(key)
+        if target is not None:
+            source = self.ops[sender, stream.op].region
+            destination = self.ops[receiver, target].region
+            assert destination.nbytes == source.nbytes
+            destination[:] = source
+        self.perform(receiver, self.engines[receiver].data_complete(sender, stream.msg))
+
+    def fail_stream(self, index: int = 0, reason: str = "data link closed") -> None:
+        sender, stream = self.streams.pop(index)
+        self.perform(sender, self.engines[sender].stream_failed(stream.msg, reason))
+
+    def finish_copy(self, index: int = 0) -> None:
+        node, copy = self.copies.pop(index)
+        self.ops[node, copy.dst_op].region[:] = self.ops[node, copy.src_op].region
+        self.perform(node, self.engines[node].copied(copy.src_op, copy.dst_op))
+
+    # -- the network --------------------------------------------------------------------------
+    def in_flight(self) -> int:
+        return sum(len(q) for q in self.links.values())
+
+    def hold(self, src: int, dst: int) -> None:
+        """Delay every frame from ``src`` to ``dst`` until :meth:`release`."""
+        self.held.add((src, dst))
+
+    def release(self, src: int, dst: int) -> None:
+        self.held.discard((src, dst))
+
+    def deliver_one(self) -> bool:
+        """Deliver the oldest frame of one pair; return False when nothing can move."""
+        ready = [pair for pair, q in self.links.items() if q and pair not in self.held]
+        if not ready:
+            return False
+        src, dst = self.rng.choice(ready) if self.rng is not None else ready[0]
+        kind, meta = self.links[src, dst].popleft()
+        if (dst, src) in self.fenced or (self.drop is not None and self.drop(src, dst, kind, meta)):
+            return True
+        self.frames.append((src, dst, kind, meta))
+        self.perform(dst, self.engines[dst].on_frame(src, kind, meta, self.now))
+        return True
+
+    def run(self, limit: int = 100_000) -> None:
+        """Deliver until every pair that is not held is empty."""
+        for _ in range(limit):
+            if not self.deliver_one():
+                return
+        raise AssertionError("frames kept flowing")
+
+    def crash(self, node: int) -> None:
+        """``node`` stops dead: frames to it vanish; what it sent is still in flight."""
+        self.crashed.add(node)
+        for (_, dst), queue in self.links.items():
+            if dst == node:
+                queue.clear()
+
+    def detect(self, survivor: int, node: int, reason: str = "down") -> None:
+        """``survivor``'s daemon resets its links to ``node`` and fails what involved it."""
+        self.fenced.add((survivor, node))
+        self.links[node, survivor].clear()
+        for key in [k for k in self.expected if k[:2] == (survivor, node)]:
+            del self.expected[key]  # Inbound.forget_node
+        self.perform(survivor, self.engines[survivor].peer_down(node, reason))
+
+    # -- time ---------------------------------------------------------------------------------
+    def live(self) -> list[int]:
+        return [n for n in range(self.nodes) if n not in self.crashed]
+
+    def advance(self, now: float) -> None:
+        self.now = now
+        for node in self.live():
+            self.perform(node, self.engines[node].on_timer(now))
+
+    def next_deadline(self) -> float | None:
+        deadlines = [self.engines[n].next_deadline() for n in self.live()]
+        return min((d for d in deadlines if d is not None), default=None)
+
+    def run_timers(self, limit: int = 10_000) -> None:
+        """Deliver frames and fire timers until nothing is left to happen."""
+        for _ in range(limit):
+            self.run()
+            deadline = self.next_deadline()
+            if deadline is None:
+                return
+            assert deadline >= self.now
+            self.advance(deadline)
+        raise AssertionError("timers kept firing")
+
+    # -- results ------------------------------------------------------------------------------
+    def outcome(self, node: int, op: int) -> Failure | None:
+        """The one completion of ``op`` (fails the test if there were none or several)."""
+        done = self.completed.get((node, op), [])
+        assert len(done) == 1, f"op {op} on node {node} completed {len(done)} times: {done}"
+        return done[0]
+
+    def ok(self, node: int, op: int) -> bool:
+        return (node, op) in self.completed and self.outcome(node, op) is None
+
+    def region(self, node: int, op: int) -> bytes:
+        return self.ops[node, op].region.tobytes()
+
+    def pending(self) -> list[int]:
+        return [self.engines[n].pending() for n in range(self.nodes)]
+
+    def of(self, node: int, kind: type) -> list:
+        """Actions of one type that ``node``'s engine returned, in order."""
+        return [a for n, a in self.actions if n == node and isinstance(a, kind)]

@@ -1,0 +1,408 @@
+"""The peer handshake: two real :class:`Handshake` engines wired together through the wire codec.
+
+Every frame goes through :func:`fabricd.wire.encode` and a :class:`~fabricd.wire.Decoder` under
+:data:`HANDSHAKE_LIMITS`, exactly as a link does before it is authenticated, so these tests also
+show that the handshake fits the limits an unauthenticated peer is held to (RELIABILITY S2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+import msgpack
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from fabricd.engines.handshake import (
+    HANDSHAKE_LIMITS,
+    NONCE_SIZE,
+    AuthenticationFailed,
+    Channel,
+    Handshake,
+    Outgoing,
+    PeerIdentity,
+    Role,
+)
+from fabricd.errors import RemoteProtocolError
+from fabricd.wire import PROTOCOL_VERSION, Decoder, Frame, FrameHead, Kind, Meta, encode
+
+SECRET = b"correct horse battery staple"
+FABRIC = 4
+
+
+def initiator(
+    *,
+    secret: bytes = SECRET,
+    node: int = 0,
+    incarnation: int = 7,
+    nonce: bytes = b"i" * NONCE_SIZE,
+    channel: Channel = Channel.CONTROL,
+    expected: int = 1,
+) -> Handshake:
+    return Handshake(
+        role=Role.INITIATOR,
+        secret=secret,
+        node=node,
+        incarnation=incarnation,
+        nonce=nonce,
+        fabric_size=FABRIC,
+        channel=channel,
+        expected_node=expected,
+    )
+
+
+def acceptor(
+    *,
+    secret: bytes = SECRET,
+    node: int = 1,
+    incarnation: int = 9,
+    nonce: bytes = b"a" * NONCE_SIZE,
+) -> Handshake:
+    return Handshake(
+        role=Role.ACCEPTOR,
+        secret=secret,
+        node=node,
+        incarnation=incarnation,
+        nonce=nonce,
+        fabric_size=FABRIC,
+    )
+
+
+def transmit(out: Outgoing) -> tuple[Kind, Meta]:
+    """Send one handshake frame through the codec as an unauthenticated link would."""
+    decoder = Decoder(HANDSHAKE_LIMITS)
+    decoder.feed(encode(out.kind, out.meta))
+    head = decoder.next_event()
+    frame = decoder.next_event()
+    assert isinstance(head, FrameHead)
+    assert isinstance(frame, Frame)
+    assert frame.payload.nbytes == 0
+    return frame.kind, frame.meta
+
+
+@dataclass
+class Transcript:
+    """Every frame each side sent, in order, as the other side decoded it."""
+
+    by_initiator: list[tuple[Kind, Meta]]
+    by_acceptor: list[tuple[Kind, Meta]]
+
+
+def run(init: Handshake, acc: Handshake) -> Transcript:
+    """Drive both engines until neither has anything to send; errors propagate."""
+    log = Transcript([], [])
+    assert acc.start() == []
+    to_acceptor = [transmit(o) for o in init.start()]
+    while to_acceptor:
+        log.by_initiator += to_acceptor
+        to_initiator = [transmit(o) for k, m in to_acceptor for o in acc.on_frame(k, m)]
+        log.by_acceptor += to_initiator
+        to_acceptor = [transmit(o) for k, m in to_initiator for o in init.on_frame(k, m)]
+    return log
+
+
+def assert_dead(shake: Handshake) -> None:
+    """After a refusal the machine accepts nothing more and names no peer."""
+    assert shake.peer is None
+    for kind in (Kind.HELLO, Kind.AUTH):
+        with pytest.raises(RemoteProtocolError, match="unexpected"):
+            shake.on_frame(kind, {})
+
+
+# -- success ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("channel", list(Channel))
+def test_both_sides_agree_on_who_is_on_the_other_end(channel: Channel) -> None:
+    init, acc = initiator(channel=channel), acceptor()
+    log = run(init, acc)
+
+    assert [k for k, _ in log.by_initiator] == [Kind.HELLO, Kind.AUTH]
+    assert [k for k, _ in log.by_acceptor] == [Kind.HELLO]
+    assert init.peer == PeerIdentity(node=1, incarnation=9, channel=channel)
+    assert acc.peer == PeerIdentity(node=0, incarnation=7, channel=channel)
+
+
+def test_peer_is_unknown_until_the_handshake_is_done() -> None:
+    init, acc = initiator(), acceptor()
+    acc.start()
+    (hello,) = init.start()
+    assert init.peer is None
+    (answer,) = acc.on_frame(*transmit(hello))
+    assert acc.peer is None  # the initiator has not proved itself yet
+    (auth,) = init.on_frame(*transmit(answer))
+    assert init.peer is not None
+    assert acc.on_frame(*transmit(auth)) == []
+    assert acc.peer is not None
+
+
+def test_start_twice_is_a_local_bug() -> None:
+    init = initiator()
+    init.start()
+    with pytest.raises(RuntimeError, match="already started"):
+        init.start()
+
+
+def test_done_handshake_refuses_more_frames() -> None:
+    init, acc = initiator(), acceptor()
+    log = run(init, acc)
+    with pytest.raises(RemoteProtocolError, match="unexpected HELLO"):
+        acc.on_frame(*log.by_initiator[0])
+    with pytest.raises(RemoteProtocolError, match="unexpected AUTH"):
+        init.on_frame(Kind.AUTH, log.by_initiator[1][1])
+
+
+def test_constructor_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match=f"{NONCE_SIZE} bytes"):
+        acceptor(nonce=b"short")
+    with pytest.raises(ValueError, match="initiator must name"):
+        Handshake(
+            role=Role.INITIATOR, secret=SECRET, node=0, incarnation=1,
+            nonce=b"n" * NONCE_SIZE, fabric_size=FABRIC,
+        )  # fmt: skip
+
+
+# -- wrong secret -----------------------------------------------------------------------------
+def test_acceptor_with_another_secret_is_refused_by_the_initiator() -> None:
+    init, acc = initiator(), acceptor(secret=b"another secret")
+    with pytest.raises(AuthenticationFailed, match="same secret") as info:
+        run(init, acc)
+    assert isinstance(info.value, RemoteProtocolError)
+    assert_dead(init)
+
+
+def proof(secret: bytes, role: Role, hello: Meta, answer: Meta) -> bytes:
+    """A MAC computed independently of the engine, from the module docstring's formula."""
+    transcript = msgpack.packb(
+        [hello["nonce"], answer["nonce"], hello["node"], hello["inc"], answer["node"],
+         answer["inc"], hello["channel"]]
+    )  # fmt: skip
+    label = b"fabricd-v1-" + role.value.encode()
+    return hmac.new(secret, label + transcript, hashlib.sha256).digest()
+
+
+@pytest.mark.parametrize(("secret", "accepted"), [(SECRET, True), (b"a guess", False)])
+def test_acceptor_checks_the_initiators_proof(secret: bytes, accepted: bool) -> None:
+    """A rogue initiator that ignores the acceptor's MAC still has to prove the secret."""
+    acc = acceptor()
+    acc.start()
+    (hello,) = initiator().start()
+    hello_meta = transmit(hello)[1]
+    (answer,) = acc.on_frame(Kind.HELLO, hello_meta)
+    answer_meta = transmit(answer)[1]
+    assert answer_meta["mac"] == proof(SECRET, Role.ACCEPTOR, hello_meta, answer_meta)
+
+    auth = {"mac": proof(secret, Role.INITIATOR, hello_meta, answer_meta)}
+    if accepted:
+        assert acc.on_frame(Kind.AUTH, auth) == []
+        assert acc.peer == PeerIdentity(node=0, incarnation=7, channel=Channel.CONTROL)
+    else:
+        with pytest.raises(AuthenticationFailed, match="same secret"):
+            acc.on_frame(Kind.AUTH, auth)
+        assert_dead(acc)
+
+
+# -- replay and reflection --------------------------------------------------------------------
+def test_auth_replayed_from_an_earlier_session_is_refused() -> None:
+    earlier = run(initiator(nonce=b"1" * NONCE_SIZE), acceptor(nonce=b"2" * NONCE_SIZE))
+    recorded_hello, recorded_auth = earlier.by_initiator
+
+    victim = acceptor(nonce=b"3" * NONCE_SIZE)  # a fresh nonce, as every acceptor draws
+    victim.start()
+    victim.on_frame(*recorded_hello)  # the attacker replays the recorded HELLO …
+    with pytest.raises(AuthenticationFailed):
+        victim.on_frame(*recorded_auth)  # … and the recorded AUTH, made over other nonces
+    assert_dead(victim)
+
+
+def test_acceptor_mac_reflected_as_the_initiators_auth_is_refused() -> None:
+    """An attacker who replays the acceptor's own proof back to it gains nothing."""
+    acc = acceptor()
+    acc.start()
+    attacker = initiator(secret=b"unknown to the attacker")
+    (hello,) = attacker.start()
+    (answer,) = acc.on_frame(*transmit(hello))
+    _, answer_meta = transmit(answer)
+    with pytest.raises(AuthenticationFailed):
+        acc.on_frame(Kind.AUTH, {"mac": answer_meta["mac"]})
+    assert_dead(acc)
+
+
+# -- identity ---------------------------------------------------------------------------------
+def test_initiator_refuses_a_node_it_did_not_dial() -> None:
+    init, impostor = initiator(expected=2), acceptor(node=3)
+    with pytest.raises(AuthenticationFailed, match="dialled node 2 but node 3 answered"):
+        run(init, impostor)
+    assert_dead(init)
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_peer_claiming_our_own_node_id_is_refused(role: Role) -> None:
+    if role is Role.ACCEPTOR:
+        init, acc = initiator(node=1), acceptor(node=1)
+        with pytest.raises(AuthenticationFailed, match="claims to be this node"):
+            run(init, acc)
+        assert_dead(acc)
+    else:
+        init, acc = initiator(node=0), acceptor(node=1)
+        acc.start()
+        (hello,) = init.start()
+        (answer,) = acc.on_frame(*transmit(hello))
+        forged = {**transmit(answer)[1], "node": 0}  # the answer claims to be node 0, i.e. us
+        with pytest.raises(AuthenticationFailed, match=r"claims to be this node \(0\)"):
+            init.on_frame(Kind.HELLO, forged)
+        assert_dead(init)
+
+
+@pytest.mark.parametrize("claimed", [FABRIC, FABRIC + 1, 2**40])
+def test_node_id_outside_the_fabric_is_refused(claimed: int) -> None:
+    acc = acceptor()
+    acc.start()
+    (hello,) = initiator().start()
+    _, meta = transmit(hello)
+    with pytest.raises(RemoteProtocolError, match="'node'"):
+        acc.on_frame(Kind.HELLO, {**meta, "node": claimed})
+    assert_dead(acc)
+
+
+def test_acceptor_node_id_outside_the_fabric_is_refused_by_the_initiator() -> None:
+    init = initiator()
+    (hello,) = init.start()
+    answer = {**transmit(hello)[1], "node": FABRIC, "mac": b"x" * 32}
+    with pytest.raises(RemoteProtocolError, match="'node'"):
+        init.on_frame(Kind.HELLO, answer)
+    assert_dead(init)
+
+
+# -- malformed or out-of-order frames ---------------------------------------------------------
+@pytest.mark.parametrize("role", list(Role))
+def test_protocol_version_mismatch_names_both_versions(role: Role) -> None:
+    newer = PROTOCOL_VERSION + 1
+    init, acc = initiator(), acceptor()
+    acc.start()
+    (hello,) = init.start()
+    _, meta = transmit(hello)
+    if role is Role.ACCEPTOR:
+        target, frame = acc, {**meta, "v": newer}
+    else:
+        (answer,) = acc.on_frame(Kind.HELLO, meta)
+        target, frame = init, {**transmit(answer)[1], "v": newer}
+    with pytest.raises(RemoteProtocolError) as info:
+        target.on_frame(Kind.HELLO, frame)
+    assert f"protocol {newer}" in str(info.value)
+    assert f"this daemon {PROTOCOL_VERSION}" in str(info.value)
+    assert_dead(target)
+
+
+@pytest.mark.parametrize("channel", ["bulk", "", 3, None])
+def test_unknown_channel_is_refused(channel: object) -> None:
+    acc = acceptor()
+    acc.start()
+    (hello,) = initiator().start()
+    meta = {**transmit(hello)[1], "channel": channel}
+    with pytest.raises(RemoteProtocolError, match="unknown channel"):
+        acc.on_frame(Kind.HELLO, meta)
+    assert_dead(acc)
+
+
+def test_auth_before_hello_is_refused() -> None:
+    acc = acceptor()
+    acc.start()
+    with pytest.raises(RemoteProtocolError, match="unexpected AUTH"):
+        acc.on_frame(Kind.AUTH, {"mac": b"x" * 32})
+    assert_dead(acc)
+
+
+def test_initiator_refuses_auth_instead_of_hello() -> None:
+    init = initiator()
+    init.start()
+    with pytest.raises(RemoteProtocolError, match="unexpected AUTH"):
+        init.on_frame(Kind.AUTH, {"mac": b"x" * 32})
+    assert_dead(init)
+
+
+def test_hello_twice_is_refused() -> None:
+    init, acc = initiator(), acceptor()
+    acc.start()
+    (hello,) = init.start()
+    frame = transmit(hello)
+    acc.on_frame(*frame)
+    with pytest.raises(RemoteProtocolError, match="unexpected HELLO"):
+        acc.on_frame(*frame)
+    assert_dead(acc)
+
+
+def test_frame_before_start_is_refused() -> None:
+    acc = acceptor()
+    (hello,) = initiator().start()
+    with pytest.raises(RemoteProtocolError, match="unexpected HELLO"):
+        acc.on_frame(*transmit(hello))
+
+
+@pytest.mark.parametrize("size", [0, 1, NONCE_SIZE - 1, NONCE_SIZE + 1])
+def test_nonce_of_the_wrong_length_is_refused(size: int) -> None:
+    acc = acceptor()
+    acc.start()
+    (hello,) = initiator().start()
+    meta = {**transmit(hello)[1], "nonce": b"n" * size}
+    with pytest.raises(RemoteProtocolError, match="nonce has the wrong size"):
+        acc.on_frame(Kind.HELLO, meta)
+    assert_dead(acc)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("nonce", "a text nonce"), ("inc", -1), ("inc", "1"), ("node", None), ("v", None)],
+)
+def test_fields_of_the_wrong_type_are_refused(field: str, value: object) -> None:
+    acc = acceptor()
+    acc.start()
+    (hello,) = initiator().start()
+    meta = {**transmit(hello)[1], field: value}
+    with pytest.raises(RemoteProtocolError):
+        acc.on_frame(Kind.HELLO, meta)
+    assert_dead(acc)
+
+
+def test_auth_without_a_binary_mac_is_refused() -> None:
+    init, acc = initiator(), acceptor()
+    acc.start()
+    (hello,) = init.start()
+    acc.on_frame(*transmit(hello))
+    with pytest.raises(RemoteProtocolError, match="'mac'"):
+        acc.on_frame(Kind.AUTH, {"mac": "not bytes"})
+    assert_dead(acc)
+
+
+# -- property: the secret decides -------------------------------------------------------------
+def _hmac_key(secret: bytes) -> bytes:
+    """HMAC pads keys up to its block size with zeros, so b"k" and b"k\\0" are the same key."""
+    return secret.rstrip(b"\0")
+
+
+#: keys longer than HMAC's 64-byte block are hashed first, so stay at or below it
+secret_bytes = st.binary(max_size=64)
+nonces = st.binary(min_size=NONCE_SIZE, max_size=NONCE_SIZE)
+
+
+@given(secret=secret_bytes, nonce_i=nonces, nonce_a=nonces)
+def test_equal_secrets_always_authenticate(secret: bytes, nonce_i: bytes, nonce_a: bytes) -> None:
+    init = initiator(secret=secret, nonce=nonce_i, channel=Channel.DATA)
+    acc = acceptor(secret=secret, nonce=nonce_a)
+    run(init, acc)
+    assert init.peer == PeerIdentity(node=1, incarnation=9, channel=Channel.DATA)
+    assert acc.peer == PeerIdentity(node=0, incarnation=7, channel=Channel.DATA)
+
+
+@given(mine=secret_bytes, theirs=secret_bytes, initiator_wrong=st.booleans())
+def test_unequal_secrets_never_authenticate(
+    mine: bytes, theirs: bytes, initiator_wrong: bool
+) -> None:
+    assume(_hmac_key(mine) != _hmac_key(theirs))
+    init = initiator(secret=theirs if initiator_wrong else mine)
+    acc = acceptor(secret=mine if initiator_wrong else theirs)
+    with pytest.raises(AuthenticationFailed):
+        run(init, acc)
+    assert init.peer is None
+    assert acc.peer is None

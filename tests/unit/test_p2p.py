@@ -1,0 +1,733 @@
+"""Point-to-point messaging across a fake network of real engines (see fakenet.py).
+
+The standard layout: job ``"job"`` of size 4 with ranks 0 and 1 on node 0, rank 2 on node 1 and
+rank 3 on node 2.  Time stands still unless a test moves it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import pytest
+from fakenet import JOB, FakeNet, Posted
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fabricd.engines.p2p import (
+    Broadcast,
+    Complete,
+    CopyLocal,
+    DiscardData,
+    ExpectData,
+    Failure,
+    Message,
+    Messaging,
+    SendFrame,
+    StreamData,
+    parse_message,
+)
+from fabricd.engines.routing import RankTable
+from fabricd.errors import RemoteProtocolError, UsageError
+from fabricd.wire import Kind
+
+if TYPE_CHECKING:
+    import random
+
+#: rank -> node of the standard layout
+HOME = {0: 0, 1: 0, 2: 1, 3: 2}
+DATA = b"the quick brown fox"
+
+
+def layout(**options: object) -> FakeNet:
+    net = FakeNet(3, **options)  # type: ignore[arg-type]
+    for rank, node in HOME.items():
+        net.attach(node, rank)
+    net.run()
+    return net
+
+
+@pytest.fixture
+def net() -> FakeNet:
+    return layout()
+
+
+def failed(net: FakeNet, node: int, op: int) -> Failure:
+    failure = net.outcome(node, op)
+    assert failure is not None, f"op {op} on node {node} succeeded"
+    return failure
+
+
+# -- delivery ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("send_first", [True, False])
+def test_remote_message_lands_in_the_receive(net: FakeNet, send_first: bool) -> None:
+    if send_first:
+        send = net.send(0, src=0, dst=2, data=DATA)
+        net.run()
+        recv = net.recv(1, src=0, dst=2, nbytes=len(DATA))
+    else:
+        recv = net.recv(1, src=0, dst=2, nbytes=len(DATA))
+        net.run()
+        send = net.send(0, src=0, dst=2, data=DATA)
+    assert net.completed == {}
+    net.run()
+    assert net.ok(0, send)
+    assert net.ok(1, recv)
+    assert net.region(1, recv) == DATA
+    kinds = [kind for _, _, kind, _ in net.frames if kind is not Kind.ANNOUNCE]
+    assert kinds == [Kind.RTS, Kind.CTS, Kind.DONE]  # a rendezvous: no payload before CTS
+    assert net.pending() == [0, 0, 0]
+
+
+def test_an_early_message_waits_without_moving_bytes(net: FakeNet) -> None:
+    net.send(0, src=0, dst=2, data=DATA)
+    net.run()
+    assert net.of(1, ExpectData) == []
+    assert net.streams == []
+    assert net.engines[1].pending() == 0  # the RTS is not an operation of the receiver
+    assert net.engines[0].pending() == 1
+    assert net.engines[0].transfers() == 0
+
+
+@pytest.mark.parametrize("send_first", [True, False])
+def test_local_message_is_copied_inside_the_daemon(net: FakeNet, send_first: bool) -> None:
+    frames = net.in_flight() + len(net.frames)
+    if send_first:
+        send = net.send(0, src=0, dst=1, data=DATA)
+        recv = net.recv(0, src=0, dst=1, nbytes=len(DATA))
+    else:
+        recv = net.recv(0, src=0, dst=1, nbytes=len(DATA))
+        send = net.send(0, src=0, dst=1, data=DATA)
+    assert net.ok(0, send)
+    assert net.ok(0, recv)
+    assert net.region(0, recv) == DATA
+    assert net.of(0, CopyLocal) == [CopyLocal(src_op=send, dst_op=recv)]
+    assert net.in_flight() + len(net.frames) == frames  # nothing went on the wire
+
+
+def test_local_copy_under_way_is_a_transfer() -> None:
+    net = layout(auto_copy=False)
+    send = net.send(0, src=1, dst=0, data=DATA)
+    recv = net.recv(0, src=1, dst=0, nbytes=len(DATA))
+    assert net.engines[0].transfers() == 1
+    net.abandon(0, [send, recv])  # the clients left, but the daemon still maps the segments
+    assert net.engines[0].holds(send)
+    assert net.engines[0].holds(recv)
+    net.finish_copy()
+    assert net.ok(0, send)
+    assert net.ok(0, recv)
+    assert net.engines[0].pending() == 0
+
+
+@pytest.mark.parametrize("remote", [True, False])
+@pytest.mark.parametrize("send_first", [True, False])
+def test_zero_byte_messages_complete_without_data(
+    net: FakeNet, remote: bool, send_first: bool
+) -> None:
+    node, dst = (1, 2) if remote else (0, 1)
+    if send_first:
+        send = net.send(0, src=0, dst=dst, data=b"")
+        net.run()
+        recv = net.recv(node, src=0, dst=dst, nbytes=0)
+    else:
+        recv = net.recv(node, src=0, dst=dst, nbytes=0)
+        net.run()
+        send = net.send(0, src=0, dst=dst, data=b"")
+    net.run()
+    assert net.ok(0, send)
+    assert net.ok(node, recv)
+    if remote:
+        assert net.of(0, StreamData) == []
+        assert net.of(1, ExpectData) == []
+        assert Kind.CTS not in [kind for _, _, kind, _ in net.frames]
+
+
+@pytest.mark.parametrize("remote", [True, False])
+@pytest.mark.parametrize(
+    ("sent", "posted", "words"),
+    [
+        ((8, "uint8"), (16, "uint8"), ("8 B of uint8", "16 B of uint8")),
+        ((8, "uint8"), (8, "float32"), ("8 B of uint8", "8 B of float32")),
+    ],
+)
+def test_a_message_that_does_not_fit_fails_both_sides(
+    net: FakeNet,
+    remote: bool,
+    sent: tuple[int, str],
+    posted: tuple[int, str],
+    words: tuple[str, str],
+) -> None:
+    node, dst = (1, 2) if remote else (0, 1)
+    send = net.send(0, src=0, dst=dst, data=bytes(sent[0]), dtype=sent[1])
+    recv = net.recv(node, src=0, dst=dst, nbytes=posted[0], dtype=posted[1])
+    net.run()
+    for side, op in ((0, send), (node, recv)):
+        failure = failed(net, side, op)
+        assert failure.code == "mismatch"
+        assert all(word in failure.message for word in words)
+        assert "same shape and dtype" in failure.message
+    assert failed(net, 0, send).message == failed(net, node, recv).message
+    assert net.region(node, recv) == b"\xee" * posted[0]  # not a byte was written
+    assert net.pending() == [0, 0, 0]
+
+
+# -- matching ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("remote", [True, False])
+@pytest.mark.parametrize("recvs_first", [True, False])
+def test_messages_do_not_overtake_each_other(net: FakeNet, remote: bool, recvs_first: bool) -> None:
+    node, dst = (1, 2) if remote else (0, 1)
+    payloads = [b"first", b"secnd", b"third"]
+
+    def sends() -> list[int]:
+        return [net.send(0, src=0, dst=dst, data=p) for p in payloads]
+
+    def recvs() -> list[int]:
+        return [net.recv(node, src=0, dst=dst, nbytes=5) for _ in payloads]
+
+    if recvs_first:
+        r, _ = recvs(), net.run()
+        s = sends()
+    else:
+        s, _ = sends(), net.run()
+        r = recvs()
+    net.run()
+    assert [net.region(node, op) for op in r] == payloads
+    assert all(net.ok(0, op) for op in s)
+
+
+def test_tags_keep_messages_apart(net: FakeNet) -> None:
+    a = net.send(0, src=0, dst=2, data=b"tag-1", tag=1)
+    b = net.send(0, src=0, dst=2, data=b"tag-2", tag=2)
+    net.run()
+    second = net.recv(1, src=0, dst=2, nbytes=5, tag=2)
+    net.run()
+    assert net.region(1, second) == b"tag-2"
+    assert net.ok(0, b)
+    assert (0, a) not in net.completed
+    first = net.recv(1, src=0, dst=2, nbytes=5, tag=1)
+    net.run()
+    assert net.region(1, first) == b"tag-1"
+
+
+def test_sources_and_jobs_keep_messages_apart() -> None:
+    net = layout()
+    net.attach(0, 0, size=2, job="other")
+    net.run()
+    mine = net.send(0, src=1, dst=2, data=b"rank1")
+    other = net.send(0, src=0, dst=2, data=b"rank0")
+    net.run()
+    got = net.recv(1, src=0, dst=2, nbytes=5)
+    net.run()
+    assert net.region(1, got) == b"rank0"
+    assert net.ok(0, other)
+    assert (0, mine) not in net.completed
+    wrong_job = net.recv(1, src=1, dst=2, nbytes=5, job="other")
+    net.run()
+    assert (1, wrong_job) not in net.completed
+
+
+# -- routes -----------------------------------------------------------------------------------
+def test_a_send_waits_for_its_rank_to_join() -> None:
+    net = FakeNet(2)
+    net.attach(0, 0)
+    net.run()
+    send = net.send(0, src=0, dst=2, data=DATA)
+    net.run()
+    assert net.frames[-1][2] is Kind.ANNOUNCE  # no RTS: nowhere to send it
+    assert net.engines[0].next_deadline() == net.route_timeout
+    net.attach(1, 2)
+    net.run()  # the ANNOUNCE reaches node 0, which sends the RTS
+    assert net.engines[0].next_deadline() is None
+    recv = net.recv(1, src=0, dst=2, nbytes=len(DATA))
+    net.run()
+    assert net.ok(0, send)
+    assert net.region(1, recv) == DATA
+
+
+def test_a_local_send_waits_for_its_local_rank() -> None:
+    net = FakeNet(1)
+    net.attach(0, 0)
+    send = net.send(0, src=0, dst=1, data=DATA)
+    net.attach(0, 1)
+    recv = net.recv(0, src=0, dst=1, nbytes=len(DATA))
+    assert net.ok(0, send)
+    assert net.region(0, recv) == DATA
+
+
+def test_a_send_to_a_rank_that_never_joins_fails_after_route_timeout() -> None:
+    net = FakeNet(2, route_timeout=2.5, now=100.0)
+    net.attach(0, 0)
+    send = net.send(0, src=0, dst=3, data=DATA)
+    assert net.engines[0].next_deadline() == 102.5
+    net.advance(102.4)
+    assert net.completed == {}
+    net.run_timers()
+    failure = failed(net, 0, send)
+    assert failure.code == "no_such_rank"
+    assert failure.rank == 3
+    assert "rank 3 of job 'job' did not join within 2.5s (route_timeout)" in failure.message
+    assert net.now == 102.5
+    assert net.engines[0].pending() == 0
+    assert net.engines[0].next_deadline() is None
+
+
+def test_a_recv_from_a_rank_that_never_joins_fails_after_route_timeout() -> None:
+    net = FakeNet(2, route_timeout=2.5)
+    net.attach(1, 2)
+    recv = net.recv(1, src=0, dst=2, nbytes=4)
+    net.run_timers()
+    failure = failed(net, 1, recv)
+    assert (failure.code, failure.rank) == ("no_such_rank", 0)
+    assert "rank 0 of job 'job' did not join" in failure.message
+
+
+def test_a_recv_whose_source_joins_in_time_does_not_time_out() -> None:
+    net = FakeNet(2, route_timeout=2.5)
+    net.attach(1, 2)
+    recv = net.recv(1, src=0, dst=2, nbytes=len(DATA))
+    net.advance(1.0)
+    net.attach(0, 0)
+    net.run()
+    assert net.engines[1].next_deadline() is None
+    net.advance(10.0)
+    assert net.completed == {}
+    send = net.send(0, src=0, dst=2, data=DATA)
+    net.run()
+    assert net.ok(0, send)
+    assert net.region(1, recv) == DATA
+
+
+def test_an_rts_for_a_rank_that_is_not_here_is_answered_no_such_rank(net: FakeNet) -> None:
+    # node 0 believes rank 2 lives on node 2 (a stale announcement): node 2 says no
+    net.engines[0].routes.release(JOB, 2, node=1)
+    net.engines[0].routes.claim(JOB, 2, 4, node=2)
+    send = net.send(0, src=0, dst=2, data=DATA)
+    net.run()
+    failure = failed(net, 0, send)
+    assert (failure.code, failure.node) == ("no_such_rank", 2)
+    assert "is not connected to node 2" in failure.message
+
+
+def test_attach_refuses_a_rank_that_runs_elsewhere(net: FakeNet) -> None:
+    with pytest.raises(UsageError, match="already running on node 1"):
+        net.attach(0, 2)
+
+
+def test_a_conflicting_announcement_is_ignored_with_a_notice(net: FakeNet) -> None:
+    # node 2 announces rank 2, which node 1 hosts: every daemon keeps the first claim
+    net.perform(2, [Broadcast(kind=Kind.ANNOUNCE, meta={"job": JOB, "rank": 2, "size": 4,
+                                                        "present": True})])  # fmt: skip
+    net.run()
+    assert [n for n, _ in net.notices] == [0, 1]
+    assert all("already running on node 1" in text for _, text in net.notices)
+    assert net.engines[0].routes.lookup(JOB, 2).node == 1  # type: ignore[union-attr]
+
+
+def test_a_peer_that_comes_up_learns_every_local_rank(net: FakeNet) -> None:
+    metas = net.engines[0].announcements()
+    assert sorted(m["rank"] for m in metas) == [0, 1]
+    assert all(m["present"] is True and m["size"] == 4 and m["job"] == JOB for m in metas)
+    fresh = Messaging(node=3, routes=RankTable(3), route_timeout=1.0)
+    for meta in metas:
+        assert fresh.on_frame(0, Kind.ANNOUNCE, meta, 0.0) == []
+    assert [(e.rank, e.node) for e in fresh.routes.entries()] == [(0, 0), (1, 0)]
+
+
+# -- failures ---------------------------------------------------------------------------------
+def test_peer_down_fails_every_operation_that_involves_the_node() -> None:
+    net = layout(auto_stream=False)
+    announced = net.send(0, src=0, dst=2, data=b"announced")  # RTS, no receive yet
+    streaming = net.send(0, src=1, dst=2, data=b"streaming")
+    net.recv(1, src=1, dst=2, nbytes=9)
+    waiting = net.recv(0, src=2, dst=0, nbytes=4)  # rank 2 has not sent
+    matched = net.recv(0, src=2, dst=1, nbytes=6)
+    early = net.recv(0, src=3, dst=1, nbytes=3)  # rank 3 is on node 2, which stays up
+    local = net.send(0, src=0, dst=1, data=b"local")
+    net.send(1, src=2, dst=1, data=b"bytes!")
+    net.send(1, src=2, dst=0, data=b"unsent", tag=5)  # node 1's RTS reaches node 0 unmatched …
+    net.run()
+    assert len(net.streams) == 2  # node 0 -> 1 and node 1 -> 0 are both streaming
+
+    net.crash(1)
+    net.detect(0, 1, reason="down")
+    for op, rank in ((announced, 2), (streaming, 2), (waiting, 2), (matched, 2)):
+        failure = failed(net, 0, op)
+        assert failure.code == "peer_failed", op
+        assert (failure.rank, failure.node) == (rank, 1)
+        assert "node 1 is down" in failure.message
+    assert (0, early) not in net.completed
+    assert (0, local) not in net.completed
+    assert net.engines[0].pending() == 2  # the two that do not involve node 1 can still finish
+    assert DiscardData(node=1, msg=1) in net.of(0, DiscardData)  # matched's landing spot
+    assert net.engines[0].routes.lookup(JOB, 2) is None
+    # … the unmatched RTS from node 1 is forgotten: a receive posted now does not match it
+    late = net.recv(0, src=2, dst=0, nbytes=6, tag=5)
+    assert (0, late) not in net.completed
+    net.run_timers()
+    assert failed(net, 0, late).code == "no_such_rank"
+
+
+def test_peer_down_is_idempotent_and_harmless_for_strangers(net: FakeNet) -> None:
+    send = net.send(0, src=0, dst=2, data=DATA)
+    net.run()
+    first = net.engines[0].peer_down(1, "down")
+    assert [type(a) for a in first] == [Complete]
+    assert net.engines[0].peer_down(1, "down") == []
+    assert net.engines[0].peer_down(2, "down") == []
+    net.perform(0, first)
+    assert failed(net, 0, send).code == "peer_failed"
+
+
+def test_detach_cancels_announced_sends_and_fails_the_matched_receive(net: FakeNet) -> None:
+    net.hold(1, 0)  # node 1's CTS has not reached node 0 when the client leaves
+    send = net.send(0, src=0, dst=2, data=DATA)
+    net.run()
+    matched = net.recv(1, src=0, dst=2, nbytes=len(DATA))
+    net.run()
+    assert len(net.of(1, ExpectData)) == 1
+    net.detach(0, 0, ops=[send])
+    assert SendFrame(node=1, kind=Kind.CANCEL, meta={"msg": 1}) in net.of(0, SendFrame)
+    net.release(1, 0)
+    net.run()
+    failure = failed(net, 1, matched)
+    assert (failure.code, failure.rank, failure.node) == ("peer_failed", 0, 0)
+    assert "disconnected before its message was delivered" in failure.message
+    assert (0, send) not in net.completed  # its client is gone: nobody to tell
+    assert net.streams == []  # the late CTS is ignored
+    assert net.pending() == [0, 0, 0]
+
+
+def test_detach_drops_posted_receives_and_fails_remote_ones_waiting_for_the_rank(
+    net: FakeNet,
+) -> None:
+    mine = net.recv(0, src=2, dst=0, nbytes=4)  # rank 0's own receive: vanishes
+    theirs = net.recv(1, src=0, dst=2, nbytes=4)  # rank 2 waits for rank 0: fails
+    local = net.recv(0, src=0, dst=1, nbytes=4)  # rank 1 waits for rank 0: fails
+    queued = net.send(0, src=1, dst=0, data=b"late")  # rank 1 -> rank 0, never received
+    net.run()
+    net.detach(0, 0, ops=[mine])
+    net.run()
+    assert (0, mine) not in net.completed
+    for node, op in ((1, theirs), (0, local), (0, queued)):
+        failure = failed(net, node, op)
+        assert (failure.code, failure.rank, failure.node) == ("peer_failed", 0, 0)
+        assert "rank 0 of job 'job'" in failure.message
+    assert [engine.routes.lookup(JOB, 0) for engine in net.engines] == [None, None, None]
+    assert net.pending() == [0, 0, 0]
+
+
+def test_an_rts_waiting_for_a_departed_receiver_is_answered(net: FakeNet) -> None:
+    send = net.send(0, src=0, dst=2, data=DATA)
+    net.run()
+    net.detach(1, 2)
+    net.run()
+    failure = failed(net, 0, send)
+    assert (failure.code, failure.node) == ("receiver_left", 1)
+    assert net.pending() == [0, 0, 0]
+
+
+def test_a_receiver_that_leaves_mid_transfer_still_drains_the_data() -> None:
+    net = layout(auto_stream=False)
+    send = net.send(0, src=0, dst=2, data=DATA)
+    recv = net.recv(1, src=0, dst=2, nbytes=len(DATA))
+    net.run()
+    net.abandon(1, [recv])
+    assert net.of(1, DiscardData) == [DiscardData(node=0, msg=1)]
+    assert not net.engines[1].holds(recv)
+    assert net.engines[1].transfers() == 1  # the bytes still come and are counted
+    net.finish_stream()
+    net.run()
+    assert net.region(1, recv) == b"\xee" * len(DATA)  # written nowhere
+    assert (1, recv) not in net.completed
+    assert failed(net, 0, send).code == "receiver_left"
+    assert net.pending() == [0, 0, 0]
+    assert net.engines[1].transfers() == 0
+
+
+def test_abandon_keeps_a_streaming_send_until_done() -> None:
+    net = layout(auto_stream=False)
+    send = net.send(0, src=0, dst=2, data=DATA)
+    recv = net.recv(1, src=0, dst=2, nbytes=len(DATA))
+    net.run()
+    assert net.streams == [(0, StreamData(node=1, msg=1, op=send))]
+    net.abandon(0, [send])
+    assert Kind.CANCEL not in [a.kind for a in net.of(0, SendFrame)]  # the bytes are moving
+    assert net.engines[0].holds(send)
+    assert net.engines[0].transfers() == 1
+    net.finish_stream()
+    net.run()
+    assert net.ok(1, recv)
+    assert net.region(1, recv) == DATA
+    assert net.ok(0, send)  # reported to a daemon that no longer has a client for it
+    assert not net.engines[0].holds(send)
+
+
+def test_abandon_of_unmatched_operations_forgets_them(net: FakeNet) -> None:
+    waiting = net.send(0, src=0, dst=3, data=b"x")  # RTS sent, no receive
+    queued = net.send(0, src=0, dst=1, data=b"y")  # local, no receive
+    routeless = net.send(0, src=0, dst=7, data=b"z", job="nobody")
+    posted = net.recv(0, src=2, dst=0, nbytes=1)
+    net.run()
+    net.abandon(0, [waiting, queued, routeless, posted, 12345])
+    assert net.engines[0].pending() == 0
+    assert net.engines[0].next_deadline() is None
+    net.run()
+    assert net.engines[2].pending() == 0
+    late = net.recv(2, src=0, dst=3, nbytes=1)
+    assert (2, late) not in net.completed  # the cancelled RTS does not match it
+    local = net.recv(0, src=0, dst=1, nbytes=1)
+    assert (0, local) not in net.completed
+    assert net.completed == {}
+
+
+def test_stream_failed_fails_the_send_and_cancels_the_receive() -> None:
+    net = layout(auto_stream=False)
+    send = net.send(0, src=0, dst=2, data=DATA)
+    recv = net.recv(1, src=0, dst=2, nbytes=len(DATA))
+    net.run()
+    net.fail_stream(reason="sending to node 1 failed: reset")
+    failure = failed(net, 0, send)
+    assert (failure.code, failure.node) == ("transport", 1)
+    assert failure.message == "sending to node 1 failed: reset"
+    assert net.engines[0].stream_failed(1, "again") == []
+    net.run()
+    assert failed(net, 1, recv).code == "peer_failed"
+    assert DiscardData(node=0, msg=1) in net.of(1, DiscardData)
+    assert net.pending() == [0, 0, 0]
+
+
+def test_control_frames_from_the_wrong_node_or_for_unknown_messages_are_ignored() -> None:
+    net = layout(auto_stream=False)
+    net.hold(1, 0)
+    send = net.send(0, src=0, dst=2, data=DATA)
+    net.run()
+    engine = net.engines[0]
+    for node, kind, meta in [
+        (2, Kind.CTS, {"msg": 1}),  # node 2 never got this message
+        (1, Kind.CTS, {"msg": 99}),
+        (2, Kind.DONE, {"msg": 1}),
+        (1, Kind.DONE, {"msg": 99}),
+        (1, Kind.DONE, {"msg": 99, "code": "mismatch", "error": "no"}),
+        (2, Kind.CANCEL, {"msg": 1}),
+        (1, Kind.CANCEL, {"msg": 99}),
+    ]:
+        assert engine.on_frame(node, kind, meta, 0.0) == [], (node, kind, meta)
+    assert engine.holds(send)
+    recv = net.recv(1, src=0, dst=2, nbytes=len(DATA))
+    net.release(1, 0)
+    net.run()
+    net.finish_stream()
+    net.run()
+    assert net.ok(0, send)
+    assert net.region(1, recv) == DATA
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"msg": 1, "src": 0, "dst": 2, "tag": 0, "nbytes": 4, "dtype": "uint8"},  # no job
+        {"msg": 1, "job": "", "src": 0, "dst": 2, "tag": 0, "nbytes": 4, "dtype": "uint8"},
+        {"msg": 1, "job": "j", "src": -1, "dst": 2, "tag": 0, "nbytes": 4, "dtype": "uint8"},
+        {"msg": 1, "job": "j", "src": 0, "dst": 2**32, "tag": 0, "nbytes": 4, "dtype": "u8"},
+        {"msg": 1, "job": "j", "src": 0, "dst": 2, "tag": "0", "nbytes": 4, "dtype": "uint8"},
+        {"msg": 1, "job": "j", "src": 0, "dst": 2, "tag": 0, "nbytes": -4, "dtype": "uint8"},
+        {"msg": 1, "job": "j", "src": 0, "dst": 2, "tag": 0, "nbytes": 4.0, "dtype": "uint8"},
+        {"msg": 1, "job": "j", "src": 0, "dst": 2, "tag": 0, "nbytes": 4, "dtype": None},
+        {"msg": True, "job": "j", "src": 0, "dst": 2, "tag": 0, "nbytes": 4, "dtype": "u8"},
+        {"job": "j", "src": 0, "dst": 2, "tag": 0, "nbytes": 4, "dtype": "uint8"},  # no msg
+    ],
+)
+def test_malformed_rts_metadata_is_a_remote_protocol_error(net: FakeNet, meta: dict) -> None:
+    with pytest.raises(RemoteProtocolError):
+        net.engines[1].on_frame(0, Kind.RTS, meta, 0.0)
+    assert net.engines[1].pending() == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "meta"),
+    [
+        (Kind.HEARTBEAT, {"msg": 1}),
+        (Kind.DONE, {"msg": 1, "code": "mismatch"}),  # an error code needs its message
+        (Kind.CTS, {}),
+        (Kind.ANNOUNCE, {"job": JOB, "rank": 0, "size": 0, "present": True}),
+        (Kind.ANNOUNCE, {"job": JOB, "size": 4, "present": True}),
+    ],
+)
+def test_other_malformed_frames_are_remote_protocol_errors(kind: Kind, meta: dict) -> None:
+    net = layout()
+    send = net.send(0, src=0, dst=2, data=DATA)
+    net.run()
+    assert net.engines[0].holds(send)
+    with pytest.raises(RemoteProtocolError):
+        net.engines[0].on_frame(1, kind, meta, 0.0)
+
+
+def test_a_malformed_done_leaves_the_send_to_fail_with_the_link(net: FakeNet) -> None:
+    """The engine must not half-apply a frame it refuses: the daemon closes that peer's link,
+    and the reset that follows is what fails the send."""
+    send = net.send(0, src=0, dst=2, data=DATA)
+    net.run()
+    with pytest.raises(RemoteProtocolError, match="'error'"):
+        net.engines[0].on_frame(1, Kind.DONE, {"msg": 1, "code": "mismatch"}, 0.0)
+    assert net.engines[0].holds(send)
+    assert (0, send) not in net.completed
+    net.detect(0, 1, reason="unreachable (control link lost)")
+    failure = failed(net, 0, send)
+    assert (failure.code, failure.rank, failure.node) == ("peer_failed", 2, 1)
+
+
+def test_a_lost_done_is_recovered_only_by_the_link_reset() -> None:
+    """The engine trusts the control link to be reliable: a frame lost without the link
+    dropping leaves the send waiting, and the reset that a broken link causes fails it."""
+    net = layout(drop=lambda src, dst, kind, meta: kind is Kind.DONE)
+    send = net.send(0, src=0, dst=2, data=DATA)
+    recv = net.recv(1, src=0, dst=2, nbytes=len(DATA))
+    net.run_timers()
+    assert net.region(1, recv) == DATA
+    assert net.ok(1, recv)
+    assert net.engines[0].holds(send)  # no timer rescues it: liveness is the peer table's job
+    net.detect(0, 1, reason="unreachable (control link lost)")
+    assert failed(net, 0, send).code == "peer_failed"
+
+
+def test_parse_message_reads_what_an_rts_carries() -> None:
+    meta = {"msg": 4, "job": "j", "src": 1, "dst": 2, "tag": 3, "nbytes": 40, "dtype": "f4"}
+    assert parse_message(meta) == Message(job="j", src=1, dst=2, tag=3, nbytes=40, dtype="f4")
+
+
+# -- property: random traffic, random delivery orders, one random crash -----------------------
+NODE_OF = {0: 0, 1: 1, 2: 2, 3: 0}
+SIZES = (0, 1, 7, 32)
+
+messages = st.lists(
+    st.tuples(
+        st.integers(0, 3),  # src
+        st.integers(0, 3),  # dst
+        st.integers(0, 1),  # tag
+        st.sampled_from(SIZES),  # bytes sent
+        st.sampled_from(SIZES + (None,) * 4),  # bytes the receive expects (None: the same)
+    ),
+    max_size=14,
+)
+
+
+def payload(uid: int, nbytes: int) -> bytes:
+    """Bytes that differ from message to message, so a mix-up shows."""
+    return bytes((uid * 31 + i + 1) % 251 for i in range(nbytes))
+
+
+def run_scenario(rng: random.Random, msgs: list[tuple], crash: tuple[int, int] | None) -> FakeNet:
+    """Play the messages with random program orders and delivery; maybe crash one node."""
+    net = FakeNet(3, rng=rng)
+    program: dict[int, list[tuple]] = {rank: [("attach",)] for rank in NODE_OF}
+    for uid, (src, dst, tag, sent, expected) in enumerate(msgs):
+        program[src].append(("send", dst, tag, sent, uid))
+        program[dst].append(("recv", src, tag, sent if expected is None else expected))
+    for rank in NODE_OF:
+        head, *ops = program[rank]
+        rng.shuffle(ops)
+        program[rank] = [head, *ops]
+    cursor = dict.fromkeys(NODE_OF, 0)
+    detections: list[int] = []
+    step = 0
+
+    def post(rank: int) -> None:
+        event = program[rank][cursor[rank]]
+        cursor[rank] += 1
+        node = NODE_OF[rank]
+        if node in net.crashed:
+            return
+        match event:
+            case ("attach",):
+                net.attach(node, rank)
+            case ("send", dst, tag, nbytes, uid):
+                net.send(node, src=rank, dst=dst, data=payload(uid, nbytes), tag=tag)
+            case ("recv", src, tag, nbytes):
+                net.recv(node, src=src, dst=rank, nbytes=nbytes, tag=tag)
+
+    while True:
+        step += 1
+        if crash is not None and step == crash[1] and crash[0] not in net.crashed:
+            net.crash(crash[0])
+            detections = [n for n in range(3) if n != crash[0]]
+        if detections and rng.random() < 0.2:
+            net.detect(detections.pop(rng.randrange(len(detections))), crash[0])  # type: ignore[index]
+        ready = [r for r in NODE_OF if cursor[r] < len(program[r])]
+        if not ready and not net.in_flight():
+            break
+        if ready and (not net.in_flight() or rng.random() < 0.5):
+            post(rng.choice(ready))
+        else:
+            net.deliver_one()
+    if crash is not None and crash[0] not in net.crashed:
+        net.crash(crash[0])
+        detections = [n for n in range(3) if n != crash[0]]
+    for survivor in detections:
+        net.detect(survivor, crash[0])  # type: ignore[index]
+    net.run_timers()
+    return net
+
+
+def check_history(net: FakeNet, dead: int | None) -> None:
+    """Exactly-once completion, FIFO matching and the right bytes in every successful receive."""
+    for (node, op), outcomes in net.completed.items():
+        assert len(outcomes) == 1, f"op {op} on node {node} completed {len(outcomes)} times"
+    survivors = [n for n in range(3) if n != dead]
+    for node in survivors:
+        assert net.engines[node].pending() == 0
+        assert net.engines[node].transfers() == 0
+        assert net.engines[node].next_deadline() is None
+    by_key: dict[tuple, tuple[list[Posted], list[Posted]]] = defaultdict(lambda: ([], []))
+    for posted in sorted(net.ops.values(), key=lambda p: p.op):
+        m = posted.msg
+        by_key[m.job, m.src, m.dst, m.tag][0 if posted.send else 1].append(posted)
+    for (_, src, dst, _), (sends, recvs) in by_key.items():
+        involved = dead in (NODE_OF[src], NODE_OF[dst])
+        for posted in sends + recvs:
+            if posted.node == dead:
+                continue
+            failure = net.outcome(posted.node, posted.op)  # survivors: exactly once
+            if failure is not None and involved:
+                assert failure.code in ("peer_failed", "no_such_rank", "mismatch"), failure
+                if failure.code == "peer_failed":
+                    assert failure.node == dead
+                    assert failure.rank is not None
+        for k, recv in enumerate(recvs):
+            if recv.node == dead or net.outcome(recv.node, recv.op) is not None:
+                continue
+            send = sends[k]  # FIFO: the k-th receive meets the k-th send of its key
+            assert recv.region.tobytes() == send.region.tobytes()
+            assert recv.msg.nbytes == send.msg.nbytes
+        if involved:
+            continue
+        for send, recv in zip(sends, recvs, strict=True):
+            fits = send.msg.nbytes == recv.msg.nbytes
+            codes = [
+                None if f is None else f.code
+                for f in (net.outcome(send.node, send.op), net.outcome(recv.node, recv.op))
+            ]
+            assert codes == ([None, None] if fits else ["mismatch", "mismatch"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(msgs=messages, rng=st.randoms(use_true_random=False))
+def test_random_traffic_completes_exactly_once_in_fifo_order(
+    msgs: list[tuple], rng: random.Random
+) -> None:
+    net = run_scenario(rng, msgs, crash=None)
+    check_history(net, dead=None)
+    assert len(net.completed) == 2 * len(msgs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    msgs=messages,
+    rng=st.randoms(use_true_random=False),
+    dead=st.integers(0, 2),
+    when=st.integers(1, 80),
+)
+def test_random_traffic_with_a_crash_leaves_nothing_behind(
+    msgs: list[tuple], rng: random.Random, dead: int, when: int
+) -> None:
+    net = run_scenario(rng, msgs, crash=(dead, when))
+    check_history(net, dead=dead)
