@@ -55,6 +55,10 @@ class Inbound:
         if expectation is not None:
             expectation.region = None
 
+    def forget(self, node: int, msg: int) -> None:
+        """Message (node, msg) was cancelled: none of its DATA will come."""
+        self._expected.pop((node, msg), None)
+
     def forget_node(self, node: int) -> None:
         """The link to ``node`` was reset: nothing more of its messages will come."""
         for key in [k for k in self._expected if k[0] == node]:

@@ -249,6 +249,8 @@ class Daemon:
                     self.inbound.expect(node, msg, self.regions[op])
                 case p2p.DiscardData(node=node, msg=msg):
                     self.inbound.discard(node, msg)
+                case p2p.ForgetData(node=node, msg=msg):
+                    self.inbound.forget(node, msg)
                 case p2p.CopyLocal(src_op=src, dst_op=dst):
                     self._spawn(self._copy(src, dst))
                 case p2p.Complete(op=op, failure=failure):

@@ -106,6 +106,14 @@ class DiscardData:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ForgetData:
+    """No more DATA of (``node``, ``msg``) will come (its sender cancelled): drop the record."""
+
+    node: int
+    msg: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CopyLocal:
     """Copy send ``src_op``'s bytes into receive ``dst_op``'s region, then report back."""
 
@@ -129,7 +137,15 @@ class Notice:
 
 
 Action = (
-    SendFrame | Broadcast | StreamData | ExpectData | DiscardData | CopyLocal | Complete | Notice
+    SendFrame
+    | Broadcast
+    | StreamData
+    | ExpectData
+    | DiscardData
+    | ForgetData
+    | CopyLocal
+    | Complete
+    | Notice
 )
 
 
@@ -348,6 +364,8 @@ class Messaging:
             op = self._out.get(msg_id)
             if op is None or self._sends[op].node != node:
                 return []  # cancelled meanwhile
+            if self._sends[op].state is not _SendState.RTS:
+                return [Notice(message=f"node {node} sent a second CTS for message {msg_id}")]
             self._sends[op].state = _SendState.STREAM
             return [StreamData(node=node, msg=msg_id, op=op)]
         if kind is Kind.DONE:
@@ -469,7 +487,7 @@ class Messaging:
         if (node, msg_id) not in self._incoming:
             return []
         op = self._incoming.pop((node, msg_id))
-        actions: list[Action] = [DiscardData(node=node, msg=msg_id)]
+        actions: list[Action] = [ForgetData(node=node, msg=msg_id)]
         if op is not None:
             text = "the sending rank disconnected before its message was delivered"
             actions += self._fail_recv(op, "peer_failed", text, node)

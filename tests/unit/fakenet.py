@@ -39,6 +39,7 @@ from fabricd.engines.p2p import (
     DiscardData,
     ExpectData,
     Failure,
+    ForgetData,
     Message,
     Messaging,
     Notice,
@@ -186,6 +187,8 @@ class FakeNet:
                 case DiscardData(node=peer, msg=msg):
                     if (node, peer, msg) in self.expected:
                         self.expected[node, peer, msg] = None
+                case ForgetData(node=peer, msg=msg):
+                    self.expected.pop((node, peer, msg), None)
                 case CopyLocal():
                     self.copies.append((node, action))
                     if self.auto_copy:

@@ -21,6 +21,7 @@ from fabricd.engines.p2p import (
     DiscardData,
     ExpectData,
     Failure,
+    ForgetData,
     Message,
     Messaging,
     SendFrame,
@@ -492,7 +493,8 @@ def test_stream_failed_fails_the_send_and_cancels_the_receive() -> None:
     assert net.engines[0].stream_failed(1, "again") == []
     net.run()
     assert failed(net, 1, recv).code == "peer_failed"
-    assert DiscardData(node=0, msg=1) in net.of(1, DiscardData)
+    assert ForgetData(node=0, msg=1) in net.of(1, ForgetData)  # no DATA of it will come
+    assert (1, 0, 1) not in net.expected
     assert net.pending() == [0, 0, 0]
 
 
@@ -731,3 +733,14 @@ def test_random_traffic_with_a_crash_leaves_nothing_behind(
 ) -> None:
     net = run_scenario(rng, msgs, crash=(dead, when))
     check_history(net, dead=dead)
+
+
+def test_a_second_cts_is_reported_and_does_not_stream_twice() -> None:
+    net = layout(auto_stream=False)
+    net.send(0, src=0, dst=2, data=DATA)
+    net.recv(1, src=0, dst=2, nbytes=len(DATA))
+    net.run()
+    assert len(net.streams) == 1
+    again = net.engines[0].on_frame(1, Kind.CTS, {"msg": 1}, 0.0)
+    assert not any(isinstance(a, StreamData) for a in again)
+    assert any("second CTS" in getattr(a, "message", "") for a in again)
