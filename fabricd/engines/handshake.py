@@ -14,6 +14,7 @@ Theory of operation (three frames; K is the shared secret, T the transcript)::
       AUTH {mac=HMAC(K, "initiator" ‖ T)}     ─────►
 
     T = msgpack([Ni, Na, initiator node, initiator inc, acceptor node, acceptor inc, channel])
+    K = SHA-256("fabricd-v1-key" ‖ 0x00 ‖ secret)
 
 Each side proves it knows K over a nonce the *other* side chose, so a recorded exchange cannot
 be replayed, and the role labels keep one side's answer from being reflected as the other's.
@@ -117,7 +118,9 @@ class Handshake:
         if role is Role.INITIATOR and (channel is None or expected_node is None):
             raise ValueError("an initiator must name its channel and the node it dialled")
         self.role = role
-        self._secret = secret
+        # HMAC would pad a short secret with zeros and hash a long one, making b"k" and b"k\0"
+        # (or a long secret and its SHA-256) the same key; a derived key keeps them apart
+        self._key = hashlib.sha256(b"fabricd-v1-key\0" + secret).digest()
         self._node = node
         self._incarnation = incarnation
         self._nonce = nonce
@@ -219,7 +222,7 @@ class Handshake:
 
     def _mac(self, role: Role) -> bytes:
         label = b"fabricd-v1-" + role.value.encode()
-        return hmac.new(self._secret, label + self._transcript, hashlib.sha256).digest()
+        return hmac.new(self._key, label + self._transcript, hashlib.sha256).digest()
 
     def _verify(self, meta: Meta, role: Role) -> None:
         mac = get_bytes(meta, "mac")

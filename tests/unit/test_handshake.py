@@ -179,7 +179,8 @@ def proof(secret: bytes, role: Role, hello: Meta, answer: Meta) -> bytes:
          answer["inc"], hello["channel"]]
     )  # fmt: skip
     label = b"fabricd-v1-" + role.value.encode()
-    return hmac.new(secret, label + transcript, hashlib.sha256).digest()
+    key = hashlib.sha256(b"fabricd-v1-key\0" + secret).digest()
+    return hmac.new(key, label + transcript, hashlib.sha256).digest()
 
 
 @pytest.mark.parametrize(("secret", "accepted"), [(SECRET, True), (b"a guess", False)])
@@ -376,13 +377,8 @@ def test_auth_without_a_binary_mac_is_refused() -> None:
 
 
 # -- property: the secret decides -------------------------------------------------------------
-def _hmac_key(secret: bytes) -> bytes:
-    """HMAC pads keys up to its block size with zeros, so b"k" and b"k\\0" are the same key."""
-    return secret.rstrip(b"\0")
-
-
-#: keys longer than HMAC's 64-byte block are hashed first, so stay at or below it
-secret_bytes = st.binary(max_size=64)
+#: short and long secrets alike: the derived key keeps b"k" and b"k\0" apart
+secret_bytes = st.binary(max_size=100)
 nonces = st.binary(min_size=NONCE_SIZE, max_size=NONCE_SIZE)
 
 
@@ -399,10 +395,19 @@ def test_equal_secrets_always_authenticate(secret: bytes, nonce_i: bytes, nonce_
 def test_unequal_secrets_never_authenticate(
     mine: bytes, theirs: bytes, initiator_wrong: bool
 ) -> None:
-    assume(_hmac_key(mine) != _hmac_key(theirs))
+    assume(mine != theirs)
     init = initiator(secret=theirs if initiator_wrong else mine)
     acc = acceptor(secret=mine if initiator_wrong else theirs)
     with pytest.raises(AuthenticationFailed):
         run(init, acc)
     assert init.peer is None
     assert acc.peer is None
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs"),
+    [(b"k" * 16, b"k" * 16 + b"\0"), (b"s" * 80, hashlib.sha256(b"s" * 80).digest())],
+)
+def test_secrets_hmac_would_confuse_are_told_apart(mine: bytes, theirs: bytes) -> None:
+    with pytest.raises(AuthenticationFailed):
+        run(initiator(secret=mine), acceptor(secret=theirs))
