@@ -111,6 +111,7 @@ def _raise_for(reply: Meta, what: str) -> Meta:
             text,
             rank=rank if isinstance(rank, int) else None,
             node=node if isinstance(node, int) else None,
+            code=code,
         )
     if code in ("usage", "mismatch"):
         raise UsageError(text)

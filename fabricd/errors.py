@@ -77,8 +77,15 @@ class PeerFailed(OperationFailed):
         node: the node id that was lost, if known.
     """
 
-    def __init__(self, message: str, *, rank: int | None = None, node: int | None = None) -> None:
-        super().__init__(message, code="peer_failed")
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        node: int | None = None,
+        code: str = "peer_failed",
+    ) -> None:
+        super().__init__(message, code=code)
         self.rank = rank
         self.node = node
 

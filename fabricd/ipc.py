@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
 from fabricd.errors import ConfigError, ProtocolError
-from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, Limits, Meta, encode
+from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, Limits, Meta, encode_head
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -138,7 +138,7 @@ class IpcConnection:
         """Queue a REPLY frame; disconnects the client if too much is already queued."""
         if self.closed:
             return
-        self._out += encode(Kind.REPLY, meta)
+        self._out += encode_head(Kind.REPLY, meta, limits=REPLY_LIMITS)
         self._flush()
 
     def reply_error(self, request_id: int, code: str, message: str) -> None:

@@ -411,6 +411,8 @@ class Daemon:
         if link is not self.control.get(node) and link is not self.data.get(node):
             link.close("frame on a link that is no longer current")  # fenced: a dead incarnation
             return
+        if (frame.kind is Kind.DATA) != (link is self.data.get(node)):
+            raise ProtocolError(f"{frame.kind.name} on the wrong channel from node {node}")
         now = self.loop.time()
         self._perform(self.peers.on_heard(node, now))
         if frame.kind is Kind.DATA:

@@ -97,9 +97,14 @@ class _PendingSink:
 
     def link_lost(self, link: Link, exc: BaseException | None) -> None:
         self._timer.cancel()
-        if not self.done.done():
-            reason = link.close_reason or "closed during handshake"
-            self.done.set_exception(TransportError(reason))
+        if self.done.done():
+            return
+        reason = link.close_reason or "closed during handshake"
+        if reason.startswith("protocol error"):  # junk before authentication
+            log.warning("refused link from %s: %s", link.peer_address, reason)
+            self.peering.refused += 1
+        self.done.set_exception(TransportError(reason))
+        self.done.exception()  # retrieved: an accepted link has nobody awaiting it
 
     def _send(self, link: Link, frames: list[Outgoing]) -> None:
         for out in frames:
