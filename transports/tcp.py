@@ -59,6 +59,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._writable = asyncio.Event()
         self._writable.set()
+        self._send_lock = asyncio.Lock()
         self._closed = asyncio.get_running_loop().create_future()
         self._is_closed = False
         self._frames_sent = 0
@@ -126,15 +127,29 @@ class TcpLink(Link, asyncio.BufferedProtocol):
     async def send(
         self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
     ) -> None:
-        self.send_nowait(kind, meta, payload)
-        if not self._writable.is_set():
-            await self._writable.wait()
-            if self._is_closed:
-                raise TransportError(f"link to {self.peer_address} closed while sending")
+        # One sender at a time queues and waits out the backpressure, so concurrent streams
+        # on one link leave at most the high-water mark plus one frame queued; without the
+        # lock every waiter woken by resume_writing queued a chunk at once, and enough of them
+        # crossed MAX_UNREAD and dropped a healthy link.  Bulk sends are bounded by this
+        # backpressure, so the MAX_UNREAD guard (for send_nowait) does not apply to them.
+        async with self._send_lock:
+            self._queue(kind, meta, payload)
+            if not self._writable.is_set():
+                await self._writable.wait()
+                if self._is_closed:
+                    raise TransportError(f"link to {self.peer_address} closed while sending")
 
     def send_nowait(
         self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
     ) -> None:
+        transport = self._queue(kind, meta, payload)
+        if transport.get_write_buffer_size() > MAX_UNREAD:
+            self.close(f"peer is not reading (over {MAX_UNREAD} B unsent)")
+            transport.abort()  # close() would flush into the peer that does not read, forever
+
+    def _queue(
+        self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer]
+    ) -> asyncio.Transport:
         transport = self._transport
         if self._is_closed or transport is None or transport.is_closing():
             raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
@@ -143,8 +158,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         transport.writelines([head, *payload])
         self._frames_sent += 1
         self._bytes_sent += len(head) + size
-        if transport.get_write_buffer_size() > MAX_UNREAD:
-            self.close(f"peer is not reading (over {MAX_UNREAD} B unsent)")
+        return transport
 
     def close(self, reason: str) -> None:
         if self.close_reason is None:

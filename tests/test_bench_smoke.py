@@ -1,0 +1,103 @@
+"""The benchmarks run and report a ratio for every case (structure only, never speed).
+
+Each benchmark runs in ``--quick`` mode in a subprocess, as ``make bench`` would run it, with
+``--json``; the tests check the shape of what it printed.  No assertion here is about how fast
+anything is: on a shared two-core machine that would be a flaky test, and the figures belong in
+docs/performance.md, not in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import handoff, latency, throughput
+from bench.report import Column, Table, fmt_size, median, percentile
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_bench(*args: str) -> tuple[dict, str]:
+    """Run ``python -m bench ARGS`` from the repository root; return (JSON, stderr)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout), done.stderr
+
+
+def the_table(result: dict, name: str) -> dict:
+    [table] = [t for t in result["benchmarks"] if t["name"] == name]
+    return table
+
+
+def assert_ratios(table: dict) -> None:
+    for row in table["rows"]:
+        assert isinstance(row["ratio"], float), row
+        assert math.isfinite(row["ratio"]), row
+        assert row["ratio"] > 0, row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "sizes"),
+    [("handoff", handoff.QUICK_SIZES), ("throughput", throughput.QUICK_SIZES)],
+)
+def test_size_sweep_reports_a_ratio_for_every_size(name: str, sizes: list[int]) -> None:
+    result, progress = run_bench("--quick", "--json", "--only", name)
+    table = the_table(result, name)
+    assert [row["nbytes"] for row in table["rows"]] == sizes
+    assert_ratios(table)
+    for row in table["rows"]:
+        assert set(row["figures"]) >= {"baseline" if name == "handoff" else "raw", "fabricd"}
+    lines = [line for line in progress.splitlines() if line.startswith(f"[{name}]")]
+    for size in sizes:  # one progress line per case
+        label = fmt_size(size) if size else "0 B"
+        assert any(line.startswith(f"[{name}] {label}:") and "ratio" in line for line in lines)
+    assert table["target_met"] in (True, False, None)
+    assert result["machine"]["cpus"].isdigit()
+
+
+@pytest.mark.slow
+def test_latency_reports_ratios_and_the_end_to_end_figure() -> None:
+    result, _ = run_bench("--quick", "--json", "--only", "latency")
+    table = the_table(result, "latency")
+    expected = [f"{latency.FRAME_SIZE} B, {where}" for where, _ in latency.placements()]
+    assert [row["label"] for row in table["rows"]] == expected
+    assert_ratios(table)
+    for row in table["rows"]:
+        assert set(row["figures"]) >= {"raw_median", "raw_p99", "fabricd_median", "fabricd_p99"}
+    [extra] = table["extras"]
+    assert set(extra["figures"]) == {"median", "p99"}
+    assert all(value > 0 for value in extra["figures"].values())
+
+
+def test_table_renders_a_ratio_for_every_row() -> None:
+    table = Table(name="t", title="a title", columns=[Column("a", "A")], ratio="a / b")
+    table.add("4 KiB", 4096, 0.5, a=1.0)
+    table.add("1 MiB", 1 << 20, 2.0, a=2.0)
+    text = table.render().splitlines()
+    assert text[0] == "a title"
+    assert text[2].split() == ["size", "A", "ratio"]
+    assert text[3].split()[-1] == "0.500x"
+    assert text[4].split()[-1] == "2.00x"
+    markdown = table.render(markdown=True).splitlines()
+    assert markdown[0] == "| size | A | ratio |"
+    assert markdown[2].endswith("| 0.500x |")
+
+
+def test_statistics() -> None:
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
+    assert percentile([5.0], 99) == 5.0
