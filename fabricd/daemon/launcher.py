@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -105,7 +106,12 @@ class LocalCluster:
         secret = self.directory / "secret"
         secret.write_text(secrets.token_hex(32))
         secret.chmod(0o600)
-        addresses = [f"127.0.0.1:{_free_port()}" for _ in range(self.size)]
+        ports: list[int] = []
+        while len(ports) < self.size:
+            port = _free_port()
+            if port not in ports:
+                ports.append(port)
+        addresses = [f"127.0.0.1:{port}" for port in ports]
         lines = [f"nodes = {_toml_value(addresses)}", f"secret_file = {_toml_value(str(secret))}"]
         for key, value in self.settings.items():
             lines.append(f"{key} = {_toml_value(value)}")
@@ -242,10 +248,31 @@ class LocalCluster:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """A port that is free now and below the kernel's ephemeral range.
+
+    A port the kernel handed out for ``bind(0)`` comes from the ephemeral range, which every
+    outgoing connection on the machine (the daemons' own dials included) also draws from, so
+    it could be taken before the daemon binds it; ports below the range are never handed out.
+    """
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise ClusterError("found no free port on 127.0.0.1 below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            return int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _toml_value(value: Any) -> str:
