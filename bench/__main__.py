@@ -10,6 +10,7 @@ fail.  The exit status is non-zero only when a benchmark could not run.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "handoff": handoff.run,
     "throughput": throughput.run,
+    "throughput-window": functools.partial(throughput.run, window=throughput.WINDOW),
     "latency": latency.run,
 }
 
@@ -56,8 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(dump_json(tables, info), flush=True)
     else:
-        print(f"\nload average before {info['load_before']}, after {info['load_after']}; "
-              f"{info['seconds']} s in all", flush=True)  # fmt: skip
+        print(
+            f"\nload average before {info['load_before']}, after {info['load_after']}; "
+            f"{info['seconds']} s in all",
+            flush=True,
+        )
     return 0
 
 

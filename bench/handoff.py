@@ -126,8 +126,17 @@ def _request_size() -> int:
     """Bytes of a typical send request frame on the client socket."""
     from fabricd.wire import Kind, encode
 
-    fields = {"id": 1000, "op": "send", "fds": 0, "seg": 1, "off": 0, "nbytes": 0,
-              "dtype": "uint8", "peer": 1, "tag": 0}  # fmt: skip
+    fields = {
+        "id": 1000,
+        "op": "send",
+        "fds": 0,
+        "seg": 1,
+        "off": 0,
+        "nbytes": 0,
+        "dtype": "uint8",
+        "peer": 1,
+        "tag": 0,
+    }
     return len(encode(Kind.REQUEST, fields))
 
 
@@ -145,11 +154,15 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
     table = Table(
         name="handoff",
         title="(a) hand-off of an array to a rank on the same daemon, microseconds per message",
-        columns=[Column("baseline", "baseline us"), Column("fabricd", "fabricd us"),
-                 Column("gbps", "fabricd GB/s"), Column("messages", "msgs/sample", 0)],
+        columns=[
+            Column("baseline", "baseline us"),
+            Column("fabricd", "fabricd us"),
+            Column("gbps", "fabricd GB/s"),
+            Column("messages", "msgs/sample", 0),
+        ],
         ratio="fabricd time / baseline time (lower is better; 1x = as fast as one memcpy)",
         settings={"samples": samples},
-    )  # fmt: skip
+    )
     job = f"bench-{uuid.uuid4().hex[:8]}"
     progress("starting 1 daemon and the receiving process")
     with (
@@ -164,9 +177,10 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
                 view = source[:nbytes]
                 calls = messages_per_sample(nbytes, copy_budget, copy_cap)
                 baseline: _Memcpy | _UnixEcho = (
-                    _Memcpy(nbytes) if nbytes
+                    _Memcpy(nbytes)
+                    if nbytes
                     else _UnixEcho(_request_size(), (samples + 1) * calls, directory)
-                )  # fmt: skip
+                )
                 try:
                     baseline.sample(calls)  # warm-ups
                     fab.send(view, to=1, timeout=ranks.CALL_TIMEOUT)
@@ -182,8 +196,15 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
                 base, took = median(base_times), median(fab_times)
                 label = fmt_size(nbytes) if nbytes else "0 B"
                 rate = {"gbps": nbytes / took / 1e9} if nbytes else {}
-                table.add(label, nbytes, took / base, baseline=base * 1e6, fabricd=took * 1e6,
-                          messages=messages, **rate)  # fmt: skip
+                table.add(
+                    label,
+                    nbytes,
+                    took / base,
+                    baseline=base * 1e6,
+                    fabricd=took * 1e6,
+                    messages=messages,
+                    **rate,
+                )
                 progress(
                     f"{label}: {baseline.what} {fmt_number(base * 1e6)} us, "
                     f"fabricd {fmt_number(took * 1e6)} us, ratio {fmt_number(took / base)}x"

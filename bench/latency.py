@@ -243,13 +243,17 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
     table = Table(
         name="latency",
         title=f"(c) round trip of a {FRAME_SIZE} B control frame on 127.0.0.1, microseconds",
-        columns=[Column("raw_median", "raw median"), Column("raw_p99", "raw p99"),
-                 Column("fabricd_median", "fabricd median"), Column("fabricd_p99", "fabricd p99"),
-                 Column("p99_ratio", "p99 ratio")],
+        columns=[
+            Column("raw_median", "raw median"),
+            Column("raw_p99", "raw p99"),
+            Column("fabricd_median", "fabricd median"),
+            Column("fabricd_p99", "fabricd p99"),
+            Column("p99_ratio", "p99 ratio"),
+        ],
         ratio="fabricd median / raw median (lower is better)",
         target=f"median ratio <= {TARGET_RATIO} (every row)",
         settings={"round_trips": batches * per_batch, "frame_bytes": FRAME_SIZE},
-    )  # fmt: skip
+    )
     for where, cpus in placements():
 
         def report(line: str, where: str = where) -> None:

@@ -36,17 +36,29 @@ CALL_TIMEOUT = 120.0
 Plan = list[tuple[int, int]]
 
 
-def fabric_receiver(socket_path: str, job: str, plan: Plan) -> None:
-    """Rank 1 of ``job``: receive every planned message from rank 0 into one shared array."""
+def fabric_receiver(socket_path: str, job: str, plan: Plan, window: int = 1) -> None:
+    """Rank 1 of ``job``: receive every planned message from rank 0.
+
+    With ``window`` > 1 that many receives stay posted, each into its own shared array, so the
+    sender's next messages never wait for this process to post one (osu_bw style).
+    """
+    import collections
+
     import fabricd
 
     capacity = max([n for n, _ in plan] + [1])
     with fabricd.connect(job=job, rank=1, size=2, socket_path=socket_path) as fab:
-        buffer = fab.array("bench-recv", (capacity,), "uint8")
+        buffers = [fab.array(f"bench-recv{i}", (capacity,), "uint8") for i in range(window)]
+        posted: collections.deque[fabricd.Handle[fabricd.Completion]] = collections.deque()
+        turn = 0
         for nbytes, messages in plan:
-            view = buffer[:nbytes]
             for _ in range(messages):
-                fab.recv(view, src=0, timeout=CALL_TIMEOUT)
+                if len(posted) == window:
+                    posted.popleft().wait(CALL_TIMEOUT)
+                posted.append(fab.recv_async(buffers[turn % window][:nbytes], src=0))
+                turn += 1
+            while posted:  # the sender waits for a whole size before the next one
+                posted.popleft().wait(CALL_TIMEOUT)
 
 
 def fabric_echo(socket_path: str, job: str, rounds: int) -> None:

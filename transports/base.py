@@ -25,7 +25,9 @@ Failure semantics, the same on every transport:
   cancelled ``send`` may or may not have queued its frame.
 * One writer at a time per frame: a frame's header and payload are queued together, so frames of
   concurrent senders never interleave.
-* After ``close``, sends raise ``TransportError``; frames already queued may still go out.
+* After ``close``, sends raise ``TransportError``; frames already queued may still go out, for
+  a short grace period at most: a peer that stopped reading cannot keep a closed link (and its
+  queued bytes) alive, so ``link_lost`` always follows ``close``.
 """
 
 from __future__ import annotations

@@ -46,6 +46,8 @@ _DIRECT_MIN = 4096
 #: write-buffer marks: enough to keep a 10 Gb/s pipe busy between event-loop turns
 _HIGH_WATER = 8 * 1024 * 1024
 _LOW_WATER = 2 * 1024 * 1024
+#: seconds a closed link may spend flushing what is queued before it is aborted
+CLOSE_GRACE = 1.0
 
 
 class TcpLink(Link, asyncio.BufferedProtocol):
@@ -60,6 +62,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._writable = asyncio.Event()
         self._writable.set()
         self._send_lock = asyncio.Lock()
+        self._abort_timer: asyncio.TimerHandle | None = None
         self._closed = asyncio.get_running_loop().create_future()
         self._is_closed = False
         self._frames_sent = 0
@@ -107,6 +110,8 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._writable.set()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
         self._is_closed = True
         self._writable.set()
         if self.close_reason is None:
@@ -163,8 +168,12 @@ class TcpLink(Link, asyncio.BufferedProtocol):
     def close(self, reason: str) -> None:
         if self.close_reason is None:
             self.close_reason = reason
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.close()
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.close()
+            if transport.get_write_buffer_size():  # a stalled peer would hold the flush forever
+                loop = asyncio.get_running_loop()
+                self._abort_timer = loop.call_later(CLOSE_GRACE, transport.abort)
         self._is_closed = True
 
     async def wait_closed(self) -> None:

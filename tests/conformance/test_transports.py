@@ -594,3 +594,25 @@ async def check_statistics(kind: str) -> None:
 
 def test_statistics_count_frames_and_bytes(case: tuple[str, str]) -> None:
     run(case, check_statistics)
+
+
+async def check_close_gives_up_flushing_to_a_stalled_peer(kind: str) -> None:
+    async with network(kind) as net:
+        pair = await net.pair()
+        stall_reader(pair)
+        for i in range(64):  # far more than the kernel buffers hold: most stays queued
+            pair.client.send_nowait(Kind.DATA, {"i": i}, [bytes(256 * 1024)])
+        pair.client.close("peer is down")
+        async with asyncio.timeout(5):  # CLOSE_GRACE, not forever
+            await pair.client.wait_closed()
+        assert pair.client_sink.lost == [None]
+        assert pair.client.close_reason == "peer is down"
+
+
+def test_close_gives_up_flushing_to_a_stalled_peer(
+    case: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if case[0] != "tcp":
+        pytest.skip("inproc links drop queued frames on close; there is no flush to bound")
+    monkeypatch.setattr(tcp, "CLOSE_GRACE", 0.2)
+    run(case, check_close_gives_up_flushing_to_a_stalled_peer)
