@@ -93,6 +93,8 @@ class Link(abc.ABC):
 
         Raises:
             TransportError: the link is closed; reconnect.
+            LocalProtocolError: the frame exceeds this link's limits (``set_limits``); both
+                ends of a link are configured alike, so the peer would refuse it too.
         """
 
     @abc.abstractmethod

@@ -1,19 +1,24 @@
-"""The receive half every transport shares: decode frames and hand them to the sink.
+"""What every transport's link shares: decoding frames into the sink, encoding, bookkeeping.
 
 Keeping this in one place means every transport enforces the same limits, closes on the same
-errors and asks the sink for payload buffers at the same moment (transports/base.py).
+errors, asks the sink for payload buffers at the same moment and delivers ``link_lost`` exactly
+once (transports/base.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
 from fabricd.errors import ProtocolError
-from fabricd.wire import NEED_DATA, Decoder, Frame, Limits
+from fabricd.transports.base import Link, LinkStatistics
+from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, Limits, encode_head
 
 if TYPE_CHECKING:
-    from fabricd.transports.base import FrameSink, Link
+    from collections.abc import Sequence
+
+    from fabricd.transports.base import Buffer, FrameSink
 
 log = logging.getLogger("fabricd.transport")
 
@@ -65,3 +70,67 @@ class Receiver:
             log.exception("receiver of %s failed", self.link.peer_address)
             return "internal error while handling a frame (see the log)"
         return None
+
+
+class FramedLink(Link):
+    """A link's state apart from how its bytes move: receiver, close state, counters.
+
+    Subclasses move bytes; they call :meth:`_encode` to frame what they send and
+    :meth:`_lost` once the connection is gone.
+    """
+
+    def __init__(self, peer_address: str, limits: Limits, local: str = "") -> None:
+        super().__init__(peer_address)
+        self._receiver = Receiver(self, limits)
+        self._local = local
+        self._is_closed = False
+        self._closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._frames_sent = 0
+        self._bytes_sent = 0
+
+    def set_sink(self, sink: FrameSink) -> None:
+        self._receiver.sink = sink
+
+    def set_limits(self, limits: Limits) -> None:
+        self._receiver.decoder.limits = limits
+
+    def _encode(self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer]) -> bytes:
+        """The frame's header and metadata, checked against this link's limits, and counted.
+
+        Both ends of a link are configured alike, so what passes the sender's limits passes
+        the receiver's.
+        """
+        size = sum(memoryview(p).nbytes for p in payload)
+        head = encode_head(kind, meta, size, limits=self._receiver.decoder.limits)
+        self._frames_sent += 1
+        self._bytes_sent += len(head) + size
+        return head
+
+    def _lost(self, exc: BaseException | None) -> None:
+        """The connection is gone: tell the sink, once, and wake ``wait_closed``."""
+        if self._closed.done():
+            return
+        self._is_closed = True
+        try:
+            self._receiver.sink.link_lost(self, exc)
+        finally:
+            self._closed.set_result(None)
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._closed)
+
+    @property
+    def closed(self) -> bool:
+        return self._is_closed
+
+    @property
+    def local_address(self) -> str:
+        return self._local
+
+    def statistics(self) -> LinkStatistics:
+        return LinkStatistics(
+            frames_sent=self._frames_sent,
+            frames_received=self._receiver.frames,
+            bytes_sent=self._bytes_sent,
+            bytes_received=self._receiver.bytes,
+        )

@@ -15,47 +15,28 @@ import itertools
 from typing import TYPE_CHECKING
 
 from fabricd.errors import TransportError
-from fabricd.transports.base import (
-    MAX_UNREAD,
-    Buffer,
-    FrameSink,
-    Link,
-    LinkStatistics,
-    Listener,
-    Transport,
-)
-from fabricd.transports.framing import Receiver
-from fabricd.wire import Kind, Limits, encode_head
+from fabricd.transports.base import MAX_UNREAD, Buffer, Link, Listener, Transport
+from fabricd.transports.framing import FramedLink
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from fabricd.wire import Kind, Limits
 
-class InprocLink(Link):
+
+class InprocLink(FramedLink):
     """One end of an in-memory link."""
 
     def __init__(self, local: str, peer_address: str, limits: Limits, net: InprocTransport) -> None:
-        super().__init__(peer_address)
-        self._local = local
+        super().__init__(peer_address, limits, local)
         self._net = net
-        self._receiver = Receiver(self, limits)
         self.peer: InprocLink | None = None
         self._queue: collections.deque[tuple[float, bytes]] = collections.deque()
         self._timer: asyncio.TimerHandle | None = None
         self._in_flight = 0
         self._writable = asyncio.Event()
         self._writable.set()
-        self._closed = asyncio.get_running_loop().create_future()
-        self._is_closed = False
         self._last_due = 0.0
-        self._frames_sent = 0
-        self._bytes_sent = 0
-
-    def set_sink(self, sink: FrameSink) -> None:
-        self._receiver.sink = sink
-
-    def set_limits(self, limits: Limits) -> None:
-        self._receiver.decoder.limits = limits
 
     async def send(
         self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
@@ -80,16 +61,13 @@ class InprocLink(Link):
     def _enqueue(self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer]) -> None:
         if self._is_closed:
             raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
-        size = sum(memoryview(p).nbytes for p in payload)
-        data = b"".join([encode_head(kind, meta, size), *payload])
+        data = b"".join([self._encode(kind, meta, payload), *payload])
         loop = asyncio.get_running_loop()
         delay = self._net.latency + (len(data) / self._net.bandwidth if self._net.bandwidth else 0)
         due = max(self._last_due, loop.time() + delay)
         self._last_due = due
         self._queue.append((due, data))
         self._in_flight += len(data)
-        self._frames_sent += 1
-        self._bytes_sent += len(data)
         self._arm(loop)
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -123,41 +101,18 @@ class InprocLink(Link):
         if self._is_closed:
             return
         self.close_reason = reason
-        self._is_closed = True
         if self._timer is not None:
             self._timer.cancel()
         self._writable.set()
-        self._receiver.sink.link_lost(self, None)
-        self._closed.set_result(None)
+        self._lost(None)
         if self.peer is not None:
             self.peer._lost_peer()
 
     def _lost_peer(self) -> None:
         if not self._is_closed:
-            self.close_reason = "closed by peer"
-            self._is_closed = True
+            self.close_reason = "closed by peer"  # as TCP reports an orderly close: exc None
             self._writable.set()
-            self._receiver.sink.link_lost(self, ConnectionResetError("peer closed the link"))
-            self._closed.set_result(None)
-
-    async def wait_closed(self) -> None:
-        await asyncio.shield(self._closed)
-
-    @property
-    def closed(self) -> bool:
-        return self._is_closed
-
-    @property
-    def local_address(self) -> str:
-        return self._local
-
-    def statistics(self) -> LinkStatistics:
-        return LinkStatistics(
-            frames_sent=self._frames_sent,
-            frames_received=self._receiver.frames,
-            bytes_sent=self._bytes_sent,
-            bytes_received=self._receiver.bytes,
-        )
+            self._lost(None)
 
 
 class InprocListener(Listener):

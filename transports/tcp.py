@@ -25,19 +25,18 @@ from fabricd.errors import TransportError
 from fabricd.transports.base import (
     MAX_UNREAD,
     Buffer,
-    FrameSink,
     Link,
-    LinkStatistics,
     Listener,
     Transport,
     join_address,
     split_address,
 )
-from fabricd.transports.framing import Receiver
-from fabricd.wire import Kind, Limits, encode_head
+from fabricd.transports.framing import FramedLink
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+
+    from fabricd.wire import Kind, Limits
 from typing import cast
 
 _SCRATCH = 64 * 1024
@@ -50,12 +49,11 @@ _LOW_WATER = 2 * 1024 * 1024
 CLOSE_GRACE = 1.0
 
 
-class TcpLink(Link, asyncio.BufferedProtocol):
+class TcpLink(FramedLink, asyncio.BufferedProtocol):
     """One TCP connection carrying frames."""
 
     def __init__(self, peer_address: str, limits: Limits) -> None:
-        super().__init__(peer_address)
-        self._receiver = Receiver(self, limits)
+        super().__init__(peer_address, limits)
         self._scratch = memoryview(bytearray(_SCRATCH))
         self._reading_direct = False
         self._transport: asyncio.Transport | None = None
@@ -63,11 +61,6 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._writable.set()
         self._send_lock = asyncio.Lock()
         self._abort_timer: asyncio.TimerHandle | None = None
-        self._closed = asyncio.get_running_loop().create_future()
-        self._is_closed = False
-        self._frames_sent = 0
-        self._bytes_sent = 0
-        self._local = ""
 
     # -- asyncio protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -116,19 +109,9 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         self._writable.set()
         if self.close_reason is None:
             self.close_reason = f"connection lost: {exc}" if exc else "closed by peer"
-        try:
-            self._receiver.sink.link_lost(self, exc)
-        finally:
-            if not self._closed.done():
-                self._closed.set_result(None)
+        self._lost(exc)
 
     # -- Link -------------------------------------------------------------------------------
-    def set_sink(self, sink: FrameSink) -> None:
-        self._receiver.sink = sink
-
-    def set_limits(self, limits: Limits) -> None:
-        self._receiver.decoder.limits = limits
-
     async def send(
         self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
     ) -> None:
@@ -158,11 +141,7 @@ class TcpLink(Link, asyncio.BufferedProtocol):
         transport = self._transport
         if self._is_closed or transport is None or transport.is_closing():
             raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
-        size = sum(memoryview(p).nbytes for p in payload)
-        head = encode_head(kind, meta, size)
-        transport.writelines([head, *payload])
-        self._frames_sent += 1
-        self._bytes_sent += len(head) + size
+        transport.writelines([self._encode(kind, meta, payload), *payload])
         return transport
 
     def close(self, reason: str) -> None:
@@ -175,25 +154,6 @@ class TcpLink(Link, asyncio.BufferedProtocol):
                 loop = asyncio.get_running_loop()
                 self._abort_timer = loop.call_later(CLOSE_GRACE, transport.abort)
         self._is_closed = True
-
-    async def wait_closed(self) -> None:
-        await asyncio.shield(self._closed)
-
-    @property
-    def closed(self) -> bool:
-        return self._is_closed
-
-    @property
-    def local_address(self) -> str:
-        return self._local
-
-    def statistics(self) -> LinkStatistics:
-        return LinkStatistics(
-            frames_sent=self._frames_sent,
-            frames_received=self._receiver.frames,
-            bytes_sent=self._bytes_sent,
-            bytes_received=self._receiver.bytes,
-        )
 
 
 class TcpListener(Listener):

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import uvloop
 
-from fabricd.errors import RemoteProtocolError, TransportError
+from fabricd.errors import LocalProtocolError, RemoteProtocolError, TransportError
 from fabricd.transports import inproc, tcp
 from fabricd.transports.base import split_address
 from fabricd.transports.inproc import InprocTransport
@@ -486,7 +486,10 @@ async def check_kind_limits(kind: str) -> None:
         pair = await net.pair()
         await pair.client.send(Kind.HELLO, {"v": 1})
         await pair.server_sink.frames_count(1)
-        pair.server.set_limits(DEFAULT_LIMITS)  # authenticated: everything is allowed now
+        with pytest.raises(LocalProtocolError, match="exceeds 0 B"):  # a link sends within
+            await pair.client.send(Kind.DATA, {"i": 1}, [b"payload"])  # its own limits too
+        for link in (pair.server, pair.client):  # authenticated: everything is allowed now
+            link.set_limits(DEFAULT_LIMITS)
         await pair.client.send(Kind.DATA, {"i": 1}, [b"payload"])
         await pair.server_sink.frames_count(2)
         pair.server.set_limits(handshake_only)
