@@ -10,15 +10,18 @@ or receive passes only (segment, offset, length, dtype) over the socket; the dae
 writes the array's memory directly.  Between a send and its completion the array must not be
 changed; between a receive and its completion it must not be read.
 
-The client is synchronous and thread-safe, with no thread of its own: whoever waits reads
-replies from the socket and completes whichever handles they belong to.
+The client is synchronous and thread-safe, with no thread of its own: one waiting thread at a
+time reads replies from the socket and completes whichever handles they belong to, while the
+others wait to be told; sends never wait behind a read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
+import select
 import socket
 import threading
 import time
@@ -38,7 +41,7 @@ from fabricd.errors import (
 )
 from fabricd.ipc import REPLY_LIMITS, default_socket_path
 from fabricd.shm import Segment
-from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, Meta, encode
+from fabricd.wire import MAX_TAG, NEED_DATA, Decoder, Frame, Kind, Meta, encode
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -137,7 +140,9 @@ class Client:
     ) -> None:
         self.socket_path = path
         self.job = job
-        self._lock = threading.RLock()
+        self._send_lock = threading.Lock()
+        self._read_lock = threading.Lock()
+        self._delivered = threading.Condition()
         self._ids = itertools.count(1)
         self._seg_ids = itertools.count(1)
         self._pending: dict[int, Handle[Any]] = {}
@@ -237,6 +242,8 @@ class Client:
     ) -> Handle[Completion]:
         if not 0 <= peer < self.size:
             raise UsageError(f"rank {peer} is outside job {self.job!r} of size {self.size}")
+        if not 0 <= tag <= MAX_TAG:
+            raise UsageError(f"tag {tag} is outside 0..{MAX_TAG}")
         if op == "recv" and not array.flags.writeable:
             raise UsageError("cannot receive into a read-only array")
         seg, offset = self._locate(array)
@@ -286,12 +293,10 @@ class Client:
 
     def close(self) -> None:
         """Disconnect; the daemon releases this client's segments and operations."""
-        with self._lock:
+        with self._send_lock:
             if self._closed:
                 return
-            self._closed = True
-            self._sock.close()
-            self._fail_pending("the client was closed")
+            self._shut("the client was closed")
 
     def __enter__(self) -> Client:
         return self
@@ -305,6 +310,10 @@ class Client:
         self.close()
 
     # -- the socket -------------------------------------------------------------------------
+    # Threads: one sends at a time (_send_lock); one reads at a time (_read_lock) and delivers
+    # every reply it reads, to whichever thread's handle it belongs; the others wait on
+    # _delivered.  The socket stays blocking with no timeout: reads wait in select(), so a
+    # read timeout never leaks into a send.
     def _call(
         self, op: str, *, timeout: float | None = 10.0, fds: Sequence[int] = (), **fields: Any
     ) -> Meta:
@@ -315,7 +324,7 @@ class Client:
     def _submit(
         self, op: str, handle: Handle[Any], *, fds: Sequence[int] = (), **fields: Any
     ) -> None:
-        with self._lock:
+        with self._send_lock:
             if self._closed:
                 raise DaemonUnavailable("the client is closed; connect again")
             handle.request = next(self._ids)
@@ -324,37 +333,46 @@ class Client:
             )
             self._pending[handle.request] = handle
             try:
-                if fds:
-                    socket.send_fds(self._sock, [frame], list(fds))
-                else:
-                    self._sock.sendall(frame)
+                sent = socket.send_fds(self._sock, [frame], list(fds)) if fds else 0
+                self._sock.sendall(frame[sent:])
             except OSError as exc:
                 self._lost(f"sending to the daemon failed: {exc}")
 
     def _pump_nowait(self) -> None:
-        if self._lock.acquire(blocking=False):
+        if self._read_lock.acquire(blocking=False):
             try:
                 self._read(0.0)
             finally:
-                self._lock.release()
+                self._read_lock.release()
+                self._wake()
 
     def _pump(self, timeout: float | None, until: Handle[Any]) -> None:
-        with self._lock:
+        if self._read_lock.acquire(blocking=False):
+            try:
+                if until._reply is None:
+                    self._read(timeout)
+            finally:
+                self._read_lock.release()
+                self._wake()
+            return
+        with self._delivered:  # another thread reads: it delivers our reply too
             if until._reply is None:
-                self._read(timeout)
+                self._delivered.wait(timeout)
+
+    def _wake(self) -> None:
+        with self._delivered:
+            self._delivered.notify_all()
 
     def _read(self, timeout: float | None) -> None:
         if self._closed:
-            for handle in list(self._pending.values()):
-                handle._resolve(_gone("the client was closed"))
             return
-        self._sock.settimeout(timeout)
         try:
-            data = self._sock.recv(_RECV_SIZE)
-        except (TimeoutError, BlockingIOError):
-            return
+            readable, _, _ = select.select([self._sock], [], [], timeout)
+            data = self._sock.recv(_RECV_SIZE) if readable else None
         except OSError as exc:
             self._lost(f"reading from the daemon failed: {exc}")
+            return
+        if data is None:
             return
         if not data:
             self._lost("the daemon closed the connection")
@@ -374,14 +392,19 @@ class Client:
             handle._resolve(meta)
 
     def _lost(self, why: str) -> None:
-        self._closed = True
-        self._sock.close()
-        self._fail_pending(f"{why} (socket {self.socket_path}); is the daemon running?")
+        if not self._closed:
+            self._shut(f"{why} (socket {self.socket_path}); is the daemon running?")
 
-    def _fail_pending(self, why: str) -> None:
-        for handle in self._pending.values():
+    def _shut(self, why: str) -> None:
+        """Close the socket (waking a reader in select) and fail every pending handle."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        for handle in list(self._pending.values()):
             handle._resolve(_gone(why))
         self._pending.clear()
+        self._wake()
 
 
 def _gone(why: str) -> Meta:

@@ -78,7 +78,10 @@ class Segment:
             actual = os.fstat(fd).st_size
             if actual != declared_size or actual < 1:
                 raise UsageError(f"segment is {actual} B but was declared as {declared_size} B")
-            segment = cls(fd, actual)
+            try:
+                segment = cls(fd, actual)
+            except OSError as exc:  # e.g. also sealed against writes: we could not fill it
+                raise UsageError(f"segment cannot be mapped for writing: {exc.strerror}") from None
         except BaseException:
             os.close(fd)
             raise

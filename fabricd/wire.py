@@ -58,6 +58,9 @@ class Kind(enum.IntEnum):
     REPLY = 33  #: daemon -> client answer to a REQUEST
 
 
+#: the largest message tag (and rank) the protocol carries
+MAX_TAG: Final = 2**31 - 1
+
 #: No flag bits are defined in protocol version 1; a frame with any set is rejected.
 KNOWN_FLAGS: Final = 0
 

@@ -21,19 +21,32 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any
 
 from fabricd.daemon.datapath import Inbound, copy, stream
 from fabricd.daemon.peering import HandshakeSettings, Peering
 from fabricd.daemon.sdnotify import Notifier
-from fabricd.daemon.sessions import ClientSession, parse_hello, parse_transfer, request_id
+from fabricd.daemon.sessions import (
+    ClientSession,
+    Transfer,
+    parse_hello,
+    parse_transfer,
+    request_id,
+)
 from fabricd.engines import p2p, peers
 from fabricd.engines.handshake import Channel, PeerIdentity
 from fabricd.engines.p2p import Messaging
 from fabricd.engines.peers import Incarnation, PeerState, PeerTable, Timeouts
 from fabricd.engines.routing import RankTable
-from fabricd.errors import FabricError, OperationFailed, ProtocolError, TransportError, UsageError
+from fabricd.errors import (
+    FabricError,
+    LocalProtocolError,
+    OperationFailed,
+    ProtocolError,
+    TransportError,
+    UsageError,
+)
 from fabricd.ipc import IpcConnection, IpcServer
 from fabricd.shm import Segment
 from fabricd.transports.tcp import TcpTransport
@@ -47,7 +60,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("fabricd.daemon")
 
 _MESSAGING_KINDS = frozenset({Kind.ANNOUNCE, Kind.RTS, Kind.CTS, Kind.DONE, Kind.CANCEL})
-_PEER_KINDS = frozenset(k for k in Kind if k < Kind.REQUEST)
+#: what an authenticated peer may send: no handshake frames again, no client frames
+_PEER_KINDS = frozenset(k for k in Kind if k < Kind.REQUEST) - {Kind.HELLO, Kind.AUTH}
 
 Handler = Callable[[ClientSession, Meta, list[int]], dict[str, Any] | None]
 
@@ -98,9 +112,7 @@ class Daemon:
         self.data: dict[int, Link] = {}
         self.inbound = Inbound()
         self.sessions: dict[int, ClientSession] = {}
-        self.transfers: dict[int, p2p.Message] = {}
-        self.regions: dict[int, memoryview] = {}
-        self.owners: dict[int, tuple[ClientSession, int]] = {}
+        self.ops: dict[int, Transfer] = {}  #: every operation the engine may still act on
         self.counters: Counter[str] = Counter()
         self.address = cfg.listen_address
         self.draining = False
@@ -109,6 +121,8 @@ class Daemon:
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()  #: set while draining once no transfer is under way
         self._tasks: asyncio.TaskGroup | None = None
+        self._spawned: set[asyncio.Task[None]] = set()  #: streams and copies under way
+        self._stopped = False
         self._requests: dict[str, Handler] = {
             "hello": self._hello,
             "attach": self._attach,
@@ -186,12 +200,15 @@ class Daemon:
             self._perform(self.messaging.abandon(ops))
             for op in ops:
                 self._reply_failure(op, "daemon_stopping", "the daemon is stopping; retry later")
+        for task in self._spawned:  # what is still moving was just failed: stop moving it
+            task.cancel()
         for link in self.control.values():
             with contextlib.suppress(TransportError):
                 link.send_nowait(Kind.BYE, {})
         await self.peering.aclose()
 
     def _close_everything(self) -> None:
+        self._stopped = True  # closing our own links is no news: link_down stays quiet
         if self._timer is not None:
             self._timer.cancel()
         for link in [*self.control.values(), *self.data.values()]:
@@ -235,28 +252,29 @@ class Daemon:
                         self._send_control(node, kind, meta)
                 case peers.StateChanged():
                     self._peer_state_changed(action)
-                case peers.PeerRestarted(node=node):
+                case peers.PeerRestarted(node=node):  # link_up already reset what it had
                     log.warning(
                         "node %d restarted (incarnation %d -> %d)",
                         node,
                         action.old_incarnation,
                         action.new_incarnation,
                     )
-                    self._reset_peer(node, "restarted", keep=None)
                 case p2p.StreamData(node=node, msg=msg, op=op):
-                    self._spawn(self._stream(node, msg, op))
+                    self._spawn(self._stream(node, msg, self.ops[op].region))
                 case p2p.ExpectData(node=node, msg=msg, op=op):
-                    self.inbound.expect(node, msg, self.regions[op])
+                    self.inbound.expect(node, msg, self.ops[op].region)
                 case p2p.DiscardData(node=node, msg=msg):
                     self.inbound.discard(node, msg)
                 case p2p.ForgetData(node=node, msg=msg):
                     self.inbound.forget(node, msg)
                 case p2p.CopyLocal(src_op=src, dst_op=dst):
-                    self._spawn(self._copy(src, dst))
+                    self._spawn(self._copy(src, dst, self.ops[src].region, self.ops[dst].region))
                 case p2p.Complete(op=op, failure=failure):
                     self._complete(op, failure)
                 case p2p.Notice(message=message):
                     log.warning("%s", message)
+        if self.draining and not self.messaging.transfers():
+            self._idle.set()
 
     def _send_control(self, node: int, kind: Kind, meta: Meta) -> None:
         link = self.control.get(node)
@@ -267,10 +285,14 @@ class Daemon:
             link.send_nowait(kind, meta)
         except TransportError as exc:
             log.debug("dropped %s to node %d: %s", kind.name, node, exc)
+        except LocalProtocolError as exc:  # over this node's own limits: a config mismatch
+            log.error("cannot send %s to node %d: %s", kind.name, node, exc)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         assert self._tasks is not None
-        self._tasks.create_task(coro)
+        task = self._tasks.create_task(coro)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
 
     def _peer_state_changed(self, change: peers.StateChanged) -> None:
         level = (
@@ -285,53 +307,46 @@ class Daemon:
             change.reason,
         )
         if change.new is PeerState.DOWN:
-            self._reset_peer(change.node, "down", keep=None)
-        elif change.new is PeerState.UP:  # after any reset the peer has forgotten our ranks
-            for meta in self.messaging.announcements():
-                self._send_control(change.node, Kind.ANNOUNCE, meta)
+            self._reset_peer(change.node, "down")
 
-    def _reset_peer(self, node: int, reason: str, keep: Link | None) -> None:
-        """Forget everything exchanged with ``node``: its links, ranks and transfers."""
+    def _reset_peer(self, node: int, reason: str) -> None:
+        """Forget everything exchanged with ``node``: its links, ranks and transfers.
+
+        TCP cannot say which frames the peer processed before a link broke, so every
+        operation with a rank on that node fails (architecture.md, "Reset rule").
+        """
         for table in (self.control, self.data):
-            link = table.get(node)
-            if link is not None and link is not keep:
-                del table[node]
+            link = table.pop(node, None)
+            if link is not None:
                 link.close(f"node {node} {reason}")
         self.inbound.forget_node(node)
         self._perform(self.messaging.peer_down(node, reason))
 
-    async def _stream(self, node: int, msg: int, op: int) -> None:
+    async def _stream(self, node: int, msg: int, region: memoryview) -> None:
+        # The region is held from the moment the stream is spawned: the operation may finish
+        # (a DONE, a drain) while this task waits, and then no longer be in self.ops.
         link = self.data.get(node)
-        # The op can finish while this task waits: the receiver's DONE may arrive before the
-        # task resumes after its last chunk, or a failure DONE before it starts; _complete then
-        # drops the region, so hold it here rather than look it up again after an await.
-        region = self.regions.get(op)
-        if region is None:
-            return
         try:
             if link is None:
                 raise TransportError(f"no data link to node {node}")
             await stream(link, msg, region, self.config.chunk_size)
             self.counters["bytes_sent"] += len(region)
-        except TransportError as exc:
+        except (TransportError, LocalProtocolError) as exc:
             self._perform(
                 self.messaging.stream_failed(msg, f"sending to node {node} failed: {exc}")
             )
             self._rearm()
 
-    async def _copy(self, src: int, dst: int) -> None:
-        await copy(self.regions[dst], self.regions[src])
-        self.counters["bytes_copied"] += len(self.regions[src])
+    async def _copy(self, src: int, dst: int, source: memoryview, target: memoryview) -> None:
+        await copy(target, source)
+        self.counters["bytes_copied"] += len(source)
         self._perform(self.messaging.copied(src, dst))
 
     def _complete(self, op: int, failure: p2p.Failure | None) -> None:
-        if self.draining and not self.messaging.transfers():
-            self._idle.set()
-        self.regions.pop(op, None)
-        message = self.transfers.pop(op, None)
-        session, request = self.owners.pop(op, (None, 0))
-        if session is None or message is None:
+        transfer = self.ops.pop(op, None)
+        if transfer is None or transfer.session is None:
             return
+        session, request, message = transfer.session, transfer.request, transfer.message
         session.ops.discard(op)
         if failure is not None:
             self.counters["ops_failed"] += 1
@@ -381,30 +396,32 @@ class Daemon:
                 old.close("replaced by a new data link")
             self.data[node] = link
             return True
-        old = self.control.pop(node, None)
-        if old is not None:
-            old.close("replaced by a new control link")
-            self._reset_peer(node, "reconnected", keep=None)
+        if node in self.control or node in self.data or verdict is Incarnation.NEWER:
+            # a replaced link, or a new incarnation: nothing exchanged before can be trusted
+            self._reset_peer(node, "reconnected" if verdict is Incarnation.SAME else "restarted")
         self.control[node] = link
         self._perform(self.peers.on_established(node, peer.incarnation, self.loop.time()))
+        for meta in self.messaging.announcements():  # the peer forgot our ranks in its reset
+            self._send_control(node, Kind.ANNOUNCE, meta)
         self._rearm()
         return True
 
     def link_down(self, node: int, link: Link) -> None:
-        if self.control.get(node) is link:
-            log.warning("control link to node %d lost: %s", node, link.close_reason)
-            del self.control[node]
-            self._reset_peer(node, "unreachable (control link lost)", keep=None)
-            self._perform(self.peers.on_link_lost(node, self.loop.time()))
-        elif self.data.get(node) is link:
-            log.warning("data link to node %d lost: %s", node, link.close_reason)
-            del self.data[node]
-            control = self.control.pop(node, None)
-            if control is not None:
-                control.close("its data link was lost")
+        if self._stopped:
+            return
+        current = {Channel.CONTROL: self.control.get(node), Channel.DATA: self.data.get(node)}
+        for channel, mine in current.items():
+            if link is mine:  # losing either link resets the peer: see _reset_peer
+                log.warning("%s link to node %d lost: %s", channel, node, link.close_reason)
+                self._reset_peer(node, f"unreachable ({channel} link lost)")
+                self._perform(self.peers.on_link_lost(node, self.loop.time()))
         self._rearm()
 
     def payload_buffer(self, node: int, link: Link, head: FrameHead) -> memoryview | None:
+        if link is not self.data.get(node):  # checked before a byte lands in a client's region
+            raise ProtocolError(
+                f"{head.kind.name} payload on a link that is not node {node}'s data link"
+            )
         return self.inbound.payload_buffer(node, head)
 
     def frame_received(self, node: int, link: Link, frame: Frame) -> None:
@@ -430,6 +447,7 @@ class Daemon:
     # -- clients (RequestHandler) -----------------------------------------------------------
     def client_request(self, conn: IpcConnection, meta: Meta, fds: list[int]) -> None:
         session = self.sessions.setdefault(conn.id, ClientSession(conn))
+        rid = 0
         try:
             rid = request_id(meta)
             handler = self._requests.get(get_str(meta, "op"))
@@ -444,6 +462,9 @@ class Daemon:
             conn.reply_error(rid, exc.code, str(exc))
         except FabricError as exc:
             conn.reply_error(rid, "usage", str(exc))
+        except Exception:  # a daemon bug: this request fails, the daemon and client go on
+            log.exception("request %r of client %d failed", meta.get("op"), conn.id)
+            conn.reply_error(rid, "internal", "internal error in the daemon (see its log)")
         finally:
             for fd in fds:
                 _close_quietly(fd)
@@ -468,10 +489,10 @@ class Daemon:
             actions = self.messaging.abandon(ops)
         self._perform(actions)
         for op in ops:
-            if not self.messaging.holds(op):  # a transfer under way keeps its region mapped
-                self.regions.pop(op, None)
-                self.transfers.pop(op, None)
-                self.owners.pop(op, None)
+            if self.messaging.holds(op):  # a transfer under way keeps its region, not its client
+                self.ops[op].session = None
+            else:
+                del self.ops[op]
         for segment in session.segments.values():
             segment.close()
         self._rearm()
@@ -532,9 +553,8 @@ class Daemon:
         if self.draining:
             raise OperationFailed("the daemon is stopping; retry later", code="daemon_stopping")
         op = next(self._op_ids)
-        transfer = parse_transfer(session, meta, op=op, is_send=is_send)
-        self.transfers[op], self.regions[op] = transfer.message, transfer.region
-        self.owners[op] = (session, transfer.request)
+        transfer = parse_transfer(session, meta, is_send=is_send)
+        self.ops[op] = transfer
         session.ops.add(op)
         post = self.messaging.post_send if is_send else self.messaging.post_recv
         self._perform(post(op, transfer.message, self.loop.time()))

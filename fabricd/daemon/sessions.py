@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from fabricd.dtypes import ITEMSIZE
 from fabricd.engines.p2p import Message
 from fabricd.errors import ProtocolError, UsageError
-from fabricd.wire import Meta, get_int, get_str
+from fabricd.wire import MAX_TAG, Meta, get_int, get_str
 
 if TYPE_CHECKING:
     from fabricd.ipc import IpcConnection
@@ -26,11 +26,10 @@ if TYPE_CHECKING:
 class Transfer:
     """A send or receive a client asked for: what, from/into which bytes, which request."""
 
-    op: int
     request: int
     message: Message
     region: memoryview
-    is_send: bool
+    session: ClientSession | None  #: ``None`` once the client left; its bytes may still move
 
 
 @dataclass(slots=True, eq=False)
@@ -67,7 +66,7 @@ def request_id(meta: Meta) -> int:
     return get_int(meta, "id")
 
 
-def parse_transfer(session: ClientSession, meta: Meta, *, op: int, is_send: bool) -> Transfer:
+def parse_transfer(session: ClientSession, meta: Meta, *, is_send: bool) -> Transfer:
     """Check a ``send``/``recv`` request against the session and build its :class:`Transfer`.
 
     Raises:
@@ -82,16 +81,24 @@ def parse_transfer(session: ClientSession, meta: Meta, *, op: int, is_send: bool
     nbytes, offset = get_int(meta, "nbytes"), get_int(meta, "off")
     if nbytes % ITEMSIZE[dtype]:
         raise UsageError(f"{nbytes} B is not a whole number of {dtype} elements")
-    peer = get_int(meta, "peer", hi=2**31)
-    if peer >= session.size:
-        raise UsageError(f"rank {peer} is outside job {session.job!r} of size {session.size}")
-    tag = get_int(meta, "tag", hi=2**31)
+    peer = _bounded(
+        meta, "peer", session.size - 1, f"outside job {session.job!r} of size {session.size}"
+    )
+    tag = _bounded(meta, "tag", MAX_TAG, f"outside 0..{MAX_TAG}")
     region = session.segment(get_int(meta, "seg")).view(offset, nbytes)
     src, dst = (session.rank, peer) if is_send else (peer, session.rank)
     message = Message(job=session.job, src=src, dst=dst, tag=tag, nbytes=nbytes, dtype=dtype)
-    return Transfer(
-        op=op, request=request_id(meta), message=message, region=region, is_send=is_send
-    )
+    return Transfer(request=request_id(meta), message=message, region=region, session=session)
+
+
+def _bounded(meta: Meta, key: str, hi: int, what: str) -> int:
+    """An integer field; out of range is the caller's mistake, not a protocol violation."""
+    value = meta.get(key)
+    if type(value) is not int:
+        raise ProtocolError(f"field {key!r} must be an integer")
+    if not 0 <= value <= hi:
+        raise UsageError(f"{key} {value} is {what}")
+    return value
 
 
 def parse_hello(meta: Meta) -> tuple[str, int, int] | None:

@@ -131,17 +131,25 @@ class PeerTable:
         return self._peers[node].state
 
     def check_incarnation(self, node: int, incarnation: int) -> Incarnation:
-        """Compare a handshake's incarnation with the newest one seen from ``node``."""
-        known = self._peers[node].incarnation
+        """Compare a handshake's incarnation with the newest one seen from ``node``.
+
+        An older incarnation is refused while the peer is alive (a dead process's links must
+        not come back), but once the peer is down any other incarnation is its new life: a
+        clock that stepped back across a restart must not lock a node out for good.
+        """
+        peer = self._peers[node]
+        known = peer.incarnation
         if known is None or incarnation > known:
             return Incarnation.NEWER
-        return Incarnation.SAME if incarnation == known else Incarnation.STALE
+        if incarnation == known:
+            return Incarnation.SAME
+        return Incarnation.NEWER if peer.state is PeerState.DOWN else Incarnation.STALE
 
     def on_established(self, node: int, incarnation: int, now: float) -> list[Action]:
         """A control link to ``node`` authenticated as ``incarnation`` (not STALE)."""
         peer = self._peers[node]
         actions: list[Action] = []
-        if peer.incarnation is not None and incarnation > peer.incarnation:
+        if peer.incarnation is not None and incarnation != peer.incarnation:
             actions.append(
                 PeerRestarted(
                     node=node, old_incarnation=peer.incarnation, new_incarnation=incarnation

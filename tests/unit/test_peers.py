@@ -221,6 +221,20 @@ def test_a_restart_seen_after_down_says_restarted_then_up() -> None:
     ]
 
 
+def test_once_down_an_older_incarnation_is_a_new_life() -> None:
+    """A clock that stepped back across a restart must not lock the node out for good."""
+    peers = table()
+    up(peers, incarnation=5)
+    assert peers.check_incarnation(1, 4) is Incarnation.STALE  # alive: a dead process's link
+    drive(peers, 2.0)
+    assert peers.state(1) is PeerState.DOWN
+    assert peers.check_incarnation(1, 4) is Incarnation.NEWER
+    assert peers.on_established(1, 4, 3.0)[0] == PeerRestarted(
+        node=1, old_incarnation=5, new_incarnation=4
+    )
+    assert peers.check_incarnation(1, 4) is Incarnation.SAME
+
+
 # -- timers and status ------------------------------------------------------------------------
 def test_no_deadline_without_live_peers() -> None:
     peers = table(4)

@@ -71,3 +71,11 @@ def test_zero_byte_arrays_get_a_one_byte_mapping_and_close_is_safe_with_views():
     view = segment.view(0, 0)
     segment.close()  # a live view defers the unmap instead of failing
     assert len(view) == 0
+
+
+def test_a_segment_sealed_against_writes_is_refused_not_crashed_on():
+    fd = os.memfd_create("ro", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4096)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS | fcntl.F_SEAL_WRITE)
+    with pytest.raises(UsageError, match="cannot be mapped for writing"):
+        Segment.adopt(fd, 4096)

@@ -1,0 +1,244 @@
+"""Daemons in this process over the in-process transport: link faults no real network shows.
+
+Real Daemon objects, real client sockets and shared memory; only the peer links are in memory,
+so a test can cut one link of a pair, restart a daemon as a new incarnation, or break a request
+handler, and watch what every waiting client is told.  Clients are the real (blocking) library,
+run in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+import fabricd
+from fabricd.daemon.config import load
+from fabricd.daemon.node import Daemon
+from fabricd.transports.inproc import InprocTransport
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+    from pathlib import Path
+
+NODES = ("node0:1", "node1:1")
+
+
+class Fabric:
+    """Two daemons on one in-memory network; start, stop and restart them."""
+
+    def __init__(self, tmp: Path, **settings: Any) -> None:
+        self.tmp = tmp
+        self.net = InprocTransport()
+        self.settings = {
+            "heartbeat_interval": 0.1,
+            "suspect_after": 0.3,
+            "down_after": 1.0,
+            "chunk_size": 1 << 20,
+            **settings,
+        }
+        secret = tmp / "secret"
+        secret.write_text("an inproc test secret of some length")
+        secret.chmod(0o600)
+        self.daemons: dict[int, Daemon] = {}
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+
+    def socket(self, node: int) -> str:
+        return str(self.tmp / f"n{node}.sock")
+
+    async def start(self, node: int) -> Daemon:
+        flags = {
+            "node_id": node,
+            "nodes": NODES,
+            "socket": self.socket(node),
+            "secret_file": str(self.tmp / "secret"),
+            **self.settings,
+        }
+        daemon = Daemon(load(None, environ={}, flags=flags), transport=self.net)
+        self.daemons[node] = daemon
+        self.tasks[node] = asyncio.create_task(daemon.run())
+        return daemon
+
+    async def stop(self, node: int) -> None:
+        self.daemons[node].stop()
+        async with asyncio.timeout(15):
+            await self.tasks.pop(node)
+
+    async def until(self, condition: Callable[[], bool], timeout: float = 10.0) -> None:
+        async with asyncio.timeout(timeout):
+            while not condition():
+                await asyncio.sleep(0.01)
+
+    def up(self) -> bool:
+        return all(
+            all(p.state.value == "up" for p in d.peers.peers(0.0)) and len(d.data) == 1
+            for d in self.daemons.values()
+        )
+
+
+@contextlib.asynccontextmanager
+async def fabric(tmp_path: Path, **settings: Any) -> AsyncIterator[Fabric]:
+    fab = Fabric(tmp_path, **settings)
+    for node in range(len(NODES)):
+        await fab.start(node)
+    try:
+        await fab.until(fab.up)
+        yield fab
+    finally:
+        for node in list(fab.tasks):
+            await fab.stop(node)
+
+
+def _recv_outcome(socket_path: str, src: int, timeout: float) -> str:
+    with fabricd.connect(job="j", rank=0, size=2, socket_path=socket_path) as fab:
+        array = fab.array("x", (1 << 20,), "float32")
+        try:
+            fab.recv(array, src=src, timeout=timeout)
+        except fabricd.FabricError as exc:
+            return type(exc).__name__
+        return "ok"
+
+
+async def test_losing_only_the_data_link_fails_waiters_and_resets_the_peer(tmp_path):
+    async with fabric(tmp_path) as fab:
+        joined = asyncio.Event()
+
+        def sender() -> None:
+            with fabricd.connect(job="j", rank=1, size=2, socket_path=fab.socket(1)) as peer:
+                peer.array("y", (4,), "float32")
+                joined.set()
+                time.sleep(1.5)
+
+        holder = asyncio.create_task(asyncio.to_thread(sender))
+        await asyncio.wait_for(joined.wait(), 10)
+        receiver = asyncio.create_task(asyncio.to_thread(_recv_outcome, fab.socket(0), 1, 10))
+        d0 = fab.daemons[0]
+        await fab.until(lambda: d0.messaging.pending() == 1)
+        d0.data[1].close("cut for the test")  # only the data link of the pair
+        assert await receiver == "PeerFailed", "a waiter must be told, never left hanging"
+        await fab.until(fab.up)  # the pair redials and comes back whole
+        await holder
+
+
+async def test_a_restarted_peer_learns_the_ranks_of_those_who_stayed(tmp_path):
+    async with fabric(tmp_path, suspect_after=3.0, down_after=10.0) as fab:
+        stayed = asyncio.create_task(asyncio.to_thread(_exchange_as_rank0, fab.socket(0)))
+        await fab.until(lambda: fab.daemons[1].messaging.routes.lookup("j", 0) is not None)
+        await fab.stop(1)
+        restarted = await fab.start(1)  # a new incarnation, well before node 0 calls it down
+        await fab.until(fab.up)
+        await fab.until(lambda: restarted.messaging.routes.lookup("j", 0) is not None, 5)
+        sent = await asyncio.to_thread(_send_as_rank1, fab.socket(1))
+        assert sent == "ok"
+        assert await stayed == "ok"
+
+
+def _exchange_as_rank0(socket_path: str) -> str:
+    with fabricd.connect(job="j", rank=0, size=2, socket_path=socket_path) as fab:
+        array = fab.array("x", (8,), "int32")
+        fab.recv(array, src=1, timeout=20)
+        return "ok" if list(array) == list(range(8)) else f"wrong bytes {array}"
+
+
+def _send_as_rank1(socket_path: str) -> str:
+    with fabricd.connect(job="j", rank=1, size=2, socket_path=socket_path) as fab:
+        array = fab.array("x", (8,), "int32")
+        array[:] = np.arange(8)
+        fab.send(array, to=0, timeout=20)
+        return "ok"
+
+
+async def test_a_failing_request_handler_answers_the_client_and_keeps_serving(tmp_path):
+    async with fabric(tmp_path) as fab:
+
+        def broken(*args: Any) -> None:
+            raise RuntimeError("a bug")
+
+        fab.daemons[0]._requests["status"] = broken
+
+        def client() -> tuple[str, str]:
+            with fabricd.connect(socket_path=fab.socket(0)) as control:
+                with pytest.raises(fabricd.OperationFailed) as failed:
+                    control.status()
+                return failed.value.code, control.config()["node_id"]["source"]
+
+        code, source = await asyncio.to_thread(client)
+        assert code == "internal"
+        assert source == "flag"  # the same connection still answers
+
+
+async def test_stopping_during_a_local_copy_exits_cleanly(tmp_path):
+    async with fabric(tmp_path, drain_timeout=0.0) as fab:
+        started = asyncio.Event()
+
+        def pair() -> list[str]:
+            outcomes = []
+            with (
+                fabricd.connect(job="c", rank=0, size=2, socket_path=fab.socket(0)) as a,
+                fabricd.connect(job="c", rank=1, size=2, socket_path=fab.socket(0)) as b,
+            ):
+                x, y = a.array("x", (32 << 20,), "uint8"), b.array("y", (32 << 20,), "uint8")
+                sent = a.send_async(x, to=1)
+                got = b.recv_async(y, src=0)
+                started.set()
+                for handle in (sent, got):
+                    try:
+                        handle.wait(timeout=10)
+                        outcomes.append("ok")
+                    except fabricd.FabricError as exc:
+                        outcomes.append(type(exc).__name__)
+            return outcomes
+
+        clients = asyncio.create_task(asyncio.to_thread(pair))
+        await asyncio.wait_for(started.wait(), 10)
+        await fab.stop(0)  # must return, not raise out of the task group
+        outcomes = await clients
+        assert all(o in ("ok", "OperationFailed", "DaemonUnavailable") for o in outcomes)
+        assert not os.path.exists(fab.socket(0))
+
+
+async def test_one_client_serves_several_threads_without_blocking_them(tmp_path):
+    async with fabric(tmp_path) as fab:
+        client = await asyncio.to_thread(
+            fabricd.connect, job="t", rank=0, size=2, socket_path=fab.socket(0)
+        )
+        try:
+            array = await asyncio.to_thread(client.array, "x", (4,), "float32")
+            waiting = asyncio.create_task(
+                asyncio.to_thread(client.recv, array, src=1, timeout=5)  # nobody sends
+            )
+            await fab.until(lambda: fab.daemons[0].messaging.pending() == 1)
+            status = await asyncio.to_thread(client.status)  # must not wait for the recv
+            assert status["pending_ops"] == 1
+            assert not waiting.done(), "status returned while the other thread still waits"
+            with pytest.raises(fabricd.Timeout):
+                await waiting
+        finally:
+            await asyncio.to_thread(client.close)
+
+
+async def test_tags_out_of_range_are_usage_errors_on_both_sides(tmp_path):
+    async with fabric(tmp_path) as fab:
+
+        def client() -> list[str]:
+            with fabricd.connect(job="t", rank=0, size=2, socket_path=fab.socket(0)) as c:
+                x = c.array("x", (4,), "float32")
+                messages = []
+                with pytest.raises(fabricd.UsageError) as local:
+                    c.send(x, to=1, tag=-1)
+                messages.append(str(local.value))
+                fields = {"seg": 1, "off": 0, "nbytes": 16, "dtype": "float32", "peer": 1}
+                with pytest.raises(fabricd.UsageError) as remote:  # past the client's check
+                    c._call("send", tag=2**40, **fields)
+                messages.append(str(remote.value))
+                assert c.status()["state"] == "serving"  # the connection survived both
+                return messages
+
+        local, remote = await asyncio.to_thread(client)
+        assert "tag -1 is outside" in local
+        assert f"tag {2**40} is outside" in remote
