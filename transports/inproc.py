@@ -36,7 +36,7 @@ class InprocLink(FramedLink):
         self._in_flight = 0
         self._writable = asyncio.Event()
         self._writable.set()
-        self._last_due = 0.0
+        self._last_sent = 0.0
 
     async def send(
         self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
@@ -63,9 +63,10 @@ class InprocLink(FramedLink):
             raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
         data = b"".join([self._encode(kind, meta, payload), *payload])
         loop = asyncio.get_running_loop()
-        delay = self._net.latency + (len(data) / self._net.bandwidth if self._net.bandwidth else 0)
-        due = max(self._last_due, loop.time() + delay)
-        self._last_due = due
+        # frames leave one after another at the link's bandwidth, then travel for latency
+        wire_time = len(data) / self._net.bandwidth if self._net.bandwidth else 0.0
+        self._last_sent = max(self._last_sent, loop.time()) + wire_time
+        due = self._last_sent + self._net.latency
         self._queue.append((due, data))
         self._in_flight += len(data)
         self._arm(loop)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from fabricd.errors import TransportError
 from fabricd.transports.base import (
@@ -32,12 +32,12 @@ from fabricd.transports.base import (
     split_address,
 )
 from fabricd.transports.framing import FramedLink
+from fabricd.wire import HEADER_SIZE
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from fabricd.wire import Kind, Limits
-from typing import cast
 
 _SCRATCH = 64 * 1024
 #: payload tails shorter than this are read through the scratch buffer, saving a syscall
@@ -54,7 +54,7 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
 
     def __init__(self, peer_address: str, limits: Limits) -> None:
         super().__init__(peer_address, limits)
-        self._scratch = memoryview(bytearray(_SCRATCH))
+        self._scratch = _scratch_for(limits)
         self._reading_direct = False
         self._transport: asyncio.Transport | None = None
         self._writable = asyncio.Event()
@@ -72,6 +72,8 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
             if not self.peer_address:  # accepted: name the link after the remote end
                 self.peer_address = join_address(*sock.getpeername()[:2])
         self._transport.set_write_buffer_limits(high=_HIGH_WATER, low=_LOW_WATER)
+        if self._is_closed:  # closed by on_link, before the connection existed
+            self._transport.close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         target = self._receiver.decoder.payload_target()
@@ -112,6 +114,10 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
         self._lost(exc)
 
     # -- Link -------------------------------------------------------------------------------
+    def set_limits(self, limits: Limits) -> None:
+        super().set_limits(limits)
+        self._scratch = _scratch_for(limits)  # safe: the decoder copied what it was fed
+
     async def send(
         self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
     ) -> None:
@@ -154,6 +160,11 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
                 loop = asyncio.get_running_loop()
                 self._abort_timer = loop.call_later(CLOSE_GRACE, transport.abort)
         self._is_closed = True
+
+
+def _scratch_for(limits: Limits) -> memoryview:
+    """A read buffer no larger than the limits need: an unauthenticated link gets 4 KiB."""
+    return memoryview(bytearray(min(_SCRATCH, max(4096, HEADER_SIZE + limits.max_meta))))
 
 
 class TcpListener(Listener):

@@ -74,6 +74,17 @@ class Config:
             raise ConfigError("need 0 < heartbeat_interval < suspect_after <= down_after")
         if not 4096 <= self.chunk_size <= self.max_payload:
             raise ConfigError("chunk_size must be between 4096 and max_payload")
+        for key in ("handshake_timeout", "reconnect_max_backoff", "route_timeout"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key} must be more than 0 seconds")
+        if self.drain_timeout < 0:
+            raise ConfigError("drain_timeout must be 0 seconds or more")
+        if self.max_meta < 1024:
+            raise ConfigError("max_meta must be at least 1024 bytes")
+        if min(self.max_clients, self.max_segments_per_client) < 1:
+            raise ConfigError("max_clients and max_segments_per_client must be at least 1")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError("log_level must be one of debug, info, warning, error")
         if self.log_format not in ("text", "json"):
             raise ConfigError("log_format must be 'text' or 'json'")
         if self.event_loop not in ("uvloop", "asyncio"):

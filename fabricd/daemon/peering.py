@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fabricd.peering")
 
+#: accepted links allowed in their handshake at once; each may hold a few KiB for a few seconds
+MAX_PENDING_HANDSHAKES = 64
+
 
 class PeerEvents(Protocol):
     """What the daemon does with authenticated links."""
@@ -128,6 +131,19 @@ class _PendingSink:
         link.close(str(exc))
 
 
+class _RefusedSink:
+    """For a link refused on arrival: nothing it sends is looked at."""
+
+    def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | None:
+        return None
+
+    def frame_received(self, link: Link, frame: Frame) -> None:
+        pass
+
+    def link_lost(self, link: Link, exc: BaseException | None) -> None:
+        pass
+
+
 @dataclass(slots=True)
 class _AuthedSink:
     peering: Peering
@@ -176,6 +192,8 @@ class Peering:
         self.addresses = addresses
         self.max_backoff = max_backoff
         self.refused = 0
+        self.pending = 0  #: accepted links still in their handshake
+        self._flooded = False
         self._listener: Listener | None = None
         self._diallers = {n: _Dialler() for n in range(settings.node + 1, len(addresses))}
 
@@ -185,10 +203,23 @@ class Peering:
         return self._listener.address
 
     def _accepted(self, link: Link) -> None:
-        handshake = self._handshake(Role.ACCEPTOR)
-        sink = _PendingSink(self, link, handshake)
+        if self.pending >= MAX_PENDING_HANDSHAKES:  # a flood of idle connections, say
+            link.set_sink(_RefusedSink())
+            link.close("too many unauthenticated links")
+            self.refused += 1
+            if not self._flooded:
+                log.warning("refusing links: %d handshakes already pending", self.pending)
+            self._flooded = True
+            return
+        self._flooded = False
+        self.pending += 1
+        sink = _PendingSink(self, link, self._handshake(Role.ACCEPTOR))
+        sink.done.add_done_callback(self._handshake_over)
         link.set_sink(sink)
         sink.start(link)
+
+    def _handshake_over(self, done: asyncio.Future[PeerIdentity]) -> None:
+        self.pending -= 1
 
     def _handshake(
         self, role: Role, channel: Channel | None = None, node: int | None = None

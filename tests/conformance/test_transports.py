@@ -619,3 +619,19 @@ def test_close_gives_up_flushing_to_a_stalled_peer(
         pytest.skip("inproc links drop queued frames on close; there is no flush to bound")
     monkeypatch.setattr(tcp, "CLOSE_GRACE", 0.2)
     run(case, check_close_gives_up_flushing_to_a_stalled_peer)
+
+
+def test_inproc_bandwidth_serializes_frames() -> None:
+    """Back-to-back frames share the link: n bytes at b B/s take at least n/b (a lower bound)."""
+
+    async def check(kind: str) -> None:
+        async with network(kind, bandwidth=10e6, latency=0.01, window=64 * MiB) as net:
+            pair = await net.pair()
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            for i in range(4):
+                pair.client.send_nowait(Kind.DATA, {"i": i}, [bytes(256 * 1024)])
+            await pair.server_sink.frames_count(4)
+            assert loop.time() - start >= 4 * 256 * 1024 / 10e6 + 0.01
+
+    run(("inproc", "asyncio"), check)

@@ -11,15 +11,21 @@ from fabricd.daemon.launcher import FAST_LIVENESS, LocalCluster
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
+    from pathlib import Path
 
 
 @pytest.fixture
-def make_cluster() -> Iterator[Callable[..., LocalCluster]]:
-    """Start local clusters (RELIABILITY liveness: D = 1 s); all are stopped at teardown."""
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
+    """Start local clusters (RELIABILITY liveness: D = 1 s); all are stopped at teardown.
+
+    Teardown also fails the test if any daemon logged a traceback: a bug that a daemon
+    survived (an exception in a callback, say) must not pass unnoticed (STYLE §25).
+    """
     started: list[LocalCluster] = []
 
     def make(size: int, **settings: Any) -> LocalCluster:
-        cluster = LocalCluster(size, settings={**FAST_LIVENESS, **settings})
+        log_dir = tmp_path / f"cluster{len(started)}"
+        cluster = LocalCluster(size, settings={**FAST_LIVENESS, **settings}, log_dir=log_dir)
         started.append(cluster)
         cluster.start()
         cluster.wait_connected()
@@ -28,6 +34,10 @@ def make_cluster() -> Iterator[Callable[..., LocalCluster]]:
     yield make
     for cluster in started:
         cluster.stop()
+    for cluster in started:
+        for node in cluster.nodes:
+            log = node.log_path.read_text(errors="replace")
+            assert "Traceback" not in log, f"node {node.node} logged a traceback:\n{log}"
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -112,3 +113,28 @@ def test_restarted_peer_is_a_new_incarnation(make_cluster):
         peer = control.status()["peers"][0]
     assert peer["state"] == "up"
     assert peer["incarnation"] > first
+
+
+def test_idle_unauthenticated_connections_are_capped(make_cluster):
+    from fabricd.daemon.peering import MAX_PENDING_HANDSHAKES
+
+    cluster = make_cluster(2, handshake_timeout=10.0)
+    host, port = split_address(cluster.nodes[1].address)
+    idle = [
+        socket.create_connection((host, port), timeout=5) for _ in range(MAX_PENDING_HANDSHAKES)
+    ]
+    try:
+        extra = [socket.create_connection((host, port), timeout=5) for _ in range(8)]
+        for conn in extra:  # refused at once, long before handshake_timeout
+            conn.settimeout(3)
+            with contextlib.suppress(ConnectionResetError):
+                assert conn.recv(16) == b""
+            conn.close()
+        assert "handshakes already pending" in _log(cluster, 1)
+    finally:
+        for conn in idle:
+            conn.close()
+    with fabricd.connect(socket_path=cluster.nodes[1].socket_path) as control:
+        status = control.status()
+    assert [p["state"] for p in status["peers"]] == ["up"]  # the real peer was never affected
+    assert status["counters"]["refused_links"] >= 8

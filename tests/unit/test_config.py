@@ -75,6 +75,12 @@ def test_describe_lists_every_key_with_value_and_source(config_file):
         ('socket = "relative.sock"\n', "absolute path"),
         ("chunk_size = 100\n", "chunk_size"),
         ("node_id = true\n", "node_id"),
+        ('log_level = "verbose"\n', "log_level"),
+        ("reconnect_max_backoff = 0\n", "reconnect_max_backoff"),
+        ("handshake_timeout = -1\n", "handshake_timeout"),
+        ("drain_timeout = -1\n", "drain_timeout"),
+        ("max_meta = 10\n", "max_meta"),
+        ("max_clients = 0\n", "max_clients"),
     ],
 )
 def test_invalid_files_name_the_problem(tmp_path, text, message):
