@@ -363,11 +363,3 @@ def get_bytes(meta: Meta, key: str) -> bytes:
     if not isinstance(value, bytes):
         raise RemoteProtocolError(f"field {key!r} must be binary")
     return value
-
-
-def get_ints(meta: Meta, key: str) -> tuple[int, ...]:
-    """Return ``meta[key]`` as a tuple of non-negative ints, or raise RemoteProtocolError."""
-    value = meta.get(key)
-    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
-        raise RemoteProtocolError(f"field {key!r} must be a list of non-negative integers")
-    return tuple(value)

@@ -20,8 +20,9 @@ Failure semantics, the same on every transport:
   with a logged reason; other links are untouched.
 * :meth:`Link.send` hands the whole frame to the transport or raises ``TransportError``; it
   returns once the frame is queued and the queue is under the link's high-water mark
-  (backpressure).  Queued payload buffers are referenced, not copied, until written: the caller
-  must keep them unchanged until the peer has acknowledged the data at a higher level.  A
+  (backpressure).  A transport may reference queued payload buffers instead of copying them
+  (TCP does; inproc copies): the caller must keep them unchanged until the peer has
+  acknowledged the data at a higher level.  A
   cancelled ``send`` may or may not have queued its frame.
 * One writer at a time per frame: a frame's header and payload are queued together, so frames of
   concurrent senders never interleave.

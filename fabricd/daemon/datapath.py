@@ -98,9 +98,6 @@ class Inbound:
         del self._expected[node, msg]
         return msg
 
-    def __len__(self) -> int:
-        return len(self._expected)
-
 
 async def stream(link: Link, msg: int, region: memoryview, chunk_size: int) -> None:
     """Send ``region`` as DATA frames of ``msg``, waiting on backpressure.

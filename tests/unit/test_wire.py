@@ -32,7 +32,6 @@ from fabricd.wire import (
     encode_head,
     get_bytes,
     get_int,
-    get_ints,
     get_str,
 )
 
@@ -720,19 +719,9 @@ def test_get_bytes() -> None:
             get_bytes(meta, key)
 
 
-def test_get_ints() -> None:
-    meta = {"l": [0, 1, 2**63], "e": [], "neg": [1, -1], "bool": [True], "t": (1,), "s": "1"}
-    assert get_ints(meta, "l") == (0, 1, 2**63)
-    assert get_ints(meta, "e") == ()
-    for key in ("neg", "bool", "t", "s", "missing"):
-        with pytest.raises(RemoteProtocolError, match=f"field '{key}' must be a list"):
-            get_ints(meta, key)
-
-
 def test_field_access_on_decoded_metadata() -> None:
     [frame] = decode_frames(encode(Kind.RTS, SAMPLE_META[Kind.RTS]))
     assert get_int(frame.meta, "tag", hi=2**31) == 2**31
     assert get_str(frame.meta, "job") == "jöb-ü€"
     [frame] = decode_frames(encode(Kind.AUTH, {"mac": b"\x01" * 32, "ranks": [3, 1]}))
     assert get_bytes(frame.meta, "mac") == b"\x01" * 32
-    assert get_ints(frame.meta, "ranks") == (3, 1)
