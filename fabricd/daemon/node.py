@@ -122,6 +122,7 @@ class Daemon:
         self._idle = asyncio.Event()  #: set while draining once no transfer is under way
         self._tasks: asyncio.TaskGroup | None = None
         self._spawned: set[asyncio.Task[None]] = set()  #: streams and copies under way
+        self._leaving: set[int] = set()  #: peers that said BYE: their links closing is no news
         self._stopped = False
         self._requests: dict[str, Handler] = {
             "hello": self._hello,
@@ -396,6 +397,7 @@ class Daemon:
                 old.close("replaced by a new data link")
             self.data[node] = link
             return True
+        self._leaving.discard(node)
         if node in self.control or node in self.data or verdict is Incarnation.NEWER:
             # a replaced link, or a new incarnation: nothing exchanged before can be trusted
             self._reset_peer(node, "reconnected" if verdict is Incarnation.SAME else "restarted")
@@ -412,7 +414,8 @@ class Daemon:
         current = {Channel.CONTROL: self.control.get(node), Channel.DATA: self.data.get(node)}
         for channel, mine in current.items():
             if link is mine:  # losing either link resets the peer: see _reset_peer
-                log.warning("%s link to node %d lost: %s", channel, node, link.close_reason)
+                level = logging.INFO if node in self._leaving else logging.WARNING  # said BYE
+                log.log(level, "%s link to node %d lost: %s", channel, node, link.close_reason)
                 self._reset_peer(node, f"unreachable ({channel} link lost)")
                 self._perform(self.peers.on_link_lost(node, self.loop.time()))
         self._rearm()
@@ -440,6 +443,7 @@ class Daemon:
             self._perform(self.messaging.on_frame(node, frame.kind, frame.meta, now))
         elif frame.kind is Kind.BYE:
             log.info("node %d is stopping", node)
+            self._leaving.add(node)
         elif frame.kind is not Kind.HEARTBEAT:
             raise ProtocolError(f"unexpected {frame.kind.name} from node {node}")
         self._rearm()
