@@ -196,7 +196,7 @@ def config_show(
 
 
 class _Stop(Exception):
-    """SIGTERM arrived."""
+    """SIGTERM or SIGINT arrived."""
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
@@ -224,7 +224,8 @@ def local_cluster(nodes: int, log_dir: str | None, fast_liveness: bool, as_json:
         settings=dict(FAST_LIVENESS) if fast_liveness else {},
         log_dir=Path(log_dir) if log_dir else None,
     )
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    # both, explicitly: a shell that starts us in the background sets SIGINT to ignored
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         cluster.start()
         cluster.wait_connected()
@@ -238,14 +239,15 @@ def local_cluster(nodes: int, log_dir: str | None, fast_liveness: bool, as_json:
                         + node.log_tail()
                     )
             time.sleep(0.2)
-    except (KeyboardInterrupt, _Stop):
+    except _Stop:
         pass
     except FabricError as exc:
         errors.print(f"[red]fabricctl:[/] {exc}")
         cluster.stop()
         sys.exit(1)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     statuses = cluster.stop()
     if not as_json:
         console.print(
