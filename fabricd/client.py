@@ -356,7 +356,9 @@ class Client:
                 self._wake()
             return
         with self._delivered:  # another thread reads: it delivers our reply too
-            if until._reply is None:
+            # the reader notifies under this lock after releasing _read_lock, so checking both
+            # here cannot miss its wake-up; if it already left, go back and read ourselves
+            if until._reply is None and self._read_lock.locked():
                 self._delivered.wait(timeout)
 
     def _wake(self) -> None:
