@@ -392,9 +392,10 @@ class Daemon:
             if control is None or verdict is not Incarnation.SAME:
                 link.close("data channel opened before the control channel")
                 return False
-            old = self.data.pop(node, None)
-            if old is not None:
-                old.close("replaced by a new data link")
+            if node in self.data:  # a second data link: what moved on the first is unknown
+                self._reset_peer(node, "reconnected (second data link)")
+                link.close("a data link to this node was already up")
+                return False
             self.data[node] = link
             return True
         self._leaving.discard(node)
