@@ -150,6 +150,8 @@ class Client:
         self._decoder = Decoder(REPLY_LIMITS)
         self._closed = False
         self._sock = _open(path)
+        self._poller = select.poll()
+        self._poller.register(self._sock, select.POLLIN)
         fields: dict[str, Any] = {"pid": os.getpid()}
         if job is not None:
             fields.update(job=job, rank=rank, size=size)
@@ -291,12 +293,16 @@ class Client:
         result: Meta = self._call("config", timeout=timeout)["config"]
         return result
 
+    @property
+    def closed(self) -> bool:
+        """Whether the connection is closed (by :meth:`close`, or because the daemon went)."""
+        return self._closed
+
     def close(self) -> None:
         """Disconnect; the daemon releases this client's segments and operations."""
-        with self._send_lock:
-            if self._closed:
-                return
-            self._shut("the client was closed")
+        self._shut("the client was closed")  # wakes a reader and a stuck sender alike
+        with self._read_lock:  # no reader is polling the fd now: it may be released
+            self._sock.close()
 
     def __enter__(self) -> Client:
         return self
@@ -337,6 +343,9 @@ class Client:
                 self._sock.sendall(frame[sent:])
             except OSError as exc:
                 self._lost(f"sending to the daemon failed: {exc}")
+            if self.closed and handle._reply is None:  # shut by another thread meanwhile
+                self._pending.pop(handle.request, None)
+                handle._resolve(_gone("the connection to the daemon closed"))
 
     def _pump_nowait(self) -> None:
         if self._read_lock.acquire(blocking=False):
@@ -347,6 +356,9 @@ class Client:
                 self._wake()
 
     def _pump(self, timeout: float | None, until: Handle[Any]) -> None:
+        if self._closed and until._reply is None:  # nothing will ever answer it now
+            until._resolve(_gone("the connection to the daemon closed"))
+            return
         if self._read_lock.acquire(blocking=False):
             try:
                 if until._reply is None:
@@ -368,10 +380,10 @@ class Client:
     def _read(self, timeout: float | None) -> None:
         if self._closed:
             return
-        try:
-            readable, _, _ = select.select([self._sock], [], [], timeout)
-            data = self._sock.recv(_RECV_SIZE) if readable else None
-        except OSError as exc:
+        try:  # poll, not select: a process with over 1024 open files is no exception here
+            ready = self._poller.poll(None if timeout is None else math.ceil(timeout * 1000))
+            data = self._sock.recv(_RECV_SIZE) if ready else None
+        except (OSError, ValueError) as exc:  # ValueError: the fd was closed under us
             self._lost(f"reading from the daemon failed: {exc}")
             return
         if data is None:
@@ -398,11 +410,14 @@ class Client:
             self._shut(f"{why} (socket {self.socket_path}); is the daemon running?")
 
     def _shut(self, why: str) -> None:
-        """Close the socket (waking a reader in select) and fail every pending handle."""
+        """Shut the connection (waking a reader in poll) and fail every pending handle.
+
+        The fd itself is released by :meth:`close` under the read lock, so a reader never
+        polls an fd that was closed, or reused, under it.
+        """
         self._closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
         for handle in list(self._pending.values()):
             handle._resolve(_gone(why))
         self._pending.clear()

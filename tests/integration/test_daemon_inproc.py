@@ -242,3 +242,26 @@ async def test_tags_out_of_range_are_usage_errors_on_both_sides(tmp_path):
         local, remote = await asyncio.to_thread(client)
         assert "tag -1 is outside" in local
         assert f"tag {2**40} is outside" in remote
+
+
+async def test_a_client_in_a_process_with_many_open_files_works(tmp_path):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # push fds past 1024
+    try:
+        async with fabric(tmp_path) as fab:
+
+            def client() -> int:
+                with fabricd.connect(socket_path=fab.socket(0)) as control:
+                    assert control._sock.fileno() >= 1024
+                    return int(control.status()["node"])
+
+            assert await asyncio.to_thread(client) == 0
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
