@@ -52,8 +52,11 @@ CLOSE_GRACE = 1.0
 class TcpLink(FramedLink, asyncio.BufferedProtocol):
     """One TCP connection carrying frames."""
 
-    def __init__(self, peer_address: str, limits: Limits) -> None:
+    def __init__(
+        self, peer_address: str, limits: Limits, on_link: Callable[[Link], None] | None = None
+    ) -> None:
         super().__init__(peer_address, limits)
+        self._on_link = on_link  #: accepted links: the listener's callback, once connected
         self._scratch = _scratch_for(limits)
         self._reading_direct = False
         self._transport: asyncio.Transport | None = None
@@ -72,7 +75,9 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
             if not self.peer_address:  # accepted: name the link after the remote end
                 self.peer_address = join_address(*sock.getpeername()[:2])
         self._transport.set_write_buffer_limits(high=_HIGH_WATER, low=_LOW_WATER)
-        if self._is_closed:  # closed by on_link, before the connection existed
+        if self._on_link is not None:  # now the link knows its peer's address
+            self._on_link(self)
+        if self._is_closed:  # closed by on_link already
             self._transport.close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -179,8 +184,9 @@ class TcpListener(Listener):
         return self._address
 
     async def aclose(self) -> None:
+        # No wait_closed(): from Python 3.12.1 it also waits for every accepted connection,
+        # and links outlive their listener by design.  close() stops accepting at once.
         self._server.close()
-        await self._server.wait_closed()
 
 
 class TcpTransport(Transport):
@@ -195,9 +201,7 @@ class TcpTransport(Transport):
         loop = asyncio.get_running_loop()
 
         def accepted() -> TcpLink:
-            link = TcpLink("", limits)
-            on_link(link)
-            return link
+            return TcpLink("", limits, on_link)
 
         try:
             server = await loop.create_server(accepted, host, port, reuse_address=True)

@@ -122,6 +122,7 @@ class Daemon:
         self._idle = asyncio.Event()  #: set while draining once no transfer is under way
         self._tasks: asyncio.TaskGroup | None = None
         self._spawned: set[asyncio.Task[None]] = set()  #: streams and copies under way
+        self._copies: set[asyncio.Task[None]] = set()  #: of those, the local copies
         self._leaving: set[int] = set()  #: peers that said BYE: their links closing is no news
         self._stopped = False
         self._requests: dict[str, Handler] = {
@@ -196,6 +197,8 @@ class Daemon:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.drain_timeout):
                     await self._idle.wait()
+        if self._copies:  # a copy's thread cannot be stopped: let it end before we fail it
+            await asyncio.wait(self._copies)
         for session in list(self.sessions.values()):
             ops = list(session.ops)
             self._perform(self.messaging.abandon(ops))
@@ -209,7 +212,7 @@ class Daemon:
         await self.peering.aclose()
 
     def _close_everything(self) -> None:
-        self._stopped = True  # closing our own links is no news: link_down stays quiet
+        self._stopped = True  # closing our own links is no news, and no timer is armed again
         if self._timer is not None:
             self._timer.cancel()
         for link in [*self.control.values(), *self.data.values()]:
@@ -227,6 +230,8 @@ class Daemon:
 
     # -- the engines' timer -----------------------------------------------------------------
     def _rearm(self) -> None:
+        if self._stopped:
+            return
         deadlines = [d for d in (self.peers.next_deadline(), self.messaging.next_deadline()) if d]
         if self._timer is not None:
             self._timer.cancel()
@@ -269,7 +274,8 @@ class Daemon:
                 case p2p.ForgetData(node=node, msg=msg):
                     self.inbound.forget(node, msg)
                 case p2p.CopyLocal(src_op=src, dst_op=dst):
-                    self._spawn(self._copy(src, dst, self.ops[src].region, self.ops[dst].region))
+                    copying = self._copy(src, dst, self.ops[src].region, self.ops[dst].region)
+                    self._copies.add(self._spawn(copying))
                 case p2p.Complete(op=op, failure=failure):
                     self._complete(op, failure)
                 case p2p.Notice(message=message):
@@ -289,11 +295,13 @@ class Daemon:
         except LocalProtocolError as exc:  # over this node's own limits: a config mismatch
             log.error("cannot send %s to node %d: %s", kind.name, node, exc)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         assert self._tasks is not None
         task = self._tasks.create_task(coro)
         self._spawned.add(task)
         task.add_done_callback(self._spawned.discard)
+        task.add_done_callback(self._copies.discard)
+        return task
 
     def _peer_state_changed(self, change: peers.StateChanged) -> None:
         level = (
@@ -494,8 +502,11 @@ class Daemon:
             actions = self.messaging.abandon(ops)
         self._perform(actions)
         for op in ops:
+            transfer = self.ops.get(op)
+            if transfer is None:  # completed by what _perform just did
+                continue
             if self.messaging.holds(op):  # a transfer under way keeps its region, not its client
-                self.ops[op].session = None
+                transfer.session = None
             else:
                 del self.ops[op]
         for segment in session.segments.values():

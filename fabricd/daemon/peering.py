@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("fabricd.peering")
 
 #: accepted links allowed in their handshake at once; each may hold a few KiB for a few seconds
-MAX_PENDING_HANDSHAKES = 64
+MAX_PENDING_HANDSHAKES = 256
+#: of those, from any one host (peers are other hosts, so a flood from one cannot lock them out)
+MAX_PENDING_PER_HOST = 16
 
 
 class PeerEvents(Protocol):
@@ -78,6 +80,9 @@ class _PendingSink:
 
     def start(self, link: Link) -> None:
         self._send(link, self.handshake.start())
+
+    def stop_timer(self) -> None:
+        self._timer.cancel()
 
     def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | None:
         return None  # HANDSHAKE_LIMITS allow no payload
@@ -192,8 +197,8 @@ class Peering:
         self.addresses = addresses
         self.max_backoff = max_backoff
         self.refused = 0
-        self.pending = 0  #: accepted links still in their handshake
-        self._flooded = False
+        self._pending: dict[Link, str] = {}  #: accepted links in their handshake -> their host
+        self._flooded: set[str] = set()  #: hosts whose refusal was logged
         self._listener: Listener | None = None
         self._diallers = {n: _Dialler() for n in range(settings.node + 1, len(addresses))}
 
@@ -202,24 +207,39 @@ class Peering:
         self._listener = await self.transport.listen(address, self._accepted, HANDSHAKE_LIMITS)
         return self._listener.address
 
+    @property
+    def pending(self) -> int:
+        """Accepted links still in their handshake."""
+        return len(self._pending)
+
     def _accepted(self, link: Link) -> None:
-        if self.pending >= MAX_PENDING_HANDSHAKES:  # a flood of idle connections, say
+        host = link.peer_address.rpartition(":")[0] or link.peer_address
+        from_host = sum(1 for other in self._pending.values() if other == host)
+        if from_host >= MAX_PENDING_PER_HOST or self.pending >= MAX_PENDING_HANDSHAKES:
+            # a flood of idle connections: refuse the newest; one host cannot starve the others
             link.set_sink(_RefusedSink())
             link.close("too many unauthenticated links")
             self.refused += 1
-            if not self._flooded:
-                log.warning("refusing links: %d handshakes already pending", self.pending)
-            self._flooded = True
+            if host not in self._flooded:
+                log.warning(
+                    "refusing links from %s: %d handshakes pending from it, %d in all",
+                    host,
+                    from_host,
+                    self.pending,
+                )
+                self._flooded.add(host)
             return
-        self._flooded = False
-        self.pending += 1
+        self._flooded.discard(host)
+        self._pending[link] = host
         sink = _PendingSink(self, link, self._handshake(Role.ACCEPTOR))
-        sink.done.add_done_callback(self._handshake_over)
+        sink.done.add_done_callback(lambda done: self._handshake_over(link, done))
         link.set_sink(sink)
         sink.start(link)
 
-    def _handshake_over(self, done: asyncio.Future[PeerIdentity]) -> None:
-        self.pending -= 1
+    def _handshake_over(self, link: Link, done: asyncio.Future[PeerIdentity]) -> None:
+        self._pending.pop(link, None)
+        if not done.cancelled():
+            done.exception()  # retrieved: a refused accepted link has nobody awaiting it
 
     def _handshake(
         self, role: Role, channel: Channel | None = None, node: int | None = None
@@ -281,6 +301,7 @@ class Peering:
             sink.start(link)
             await sink.done
         except BaseException:
+            sink.stop_timer()
             link.close("dial abandoned")
             raise
         return link
@@ -290,5 +311,8 @@ class Peering:
         return sorted(self._diallers)
 
     async def aclose(self) -> None:
+        """Stop accepting and drop links still in their handshake."""
         if self._listener is not None:
             await self._listener.aclose()
+        for link in list(self._pending):
+            link.close("daemon stopping")

@@ -244,24 +244,34 @@ async def test_tags_out_of_range_are_usage_errors_on_both_sides(tmp_path):
         assert f"tag {2**40} is outside" in remote
 
 
+_MANY_FILES = """
+import os, resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+import fabricd
+with fabricd.connect(socket_path=sys.argv[1]) as control:
+    assert control._sock.fileno() >= 1024, control._sock.fileno()
+    print(control.status()["node"])
+"""
+
+
 async def test_a_client_in_a_process_with_many_open_files_works(tmp_path):
     import resource
+    import sys
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard < 2048:
         pytest.skip(f"the hard limit on open files is {hard}")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
-    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # push fds past 1024
-    try:
-        async with fabric(tmp_path) as fab:
-
-            def client() -> int:
-                with fabricd.connect(socket_path=fab.socket(0)) as control:
-                    assert control._sock.fileno() >= 1024
-                    return int(control.status()["node"])
-
-            assert await asyncio.to_thread(client) == 0
-    finally:
-        for fd in filler:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    async with fabric(tmp_path) as fab:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _MANY_FILES,
+            fab.socket(0),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(child.communicate(), 60)
+        assert child.returncode == 0, err.decode()
+        assert out.decode().strip() == "0"
