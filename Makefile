@@ -22,6 +22,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/mypy examples  # scripts, not a package: checked on their own
 
 test: lint
 	$(BIN)/pytest

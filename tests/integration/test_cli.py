@@ -101,3 +101,27 @@ def test_fabricd_help_lists_every_config_key():
     )
     for flag in ("--node-id", "--nodes", "--secret-file", "--heartbeat-interval", "--socket"):
         assert flag in result.stdout
+
+
+def test_the_pingpong_example_runs_against_a_local_cluster(make_cluster):
+    cluster = make_cluster(2)
+    example = Path(__file__).parents[2] / "examples" / "pingpong.py"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(example), "--elements", "4096", "--rounds", "3"],
+            env={
+                **os.environ,
+                "FABRICD_SOCKET": cluster.nodes[r].socket_path,
+                "RANK": str(r),
+                "WORLD_SIZE": "2",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = [rank.communicate(timeout=60) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert "3 round trips of 16384 B" in outputs[0][0]
+    assert "every element checked" in outputs[0][0]
