@@ -44,6 +44,7 @@ class Inbound:
 
     def __init__(self) -> None:
         self._expected: dict[tuple[int, int], Expectation] = {}
+        self._bin = bytearray()  #: grows to the largest dropped chunk (at most max_payload)
         self.bytes = 0
 
     def expect(self, node: int, msg: int, region: memoryview) -> None:
@@ -75,15 +76,21 @@ class Inbound:
         msg, off = get_int(head.meta, "msg"), get_int(head.meta, "off")
         expectation = self._expected.get((node, msg))
         if expectation is None:
-            return None  # cancelled or its peer reset: the chunk is read and dropped
+            return self._discard(head.payload_len)  # cancelled or its peer reset: dropped
         if off != expectation.received or off + head.payload_len > expectation.nbytes:
             raise RemoteProtocolError(
                 f"DATA chunk [{off}, {off + head.payload_len}) of message {msg} does not continue "
                 f"at {expectation.received} of {expectation.nbytes} B"
             )
         if expectation.region is None:
-            return None
+            return self._discard(head.payload_len)
         return expectation.region[off : off + head.payload_len]
+
+    def _discard(self, nbytes: int) -> memoryview:
+        """Where dropped bytes go: one buffer, reused, instead of a fresh one per chunk."""
+        if len(self._bin) < nbytes:
+            self._bin = bytearray(nbytes)
+        return memoryview(self._bin)[:nbytes]
 
     def chunk_arrived(self, node: int, frame: Frame) -> int | None:
         """Account a DATA frame; return its message id once the message is complete."""

@@ -275,3 +275,36 @@ async def test_a_client_in_a_process_with_many_open_files_works(tmp_path):
         out, err = await asyncio.wait_for(child.communicate(), 60)
         assert child.returncode == 0, err.decode()
         assert out.decode().strip() == "0"
+
+
+async def test_a_receiver_that_leaves_mid_transfer_fails_the_send_and_leaks_nothing(tmp_path):
+    async with fabric(tmp_path) as fab:
+        fab.net.bandwidth = 40e6  # 16 MiB takes about 0.4 s: time to leave in the middle
+        joined, leave = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def receiver() -> None:
+            with fabricd.connect(job="m", rank=1, size=2, socket_path=fab.socket(1)) as rx:
+                rx.recv_async(rx.array("y", (16 << 20,), "uint8"), src=0)
+                loop.call_soon_threadsafe(joined.set)
+                asyncio.run_coroutine_threadsafe(leave.wait(), loop).result(30)
+            # leaving the with block disconnects while the bytes are still arriving
+
+        def sender() -> str:
+            with fabricd.connect(job="m", rank=0, size=2, socket_path=fab.socket(0)) as tx:
+                try:
+                    tx.send(tx.array("x", (16 << 20,), "uint8"), to=1, timeout=30)
+                except fabricd.PeerFailed as exc:
+                    return exc.code
+                return "ok"
+
+        rx_task = asyncio.create_task(asyncio.to_thread(receiver))
+        await asyncio.wait_for(joined.wait(), 10)
+        tx_task = asyncio.create_task(asyncio.to_thread(sender))
+        d1 = fab.daemons[1]
+        await fab.until(lambda: d1.inbound.bytes > 0)  # DATA is flowing
+        leave.set()
+        await rx_task
+        assert await tx_task == "receiver_left"
+        await fab.until(lambda: not d1.inbound._expected and d1.messaging.pending() == 0)
+        assert not d1.ops
