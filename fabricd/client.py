@@ -157,6 +157,13 @@ class Client:
             fields.update(job=job, rank=rank, size=size)
         try:
             hello = self._call("hello", timeout=timeout, **fields)
+        except DaemonUnavailable as exc:
+            self._sock.close()
+            raise DaemonUnavailable(
+                f"{exc}. A daemon that hangs up at once has refused this process: its uid "
+                f"{os.getuid()} and groups must be in the daemon's allowed_uids/allowed_gids "
+                "(or in group fabricd); the daemon's log names the refused pid"
+            ) from None
         except BaseException:
             self._sock.close()
             raise

@@ -40,3 +40,28 @@ def test_every_error_is_a_fabric_error():
     assert issubclass(fabricd.ProtocolError, ValueError)
     failed = fabricd.PeerFailed("gone", rank=3, node=1)
     assert (failed.code, failed.rank, failed.node) == ("peer_failed", 3, 1)
+
+
+def test_a_daemon_that_hangs_up_at_once_is_explained(tmp_path):
+    import socket
+    import threading
+
+    path = str(tmp_path / "refusing.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def refuse() -> None:  # what the daemon does with a uid it does not admit
+        conn, _ = server.accept()
+        conn.close()
+
+    thread = threading.Thread(target=refuse)
+    thread.start()
+    try:
+        with pytest.raises(fabricd.DaemonUnavailable) as refused:
+            connect(socket_path=path, timeout=5)
+    finally:
+        thread.join(5)
+        server.close()
+    assert "allowed_uids" in str(refused.value)
+    assert path in str(refused.value)
