@@ -22,7 +22,6 @@ Run alone: ``python -m bench.handoff [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import socket
 import sys
 import tempfile
@@ -47,8 +46,8 @@ from bench.report import (
     per_call,
     quiet,
     reap,
+    run_alone,
     spawn,
-    stderr_progress,
 )
 
 if TYPE_CHECKING:
@@ -219,11 +218,7 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.handoff", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a small smoke run")
-    args = parser.parse_args(argv)
-    print(run(args.quick, stderr_progress("handoff")).render(), flush=True)
-    return 0
+    return run_alone("handoff", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Run alone: ``python -m bench.latency [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import multiprocessing
 import os
@@ -51,8 +50,8 @@ from bench.report import (
     percentile,
     quiet,
     reap,
+    run_alone,
     spawn,
-    stderr_progress,
 )
 from fabricd.transports.tcp import TcpTransport
 from fabricd.wire import DEFAULT_LIMITS, Kind, encode_head
@@ -298,11 +297,7 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a small smoke run")
-    args = parser.parse_args(argv)
-    print(run(args.quick, stderr_progress("latency")).render(), flush=True)
-    return 0
+    return run_alone("latency", __doc__, run, argv)
 
 
 if __name__ == "__main__":

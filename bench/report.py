@@ -8,6 +8,7 @@ ratio of two things measured side by side is not (DESIGN §10).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import multiprocessing
@@ -281,3 +282,14 @@ def reap(process: SpawnProcess, timeout: float = 30.0) -> None:
         raise RuntimeError(f"benchmark helper {process.name} did not finish in {timeout}s")
     if process.exitcode != 0:
         raise RuntimeError(f"benchmark helper {process.name} exited with {process.exitcode}")
+
+
+def run_alone(
+    name: str, doc: str | None, run: Callable[[bool, Progress], Table], argv: Sequence[str] | None
+) -> int:
+    """``python -m bench.<name> [--quick]``: run one benchmark and print its table."""
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=doc)
+    parser.add_argument("--quick", action="store_true", help="a small smoke run")
+    args = parser.parse_args(argv)
+    print(run(args.quick, stderr_progress(name)).render(), flush=True)
+    return 0

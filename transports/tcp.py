@@ -75,10 +75,8 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
             if not self.peer_address:  # accepted: name the link after the remote end
                 self.peer_address = join_address(*sock.getpeername()[:2])
         self._transport.set_write_buffer_limits(high=_HIGH_WATER, low=_LOW_WATER)
-        if self._on_link is not None:  # now the link knows its peer's address
+        if self._on_link is not None:  # now the link knows its peer's address (and may close)
             self._on_link(self)
-        if self._is_closed:  # closed by on_link already
-            self._transport.close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         target = self._receiver.decoder.payload_target()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -118,6 +119,7 @@ class Daemon:
         self.draining = False
         self._op_ids = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_due: float | None = None
         self._stopping = asyncio.Event()
         self._idle = asyncio.Event()  #: set while draining once no transfer is under way
         self._tasks: asyncio.TaskGroup | None = None
@@ -233,11 +235,14 @@ class Daemon:
         if self._stopped:
             return
         deadlines = [d for d in (self.peers.next_deadline(), self.messaging.next_deadline()) if d]
+        due = min(deadlines, default=None)
         if self._timer is not None:
+            if self._timer_due == due:  # the usual case after a frame: nothing moved
+                return
             self._timer.cancel()
             self._timer = None
-        if deadlines:
-            self._timer = self.loop.call_at(min(deadlines), self._on_timer)
+        if due is not None:  # (uvloop's timer handles have no when(): keep the time here)
+            self._timer, self._timer_due = self.loop.call_at(due, self._on_timer), due
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -250,8 +255,9 @@ class Daemon:
     def _perform(self, actions: Iterable[peers.Action | p2p.Action]) -> None:
         for action in actions:
             match action:
-                case peers.SendHeartbeat(node=node) | p2p.SendFrame(node=node):
-                    kind, meta = _frame_of(action)
+                case peers.SendHeartbeat(node=node):
+                    self._send_control(node, Kind.HEARTBEAT, {})
+                case p2p.SendFrame(node=node, kind=kind, meta=meta):
                     self._send_control(node, kind, meta)
                 case p2p.Broadcast(kind=kind, meta=meta):
                     for node in list(self.control):
@@ -616,7 +622,7 @@ class Daemon:
             "state": "draining" if self.draining else "serving",
             "peers": peer_rows,
             "clients": [s.describe() for s in self.sessions.values()],
-            "ranks": [vars_of(e) for e in self.messaging.routes.entries()],
+            "ranks": [dataclasses.asdict(e) for e in self.messaging.routes.entries()],
             "pending_ops": self.messaging.pending(),
             "counters": {
                 **self.counters,
@@ -635,16 +641,6 @@ def _default_transport() -> Transport:
     else:
         log.info("transport: tcp (%s)", found.reason)
     return TcpTransport()
-
-
-def vars_of(entry: Any) -> dict[str, Any]:
-    return {name: getattr(entry, name) for name in entry.__slots__}
-
-
-def _frame_of(action: peers.SendHeartbeat | p2p.SendFrame) -> tuple[Kind, Meta]:
-    if isinstance(action, peers.SendHeartbeat):
-        return Kind.HEARTBEAT, {}
-    return action.kind, action.meta
 
 
 def _close_quietly(fd: int) -> None:
