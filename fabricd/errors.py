@@ -24,6 +24,8 @@ parsers (RELIABILITY Z1).
 
 from __future__ import annotations
 
+import enum
+
 
 class FabricError(Exception):
     """Root of every error fabricd raises on purpose."""
@@ -92,3 +94,46 @@ class PeerFailed(OperationFailed):
 
 class Timeout(FabricError, TimeoutError):
     """A wait ran out of time.  The operation itself goes on; its handle can be waited again."""
+
+
+class ErrorCode(enum.StrEnum):
+    """The machine-readable reason a failed operation carries (docs/protocol.md, "Error codes").
+
+    The daemon puts one in every failure it reports (REPLY ``code``, DONE ``code``); the client
+    turns it back into an exception with :func:`error_for`.  A code this release does not know
+    (a newer daemon) is kept as a plain string and raises :class:`OperationFailed`.
+    """
+
+    USAGE = "usage"  #: the request was wrong; the message says what
+    MISMATCH = "mismatch"  #: a send met its receive but sizes or dtypes differ
+    PEER_FAILED = "peer_failed"  #: the other rank's node went down, or the rank left
+    RECEIVER_LEFT = "receiver_left"  #: the receiving rank left before taking the message
+    NO_SUCH_RANK = "no_such_rank"  #: the other rank did not join within route_timeout
+    TRANSPORT = "transport"  #: the data link broke while streaming
+    DAEMON_STOPPING = "daemon_stopping"  #: the daemon is draining
+    INTERNAL = "internal"  #: a bug in the daemon (its log has the traceback)
+    PROTOCOL = "protocol"  #: the client broke the protocol; the daemon closes the connection
+    FAILED = "failed"  #: a failure that named no code
+    DAEMON_GONE = "daemon_gone"  #: client-side only: the connection to the daemon is gone
+
+
+def error_for(
+    code: str, message: str, *, rank: int | None = None, node: int | None = None
+) -> FabricError:
+    """The exception a failure with ``code`` raises in the client (the docs/protocol.md table)."""
+    if code in (ErrorCode.PEER_FAILED, ErrorCode.RECEIVER_LEFT):
+        return PeerFailed(message, rank=rank, node=node, code=code)
+    if code in (ErrorCode.USAGE, ErrorCode.MISMATCH):
+        return UsageError(message)
+    if code in (ErrorCode.DAEMON_GONE, ErrorCode.PROTOCOL):
+        return DaemonUnavailable(message)
+    return OperationFailed(message, code=code)
+
+
+def code_of(exc: FabricError) -> ErrorCode | str:
+    """The wire code the daemon reports for ``exc`` raised while handling a request."""
+    if isinstance(exc, OperationFailed):
+        return exc.code
+    if isinstance(exc, ProtocolError):
+        return ErrorCode.PROTOCOL
+    return ErrorCode.USAGE

@@ -56,6 +56,7 @@ class Kind(enum.IntEnum):
     CANCEL = 10  #: the sender withdraws a message it announced
     REQUEST = 32  #: client -> daemon call
     REPLY = 33  #: daemon -> client answer to a REQUEST
+    EVENT = 34  #: daemon -> client news nobody asked for in that moment (a pushed event)
 
 
 #: the largest message tag (and rank) the protocol carries
