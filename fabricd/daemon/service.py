@@ -1,0 +1,220 @@
+"""The service contract: how one engine plugs into the daemon.
+
+Each engine is driven by one *service*.  The service owns its engine, names the peer frame
+kinds and client request ops it handles, performs the engine's actions through the
+:class:`Host` (the node), and reports its next deadline.  The node routes every frame, request
+and timer tick to the one service that claimed it and owns only links, sessions and the one
+timer; it refuses to start when two services claim the same kind or op.
+
+Adding an engine is one engine file (``engines/x.py``, sans-IO), one service file
+(``daemon/x_service.py``, implementing :class:`Service`) and one client facet.
+
+Rules for a service:
+
+* every call from the node is synchronous and quick; work that waits (streaming bytes, a large
+  copy) runs in a task from :meth:`Host.spawn` and calls back into the service, which then calls
+  :meth:`Host.rearm` if its deadlines may have moved;
+* a malformed frame raises :class:`~fabricd.errors.RemoteProtocolError` (the node closes that
+  peer's links); a bad request raises a :class:`~fabricd.errors.FabricError` (the node replies
+  with its code); anything else is a bug in the service: the node logs it and fails the request
+  with ``internal`` but keeps serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Coroutine, Sequence
+
+    from fabricd.daemon.config import Config
+    from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.actions import Failure
+    from fabricd.engines.membership import RankEvent
+    from fabricd.frames import Data, PeerFrame
+    from fabricd.transports.base import Link
+    from fabricd.wire import Kind, Meta
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Request:
+    """One client request as a service sees it: who asked, which op, its fields and fds.
+
+    ``fds`` belong to the service once it is called (the node closes whatever is left in the
+    list afterwards, so a service takes an fd by popping it).
+    """
+
+    session: ClientSession
+    id: int
+    op: str
+    meta: Meta
+    fds: list[int]
+
+
+class Host(Protocol):
+    """What the node offers its services."""
+
+    @property
+    def config(self) -> Config:
+        """The daemon's effective configuration."""
+
+    @property
+    def draining(self) -> bool:
+        """Whether the daemon is stopping (new work is refused with ``daemon_stopping``)."""
+
+    def now(self) -> float:
+        """The loop's monotonic clock, the ``now`` engines are given."""
+
+    def send(self, node: int, frame: PeerFrame) -> None:
+        """Queue ``frame`` on ``node``'s control link; dropped (debug log) if it has none."""
+
+    def broadcast(self, frame: PeerFrame) -> None:
+        """Queue ``frame`` on every control link that is up."""
+
+    def data_link(self, node: int) -> Link | None:
+        """``node``'s data link, if it is up."""
+
+    def reset_peer(self, node: int, reason: str) -> None:
+        """Close both of ``node``'s links and tell every service that the peer is down."""
+
+    def reply(self, request: Request | tuple[ClientSession, int], result: Meta) -> None:
+        """Answer a request with success (dropped if the client has left)."""
+
+    def fail(self, request: Request | tuple[ClientSession, int], failure: Failure) -> None:
+        """Answer a request with a failure (dropped if the client has left)."""
+
+    def push(self, session: ClientSession, event: str, fields: Meta) -> None:
+        """Push an EVENT frame to a client that did not ask for it just now."""
+
+    def rank_event(self, event: RankEvent) -> None:
+        """Tell every service that a rank joined or left (membership's news)."""
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``coro`` in the daemon's task group; the drain cancels what is left of it."""
+
+    def rearm(self) -> None:
+        """Re-read every service's next deadline (call after work a task finished)."""
+
+
+class Service(Protocol):
+    """One engine's driver.  See the module docstring for the rules."""
+
+    #: a short name for logs and status
+    name: str
+    #: the peer frame kinds this service handles
+    kinds: frozenset[Kind]
+    #: the client request ops this service handles
+    ops: frozenset[str]
+
+    def on_frame(self, node: int, frame: PeerFrame, now: float) -> None:
+        """A frame of one of :attr:`kinds` from authenticated peer ``node``."""
+
+    def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview:
+        """Where the ``length`` payload bytes of a DATA frame from ``node`` must land.
+
+        Only called on the service that claims :attr:`Kind.DATA`.
+        """
+
+    def on_request(self, request: Request, now: float) -> Meta | None:
+        """A client request of one of :attr:`ops`; return the reply, or ``None`` to answer
+        later through :meth:`Host.reply`/:meth:`Host.fail`."""
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`on_timer` must next run (``None``: never)."""
+
+    def on_timer(self, now: float) -> None:
+        """The clock reached :meth:`next_deadline`."""
+
+    def peer_up(self, node: int, now: float) -> None:
+        """``node``'s control link is up (after any reset of an older one)."""
+
+    def peer_down(self, node: int, reason: str, now: float) -> None:
+        """Everything exchanged with ``node`` is lost (its links were reset)."""
+
+    def on_rank_event(self, event: RankEvent, now: float) -> None:
+        """A rank joined or left the fabric."""
+
+    def client_gone(self, session: ClientSession, now: float) -> None:
+        """A client disconnected; release what it held in this service."""
+
+    def in_flight(self) -> int:
+        """Work a drain waits for (bytes moving now)."""
+
+    async def settle(self) -> None:
+        """Wait for work that cannot be cancelled (a copy in a thread) to end."""
+
+    def shutdown(self, failure: Failure) -> None:
+        """The drain is over: fail every request still open with ``failure``."""
+
+    def statistics(self) -> Meta:
+        """What ``fabricctl status`` shows of this service (JSON-ready)."""
+
+
+class BaseService:
+    """No-op defaults for the hooks a service does not need; subclass and override."""
+
+    name = "base"
+    kinds: frozenset[Kind] = frozenset()
+    ops: frozenset[str] = frozenset()
+
+    def on_frame(self, node: int, frame: PeerFrame, now: float) -> None:
+        raise NotImplementedError(f"{self.name} claims no frame kinds")
+
+    def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview:
+        raise NotImplementedError(f"{self.name} takes no payloads")
+
+    def on_request(self, request: Request, now: float) -> Meta | None:
+        raise NotImplementedError(f"{self.name} claims no request ops")
+
+    def next_deadline(self) -> float | None:
+        return None
+
+    def on_timer(self, now: float) -> None:
+        return None
+
+    def peer_up(self, node: int, now: float) -> None:
+        return None
+
+    def peer_down(self, node: int, reason: str, now: float) -> None:
+        return None
+
+    def on_rank_event(self, event: RankEvent, now: float) -> None:
+        return None
+
+    def client_gone(self, session: ClientSession, now: float) -> None:
+        return None
+
+    def in_flight(self) -> int:
+        return 0
+
+    async def settle(self) -> None:
+        return None
+
+    def shutdown(self, failure: Failure) -> None:
+        return None
+
+    def statistics(self) -> Meta:
+        return {}
+
+
+def check_claims(services: Sequence[Service]) -> None:
+    """Refuse a set of services in which two claim one frame kind or one request op.
+
+    Raises:
+        ValueError: names both services and what they both claim.
+    """
+    kinds: dict[Kind, str] = {}
+    ops: dict[str, str] = {}
+    for service in services:
+        for kind in service.kinds:
+            if kind in kinds:
+                raise ValueError(
+                    f"services {kinds[kind]!r} and {service.name!r} both claim {kind.name} frames"
+                )
+            kinds[kind] = service.name
+        for op in service.ops:
+            if op in ops:
+                raise ValueError(f"services {ops[op]!r} and {service.name!r} both claim op {op!r}")
+            ops[op] = service.name
