@@ -1,0 +1,85 @@
+"""Typed views of peer frame metadata: what each kind carries, read once at the boundary."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fabricd import frames
+from fabricd.errors import RemoteProtocolError
+from fabricd.wire import DEFAULT_LIMITS, Decoder, Frame, Kind, encode
+
+EXAMPLES: list[frames.PeerFrame] = [
+    frames.Heartbeat(),
+    frames.Bye(),
+    frames.Announce(job="j", rank=3, size=4, present=True),
+    frames.Announce(job="j", rank=3, size=4, present=False),
+    frames.Rts(msg=1, job="j", src=0, dst=3, tag=7, nbytes=64, dtype="float32"),
+    frames.Cts(msg=1),
+    frames.Data(msg=1, off=4096),
+    frames.Done(msg=1),
+    frames.Done(msg=1, code="mismatch", error="sizes differ"),
+    frames.Cancel(msg=9),
+]
+
+
+def over_the_wire(frame: frames.PeerFrame) -> frames.PeerFrame:
+    decoder = Decoder(DEFAULT_LIMITS)
+    decoder.feed(encode(frame.KIND, frame.to_meta()))
+    decoder.next_event()
+    decoded = decoder.next_event()
+    assert isinstance(decoded, Frame)
+    return frames.parse(decoded.kind, decoded.meta)
+
+
+@pytest.mark.parametrize("frame", EXAMPLES, ids=lambda f: type(f).__name__)
+def test_every_view_survives_the_wire(frame: frames.PeerFrame) -> None:
+    assert over_the_wire(frame) == frame
+
+
+def test_every_peer_kind_but_the_handshake_has_a_view() -> None:
+    peer_kinds = {k for k in Kind if k < Kind.REQUEST} - {Kind.HELLO, Kind.AUTH}
+    assert peer_kinds == frames.PEER_KINDS
+
+
+@pytest.mark.parametrize("kind", [Kind.HELLO, Kind.AUTH, Kind.REQUEST, Kind.REPLY, Kind.EVENT])
+def test_kinds_a_peer_may_not_send_are_refused(kind: Kind) -> None:
+    with pytest.raises(RemoteProtocolError, match="not a frame a peer may send"):
+        frames.parse(kind, {})
+
+
+@pytest.mark.parametrize(
+    ("kind", "meta", "field"),
+    [
+        (Kind.RTS, {"msg": 1, "job": "j", "src": 0, "dst": 1, "tag": 0, "nbytes": 4}, "dtype"),
+        (Kind.RTS, {"msg": -1, "job": "j", "src": 0, "dst": 1, "tag": 0, "nbytes": 4}, "msg"),
+        (Kind.ANNOUNCE, {"job": "j", "rank": 0, "size": 0, "present": True}, "size"),
+        (Kind.ANNOUNCE, {"job": 5, "rank": 0, "size": 1}, "job"),
+        (Kind.CTS, {"msg": "1"}, "msg"),
+        (Kind.DATA, {"msg": 1}, "off"),
+        (Kind.DONE, {"msg": 1, "code": "x"}, "error"),
+        (Kind.CANCEL, {}, "msg"),
+    ],
+)
+def test_a_bad_field_is_a_remote_protocol_error_naming_it(
+    kind: Kind, meta: dict, field: str
+) -> None:
+    with pytest.raises(RemoteProtocolError, match=field):
+        frames.parse(kind, meta)
+
+
+def test_a_done_carries_code_and_error_together() -> None:
+    with pytest.raises(ValueError, match="both"):
+        frames.Done(msg=1, code="mismatch")
+
+
+@given(st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=8))
+def test_parse_gives_a_view_of_its_kind_or_a_remote_protocol_error(meta: dict) -> None:
+    for kind in frames.PEER_KINDS:
+        try:
+            view = frames.parse(kind, meta)
+        except RemoteProtocolError as exc:
+            assert str(exc)
+        else:
+            assert view.KIND is kind
