@@ -78,8 +78,7 @@ def test_a_done_carries_code_and_error_together() -> None:
 def test_parse_gives_a_view_of_its_kind_or_a_remote_protocol_error(meta: dict) -> None:
     for kind in frames.PEER_KINDS:
         try:
-            view = frames.parse(kind, meta)
-        except RemoteProtocolError as exc:
-            assert str(exc)
-        else:
-            assert view.KIND is kind
+            view: frames.PeerFrame | None = frames.parse(kind, meta)
+        except RemoteProtocolError:
+            view = None
+        assert view is None or view.KIND is kind
