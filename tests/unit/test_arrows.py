@@ -1,6 +1,6 @@
 """The arrows of DESIGN §3, checked on the source (STYLE principle 3), and RELIABILITY S1.
 
-* ``fabricd/engines/*.py`` and ``fabricd/wire.py`` are sans-IO: no event loop, sockets, clock,
+* ``fabricd/engines/*.py``, ``fabricd/wire.py`` and ``fabricd/frames.py`` are sans-IO: no event loop, sockets, clock,
   daemon, transports or CLI.  Imports under ``TYPE_CHECKING`` count too: an engine that needs
   a transport's type has its arrow pointing the wrong way.
 * ``transports/`` knows frames, never engines, the daemon or the CLI.
@@ -202,8 +202,8 @@ def test_engines_are_sans_io() -> None:
     assert not findings, "engines must not do I/O or know the layers above:\n" + report(findings)
 
 
-def test_wire_is_sans_io() -> None:
-    findings = check([PACKAGE / "wire.py"], "sans-io")
+def test_wire_and_frames_are_sans_io() -> None:
+    findings = check([PACKAGE / "wire.py", PACKAGE / "frames.py"], "sans-io")
     assert not findings, report(findings)
 
 
