@@ -287,14 +287,18 @@ class Segment:
         """A writable view of ``[offset, offset + nbytes)`` inside the array data.
 
         Offsets count from the start of the mapping, not of the data, as the client's
-        addresses do (``array address - mapping address``).
+        addresses do (``array address - mapping address``).  An empty range may sit anywhere
+        in ``[0, size]``: it touches nothing, and numpy leaves an empty slice's address at
+        the start of what was sliced, so ``root[64:64]`` reports offset 0.
 
         Raises:
             UsageError: the range is not inside the data (it would touch the header, the
                 footer or nothing at all).  The request naming it is wrong; refuse it.
         """
         lo, n = self.layout.data_offset, self.layout.nbytes
-        if offset < lo or nbytes < 0 or offset + nbytes > lo + n:
+        inside = lo <= offset and offset + nbytes <= lo + n
+        empty = nbytes == 0 and 0 <= offset <= self.size
+        if nbytes < 0 or not (inside or empty):
             raise UsageError(
                 f"range [{offset}, {offset + nbytes}) is outside the {n} B segment's data "
                 f"at [{lo}, {lo + n})"

@@ -132,8 +132,10 @@ def test_views_stay_inside_the_data():
     lo = segment.layout.data_offset
     assert len(segment.view(lo + 90, 10)) == 10
     assert len(segment.view(lo + 100, 0)) == 0
+    assert len(segment.view(0, 0)) == len(segment.view(segment.size, 0)) == 0  # touch nothing
     header, footer = (0, 8), (segment.layout.footer_offset, 8)
-    for offset, nbytes in ((lo + 95, 10), (lo - 1, 1), (lo, 101), (lo, -1), header, footer):
+    cases = ((lo + 95, 10), (lo - 1, 1), (lo, 101), (lo, -1), header, footer, (-1, 0))
+    for offset, nbytes in (*cases, (segment.size + 1, 0)):
         with pytest.raises(UsageError, match=r"outside the 100 B segment's data at \[64, 164\)"):
             segment.view(offset, nbytes)
     segment.close()
@@ -142,8 +144,14 @@ def test_views_stay_inside_the_data():
 def test_zero_byte_arrays_get_a_valid_mapping_and_close_is_safe_with_views():
     segment = Segment.create("z", 0)
     assert segment.size == HEADER_SIZE + FOOTER_SIZE
+    root = np.frombuffer(segment.buffer, dtype=np.uint8)
+    lo = segment.layout.data_offset
+    array = root[lo:lo].view("float64").reshape(0, 3)
+    offset = array.ctypes.data - root.ctypes.data  # numpy may report 0 for an empty slice
+    assert len(segment.view(offset, 0)) == 0
+    del root, array
     view = segment.data()
-    assert len(view) == len(segment.view(segment.layout.data_offset, 0)) == 0
+    assert len(view) == len(segment.view(lo, 0)) == 0
     segment.close()  # a live view defers the unmap instead of failing
     assert len(view) == 0
 
