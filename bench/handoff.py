@@ -65,7 +65,7 @@ class _Memcpy:
 
         self._segments = [Segment.create(f"bench-memcpy-{i}", nbytes) for i in range(2)]
         self._src, self._dst = (
-            np.frombuffer(s.buffer, dtype=np.uint8, count=nbytes) for s in self._segments
+            np.frombuffer(s.data(), dtype=np.uint8, count=nbytes) for s in self._segments
         )
         self._src[:] = 1
         self._dst[:] = 0  # fault every page in before timing, as the daemon's are after warm-up

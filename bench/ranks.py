@@ -117,7 +117,7 @@ def raw_receiver(conn: Connection, plan: Plan) -> None:
 
     sizes = [n for n, messages in plan for _ in range(messages)]
     segment = Segment.create("bench-raw-recv", max([*sizes, 1]))
-    target = memoryview(segment.buffer)
+    target = segment.data()
     np.frombuffer(target, dtype=np.uint8)[:] = 0  # fault the pages in, as the fabricd side's are
 
     async def serve() -> None:
