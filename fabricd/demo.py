@@ -1,6 +1,8 @@
 """The main job for now (``make demo`` / ``fabricctl demo``): a tensor around a ring of daemons.
 
 A local fabric of N daemons starts on loopback; one client per node joins job ``ring-demo``.
+Every other rank tells rank 0 that it is ready (it has joined and made its tensor), and only then
+does rank 0 start the clock: starting processes and joining the job are not data moving.
 Rank 0 fills a float32 tensor with a known pattern and sends it to rank 1; every rank receives
 from its left neighbour, adds one, sends to its right neighbour and then checks every element
 (after forwarding, so checking stays off the ring's critical path), for a number of laps.  The
@@ -26,7 +28,11 @@ from fabricd.errors import FabricError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from fabricd.client import Client
+
 JOB = "ring-demo"
+#: the tag of the message each rank sends rank 0 once it is ready (the ring uses tag 0)
+READY_TAG = 1
 #: generous: a lap of 256 MiB on a loaded 2-core machine takes seconds, not minutes
 _WAIT = 120.0
 
@@ -84,6 +90,7 @@ def ring_worker(socket_path: str, rank: int, size: int, count: int, laps: int) -
     base = pattern(count)
     with connect(job=JOB, rank=rank, size=size, socket_path=socket_path) as fab:
         tensor = fab.array("ring", (count,), "float32")
+        fab.send(fab.array("ready", (1,), "int32"), to=0, tag=READY_TAG, timeout=_WAIT)
         for lap in range(laps):
             fab.recv(tensor, src=rank - 1, timeout=_WAIT)
             tensor += 1
@@ -122,7 +129,10 @@ def run(
         for worker in workers:
             worker.start()
         try:
-            seconds, checksum = _lead(cluster.nodes[0].socket_path, nodes, count, laps, progress)
+            with connect(
+                job=JOB, rank=0, size=nodes, socket_path=cluster.nodes[0].socket_path
+            ) as fab:
+                seconds, checksum = lead(fab, count, laps, progress)
         finally:
             for worker in workers:
                 worker.join(timeout=_WAIT)
@@ -149,30 +159,38 @@ def run(
     )
 
 
-def _lead(
-    socket_path: str,
-    size: int,
+def lead(
+    fab: Client,
     count: int,
     laps: int,
-    progress: Callable[[int, float], None] | None,
+    progress: Callable[[int, float], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, str]:
+    """Body of rank 0 (a client of job ``ring-demo``): returns (seconds moving data, checksum).
+
+    The clock runs only while the tensor is on the ring, from when every rank has said it is
+    ready: neither joining nor checking counts.
+    """
     base = pattern(count)
-    with connect(job=JOB, rank=0, size=size, socket_path=socket_path) as fab:
-        tensor = fab.array("ring", (count,), "float32")
-        tensor[:] = base
-        elapsed = 0.0
-        for lap in range(laps):
-            start = time.perf_counter()
-            fab.send(tensor, to=1, timeout=_WAIT)
-            fab.recv(tensor, src=size - 1, timeout=_WAIT)
-            elapsed += time.perf_counter() - start
-            _verify(tensor, base, (lap + 1) * size - 1)
-            tensor += 1
-            if progress is not None:
-                progress(lap + 1, elapsed)
-        tensor -= 1  # undo the last increment: this is what came home
-        expected = base + np.float32(laps * size - 1)
-        checksum = hashlib.blake2b(tensor.tobytes()).hexdigest()
-        if checksum != hashlib.blake2b(expected.tobytes()).hexdigest():
-            raise DemoFailed("checksum of the returned tensor does not match the expected one")
+    size = fab.size
+    tensor = fab.array("ring", (count,), "float32")
+    tensor[:] = base
+    ready = fab.array("ready", (1,), "int32")
+    for rank in range(1, size):
+        fab.recv(ready, src=rank, tag=READY_TAG, timeout=_WAIT)
+    elapsed = 0.0
+    for lap in range(laps):
+        start = clock()
+        fab.send(tensor, to=1, timeout=_WAIT)
+        fab.recv(tensor, src=size - 1, timeout=_WAIT)
+        elapsed += clock() - start
+        _verify(tensor, base, (lap + 1) * size - 1)
+        tensor += 1
+        if progress is not None:
+            progress(lap + 1, elapsed)
+    tensor -= 1  # undo the last increment: this is what came home
+    expected = base + np.float32(laps * size - 1)
+    checksum = hashlib.blake2b(tensor.tobytes()).hexdigest()
+    if checksum != hashlib.blake2b(expected.tobytes()).hexdigest():
+        raise DemoFailed("checksum of the returned tensor does not match the expected one")
     return elapsed, checksum[:16]
