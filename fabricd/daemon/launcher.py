@@ -4,21 +4,33 @@
 starts one ``fabricd`` process per node with its own ``NOTIFY_SOCKET`` (so it knows each one is
 listening exactly when systemd would), and on :meth:`LocalCluster.stop` sends SIGTERM, waits
 for the drain, and removes the directory: nothing is left behind.
+
+A launcher that is killed before it can stop its cluster (SIGKILL, a crash) takes its daemons
+along: the kernel kills each of them when the launcher dies (:func:`spawn_tied`).  Only its
+directory stays; the directory's name records which process made it, and
+:func:`remove_leftovers` removes the directories whose process is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
+import queue
 import random
+import re
 import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,9 +38,11 @@ from typing import TYPE_CHECKING, Any
 from fabricd.errors import FabricError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import TracebackType
 
-#: liveness settings for development: failures show within a second, as RELIABILITY.md's tests use
+#: liveness settings for development and the failure tests: a silent peer is suspect after
+#: 0.3 s and down after 1 s, so a failure shows within a second
 FAST_LIVENESS: dict[str, Any] = {
     "heartbeat_interval": 0.1,
     "suspect_after": 0.3,
@@ -91,7 +105,7 @@ class LocalCluster:
         """
         if self.size < 1:
             raise ClusterError("a cluster needs at least one node")
-        self.directory = Path(tempfile.mkdtemp(prefix="fabricd-cluster-"))
+        self.directory = Path(tempfile.mkdtemp(prefix=_directory_prefix()))
         try:
             self._write_files()
             for node in self.nodes:
@@ -145,7 +159,7 @@ class LocalCluster:
         }
         command = [sys.executable, "-m", "fabricd.cli.daemon", "--config", str(self.config_path)]
         with open(node.log_path, "ab") as log:
-            node.process = subprocess.Popen(
+            node.process = spawn_tied(
                 command,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -213,13 +227,20 @@ class LocalCluster:
         if process is not None and process.poll() is None:
             process.send_signal(sig)
 
-    def stop(self, timeout: float = 15.0) -> dict[int, int | None]:
-        """SIGTERM every daemon, wait for them, remove the directory; return exit statuses."""
+    def stop(self, timeout: float = 15.0) -> dict[int, int]:
+        """SIGTERM every daemon, wait for them, remove the directory.
+
+        A daemon still running after ``timeout`` seconds is killed with SIGKILL.
+
+        Returns:
+            each started node's exit status, as :attr:`subprocess.Popen.returncode` has it:
+            negative for the number of the signal that ended it.
+        """
         for node in self.nodes:
             if node.process is not None and node.process.poll() is None:
                 node.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        statuses: dict[int, int | None] = {}
+        statuses: dict[int, int] = {}
         for node in self.nodes:
             if node.process is None:
                 continue
@@ -245,6 +266,160 @@ class LocalCluster:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+#: what the name of every cluster's directory starts with, followed by ``<pid>-<start>-``
+DIRECTORY_PREFIX = "fabricd-cluster-"
+_DIRECTORY_NAME = re.compile(re.escape(DIRECTORY_PREFIX) + r"(\d+)-(\d+)-[^/]+")
+
+
+def _directory_prefix() -> str:
+    """The prefix of this process's cluster directories: its pid and when it started.
+
+    The name itself says who made the directory, so there is no moment at which a directory
+    exists without saying so (as there would be between creating it and writing a marker file
+    into it), and the start time tells this process apart from a later one given the same pid.
+    """
+    pid = os.getpid()
+    return f"{DIRECTORY_PREFIX}{pid}-{_started(pid)}-"
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot), or None if it has exited.
+
+    A zombie counts as exited: it has died, and only waits for its parent to collect its status.
+    """
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may itself hold spaces or parentheses
+    fields = stat_line[stat_line.rindex(")") + 2 :].split()
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def remove_leftovers(root: Path | None = None) -> list[Path]:
+    """Remove the cluster directories under ``root`` that a killed launcher left behind.
+
+    Only a directory owned by this user, named by :func:`_directory_prefix`, whose launcher
+    process has exited is removed; its daemons died with that launcher (:func:`spawn_tied`).
+    Anything else, a running launcher's directory above all, is left alone.  Launchers are
+    told apart by pid and start time, so this needs them in this pid namespace, as they are
+    whenever they share a temporary directory with it.
+
+    Args:
+        root: where to look; default: the temporary directory (``$TMPDIR``, else ``/tmp``).
+
+    Returns:
+        the directories removed.
+    """
+    removed: list[Path] = []
+    with os.scandir(root or tempfile.gettempdir()) as entries:
+        for entry in entries:
+            match = _DIRECTORY_NAME.fullmatch(entry.name)
+            if match is None:
+                continue
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            if _started(int(match[1])) == int(match[2]):
+                continue  # its launcher is running
+            shutil.rmtree(entry.path, ignore_errors=True)
+            if not os.path.lexists(entry.path):
+                removed.append(Path(entry.path))
+    return removed
+
+
+def spawn_tied(command: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """Start ``command`` as a process that the kernel kills (SIGKILL) when this process dies.
+
+    Every daemon of a local cluster is started this way, so a launcher that cannot stop its
+    cluster (killed with SIGKILL, crashed) leaves no daemon running.  Of the two ways to tie a
+    child's life to its parent's, this is the one that needs nothing from the child:
+
+    - ``prctl(PR_SET_PDEATHSIG)``, used here, is done by the kernel.  It kills a daemon that is
+      still importing, whose event loop is stuck, or that is stopped by SIGSTOP.
+    - A pipe whose write end only the launcher holds would tell a daemon of the launcher's death
+      by an end of file, but only a daemon whose event loop runs and watches the pipe.
+
+    The parent-death signal has two traps, both closed here.  It fires when the *thread* that
+    forked the child exits, not the process: a cluster started from a short-lived thread would
+    lose its daemons with that thread, so every child is forked by one thread that lives as long
+    as the process (:class:`_ForkThread`).  And a launcher could die between the fork and the
+    ``prctl``: the child then checks that its parent is still the launcher, and exits if not.
+
+    Args:
+        command: the program and its arguments.
+        popen: keyword arguments for :class:`subprocess.Popen` (not ``preexec_fn``).
+    """
+    hook = _die_with(os.getpid())
+    return _FORK_THREAD.run(lambda: subprocess.Popen(command, preexec_fn=hook, **popen))
+
+
+@functools.cache
+def _prctl() -> Callable[..., int]:
+    prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    return prctl
+
+
+#: prctl(2) option: the signal a process gets when its parent (thread) dies
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(launcher: int) -> Callable[[], None]:
+    """The hook a child runs between fork and exec: die when process ``launcher`` does.
+
+    prctl is looked up now, in the parent, so that the child only calls it: between a fork and
+    an exec a child should do as little as it can.
+    """
+    prctl = _prctl()
+
+    def hook() -> None:
+        if prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != launcher:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return hook
+
+
+class _ForkThread:
+    """One daemon thread, started on first use, that runs every fork of :func:`spawn_tied`.
+
+    A daemon thread lives until the process exits, so the parent-death signal of the children
+    it forks fires exactly when the launcher process dies.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[
+            tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]
+        ] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def run(self, job: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+        """Run ``job`` on the fork thread and return its result (or raise its exception)."""
+        with self._lock:
+            # after os.fork() a child process has no fork thread, only the parent's object
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._serve, name="fabricd-fork", daemon=True
+                )
+                self._thread.start()
+        future: Future[subprocess.Popen[bytes]] = Future()
+        self._jobs.put((job, future))
+        return future.result()
+
+    def _serve(self) -> None:
+        while True:
+            job, future = self._jobs.get()
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # handed to the caller, who raises it
+                future.set_exception(exc)
+
+
+_FORK_THREAD = _ForkThread()
 
 
 def _free_port() -> int:
