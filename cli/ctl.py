@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from fabricd.cli.daemon import config_flags, load_from_cli
 from fabricd.cli.daemon import main as daemon_main
@@ -25,11 +28,12 @@ from fabricd.client import Client, connect
 from fabricd.errors import FabricError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Collection, Iterator
     from types import FrameType
 
-console = Console()
-errors = Console(stderr=True)
+# no emoji codes: ":1234:" in an IPv6 address or a path must print as written
+console = Console(emoji=False)
+errors = Console(stderr=True, emoji=False)
 
 json_option = click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")
 socket_option = click.option(
@@ -64,17 +68,29 @@ def _ago(seconds: float | None) -> str:
 _STATE_STYLE = {"up": "green", "suspect": "yellow", "down": "red", "connecting": "dim"}
 
 
+def _table(title: str, columns: Collection[str], right: Collection[str] = ()) -> Table:
+    """A table whose cells fold onto more lines where the console is narrow, never cut short.
+
+    rich's default cuts a cell with an ellipsis; an address or a path cut short is useless.
+    Cells are given as :class:`~rich.text.Text`, so that no ``[...]`` in a value (an IPv6
+    address, a job name) is taken for markup.
+    """
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, overflow="fold", justify="right" if column in right else "left")
+    return table
+
+
 def _peer_table(peers: list[dict[str, Any]]) -> Table:
-    table = Table(title="peers")
-    for column in ("node", "address", "state", "for", "last heard", "links", "sent", "received"):
-        table.add_column(column, justify="right" if column in ("sent", "received") else "left")
+    columns = ("node", "address", "state", "for", "last heard", "links", "sent", "received")
+    table = _table("peers", columns, right=("sent", "received"))
     for peer in peers:
         style = _STATE_STYLE.get(peer["state"], "")
         links = ",".join(ch for ch, up in peer["links"].items() if up) or "-"
         table.add_row(
             str(peer["node"]),
-            peer["address"],
-            f"[{style}]{peer['state']}[/]",
+            Text(peer["address"]),
+            Text(peer["state"], style=style),
             _ago(peer["state_for"]),
             _ago(peer["silent_for"]),
             links,
@@ -82,6 +98,22 @@ def _peer_table(peers: list[dict[str, Any]]) -> Table:
             _size(peer["bytes_received"]),
         )
     return table
+
+
+def _count(n: int, one: str, many: str) -> str:
+    """``1 daemon``, ``3 daemons``."""
+    return f"{n} {one if n == 1 else many}"
+
+
+def _figure(value: float, digits: int = 3) -> str:
+    """``value`` to ``digits`` significant figures, never in exponent form: 0.0123, 1.23, 123.
+
+    A fixed number of decimals prints a small ratio as 0.00, which says nothing.
+    """
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    return f"{value:.{decimals}f}"
 
 
 def _size(nbytes: float) -> str:
@@ -113,22 +145,18 @@ def status(socket_path: str | None, as_json: bool) -> None:
         return
     console.print(
         f"[bold]fabricd node {info['node']}[/] of {info['nodes']} — {info['state']}, "
-        f"up {_ago(info['uptime'])}\n  peers on {info['address']} ({info['transport']}), "
-        f"clients on {info['socket']}\n  incarnation {info['incarnation']}, "
-        f"protocol v{info['version']}, {info['pending_ops']} operations pending"
+        f"up {_ago(info['uptime'])}\n  peers on {escape(info['address'])} "
+        f"({info['transport']}), clients on {escape(info['socket'])}\n"
+        f"  incarnation {info['incarnation']}, "
+        f"protocol v{info['version']}, {info['pending_ops']} operations pending",
+        soft_wrap=True,  # an address or a path folded onto two lines cannot be pasted
     )
     if info["peers"]:
         console.print(_peer_table(info["peers"]))
-    clients = Table(title=f"clients ({len(info['clients'])})")
-    for column in ("id", "pid", "uid", "job", "rank", "segments", "ops"):
-        clients.add_column(column)
+    columns = ("id", "pid", "uid", "job", "rank", "segments", "ops")
+    clients = _table(f"clients ({len(info['clients'])})", columns)
     for c in info["clients"]:
-        clients.add_row(
-            *(
-                str(c[k]) if c[k] is not None else "-"
-                for k in ("id", "pid", "uid", "job", "rank", "segments", "ops")
-            )
-        )
+        clients.add_row(*(Text(str(c[k]) if c[k] is not None else "-") for k in columns))
     console.print(clients)
     counters = ", ".join(f"{k} {v}" for k, v in sorted(info["counters"].items()))
     console.print(f"counters: {counters}")
@@ -178,33 +206,56 @@ def config_show(
         try:
             described = load_from_cli(config_path, given).describe()
         except FabricError as exc:
-            errors.print(f"[red]fabricctl:[/] {exc}")
+            errors.print(f"[red]fabricctl:[/] {escape(str(exc))}", soft_wrap=True)
             sys.exit(1)
         origin = config_path or "defaults, environment and flags"
     if as_json:
         _emit_json(described)
         return
-    table = Table(title=f"effective configuration ({origin})")
-    for column in ("key", "value", "source"):
-        table.add_column(column)
+    table = _table(f"effective configuration ({escape(origin)})", ("key", "value", "source"))
     for key, entry in described.items():
         source = entry["source"]
         table.add_row(
-            key, json.dumps(entry["value"]), f"[dim]{source}[/]" if source == "default" else source
+            key,
+            Text(json.dumps(entry["value"])),
+            Text(source, style="dim" if source == "default" else ""),
         )
     console.print(table)
 
 
 class _Stop(Exception):
-    """SIGTERM or SIGINT arrived."""
+    """SIGTERM, SIGINT or SIGHUP arrived."""
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop
 
 
+def _stop_signals() -> list[signal.Signals]:
+    """The signals that stop a local cluster cleanly.
+
+    SIGINT explicitly, because a shell that starts us in the background sets it to ignored.
+    SIGHUP (the terminal closed) unless it is ignored: ``nohup`` asks the cluster to outlive
+    the terminal.
+    """
+    stop = [signal.SIGTERM, signal.SIGINT]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        stop.append(signal.SIGHUP)
+    return stop
+
+
+def _exit_description(status: int) -> str:
+    """A process's exit status for people: ``exit 0``, ``killed by SIGKILL``."""
+    if status >= 0:
+        return f"exit {status}"
+    try:
+        return f"killed by {signal.Signals(-status).name}"
+    except ValueError:
+        return f"killed by signal {-status}"
+
+
 @main.command("local-cluster")
-@click.argument("nodes", type=click.IntRange(1, 64))
+@click.argument("nodes", type=click.IntRange(1, 64), required=False)
 @click.option("--log-dir", type=click.Path(file_okay=False), help="keep daemon logs here")
 @click.option(
     "--fast-liveness/--default-liveness",
@@ -212,20 +263,48 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     show_default=True,
     help="detect dead peers within 1 s (development) or use the config defaults",
 )
+@click.option(
+    "--clean",
+    is_flag=True,
+    help="only remove what killed local clusters left in the temporary directory",
+)
 @json_option
-def local_cluster(nodes: int, log_dir: str | None, fast_liveness: bool, as_json: bool) -> None:
-    """Start NODES daemons on loopback until Ctrl-C or SIGTERM, then stop them cleanly."""
+def local_cluster(
+    nodes: int | None, log_dir: str | None, fast_liveness: bool, clean: bool, as_json: bool
+) -> None:
+    """Start NODES daemons on loopback until Ctrl-C, SIGTERM or SIGHUP, then stop them cleanly.
+
+    The daemons die with this command even when it is killed (SIGKILL); its temporary
+    directory (secret, sockets, logs) then stays until the next local-cluster, or
+    local-cluster --clean, removes it.
+    """
     from pathlib import Path
 
-    from fabricd.daemon.launcher import FAST_LIVENESS, LocalCluster
+    from fabricd.daemon.launcher import FAST_LIVENESS, LocalCluster, remove_leftovers
 
+    if clean:
+        if nodes is not None:
+            raise click.UsageError("--clean starts no cluster: leave out NODES")
+        removed = remove_leftovers()
+        if as_json:
+            _emit_json({"removed": [str(path) for path in removed]})
+        else:
+            console.print(
+                f"removed {_count(len(removed), 'directory', 'directories')} left by killed "
+                "local clusters" + "".join(f"\n  {escape(str(path))}" for path in removed),
+                soft_wrap=True,
+            )
+        return
+    if nodes is None:
+        raise click.UsageError("missing NODES: how many daemons to start")
+    for path in remove_leftovers():
+        errors.print(f"removed {escape(str(path))}, left by a killed local cluster", soft_wrap=True)
     cluster = LocalCluster(
         nodes,
         settings=dict(FAST_LIVENESS) if fast_liveness else {},
         log_dir=Path(log_dir) if log_dir else None,
     )
-    # both, explicitly: a shell that starts us in the background sets SIGINT to ignored
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in _stop_signals()}
     try:
         cluster.start()
         cluster.wait_connected()
@@ -235,14 +314,14 @@ def local_cluster(nodes: int, log_dir: str | None, fast_liveness: bool, as_json:
                 assert node.process is not None
                 if node.process.poll() is not None:
                     raise FabricError(
-                        f"node {node.node} exited (status {node.process.returncode}):\n"
-                        + node.log_tail()
+                        f"node {node.node} exited "
+                        f"({_exit_description(node.process.returncode)}):\n" + node.log_tail()
                     )
             time.sleep(0.2)
     except _Stop:
         pass
     except FabricError as exc:
-        errors.print(f"[red]fabricctl:[/] {exc}")
+        errors.print(f"[red]fabricctl:[/] {escape(str(exc))}", soft_wrap=True)
         cluster.stop()
         sys.exit(1)
     finally:
@@ -250,10 +329,15 @@ def local_cluster(nodes: int, log_dir: str | None, fast_liveness: bool, as_json:
             signal.signal(sig, handler)
     statuses = cluster.stop()
     if not as_json:
-        console.print(
-            f"stopped {len(statuses)} daemons (exit statuses "
-            f"{sorted({-1 if s is None else s for s in statuses.values()})})"
-        )
+        # after SIGHUP the terminal may be gone; the daemons are stopped either way
+        with suppress(OSError):
+            console.print(
+                f"stopped {_count(len(statuses), 'daemon', 'daemons')}: "
+                + ", ".join(
+                    f"node {node} {_exit_description(status)}"
+                    for node, status in sorted(statuses.items())
+                )
+            )
 
 
 def _announce_cluster(cluster: Any, as_json: bool) -> None:
@@ -270,19 +354,20 @@ def _announce_cluster(cluster: Any, as_json: bool) -> None:
             )
         sys.stdout.flush()
         return
-    table = Table(
-        title=f"local fabric of {len(cluster.nodes)} nodes (config {cluster.config_path})"
+    table = _table(
+        f"local fabric of {len(cluster.nodes)} nodes (config {escape(str(cluster.config_path))})",
+        ("node", "address", "pid", "socket"),
     )
-    for column in ("node", "address", "pid", "socket"):
-        table.add_column(column)
     for node in cluster.nodes:
-        table.add_row(str(node.node), node.address, str(node.pid), node.socket_path)
+        table.add_row(str(node.node), Text(node.address), str(node.pid), Text(node.socket_path))
     console.print(table)
     console.print(
         "connect a client to node N with:  "
-        f"[bold]FABRICD_SOCKET={cluster.nodes[0].socket_path} RANK=0 WORLD_SIZE=…[/] "
+        f"[bold]FABRICD_SOCKET={escape(cluster.nodes[0].socket_path)} RANK=0 WORLD_SIZE=…[/] "
         "[bold]python train.py[/]\n"
-        "Ctrl-C (or SIGTERM) stops every daemon and removes the temporary files."
+        "Ctrl-C (or SIGTERM, or closing the terminal) stops every daemon and removes the "
+        "temporary files.",
+        soft_wrap=True,  # a path folded onto two lines cannot be pasted
     )
 
 
@@ -312,7 +397,7 @@ def demo(nodes: int, size_mib: int, laps: int, as_json: bool) -> None:
                 lambda p: ring.run(nodes, nbytes, laps, progress=p), laps, nbytes * nodes
             )
     except FabricError as exc:
-        errors.print(f"[red]demo failed:[/] {exc}")
+        errors.print(f"[red]demo failed:[/] {escape(str(exc))}", soft_wrap=True)
         sys.exit(1)
     if as_json:
         _emit_json(result.as_dict())
@@ -323,10 +408,10 @@ def demo(nodes: int, size_mib: int, laps: int, as_json: bool) -> None:
     rows = [
         ("fabric", f"{result.nodes} daemons on loopback, one client each"),
         ("tensor", f"{_size(result.nbytes)} float32, {result.laps} laps = {result.hops} hops"),
-        ("time", f"{result.seconds:.2f} s moving data"),
-        ("ring throughput", f"{result.ring_gbps:.2f} GB/s"),
-        ("memcpy baseline", f"{result.memcpy_gbps:.2f} GB/s (same run)"),
-        ("ratio", f"{result.ratio:.2f}x memcpy"),
+        ("time", f"{_figure(result.seconds)} s moving data, from when every rank was ready"),
+        ("ring throughput", f"{_figure(result.ring_gbps)} GB/s"),
+        ("memcpy baseline", f"{_figure(result.memcpy_gbps)} GB/s (same run)"),
+        ("ratio", f"{_figure(result.ratio)}x memcpy"),
         ("verified", f"[green]every element at every hop; blake2b {result.checksum}[/]"),
     ]
     for key, value in rows:
@@ -348,7 +433,7 @@ def _run_with_progress(
         task = progress.add_task("ring", total=laps, rate="")
 
         def update(lap: int, seconds: float) -> None:
-            rate = f"{lap * lap_bytes / seconds / 1e9:.2f} GB/s" if seconds else ""
+            rate = f"{_figure(lap * lap_bytes / seconds / 1e9)} GB/s" if seconds else ""
             progress.update(task, completed=lap, rate=rate)
 
         return body(update)

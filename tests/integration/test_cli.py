@@ -4,21 +4,82 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from click.testing import CliRunner
 
 from fabricd.cli.ctl import main as fabricctl
+from tests.integration.processes import wait_exited
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 CTL = [sys.executable, "-m", "fabricd.cli.ctl"]
 
 
-def _ctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CTL, *args], capture_output=True, text=True, timeout=60, check=False)
+def _ctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CTL, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _hangup_stops() -> None:
+    """Run in a launcher before exec: SIGHUP as a terminal would deliver it.
+
+    Under ``nohup`` the test runner would pass on an ignored SIGHUP, which local-cluster
+    honours; the tests of SIGHUP need it not ignored.
+    """
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def _tables(output: str) -> list[dict[str, list[str]]]:
+    """The rich tables in ``output``: for each, every column's cells, folded lines joined.
+
+    A row starts at a line whose first cell is not empty; the lines under it that are empty
+    there continue it (cells that rich folded onto more lines).
+    """
+    tables: list[dict[str, list[str]]] = []
+    headers: list[list[str]] = []
+    rows: list[list[str]] = []
+    for line in [*output.splitlines(), "┏"]:
+        line = line.strip()
+        if line.startswith("┏"):
+            if headers:
+                names = [
+                    "".join(part.strip() for part in column)
+                    for column in zip(*headers, strict=True)
+                ]
+                tables.append({name: [row[i] for row in rows] for i, name in enumerate(names)})
+            headers, rows = [], []
+        elif line.startswith("┃"):
+            headers.append(line.split("┃")[1:-1])
+        elif line.startswith("│"):
+            cells = [cell.strip() for cell in line.split("│")[1:-1]]
+            if cells[0] or not rows:
+                rows.append(cells)
+            else:
+                rows[-1] = [done + more for done, more in zip(rows[-1], cells, strict=True)]
+    return tables
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temporary directory with a short path: Unix socket paths hold at most 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="fc", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_config_show_from_a_file_prints_values_and_sources(tmp_path):
@@ -39,19 +100,32 @@ def test_config_show_from_a_file_prints_values_and_sources(tmp_path):
     assert str(path) in human.output
 
 
+def test_a_narrow_console_folds_config_values_and_cuts_none(tmp_path):
+    path = tmp_path / "f.toml"
+    nodes = ["127.0.0.1:7000", "[fd00:1234::1]:7001"]
+    path.write_text(f'nodes = {json.dumps(nodes)}\nsecret_file = "/etc/fabricd/secret"\n')
+    result = _ctl("config", "show", "--config", str(path), env={"COLUMNS": "40"})
+    assert result.returncode == 0, result.stderr
+    assert "…" not in result.stdout
+    (table,) = _tables(result.stdout)
+    row = table["key"].index("nodes")
+    assert table["value"][row] == json.dumps(nodes).replace(" ", "")
+
+
 def test_commands_without_a_daemon_fail_with_advice(tmp_path):
     result = CliRunner().invoke(fabricctl, ["status", "--socket", str(tmp_path / "none.sock")])
     assert result.exit_code == 1
     assert "no fabricd daemon answers" in result.output
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_local_cluster_serves_status_and_stops_cleanly(stop_signal):
     cluster = subprocess.Popen(
         [*CTL, "local-cluster", "2", "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_hangup_stops,
     )
     try:
         assert cluster.stdout is not None
@@ -69,6 +143,11 @@ def test_local_cluster_serves_status_and_stops_cleanly(stop_signal):
         human = _ctl("status", "--socket", sockets[0])
         assert "peers" in human.stdout
         assert "up" in human.stdout
+        for command in ("status", "peers"):  # an address is folded, never cut
+            narrow = _ctl(command, "--socket", sockets[0], env={"COLUMNS": "40"})
+            assert narrow.returncode == 0, narrow.stderr
+            assert "…" not in narrow.stdout
+            assert _tables(narrow.stdout)[0]["address"] == [nodes[1]["address"]]
         cluster.send_signal(stop_signal)
         assert cluster.wait(30) == 0
         assert not Path(sockets[0]).parent.exists(), "local-cluster must leave nothing behind"
@@ -78,6 +157,71 @@ def test_local_cluster_serves_status_and_stops_cleanly(stop_signal):
     finally:
         cluster.kill()
         cluster.communicate()
+
+
+def test_sighup_stops_a_local_cluster_and_says_how_each_daemon_exited():
+    cluster = subprocess.Popen(
+        [*CTL, "local-cluster", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_hangup_stops,
+    )
+    try:
+        assert cluster.stdout is not None
+        announced = ""
+        while "stops every daemon" not in announced:
+            line = cluster.stdout.readline()
+            assert line, f"local-cluster ended before announcing its nodes: {announced}"
+            announced += line
+        cluster.send_signal(signal.SIGHUP)
+        output, errors = cluster.communicate(timeout=60)
+        assert cluster.returncode == 0, errors
+        assert "stopped 2 daemons: node 0 exit 0, node 1 exit 0" in output
+    finally:
+        cluster.kill()
+        cluster.communicate()
+
+
+def _start_announced(nodes: int, env: dict[str, str]) -> tuple[subprocess.Popen[str], list[dict]]:
+    launcher = subprocess.Popen(
+        [*CTL, "local-cluster", str(nodes), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert launcher.stdout is not None
+    return launcher, [json.loads(launcher.stdout.readline()) for _ in range(nodes)]
+
+
+def test_a_killed_local_cluster_leaves_no_daemon_and_its_files_go_next_time(short_tmp):
+    env = {**os.environ, "TMPDIR": str(short_tmp)}
+    first, first_nodes = _start_announced(2, env)
+    try:
+        first_directory = Path(first_nodes[0]["socket"]).parent
+        assert first_directory.parent == short_tmp
+        first.kill()
+        first.communicate(timeout=30)
+        assert wait_exited([node["pid"] for node in first_nodes]) == []
+        assert first_directory.is_dir()  # nothing of the launcher ran to remove it
+        second, second_nodes = _start_announced(1, env)
+        try:
+            assert not first_directory.exists(), "the next local-cluster removes it"
+            second_directory = Path(second_nodes[0]["socket"]).parent
+            second.kill()
+            second.communicate(timeout=30)
+            assert wait_exited([second_nodes[0]["pid"]]) == []
+        finally:
+            second.kill()
+            second.communicate()
+        clean = _ctl("local-cluster", "--clean", env={"TMPDIR": str(short_tmp)})
+        assert clean.returncode == 0, clean.stderr
+        assert str(second_directory) in clean.stdout
+        assert list(short_tmp.iterdir()) == []
+    finally:
+        first.kill()
+        first.communicate()
 
 
 def test_demo_verifies_the_ring_and_reports_json():

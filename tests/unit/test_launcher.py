@@ -1,0 +1,104 @@
+"""What a killed local cluster leaves behind, and which of it the next launcher may remove.
+
+A cluster's directory is named after the process that made it (pid and start time); only a
+directory whose maker has exited is removed, and nothing that merely looks like one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fabricd.cli.ctl import main as fabricctl
+from fabricd.daemon.launcher import DIRECTORY_PREFIX, _directory_prefix, remove_leftovers
+
+
+def _never_a_pid() -> int:
+    """A pid no process can have: the kernel hands out pids below ``pid_max`` only."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text())
+
+
+def _leftover(root: Path, pid: int, started: int) -> Path:
+    directory = root / f"{DIRECTORY_PREFIX}{pid}-{started}-k1ll3d"
+    directory.mkdir()
+    (directory / "secret").write_text("s")
+    (directory / "node0.log").write_text("log")
+    return directory
+
+
+def test_the_directory_of_an_exited_launcher_is_removed_with_its_files(tmp_path):
+    directory = _leftover(tmp_path, _never_a_pid(), 12345)
+    assert remove_leftovers(tmp_path) == [directory]
+    assert not directory.exists()
+
+
+def test_a_running_launchers_directory_is_kept(tmp_path):
+    mine = tmp_path / (_directory_prefix() + "running")
+    mine.mkdir()
+    assert remove_leftovers(tmp_path) == []
+    assert mine.is_dir()
+
+
+def test_a_pid_given_to_a_new_process_does_not_keep_a_dead_launchers_directory(tmp_path):
+    started = int(_directory_prefix().removeprefix(DIRECTORY_PREFIX).split("-")[1])
+    directory = _leftover(tmp_path, os.getpid(), started + 1)
+    assert remove_leftovers(tmp_path) == [directory]
+
+
+def test_what_only_looks_like_a_leftover_is_never_touched(tmp_path):
+    dead = _never_a_pid()
+    untouched = [
+        tmp_path / f"{DIRECTORY_PREFIX}abcd1234",  # made before names carried the launcher
+        tmp_path / "fabricd-other-1-2-x",
+        tmp_path / f"{DIRECTORY_PREFIX}{dead}-x-y",
+    ]
+    for path in untouched:
+        path.mkdir()
+    plain_file = tmp_path / f"{DIRECTORY_PREFIX}{dead}-1-file"
+    plain_file.write_text("not a directory")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep").write_text("k")
+    link = tmp_path / f"{DIRECTORY_PREFIX}{dead}-1-link"
+    link.symlink_to(target)
+    assert remove_leftovers(tmp_path) == []
+    assert all(path.is_dir() for path in untouched)
+    assert plain_file.is_file()
+    assert link.is_symlink()
+    assert (target / "keep").is_file()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory away needs root")
+def test_another_users_directory_is_never_removed(tmp_path):
+    directory = _leftover(tmp_path, _never_a_pid(), 1)
+    os.chown(directory, 65534, 65534)
+    assert remove_leftovers(tmp_path) == []
+    assert directory.is_dir()
+
+
+def test_local_cluster_clean_removes_leftovers_and_says_which(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    first = _leftover(tmp_path, _never_a_pid(), 1)
+    human = CliRunner().invoke(fabricctl, ["local-cluster", "--clean"])
+    assert human.exit_code == 0, human.output
+    assert "removed 1 directory left by killed local clusters" in human.output
+    assert str(first) in human.output
+    assert not first.exists()
+    second = _leftover(tmp_path, _never_a_pid(), 2)
+    scripted = CliRunner().invoke(fabricctl, ["local-cluster", "--clean", "--json"])
+    assert scripted.exit_code == 0, scripted.output
+    assert json.loads(scripted.output) == {"removed": [str(second)]}
+
+
+def test_local_cluster_wants_either_nodes_or_clean():
+    both = CliRunner().invoke(fabricctl, ["local-cluster", "--clean", "2"])
+    assert both.exit_code == 2
+    assert "--clean starts no cluster" in both.output
+    neither = CliRunner().invoke(fabricctl, ["local-cluster"])
+    assert neither.exit_code == 2
+    assert "missing NODES" in neither.output
