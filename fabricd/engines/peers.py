@@ -1,40 +1,107 @@
-"""Peer liveness: heartbeats, the peer state machine, and incarnation fencing.
+"""Peer links and liveness: dialling, handshake limits, link admission, heartbeats, fencing.
 
-Rules: this module decides when a peer is up, suspect or down and when to send a heartbeat.  It
-never touches a link; the daemon reports what happened and performs the returned actions.
+Rules: this module makes every decision about the links to other daemons — which node to dial
+and when to dial it again, which authenticated link to admit, refuse or reset, when a peer is
+up, suspect or down, and when to send a heartbeat — and is the daemon's one entry point for
+them, the handshake limits of :mod:`fabricd.engines.gate` included.  It never touches a link
+and never reads a clock: the daemon reports what happened (with ``now``) and performs the
+returned actions in order.
 
-Theory of operation: every authenticated frame from a peer counts as a heartbeat; an explicit
-HEARTBEAT is sent every ``heartbeat_interval`` on the control channel.  A peer is *suspect*
-after ``suspect_after`` seconds of silence or as soon as its control link drops, and *down*
-after ``down_after`` seconds of silence (the failure-detection bound D of RELIABILITY.md; the
-daemon fails every operation that involves a down peer).  A peer that comes back is *up* again;
-if it comes back as a new incarnation (it restarted), the old incarnation's state is dead: the
-daemon is told to drop it first, and links of the older incarnation are refused for good.
+Theory of operation.  Each pair of nodes shares two links, control and data (ASAP §5).  The
+node with the lower id dials both, control first, so the peer knows the dialler's incarnation
+before a data link of it arrives, and a pair never races to open duplicate connections.
 
-Transitions (anything not listed keeps the state)::
+*Handshakes.*  A new link is unauthenticated until the handshake engine
+(:mod:`fabricd.engines.handshake`) accepts it; :class:`~fabricd.engines.gate.HandshakeGate`
+caps how many accepted links may wait for that and closes any that takes longer than
+``handshake_timeout``.
+
+*Admission.*  An authenticated link carries the peer's incarnation (a number that grows with
+each daemon start).  It is compared with the newest incarnation seen from that node: SAME,
+NEWER (the peer restarted, or it is the first one seen: FIRST), or STALE (older, while the peer
+is not down: a dead process's link).  Once the peer is DOWN any other incarnation is its new
+life, so a clock that stepped back across a restart cannot lock a node out for good.  Links
+are ruled on as follows (*links* are those admitted now; a data link is only ever up beside a
+control link of the same incarnation)::
+
+    channel  incarnation  links          ruling: actions, in order
+    any      STALE        any            RefuseLink
+    control  FIRST        none           AdmitLink, StateChanged, PeerUp
+    control  SAME         none           AdmitLink, StateChanged, PeerUp
+    control  SAME         control[+data] ResetPeer("reconnected"), AdmitLink, …, PeerUp
+    control  NEWER        any            ResetPeer("restarted"), AdmitLink, PeerRestarted, …
+    data     any          none           RefuseLink (data channel before the control channel)
+    data     NEWER        control[+data] RefuseLink (another incarnation than the control link)
+    data     SAME         control        AdmitLink (and the dial of the node has succeeded)
+    data     SAME         control+data   RefuseLink, ResetPeer("reconnected (second data link)")
+
+*Resets.*  TCP cannot say which frames the peer processed before a link broke, so losing
+either link, replacing one, a dial that failed after its control link was admitted, or the
+peer going down resets the peer (architecture.md, "Reset rule"): :class:`ResetPeer` tells the
+daemon to close both links and fail everything exchanged with the node, and the table marks
+both channels down at once.
+
+*Liveness.*  Every authenticated frame counts as a heartbeat; an explicit HEARTBEAT goes out
+every ``heartbeat_interval`` while the control link is up.  A peer is *suspect* after
+``suspect_after`` seconds of silence or as soon as a reset takes its control link, and *down*
+after ``down_after`` seconds of silence (the failure-detection bound D of RELIABILITY.md)::
 
     CONNECTING --established--> UP        UP/SUSPECT --heard--> UP
     UP --link_lost/silent--> SUSPECT      UP/SUSPECT --silent for down_after--> DOWN
-    DOWN --established--> UP
+    SUSPECT/DOWN --established--> UP      (DOWN also resets the peer)
+
+*Dialling.*  Each node this one dials has a dialler; a :class:`Dial` asks the daemon to open
+the control link and then the data link, and the dial is under way until the daemon reports it
+failed or its data link is admitted — never two at once.  Failed dials back off from
+:data:`FIRST_BACKOFF`, doubling up to ``max_backoff``; a dial that succeeded resets the backoff,
+and a peer reset while connected is redialled :data:`FIRST_BACKOFF` later::
+
+    STOPPED --start--> DIALLING --failed--> WAITING (next Dial at now + backoff; backoff x 2)
+    WAITING --due--> DIALLING --data admitted--> CONNECTED (backoff back to FIRST_BACKOFF)
+    WAITING --data admitted--> CONNECTED       CONNECTED --reset--> WAITING (now + FIRST_BACKOFF)
+
+Anything not listed in a table keeps the state.  Timers live in a
+:class:`~fabricd.engines.deadlines.Deadlines` heap (and the gate's own).  Silence is checked
+lazily: a frame only stores ``now``, and the silence deadline, which may fire early, re-arms
+itself from the last frame heard; so a frame costs O(1) and the timer wakes at most once per
+``suspect_after`` per peer beyond its heartbeats.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Final
+
+from fabricd.engines.actions import Notice, SendFrame
+from fabricd.engines.deadlines import Deadlines
+from fabricd.engines.gate import (
+    MAX_PENDING_HANDSHAKES,
+    MAX_PENDING_PER_HOST,
+    CloseHandshake,
+    HandshakeGate,
+    RefuseHandshake,
+)
+from fabricd.engines.handshake import Channel
+from fabricd.frames import Heartbeat
+
+#: the first wait after a failed dial, and the pause before redialling a peer that was reset
+FIRST_BACKOFF: Final = 0.05
+
+_HEARTBEAT: Final = Heartbeat()
 
 
 class PeerState(enum.Enum):
     CONNECTING = "connecting"  #: never authenticated yet
     UP = "up"  #: heard from within suspect_after
-    SUSPECT = "suspect"  #: silent for suspect_after, or its control link dropped
+    SUSPECT = "suspect"  #: silent for suspect_after, or its control link went down
     DOWN = "down"  #: silent for down_after: its operations have failed
 
 
 class _Input(enum.Enum):
-    ESTABLISHED = enum.auto()  #: a control link authenticated
+    ESTABLISHED = enum.auto()  #: a control link was admitted
     HEARD = enum.auto()  #: any frame arrived
-    LINK_LOST = enum.auto()  #: the control link closed
+    LINK_LOST = enum.auto()  #: a reset took the control link down
     SILENT = enum.auto()  #: nothing heard for suspect_after
     DEAD = enum.auto()  #: nothing heard for down_after
 
@@ -53,6 +120,86 @@ _TRANSITIONS: dict[tuple[PeerState, _Input], PeerState] = {
 }
 
 
+class _Verdict(enum.Enum):
+    """How a link's incarnation compares with the newest one seen from its node."""
+
+    FIRST = enum.auto()  #: none seen yet
+    SAME = enum.auto()
+    NEWER = enum.auto()  #: the peer restarted (or came back as any other one after DOWN)
+    STALE = enum.auto()  #: older, and the peer is not down: a dead process's link
+
+
+class _Links(enum.Enum):
+    """Which links of a peer are admitted (a data link never without its control link)."""
+
+    NONE = enum.auto()
+    CONTROL = enum.auto()
+    BOTH = enum.auto()
+
+
+class _Ruling(enum.Enum):
+    """What to do with an authenticated link whose incarnation is not STALE."""
+
+    ADMIT = enum.auto()
+    RECONNECT = enum.auto()  #: reset the peer ("reconnected"), then admit
+    RESTART = enum.auto()  #: reset the peer ("restarted"), then admit
+    EARLY = enum.auto()  #: refuse: a data link before the control link
+    OTHER = enum.auto()  #: refuse: a data link of another incarnation than the control link
+    SECOND = enum.auto()  #: refuse, and reset the peer: what moved on the first one is unknown
+
+
+_C, _D = Channel.CONTROL, Channel.DATA
+_ADMISSION: dict[tuple[Channel, _Verdict, _Links], _Ruling] = {
+    (_C, _Verdict.FIRST, _Links.NONE): _Ruling.ADMIT,
+    (_C, _Verdict.SAME, _Links.NONE): _Ruling.ADMIT,
+    (_C, _Verdict.SAME, _Links.CONTROL): _Ruling.RECONNECT,
+    (_C, _Verdict.SAME, _Links.BOTH): _Ruling.RECONNECT,
+    (_C, _Verdict.NEWER, _Links.NONE): _Ruling.RESTART,
+    (_C, _Verdict.NEWER, _Links.CONTROL): _Ruling.RESTART,
+    (_C, _Verdict.NEWER, _Links.BOTH): _Ruling.RESTART,
+    (_D, _Verdict.FIRST, _Links.NONE): _Ruling.EARLY,
+    (_D, _Verdict.SAME, _Links.NONE): _Ruling.EARLY,
+    (_D, _Verdict.NEWER, _Links.NONE): _Ruling.EARLY,
+    (_D, _Verdict.SAME, _Links.CONTROL): _Ruling.ADMIT,
+    (_D, _Verdict.SAME, _Links.BOTH): _Ruling.SECOND,
+    (_D, _Verdict.NEWER, _Links.CONTROL): _Ruling.OTHER,
+    (_D, _Verdict.NEWER, _Links.BOTH): _Ruling.OTHER,
+}
+
+
+class _Dial(enum.Enum):
+    STOPPED = enum.auto()  #: start() has not run yet: nothing is dialled
+    WAITING = enum.auto()  #: the next Dial is due at the node's DIAL deadline
+    DIALLING = enum.auto()  #: a Dial is under way, until it fails or its data link is admitted
+    CONNECTED = enum.auto()  #: the data link is admitted
+
+
+class _DialInput(enum.Enum):
+    START = enum.auto()  #: start() ran
+    DUE = enum.auto()  #: the DIAL deadline passed
+    FAILED = enum.auto()  #: the daemon reported the dial failed
+    ADMITTED = enum.auto()  #: the node's data link was admitted
+    RESET = enum.auto()  #: the peer was reset: its links are down
+
+
+_DIAL_TRANSITIONS: dict[tuple[_Dial, _DialInput], _Dial] = {
+    (_Dial.STOPPED, _DialInput.START): _Dial.DIALLING,
+    (_Dial.WAITING, _DialInput.DUE): _Dial.DIALLING,
+    (_Dial.DIALLING, _DialInput.FAILED): _Dial.WAITING,
+    (_Dial.DIALLING, _DialInput.ADMITTED): _Dial.CONNECTED,
+    (_Dial.WAITING, _DialInput.ADMITTED): _Dial.CONNECTED,
+    (_Dial.CONNECTED, _DialInput.RESET): _Dial.WAITING,
+}
+
+
+class _Timer(enum.IntEnum):
+    """What a deadline is for; on_timer handles due ones in this order."""
+
+    SILENCE = 0  #: keyed by node: check how long the peer has been silent
+    BEAT = 1  #: keyed by node: send a heartbeat
+    DIAL = 2  #: keyed by node: dial it again
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Timeouts:
     """Liveness settings, in seconds."""
@@ -66,21 +213,11 @@ class Timeouts:
             raise ValueError("need 0 < heartbeat_interval < suspect_after <= down_after")
 
 
-class Incarnation(enum.Enum):
-    """How a handshake's incarnation compares with the one we know."""
-
-    SAME = "same"
-    NEWER = "newer"  #: the peer restarted: drop what belonged to the old one
-    STALE = "stale"  #: a dead incarnation: refuse the link
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendHeartbeat:
-    node: int
-
-
+# -- actions ----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StateChanged:
+    """The peer moved from ``old`` to ``new`` (log it: warning for SUSPECT and DOWN)."""
+
     node: int
     old: PeerState
     new: PeerState
@@ -89,25 +226,86 @@ class StateChanged:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerRestarted:
-    """The peer is a new incarnation: everything of the old one must be dropped."""
+    """The peer is a new incarnation; the :class:`ResetPeer` before it dropped the old one."""
 
     node: int
     old_incarnation: int
     new_incarnation: int
 
 
-Action = SendHeartbeat | StateChanged | PeerRestarted
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerUp:
+    """A control link of ``node`` was admitted: services may greet it (e.g. ANNOUNCE ranks)."""
+
+    node: int
 
 
-@dataclass(slots=True)
-class _Peer:
-    state: PeerState = PeerState.CONNECTING
-    incarnation: int | None = None
-    last_heard: float = 0.0
-    next_heartbeat: float = 0.0
-    since: float = 0.0
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdmitLink:
+    """Keep the link just authenticated as ``node``'s current link of ``channel``."""
+
+    node: int
+    channel: Channel
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RefuseLink:
+    """Close the link just authenticated (do not store it) and log ``reason``."""
+
+    node: int
+    channel: Channel
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResetPeer:
+    """Close both current links of ``node`` and tell every service it is gone.
+
+    ``expected`` says the peer announced it was leaving (BYE): log it as news, not a warning.
+    """
+
+    node: int
+    reason: str
+    expected: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Dial:
+    """Open ``node``'s control link, then its data link; report a failure of either."""
+
+    node: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DialRetry:
+    """Dialling ``node`` failed ``attempts`` times in a row; the next try is in ``retry_in``.
+
+    Returned at the 1st, 10th and every 100th failure, so a dead peer does not flood the log.
+    """
+
+    node: int
+    attempts: int
+    error: str
+    retry_in: float
+
+
+Action = (
+    SendFrame
+    | StateChanged
+    | PeerRestarted
+    | PeerUp
+    | AdmitLink
+    | RefuseLink
+    | ResetPeer
+    | Dial
+    | DialRetry
+    | RefuseHandshake
+    | CloseHandshake
+    | Notice
+)
+
+
+# -- status -----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerInfo:
     """A peer as ``fabricctl peers`` shows it."""
@@ -117,90 +315,92 @@ class PeerInfo:
     incarnation: int | None
     silent_for: float | None
     state_for: float
+    links: frozenset[Channel]  #: the channels whose link is admitted now
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerStatistics:
+    """Counters for ``fabricctl status`` and the exporter."""
+
+    links_up: int  #: admitted links now
+    handshakes_pending: int  #: links in their handshake now, accepted or dialled
+    handshakes_refused: int  #: over a cap, past the deadline, or failed (since start)
+    links_refused: int  #: authenticated but refused: stale, early, or a second one
+    resets: int  #: ResetPeer actions returned
+    dial_attempts: dict[int, int]  #: per dialled node: failed dials since the last success
+
+
+@dataclass(slots=True)
+class _Peer:
+    state: PeerState = PeerState.CONNECTING
+    incarnation: int | None = None  #: the newest admitted
+    last_heard: float = 0.0
+    since: float = 0.0
+    links: set[Channel] = field(default_factory=set)
+    leaving: bool = False  #: it said BYE: its links closing is expected
+
+
+@dataclass(slots=True)
+class _Dialler:
+    backoff: float
+    state: _Dial = _Dial.STOPPED
+    attempts: int = 0  #: failed dials since the last success
+
+
+def _links(peer: _Peer) -> _Links:
+    if Channel.DATA in peer.links:
+        return _Links.BOTH
+    return _Links.CONTROL if peer.links else _Links.NONE
 
 
 class PeerTable:
-    """The liveness view of every other node of the fabric."""
+    """Every other node of the fabric: its links, its liveness, and the dialling of it.
 
-    def __init__(self, *, node: int, nodes: int, timeouts: Timeouts, now: float) -> None:
+    Args:
+        node, nodes: this node's id and the fabric size; every other id is a peer.
+        timeouts: liveness settings.
+        now: the current time (peers are CONNECTING since then).
+        handshake_timeout: seconds a link may stay unauthenticated.
+        max_backoff: the longest wait between two dials of one node.
+        max_pending, max_pending_per_host: caps on accepted links in their handshake.
+    """
+
+    def __init__(
+        self,
+        *,
+        node: int,
+        nodes: int,
+        timeouts: Timeouts,
+        now: float,
+        handshake_timeout: float = 2.0,
+        max_backoff: float = 5.0,
+        max_pending: int = MAX_PENDING_HANDSHAKES,
+        max_pending_per_host: int = MAX_PENDING_PER_HOST,
+    ) -> None:
+        if not max_backoff > 0:
+            raise ValueError("max_backoff must be more than 0 seconds")
         self.node = node
         self.timeouts = timeouts
+        self.max_backoff = max_backoff
+        self._gate = HandshakeGate(
+            timeout=handshake_timeout,
+            max_pending=max_pending,
+            max_pending_per_host=max_pending_per_host,
+        )
+        self._first_backoff = min(FIRST_BACKOFF, max_backoff)
         self._peers = {n: _Peer(since=now) for n in range(nodes) if n != node}
+        self._diallers = {n: _Dialler(self._first_backoff) for n in range(node + 1, nodes)}
+        self._deadlines: Deadlines[tuple[_Timer, int]] = Deadlines()
+        self._links_refused = 0
+        self._resets = 0
 
+    # -- queries ------------------------------------------------------------------------------
     def state(self, node: int) -> PeerState:
         return self._peers[node].state
 
-    def check_incarnation(self, node: int, incarnation: int) -> Incarnation:
-        """Compare a handshake's incarnation with the newest one seen from ``node``.
-
-        An older incarnation is refused while the peer is alive (a dead process's links must
-        not come back), but once the peer is down any other incarnation is its new life: a
-        clock that stepped back across a restart must not lock a node out for good.
-        """
-        peer = self._peers[node]
-        known = peer.incarnation
-        if known is None or incarnation > known:
-            return Incarnation.NEWER
-        if incarnation == known:
-            return Incarnation.SAME
-        return Incarnation.NEWER if peer.state is PeerState.DOWN else Incarnation.STALE
-
-    def on_established(self, node: int, incarnation: int, now: float) -> list[Action]:
-        """A control link to ``node`` authenticated as ``incarnation`` (not STALE)."""
-        peer = self._peers[node]
-        actions: list[Action] = []
-        if peer.incarnation is not None and incarnation != peer.incarnation:
-            actions.append(
-                PeerRestarted(
-                    node=node, old_incarnation=peer.incarnation, new_incarnation=incarnation
-                )
-            )
-        peer.incarnation = incarnation
-        peer.last_heard = now
-        peer.next_heartbeat = now
-        return actions + self._move(node, _Input.ESTABLISHED, now, "authenticated")
-
-    def on_heard(self, node: int, now: float) -> list[Action]:
-        """Any authenticated frame from ``node`` arrived."""
-        peer = self._peers[node]
-        if peer.state is PeerState.CONNECTING or peer.state is PeerState.DOWN:
-            return []
-        peer.last_heard = now
-        return self._move(node, _Input.HEARD, now, "heard from it again")
-
-    def on_link_lost(self, node: int, now: float) -> list[Action]:
-        """The control link to ``node`` closed."""
-        return self._move(node, _Input.LINK_LOST, now, "control link lost")
-
-    def next_deadline(self) -> float | None:
-        """When :meth:`on_timer` must next run."""
-        deadlines = []
-        for peer in self._peers.values():
-            if peer.state in (PeerState.UP, PeerState.SUSPECT):
-                deadlines.append(peer.next_heartbeat)
-                deadlines.append(peer.last_heard + self.timeouts.down_after)
-                if peer.state is PeerState.UP:
-                    deadlines.append(peer.last_heard + self.timeouts.suspect_after)
-        return min(deadlines, default=None)
-
-    def on_timer(self, now: float) -> list[Action]:
-        """Send due heartbeats and move silent peers to suspect or down."""
-        actions: list[Action] = []
-        for node, peer in self._peers.items():
-            if peer.state not in (PeerState.UP, PeerState.SUSPECT):
-                continue
-            silent = now - peer.last_heard
-            # compare with the very sums next_deadline() returns: (t + d) - t can round below d,
-            # and a timer that fires on time must not find the peer a hair short of its bound
-            if now >= peer.last_heard + self.timeouts.down_after:
-                actions += self._move(node, _Input.DEAD, now, f"silent for {silent:.2f}s")
-                continue
-            if now >= peer.last_heard + self.timeouts.suspect_after:
-                actions += self._move(node, _Input.SILENT, now, f"silent for {silent:.2f}s")
-            if now >= peer.next_heartbeat:
-                peer.next_heartbeat = now + self.timeouts.heartbeat_interval
-                actions.append(SendHeartbeat(node=node))
-        return actions
+    def dial_targets(self) -> list[int]:
+        """The nodes this node dials: every node with a higher id."""
+        return sorted(self._diallers)
 
     def peers(self, now: float) -> list[PeerInfo]:
         return [
@@ -210,9 +410,219 @@ class PeerTable:
                 incarnation=peer.incarnation,
                 silent_for=None if peer.state is PeerState.CONNECTING else now - peer.last_heard,
                 state_for=now - peer.since,
+                links=frozenset(peer.links),
             )
             for node, peer in sorted(self._peers.items())
         ]
+
+    def statistics(self) -> PeerStatistics:
+        return PeerStatistics(
+            links_up=sum(len(peer.links) for peer in self._peers.values()),
+            handshakes_pending=self._gate.pending,
+            handshakes_refused=self._gate.refused,
+            links_refused=self._links_refused,
+            resets=self._resets,
+            dial_attempts={node: d.attempts for node, d in sorted(self._diallers.items())},
+        )
+
+    # -- dialling -----------------------------------------------------------------------------
+    def start(self, now: float) -> list[Action]:
+        """Begin dialling: a :class:`Dial` for every dial target, at once."""
+        return [a for node in self._diallers for a in self._dial(node, _DialInput.START, now)]
+
+    def on_dial_failed(self, node: int, error: str, now: float) -> list[Action]:
+        """The dial of ``node`` under way failed (``error`` says why); it is retried later.
+
+        A control link the dial already opened is useless without its data link, so a peer
+        with a link still admitted is reset.  A failure reported when no dial is under way
+        changes nothing.
+        """
+        if self._diallers[node].state is not _Dial.DIALLING:
+            return []
+        actions: list[Action] = []
+        if self._peers[node].links:
+            reason = f"dial failed: {error}"
+            actions += self._reset(node, reason, now)
+            actions += self._move(node, _Input.LINK_LOST, now, reason)
+        return actions + self._dial(node, _DialInput.FAILED, now, error)
+
+    # -- authenticated links ------------------------------------------------------------------
+    def on_link_authenticated(
+        self, node: int, channel: Channel, incarnation: int, now: float
+    ) -> list[Action]:
+        """A link passed its handshake as ``node``'s ``channel`` of ``incarnation``.
+
+        Returns the ruling of the admission table (module docstring), in the order to perform
+        it; the link is kept only if the actions contain an :class:`AdmitLink`.
+        """
+        peer = self._peers[node]
+        verdict = self._verdict(peer, incarnation)
+        if verdict is _Verdict.STALE:
+            return [self._refuse(node, channel, f"incarnation {incarnation} is dead")]
+        match _ADMISSION[channel, verdict, _links(peer)]:
+            case _Ruling.EARLY:
+                reason = "data channel opened before the control channel"
+                return [self._refuse(node, channel, reason)]
+            case _Ruling.OTHER:
+                reason = f"data link of incarnation {incarnation}, control of {peer.incarnation}"
+                return [self._refuse(node, channel, reason)]
+            case _Ruling.SECOND:
+                reason = "reconnected (second data link)"
+                refused = self._refuse(node, channel, "a data link to this node was already up")
+                return [
+                    refused,
+                    *self._reset(node, reason, now),
+                    *self._move(node, _Input.LINK_LOST, now, reason),
+                ]
+            case _Ruling.ADMIT if channel is Channel.DATA:
+                peer.links.add(channel)
+                admitted: list[Action] = [AdmitLink(node=node, channel=channel)]
+                if node in self._diallers:
+                    admitted += self._dial(node, _DialInput.ADMITTED, now)
+                return admitted
+            case ruling:
+                return self._admit_control(node, incarnation, ruling, now)
+
+    def on_link_closed(self, node: int, channel: Channel, now: float) -> list[Action]:
+        """``node``'s current (admitted) link of ``channel`` closed: the peer is reset.
+
+        Call it only for the current link: one closed after a :class:`ResetPeer` or a
+        :class:`RefuseLink` is no news.  A channel that is not up changes nothing.
+        """
+        peer = self._peers[node]
+        if channel not in peer.links:
+            return []
+        reason = f"unreachable ({channel} link lost)"
+        return self._reset(node, reason, now) + self._move(node, _Input.LINK_LOST, now, reason)
+
+    def on_heard(self, node: int, now: float) -> list[Action]:
+        """Any authenticated frame from ``node`` arrived."""
+        peer = self._peers[node]
+        if peer.state is PeerState.CONNECTING or peer.state is PeerState.DOWN:
+            return []
+        peer.last_heard = now
+        return self._move(node, _Input.HEARD, now, "heard from it again")
+
+    def on_bye(self, node: int) -> None:
+        """``node`` said BYE: the reset when its links close is expected (until it is back)."""
+        self._peers[node].leaving = True
+
+    # -- unauthenticated links ----------------------------------------------------------------
+    def on_handshake_started(
+        self, link_id: int, host: str, now: float, *, accepted: bool = True
+    ) -> list[Action]:
+        """A link from (or to) ``host`` begins its handshake; ``link_id`` is the daemon's name
+        for it until :meth:`on_handshake_over`.
+
+        An ``accepted`` link over a cap is refused at once (:class:`RefuseHandshake`, with a
+        :class:`~fabricd.engines.actions.Notice` for the first refusal of a flood); any link
+        in its handshake gets :class:`CloseHandshake` when ``handshake_timeout`` has passed.
+
+        Raises:
+            ValueError: ``link_id`` is already in its handshake (a daemon bug).
+        """
+        return [*self._gate.on_started(link_id, host, now, accepted=accepted)]
+
+    def on_handshake_over(self, link_id: int, *, failed: bool = False) -> None:
+        """``link_id`` authenticated, or ``failed`` (counted as refused); its slot is free.
+
+        A link that is no longer in its handshake (closed at its deadline, refused) is ignored.
+        """
+        self._gate.on_over(link_id, failed=failed)
+
+    # -- the timer ----------------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        """When :meth:`on_timer` must next run (it may find nothing to do: see the header)."""
+        mine, gate = self._deadlines.next(), self._gate.next_deadline()
+        if mine is None or gate is None:
+            return gate if mine is None else mine
+        return min(mine, gate)
+
+    def on_timer(self, now: float) -> list[Action]:
+        """Check silent peers, send heartbeats, redial, and close overdue handshakes."""
+        actions: list[Action] = []
+        for timer, key in sorted(self._deadlines.pop_due(now), key=lambda due: due[0]):
+            match timer:
+                case _Timer.SILENCE:
+                    actions += self._check_silence(key, now)
+                case _Timer.BEAT if Channel.CONTROL in self._peers[key].links:
+                    self._deadlines.set((timer, key), now + self.timeouts.heartbeat_interval)
+                    actions.append(SendFrame(node=key, frame=_HEARTBEAT))
+                case _Timer.DIAL:
+                    actions += self._dial(key, _DialInput.DUE, now)
+        return actions + self._gate.on_timer(now)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _verdict(self, peer: _Peer, incarnation: int) -> _Verdict:
+        known = peer.incarnation
+        if known is None:
+            return _Verdict.FIRST
+        if incarnation == known:
+            return _Verdict.SAME
+        if incarnation > known or peer.state is PeerState.DOWN:
+            return _Verdict.NEWER
+        return _Verdict.STALE
+
+    def _admit_control(
+        self, node: int, incarnation: int, ruling: _Ruling, now: float
+    ) -> list[Action]:
+        peer = self._peers[node]
+        peer.leaving = False
+        actions: list[Action] = []
+        if ruling is not _Ruling.ADMIT:  # nothing exchanged before can be trusted
+            reason = "reconnected" if ruling is _Ruling.RECONNECT else "restarted"
+            actions += self._reset(node, reason, now)
+        peer.links.add(Channel.CONTROL)
+        actions.append(AdmitLink(node=node, channel=Channel.CONTROL))
+        if peer.incarnation is not None and incarnation != peer.incarnation:
+            actions.append(
+                PeerRestarted(
+                    node=node, old_incarnation=peer.incarnation, new_incarnation=incarnation
+                )
+            )
+        peer.incarnation = incarnation
+        peer.last_heard = now
+        self._deadlines.set((_Timer.BEAT, node), now)  # the first heartbeat goes out at once
+        actions += self._move(node, _Input.ESTABLISHED, now, "authenticated")
+        actions.append(PeerUp(node=node))
+        return actions
+
+    def _refuse(self, node: int, channel: Channel, reason: str) -> RefuseLink:
+        self._links_refused += 1
+        return RefuseLink(node=node, channel=channel, reason=reason)
+
+    def _reset(self, node: int, reason: str, now: float) -> list[Action]:
+        """Both links of ``node`` go down; a connected dialler redials."""
+        peer = self._peers[node]
+        peer.links.clear()
+        self._deadlines.cancel((_Timer.BEAT, node))
+        self._resets += 1
+        actions: list[Action] = [ResetPeer(node=node, reason=reason, expected=peer.leaving)]
+        if node in self._diallers:
+            actions += self._dial(node, _DialInput.RESET, now)
+        return actions
+
+    def _check_silence(self, node: int, now: float) -> list[Action]:
+        peer = self._peers[node]
+        silent = f"silent for {now - peer.last_heard:.2f}s"
+        # compare with the very sums the deadlines were set to: (t + d) - t can round below d,
+        # and a timer that fires on time must not find the peer a hair short of its bound
+        if now >= peer.last_heard + self.timeouts.down_after:
+            return self._move(node, _Input.DEAD, now, silent) + self._reset(node, "down", now)
+        if now >= peer.last_heard + self.timeouts.suspect_after:
+            return self._move(node, _Input.SILENT, now, silent)
+        self._arm_silence(node)  # woken early: frames arrived since it was set
+        return []
+
+    def _arm_silence(self, node: int) -> None:
+        peer = self._peers[node]
+        key = (_Timer.SILENCE, node)
+        if peer.state is PeerState.UP:
+            self._deadlines.set(key, peer.last_heard + self.timeouts.suspect_after)
+        elif peer.state is PeerState.SUSPECT:
+            self._deadlines.set(key, peer.last_heard + self.timeouts.down_after)
+        else:
+            self._deadlines.cancel(key)
 
     def _move(self, node: int, event: _Input, now: float, reason: str) -> list[Action]:
         peer = self._peers[node]
@@ -220,4 +630,29 @@ class PeerTable:
         if new is peer.state:
             return []
         old, peer.state, peer.since = peer.state, new, now
+        self._arm_silence(node)
         return [StateChanged(node=node, old=old, new=new, reason=reason)]
+
+    def _dial(self, node: int, event: _DialInput, now: float, error: str = "") -> list[Action]:
+        dialler = self._diallers[node]
+        new = _DIAL_TRANSITIONS.get((dialler.state, event))
+        if new is None:
+            return []
+        dialler.state = new
+        key = (_Timer.DIAL, node)
+        match event:
+            case _DialInput.START | _DialInput.DUE:
+                return [Dial(node=node)]
+            case _DialInput.FAILED:
+                dialler.attempts += 1
+                wait, dialler.backoff = dialler.backoff, min(dialler.backoff * 2, self.max_backoff)
+                self._deadlines.set(key, now + wait)
+                n = dialler.attempts
+                if n in (1, 10) or n % 100 == 0:
+                    return [DialRetry(node=node, attempts=n, error=error, retry_in=wait)]
+            case _DialInput.ADMITTED:
+                self._deadlines.cancel(key)
+                dialler.backoff, dialler.attempts = self._first_backoff, 0
+            case _DialInput.RESET:
+                self._deadlines.set(key, now + self._first_backoff)
+        return []

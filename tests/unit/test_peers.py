@@ -1,38 +1,64 @@
-"""Peer liveness driven by a hand-held clock: ``now`` only ever comes from the test.
+"""The peers engine driven by a hand-held clock: ``now`` only ever comes from the test.
 
 The daemon arms one timer at :meth:`PeerTable.next_deadline` and calls :meth:`PeerTable.on_timer`
 when it fires; :func:`drive` does the same without an event loop, so simulated seconds cost
 nothing.  Test figures follow RELIABILITY.md: heartbeat every 100 ms, suspect after 3 misses,
-failure-detection bound D = 1 s.
+failure-detection bound D = 1 s.  :class:`Shell` plays the daemon for random histories: it
+performs every action on a model of the links, dials and handshakes, and checks each one.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabricd.engines.actions import Notice, SendFrame
+from fabricd.engines.gate import CloseHandshake, RefuseHandshake
+from fabricd.engines.handshake import Channel
 from fabricd.engines.peers import (
+    FIRST_BACKOFF,
     Action,
-    Incarnation,
+    AdmitLink,
+    Dial,
+    DialRetry,
     PeerRestarted,
     PeerState,
     PeerTable,
-    SendHeartbeat,
+    PeerUp,
+    RefuseLink,
+    ResetPeer,
     StateChanged,
     Timeouts,
 )
+from fabricd.frames import Heartbeat
 
+CONTROL, DATA = Channel.CONTROL, Channel.DATA
 TIMEOUTS = Timeouts(heartbeat_interval=0.1, suspect_after=0.3, down_after=1.0)
 #: more timer firings than any test here needs; reaching it means the timer stopped advancing
 MAX_FIRINGS = 100_000
 
 
-def table(nodes: int = 2, *, now: float = 0.0, timeouts: Timeouts = TIMEOUTS) -> PeerTable:
-    return PeerTable(node=0, nodes=nodes, timeouts=timeouts, now=now)
+def table(
+    nodes: int = 2,
+    *,
+    now: float = 0.0,
+    node: int = 0,
+    timeouts: Timeouts = TIMEOUTS,
+    **limits: Any,
+) -> PeerTable:
+    return PeerTable(node=node, nodes=nodes, timeouts=timeouts, now=now, **limits)
+
+
+def due(peers: PeerTable) -> float:
+    deadline = peers.next_deadline()
+    assert deadline is not None
+    return deadline
 
 
 def drive(peers: PeerTable, until: float) -> list[tuple[float, Action]]:
@@ -57,27 +83,50 @@ def changes(fired: list[tuple[float, Action]]) -> list[tuple[float, StateChanged
 
 
 def heartbeats(fired: list[tuple[float, Action]], node: int = 1) -> list[float]:
-    return [t for t, a in fired if isinstance(a, SendHeartbeat) and a.node == node]
+    return [
+        t
+        for t, a in fired
+        if isinstance(a, SendFrame) and a.node == node and isinstance(a.frame, Heartbeat)
+    ]
 
 
-def up(peers: PeerTable, node: int = 1, incarnation: int = 1, now: float = 0.0) -> None:
-    peers.on_established(node, incarnation, now)
+def of(kind: type, actions: list[Action]) -> list[Action]:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def links(peers: PeerTable, node: int = 1) -> set[Channel]:
+    return set(next(i for i in peers.peers(0.0) if i.node == node).links)
+
+
+def up(peers: PeerTable, node: int = 1, incarnation: int = 1, now: float = 0.0) -> list[Action]:
+    actions = peers.on_link_authenticated(node, CONTROL, incarnation, now)
+    assert AdmitLink(node=node, channel=CONTROL) in actions
     assert peers.state(node) is PeerState.UP
+    return actions
+
+
+def connected(peers: PeerTable, node: int = 1, incarnation: int = 1, now: float = 0.0) -> None:
+    up(peers, node, incarnation, now)
+    assert AdmitLink(node=node, channel=DATA) in peers.on_link_authenticated(
+        node, DATA, incarnation, now
+    )
 
 
 # -- the state machine ------------------------------------------------------------------------
-def test_a_new_peer_is_connecting_until_established() -> None:
+def test_a_new_peer_is_connecting_until_its_control_link_is_admitted() -> None:
     peers = table(3)
     assert [peers.state(n) for n in (1, 2)] == [PeerState.CONNECTING] * 2
-    assert peers.on_established(1, 5, now=2.0) == [
-        StateChanged(node=1, old=PeerState.CONNECTING, new=PeerState.UP, reason="authenticated")
+    assert peers.on_link_authenticated(1, CONTROL, 5, now=2.0) == [
+        AdmitLink(node=1, channel=CONTROL),
+        StateChanged(node=1, old=PeerState.CONNECTING, new=PeerState.UP, reason="authenticated"),
+        PeerUp(node=1),
     ]
     assert peers.state(1) is PeerState.UP
     assert peers.state(2) is PeerState.CONNECTING
 
 
 def test_the_table_excludes_this_node() -> None:
-    peers = PeerTable(node=1, nodes=3, timeouts=TIMEOUTS, now=0.0)
+    peers = table(3, node=1)
     assert [info.node for info in peers.peers(0.0)] == [0, 2]
     with pytest.raises(KeyError):
         peers.state(1)
@@ -104,21 +153,23 @@ def test_heartbeats_go_to_every_live_peer_and_only_to_them() -> None:
     up(peers, 1)
     up(peers, 2)
     fired = drive(peers, 0.25)
-    assert {a.node for _, a in fired if isinstance(a, SendHeartbeat)} == {1, 2}
+    assert {a.node for _, a in fired if isinstance(a, SendFrame)} == {1, 2}
     assert len(heartbeats(fired, 1)) == len(heartbeats(fired, 2)) == 3
 
 
 def test_a_silent_peer_becomes_suspect_then_down_with_reasons() -> None:
     peers = table()
     up(peers, now=10.0)
-    seen = changes(drive(peers, 20.0))
-    assert seen == [
+    fired = drive(peers, 20.0)
+    assert changes(fired) == [
         (10.3, StateChanged(node=1, old=PeerState.UP, new=PeerState.SUSPECT,
                             reason="silent for 0.30s")),
         (11.0, StateChanged(node=1, old=PeerState.SUSPECT, new=PeerState.DOWN,
                             reason="silent for 1.00s")),
     ]  # fmt: skip
+    assert of(ResetPeer, [a for _, a in fired]) == [ResetPeer(node=1, reason="down")]
     assert peers.state(1) is PeerState.DOWN
+    assert links(peers) == set()
     assert peers.next_deadline() is None
 
 
@@ -152,22 +203,49 @@ def test_heard_while_up_changes_nothing_but_postpones_suspicion() -> None:
     assert [t for t, _ in changes(drive(peers, 0.5))] == [pytest.approx(0.5)]
 
 
-def test_a_lost_link_makes_the_peer_suspect_at_once() -> None:
+def test_a_lost_link_resets_the_peer_and_makes_it_suspect_at_once() -> None:
     peers = table()
-    up(peers)
-    assert peers.on_link_lost(1, 0.05) == [
-        StateChanged(node=1, old=PeerState.UP, new=PeerState.SUSPECT, reason="control link lost")
+    connected(peers)
+    reason = "unreachable (control link lost)"
+    assert peers.on_link_closed(1, CONTROL, 0.05) == [
+        ResetPeer(node=1, reason=reason),
+        StateChanged(node=1, old=PeerState.UP, new=PeerState.SUSPECT, reason=reason),
     ]
-    assert peers.on_link_lost(1, 0.06) == []  # already suspect
+    assert links(peers) == set()  # the data link went with it
+    assert peers.on_link_closed(1, DATA, 0.06) == []  # closed by the reset: no news
+    assert peers.on_link_closed(1, CONTROL, 0.06) == []
     (down,) = changes(drive(peers, 5.0))
     assert down == (1.0, StateChanged(node=1, old=PeerState.SUSPECT, new=PeerState.DOWN,
                                       reason="silent for 1.00s"))  # fmt: skip
 
 
+def test_losing_the_data_link_resets_the_peer_too() -> None:
+    peers = table()
+    connected(peers)
+    reason = "unreachable (data link lost)"
+    assert peers.on_link_closed(1, DATA, 0.5) == [
+        ResetPeer(node=1, reason=reason),
+        StateChanged(node=1, old=PeerState.UP, new=PeerState.SUSPECT, reason=reason),
+    ]
+    assert links(peers) == set()
+    assert heartbeats(drive(peers, 0.9)) == []  # no control link to send them on
+
+
 def test_link_lost_before_any_link_changes_nothing() -> None:
     peers = table()
-    assert peers.on_link_lost(1, 1.0) == []
+    assert peers.on_link_closed(1, CONTROL, 1.0) == []
     assert peers.state(1) is PeerState.CONNECTING
+
+
+def test_a_peer_that_said_bye_is_reset_as_expected_until_it_is_back() -> None:
+    peers = table()
+    up(peers)
+    peers.on_bye(1)
+    (reset,) = of(ResetPeer, peers.on_link_closed(1, CONTROL, 0.1))
+    assert reset.expected
+    up(peers, now=0.2)
+    (reset,) = of(ResetPeer, peers.on_link_closed(1, CONTROL, 0.3))
+    assert not reset.expected
 
 
 def test_a_down_peer_is_up_again_when_it_reconnects() -> None:
@@ -177,47 +255,104 @@ def test_a_down_peer_is_up_again_when_it_reconnects() -> None:
     assert peers.state(1) is PeerState.DOWN
     assert peers.on_heard(1, 2.5) == []  # a stray frame does not revive it
     assert peers.state(1) is PeerState.DOWN
-    assert peers.on_established(1, 1, 3.0) == [
-        StateChanged(node=1, old=PeerState.DOWN, new=PeerState.UP, reason="authenticated")
+    assert peers.on_link_authenticated(1, CONTROL, 1, 3.0) == [
+        AdmitLink(node=1, channel=CONTROL),
+        StateChanged(node=1, old=PeerState.DOWN, new=PeerState.UP, reason="authenticated"),
+        PeerUp(node=1),
     ]
     assert heartbeats(drive(peers, 3.0)) == [3.0]
     assert [t for t, _ in changes(drive(peers, 10.0))] == [pytest.approx(3.3), 4.0]
 
 
-def test_heard_before_established_is_ignored() -> None:
+def test_heard_before_any_link_is_ignored() -> None:
     peers = table()
     assert peers.on_heard(1, 1.0) == []
     assert peers.state(1) is PeerState.CONNECTING
     assert peers.next_deadline() is None
 
 
-# -- incarnations -----------------------------------------------------------------------------
-def test_incarnations_compare_against_the_newest_seen() -> None:
+# -- link admission ---------------------------------------------------------------------------
+def test_a_stale_incarnation_is_refused_while_the_peer_lives() -> None:
     peers = table()
-    assert peers.check_incarnation(1, 0) is Incarnation.NEWER  # never seen: anything is news
-    up(peers, incarnation=5)
-    assert peers.check_incarnation(1, 5) is Incarnation.SAME
-    assert peers.check_incarnation(1, 6) is Incarnation.NEWER
-    assert peers.check_incarnation(1, 4) is Incarnation.STALE
+    connected(peers, incarnation=5)
+    for channel in (CONTROL, DATA):
+        assert peers.on_link_authenticated(1, channel, 4, 1.0) == [
+            RefuseLink(node=1, channel=channel, reason="incarnation 4 is dead")
+        ]
+    assert links(peers) == {CONTROL, DATA}  # the live links are untouched
+    drive(peers, 0.5)
+    assert peers.state(1) is PeerState.SUSPECT  # suspect is still alive
+    assert of(RefuseLink, peers.on_link_authenticated(1, CONTROL, 4, 0.5))
 
 
-def test_a_restarted_peer_is_reported_before_it_is_up() -> None:
+def test_a_newer_incarnation_resets_the_peer_before_it_is_admitted() -> None:
     peers = table()
-    up(peers, incarnation=5)
-    assert peers.on_established(1, 5, 1.0) == []  # the same daemon redialled
-    assert peers.on_established(1, 8, 2.0) == [
-        PeerRestarted(node=1, old_incarnation=5, new_incarnation=8)
+    connected(peers, incarnation=5)
+    assert peers.on_link_authenticated(1, CONTROL, 8, 1.0) == [
+        ResetPeer(node=1, reason="restarted"),
+        AdmitLink(node=1, channel=CONTROL),
+        PeerRestarted(node=1, old_incarnation=5, new_incarnation=8),
+        PeerUp(node=1),
     ]
-    assert peers.check_incarnation(1, 5) is Incarnation.STALE
+    assert links(peers) == {CONTROL}
+    assert of(RefuseLink, peers.on_link_authenticated(1, DATA, 5, 1.0))  # now stale
+    assert of(AdmitLink, peers.on_link_authenticated(1, DATA, 8, 1.0))
+
+
+def test_a_replaced_control_link_resets_the_peer() -> None:
+    peers = table()
+    connected(peers, incarnation=5)
+    assert peers.on_link_authenticated(1, CONTROL, 5, 1.0) == [
+        ResetPeer(node=1, reason="reconnected"),
+        AdmitLink(node=1, channel=CONTROL),
+        PeerUp(node=1),
+    ]
+    assert links(peers) == {CONTROL}
+
+
+def test_a_data_link_needs_a_control_link_first() -> None:
+    peers = table()
+    refused = [
+        RefuseLink(node=1, channel=DATA, reason="data channel opened before the control channel")
+    ]
+    assert peers.on_link_authenticated(1, DATA, 5, 0.0) == refused
+    up(peers, incarnation=5)
+    peers.on_link_closed(1, CONTROL, 0.1)
+    assert peers.on_link_authenticated(1, DATA, 5, 0.2) == refused
+    assert peers.state(1) is PeerState.SUSPECT
+
+
+def test_a_data_link_of_another_incarnation_than_the_control_link_is_refused() -> None:
+    peers = table()
+    up(peers, incarnation=5)
+    assert peers.on_link_authenticated(1, DATA, 6, 0.0) == [
+        RefuseLink(node=1, channel=DATA, reason="data link of incarnation 6, control of 5")
+    ]
+    assert links(peers) == {CONTROL}
+
+
+def test_a_second_data_link_is_refused_and_resets_the_peer() -> None:
+    peers = table()
+    connected(peers, incarnation=5)
+    reason = "reconnected (second data link)"
+    assert peers.on_link_authenticated(1, DATA, 5, 0.1) == [
+        RefuseLink(node=1, channel=DATA, reason="a data link to this node was already up"),
+        ResetPeer(node=1, reason=reason),
+        StateChanged(node=1, old=PeerState.UP, new=PeerState.SUSPECT, reason=reason),
+    ]
+    assert links(peers) == set()
 
 
 def test_a_restart_seen_after_down_says_restarted_then_up() -> None:
     peers = table()
     up(peers, incarnation=5)
     drive(peers, 2.0)
-    assert peers.on_established(1, 6, 3.0) == [
+    assert peers.on_link_authenticated(1, CONTROL, 6, 3.0) == [
+        ResetPeer(node=1, reason="restarted"),
+        AdmitLink(node=1, channel=CONTROL),
         PeerRestarted(node=1, old_incarnation=5, new_incarnation=6),
         StateChanged(node=1, old=PeerState.DOWN, new=PeerState.UP, reason="authenticated"),
+        PeerUp(node=1),
     ]
 
 
@@ -225,14 +360,190 @@ def test_once_down_an_older_incarnation_is_a_new_life() -> None:
     """A clock that stepped back across a restart must not lock the node out for good."""
     peers = table()
     up(peers, incarnation=5)
-    assert peers.check_incarnation(1, 4) is Incarnation.STALE  # alive: a dead process's link
     drive(peers, 2.0)
     assert peers.state(1) is PeerState.DOWN
-    assert peers.check_incarnation(1, 4) is Incarnation.NEWER
-    assert peers.on_established(1, 4, 3.0)[0] == PeerRestarted(
-        node=1, old_incarnation=5, new_incarnation=4
-    )
-    assert peers.check_incarnation(1, 4) is Incarnation.SAME
+    actions = peers.on_link_authenticated(1, CONTROL, 4, 3.0)
+    assert PeerRestarted(node=1, old_incarnation=5, new_incarnation=4) in actions
+    assert of(AdmitLink, peers.on_link_authenticated(1, DATA, 4, 3.0))  # 4 is the one now
+    assert of(RefuseLink, peers.on_link_authenticated(1, CONTROL, 5, 3.0)) == []  # 5 is newer
+
+
+def test_statistics_count_links_refusals_and_resets() -> None:
+    peers = table(3)
+    connected(peers, 1)
+    up(peers, 2)
+    peers.on_link_authenticated(2, DATA, 7, 0.0)  # another incarnation: refused
+    peers.on_link_closed(1, DATA, 0.1)
+    stats = peers.statistics()
+    assert (stats.links_up, stats.links_refused, stats.resets) == (1, 1, 1)
+    assert stats.dial_attempts == {1: 0, 2: 0}
+
+
+# -- dialling ---------------------------------------------------------------------------------
+def failing(peers: PeerTable, node: int, now: float, times: int) -> tuple[float, list[float]]:
+    """Fail ``times`` dials of ``node`` in a row; return the time and the waits between them."""
+    waits = []
+    for _ in range(times):
+        peers.on_dial_failed(node, "connection refused", now)
+        waits.append(due(peers) - now)
+        now = due(peers)
+        assert peers.on_timer(now) == [Dial(node=node)]
+    return now, waits
+
+
+def test_a_node_dials_every_node_with_a_higher_id() -> None:
+    assert table(4, node=1).dial_targets() == [2, 3]
+    assert table(4, node=3).dial_targets() == []
+    peers = table(4, node=1)
+    assert peers.start(0.0) == [Dial(node=2), Dial(node=3)]
+    assert peers.start(0.0) == []  # dials under way are not repeated
+
+
+def test_failed_dials_back_off_doubling_up_to_the_cap() -> None:
+    peers = table(max_backoff=1.0)
+    peers.start(0.0)
+    _, waits = failing(peers, 1, 0.0, 8)
+    assert waits == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0])
+    assert peers.statistics().dial_attempts == {1: 8}
+
+
+def test_a_failed_dial_is_told_at_the_first_tenth_and_every_hundredth_failure() -> None:
+    peers = table(max_backoff=1.0)
+    peers.start(0.0)
+    now, told = 0.0, []
+    for _ in range(300):
+        told += peers.on_dial_failed(1, "refused", now)
+        now = due(peers)
+        peers.on_timer(now)
+    assert [a.attempts for a in told if isinstance(a, DialRetry)] == [1, 10, 100, 200, 300]
+    assert told[0] == DialRetry(node=1, attempts=1, error="refused", retry_in=FIRST_BACKOFF)
+    assert told[-1] == DialRetry(node=1, attempts=300, error="refused", retry_in=1.0)
+
+
+def test_no_second_dial_while_one_is_under_way() -> None:
+    peers = table()
+    assert peers.start(0.0) == [Dial(node=1)]
+    assert peers.next_deadline() is None  # nothing until the dial says how it went
+    up(peers, now=0.1)  # its control link
+    peers.on_link_closed(1, CONTROL, 0.2)  # lost before the data link: the dial goes on
+    assert of(Dial, [a for _, a in drive(peers, 0.5)]) == []
+    (refused,) = peers.on_link_authenticated(1, DATA, 1, 0.5)  # its data link comes too late
+    assert isinstance(refused, RefuseLink)
+    assert of(Dial, peers.on_dial_failed(1, "data link refused", 0.5)) == []
+    assert peers.next_deadline() == pytest.approx(0.55)
+
+
+def test_a_successful_dial_resets_the_backoff_and_a_loss_redials_soon() -> None:
+    peers = table(max_backoff=1.0)
+    peers.start(0.0)
+    now, _ = failing(peers, 1, 0.0, 5)
+    connected(peers, now=now)  # the dial succeeded
+    assert peers.statistics().dial_attempts == {1: 0}
+    assert peers.next_deadline() == now  # only the first heartbeat
+    drive(peers, now)
+    peers.on_link_closed(1, DATA, now + 0.01)
+    fired = drive(peers, now + 0.2)
+    (dialled,) = [t for t, a in fired if isinstance(a, Dial)]
+    assert dialled == pytest.approx(now + 0.01 + FIRST_BACKOFF)
+    _, waits = failing(peers, 1, dialled, 2)
+    assert waits == pytest.approx([0.05, 0.1])  # the backoff starts over
+
+
+def test_a_peer_that_goes_down_is_redialled() -> None:
+    peers = table()
+    peers.start(0.0)
+    connected(peers)
+    fired = drive(peers, 1.2)
+    down_at = next(t for t, a in fired if isinstance(a, ResetPeer))
+    assert [t for t, a in fired if isinstance(a, Dial)] == [pytest.approx(down_at + 0.05)]
+
+
+def test_a_dial_that_fails_after_its_control_link_resets_the_peer() -> None:
+    peers = table()
+    peers.start(0.0)
+    up(peers, now=0.1)
+    reason = "dial failed: connection refused"
+    assert peers.on_dial_failed(1, "connection refused", 0.2) == [
+        ResetPeer(node=1, reason=reason),
+        StateChanged(node=1, old=PeerState.UP, new=PeerState.SUSPECT, reason=reason),
+        DialRetry(node=1, attempts=1, error="connection refused", retry_in=FIRST_BACKOFF),
+    ]
+    assert links(peers) == set()
+    assert peers.on_dial_failed(1, "again", 0.2) == []  # no dial is under way
+
+
+def test_a_node_that_is_dialled_never_dials_back() -> None:
+    peers = table(node=1)
+    assert peers.start(0.0) == []
+    connected(peers, node=0)
+    peers.on_link_closed(0, CONTROL, 0.1)
+    assert of(Dial, [a for _, a in drive(peers, 5.0)]) == []
+
+
+# -- handshakes -------------------------------------------------------------------------------
+def test_a_handshake_that_takes_too_long_is_closed() -> None:
+    peers = table(handshake_timeout=2.0)
+    assert peers.on_handshake_started(7, "10.0.0.9", 1.0) == []
+    assert peers.next_deadline() == 3.0
+    assert peers.on_timer(2.9) == []
+    assert peers.on_timer(3.0) == [CloseHandshake(link_id=7, reason="no handshake within 2.0s")]
+    assert peers.next_deadline() is None
+    peers.on_handshake_over(7, failed=True)  # the close reported back: already counted
+    assert peers.statistics().handshakes_refused == 1
+    assert peers.statistics().handshakes_pending == 0
+
+
+def test_a_handshake_over_in_time_has_no_deadline() -> None:
+    peers = table()
+    peers.on_handshake_started(7, "h", 0.0, accepted=False)
+    peers.on_handshake_started(8, "h", 0.0)
+    peers.on_handshake_over(7)
+    peers.on_handshake_over(8, failed=True)
+    assert peers.next_deadline() is None
+    assert peers.statistics().handshakes_refused == 1
+
+
+def test_accepted_handshakes_are_capped_per_host() -> None:
+    peers = table(max_pending_per_host=3)
+    assert [peers.on_handshake_started(i, "a", 0.0) for i in range(3)] == [[]] * 3
+    assert peers.on_handshake_started(3, "a", 0.0) == [
+        RefuseHandshake(link_id=3, reason="too many unauthenticated links"),
+        Notice(message="refusing links from a: 3 handshakes pending from it, 3 in all"),
+    ]
+    assert of(Notice, peers.on_handshake_started(4, "a", 0.0)) == []  # once per flood
+    assert peers.on_handshake_started(5, "b", 0.0) == []  # other hosts are not locked out
+    peers.on_handshake_over(1)
+    assert peers.on_handshake_started(6, "a", 0.0) == []  # a freed slot
+    assert of(Notice, peers.on_handshake_started(7, "a", 0.0))  # a new flood
+    assert peers.statistics().handshakes_pending == 4
+
+
+def test_accepted_handshakes_are_capped_in_all() -> None:
+    peers = table(max_pending=4)
+    for i, host in enumerate("abcd"):
+        assert peers.on_handshake_started(i, host, 0.0) == []
+    assert len(peers.on_handshake_started(4, "e", 0.0)) == 2  # refused, and told
+    assert len(peers.on_handshake_started(5, "f", 0.0)) == 1  # the same flood
+    peers.on_handshake_over(0)
+    assert peers.on_handshake_started(6, "f", 0.0) == []
+    assert peers.statistics().handshakes_refused == 2
+
+
+def test_dialled_handshakes_count_towards_no_cap() -> None:
+    peers = table(max_pending=1, max_pending_per_host=1)
+    for i in range(10):
+        assert peers.on_handshake_started(i, "a", 0.0, accepted=False) == []
+    assert peers.on_handshake_started(10, "a", 0.0) == []
+    assert of(CloseHandshake, peers.on_timer(2.0)) == [
+        CloseHandshake(link_id=i, reason="no handshake within 2.0s") for i in range(11)
+    ]
+
+
+def test_a_link_id_is_in_one_handshake_at_a_time() -> None:
+    peers = table()
+    peers.on_handshake_started(1, "a", 0.0)
+    with pytest.raises(ValueError, match="already in its handshake"):
+        peers.on_handshake_started(1, "a", 0.0, accepted=False)
 
 
 # -- timers and status ------------------------------------------------------------------------
@@ -246,7 +557,14 @@ def test_no_deadline_without_live_peers() -> None:
     assert peers.next_deadline() is None
 
 
-def test_peers_reports_state_incarnation_and_silence() -> None:
+def test_a_deadline_at_zero_is_a_deadline() -> None:
+    peers = table(now=0.0)
+    up(peers, now=0.0)
+    assert peers.next_deadline() == 0.0
+    assert peers.on_timer(0.0) == [SendFrame(node=1, frame=Heartbeat())]
+
+
+def test_peers_reports_state_incarnation_links_and_silence() -> None:
     peers = table(3, now=1.0)
     up(peers, 1, incarnation=4, now=2.0)
     drive(peers, 2.5)
@@ -255,10 +573,12 @@ def test_peers_reports_state_incarnation_and_silence() -> None:
     assert info[1].incarnation == 4
     assert info[1].silent_for == pytest.approx(0.5)
     assert info[1].state_for == pytest.approx(0.2)
+    assert info[1].links == {CONTROL}
     assert info[2].state is PeerState.CONNECTING
     assert info[2].incarnation is None
     assert info[2].silent_for is None
     assert info[2].state_for == pytest.approx(1.5)
+    assert info[2].links == frozenset()
 
 
 @pytest.mark.parametrize(
@@ -268,6 +588,20 @@ def test_peers_reports_state_incarnation_and_silence() -> None:
 def test_timeouts_must_be_ordered(interval: float, suspect: float, down: float) -> None:
     with pytest.raises(ValueError, match="heartbeat_interval < suspect_after"):
         Timeouts(heartbeat_interval=interval, suspect_after=suspect, down_after=down)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"handshake_timeout": 0.0},
+        {"max_backoff": -1.0},
+        {"max_pending": 0},
+        {"max_pending_per_host": 0},
+    ],
+)
+def test_limits_must_be_positive(settings: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        table(**settings)
 
 
 def test_suspect_after_may_equal_down_after() -> None:
@@ -312,44 +646,136 @@ def test_a_silent_peer_is_down_exactly_once_within_the_bound(
 
 # -- random histories -------------------------------------------------------------------------
 NODES = 4
+ME = 1  #: dialled by node 0, dials nodes 2 and 3
+OTHERS = [n for n in range(NODES) if n != ME]
+HOSTS = ("a", "b", "c")
+HANDSHAKE_TIMEOUT = 0.5
+MAX_BACKOFF = 0.4
+PER_HOST, IN_ALL = 2, 4
+
+nodes = st.sampled_from(OTHERS)
+channels = st.sampled_from([CONTROL, DATA])
+#: the incarnation of a new link, relative to the newest admitted: mostly the same daemon
+deltas = st.sampled_from([0, 0, 0, 1, 2, -1])
 steps = st.lists(
     st.one_of(
         st.tuples(st.just("advance"), st.floats(min_value=0.0, max_value=0.7)),
-        st.tuples(st.just("heard"), st.integers(1, NODES - 1)),
-        st.tuples(st.just("link_lost"), st.integers(1, NODES - 1)),
-        st.tuples(st.just("established"), st.integers(1, NODES - 1), st.integers(-1, 2)),
+        st.tuples(st.just("start")),
+        st.tuples(st.just("authenticated"), nodes, channels, deltas),
+        st.tuples(st.just("connected"), nodes, deltas),
+        st.tuples(st.just("closed"), nodes, channels),
+        st.tuples(st.just("heard"), nodes),
+        st.tuples(st.just("bye"), nodes),
+        st.tuples(st.just("dial_failed"), nodes),
+        st.tuples(st.just("handshakes"), st.sampled_from(HOSTS), st.booleans(), st.integers(1, 4)),
+        st.tuples(st.just("handshake_over"), st.integers(0, 8), st.booleans()),
     ),
-    max_size=60,
+    max_size=80,
 )
 
 
-class Checker:
-    """Replays what the table says against what the test did to it."""
+@dataclass(frozen=True)
+class Authenticated:
+    """The link the call under check is about."""
 
-    def __init__(self, peers: PeerTable, now: float) -> None:
-        self.peers = peers
-        self.now = now
-        self.state = {n: PeerState.CONNECTING for n in range(1, NODES)}
-        self.heard = {n: -math.inf for n in range(1, NODES)}  #: last contact while live
-        self.incarnation: dict[int, int] = {}
+    node: int
+    channel: Channel
+    incarnation: int
+    state: PeerState  #: the peer's state before the call
+    known: int | None  #: the newest incarnation admitted before the call
 
-    def apply(self, actions: list[Action]) -> None:
+
+@dataclass
+class Shell:
+    """Plays the daemon: performs the actions on a model and checks every one of them."""
+
+    peers: PeerTable
+    now: float
+    state: dict[int, PeerState] = field(default_factory=dict)
+    heard: dict[int, float] = field(default_factory=dict)  #: last contact while live
+    links: dict[tuple[int, Channel], int] = field(default_factory=dict)  #: -> incarnation
+    newest: dict[int, int] = field(default_factory=dict)  #: of the last admitted control link
+    dialling: set[int] = field(default_factory=set)
+    handshakes: dict[int, tuple[str, bool, float]] = field(default_factory=dict)
+    next_link: int = 0
+
+    def __post_init__(self) -> None:
+        self.state = {n: PeerState.CONNECTING for n in OTHERS}
+        self.heard = {n: -math.inf for n in OTHERS}
+
+    def perform(self, actions: list[Action], link: Authenticated | None = None) -> None:
         for action in actions:
-            if isinstance(action, SendHeartbeat):
-                assert self.state[action.node] in (PeerState.UP, PeerState.SUSPECT)
-            elif isinstance(action, StateChanged):
-                assert action.old is self.state[action.node]
-                assert action.new is not action.old
-                assert action.reason
-                if action.new is PeerState.DOWN:
-                    assert self.now >= self.heard[action.node] + TIMEOUTS.down_after
-                if action.new is PeerState.SUSPECT and action.reason != "control link lost":
-                    assert self.now >= self.heard[action.node] + TIMEOUTS.suspect_after
-                self.state[action.node] = action.new
-            else:
-                assert action.old_incarnation == self.incarnation[action.node]
-        for node, state in self.state.items():
-            assert self.peers.state(node) is state
+            self.check(action, link)
+        for node in OTHERS:
+            mine = {ch for (n, ch) in self.links if n == node}
+            info = next(i for i in self.peers.peers(self.now) if i.node == node)
+            assert info.links == mine
+            assert DATA not in mine or CONTROL in mine
+            assert info.state is self.state[node]
+        after = self.peers.next_deadline()
+        assert after is None or after >= self.now  # nothing is overdue after an input
+
+    def check(self, action: Action, link: Authenticated | None) -> None:
+        match action:
+            case SendFrame(node=node, frame=frame):
+                assert isinstance(frame, Heartbeat)
+                assert (node, CONTROL) in self.links
+            case StateChanged(node=node, old=old, new=new, reason=reason):
+                assert old is self.state[node]
+                assert new is not old
+                assert reason
+                if new is PeerState.DOWN:
+                    assert self.now >= self.heard[node] + TIMEOUTS.down_after
+                if new is PeerState.SUSPECT and reason.startswith("silent"):
+                    assert self.now >= self.heard[node] + TIMEOUTS.suspect_after
+                self.state[node] = new
+            case PeerRestarted(node=node, old_incarnation=old, new_incarnation=new):
+                assert link is not None
+                assert (node, old, new) == (link.node, link.known, link.incarnation)
+            case PeerUp(node=node):
+                assert (node, CONTROL) in self.links
+            case AdmitLink(node=node, channel=channel):
+                self.admit(node, channel, link)
+            case RefuseLink(node=node, channel=channel):
+                assert link is not None
+                assert (link.node, link.channel) == (node, channel)
+            case ResetPeer(node=node):
+                for channel in (CONTROL, DATA):
+                    self.links.pop((node, channel), None)
+            case Dial(node=node):
+                assert node in self.peers.dial_targets()
+                assert node not in self.dialling
+                self.dialling.add(node)
+            case DialRetry(node=node):
+                assert node not in self.dialling
+            case RefuseHandshake(link_id=link_id):
+                host, accepted, _ = self.handshakes.pop(link_id)
+                mine = [h for h, a, _ in self.handshakes.values() if a]
+                assert accepted
+                assert mine.count(host) >= PER_HOST or len(mine) >= IN_ALL
+            case CloseHandshake(link_id=link_id):
+                _, _, started = self.handshakes.pop(link_id)
+                assert self.now >= started + HANDSHAKE_TIMEOUT
+            case Notice():
+                pass
+
+    def admit(self, node: int, channel: Channel, link: Authenticated | None) -> None:
+        assert link is not None
+        assert (link.node, link.channel) == (node, channel)
+        assert (node, channel) not in self.links  # never two admitted links of one channel
+        if link.known is not None and link.incarnation < link.known:  # stale: only after DOWN
+            assert link.state is PeerState.DOWN
+        if channel is DATA:  # only beside a control link of the same incarnation
+            assert self.links.get((node, CONTROL)) == link.incarnation
+            self.dialling.discard(node)
+        else:
+            self.newest[node] = link.incarnation
+            self.heard[node] = self.now
+        self.links[node, channel] = link.incarnation
+
+    def authenticated(self, node: int, channel: Channel, incarnation: int) -> None:
+        link = Authenticated(node, channel, incarnation, self.state[node], self.newest.get(node))
+        self.perform(self.peers.on_link_authenticated(node, channel, incarnation, self.now), link)
 
     def timers(self, until: float) -> None:
         for _ in range(MAX_FIRINGS):
@@ -358,12 +784,12 @@ class Checker:
                 return
             assert deadline >= self.now  # nothing was left overdue
             self.now = deadline
-            self.apply(self.peers.on_timer(self.now))
+            self.perform(self.peers.on_timer(self.now))
             self.check_settled()
         raise AssertionError("the timer never stopped firing")
 
     def check_settled(self) -> None:
-        """Right after the timer ran, nothing is overdue."""
+        """Right after the timer ran, nothing is due and no peer is past a bound."""
         after = self.peers.next_deadline()
         assert after is None or after > self.now
         for node, state in self.state.items():
@@ -372,31 +798,63 @@ class Checker:
             if state is PeerState.UP:
                 assert self.now < self.heard[node] + TIMEOUTS.suspect_after
 
-
-@given(start=st.floats(min_value=0.0, max_value=1e7), history=steps)
-def test_random_histories_keep_the_invariants(start: float, history: list[tuple]) -> None:
-    peers = table(NODES, now=start)
-    check = Checker(peers, start)
-    for step in history:
+    def step(self, step: tuple) -> None:
+        peers, now = self.peers, self.now
         match step:
             case ("advance", dt):
-                target = check.now + dt
-                check.timers(target)
-                check.now = target
+                self.timers(now + dt)
+                self.now = now + dt
+            case ("start",):
+                self.perform(peers.start(now))
+            case ("authenticated", node, channel, delta):
+                self.authenticated(node, channel, (self.newest.get(node) or 0) + delta)
+            case ("connected", node, delta):  # what a dial does when all goes well
+                incarnation = (self.newest.get(node) or 0) + delta
+                self.authenticated(node, CONTROL, incarnation)
+                self.authenticated(node, DATA, incarnation)
+            case ("closed", node, channel) if (node, channel) in self.links:
+                self.perform(peers.on_link_closed(node, channel, now))
             case ("heard", node):
-                if check.state[node] in (PeerState.UP, PeerState.SUSPECT):
-                    check.heard[node] = check.now
-                check.apply(peers.on_heard(node, check.now))
-            case ("link_lost", node):
-                check.apply(peers.on_link_lost(node, check.now))
-            case ("established", node, delta):
-                incarnation = check.incarnation.get(node, 0) + delta
-                if peers.check_incarnation(node, incarnation) is Incarnation.STALE:
-                    continue  # the daemon refuses such a link
-                check.heard[node] = check.now
-                check.apply(peers.on_established(node, incarnation, check.now))
-                check.incarnation[node] = incarnation
-        assert peers.state(1) in PeerState
-    check.timers(check.now + TIMEOUTS.down_after + TIMEOUTS.heartbeat_interval)
-    assert all(s in (PeerState.CONNECTING, PeerState.DOWN) for s in check.state.values())
+                if self.state[node] in (PeerState.UP, PeerState.SUSPECT):
+                    self.heard[node] = now
+                self.perform(peers.on_heard(node, now))
+            case ("bye", node):
+                peers.on_bye(node)
+            case ("dial_failed", node) if node in self.dialling:
+                self.dialling.discard(node)
+                self.perform(peers.on_dial_failed(node, "connection refused", now))
+            case ("handshakes", host, accepted, count):
+                for link_id in range(self.next_link, self.next_link + count):
+                    self.handshakes[link_id] = (host, accepted, now)
+                    self.perform(peers.on_handshake_started(link_id, host, now, accepted=accepted))
+                self.next_link += count
+            case ("handshake_over", pick, failed) if self.handshakes:
+                link_id = sorted(self.handshakes)[pick % len(self.handshakes)]
+                del self.handshakes[link_id]
+                peers.on_handshake_over(link_id, failed=failed)
+                self.perform([])
+
+
+@settings(max_examples=300, deadline=None)
+@given(start=st.floats(min_value=0.0, max_value=1e7), history=steps)
+def test_random_histories_keep_the_invariants(start: float, history: list[tuple]) -> None:
+    peers = PeerTable(
+        node=ME,
+        nodes=NODES,
+        timeouts=TIMEOUTS,
+        now=start,
+        handshake_timeout=HANDSHAKE_TIMEOUT,
+        max_backoff=MAX_BACKOFF,
+        max_pending=IN_ALL,
+        max_pending_per_host=PER_HOST,
+    )
+    shell = Shell(peers, start)
+    for step in history:
+        shell.step(step)
+    quiet = max(TIMEOUTS.down_after, HANDSHAKE_TIMEOUT, MAX_BACKOFF) + TIMEOUTS.heartbeat_interval
+    shell.timers(shell.now + quiet)
+    assert all(s in (PeerState.CONNECTING, PeerState.DOWN) for s in shell.state.values())
+    assert not shell.links
+    assert not shell.handshakes
     assert peers.next_deadline() is None
+    assert peers.statistics().handshakes_pending == 0
