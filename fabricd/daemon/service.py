@@ -79,10 +79,14 @@ class Host(Protocol):
     def reset_peer(self, node: int, reason: str) -> None:
         """Close both of ``node``'s links and tell every service that the peer is down."""
 
-    def reply(self, request: Request | tuple[ClientSession, int], result: Meta) -> None:
+    @property
+    def incarnation(self) -> int:
+        """This daemon's incarnation (its start time in ns; grows across restarts)."""
+
+    def reply(self, session: ClientSession, request_id: int, result: Meta) -> None:
         """Answer a request with success (dropped if the client has left)."""
 
-    def fail(self, request: Request | tuple[ClientSession, int], failure: Failure) -> None:
+    def fail(self, session: ClientSession, request_id: int, failure: Failure) -> None:
         """Answer a request with a failure (dropped if the client has left)."""
 
     def push(self, session: ClientSession, event: str, fields: Meta) -> None:
@@ -114,8 +118,12 @@ class Service(Protocol):
     def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview:
         """Where the ``length`` payload bytes of a DATA frame from ``node`` must land.
 
-        Only called on the service that claims :attr:`Kind.DATA`.
+        Only called on the service that claims :attr:`Kind.DATA`, before the first payload
+        byte is read, so the bytes land in place.
         """
+
+    def on_data(self, node: int, frame: Data, length: int, now: float) -> None:
+        """A whole DATA frame of ``length`` payload bytes from ``node`` has landed."""
 
     def on_request(self, request: Request, now: float) -> Meta | None:
         """A client request of one of :attr:`ops`; return the reply, or ``None`` to answer
@@ -149,7 +157,10 @@ class Service(Protocol):
         """The drain is over: fail every request still open with ``failure``."""
 
     def statistics(self) -> Meta:
-        """What ``fabricctl status`` shows of this service (JSON-ready)."""
+        """What ``fabricctl status`` shows of this service: top-level status fields.
+
+        JSON-ready.  A ``"counters"`` entry is merged with the other services' counters.
+        """
 
 
 class BaseService:
@@ -163,6 +174,9 @@ class BaseService:
         raise NotImplementedError(f"{self.name} claims no frame kinds")
 
     def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview:
+        raise NotImplementedError(f"{self.name} takes no payloads")
+
+    def on_data(self, node: int, frame: Data, length: int, now: float) -> None:
         raise NotImplementedError(f"{self.name} takes no payloads")
 
     def on_request(self, request: Request, now: float) -> Meta | None:

@@ -1,35 +1,26 @@
 """What the daemon holds for each connected client, and how it checks a client's requests.
 
-A session owns the client's mapped segments and knows which operations are its own, so that
-when the client leaves — cleanly or killed — everything it held is released and no other
-client notices.  Every field of a request is checked here before anything acts on it: an
-unknown segment, an offset outside it, a dtype fabricd does not move or a byte count that is
-not a whole number of elements is refused with a message that says what was wrong.
+A session owns the client's mapped segments and its place in a job; every service keeps what
+the client has under way with it keyed by the session, so that when the client leaves —
+cleanly or killed — everything it held is released and no other client notices.  Every field
+of a request is checked here before anything acts on it: an unknown segment, an offset outside
+it, a dtype fabricd does not move or a byte count that is not a whole number of elements is
+refused with a message that says what was wrong.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from fabricd.dtypes import ITEMSIZE
 from fabricd.engines.p2p import Message
-from fabricd.errors import ProtocolError, UsageError
+from fabricd.errors import UsageError
 from fabricd.wire import MAX_TAG, Meta, get_int, get_str
 
 if TYPE_CHECKING:
     from fabricd.ipc import IpcConnection
     from fabricd.shm import Segment
-
-
-@dataclass(slots=True, kw_only=True)
-class Transfer:
-    """A send or receive a client asked for: what, from/into which bytes, which request."""
-
-    request: int
-    message: Message
-    region: memoryview
-    session: ClientSession | None  #: ``None`` once the client left; its bytes may still move
 
 
 @dataclass(slots=True, eq=False)
@@ -41,7 +32,6 @@ class ClientSession:
     rank: int = -1
     size: int = 0
     segments: dict[int, Segment] = field(default_factory=dict)
-    ops: set[int] = field(default_factory=set)
 
     def describe(self) -> dict[str, object]:
         creds = self.conn.credentials
@@ -52,7 +42,6 @@ class ClientSession:
             "job": self.job,
             "rank": self.rank if self.job else None,
             "segments": len(self.segments),
-            "ops": len(self.ops),
         }
 
     def segment(self, seg: int) -> Segment:
@@ -62,12 +51,18 @@ class ClientSession:
             raise UsageError(f"segment {seg} is not attached to this client") from None
 
 
+#: the longest job name a client may claim
+MAX_JOB_NAME: Final = 200
+
+
 def request_id(meta: Meta) -> int:
     return get_int(meta, "id")
 
 
-def parse_transfer(session: ClientSession, meta: Meta, *, is_send: bool) -> Transfer:
-    """Check a ``send``/``recv`` request against the session and build its :class:`Transfer`.
+def parse_transfer(
+    session: ClientSession, meta: Meta, *, is_send: bool
+) -> tuple[Message, memoryview]:
+    """Check a ``send``/``recv`` request against the session: its message and its region.
 
     Raises:
         UsageError: the request names something wrong (message says what).
@@ -88,14 +83,14 @@ def parse_transfer(session: ClientSession, meta: Meta, *, is_send: bool) -> Tran
     region = session.segment(get_int(meta, "seg")).view(offset, nbytes)
     src, dst = (session.rank, peer) if is_send else (peer, session.rank)
     message = Message(job=session.job, src=src, dst=dst, tag=tag, nbytes=nbytes, dtype=dtype)
-    return Transfer(request=request_id(meta), message=message, region=region, session=session)
+    return message, region
 
 
 def _bounded(meta: Meta, key: str, hi: int, what: str) -> int:
     """An integer field; out of range is the caller's mistake, not a protocol violation."""
     value = meta.get(key)
     if type(value) is not int:
-        raise ProtocolError(f"field {key!r} must be an integer")
+        raise UsageError(f"{key} must be an integer, not {type(value).__name__}")
     if not 0 <= value <= hi:
         raise UsageError(f"{key} {value} is {what}")
     return value
@@ -105,7 +100,7 @@ def parse_hello(meta: Meta) -> tuple[str, int, int] | None:
     """The (job, rank, size) a ``hello`` claims, or ``None`` for a control client."""
     if meta.get("job") is None:
         return None
-    job = get_str(meta, "job")
-    if len(job) > 200:
-        raise ProtocolError("job name longer than 200 characters")
+    job = meta.get("job")
+    if not isinstance(job, str) or not 0 < len(job) <= MAX_JOB_NAME:
+        raise UsageError(f"job must be a name of 1 to {MAX_JOB_NAME} characters")
     return job, get_int(meta, "rank", hi=2**31), get_int(meta, "size", lo=1, hi=2**31)

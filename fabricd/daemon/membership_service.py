@@ -1,0 +1,112 @@
+"""The membership service: clients join jobs, and every daemon learns where each rank lives.
+
+Drives :mod:`fabricd.engines.membership`.  A client's ``hello`` may claim a rank of a job; the
+engine records it and ANNOUNCEs it to every peer, greets a peer that comes up with every local
+rank, and forgets the ranks of a client that leaves or a node that goes down.  Each change is
+passed on to every service as a :data:`~fabricd.engines.membership.RankEvent` (a send waiting
+for its destination rank dispatches when the rank joins; operations with a rank that left fail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from fabricd import frames
+from fabricd.daemon.service import BaseService
+from fabricd.daemon.sessions import parse_hello
+from fabricd.engines.actions import Broadcast, Notice, SendFrame
+from fabricd.engines.membership import Membership, RankJoined, RankLeft
+from fabricd.errors import ErrorCode, OperationFailed, UsageError
+from fabricd.wire import PROTOCOL_VERSION, Kind, Meta
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from fabricd.daemon.service import Host, Request
+    from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.membership import Action
+
+log = logging.getLogger("fabricd.membership")
+
+
+class MembershipService(BaseService):
+    """Who hosts which rank of which job, fabric-wide."""
+
+    name = "membership"
+    kinds = frozenset({Kind.ANNOUNCE})
+    ops = frozenset({"hello"})
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.engine = Membership(node=host.config.node_id)
+
+    def on_request(self, request: Request, now: float) -> Meta:
+        session = request.session
+        if session.job is not None:
+            raise UsageError("this connection already joined a job")
+        claim = parse_hello(request.meta)
+        if claim is not None:
+            if self.host.draining:
+                raise OperationFailed(
+                    "the daemon is stopping; retry later", code=ErrorCode.DAEMON_STOPPING
+                )
+            job, rank, size = claim
+            self._perform(self.engine.attach(job, rank, size))
+            session.job, session.rank, session.size = job, rank, size
+            creds = session.conn.credentials
+            log.info(
+                "client %d (pid %d, uid %d) joined job %r as rank %d of %d",
+                session.conn.id,
+                creds.pid,
+                creds.uid,
+                job,
+                rank,
+                size,
+            )
+        cfg = self.host.config
+        return {
+            "node": cfg.node_id,
+            "nodes": len(cfg.nodes),
+            "incarnation": self.host.incarnation,
+            "version": PROTOCOL_VERSION,
+        }
+
+    def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+        assert isinstance(frame, frames.Announce)
+        self._perform(self.engine.on_announce(node, frame))
+
+    def peer_up(self, node: int, now: float) -> None:
+        self._perform(self.engine.peer_up(node))  # the peer forgot our ranks in its reset
+
+    def peer_down(self, node: int, reason: str, now: float) -> None:
+        self._perform(self.engine.peer_down(node, reason))
+
+    def client_gone(self, session: ClientSession, now: float) -> None:
+        if session.job is None:
+            return
+        reason = f"rank {session.rank} of job {session.job!r} disconnected"
+        log.info(
+            "rank %d of job %r left (client %d: %s)",
+            session.rank,
+            session.job,
+            session.conn.id,
+            session.conn.close_reason,
+        )
+        self._perform(self.engine.detach(session.job, session.rank, reason))
+
+    def statistics(self) -> Meta:
+        return {"ranks": [dataclasses.asdict(e) for e in self.engine.entries()]}
+
+    def _perform(self, actions: Iterable[Action]) -> None:
+        for action in actions:
+            match action:
+                case SendFrame(node=node, frame=frame):
+                    self.host.send(node, frame)
+                case Broadcast(frame=frame):
+                    self.host.broadcast(frame)
+                case RankJoined() | RankLeft():
+                    self.host.rank_event(action)
+                case Notice(message=message):
+                    log.warning("%s", message)

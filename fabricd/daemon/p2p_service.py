@@ -1,0 +1,191 @@
+"""The point-to-point service: ``send`` and ``recv`` requests, rendezvous frames, and bytes.
+
+Drives :mod:`fabricd.engines.p2p`.  Each request becomes an operation of the engine; the
+service keeps, per operation, the client region its bytes come from or land in and the request
+to answer, and performs what the engine decides: control frames to peers, streaming a send's
+region as DATA on the data link, a segment-to-segment copy for ranks on this node, and the
+reply when an operation completes.  Incoming DATA lands where the engine's landing table says
+(:mod:`fabricd.engines.landing`), straight in the receiver's segment.
+
+A client that leaves takes its unmatched operations with it; a transfer already moving runs to
+its end from the daemon's own mapping of the segment, and its result is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fabricd import frames
+from fabricd.daemon.datapath import copy, stream
+from fabricd.daemon.service import BaseService
+from fabricd.daemon.sessions import parse_transfer
+from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
+from fabricd.engines.p2p import CopyLocal, Messaging, StreamData
+from fabricd.errors import ErrorCode, LocalProtocolError, OperationFailed, TransportError
+from fabricd.wire import Kind, Meta
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from fabricd.daemon.service import Host, Request
+    from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.membership import RankEvent, Routes
+    from fabricd.engines.p2p import Action, Message
+
+
+@dataclass(slots=True, kw_only=True)
+class _Transfer:
+    """A send or receive a client asked for: what, from/into which bytes, which request."""
+
+    request: int
+    message: Message
+    region: memoryview
+    session: ClientSession | None  #: ``None`` once the client left; its bytes may still move
+
+
+class P2PService(BaseService):
+    """MPI-style point-to-point messages between ranks."""
+
+    name = "p2p"
+    kinds = frozenset({Kind.RTS, Kind.CTS, Kind.DONE, Kind.CANCEL, Kind.DATA})
+    ops = frozenset({"send", "recv"})
+
+    def __init__(self, host: Host, *, routes: Routes) -> None:
+        self.host = host
+        cfg = host.config
+        self.engine = Messaging(node=cfg.node_id, routes=routes, route_timeout=cfg.route_timeout)
+        self._ops: dict[int, _Transfer] = {}  #: every operation the engine may still act on
+        self._by_session: dict[ClientSession, set[int]] = {}
+        self._op_ids = itertools.count(1)
+        self._copies: set[asyncio.Task[None]] = set()  #: local copies under way
+        self._counters = {"bytes_sent": 0, "bytes_copied": 0, "ops_completed": 0, "ops_failed": 0}
+
+    # -- requests ---------------------------------------------------------------------------
+    def on_request(self, request: Request, now: float) -> None:
+        if self.host.draining:
+            raise OperationFailed(
+                "the daemon is stopping; retry later", code=ErrorCode.DAEMON_STOPPING
+            )
+        is_send = request.op == "send"
+        message, region = parse_transfer(request.session, request.meta, is_send=is_send)
+        op = next(self._op_ids)
+        self._ops[op] = _Transfer(
+            request=request.id, message=message, region=region, session=request.session
+        )
+        self._by_session.setdefault(request.session, set()).add(op)
+        if is_send:
+            self._perform(self.engine.post_send(op, message, now))
+        else:
+            self._perform(self.engine.post_recv(op, message, region, now))
+
+    def client_gone(self, session: ClientSession, now: float) -> None:
+        ops = self._by_session.pop(session, set())
+        self._perform(self.engine.abandon(ops))
+        for op in ops:
+            transfer = self._ops.get(op)
+            if transfer is None:  # completed by what was just performed
+                continue
+            if self.engine.holds(op):  # a transfer under way keeps its region, not its client
+                transfer.session = None
+            else:
+                del self._ops[op]
+
+    # -- peers ------------------------------------------------------------------------------
+    def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+        assert isinstance(frame, frames.Rts | frames.Cts | frames.Done | frames.Cancel)
+        self._perform(self.engine.on_frame(node, frame, now))
+
+    def payload_buffer(self, node: int, frame: frames.Data, length: int) -> memoryview:
+        return self.engine.payload_buffer(node, frame, length)
+
+    def on_data(self, node: int, frame: frames.Data, length: int, now: float) -> None:
+        self._perform(self.engine.data_arrived(node, frame, length, now))
+
+    def peer_down(self, node: int, reason: str, now: float) -> None:
+        self._perform(self.engine.peer_down(node, reason))
+
+    def on_rank_event(self, event: RankEvent, now: float) -> None:
+        self._perform(self.engine.on_rank_event(event, now))
+
+    # -- time and the drain -----------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        return self.engine.next_deadline()
+
+    def on_timer(self, now: float) -> None:
+        self._perform(self.engine.on_timer(now))
+
+    def in_flight(self) -> int:
+        return self.engine.transfers()
+
+    async def settle(self) -> None:
+        if self._copies:
+            await asyncio.wait(self._copies)
+
+    def shutdown(self, failure: Failure) -> None:
+        ops = [op for ops in self._by_session.values() for op in ops]
+        self._perform(self.engine.abandon(ops))
+        for op in ops:
+            self._complete(op, failure)
+
+    def statistics(self) -> Meta:
+        stats = self.engine.statistics()
+        return {
+            "pending_ops": self.engine.pending(),
+            "counters": {**self._counters, "bytes_received": stats.bytes_received},
+        }
+
+    # -- performing the engine's actions ----------------------------------------------------
+    def _perform(self, actions: Iterable[Action]) -> None:
+        for action in actions:
+            match action:
+                case SendFrame(node=node, frame=frame):
+                    self.host.send(node, frame)
+                case StreamData(node=node, msg=msg, op=op):
+                    self.host.spawn(self._stream(node, msg, self._ops[op].region))
+                case CopyLocal(src_op=src, dst_op=dst):
+                    source, target = self._ops[src].region, self._ops[dst].region
+                    task = self.host.spawn(self._copy(src, dst, source, target))
+                    self._copies.add(task)
+                    task.add_done_callback(self._copies.discard)
+                case Complete(op=op, failure=failure):
+                    self._complete(op, failure)
+                case Notice(message=message):
+                    logging.getLogger("fabricd.p2p").warning("%s", message)
+
+    async def _stream(self, node: int, msg: int, region: memoryview) -> None:
+        # The region is held from the moment the stream is spawned: the operation may finish
+        # (a DONE, a drain) while this task waits, and then no longer be in self._ops.
+        link = self.host.data_link(node)
+        try:
+            if link is None:
+                raise TransportError(f"no data link to node {node}")
+            await stream(link, msg, region, self.host.config.chunk_size)
+            self._counters["bytes_sent"] += len(region)
+        except (TransportError, LocalProtocolError) as exc:
+            self._perform(self.engine.stream_failed(msg, f"sending to node {node} failed: {exc}"))
+        self.host.rearm()
+
+    async def _copy(self, src: int, dst: int, source: memoryview, target: memoryview) -> None:
+        await copy(target, source)
+        self._counters["bytes_copied"] += len(source)
+        self._perform(self.engine.copied(src, dst))
+        self.host.rearm()
+
+    def _complete(self, op: int, failure: Failure | None) -> None:
+        transfer = self._ops.pop(op, None)
+        if transfer is None or transfer.session is None:
+            return
+        session = transfer.session
+        self._by_session.get(session, set()).discard(op)
+        if failure is not None:
+            self._counters["ops_failed"] += 1
+            self.host.fail(session, transfer.request, failure)
+            return
+        self._counters["ops_completed"] += 1
+        message = transfer.message
+        result: Meta = {"nbytes": message.nbytes, "src": message.src, "tag": message.tag}
+        self.host.reply(session, transfer.request, result)

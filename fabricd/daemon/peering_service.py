@@ -1,0 +1,409 @@
+"""The peering service: links to the other daemons, from the first byte to the last.
+
+Drives :mod:`fabricd.engines.peers`, which decides everything: when to dial and redial (with
+backoff), how long a link may take to authenticate and how many may try at once, which
+authenticated link is admitted, refused, or resets its peer, and when a peer is up, suspect or
+down.  This module performs those decisions on real links:
+
+* it listens and dials through the transport, runs each new link's handshake
+  (:mod:`fabricd.engines.handshake`) under handshake limits (a few KiB, HELLO and AUTH only),
+  and closes links the engine refuses or whose handshake deadline passes;
+* it hands admitted links to the node (:meth:`LinkOwner.adopt_link`), which keeps the table of
+  current links and routes their frames; a reset goes through :meth:`LinkOwner.reset_peer`;
+* it claims HEARTBEAT and BYE and sends heartbeats when the engine says so.
+
+Each pair of nodes shares two links, control and data; the node with the lower id dials both
+(control first), the other accepts, so a pair never races to open duplicate connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from fabricd import frames
+from fabricd.daemon.service import BaseService, Host
+from fabricd.engines import peers
+from fabricd.engines.actions import Notice, SendFrame
+from fabricd.engines.gate import CloseHandshake, RefuseHandshake
+from fabricd.engines.handshake import HANDSHAKE_LIMITS, Channel, Handshake, Role
+from fabricd.engines.peers import PeerState, PeerTable, Timeouts
+from fabricd.errors import ProtocolError, TransportError
+from fabricd.wire import Kind, Meta
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from fabricd.engines.handshake import Outgoing, PeerIdentity
+    from fabricd.transports.base import Link, Listener, Transport
+    from fabricd.wire import Frame, FrameHead, Limits
+
+log = logging.getLogger("fabricd.peering")
+
+
+class LinkOwner(Host, Protocol):
+    """The node's side of the links: the table the peering service fills and resets."""
+
+    def adopt_link(self, node: int, channel: Channel, link: Link) -> None:
+        """``link`` is now ``node``'s current ``channel`` link."""
+
+    def reset_peer(self, node: int, reason: str) -> None:
+        """Close both of ``node``'s links; every service learns the peer is down."""
+
+    def peer_up(self, node: int) -> None:
+        """``node``'s control link was admitted."""
+
+    def link(self, node: int, channel: Channel) -> Link | None:
+        """``node``'s current ``channel`` link, if it has one."""
+
+    def payload_buffer(self, node: int, link: Link, head: FrameHead) -> memoryview | None:
+        """Where an authenticated frame's payload lands."""
+
+    def frame_received(self, node: int, link: Link, frame: Frame) -> None:
+        """An authenticated frame from ``node``."""
+
+    def link_down(self, node: int, link: Link) -> None:
+        """An authenticated link to ``node`` closed."""
+
+
+@dataclass(slots=True, kw_only=True)
+class HandshakeSettings:
+    node: int
+    incarnation: int
+    secret: bytes
+    fabric_size: int
+    timeout: float
+    limits: Limits  #: limits once authenticated
+
+
+class _PendingSink:
+    """Runs the handshake of one link until the engine admits, refuses or expires it."""
+
+    def __init__(self, service: PeeringService, link_id: int, handshake: Handshake) -> None:
+        self.service = service
+        self.link_id = link_id
+        self.handshake = handshake
+        self.done: asyncio.Future[PeerIdentity] = asyncio.get_running_loop().create_future()
+
+    def start(self, link: Link) -> None:
+        self._send(link, self.handshake.start())
+
+    def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | None:
+        return None  # HANDSHAKE_LIMITS allow no payload
+
+    def frame_received(self, link: Link, frame: Frame) -> None:
+        try:
+            self._send(link, self.handshake.on_frame(frame.kind, frame.meta))
+        except ProtocolError as exc:
+            log.warning("refused link from %s: %s", link.peer_address, exc)
+            self.service.handshake_over(self.link_id, failed=True)
+            self.fail(link, str(exc))
+            return
+        peer = self.handshake.peer
+        if peer is not None:
+            self.service.authenticated(self, link, peer)
+
+    def link_lost(self, link: Link, exc: BaseException | None) -> None:
+        reason = link.close_reason or "closed during handshake"
+        junk = reason.startswith("protocol error")  # junk before authentication
+        self.service.handshake_over(self.link_id, failed=junk)
+        if self.done.done():
+            return
+        if junk:
+            log.warning("refused link from %s: %s", link.peer_address, reason)
+        self._settle(TransportError(reason))
+
+    def fail(self, link: Link, reason: str) -> None:
+        """Close the link; whoever dialled it sees a TransportError and retries later."""
+        self._settle(TransportError(reason))
+        link.close(reason)
+
+    def _settle(self, exc: TransportError) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+            self.done.exception()  # retrieved: an accepted link has nobody awaiting it
+
+    def _send(self, link: Link, frames_out: list[Outgoing]) -> None:
+        for out in frames_out:
+            link.send_nowait(out.kind, out.meta)
+
+
+class _RefusedSink:
+    """For a link refused on arrival: nothing it sends is looked at."""
+
+    def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | None:
+        return None
+
+    def frame_received(self, link: Link, frame: Frame) -> None:
+        pass
+
+    def link_lost(self, link: Link, exc: BaseException | None) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class _AuthedSink:
+    """An admitted link: everything goes to the node, which routes it to the services."""
+
+    owner: LinkOwner
+    node: int
+
+    def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | None:
+        return self.owner.payload_buffer(self.node, link, head)
+
+    def frame_received(self, link: Link, frame: Frame) -> None:
+        self.owner.frame_received(self.node, link, frame)
+
+    def link_lost(self, link: Link, exc: BaseException | None) -> None:
+        self.owner.link_down(self.node, link)
+
+
+class PeeringService(BaseService):
+    """Owns the listener, the dials and the handshakes; the node owns the admitted links."""
+
+    name = "peering"
+    kinds = frozenset({Kind.HEARTBEAT, Kind.BYE})
+
+    def __init__(self, owner: LinkOwner, transport: Transport, settings: HandshakeSettings) -> None:
+        cfg = owner.config
+        self.owner = owner
+        self.transport = transport
+        self.settings = settings
+        self.addresses = cfg.nodes
+        self.engine = PeerTable(
+            node=cfg.node_id,
+            nodes=len(cfg.nodes),
+            now=owner.now(),
+            timeouts=Timeouts(
+                heartbeat_interval=cfg.heartbeat_interval,
+                suspect_after=cfg.suspect_after,
+                down_after=cfg.down_after,
+            ),
+            handshake_timeout=cfg.handshake_timeout,
+            max_backoff=cfg.reconnect_max_backoff,
+        )
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[Link, _PendingSink]] = {}  #: links in their handshake
+        self._leaving: set[int] = set()  #: peers that said BYE: their links closing is no news
+        self._listener: Listener | None = None
+
+    # -- life cycle -------------------------------------------------------------------------
+    async def listen(self, address: str) -> str:
+        """Start accepting links; return the bound address."""
+        self._listener = await self.transport.listen(address, self._accepted, HANDSHAKE_LIMITS)
+        return self._listener.address
+
+    def start(self, now: float) -> None:
+        """Begin dialling the peers this node dials."""
+        self._perform(self.engine.start(now))
+
+    async def aclose(self) -> None:
+        """Stop accepting and drop links still in their handshake."""
+        if self._listener is not None:
+            await self._listener.aclose()
+        for link, sink in list(self._pending.values()):
+            sink.fail(link, "daemon stopping")
+
+    # -- the node's reports -----------------------------------------------------------------
+    def heard(self, node: int, now: float) -> None:
+        """Any authenticated frame from ``node`` arrived."""
+        self._perform(self.engine.on_heard(node, now))
+
+    def link_lost(self, node: int, channel: Channel, link: Link, now: float) -> None:
+        """``node``'s current ``channel`` link closed."""
+        level = logging.INFO if node in self._leaving else logging.WARNING  # it said BYE
+        log.log(level, "%s link to node %d lost: %s", channel, node, link.close_reason)
+        self._perform(self.engine.on_link_closed(node, channel, now))
+
+    def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+        if isinstance(frame, frames.Bye):
+            log.info("node %d is stopping", node)
+            self._leaving.add(node)
+            self.engine.on_bye(node)
+
+    def next_deadline(self) -> float | None:
+        return self.engine.next_deadline()
+
+    def on_timer(self, now: float) -> None:
+        self._perform(self.engine.on_timer(now))
+
+    def statistics(self) -> Meta:
+        rows = []
+        for info in self.engine.peers(self.owner.now()):
+            links = {ch: self.owner.link(info.node, ch) for ch in Channel}  # up iff admitted
+            stats = [link.statistics() for link in links.values() if link is not None]
+            rows.append(
+                {
+                    "node": info.node,
+                    "address": self.addresses[info.node],
+                    "state": info.state.value,
+                    "incarnation": info.incarnation,
+                    "silent_for": info.silent_for,
+                    "state_for": info.state_for,
+                    "links": {ch.value: link is not None for ch, link in links.items()},
+                    "bytes_sent": sum(s.bytes_sent for s in stats),
+                    "bytes_received": sum(s.bytes_received for s in stats),
+                }
+            )
+        stats = self.engine.statistics()
+        refused = stats.handshakes_refused + stats.links_refused
+        return {
+            "peers": rows,
+            "counters": {"refused_links": refused, "peer_resets": stats.resets},
+            "peering": dataclasses.asdict(stats),
+        }
+
+    # -- handshakes -------------------------------------------------------------------------
+    def _accepted(self, link: Link) -> None:
+        host = link.peer_address.rpartition(":")[0] or link.peer_address
+        link_id = next(self._ids)
+        actions = self.engine.on_handshake_started(link_id, host, self.owner.now(), accepted=True)
+        if any(isinstance(a, RefuseHandshake) for a in actions):
+            link.set_sink(_RefusedSink())
+        else:
+            self._begin(link, link_id, Role.ACCEPTOR)
+        self._perform(actions, link=link)
+        self.owner.rearm()
+
+    def _begin(
+        self, link: Link, link_id: int, role: Role, channel: Channel | None = None, node: int = -1
+    ) -> _PendingSink:
+        s = self.settings
+        handshake = Handshake(
+            role=role,
+            secret=s.secret,
+            node=s.node,
+            incarnation=s.incarnation,
+            nonce=secrets.token_bytes(32),
+            fabric_size=s.fabric_size,
+            channel=channel,
+            expected_node=None if node < 0 else node,
+        )
+        sink = _PendingSink(self, link_id, handshake)
+        self._pending[link_id] = (link, sink)
+        link.set_sink(sink)
+        sink.start(link)
+        return sink
+
+    def handshake_over(self, link_id: int, *, failed: bool = False) -> None:
+        """A link left its handshake (authenticated, refused or closed)."""
+        if self._pending.pop(link_id, None) is not None:
+            self.engine.on_handshake_over(link_id, failed=failed)
+            self.owner.rearm()
+
+    def authenticated(self, sink: _PendingSink, link: Link, peer: PeerIdentity) -> None:
+        """``link`` proved it speaks for ``peer``: the engine rules on it."""
+        self.handshake_over(sink.link_id)
+        now = self.owner.now()
+        if peer.channel is Channel.CONTROL:
+            self._leaving.discard(peer.node)
+        actions = self.engine.on_link_authenticated(peer.node, peer.channel, peer.incarnation, now)
+        admitted = any(isinstance(a, peers.AdmitLink) for a in actions)
+        if not admitted:
+            reason = next(
+                (a.reason for a in actions if isinstance(a, peers.RefuseLink)), "link refused"
+            )
+            log.warning("refused %s link from node %d: %s", peer.channel, peer.node, reason)
+            sink.fail(link, reason)
+        self._perform(actions, link=link)
+        if admitted and not sink.done.done():
+            sink.done.set_result(peer)
+        self.owner.rearm()
+
+    # -- dialling ---------------------------------------------------------------------------
+    async def _dial(self, node: int) -> None:
+        """Dial ``node``'s control then data channel; report a failure to the engine."""
+        try:
+            control = await self._connect(node, Channel.CONTROL)
+            try:
+                await self._connect(node, Channel.DATA)
+            except BaseException:
+                control.close("data channel could not be opened")
+                raise
+        except TransportError as exc:
+            self._perform(self.engine.on_dial_failed(node, str(exc), self.owner.now()))
+            self.owner.rearm()
+
+    async def _connect(self, node: int, channel: Channel) -> Link:
+        link = await self.transport.connect(self.addresses[node], HANDSHAKE_LIMITS)
+        link_id = next(self._ids)
+        actions = self.engine.on_handshake_started(
+            link_id, self.addresses[node], self.owner.now(), accepted=False
+        )
+        sink = self._begin(link, link_id, Role.INITIATOR, channel, node)
+        self._perform(actions, link=link)
+        self.owner.rearm()
+        try:
+            await sink.done
+        except BaseException:
+            sink.fail(link, "dial abandoned")
+            raise
+        return link
+
+    # -- performing the engine's actions ----------------------------------------------------
+    def _perform(self, actions: Iterable[peers.Action], *, link: Link | None = None) -> None:
+        """Carry out ``actions``; ``link`` is the link they are about, if one is."""
+        for action in actions:
+            match action:
+                case SendFrame(node=node, frame=frame):
+                    self.owner.send(node, frame)
+                case peers.Dial(node=node):
+                    self.owner.spawn(self._dial(node))
+                case peers.DialRetry():
+                    log.info(
+                        "dialling node %d failed (attempt %d): %s; retrying in %.2fs",
+                        action.node,
+                        action.attempts,
+                        action.error,
+                        action.retry_in,
+                    )
+                case peers.AdmitLink(node=node, channel=channel):
+                    assert link is not None
+                    link.set_limits(self.settings.limits)
+                    link.set_sink(_AuthedSink(self.owner, node))
+                    self.owner.adopt_link(node, channel, link)
+                case peers.RefuseLink():
+                    pass  # closed by authenticated(), which knows the link
+                case peers.ResetPeer(node=node, reason=reason):
+                    self.owner.reset_peer(node, reason)
+                case peers.PeerUp(node=node):
+                    self.owner.peer_up(node)
+                case RefuseHandshake(reason=reason):
+                    assert link is not None
+                    link.close(reason)
+                case CloseHandshake(link_id=link_id, reason=reason):
+                    pending = self._pending.pop(link_id, None)  # the engine freed its slot
+                    if pending is not None:
+                        log.warning("closing %s: %s", pending[0].peer_address, reason)
+                        pending[1].fail(pending[0], reason)
+                case Notice(message=message):
+                    log.warning("%s", message)
+                case peers.StateChanged():
+                    self._state_changed(action)
+                case peers.PeerRestarted(node=node):
+                    log.warning(
+                        "node %d restarted (incarnation %d -> %d)",
+                        node,
+                        action.old_incarnation,
+                        action.new_incarnation,
+                    )
+
+    def _state_changed(self, change: peers.StateChanged) -> None:
+        level = (
+            logging.WARNING if change.new in (PeerState.DOWN, PeerState.SUSPECT) else logging.INFO
+        )
+        log.log(
+            level,
+            "node %d: %s -> %s (%s)",
+            change.node,
+            change.old.value,
+            change.new.value,
+            change.reason,
+        )
+        if change.new is PeerState.DOWN:
+            self.owner.reset_peer(change.node, "down")
