@@ -3,7 +3,7 @@
 Every benchmark returns :class:`Table` objects.  A table has one row per case (usually a message
 size); each row carries the figure measured through fabricd, the baseline measured in the same
 run, and their ratio, because on a shared two-core machine absolute times are noise while the
-ratio of two things measured side by side is not (DESIGN §10).
+ratio of two things measured side by side is not.
 """
 
 from __future__ import annotations

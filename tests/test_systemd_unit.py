@@ -1,6 +1,6 @@
 """systemd/: the unit is hardened and valid, the drop-in stays narrow, the samples are true.
 
-RELIABILITY S7: ``systemd-analyze security --offline=true --threshold=25`` passes for the TCP
+``systemd-analyze security --offline=true --threshold=25`` passes for the TCP
 unit (displayed exposure <= 2.5) and the InfiniBand variant passes at 45. The systemd-analyze
 tests need no running systemd, only the binary; they skip with a reason where it is missing or
 too old. The remaining tests read the files themselves and run everywhere.
@@ -25,7 +25,7 @@ SAMPLE_CONFIG = SYSTEMD_DIR / "fabricd.toml"
 SYSUSERS = SYSTEMD_DIR / "fabricd.sysusers"
 TMPFILES = SYSTEMD_DIR / "fabricd.tmpfiles"
 
-#: Every configuration key the daemon reads (DESIGN §7, docs/operations.md).
+#: Every configuration key the daemon reads (fabricd/daemon/config.py, docs/operations.md).
 CONFIG_KEYS = frozenset(
     {
         "node_id",
@@ -110,7 +110,7 @@ SHARED_REASON = frozenset(
 
 
 def uncommented_lines_without_reason(path: Path) -> list[str]:
-    """Settings not explained by a `#` comment right above them (STYLE 30).
+    """Settings not explained by a `#` comment right above them: every unit line says why.
 
     Only the pairs in SHARED_REASON may share one comment.
     """

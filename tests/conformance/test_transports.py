@@ -1,11 +1,11 @@
-"""The transport contract (transports/base.py), one suite for every transport (STYLE §21-22).
+"""The transport contract (transports/base.py), one suite that every transport passes.
 
 Each check is written once as a coroutine and runs on ``tcp`` (127.0.0.1, port 0) under both the
 stock asyncio loop and uvloop, and on ``inproc``.  The tests are plain functions that run their
 check in a fresh ``asyncio.Runner(loop_factory=...)``: pytest-asyncio 1.x deprecates overriding
 its ``event_loop_policy`` fixture (an error under ``filterwarnings = error``) and its
 replacement, the ``pytest_asyncio_loop_factories`` hook, must live in a conftest.py.  The runner
-also fails the test on any exception the loop could not deliver to anyone (STYLE §25).
+also fails the test on any exception the loop could not deliver to anyone.
 
 Real loops, real sockets, real (short) timeouts: a check that would hang is cut by
 ``asyncio.wait_for`` rather than by the 120 s pytest timeout.
@@ -247,7 +247,7 @@ async def check_addresses(kind: str) -> None:
         assert pair.server.local_address == net.listener.address
         if kind == "tcp":
             host, port = split_address(net.listener.address)
-            assert host == "127.0.0.1"  # exactly what was asked for (RELIABILITY S3)
+            assert host == "127.0.0.1"  # exactly what was asked for, never all interfaces
             assert port != 0
 
 

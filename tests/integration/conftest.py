@@ -16,10 +16,10 @@ if TYPE_CHECKING:
 
 @pytest.fixture
 def make_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
-    """Start local clusters (RELIABILITY liveness: D = 1 s); all are stopped at teardown.
+    """Start local clusters (fast liveness: a peer is down after D = 1 s); all stop at teardown.
 
     Teardown also fails the test if any daemon logged a traceback: a bug that a daemon
-    survived (an exception in a callback, say) must not pass unnoticed (STYLE §25).
+    survived (an exception in a callback, say) must not pass unnoticed.
     """
     started: list[LocalCluster] = []
 

@@ -1,4 +1,4 @@
-"""Peer authentication and the exposure of the peer port (RELIABILITY S2, S3)."""
+"""Peer authentication, and a peer port bound to the configured address, never all interfaces."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_binds_exactly_the_configured_address(make_cluster):
     cluster = make_cluster(2)
     for node in cluster.nodes:
         with fabricd.connect(socket_path=node.socket_path) as control:
-            assert control.status()["address"] == node.address  # S3: getsockname of the listener
+            assert control.status()["address"] == node.address  # the listener's getsockname
 
 
 def test_wrong_secret_is_refused_and_logged(make_cluster, tmp_path):
@@ -63,7 +63,7 @@ def test_unauthenticated_connections_get_little_and_are_closed(make_cluster):
 
     silent = socket.create_connection((host, port), timeout=5)
     start = time.monotonic()
-    assert silent.recv(4096) == b""  # S2: closed after handshake_timeout, no bytes from us
+    assert silent.recv(4096) == b""  # closed after handshake_timeout, no bytes from us
     assert time.monotonic() - start < 2.0
     silent.close()
 

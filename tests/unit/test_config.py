@@ -21,7 +21,7 @@ def config_file(tmp_path):
 def test_defaults_are_sane_and_come_from_default():
     loaded = load(None, environ={})
     assert loaded.config.nodes == ("127.0.0.1:7700",)
-    assert loaded.config.listen_address == "127.0.0.1:7700"  # S3: never all interfaces
+    assert loaded.config.listen_address == "127.0.0.1:7700"  # never all interfaces
     assert set(loaded.sources.values()) == {"default"}
 
 

@@ -2,7 +2,7 @@
 
 Every frame goes through :func:`fabricd.wire.encode` and a :class:`~fabricd.wire.Decoder` under
 :data:`HANDSHAKE_LIMITS`, exactly as a link does before it is authenticated, so these tests also
-show that the handshake fits the limits an unauthenticated peer is held to (RELIABILITY S2).
+show that the handshake fits the limits an unauthenticated peer is held to.
 """
 
 from __future__ import annotations

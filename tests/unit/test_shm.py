@@ -1,4 +1,4 @@
-"""Shared-memory segments: sealed memfds the daemon can trust (RELIABILITY S6), and their
+"""Shared-memory segments: sealed memfds the daemon can trust (never resized under it), and their
 layout: a checked header, 64-byte aligned data, and version slots for torn-read checks."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The frame format and its decoder, example by example (docs/protocol.md, RELIABILITY Z1/Z4/S1).
+"""The frame format and its decoder, example by example (docs/protocol.md).
 
 Every malformed input must raise ``RemoteProtocolError`` (a ``ValueError``) and leave the decoder
 dead; every length is checked against the limits *before* the bytes it announces arrive.  The

@@ -1,13 +1,13 @@
-"""Properties of the frame decoder over generated input (RELIABILITY Z1, Z3, Z4).
+"""Properties of the frame decoder over generated input.
 
-* Z1: ``decode(encode(m)) == m`` for every kind, and any truncation, bit flip or splice of a valid
-  stream yields only valid frames, ``NEED_DATA`` or ``RemoteProtocolError``: any other exception
-  (or an invalid frame) fails the test.
-* Z3: a stream decodes to the same frames however it is cut into reads, through ``feed`` and
-  through the ``payload_target`` path the TCP transport uses.
-* Z4: headers declaring huge lengths are refused before anything is allocated for them.
+* Round trip and totality: ``decode(encode(m)) == m`` for every kind, and any truncation, bit
+  flip or splice of a valid stream yields only valid frames, ``NEED_DATA`` or
+  ``RemoteProtocolError``: any other exception (or an invalid frame) fails the test.
+* Reassembly: a stream decodes to the same frames however it is cut into reads, through ``feed``
+  and through the ``payload_target`` path the TCP transport uses.
+* Allocation bounds: headers declaring huge lengths are refused before anything is allocated.
 
-Hypothesis explores structured inputs and shrinks failures.  The figures RELIABILITY asks for
+Hypothesis explores structured inputs and shrinks failures.  The figures the decoder is held to
 (10^4 examples per frame type, 10^5 chunkings) would take Hypothesis minutes, so seeded loops
 with ``random.Random`` reach them in a few seconds; every failure message names the seed and the
 iteration.  Set ``FABRICD_FUZZ_SEED`` to run the loops from another seed.
@@ -78,7 +78,7 @@ _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
 def check_value(value: object) -> None:
-    """Only plain msgpack types come out of the decoder: no ext types, no tuples (S1)."""
+    """Only plain msgpack types come out of the decoder: no ext types, no tuples."""
     if isinstance(value, list):
         for item in value:
             check_value(item)
@@ -177,7 +177,7 @@ def random_chunks(rng: random.Random, data: bytes) -> list[bytes]:
     return chunked(data, cuts)
 
 
-# -- Z1: round trip ------------------------------------------------------------------------------
+# -- round trip ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.name)
@@ -192,7 +192,7 @@ def test_round_trip(kind: Kind, meta: dict[str, Any], payload: bytes) -> None:
     assert encode(frame.kind, frame.meta, bytes(frame.payload)) == data  # True is not 1, etc.
 
 
-# -- Z1: totality --------------------------------------------------------------------------------
+# -- totality ------------------------------------------------------------------------------------
 
 
 @FAST
@@ -250,7 +250,7 @@ def test_arbitrary_bytes_after_a_valid_header_prefix(data: bytes) -> None:
     Reader().read_all([data])
 
 
-# -- Z1: the same, 10^4 times per kind from a seeded RNG ------------------------------------------
+# -- the same, 10^4 times per kind from a seeded RNG ----------------------------------------------
 
 _CHARS = "abcxyz_-0189 \x00\n\x7féü€\u4e2d\U0001f600"
 
@@ -385,7 +385,7 @@ def random_key(rng: random.Random) -> bytes:
 
 
 def test_seeded_metadata_soup() -> None:
-    """10^4 random msgpack token runs as metadata: plain values or RemoteProtocolError (S1)."""
+    """10^4 random msgpack token runs as metadata: plain values or RemoteProtocolError."""
     rng = random.Random(SEED)
     handshake = Limits(max_meta=512, max_payload=0, max_str=64, max_array=8, max_map=8)
     accepted = 0
@@ -404,7 +404,7 @@ def test_seeded_metadata_soup() -> None:
     assert accepted > 100  # the soup is not all garbage: valid maps get through and are checked
 
 
-# -- Z3: stream reassembly -----------------------------------------------------------------------
+# -- stream reassembly ---------------------------------------------------------------------------
 
 PATHS = {"feed": {}, "target": {"direct": True}, "target+buffer": {"direct": True, "supply": True}}
 
@@ -472,7 +472,7 @@ def reassemble(chunks: list[bytes], *, direct: bool = False, supply: bool = Fals
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_seeded_chunkings(path: str) -> None:
-    """10^5 random chunkings in all (RELIABILITY Z3): a third on each read path."""
+    """10^5 random chunkings in all: a third on each read path."""
     seed = SEED + len(path)
     rng = random.Random(seed)
     sent = [random_frame(rng, kind) for kind in (Kind.RTS, Kind.DATA, Kind.CTS, Kind.DATA)]
@@ -484,7 +484,7 @@ def test_seeded_chunkings(path: str) -> None:
         assert got == sent, f"seed {seed} iteration {i}: cut into {[len(c) for c in chunks]}"
 
 
-# -- Z4: allocation bounds -----------------------------------------------------------------------
+# -- allocation bounds ---------------------------------------------------------------------------
 
 
 def test_huge_lengths_are_refused_before_allocation() -> None:
