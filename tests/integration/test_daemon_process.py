@@ -77,7 +77,7 @@ def test_ready_after_bind_watchdog_from_the_loop_and_stopping_on_sigterm(tmp_pat
             if "WATCHDOG=1" in notify.recv(4096).decode().splitlines():
                 pings.append(time.monotonic())
         gaps = sorted(b - a for a, b in itertools.pairwise(pings))
-        assert gaps[len(gaps) // 2] < 0.45, f"S7: pings every WatchdogSec/2 = 0.3 s, got {gaps}"
+        assert gaps[len(gaps) // 2] < 0.45, f"pings every WatchdogSec/2 = 0.3 s, got {gaps}"
         assert gaps[-1] < 0.6, f"a gap of WatchdogSec would have tripped the watchdog: {gaps}"
         daemon.send_signal(signal.SIGSTOP)  # a stalled loop must stop the pings
         notify.settimeout(0.5)
@@ -193,7 +193,7 @@ def test_socket_is_0660_and_uids_outside_the_allow_list_are_refused(tmp_path):
     )
     try:
         _wait_ready(notify)
-        assert str(path).startswith("/")  # S5: never an abstract socket
+        assert str(path).startswith("/")  # never an abstract socket: those have no permissions
         assert stat.S_IMODE(path.stat().st_mode) == 0o660
         # let nobody reach the socket through the file system, so only SO_PEERCRED stops it
         open_dir.chmod(0o755)

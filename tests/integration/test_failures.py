@@ -1,7 +1,7 @@
 """Faults on real daemons: dead and hung peers, bad clients, clients that die mid-transfer.
 
-Liveness settings are RELIABILITY.md's test configuration: heartbeat 0.1 s, suspect after
-0.3 s, down after D = 1 s.  Bounds are checked as wait timeouts: an operation that outlives its
+Liveness settings are the launcher's fast ones: heartbeat 0.1 s, suspect after 0.3 s, down
+after D = 1 s.  Bounds are checked as wait timeouts: an operation that outlives its
 bound shows up as a Timeout instead of the typed error the test expects.
 """
 
@@ -50,7 +50,7 @@ def test_sigkilled_daemon_is_marked_down_and_its_waiters_get_peer_failed(
     killed_at = time.monotonic()
     outcome = queue.get(timeout=30)
     assert outcome[0] == "PeerFailed", outcome
-    assert outcome[1] - killed_at < 2 * D, "F2: typed error within twice the detection time"
+    assert outcome[1] - killed_at < 2 * D, "a typed error within twice the detection time"
     assert "node 2" in outcome[2]
     assert _wait_for(lambda: _peer_state(cluster.nodes[0].socket_path, 2) == "down", D + 1.0)
     assert _peer_state(cluster.nodes[1].socket_path, 2) in ("down", "suspect")
@@ -200,7 +200,7 @@ def test_dead_clients_leave_no_mappings_in_the_daemon_and_nothing_in_dev_shm(
     client.kill()  # SIGKILL: the daemon must notice and unmap what the client held
     assert _wait_for(lambda: _memfd_mappings(daemon_pid) == baseline, 5)
     cluster.kill(0, signal.SIGKILL)
-    assert set(os.listdir("/dev/shm")) - before == set(), "S6: no new /dev/shm entries"
+    assert set(os.listdir("/dev/shm")) - before == set(), "no new /dev/shm entries"
 
 
 def _memfd_mappings(pid: int) -> int:

@@ -2,7 +2,7 @@
 
 :class:`FakeNet` holds N real :class:`~fabricd.engines.p2p.Messaging` engines, each with its own
 :class:`~fabricd.engines.routing.RankTable`, and performs their actions the way the daemon does,
-minus the I/O (STYLE §20):
+minus the I/O:
 
 * ``SendFrame``/``Broadcast`` become control frames, encoded and decoded with the real wire codec
   and queued per (sender, receiver) pair.  Each pair is FIFO, like the control link it stands

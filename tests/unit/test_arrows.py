@@ -1,4 +1,4 @@
-"""The arrows of DESIGN §3, checked on the source (STYLE principle 3), and RELIABILITY S1.
+"""Imports point only down the layers, checked on the source; no pickle, eval or exec.
 
 * ``fabricd/engines/*.py``, ``fabricd/wire.py`` and ``fabricd/frames.py`` are sans-IO: no event loop, sockets, clock,
   daemon, transports or CLI.  Imports under ``TYPE_CHECKING`` count too: an engine that needs
@@ -28,7 +28,7 @@ PACKAGE = Path(fabricd.__file__).resolve().parent
 ENGINES = PACKAGE / "engines"
 TRANSPORTS = PACKAGE / "transports"
 
-#: what a sans-IO module may never import (bare ``transports``/``cli`` too: DESIGN §3)
+#: what a sans-IO module may never import (bare ``transports``/``cli`` too: never installed)
 SANS_IO_FORBIDDEN = (
     "asyncio",
     "socket",
@@ -109,7 +109,7 @@ def forbidden_imports(
 
 
 def unsafe_code(source: str, where: str) -> list[Finding]:
-    """pickle-family imports and eval/exec calls (RELIABILITY S1)."""
+    """pickle-family imports and eval/exec calls: nothing received may become code."""
     tree = ast.parse(source)
     found = [
         Finding(f"{where}:{line}", f"imports {name}")
@@ -214,7 +214,7 @@ def test_transports_know_frames_never_engines() -> None:
 
 def test_no_pickle_eval_or_exec_anywhere() -> None:
     findings = check(python_files(PACKAGE), "unsafe")
-    assert not findings, "RELIABILITY S1:\n" + report(findings)
+    assert not findings, "pickle, eval or exec:\n" + report(findings)
 
 
 def test_engines_take_randomness_and_time_as_arguments() -> None:

@@ -2,8 +2,8 @@
 
 The daemon arms one timer at :meth:`PeerTable.next_deadline` and calls :meth:`PeerTable.on_timer`
 when it fires; :func:`drive` does the same without an event loop, so simulated seconds cost
-nothing.  Test figures follow RELIABILITY.md: heartbeat every 100 ms, suspect after 3 misses,
-failure-detection bound D = 1 s.  :class:`Shell` plays the daemon for random histories: it
+nothing.  Test figures are the launcher's fast liveness settings: heartbeat every 100 ms,
+suspect after 3 misses, failure-detection bound D = 1 s.  :class:`Shell` plays the daemon for random histories: it
 performs every action on a model of the links, dials and handshakes, and checks each one.
 """
 
@@ -611,7 +611,7 @@ def test_suspect_after_may_equal_down_after() -> None:
     assert [(t, c.new) for t, c in changes(drive(peers, 5.0))] == [(1.0, PeerState.DOWN)]
 
 
-# -- the failure-detection bound (RELIABILITY F2) ---------------------------------------------
+# -- the failure-detection bound --------------------------------------------------------------
 @given(
     start=st.floats(min_value=0.0, max_value=1e6),
     talk=st.floats(min_value=0.0, max_value=5.0),
