@@ -3,8 +3,9 @@
 The daemon arms one timer at :meth:`PeerTable.next_deadline` and calls :meth:`PeerTable.on_timer`
 when it fires; :func:`drive` does the same without an event loop, so simulated seconds cost
 nothing.  Test figures are the launcher's fast liveness settings: heartbeat every 100 ms,
-suspect after 3 misses, failure-detection bound D = 1 s.  :class:`Shell` plays the daemon for random histories: it
-performs every action on a model of the links, dials and handshakes, and checks each one.
+suspect after 3 misses, failure-detection bound D = 1 s.  :class:`Shell` plays the daemon for
+random histories: it performs every action on a model of the links, dials and handshakes, and
+checks each one.
 """
 
 from __future__ import annotations
