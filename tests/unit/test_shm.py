@@ -242,7 +242,11 @@ def test_a_segment_sealed_against_writes_is_refused_not_crashed_on():
 
 # -- version slots ----------------------------------------------------------------------------
 def test_version_slots_detect_a_torn_read():
-    """ASAP §6.2: a copy is whole iff the versions around it agree."""
+    """A copy is whole iff the versions around it agree.
+
+    The torn-read check of *ASAP: Asynchronous Approximate Data-Parallel Computation* (Kadav and
+    Kruus), §6.2: a version before and after each update.
+    """
     writer, reader = _pair(64)
     old, new = b"\x01" * 64, b"\x02" * 64
     writer.data()[:] = old  # before any update: versions (0, 0), a copy is whole
