@@ -1,0 +1,143 @@
+"""Where the payload of every incoming message lands: the one table of (node, msg) -> region.
+
+Rules: this module knows which bytes of which message go where and how many have come.
+Whether a message is wanted is the point-to-point engine's decision (it registers a receive's
+region here when it sends the CTS); reading sockets is the daemon's.
+
+Theory of operation: a remote message is *expected* from the moment its receive matched the
+RTS, before the CTS leaves, so every DATA chunk of it has a place to land before it can arrive.
+The sender streams the chunks in order on one data link, so each one must continue exactly
+where the previous one stopped and stay within the message; one that does not is a protocol
+error, and the daemon closes that link.  :meth:`Landing.payload_buffer` hands the transport a
+view of the receiver's region, so the kernel writes socket -> shared memory with no copy in
+user space.
+
+Two kinds of bytes are read and dropped, into one scratch buffer that is reused instead of
+allocated per chunk: those of a message that is *discarded* (its receiver left mid-transfer;
+the bytes are still counted, so the transfer ends and the sender hears DONE) and those of a
+message the table does not know (cancelled, or sent before a reset of the link).
+
+Layout: ``{node: {msg: entry}}``, so a peer's reset forgets its messages in O(its messages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fabricd.errors import LocalProtocolError, RemoteProtocolError
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """One message being received.
+
+    Invariants: ``0 <= received <= nbytes``; ``op`` and ``region`` are both ``None`` (discarded)
+    or both set, and then ``region.nbytes == nbytes``.
+    """
+
+    op: int | None  #: the receive it fills
+    region: memoryview | None  #: a writable byte view; ``None``: count the bytes, drop them
+    nbytes: int
+    received: int = 0
+
+
+class Landing:
+    """The incoming messages of one daemon, by sending node and message id."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, dict[int, _Entry]] = {}
+        self._scratch = bytearray()  #: grows to the largest dropped chunk (at most max_payload)
+        self._count = 0
+        #: payload bytes of expected messages that arrived (discarded ones included)
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        """Messages whose bytes are still coming."""
+        return self._count
+
+    def expects(self, node: int, msg: int) -> bool:
+        """Whether message ``msg`` from ``node`` is expected (discarded ones included)."""
+        return self._entry(node, msg) is not None
+
+    def expect(self, node: int, msg: int, op: int, region: memoryview) -> None:
+        """The DATA of message ``msg`` from ``node`` fills receive ``op``'s ``region``.
+
+        Raises:
+            LocalProtocolError: the message is already expected, or ``region`` is read-only or
+                empty (a zero-byte message has no DATA); a bug in the caller.
+        """
+        if self.expects(node, msg):
+            raise LocalProtocolError(f"message {msg} from node {node} is already expected")
+        if region.readonly or not region.nbytes:
+            raise LocalProtocolError(f"receive {op} has no writable bytes for message {msg}")
+        view = region.cast("B") if region.format != "B" or region.ndim != 1 else region
+        self._entries.setdefault(node, {})[msg] = _Entry(op=op, region=view, nbytes=view.nbytes)
+        self._count += 1
+
+    def discard(self, node: int, msg: int) -> None:
+        """The receiver of (``node``, ``msg``) left: keep counting its bytes, write them nowhere."""
+        entry = self._entry(node, msg)
+        if entry is not None:
+            entry.op = entry.region = None
+
+    def forget(self, node: int, msg: int) -> int | None:
+        """No more DATA of (``node``, ``msg``) will be counted; return the receive it filled.
+
+        ``None``: the message was not expected, or was discarded.
+        """
+        messages = self._entries.get(node)
+        if messages is None or msg not in messages:
+            return None
+        entry = messages.pop(msg)
+        if not messages:
+            del self._entries[node]
+        self._count -= 1
+        return entry.op
+
+    def forget_node(self, node: int) -> list[int]:
+        """The links to ``node`` were reset: forget its messages; return the receives they filled
+        (discarded ones excepted)."""
+        messages = self._entries.pop(node, {})
+        self._count -= len(messages)
+        return [entry.op for entry in messages.values() if entry.op is not None]
+
+    def payload_buffer(self, node: int, msg: int, off: int, length: int) -> memoryview:
+        """Where the ``length`` bytes of the DATA chunk of ``msg`` at ``off`` from ``node`` land.
+
+        Raises:
+            RemoteProtocolError: the chunk does not continue the message exactly where the last
+                one stopped, or runs past its end; close the link it came on.
+        """
+        entry = self._entry(node, msg)
+        if entry is None:
+            return self._drop(length)
+        if off != entry.received or off + length > entry.nbytes:
+            raise RemoteProtocolError(
+                f"DATA chunk [{off}, {off + length}) of message {msg} does not continue "
+                f"at {entry.received} of {entry.nbytes} B"
+            )
+        if entry.region is None:
+            return self._drop(length)
+        return entry.region[off : off + length]
+
+    def arrived(self, node: int, msg: int, length: int) -> bool:
+        """A chunk of ``length`` bytes of (``node``, ``msg``) was written where
+        :meth:`payload_buffer` said; return whether the message is now complete.
+
+        Once it is, the caller :meth:`forget`\\ s it (to learn which receive it filled).
+        """
+        entry = self._entry(node, msg)
+        if entry is None:
+            return False
+        entry.received += length
+        self.bytes += length
+        return entry.received >= entry.nbytes
+
+    def _entry(self, node: int, msg: int) -> _Entry | None:
+        messages = self._entries.get(node)
+        return None if messages is None else messages.get(msg)
+
+    def _drop(self, length: int) -> memoryview:
+        if len(self._scratch) < length:
+            self._scratch = bytearray(length)
+        return memoryview(self._scratch)[:length]

@@ -1,0 +1,171 @@
+"""The landing table: where DATA chunks land, the in-order rule, and the bytes it drops."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fabricd.engines.landing import Landing
+from fabricd.errors import LocalProtocolError, RemoteProtocolError
+
+NODE, MSG, OP = 3, 7, 42
+
+
+def land(landing: Landing, node: int, msg: int, off: int, chunk: bytes) -> bool:
+    """Do what the daemon does with one DATA chunk; return whether the message is complete."""
+    landing.payload_buffer(node, msg, off, len(chunk))[:] = chunk
+    return landing.arrived(node, msg, len(chunk))
+
+
+def test_chunks_land_in_the_region_until_the_message_is_complete() -> None:
+    landing = Landing()
+    region = bytearray(10)
+    landing.expect(NODE, MSG, OP, memoryview(region))
+    assert landing.expects(NODE, MSG)
+    assert len(landing) == 1
+    assert not land(landing, NODE, MSG, 0, b"0123")
+    assert not land(landing, NODE, MSG, 4, b"")  # an empty chunk moves nothing
+    assert land(landing, NODE, MSG, 4, b"456789")
+    assert region == b"0123456789"
+    assert landing.bytes == 10
+    assert landing.forget(NODE, MSG) == OP
+    assert not landing.expects(NODE, MSG)
+    assert len(landing) == 0
+
+
+def test_the_view_is_the_region_itself_so_the_kernel_writes_there() -> None:
+    landing = Landing()
+    region = bytearray(8)
+    landing.expect(NODE, MSG, OP, memoryview(region))
+    view = landing.payload_buffer(NODE, MSG, 0, 8)
+    assert view.obj is region  # no copy in user space
+
+
+@pytest.mark.parametrize(
+    ("off", "length", "why"),
+    [
+        (4, 2, "skips ahead"),
+        (0, 2, "repeats the first chunk"),
+        (1, 2, "overlaps the first chunk"),
+        (2, 9, "runs past the end"),
+    ],
+)
+def test_a_chunk_out_of_place_is_a_remote_protocol_error(off: int, length: int, why: str) -> None:
+    landing = Landing()
+    region = bytearray(10)
+    landing.expect(NODE, MSG, OP, memoryview(region))
+    land(landing, NODE, MSG, 0, b"ab")
+    with pytest.raises(RemoteProtocolError, match=r"does not continue at 2 of 10 B"):
+        landing.payload_buffer(NODE, MSG, off, length)
+    assert landing.payload_buffer(NODE, MSG, 2, 8).nbytes == 8  # the table is unchanged
+
+
+def test_a_chunk_past_the_end_of_an_untouched_message_is_refused() -> None:
+    landing = Landing()
+    landing.expect(NODE, MSG, OP, memoryview(bytearray(4)))
+    with pytest.raises(RemoteProtocolError, match=r"\[0, 5\) of message 7"):
+        landing.payload_buffer(NODE, MSG, 0, 5)
+
+
+def test_unknown_messages_land_in_one_reused_scratch_buffer() -> None:
+    landing = Landing()
+    first = landing.payload_buffer(NODE, MSG, 123, 16)  # any offset: nothing to check against
+    second = landing.payload_buffer(NODE + 1, MSG, 0, 8)
+    assert first.nbytes == 16
+    assert second.nbytes == 8
+    assert second.obj is first.obj  # no fresh buffer per dropped chunk
+    assert not landing.arrived(NODE, MSG, 16)
+    assert landing.bytes == 0  # nobody waits for them: not counted
+
+
+def test_a_discarded_message_is_counted_but_written_nowhere() -> None:
+    landing = Landing()
+    region = bytearray(b"\xee" * 6)
+    landing.expect(NODE, MSG, OP, memoryview(region))
+    assert not land(landing, NODE, MSG, 0, b"abc")
+    landing.discard(NODE, MSG)
+    assert landing.expects(NODE, MSG)
+    with pytest.raises(RemoteProtocolError):  # still in order
+        landing.payload_buffer(NODE, MSG, 0, 3)
+    assert land(landing, NODE, MSG, 3, b"def")
+    assert region == b"abc\xee\xee\xee"
+    assert landing.bytes == 6
+    assert landing.forget(NODE, MSG) is None  # nobody to give the message to
+
+
+def test_forget_ends_a_message_whose_sender_cancelled() -> None:
+    landing = Landing()
+    landing.expect(NODE, MSG, OP, memoryview(bytearray(4)))
+    assert landing.forget(NODE, MSG) == OP
+    assert landing.forget(NODE, MSG) is None
+    assert landing.payload_buffer(NODE, MSG, 2, 2).nbytes == 2  # late chunks are dropped
+    assert not landing.arrived(NODE, MSG, 2)
+
+
+def test_forget_node_returns_the_receives_that_still_wanted_its_messages() -> None:
+    landing = Landing()
+    for msg, op in ((1, 10), (2, 20), (3, 30)):
+        landing.expect(NODE, msg, op, memoryview(bytearray(4)))
+    landing.expect(NODE + 1, 1, 40, memoryview(bytearray(4)))
+    landing.discard(NODE, 2)
+    assert landing.forget_node(NODE) == [10, 30]
+    assert len(landing) == 1
+    assert landing.expects(NODE + 1, 1)
+    assert landing.forget_node(NODE) == []
+
+
+def test_a_typed_region_is_filled_byte_by_byte() -> None:
+    landing = Landing()
+    values = np.zeros(3, dtype=np.float32)
+    landing.expect(NODE, MSG, OP, memoryview(values))
+    source = np.array([1.5, -2.0, 3.25], dtype=np.float32).tobytes()
+    assert not land(landing, NODE, MSG, 0, source[:5])
+    assert land(landing, NODE, MSG, 5, source[5:])
+    assert values.tolist() == [1.5, -2.0, 3.25]
+
+
+@pytest.mark.parametrize(
+    ("region", "match"),
+    [(memoryview(b"read-only"), "writable"), (memoryview(bytearray()), "writable")],
+)
+def test_a_region_that_cannot_take_bytes_is_refused(region: memoryview, match: str) -> None:
+    with pytest.raises(LocalProtocolError, match=match):
+        Landing().expect(NODE, MSG, OP, region)
+
+
+def test_a_message_is_expected_once() -> None:
+    landing = Landing()
+    landing.expect(NODE, MSG, OP, memoryview(bytearray(4)))
+    with pytest.raises(LocalProtocolError, match="already expected"):
+        landing.expect(NODE, MSG, OP + 1, memoryview(bytearray(4)))
+
+
+@given(
+    payload=st.binary(min_size=1, max_size=200),
+    cuts=st.lists(st.integers(0, 200), max_size=12),
+    discard_at=st.none() | st.integers(0, 12),
+)
+def test_any_chunking_lands_every_byte_exactly_once(
+    payload: bytes, cuts: list[int], discard_at: int | None
+) -> None:
+    bounds = sorted({0, len(payload), *(c % len(payload) for c in cuts)})
+    chunks = [(a, payload[a:b]) for a, b in itertools.pairwise(bounds)]
+    landing = Landing()
+    region = bytearray(len(payload))
+    landing.expect(NODE, MSG, OP, memoryview(region))
+    done = []
+    for i, (off, chunk) in enumerate(chunks):
+        if i == discard_at:
+            landing.discard(NODE, MSG)
+        done.append(land(landing, NODE, MSG, off, chunk))
+    assert done == [False] * (len(chunks) - 1) + [True]  # complete at the last chunk only
+    assert landing.bytes == len(payload)
+    discarded = discard_at is not None and discard_at < len(chunks)
+    kept = chunks[discard_at][0] if discarded else len(payload)  # type: ignore[index]
+    assert region[:kept] == payload[:kept]
+    assert region[kept:] == bytes(len(payload) - kept)
+    assert landing.forget(NODE, MSG) == (None if discarded else OP)
