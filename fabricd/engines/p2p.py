@@ -2,12 +2,17 @@
 
 Rules: this module decides which send meets which receive, when bytes may flow, and when an
 operation is finished or failed.  It moves no bytes: the daemon streams and copies them when
-told to, and reports back.
+told to, and asks where incoming ones land (the engine's :class:`~fabricd.engines.landing.
+Landing` table).  It reads the rank table but never changes it: membership does, and its
+:data:`~fabricd.engines.membership.RankEvent` news comes in through
+:meth:`Messaging.on_rank_event`.
 
-Theory of operation: sends and receives match like MPI's — same job, source, destination and
-tag, first posted first matched (non-overtaking).  Remote messages use a rendezvous, so a
-payload only ever moves into a receive that is already posted, straight into the receiver's
-shared-memory segment, and a daemon never buffers an unexpected 256 MiB message::
+Theory of operation: sends and receives match like MPI's -- same job, source, destination and
+tag, first posted first matched (non-overtaking).  There are no wildcards, so one FIFO queue per
+(job, src, dst, tag) key is exactly MPI's rule: a key's posted receives and its unmatched
+messages are never both non-empty.  Remote messages use a rendezvous, so a payload only ever
+moves into a receive that is already posted, straight into the receiver's shared-memory
+segment, and a daemon never buffers an unexpected 256 MiB message::
 
     sender's daemon                    receiver's daemon
       RTS {msg, job, src, dst, tag, nbytes, dtype}  ──►  match a posted receive (or queue it)
@@ -19,6 +24,27 @@ A zero-byte or mismatched message skips CTS and DATA: the receiver answers DONE 
 an error when sizes or dtypes differ; both sides then fail with the same message).  Ranks on
 the same node meet inside one daemon, which copies segment to segment (:class:`CopyLocal`).
 
+Every operation is a small state machine whose transitions are data
+(:mod:`fabricd.engines.operations`); an input its state does not accept is a bug in fabricd:
+the operation moves to ``BROKEN``, leaves the engine, and
+:class:`~fabricd.errors.LocalProtocolError` is raised.  Each state files the operation in the
+indexes that state needs, and a move takes it out of them, so no input scans the operations
+that merely wait (every input is O(1) amortised, ``bench/framecost.py`` measures it):
+
+=====================  =========================================  ===========================
+index                  holds                                      serves
+=====================  =========================================  ===========================
+``_posted``            receives by (job, src, dst, tag), FIFO     matching
+``_arrived``           unmatched sends and RTS by key, FIFO       matching
+``_unrouted``          ROUTE sends by (job, dst)                  a rank joins
+``_recvs_from``        posted receives by (job, src)              a rank joins or leaves
+``_offers_to``         unmatched sends and RTS by (job, dst)      a rank leaves
+``_out_to``            announced sends by (job, dst)              a rank is lost
+``_out``/``_out_by``   announced sends by msg id, by node         CTS/DONE, a peer is down
+``_remote``            unmatched RTS by node and msg id           CANCEL, a peer is down
+``_deadlines``         route deadlines by op                      the timer
+=====================  =========================================  ===========================
+
 Failure: when a rank's node goes down every operation that involves the rank fails with code
 ``peer_failed``; a send whose destination has not joined (or a receive whose source has not)
 fails with ``no_such_rank`` after ``route_timeout``.  When a client leaves, its unmatched
@@ -28,17 +54,40 @@ end because the daemon still maps the segment, and their result is dropped.
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, Protocol, TypeVar
 
-from fabricd.errors import RemoteProtocolError, UsageError
-from fabricd.wire import Kind, Meta, get_int, get_str
+from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
+from fabricd.engines.deadlines import Deadlines
+from fabricd.engines.landing import Landing
+from fabricd.engines.membership import RankJoined, RankKey, RankLeft
+from fabricd.engines.operations import (
+    RECV_TRANSITIONS,
+    SEND_TRANSITIONS,
+    TERMINAL,
+    Key,
+    Recv,
+    RecvInput,
+    RecvState,
+    Remote,
+    Send,
+    SendInput,
+    SendState,
+)
+from fabricd.engines.queues import KeyedQueues
+from fabricd.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from fabricd.frames import Cancel, Cts, Done, Rts
+from fabricd.wire import Kind
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from fabricd.engines.routing import RankEntry, RankTable
+    from fabricd.engines.membership import RankEntry, RankEvent
+    from fabricd.frames import Data
+
+#: the control frames :meth:`Messaging.on_frame` takes (DATA goes to ``payload_buffer``)
+FRAME_KINDS: Final = frozenset({Kind.RTS, Kind.CTS, Kind.DONE, Kind.CANCEL})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,30 +101,20 @@ class Message:
     nbytes: int
     dtype: str
 
+    @classmethod
+    def from_rts(cls, frame: Rts) -> Message:
+        return cls(
+            job=frame.job,
+            src=frame.src,
+            dst=frame.dst,
+            tag=frame.tag,
+            nbytes=frame.nbytes,
+            dtype=frame.dtype,
+        )
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Failure:
-    """Why an operation failed; ``code`` is one of docs/protocol.md's error codes."""
-
-    code: str
-    message: str
-    rank: int | None = None
-    node: int | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendFrame:
-    node: int
-    kind: Kind
-    meta: Meta
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Broadcast:
-    """Send to every peer that is up."""
-
-    kind: Kind
-    meta: Meta
+    @property
+    def key(self) -> Key:
+        return (self.job, self.src, self.dst, self.tag)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,32 +127,6 @@ class StreamData:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ExpectData:
-    """DATA of (``node``, ``msg``) fills receive ``op``'s region of ``nbytes``."""
-
-    node: int
-    msg: int
-    op: int
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DiscardData:
-    """Keep counting DATA of (``node``, ``msg``) but write it nowhere; forget it if done."""
-
-    node: int
-    msg: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ForgetData:
-    """No more DATA of (``node``, ``msg``) will come (its sender cancelled): drop the record."""
-
-    node: int
-    msg: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class CopyLocal:
     """Copy send ``src_op``'s bytes into receive ``dst_op``'s region, then report back."""
 
@@ -121,71 +134,446 @@ class CopyLocal:
     dst_op: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Complete:
-    """Operation ``op`` finished; ``failure`` is ``None`` on success."""
-
-    op: int
-    failure: Failure | None = None
+Action = SendFrame | StreamData | CopyLocal | Complete | Notice
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Notice:
-    """Something an operator should read in the log."""
+class MessagingStatistics:
+    """What ``fabricctl status`` shows of the point-to-point engine."""
 
-    message: str
-
-
-Action = (
-    SendFrame
-    | Broadcast
-    | StreamData
-    | ExpectData
-    | DiscardData
-    | ForgetData
-    | CopyLocal
-    | Complete
-    | Notice
-)
+    sends: int  #: sends not finished yet
+    receives: int  #: receives not finished yet
+    unrouted: int  #: operations waiting for their peer rank to join (a deadline runs)
+    unexpected: int  #: messages (local sends, remote RTS) waiting for their receive
+    transfers: int  #: transfers whose bytes are moving now
+    bytes_received: int  #: payload bytes of remote messages that arrived
 
 
-class _SendState(enum.Enum):
-    ROUTE = enum.auto()  #: waiting for the destination rank to join
-    QUEUED = enum.auto()  #: local destination: waiting in the arrived queue for a receive
-    RTS = enum.auto()  #: announced to the destination's daemon, waiting for CTS
-    STREAM = enum.auto()  #: CTS received, the daemon streams, waiting for DONE
-    COPY = enum.auto()  #: matched locally, the daemon copies
+class Routes(Protocol):
+    """Where ranks live, read-only (:class:`~fabricd.engines.membership.Membership`)."""
+
+    def lookup(self, job: str, rank: int, /) -> RankEntry | None: ...
 
 
-@dataclass(slots=True)
-class _Send:
-    op: int
-    msg: Message
-    state: _SendState
-    deadline: float | None = None
-    node: int = -1
-    msg_id: int = -1
+_ANNOUNCED: Final = (SendState.RTS, SendState.STREAM)  #: filed in ``_out``
+_MOVING: Final = (SendState.STREAM, SendState.COPY)  #: counted as transfers
 
 
-@dataclass(slots=True)
-class _Recv:
-    op: int
-    msg: Message
-    deadline: float | None = None
-    source: tuple[int, int] | None = field(default=None)  #: (node, msg) once matched remotely
+class Messaging:
+    """The point-to-point engine of one daemon.
 
+    Args:
+        node: this daemon's node id.
+        routes: where ranks live (read-only; the engine hears of changes through
+            :meth:`on_rank_event`).
+        route_timeout: seconds a send or receive waits for its peer rank to join.
+    """
 
-@dataclass(frozen=True, slots=True)
-class _Remote:
-    """An RTS that arrived before its receive was posted."""
+    def __init__(self, *, node: int, routes: Routes, route_timeout: float) -> None:
+        self.node = node
+        self.routes = routes
+        self.route_timeout = route_timeout
+        self._sends: dict[int, Send] = {}
+        self._recvs: dict[int, Recv] = {}
+        self._posted: KeyedQueues[Key, Recv] = KeyedQueues()
+        self._arrived: KeyedQueues[Key, Send | Remote] = KeyedQueues()
+        self._unrouted: dict[RankKey, dict[Send, None]] = {}
+        self._recvs_from: dict[RankKey, dict[Recv, None]] = {}
+        self._offers_to: dict[RankKey, dict[Send | Remote, None]] = {}
+        self._out_to: dict[RankKey, dict[Send, None]] = {}
+        self._out: dict[int, Send] = {}
+        self._out_by: dict[int, dict[int, Send]] = {}
+        self._remote: dict[int, dict[int, Remote]] = {}
+        self._deadlines: Deadlines[int] = Deadlines()
+        self._landing = Landing()
+        self._moving = 0  #: sends in STREAM or COPY
+        self._msg_ids = itertools.count(1)
 
-    node: int
-    msg_id: int
-    msg: Message
+    # -- clients ----------------------------------------------------------------------------
+    def post_send(self, op: int, msg: Message, now: float) -> list[Action]:
+        """A local client sends ``msg`` from the region of operation ``op``.
 
+        Raises:
+            LocalProtocolError: ``op`` is already in the engine (a bug in the caller).
+        """
+        self._check_new(op)
+        send = self._sends[op] = Send(op=op, msg=msg)
+        entry = self.routes.lookup(msg.job, msg.dst)
+        if entry is None:
+            _add(self._unrouted, (msg.job, msg.dst), send)
+            self._deadlines.set(op, now + self.route_timeout)
+            return []
+        return self._dispatch(send, entry)
 
-def _matches(offer: Message, want: Message) -> bool:
-    return (offer.job, offer.src, offer.dst, offer.tag) == (want.job, want.src, want.dst, want.tag)
+    def post_recv(self, op: int, msg: Message, region: memoryview, now: float) -> list[Action]:
+        """A local client receives ``msg`` into ``region`` (writable, ``msg.nbytes`` bytes).
+
+        Raises:
+            LocalProtocolError: ``op`` is already in the engine, or ``region`` does not fit
+                ``msg`` (a bug in the caller).
+        """
+        self._check_new(op)
+        if region.readonly or region.nbytes != msg.nbytes:
+            raise LocalProtocolError(f"receive {op} needs {msg.nbytes} writable bytes")
+        recv = self._recvs[op] = Recv(op=op, msg=msg, region=region)
+        offer = self._arrived.first(msg.key)
+        if offer is not None:
+            return self._match(offer, recv)
+        recv.slot = self._posted.push(msg.key, recv)
+        _add(self._recvs_from, (msg.job, msg.src), recv)
+        if self.routes.lookup(msg.job, msg.src) is None:
+            self._deadlines.set(op, now + self.route_timeout)
+        return []
+
+    def abandon(self, ops: Iterable[int]) -> list[Action]:
+        """Forget operations whose client is gone; transfers under way run to their end."""
+        actions: list[Action] = []
+        for op in ops:
+            send = self._sends.get(op)
+            if send is not None:
+                announced = send.state is SendState.RTS
+                self._move_send(send, SendInput.ABANDONED)
+                if announced:
+                    actions.append(SendFrame(node=send.node, frame=Cancel(msg=send.msg_id)))
+            recv = self._recvs.get(op)
+            if recv is not None:
+                self._move_recv(recv, RecvInput.ABANDONED)
+        return actions
+
+    # -- membership's news ------------------------------------------------------------------
+    def on_rank_event(self, event: RankEvent, now: float) -> list[Action]:
+        """A rank joined (send what waited for it) or left (fail what needed it)."""
+        match event:
+            case RankJoined(entry=entry):
+                rank = (entry.job, entry.rank)
+                actions: list[Action] = []
+                for send in list(self._unrouted.get(rank, ())):
+                    actions += self._dispatch(send, entry)
+                for recv in self._recvs_from.get(rank, ()):
+                    self._deadlines.cancel(recv.op)
+                return actions
+            case RankLeft(entry=entry, reason=reason, lost=lost):
+                return self._left(entry, reason, lost=lost)
+
+    # -- the daemon's reports ---------------------------------------------------------------
+    def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview:
+        """Where the ``length`` payload bytes of a DATA frame from ``node`` land.
+
+        Raises:
+            RemoteProtocolError: the chunk is out of place; close the link it came on.
+        """
+        return self._landing.payload_buffer(node, frame.msg, frame.off, length)
+
+    def data_arrived(self, node: int, frame: Data, length: int, now: float) -> list[Action]:
+        """A DATA frame's ``length`` bytes were written where :meth:`payload_buffer` said."""
+        if not self._landing.arrived(node, frame.msg, length):
+            return []
+        op = self._landing.forget(node, frame.msg)
+        if op is None:
+            text = "the receiving rank disconnected"
+            return [_refuse(node, frame.msg, ErrorCode.RECEIVER_LEFT, text)]
+        self._move_recv(self._recvs[op], RecvInput.DELIVERED)
+        return [SendFrame(node=node, frame=Done(msg=frame.msg)), Complete(op=op)]
+
+    def copied(self, src_op: int, dst_op: int) -> list[Action]:
+        """A :class:`CopyLocal` finished.
+
+        Raises:
+            LocalProtocolError: the two operations were not being copied (a bug).
+        """
+        send, recv = self._sends.get(src_op), self._recvs.get(dst_op)
+        if send is None or recv is None:
+            raise LocalProtocolError(f"no copy of operation {src_op} into {dst_op} is under way")
+        self._move_send(send, SendInput.COPIED)
+        self._move_recv(recv, RecvInput.COPIED)
+        return [Complete(op=src_op), Complete(op=dst_op)]
+
+    def stream_failed(self, msg_id: int, reason: str) -> list[Action]:
+        """Streaming message ``msg_id`` failed locally (its data link closed).
+
+        The receiver is told with a CANCEL, so its receive fails instead of waiting.
+        """
+        send = self._out.get(msg_id)
+        if send is None:
+            return []
+        failed = self._fail_send(send, ErrorCode.TRANSPORT, reason, send.node, None)
+        return [*failed, SendFrame(node=send.node, frame=Cancel(msg=msg_id))]
+
+    def peer_down(self, node: int, reason: str) -> list[Action]:
+        """``node`` is down or restarted: fail every transfer with it, forget its messages.
+
+        Its ranks' departure comes separately, as :class:`RankLeft` events.
+        """
+        text = f"node {node} is {reason}"
+        actions: list[Action] = []
+        for send in list(self._out_by.get(node, {}).values()):
+            actions += self._fail_send(send, ErrorCode.PEER_FAILED, text, node, send.msg.dst)
+        for op in self._landing.forget_node(node):
+            recv = self._recvs[op]
+            actions += self._fail_recv(recv, ErrorCode.PEER_FAILED, text, node, recv.msg.src)
+        for offer in list(self._remote.get(node, {}).values()):
+            self._unfile(offer)
+        return actions
+
+    def on_frame(self, node: int, frame: Rts | Cts | Done | Cancel, now: float) -> list[Action]:
+        """A control frame of :data:`FRAME_KINDS` arrived from ``node``.
+
+        Raises:
+            RemoteProtocolError: an RTS reuses the id of a message still under way from
+                ``node``; close that peer's links.
+        """
+        match frame:
+            case Rts():
+                return self._on_rts(node, frame)
+            case Cts(msg=msg_id):
+                send = self._out.get(msg_id)
+                if send is None or send.node != node:
+                    return []  # cancelled meanwhile
+                if send.state is not SendState.RTS:
+                    return [Notice(message=f"node {node} sent a second CTS for message {msg_id}")]
+                self._move_send(send, SendInput.CTS)
+                return [StreamData(node=node, msg=msg_id, op=send.op)]
+            case Done(msg=msg_id, code=code, error=error):
+                send = self._out.get(msg_id)
+                if send is None or send.node != node:
+                    return []
+                self._move_send(send, SendInput.DONE)
+                if code is None or error is None:
+                    return [Complete(op=send.op)]
+                failure = Failure(code=code, message=error, rank=send.msg.dst, node=node)
+                return [Complete(op=send.op, failure=failure)]
+            case Cancel(msg=msg_id):
+                return self._on_cancel(node, msg_id)
+
+    # -- timers and status ------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        """When :meth:`on_timer` must next run (``None``: nothing waits for a route)."""
+        return self._deadlines.next()
+
+    def on_timer(self, now: float) -> list[Action]:
+        """Fail the operations whose peer rank did not join within ``route_timeout``."""
+        actions: list[Action] = []
+        for op in self._deadlines.pop_due(now):
+            send, recv = self._sends.get(op), self._recvs.get(op)
+            if send is not None:
+                text = f"rank {send.msg.dst} of job {send.msg.job!r} did not join within "
+                actions += self._fail_send(
+                    send, ErrorCode.NO_SUCH_RANK, text + self._waited(), None, send.msg.dst
+                )
+            elif recv is not None:
+                text = f"rank {recv.msg.src} of job {recv.msg.job!r} did not join within "
+                actions += self._fail_recv(
+                    recv, ErrorCode.NO_SUCH_RANK, text + self._waited(), None, recv.msg.src
+                )
+        return actions
+
+    def pending(self) -> int:
+        """Operations not finished yet."""
+        return len(self._sends) + len(self._recvs)
+
+    def holds(self, op: int) -> bool:
+        """Whether ``op`` is still in the engine (after :meth:`abandon`: a transfer under way)."""
+        return op in self._sends or op in self._recvs
+
+    def transfers(self) -> int:
+        """Transfers whose bytes are moving now; a drain waits for these to end."""
+        return self._moving + len(self._landing)
+
+    def statistics(self) -> MessagingStatistics:
+        return MessagingStatistics(
+            sends=len(self._sends),
+            receives=len(self._recvs),
+            unrouted=len(self._deadlines),
+            unexpected=len(self._arrived),
+            transfers=self.transfers(),
+            bytes_received=self._landing.bytes,
+        )
+
+    # -- matching and rendezvous ------------------------------------------------------------
+    def _dispatch(self, send: Send, entry: RankEntry) -> list[Action]:
+        """``send``'s destination is known: queue it here or announce it to its node."""
+        msg = send.msg
+        if entry.node == self.node:
+            self._move_send(send, SendInput.ROUTED_HERE)
+            recv = self._posted.first(msg.key)
+            if recv is not None:
+                return self._match(send, recv)
+            send.slot = self._arrived.push(msg.key, send)
+            _add(self._offers_to, (msg.job, msg.dst), send)
+            return []
+        self._move_send(send, SendInput.ROUTED_AWAY)
+        send.node, send.msg_id = entry.node, next(self._msg_ids)
+        self._out[send.msg_id] = send
+        self._out_by.setdefault(send.node, {})[send.msg_id] = send
+        _add(self._out_to, (msg.job, msg.dst), send)
+        rts = Rts(
+            msg=send.msg_id,
+            job=msg.job,
+            src=msg.src,
+            dst=msg.dst,
+            tag=msg.tag,
+            nbytes=msg.nbytes,
+            dtype=msg.dtype,
+        )
+        return [SendFrame(node=entry.node, frame=rts)]
+
+    def _match(self, offer: Send | Remote, recv: Recv) -> list[Action]:
+        """The oldest message of a key meets the oldest receive of that key."""
+        problem = _mismatch(offer.msg, recv.msg)
+        if isinstance(offer, Send):
+            if problem is not None:
+                return [
+                    *self._fail_send(offer, ErrorCode.MISMATCH, problem, None, offer.msg.dst),
+                    *self._fail_recv(recv, ErrorCode.MISMATCH, problem, None, recv.msg.src),
+                ]
+            self._move_send(offer, SendInput.MATCHED)
+            self._move_recv(recv, RecvInput.MATCHED_HERE)
+            return [CopyLocal(src_op=offer.op, dst_op=recv.op)]
+        self._unfile(offer)
+        node, msg_id = offer.node, offer.msg_id
+        if problem is not None:
+            failed = self._fail_recv(recv, ErrorCode.MISMATCH, problem, None, recv.msg.src)
+            return [_refuse(node, msg_id, ErrorCode.MISMATCH, problem), *failed]
+        if offer.msg.nbytes == 0:
+            self._move_recv(recv, RecvInput.DELIVERED)
+            return [SendFrame(node=node, frame=Done(msg=msg_id)), Complete(op=recv.op)]
+        assert recv.region is not None  # a POSTED receive keeps its region
+        self._landing.expect(node, msg_id, recv.op, recv.region)
+        recv.source = (node, msg_id)
+        self._move_recv(recv, RecvInput.MATCHED_AWAY)
+        return [SendFrame(node=node, frame=Cts(msg=msg_id))]
+
+    def _on_rts(self, node: int, frame: Rts) -> list[Action]:
+        if frame.msg in self._remote.get(node, {}) or self._landing.expects(node, frame.msg):
+            raise RemoteProtocolError(f"node {node} reused the id of message {frame.msg}")
+        msg = Message.from_rts(frame)
+        entry = self.routes.lookup(msg.job, msg.dst)
+        if entry is None or entry.node != self.node:
+            text = f"rank {msg.dst} of job {msg.job!r} is not connected to node {self.node}"
+            return [_refuse(node, frame.msg, ErrorCode.NO_SUCH_RANK, text)]
+        offer = Remote(node=node, msg_id=frame.msg, msg=msg)
+        recv = self._posted.first(msg.key)
+        if recv is not None:
+            return self._match(offer, recv)
+        offer.slot = self._arrived.push(msg.key, offer)
+        _add(self._offers_to, (msg.job, msg.dst), offer)
+        self._remote.setdefault(node, {})[frame.msg] = offer
+        return []
+
+    def _on_cancel(self, node: int, msg_id: int) -> list[Action]:
+        offer = self._remote.get(node, {}).get(msg_id)
+        if offer is not None:
+            self._unfile(offer)
+            return []
+        op = self._landing.forget(node, msg_id)
+        if op is None:
+            return []
+        recv = self._recvs[op]
+        text = "the sending rank disconnected before its message was delivered"
+        return self._fail_recv(recv, ErrorCode.PEER_FAILED, text, node, recv.msg.src)
+
+    def _left(self, entry: RankEntry, reason: str, *, lost: bool) -> list[Action]:
+        """``entry``'s rank is gone: fail receives that wait for it, refuse messages to it and,
+        if it was lost, fail the sends announced to it."""
+        gone = (entry.job, entry.rank)
+        actions: list[Action] = []
+        code = ErrorCode.PEER_FAILED
+        for recv in list(self._recvs_from.get(gone, ())):
+            actions += self._fail_recv(recv, code, reason, entry.node, entry.rank)
+        for offer in list(self._offers_to.get(gone, ())):
+            if isinstance(offer, Remote):
+                self._unfile(offer)
+                actions.append(_refuse(offer.node, offer.msg_id, ErrorCode.RECEIVER_LEFT, reason))
+            else:
+                actions += self._fail_send(offer, code, reason, entry.node, entry.rank)
+        if lost:
+            for send in list(self._out_to.get(gone, ())):
+                actions += self._fail_send(send, code, reason, entry.node, entry.rank)
+        return actions
+
+    # -- state changes ----------------------------------------------------------------------
+    def _move_send(self, send: Send, event: SendInput) -> None:
+        """Apply ``event`` to ``send``: take it out of the indexes its old state kept it in.
+
+        Raises:
+            LocalProtocolError: its state does not accept ``event``; it is BROKEN and gone.
+        """
+        old = send.state
+        new = SEND_TRANSITIONS.get((old, event), SendState.BROKEN)
+        if new is old:
+            return
+        msg = send.msg
+        if old is SendState.ROUTE:
+            self._deadlines.cancel(send.op)
+            _discard(self._unrouted, (msg.job, msg.dst), send)
+        elif old is SendState.QUEUED:
+            if send.slot is not None:
+                self._arrived.remove(send.slot)
+            _discard(self._offers_to, (msg.job, msg.dst), send)
+        elif old in _ANNOUNCED and new not in _ANNOUNCED:
+            del self._out[send.msg_id]
+            _discard(self._out_by, send.node, send.msg_id)
+            _discard(self._out_to, (msg.job, msg.dst), send)
+        self._moving += (new in _MOVING) - (old in _MOVING)
+        send.state = new
+        if new in TERMINAL:
+            del self._sends[send.op]
+        if new is SendState.BROKEN:
+            raise LocalProtocolError(f"send {send.op} in state {old.name} cannot take {event.name}")
+
+    def _move_recv(self, recv: Recv, event: RecvInput) -> None:
+        """Apply ``event`` to ``recv``: take it out of the indexes its old state kept it in.
+
+        Raises:
+            LocalProtocolError: its state does not accept ``event``; it is BROKEN and gone.
+        """
+        old = recv.state
+        new = RECV_TRANSITIONS.get((old, event), RecvState.BROKEN)
+        if new is old:
+            return
+        if old is RecvState.POSTED:
+            self._deadlines.cancel(recv.op)
+            if recv.slot is not None:
+                self._posted.remove(recv.slot)
+            _discard(self._recvs_from, (recv.msg.job, recv.msg.src), recv)
+            recv.region = None  # the landing table holds it from now on, if anyone does
+        elif old is RecvState.LANDING:
+            self._landing.discard(*recv.source)  # bytes still to come (if any) land nowhere
+        recv.state = new
+        if new in TERMINAL:
+            del self._recvs[recv.op]
+        if new is RecvState.BROKEN:
+            raise LocalProtocolError(
+                f"receive {recv.op} in state {old.name} cannot take {event.name}"
+            )
+
+    def _unfile(self, offer: Remote) -> None:
+        """An unmatched RTS leaves the engine (matched, cancelled, refused, or its node is gone)."""
+        if offer.slot is not None:
+            self._arrived.remove(offer.slot)
+        _discard(self._offers_to, (offer.msg.job, offer.msg.dst), offer)
+        _discard(self._remote, offer.node, offer.msg_id)
+
+    def _fail_send(
+        self, send: Send, code: ErrorCode, text: str, node: int | None, rank: int | None
+    ) -> list[Action]:
+        self._move_send(send, SendInput.FAILED)
+        failure = Failure(code=code, message=text, rank=rank, node=node)
+        return [Complete(op=send.op, failure=failure)]
+
+    def _fail_recv(
+        self, recv: Recv, code: ErrorCode, text: str, node: int | None, rank: int | None
+    ) -> list[Action]:
+        self._move_recv(recv, RecvInput.FAILED)
+        failure = Failure(code=code, message=text, rank=rank, node=node)
+        return [Complete(op=recv.op, failure=failure)]
+
+    def _check_new(self, op: int) -> None:
+        if self.holds(op):
+            raise LocalProtocolError(f"operation {op} is already in the engine")
+
+    def _waited(self) -> str:
+        return f"{self.route_timeout:g}s (route_timeout); is it running?"
 
 
 def _mismatch(offer: Message, want: Message) -> str | None:
@@ -198,381 +586,25 @@ def _mismatch(offer: Message, want: Message) -> str | None:
     )
 
 
-def parse_message(meta: Meta) -> Message:
-    """Read a :class:`Message` from RTS metadata (RemoteProtocolError if malformed)."""
-    return Message(
-        job=get_str(meta, "job"),
-        src=get_int(meta, "src", hi=2**31),
-        dst=get_int(meta, "dst", hi=2**31),
-        tag=get_int(meta, "tag", hi=2**31),
-        nbytes=get_int(meta, "nbytes"),
-        dtype=get_str(meta, "dtype"),
-    )
+def _refuse(node: int, msg_id: int, code: ErrorCode, text: str) -> SendFrame:
+    """The DONE that tells ``node`` its message ``msg_id`` failed here."""
+    return SendFrame(node=node, frame=Done(msg=msg_id, code=code, error=text))
 
 
-class Messaging:
-    """The point-to-point engine of one daemon.
-
-    Args:
-        node: this daemon's node id.
-        routes: the rank table, shared with whoever else needs it (the engine updates it).
-        route_timeout: seconds a send or receive waits for its peer rank to join.
-    """
-
-    def __init__(self, *, node: int, routes: RankTable, route_timeout: float) -> None:
-        self.node = node
-        self.routes = routes
-        self.route_timeout = route_timeout
-        self._sends: dict[int, _Send] = {}
-        self._recvs: dict[int, _Recv] = {}
-        self._out: dict[int, int] = {}  #: msg id -> send op, for RTS/STREAM sends
-        self._posted: list[_Recv] = []
-        self._arrived: list[_Remote | _Send] = []
-        self._incoming: dict[tuple[int, int], int | None] = {}  #: (node, msg) -> recv op
-        self._next_msg = 1
-
-    # -- clients ----------------------------------------------------------------------------
-    def attach(self, job: str, rank: int, size: int, now: float) -> list[Action]:
-        """A local client claims ``rank`` of ``job``.  Raises UsageError if it cannot."""
-        entry = self.routes.claim(job, rank, size, self.node)
-        return [Broadcast(kind=Kind.ANNOUNCE, meta=_announce(entry, True)), *self._joined(entry)]
-
-    def detach(self, job: str, rank: int, ops: Iterable[int], now: float) -> list[Action]:
-        """A local client left: drop its operations and its rank."""
-        actions = self.abandon(ops)
-        entry = self.routes.release(job, rank, self.node)
-        if entry is not None:
-            actions.append(Broadcast(kind=Kind.ANNOUNCE, meta=_announce(entry, False)))
-            actions += self._left(entry, f"rank {rank} of job {job!r} disconnected", lost=False)
-        return actions
-
-    def announcements(self) -> list[Meta]:
-        """ANNOUNCE metadata for every local rank, for a peer that just came up."""
-        return [_announce(entry, True) for entry in self.routes.local()]
-
-    def post_send(self, op: int, msg: Message, now: float) -> list[Action]:
-        """A local client sends ``msg`` from the region of operation ``op``."""
-        send = _Send(op=op, msg=msg, state=_SendState.ROUTE)
-        self._sends[op] = send
-        entry = self.routes.lookup(msg.job, msg.dst)
-        if entry is None:
-            send.deadline = now + self.route_timeout
-            return []
-        return self._dispatch(send, entry)
-
-    def post_recv(self, op: int, msg: Message, now: float) -> list[Action]:
-        """A local client receives ``msg`` into the region of operation ``op``."""
-        recv = _Recv(op=op, msg=msg)
-        self._recvs[op] = recv
-        if self.routes.lookup(msg.job, msg.src) is None:
-            recv.deadline = now + self.route_timeout
-        for i, arrival in enumerate(self._arrived):
-            if _matches(arrival.msg, msg):
-                del self._arrived[i]
-                return self._match(arrival, recv)
-        self._posted.append(recv)
-        return []
-
-    def abandon(self, ops: Iterable[int]) -> list[Action]:
-        """Forget operations whose client is gone; transfers under way run to their end."""
-        actions: list[Action] = []
-        for op in ops:
-            send = self._sends.get(op)
-            if send is not None and send.state not in (_SendState.STREAM, _SendState.COPY):
-                del self._sends[op]
-                if send.state is _SendState.RTS:
-                    del self._out[send.msg_id]
-                    meta: Meta = {"msg": send.msg_id}
-                    actions.append(SendFrame(node=send.node, kind=Kind.CANCEL, meta=meta))
-                elif send.state is _SendState.QUEUED:
-                    self._arrived.remove(send)
-            recv = self._recvs.get(op)
-            if recv is not None and recv.source is None and recv in self._posted:
-                self._posted.remove(recv)
-                del self._recvs[op]
-            elif recv is not None and recv.source is not None:
-                self._incoming[recv.source] = None
-                del self._recvs[op]
-                actions.append(DiscardData(node=recv.source[0], msg=recv.source[1]))
-        return actions
-
-    # -- the daemon's reports ---------------------------------------------------------------
-    def data_complete(self, node: int, msg_id: int) -> list[Action]:
-        """Every byte of (``node``, ``msg_id``) arrived."""
-        if (node, msg_id) not in self._incoming:
-            return []
-        op = self._incoming.pop((node, msg_id))
-        if op is None:
-            return [self._done(node, msg_id, "receiver_left", "the receiving rank disconnected")]
-        self._recvs.pop(op, None)
-        return [SendFrame(node=node, kind=Kind.DONE, meta={"msg": msg_id}), Complete(op=op)]
-
-    def copied(self, src_op: int, dst_op: int) -> list[Action]:
-        """A :class:`CopyLocal` finished."""
-        self._sends.pop(src_op, None)
-        self._recvs.pop(dst_op, None)
-        return [Complete(op=src_op), Complete(op=dst_op)]
-
-    def stream_failed(self, msg_id: int, reason: str) -> list[Action]:
-        """Streaming message ``msg_id`` failed locally (its data link closed).
-
-        The receiver is told with a CANCEL, so its receive fails instead of waiting.
-        """
-        op = self._out.pop(msg_id, None)
-        if op is None:
-            return []
-        send = self._sends.pop(op)
-        failure = Failure(code="transport", message=reason, node=send.node)
-        cancel: Meta = {"msg": msg_id}
-        return [
-            Complete(op=op, failure=failure),
-            SendFrame(node=send.node, kind=Kind.CANCEL, meta=cancel),
-        ]
-
-    def peer_down(self, node: int, reason: str) -> list[Action]:
-        """``node`` is down or restarted: fail everything that involved it."""
-        actions: list[Action] = []
-        for entry in self.routes.drop_node(node):
-            actions += self._left(entry, f"node {node} is {reason}", lost=True)
-        for send_op in list(self._out.values()):
-            if self._sends[send_op].node == node:
-                actions += self._fail_send(send_op, "peer_failed", f"node {node} is {reason}", node)
-        for key, recv_op in list(self._incoming.items()):
-            if key[0] == node:
-                del self._incoming[key]
-                actions.append(DiscardData(node=node, msg=key[1]))
-                if recv_op is not None:
-                    text = f"node {node} is {reason}"
-                    actions += self._fail_recv(recv_op, "peer_failed", text, node)
-        self._arrived = [
-            a for a in self._arrived if not (isinstance(a, _Remote) and a.node == node)
-        ]
-        return actions
-
-    def on_frame(self, node: int, kind: Kind, meta: Meta, now: float) -> list[Action]:
-        """A control frame of this engine's kinds arrived from ``node``.
-
-        Raises:
-            RemoteProtocolError: malformed metadata; close that peer's link.
-        """
-        if kind is Kind.ANNOUNCE:
-            return self._on_announce(node, meta)
-        msg_id = get_int(meta, "msg")
-        if kind is Kind.RTS:
-            return self._on_rts(node, msg_id, parse_message(meta))
-        if kind is Kind.CTS:
-            op = self._out.get(msg_id)
-            if op is None or self._sends[op].node != node:
-                return []  # cancelled meanwhile
-            if self._sends[op].state is not _SendState.RTS:
-                return [Notice(message=f"node {node} sent a second CTS for message {msg_id}")]
-            self._sends[op].state = _SendState.STREAM
-            return [StreamData(node=node, msg=msg_id, op=op)]
-        if kind is Kind.DONE:
-            return self._on_done(node, msg_id, meta)
-        if kind is Kind.CANCEL:
-            return self._on_cancel(node, msg_id)
-        raise RemoteProtocolError(f"{kind.name} is not a messaging frame")
-
-    # -- timers -----------------------------------------------------------------------------
-    def next_deadline(self) -> float | None:
-        waiting = [s.deadline for s in self._sends.values() if s.deadline is not None]
-        waiting += [r.deadline for r in self._recvs.values() if r.deadline is not None]
-        return min(waiting, default=None)
-
-    def on_timer(self, now: float) -> list[Action]:
-        actions: list[Action] = []
-        for send in list(self._sends.values()):
-            if send.deadline is not None and now >= send.deadline:
-                text = f"rank {send.msg.dst} of job {send.msg.job!r} did not join within "
-                actions += self._fail_send(send.op, "no_such_rank", text + self._waited(), None)
-        for recv in list(self._recvs.values()):
-            if recv.deadline is not None and now >= recv.deadline:
-                text = f"rank {recv.msg.src} of job {recv.msg.job!r} did not join within "
-                actions += self._fail_recv(recv.op, "no_such_rank", text + self._waited(), None)
-        return actions
-
-    def pending(self) -> int:
-        """Operations not finished yet (for status)."""
-        return len(self._sends) + len(self._recvs)
-
-    def holds(self, op: int) -> bool:
-        """Whether ``op`` is still in the engine (after :meth:`abandon`: a transfer under way)."""
-        return op in self._sends or op in self._recvs
-
-    def transfers(self) -> int:
-        """Transfers whose bytes are moving now; a drain waits for these to end."""
-        moving = (_SendState.STREAM, _SendState.COPY)
-        return sum(s.state in moving for s in self._sends.values()) + len(self._incoming)
-
-    # -- internals --------------------------------------------------------------------------
-    def _waited(self) -> str:
-        return f"{self.route_timeout:g}s (route_timeout); is it running?"
-
-    def _dispatch(self, send: _Send, entry: RankEntry) -> list[Action]:
-        send.deadline = None
-        if entry.node == self.node:
-            for i, recv in enumerate(self._posted):
-                if _matches(send.msg, recv.msg):
-                    del self._posted[i]
-                    return self._match(send, recv)
-            send.state = _SendState.QUEUED
-            self._arrived.append(send)
-            return []
-        send.state, send.node, send.msg_id = _SendState.RTS, entry.node, self._next_msg
-        self._next_msg += 1
-        self._out[send.msg_id] = send.op
-        meta: Meta = {"msg": send.msg_id, "job": send.msg.job, "src": send.msg.src}
-        meta.update(dst=send.msg.dst, tag=send.msg.tag, nbytes=send.msg.nbytes)
-        meta["dtype"] = send.msg.dtype
-        return [SendFrame(node=entry.node, kind=Kind.RTS, meta=meta)]
-
-    def _match(self, offer: _Remote | _Send, recv: _Recv) -> list[Action]:
-        recv.deadline = None
-        problem = _mismatch(offer.msg, recv.msg)
-        if isinstance(offer, _Send):
-            if problem is not None:
-                return [
-                    *self._fail_send(offer.op, "mismatch", problem, None),
-                    *self._fail_recv(recv.op, "mismatch", problem, None),
-                ]
-            offer.state = _SendState.COPY
-            return [CopyLocal(src_op=offer.op, dst_op=recv.op)]
-        if problem is not None:
-            done = self._done(offer.node, offer.msg_id, "mismatch", problem)
-            return [done, *self._fail_recv(recv.op, "mismatch", problem, None)]
-        if offer.msg.nbytes == 0:
-            del self._recvs[recv.op]
-            return [
-                SendFrame(node=offer.node, kind=Kind.DONE, meta={"msg": offer.msg_id}),
-                Complete(op=recv.op),
-            ]
-        recv.source = (offer.node, offer.msg_id)
-        self._incoming[recv.source] = recv.op
-        return [
-            ExpectData(node=offer.node, msg=offer.msg_id, op=recv.op, nbytes=offer.msg.nbytes),
-            SendFrame(node=offer.node, kind=Kind.CTS, meta={"msg": offer.msg_id}),
-        ]
-
-    def _on_rts(self, node: int, msg_id: int, msg: Message) -> list[Action]:
-        entry = self.routes.lookup(msg.job, msg.dst)
-        if entry is None or entry.node != self.node:
-            text = f"rank {msg.dst} of job {msg.job!r} is not connected to node {self.node}"
-            return [self._done(node, msg_id, "no_such_rank", text)]
-        offer = _Remote(node=node, msg_id=msg_id, msg=msg)
-        for i, recv in enumerate(self._posted):
-            if _matches(msg, recv.msg):
-                del self._posted[i]
-                return self._match(offer, recv)
-        self._arrived.append(offer)
-        return []
-
-    def _on_done(self, node: int, msg_id: int, meta: Meta) -> list[Action]:
-        op = self._out.get(msg_id)
-        if op is None or self._sends[op].node != node:
-            return []
-        failure = None  # parsed before anything changes: a malformed DONE must not lose the send
-        if "code" in meta:
-            failure = Failure(code=get_str(meta, "code"), message=get_str(meta, "error"), node=node)
-        del self._out[msg_id]
-        del self._sends[op]
-        return [Complete(op=op, failure=failure)]
-
-    def _on_cancel(self, node: int, msg_id: int) -> list[Action]:
-        self._arrived = [
-            a
-            for a in self._arrived
-            if not (isinstance(a, _Remote) and (a.node, a.msg_id) == (node, msg_id))
-        ]
-        if (node, msg_id) not in self._incoming:
-            return []
-        op = self._incoming.pop((node, msg_id))
-        actions: list[Action] = [ForgetData(node=node, msg=msg_id)]
-        if op is not None:
-            text = "the sending rank disconnected before its message was delivered"
-            actions += self._fail_recv(op, "peer_failed", text, node)
-        return actions
-
-    def _on_announce(self, node: int, meta: Meta) -> list[Action]:
-        job, rank = get_str(meta, "job"), get_int(meta, "rank", hi=2**31)
-        size = get_int(meta, "size", lo=1, hi=2**31)
-        if meta.get("present") is not True:
-            entry = self.routes.release(job, rank, node)
-            text = f"rank {rank} of job {job!r} on node {node} disconnected"
-            return [] if entry is None else self._left(entry, text, lost=False)
-        try:
-            entry = self.routes.claim(job, rank, size, node)
-        except UsageError as exc:
-            return [Notice(message=f"ignored announcement from node {node}: {exc}")]
-        return self._joined(entry)
-
-    def _joined(self, entry: RankEntry) -> list[Action]:
-        actions: list[Action] = []
-        for send in list(self._sends.values()):
-            if send.state is _SendState.ROUTE and (send.msg.job, send.msg.dst) == (
-                entry.job,
-                entry.rank,
-            ):
-                actions += self._dispatch(send, entry)
-        for recv in self._posted:
-            if (recv.msg.job, recv.msg.src) == (entry.job, entry.rank):
-                recv.deadline = None
-        return actions
-
-    def _left(self, entry: RankEntry, reason: str, *, lost: bool) -> list[Action]:
-        """``entry``'s rank is gone: fail receives that wait for it (and, if lost, sends)."""
-        actions: list[Action] = []
-        gone = (entry.job, entry.rank)
-        for recv in list(self._posted):
-            if (recv.msg.job, recv.msg.src) == gone:
-                actions += self._fail_recv(recv.op, "peer_failed", reason, entry.node, entry.rank)
-        for arrival in list(self._arrived):
-            if (arrival.msg.job, arrival.msg.dst) != gone:
-                continue
-            self._arrived.remove(arrival)
-            if isinstance(arrival, _Remote):
-                actions.append(self._done(arrival.node, arrival.msg_id, "receiver_left", reason))
-            else:
-                actions += self._fail_send(
-                    arrival.op, "peer_failed", reason, entry.node, entry.rank
-                )
-        if lost:
-            for send in list(self._sends.values()):
-                if (send.msg.job, send.msg.dst) == gone and send.state is not _SendState.COPY:
-                    actions += self._fail_send(
-                        send.op, "peer_failed", reason, entry.node, entry.rank
-                    )
-        return actions
-
-    def _fail_send(
-        self, op: int, code: str, text: str, node: int | None, rank: int | None = None
-    ) -> list[Action]:
-        send = self._sends.pop(op, None)
-        if send is None:
-            return []
-        self._out.pop(send.msg_id, None)
-        if send in self._arrived:
-            self._arrived.remove(send)
-        rank = send.msg.dst if rank is None else rank
-        return [Complete(op=op, failure=Failure(code=code, message=text, rank=rank, node=node))]
-
-    def _fail_recv(
-        self, op: int, code: str, text: str, node: int | None, rank: int | None = None
-    ) -> list[Action]:
-        recv = self._recvs.pop(op, None)
-        if recv is None:
-            return []
-        if recv in self._posted:
-            self._posted.remove(recv)
-        rank = recv.msg.src if rank is None else rank
-        return [Complete(op=op, failure=Failure(code=code, message=text, rank=rank, node=node))]
-
-    @staticmethod
-    def _done(node: int, msg_id: int, code: str, text: str) -> SendFrame:
-        return SendFrame(
-            node=node, kind=Kind.DONE, meta={"msg": msg_id, "code": code, "error": text}
-        )
+K = TypeVar("K")
+V = TypeVar("V")
+W = TypeVar("W")
 
 
-def _announce(entry: RankEntry, present: bool) -> Meta:
-    return {"job": entry.job, "rank": entry.rank, "size": entry.size, "present": present}
+def _add(index: dict[K, dict[V, None]], key: K, item: V) -> None:
+    """File ``item`` under ``key`` in an index of insertion-ordered sets."""
+    index.setdefault(key, {})[item] = None
+
+
+def _discard(index: dict[K, dict[V, W]], key: K, item: V) -> None:
+    """Take ``item`` out of ``index[key]``, and drop the key when nothing is left under it."""
+    group = index.get(key)
+    if group is not None:
+        group.pop(item, None)
+        if not group:
+            del index[key]

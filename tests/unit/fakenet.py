@@ -1,16 +1,21 @@
-"""A fake network of point-to-point engines, one per node, that plays every daemon's part.
+"""A fake network of point-to-point engines, one pair per node, that plays every daemon's part.
 
-:class:`FakeNet` holds N real :class:`~fabricd.engines.p2p.Messaging` engines, each with its own
-:class:`~fabricd.engines.routing.RankTable`, and performs their actions the way the daemon does,
-minus the I/O:
+:class:`FakeNet` holds N real :class:`~fabricd.engines.p2p.Messaging` engines, each reading its
+own :class:`~fabricd.engines.membership.Membership`, and performs their actions the way the
+daemon does, minus the I/O:
 
 * ``SendFrame``/``Broadcast`` become control frames, encoded and decoded with the real wire codec
-  and queued per (sender, receiver) pair.  Each pair is FIFO, like the control link it stands
-  for; :meth:`deliver_one` picks which pair goes next, so frames between *different* pairs can be
-  reordered (``rng``), held back (:meth:`hold`) or dropped (``drop``).
-* ``StreamData`` copies the send's bytes into the region the receiver registered with
-  ``ExpectData`` and reports ``data_complete`` to the receiver at once (the data channel), unless
-  ``auto_stream`` is off, in which case it waits for :meth:`finish_stream`/:meth:`fail_stream`.
+  and parsed with :func:`fabricd.frames.parse`, queued per (sender, receiver) pair.  Each pair is
+  FIFO, like the control link it stands for; :meth:`deliver_one` picks which pair goes next, so
+  frames between *different* pairs can be reordered (``rng``), held back (:meth:`hold`) or
+  dropped (``drop``).  ANNOUNCE goes to membership, the rest to messaging.
+* ``RankJoined``/``RankLeft`` from membership go to the node's messaging engine, as the service
+  host's ``rank_event`` does.
+* ``StreamData`` cuts the send's bytes into DATA chunks of ``chunk_size`` and lands them through
+  the receiver's engine (``payload_buffer``, then ``data_arrived``), the way the data channel
+  does, at once -- unless ``auto_stream`` is off, in which case it waits for
+  :meth:`finish_stream`/:meth:`fail_stream`.  Where bytes land is the engine's landing table;
+  the fake keeps no table of its own.
 * ``CopyLocal`` copies segment to segment and reports ``copied`` (or waits, with ``auto_copy``
   off, for :meth:`finish_copy`).
 * ``Complete`` is recorded per (node, op); a second completion of one op is kept too, so tests
@@ -18,7 +23,7 @@ minus the I/O:
 
 Crashes: :meth:`crash` stops a node; frames to it vanish, frames it already sent stay in flight
 until a survivor notices (:meth:`detect`), which fences the dead node's frames and calls
-``peer_down`` as the daemon's link reset does.
+``peer_down`` on both engines, as the daemon's link reset does.
 
 Time is ``now``, moved only by :meth:`advance` and :meth:`run_timers`.
 """
@@ -28,32 +33,24 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fabricd.engines.p2p import (
-    Broadcast,
-    Complete,
-    CopyLocal,
-    DiscardData,
-    ExpectData,
-    Failure,
-    ForgetData,
-    Message,
-    Messaging,
-    Notice,
-    SendFrame,
-    StreamData,
-)
-from fabricd.engines.routing import RankTable
+from fabricd.engines.actions import Broadcast, Complete, Failure, Notice, SendFrame
+from fabricd.engines.membership import Membership, RankJoined, RankLeft
+from fabricd.engines.p2p import FRAME_KINDS, CopyLocal, Message, Messaging, StreamData
+from fabricd.errors import RemoteProtocolError
+from fabricd.frames import Announce, Cancel, Cts, Data, Done, PeerFrame, Rts, parse
 from fabricd.wire import DEFAULT_LIMITS, Decoder, Frame, Kind, Meta, encode
 
 if TYPE_CHECKING:
     import random
     from collections.abc import Callable, Iterable
 
-    from fabricd.engines.p2p import Action
+    from fabricd.engines import membership, p2p
+
+    Action = p2p.Action | membership.Action
 
 JOB = "job"
 
@@ -76,7 +73,7 @@ class Posted:
     op: int
     send: bool
     msg: Message
-    region: np.ndarray
+    region: np.ndarray[Any, np.dtype[np.uint8]]
 
 
 @dataclass
@@ -86,27 +83,29 @@ class FakeNet:
     rng: random.Random | None = None  #: pick the next pair at random (reorders across pairs)
     auto_stream: bool = True
     auto_copy: bool = True
-    #: return True to lose a frame (sender, receiver, kind, meta): for deliberate fault tests
-    drop: Callable[[int, int, Kind, Meta], bool] | None = None
+    chunk_size: int = 8  #: DATA chunk size: most test messages take several chunks
+    #: return True to lose a frame (sender, receiver, frame): for deliberate fault tests
+    drop: Callable[[int, int, PeerFrame], bool] | None = None
     now: float = 0.0
 
+    members: list[Membership] = field(init=False)
     engines: list[Messaging] = field(init=False)
     links: dict[tuple[int, int], collections.deque[tuple[Kind, Meta]]] = field(init=False)
     held: set[tuple[int, int]] = field(default_factory=set)
     crashed: set[int] = field(default_factory=set)
     fenced: set[tuple[int, int]] = field(default_factory=set)  #: (survivor, dead node)
     ops: dict[tuple[int, int], Posted] = field(default_factory=dict)
-    expected: dict[tuple[int, int, int], int | None] = field(default_factory=dict)
     streams: list[tuple[int, StreamData]] = field(default_factory=list)
     copies: list[tuple[int, CopyLocal]] = field(default_factory=list)
     completed: dict[tuple[int, int], list[Failure | None]] = field(default_factory=dict)
     actions: list[tuple[int, Action]] = field(default_factory=list)
-    frames: list[tuple[int, int, Kind, Meta]] = field(default_factory=list)  #: delivered
+    frames: list[tuple[int, int, PeerFrame]] = field(default_factory=list)  #: delivered
     notices: list[tuple[int, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.members = [Membership(n) for n in range(self.nodes)]
         self.engines = [
-            Messaging(node=n, routes=RankTable(n), route_timeout=self.route_timeout)
+            Messaging(node=n, routes=self.members[n], route_timeout=self.route_timeout)
             for n in range(self.nodes)
         ]
         self.links = {
@@ -118,10 +117,12 @@ class FakeNet:
 
     # -- what clients do ----------------------------------------------------------------------
     def attach(self, node: int, rank: int, size: int = 4, job: str = JOB) -> None:
-        self.perform(node, self.engines[node].attach(job, rank, size, self.now))
+        self.perform(node, self.members[node].attach(job, rank, size))
 
     def detach(self, node: int, rank: int, ops: Iterable[int] = (), job: str = JOB) -> None:
-        self.perform(node, self.engines[node].detach(job, rank, list(ops), self.now))
+        """The client of ``rank`` left: its operations are abandoned, then its rank goes."""
+        self.abandon(node, ops)
+        self.perform(node, self.members[node].detach(job, rank, "client closed"))
 
     def abandon(self, node: int, ops: Iterable[int]) -> None:
         self.perform(node, self.engines[node].abandon(list(ops)))
@@ -157,38 +158,35 @@ class FakeNet:
     ) -> int:
         """Post a receive into a fresh region (filled with 0xEE, so unwritten bytes show)."""
         msg = Message(job=job, src=src, dst=dst, tag=tag, nbytes=nbytes, dtype=dtype)
-        op = self._post(node, False, msg, np.full(nbytes, 0xEE, dtype=np.uint8))
-        self.perform(node, self.engines[node].post_recv(op, msg, self.now))
+        region = np.full(nbytes, 0xEE, dtype=np.uint8)
+        op = self._post(node, False, msg, region)
+        self.perform(node, self.engines[node].post_recv(op, msg, region.data, self.now))
         return op
 
-    def _post(self, node: int, send: bool, msg: Message, region: np.ndarray) -> int:
+    def _post(
+        self, node: int, send: bool, msg: Message, region: np.ndarray[Any, np.dtype[np.uint8]]
+    ) -> int:
         op = next(self._ids)
         self.ops[node, op] = Posted(node=node, op=op, send=send, msg=msg, region=region)
         return op
 
     # -- what the daemon does -----------------------------------------------------------------
-    def perform(self, node: int, actions: list[Action]) -> None:
+    def perform(self, node: int, actions: Iterable[Action]) -> None:
         for action in actions:
             self.actions.append((node, action))
             match action:
-                case SendFrame(node=peer, kind=kind, meta=meta):
-                    self._queue(node, peer, kind, meta)
-                case Broadcast(kind=kind, meta=meta):
+                case SendFrame(node=peer, frame=frame):
+                    self._queue(node, peer, frame)
+                case Broadcast(frame=frame):
                     for peer in range(self.nodes):
                         if peer != node and (node, peer) not in self.fenced:
-                            self._queue(node, peer, kind, meta)
+                            self._queue(node, peer, frame)
+                case RankJoined() | RankLeft():
+                    self.perform(node, self.engines[node].on_rank_event(action, self.now))
                 case StreamData():
                     self.streams.append((node, action))
                     if self.auto_stream:
                         self.finish_stream(len(self.streams) - 1)
-                case ExpectData(node=peer, msg=msg, op=op, nbytes=nbytes):
-                    assert self.ops[node, op].region.nbytes == nbytes
-                    self.expected[node, peer, msg] = op
-                case DiscardData(node=peer, msg=msg):
-                    if (node, peer, msg) in self.expected:
-                        self.expected[node, peer, msg] = None
-                case ForgetData(node=peer, msg=msg):
-                    self.expected.pop((node, peer, msg), None)
                 case CopyLocal():
                     self.copies.append((node, action))
                     if self.auto_copy:
@@ -198,27 +196,43 @@ class FakeNet:
                 case Notice(message=message):
                     self.notices.append((node, message))
 
-    def _queue(self, src: int, dst: int, kind: Kind, meta: Meta) -> None:
+    def _queue(self, src: int, dst: int, frame: PeerFrame) -> None:
         assert src not in self.crashed, "a crashed node acted"
         if dst not in self.crashed:
-            self.links[src, dst].append((kind, transmit(kind, meta)))
+            self.links[src, dst].append((frame.KIND, transmit(frame.KIND, frame.to_meta())))
+
+    def receive(self, src: int, dst: int, kind: Kind, meta: Meta) -> None:
+        """``dst``'s daemon parses a control frame from ``src`` and hands it to its engine.
+
+        Raises:
+            RemoteProtocolError: malformed, or a kind neither engine takes.
+        """
+        frame = parse(kind, meta)
+        if self.drop is not None and self.drop(src, dst, frame):
+            return
+        self.frames.append((src, dst, frame))
+        match frame:
+            case Announce():
+                self.perform(dst, self.members[dst].on_announce(src, frame))
+            case Rts() | Cts() | Done() | Cancel():
+                assert frame.KIND in FRAME_KINDS
+                self.perform(dst, self.engines[dst].on_frame(src, frame, self.now))
+            case _:
+                raise RemoteProtocolError(f"no engine takes {kind.name} frames")
 
     def finish_stream(self, index: int = 0) -> None:
-        """The daemon streamed every DATA frame of ``streams[index]``: they land at once."""
+        """The daemon streamed every DATA chunk of ``streams[index]``: they land at once."""
         sender, stream = self.streams.pop(index)
         receiver = stream.node
         if receiver in self.crashed or (receiver, sender) in self.fenced:
             return  # the bytes went into a dead or reset link
-        key = (receiver, sender, stream.msg)
-        if key not in self.expected:
-            return  # the receiver forgot the message (reset): its chunks are dropped
-        target = self.expected.pop(key)
-        if target is not None:
-            source = self.ops[sender, stream.op].region
-            destination = self.ops[receiver, target].region
-            assert destination.nbytes == source.nbytes
-            destination[:] = source
-        self.perform(receiver, self.engines[receiver].data_complete(sender, stream.msg))
+        source = self.ops[sender, stream.op].region.tobytes()
+        engine = self.engines[receiver]
+        for off in range(0, len(source), self.chunk_size):
+            chunk = source[off : off + self.chunk_size]
+            frame = Data(msg=stream.msg, off=off)
+            engine.payload_buffer(sender, frame, len(chunk))[:] = chunk
+            self.perform(receiver, engine.data_arrived(sender, frame, len(chunk), self.now))
 
     def fail_stream(self, index: int = 0, reason: str = "data link closed") -> None:
         sender, stream = self.streams.pop(index)
@@ -247,10 +261,8 @@ class FakeNet:
             return False
         src, dst = self.rng.choice(ready) if self.rng is not None else ready[0]
         kind, meta = self.links[src, dst].popleft()
-        if (dst, src) in self.fenced or (self.drop is not None and self.drop(src, dst, kind, meta)):
-            return True
-        self.frames.append((src, dst, kind, meta))
-        self.perform(dst, self.engines[dst].on_frame(src, kind, meta, self.now))
+        if (dst, src) not in self.fenced:
+            self.receive(src, dst, kind, meta)
         return True
 
     def run(self, limit: int = 100_000) -> None:
@@ -271,8 +283,7 @@ class FakeNet:
         """``survivor``'s daemon resets its links to ``node`` and fails what involved it."""
         self.fenced.add((survivor, node))
         self.links[node, survivor].clear()
-        for key in [k for k in self.expected if k[:2] == (survivor, node)]:
-            del self.expected[key]  # Inbound.forget_node
+        self.perform(survivor, self.members[survivor].peer_down(node, reason))
         self.perform(survivor, self.engines[survivor].peer_down(node, reason))
 
     # -- time ---------------------------------------------------------------------------------
@@ -315,6 +326,10 @@ class FakeNet:
     def pending(self) -> list[int]:
         return [self.engines[n].pending() for n in range(self.nodes)]
 
-    def of(self, node: int, kind: type) -> list:
-        """Actions of one type that ``node``'s engine returned, in order."""
+    def kinds(self) -> list[Kind]:
+        """The kinds of the frames delivered so far, in order."""
+        return [frame.KIND for _, _, frame in self.frames]
+
+    def of(self, node: int, kind: type) -> list[Any]:
+        """Actions of one type that ``node``'s engines returned, in order."""
         return [a for n, a in self.actions if n == node and isinstance(a, kind)]

@@ -192,7 +192,7 @@ def report(findings: list[Finding]) -> str:
 # -- the rules on the real tree ---------------------------------------------------------------
 def test_the_tree_is_where_the_rules_expect_it() -> None:
     engines = python_files(ENGINES)
-    assert {p.name for p in engines} >= {"handshake.py", "peers.py", "routing.py", "p2p.py"}
+    assert {p.name for p in engines} >= {"handshake.py", "peers.py", "membership.py", "p2p.py"}
     assert {p.name for p in python_files(TRANSPORTS)} >= {"base.py", "framing.py", "tcp.py"}
     assert any(p.parent.name == "cli" for p in python_files(PACKAGE))  # the symlink is walked
 
@@ -251,8 +251,8 @@ def test_sans_io_rule_catches(source: str) -> None:
     [
         "import random",
         "from fabricd.wire import Kind",
-        "from . import routing",
-        "from .routing import RankTable",
+        "from . import membership",
+        "from .membership import Membership",
         "import datetime",
         "from fabricd.errors import UsageError",
         "import timeit  # a different module that starts with 'time'",

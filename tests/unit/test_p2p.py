@@ -14,22 +14,19 @@ from fakenet import JOB, FakeNet, Posted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines.p2p import (
-    Broadcast,
-    Complete,
-    CopyLocal,
-    DiscardData,
-    ExpectData,
-    Failure,
-    ForgetData,
-    Message,
-    Messaging,
-    SendFrame,
-    StreamData,
-    parse_message,
+from fabricd.engines.actions import Broadcast, Complete, Failure, SendFrame
+from fabricd.engines.membership import Membership, RankJoined, RankLeft
+from fabricd.engines.operations import (
+    RECV_TRANSITIONS,
+    SEND_TRANSITIONS,
+    RecvInput,
+    RecvState,
+    SendInput,
+    SendState,
 )
-from fabricd.engines.routing import RankTable
-from fabricd.errors import RemoteProtocolError, UsageError
+from fabricd.engines.p2p import CopyLocal, Message, MessagingStatistics, StreamData
+from fabricd.errors import LocalProtocolError, RemoteProtocolError, UsageError
+from fabricd.frames import Announce, Cancel, Cts, Done, Rts
 from fabricd.wire import Kind
 
 if TYPE_CHECKING:
@@ -75,7 +72,7 @@ def test_remote_message_lands_in_the_receive(net: FakeNet, send_first: bool) -> 
     assert net.ok(0, send)
     assert net.ok(1, recv)
     assert net.region(1, recv) == DATA
-    kinds = [kind for _, _, kind, _ in net.frames if kind is not Kind.ANNOUNCE]
+    kinds = [kind for kind in net.kinds() if kind is not Kind.ANNOUNCE]
     assert kinds == [Kind.RTS, Kind.CTS, Kind.DONE]  # a rendezvous: no payload before CTS
     assert net.pending() == [0, 0, 0]
 
@@ -83,7 +80,8 @@ def test_remote_message_lands_in_the_receive(net: FakeNet, send_first: bool) -> 
 def test_an_early_message_waits_without_moving_bytes(net: FakeNet) -> None:
     net.send(0, src=0, dst=2, data=DATA)
     net.run()
-    assert net.of(1, ExpectData) == []
+    assert net.engines[1].transfers() == 0  # nothing expected: no byte may come yet
+    assert net.engines[1].statistics().unexpected == 1
     assert net.streams == []
     assert net.engines[1].pending() == 0  # the RTS is not an operation of the receiver
     assert net.engines[0].pending() == 1
@@ -139,8 +137,8 @@ def test_zero_byte_messages_complete_without_data(
     assert net.ok(node, recv)
     if remote:
         assert net.of(0, StreamData) == []
-        assert net.of(1, ExpectData) == []
-        assert Kind.CTS not in [kind for _, _, kind, _ in net.frames]
+        assert Kind.CTS not in net.kinds()
+    assert [engine.transfers() for engine in net.engines] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("remote", [True, False])
@@ -234,7 +232,7 @@ def test_a_send_waits_for_its_rank_to_join() -> None:
     net.run()
     send = net.send(0, src=0, dst=2, data=DATA)
     net.run()
-    assert net.frames[-1][2] is Kind.ANNOUNCE  # no RTS: nowhere to send it
+    assert net.kinds()[-1] is Kind.ANNOUNCE  # no RTS: nowhere to send it
     assert net.engines[0].next_deadline() == net.route_timeout
     net.attach(1, 2)
     net.run()  # the ANNOUNCE reaches node 0, which sends the RTS
@@ -300,8 +298,9 @@ def test_a_recv_whose_source_joins_in_time_does_not_time_out() -> None:
 
 def test_an_rts_for_a_rank_that_is_not_here_is_answered_no_such_rank(net: FakeNet) -> None:
     # node 0 believes rank 2 lives on node 2 (a stale announcement): node 2 says no
-    net.engines[0].routes.release(JOB, 2, node=1)
-    net.engines[0].routes.claim(JOB, 2, 4, node=2)
+    members = net.members[0]
+    net.perform(0, members.on_announce(1, Announce(job=JOB, rank=2, size=4, present=False)))
+    net.perform(0, members.on_announce(2, Announce(job=JOB, rank=2, size=4, present=True)))
     send = net.send(0, src=0, dst=2, data=DATA)
     net.run()
     failure = failed(net, 0, send)
@@ -316,22 +315,24 @@ def test_attach_refuses_a_rank_that_runs_elsewhere(net: FakeNet) -> None:
 
 def test_a_conflicting_announcement_is_ignored_with_a_notice(net: FakeNet) -> None:
     # node 2 announces rank 2, which node 1 hosts: every daemon keeps the first claim
-    net.perform(2, [Broadcast(kind=Kind.ANNOUNCE, meta={"job": JOB, "rank": 2, "size": 4,
-                                                        "present": True})])  # fmt: skip
+    net.perform(2, [Broadcast(frame=Announce(job=JOB, rank=2, size=4, present=True))])
     net.run()
     assert [n for n, _ in net.notices] == [0, 1]
     assert all("already running on node 1" in text for _, text in net.notices)
-    assert net.engines[0].routes.lookup(JOB, 2).node == 1  # type: ignore[union-attr]
+    assert net.members[0].lookup(JOB, 2).node == 1  # type: ignore[union-attr]
 
 
 def test_a_peer_that_comes_up_learns_every_local_rank(net: FakeNet) -> None:
-    metas = net.engines[0].announcements()
-    assert sorted(m["rank"] for m in metas) == [0, 1]
-    assert all(m["present"] is True and m["size"] == 4 and m["job"] == JOB for m in metas)
-    fresh = Messaging(node=3, routes=RankTable(3), route_timeout=1.0)
-    for meta in metas:
-        assert fresh.on_frame(0, Kind.ANNOUNCE, meta, 0.0) == []
-    assert [(e.rank, e.node) for e in fresh.routes.entries()] == [(0, 0), (1, 0)]
+    sends = net.members[0].peer_up(3)
+    assert all(isinstance(a, SendFrame) and a.node == 3 for a in sends)
+    frames = [a.frame for a in sends if isinstance(a, SendFrame)]
+    assert frames == [Announce(job=JOB, rank=r, size=4, present=True) for r in (0, 1)]
+    fresh = Membership(3)
+    for frame in frames:
+        assert isinstance(frame, Announce)
+        [joined] = fresh.on_announce(0, frame)
+        assert isinstance(joined, RankJoined)
+    assert [(e.rank, e.node) for e in fresh.entries()] == [(0, 0), (1, 0)]
 
 
 # -- failures ---------------------------------------------------------------------------------
@@ -348,6 +349,7 @@ def test_peer_down_fails_every_operation_that_involves_the_node() -> None:
     net.send(1, src=2, dst=0, data=b"unsent", tag=5)  # node 1's RTS reaches node 0 unmatched …
     net.run()
     assert len(net.streams) == 2  # node 0 -> 1 and node 1 -> 0 are both streaming
+    assert net.engines[0].transfers() == 2
 
     net.crash(1)
     net.detect(0, 1, reason="down")
@@ -359,8 +361,8 @@ def test_peer_down_fails_every_operation_that_involves_the_node() -> None:
     assert (0, early) not in net.completed
     assert (0, local) not in net.completed
     assert net.engines[0].pending() == 2  # the two that do not involve node 1 can still finish
-    assert DiscardData(node=1, msg=1) in net.of(0, DiscardData)  # matched's landing spot
-    assert net.engines[0].routes.lookup(JOB, 2) is None
+    assert net.engines[0].transfers() == 0  # the stream to node 1 and matched's landing spot
+    assert net.members[0].lookup(JOB, 2) is None
     # … the unmatched RTS from node 1 is forgotten: a receive posted now does not match it
     late = net.recv(0, src=2, dst=0, nbytes=6, tag=5)
     assert (0, late) not in net.completed
@@ -385,9 +387,9 @@ def test_detach_cancels_announced_sends_and_fails_the_matched_receive(net: FakeN
     net.run()
     matched = net.recv(1, src=0, dst=2, nbytes=len(DATA))
     net.run()
-    assert len(net.of(1, ExpectData)) == 1
+    assert net.engines[1].transfers() == 1  # the receive's region is ready for the bytes
     net.detach(0, 0, ops=[send])
-    assert SendFrame(node=1, kind=Kind.CANCEL, meta={"msg": 1}) in net.of(0, SendFrame)
+    assert SendFrame(node=1, frame=Cancel(msg=1)) in net.of(0, SendFrame)
     net.release(1, 0)
     net.run()
     failure = failed(net, 1, matched)
@@ -396,6 +398,7 @@ def test_detach_cancels_announced_sends_and_fails_the_matched_receive(net: FakeN
     assert (0, send) not in net.completed  # its client is gone: nobody to tell
     assert net.streams == []  # the late CTS is ignored
     assert net.pending() == [0, 0, 0]
+    assert net.engines[1].transfers() == 0  # the CANCEL forgot where its bytes would land
 
 
 def test_detach_drops_posted_receives_and_fails_remote_ones_waiting_for_the_rank(
@@ -413,7 +416,7 @@ def test_detach_drops_posted_receives_and_fails_remote_ones_waiting_for_the_rank
         failure = failed(net, node, op)
         assert (failure.code, failure.rank, failure.node) == ("peer_failed", 0, 0)
         assert "rank 0 of job 'job'" in failure.message
-    assert [engine.routes.lookup(JOB, 0) for engine in net.engines] == [None, None, None]
+    assert [members.lookup(JOB, 0) for members in net.members] == [None, None, None]
     assert net.pending() == [0, 0, 0]
 
 
@@ -433,7 +436,7 @@ def test_a_receiver_that_leaves_mid_transfer_still_drains_the_data() -> None:
     recv = net.recv(1, src=0, dst=2, nbytes=len(DATA))
     net.run()
     net.abandon(1, [recv])
-    assert net.of(1, DiscardData) == [DiscardData(node=0, msg=1)]
+    assert net.of(1, SendFrame) == [SendFrame(node=0, frame=Cts(msg=1))]  # nothing new to say
     assert not net.engines[1].holds(recv)
     assert net.engines[1].transfers() == 1  # the bytes still come and are counted
     net.finish_stream()
@@ -443,6 +446,7 @@ def test_a_receiver_that_leaves_mid_transfer_still_drains_the_data() -> None:
     assert failed(net, 0, send).code == "receiver_left"
     assert net.pending() == [0, 0, 0]
     assert net.engines[1].transfers() == 0
+    assert net.engines[1].statistics().bytes_received == len(DATA)  # counted, though dropped
 
 
 def test_abandon_keeps_a_streaming_send_until_done() -> None:
@@ -452,7 +456,7 @@ def test_abandon_keeps_a_streaming_send_until_done() -> None:
     net.run()
     assert net.streams == [(0, StreamData(node=1, msg=1, op=send))]
     net.abandon(0, [send])
-    assert Kind.CANCEL not in [a.kind for a in net.of(0, SendFrame)]  # the bytes are moving
+    assert not [a for a in net.of(0, SendFrame) if isinstance(a.frame, Cancel)]  # bytes move
     assert net.engines[0].holds(send)
     assert net.engines[0].transfers() == 1
     net.finish_stream()
@@ -493,8 +497,7 @@ def test_stream_failed_fails_the_send_and_cancels_the_receive() -> None:
     assert net.engines[0].stream_failed(1, "again") == []
     net.run()
     assert failed(net, 1, recv).code == "peer_failed"
-    assert ForgetData(node=0, msg=1) in net.of(1, ForgetData)  # no DATA of it will come
-    assert (1, 0, 1) not in net.expected
+    assert net.engines[1].transfers() == 0  # no DATA of it will come
     assert net.pending() == [0, 0, 0]
 
 
@@ -504,16 +507,16 @@ def test_control_frames_from_the_wrong_node_or_for_unknown_messages_are_ignored(
     send = net.send(0, src=0, dst=2, data=DATA)
     net.run()
     engine = net.engines[0]
-    for node, kind, meta in [
-        (2, Kind.CTS, {"msg": 1}),  # node 2 never got this message
-        (1, Kind.CTS, {"msg": 99}),
-        (2, Kind.DONE, {"msg": 1}),
-        (1, Kind.DONE, {"msg": 99}),
-        (1, Kind.DONE, {"msg": 99, "code": "mismatch", "error": "no"}),
-        (2, Kind.CANCEL, {"msg": 1}),
-        (1, Kind.CANCEL, {"msg": 99}),
+    for node, frame in [
+        (2, Cts(msg=1)),  # node 2 never got this message
+        (1, Cts(msg=99)),
+        (2, Done(msg=1)),
+        (1, Done(msg=99)),
+        (1, Done(msg=99, code="mismatch", error="no")),
+        (2, Cancel(msg=1)),
+        (1, Cancel(msg=99)),
     ]:
-        assert engine.on_frame(node, kind, meta, 0.0) == [], (node, kind, meta)
+        assert engine.on_frame(node, frame, 0.0) == [], (node, frame)
     assert engine.holds(send)
     recv = net.recv(1, src=0, dst=2, nbytes=len(DATA))
     net.release(1, 0)
@@ -541,7 +544,8 @@ def test_control_frames_from_the_wrong_node_or_for_unknown_messages_are_ignored(
 )
 def test_malformed_rts_metadata_is_a_remote_protocol_error(net: FakeNet, meta: dict) -> None:
     with pytest.raises(RemoteProtocolError):
-        net.engines[1].on_frame(0, Kind.RTS, meta, 0.0)
+        net.receive(0, 1, Kind.RTS, meta)
+    assert net.engines[1].statistics().unexpected == 0
     assert net.engines[1].pending() == 0
 
 
@@ -561,7 +565,8 @@ def test_other_malformed_frames_are_remote_protocol_errors(kind: Kind, meta: dic
     net.run()
     assert net.engines[0].holds(send)
     with pytest.raises(RemoteProtocolError):
-        net.engines[0].on_frame(1, kind, meta, 0.0)
+        net.receive(1, 0, kind, meta)
+    assert net.engines[0].holds(send)
 
 
 def test_a_malformed_done_leaves_the_send_to_fail_with_the_link(net: FakeNet) -> None:
@@ -570,7 +575,7 @@ def test_a_malformed_done_leaves_the_send_to_fail_with_the_link(net: FakeNet) ->
     send = net.send(0, src=0, dst=2, data=DATA)
     net.run()
     with pytest.raises(RemoteProtocolError, match="'error'"):
-        net.engines[0].on_frame(1, Kind.DONE, {"msg": 1, "code": "mismatch"}, 0.0)
+        net.receive(1, 0, Kind.DONE, {"msg": 1, "code": "mismatch"})
     assert net.engines[0].holds(send)
     assert (0, send) not in net.completed
     net.detect(0, 1, reason="unreachable (control link lost)")
@@ -581,7 +586,7 @@ def test_a_malformed_done_leaves_the_send_to_fail_with_the_link(net: FakeNet) ->
 def test_a_lost_done_is_recovered_only_by_the_link_reset() -> None:
     """The engine trusts the control link to be reliable: a frame lost without the link
     dropping leaves the send waiting, and the reset that a broken link causes fails it."""
-    net = layout(drop=lambda src, dst, kind, meta: kind is Kind.DONE)
+    net = layout(drop=lambda src, dst, frame: isinstance(frame, Done))
     send = net.send(0, src=0, dst=2, data=DATA)
     recv = net.recv(1, src=0, dst=2, nbytes=len(DATA))
     net.run_timers()
@@ -592,9 +597,9 @@ def test_a_lost_done_is_recovered_only_by_the_link_reset() -> None:
     assert failed(net, 0, send).code == "peer_failed"
 
 
-def test_parse_message_reads_what_an_rts_carries() -> None:
-    meta = {"msg": 4, "job": "j", "src": 1, "dst": 2, "tag": 3, "nbytes": 40, "dtype": "f4"}
-    assert parse_message(meta) == Message(job="j", src=1, dst=2, tag=3, nbytes=40, dtype="f4")
+def test_a_message_is_what_an_rts_carries() -> None:
+    rts = Rts(msg=4, job="j", src=1, dst=2, tag=3, nbytes=40, dtype="f4")
+    assert Message.from_rts(rts) == Message(job="j", src=1, dst=2, tag=3, nbytes=40, dtype="f4")
 
 
 # -- property: random traffic, random delivery orders, one random crash -----------------------
@@ -741,6 +746,172 @@ def test_a_second_cts_is_reported_and_does_not_stream_twice() -> None:
     net.recv(1, src=0, dst=2, nbytes=len(DATA))
     net.run()
     assert len(net.streams) == 1
-    again = net.engines[0].on_frame(1, Kind.CTS, {"msg": 1}, 0.0)
+    again = net.engines[0].on_frame(1, Cts(msg=1), 0.0)
     assert not any(isinstance(a, StreamData) for a in again)
     assert any("second CTS" in getattr(a, "message", "") for a in again)
+
+
+# -- the state machines -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("table", "start", "closed", "broken", "abandoned"),
+    [
+        (
+            SEND_TRANSITIONS,
+            SendState.ROUTE,
+            SendState.CLOSED,
+            SendState.BROKEN,
+            SendInput.ABANDONED,
+        ),
+        (
+            RECV_TRANSITIONS,
+            RecvState.POSTED,
+            RecvState.CLOSED,
+            RecvState.BROKEN,
+            RecvInput.ABANDONED,
+        ),
+    ],
+)
+def test_every_state_is_reachable_and_can_end(
+    table: dict, start: object, closed: object, broken: object, abandoned: object
+) -> None:
+    states = {state for state, _ in table} | set(table.values())
+    assert closed in states
+    assert broken not in states  # only an illegal input gets there
+    assert not [key for key in table if key[0] is closed]  # terminal
+    reached, frontier = {start}, [start]
+    while frontier:
+        state = frontier.pop()
+        for (source, _), target in table.items():
+            if source is state and target not in reached:
+                reached.add(target)
+                frontier.append(target)
+    assert reached == states
+    for state in states - {closed}:
+        assert (state, abandoned) in table, state  # a client may leave in any state
+
+
+def test_an_input_the_state_does_not_accept_is_refused() -> None:
+    net = layout(auto_stream=False)
+    send = net.send(0, src=0, dst=2, data=DATA)  # RTS, waiting for its receive
+    recv = net.recv(0, src=2, dst=0, nbytes=4)  # posted
+    net.run()
+    engine = net.engines[0]
+    with pytest.raises(LocalProtocolError, match=r"send \d+ in state RTS cannot take COPIED"):
+        engine.copied(send, recv)
+    assert not engine.holds(send)  # broken: it never moves again, nor matches anything
+    assert engine.holds(recv)
+    with pytest.raises(LocalProtocolError, match="no copy"):
+        engine.copied(send, recv)
+
+
+def test_an_operation_id_is_posted_once(net: FakeNet) -> None:
+    op = net.send(0, src=0, dst=2, data=DATA)
+    engine = net.engines[0]
+    message = Message(job=JOB, src=0, dst=2, tag=0, nbytes=1, dtype="uint8")
+    with pytest.raises(LocalProtocolError, match="already in the engine"):
+        engine.post_send(op, message, 0.0)
+    with pytest.raises(LocalProtocolError, match="already in the engine"):
+        engine.post_recv(op, message, memoryview(bytearray(1)), 0.0)
+    assert engine.pending() == 1
+
+
+@pytest.mark.parametrize("region", [memoryview(bytearray(3)), memoryview(b"four")])
+def test_a_receive_needs_a_writable_region_of_its_size(net: FakeNet, region: memoryview) -> None:
+    message = Message(job=JOB, src=2, dst=0, tag=0, nbytes=4, dtype="uint8")
+    with pytest.raises(LocalProtocolError, match="needs 4 writable bytes"):
+        net.engines[0].post_recv(99, message, region, 0.0)
+    assert net.engines[0].pending() == 0
+
+
+def test_an_rts_that_reuses_a_message_id_is_a_remote_protocol_error(net: FakeNet) -> None:
+    rts = Rts(msg=5, job=JOB, src=0, dst=2, tag=0, nbytes=4, dtype="uint8")
+    engine = net.engines[1]
+    assert engine.on_frame(0, rts, 0.0) == []  # unexpected: waits for its receive
+    with pytest.raises(RemoteProtocolError, match="reused the id of message 5"):
+        engine.on_frame(0, rts, 0.0)
+    recv = net.recv(1, src=0, dst=2, nbytes=4)
+    assert net.of(1, SendFrame)[-1] == SendFrame(node=0, frame=Cts(msg=5))
+    with pytest.raises(RemoteProtocolError, match="reused"):  # and while its bytes land
+        engine.on_frame(0, rts, 0.0)
+    assert engine.on_frame(2, rts, 0.0) == []  # ids are per sending node
+    assert engine.holds(recv)
+    assert engine.statistics().unexpected == 1
+
+
+# -- keyed matching ---------------------------------------------------------------------------
+def test_a_message_meets_the_oldest_receive_of_its_own_key_among_many() -> None:
+    net = layout()
+    for tag in range(1, 200):  # receives on other tags, and sends waiting for other ranks
+        net.recv(1, src=0, dst=2, nbytes=1, tag=tag)
+        net.send(0, src=0, dst=9, data=b"x", tag=tag, job="elsewhere")
+    first = net.recv(1, src=0, dst=2, nbytes=5)
+    second = net.recv(1, src=0, dst=2, nbytes=5)
+    net.run()
+    send = net.send(0, src=0, dst=2, data=b"hello")
+    net.run()
+    assert net.ok(0, send)
+    assert net.region(1, first) == b"hello"
+    assert (1, second) not in net.completed
+    assert net.engines[1].statistics().receives == 199 + 1
+    assert net.engines[0].statistics().unrouted == 199
+
+
+def test_a_receive_abandoned_from_the_middle_of_its_queue_keeps_the_order(net: FakeNet) -> None:
+    recvs = [net.recv(1, src=0, dst=2, nbytes=1) for _ in range(4)]
+    net.abandon(1, [recvs[1]])
+    sends = [net.send(0, src=0, dst=2, data=bytes([i])) for i in range(3)]
+    net.run()
+    assert [net.region(1, op) for op in recvs] == [b"\x00", b"\xee", b"\x01", b"\x02"]
+    assert all(net.ok(0, op) for op in sends)
+
+
+def test_sends_waiting_for_their_rank_go_in_the_order_they_were_posted() -> None:
+    net = FakeNet(2)
+    net.attach(0, 0)
+    sends = [net.send(0, src=0, dst=2, data=bytes([i]) * 3) for i in range(3)]
+    net.run()
+    net.attach(1, 2)
+    recvs = [net.recv(1, src=0, dst=2, nbytes=3) for _ in sends]
+    net.run()
+    assert [net.region(1, op) for op in recvs] == [b"\x00" * 3, b"\x01" * 3, b"\x02" * 3]
+    assert all(net.ok(0, op) for op in sends)
+
+
+# -- rank events and deadlines ----------------------------------------------------------------
+@pytest.mark.parametrize("lost", [True, False])
+def test_only_a_lost_rank_fails_the_sends_announced_to_it(lost: bool) -> None:
+    net = layout(auto_stream=False)
+    announced = net.send(0, src=0, dst=2, data=DATA)
+    net.run()
+    gone = RankLeft(entry=net.members[0].lookup(JOB, 2), reason="it went", lost=lost)  # type: ignore[arg-type]
+    actions = net.engines[0].on_rank_event(gone, net.now)
+    if lost:
+        failure = Failure(code="peer_failed", message="it went", rank=2, node=1)
+        assert actions == [Complete(op=announced, failure=failure)]
+    else:
+        assert actions == []  # its daemon answers the RTS itself
+        assert net.engines[0].holds(announced)
+
+
+def test_a_deadline_at_zero_is_a_deadline() -> None:
+    net = FakeNet(1, route_timeout=0.0)
+    send = net.send(0, src=0, dst=1, data=DATA)
+    assert net.engines[0].next_deadline() == 0.0
+    net.run_timers()
+    assert failed(net, 0, send).code == "no_such_rank"
+
+
+def test_statistics_follow_the_operations(net: FakeNet) -> None:
+    assert net.engines[1].statistics() == MessagingStatistics(
+        sends=0, receives=0, unrouted=0, unexpected=0, transfers=0, bytes_received=0
+    )
+    net.send(0, src=0, dst=2, data=DATA)
+    net.recv(1, src=3, dst=2, nbytes=1)
+    net.send(1, src=2, dst=7, data=b"", job="nowhere")
+    net.run()
+    assert net.engines[1].statistics() == MessagingStatistics(
+        sends=1, receives=1, unrouted=1, unexpected=1, transfers=0, bytes_received=0
+    )
+    net.recv(1, src=0, dst=2, nbytes=len(DATA))
+    net.run()
+    assert net.engines[1].statistics().bytes_received == len(DATA)

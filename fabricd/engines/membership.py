@@ -1,0 +1,224 @@
+"""Membership: which node hosts which rank of which job, and the news when that changes.
+
+Rules: this module keeps the fabric-wide rank table as this daemon knows it, says what to
+ANNOUNCE and to whom, and reports every change as a :class:`RankJoined` or :class:`RankLeft`
+event.  What a change means for messages is not its business: the service hands the events to
+every engine that cares (the point-to-point engine fails what waited for a rank that left).
+
+Theory of operation: a client that connects to its daemon claims ``(job, rank)`` for the job's
+``size`` (:meth:`Membership.attach`); the daemon records the claim and broadcasts an ANNOUNCE,
+and tells a peer that comes up about every local rank (:meth:`Membership.peer_up`).  A client
+that leaves takes its rank with it (:meth:`Membership.detach`, an ANNOUNCE with ``present``
+false: the rank left cleanly); a node that goes down or restarts takes all its ranks
+(:meth:`Membership.peer_down`: they are *lost*, and whatever was on its way to them with it).
+All ranks of a job must agree on its size, and a rank is hosted by exactly one client; a second
+claim is refused with a message that says where the first one lives.  Between daemons the first
+claim wins: a conflicting announcement is ignored with a :class:`Notice` for the operator.
+
+Every lookup, claim and release is O(1); :meth:`Membership.peer_down` is O(ranks of that node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fabricd.engines.actions import Broadcast, Notice, SendFrame
+from fabricd.errors import UsageError
+from fabricd.frames import Announce
+
+RankKey = tuple[str, int]  #: (job, rank)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankEntry:
+    """Where one rank lives."""
+
+    job: str
+    rank: int
+    size: int
+    node: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankJoined:
+    """``entry``'s rank is now reachable on ``entry.node``."""
+
+    entry: RankEntry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankLeft:
+    """``entry``'s rank is gone.
+
+    ``reason`` is a sentence that names the rank (or its node) and says why; it is the message
+    of every operation the departure fails.  ``lost``: its node went down or restarted, so
+    messages already on their way to it are lost too; false: the rank left cleanly, and its
+    daemon answers what was sent to it.
+    """
+
+    entry: RankEntry
+    reason: str
+    lost: bool
+
+
+#: what other engines hear from membership (through the service)
+RankEvent = RankJoined | RankLeft
+Action = SendFrame | Broadcast | Notice | RankJoined | RankLeft
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MembershipStatistics:
+    """What ``fabricctl status`` shows of the rank table."""
+
+    ranks: int  #: ranks known fabric-wide
+    local_ranks: int  #: ranks whose client is connected to this daemon
+    jobs: int  #: jobs with at least one known rank
+
+
+class Membership:
+    """The fabric-wide view of (job, rank) -> node, as daemon ``node`` knows it."""
+
+    def __init__(self, node: int) -> None:
+        self.node = node
+        self._entries: dict[RankKey, RankEntry] = {}
+        self._by_node: dict[int, dict[RankKey, RankEntry]] = {}
+        self._sizes: dict[str, int] = {}  #: job -> its size, while it has a known rank
+        self._counts: dict[str, int] = {}  #: job -> how many of its ranks are known
+
+    # -- local clients ----------------------------------------------------------------------
+    def attach(self, job: str, rank: int, size: int) -> list[Action]:
+        """A local client claims ``rank`` of ``job`` (of ``size`` ranks).
+
+        Returns: the ANNOUNCE for every peer and the :class:`RankJoined` event.
+
+        Raises:
+            UsageError: the rank is outside the job, hosted elsewhere or already connected here,
+                or the size disagrees with the job's; refuse the client with the message.
+        """
+        entry = self._claim(job, rank, size, self.node)
+        return [Broadcast(frame=_announce(entry, present=True)), RankJoined(entry=entry)]
+
+    def detach(self, job: str, rank: int, reason: str) -> list[Action]:
+        """The local client of ``rank`` of ``job`` left, because of ``reason``.
+
+        Returns: the ANNOUNCE (``present`` false) and :class:`RankLeft` (not lost), or nothing
+        when this daemon does not host the rank.
+        """
+        entry = self._release(job, rank, self.node)
+        if entry is None:
+            return []
+        text = f"rank {rank} of job {job!r} disconnected ({reason})"
+        return [
+            Broadcast(frame=_announce(entry, present=False)),
+            RankLeft(entry=entry, reason=text, lost=False),
+        ]
+
+    # -- peers ------------------------------------------------------------------------------
+    def on_announce(self, node: int, frame: Announce) -> list[Action]:
+        """Peer ``node`` announced that one of its ranks arrived or left.
+
+        Returns: :class:`RankJoined` or :class:`RankLeft` when the table changed, nothing for a
+        repeated announcement, a :class:`Notice` for a claim that conflicts with the table.
+        """
+        if not frame.present:
+            entry = self._release(frame.job, frame.rank, node)
+            if entry is None:
+                return []
+            text = f"rank {frame.rank} of job {frame.job!r} on node {node} disconnected"
+            return [RankLeft(entry=entry, reason=text, lost=False)]
+        if self._entries.get((frame.job, frame.rank)) == RankEntry(
+            job=frame.job, rank=frame.rank, size=frame.size, node=node
+        ):
+            return []
+        try:
+            entry = self._claim(frame.job, frame.rank, frame.size, node)
+        except UsageError as exc:
+            return [Notice(message=f"ignored announcement from node {node}: {exc}")]
+        return [RankJoined(entry=entry)]
+
+    def peer_up(self, node: int) -> list[Action]:
+        """``node``'s control link is up: it must hear about every local rank."""
+        return [SendFrame(node=node, frame=_announce(e, present=True)) for e in self.local()]
+
+    def peer_down(self, node: int, reason: str) -> list[Action]:
+        """``node`` is down or restarted (``reason`` says which): its ranks are lost."""
+        gone = sorted(self._by_node.pop(node, {}).values(), key=_order)
+        for entry in gone:
+            self._forget(entry)
+        text = f"node {node} is {reason}"
+        return [RankLeft(entry=entry, reason=text, lost=True) for entry in gone]
+
+    # -- queries ----------------------------------------------------------------------------
+    def lookup(self, job: str, rank: int) -> RankEntry | None:
+        return self._entries.get((job, rank))
+
+    def job_size(self, job: str) -> int | None:
+        """The size every rank of ``job`` agreed on, while any of them is known."""
+        return self._sizes.get(job)
+
+    def local(self) -> list[RankEntry]:
+        """The ranks this node hosts, by job then rank."""
+        return sorted(self._by_node.get(self.node, {}).values(), key=_order)
+
+    def entries(self) -> list[RankEntry]:
+        """Every known rank, by job then rank."""
+        return sorted(self._entries.values(), key=_order)
+
+    def statistics(self) -> MembershipStatistics:
+        return MembershipStatistics(
+            ranks=len(self._entries),
+            local_ranks=len(self._by_node.get(self.node, {})),
+            jobs=len(self._sizes),
+        )
+
+    # -- the table --------------------------------------------------------------------------
+    def _claim(self, job: str, rank: int, size: int, node: int) -> RankEntry:
+        if not 0 <= rank < size:
+            raise UsageError(f"rank {rank} is outside job {job!r} of size {size}")
+        known = self._sizes.get(job)
+        if known is not None and known != size:
+            raise UsageError(
+                f"job {job!r} has size {known} on this fabric, not {size}; "
+                "start every rank with the same WORLD_SIZE"
+            )
+        current = self._entries.get((job, rank))
+        if current is not None and current.node != node:
+            raise UsageError(
+                f"rank {rank} of job {job!r} is already running on node {current.node}"
+            )
+        if current is not None and node == self.node:
+            raise UsageError(f"rank {rank} of job {job!r} is already connected to this daemon")
+        entry = RankEntry(job=job, rank=rank, size=size, node=node)
+        if current is None:
+            self._sizes[job] = size
+            self._counts[job] = self._counts.get(job, 0) + 1
+        self._entries[job, rank] = entry
+        self._by_node.setdefault(node, {})[job, rank] = entry
+        return entry
+
+    def _release(self, job: str, rank: int, node: int) -> RankEntry | None:
+        """Forget ``rank`` of ``job`` if ``node`` hosts it; return what was removed."""
+        entry = self._entries.get((job, rank))
+        if entry is None or entry.node != node:
+            return None
+        hosted = self._by_node[node]
+        del hosted[job, rank]
+        if not hosted:
+            del self._by_node[node]
+        self._forget(entry)
+        return entry
+
+    def _forget(self, entry: RankEntry) -> None:
+        """Drop ``entry`` from the table and its job's count (not from ``_by_node``)."""
+        del self._entries[entry.job, entry.rank]
+        self._counts[entry.job] -= 1
+        if not self._counts[entry.job]:
+            del self._counts[entry.job], self._sizes[entry.job]
+
+
+def _order(entry: RankEntry) -> RankKey:
+    return (entry.job, entry.rank)
+
+
+def _announce(entry: RankEntry, *, present: bool) -> Announce:
+    return Announce(job=entry.job, rank=entry.rank, size=entry.size, present=present)
