@@ -16,7 +16,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from bench import handoff, latency, throughput
+from bench import framecost, handoff, latency, throughput
 from bench.report import Table, dump_json, machine, stderr_progress
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "throughput": throughput.run,
     "throughput-window": functools.partial(throughput.run, window=throughput.WINDOW),
     "latency": latency.run,
+    "framecost": framecost.run,
 }
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import handoff, latency, throughput
+from bench import framecost, handoff, latency, throughput
 from bench.report import Column, Table, fmt_size, median, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,6 +80,19 @@ def test_latency_reports_ratios_and_the_end_to_end_figure() -> None:
     [extra] = table["extras"]
     assert set(extra["figures"]) == {"median", "p99"}
     assert all(value > 0 for value in extra["figures"].values())
+
+
+def test_framecost_reports_the_ratio_against_the_fewest_pending() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "framecost")
+    table = the_table(result, "framecost")
+    assert [row["label"] for row in table["rows"]] == [f"{n} pending" for n in framecost.PENDING]
+    assert_ratios(table)
+    assert table["rows"][0]["ratio"] == 1.0  # the baseline is the first row
+    for row, pending in zip(table["rows"], framecost.PENDING, strict=True):
+        assert row["figures"]["pending"] == pending
+        assert row["figures"]["us"] > 0
+    assert table["target_met"] in (True, False)
+    assert progress.count("[framecost] ") >= len(framecost.PENDING)
 
 
 def test_table_renders_a_ratio_for_every_row() -> None:
