@@ -183,30 +183,40 @@ def test_sighup_stops_a_local_cluster_and_says_how_each_daemon_exited():
         cluster.communicate()
 
 
-def _start_announced(nodes: int, env: dict[str, str]) -> tuple[subprocess.Popen[str], list[dict]]:
-    launcher = subprocess.Popen(
+def _launch(nodes: int, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         [*CTL, "local-cluster", str(nodes), "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
     )
+
+
+def _announced(launcher: subprocess.Popen[str], nodes: int) -> list[dict]:
+    """The node lines a ``local-cluster --json`` prints once its fabric is up."""
     assert launcher.stdout is not None
-    return launcher, [json.loads(launcher.stdout.readline()) for _ in range(nodes)]
+    lines = [launcher.stdout.readline() for _ in range(nodes)]
+    if not all(lines):
+        launcher.kill()
+        pytest.fail(f"local-cluster ended before announcing its nodes:\n{launcher.stderr.read()}")
+    return [json.loads(line) for line in lines]
 
 
 def test_a_killed_local_cluster_leaves_no_daemon_and_its_files_go_next_time(short_tmp):
     env = {**os.environ, "TMPDIR": str(short_tmp)}
-    first, first_nodes = _start_announced(2, env)
+    first = _launch(2, env)
     try:
+        first_nodes = _announced(first, 2)
         first_directory = Path(first_nodes[0]["socket"]).parent
         assert first_directory.parent == short_tmp
         first.kill()
         first.communicate(timeout=30)
         assert wait_exited([node["pid"] for node in first_nodes]) == []
         assert first_directory.is_dir()  # nothing of the launcher ran to remove it
-        second, second_nodes = _start_announced(1, env)
+        second = _launch(1, env)
         try:
+            second_nodes = _announced(second, 1)
             assert not first_directory.exists(), "the next local-cluster removes it"
             second_directory = Path(second_nodes[0]["socket"]).parent
             second.kill()
