@@ -21,6 +21,7 @@ Every lookup, claim and release is O(1); :meth:`Membership.peer_down` is O(ranks
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from fabricd.engines.actions import Broadcast, Notice, SendFrame
 from fabricd.errors import UsageError
@@ -63,6 +64,14 @@ class RankLeft:
 
 #: what other engines hear from membership (through the service)
 RankEvent = RankJoined | RankLeft
+
+
+class Routes(Protocol):
+    """What an engine that only reads the rank table needs of it (:class:`Membership` has it)."""
+
+    def lookup(self, job: str, rank: int, /) -> RankEntry | None: ...
+
+
 Action = SendFrame | Broadcast | Notice | RankJoined | RankLeft
 
 
@@ -99,7 +108,10 @@ class Membership:
         return [Broadcast(frame=_announce(entry, present=True)), RankJoined(entry=entry)]
 
     def detach(self, job: str, rank: int, reason: str) -> list[Action]:
-        """The local client of ``rank`` of ``job`` left, because of ``reason``.
+        """The local client of ``rank`` of ``job`` left.
+
+        ``reason`` is the :attr:`RankLeft.reason`: a sentence that names the rank and says why
+        it left, such as ``"rank 3 of job 'x' disconnected"``.
 
         Returns: the ANNOUNCE (``present`` false) and :class:`RankLeft` (not lost), or nothing
         when this daemon does not host the rank.
@@ -107,10 +119,9 @@ class Membership:
         entry = self._release(job, rank, self.node)
         if entry is None:
             return []
-        text = f"rank {rank} of job {job!r} disconnected ({reason})"
         return [
             Broadcast(frame=_announce(entry, present=False)),
-            RankLeft(entry=entry, reason=text, lost=False),
+            RankLeft(entry=entry, reason=reason, lost=False),
         ]
 
     # -- peers ------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Final, TypeVar
 
 from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
 from fabricd.engines.deadlines import Deadlines
@@ -83,7 +83,7 @@ from fabricd.wire import Kind
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from fabricd.engines.membership import RankEntry, RankEvent
+    from fabricd.engines.membership import RankEntry, RankEvent, Routes
     from fabricd.frames import Data
 
 #: the control frames :meth:`Messaging.on_frame` takes (DATA goes to ``payload_buffer``)
@@ -147,12 +147,6 @@ class MessagingStatistics:
     unexpected: int  #: messages (local sends, remote RTS) waiting for their receive
     transfers: int  #: transfers whose bytes are moving now
     bytes_received: int  #: payload bytes of remote messages that arrived
-
-
-class Routes(Protocol):
-    """Where ranks live, read-only (:class:`~fabricd.engines.membership.Membership`)."""
-
-    def lookup(self, job: str, rank: int, /) -> RankEntry | None: ...
 
 
 _ANNOUNCED: Final = (SendState.RTS, SendState.STREAM)  #: filed in ``_out``

@@ -122,7 +122,8 @@ class FakeNet:
     def detach(self, node: int, rank: int, ops: Iterable[int] = (), job: str = JOB) -> None:
         """The client of ``rank`` left: its operations are abandoned, then its rank goes."""
         self.abandon(node, ops)
-        self.perform(node, self.members[node].detach(job, rank, "client closed"))
+        reason = f"rank {rank} of job {job!r} disconnected"
+        self.perform(node, self.members[node].detach(job, rank, reason))
 
     def abandon(self, node: int, ops: Iterable[int]) -> None:
         self.perform(node, self.engines[node].abandon(list(ops)))

@@ -48,14 +48,10 @@ def test_attach_announces_the_rank_and_reports_it_joined(members: Membership) ->
 
 def test_detach_announces_the_departure_and_reports_a_clean_leave(members: Membership) -> None:
     members.attach("demo", 1, 4)
-    actions = members.detach("demo", 1, "client closed the connection")
+    actions = members.detach("demo", 1, "rank 1 of job 'demo' disconnected")
     assert actions == [
         Broadcast(frame=Announce(job="demo", rank=1, size=4, present=False)),
-        RankLeft(
-            entry=entry(1, HERE),
-            reason="rank 1 of job 'demo' disconnected (client closed the connection)",
-            lost=False,
-        ),
+        RankLeft(entry=entry(1, HERE), reason="rank 1 of job 'demo' disconnected", lost=False),
     ]
     assert members.lookup("demo", 1) is None
     assert members.detach("demo", 1, "again") == []  # idempotent
