@@ -113,6 +113,7 @@ class ErrorCode(enum.StrEnum):
     DAEMON_STOPPING = "daemon_stopping"  #: the daemon is draining
     INTERNAL = "internal"  #: a bug in the daemon (its log has the traceback)
     PROTOCOL = "protocol"  #: the client broke the protocol; the daemon closes the connection
+    REFUSED = "refused"  #: the daemon refused the connection at accept (uid not allowed, full)
     FAILED = "failed"  #: a failure that named no code
     DAEMON_GONE = "daemon_gone"  #: client-side only: the connection to the daemon is gone
 
@@ -125,7 +126,7 @@ def error_for(
         return PeerFailed(message, rank=rank, node=node, code=code)
     if code in (ErrorCode.USAGE, ErrorCode.MISMATCH):
         return UsageError(message)
-    if code in (ErrorCode.DAEMON_GONE, ErrorCode.PROTOCOL):
+    if code in (ErrorCode.DAEMON_GONE, ErrorCode.PROTOCOL, ErrorCode.REFUSED):
         return DaemonUnavailable(message)
     return OperationFailed(message, code=code)
 

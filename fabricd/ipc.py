@@ -1,15 +1,26 @@
 """The client socket: where it lives, who may use it, and the daemon's side of it.
 
 Clients talk to their daemon over a Unix stream socket with the same frames as the network
-(:mod:`fabricd.wire`): REQUEST frames ``{"id", "op", ...}`` one way and REPLY frames
-``{"id", "ok", ...}`` the other (docs/protocol.md lists the ops).  Frames on this socket carry
-no payload: tensor bytes stay in shared memory, and a request that brings segment fds says how
-many in its ``fds`` field and passes them with SCM_RIGHTS in the same ``sendmsg``.
+(:mod:`fabricd.wire`): REQUEST frames ``{"id", "op", ...}`` one way, and REPLY frames
+``{"id", "ok", ...}`` and EVENT frames ``{"event", ...}`` (news the daemon pushes, at any moment)
+the other (docs/protocol.md lists the ops and events).  Frames on this socket carry no payload:
+tensor bytes stay in shared memory, and a request that brings segment fds says how many in its
+``fds`` field and passes them with SCM_RIGHTS in the same ``sendmsg``.
+
+Where the socket is: a daemon listens where its config says, by default on
+:func:`default_socket_path`; a client that is not told (``$FABRICD_SOCKET``, ``socket_path=``)
+tries each of :func:`socket_candidates`, the user's own runtime directory and then the system
+location, so a user finds both a daemon of their own and the systemd one.
 
 Access control (RELIABILITY S5): the socket file is mode 0660 inside a runtime directory the
 operator restricts (0750 under systemd), it is always a filesystem path (abstract sockets have
 no permissions), and every connection's SO_PEERCRED uid/gid is checked against the allow-list
 before a single byte of it is read; refusals are logged with the peer's pid, uid and gid.
+
+The daemon never hangs up on a client without saying why, when it can: a client refused at
+accept, or closed for breaking the protocol, is first sent a closing EVENT
+``{"event": "closing", "code", "error"}`` (best effort, without blocking), so the client raises
+the daemon's reason instead of guessing one.
 
 The daemon reads with ``recvmsg`` from the event loop's reader callback (asyncio streams cannot
 receive fds) and writes replies without blocking; a client that stops reading its replies is
@@ -30,24 +41,30 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
-from fabricd.errors import ConfigError, ProtocolError
+from fabricd.errors import ConfigError, ErrorCode, LocalProtocolError, ProtocolError
 from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, Limits, Meta, encode_head
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping
 
 log = logging.getLogger("fabricd.ipc")
 
 #: what the daemon accepts from a client: small requests, never a payload
 REQUEST_LIMITS: Final = Limits(max_meta=16 * 1024, max_payload=0, kinds=frozenset({Kind.REQUEST}))
-#: what a client accepts from the daemon: replies (status replies can list many peers)
+#: what a client accepts from the daemon: replies (status replies can list many peers), events
 REPLY_LIMITS: Final = Limits(
     max_meta=4 * 1024 * 1024,
     max_payload=0,
     max_array=65536,
     max_map=4096,
-    kinds=frozenset({Kind.REPLY}),
+    kinds=frozenset({Kind.REPLY, Kind.EVENT}),
 )
+#: the event the daemon sends just before it closes a connection: ``code`` and ``error`` say why
+CLOSING_EVENT: Final = "closing"
+#: the longest ``error`` of a closing event, in characters (a client decodes str up to 4096 B)
+MAX_CLOSING_REASON: Final = 1000
+#: the longest job name, in characters, that ``hello`` accepts
+MAX_JOB_NAME: Final = 200
 MAX_FDS_PER_REQUEST: Final = 4
 MAX_PENDING_FDS: Final = 16
 MAX_OUTBOUND: Final = 8 * 1024 * 1024
@@ -58,14 +75,30 @@ _SO_PEERGROUPS: Final = getattr(socket, "SO_PEERGROUPS", 59)
 _MAX_GROUPS: Final = 1024
 
 
-def default_socket_path() -> str:
-    """The socket when neither config nor ``$FABRICD_SOCKET`` names one.
+#: where the system's daemon (systemd's, or one root started) listens; tests point it elsewhere
+SYSTEM_SOCKET = "/run/fabricd/fabricd.sock"
 
-    Root (and systemd) use ``/run/fabricd/fabricd.sock``; other users their own runtime dir.
+
+def socket_candidates() -> tuple[str, ...]:
+    """Where a client looks for its daemon when nothing names the socket, in order.
+
+    A non-root user with ``$XDG_RUNTIME_DIR`` first tries ``$XDG_RUNTIME_DIR/fabricd/fabricd.sock``
+    (a daemon of their own), then :data:`SYSTEM_SOCKET` (the one systemd runs for everybody):
+    looking only in the runtime dir would miss the system daemon.  Root has no runtime-dir daemon.
     """
-    if os.geteuid() == 0 or not os.environ.get("XDG_RUNTIME_DIR"):
-        return "/run/fabricd/fabricd.sock"
-    return os.path.join(os.environ["XDG_RUNTIME_DIR"], "fabricd", "fabricd.sock")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if os.geteuid() == 0 or not runtime:
+        return (SYSTEM_SOCKET,)
+    return (os.path.join(runtime, "fabricd", "fabricd.sock"), SYSTEM_SOCKET)
+
+
+def default_socket_path() -> str:
+    """Where a daemon listens when neither its config nor ``$FABRICD_SOCKET`` names a socket.
+
+    The first of :func:`socket_candidates`: root (and systemd) use :data:`SYSTEM_SOCKET`, other
+    users their own runtime dir, where their clients look first.
+    """
+    return socket_candidates()[0]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,10 +177,39 @@ class IpcConnection:
     def reply_error(self, request_id: int, code: str, message: str) -> None:
         self.reply({"id": request_id, "ok": False, "code": code, "error": message})
 
-    def close(self, reason: str) -> None:
-        """Disconnect the client; its session is released through ``client_gone``."""
+    def push(self, event: str, fields: Mapping[str, object]) -> None:
+        """Queue an EVENT frame ``{"event": event, **fields}`` for the client.
+
+        Events share the replies' outbound bound: a client that reads neither is disconnected
+        once ``MAX_OUTBOUND`` bytes wait for it.  The client library queues events for
+        ``Client.poll()`` (docs/protocol.md, "Events").
+
+        Raises:
+            LocalProtocolError: the event is ``closing`` (:meth:`close` sends that one),
+                ``fields`` has an ``event`` key, or it is over the client's limits (a daemon
+                bug; nothing is queued).
+        """
+        if event == CLOSING_EVENT or "event" in fields:
+            raise LocalProtocolError(f"cannot push event {event!r} with fields {sorted(fields)}")
         if self.closed:
             return
+        self._out += encode_head(Kind.EVENT, {"event": event, **fields}, limits=REPLY_LIMITS)
+        self._flush()
+
+    def close(self, reason: str, *, code: ErrorCode | None = ErrorCode.PROTOCOL) -> None:
+        """Disconnect the client; its session is released through ``client_gone``.
+
+        With a ``code`` (by default ``protocol``: the client broke the protocol) the client is
+        told why first, with a closing EVENT written behind what is still queued for it, without
+        blocking and on a best-effort basis: what the socket does not take at once is dropped.
+        ``code=None`` closes without a word, for a client that left or cannot be written to.
+        """
+        if self.closed:
+            return
+        if code is not None:
+            self._out += closing_frame(code, reason)
+            with contextlib.suppress(OSError):
+                self._sock.send(self._out)
         self.close_reason = reason
         self._loop.remove_reader(self._sock.fileno())
         if self._writing:
@@ -163,14 +225,14 @@ class IpcConnection:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            self.close(f"read failed: {exc.strerror}")
+            self.close(f"read failed: {exc.strerror}", code=None)
             return
         self._collect_fds(ancdata)
         if flags & socket.MSG_CTRUNC:
             self.close(f"protocol error: more than {MAX_FDS_PER_REQUEST} fds in one message")
             return
         if not data:
-            self.close("disconnected")
+            self.close("disconnected", code=None)
             return
         try:
             self._decoder.feed(data)
@@ -207,11 +269,11 @@ class IpcConnection:
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError as exc:
-            self.close(f"write failed: {exc.strerror}")
+            self.close(f"write failed: {exc.strerror}", code=None)
             return
         del self._out[:sent]
         if len(self._out) > MAX_OUTBOUND:
-            self.close(f"client is not reading its replies ({len(self._out)} B queued)")
+            self.close(f"client is not reading its replies ({len(self._out)} B queued)", code=None)
         elif self._out and not self._writing:
             self._writing = True
             self._loop.add_writer(self._sock.fileno(), self._on_writable)
@@ -309,16 +371,31 @@ class IpcServer:
         creds = peer_credentials(conn)
         allowed = creds.allowed(self.allowed_uids, self.allowed_gids)
         if not allowed or len(self.connections) >= self.max_clients:
-            why = "not in allowed_uids/allowed_gids" if not allowed else "max_clients reached"
-            log.warning(
-                "refused client pid=%d uid=%d gid=%d: %s", creds.pid, creds.uid, creds.gid, why
-            )
-            self.refused += 1
-            conn.close()
+            self._refuse(conn, creds, allowed=allowed)
             return
         cid = next(self._ids)
         self.connections[cid] = IpcConnection(cid, conn, creds, self)
         log.debug("client %d connected: pid=%d uid=%d gid=%d", cid, creds.pid, creds.uid, creds.gid)
+
+    def _refuse(self, conn: socket.socket, creds: Credentials, *, allowed: bool) -> None:
+        """Log, count and close a client it does not admit, telling it why first."""
+        why = "not in allowed_uids/allowed_gids" if not allowed else "max_clients reached"
+        log.warning("refused client pid=%d uid=%d gid=%d: %s", creds.pid, creds.uid, creds.gid, why)
+        self.refused += 1
+        if not allowed:
+            reason = (
+                f"uid {creds.uid} (gid {creds.gid}) may not use this daemon: it admits root, its "
+                "own uid and gid, and its allowed_uids/allowed_gids; ask its operator to add "
+                "your uid or one of your groups"
+            )
+        else:
+            reason = (
+                f"the daemon already serves max_clients ({self.max_clients}) clients; try again "
+                "when one has left, or raise max_clients in its config"
+            )
+        with contextlib.suppress(OSError):  # non-blocking: a full socket just gets no reason
+            conn.send(closing_frame(ErrorCode.REFUSED, reason))
+        conn.close()
 
     def forget(self, conn: IpcConnection) -> None:
         if self.connections.pop(conn.id, None) is None:
@@ -341,4 +418,14 @@ class IpcServer:
         """Stop accepting, disconnect every client, and remove the socket file."""
         self.stop_accepting()
         for conn in list(self.connections.values()):
-            conn.close("daemon stopping")
+            conn.close("daemon stopping", code=ErrorCode.DAEMON_STOPPING)
+
+
+def closing_frame(code: ErrorCode, reason: str) -> bytes:
+    """The closing EVENT ``{"event": "closing", "code": code, "error": reason}``, as bytes.
+
+    The reason is cut to :data:`MAX_CLOSING_REASON` characters: it may quote what the client
+    sent, and it must stay within what a client decodes.
+    """
+    meta = {"event": CLOSING_EVENT, "code": str(code), "error": reason[:MAX_CLOSING_REASON]}
+    return encode_head(Kind.EVENT, meta, limits=REPLY_LIMITS)

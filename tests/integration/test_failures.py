@@ -17,8 +17,9 @@ import pytest
 
 import fabricd
 from fabricd.daemon.launcher import FAST_LIVENESS
+from fabricd.ipc import REPLY_LIMITS
 from fabricd.shm import Segment
-from fabricd.wire import Kind, encode
+from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, encode
 from tests.integration.ranks import join_and_wait, recv_expecting_failure, send_forever
 
 D = FAST_LIVENESS["down_after"]
@@ -75,6 +76,20 @@ def test_hung_daemon_is_detected_by_silence(make_cluster, spawn, queue):
         cluster.kill(1, signal.SIGCONT)
 
 
+def _told_why_and_closed(sock: socket.socket) -> dict[str, object]:
+    """Read to the end: the daemon must send one closing event, then close."""
+    decoder, frames = Decoder(REPLY_LIMITS), []
+    while data := sock.recv(4096):
+        decoder.feed(data)
+        while (item := decoder.next_event()) is not NEED_DATA:
+            if isinstance(item, Frame):
+                frames.append((item.kind, item.meta))
+    assert len(frames) == 1, frames
+    assert frames[0][0] is Kind.EVENT
+    assert frames[0][1]["event"] == "closing"
+    return frames[0][1]
+
+
 def test_garbage_on_the_client_socket_closes_only_that_client(make_cluster):
     cluster = make_cluster(1)
     path = cluster.nodes[0].socket_path
@@ -84,12 +99,14 @@ def test_garbage_on_the_client_socket_closes_only_that_client(make_cluster):
                 bad.settimeout(5)
                 bad.connect(path)
                 bad.sendall(junk)
-                assert bad.recv(100) == b"", "the daemon must close a connection that sent junk"
+                closing = _told_why_and_closed(bad)  # the daemon closes a connection that sent junk
+                assert closing["code"] == "protocol"
+                assert str(closing["error"]).startswith("protocol error: ")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as bad:  # a malformed request
             bad.settimeout(5)
             bad.connect(path)
             bad.sendall(encode(Kind.REQUEST, {"id": "x", "op": 5}))
-            assert bad.recv(100) == b""
+            assert _told_why_and_closed(bad)["code"] == "protocol"
         sent, got = good.array("a", (10,), "int64"), good.array("b", (10,), "int64")
         sent[:] = np.arange(10)
         pending = good.send_async(sent, to=0)  # a rank may message itself through its daemon
