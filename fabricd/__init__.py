@@ -13,7 +13,7 @@ Every error fabricd raises on purpose is a :class:`FabricError`.
 
 from __future__ import annotations
 
-from fabricd.client import Client, Completion, Handle, connect
+from fabricd.client import Client, Completion, Event, Handle, connect
 from fabricd.errors import (
     ConfigError,
     DaemonUnavailable,
@@ -34,6 +34,7 @@ __all__ = [
     "Completion",
     "ConfigError",
     "DaemonUnavailable",
+    "Event",
     "FabricError",
     "Handle",
     "OperationFailed",

@@ -251,7 +251,7 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
 filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
 import fabricd
 with fabricd.connect(socket_path=sys.argv[1]) as control:
-    assert control._sock.fileno() >= 1024, control._sock.fileno()
+    assert control._connection._sock.fileno() >= 1024, control._connection._sock.fileno()
     print(control.status()["node"])
 """
 

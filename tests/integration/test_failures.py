@@ -127,7 +127,7 @@ def test_requests_with_wrong_fields_get_clear_errors_and_the_client_goes_on(make
             fab.array("s", (4,), "U8")
         with pytest.raises(fabricd.UsageError, match="already exists"):
             fab.array("a", (5,), "float32")
-        seg = fab._segments["a"].seg
+        seg, _ = fab._arrays.locate(fab.array("a", (4,), "float32"))
         bad_requests = [
             (
                 {"seg": seg, "off": 8, "nbytes": 16, "dtype": "float32", "peer": 1, "tag": 0},

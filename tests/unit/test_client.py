@@ -1,11 +1,28 @@
-"""The client library's own checks, which need no daemon."""
+"""The client library's own checks, which need no daemon (a fake one at most)."""
 
 from __future__ import annotations
 
+import os
+import pwd
+import re
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
 import pytest
+from fakedaemon import FakeDaemon
 
 import fabricd
-from fabricd.client import connect
+from fabricd import ipc
+from fabricd.client import checks, connect
+from fabricd.dtypes import ITEMSIZE
+from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, encode
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def test_no_daemon_says_which_socket_and_how_to_start_one(tmp_path):
@@ -65,3 +82,235 @@ def test_a_daemon_that_hangs_up_at_once_is_explained(tmp_path):
         server.close()
     assert "allowed_uids" in str(refused.value)
     assert path in str(refused.value)
+
+
+def test_a_daemon_that_says_why_it_hangs_up_is_quoted_not_guessed_at(tmp_path):
+    import socket
+    import threading
+
+    from fabricd.errors import ErrorCode
+    from fabricd.ipc import closing_frame
+
+    path = str(tmp_path / "refusing.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def refuse() -> None:  # what the daemon does at accept with a uid it does not admit
+        conn, _ = server.accept()
+        conn.sendall(closing_frame(ErrorCode.REFUSED, "uid 4242 (gid 4242) may not use this"))
+        conn.close()
+
+    thread = threading.Thread(target=refuse)
+    thread.start()
+    try:
+        with pytest.raises(fabricd.DaemonUnavailable) as refused:
+            connect(socket_path=path, timeout=5)
+    finally:
+        thread.join(5)
+        server.close()
+    assert "uid 4242 (gid 4242) may not use this" in str(refused.value)
+    assert path in str(refused.value)
+    assert "may have refused" not in str(refused.value)
+
+
+# -- arguments are checked before anything is sent ----------------------------------------------
+
+
+@pytest.fixture
+def fake():
+    """A fake daemon (stopped at teardown) and a client of job "j", rank 0 of 2, on it."""
+    daemon = FakeDaemon()
+    client = daemon.client(checks.membership("j", 0, 2))
+    yield daemon, client
+    client.close()
+    daemon.stop()
+
+
+def test_numpy_integers_are_taken_where_ints_are(fake):
+    daemon, fab = fake
+    array = fab.array("a", (np.int64(2), np.uint8(2)), "float32")
+    done = fab.send(array, to=np.int64(1), tag=np.int32(7), timeout=5)
+    assert done == fabricd.Completion(peer=1, tag=7, nbytes=16)
+    sent = daemon.requests[-1]
+    assert (sent["op"], sent["peer"], sent["tag"]) == ("send", 1, 7)
+    assert type(sent["peer"]) is int
+    assert fab.recv(array[0, :1], src=np.intp(1), timeout=5).nbytes == 4
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda fab, a: fab.send(a, to=1.0), "to must be an int rank in 0..1, not float 1.0"),
+        (lambda fab, a: fab.send(a, to=True), "to must be an int rank in 0..1, not a bool"),
+        (lambda fab, a: fab.send(a, to=np.bool_(True)), "to must be an int rank"),
+        (lambda fab, a: fab.send(a, to="1"), "to must be an int rank in 0..1, not str '1'"),
+        (lambda fab, a: fab.send(a, to=2), "rank 2 is outside job 'j' of size 2"),
+        (lambda fab, a: fab.recv(a, src=np.float64(1)), "src must be an int rank"),
+        (lambda fab, a: fab.send_async(a, 1, tag="x"), "tag must be an int in 0..2147483647"),
+        (lambda fab, a: fab.recv_async(a, 1, tag=2**31), "tag 2147483648 is outside"),
+        (lambda fab, a: fab.send(a, to=1, tag=1.5), "tag must be an int"),
+        (lambda fab, a: fab.send(a.tolist(), to=1), "numpy arrays made by fab.array"),
+    ],
+)
+def test_wrong_send_and_recv_arguments_never_reach_the_daemon(fake, call, message):
+    daemon, fab = fake
+    array = fab.array("a", (4,), "float32")
+    with pytest.raises(fabricd.UsageError, match=re.escape(message)):
+        call(fab, array)
+    assert not {"send", "recv"} & set(daemon.ops())
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "message"),
+    [
+        ((4,), "flaot32", "dtype str 'flaot32' is not supported; use one of bool, int8"),
+        ((4,), None, "dtype NoneType None is not supported"),
+        ((4,), "U8", "is not supported"),
+        ((4,), ">f4", "is not supported"),  # not in this machine's byte order
+        ((4.0,), "float32", "each dimension of shape must be an int, not float 4.0"),
+        ((True, 2), "float32", "each dimension of shape must be an int, not a bool"),
+        ("12", "float32", "shape must be an int or a sequence of ints, not str '12'"),
+        (2.5, "float32", "shape must be an int or a sequence of ints, not float 2.5"),
+        ((2, -1), "float32", "shape (2, -1) has a negative dimension"),
+    ],
+)
+def test_wrong_array_arguments_never_reach_the_daemon(fake, shape, dtype, message):
+    daemon, fab = fake
+    with pytest.raises(fabricd.UsageError, match=re.escape(message)):
+        fab.array("b", shape, dtype)
+    assert "attach" not in daemon.ops()
+
+
+def test_arrays_take_every_dtype_fabricd_moves_by_name_or_type(fake):
+    _, fab = fake
+    for dtype in ITEMSIZE:
+        assert fab.array(dtype, (np.int16(3),), np.dtype(dtype)).dtype.name == dtype
+    assert fab.array("by-type", 2, np.float16).dtype == np.float16
+    with pytest.raises(fabricd.UsageError, match="an array's name must be a non-empty str"):
+        fab.array("", 2)
+
+
+@pytest.mark.parametrize(
+    ("job", "rank", "size", "message"),
+    [
+        ("x" * 201, 0, 1, "job must be a str of 1..200 characters, not one of 201"),
+        ("", 0, 1, "job must be a str of 1..200 characters, not one of 0"),
+        (b"job", 0, 1, "job must be a str of 1..200 characters, not bytes b'job'"),
+        ("j", 1.0, 2, "rank must be an int in 0..1, not float 1.0"),
+        ("j", True, 2, "rank must be an int in 0..1, not a bool"),
+        ("j", 0, "2", "size must be an int in 1..2147483648, not str '2'"),
+        ("j", 0, 0, "size 0 is outside 1..2147483648"),
+        ("j", 2, 2, "rank 2 is outside a job of size 2"),
+    ],
+)
+def test_a_wrong_job_is_refused_before_any_socket_is_tried(tmp_path, job, rank, size, message):
+    with pytest.raises(fabricd.UsageError, match=re.escape(message)):
+        connect(job=job, rank=rank, size=size, socket_path=str(tmp_path / "absent.sock"))
+
+
+def test_numpy_ranks_and_sizes_join(tmp_path):
+    with pytest.raises(fabricd.DaemonUnavailable):  # past every check: on to the socket
+        connect(job="j" * 200, rank=np.int64(1), size=np.int32(2), socket_path=str(tmp_path))
+
+
+# -- where the socket is ------------------------------------------------------------------------
+
+
+def test_a_named_socket_is_the_only_one_tried(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setattr(ipc, "SYSTEM_SOCKET", str(tmp_path / "system.sock"))
+    monkeypatch.setenv("FABRICD_SOCKET", str(tmp_path / "from-env.sock"))
+    with pytest.raises(fabricd.DaemonUnavailable) as from_env:
+        connect()
+    with pytest.raises(fabricd.DaemonUnavailable) as given:
+        connect(socket_path=str(tmp_path / "given.sock"))
+    for raised, name in ((from_env, "from-env.sock"), (given, "given.sock")):
+        tried = str(raised.value).split(". Start one")[0]
+        assert (
+            tried == f"no fabricd daemon answers on {tmp_path / name} (No such file or directory)"
+        )
+
+
+def _as_a_user(child: Callable[[], str]) -> str:
+    """Run ``child`` in a forked process as a user that is not root (nobody, when run as root).
+
+    Returns what it returned, or its exception as text.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        try:
+            if os.geteuid() == 0:
+                nobody = pwd.getpwnam("nobody")
+                os.setgroups([])
+                os.setgid(nobody.pw_gid)
+                os.setuid(nobody.pw_uid)
+            answer = child()
+        except BaseException as exc:
+            answer = f"{type(exc).__name__}: {exc}"
+        os.write(write_end, answer.encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as report:
+        answer = report.read().decode()
+    os.waitpid(pid, 0)
+    return answer
+
+
+@pytest.fixture
+def open_dir():
+    """A directory every user can enter (pytest's tmp dirs are 0700), removed at teardown."""
+    path = Path(tempfile.mkdtemp(prefix="fabricd-discovery-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_a_user_tries_their_runtime_dir_then_the_system_socket(open_dir, monkeypatch):
+    monkeypatch.delenv("FABRICD_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(open_dir / "runtime"))
+    monkeypatch.setattr(ipc, "SYSTEM_SOCKET", str(open_dir / "system" / "fabricd.sock"))
+    answer = _as_a_user(lambda: str(connect()))
+    assert answer.startswith("DaemonUnavailable: no fabricd daemon answers on ")
+    runtime = answer.index(str(open_dir / "runtime" / "fabricd" / "fabricd.sock"))
+    assert runtime < answer.index(f"or {open_dir / 'system' / 'fabricd.sock'} (")
+    assert "fabricctl local-cluster" in answer
+
+
+def test_a_user_finds_a_daemon_at_the_system_socket(open_dir, monkeypatch):
+    system = open_dir / "fabricd.sock"
+    monkeypatch.delenv("FABRICD_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(open_dir / "runtime"))
+    monkeypatch.setattr(ipc, "SYSTEM_SOCKET", str(system))
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(system))
+    system.chmod(0o666)
+    server.listen(1)
+
+    def child() -> str:
+        with connect() as control:
+            return f"{control.socket_path} node {control.node}"
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        server.close()
+        os.close(read_end)
+        os.write(write_end, _as_a_user(child).encode())
+        os._exit(0)
+    os.close(write_end)
+    conn, _ = server.accept()  # the parent plays the daemon: one hello, answered
+    server.close()
+    conn.settimeout(10)
+    decoder = Decoder(ipc.REQUEST_LIMITS)
+    while not isinstance(hello := decoder.next_event(), Frame):
+        if hello is NEED_DATA:
+            decoder.feed(conn.recv(4096))
+    conn.sendall(encode(Kind.REPLY, {"id": hello.meta["id"], "ok": True, "node": 3, "nodes": 4}))
+    with os.fdopen(read_end, "rb") as report:
+        answer = report.read().decode()
+    os.waitpid(pid, 0)
+    conn.close()
+    assert hello.meta["op"] == "hello"
+    assert answer == f"{system} node 3"

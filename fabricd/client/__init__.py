@@ -1,0 +1,268 @@
+"""The client library: what a training process imports to talk to its node's daemon.
+
+>>> import fabricd
+>>> with fabricd.connect(job="demo") as fab:           # rank/size also from RANK/WORLD_SIZE
+...     g = fab.array("grad", (1024,), "float32")      # numpy view of a shared-memory segment
+...     fab.send(g, to=1)                              # or fab.recv(g, src=1)
+
+Arrays live in sealed memfd segments (:mod:`fabricd.shm`) that the daemon maps too, so a send
+or receive passes only (segment, offset, length, dtype) over the socket; the daemon reads and
+writes the array's memory directly.
+
+Layers, one module each:
+
+* :mod:`~fabricd.client.protocol`: the client socket's rules, sans-IO (bytes in; replies and
+  events out);
+* :mod:`~fabricd.client.connection`: the socket, SCM_RIGHTS, and the hand-off between threads;
+* :mod:`~fabricd.client.arrays`: the shared-memory arrays of ``fab.array()``;
+* one facet per engine of the daemon, reached through :class:`Client`: today
+  :mod:`~fabricd.client.p2p` (``fab.p2p``; ``fab.send`` and ``fab.recv`` are its shortcuts);
+* :mod:`~fabricd.client.checks`: every argument is checked before anything is sent.
+
+The client is synchronous and thread-safe, with no thread of its own: one waiting thread at a
+time reads from the socket and completes whichever handles the replies belong to, while the
+others wait to be told; sends never wait behind a read.
+
+Events: the daemon may push news (EVENT frames, docs/protocol.md §4) at any moment.  Whichever
+thread is reading queues them; :meth:`Client.poll` returns them (and reads what has arrived).
+The last one a connection gets may be ``closing``: the daemon's reason for hanging up, which
+is also what every pending call then raises.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from fabricd.client import checks
+from fabricd.client.arrays import SharedArrays
+from fabricd.client.connection import Connection
+from fabricd.client.handle import Handle
+from fabricd.client.p2p import Completion, PointToPoint
+from fabricd.client.protocol import Event
+from fabricd.errors import DaemonUnavailable, Timeout, UsageError
+from fabricd.ipc import socket_candidates
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from types import TracebackType
+
+    import numpy as np
+
+    from fabricd.wire import Meta
+
+__all__ = ["Client", "Completion", "Event", "Handle", "connect"]
+
+
+class Client:
+    """A connection to the local daemon.  Make one with :func:`connect`.
+
+    Attributes:
+        socket_path: the socket it is connected to.
+        job: the job it joined, or ``None`` for a control client (status, config only).
+        node, nodes: this daemon's node id and the number of nodes of the fabric.
+        p2p: the point-to-point facet (send, recv and their ``_async`` forms).
+    """
+
+    def __init__(
+        self, connection: Connection, job: checks.Membership | None, timeout: float
+    ) -> None:
+        self.socket_path = connection.path
+        self.job = job.job if job is not None else None
+        self._connection = connection
+        self._membership = job
+        fields: dict[str, Any] = {"pid": os.getpid()}
+        if job is not None:
+            fields.update(job=job.job, rank=job.rank, size=job.size)
+        try:
+            hello = self._call("hello", timeout=timeout, **fields)
+        except DaemonUnavailable as exc:
+            connection.close()
+            if connection.closing is not None:  # the daemon said why: that is the error
+                raise
+            raise DaemonUnavailable(
+                f"{exc}. A daemon that hangs up at once without a reason may have refused this "
+                f"process: its uid {os.getuid()} and groups must be in the daemon's "
+                "allowed_uids/allowed_gids (or in its group); the daemon's log names the "
+                "refused pid"
+            ) from None
+        except BaseException:
+            connection.close()
+            raise
+        self.node: int = hello["node"]
+        self.nodes: int = hello["nodes"]
+        self._arrays = SharedArrays(connection)
+        self.p2p = PointToPoint(connection, self._arrays, job)
+
+    # -- identity ---------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the job."""
+        return self._joined().rank
+
+    @property
+    def size(self) -> int:
+        """The number of ranks in the job."""
+        return self._joined().size
+
+    def _joined(self) -> checks.Membership:
+        if self._membership is None:
+            raise UsageError("this client joined no job; pass job= to fabricd.connect()")
+        return self._membership
+
+    # -- arrays -----------------------------------------------------------------------------
+    def array(
+        self, name: str, shape: int | Sequence[int], dtype: Any = "float32"
+    ) -> np.ndarray[Any, Any]:
+        """A zero-filled numpy array in shared memory that the daemon can move directly.
+
+        Asking again for the same name returns the same array (shape and dtype must agree).
+
+        Raises:
+            UsageError: a name that is not a non-empty str, a shape that is not ints >= 0, a
+                dtype not in :mod:`fabricd.dtypes`, or a name reused with another layout.
+        """
+        return self._arrays.create(name, shape, dtype)
+
+    # -- point to point (shortcuts to the p2p facet) ----------------------------------------
+    def send(
+        self, array: np.ndarray[Any, Any], to: int, tag: int = 0, *, timeout: float | None = None
+    ) -> Completion:
+        """Send ``array`` to rank ``to``; returns once the receiver has all of it."""
+        return self.p2p.send(array, to, tag, timeout=timeout)
+
+    def recv(
+        self, array: np.ndarray[Any, Any], src: int, tag: int = 0, *, timeout: float | None = None
+    ) -> Completion:
+        """Receive from rank ``src`` into ``array`` (same byte size and dtype as sent)."""
+        return self.p2p.recv(array, src, tag, timeout=timeout)
+
+    def send_async(self, array: np.ndarray[Any, Any], to: int, tag: int = 0) -> Handle[Completion]:
+        """Start a send; leave ``array`` unchanged until the handle is done."""
+        return self.p2p.send_async(array, to, tag)
+
+    def recv_async(self, array: np.ndarray[Any, Any], src: int, tag: int = 0) -> Handle[Completion]:
+        """Start a receive; don't read ``array`` until the handle is done."""
+        return self.p2p.recv_async(array, src, tag)
+
+    # -- control ----------------------------------------------------------------------------
+    def status(self, timeout: float = 10.0) -> Meta:
+        """The daemon's status (what ``fabricctl status`` prints)."""
+        return self._call("status", timeout=timeout)
+
+    def config(self, timeout: float = 10.0) -> Meta:
+        """The daemon's effective configuration with each value's source."""
+        result: Meta = self._call("config", timeout=timeout)["config"]
+        return result
+
+    def poll(self, timeout: float | None = 0.0) -> list[Event]:
+        """The events the daemon pushed, oldest first, waiting up to ``timeout`` s for one.
+
+        Events that arrive while any thread waits for a reply are read and kept for this call
+        (up to 10,000; past that the oldest are dropped and counted in
+        :attr:`events_dropped`).  ``timeout=0`` reads what has already arrived and never
+        blocks; ``None`` waits until an event comes.  Returns ``[]`` if none came in time.
+
+        Raises:
+            DaemonUnavailable: the connection has ended and every event was taken (with the
+                daemon's reason when it gave one; its code may map to another error).
+        """
+        return self._connection.poll(timeout)
+
+    @property
+    def events_dropped(self) -> int:
+        """Events dropped because nobody called :meth:`poll` while 10,000 were queued."""
+        return self._connection.events_dropped
+
+    def _call(
+        self, op: str, *, timeout: float | None = 10.0, fds: Sequence[int] = (), **fields: Any
+    ) -> Meta:
+        """Send one request and wait for its reply's fields (the failure raised as its error)."""
+        call = self._connection.submit(op, fields, fds=fds)
+        return self._connection.wait(call, timeout).result(op)
+
+    # -- the end ----------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether the connection is closed (by :meth:`close`, or because the daemon went)."""
+        return self._connection.closed
+
+    def close(self) -> None:
+        """Disconnect; the daemon releases this client's segments and operations.
+
+        Every call still pending raises ``DaemonUnavailable``; arrays stay usable in this
+        process.
+        """
+        self._connection.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _env_int(value: object, name: str) -> object:
+    """``value``, or ``$name`` parsed as an int when ``value`` is None."""
+    if value is not None:
+        return value
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"${name}={raw!r} is not an integer") from None
+
+
+def _socket_paths(socket_path: str | None = None) -> tuple[str, ...]:
+    """Where :func:`connect` looks for the daemon, in order.
+
+    ``socket_path``, else ``$FABRICD_SOCKET``, alone; else :func:`fabricd.ipc.socket_candidates`
+    (the user's runtime dir, then the system location).
+    """
+    explicit = socket_path or os.environ.get("FABRICD_SOCKET")
+    return (explicit,) if explicit else socket_candidates()
+
+
+def connect(
+    job: str | None = None,
+    rank: int | None = None,
+    size: int | None = None,
+    *,
+    socket_path: str | None = None,
+    timeout: float = 10.0,
+) -> Client:
+    """Connect to the local daemon and, with ``job``, join it as ``rank`` of ``size``.
+
+    ``rank`` and ``size`` default to ``$RANK`` and ``$WORLD_SIZE`` (as torchrun sets them), the
+    job to ``$FABRICD_JOB``.  The socket is ``socket_path``, else ``$FABRICD_SOCKET``, else
+    the first that answers of ``$XDG_RUNTIME_DIR/fabricd/fabricd.sock`` (not for root) and
+    ``/run/fabricd/fabricd.sock``.  Without a job the client can only query the daemon
+    (status, config).
+
+    Raises:
+        DaemonUnavailable: no daemon answers (the message lists every socket tried and says
+            how to start one), or the daemon refused this process (its reason).
+        UsageError: a job name that is not a str of 1..200 characters, rank or size missing or
+            not ints, the rank outside ``0..size-1``, or the rank is taken.
+    """
+    job = job if job is not None else os.environ.get("FABRICD_JOB")
+    given_rank, given_size = _env_int(rank, "RANK"), _env_int(size, "WORLD_SIZE")
+    membership = None
+    if job is not None:
+        if given_rank is None or given_size is None:
+            raise UsageError(f"joining job {job!r} needs rank and size (or $RANK and $WORLD_SIZE)")
+        membership = checks.membership(job, given_rank, given_size)
+    connection = Connection.open(_socket_paths(socket_path))
+    try:
+        return Client(connection, membership, timeout)
+    except Timeout:
+        raise DaemonUnavailable(
+            f"the daemon on {connection.path} did not answer within {timeout}s"
+        ) from None

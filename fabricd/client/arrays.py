@@ -1,0 +1,102 @@
+"""The arrays a client made with ``fab.array()``: shared-memory segments the daemon maps too.
+
+Each array lives in its own sealed memfd (:mod:`fabricd.shm`), attached to the daemon once
+with SCM_RIGHTS under a segment id this client picks.  Every facet that moves arrays
+(point-to-point today) turns an array, or a contiguous slice of one, into
+(segment id, offset) with :meth:`SharedArrays.locate`, so only that travels over the socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fabricd.client import checks
+from fabricd.dtypes import ITEMSIZE
+from fabricd.errors import UsageError
+from fabricd.shm import Segment
+
+if TYPE_CHECKING:
+    from fabricd.client.connection import Connection
+
+
+@dataclass(slots=True)
+class _Entry:
+    seg: int
+    segment: Segment
+    root: np.ndarray[Any, Any]  #: the whole segment as bytes
+    array: np.ndarray[Any, Any]  #: what fab.array() returned
+    base: int  #: address of the mapping in this process
+
+
+class SharedArrays:
+    """This client's named arrays and the segments under them."""
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+        self._ids = itertools.count(1)
+        self._entries: dict[str, _Entry] = {}
+
+    def create(self, name: object, shape: object, dtype: object) -> np.ndarray[Any, Any]:
+        """The array called ``name``: made (zero-filled) and attached the first time.
+
+        Raises:
+            UsageError: a bad name, shape or dtype, or a name reused with another layout.
+        """
+        name = checks.array_name(name)
+        dims, dt = checks.shape(shape), checks.dtype(dtype)
+        existing = self._entries.get(name)
+        if existing is not None:
+            if existing.array.shape != dims or existing.array.dtype != dt:
+                raise UsageError(
+                    f"array {name!r} already exists as {existing.array.shape} "
+                    f"{existing.array.dtype}; use another name for {dims} {dt}"
+                )
+            return existing.array
+        nbytes = math.prod(dims) * dt.itemsize
+        segment = Segment.create(name, nbytes)
+        seg = next(self._ids)
+        try:
+            call = self._connection.submit(
+                "attach", {"seg": seg, "size": segment.size}, fds=[segment.fd]
+            )
+            self._connection.wait(call, 10.0).result(f"attach array {name!r}")
+        except BaseException:
+            segment.close()
+            raise
+        segment.release_fd()
+        root = np.frombuffer(segment.buffer, dtype=np.uint8, count=nbytes)
+        array: np.ndarray[Any, Any] = root.view(dt).reshape(dims)
+        self._entries[name] = _Entry(seg, segment, root, array, _address(root))
+        return array
+
+    def locate(self, array: object) -> tuple[int, int]:
+        """The (segment id, byte offset) of ``array``, a fab.array() or a contiguous slice of one.
+
+        Raises:
+            UsageError: not a numpy array, an unsupported dtype, not contiguous, or not in
+                fabricd shared memory.
+        """
+        if not isinstance(array, np.ndarray):
+            raise UsageError("send and recv take numpy arrays made by fab.array()")
+        if array.dtype.name not in ITEMSIZE:
+            raise UsageError(f"dtype {array.dtype} is not supported")
+        if not array.flags.c_contiguous:
+            raise UsageError("array must be C-contiguous (use a contiguous slice of a fab.array())")
+        start = _address(array)
+        for entry in self._entries.values():
+            end = entry.base + entry.root.nbytes
+            if entry.base <= start and start + array.nbytes <= end:
+                return entry.seg, start - entry.base
+        raise UsageError(
+            "array is not in fabricd shared memory; create it with fab.array(name, shape, dtype)"
+        )
+
+
+def _address(array: np.ndarray[Any, Any]) -> int:
+    pointer: int = array.__array_interface__["data"][0]
+    return pointer

@@ -1,0 +1,269 @@
+"""One connection to the daemon, shared by every thread of a training process.
+
+The I/O around :class:`~fabricd.client.protocol.ClientProtocol`: the Unix socket, segment fds
+passed with SCM_RIGHTS, and the hand-off between threads.  It has no thread of its own.
+
+Threads and locks:
+
+* one thread sends at a time (``_send_lock``), and sends never wait behind a read;
+* one thread reads at a time (``_read_lock``): whichever thread is waiting (for a reply, or
+  for an event in :meth:`Connection.poll`) and finds the lock free reads, and delivers
+  everything it reads, replies to every waiting thread and events to the queue;
+* the others wait on ``_state`` (a condition) until the reader has read, then look again.  The
+  reader notifies under ``_state`` *after* releasing ``_read_lock``, and a waiter checks both
+  under ``_state``, so it cannot miss the last wake-up: if the reader already left, the waiter
+  goes back and reads itself;
+* ``_state`` also guards the protocol, the calls and the event queue; it is never held during
+  I/O.
+
+The socket stays blocking with no timeout: reads wait in ``poll()`` (not ``select()``, which
+fails for fds above 1024), so a read timeout never leaks into a send.  :meth:`close` shuts the
+socket down first, which wakes a reader in ``poll()`` and a sender stuck in ``sendall``, and
+releases the fd only while holding both locks, so no thread ever polls or writes an fd that
+was closed (and maybe reused) under it.
+
+A send that fails does not end the connection by itself: the daemon may have written why it
+hung up (a closing event) before it did, so the socket is shut and the next read takes what is
+left, the reason included, before the end.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from fabricd.client.protocol import ClientProtocol, Event, Reply, State
+from fabricd.errors import DaemonUnavailable, Timeout
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+_RECV_SIZE: Final = 256 * 1024
+_MAX_POLL_MS: Final = 2**31 - 1  #: poll() takes a C int; longer waits just poll again
+#: events kept for :meth:`Connection.poll`; past this the oldest are dropped (and counted)
+MAX_QUEUED_EVENTS: Final = 10_000
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """One request in flight: its id, what it is (for messages), and its reply once in."""
+
+    id: int
+    what: str
+    reply: Reply | None = None
+
+
+class Connection:
+    """A connected client socket and the protocol state on it.  Make one with :meth:`open`."""
+
+    def __init__(self, sock: socket.socket, path: str) -> None:
+        self.path = path
+        self.events_dropped = 0  #: events dropped because the queue was full
+        self._sock = sock
+        self._protocol = ClientProtocol(peer=f"the daemon on {path}")
+        self._send_lock = threading.Lock()
+        self._read_lock = threading.Lock()
+        self._state = threading.Condition()
+        self._calls: dict[int, Call] = {}
+        self._events: collections.deque[Event] = collections.deque()
+        self._broken: str | None = None  #: why sending failed, if it did
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
+
+    @classmethod
+    def open(cls, paths: Sequence[str]) -> Connection:
+        """Connect to the first of ``paths`` where a daemon listens.
+
+        Raises:
+            DaemonUnavailable: none answers; the message lists every path tried and why, and
+                how to start a daemon.
+        """
+        tried = []
+        for path in paths:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                sock.connect(path)
+            except OSError as exc:
+                sock.close()
+                tried.append(f"{path} ({exc.strerror or exc})")
+                continue
+            return cls(sock, path)
+        raise DaemonUnavailable(
+            f"no fabricd daemon answers on {' or '.join(tried)}. Start one with "
+            f"`fabricd --config /etc/fabricd/fabricd.toml` (or `systemctl start fabricd`), or "
+            f"for development `fabricctl local-cluster 1`; set FABRICD_SOCKET to use another socket"
+        )
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection ended (closed here, or the daemon went)."""
+        return self._protocol.state is State.CLOSED
+
+    @property
+    def closing(self) -> Event | None:
+        """The closing event, if the daemon said why it closed (or is closing) the connection."""
+        return self._protocol.closing
+
+    # -- requests ---------------------------------------------------------------------------
+    def submit(
+        self,
+        op: str,
+        fields: Mapping[str, object],
+        *,
+        fds: Sequence[int] = (),
+        what: str | None = None,
+    ) -> Call:
+        """Send a request (with ``fds`` passed along) and return its call; never waits for a read.
+
+        Raises:
+            FabricError: the connection has ended (``DaemonUnavailable``, or the daemon's
+                reason); connect again.
+        """
+        with self._send_lock:
+            with self._state:
+                rid, frame = self._protocol.request(op, fields, fds=len(fds))
+                call = Call(rid, what or op)
+                self._calls[rid] = call
+            try:
+                sent = socket.send_fds(self._sock, [frame], list(fds)) if fds else 0
+                self._sock.sendall(frame[sent:])
+            except OSError as exc:
+                self._broke(f"sending to the daemon failed: {exc.strerror or exc}")
+        return call
+
+    def wait(self, call: Call, timeout: float | None) -> Reply:
+        """Block until ``call`` has its reply (reading for every thread meanwhile).
+
+        Raises:
+            Timeout: ``timeout`` seconds passed; the request goes on, wait again later.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (reply := call.reply) is None:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise Timeout(
+                    f"{call.what} did not finish within {timeout}s; it is still under way"
+                )
+            self._pump(remaining, lambda: call.reply is not None)
+        return reply
+
+    def ready(self, call: Call) -> bool:
+        """Whether ``call`` has its reply, after reading what is already there (never blocks)."""
+        if call.reply is None:
+            self._pump(0.0, lambda: call.reply is not None)
+        return call.reply is not None
+
+    # -- events -----------------------------------------------------------------------------
+    def poll(self, timeout: float | None = 0.0) -> list[Event]:
+        """The events queued so far, waiting up to ``timeout`` seconds for one if none is.
+
+        ``timeout=0`` reads what is already there and never blocks; ``None`` waits as long as
+        it takes.  Returns ``[]`` when the time ran out.
+
+        Raises:
+            FabricError: the connection has ended and every event was taken
+                (``DaemonUnavailable``, or the daemon's reason).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        taken = self._take_events()
+        while not taken:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            self._pump(None if remaining is None else max(remaining, 0.0), self._has_events)
+            taken = self._take_events()
+            if remaining is not None and remaining <= 0:
+                break
+        return taken
+
+    def _has_events(self) -> bool:
+        return bool(self._events)
+
+    def _take_events(self) -> list[Event]:
+        with self._state:
+            if not self._events and self._protocol.state is State.CLOSED:
+                raise self._protocol.failure("poll")
+            taken = list(self._events)
+            self._events.clear()
+        return taken
+
+    # -- the end ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """End the connection: every pending call fails, then the fd is released."""
+        self._end("the client was closed; connect again")
+        with self._send_lock, self._read_lock:  # nobody writes or polls the fd now
+            self._sock.close()
+
+    def _end(self, why: str) -> None:
+        """Fail every pending call (``why``, or the daemon's reason) and shut the socket."""
+        with self._state:
+            self._deliver(self._protocol.connection_lost(why))
+            self._state.notify_all()
+        self._shut()
+
+    def _lost(self, why: str) -> None:
+        """The socket failed or the daemon hung up (a failed send is the first cause)."""
+        self._end(f"{self._broken or why} (socket {self.path}); is the daemon running?")
+
+    def _broke(self, why: str) -> None:
+        with self._state:
+            self._broken = self._broken or why
+        self._shut()  # the next read takes what the daemon left, then finds the end
+
+    def _shut(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+    # -- reading ----------------------------------------------------------------------------
+    def _pump(self, timeout: float | None, until: Callable[[], bool]) -> None:
+        """Read once for everybody, or wait for the thread that reads, unless ``until()``."""
+        if self._read_lock.acquire(blocking=False):
+            try:
+                with self._state:
+                    done = until()
+                if not done:
+                    self._read(timeout)
+            finally:
+                self._read_lock.release()
+                with self._state:
+                    self._state.notify_all()
+            return
+        with self._state:  # another thread reads: it delivers for us too
+            if not until() and self._read_lock.locked():
+                self._state.wait(timeout)
+
+    def _read(self, timeout: float | None) -> None:
+        with self._state:
+            if self._protocol.state is State.CLOSED:
+                return
+        ms = None if timeout is None else min(math.ceil(timeout * 1000), _MAX_POLL_MS)
+        try:
+            data = self._sock.recv(_RECV_SIZE) if self._poller.poll(ms) else None
+        except OSError as exc:
+            self._lost(f"reading from the daemon failed: {exc.strerror or exc}")
+            return
+        if data is None:
+            return
+        if not data:
+            self._lost("the daemon closed the connection")
+            return
+        with self._state:
+            self._deliver(self._protocol.receive_data(data))
+        if self.closed:  # the daemon sent something unreadable
+            self._shut()
+
+    def _deliver(self, items: Sequence[Reply | Event]) -> None:
+        """Hand replies to their calls and queue events (called under ``_state``)."""
+        for item in items:
+            if isinstance(item, Reply):
+                self._calls.pop(item.id).reply = item
+                continue
+            if len(self._events) >= MAX_QUEUED_EVENTS:
+                self._events.popleft()
+                self.events_dropped += 1
+            self._events.append(item)

@@ -1,0 +1,101 @@
+"""The point-to-point facet: MPI-like sends and receives between the ranks of a job.
+
+``fab.send``/``fab.recv`` (and their ``_async`` forms) come here; the daemon's p2p engine
+(:mod:`fabricd.engines.p2p`) matches them by (source, destination, tag) and moves the bytes
+between the two arrays' segments (docs/protocol.md §3.4).  Every argument is checked before
+the request goes out (:mod:`fabricd.client.checks`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fabricd.client import checks
+from fabricd.client.handle import Handle
+from fabricd.errors import UsageError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from fabricd.client.arrays import SharedArrays
+    from fabricd.client.connection import Connection
+    from fabricd.wire import Meta
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Completion:
+    """A finished send or receive: the other rank, the tag, and the bytes moved."""
+
+    peer: int
+    tag: int
+    nbytes: int
+
+
+class PointToPoint:
+    """Sends and receives of arrays made by ``fab.array()``, for a client that joined a job.
+
+    Between a send and its completion the array must not be changed; between a receive and its
+    completion it must not be read.
+    """
+
+    def __init__(
+        self, connection: Connection, arrays: SharedArrays, job: checks.Membership | None
+    ) -> None:
+        self._connection = connection
+        self._arrays = arrays
+        self._job = job
+
+    def send(
+        self, array: np.ndarray[Any, Any], to: int, tag: int = 0, *, timeout: float | None = None
+    ) -> Completion:
+        """Send ``array`` to rank ``to``; returns once the receiver has all of it."""
+        return self.send_async(array, to, tag).wait(timeout)
+
+    def recv(
+        self, array: np.ndarray[Any, Any], src: int, tag: int = 0, *, timeout: float | None = None
+    ) -> Completion:
+        """Receive from rank ``src`` into ``array`` (same byte size and dtype as sent)."""
+        return self.recv_async(array, src, tag).wait(timeout)
+
+    def send_async(self, array: np.ndarray[Any, Any], to: int, tag: int = 0) -> Handle[Completion]:
+        """Start a send; leave ``array`` unchanged until the handle is done.
+
+        Raises:
+            UsageError: no job joined, ``to`` or ``tag`` not an int in range, or ``array`` not
+                (a contiguous slice of) a ``fab.array()``.
+        """
+        return self._transfer("send", array, to, "to", tag)
+
+    def recv_async(self, array: np.ndarray[Any, Any], src: int, tag: int = 0) -> Handle[Completion]:
+        """Start a receive; don't read ``array`` until the handle is done.
+
+        Raises:
+            UsageError: as for :meth:`send_async`, or ``array`` is read-only.
+        """
+        return self._transfer("recv", array, src, "src", tag)
+
+    def _transfer(
+        self, op: str, array: np.ndarray[Any, Any], peer: object, name: str, tag: object
+    ) -> Handle[Completion]:
+        if self._job is None:
+            raise UsageError("this client joined no job; pass job= to fabricd.connect()")
+        rank, number = checks.peer(peer, name, self._job), checks.tag(tag)
+        seg, offset = self._arrays.locate(array)
+        if op == "recv" and not array.flags.writeable:
+            raise UsageError("cannot receive into a read-only array")
+        fields = {
+            "seg": seg,
+            "off": offset,
+            "nbytes": array.nbytes,
+            "dtype": array.dtype.name,
+            "peer": rank,
+            "tag": number,
+        }
+        what = f"{op} {'to' if op == 'send' else 'from'} rank {rank} (tag {number})"
+
+        def completion(reply: Meta) -> Completion:
+            return Completion(peer=rank, tag=int(reply["tag"]), nbytes=int(reply["nbytes"]))
+
+        call = self._connection.submit(op, fields, what=what)
+        return Handle(self._connection, call, completion)
