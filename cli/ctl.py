@@ -41,7 +41,10 @@ socket_option = click.option(
     "socket_path",
     envvar="FABRICD_SOCKET",
     metavar="PATH",
-    help="the daemon's socket (default: $FABRICD_SOCKET, then the system default)",
+    help=(
+        "the daemon's socket (default: $FABRICD_SOCKET, else the first that answers of "
+        "$XDG_RUNTIME_DIR/fabricd/fabricd.sock and /run/fabricd/fabricd.sock)"
+    ),
 )
 
 
