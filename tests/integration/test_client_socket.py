@@ -96,9 +96,9 @@ def test_a_request_that_breaks_the_protocol_fails_with_the_daemons_reason(make_c
     cluster = make_cluster(1)
     with fabricd.connect(job="p", rank=0, size=2, socket_path=cluster.nodes[0].socket_path) as fab:
         waiting = fab.recv_async(fab.array("a", (4,), "float32"), src=1)
-        fields = {"seg": 1, "off": 0, "nbytes": 16, "dtype": "float32", "tag": 0}
-        with pytest.raises(fabricd.DaemonUnavailable, match="closed the connection: protocol"):
-            fab._call("send", peer=True, **fields)  # a bool past the client's checks
+        liar = fab._connection.submit("status", {"fds": 3})  # announces fds it does not pass
+        with pytest.raises(fabricd.DaemonUnavailable, match="announced 3 fds but fewer arrived"):
+            fab._connection.wait(liar, timeout=10).result("status")
         with pytest.raises(fabricd.DaemonUnavailable, match="closed the connection: protocol"):
             waiting.wait(timeout=10)  # every pending call fails with the same reason
         closing = fab.poll()
