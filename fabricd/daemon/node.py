@@ -141,6 +141,17 @@ class Daemon:
         self._spawned: set[asyncio.Task[None]] = set()
         self._stopped = False
 
+    def service(self, name: str) -> Service:
+        """The service called ``name`` (for status tools and tests).
+
+        Raises:
+            KeyError: no service of that name runs here.
+        """
+        for service in self.services:
+            if service.name == name:
+                return service
+        raise KeyError(name)
+
     # -- Host: what services may use --------------------------------------------------------
     @property
     def config(self) -> Config:

@@ -19,7 +19,6 @@ Each pair of nodes shares two links, control and data; the node with the lower i
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import secrets
@@ -250,12 +249,12 @@ class PeeringService(BaseService):
                     "bytes_received": sum(s.bytes_received for s in stats),
                 }
             )
-        stats = self.engine.statistics()
-        refused = stats.handshakes_refused + stats.links_refused
+        engine = self.engine.statistics()
+        refused = engine.handshakes_refused + engine.links_refused
         return {
             "peers": rows,
-            "counters": {"refused_links": refused, "peer_resets": stats.resets},
-            "peering": dataclasses.asdict(stats),
+            "counters": {"refused_links": refused, "peer_resets": engine.resets},
+            "dial_failures": {str(n): k for n, k in engine.dial_attempts.items()},
         }
 
     # -- handshakes -------------------------------------------------------------------------

@@ -76,7 +76,8 @@ class Fabric:
 
     def up(self) -> bool:
         return all(
-            all(p.state.value == "up" for p in d.peers.peers(0.0)) and len(d.data) == 1
+            all(p.state.value == "up" for p in d.peering.engine.peers(0.0))
+            and len([key for key in d.links if key[1] == "data"]) == 1
             for d in self.daemons.values()
         )
 
@@ -118,8 +119,8 @@ async def test_losing_only_the_data_link_fails_waiters_and_resets_the_peer(tmp_p
         await asyncio.wait_for(joined.wait(), 10)
         receiver = asyncio.create_task(asyncio.to_thread(_recv_outcome, fab.socket(0), 1, 10))
         d0 = fab.daemons[0]
-        await fab.until(lambda: d0.messaging.pending() == 1)
-        d0.data[1].close("cut for the test")  # only the data link of the pair
+        await fab.until(lambda: d0.service("p2p").engine.pending() == 1)
+        d0.data_link(1).close("cut for the test")  # only the data link of the pair
         assert await receiver == "PeerFailed", "a waiter must be told, never left hanging"
         await fab.until(fab.up)  # the pair redials and comes back whole
         await holder
@@ -128,11 +129,11 @@ async def test_losing_only_the_data_link_fails_waiters_and_resets_the_peer(tmp_p
 async def test_a_restarted_peer_learns_the_ranks_of_those_who_stayed(tmp_path):
     async with fabric(tmp_path, suspect_after=3.0, down_after=10.0) as fab:
         stayed = asyncio.create_task(asyncio.to_thread(_exchange_as_rank0, fab.socket(0)))
-        await fab.until(lambda: fab.daemons[1].messaging.routes.lookup("j", 0) is not None)
+        await fab.until(lambda: fab.daemons[1].service("membership").engine.lookup("j", 0) is not None)
         await fab.stop(1)
         restarted = await fab.start(1)  # a new incarnation, well before node 0 calls it down
         await fab.until(fab.up)
-        await fab.until(lambda: restarted.messaging.routes.lookup("j", 0) is not None, 5)
+        await fab.until(lambda: restarted.service("membership").engine.lookup("j", 0) is not None, 5)
         sent = await asyncio.to_thread(_send_as_rank1, fab.socket(1))
         assert sent == "ok"
         assert await stayed == "ok"
@@ -159,7 +160,7 @@ async def test_a_failing_request_handler_answers_the_client_and_keeps_serving(tm
         def broken(*args: Any) -> None:
             raise RuntimeError("a bug")
 
-        fab.daemons[0]._requests["status"] = broken
+        fab.daemons[0].status = broken  # what the status request calls
 
         def client() -> tuple[str, str]:
             with fabricd.connect(socket_path=fab.socket(0)) as control:
@@ -212,7 +213,7 @@ async def test_one_client_serves_several_threads_without_blocking_them(tmp_path)
             waiting = asyncio.create_task(
                 asyncio.to_thread(client.recv, array, src=1, timeout=5)  # nobody sends
             )
-            await fab.until(lambda: fab.daemons[0].messaging.pending() == 1)
+            await fab.until(lambda: fab.daemons[0].service("p2p").engine.pending() == 1)
             status = await asyncio.to_thread(client.status)  # must not wait for the recv
             assert status["pending_ops"] == 1
             assert not waiting.done(), "status returned while the other thread still waits"
@@ -302,9 +303,10 @@ async def test_a_receiver_that_leaves_mid_transfer_fails_the_send_and_leaks_noth
         await asyncio.wait_for(joined.wait(), 10)
         tx_task = asyncio.create_task(asyncio.to_thread(sender))
         d1 = fab.daemons[1]
-        await fab.until(lambda: d1.inbound.bytes > 0)  # DATA is flowing
+        p2p = d1.service("p2p")
+        await fab.until(lambda: p2p.engine.statistics().bytes_received > 0)  # DATA is flowing
         leave.set()
         await rx_task
         assert await tx_task == "receiver_left"
-        await fab.until(lambda: not d1.inbound._expected and d1.messaging.pending() == 0)
-        assert not d1.ops
+        await fab.until(lambda: not p2p.engine.transfers() and p2p.engine.pending() == 0)
+        assert not p2p._ops
