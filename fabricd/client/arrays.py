@@ -69,8 +69,11 @@ class SharedArrays:
             segment.close()
             raise
         segment.release_fd()
-        root = np.frombuffer(segment.buffer, dtype=np.uint8, count=nbytes)
-        array: np.ndarray[Any, Any] = root.view(dt).reshape(dims)
+        # offsets the daemon is given count from the start of the mapping (shm.py's layout):
+        # root is the whole mapping, the array its data part
+        root = np.frombuffer(segment.buffer, dtype=np.uint8)
+        start = segment.layout.data_offset
+        array: np.ndarray[Any, Any] = root[start : start + nbytes].view(dt).reshape(dims)
         self._entries[name] = _Entry(seg, segment, root, array, _address(root))
         return array
 

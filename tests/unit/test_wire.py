@@ -156,6 +156,7 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
         "big": 2**64 - 1,
         "small": -(2**63),
     },
+    Kind.EVENT: {"event": "closing", "code": "protocol", "error": "bad request"},
 }
 
 PAYLOADS = [b"", b"\x00", bytes(range(256)) * 3, b"\xab" * 70_000]
@@ -208,6 +209,7 @@ def test_kind_numbers_are_stable() -> None:
         "CANCEL": 10,
         "REQUEST": 32,
         "REPLY": 33,
+        "EVENT": 34,
     }
 
 
@@ -504,7 +506,7 @@ def test_client_socket_limits() -> None:
 # -- malformed headers ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 11, 31, 34, 255])
+@pytest.mark.parametrize("kind", [0, 11, 31, 35, 255])
 def test_unknown_kind(kind: int) -> None:
     assert_rejected(header(kind, 1) + b"\x80", match=f"unknown frame kind {kind}")
 
