@@ -9,90 +9,16 @@ run in worker threads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pytest
 
 import fabricd
-from fabricd.daemon.config import load
-from fabricd.daemon.node import Daemon
-from fabricd.transports.inproc import InprocTransport
 
-if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
-    from pathlib import Path
-
-NODES = ("node0:1", "node1:1")
-
-
-class Fabric:
-    """Two daemons on one in-memory network; start, stop and restart them."""
-
-    def __init__(self, tmp: Path, **settings: Any) -> None:
-        self.tmp = tmp
-        self.net = InprocTransport()
-        self.settings = {
-            "heartbeat_interval": 0.1,
-            "suspect_after": 0.3,
-            "down_after": 1.0,
-            "chunk_size": 1 << 20,
-            **settings,
-        }
-        secret = tmp / "secret"
-        secret.write_text("an inproc test secret of some length")
-        secret.chmod(0o600)
-        self.daemons: dict[int, Daemon] = {}
-        self.tasks: dict[int, asyncio.Task[None]] = {}
-
-    def socket(self, node: int) -> str:
-        return str(self.tmp / f"n{node}.sock")
-
-    async def start(self, node: int) -> Daemon:
-        flags = {
-            "node_id": node,
-            "nodes": NODES,
-            "socket": self.socket(node),
-            "secret_file": str(self.tmp / "secret"),
-            **self.settings,
-        }
-        daemon = Daemon(load(None, environ={}, flags=flags), transport=self.net)
-        self.daemons[node] = daemon
-        self.tasks[node] = asyncio.create_task(daemon.run())
-        return daemon
-
-    async def stop(self, node: int) -> None:
-        self.daemons[node].stop()
-        async with asyncio.timeout(15):
-            await self.tasks.pop(node)
-
-    async def until(self, condition: Callable[[], bool], timeout: float = 10.0) -> None:
-        async with asyncio.timeout(timeout):
-            while not condition():
-                await asyncio.sleep(0.01)
-
-    def up(self) -> bool:
-        return all(
-            all(p.state.value == "up" for p in d.peering.engine.peers(0.0))
-            and len([key for key in d.links if key[1] == "data"]) == 1
-            for d in self.daemons.values()
-        )
-
-
-@contextlib.asynccontextmanager
-async def fabric(tmp_path: Path, **settings: Any) -> AsyncIterator[Fabric]:
-    fab = Fabric(tmp_path, **settings)
-    for node in range(len(NODES)):
-        await fab.start(node)
-    try:
-        await fab.until(fab.up)
-        yield fab
-    finally:
-        for node in list(fab.tasks):
-            await fab.stop(node)
+from .inproc import fabric
 
 
 def _recv_outcome(socket_path: str, src: int, timeout: float) -> str:
@@ -126,14 +52,22 @@ async def test_losing_only_the_data_link_fails_waiters_and_resets_the_peer(tmp_p
         await holder
 
 
+def knows_rank0(daemon) -> bool:
+    return daemon.service("membership").engine.lookup("j", 0) is not None
+
+
 async def test_a_restarted_peer_learns_the_ranks_of_those_who_stayed(tmp_path):
     async with fabric(tmp_path, suspect_after=3.0, down_after=10.0) as fab:
         stayed = asyncio.create_task(asyncio.to_thread(_exchange_as_rank0, fab.socket(0)))
-        await fab.until(lambda: fab.daemons[1].service("membership").engine.lookup("j", 0) is not None)
+        await fab.until(
+            lambda: fab.daemons[1].service("membership").engine.lookup("j", 0) is not None
+        )
         await fab.stop(1)
         restarted = await fab.start(1)  # a new incarnation, well before node 0 calls it down
         await fab.until(fab.up)
-        await fab.until(lambda: restarted.service("membership").engine.lookup("j", 0) is not None, 5)
+        await fab.until(
+            lambda: restarted.service("membership").engine.lookup("j", 0) is not None, 5
+        )
         sent = await asyncio.to_thread(_send_as_rank1, fab.socket(1))
         assert sent == "ok"
         assert await stayed == "ok"

@@ -1,8 +1,8 @@
 """Imports point only down the layers, checked on the source; no pickle, eval or exec.
 
-* ``fabricd/engines/*.py``, ``fabricd/wire.py`` and ``fabricd/frames.py`` are sans-IO: no event loop, sockets, clock,
-  daemon, transports or CLI.  Imports under ``TYPE_CHECKING`` count too: an engine that needs
-  a transport's type has its arrow pointing the wrong way.
+* ``fabricd/engines/*.py``, ``fabricd/wire.py`` and ``fabricd/frames.py`` are sans-IO: no
+  event loop, sockets, clock, daemon, transports or CLI.  Imports under ``TYPE_CHECKING``
+  count too: an engine that needs a transport's type has its arrow pointing the wrong way.
 * ``transports/`` knows frames, never engines, the daemon or the CLI.
 * Nothing under ``fabricd/`` (``transports/`` and ``cli/`` included, through their symlinks)
   uses pickle, ``eval`` or ``exec``.
