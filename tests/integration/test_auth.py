@@ -116,7 +116,7 @@ def test_restarted_peer_is_a_new_incarnation(make_cluster):
 
 
 def test_idle_unauthenticated_connections_are_capped(make_cluster):
-    from fabricd.daemon.peering import MAX_PENDING_PER_HOST
+    from fabricd.engines.gate import MAX_PENDING_PER_HOST
 
     cluster = make_cluster(2, handshake_timeout=10.0)
     host, port = split_address(cluster.nodes[1].address)

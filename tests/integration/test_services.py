@@ -1,0 +1,145 @@
+"""The service contract, in real daemons: a new engine plugs in without touching the node.
+
+A test service claims a frame kind and a request op, pushes an event to its client, and keeps
+a deadline; it is added through ``Daemon(services=...)`` alone, and must receive its frames,
+requests and timer ticks.  Claims that overlap refuse to start; a frame nobody claims closes
+the link that brought it, with the reason in the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+import fabricd
+from fabricd import frames
+from fabricd.daemon.config import load
+from fabricd.daemon.membership_service import MembershipService
+from fabricd.daemon.node import Daemon, default_services
+from fabricd.daemon.service import BaseService
+from fabricd.wire import Kind
+
+from .inproc import NODES, fabric
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from fabricd.daemon.service import Host, Request
+    from fabricd.wire import Meta
+
+
+class Echo(BaseService):
+    """Sends a CANCEL frame to a peer on request, records what reaches it, ticks once."""
+
+    name = "echo"
+    kinds = frozenset({Kind.CANCEL})
+    ops = frozenset({"echo"})
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.frames: list[tuple[int, frames.PeerFrame]] = []
+        self.requests: list[Meta] = []
+        self.ticks: list[float] = []
+        self.due: float | None = host.now() + 0.05
+
+    def on_request(self, request: Request, now: float) -> Meta:
+        self.requests.append(request.meta)
+        self.host.send(request.meta["to"], frames.Cancel(msg=request.meta["msg"]))
+        self.host.push(request.session, "echoed", {"msg": request.meta["msg"]})
+        return {"sent": True}
+
+    def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+        self.frames.append((node, frame))
+
+    def next_deadline(self) -> float | None:
+        return self.due
+
+    def on_timer(self, now: float) -> None:
+        self.ticks.append(now)
+        self.due = None
+
+
+def with_echo(daemon: Daemon) -> list[BaseService]:
+    return [MembershipService(daemon), Echo(daemon)]
+
+
+async def test_a_new_service_gets_its_frames_requests_and_timer_ticks(tmp_path: Path) -> None:
+    async with fabric(tmp_path, {0: with_echo, 1: with_echo}) as fab:
+        echoes = [fab.daemons[n].service("echo") for n in (0, 1)]
+        await fab.until(lambda: all(e.ticks for e in echoes))
+
+        def client() -> tuple[Meta, list[fabricd.Event]]:
+            with fabricd.connect(socket_path=fab.socket(0)) as control:
+                reply = control._call("echo", to=1, msg=42)
+                return reply, control.poll(timeout=5.0)
+
+        reply, events = await asyncio.to_thread(client)
+        assert reply["sent"] is True
+        assert [(e.name, e.fields) for e in events] == [("echoed", {"msg": 42})]
+        await fab.until(lambda: bool(echoes[1].frames))
+        assert echoes[1].frames == [(0, frames.Cancel(msg=42))]
+        assert echoes[0].requests[0]["op"] == "echo"
+        assert [len(e.ticks) for e in echoes] == [1, 1]  # ticked once each, then no deadline
+        status = fab.daemons[0].status()
+        assert status["services"] == ["peering", "membership", "echo"]
+
+
+async def test_two_services_claiming_one_kind_refuse_to_start(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("a secret of some length for the test")
+    secret.chmod(0o600)
+    flags = {
+        "node_id": 0,
+        "nodes": NODES,
+        "socket": str(tmp_path / "s"),
+        "secret_file": str(secret),
+    }
+
+    def twice(daemon: Daemon) -> list[BaseService]:
+        return [*default_services(daemon), Echo(daemon)]  # p2p claims CANCEL already
+
+    with pytest.raises(ValueError, match="'p2p' and 'echo' both claim CANCEL frames"):
+        Daemon(load(None, environ={}, flags=flags), services=twice)
+
+
+def _send_to_rank1(socket_path: str) -> str:
+    with fabricd.connect(job="j", rank=0, size=2, socket_path=socket_path) as fab:
+        array = fab.array("x", (4,), "float32")
+        array[:] = np.arange(4)
+        try:
+            fab.send(array, to=1, timeout=20)
+        except fabricd.FabricError as exc:
+            return type(exc).__name__
+        return "ok"
+
+
+def _hold_rank1(socket_path: str, ready: asyncio.Event, loop: asyncio.AbstractEventLoop) -> None:
+    with fabricd.connect(job="j", rank=1, size=2, socket_path=socket_path) as fab:
+        fab.array("x", (4,), "float32")
+        loop.call_soon_threadsafe(ready.set)
+        fab.poll(timeout=3.0)  # stay joined while the send is tried
+
+
+async def test_a_frame_no_service_claims_closes_its_link_with_a_logged_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def membership_only(daemon: Daemon) -> list[BaseService]:
+        return [MembershipService(daemon)]  # node 1 runs no point-to-point service
+
+    caplog.set_level(logging.WARNING)
+    async with fabric(tmp_path, {1: membership_only}) as fab:
+        ready = asyncio.Event()
+        holder = asyncio.create_task(
+            asyncio.to_thread(_hold_rank1, fab.socket(1), ready, asyncio.get_running_loop())
+        )
+        await asyncio.wait_for(ready.wait(), 10)
+        p2p = fab.daemons[0].service("p2p")
+        await fab.until(lambda: p2p.engine.routes.lookup("j", 1) is not None)
+        outcome = await asyncio.to_thread(_send_to_rank1, fab.socket(0))
+        assert outcome == "PeerFailed"  # the RTS reset the pair: the send is told, not left hanging
+        await holder
+    assert "no service handles RTS frames" in caplog.text
