@@ -1,7 +1,7 @@
 """The one error hierarchy of fabricd.
 
 Every error a user, a peer or an operator can meet is a :class:`FabricError`.  The kinds below
-each come with a defined reaction (STYLE §18):
+each come with a defined reaction:
 
 ===========================  ====================================================================
 kind                         what the caller does
@@ -19,7 +19,7 @@ kind                         what the caller does
 ===========================  ====================================================================
 
 ``ProtocolError`` is also a ``ValueError`` so that decoders behave like the standard library's
-parsers (RELIABILITY Z1).
+parsers: a fuzzer feeding junk sees one documented error type and nothing else.
 """
 
 from __future__ import annotations

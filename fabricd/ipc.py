@@ -12,7 +12,7 @@ Where the socket is: a daemon listens where its config says, by default on
 tries each of :func:`socket_candidates`, the user's own runtime directory and then the system
 location, so a user finds both a daemon of their own and the systemd one.
 
-Access control (RELIABILITY S5): the socket file is mode 0660 inside a runtime directory the
+Access control: the socket file is mode 0660 inside a runtime directory the
 operator restricts (0750 under systemd), it is always a filesystem path (abstract sockets have
 no permissions), and every connection's SO_PEERCRED uid/gid is checked against the allow-list
 before a single byte of it is read; refusals are logged with the peer's pid, uid and gid.

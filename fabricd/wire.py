@@ -68,7 +68,7 @@ KNOWN_FLAGS: Final = 0
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Limits:
-    """Upper bounds enforced before allocation (RELIABILITY Z4).
+    """Upper bounds, each checked before anything is allocated for it.
 
     Attributes:
         max_meta: bytes of msgpack metadata per frame.

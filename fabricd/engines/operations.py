@@ -1,8 +1,8 @@
 """The life of one point-to-point operation: its states, and the inputs that move it.
 
 Rules: data only.  What states a send and a receive pass through and which input takes each
-state to which (STYLE §6: transitions are data), and the record the engine keeps of each
-operation.  Where an operation is filed in each state, and what a move causes, is
+state to which (transitions are data, as in the peers engine), and the record the engine keeps
+of each operation.  Where an operation is filed in each state, and what a move causes, is
 :mod:`fabricd.engines.p2p`'s business.
 
 Theory of operation (besides the arrows below, FAILED takes every live state but COPY to

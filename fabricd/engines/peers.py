@@ -44,7 +44,7 @@ both channels down at once.
 *Liveness.*  Every authenticated frame counts as a heartbeat; an explicit HEARTBEAT goes out
 every ``heartbeat_interval`` while the control link is up.  A peer is *suspect* after
 ``suspect_after`` seconds of silence or as soon as a reset takes its control link, and *down*
-after ``down_after`` seconds of silence (the failure-detection bound D of RELIABILITY.md)::
+after ``down_after`` seconds of silence (the failure-detection bound D)::
 
     CONNECTING --established--> UP        UP/SUSPECT --heard--> UP
     UP --link_lost/silent--> SUSPECT      UP/SUSPECT --silent for down_after--> DOWN
