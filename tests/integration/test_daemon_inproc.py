@@ -244,3 +244,18 @@ async def test_a_receiver_that_leaves_mid_transfer_fails_the_send_and_leaks_noth
         assert await tx_task == "receiver_left"
         await fab.until(lambda: not p2p.engine.transfers() and p2p.engine.pending() == 0)
         assert not p2p._ops
+
+
+async def test_status_lists_other_clients_but_not_the_one_asking(tmp_path):
+    async with fabric(tmp_path) as fab:
+
+        def clients_seen() -> tuple[list, list]:
+            with fabricd.connect(job="j", rank=0, size=2, socket_path=fab.socket(0)) as member:
+                with fabricd.connect(socket_path=fab.socket(0)) as control:
+                    by_control = control.status()["clients"]
+                by_member = member.status()["clients"]
+                return by_control, by_member
+
+        by_control, by_member = await asyncio.to_thread(clients_seen)
+        assert [(c["job"], c["rank"]) for c in by_control] == [("j", 0)]  # not the asker itself
+        assert by_member == []  # the control client has gone, and the member asked
