@@ -13,6 +13,8 @@ Python), floats and strings are refused.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import operator
 from dataclasses import dataclass
 from typing import Any, Final
@@ -76,6 +78,22 @@ def tag(value: object) -> int:
     if not 0 <= number <= MAX_TAG:
         raise UsageError(f"tag {number} is outside 0..{MAX_TAG}")
     return number
+
+
+def timeout(value: object) -> float | None:
+    """Check a timeout in seconds: ``None`` or a real number (``inf`` is returned as ``None``).
+
+    ``None`` and ``inf`` wait as long as it takes; zero or less does not wait at all.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+        shown = f"a bool ({value})" if isinstance(value, bool | np.bool_) else _show(value)
+        raise UsageError(f"timeout must be None or a number of seconds, not {shown}")
+    seconds = float(value)
+    if math.isnan(seconds):
+        raise UsageError("timeout must be None or a number of seconds, not nan")
+    return None if seconds == math.inf else seconds
 
 
 def array_name(value: object) -> str:

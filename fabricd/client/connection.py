@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+from fabricd.client import checks
 from fabricd.client.protocol import ClientProtocol, Event, Reply, State
 from fabricd.errors import DaemonUnavailable, Timeout
 
@@ -143,7 +144,9 @@ class Connection:
 
         Raises:
             Timeout: ``timeout`` seconds passed; the request goes on, wait again later.
+            UsageError: ``timeout`` is neither None nor a number (NaN is none).
         """
+        timeout = checks.timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while (reply := call.reply) is None:
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -170,7 +173,9 @@ class Connection:
         Raises:
             FabricError: the connection has ended and every event was taken
                 (``DaemonUnavailable``, or the daemon's reason).
+            UsageError: ``timeout`` is neither None nor a number (NaN is none).
         """
+        timeout = checks.timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         taken = self._take_events()
         while not taken:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import ast
 import itertools
+import math
 import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from fakedaemon import FakeDaemon
 from hypothesis import given
@@ -417,3 +419,24 @@ def test_a_client_gets_events_through_poll(daemons):
     assert fab.closed
     with pytest.raises(fabricd.DaemonUnavailable, match="the client was closed"):
         fab.poll()
+
+
+def test_an_infinite_timeout_waits_and_one_that_is_no_number_is_refused(daemons):
+    def script(daemon: FakeDaemon, request: dict[str, Any]) -> None:
+        daemon.push("tick", n=request["n"])
+        daemon.reply(request, n=request["n"])
+
+    conn = daemons(script).connection()
+    first = conn.submit("status", {"n": 1})
+    assert conn.wait(first, timeout=math.inf).meta["n"] == 1  # as long as it takes
+    assert conn.poll(timeout=math.inf) == [Event(name="tick", fields={"n": 1})]
+    second = conn.submit("status", {"n": 2})
+    assert conn.poll(timeout=np.float64(math.inf)) == [Event(name="tick", fields={"n": 2})]
+    assert conn.wait(second, timeout=np.float64(5)).meta["n"] == 2
+    for wrong, shown in ((math.nan, "nan"), ("5", "str '5'"), (True, "a bool"), ([1], "list")):
+        with pytest.raises(fabricd.UsageError, match=f"timeout must be .*, not {shown}"):
+            conn.wait(conn.submit("status", {"n": 3}), timeout=wrong)  # type: ignore[arg-type]
+        with pytest.raises(fabricd.UsageError, match=f"timeout must be .*, not {shown}"):
+            conn.poll(timeout=wrong)  # type: ignore[arg-type]
+    with pytest.raises(fabricd.Timeout):  # a negative timeout is no wait at all
+        conn.wait(conn.submit("block", {"n": 4}), timeout=-math.inf)
