@@ -86,7 +86,7 @@ class SharedArrays:
         """
         if not isinstance(array, np.ndarray):
             raise UsageError("send and recv take numpy arrays made by fab.array()")
-        if array.dtype.name not in ITEMSIZE:
+        if array.dtype.name not in ITEMSIZE or not array.dtype.isnative:
             raise UsageError(f"dtype {array.dtype} is not supported")
         if not array.flags.c_contiguous:
             raise UsageError("array must be C-contiguous (use a contiguous slice of a fab.array())")

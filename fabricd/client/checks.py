@@ -106,7 +106,7 @@ def array_name(value: object) -> str:
 def shape(value: object) -> tuple[int, ...]:
     """Check a shape: an int, or a sequence of ints, none negative."""
     dims: tuple[int, ...]
-    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__") or _zero_d(value):
         dims = (integer(value, "shape", "an int or a sequence of ints"),)
     else:
         dims = tuple(integer(d, "each dimension of shape", "an int") for d in value)
@@ -119,12 +119,17 @@ def dtype(value: object) -> np.dtype[Any]:
     """Check a dtype: one of :data:`fabricd.dtypes.ITEMSIZE`, by name or as a numpy dtype."""
     dt: np.dtype[Any] | None = None
     if value is not None:  # np.dtype(None) would be float64
-        with contextlib.suppress(TypeError, ValueError):
+        with contextlib.suppress(Exception):  # numpy's parser raises SyntaxError too
             dt = np.dtype(value)  # type: ignore[call-overload]
     if dt is None or dt.name not in ITEMSIZE or not dt.isnative:
         supported = ", ".join(ITEMSIZE)
         raise UsageError(f"dtype {_show(value)} is not supported; use one of {supported}")
     return dt
+
+
+def _zero_d(value: object) -> bool:
+    """Whether ``value`` is a 0-d numpy array: iterable by type, but not by value."""
+    return isinstance(value, np.ndarray) and value.ndim == 0
 
 
 def _show(value: object) -> str:

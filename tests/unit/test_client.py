@@ -151,6 +151,8 @@ def test_numpy_integers_are_taken_where_ints_are(fake):
         (lambda fab, a: fab.recv_async(a, 1, tag=2**31), "tag 2147483648 is outside"),
         (lambda fab, a: fab.send(a, to=1, tag=1.5), "tag must be an int"),
         (lambda fab, a: fab.send(a.tolist(), to=1), "numpy arrays made by fab.array"),
+        (lambda fab, a: fab.send(a.view(">f4"), to=1), "dtype >f4 is not supported"),
+        (lambda fab, a: fab.recv(a.view(">f4"), src=1), "dtype >f4 is not supported"),
     ],
 )
 def test_wrong_send_and_recv_arguments_never_reach_the_daemon(fake, call, message):
@@ -168,6 +170,8 @@ def test_wrong_send_and_recv_arguments_never_reach_the_daemon(fake, call, messag
         ((4,), None, "dtype NoneType None is not supported"),
         ((4,), "U8", "is not supported"),
         ((4,), ">f4", "is not supported"),  # not in this machine's byte order
+        ((4,), "f4,(", "dtype str 'f4,(' is not supported"),  # numpy raises SyntaxError
+        (np.array(4.0), "float32", "shape must be an int or a sequence of ints, not ndarray"),
         ((4.0,), "float32", "each dimension of shape must be an int, not float 4.0"),
         ((True, 2), "float32", "each dimension of shape must be an int, not a bool"),
         ("12", "float32", "shape must be an int or a sequence of ints, not str '12'"),
@@ -187,6 +191,7 @@ def test_arrays_take_every_dtype_fabricd_moves_by_name_or_type(fake):
     for dtype in ITEMSIZE:
         assert fab.array(dtype, (np.int16(3),), np.dtype(dtype)).dtype.name == dtype
     assert fab.array("by-type", 2, np.float16).dtype == np.float16
+    assert fab.array("0-d", np.array(3), "int8").shape == (3,)  # a numpy integer, 0-d
     with pytest.raises(fabricd.UsageError, match="an array's name must be a non-empty str"):
         fab.array("", 2)
 
