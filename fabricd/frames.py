@@ -8,8 +8,11 @@ views, never raw ``dict`` metadata; the node parses a frame once, when it arrive
 Every view is a frozen, slotted dataclass with the frame kind as ``KIND``.  :func:`parse`
 raises :class:`~fabricd.errors.RemoteProtocolError` for a field that is missing or of the wrong
 type or range, so a malformed frame is refused before any engine sees it, and the link that
-sent it is closed.  The handshake's HELLO and AUTH are read by the handshake engine itself:
-they are exchanged under other limits, before a link is trusted.
+sent it is closed.
+
+The handshake's HELLO and AUTH have views too (:class:`Hello`, :class:`Auth`), read by their own
+:func:`parse_handshake`: they are exchanged before a link is trusted, and an authenticated peer
+that sends one again is refused by :func:`parse` like any other kind it may not send.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from dataclasses import dataclass
 from typing import ClassVar, Final
 
 from fabricd.errors import RemoteProtocolError
-from fabricd.wire import MAX_TAG, Kind, Meta, get_int, get_str
+from fabricd.wire import MAX_TAG, PROTOCOL_VERSION, Kind, Meta, get_bytes, get_int, get_str
 
 #: the largest rank or job size a frame carries
 MAX_RANK: Final = 2**31
+#: the size of a handshake nonce: fresh random bytes, one from each side
+NONCE_SIZE: Final = 32
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,4 +209,97 @@ def parse(kind: Kind, meta: Meta) -> PeerFrame:
     view = _BY_KIND.get(kind)
     if view is None:
         raise RemoteProtocolError(f"{kind.name} is not a frame a peer may send")
+    return view.from_meta(meta)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    """The first handshake frame each way: who the sender is, and its nonce.
+
+    The initiator names the ``channel`` it opens; the acceptor answers with ``mac``, its proof of
+    the shared secret (:mod:`fabricd.engines.handshake` computes and checks it).  ``node`` is
+    only known to be a node id here: whether it lies in this fabric is the handshake's to check.
+    """
+
+    KIND: ClassVar[Kind] = Kind.HELLO
+    version: int = PROTOCOL_VERSION
+    node: int
+    incarnation: int
+    nonce: bytes
+    channel: str | None = None
+    mac: bytes | None = None
+
+    def to_meta(self) -> Meta:
+        meta: Meta = {
+            "v": self.version,
+            "node": self.node,
+            "inc": self.incarnation,
+            "nonce": self.nonce,
+        }
+        if self.channel is not None:
+            meta["channel"] = self.channel
+        if self.mac is not None:
+            meta["mac"] = self.mac
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Hello:
+        # the version first: a peer of another release may lay out its other fields otherwise,
+        # and its operator should read that the releases differ, not which field is wrong
+        version = get_int(meta, "v")
+        if version != PROTOCOL_VERSION:
+            raise RemoteProtocolError(
+                f"peer speaks protocol {version}, this daemon {PROTOCOL_VERSION}; "
+                "run the same fabricd release on every node"
+            )
+        node = get_int(meta, "node")
+        incarnation = get_int(meta, "inc")
+        nonce = get_bytes(meta, "nonce")
+        if len(nonce) != NONCE_SIZE:
+            raise RemoteProtocolError(
+                f"handshake nonce has the wrong size ({len(nonce)} B, not {NONCE_SIZE} B)"
+            )
+        return cls(
+            version=version,
+            node=node,
+            incarnation=incarnation,
+            nonce=nonce,
+            channel=get_str(meta, "channel") if "channel" in meta else None,
+            mac=get_bytes(meta, "mac") if "mac" in meta else None,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Auth:
+    """The initiator's proof of the shared secret, the handshake's third and last frame."""
+
+    KIND: ClassVar[Kind] = Kind.AUTH
+    mac: bytes
+
+    def to_meta(self) -> Meta:
+        return {"mac": self.mac}
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Auth:
+        return cls(mac=get_bytes(meta, "mac"))
+
+
+#: every frame of the handshake, the only frames a link may carry before it is authenticated
+HandshakeFrame = Hello | Auth
+
+_HANDSHAKE_BY_KIND: Final[dict[Kind, type[HandshakeFrame]]] = {Hello.KIND: Hello, Auth.KIND: Auth}
+#: the kinds :func:`parse_handshake` reads
+HANDSHAKE_KINDS: Final = frozenset(_HANDSHAKE_BY_KIND)
+
+
+def parse_handshake(kind: Kind, meta: Meta) -> HandshakeFrame:
+    """The typed view of a handshake frame's metadata.
+
+    Raises:
+        RemoteProtocolError: not a handshake frame kind, the peer speaks another protocol
+            version, or a field is missing or out of range; close the link that sent it.
+    """
+    view = _HANDSHAKE_BY_KIND.get(kind)
+    if view is None:
+        raise RemoteProtocolError(f"{kind.name} is not a handshake frame")
     return view.from_meta(meta)

@@ -38,7 +38,8 @@ from fabricd.wire import Kind, Meta
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from fabricd.engines.handshake import Outgoing, PeerIdentity
+    from fabricd.engines.actions import Answer
+    from fabricd.engines.handshake import PeerIdentity
     from fabricd.transports.base import Link, Listener, Transport
     from fabricd.wire import Frame, FrameHead, Limits
 
@@ -97,7 +98,8 @@ class _PendingSink:
 
     def frame_received(self, link: Link, frame: Frame) -> None:
         try:
-            self._send(link, self.handshake.on_frame(frame.kind, frame.meta))
+            view = frames.parse_handshake(frame.kind, frame.meta)
+            self._send(link, self.handshake.on_frame(view))
         except ProtocolError as exc:
             log.warning("refused link from %s: %s", link.peer_address, exc)
             self.service.handshake_over(self.link_id, failed=True)
@@ -127,9 +129,9 @@ class _PendingSink:
             self.done.set_exception(exc)
             self.done.exception()  # retrieved: an accepted link has nobody awaiting it
 
-    def _send(self, link: Link, frames_out: list[Outgoing]) -> None:
-        for out in frames_out:
-            link.send_nowait(out.kind, out.meta)
+    def _send(self, link: Link, answers: list[Answer]) -> None:
+        for answer in answers:
+            link.send_nowait(answer.frame.KIND, answer.frame.to_meta())
 
 
 class _RefusedSink:

@@ -2,8 +2,9 @@
 
 Rules: an action says *what* must happen (a frame to a peer, a request finished, a line for the
 operator); the service that owns the engine decides *how* (which link, which client).  Actions
-belong here when more than one engine returns them; an action only one engine needs (streaming
-a message, dialling a node) lives beside that engine.
+belong here when more than one engine returns them, or when they address a frame as any engine
+would (to a node, to every peer, back on the link an input came from); an action only one engine
+needs (streaming a message, dialling a node) lives beside that engine.
 
 Timers are not actions: an engine keeps its deadlines in a :class:`~fabricd.engines.deadlines.
 Deadlines` heap and reports the earliest through ``next_deadline()`` (the aioquic
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fabricd.errors import ErrorCode
-    from fabricd.frames import PeerFrame
+    from fabricd.frames import HandshakeFrame, PeerFrame
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +41,17 @@ class SendFrame:
 
     node: int
     frame: PeerFrame
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Answer:
+    """Send ``frame`` back on the link the engine's input came from.
+
+    For an engine that speaks on a link before it knows which node is on the other end (the
+    handshake): there is no trusted node id yet to address a :class:`SendFrame` to.
+    """
+
+    frame: HandshakeFrame | PeerFrame
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -2,8 +2,11 @@
 
 Rules: this module decides whether a new connection speaks for a node of this fabric; it sends
 nothing itself and reads no clock.  The daemon feeds it the first frames of a link (under tight
-decoder limits, so an unauthenticated peer can make us hold at most a few KiB) and enforces the
-time limit.
+decoder limits, so an unauthenticated peer can make us hold at most a few KiB), parsed into
+:class:`~fabricd.frames.Hello` and :class:`~fabricd.frames.Auth` views by
+:func:`~fabricd.frames.parse_handshake`, which also refuses a peer of another protocol version
+and a nonce of the wrong size; it sends what this module answers back on that link and enforces
+the time limit.
 
 Theory of operation (three frames; K is the shared secret, T the transcript)::
 
@@ -32,10 +35,11 @@ from typing import Final
 
 import msgpack
 
+from fabricd.engines.actions import Answer
 from fabricd.errors import RemoteProtocolError
-from fabricd.wire import PROTOCOL_VERSION, Kind, Limits, Meta, get_bytes, get_int, get_str
+from fabricd.frames import HANDSHAKE_KINDS, NONCE_SIZE, Auth, HandshakeFrame, Hello
+from fabricd.wire import Limits
 
-NONCE_SIZE: Final = 32
 #: decoder limits while a link is unauthenticated: a few KiB at most, handshake frames only
 HANDSHAKE_LIMITS: Final = Limits(
     max_meta=512,
@@ -43,7 +47,7 @@ HANDSHAKE_LIMITS: Final = Limits(
     max_str=64,
     max_array=8,
     max_map=8,
-    kinds=frozenset({Kind.HELLO, Kind.AUTH}),
+    kinds=HANDSHAKE_KINDS,
 )
 
 
@@ -78,14 +82,6 @@ class PeerIdentity:
     node: int
     incarnation: int
     channel: Channel
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Outgoing:
-    """A handshake frame to send."""
-
-    kind: Kind
-    meta: Meta
 
 
 class Handshake:
@@ -136,56 +132,56 @@ class Handshake:
         """The authenticated peer, once the handshake is done."""
         return self._peer if self._state is _State.DONE else None
 
-    def start(self) -> list[Outgoing]:
+    def start(self) -> list[Answer]:
         """Begin: the initiator sends its HELLO; the acceptor waits."""
         if self._state is not _State.START:
             raise RuntimeError("handshake already started")
         self._state = _State.WAIT_HELLO
         if self.role is Role.ACCEPTOR:
             return []
-        return [Outgoing(kind=Kind.HELLO, meta=self._hello())]
+        return [Answer(frame=self._hello())]
 
-    def on_frame(self, kind: Kind, meta: Meta) -> list[Outgoing]:
-        """Take one frame from the peer; return what to send.  Check :attr:`peer` after.
+    def on_frame(self, frame: HandshakeFrame) -> list[Answer]:
+        """Take one frame from the peer; return what to send back.  Check :attr:`peer` after.
 
         Raises:
             AuthenticationFailed: wrong secret or identity; close the link and log it.
-            RemoteProtocolError: a malformed or unexpected frame; close the link.
+            RemoteProtocolError: an unexpected frame, or one that names a node outside the
+                fabric or lacks what its role must send; close the link.
         """
         try:
-            return self._on_frame(kind, meta)
+            return self._on_frame(frame)
         except RemoteProtocolError:
             self._state = _State.FAILED
             raise
 
-    def _on_frame(self, kind: Kind, meta: Meta) -> list[Outgoing]:
-        if self._state is _State.WAIT_HELLO and kind is Kind.HELLO:
-            return self._on_hello(meta)
-        if self._state is _State.WAIT_AUTH and kind is Kind.AUTH:
-            self._verify(meta, Role.INITIATOR)
+    def _on_frame(self, frame: HandshakeFrame) -> list[Answer]:
+        if self._state is _State.WAIT_HELLO and isinstance(frame, Hello):
+            return self._on_hello(frame)
+        if self._state is _State.WAIT_AUTH and isinstance(frame, Auth):
+            self._verify(frame.mac, Role.INITIATOR)
             self._state = _State.DONE
             return []
-        raise RemoteProtocolError(f"unexpected {kind.name} during handshake ({self._state.name})")
+        raise RemoteProtocolError(
+            f"unexpected {frame.KIND.name} during handshake ({self._state.name})"
+        )
 
-    def _hello(self, **extra: object) -> Meta:
-        meta: Meta = {"v": PROTOCOL_VERSION, "node": self._node, "inc": self._incarnation}
-        meta["nonce"] = self._nonce
-        if self._channel is not None and self.role is Role.INITIATOR:
-            meta["channel"] = self._channel.value
-        meta.update(extra)
-        return meta
+    def _hello(self, mac: bytes | None = None) -> Hello:
+        channel = self._channel if self.role is Role.INITIATOR else None
+        return Hello(
+            node=self._node,
+            incarnation=self._incarnation,
+            nonce=self._nonce,
+            channel=None if channel is None else channel.value,
+            mac=mac,
+        )
 
-    def _on_hello(self, meta: Meta) -> list[Outgoing]:
-        if get_int(meta, "v") != PROTOCOL_VERSION:
+    def _on_hello(self, hello: Hello) -> list[Answer]:
+        node, incarnation, nonce = hello.node, hello.incarnation, hello.nonce
+        if node >= self._fabric_size:
             raise RemoteProtocolError(
-                f"peer speaks protocol {meta['v']}, this daemon {PROTOCOL_VERSION}; "
-                "run the same fabricd release on every node"
+                f"HELLO field 'node' is {node}, outside this fabric of {self._fabric_size} nodes"
             )
-        node = get_int(meta, "node", hi=self._fabric_size - 1)
-        incarnation = get_int(meta, "inc")
-        nonce = get_bytes(meta, "nonce")
-        if len(nonce) != NONCE_SIZE:
-            raise RemoteProtocolError("handshake nonce has the wrong size")
         if node == self._node:
             raise AuthenticationFailed(f"peer claims to be this node ({node})")
         if self.role is Role.INITIATOR:
@@ -197,18 +193,22 @@ class Handshake:
             channel = self._channel
             self._transcript = self._make_transcript(self._nonce, nonce, node, incarnation, channel)
             self._peer = PeerIdentity(node=node, incarnation=incarnation, channel=channel)
-            self._verify(meta, Role.ACCEPTOR)
+            if hello.mac is None:
+                raise RemoteProtocolError("the acceptor's HELLO carries no 'mac'")
+            self._verify(hello.mac, Role.ACCEPTOR)
             self._state = _State.DONE
-            return [Outgoing(kind=Kind.AUTH, meta={"mac": self._mac(Role.INITIATOR)})]
+            return [Answer(frame=Auth(mac=self._mac(Role.INITIATOR)))]
+        if hello.channel is None:
+            raise RemoteProtocolError("the initiator's HELLO names no channel")
         try:
-            channel = Channel(get_str(meta, "channel"))
+            channel = Channel(hello.channel)
         except ValueError:
-            raise RemoteProtocolError("unknown channel in HELLO") from None
+            raise RemoteProtocolError(f"unknown channel {hello.channel!r} in HELLO") from None
         self._channel = channel
         self._transcript = self._make_transcript(nonce, self._nonce, node, incarnation, channel)
         self._peer = PeerIdentity(node=node, incarnation=incarnation, channel=channel)
         self._state = _State.WAIT_AUTH
-        return [Outgoing(kind=Kind.HELLO, meta=self._hello(mac=self._mac(Role.ACCEPTOR)))]
+        return [Answer(frame=self._hello(mac=self._mac(Role.ACCEPTOR)))]
 
     def _make_transcript(
         self, initiator_nonce: bytes, acceptor_nonce: bytes, peer: int, peer_inc: int, ch: Channel
@@ -224,8 +224,7 @@ class Handshake:
         label = b"fabricd-v1-" + role.value.encode()
         return hmac.new(self._key, label + self._transcript, hashlib.sha256).digest()
 
-    def _verify(self, meta: Meta, role: Role) -> None:
-        mac = get_bytes(meta, "mac")
+    def _verify(self, mac: bytes, role: Role) -> None:
         if not hmac.compare_digest(mac, self._mac(role)):
             raise AuthenticationFailed(
                 "authentication failed: the peer does not hold the same secret "
