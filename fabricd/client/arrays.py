@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,8 @@ class SharedArrays:
         """The array called ``name``: made (zero-filled) and attached the first time.
 
         Raises:
-            UsageError: a bad name, shape or dtype, or a name reused with another layout.
+            UsageError: a bad name, shape or dtype, a name reused with another layout, or an
+                array this machine cannot hold (memory, fds).
         """
         name = checks.array_name(name)
         dims, dt = checks.shape(shape), checks.dtype(dtype)
@@ -58,7 +60,18 @@ class SharedArrays:
                 )
             return existing.array
         nbytes = math.prod(dims) * dt.itemsize
-        segment = Segment.create(name, nbytes)
+        if math.prod(d for d in dims if d) * dt.itemsize > sys.maxsize:  # numpy's own bound
+            raise UsageError(
+                f"array {name!r} of shape {dims} {dt} is too large for this machine's memory"
+            )
+        try:
+            segment = Segment.create(_label(name), nbytes)
+        except (OSError, OverflowError) as exc:  # ENOMEM, EMFILE, a size off_t cannot hold
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise UsageError(
+                f"cannot make shared memory for array {name!r} of {nbytes} B: {reason}; make it "
+                "smaller, or free memory or file descriptors"
+            ) from None
         seg = next(self._ids)
         try:
             call = self._connection.submit(
@@ -98,6 +111,15 @@ class SharedArrays:
         raise UsageError(
             "array is not in fabricd shared memory; create it with fab.array(name, shape, dtype)"
         )
+
+
+def _label(name: str) -> str:
+    """``name`` as the memfd's label, which only tools see (``/proc/PID/fd``).
+
+    The kernel takes a NUL-free name of at most 249 bytes; an array's name is any str.
+    """
+    raw = name.replace("\0", "?").encode("utf-8", "replace")[:200]
+    return raw.decode("utf-8", "ignore")
 
 
 def _address(array: np.ndarray[Any, Any]) -> int:

@@ -197,6 +197,30 @@ def test_arrays_take_every_dtype_fabricd_moves_by_name_or_type(fake):
 
 
 @pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((2**40, 2**40), "shape (1099511627776, 1099511627776) float32 is too large"),
+        ((0, 2**62), "is too large"),  # numpy refuses it even with no element
+        ((2**61 // 4,), "cannot make shared memory for array 'big' of 2305843009213693952 B: "),
+    ],
+)
+def test_an_array_too_large_for_the_machine_is_a_usage_error(fake, shape, message):
+    daemon, fab = fake
+    with pytest.raises(fabricd.UsageError, match=re.escape(message)):
+        fab.array("big", shape, "float32")
+    assert "attach" not in daemon.ops()
+
+
+def test_any_str_names_an_array(fake):
+    daemon, fab = fake
+    for name in ("a\0b", "\ud800", "é" * 300, "名" * 100):
+        array = fab.array(name, 2, "int8")
+        assert fab.array(name, 2, "int8") is array
+        assert fab.send(array, to=1, timeout=5).nbytes == 2
+    assert daemon.ops().count("attach") == 4
+
+
+@pytest.mark.parametrize(
     ("job", "rank", "size", "message"),
     [
         ("x" * 201, 0, 1, "job must be a str of 1..200 characters, not one of 201"),
