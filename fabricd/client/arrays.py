@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,11 +36,17 @@ class _Entry:
 
 
 class SharedArrays:
-    """This client's named arrays and the segments under them."""
+    """This client's named arrays and the segments under them; any thread may use them.
+
+    One thread creates at a time (``_creating``), so a name asked for by two threads at once
+    is made once.  ``_entries`` is replaced, never changed, so a thread looking an array up
+    reads one whole table while another thread adds to it.
+    """
 
     def __init__(self, connection: Connection) -> None:
         self._connection = connection
         self._ids = itertools.count(1)
+        self._creating = threading.Lock()
         self._entries: dict[str, _Entry] = {}
 
     def create(self, name: object, shape: object, dtype: object) -> np.ndarray[Any, Any]:
@@ -51,6 +58,10 @@ class SharedArrays:
         """
         name = checks.array_name(name)
         dims, dt = checks.shape(shape), checks.dtype(dtype)
+        with self._creating:
+            return self._create(name, dims, dt)
+
+    def _create(self, name: str, dims: tuple[int, ...], dt: np.dtype[Any]) -> np.ndarray[Any, Any]:
         existing = self._entries.get(name)
         if existing is not None:
             if existing.array.shape != dims or existing.array.dtype != dt:
@@ -87,7 +98,8 @@ class SharedArrays:
         root = np.frombuffer(segment.buffer, dtype=np.uint8)
         start = segment.layout.data_offset
         array: np.ndarray[Any, Any] = root[start : start + nbytes].view(dt).reshape(dims)
-        self._entries[name] = _Entry(seg, segment, root, array, _address(root))
+        entry = _Entry(seg, segment, root, array, _address(root))
+        self._entries = {**self._entries, name: entry}
         return array
 
     def locate(self, array: object) -> tuple[int, int]:

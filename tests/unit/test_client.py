@@ -8,12 +8,14 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from fakedaemon import FakeDaemon
+from fakedaemon import FakeDaemon, answer_like_a_daemon
 
 import fabricd
 from fabricd import ipc
@@ -218,6 +220,51 @@ def test_any_str_names_an_array(fake):
         assert fab.array(name, 2, "int8") is array
         assert fab.send(array, to=1, timeout=5).nbytes == 2
     assert daemon.ops().count("attach") == 4
+
+
+def test_threads_asking_for_one_name_at_once_share_one_array():
+    def script(daemon: FakeDaemon, request: dict[str, Any]) -> None:
+        if request["op"] == "attach":  # slow to attach: the other thread asks meanwhile
+            threading.Timer(0.3, daemon.reply, args=(request,)).start()
+        else:
+            answer_like_a_daemon(daemon, request)
+
+    daemon = FakeDaemon(script)
+    fab = daemon.client(checks.membership("j", 0, 2))
+    got: list[Any] = []
+    try:
+        first = threading.Thread(target=lambda: got.append(fab.array("w", 4)))
+        first.start()
+        deadline = time.monotonic() + 10
+        while "attach" not in daemon.ops() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        got.append(fab.array("w", 4))  # while the first attach is still under way
+        first.join(10)
+        assert len(got) == 2
+        assert got[0] is got[1]
+        assert daemon.ops().count("attach") == 1
+        fab.send(got[0], to=1, timeout=5)
+    finally:
+        fab.close()
+        daemon.stop()
+
+
+def test_a_send_looks_its_array_up_while_another_thread_makes_one(fake):
+    _, fab = fake
+    array = fab.array("a", 4)
+    arrays = fab._arrays
+
+    class Made:  # an entry looked at just when another thread's fab.array() lands
+        root = np.zeros(0, np.uint8)
+
+        @property
+        def base(self) -> int:
+            fab.array(f"other{len(arrays._entries)}", 2)
+            return 0
+
+    arrays._entries = {"made-meanwhile": Made(), **arrays._entries}  # type: ignore[dict-item]
+    assert fab.send(array, to=1, timeout=5).nbytes == 16
+    assert fab.send(fab.array("other2", 2), to=1, timeout=5).nbytes == 8
 
 
 @pytest.mark.parametrize(
