@@ -220,13 +220,13 @@ def _env_int(value: object, name: str) -> object:
         raise UsageError(f"${name}={raw!r} is not an integer") from None
 
 
-def _socket_paths(socket_path: str | None = None) -> tuple[str, ...]:
+def _socket_paths(socket_path: str | os.PathLike[str] | None = None) -> tuple[str, ...]:
     """Where :func:`connect` looks for the daemon, in order.
 
     ``socket_path``, else ``$FABRICD_SOCKET``, alone; else :func:`fabricd.ipc.socket_candidates`
     (the user's runtime dir, then the system location).
     """
-    explicit = socket_path or os.environ.get("FABRICD_SOCKET")
+    explicit = checks.socket_path(socket_path) or os.environ.get("FABRICD_SOCKET")
     return (explicit,) if explicit else socket_candidates()
 
 
@@ -235,7 +235,7 @@ def connect(
     rank: int | None = None,
     size: int | None = None,
     *,
-    socket_path: str | None = None,
+    socket_path: str | os.PathLike[str] | None = None,
     timeout: float = 10.0,
 ) -> Client:
     """Connect to the local daemon and, with ``job``, join it as ``rank`` of ``size``.

@@ -16,6 +16,7 @@ import contextlib
 import math
 import numbers
 import operator
+import os
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -94,6 +95,16 @@ def timeout(value: object) -> float | None:
     if math.isnan(seconds):
         raise UsageError("timeout must be None or a number of seconds, not nan")
     return None if seconds == math.inf else seconds
+
+
+def socket_path(value: object) -> str | None:
+    """Check a socket path: ``None``, a str, or a path object (``pathlib.Path``, bytes)."""
+    if value is None or isinstance(value, str):
+        return value
+    try:
+        return os.fsdecode(value)  # type: ignore[arg-type]  # refused below if not a path
+    except TypeError:
+        raise UsageError(f"socket_path must be a str or a path, not {_show(value)}") from None
 
 
 def array_name(value: object) -> str:

@@ -88,11 +88,13 @@ class Connection:
         """
         tried = []
         for path in paths:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            try:
+            sock = None
+            try:  # socket() fails too, in a process out of fds
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
                 sock.connect(path)
             except OSError as exc:
-                sock.close()
+                if sock is not None:
+                    sock.close()
                 tried.append(f"{path} ({exc.strerror or exc})")
                 continue
             return cls(sock, path)

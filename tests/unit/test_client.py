@@ -37,6 +37,22 @@ def test_no_daemon_says_which_socket_and_how_to_start_one(tmp_path):
     assert "FABRICD_SOCKET" in text
 
 
+def test_a_process_out_of_fds_gets_a_daemon_unavailable_that_says_so(tmp_path, monkeypatch):
+    def out_of_fds(*args: object) -> socket.socket:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(socket, "socket", out_of_fds)
+    with pytest.raises(fabricd.DaemonUnavailable, match=r"absent\.sock \(Too many open files\)"):
+        connect(socket_path=str(tmp_path / "absent.sock"))
+
+
+def test_a_socket_path_may_be_a_path_object_and_nothing_else(tmp_path):
+    with pytest.raises(fabricd.DaemonUnavailable, match=r"absent\.sock \(No such file"):
+        connect(socket_path=tmp_path / "absent.sock")
+    with pytest.raises(fabricd.UsageError, match="socket_path must be a str or a path, not int 5"):
+        connect(socket_path=5)  # type: ignore[arg-type]
+
+
 def test_rank_and_size_come_from_torchrun_variables(monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "five")
     with pytest.raises(fabricd.UsageError, match=r"\$RANK='five' is not an integer"):
