@@ -13,9 +13,14 @@ false: the rank left cleanly); a node that goes down or restarts takes all its r
 (:meth:`Membership.peer_down`: they are *lost*, and whatever was on its way to them with it).
 All ranks of a job must agree on its size, and a rank is hosted by exactly one client; a second
 claim is refused with a message that says where the first one lives.  Between daemons the first
-claim wins: a conflicting announcement is ignored with a :class:`Notice` for the operator.
+claim wins: a conflicting announcement is ignored with a :class:`Notice` for the operator, but
+kept while its node stands by it, and it takes effect once the claim that won is released (the
+rank leaves, its node goes down, or the job it disagreed with on size is gone).  A rank that
+restarts on another node sends its departure and its arrival on different links, so a third
+daemon may hear the arrival first; without this it would never see the rank again.
 
-Every lookup, claim and release is O(1); :meth:`Membership.peer_down` is O(ranks of that node).
+Every lookup, claim and release is O(1) while no claim is ignored, and O(ignored claims of the
+job) otherwise; :meth:`Membership.peer_down` is O(ranks of that node + ignored claims).
 """
 
 from __future__ import annotations
@@ -93,6 +98,9 @@ class Membership:
         self._by_node: dict[int, dict[RankKey, RankEntry]] = {}
         self._sizes: dict[str, int] = {}  #: job -> its size, while it has a known rank
         self._counts: dict[str, int] = {}  #: job -> how many of its ranks are known
+        #: claims peers made that conflicted with the table, by (job, rank) then node, oldest
+        #: first: each is retried when what it conflicted with is released
+        self._ignored: dict[RankKey, dict[int, RankEntry]] = {}
 
     # -- local clients ----------------------------------------------------------------------
     def attach(self, job: str, rank: int, size: int) -> list[Action]:
@@ -122,6 +130,7 @@ class Membership:
         return [
             Broadcast(frame=_announce(entry, present=False)),
             RankLeft(entry=entry, reason=reason, lost=False),
+            *self._retry(entry),
         ]
 
     # -- peers ------------------------------------------------------------------------------
@@ -129,21 +138,25 @@ class Membership:
         """Peer ``node`` announced that one of its ranks arrived or left.
 
         Returns: :class:`RankJoined` or :class:`RankLeft` when the table changed, nothing for a
-        repeated announcement, a :class:`Notice` for a claim that conflicts with the table.
+        repeated announcement, a :class:`Notice` for a claim that conflicts with the table (it
+        is kept, and takes effect once what it conflicts with is released).
         """
+        key = (frame.job, frame.rank)
+        self._unignore(key, node)
         if not frame.present:
             entry = self._release(frame.job, frame.rank, node)
             if entry is None:
                 return []
             text = f"rank {frame.rank} of job {frame.job!r} on node {node} disconnected"
-            return [RankLeft(entry=entry, reason=text, lost=False)]
-        if self._entries.get((frame.job, frame.rank)) == RankEntry(
-            job=frame.job, rank=frame.rank, size=frame.size, node=node
-        ):
+            return [RankLeft(entry=entry, reason=text, lost=False), *self._retry(entry)]
+        claim = RankEntry(job=frame.job, rank=frame.rank, size=frame.size, node=node)
+        if self._entries.get(key) == claim:
             return []
         try:
             entry = self._claim(frame.job, frame.rank, frame.size, node)
         except UsageError as exc:
+            if 0 <= frame.rank < frame.size:  # it may hold once the table changes
+                self._ignored.setdefault(key, {})[node] = claim
             return [Notice(message=f"ignored announcement from node {node}: {exc}")]
         return [RankJoined(entry=entry)]
 
@@ -156,8 +169,13 @@ class Membership:
         gone = sorted(self._by_node.pop(node, {}).values(), key=_order)
         for entry in gone:
             self._forget(entry)
+        for key in [key for key, claims in self._ignored.items() if node in claims]:
+            self._unignore(key, node)
         text = f"node {node} is {reason}"
-        return [RankLeft(entry=entry, reason=text, lost=True) for entry in gone]
+        actions: list[Action] = [RankLeft(entry=entry, reason=text, lost=True) for entry in gone]
+        for entry in gone:
+            actions += self._retry(entry)
+        return actions
 
     # -- queries ----------------------------------------------------------------------------
     def lookup(self, job: str, rank: int) -> RankEntry | None:
@@ -218,6 +236,37 @@ class Membership:
             del self._by_node[node]
         self._forget(entry)
         return entry
+
+    def _retry(self, released: RankEntry) -> list[Action]:
+        """``released`` left the table: the ignored claims it stood in the way of may hold now.
+
+        Those for its rank, and, once its job has no known rank left (so any size may start
+        it again), every ignored claim of the job; the oldest claim of a rank wins.
+        """
+        if not self._ignored:
+            return []
+        job = released.job
+        if job in self._sizes:
+            keys = [(job, released.rank)]
+        else:
+            keys = [key for key in self._ignored if key[0] == job]
+        joined: list[Action] = []
+        for key in keys:
+            for node, claim in list(self._ignored.get(key, {}).items()):
+                try:
+                    entry = self._claim(claim.job, claim.rank, claim.size, node)
+                except UsageError:
+                    continue
+                self._unignore(key, node)
+                joined.append(RankJoined(entry=entry))
+        return joined
+
+    def _unignore(self, key: RankKey, node: int) -> None:
+        claims = self._ignored.get(key)
+        if claims is not None:
+            claims.pop(node, None)
+            if not claims:
+                del self._ignored[key]
 
     def _forget(self, entry: RankEntry) -> None:
         """Drop ``entry`` from the table and its job's count (not from ``_by_node``)."""

@@ -208,3 +208,74 @@ def test_usage_errors_are_fabric_errors(members: Membership) -> None:
     announce(members, 1, 0, 1)
     with pytest.raises(FabricError):
         members.attach("demo", 0, 1)
+
+
+# -- claims that lose a race ------------------------------------------------------------------
+# A rank that restarts on another node (or a job restarted with another placement or size)
+# sends its departure and its arrival on two different links, so a third daemon can hear the
+# arrival first.  Ignoring it for good would leave that daemon blind to the rank: its sends fail
+# with no_such_rank and the rank's receives from it wait forever.
+def test_an_ignored_claim_takes_effect_once_the_rank_it_lost_to_leaves(
+    members: Membership,
+) -> None:
+    announce(members, 1, 2)
+    [notice] = announce(members, 2, 2)  # rank 2 restarted on node 2; node 1's news is late
+    assert isinstance(notice, Notice)
+    assert announce(members, 1, 2, present=False) == [
+        RankLeft(
+            entry=entry(2, 1), reason="rank 2 of job 'demo' on node 1 disconnected", lost=False
+        ),
+        RankJoined(entry=entry(2, 2)),
+    ]
+    assert members.lookup("demo", 2) == entry(2, 2)
+
+
+def test_an_ignored_claim_takes_effect_when_the_winners_node_goes_down(
+    members: Membership,
+) -> None:
+    announce(members, 1, 2)
+    announce(members, 2, 2)
+    assert members.peer_down(1, "down") == [
+        RankLeft(entry=entry(2, 1), reason="node 1 is down", lost=True),
+        RankJoined(entry=entry(2, 2)),
+    ]
+
+
+def test_a_local_rank_that_leaves_hands_its_rank_to_the_ignored_claim(
+    members: Membership,
+) -> None:
+    members.attach("demo", 2, 4)
+    announce(members, 5, 2)
+    actions = members.detach("demo", 2, "rank 2 of job 'demo' disconnected")
+    assert actions[-1] == RankJoined(entry=entry(2, 5))
+    assert members.local() == []
+
+
+def test_a_new_size_ignored_while_the_old_job_ran_takes_effect_once_it_is_gone(
+    members: Membership,
+) -> None:
+    announce(members, 1, 0, 2)
+    announce(members, 1, 1, 2)
+    announce(members, 2, 3, 8)  # the job restarted with 8 ranks; node 1's news is late
+    assert announce(members, 1, 0, 2, present=False)[1:] == []  # size 2 still stands
+    assert announce(members, 1, 1, 2, present=False)[1:] == [RankJoined(entry=entry(3, 2, 8))]
+    assert members.job_size("demo") == 8
+
+
+def test_an_ignored_claim_is_dropped_when_its_node_retracts_it_or_goes_down(
+    members: Membership,
+) -> None:
+    announce(members, 1, 2)
+    announce(members, 2, 2)
+    announce(members, 3, 2)
+    assert announce(members, 2, 2, present=False) == []  # node 2's client left meanwhile
+    assert members.peer_down(3, "down") == []  # and node 3 went down
+    [left] = announce(members, 1, 2, present=False)
+    assert isinstance(left, RankLeft)
+    assert members.entries() == []
+    assert members._ignored == {}
+
+
+def test_claims_that_can_never_hold_are_not_kept(members: Membership) -> None:
+    announce(members, 1, 7, 4)  # outside the job
+    assert members._ignored == {}

@@ -322,6 +322,25 @@ def test_a_conflicting_announcement_is_ignored_with_a_notice(net: FakeNet) -> No
     assert net.members[0].lookup(JOB, 2).node == 1  # type: ignore[union-attr]
 
 
+def test_a_rank_that_restarts_on_another_node_is_reached_though_its_news_cross() -> None:
+    """Its departure (from node 1) and its arrival (from node 2) travel on different links:
+    node 0 hears the arrival first, and must still route to it once the departure comes."""
+    net = layout()
+    net.hold(1, 0)
+    net.detach(1, 2)
+    net.run()
+    net.attach(2, 2)  # rank 2 starts again, on node 2
+    net.run()
+    net.release(1, 0)
+    net.run()
+    assert net.members[0].lookup(JOB, 2).node == 2  # type: ignore[union-attr]
+    send = net.send(0, src=0, dst=2, data=DATA)
+    recv = net.recv(2, src=0, dst=2, nbytes=len(DATA))
+    net.run_timers()
+    assert net.ok(0, send)
+    assert net.region(2, recv) == DATA
+
+
 def test_a_peer_that_comes_up_learns_every_local_rank(net: FakeNet) -> None:
     sends = net.members[0].peer_up(3)
     assert all(isinstance(a, SendFrame) and a.node == 3 for a in sends)
