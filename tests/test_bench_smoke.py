@@ -95,6 +95,20 @@ def test_framecost_reports_the_ratio_against_the_fewest_pending() -> None:
     assert progress.count("[framecost] ") >= len(framecost.PENDING)
 
 
+def test_framecost_waits_in_every_index_a_frame_could_scan() -> None:
+    """A ratio of 1x proves nothing about an index nothing waits in: messages waiting for their
+    receive are the commonest thing a busy daemon holds (a send announced before its receive
+    is posted), and a scan over them on every receive must show in the figure."""
+    pair = framecost.Pair(40)
+    for engine in pair.engines:
+        stats = engine.statistics()
+        assert stats.receives >= 10  # posted receives, some with route deadlines
+        assert stats.sends >= 10  # sends waiting for a route, and sends announced (RTS)
+        assert stats.unrouted >= 10  # route deadlines
+        assert stats.unexpected >= 10  # the peer's announced sends, waiting for a receive
+    pair.check()  # and a rendezvous still goes through untouched by them
+
+
 def test_table_renders_a_ratio_for_every_row() -> None:
     table = Table(name="t", title="a title", columns=[Column("a", "A")], ratio="a / b")
     table.add("4 KiB", 4096, 0.5, a=1.0)
