@@ -311,7 +311,11 @@ class PeeringService(BaseService):
             )
             log.warning("refused %s link from node %d: %s", peer.channel, peer.node, reason)
             sink.fail(link, reason)
-        self._perform(actions, link=link)
+        try:
+            self._perform(actions, link=link)
+        except BaseException:  # the dial waiting on this link must hear of it, or never redial
+            sink.fail(link, "internal error while admitting the link (see the log)")
+            raise
         if admitted and not sink.done.done():
             sink.done.set_result(peer)
         self.owner.rearm()
