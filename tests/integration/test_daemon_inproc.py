@@ -9,7 +9,10 @@ run in worker threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import random
+import threading
 import time
 from typing import Any
 
@@ -259,3 +262,75 @@ async def test_status_lists_other_clients_but_not_the_one_asking(tmp_path):
         by_control, by_member = await asyncio.to_thread(clients_seen)
         assert [(c["job"], c["rank"]) for c in by_control] == [("j", 0)]  # not the asker itself
         assert by_member == []  # the control client has gone, and the member asked
+
+
+_CHURN_HOME = {0: 0, 1: 0, 2: 1, 3: 1}  # ranks 0 and 1 share node 0: local copies too
+
+
+def _churn_rank(socket_path: str, job: str, rank: int, seed: int, barrier: Any) -> int:
+    """Post sends and receives to every rank (matching ones, mismatched ones, zero-byte ones,
+    ones nobody answers), wait for some, and leave with the rest still pending."""
+    rng = random.Random(seed)
+    posted = 0
+    with fabricd.connect(job=job, rank=rank, size=4, socket_path=socket_path) as fab:
+        handles = []
+        for peer in range(4):
+            pair = random.Random(f"{seed // 10}:{min(rank, peer)}:{max(rank, peer)}")
+            agreed = pair.choice((0, 1, 4096, 3 << 20))  # both sides pick the same size
+            for tag, nbytes in ((0, agreed), (1, rng.choice((0, 8, 16)))):  # tag 1: any size
+                sent = fab.array(f"s{peer}.{tag}", (nbytes,), "uint8")
+                got = fab.array(f"r{peer}.{tag}", (nbytes,), "uint8")
+                handles += [fab.send_async(sent, to=peer, tag=tag)]
+                handles += [fab.recv_async(got, src=peer, tag=tag)]
+            lonely = fab.array(f"u{peer}", (3,), "uint8")  # nobody sends or receives these
+            handles += [fab.recv_async(lonely, src=peer, tag=7), fab.send_async(lonely, peer, 8)]
+            posted += 6
+        barrier.wait(20)
+        if rng.random() < 0.6:  # the others leave at once, whatever is moving
+            for handle in handles[: rng.randrange(len(handles))]:
+                with contextlib.suppress(fabricd.FabricError):
+                    handle.wait(timeout=0.05)
+    return posted
+
+
+async def test_clients_that_come_and_go_leave_no_operation_behind(tmp_path):
+    """Many clients post thousands of operations and leave at any moment (while bytes move,
+    between nodes and inside one): afterwards every table of both daemons is empty."""
+    async with fabric(tmp_path) as fab:
+        fab.net.bandwidth = 400e6  # a 3 MiB message takes ~8 ms: some are mid-flight at leave
+        posted = 0
+        for round_ in range(45):
+            barrier = threading.Barrier(len(_CHURN_HOME))
+            counts = await asyncio.gather(
+                *(
+                    asyncio.to_thread(
+                        _churn_rank,
+                        fab.socket(node),
+                        f"c{round_}",
+                        rank,
+                        10 * round_ + rank,
+                        barrier,
+                    )
+                    for rank, node in _CHURN_HOME.items()
+                )
+            )
+            posted += sum(counts)
+        assert posted >= 2000
+
+        def idle(daemon: Any) -> bool:
+            p2p = daemon.service("p2p")
+            return not p2p.engine.pending() and not p2p.engine.transfers() and not p2p._copies
+
+        await fab.until(lambda: all(idle(d) for d in fab.daemons.values()), 20)
+        for daemon in fab.daemons.values():
+            p2p, engine = daemon.service("p2p"), daemon.service("p2p").engine
+            assert p2p._ops == {}
+            assert p2p._by_session == {}
+            assert daemon.sessions == {}
+            assert daemon.service("membership").engine.entries() == []
+            assert engine.statistics().unexpected == 0
+            assert engine.next_deadline() is None
+            tables = [engine._posted._queues, engine._arrived._queues, engine._unrouted]
+            tables += [engine._recvs_from, engine._offers_to, engine._out_to, engine._out]
+            tables += [engine._out_by, engine._remote, engine._landing._entries]
+            assert not any(tables), tables

@@ -7,6 +7,7 @@ rank 3 on node 2.  Time stands still unless a test moves it.
 from __future__ import annotations
 
 from collections import defaultdict
+from random import Random
 from typing import TYPE_CHECKING
 
 import pytest
@@ -24,7 +25,7 @@ from fabricd.engines.operations import (
     SendInput,
     SendState,
 )
-from fabricd.engines.p2p import CopyLocal, Message, MessagingStatistics, StreamData
+from fabricd.engines.p2p import CopyLocal, Message, Messaging, MessagingStatistics, StreamData
 from fabricd.errors import LocalProtocolError, RemoteProtocolError, UsageError
 from fabricd.frames import Announce, Cancel, Cts, Done, Rts
 from fabricd.wire import Kind
@@ -694,6 +695,27 @@ def run_scenario(rng: random.Random, msgs: list[tuple], crash: tuple[int, int] |
     return net
 
 
+def leftovers(engine: Messaging) -> dict[str, int]:
+    """Every table of the engine that still holds something (an idle engine holds nothing)."""
+    sizes = {
+        "sends": len(engine._sends),
+        "recvs": len(engine._recvs),
+        "posted": len(engine._posted) + len(engine._posted._queues),
+        "arrived": len(engine._arrived) + len(engine._arrived._queues),
+        "unrouted": len(engine._unrouted),
+        "recvs_from": len(engine._recvs_from),
+        "offers_to": len(engine._offers_to),
+        "out_to": len(engine._out_to),
+        "out": len(engine._out),
+        "out_by": len(engine._out_by),
+        "remote": len(engine._remote),
+        "deadlines": len(engine._deadlines) + len(engine._deadlines._heap),
+        "landing": len(engine._landing) + len(engine._landing._entries),
+        "moving": engine._moving,
+    }
+    return {name: size for name, size in sizes.items() if size}
+
+
 def check_history(net: FakeNet, dead: int | None) -> None:
     """Exactly-once completion, FIFO matching and the right bytes in every successful receive."""
     for (node, op), outcomes in net.completed.items():
@@ -703,6 +725,7 @@ def check_history(net: FakeNet, dead: int | None) -> None:
         assert net.engines[node].pending() == 0
         assert net.engines[node].transfers() == 0
         assert net.engines[node].next_deadline() is None
+        assert leftovers(net.engines[node]) == {}, node
     by_key: dict[tuple, tuple[list[Posted], list[Posted]]] = defaultdict(lambda: ([], []))
     for posted in sorted(net.ops.values(), key=lambda p: p.op):
         m = posted.msg
@@ -934,3 +957,70 @@ def test_statistics_follow_the_operations(net: FakeNet) -> None:
     net.recv(1, src=0, dst=2, nbytes=len(DATA))
     net.run()
     assert net.engines[1].statistics().bytes_received == len(DATA)
+
+
+# -- many clients come and go: nothing stays behind -------------------------------------------
+CHURN_HOME = {0: 0, 1: 0, 2: 1, 3: 2, 4: 2}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_thousands_of_operations_by_clients_that_come_and_go_leave_every_table_empty(
+    seed: int,
+) -> None:
+    """Sends and receives of every size (matching, mismatched, zero-byte, local and remote) by
+    ranks that leave at any moment, with streams and copies that finish (or fail) late and
+    frames that cross: once every client has left and the timers ran, each engine is empty."""
+    rng = Random(seed)
+    net = FakeNet(3, rng=rng, auto_stream=False, auto_copy=False, route_timeout=1.0)
+    mine: dict[int, list[int]] = {rank: [] for rank in CHURN_HOME}
+    joined: set[int] = set()
+    posted = 0
+    while posted < 4000:
+        roll = rng.random()
+        rank, peer = rng.choice(list(CHURN_HOME)), rng.randrange(6)  # rank 5 never joins
+        node = CHURN_HOME[rank]
+        if roll < 0.04:
+            if rank in joined:
+                net.detach(node, rank, ops=mine[rank])
+                joined.discard(rank)
+                mine[rank] = []
+            else:
+                net.attach(node, rank, size=6)
+                joined.add(rank)
+        elif roll < 0.6 and rank in joined:
+            nbytes, tag = rng.choice((0, 1, 5, 20)), rng.randrange(3)
+            if rng.random() < 0.5:
+                op = net.send(node, src=rank, dst=peer, data=bytes(nbytes), tag=tag)
+            else:
+                op = net.recv(node, src=peer, dst=rank, nbytes=nbytes, tag=tag)
+            mine[rank].append(op)
+            posted += 1
+        elif roll < 0.7 and net.streams:
+            index = rng.randrange(len(net.streams))
+            if rng.random() < 0.1:
+                net.fail_stream(index)
+            else:
+                net.finish_stream(index)
+        elif roll < 0.8 and net.copies:
+            net.finish_copy(rng.randrange(len(net.copies)))
+        elif roll < 0.85:
+            net.advance(net.now + 0.1)
+        else:
+            for _ in range(rng.randrange(1, 6)):
+                net.deliver_one()
+    for rank in joined:
+        net.detach(CHURN_HOME[rank], rank, ops=mine[rank])
+    while net.streams or net.copies or net.in_flight() or net.next_deadline() is not None:
+        if net.streams:
+            net.finish_stream()
+        elif net.copies:
+            net.finish_copy()
+        net.run_timers()
+    for (node, op), outcomes in net.completed.items():
+        assert len(outcomes) == 1, f"op {op} on node {node} completed {len(outcomes)} times"
+    assert len(net.completed) > 1000  # most operations ran to an end their client heard of
+    for node, engine in enumerate(net.engines):
+        assert leftovers(engine) == {}, node
+        assert engine.pending() == engine.transfers() == 0
+    for members in net.members:
+        assert members.entries() == []
