@@ -57,7 +57,7 @@ from fabricd.transports.verbs import device as verbs_device
 from fabricd.wire import PROTOCOL_VERSION, Frame, FrameHead, Kind, Limits, Meta, get_int, get_str
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine, Sequence
+    from collections.abc import Callable, Coroutine, Iterator, Sequence
 
     from fabricd.daemon.config import Config, Loaded
     from fabricd.daemon.service import Service
@@ -202,7 +202,8 @@ class Daemon:
     def rank_event(self, event: RankEvent) -> None:
         now = self.now()
         for service in self.services:
-            service.on_rank_event(event, now)
+            with _bug_in(service, "on_rank_event"):
+                service.on_rank_event(event, now)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         assert self._tasks is not None, "spawn before run()"
@@ -231,9 +232,10 @@ class Daemon:
         self._timer = None
         now = self.now()
         for service in self.services:
-            due = service.next_deadline()
-            if due is not None and due <= now:
-                service.on_timer(now)
+            with _bug_in(service, "on_timer"):
+                due = service.next_deadline()
+                if due is not None and due <= now:
+                    service.on_timer(now)
         self.rearm()
 
     # -- links: what the peering service decides, the node keeps ----------------------------
@@ -254,13 +256,15 @@ class Daemon:
                 link.close(f"node {node} {reason}")
         now = self.now()
         for service in self.services:
-            service.peer_down(node, reason, now)
+            with _bug_in(service, "peer_down"):
+                service.peer_down(node, reason, now)
 
     def peer_up(self, node: int) -> None:
         """``node``'s control link was admitted: let every service greet it."""
         now = self.now()
         for service in self.services:
-            service.peer_up(node, now)
+            with _bug_in(service, "peer_up"):
+                service.peer_up(node, now)
 
     def link(self, node: int, channel: Channel) -> Link | None:
         """``node``'s current ``channel`` link, if it has one."""
@@ -376,12 +380,14 @@ class Daemon:
                 async with asyncio.timeout(self.config.drain_timeout):
                     await self._idle.wait()
         for service in self.services:  # a copy's thread cannot be stopped: let it end first
-            await service.settle()
+            with _bug_in(service, "settle"):
+                await service.settle()
         failure = Failure(
             code=ErrorCode.DAEMON_STOPPING, message="the daemon is stopping; retry later"
         )
         for service in reversed(self.services):
-            service.shutdown(failure)
+            with _bug_in(service, "shutdown"):
+                service.shutdown(failure)
         for task in list(self._spawned):  # what is still moving was just failed: stop it
             task.cancel()
         self.broadcast(frames.Bye())
@@ -443,7 +449,8 @@ class Daemon:
             return
         now = self.now()
         for service in reversed(self.services):  # dependents first: messages before ranks
-            service.client_gone(session, now)
+            with _bug_in(service, "client_gone"):
+                service.client_gone(session, now)
         for segment in session.segments.values():
             segment.close()
         session.segments.clear()
@@ -509,6 +516,19 @@ def _default_transport() -> Transport:
     else:
         log.info("transport: tcp (%s)", found.reason)
     return TcpTransport()
+
+
+@contextlib.contextmanager
+def _bug_in(service: Service, hook: str) -> Iterator[None]:
+    """Log what ``service`` raised from ``hook`` (a bug in it) and go on.
+
+    News, ticks and releases go to every service in turn: one that raises must not keep the
+    others from hearing them, stop the daemon's one timer, or reach the transport or the loop.
+    """
+    try:
+        yield
+    except Exception:
+        log.exception("service %r failed in %s (a bug); the daemon goes on", service.name, hook)
 
 
 def _close_quietly(fd: int) -> None:

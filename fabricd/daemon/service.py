@@ -17,7 +17,8 @@ Rules for a service:
 * a malformed frame raises :class:`~fabricd.errors.RemoteProtocolError` (the node closes that
   peer's links); a bad request raises a :class:`~fabricd.errors.FabricError` (the node replies
   with its code); anything else is a bug in the service: the node logs it and fails the request
-  with ``internal`` but keeps serving.
+  with ``internal`` but keeps serving.  A bug raised from a timer tick, a peer's or a rank's
+  news, a client's departure or the drain is logged too, and the other services still get it.
 """
 
 from __future__ import annotations

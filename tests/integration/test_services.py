@@ -3,12 +3,14 @@
 A test service claims a frame kind and a request op, pushes an event to its client, and keeps
 a deadline; it is added through ``Daemon(services=...)`` alone, and must receive its frames,
 requests and timer ticks.  Claims that overlap refuse to start; a frame nobody claims closes
-the link that brought it, with the reason in the log.
+the link that brought it, with the reason in the log.  A service that raises (a bug) is logged
+and skipped: the other services still get their ticks and news, and nothing reaches the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -26,6 +28,7 @@ from fabricd.wire import Kind
 from .inproc import NODES, fabric
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from pathlib import Path
 
     from fabricd.daemon.service import Host, Request
@@ -143,3 +146,89 @@ async def test_a_frame_no_service_claims_closes_its_link_with_a_logged_reason(
         assert outcome == "PeerFailed"  # the RTS reset the pair: the send is told, not left hanging
         await holder
     assert "no service handles RTS frames" in caplog.text
+
+
+class Breaks(BaseService):
+    """Raises from ``hook`` every time (a bug in a service); records its timer ticks."""
+
+    def __init__(self, name: str, hook: str, due: float | None = None) -> None:
+        self.name, self.hook, self.due = name, hook, due
+        self.ticks: list[float] = []
+
+    def _maybe_break(self, hook: str) -> None:
+        if hook == self.hook:
+            raise RuntimeError(f"a bug in {self.name}.{hook}")
+
+    def next_deadline(self) -> float | None:
+        return self.due
+
+    def on_timer(self, now: float) -> None:
+        self.ticks.append(now)
+        self.due = None
+        self._maybe_break("on_timer")
+
+    def peer_down(self, node: int, reason: str, now: float) -> None:
+        self._maybe_break("peer_down")
+
+
+@contextlib.contextmanager
+def loop_errors() -> Iterator[list[dict[str, object]]]:
+    """What reaches the event loop's exception handler (a callback that raised) meanwhile."""
+    loop = asyncio.get_running_loop()
+    escaped: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: escaped.append(context))
+    try:
+        yield escaped
+    finally:
+        loop.set_exception_handler(None)
+
+
+async def test_a_service_failing_in_its_timer_does_not_stop_the_others_or_the_loop(
+    tmp_path: Path,
+) -> None:
+    def ticking(daemon: Daemon) -> list[BaseService]:
+        due = daemon.now() + 0.05  # both due at once; the first one to run raises
+        return [Breaks("broken", "on_timer", due), Breaks("sound", "none", due)]
+
+    with loop_errors() as escaped:
+        async with fabric(tmp_path, {0: ticking}) as fab:
+            broken, sound = (fab.daemons[0].service(n) for n in ("broken", "sound"))
+            assert isinstance(broken, Breaks)
+            assert isinstance(sound, Breaks)
+            await fab.until(lambda: bool(broken.ticks and sound.ticks))
+            assert sound.ticks == broken.ticks  # in the same tick, not whenever a frame re-arms
+    assert not escaped, f"reached the event loop: {escaped}"
+
+
+def _recv_from_rank1(socket_path: str, timeout: float) -> str:
+    with fabricd.connect(job="j", rank=0, size=2, socket_path=socket_path) as fab:
+        array = fab.array("x", (4,), "float32")
+        try:
+            fab.recv(array, src=1, timeout=timeout)
+        except fabricd.FabricError as exc:
+            return type(exc).__name__
+        return "ok"
+
+
+async def test_a_service_failing_in_peer_down_does_not_keep_the_others_from_hearing_it(
+    tmp_path: Path,
+) -> None:
+    def broken_first(daemon: Daemon) -> list[BaseService]:
+        return [Breaks("broken", "peer_down"), *default_services(daemon)]
+
+    with loop_errors() as escaped:
+        async with fabric(tmp_path, {0: broken_first}) as fab:
+            d0, d1 = fab.daemons[0], fab.daemons[1]
+            ready = asyncio.Event()
+            holder = asyncio.create_task(
+                asyncio.to_thread(_hold_rank1, fab.socket(1), ready, asyncio.get_running_loop())
+            )
+            await asyncio.wait_for(ready.wait(), 10)
+            await fab.until(lambda: d0.service("membership").engine.lookup("j", 1) is not None)
+            receiver = asyncio.create_task(asyncio.to_thread(_recv_from_rank1, fab.socket(0), 8.0))
+            await fab.until(lambda: d0.service("p2p").engine.pending() == 1)
+            d1.send = lambda node, frame: None  # type: ignore[method-assign]  # 1 falls silent
+            assert await receiver == "PeerFailed"  # told when node 1 went down, not timed out
+            del d1.send
+            await holder
+    assert not escaped, f"reached the event loop: {escaped}"
