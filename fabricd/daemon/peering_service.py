@@ -409,6 +409,4 @@ class PeeringService(BaseService):
             change.old.value,
             change.new.value,
             change.reason,
-        )
-        if change.new is PeerState.DOWN:
-            self.owner.reset_peer(change.node, "down")
+        )  # (a peer that goes down is reset by the ResetPeer that follows)

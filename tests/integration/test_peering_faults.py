@@ -7,12 +7,34 @@ service is left untold and nothing is started after the daemon stopped.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
-from .inproc import Fabric
+from fabricd.daemon.node import Daemon, default_services
+from fabricd.daemon.service import BaseService
+
+from .inproc import Fabric, fabric
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    from fabricd.daemon.service import Host
+
+
+class Recorder(BaseService):
+    """Records the peer news every service gets."""
+
+    name = "recorder"
+
+    def __init__(self, host: Host) -> None:
+        self.downs: list[tuple[int, str]] = []
+
+    def peer_down(self, node: int, reason: str, now: float) -> None:
+        self.downs.append((node, reason))
+
+
+def with_recorder(daemon: Daemon) -> list[BaseService]:
+    return [Recorder(daemon), *default_services(daemon)]
 
 
 async def test_a_failure_while_admitting_a_dialled_link_fails_the_dial_and_it_is_retried(
@@ -37,3 +59,15 @@ async def test_a_failure_while_admitting_a_dialled_link_fails_the_dial_and_it_is
     finally:
         for node in list(fab.tasks):
             await fab.stop(node)
+
+
+async def test_a_peer_that_goes_down_is_reset_once(tmp_path: Path) -> None:
+    async with fabric(tmp_path, {0: with_recorder}) as fab:
+        recorder = fab.daemons[0].service("recorder")
+        assert isinstance(recorder, Recorder)
+        fab.daemons[1].send = lambda node, frame: None  # type: ignore[method-assign]  # silent
+        await fab.until(lambda: (1, "down") in recorder.downs)
+        await asyncio.sleep(0.05)
+        assert recorder.downs == [(1, "down")]  # every service hears of it once
+        assert fab.daemons[0].peering.engine.statistics().resets == 1
+        del fab.daemons[1].send
