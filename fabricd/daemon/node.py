@@ -250,8 +250,10 @@ class Daemon:
         TCP cannot say which frames the peer processed before a link broke, so everything
         exchanged with it is lost (architecture.md, "Reset rule").
         """
-        for channel in Channel:
-            link = self.links.pop((node, channel), None)
+        # both leave the table before either closes: a link may report its loss (or the peer
+        # close the other one) from within close(), and neither is news any more
+        links = [self.links.pop((node, channel), None) for channel in Channel]
+        for link in links:
             if link is not None:
                 link.close(f"node {node} {reason}")
         now = self.now()

@@ -8,6 +8,7 @@ service is left untold and nothing is started after the daemon stopped.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from fabricd.daemon.node import Daemon, default_services
@@ -17,6 +18,8 @@ from .inproc import Fabric, fabric
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    import pytest
 
     from fabricd.daemon.service import Host
 
@@ -71,3 +74,15 @@ async def test_a_peer_that_goes_down_is_reset_once(tmp_path: Path) -> None:
         assert recorder.downs == [(1, "down")]  # every service hears of it once
         assert fab.daemons[0].peering.engine.statistics().resets == 1
         del fab.daemons[1].send
+
+
+async def test_a_reset_does_not_hear_its_own_links_closing_as_news(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="fabricd.peering")
+    async with fabric(tmp_path) as fab:
+        fab.daemons[1].send = lambda node, frame: None  # type: ignore[method-assign]  # silent
+        await fab.until(lambda: fab.daemons[0].peering.engine.statistics().resets == 1)
+        del fab.daemons[1].send
+    # node 0 closed both links itself: the peer closing the other end in answer is no loss
+    assert "link to node 1 lost" not in caplog.text
