@@ -288,7 +288,11 @@ class PeeringService(BaseService):
         sink = _PendingSink(self, link_id, handshake)
         self._pending[link_id] = (link, sink)
         link.set_sink(sink)
-        sink.start(link)
+        try:
+            sink.start(link)
+        except TransportError:  # closed before its HELLO (its loss went to no sink): forget it
+            self.handshake_over(link_id)
+            raise
         return sink
 
     def handshake_over(self, link_id: int, *, failed: bool = False) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.daemon.node import Daemon, default_services
 from fabricd.daemon.service import BaseService
+from fabricd.transports.inproc import InprocLink, InprocTransport
 
 from .inproc import Fabric, fabric
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     import pytest
 
     from fabricd.daemon.service import Host
+    from fabricd.wire import Limits
 
 
 class Recorder(BaseService):
@@ -86,3 +88,30 @@ async def test_a_reset_does_not_hear_its_own_links_closing_as_news(
         del fab.daemons[1].send
     # node 0 closed both links itself: the peer closing the other end in answer is no loss
     assert "link to node 1 lost" not in caplog.text
+
+
+class HangsUpAtOnce(InprocTransport):
+    """Every dialled link is closed by the far end before the dialler can say HELLO on it."""
+
+    async def connect(self, address: str, limits: Limits) -> InprocLink:
+        link = await super().connect(address, limits)
+        link.peer.close("too many unauthenticated links")  # type: ignore[union-attr]
+        return link
+
+
+async def test_a_link_closed_before_its_handshake_starts_leaves_no_handshake_behind(
+    tmp_path: Path,
+) -> None:
+    fab = Fabric(tmp_path)
+    fab.net = HangsUpAtOnce()
+    d0 = await fab.start(0)
+    await fab.start(1)
+    try:
+        engine = d0.peering.engine
+        await fab.until(lambda: engine.statistics().dial_attempts[1] >= 3)
+        assert engine.statistics().handshakes_pending == 0  # not until handshake_timeout
+        assert not d0.peering._pending
+        assert engine.statistics().handshakes_refused == 0  # no handshake ever began
+    finally:
+        for node in list(fab.tasks):
+            await fab.stop(node)
