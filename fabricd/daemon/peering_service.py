@@ -192,6 +192,7 @@ class PeeringService(BaseService):
         self._pending: dict[int, tuple[Link, _PendingSink]] = {}  #: links in their handshake
         self._leaving: set[int] = set()  #: peers that said BYE: their links closing is no news
         self._listener: Listener | None = None
+        self._closed = False  #: aclose() ran: nothing new is dialled or accepted
 
     # -- life cycle -------------------------------------------------------------------------
     async def listen(self, address: str) -> str:
@@ -204,7 +205,12 @@ class PeeringService(BaseService):
         self._perform(self.engine.start(now))
 
     async def aclose(self) -> None:
-        """Stop accepting and drop links still in their handshake."""
+        """Stop accepting and dialling, and drop links still in their handshake.
+
+        The loop runs on until the daemon's task group has ended: a dial falling due then, or
+        a connection the listener took just before it closed, starts nothing.
+        """
+        self._closed = True
         if self._listener is not None:
             await self._listener.aclose()
         for link, sink in list(self._pending.values()):
@@ -262,6 +268,10 @@ class PeeringService(BaseService):
     # -- handshakes -------------------------------------------------------------------------
     def _accepted(self, link: Link) -> None:
         host = link.peer_address.rpartition(":")[0] or link.peer_address
+        if self._closed:
+            link.set_sink(_RefusedSink())
+            link.close("daemon stopping")
+            return
         link_id = next(self._ids)
         actions = self.engine.on_handshake_started(link_id, host, self.owner.now(), accepted=True)
         if any(isinstance(a, RefuseHandshake) for a in actions):
@@ -361,7 +371,7 @@ class PeeringService(BaseService):
             match action:
                 case SendFrame(node=node, frame=frame):
                     self.owner.send(node, frame)
-                case peers.Dial(node=node):
+                case peers.Dial(node=node) if not self._closed:
                     self.owner.spawn(self._dial(node))
                 case peers.DialRetry():
                     log.info(

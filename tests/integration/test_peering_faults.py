@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.daemon.node import Daemon, default_services
 from fabricd.daemon.service import BaseService
+from fabricd.engines.handshake import HANDSHAKE_LIMITS
 from fabricd.transports.inproc import InprocLink, InprocTransport
 
 from .inproc import Fabric, fabric
@@ -115,3 +116,32 @@ async def test_a_link_closed_before_its_handshake_starts_leaves_no_handshake_beh
     finally:
         for node in list(fab.tasks):
             await fab.stop(node)
+
+
+async def test_nothing_is_dialled_or_accepted_once_peering_has_closed(tmp_path: Path) -> None:
+    fab = Fabric(tmp_path, reconnect_max_backoff=0.05)
+    d0 = await fab.start(0)  # node 1 never starts: node 0 dials it every 50 ms
+    await fab.until(lambda: "node0:1" in fab.net.listeners)
+    accept = fab.net.listeners["node0:1"]
+    engine = d0.peering.engine
+    close = d0.peering.aclose
+    late: list[InprocLink] = []
+    dials: list[int] = []
+
+    async def aclose_then_linger() -> None:
+        await close()
+        # the loop runs on until run() returns: a dial due now must not start, and a
+        # connection the listener took just before it closed must not begin a handshake
+        fab.net.listeners["node0:1"] = accept
+        late.append(await fab.net.connect("node0:1", HANDSHAKE_LIMITS))
+        del fab.net.listeners["node0:1"]
+        dials.append(engine.statistics().dial_attempts[1])
+        await asyncio.sleep(0.3)
+        dials.append(engine.statistics().dial_attempts[1])
+
+    d0.peering.aclose = aclose_then_linger  # type: ignore[method-assign]
+    await fab.until(lambda: engine.statistics().dial_attempts[1] >= 2)
+    await fab.stop(0)
+    assert dials[0] == dials[1], "dialled after peering closed"
+    assert late[0].closed, "a link accepted after peering closed is still open after the stop"
+    assert not d0.peering._pending
