@@ -55,7 +55,12 @@ class Request:
 
 
 class Host(Protocol):
-    """What the node offers its services."""
+    """What the node offers its services.
+
+    No way to reset a peer: that is the peers engine's decision alone (one it did not make
+    would leave it believing the links are up).  A service that must drop a peer raises
+    :class:`~fabricd.errors.RemoteProtocolError` from :meth:`Service.on_frame`.
+    """
 
     @property
     def config(self) -> Config:
@@ -76,9 +81,6 @@ class Host(Protocol):
 
     def data_link(self, node: int) -> Link | None:
         """``node``'s data link, if it is up."""
-
-    def reset_peer(self, node: int, reason: str) -> None:
-        """Close both of ``node``'s links and tell every service that the peer is down."""
 
     @property
     def incarnation(self) -> int:

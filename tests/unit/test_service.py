@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fabricd.daemon.service import BaseService, check_claims
+from fabricd.daemon.service import BaseService, Host, check_claims
 from fabricd.wire import Kind
 
 
@@ -35,3 +35,11 @@ def test_the_base_service_refuses_what_it_did_not_claim() -> None:
     assert base.statistics() == {}
     with pytest.raises(NotImplementedError):
         base.on_frame(1, None, 0.0)  # type: ignore[arg-type]
+
+
+def test_a_service_cannot_reset_a_peer_behind_the_peers_engine() -> None:
+    """A reset the peers engine did not decide leaves it believing both links are up: the
+    dialler would not redial until the peer was called down (down_after).  A service that
+    must drop a peer raises RemoteProtocolError from on_frame; the node closes the link and
+    the engine resets the peer."""
+    assert not hasattr(Host, "reset_peer")
