@@ -262,7 +262,7 @@ class Daemon:
                 service.peer_down(node, reason, now)
 
     def peer_up(self, node: int) -> None:
-        """``node``'s control link was admitted: let every service greet it."""
+        """Both of ``node``'s links are admitted: let every service greet it."""
         now = self.now()
         for service in self.services:
             with _bug_in(service, "peer_up"):

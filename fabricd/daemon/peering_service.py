@@ -56,7 +56,7 @@ class LinkOwner(Host, Protocol):
         """Close both of ``node``'s links; every service learns the peer is down."""
 
     def peer_up(self, node: int) -> None:
-        """``node``'s control link was admitted."""
+        """Both of ``node``'s links are admitted."""
 
     def link(self, node: int, channel: Channel) -> Link | None:
         """``node``'s current ``channel`` link, if it has one."""

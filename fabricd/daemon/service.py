@@ -139,7 +139,7 @@ class Service(Protocol):
         """The clock reached :meth:`next_deadline`."""
 
     def peer_up(self, node: int, now: float) -> None:
-        """``node``'s control link is up (after any reset of an older one)."""
+        """Both of ``node``'s links are up (after any reset of older ones)."""
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
         """Everything exchanged with ``node`` is lost (its links were reset)."""

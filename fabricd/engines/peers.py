@@ -26,14 +26,18 @@ control link of the same incarnation)::
 
     channel  incarnation  links          ruling: actions, in order
     any      STALE        any            RefuseLink
-    control  FIRST        none           AdmitLink, StateChanged, PeerUp
-    control  SAME         none           AdmitLink, StateChanged, PeerUp
-    control  SAME         control[+data] ResetPeer("reconnected"), AdmitLink, …, PeerUp
+    control  FIRST        none           AdmitLink, StateChanged
+    control  SAME         none           AdmitLink, StateChanged
+    control  SAME         control[+data] ResetPeer("reconnected"), AdmitLink, …
     control  NEWER        any            ResetPeer("restarted"), AdmitLink, PeerRestarted, …
     data     any          none           RefuseLink (data channel before the control channel)
     data     NEWER        control[+data] RefuseLink (another incarnation than the control link)
-    data     SAME         control        AdmitLink (and the dial of the node has succeeded)
+    data     SAME         control        AdmitLink, PeerUp (and the dial of the node succeeded)
     data     SAME         control+data   RefuseLink, ResetPeer("reconnected (second data link)")
+
+A peer is greeted (:class:`PeerUp`) once both links are admitted, not with its control link: a
+greeting starts rendezvous (membership ANNOUNCEs ranks, a waiting send is matched), and the
+bytes they move go on the data link.
 
 *Resets.*  TCP cannot say which frames the peer processed before a link broke, so losing
 either link, replacing one, a dial that failed after its control link was admitted, or the
@@ -235,7 +239,7 @@ class PeerRestarted:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerUp:
-    """A control link of ``node`` was admitted: services may greet it (e.g. ANNOUNCE ranks)."""
+    """Both links of ``node`` are admitted: services may greet it (e.g. ANNOUNCE ranks)."""
 
     node: int
 
@@ -479,7 +483,7 @@ class PeerTable:
                 admitted: list[Action] = [AdmitLink(node=node, channel=channel)]
                 if node in self._diallers:
                     admitted += self._dial(node, _DialInput.ADMITTED, now)
-                return admitted
+                return [*admitted, PeerUp(node=node)]
             case ruling:
                 return self._admit_control(node, incarnation, ruling, now)
 
@@ -584,7 +588,6 @@ class PeerTable:
         peer.last_heard = now
         self._deadlines.set((_Timer.BEAT, node), now)  # the first heartbeat goes out at once
         actions += self._move(node, _Input.ESTABLISHED, now, "authenticated")
-        actions.append(PeerUp(node=node))
         return actions
 
     def _refuse(self, node: int, channel: Channel, reason: str) -> RefuseLink:

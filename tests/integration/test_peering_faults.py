@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+import fabricd
 from fabricd.daemon.node import Daemon, default_services
 from fabricd.daemon.service import BaseService
 from fabricd.engines.handshake import HANDSHAKE_LIMITS
@@ -145,3 +149,37 @@ async def test_nothing_is_dialled_or_accepted_once_peering_has_closed(tmp_path: 
     assert dials[0] == dials[1], "dialled after peering closed"
     assert late[0].closed, "a link accepted after peering closed is still open after the stop"
     assert not d0.peering._pending
+
+
+def _recv_from_rank1(socket_path: str) -> str:
+    with fabricd.connect(job="j", rank=0, size=2, socket_path=socket_path) as fab:
+        array = fab.array("x", (8,), "int32")
+        try:
+            fab.recv(array, src=1, timeout=20)
+        except fabricd.FabricError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok" if list(array) == list(range(8)) else f"wrong bytes {array}"
+
+
+def _send_to_rank0(socket_path: str) -> str:
+    with fabricd.connect(job="j", rank=1, size=2, socket_path=socket_path) as fab:
+        array = fab.array("x", (8,), "int32")
+        array[:] = np.arange(8)
+        try:
+            fab.send(array, to=0, timeout=20)
+        except fabricd.FabricError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+
+async def test_a_send_posted_before_the_pair_is_up_waits_for_its_data_link(tmp_path: Path) -> None:
+    async with fabric(tmp_path, suspect_after=3.0, down_after=10.0) as fab:
+        receiver = asyncio.create_task(asyncio.to_thread(_recv_from_rank1, fab.socket(0)))
+        await fab.until(lambda: fab.daemons[0].service("p2p").engine.pending() == 1)
+        await fab.stop(1)
+        await fab.start(1)  # node 0 redials it after a backoff
+        await fab.until(lambda: os.path.exists(fab.socket(1)))
+        # rank 1 posts its send while the pair is still down: it waits for rank 0's route,
+        # which node 0 announces once the pair is up, and must then find a data link to use
+        assert await asyncio.to_thread(_send_to_rank0, fab.socket(1)) == "ok"
+        assert await receiver == "ok"

@@ -120,10 +120,22 @@ def test_a_new_peer_is_connecting_until_its_control_link_is_admitted() -> None:
     assert peers.on_link_authenticated(1, CONTROL, 5, now=2.0) == [
         AdmitLink(node=1, channel=CONTROL),
         StateChanged(node=1, old=PeerState.CONNECTING, new=PeerState.UP, reason="authenticated"),
-        PeerUp(node=1),
     ]
     assert peers.state(1) is PeerState.UP
     assert peers.state(2) is PeerState.CONNECTING
+
+
+def test_a_peer_is_greeted_once_both_of_its_links_are_admitted() -> None:
+    """Services greet a peer on PeerUp (membership ANNOUNCEs its ranks), and a rendezvous that
+    follows moves its bytes on the data link: greeted any earlier, a send matched at once would
+    find no data link to stream on."""
+    peers = table()
+    assert of(PeerUp, peers.on_link_authenticated(1, CONTROL, 5, 0.0)) == []
+    assert peers.on_link_authenticated(1, DATA, 5, 0.1) == [
+        AdmitLink(node=1, channel=DATA),
+        PeerUp(node=1),
+    ]
+    assert of(PeerUp, peers.on_link_authenticated(1, CONTROL, 5, 0.2)) == []  # reconnected
 
 
 def test_the_table_excludes_this_node() -> None:
@@ -259,7 +271,6 @@ def test_a_down_peer_is_up_again_when_it_reconnects() -> None:
     assert peers.on_link_authenticated(1, CONTROL, 1, 3.0) == [
         AdmitLink(node=1, channel=CONTROL),
         StateChanged(node=1, old=PeerState.DOWN, new=PeerState.UP, reason="authenticated"),
-        PeerUp(node=1),
     ]
     assert heartbeats(drive(peers, 3.0)) == [3.0]
     assert [t for t, _ in changes(drive(peers, 10.0))] == [pytest.approx(3.3), 4.0]
@@ -293,7 +304,6 @@ def test_a_newer_incarnation_resets_the_peer_before_it_is_admitted() -> None:
         ResetPeer(node=1, reason="restarted"),
         AdmitLink(node=1, channel=CONTROL),
         PeerRestarted(node=1, old_incarnation=5, new_incarnation=8),
-        PeerUp(node=1),
     ]
     assert links(peers) == {CONTROL}
     assert of(RefuseLink, peers.on_link_authenticated(1, DATA, 5, 1.0))  # now stale
@@ -306,7 +316,6 @@ def test_a_replaced_control_link_resets_the_peer() -> None:
     assert peers.on_link_authenticated(1, CONTROL, 5, 1.0) == [
         ResetPeer(node=1, reason="reconnected"),
         AdmitLink(node=1, channel=CONTROL),
-        PeerUp(node=1),
     ]
     assert links(peers) == {CONTROL}
 
@@ -353,7 +362,6 @@ def test_a_restart_seen_after_down_says_restarted_then_up() -> None:
         AdmitLink(node=1, channel=CONTROL),
         PeerRestarted(node=1, old_incarnation=5, new_incarnation=6),
         StateChanged(node=1, old=PeerState.DOWN, new=PeerState.UP, reason="authenticated"),
-        PeerUp(node=1),
     ]
 
 
@@ -734,7 +742,7 @@ class Shell:
                 assert link is not None
                 assert (node, old, new) == (link.node, link.known, link.incarnation)
             case PeerUp(node=node):
-                assert (node, CONTROL) in self.links
+                assert (node, DATA) in self.links  # both links are up
             case AdmitLink(node=node, channel=channel):
                 self.admit(node, channel, link)
             case RefuseLink(node=node, channel=channel):
