@@ -156,13 +156,29 @@ def status(socket_path: str | None, as_json: bool) -> None:
     )
     if info["peers"]:
         console.print(_peer_table(info["peers"]))
-    columns = ("id", "pid", "uid", "job", "rank", "segments", "ops")
-    clients = _table(f"clients ({len(info['clients'])})", columns)
-    for c in info["clients"]:
-        clients.add_row(*(Text(str(c[k]) if c[k] is not None else "-") for k in columns))
-    console.print(clients)
+    console.print(
+        _rows_table("clients", info["clients"], ("id", "pid", "uid", "job", "rank", "segments"))
+    )
+    console.print(_rows_table("ranks", info.get("ranks", []), ("job", "rank", "size", "node")))
     counters = ", ".join(f"{k} {v}" for k, v in sorted(info["counters"].items()))
     console.print(f"counters: {counters}")
+    dials = sorted((int(n), k) for n, k in info.get("dial_failures", {}).items() if k)
+    if dials:
+        failures = ", ".join(f"node {n} {k}" for n, k in dials)
+        console.print(f"failed dials: {failures}", soft_wrap=True)
+    if info.get("services"):
+        console.print(f"services: {escape(', '.join(info['services']))}", soft_wrap=True)
+
+
+def _rows_table(title: str, rows: list[dict[str, Any]], columns: tuple[str, ...]) -> Table:
+    """A table of ``rows`` (dicts from the daemon's status); a field it leaves out shows "-".
+
+    The daemon's fields change between releases: a missing one must not break the command.
+    """
+    table = _table(f"{title} ({len(rows)})", columns)
+    for row in rows:
+        table.add_row(*(Text("-" if row.get(k) is None else str(row[k])) for k in columns))
+    return table
 
 
 @main.command()

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from fabricd.cli.ctl import main as fabricctl
+from fabricd.client import connect
 from tests.integration.processes import wait_exited
 
 if TYPE_CHECKING:
@@ -279,3 +281,25 @@ def test_the_pingpong_example_runs_against_a_local_cluster(make_cluster):
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     assert "3 round trips of 16384 B" in outputs[0][0]
     assert "every element checked" in outputs[0][0]
+
+
+def test_status_shows_the_clients_and_ranks_of_a_running_job(make_cluster):
+    cluster = make_cluster(2)
+    sockets = [node.socket_path for node in cluster.nodes]
+    with (
+        connect(job="status-job", rank=0, size=2, socket_path=sockets[0]) as first,
+        connect(job="status-job", rank=1, size=2, socket_path=sockets[1]),
+    ):
+        first.array("grad", (16,), "float32")
+        deadline = time.monotonic() + 30
+        while len(first.status()["ranks"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # rank 1 joined on node 1: node 0 hears of it a moment later
+        human = _ctl("status", "--socket", sockets[0], env={"COLUMNS": "200"})
+    assert human.returncode == 0, human.stderr
+    clients, ranks = _tables(human.stdout)[1:3]
+    assert clients["pid"] == [str(os.getpid())]
+    assert (clients["job"], clients["rank"], clients["segments"]) == (["status-job"], ["0"], ["1"])
+    assert sorted(zip(ranks["job"], ranks["rank"], ranks["node"], strict=True)) == [
+        ("status-job", "0", "0"),
+        ("status-job", "1", "1"),
+    ]
