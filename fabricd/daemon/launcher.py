@@ -408,15 +408,34 @@ class _ForkThread:
                 self._thread.start()
         future: Future[subprocess.Popen[bytes]] = Future()
         self._jobs.put((job, future))
-        return future.result()
+        try:
+            return future.result()
+        except BaseException:
+            # the caller gives up (a signal handler raised while it waited, say): a job that
+            # has not begun never runs, and a child it starts anyway is killed, since nobody
+            # would ever stop it
+            if not future.cancel():
+                future.add_done_callback(_kill_unwanted)
+            raise
 
     def _serve(self) -> None:
         while True:
             job, future = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller gave up before it began
             try:
                 future.set_result(job())
             except BaseException as exc:  # handed to the caller, who raises it
                 future.set_exception(exc)
+
+
+def _kill_unwanted(future: Future[subprocess.Popen[bytes]]) -> None:
+    """Kill and reap the child a fork job started for a caller that stopped waiting for it."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    process = future.result()
+    process.kill()
+    process.wait()
 
 
 _FORK_THREAD = _ForkThread()

@@ -5,6 +5,8 @@ The children here are small Python processes, not daemons: what is tested is the
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,7 +14,9 @@ import threading
 import time
 from pathlib import Path
 
-from fabricd.daemon.launcher import spawn_tied
+import pytest
+
+from fabricd.daemon.launcher import _FORK_THREAD, spawn_tied
 from tests.integration.processes import exited, wait_exited
 
 #: a child that echoes its input, line by line, until end of file
@@ -78,3 +82,68 @@ def test_a_child_dies_with_the_process_that_started_it_even_by_sigkill():
     finally:
         launcher.kill()
         launcher.communicate(timeout=30)
+
+
+class _Interrupted(Exception):
+    """What a signal handler raised in a caller waiting for its child."""
+
+
+def _children_running(marker: str) -> list[int]:
+    """This process's children whose command line holds ``marker`` and that are not zombies."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and marker.encode() in command:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("when", ["queued", "forking"])
+def test_a_caller_interrupted_while_its_child_starts_leaves_no_child(when):
+    """A signal handler that raises in the waiting caller (Ctrl-C, SIGHUP in fabricctl) must
+    not leave a child running that nobody knows of: its launcher would never stop it."""
+    marker = f"tied-child-{when}-{os.getpid()}"
+    command = [sys.executable, "-c", "import sys, time; time.sleep(60)", marker]
+    gate = threading.Event()
+    forking = threading.Event()
+    if when == "queued":  # the fork thread is busy with someone else's job
+        busy = threading.Thread(target=_FORK_THREAD.run, args=(lambda: gate.wait(30),))
+        busy.start()
+        job = lambda: spawn_tied(command)  # noqa: E731
+    else:  # the fork thread is already starting this caller's child
+
+        def slow_spawn() -> subprocess.Popen[bytes]:
+            forking.set()
+            gate.wait(30)
+            return subprocess.Popen(command)
+
+        job = lambda: _FORK_THREAD.run(slow_spawn)  # noqa: E731
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(_Interrupted):
+            job()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    if when == "forking":
+        assert forking.is_set()
+    gate.set()
+    _FORK_THREAD.run(lambda: None)  # runs after every job queued before it
+    try:
+        assert _children_running(marker) == []
+    finally:
+        for pid in _children_running(marker):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
