@@ -181,8 +181,10 @@ class Daemon:
             log.error("cannot send %s to node %d: %s", frame.KIND.name, node, exc)
 
     def broadcast(self, frame: frames.PeerFrame) -> None:
+        # only to peers that are up, both links admitted: one still opening its data link has
+        # not been greeted, and hears what it missed in its greeting (PeerUp)
         for node, channel in list(self.links):
-            if channel is Channel.CONTROL:
+            if channel is Channel.DATA:
                 self.send(node, frame)
 
     def data_link(self, node: int) -> Link | None:

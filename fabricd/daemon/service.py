@@ -77,7 +77,7 @@ class Host(Protocol):
         """Queue ``frame`` on ``node``'s control link; dropped (debug log) if it has none."""
 
     def broadcast(self, frame: PeerFrame) -> None:
-        """Queue ``frame`` on every control link that is up."""
+        """Queue ``frame`` to every peer that is up (both links; see :meth:`Service.peer_up`)."""
 
     def data_link(self, node: int) -> Link | None:
         """``node``'s data link, if it is up."""

@@ -17,7 +17,7 @@ import numpy as np
 import fabricd
 from fabricd.daemon.node import Daemon, default_services
 from fabricd.daemon.service import BaseService
-from fabricd.engines.handshake import HANDSHAKE_LIMITS
+from fabricd.engines.handshake import HANDSHAKE_LIMITS, Channel
 from fabricd.transports.inproc import InprocLink, InprocTransport
 
 from .inproc import Fabric, fabric
@@ -183,3 +183,39 @@ async def test_a_send_posted_before_the_pair_is_up_waits_for_its_data_link(tmp_p
         # which node 0 announces once the pair is up, and must then find a data link to use
         assert await asyncio.to_thread(_send_to_rank0, fab.socket(1)) == "ok"
         assert await receiver == "ok"
+
+
+class SlowDataLinks(InprocTransport):
+    """The second link of every dial, its data link, takes ``delay`` seconds to connect."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.dialled = 0
+
+    async def connect(self, address: str, limits: Limits) -> InprocLink:
+        self.dialled += 1
+        if self.dialled % 2 == 0:
+            await asyncio.sleep(self.delay)
+        return await super().connect(address, limits)
+
+
+async def test_a_rank_that_joins_before_its_peer_is_up_is_announced_only_once_it_is(
+    tmp_path: Path,
+) -> None:
+    fab = Fabric(tmp_path)
+    fab.net = SlowDataLinks(1.0)
+    d0, d1 = await fab.start(0), await fab.start(1)
+    try:
+        await fab.until(lambda: (0, Channel.CONTROL) in d1.links)
+        assert (0, Channel.DATA) not in d1.links
+        # rank 0 joins node 0 while node 1 has only a control link: were it announced now,
+        # rank 1's send would be matched at once and find no data link to stream on
+        receiver = asyncio.create_task(asyncio.to_thread(_recv_from_rank1, fab.socket(0)))
+        await fab.until(lambda: d0.service("p2p").engine.pending() == 1)
+        assert (0, Channel.DATA) not in d1.links
+        assert await asyncio.to_thread(_send_to_rank0, fab.socket(1)) == "ok"
+        assert await receiver == "ok"
+    finally:
+        for node in list(fab.tasks):
+            await fab.stop(node)
