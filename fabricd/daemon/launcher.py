@@ -319,7 +319,10 @@ def remove_leftovers(root: Path | None = None) -> list[Path]:
             match = _DIRECTORY_NAME.fullmatch(entry.name)
             if match is None:
                 continue
-            info = entry.stat(follow_symlinks=False)
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # another launcher's clean-up removed it first
             if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
                 continue
             if _started(int(match[1])) == int(match[2]):

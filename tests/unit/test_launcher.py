@@ -6,8 +6,10 @@ directory whose maker has exited is removed, and nothing that merely looks like 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from fabricd.cli.ctl import main as fabricctl
+from fabricd.daemon import launcher
 from fabricd.daemon.launcher import DIRECTORY_PREFIX, _directory_prefix, remove_leftovers
 
 
@@ -102,3 +105,24 @@ def test_local_cluster_wants_either_nodes_or_clean():
     neither = CliRunner().invoke(fabricctl, ["local-cluster"])
     assert neither.exit_code == 2
     assert "missing NODES" in neither.output
+
+
+def test_a_leftover_that_another_cleaner_removes_first_is_passed_over(tmp_path, monkeypatch):
+    """Two local clusters that start at once both clean up: neither may fail for it."""
+    gone = _leftover(tmp_path, _never_a_pid(), 1)
+    kept = _leftover(tmp_path, _never_a_pid(), 2)
+    listing = os.scandir
+
+    @contextlib.contextmanager
+    def racing_listing(path):
+        with listing(path) as entries:
+            listed = sorted(entries, key=lambda entry: entry.name)
+        shutil.rmtree(gone)  # the other launcher's clean-up got there first
+        yield iter(listed)
+
+    def scandir(path):  # os.scandir for the whole process: shutil.rmtree uses it too
+        return racing_listing(path) if path == tmp_path else listing(path)
+
+    monkeypatch.setattr(launcher.os, "scandir", scandir)
+    assert remove_leftovers(tmp_path) == [kept]
+    assert list(tmp_path.iterdir()) == []
