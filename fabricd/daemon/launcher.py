@@ -242,14 +242,13 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         statuses: dict[int, int] = {}
         for node in self.nodes:
-            if node.process is None:
-                continue
-            try:
-                statuses[node.node] = node.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                node.process.kill()
-                statuses[node.node] = node.process.wait()
-            node.notify.close()
+            if node.process is not None:
+                try:
+                    statuses[node.node] = node.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    node.process.kill()
+                    statuses[node.node] = node.process.wait()
+            node.notify.close()  # a node never started has one too
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None

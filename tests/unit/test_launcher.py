@@ -126,3 +126,15 @@ def test_a_leftover_that_another_cleaner_removes_first_is_passed_over(tmp_path, 
     monkeypatch.setattr(launcher.os, "scandir", scandir)
     assert remove_leftovers(tmp_path) == [kept]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cluster_that_cannot_start_its_daemons_leaves_no_socket_open(monkeypatch):
+    def refuse(command, **popen):
+        raise OSError(11, "fork refused")
+
+    monkeypatch.setattr(launcher, "spawn_tied", refuse)
+    cluster = launcher.LocalCluster(3)
+    with pytest.raises(OSError, match="fork refused"):
+        cluster.start()
+    assert [node.notify.fileno() for node in cluster.nodes] == [-1, -1, -1]
+    assert cluster.directory is None
