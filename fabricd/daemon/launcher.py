@@ -267,20 +267,31 @@ class LocalCluster:
         self.stop()
 
 
-#: what the name of every cluster's directory starts with, followed by ``<pid>-<start>-``
+#: what the name of every cluster's directory starts with, followed by
+#: ``<pid>-<start>-<pid namespace>-``
 DIRECTORY_PREFIX = "fabricd-cluster-"
-_DIRECTORY_NAME = re.compile(re.escape(DIRECTORY_PREFIX) + r"(\d+)-(\d+)-[^/]+")
+_DIRECTORY_NAME = re.compile(re.escape(DIRECTORY_PREFIX) + r"(\d+)-(\d+)-(\d+)-[^/]+")
 
 
 def _directory_prefix() -> str:
-    """The prefix of this process's cluster directories: its pid and when it started.
+    """The prefix of this process's cluster directories: its pid, when it started, and where.
 
     The name itself says who made the directory, so there is no moment at which a directory
     exists without saying so (as there would be between creating it and writing a marker file
     into it), and the start time tells this process apart from a later one given the same pid.
+    The pid namespace says which processes the pid is one of: a container may share ``/tmp``
+    with its host, and there the same pid names two different processes.
     """
     pid = os.getpid()
-    return f"{DIRECTORY_PREFIX}{pid}-{_started(pid)}-"
+    return f"{DIRECTORY_PREFIX}{pid}-{_started(pid)}-{_pid_namespace()}-"
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (the inode of ``/proc/self/ns/pid``), or 0 if unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _started(pid: int) -> int | None:
@@ -303,8 +314,9 @@ def remove_leftovers(root: Path | None = None) -> list[Path]:
     Only a directory owned by this user, named by :func:`_directory_prefix`, whose launcher
     process has exited is removed; its daemons died with that launcher (:func:`spawn_tied`).
     Anything else, a running launcher's directory above all, is left alone.  Launchers are
-    told apart by pid and start time, so this needs them in this pid namespace, as they are
-    whenever they share a temporary directory with it.
+    told apart by pid and start time, which only means something in the pid namespace that
+    made the directory: one made in another (a container sharing ``/tmp``, or its host) is
+    left for a clean-up there.
 
     Args:
         root: where to look; default: the temporary directory (``$TMPDIR``, else ``/tmp``).
@@ -313,10 +325,11 @@ def remove_leftovers(root: Path | None = None) -> list[Path]:
         the directories removed.
     """
     removed: list[Path] = []
+    namespace = _pid_namespace()
     with os.scandir(root or tempfile.gettempdir()) as entries:
         for entry in entries:
             match = _DIRECTORY_NAME.fullmatch(entry.name)
-            if match is None:
+            if match is None or int(match[3]) != namespace:
                 continue
             try:
                 info = entry.stat(follow_symlinks=False)

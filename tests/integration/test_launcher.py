@@ -6,6 +6,7 @@ The children here are small Python processes, not daemons: what is tested is the
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fabricd.daemon.launcher import _FORK_THREAD, spawn_tied
+from fabricd.daemon.launcher import _FORK_THREAD, remove_leftovers, spawn_tied
 from tests.integration.processes import exited, wait_exited
 
 #: a child that echoes its input, line by line, until end of file
@@ -147,3 +148,44 @@ def test_a_caller_interrupted_while_its_child_starts_leaves_no_child(when):
         for pid in _children_running(marker):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+#: a launcher's first step, in a process of its own: make its directory, say where, wait
+_MAKES_ITS_DIRECTORY = """
+import sys, tempfile, time
+from fabricd.daemon.launcher import _directory_prefix
+print(tempfile.mkdtemp(prefix=_directory_prefix()), flush=True)
+sys.stdin.read()
+"""
+
+
+def _in_new_pid_namespace(command: list[str]) -> list[str] | None:
+    """``command`` in a new pid namespace (with its own /proc, as in a container), if allowed."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    wrap = [unshare, "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+    probe = subprocess.run([*wrap, "true"], capture_output=True, timeout=30, check=False)
+    return [*wrap, *command] if probe.returncode == 0 else None
+
+
+def test_a_running_launcher_in_another_pid_namespace_keeps_its_directory(tmp_path):
+    """Containers may share /tmp with the host: there a pid names another process."""
+    command = _in_new_pid_namespace([sys.executable, "-c", _MAKES_ITS_DIRECTORY])
+    if command is None:
+        pytest.skip("unshare cannot make a pid namespace here")
+    launcher = subprocess.Popen(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    try:
+        assert launcher.stdout is not None
+        directory = Path(launcher.stdout.readline().strip())
+        assert directory.parent == tmp_path
+        assert remove_leftovers(tmp_path) == []
+        assert directory.is_dir()
+    finally:
+        launcher.communicate("", timeout=30)

@@ -18,7 +18,12 @@ from click.testing import CliRunner
 
 from fabricd.cli.ctl import main as fabricctl
 from fabricd.daemon import launcher
-from fabricd.daemon.launcher import DIRECTORY_PREFIX, _directory_prefix, remove_leftovers
+from fabricd.daemon.launcher import (
+    DIRECTORY_PREFIX,
+    _directory_prefix,
+    _pid_namespace,
+    remove_leftovers,
+)
 
 
 def _never_a_pid() -> int:
@@ -26,8 +31,9 @@ def _never_a_pid() -> int:
     return int(Path("/proc/sys/kernel/pid_max").read_text())
 
 
-def _leftover(root: Path, pid: int, started: int) -> Path:
-    directory = root / f"{DIRECTORY_PREFIX}{pid}-{started}-k1ll3d"
+def _leftover(root: Path, pid: int, started: int, namespace: int | None = None) -> Path:
+    namespace = _pid_namespace() if namespace is None else namespace
+    directory = root / f"{DIRECTORY_PREFIX}{pid}-{started}-{namespace}-k1ll3d"
     directory.mkdir()
     (directory / "secret").write_text("s")
     (directory / "node0.log").write_text("log")
@@ -53,21 +59,30 @@ def test_a_pid_given_to_a_new_process_does_not_keep_a_dead_launchers_directory(t
     assert remove_leftovers(tmp_path) == [directory]
 
 
+def test_a_directory_from_another_pid_namespace_is_left_alone(tmp_path):
+    """Its pid names a process there, not here: only a clean-up there can judge it."""
+    directory = _leftover(tmp_path, _never_a_pid(), 1, namespace=_pid_namespace() + 1)
+    assert remove_leftovers(tmp_path) == []
+    assert directory.is_dir()
+
+
 def test_what_only_looks_like_a_leftover_is_never_touched(tmp_path):
     dead = _never_a_pid()
     untouched = [
         tmp_path / f"{DIRECTORY_PREFIX}abcd1234",  # made before names carried the launcher
+        tmp_path / f"{DIRECTORY_PREFIX}{dead}-1-k1ll3d",  # no pid namespace in its name
         tmp_path / "fabricd-other-1-2-x",
         tmp_path / f"{DIRECTORY_PREFIX}{dead}-x-y",
     ]
     for path in untouched:
         path.mkdir()
-    plain_file = tmp_path / f"{DIRECTORY_PREFIX}{dead}-1-file"
+    namespace = _pid_namespace()
+    plain_file = tmp_path / f"{DIRECTORY_PREFIX}{dead}-1-{namespace}-file"
     plain_file.write_text("not a directory")
     target = tmp_path / "elsewhere"
     target.mkdir()
     (target / "keep").write_text("k")
-    link = tmp_path / f"{DIRECTORY_PREFIX}{dead}-1-link"
+    link = tmp_path / f"{DIRECTORY_PREFIX}{dead}-1-{namespace}-link"
     link.symlink_to(target)
     assert remove_leftovers(tmp_path) == []
     assert all(path.is_dir() for path in untouched)
