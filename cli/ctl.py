@@ -246,8 +246,20 @@ class _Stop(Exception):
     """SIGTERM, SIGINT or SIGHUP arrived."""
 
 
-def _raise_stop(signum: int, frame: FrameType | None) -> None:
-    raise _Stop
+class _StopOnce:
+    """The stop signals' handler: the first raises :class:`_Stop`, later ones change nothing.
+
+    A second Ctrl-C (or SIGTERM, SIGHUP) while the daemons drain must not cut the stop short:
+    the launcher would die of it, its daemons with it (SIGKILL), and its directory would stay.
+    """
+
+    def __init__(self) -> None:
+        self.stopping = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self.stopping:
+            self.stopping = True
+            raise _Stop
 
 
 def _stop_signals() -> list[signal.Signals]:
@@ -323,30 +335,37 @@ def local_cluster(
         settings=dict(FAST_LIVENESS) if fast_liveness else {},
         log_dir=Path(log_dir) if log_dir else None,
     )
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in _stop_signals()}
+    stop = _StopOnce()
+    previous = {sig: signal.signal(sig, stop) for sig in _stop_signals()}
+    failure: FabricError | None = None
     try:
-        cluster.start()
-        cluster.wait_connected()
-        _announce_cluster(cluster, as_json)
-        while True:
-            for node in cluster.nodes:
-                assert node.process is not None
-                if node.process.poll() is not None:
-                    raise FabricError(
-                        f"node {node.node} exited "
-                        f"({_exit_description(node.process.returncode)}):\n" + node.log_tail()
-                    )
-            time.sleep(0.2)
-    except _Stop:
-        pass
-    except FabricError as exc:
-        errors.print(f"[red]fabricctl:[/] {escape(str(exc))}", soft_wrap=True)
-        cluster.stop()
+        try:
+            cluster.start()
+            cluster.wait_connected()
+            _announce_cluster(cluster, as_json)
+            while True:
+                for node in cluster.nodes:
+                    assert node.process is not None
+                    if node.process.poll() is not None:
+                        raise FabricError(
+                            f"node {node.node} exited "
+                            f"({_exit_description(node.process.returncode)}):\n" + node.log_tail()
+                        )
+                time.sleep(0.2)
+        except _Stop:
+            pass
+        except FabricError as exc:
+            failure = exc
+    finally:  # whatever ended the wait (an error writing the output too), stop the daemons
+        stop.stopping = True
+        try:
+            statuses = cluster.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    if failure is not None:
+        errors.print(f"[red]fabricctl:[/] {escape(str(failure))}", soft_wrap=True)
         sys.exit(1)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    statuses = cluster.stop()
     if not as_json:
         # after SIGHUP the terminal may be gone; the daemons are stopped either way
         with suppress(OSError):

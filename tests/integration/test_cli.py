@@ -303,3 +303,33 @@ def test_status_shows_the_clients_and_ranks_of_a_running_job(make_cluster):
         ("status-job", "0", "0"),
         ("status-job", "1", "1"),
     ]
+
+
+@pytest.mark.parametrize("again", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_second_stop_signal_does_not_cut_a_local_clusters_stop_short(short_tmp, again):
+    """^C^C: the second signal arrives while the daemons drain; the stop still finishes."""
+    launcher = subprocess.Popen(
+        [*CTL, "local-cluster", "2", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(short_tmp)},
+        preexec_fn=_hangup_stops,
+    )
+    try:
+        nodes = _announced(launcher, 2)
+        pids = [node["pid"] for node in nodes]
+        os.kill(pids[1], signal.SIGSTOP)  # a slow drain: the stop waits for this daemon
+        launcher.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        launcher.send_signal(again)
+        time.sleep(0.5)
+        os.kill(pids[1], signal.SIGCONT)
+        _, errors = launcher.communicate(timeout=60)
+        assert launcher.returncode == 0, errors
+        assert "Traceback" not in errors
+        assert wait_exited(pids) == []
+        assert list(short_tmp.iterdir()) == [], "the stop removes the temporary directory"
+    finally:
+        launcher.kill()
+        launcher.communicate()
