@@ -112,7 +112,6 @@ class Daemon:
                 incarnation=self._incarnation,
                 secret=cfg.read_secret(),
                 fabric_size=len(cfg.nodes),
-                timeout=cfg.handshake_timeout,
                 limits=Limits(
                     max_meta=cfg.max_meta, max_payload=cfg.max_payload, kinds=_PEER_LIMIT_KINDS
                 ),

@@ -73,11 +73,12 @@ class LinkOwner(Host, Protocol):
 
 @dataclass(slots=True, kw_only=True)
 class HandshakeSettings:
+    """Who this daemon is in a handshake, and the limits a link gets once it is trusted."""
+
     node: int
     incarnation: int
     secret: bytes
     fabric_size: int
-    timeout: float
     limits: Limits  #: limits once authenticated
 
 

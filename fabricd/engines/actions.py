@@ -56,7 +56,8 @@ class Answer:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Broadcast:
-    """Send ``frame`` to every peer whose control link is up."""
+    """Send ``frame`` to every peer that is up (both links admitted); a peer still coming up
+    hears the same news when it is greeted."""
 
     frame: PeerFrame
 
