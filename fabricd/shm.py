@@ -75,9 +75,12 @@ Memory ordering.  Python has no fences, so here is what holds between processes:
   sender stored before sending before everything the receiver loads after receiving.  The
   version check detects readers that did not wait for that message (ASAP §6.2), it does not
   replace it.
-* One writer per update: for a send the client writes the array and the versions and the
-  daemon only reads; for a receive the daemon writes both and the client only reads.  Two
-  concurrent writers make the versions meaningless.
+* One writer per update: whoever writes the array brackets the write, and only that one.  Two
+  concurrent writers make the versions meaningless.  In this release only a client may write
+  them (around its own writes, before a send): the daemon never reads or writes the slots, so
+  bytes it delivers into a receive leave them as they were, and a client learns that a receive
+  is whole from ``recv`` returning (the daemon's completion message), never from
+  :meth:`Segment.read_end`.
 """
 
 from __future__ import annotations
