@@ -499,7 +499,7 @@ class Daemon:
             "uptime": time.time() - self.started,
             "version": PROTOCOL_VERSION,
             "state": "draining" if self._draining else "serving",
-            "clients": [s.describe() for s in self.sessions.values() if s is not asking],
+            "clients": [self._client_row(s) for s in self.sessions.values() if s is not asking],
             "services": [s.name for s in self.services],
         }
         counters: dict[str, int] = {"refused_clients": self.ipc.refused}
@@ -509,6 +509,12 @@ class Daemon:
             status.update(stats)
         status["counters"] = counters
         return status
+
+    def _client_row(self, session: ClientSession) -> Meta:
+        row = session.describe()
+        for service in self.services:
+            row.update(service.client_statistics(session))
+        return row
 
 
 def _default_transport() -> Transport:

@@ -138,6 +138,9 @@ class P2PService(BaseService):
             "counters": {**self._counters, "bytes_received": stats.bytes_received},
         }
 
+    def client_statistics(self, session: ClientSession) -> Meta:
+        return {"ops": len(self._by_session.get(session, ()))}
+
     # -- performing the engine's actions ----------------------------------------------------
     def _perform(self, actions: Iterable[Action]) -> None:
         for action in actions:

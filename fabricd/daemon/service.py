@@ -165,6 +165,9 @@ class Service(Protocol):
         JSON-ready.  A ``"counters"`` entry is merged with the other services' counters.
         """
 
+    def client_statistics(self, session: ClientSession) -> Meta:
+        """Fields of ``session``'s row in ``fabricctl status`` (e.g. operations it has open)."""
+
 
 class BaseService:
     """No-op defaults for the hooks a service does not need; subclass and override."""
@@ -213,6 +216,9 @@ class BaseService:
         return None
 
     def statistics(self) -> Meta:
+        return {}
+
+    def client_statistics(self, session: ClientSession) -> Meta:
         return {}
 
 

@@ -260,7 +260,9 @@ async def test_status_lists_other_clients_but_not_the_one_asking(tmp_path):
                 return by_control, by_member
 
         by_control, by_member = await asyncio.to_thread(clients_seen)
-        assert [(c["job"], c["rank"]) for c in by_control] == [("j", 0)]  # not the asker itself
+        assert [(c["job"], c["rank"], c["ops"]) for c in by_control] == [
+            ("j", 0, 0)
+        ]  # not the asker
         assert by_member == []  # the control client has gone, and the member asked
 
 
