@@ -101,7 +101,12 @@ class Daemon:
         self.started = time.time()
         self.loop = asyncio.get_running_loop()
         self.transport = transport or _default_transport()
-        self.links: dict[tuple[int, Channel], Link] = {}
+        # the current links: per channel by node, and each link's (node, channel) — the table is
+        # read on every frame, so it is kept as plain int- and identity-keyed dicts
+        self._by_channel: dict[Channel, dict[int, Link]] = {ch: {} for ch in Channel}
+        self._control = self._by_channel[Channel.CONTROL]
+        self._data = self._by_channel[Channel.DATA]
+        self._current: dict[Link, tuple[int, Channel]] = {}
         self.sessions: dict[int, ClientSession] = {}
         self.address = cfg.listen_address
         self.peering = PeeringService(
@@ -167,8 +172,13 @@ class Daemon:
     def now(self) -> float:
         return self.loop.time()
 
+    @property
+    def links(self) -> dict[tuple[int, Channel], Link]:
+        """Every current link by (node, channel) (a snapshot, for status and tests)."""
+        return {key: link for link, key in self._current.items()}
+
     def send(self, node: int, frame: frames.PeerFrame) -> None:
-        link = self.links.get((node, Channel.CONTROL))
+        link = self._control.get(node)
         if link is None:
             log.debug("no control link to node %d: dropped %s", node, frame.KIND.name)
             return
@@ -182,12 +192,11 @@ class Daemon:
     def broadcast(self, frame: frames.PeerFrame) -> None:
         # only to peers that are up, both links admitted: one still opening its data link has
         # not been greeted, and hears what it missed in its greeting (PeerUp)
-        for node, channel in list(self.links):
-            if channel is Channel.DATA:
-                self.send(node, frame)
+        for node in list(self._data):
+            self.send(node, frame)
 
     def data_link(self, node: int) -> Link | None:
-        return self.links.get((node, Channel.DATA))
+        return self._data.get(node)
 
     def reply(self, session: ClientSession, request_id: int, result: Meta) -> None:
         session.conn.reply({"id": request_id, "ok": True, **result})
@@ -242,8 +251,10 @@ class Daemon:
     # -- links: what the peering service decides, the node keeps ----------------------------
     def adopt_link(self, node: int, channel: Channel, link: Link) -> None:
         """``link`` is now ``node``'s current link of ``channel`` (admitted by peering)."""
-        assert (node, channel) not in self.links, "peering admits a link only after a reset"
-        self.links[node, channel] = link
+        table = self._by_channel[channel]
+        assert node not in table, "peering admits a link only after a reset"
+        table[node] = link
+        self._current[link] = (node, channel)
 
     def reset_peer(self, node: int, reason: str) -> None:
         """Close both of ``node``'s links and tell every service the peer is down.
@@ -253,7 +264,10 @@ class Daemon:
         """
         # both leave the table before either closes: a link may report its loss (or the peer
         # close the other one) from within close(), and neither is news any more
-        links = [self.links.pop((node, channel), None) for channel in Channel]
+        links = [self._by_channel[channel].pop(node, None) for channel in Channel]
+        for link in links:
+            if link is not None:
+                del self._current[link]
         for link in links:
             if link is not None:
                 link.close(f"node {node} {reason}")
@@ -271,14 +285,12 @@ class Daemon:
 
     def link(self, node: int, channel: Channel) -> Link | None:
         """``node``'s current ``channel`` link, if it has one."""
-        return self.links.get((node, channel))
+        return self._by_channel[channel].get(node)
 
     def current_channel(self, node: int, link: Link) -> Channel | None:
         """Which of ``node``'s current links ``link`` is, if it is one."""
-        for channel in Channel:
-            if self.links.get((node, channel)) is link:
-                return channel
-        return None
+        key = self._current.get(link)
+        return key[1] if key is not None and key[0] == node else None
 
     def payload_buffer(self, node: int, link: Link, head: FrameHead) -> memoryview | None:
         # checked before a byte lands in a client's region
@@ -400,9 +412,11 @@ class Daemon:
         self._stopped = True  # closing our own links is no news, and no timer is armed again
         if self._timer is not None:
             self._timer.cancel()
-        for link in list(self.links.values()):
+        for link in list(self._current):
             link.close("daemon stopped")
-        self.links.clear()
+        self._current.clear()
+        for table in self._by_channel.values():
+            table.clear()
         self.ipc.close()
         if self.notifier is not None:
             self.notifier.close()
