@@ -34,7 +34,10 @@ from fabricd.wire import Kind, encode
 
 values = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=20))
 fields = st.dictionaries(
-    st.text(min_size=1, max_size=8).filter(lambda k: k != "event"), values, max_size=4
+    # not the keys the frames themselves use: a field named "ok" would overwrite the reply's own
+    st.text(min_size=1, max_size=8).filter(lambda k: k not in ("event", "id", "ok")),
+    values,
+    max_size=4,
 )
 event_names = st.text(min_size=1, max_size=12).filter(lambda name: name != "closing")
 codes = st.sampled_from([*ErrorCode, "a-code-from-a-newer-daemon"])
