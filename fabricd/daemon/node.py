@@ -36,7 +36,7 @@ from fabricd.daemon.membership_service import MembershipService
 from fabricd.daemon.p2p_service import P2PService
 from fabricd.daemon.peering_service import HandshakeSettings, PeeringService
 from fabricd.daemon.sdnotify import Notifier
-from fabricd.daemon.service import Request, check_claims
+from fabricd.daemon.service import BaseService, Request, check_claims
 from fabricd.daemon.sessions import ClientSession, request_id
 from fabricd.engines.actions import Failure
 from fabricd.engines.handshake import Channel
@@ -126,6 +126,10 @@ class Daemon:
         check_claims(self.services)
         self._by_kind = {kind: s for s in self.services for kind in s.kinds}
         self._by_op = {op: s for s in self.services for op in s.ops}
+        #: the services that may ever have a deadline (read after every frame and request)
+        self._timed = [
+            s for s in self.services if type(s).next_deadline is not BaseService.next_deadline
+        ]
         if clash := _NODE_OPS & self._by_op.keys():
             raise ValueError(f"ops {sorted(clash)} belong to the node, not to a service")
         self.ipc = IpcServer(
@@ -228,7 +232,7 @@ class Daemon:
             self._idle.set()
         if self._stopped:
             return
-        deadlines = [d for s in self.services if (d := s.next_deadline()) is not None]
+        deadlines = [d for s in self._timed if (d := s.next_deadline()) is not None]
         due = min(deadlines, default=None)
         if self._timer is not None:
             if self._timer_due == due:  # the usual case after a frame: nothing moved

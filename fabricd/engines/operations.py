@@ -35,7 +35,19 @@ if TYPE_CHECKING:
 Key = tuple[str, int, int, int]  #: (job, src, dst, tag): what matches
 
 
-class SendState(enum.Enum):
+class _Member(enum.Enum):
+    """An enum whose members hash by identity.
+
+    Each state move looks ``(state, input)`` up in a transition table, on every frame; Enum's
+    own ``__hash__`` hashes the member's name in Python and showed in profiles of the
+    small-message path.  Members are singletons compared by identity, so identity hashing is
+    consistent with equality.
+    """
+
+    __hash__ = object.__hash__
+
+
+class SendState(_Member):
     ROUTE = "route"  #: waiting for the destination rank to join (a route deadline runs)
     QUEUED = "queued"  #: the destination is local: waiting in ``_arrived`` for its receive
     RTS = "rts"  #: announced to the destination's daemon, waiting for CTS (or DONE)
@@ -45,7 +57,7 @@ class SendState(enum.Enum):
     BROKEN = "broken"  #: took an input its state does not accept (a bug): gone from the engine
 
 
-class SendInput(enum.Enum):
+class SendInput(_Member):
     ROUTED_HERE = enum.auto()  #: the destination rank is on this node
     ROUTED_AWAY = enum.auto()  #: the destination rank is on another node: send the RTS
     MATCHED = enum.auto()  #: a receive on this node took it
@@ -76,7 +88,7 @@ SEND_TRANSITIONS: Final[dict[tuple[SendState, SendInput], SendState]] = {
 }
 
 
-class RecvState(enum.Enum):
+class RecvState(_Member):
     POSTED = "posted"  #: waiting in ``_posted`` for its message (a route deadline may run)
     LANDING = "landing"  #: took a remote RTS: CTS sent, its bytes land in its region
     COPY = "copy"  #: took a local send: the daemon copies
@@ -84,7 +96,7 @@ class RecvState(enum.Enum):
     BROKEN = "broken"  #: took an input its state does not accept (a bug): gone from the engine
 
 
-class RecvInput(enum.Enum):
+class RecvInput(_Member):
     MATCHED_AWAY = enum.auto()  #: an RTS of a message with bytes took it
     MATCHED_HERE = enum.auto()  #: a send on this node took it
     DELIVERED = enum.auto()  #: every byte arrived (at once, for a zero-byte remote message)
