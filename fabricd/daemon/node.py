@@ -148,6 +148,9 @@ class Daemon:
         self._tasks: asyncio.TaskGroup | None = None
         self._spawned: set[asyncio.Task[None]] = set()
         self._stopped = False
+        #: the last DATA frame's metadata and its parsed view: read once for its landing
+        #: buffer, reused when the whole frame arrives (metadata is parsed on every frame)
+        self._chunk: tuple[Meta | None, frames.PeerFrame] = (None, frames.Heartbeat())
 
     def service(self, name: str) -> Service:
         """The service called ``name`` (for status tools and tests).
@@ -305,7 +308,9 @@ class Daemon:
         service = self._by_kind.get(Kind.DATA)
         if service is None:
             raise RemoteProtocolError("this daemon takes no DATA frames")
-        return service.payload_buffer(node, frames.Data.from_meta(head.meta), head.payload_len)
+        chunk = frames.Data.from_meta(head.meta)
+        self._chunk = (head.meta, chunk)  # the whole frame comes next, with this same metadata
+        return service.payload_buffer(node, chunk, head.payload_len)
 
     def frame_received(self, node: int, link: Link, frame: Frame) -> None:
         channel = self.current_channel(node, link)
@@ -320,7 +325,8 @@ class Daemon:
         if service is None:
             log.warning("node %d sent %s, which no service handles", node, frame.kind.name)
             raise RemoteProtocolError(f"no service handles {frame.kind.name} frames")
-        view = frames.parse(frame.kind, frame.meta)
+        cached_meta, chunk = self._chunk
+        view = chunk if frame.meta is cached_meta else frames.parse(frame.kind, frame.meta)
         if isinstance(view, frames.Data):
             service.on_data(node, view, len(frame.payload), now)
         else:

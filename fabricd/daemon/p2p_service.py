@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from fabricd.engines.membership import RankEvent, Routes
     from fabricd.engines.p2p import Action, Message
 
+log = logging.getLogger("fabricd.p2p")
+
 
 @dataclass(slots=True, kw_only=True)
 class _Transfer:
@@ -157,7 +159,7 @@ class P2PService(BaseService):
                 case Complete(op=op, failure=failure):
                     self._complete(op, failure)
                 case Notice(message=message):
-                    logging.getLogger("fabricd.p2p").warning("%s", message)
+                    log.warning("%s", message)
 
     async def _stream(self, node: int, msg: int, region: memoryview) -> None:
         # The region is held from the moment the stream is spawned: the operation may finish

@@ -191,7 +191,6 @@ class PeeringService(BaseService):
         )
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[Link, _PendingSink]] = {}  #: links in their handshake
-        self._leaving: set[int] = set()  #: peers that said BYE: their links closing is no news
         self._listener: Listener | None = None
         self._closed = False  #: aclose() ran: nothing new is dialled or accepted
 
@@ -224,14 +223,15 @@ class PeeringService(BaseService):
 
     def link_lost(self, node: int, channel: Channel, link: Link, now: float) -> None:
         """``node``'s current ``channel`` link closed."""
-        level = logging.INFO if node in self._leaving else logging.WARNING  # it said BYE
+        actions = self.engine.on_link_closed(node, channel, now)
+        said_bye = any(isinstance(a, peers.ResetPeer) and a.expected for a in actions)
+        level = logging.INFO if said_bye else logging.WARNING
         log.log(level, "%s link to node %d lost: %s", channel, node, link.close_reason)
-        self._perform(self.engine.on_link_closed(node, channel, now))
+        self._perform(actions)
 
     def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
         if isinstance(frame, frames.Bye):
             log.info("node %d is stopping", node)
-            self._leaving.add(node)
             self.engine.on_bye(node)
 
     def next_deadline(self) -> float | None:
@@ -316,8 +316,6 @@ class PeeringService(BaseService):
         """``link`` proved it speaks for ``peer``: the engine rules on it."""
         self.handshake_over(sink.link_id)
         now = self.owner.now()
-        if peer.channel is Channel.CONTROL:
-            self._leaving.discard(peer.node)
         actions = self.engine.on_link_authenticated(peer.node, peer.channel, peer.incarnation, now)
         admitted = any(isinstance(a, peers.AdmitLink) for a in actions)
         if not admitted:

@@ -11,11 +11,12 @@ refused with a message that says what was wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 from fabricd.dtypes import ITEMSIZE
 from fabricd.engines.p2p import Message
 from fabricd.errors import UsageError
+from fabricd.ipc import MAX_JOB_NAME
 from fabricd.wire import MAX_TAG, Meta, get_int, get_str
 
 if TYPE_CHECKING:
@@ -49,10 +50,6 @@ class ClientSession:
             return self.segments[seg]
         except KeyError:
             raise UsageError(f"segment {seg} is not attached to this client") from None
-
-
-#: the longest job name a client may claim
-MAX_JOB_NAME: Final = 200
 
 
 def request_id(meta: Meta) -> int:
