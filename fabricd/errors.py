@@ -111,6 +111,7 @@ class ErrorCode(enum.StrEnum):
     NO_SUCH_RANK = "no_such_rank"  #: the other rank did not join within route_timeout
     TRANSPORT = "transport"  #: the data link broke while streaming
     DAEMON_STOPPING = "daemon_stopping"  #: the daemon is draining
+    LIMIT = "limit"  #: a configured bound was reached; the message names it and its setting
     INTERNAL = "internal"  #: a bug in the daemon (its log has the traceback)
     PROTOCOL = "protocol"  #: the client broke the protocol; the daemon closes the connection
     REFUSED = "refused"  #: the daemon refused the connection at accept (uid not allowed, full)

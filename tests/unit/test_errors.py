@@ -26,6 +26,7 @@ from fabricd.errors import (
         (ErrorCode.NO_SUCH_RANK, OperationFailed),
         (ErrorCode.TRANSPORT, OperationFailed),
         (ErrorCode.DAEMON_STOPPING, OperationFailed),
+        (ErrorCode.LIMIT, OperationFailed),
         (ErrorCode.INTERNAL, OperationFailed),
         (ErrorCode.DAEMON_GONE, DaemonUnavailable),
         (ErrorCode.PROTOCOL, DaemonUnavailable),
