@@ -111,6 +111,20 @@ class Link(abc.ABC):
             TransportError: the link is closed; reconnect.
         """
 
+    def send_now(self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()) -> bool:
+        """Queue one frame at once if that needs no wait, and say whether it did.
+
+        ``True``: the frame is queued, as :meth:`send` would have queued it (no sender is
+        waiting out backpressure, so the frame goes behind nothing that waits).  ``False``:
+        nothing was queued; :meth:`send` it.  A small message then leaves in the same loop
+        iteration that decided to send it, without a task.  This default never sends now.
+
+        Raises:
+            TransportError: the link is closed; reconnect.
+            LocalProtocolError: the frame exceeds this link's limits.
+        """
+        return False
+
     @abc.abstractmethod
     def close(self, reason: str) -> None:
         """Close the link; ``reason`` is logged and kept in :attr:`close_reason`."""

@@ -51,6 +51,12 @@ class InprocLink(FramedLink):
             if self._is_closed:
                 raise TransportError(f"link to {self.peer_address} closed while sending")
 
+    def send_now(self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()) -> bool:
+        if self._in_flight > self._net.window:
+            return False  # over the window: send() waits, and so must this frame
+        self._enqueue(kind, meta, payload)
+        return True
+
     def send_nowait(
         self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
     ) -> None:

@@ -136,6 +136,12 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
                 if self._is_closed:
                     raise TransportError(f"link to {self.peer_address} closed while sending")
 
+    def send_now(self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()) -> bool:
+        if self._send_lock.locked() or not self._writable.is_set():
+            return False  # a sender waits out backpressure: queue behind it, with send()
+        self._queue(kind, meta, payload)
+        return True
+
     def send_nowait(
         self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer] = ()
     ) -> None:

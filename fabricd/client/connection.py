@@ -231,9 +231,9 @@ class Connection:
         """Read once for everybody, or wait for the thread that reads, unless ``until()``."""
         if self._read_lock.acquire(blocking=False):
             try:
-                with self._state:
-                    done = until()
-                if not done:
+                # no _state needed to look: whoever read before us delivered under the read
+                # lock we now hold
+                if not until():
                     self._read(timeout)
             finally:
                 self._read_lock.release()
@@ -245,9 +245,8 @@ class Connection:
                 self._state.wait(timeout)
 
     def _read(self, timeout: float | None) -> None:
-        with self._state:
-            if self._protocol.state is State.CLOSED:
-                return
+        if self._protocol.state is State.CLOSED:  # a close() racing this shuts the socket,
+            return  # so the poll below returns at once
         ms = None if timeout is None else min(math.ceil(timeout * 1000), _MAX_POLL_MS)
         try:
             data = self._sock.recv(_RECV_SIZE) if self._poller.poll(ms) else None

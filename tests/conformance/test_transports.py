@@ -335,6 +335,40 @@ def test_send_waits_while_the_peer_does_not_read(case: tuple[str, str]) -> None:
     run(case, check_backpressure)
 
 
+async def check_send_now(kind: str) -> None:
+    # what send_now promises: now, in order with send(), or not at all -- never past a sender
+    # that waits out backpressure
+    options = {"latency": 0.5, "window": MiB} if kind == "inproc" else {}
+    chunk = bytes(MiB)
+    async with network(kind, **options) as net:
+        pair = await net.pair()
+        assert pair.client.send_now(Kind.DATA, {"i": 0}, [b"first"])  # an idle link: at once
+        if kind == "tcp":
+            stall_reader(pair)
+        for i in range(1, 1025):
+            task = asyncio.ensure_future(pair.client.send(Kind.DATA, {"i": i}, [chunk]))
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if not done:
+                break
+        else:
+            pytest.fail("send never waited for the peer")
+        assert not pair.client.send_now(Kind.DATA, {"i": -1}, [b"behind a waiting send"])
+        if kind == "tcp":
+            resume_reader(pair)
+        async with asyncio.timeout(PATIENCE):
+            await task
+        frames = await pair.server_sink.frames_count(i + 1)
+        assert [f.meta["i"] for f in frames] == list(range(i + 1))  # the refused one never went
+        assert bytes(frames[0].payload) == b"first"
+        pair.client.close("test")
+        with pytest.raises(TransportError):
+            pair.client.send_now(Kind.DATA, {"i": -2}, [b"late"])
+
+
+def test_send_now_queues_at_once_only_when_nothing_waits(case: tuple[str, str]) -> None:
+    run(case, check_send_now)
+
+
 async def flood(link: Link) -> None:
     """send_nowait until the link refuses."""
     chunk = bytes(64 * 1024)

@@ -336,3 +336,66 @@ async def test_clients_that_come_and_go_leave_no_operation_behind(tmp_path):
             tables += [engine._recvs_from, engine._offers_to, engine._out_to, engine._out]
             tables += [engine._out_by, engine._remote, engine._landing._entries]
             assert not any(tables), tables
+
+
+def _exchange(socket0: str, socket1: str, shapes: list[int]) -> list[str]:
+    """Rank 0 sends one float32 array of each length in ``shapes`` to rank 1; the outcomes."""
+    outcomes: list[str] = []
+    ready = threading.Event()
+
+    def receive() -> None:
+        with fabricd.connect(job="j", rank=1, size=2, socket_path=socket1) as peer:
+            ready.set()
+            for n in shapes:
+                got = peer.array(f"r{n}", (n,), "float32")
+                try:
+                    peer.recv(got, src=0, timeout=10)
+                except fabricd.FabricError as exc:
+                    outcomes.append(type(exc).__name__)
+                else:
+                    ok = np.array_equal(got, np.arange(n, dtype=np.float32))
+                    outcomes.append("ok" if ok else "corrupt")
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    with fabricd.connect(job="j", rank=0, size=2, socket_path=socket0) as fab:
+        ready.wait(10)
+        for n in shapes:
+            array = fab.array(f"s{n}", (n,), "float32")
+            array[:] = np.arange(n, dtype=np.float32)
+            with contextlib.suppress(fabricd.FabricError):
+                fab.send(array, to=1, timeout=10)
+    thread.join(20)
+    return outcomes
+
+
+async def test_a_one_chunk_message_leaves_without_a_stream_task(tmp_path, monkeypatch):
+    # chunk_size is 1 MiB here: 1 KiB goes at once from the CTS handler, 2 MiB is streamed
+    async with fabric(tmp_path) as fab:
+        d0 = fab.daemons[0]
+        spawned: list[str] = []
+        spawn = d0.spawn
+
+        def counting_spawn(coro: Any) -> asyncio.Task[None]:
+            spawned.append(coro.__qualname__)
+            return spawn(coro)
+
+        monkeypatch.setattr(d0, "spawn", counting_spawn)
+        shapes = [256, 512 * 1024]
+        outcomes = await asyncio.to_thread(_exchange, fab.socket(0), fab.socket(1), shapes)
+        assert outcomes == ["ok", "ok"]
+        assert spawned.count("P2PService._stream") == 1  # the 2 MiB one only
+
+
+async def test_a_link_that_refuses_a_one_chunk_message_fails_only_that_send(tmp_path):
+    async with fabric(tmp_path) as fab:
+        link = fab.daemons[0].data_link(1)
+        assert link is not None
+
+        def broken(*args: Any) -> bool:
+            raise fabricd.errors.TransportError("refused for the test")
+
+        link.send_now = broken  # type: ignore[method-assign]
+        outcomes = await asyncio.to_thread(_exchange, fab.socket(0), fab.socket(1), [256])
+        assert outcomes == ["PeerFailed"]  # the receiver hears the CANCEL, never waits
+        assert fab.daemons[0].service("p2p").engine.pending() == 0
