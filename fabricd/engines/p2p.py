@@ -45,6 +45,13 @@ index                  holds                                      serves
 ``_deadlines``         route deadlines by op                      the timer
 =====================  =========================================  ===========================
 
+Memory: a Python dict never returns the memory of deleted entries, so once more operations and
+unmatched RTS left the engine than twice the number still in it, every table is rebuilt
+(:meth:`Messaging._shrink`, O(what is left), so amortised O(1) per removal): 10^5 operations
+that ended keep no memory behind.  A peer holds at most ``max_unmatched_per_peer`` unmatched RTS
+here; the next one is refused with a DONE of code ``limit`` (its send fails with a message that
+names the setting), so a sender that announces without end costs this daemon a bounded amount.
+
 Failure: when a rank's node goes down every operation that involves the rank fails with code
 ``peer_failed``; a send whose destination has not joined (or a receive whose source has not)
 fails with ``no_such_rank`` after ``route_timeout``.  When a client leaves, its unmatched
@@ -147,10 +154,14 @@ class MessagingStatistics:
     unexpected: int  #: messages (local sends, remote RTS) waiting for their receive
     transfers: int  #: transfers whose bytes are moving now
     bytes_received: int  #: payload bytes of remote messages that arrived
+    refused_rts: int = 0  #: RTS refused because their node held max_unmatched_per_peer here
 
 
 _ANNOUNCED: Final = (SendState.RTS, SendState.STREAM)  #: filed in ``_out``
 _MOVING: Final = (SendState.STREAM, SendState.COPY)  #: counted as transfers
+#: removals tolerated beyond twice what is left before the tables are rebuilt (small engines
+#: are never rebuilt; large ones once per halving)
+_SHRINK_SLACK: Final = 1024
 
 
 class Messaging:
@@ -161,12 +172,22 @@ class Messaging:
         routes: where ranks live (read-only; the engine hears of changes through
             :meth:`on_rank_event`).
         route_timeout: seconds a send or receive waits for its peer rank to join.
+        max_unmatched_per_peer: most unmatched RTS one peer node may hold here (``None``: no
+            bound); the setting of that name in the daemon's config.
     """
 
-    def __init__(self, *, node: int, routes: Routes, route_timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        node: int,
+        routes: Routes,
+        route_timeout: float,
+        max_unmatched_per_peer: int | None = None,
+    ) -> None:
         self.node = node
         self.routes = routes
         self.route_timeout = route_timeout
+        self.max_unmatched_per_peer = max_unmatched_per_peer
         self._sends: dict[int, Send] = {}
         self._recvs: dict[int, Recv] = {}
         self._posted: KeyedQueues[Key, Recv] = KeyedQueues()
@@ -181,6 +202,8 @@ class Messaging:
         self._deadlines: Deadlines[int] = Deadlines()
         self._landing = Landing()
         self._moving = 0  #: sends in STREAM or COPY
+        self._removed = 0  #: operations and RTS that left since the tables were last rebuilt
+        self._refused_rts = 0
         self._msg_ids = itertools.count(1)
 
     # -- clients ----------------------------------------------------------------------------
@@ -381,6 +404,7 @@ class Messaging:
             unexpected=len(self._arrived),
             transfers=self.transfers(),
             bytes_received=self._landing.bytes,
+            refused_rts=self._refused_rts,
         )
 
     # -- matching and rendezvous ------------------------------------------------------------
@@ -449,6 +473,15 @@ class Messaging:
         recv = self._posted.first(msg.key)
         if recv is not None:
             return self._match(offer, recv)
+        limit = self.max_unmatched_per_peer
+        if limit is not None and len(self._remote.get(node, ())) >= limit:
+            self._refused_rts += 1
+            text = (
+                f"node {self.node} holds {limit} messages from node {node} that wait for their "
+                f"receive, the most max_unmatched_per_peer allows there; post the receives "
+                f"first, or raise max_unmatched_per_peer on node {self.node}"
+            )
+            return [_refuse(node, frame.msg, ErrorCode.LIMIT, text)]
         offer.slot = self._arrived.push(msg.key, offer)
         _add(self._offers_to, (msg.job, msg.dst), offer)
         self._remote.setdefault(node, {})[frame.msg] = offer
@@ -512,6 +545,7 @@ class Messaging:
         send.state = new
         if new in TERMINAL:
             del self._sends[send.op]
+            self._removal()
         if new is SendState.BROKEN:
             raise LocalProtocolError(f"send {send.op} in state {old.name} cannot take {event.name}")
 
@@ -536,6 +570,7 @@ class Messaging:
         recv.state = new
         if new in TERMINAL:
             del self._recvs[recv.op]
+            self._removal()
         if new is RecvState.BROKEN:
             raise LocalProtocolError(
                 f"receive {recv.op} in state {old.name} cannot take {event.name}"
@@ -547,6 +582,32 @@ class Messaging:
             self._arrived.remove(offer.slot)
         _discard(self._offers_to, (offer.msg.job, offer.msg.dst), offer)
         _discard(self._remote, offer.node, offer.msg_id)
+        self._removal()
+
+    def _removal(self) -> None:
+        """An operation or an unmatched RTS left: rebuild the tables once enough did."""
+        self._removed += 1
+        live = len(self._sends) + len(self._recvs) + len(self._arrived)
+        if self._removed > 2 * live + _SHRINK_SLACK:
+            self._shrink()
+
+    def _shrink(self) -> None:
+        """Rebuild every table, so the memory of entries deleted from it is returned.
+
+        O(operations and RTS still held): called once removals outnumber twice that, so it costs
+        amortised O(1) per removal.  Tables of tables are rebuilt inside too (a rank's receives,
+        a node's messages).  The queues and deadlines rebuild themselves the same way.
+        """
+        self._sends = dict(self._sends)
+        self._recvs = dict(self._recvs)
+        self._out = dict(self._out)
+        self._out_by = _rebuilt(self._out_by)
+        self._remote = _rebuilt(self._remote)
+        self._unrouted = _rebuilt(self._unrouted)
+        self._recvs_from = _rebuilt(self._recvs_from)
+        self._offers_to = _rebuilt(self._offers_to)
+        self._out_to = _rebuilt(self._out_to)
+        self._removed = 0
 
     def _fail_send(
         self, send: Send, code: ErrorCode, text: str, node: int | None, rank: int | None
@@ -593,6 +654,11 @@ W = TypeVar("W")
 def _add(index: dict[K, dict[V, None]], key: K, item: V) -> None:
     """File ``item`` under ``key`` in an index of insertion-ordered sets."""
     index.setdefault(key, {})[item] = None
+
+
+def _rebuilt(index: dict[K, dict[V, W]]) -> dict[K, dict[V, W]]:
+    """A fresh copy of an index of tables: no memory kept for entries deleted from either."""
+    return {key: dict(group) for key, group in index.items()}
 
 
 def _discard(index: dict[K, dict[V, W]], key: K, item: V) -> None:
