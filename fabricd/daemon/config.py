@@ -45,6 +45,9 @@ class Config:
     max_meta: int = 64 * 1024
     max_clients: int = 256
     max_segments_per_client: int = 1024
+    max_ops_per_client: int = 65536
+    max_ops_per_job: int = 262144
+    max_unmatched_rts_per_peer: int = 65536
     drain_timeout: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -83,6 +86,9 @@ class Config:
             raise ConfigError("max_meta must be at least 1024 bytes")
         if min(self.max_clients, self.max_segments_per_client) < 1:
             raise ConfigError("max_clients and max_segments_per_client must be at least 1")
+        for key in ("max_ops_per_client", "max_ops_per_job", "max_unmatched_rts_per_peer"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be at least 1")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level must be one of debug, info, warning, error")
         if self.log_format not in ("text", "json"):

@@ -9,6 +9,12 @@ reply when an operation completes.  Incoming DATA lands where the engine's landi
 
 A client that leaves takes its unmatched operations with it; a transfer already moving runs to
 its end from the daemon's own mapping of the segment, and its result is dropped.
+
+Bounds: a client may have ``max_ops_per_client`` operations pending, all clients of a job
+``max_ops_per_job`` on this daemon (a transfer whose client left counts until it ends); the
+next request fails with code ``limit`` naming the setting, and each refusal is counted.  Its
+tables give back their memory the way the engine's do: once more operations ended than twice
+the number still pending, they are rebuilt (amortised O(1) per operation).
 """
 
 from __future__ import annotations
@@ -59,9 +65,17 @@ class P2PService(BaseService):
     def __init__(self, host: Host, *, routes: Routes) -> None:
         self.host = host
         cfg = host.config
-        self.engine = Messaging(node=cfg.node_id, routes=routes, route_timeout=cfg.route_timeout)
+        self.engine = Messaging(
+            node=cfg.node_id,
+            routes=routes,
+            route_timeout=cfg.route_timeout,
+            max_unmatched_rts_per_peer=cfg.max_unmatched_rts_per_peer,
+        )
         self._ops: dict[int, _Transfer] = {}  #: every operation the engine may still act on
         self._by_session: dict[ClientSession, set[int]] = {}
+        self._by_job: dict[str, int] = {}  #: operations in ``_ops`` per job
+        self._ended = 0  #: operations that left ``_ops`` since its tables were rebuilt
+        self._refused = {"ops_refused_client_limit": 0, "ops_refused_job_limit": 0}
         self._op_ids = itertools.count(1)
         self._copies: set[asyncio.Task[None]] = set()  #: local copies under way
         self._counters = {"bytes_sent": 0, "bytes_copied": 0, "ops_completed": 0, "ops_failed": 0}
@@ -74,11 +88,13 @@ class P2PService(BaseService):
             )
         is_send = request.op == "send"
         message, region = parse_transfer(request.session, request.meta, is_send=is_send)
+        self._admit(request.session, message.job)
         op = next(self._op_ids)
         self._ops[op] = _Transfer(
             request=request.id, message=message, region=region, session=request.session
         )
         self._by_session.setdefault(request.session, set()).add(op)
+        self._by_job[message.job] = self._by_job.get(message.job, 0) + 1
         if is_send:
             self._perform(self.engine.post_send(op, message, now))
         else:
@@ -94,7 +110,56 @@ class P2PService(BaseService):
             if self.engine.holds(op):  # a transfer under way keeps its region, not its client
                 transfer.session = None
             else:
-                del self._ops[op]
+                self._forget(op)
+
+    def _admit(self, session: ClientSession, job: str) -> None:
+        """Refuse a new operation beyond ``max_ops_per_client`` or ``max_ops_per_job``.
+
+        Raises:
+            OperationFailed: code ``limit``, naming the limit and its setting (counted).
+        """
+        cfg = self.host.config
+        held = len(self._by_session.get(session, ()))
+        if held >= cfg.max_ops_per_client:
+            self._refused["ops_refused_client_limit"] += 1
+            raise OperationFailed(
+                f"this client has {held} operations pending, the most max_ops_per_client "
+                "allows; wait for some to finish (or raise max_ops_per_client in the daemon's "
+                "config)",
+                code=ErrorCode.LIMIT,
+            )
+        held = self._by_job.get(job, 0)
+        if held >= cfg.max_ops_per_job:
+            self._refused["ops_refused_job_limit"] += 1
+            raise OperationFailed(
+                f"job {job!r} has {held} operations pending on node {cfg.node_id}, the most "
+                "max_ops_per_job allows; wait for some to finish (or raise max_ops_per_job in "
+                "the daemon's config)",
+                code=ErrorCode.LIMIT,
+            )
+
+    def _forget(self, op: int) -> _Transfer | None:
+        """Take ``op`` out of ``_ops`` and its job's count; rebuild the tables when many left.
+
+        A Python dict or set never returns the memory of deleted entries: a client that had
+        10^5 operations pending would otherwise leave ~10 MB behind.  Rebuilding costs
+        O(operations pending) once more than twice that many ended: amortised O(1).
+        """
+        transfer = self._ops.pop(op, None)
+        if transfer is None:
+            return None
+        job = transfer.message.job
+        left = self._by_job[job] - 1
+        if left:
+            self._by_job[job] = left
+        else:
+            del self._by_job[job]
+        self._ended += 1
+        if self._ended > 2 * len(self._ops) + 1024:
+            self._ops = dict(self._ops)
+            self._by_session = {session: set(ops) for session, ops in self._by_session.items()}
+            self._ended = 0
+        return transfer
 
     # -- peers ------------------------------------------------------------------------------
     def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
@@ -137,7 +202,12 @@ class P2PService(BaseService):
         stats = self.engine.statistics()
         return {
             "pending_ops": self.engine.pending(),
-            "counters": {**self._counters, "bytes_received": stats.bytes_received},
+            "counters": {
+                **self._counters,
+                **self._refused,
+                "bytes_received": stats.bytes_received,
+                "rts_refused_peer_limit": stats.refused_rts,
+            },
         }
 
     def client_statistics(self, session: ClientSession) -> Meta:
@@ -201,7 +271,7 @@ class P2PService(BaseService):
         self.host.rearm()
 
     def _complete(self, op: int, failure: Failure | None) -> None:
-        transfer = self._ops.pop(op, None)
+        transfer = self._forget(op)
         if transfer is None or transfer.session is None:
             return
         session = transfer.session

@@ -48,9 +48,9 @@ index                  holds                                      serves
 Memory: a Python dict never returns the memory of deleted entries, so once more operations and
 unmatched RTS left the engine than twice the number still in it, every table is rebuilt
 (:meth:`Messaging._shrink`, O(what is left), so amortised O(1) per removal): 10^5 operations
-that ended keep no memory behind.  A peer holds at most ``max_unmatched_per_peer`` unmatched RTS
-here; the next one is refused with a DONE of code ``limit`` (its send fails with a message that
-names the setting), so a sender that announces without end costs this daemon a bounded amount.
+that ended keep no memory behind.  A peer holds at most ``max_unmatched_rts_per_peer``
+unmatched RTS here; the next one is refused with a DONE of code ``limit`` (its send fails with a
+message that names the setting), so a sender that announces without end costs a bounded amount.
 
 Failure: when a rank's node goes down every operation that involves the rank fails with code
 ``peer_failed``; a send whose destination has not joined (or a receive whose source has not)
@@ -154,7 +154,7 @@ class MessagingStatistics:
     unexpected: int  #: messages (local sends, remote RTS) waiting for their receive
     transfers: int  #: transfers whose bytes are moving now
     bytes_received: int  #: payload bytes of remote messages that arrived
-    refused_rts: int = 0  #: RTS refused because their node held max_unmatched_per_peer here
+    refused_rts: int = 0  #: RTS refused: their node held max_unmatched_rts_per_peer here
 
 
 _ANNOUNCED: Final = (SendState.RTS, SendState.STREAM)  #: filed in ``_out``
@@ -172,8 +172,8 @@ class Messaging:
         routes: where ranks live (read-only; the engine hears of changes through
             :meth:`on_rank_event`).
         route_timeout: seconds a send or receive waits for its peer rank to join.
-        max_unmatched_per_peer: most unmatched RTS one peer node may hold here (``None``: no
-            bound); the setting of that name in the daemon's config.
+        max_unmatched_rts_per_peer: most unmatched RTS one peer node may hold here (``None``:
+            no bound); the setting of that name in the daemon's config.
     """
 
     def __init__(
@@ -182,12 +182,12 @@ class Messaging:
         node: int,
         routes: Routes,
         route_timeout: float,
-        max_unmatched_per_peer: int | None = None,
+        max_unmatched_rts_per_peer: int | None = None,
     ) -> None:
         self.node = node
         self.routes = routes
         self.route_timeout = route_timeout
-        self.max_unmatched_per_peer = max_unmatched_per_peer
+        self.max_unmatched_rts_per_peer = max_unmatched_rts_per_peer
         self._sends: dict[int, Send] = {}
         self._recvs: dict[int, Recv] = {}
         self._posted: KeyedQueues[Key, Recv] = KeyedQueues()
@@ -473,13 +473,13 @@ class Messaging:
         recv = self._posted.first(msg.key)
         if recv is not None:
             return self._match(offer, recv)
-        limit = self.max_unmatched_per_peer
+        limit = self.max_unmatched_rts_per_peer
         if limit is not None and len(self._remote.get(node, ())) >= limit:
             self._refused_rts += 1
             text = (
                 f"node {self.node} holds {limit} messages from node {node} that wait for their "
-                f"receive, the most max_unmatched_per_peer allows there; post the receives "
-                f"first, or raise max_unmatched_per_peer on node {self.node}"
+                f"receive, the most max_unmatched_rts_per_peer allows there; post the receives "
+                f"first, or raise max_unmatched_rts_per_peer on node {self.node}"
             )
             return [_refuse(node, frame.msg, ErrorCode.LIMIT, text)]
         offer.slot = self._arrived.push(msg.key, offer)
