@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Final, TypeVar
 from bench.report import Column, Progress, Table, fmt_number, median, per_call, quiet, run_alone
 from fabricd.engines.actions import Broadcast, Complete, SendFrame
 from fabricd.engines.membership import Membership, RankJoined
+from fabricd.engines.ownership import User
 from fabricd.engines.p2p import Message, Messaging, StreamData
 from fabricd.frames import Announce, Cts, Data, Done, Rts
 
@@ -70,7 +71,7 @@ class Pair:
 
     def _join(self, node: int) -> None:
         """Rank ``node`` attaches to its daemon; the other daemon hears the ANNOUNCE."""
-        for action in self.members[node].attach(JOB, node, 2):
+        for action in self.members[node].attach(JOB, node, 2, user=User(uid=0)):
             if isinstance(action, RankJoined):
                 self.engines[node].on_rank_event(action, 0.0)
             elif isinstance(action, Broadcast) and isinstance(action.frame, Announce):

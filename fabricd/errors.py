@@ -15,6 +15,8 @@ kind                         what the caller does
 ``DaemonUnavailable``        no daemon answers on the socket: start one (the message says how)
 ``PeerFailed``               a rank's node went down or the rank left: the operation cannot finish
 ``OperationFailed``          the operation was refused or aborted by the daemon (code says why)
+  ``PermissionDenied``       the job belongs to another user: pick another job name, or have
+                             the operator grant your group the job (``job_groups``)
 ``Timeout``                  a wait ran out; the operation is still under way: wait again
 ===========================  ====================================================================
 
@@ -92,6 +94,17 @@ class PeerFailed(OperationFailed):
         self.node = node
 
 
+class PermissionDenied(OperationFailed):
+    """The job belongs to another user, and no ``job_groups`` entry grants one of your groups it.
+
+    Nothing was joined.  Use another job name, or ask the operator to grant a group you are in
+    access to the job (docs/operations.md, "Jobs and their owners").
+    """
+
+    def __init__(self, message: str, *, code: str = "permission") -> None:
+        super().__init__(message, code=code)
+
+
 class Timeout(FabricError, TimeoutError):
     """A wait ran out of time.  The operation itself goes on; its handle can be waited again."""
 
@@ -112,6 +125,7 @@ class ErrorCode(enum.StrEnum):
     TRANSPORT = "transport"  #: the data link broke while streaming
     DAEMON_STOPPING = "daemon_stopping"  #: the daemon is draining
     LIMIT = "limit"  #: a configured bound was reached; the message names it and its setting
+    PERMISSION = "permission"  #: the job belongs to another user; job_groups grants access
     INTERNAL = "internal"  #: a bug in the daemon (its log has the traceback)
     PROTOCOL = "protocol"  #: the client broke the protocol; the daemon closes the connection
     REFUSED = "refused"  #: the daemon refused the connection at accept (uid not allowed, full)
@@ -127,6 +141,8 @@ def error_for(
         return PeerFailed(message, rank=rank, node=node, code=code)
     if code in (ErrorCode.USAGE, ErrorCode.MISMATCH):
         return UsageError(message)
+    if code == ErrorCode.PERMISSION:
+        return PermissionDenied(message)
     if code in (ErrorCode.DAEMON_GONE, ErrorCode.PROTOCOL, ErrorCode.REFUSED):
         return DaemonUnavailable(message)
     return OperationFailed(message, code=code)

@@ -25,6 +25,8 @@ from fabricd.wire import MAX_TAG, PROTOCOL_VERSION, Kind, Meta, get_bytes, get_i
 
 #: the largest rank or job size a frame carries
 MAX_RANK: Final = 2**31
+#: the largest uid a frame carries (uid_t is 32 bits; 2**32 - 1 is the kernel's "no uid")
+MAX_UID: Final = 2**32 - 2
 #: the size of a handshake nonce: fresh random bytes, one from each side
 NONCE_SIZE: Final = 32
 
@@ -59,16 +61,29 @@ class Bye:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Announce:
-    """``rank`` of ``job`` (of ``size`` ranks) now lives (``present``) or no longer lives there."""
+    """``rank`` of ``job`` (of ``size`` ranks) now lives (``present``) or no longer lives there.
+
+    ``owner`` is the uid of the job's owner as the sender knows it (the uid of the client that
+    opened the job, not necessarily of the rank's own client, which a ``job_groups`` grant may
+    have let in): every daemon enforces one owner per job (docs/architecture.md, "Jobs and
+    their owners").
+    """
 
     KIND: ClassVar[Kind] = Kind.ANNOUNCE
     job: str
     rank: int
     size: int
     present: bool
+    owner: int
 
     def to_meta(self) -> Meta:
-        return {"job": self.job, "rank": self.rank, "size": self.size, "present": self.present}
+        return {
+            "job": self.job,
+            "rank": self.rank,
+            "size": self.size,
+            "present": self.present,
+            "owner": self.owner,
+        }
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Announce:
@@ -77,6 +92,7 @@ class Announce:
             rank=get_int(meta, "rank", hi=MAX_RANK),
             size=get_int(meta, "size", lo=1, hi=MAX_RANK),
             present=meta.get("present") is True,
+            owner=get_int(meta, "owner", hi=MAX_UID),
         )
 
 

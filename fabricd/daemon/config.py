@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fabricd.engines.ownership import JobGrant
 from fabricd.errors import ConfigError
 from fabricd.ipc import default_socket_path
 from fabricd.transports.base import split_address
@@ -34,6 +35,8 @@ class Config:
     secret_file: str = ""
     allowed_uids: tuple[int, ...] = ()
     allowed_gids: tuple[int, ...] = ()
+    job_groups: tuple[str, ...] = ()
+    admin_gids: tuple[int, ...] = ()
     heartbeat_interval: float = 1.0
     suspect_after: float = 3.0
     down_after: float = 10.0
@@ -84,6 +87,13 @@ class Config:
             raise ConfigError("drain_timeout must be 0 seconds or more")
         if self.max_meta < 1024:
             raise ConfigError("max_meta must be at least 1024 bytes")
+        for text in self.job_groups:
+            try:
+                JobGrant.parse(text)
+            except ValueError as exc:
+                raise ConfigError(f"job_groups: {exc}") from None
+        if any(gid < 0 for gid in self.admin_gids):
+            raise ConfigError("admin_gids must list group ids >= 0")
         if min(self.max_clients, self.max_segments_per_client) < 1:
             raise ConfigError("max_clients and max_segments_per_client must be at least 1")
         for key in ("max_ops_per_client", "max_ops_per_job", "max_unmatched_rts_per_peer"):

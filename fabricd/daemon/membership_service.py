@@ -5,6 +5,12 @@ engine records it and ANNOUNCEs it to every peer, greets a peer that comes up wi
 rank, and forgets the ranks of a client that leaves or a node that goes down.  Each change is
 passed on to every service as a :data:`~fabricd.engines.membership.RankEvent` (a send waiting
 for its destination rank dispatches when the rank joins; operations with a rank that left fail).
+
+Jobs belong to the uid that opened them (:mod:`fabricd.engines.ownership`): a ``hello`` that
+claims a rank of another user's job is refused with code ``permission`` unless a
+``job_groups`` grant lets one of the client's groups in, and counted as ``refused_joins``.
+The rows this service adds to ``status`` carry the job's ``owner``, so the node shows them only
+to those who may see the job (:mod:`fabricd.daemon.access`).
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from fabricd import frames
+from fabricd.daemon import access
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.sessions import parse_hello
 from fabricd.engines.actions import Broadcast, Notice, SendFrame
 from fabricd.engines.membership import Membership, RankJoined, RankLeft
-from fabricd.errors import ErrorCode, OperationFailed, UsageError
+from fabricd.errors import ErrorCode, OperationFailed, PermissionDenied, UsageError
 from fabricd.wire import PROTOCOL_VERSION, Kind, Meta
 
 if TYPE_CHECKING:
@@ -40,7 +47,7 @@ class MembershipService(BaseService):
 
     def __init__(self, host: Host) -> None:
         self.host = host
-        self.engine = Membership(node=host.config.node_id)
+        self.engine = Membership(node=host.config.node_id, ownership=access.ownership(host.config))
 
     def on_request(self, request: Request, now: float) -> Meta:
         session = request.session
@@ -53,9 +60,21 @@ class MembershipService(BaseService):
                     "the daemon is stopping; retry later", code=ErrorCode.DAEMON_STOPPING
                 )
             job, rank, size = claim
-            self._perform(self.engine.attach(job, rank, size))
-            session.job, session.rank, session.size = job, rank, size
             creds = session.conn.credentials
+            try:
+                actions = self.engine.attach(job, rank, size, user=access.user_of(session))
+            except PermissionDenied:  # counted; debug only, as a client may retry at will
+                log.debug(
+                    "client %d (pid %d, uid %d) refused job %r: it belongs to uid %s",
+                    session.conn.id,
+                    creds.pid,
+                    creds.uid,
+                    job,
+                    self.engine.owner(job),
+                )
+                raise
+            self._perform(actions)
+            session.job, session.rank, session.size = job, rank, size
             log.info(
                 "client %d (pid %d, uid %d) joined job %r as rank %d of %d",
                 session.conn.id,
@@ -97,7 +116,14 @@ class MembershipService(BaseService):
         self._perform(self.engine.detach(session.job, session.rank, reason))
 
     def statistics(self) -> Meta:
-        return {"ranks": [dataclasses.asdict(e) for e in self.engine.entries()]}
+        engine = self.engine
+        ranks = [{**dataclasses.asdict(e), "owner": engine.owner(e.job)} for e in engine.entries()]
+        return {"ranks": ranks, "counters": {"refused_joins": engine.statistics().refused_joins}}
+
+    def client_statistics(self, session: ClientSession) -> Meta:
+        if session.job is None:
+            return {}
+        return {"owner": self.engine.owner(session.job)}
 
     def _perform(self, actions: Iterable[Action]) -> None:
         for action in actions:

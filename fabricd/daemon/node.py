@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 from fabricd import frames
+from fabricd.daemon import access
 from fabricd.daemon.membership_service import MembershipService
 from fabricd.daemon.p2p_service import P2PService
 from fabricd.daemon.peering_service import HandshakeSettings, PeeringService
@@ -139,6 +140,7 @@ class Daemon:
             allowed_gids=cfg.allowed_gids,
             max_clients=cfg.max_clients,
         )
+        self._ownership = access.ownership(cfg)  #: who sees which rows of status
         self.notifier = Notifier.from_environ()
         self._draining = False
         self._timer: asyncio.TimerHandle | None = None
@@ -511,7 +513,8 @@ class Daemon:
     def status(self, asking: ClientSession | None = None) -> Meta:
         """Everything ``fabricctl status`` and ``fabricctl peers`` show, JSON-ready.
 
-        ``asking`` (the client that asked) is left out of the client list.
+        ``asking`` (the client that asked) is left out of the client list, and sees only the
+        rows of its own clients and of jobs it may see (:func:`access.redact`).
         """
         status: Meta = {
             "node": self.config.node_id,
@@ -532,6 +535,8 @@ class Daemon:
             counters.update(stats.pop("counters", {}))
             status.update(stats)
         status["counters"] = counters
+        if asking is not None:
+            access.redact(status, access.user_of(asking), self._ownership)
         return status
 
     def _client_row(self, session: ClientSession) -> Meta:

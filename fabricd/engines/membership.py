@@ -19,6 +19,15 @@ rank leaves, its node goes down, or the job it disagreed with on size is gone). 
 restarts on another node sends its departure and its arrival on different links, so a third
 daemon may hear the arrival first; without this it would never see the rank again.
 
+Jobs have owners (:mod:`fabricd.engines.ownership`): the uid of the client that opened the job
+first on the fabric.  A local client of another uid may join only through a ``job_groups``
+grant, else :meth:`Membership.attach` raises :class:`~fabricd.errors.PermissionDenied` (and
+counts it).  Every ANNOUNCE carries the owner, and a peer's claim for a job this daemon knows
+under another owner is a conflict like a size that disagrees: ignored with a notice, retried
+once the job is gone.  A job is released, its name free for any user again, when its last
+rank known to this daemon is gone: the last local rank left and no peer announced one, or the
+nodes that hosted the rest went down.
+
 Every lookup, claim and release is O(1) while no claim is ignored, and O(ignored claims of the
 job) otherwise; :meth:`Membership.peer_down` is O(ranks of that node + ignored claims).
 """
@@ -29,7 +38,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fabricd.engines.actions import Broadcast, Notice, SendFrame
-from fabricd.errors import UsageError
+from fabricd.engines.ownership import Ownership, User
+from fabricd.errors import PermissionDenied, UsageError
 from fabricd.frames import Announce
 
 RankKey = tuple[str, int]  #: (job, rank)
@@ -87,33 +97,47 @@ class MembershipStatistics:
     ranks: int  #: ranks known fabric-wide
     local_ranks: int  #: ranks whose client is connected to this daemon
     jobs: int  #: jobs with at least one known rank
+    refused_joins: int  #: local claims refused because the job belongs to another user
 
 
 class Membership:
     """The fabric-wide view of (job, rank) -> node, as daemon ``node`` knows it."""
 
-    def __init__(self, node: int) -> None:
+    def __init__(self, node: int, ownership: Ownership | None = None) -> None:
         self.node = node
+        self.ownership = ownership or Ownership()
         self._entries: dict[RankKey, RankEntry] = {}
         self._by_node: dict[int, dict[RankKey, RankEntry]] = {}
         self._sizes: dict[str, int] = {}  #: job -> its size, while it has a known rank
+        self._owners: dict[str, int] = {}  #: job -> its owner's uid, while it has a known rank
         self._counts: dict[str, int] = {}  #: job -> how many of its ranks are known
         #: claims peers made that conflicted with the table, by (job, rank) then node, oldest
-        #: first: each is retried when what it conflicted with is released
-        self._ignored: dict[RankKey, dict[int, RankEntry]] = {}
+        #: first, with the owner each named: each is retried when what it conflicted with is
+        #: released
+        self._ignored: dict[RankKey, dict[int, tuple[RankEntry, int]]] = {}
+        self._refused_joins = 0
 
     # -- local clients ----------------------------------------------------------------------
-    def attach(self, job: str, rank: int, size: int) -> list[Action]:
-        """A local client claims ``rank`` of ``job`` (of ``size`` ranks).
+    def attach(self, job: str, rank: int, size: int, *, user: User) -> list[Action]:
+        """A local client of ``user`` claims ``rank`` of ``job`` (of ``size`` ranks).
+
+        A job nobody holds becomes ``user``'s; a job another uid owns takes ``user`` only if
+        :meth:`Ownership.may_join` says so, checked before anything else, so a refused user
+        learns nothing of the job's ranks or size.
 
         Returns: the ANNOUNCE for every peer and the :class:`RankJoined` event.
 
         Raises:
+            PermissionDenied: the job belongs to another uid and no grant lets ``user`` in.
             UsageError: the rank is outside the job, hosted elsewhere or already connected here,
                 or the size disagrees with the job's; refuse the client with the message.
         """
-        entry = self._claim(job, rank, size, self.node)
-        return [Broadcast(frame=_announce(entry, present=True)), RankJoined(entry=entry)]
+        owner = self._owners.get(job, user.uid)
+        if not self.ownership.may_join(user, job, owner):
+            self._refused_joins += 1
+            raise PermissionDenied(self.ownership.refusal(user, job, owner))
+        entry = self._claim(job, rank, size, self.node, owner)
+        return [Broadcast(frame=_announce(entry, owner, present=True)), RankJoined(entry=entry)]
 
     def detach(self, job: str, rank: int, reason: str) -> list[Action]:
         """The local client of ``rank`` of ``job`` left.
@@ -124,11 +148,12 @@ class Membership:
         Returns: the ANNOUNCE (``present`` false) and :class:`RankLeft` (not lost), or nothing
         when this daemon does not host the rank.
         """
+        owner = self._owners.get(job, -1)
         entry = self._release(job, rank, self.node)
         if entry is None:
             return []
         return [
-            Broadcast(frame=_announce(entry, present=False)),
+            Broadcast(frame=_announce(entry, owner, present=False)),
             RankLeft(entry=entry, reason=reason, lost=False),
             *self._retry(entry),
         ]
@@ -138,8 +163,9 @@ class Membership:
         """Peer ``node`` announced that one of its ranks arrived or left.
 
         Returns: :class:`RankJoined` or :class:`RankLeft` when the table changed, nothing for a
-        repeated announcement, a :class:`Notice` for a claim that conflicts with the table (it
-        is kept, and takes effect once what it conflicts with is released).
+        repeated announcement, a :class:`Notice` for a claim that conflicts with the table (its
+        size or its owner disagrees with the job's, or the rank is hosted elsewhere; it is kept,
+        and takes effect once what it conflicts with is released).
         """
         key = (frame.job, frame.rank)
         self._unignore(key, node)
@@ -150,19 +176,22 @@ class Membership:
             text = f"rank {frame.rank} of job {frame.job!r} on node {node} disconnected"
             return [RankLeft(entry=entry, reason=text, lost=False), *self._retry(entry)]
         claim = RankEntry(job=frame.job, rank=frame.rank, size=frame.size, node=node)
-        if self._entries.get(key) == claim:
+        if self._entries.get(key) == claim and self._owners.get(frame.job) == frame.owner:
             return []
         try:
-            entry = self._claim(frame.job, frame.rank, frame.size, node)
+            entry = self._claim(frame.job, frame.rank, frame.size, node, frame.owner)
         except UsageError as exc:
             if 0 <= frame.rank < frame.size:  # it may hold once the table changes
-                self._ignored.setdefault(key, {})[node] = claim
+                self._ignored.setdefault(key, {})[node] = (claim, frame.owner)
             return [Notice(message=f"ignored announcement from node {node}: {exc}")]
         return [RankJoined(entry=entry)]
 
     def peer_up(self, node: int) -> list[Action]:
         """``node``'s control link is up: it must hear about every local rank."""
-        return [SendFrame(node=node, frame=_announce(e, present=True)) for e in self.local()]
+        return [
+            SendFrame(node=node, frame=_announce(e, self._owners[e.job], present=True))
+            for e in self.local()
+        ]
 
     def peer_down(self, node: int, reason: str) -> list[Action]:
         """``node`` is down or restarted (``reason`` says which): its ranks are lost."""
@@ -185,6 +214,10 @@ class Membership:
         """The size every rank of ``job`` agreed on, while any of them is known."""
         return self._sizes.get(job)
 
+    def owner(self, job: str) -> int | None:
+        """The uid that owns ``job``, while any of its ranks is known."""
+        return self._owners.get(job)
+
     def local(self) -> list[RankEntry]:
         """The ranks this node hosts, by job then rank."""
         return sorted(self._by_node.get(self.node, {}).values(), key=_order)
@@ -198,10 +231,11 @@ class Membership:
             ranks=len(self._entries),
             local_ranks=len(self._by_node.get(self.node, {})),
             jobs=len(self._sizes),
+            refused_joins=self._refused_joins,
         )
 
     # -- the table --------------------------------------------------------------------------
-    def _claim(self, job: str, rank: int, size: int, node: int) -> RankEntry:
+    def _claim(self, job: str, rank: int, size: int, node: int, owner: int) -> RankEntry:
         if not 0 <= rank < size:
             raise UsageError(f"rank {rank} is outside job {job!r} of size {size}")
         known = self._sizes.get(job)
@@ -209,6 +243,12 @@ class Membership:
             raise UsageError(
                 f"job {job!r} has size {known} on this fabric, not {size}; "
                 "start every rank with the same WORLD_SIZE"
+            )
+        known_owner = self._owners.get(job)
+        if known_owner is not None and known_owner != owner:
+            raise UsageError(
+                f"job {job!r} belongs to uid {known_owner} on this fabric, not uid {owner}; "
+                "two users opened it at once on different nodes: one of them must rename it"
             )
         current = self._entries.get((job, rank))
         if current is not None and current.node != node:
@@ -220,6 +260,7 @@ class Membership:
         entry = RankEntry(job=job, rank=rank, size=size, node=node)
         if current is None:
             self._sizes[job] = size
+            self._owners[job] = owner
             self._counts[job] = self._counts.get(job, 0) + 1
         self._entries[job, rank] = entry
         self._by_node.setdefault(node, {})[job, rank] = entry
@@ -252,9 +293,9 @@ class Membership:
             keys = [key for key in self._ignored if key[0] == job]
         joined: list[Action] = []
         for key in keys:
-            for node, claim in list(self._ignored.get(key, {}).items()):
+            for node, (claim, owner) in list(self._ignored.get(key, {}).items()):
                 try:
-                    entry = self._claim(claim.job, claim.rank, claim.size, node)
+                    entry = self._claim(claim.job, claim.rank, claim.size, node, owner)
                 except UsageError:
                     continue
                 self._unignore(key, node)
@@ -273,12 +314,12 @@ class Membership:
         del self._entries[entry.job, entry.rank]
         self._counts[entry.job] -= 1
         if not self._counts[entry.job]:
-            del self._counts[entry.job], self._sizes[entry.job]
+            del self._counts[entry.job], self._sizes[entry.job], self._owners[entry.job]
 
 
 def _order(entry: RankEntry) -> RankKey:
     return (entry.job, entry.rank)
 
 
-def _announce(entry: RankEntry, *, present: bool) -> Announce:
-    return Announce(job=entry.job, rank=entry.rank, size=entry.size, present=present)
+def _announce(entry: RankEntry, owner: int, *, present: bool) -> Announce:
+    return Announce(job=entry.job, rank=entry.rank, size=entry.size, present=present, owner=owner)

@@ -33,12 +33,13 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from fabricd.engines.actions import Broadcast, Complete, Failure, Notice, SendFrame
 from fabricd.engines.membership import Membership, RankJoined, RankLeft
+from fabricd.engines.ownership import User
 from fabricd.engines.p2p import FRAME_KINDS, CopyLocal, Message, Messaging, StreamData
 from fabricd.errors import RemoteProtocolError
 from fabricd.frames import Announce, Cancel, Cts, Data, Done, PeerFrame, Rts, parse
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     Action = p2p.Action | membership.Action
 
 JOB = "job"
+#: the user every rank of the fake network runs as (ownership has its own tests)
+USER: Final = User(uid=1000)
 
 
 def transmit(kind: Kind, meta: Meta) -> Meta:
@@ -117,7 +120,7 @@ class FakeNet:
 
     # -- what clients do ----------------------------------------------------------------------
     def attach(self, node: int, rank: int, size: int = 4, job: str = JOB) -> None:
-        self.perform(node, self.members[node].attach(job, rank, size))
+        self.perform(node, self.members[node].attach(job, rank, size, user=USER))
 
     def detach(self, node: int, rank: int, ops: Iterable[int] = (), job: str = JOB) -> None:
         """The client of ``rank`` left: its operations are abandoned, then its rank goes."""

@@ -110,3 +110,29 @@ def test_secret_file_must_be_private_and_long_enough(tmp_path):
         cfg.read_secret()
     with pytest.raises(ConfigError, match="No such file"):
         Config(secret_file=str(tmp_path / "nope")).read_secret()
+
+
+def test_job_groups_and_admin_gids_are_lists_from_a_file_or_the_environment(tmp_path):
+    path = tmp_path / "jobs.toml"
+    path.write_text('job_groups = ["train-*:2000", "ns:eval:2001"]\nadmin_gids = [4]\n')
+    cfg = load(str(path), environ={}).config
+    assert cfg.job_groups == ("train-*:2000", "ns:eval:2001")
+    assert cfg.admin_gids == (4,)
+    env = {"FABRICD_JOB_GROUPS": "train-*:2000, exp?:7", "FABRICD_ADMIN_GIDS": "4,5"}
+    cfg = load(None, environ=env).config
+    assert cfg.job_groups == ("train-*:2000", "exp?:7")
+    assert cfg.admin_gids == (4, 5)
+    assert load(None, environ={}).config.job_groups == ()  # default: only owners join
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"FABRICD_JOB_GROUPS": "train-*"}, "job_groups: 'train-\\*' is not 'pattern:gid'"),
+        ({"FABRICD_JOB_GROUPS": "train:staff"}, "job_groups: .* numeric gid"),
+        ({"FABRICD_ADMIN_GIDS": "-1"}, "admin_gids"),
+    ],
+)
+def test_a_bad_job_grant_or_admin_group_names_its_setting(env, message):
+    with pytest.raises(ConfigError, match=message):
+        load(None, environ=env)

@@ -12,10 +12,12 @@ from fabricd.engines.membership import (
     RankJoined,
     RankLeft,
 )
-from fabricd.errors import FabricError, UsageError
+from fabricd.engines.ownership import JobGrant, Ownership, User
+from fabricd.errors import FabricError, PermissionDenied, UsageError
 from fabricd.frames import Announce
 
 HERE = 0
+ALICE = User(uid=1000, gids=frozenset({1000}))  #: owns "demo" in most tests
 
 
 @pytest.fixture
@@ -24,9 +26,16 @@ def members() -> Membership:
 
 
 def announce(
-    members: Membership, node: int, rank: int, size: int = 4, *, job: str = "demo", present=True
+    members: Membership,
+    node: int,
+    rank: int,
+    size: int = 4,
+    *,
+    job: str = "demo",
+    present: bool = True,
+    owner: int = ALICE.uid,
 ) -> list:
-    frame = Announce(job=job, rank=rank, size=size, present=present)
+    frame = Announce(job=job, rank=rank, size=size, present=present, owner=owner)
     return members.on_announce(node, frame)
 
 
@@ -36,10 +45,10 @@ def entry(rank: int, node: int, size: int = 4, job: str = "demo") -> RankEntry:
 
 # -- local clients ----------------------------------------------------------------------------
 def test_attach_announces_the_rank_and_reports_it_joined(members: Membership) -> None:
-    actions = members.attach("demo", 1, 4)
+    actions = members.attach("demo", 1, 4, user=ALICE)
     mine = entry(1, HERE)
     assert actions == [
-        Broadcast(frame=Announce(job="demo", rank=1, size=4, present=True)),
+        Broadcast(frame=Announce(job="demo", rank=1, size=4, present=True, owner=ALICE.uid)),
         RankJoined(entry=mine),
     ]
     assert members.lookup("demo", 1) == mine
@@ -47,10 +56,10 @@ def test_attach_announces_the_rank_and_reports_it_joined(members: Membership) ->
 
 
 def test_detach_announces_the_departure_and_reports_a_clean_leave(members: Membership) -> None:
-    members.attach("demo", 1, 4)
+    members.attach("demo", 1, 4, user=ALICE)
     actions = members.detach("demo", 1, "rank 1 of job 'demo' disconnected")
     assert actions == [
-        Broadcast(frame=Announce(job="demo", rank=1, size=4, present=False)),
+        Broadcast(frame=Announce(job="demo", rank=1, size=4, present=False, owner=ALICE.uid)),
         RankLeft(entry=entry(1, HERE), reason="rank 1 of job 'demo' disconnected", lost=False),
     ]
     assert members.lookup("demo", 1) is None
@@ -101,11 +110,12 @@ def test_a_new_size_is_accepted_once_the_job_is_empty(members: Membership) -> No
 
 
 def test_peer_up_tells_the_peer_every_local_rank(members: Membership) -> None:
-    members.attach("demo", 3, 4)
-    members.attach("demo", 0, 4)
+    members.attach("demo", 3, 4, user=ALICE)
+    members.attach("demo", 0, 4, user=ALICE)
     announce(members, 1, 1)
     assert members.peer_up(5) == [
-        SendFrame(node=5, frame=Announce(job="demo", rank=r, size=4, present=True)) for r in (0, 3)
+        SendFrame(node=5, frame=Announce(job="demo", rank=r, size=4, present=True, owner=ALICE.uid))
+        for r in (0, 3)
     ]
     assert Membership(node=7).peer_up(5) == []
 
@@ -126,8 +136,8 @@ def test_peer_down_loses_every_rank_the_node_hosted(members: Membership) -> None
 
 
 def test_local_and_entries_are_sorted_by_job_then_rank(members: Membership) -> None:
-    members.attach("demo", 3, 4)
-    members.attach("demo", 0, 4)
+    members.attach("demo", 3, 4, user=ALICE)
+    members.attach("demo", 0, 4, user=ALICE)
     announce(members, 1, 1)
     announce(members, 1, 0, 1, job="zeta")
     announce(members, 2, 2, 3, job="alpha")
@@ -142,20 +152,26 @@ def test_local_and_entries_are_sorted_by_job_then_rank(members: Membership) -> N
 
 
 def test_statistics_count_ranks_local_ranks_and_jobs(members: Membership) -> None:
-    assert members.statistics() == MembershipStatistics(ranks=0, local_ranks=0, jobs=0)
-    members.attach("demo", 0, 4)
+    assert members.statistics() == MembershipStatistics(
+        ranks=0, local_ranks=0, jobs=0, refused_joins=0
+    )
+    members.attach("demo", 0, 4, user=ALICE)
     announce(members, 1, 1)
     announce(members, 1, 0, 1, job="other")
-    assert members.statistics() == MembershipStatistics(ranks=3, local_ranks=1, jobs=2)
+    assert members.statistics() == MembershipStatistics(
+        ranks=3, local_ranks=1, jobs=2, refused_joins=0
+    )
     members.peer_down(1, "down")
-    assert members.statistics() == MembershipStatistics(ranks=1, local_ranks=1, jobs=1)
+    assert members.statistics() == MembershipStatistics(
+        ranks=1, local_ranks=1, jobs=1, refused_joins=0
+    )
 
 
 # -- conflicts --------------------------------------------------------------------------------
 def test_a_rank_hosted_elsewhere_cannot_be_attached(members: Membership) -> None:
     announce(members, 2, 1)
     with pytest.raises(UsageError, match=r"rank 1 of job 'demo' is already running on node 2"):
-        members.attach("demo", 1, 4)
+        members.attach("demo", 1, 4, user=ALICE)
     assert members.lookup("demo", 1) == entry(1, 2)
 
 
@@ -169,13 +185,13 @@ def test_a_conflicting_announcement_is_ignored_with_a_notice(members: Membership
 
 
 def test_a_rank_cannot_connect_twice_to_this_daemon(members: Membership) -> None:
-    members.attach("demo", 1, 4)
+    members.attach("demo", 1, 4, user=ALICE)
     with pytest.raises(UsageError, match="already connected to this daemon"):
-        members.attach("demo", 1, 4)
+        members.attach("demo", 1, 4, user=ALICE)
 
 
 def test_a_remote_node_cannot_take_a_local_rank(members: Membership) -> None:
-    members.attach("demo", 1, 4)
+    members.attach("demo", 1, 4, user=ALICE)
     [notice] = announce(members, 5, 1)
     assert isinstance(notice, Notice)
     assert f"already running on node {HERE}" in notice.message
@@ -185,7 +201,7 @@ def test_a_remote_node_cannot_take_a_local_rank(members: Membership) -> None:
 def test_every_rank_must_agree_on_the_job_size(members: Membership) -> None:
     announce(members, 1, 0)
     with pytest.raises(UsageError) as info:
-        members.attach("demo", 1, 8)
+        members.attach("demo", 1, 8, user=ALICE)
     message = str(info.value)
     assert "size 4" in message
     assert "not 8" in message
@@ -200,14 +216,14 @@ def test_every_rank_must_agree_on_the_job_size(members: Membership) -> None:
 @pytest.mark.parametrize(("rank", "size"), [(-1, 4), (4, 4), (9, 4), (0, 0)])
 def test_a_rank_outside_the_job_is_refused(members: Membership, rank: int, size: int) -> None:
     with pytest.raises(UsageError, match=rf"rank {rank} is outside job 'demo' of size {size}"):
-        members.attach("demo", rank, size)
+        members.attach("demo", rank, size, user=ALICE)
     assert members.entries() == []
 
 
 def test_usage_errors_are_fabric_errors(members: Membership) -> None:
     announce(members, 1, 0, 1)
     with pytest.raises(FabricError):
-        members.attach("demo", 0, 1)
+        members.attach("demo", 0, 1, user=ALICE)
 
 
 # -- claims that lose a race ------------------------------------------------------------------
@@ -244,7 +260,7 @@ def test_an_ignored_claim_takes_effect_when_the_winners_node_goes_down(
 def test_a_local_rank_that_leaves_hands_its_rank_to_the_ignored_claim(
     members: Membership,
 ) -> None:
-    members.attach("demo", 2, 4)
+    members.attach("demo", 2, 4, user=ALICE)
     announce(members, 5, 2)
     actions = members.detach("demo", 2, "rank 2 of job 'demo' disconnected")
     assert actions[-1] == RankJoined(entry=entry(2, 5))
@@ -279,3 +295,123 @@ def test_an_ignored_claim_is_dropped_when_its_node_retracts_it_or_goes_down(
 def test_claims_that_can_never_hold_are_not_kept(members: Membership) -> None:
     announce(members, 1, 7, 4)  # outside the job
     assert members._ignored == {}
+
+
+# -- owners -----------------------------------------------------------------------------------
+# The first client to open a job makes its uid the job's owner; another uid joins only through a
+# job_groups grant.  Every ANNOUNCE carries the owner, so a peer learns it with the ranks.
+BOB = User(uid=1001, gids=frozenset({1001, 2000}))  #: in group 2000
+ROOT = User(uid=0, gids=frozenset({0}))
+
+
+def owned(grants: str = "") -> Membership:
+    """A membership engine whose daemon grants ``grants`` (``"pattern:gid,..."``)."""
+    rules = Ownership(grants=tuple(JobGrant.parse(g) for g in grants.split(",") if g))
+    return Membership(node=HERE, ownership=rules)
+
+
+def test_the_first_client_to_open_a_job_owns_it(members: Membership) -> None:
+    assert members.owner("demo") is None
+    [broadcast, _] = members.attach("demo", 0, 4, user=ALICE)
+    assert members.owner("demo") == ALICE.uid
+    assert isinstance(broadcast, Broadcast)
+    assert broadcast.frame == Announce(job="demo", rank=0, size=4, present=True, owner=ALICE.uid)
+
+
+def test_another_uid_cannot_join_the_job(members: Membership) -> None:
+    members.attach("demo", 0, 4, user=ALICE)
+    with pytest.raises(PermissionDenied) as info:
+        members.attach("demo", 1, 4, user=BOB)
+    message = str(info.value)
+    assert f"belongs to uid {ALICE.uid}" in message
+    assert "job_groups" in message  # the setting that would let BOB in
+    assert info.value.code == "permission"
+    assert members.lookup("demo", 1) is None
+    assert members.statistics().refused_joins == 1
+
+
+def test_a_refused_user_learns_nothing_of_the_jobs_ranks_or_size(members: Membership) -> None:
+    members.attach("demo", 0, 4, user=ALICE)
+    for rank, size in [(0, 4), (1, 8), (9, 4)]:  # taken, wrong size, outside: all the same
+        with pytest.raises(PermissionDenied):
+            members.attach("demo", rank, size, user=BOB)
+    assert members.statistics().refused_joins == 3
+
+
+def test_root_gets_no_exemption_from_joining(members: Membership) -> None:
+    members.attach("demo", 0, 4, user=ALICE)
+    with pytest.raises(PermissionDenied):
+        members.attach("demo", 1, 4, user=ROOT)
+
+
+def test_a_job_known_from_a_peer_is_owned_here_too(members: Membership) -> None:
+    announce(members, 2, 0, owner=ALICE.uid)
+    assert members.owner("demo") == ALICE.uid
+    with pytest.raises(PermissionDenied):
+        members.attach("demo", 1, 4, user=BOB)
+    members.attach("demo", 1, 4, user=ALICE)
+
+
+def test_a_group_grant_lets_another_uid_join_and_the_owner_stays() -> None:
+    members = owned("dem*:2000")
+    members.attach("demo", 0, 4, user=ALICE)
+    [broadcast, joined] = members.attach("demo", 1, 4, user=BOB)
+    assert joined == RankJoined(entry=entry(1, HERE))
+    assert isinstance(broadcast, Broadcast)
+    assert broadcast.frame == Announce(job="demo", rank=1, size=4, present=True, owner=ALICE.uid)
+    assert members.owner("demo") == ALICE.uid
+    members.detach("demo", 0, "rank 0 left")
+    assert members.owner("demo") == ALICE.uid  # BOB's rank keeps ALICE's job alive
+
+
+@pytest.mark.parametrize("grants", ["other:2000", "demo:3000", "d:2000", "demo2*:2000"])
+def test_a_grant_for_another_job_or_group_does_not_let_bob_in(grants: str) -> None:
+    members = owned(grants)
+    members.attach("demo", 0, 4, user=ALICE)
+    with pytest.raises(PermissionDenied):
+        members.attach("demo", 1, 4, user=BOB)
+
+
+def test_the_job_is_released_when_its_last_rank_leaves(members: Membership) -> None:
+    members.attach("demo", 0, 4, user=ALICE)
+    members.attach("demo", 1, 4, user=ALICE)
+    members.detach("demo", 0, "left")
+    members.detach("demo", 1, "left")
+    assert members.owner("demo") is None
+    members.attach("demo", 0, 2, user=BOB)  # the name is free: any user, any size
+    assert members.owner("demo") == BOB.uid
+
+
+def test_a_job_with_ranks_left_on_another_node_is_not_released(members: Membership) -> None:
+    members.attach("demo", 0, 4, user=ALICE)
+    announce(members, 2, 1, owner=ALICE.uid)
+    members.detach("demo", 0, "left")  # the last local rank
+    with pytest.raises(PermissionDenied):
+        members.attach("demo", 0, 4, user=BOB)
+    members.peer_down(2, "down")  # its node's ranks are lost: the job is gone
+    members.attach("demo", 0, 4, user=BOB)
+
+
+def test_a_peer_that_names_another_owner_is_ignored_with_a_notice(members: Membership) -> None:
+    members.attach("demo", 0, 4, user=ALICE)
+    [notice] = announce(members, 2, 1, owner=BOB.uid)  # BOB opened "demo" there at once
+    assert isinstance(notice, Notice)
+    assert f"belongs to uid {ALICE.uid} on this fabric, not uid {BOB.uid}" in notice.message
+    assert members.lookup("demo", 1) is None
+    # the job here is gone: BOB's claim, kept while node 2 stands by it, takes effect
+    actions = members.detach("demo", 0, "rank 0 left")
+    assert actions[-1] == RankJoined(entry=entry(1, 2))
+    assert members.owner("demo") == BOB.uid
+
+
+def test_peer_up_announces_each_rank_with_its_jobs_owner() -> None:
+    members = owned("*:2000")
+    members.attach("demo", 0, 4, user=ALICE)
+    members.attach("demo", 1, 4, user=BOB)
+    members.attach("solo", 0, 1, user=BOB)
+    frames = [a.frame for a in members.peer_up(5) if isinstance(a, SendFrame)]
+    assert [(f.job, f.rank, f.owner) for f in frames if isinstance(f, Announce)] == [
+        ("demo", 0, ALICE.uid),
+        ("demo", 1, ALICE.uid),
+        ("solo", 0, BOB.uid),
+    ]

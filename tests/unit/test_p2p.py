@@ -11,7 +11,7 @@ from random import Random
 from typing import TYPE_CHECKING
 
 import pytest
-from fakenet import JOB, FakeNet, Posted
+from fakenet import JOB, USER, FakeNet, Posted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -300,8 +300,12 @@ def test_a_recv_whose_source_joins_in_time_does_not_time_out() -> None:
 def test_an_rts_for_a_rank_that_is_not_here_is_answered_no_such_rank(net: FakeNet) -> None:
     # node 0 believes rank 2 lives on node 2 (a stale announcement): node 2 says no
     members = net.members[0]
-    net.perform(0, members.on_announce(1, Announce(job=JOB, rank=2, size=4, present=False)))
-    net.perform(0, members.on_announce(2, Announce(job=JOB, rank=2, size=4, present=True)))
+    net.perform(
+        0, members.on_announce(1, Announce(job=JOB, rank=2, size=4, present=False, owner=USER.uid))
+    )
+    net.perform(
+        0, members.on_announce(2, Announce(job=JOB, rank=2, size=4, present=True, owner=USER.uid))
+    )
     send = net.send(0, src=0, dst=2, data=DATA)
     net.run()
     failure = failed(net, 0, send)
@@ -316,7 +320,9 @@ def test_attach_refuses_a_rank_that_runs_elsewhere(net: FakeNet) -> None:
 
 def test_a_conflicting_announcement_is_ignored_with_a_notice(net: FakeNet) -> None:
     # node 2 announces rank 2, which node 1 hosts: every daemon keeps the first claim
-    net.perform(2, [Broadcast(frame=Announce(job=JOB, rank=2, size=4, present=True))])
+    net.perform(
+        2, [Broadcast(frame=Announce(job=JOB, rank=2, size=4, present=True, owner=USER.uid))]
+    )
     net.run()
     assert [n for n, _ in net.notices] == [0, 1]
     assert all("already running on node 1" in text for _, text in net.notices)
@@ -346,7 +352,9 @@ def test_a_peer_that_comes_up_learns_every_local_rank(net: FakeNet) -> None:
     sends = net.members[0].peer_up(3)
     assert all(isinstance(a, SendFrame) and a.node == 3 for a in sends)
     frames = [a.frame for a in sends if isinstance(a, SendFrame)]
-    assert frames == [Announce(job=JOB, rank=r, size=4, present=True) for r in (0, 1)]
+    assert frames == [
+        Announce(job=JOB, rank=r, size=4, present=True, owner=USER.uid) for r in (0, 1)
+    ]
     fresh = Membership(3)
     for frame in frames:
         assert isinstance(frame, Announce)
