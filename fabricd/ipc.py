@@ -25,6 +25,22 @@ the daemon's reason instead of guessing one.
 The daemon reads with ``recvmsg`` from the event loop's reader callback (asyncio streams cannot
 receive fds) and writes replies without blocking; a client that stops reading its replies is
 disconnected once ``MAX_OUTBOUND`` bytes are waiting for it, so it cannot make the daemon grow.
+
+Nothing a client does holds a slot or the loop for free:
+
+* a connection must send its first request (the client library's ``hello``) within
+  ``client_hello_timeout``, and finish every frame it starts within ``client_frame_timeout``, or
+  it is closed with a closing EVENT saying which; a client that sent its first request and
+  then waits, however long, is never timed out (an idle training process is normal);
+* when ``accept`` fails for lack of a resource (EMFILE, ENFILE, ENOBUFS, ENOMEM) the connection
+  stays queued and the listening socket readable, so accepting again at once would spin.  At
+  the fd limit the server closes a spare fd it keeps for this, accepts the queued client with
+  it and refuses it with the reason (so a client is told, not left waiting); otherwise, or if
+  the spare cannot be had back, it stops accepting for a pause that doubles from
+  :data:`ACCEPT_PAUSE_MIN` to :data:`ACCEPT_PAUSE_MAX` while it lasts;
+* every refusal says its own reason (uid not allowed, ``max_clients``, out of file descriptors,
+  daemon stopping) and is counted in :meth:`IpcServer.counters`; log lines that clients cause
+  are at most one per kind per :data:`LOG_INTERVAL`, counting those held back.
 """
 
 from __future__ import annotations
@@ -32,15 +48,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import itertools
 import logging
 import os
+import resource
 import socket
 import stat
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
+from fabricd.dirs import make_dirs
 from fabricd.errors import ConfigError, ErrorCode, LocalProtocolError, ProtocolError
 from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, Limits, Meta, encode_head
 
@@ -68,11 +87,23 @@ MAX_JOB_NAME: Final = 200
 MAX_FDS_PER_REQUEST: Final = 4
 MAX_PENDING_FDS: Final = 16
 MAX_OUTBOUND: Final = 8 * 1024 * 1024
+#: the listen backlog, and the most queued clients told "stopping" when the daemon stops
+_MAX_QUEUED: Final = 128
 _RECV_SIZE: Final = 64 * 1024
 _FD_SPACE: Final = socket.CMSG_SPACE(MAX_FDS_PER_REQUEST * struct.calcsize("i"))
 #: SO_PEERGROUPS from <asm-generic/socket.h>; the socket module does not name it
 _SO_PEERGROUPS: Final = getattr(socket, "SO_PEERGROUPS", 59)
 _MAX_GROUPS: Final = 1024
+#: ``accept`` errors that leave the connection queued: the daemon or the system lacks something
+_OUT_OF_RESOURCES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: the first pause of accepting after such an error, in seconds; each next one doubles ...
+ACCEPT_PAUSE_MIN: Final = 0.05
+#: ... up to this; a successful accept starts again from the first
+ACCEPT_PAUSE_MAX: Final = 2.0
+#: seconds between two log lines of one kind caused by clients (refusals, timeouts, accept)
+LOG_INTERVAL: Final = 10.0
+#: where the spare fd points: any file that can always be opened
+_SPARE_PATH: Final = os.devnull
 
 
 #: where the system's daemon (systemd's, or one root started) listens; tests point it elsewhere
@@ -135,6 +166,38 @@ def _peer_groups(sock: socket.socket) -> frozenset[int]:
     return frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
 
 
+class LogThrottle:
+    """At most one log line per key per interval; the lines held back are counted into the next.
+
+    For lines that clients cause (a refusal, a timeout, accept failing at the fd limit): they
+    would otherwise come as fast as clients try, and fill the journal.  The first line of a
+    burst is written at once, with its details; the status counters have the totals.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float = LOG_INTERVAL) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._held: collections.Counter[str] = collections.Counter()
+
+    def log(self, key: str, level: int, message: str, *args: object, now: float) -> bool:
+        """Log ``message % args`` unless a ``key`` line was logged within the interval.
+
+        Returns whether it was logged.
+        """
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval:
+            self._held[key] += 1
+            return False
+        self._last[key] = now
+        held = self._held.pop(key, 0)
+        if held and last is not None:
+            message += " (and %d more like it in the last %.0f s)"
+            args = (*args, held, now - last)
+        self.logger.log(level, message, *args)
+        return True
+
+
 class RequestHandler(Protocol):
     """The daemon's side of client sessions."""
 
@@ -161,6 +224,16 @@ class IpcConnection:
         self._fds: collections.deque[int] = collections.deque()
         self._out = bytearray()
         self._writing = False
+        self._first = True  #: no request has come yet
+        self.timed_out = False  #: closed for a deadline (client_hello/frame_timeout) it missed
+        #: the one deadline a connection has: its first request, then only the frame it is in
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(
+            server.hello_timeout,
+            self._time_out,
+            f"no request within client_hello_timeout ({server.hello_timeout:g} s) of "
+            "connecting (a client sends hello first); the daemon closed the connection to free "
+            "its slot",
+        )
         self._loop.add_reader(sock.fileno(), self._on_readable)
 
     @property
@@ -211,6 +284,9 @@ class IpcConnection:
             with contextlib.suppress(OSError):
                 self._sock.send(self._out)
         self.close_reason = reason
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._loop.remove_reader(self._sock.fileno())
         if self._writing:
             self._loop.remove_writer(self._sock.fileno())
@@ -236,9 +312,37 @@ class IpcConnection:
             return
         try:
             self._decoder.feed(data)
-            self._dispatch()
+            handled = self._dispatch()
         except ProtocolError as exc:
             self.close(f"protocol error: {exc}")
+            return
+        self._watch(handled)
+
+    def _watch(self, handled: int) -> None:
+        """After a read: a frame left unfinished must be finished within client_frame_timeout.
+
+        The deadline runs from the read that left a frame unfinished, and is dropped (or set
+        again) once a frame completes; before the first request the hello deadline holds.
+        """
+        if self.closed or self._first:
+            return
+        if handled and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._timer is None and self._decoder.mid_frame:
+            timeout = self._server.frame_timeout
+            self._timer = self._loop.call_later(
+                timeout,
+                self._time_out,
+                f"a frame was left unfinished for client_frame_timeout ({timeout:g} s); the "
+                "daemon closed the connection",
+            )
+
+    def _time_out(self, reason: str) -> None:
+        self._timer = None
+        self.timed_out = True
+        self._server.timed_out(self, reason)
+        self.close(reason)
 
     def _collect_fds(self, ancdata: list[tuple[int, int, bytes]]) -> None:
         for level, kind, payload in ancdata:
@@ -248,13 +352,21 @@ class IpcConnection:
         if len(self._fds) > MAX_PENDING_FDS:
             self.close(f"protocol error: more than {MAX_PENDING_FDS} fds without requests")
 
-    def _dispatch(self) -> None:
+    def _dispatch(self) -> int:
+        """Hand every complete request to the handler; returns how many there were."""
+        handled = 0
         while not self.closed:
             event = self._decoder.next_event()
             if event is NEED_DATA:
-                return
+                break
             if not isinstance(event, Frame):
                 continue
+            handled += 1
+            if self._first:  # the hello deadline is met
+                self._first = False
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
             wanted = event.meta.get("fds", 0)
             if type(wanted) is not int or not 0 <= wanted <= MAX_FDS_PER_REQUEST:
                 raise ProtocolError("field 'fds' must be an integer in [0, 4]")
@@ -262,6 +374,7 @@ class IpcConnection:
                 raise ProtocolError(f"request announced {wanted} fds but fewer arrived")
             fds = [self._fds.popleft() for _ in range(wanted)]
             self._server.handler.client_request(self, event.meta, fds)
+        return handled
 
     def _flush(self) -> None:
         try:
@@ -294,6 +407,10 @@ class IpcServer:
         handler: the daemon's request handler.
         allowed_uids, allowed_gids: who may connect besides root and the daemon's own uid/gid.
         max_clients: connections beyond this are refused with a logged reason.
+        hello_timeout: seconds a new connection has to send its first request
+            (``client_hello_timeout``).
+        frame_timeout: seconds a connection may leave a frame unfinished
+            (``client_frame_timeout``).
     """
 
     def __init__(
@@ -304,6 +421,8 @@ class IpcServer:
         allowed_uids: Iterable[int] = (),
         allowed_gids: Iterable[int] = (),
         max_clients: int = 256,
+        hello_timeout: float = 10.0,
+        frame_timeout: float = 10.0,
     ) -> None:
         if not path.startswith("/"):
             raise ConfigError(f"socket {path!r} must be an absolute path")
@@ -312,19 +431,51 @@ class IpcServer:
         self.allowed_uids = {0, os.geteuid(), *allowed_uids}
         self.allowed_gids = {os.getegid(), *allowed_gids}
         self.max_clients = max_clients
+        self.hello_timeout = hello_timeout
+        self.frame_timeout = frame_timeout
         self.connections: dict[int, IpcConnection] = {}
         self._ids = itertools.count(1)
         self._sock: socket.socket | None = None
-        self.refused = 0
+        self._spare: int | None = None  #: an fd given up at the fd limit to refuse with a reason
+        self._paused: asyncio.TimerHandle | None = None  #: set while accepting is paused
+        self._next_pause = ACCEPT_PAUSE_MIN
+        self._throttle = LogThrottle(log)
+        self.refused = 0  #: clients refused at accept, for any reason
+        #: refusals by reason: not_allowed, max_clients, no_fds, stopping
+        self.refused_by: collections.Counter[str] = collections.Counter()
+        self.accept_errors = 0  #: accepts that failed for lack of a resource (EMFILE...)
+        self.accept_pauses = 0  #: times accepting was paused after such a failure
+        self.clients_timed_out = 0  #: closed for client_hello_timeout or client_frame_timeout
+
+    def counters(self) -> dict[str, int]:
+        """The client socket's status counters (the node merges them into ``status``)."""
+        return {
+            "refused_clients": self.refused,
+            "refused_clients_not_allowed": self.refused_by["not_allowed"],
+            "refused_clients_max_clients": self.refused_by["max_clients"],
+            "refused_clients_no_fds": self.refused_by["no_fds"],
+            "refused_clients_stopping": self.refused_by["stopping"],
+            "accept_errors": self.accept_errors,
+            "accept_pauses": self.accept_pauses,
+            "clients_timed_out": self.clients_timed_out,
+        }
 
     def start(self) -> None:
         """Bind (removing a stale socket file), set mode 0660, and accept from the loop.
+
+        The socket's directory, if missing, is created 0750 (and so are its missing parents),
+        whatever the umask.
 
         Raises:
             ConfigError: another daemon serves this path, or it cannot be bound.
         """
         self._remove_stale()
-        os.makedirs(os.path.dirname(self.path), mode=0o750, exist_ok=True)
+        try:
+            make_dirs(os.path.dirname(self.path), 0o750)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create the directory of socket {self.path}: {exc.strerror}"
+            ) from None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             old_umask = os.umask(0o117)  # the socket is created 0660, never briefly wider
@@ -333,12 +484,13 @@ class IpcServer:
             finally:
                 os.umask(old_umask)
             os.chmod(self.path, 0o660)
-            sock.listen(128)
+            sock.listen(_MAX_QUEUED)
             sock.setblocking(False)
         except OSError as exc:
             sock.close()
             raise ConfigError(f"cannot listen on socket {self.path}: {exc.strerror}") from None
         self._sock = sock
+        self._spare = _open_spare()
         asyncio.get_running_loop().add_reader(sock.fileno(), self._on_accept)
 
     def _remove_stale(self) -> None:
@@ -358,67 +510,243 @@ class IpcServer:
             probe.close()
         raise ConfigError(f"another fabricd already serves {self.path}; stop it first")
 
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
     def _on_accept(self) -> None:
-        assert self._sock is not None
+        if self._sock is None:
+            return
         try:
             conn, _ = self._sock.accept()
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            log.warning("accept on %s failed: %s", self.path, exc.strerror)
+            if exc.errno in _OUT_OF_RESOURCES:
+                self._out_of_resources(exc.errno)
+            else:  # this one connection failed (it left the queue): nothing to retry
+                self._throttle.log(
+                    "accept",
+                    logging.WARNING,
+                    "accept on %s failed: %s",
+                    self.path,
+                    exc.strerror,
+                    now=self._now(),
+                )
             return
+        self._next_pause = ACCEPT_PAUSE_MIN
         conn.setblocking(False)
         creds = peer_credentials(conn)
-        allowed = creds.allowed(self.allowed_uids, self.allowed_gids)
-        if not allowed or len(self.connections) >= self.max_clients:
-            self._refuse(conn, creds, allowed=allowed)
+        if not creds.allowed(self.allowed_uids, self.allowed_gids):
+            self._refuse(
+                conn,
+                creds,
+                "not_allowed",
+                "not in allowed_uids/allowed_gids",
+                f"uid {creds.uid} (gid {creds.gid}) may not use this daemon: it admits root, "
+                "its own uid and gid, and its allowed_uids/allowed_gids; ask its operator to "
+                "add your uid or one of your groups",
+            )
+            return
+        if len(self.connections) >= self.max_clients:
+            self._refuse(
+                conn,
+                creds,
+                "max_clients",
+                f"max_clients ({self.max_clients}) reached",
+                f"the daemon already serves max_clients ({self.max_clients}) clients; try "
+                "again when one has left, or raise max_clients in its config",
+            )
             return
         cid = next(self._ids)
         self.connections[cid] = IpcConnection(cid, conn, creds, self)
         log.debug("client %d connected: pid=%d uid=%d gid=%d", cid, creds.pid, creds.uid, creds.gid)
 
-    def _refuse(self, conn: socket.socket, creds: Credentials, *, allowed: bool) -> None:
-        """Log, count and close a client it does not admit, telling it why first."""
-        why = "not in allowed_uids/allowed_gids" if not allowed else "max_clients reached"
-        log.warning("refused client pid=%d uid=%d gid=%d: %s", creds.pid, creds.uid, creds.gid, why)
-        self.refused += 1
-        if not allowed:
-            reason = (
-                f"uid {creds.uid} (gid {creds.gid}) may not use this daemon: it admits root, its "
-                "own uid and gid, and its allowed_uids/allowed_gids; ask its operator to add "
-                "your uid or one of your groups"
-            )
+    def _out_of_resources(self, code: int) -> None:
+        """``accept`` failed for lack of ``code``: tell the queued client, or pause accepting.
+
+        The connection is still queued, so the listening socket stays readable: accepting again
+        at once would fail again, as fast as the loop turns.
+        """
+        self.accept_errors += 1
+        shortage = _shortage(code)
+        if code in (errno.EMFILE, errno.ENFILE) and self._refuse_with_spare(shortage):
+            then = "refusing queued clients with that reason"
         else:
-            reason = (
-                f"the daemon already serves max_clients ({self.max_clients}) clients; try again "
-                "when one has left, or raise max_clients in its config"
-            )
+            then = f"pausing accepts for {self._pause():g} s"
+        self._throttle.log(
+            "accept",
+            logging.WARNING,
+            "accept on %s failed: %s (%s); %s",
+            self.path,
+            os.strerror(code),
+            shortage,
+            then,
+            now=self._now(),
+        )
+
+    def _refuse_with_spare(self, shortage: str) -> bool:
+        """Free the spare fd, accept a queued client with it, refuse it, and take the fd back.
+
+        Returns whether the listening socket may stay watched: the queued client was taken
+        (or had gone) and the spare is back.
+        """
+        if self._spare is None or self._sock is None:
+            return False
+        os.close(self._spare)
+        self._spare = None
+        try:
+            conn, _ = self._sock.accept()
+        except (BlockingIOError, InterruptedError):
+            conn = None  # the client gave up meanwhile: nothing is queued
+        except OSError:
+            self._spare = _open_spare()
+            return False
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                creds = peer_credentials(conn)
+                self._refuse(
+                    conn,
+                    creds,
+                    "no_fds",
+                    f"out of file descriptors ({shortage})",
+                    f"the daemon cannot take a new client now: {shortage}; try again later, "
+                    "and tell its operator (its log says more)",
+                )
+            conn.close()
+        self._spare = _open_spare()
+        return self._spare is not None
+
+    def _pause(self) -> float:
+        """Stop accepting for the next pause (growing while failures go on); returns it."""
+        assert self._sock is not None
+        delay = self._next_pause
+        self._next_pause = min(delay * 2, ACCEPT_PAUSE_MAX)
+        self.accept_pauses += 1
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._sock.fileno())
+        self._paused = loop.call_later(delay, self._resume)
+        return delay
+
+    def _resume(self) -> None:
+        self._paused = None
+        if self._sock is not None:
+            asyncio.get_running_loop().add_reader(self._sock.fileno(), self._on_accept)
+
+    def _refuse(
+        self, conn: socket.socket, creds: Credentials, kind: str, why: str, reason: str
+    ) -> None:
+        """Log (throttled), count and close a client it does not admit, telling it why first.
+
+        ``kind`` names the counter, ``why`` is for the log, ``reason`` for the client: the
+        closing EVENT's ``error``, which names the setting that would change the answer.
+        """
+        self.refused += 1
+        self.refused_by[kind] += 1
+        self._throttle.log(
+            f"refused {kind}",
+            logging.WARNING,
+            "refused client pid=%d uid=%d gid=%d: %s",
+            creds.pid,
+            creds.uid,
+            creds.gid,
+            why,
+            now=self._now(),
+        )
+        code = ErrorCode.DAEMON_STOPPING if kind == "stopping" else ErrorCode.REFUSED
         with contextlib.suppress(OSError):  # non-blocking: a full socket just gets no reason
-            conn.send(closing_frame(ErrorCode.REFUSED, reason))
+            conn.send(closing_frame(code, reason))
         conn.close()
+
+    def timed_out(self, conn: IpcConnection, reason: str) -> None:
+        """Count and log (throttled) a connection closed for a deadline it missed."""
+        self.clients_timed_out += 1
+        creds = conn.credentials
+        self._throttle.log(
+            "timed out",
+            logging.WARNING,
+            "closed client %d (pid %d, uid %d): %s",
+            conn.id,
+            creds.pid,
+            creds.uid,
+            reason,
+            now=self._now(),
+        )
 
     def forget(self, conn: IpcConnection) -> None:
         if self.connections.pop(conn.id, None) is None:
             return
         reason = conn.close_reason or ""
-        level = logging.DEBUG if reason in ("disconnected", "daemon stopping") else logging.WARNING
+        quiet = conn.timed_out or reason in ("disconnected", "daemon stopping")
+        level = logging.DEBUG if quiet else logging.WARNING  # a timeout was logged, throttled
         log.log(level, "client %d (pid %d) disconnected: %s", conn.id, conn.credentials.pid, reason)
         self.handler.client_gone(conn)
 
     def stop_accepting(self) -> None:
-        """Refuse new clients (remove the socket file); connected ones stay."""
-        if self._sock is not None:
-            asyncio.get_running_loop().remove_reader(self._sock.fileno())
-            self._sock.close()
-            self._sock = None
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        """Refuse new clients (remove the socket file); connected ones stay.
+
+        Clients already queued on the socket are told the daemon is stopping, rather than cut
+        off without a word when the socket closes.
+        """
+        if self._sock is None:
+            return
+        loop = asyncio.get_running_loop()
+        if self._paused is not None:
+            self._paused.cancel()
+            self._paused = None
+        loop.remove_reader(self._sock.fileno())
+        self._refuse_queued()
+        self._sock.close()
+        self._sock = None
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _refuse_queued(self) -> None:
+        assert self._sock is not None
+        for _ in range(_MAX_QUEUED):
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # nothing queued (BlockingIOError), or no fd to take one
+                return
+            with contextlib.suppress(OSError):
+                self._refuse(
+                    conn,
+                    peer_credentials(conn),
+                    "stopping",
+                    "daemon stopping",
+                    "the daemon is stopping and takes no new clients; connect again once it "
+                    "has restarted",
+                )
+            conn.close()
 
     def close(self) -> None:
         """Stop accepting, disconnect every client, and remove the socket file."""
         self.stop_accepting()
         for conn in list(self.connections.values()):
             conn.close("daemon stopping", code=ErrorCode.DAEMON_STOPPING)
+
+
+def _open_spare() -> int | None:
+    """An fd to give up at the fd limit (so a queued client can be told why), if one opens."""
+    try:
+        return os.open(_SPARE_PATH, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _shortage(code: int) -> str:
+    """What an ``accept`` error ``code`` says is missing, and the setting that governs it."""
+    if code == errno.EMFILE:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return (
+            f"the daemon has all the {soft} file descriptors it may open in use "
+            "(RLIMIT_NOFILE: LimitNOFILE= in its unit)"
+        )
+    if code == errno.ENFILE:
+        return "the system has all its file descriptors in use (sysctl fs.file-max)"
+    return "the kernel has no memory for a new socket"
 
 
 def closing_frame(code: ErrorCode, reason: str) -> bytes:

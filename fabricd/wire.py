@@ -191,6 +191,11 @@ class Decoder:
         """Bytes held that belong to headers or metadata not yet decoded."""
         return len(self._buf)
 
+    @property
+    def mid_frame(self) -> bool:
+        """Whether part of a frame arrived and the rest has not (a header alone counts)."""
+        return self._state is not _State.HEADER or bool(self._buf)
+
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Add received bytes."""
         self._check_alive()

@@ -47,6 +47,8 @@ class Config:
     max_payload: int = 64 * 1024 * 1024
     max_meta: int = 64 * 1024
     max_clients: int = 256
+    client_hello_timeout: float = 10.0
+    client_frame_timeout: float = 10.0
     max_segments_per_client: int = 1024
     max_ops_per_client: int = 65536
     max_ops_per_job: int = 262144
@@ -80,9 +82,18 @@ class Config:
             raise ConfigError("need 0 < heartbeat_interval < suspect_after <= down_after")
         if not 4096 <= self.chunk_size <= self.max_payload:
             raise ConfigError("chunk_size must be between 4096 and max_payload")
-        for key in ("handshake_timeout", "reconnect_max_backoff", "route_timeout"):
+        for key in (
+            "handshake_timeout",
+            "reconnect_max_backoff",
+            "route_timeout",
+            "client_hello_timeout",
+            "client_frame_timeout",
+        ):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} must be more than 0 seconds")
+        for key in ("client_hello_timeout", "client_frame_timeout"):  # the loop's timers need it
+            if not getattr(self, key) <= 86400:
+                raise ConfigError(f"{key} must be at most 86400 seconds (a day)")
         if self.drain_timeout < 0:
             raise ConfigError("drain_timeout must be 0 seconds or more")
         if self.max_meta < 1024:

@@ -139,6 +139,8 @@ class Daemon:
             allowed_uids=cfg.allowed_uids,
             allowed_gids=cfg.allowed_gids,
             max_clients=cfg.max_clients,
+            hello_timeout=cfg.client_hello_timeout,
+            frame_timeout=cfg.client_frame_timeout,
         )
         self._ownership = access.ownership(cfg)  #: who sees which rows of status
         self.notifier = Notifier.from_environ()
@@ -529,7 +531,7 @@ class Daemon:
             "clients": [self._client_row(s) for s in self.sessions.values() if s is not asking],
             "services": [s.name for s in self.services],
         }
-        counters: dict[str, int] = {"refused_clients": self.ipc.refused}
+        counters: dict[str, int] = self.ipc.counters()
         for service in self.services:
             stats = dict(service.statistics())
             counters.update(stats.pop("counters", {}))

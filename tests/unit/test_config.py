@@ -81,6 +81,9 @@ def test_describe_lists_every_key_with_value_and_source(config_file):
         ("drain_timeout = -1\n", "drain_timeout"),
         ("max_meta = 10\n", "max_meta"),
         ("max_clients = 0\n", "max_clients"),
+        ("client_hello_timeout = 0\n", "client_hello_timeout must be more than 0"),
+        ("client_frame_timeout = nan\n", "client_frame_timeout must be more than 0"),
+        ("client_hello_timeout = inf\n", "client_hello_timeout must be at most 86400"),
     ],
 )
 def test_invalid_files_name_the_problem(tmp_path, text, message):

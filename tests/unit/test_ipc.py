@@ -8,17 +8,25 @@ process would from outside.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import os
+import socket
+import stat
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 import fabricd
+from fabricd import ipc
 from fabricd.client.connection import Connection
 from fabricd.client.protocol import Event
 from fabricd.errors import LocalProtocolError
-from fabricd.ipc import IpcConnection, IpcServer
+from fabricd.ipc import REPLY_LIMITS, IpcConnection, IpcServer
+from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, encode_head
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
     from pathlib import Path
 
     from fabricd.wire import Meta
@@ -106,3 +114,225 @@ async def test_push_refuses_what_only_close_may_send(server):
             daemon_side.push("news", {"event": "other"})
     finally:
         conn.close()
+
+
+# -- slots are not held for free -----------------------------------------------------------
+def _raw(path: str) -> socket.socket:
+    """A bare connection that sends nothing unless told (a blocking socket; use in a thread)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)  # blocking, so a full backlog waits (with a timeout it fails EAGAIN)
+    sock.settimeout(30)  # a hang guard only: every wait below ends by the daemon's doing
+    return sock
+
+
+def _request(op: str, rid: int = 1, **fields: Any) -> bytes:
+    return encode_head(Kind.REQUEST, {"id": rid, "op": op, **fields})
+
+
+def _read_until_closed(sock: socket.socket) -> list[Meta]:
+    """Every frame the daemon sends until it hangs up (the last is its closing event)."""
+    decoder, metas = Decoder(REPLY_LIMITS), []
+    with contextlib.suppress(ConnectionResetError):
+        while data := sock.recv(65536):
+            decoder.feed(data)
+            metas += _frames(decoder)
+    return metas
+
+
+def _frames(decoder: Decoder) -> list[Meta]:
+    """The metadata of every whole frame the decoder holds."""
+    metas = []
+    while (event := decoder.next_event()) is not NEED_DATA:
+        if isinstance(event, Frame):
+            metas.append(event.meta)
+    return metas
+
+
+def _read_reply(sock: socket.socket) -> Meta:
+    decoder = Decoder(REPLY_LIMITS)
+    while True:
+        decoder.feed(sock.recv(65536))
+        for meta in _frames(decoder):
+            if "id" in meta:
+                return meta
+
+
+@contextlib.asynccontextmanager
+async def _server(tmp_path: Path, **settings: Any) -> AsyncIterator[IpcServer]:
+    server = IpcServer(str(tmp_path / "d.sock"), Handler(), **settings)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+async def test_a_connection_that_sends_no_request_is_closed_after_client_hello_timeout(tmp_path):
+    async with _server(tmp_path, hello_timeout=0.2) as server:
+        sock = await asyncio.to_thread(_raw, server.path)
+        frames = await asyncio.to_thread(_read_until_closed, sock)
+        sock.close()
+        assert [m["event"] for m in frames] == ["closing"]
+        assert frames[0]["code"] == "protocol"
+        assert "no request within client_hello_timeout (0.2 s)" in frames[0]["error"]
+        assert server.connections == {}
+        assert server.counters()["clients_timed_out"] == 1
+        assert server.handler.gone == [frames[0]["error"]]
+
+
+@pytest.mark.parametrize("cut", ["header", "half"])
+async def test_half_a_frame_then_silence_is_closed_but_an_idle_client_is_not(tmp_path, cut):
+    async with _server(tmp_path, hello_timeout=0.3, frame_timeout=0.3) as server:
+        idle = await asyncio.to_thread(_raw, server.path)
+        await asyncio.to_thread(idle.sendall, _request("news", n=1))
+        assert (await asyncio.to_thread(_read_reply, idle))["ok"] is True
+        stuck = await asyncio.to_thread(_raw, server.path)
+        await asyncio.to_thread(stuck.sendall, _request("news", n=2))
+        assert (await asyncio.to_thread(_read_reply, stuck))["ok"] is True
+        frame = _request("news", 2, n=3, padding="x" * 100)
+        await asyncio.to_thread(stuck.sendall, frame[: 12 if cut == "header" else len(frame) // 2])
+        frames = await asyncio.to_thread(_read_until_closed, stuck)
+        stuck.close()
+        assert frames[-1]["event"] == "closing"
+        assert "a frame was left unfinished for client_frame_timeout (0.3 s)" in frames[-1]["error"]
+        # the idle client has been idle longer than both timeouts, and it is still served
+        assert len(server.connections) == 1
+        await asyncio.to_thread(idle.sendall, _request("news", 2, n=4))
+        assert (await asyncio.to_thread(_read_reply, idle))["ok"] is True
+        idle.close()
+        assert server.counters()["clients_timed_out"] == 1
+
+
+async def test_a_client_that_keeps_sending_frames_is_never_cut_off_mid_stream(tmp_path):
+    """A frame's deadline runs from its own start: a stream of frames where every read ends
+    in the middle of one is not mistaken for one frame left unfinished."""
+    async with _server(tmp_path, frame_timeout=0.2) as server:
+        sock = await asyncio.to_thread(_raw, server.path)
+        frames = [_request("news", i, n=i, pad="x" * 9) for i in range(1, 41)]
+        assert {len(f) for f in frames} == {50}
+        stream = b"".join(frames)
+        # 37 B pieces, 10 ms apart: the first whole frame boundary a read ends on is after
+        # 50 pieces (1850 B), far more than 0.2 s after the stream began
+        for i in range(0, len(stream), 37):
+            sock.sendall(stream[i : i + 37])
+            await asyncio.sleep(0.01)  # lets the daemon read each piece on its own
+
+        def replies() -> int:
+            decoder, seen = Decoder(REPLY_LIMITS), 0
+            while seen < 40:
+                decoder.feed(sock.recv(65536))
+                seen += sum(meta.get("ok") is True for meta in _frames(decoder))
+            return seen
+
+        assert await asyncio.to_thread(replies) == 40
+        assert server.counters()["clients_timed_out"] == 0
+        sock.close()
+
+
+async def test_idle_connections_do_not_lock_out_a_real_client_once_they_time_out(tmp_path):
+    async with _server(tmp_path, max_clients=8, hello_timeout=0.5) as server:
+        flood = await asyncio.to_thread(lambda: [_raw(server.path) for _ in range(500)])
+        reasons = []
+        while True:  # a real client: refused while the slots are taken, admitted after
+            try:
+                reply, _ = await asyncio.to_thread(_call, server.path, "news", n=1)
+                break
+            except fabricd.DaemonUnavailable as exc:
+                reasons.append(str(exc))
+                await asyncio.sleep(0.05)
+        assert reply["ok"] is True
+        for reason in reasons:  # refused for the slots, never told its uid is the problem
+            assert "already serves max_clients (8) clients" in reason, reason
+            assert "uid" not in reason
+        closings = [await asyncio.to_thread(_read_until_closed, s) for s in flood]
+        for s in flood:
+            s.close()
+        errors = [frames[-1]["error"] for frames in closings]
+        timed_out = [e for e in errors if "client_hello_timeout" in e]
+        assert len(timed_out) >= 8
+        assert all("client_hello_timeout" in e or "max_clients" in e for e in errors)
+        counters = server.counters()
+        assert counters["clients_timed_out"] == len(timed_out)
+        assert counters["refused_clients_max_clients"] == 500 - len(timed_out) + len(reasons)
+
+
+class _Listening:
+    """The server's listening socket, whose ``accept`` fails with ``error`` ``fail`` times."""
+
+    def __init__(self, sock: socket.socket, fail: int, error: int) -> None:
+        self.sock, self.fail, self.error = sock, fail, error
+        self.attempts: list[float] = []  #: the loop's time of each accept
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        self.attempts.append(asyncio.get_running_loop().time())
+        if len(self.attempts) <= self.fail:
+            raise OSError(self.error, os.strerror(self.error))
+        return self.sock.accept()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("error", [errno.EMFILE, errno.ENOBUFS], ids=["EMFILE", "ENOBUFS"])
+async def test_accept_backs_off_when_out_of_resources_and_serves_once_they_return(tmp_path, error):
+    async with _server(tmp_path) as server:
+        if server._spare is not None:  # no spare fd to refuse with: the server must wait
+            os.close(server._spare)
+            server._spare = None
+        listening = _Listening(server._sock, fail=4, error=error)  # type: ignore[arg-type]
+        server._sock = listening  # type: ignore[assignment]
+        reply, _ = await asyncio.to_thread(_call, server.path, "news", n=1)
+        assert reply["ok"] is True
+        assert len(listening.attempts) == 5  # four failures, one success: no spinning
+        counters = server.counters()
+        assert counters["accept_errors"] == 4
+        assert counters["accept_pauses"] == 4
+        gaps = [b - a for a, b in zip(listening.attempts, listening.attempts[1:], strict=False)]
+        for i, gap in enumerate(gaps):  # each pause at least as long as announced, growing
+            assert gap >= ipc.ACCEPT_PAUSE_MIN * 2**i * 0.99, gaps
+
+
+async def test_at_the_fd_limit_a_queued_client_is_told_why_with_the_spare_fd(tmp_path):
+    async with _server(tmp_path) as server:
+        assert server._spare is not None
+        listening = _Listening(server._sock, fail=1, error=errno.EMFILE)  # type: ignore[arg-type]
+        server._sock = listening  # type: ignore[assignment]
+        with pytest.raises(fabricd.DaemonUnavailable, match="file descriptors it may open") as no:
+            await asyncio.to_thread(_call, server.path, "news", n=1)
+        assert "LimitNOFILE" in str(no.value)
+        assert server._spare is not None  # taken back for the next time
+        counters = server.counters()
+        assert (counters["refused_clients_no_fds"], counters["accept_pauses"]) == (1, 0)
+        reply, _ = await asyncio.to_thread(_call, server.path, "news", n=2)  # fds are back
+        assert reply["ok"] is True
+
+
+async def test_clients_queued_when_the_daemon_stops_are_told_it_is_stopping(tmp_path):
+    async with _server(tmp_path) as server:
+        queued = [_raw(server.path) for _ in range(3)]  # in the backlog: not accepted yet
+        server.stop_accepting()
+        for sock in queued:
+            frames = await asyncio.to_thread(_read_until_closed, sock)
+            sock.close()
+            assert [(m["event"], m["code"]) for m in frames] == [("closing", "daemon_stopping")]
+            assert "the daemon is stopping" in frames[0]["error"]
+        assert server.counters()["refused_clients_stopping"] == 3
+
+
+async def test_the_socket_directory_is_0750_whatever_the_umask(tmp_path):
+    path = tmp_path / "made" / "by" / "fabricd" / "d.sock"
+    old = os.umask(0)
+    try:
+        server = IpcServer(str(path), Handler())
+        server.start()
+    finally:
+        os.umask(old)
+    try:
+        for directory in (path.parent, path.parent.parent, path.parent.parent.parent):
+            assert stat.S_IMODE(directory.stat().st_mode) == 0o750, directory
+        assert stat.S_IMODE(path.stat().st_mode) == 0o660
+    finally:
+        server.close()
