@@ -165,6 +165,10 @@ class Transport(abc.ABC):
     """Opens links.  ``limits`` are the decoder limits a new link starts with."""
 
     name: str
+    #: whether an accepted link's ``peer_address`` is the network ``host:port`` it came from
+    #: (the peering service admits only configured nodes' hosts); in-process links carry a
+    #: name instead, and every peer shares one process
+    network: bool = True
 
     @abc.abstractmethod
     async def listen(

@@ -147,6 +147,7 @@ class InprocTransport(Transport):
     """
 
     name = "inproc"
+    network = False  #: peer addresses are names: no host to check
 
     def __init__(
         self, *, latency: float = 0.0, bandwidth: float = 0.0, window: int = 8 << 20

@@ -44,6 +44,7 @@ class Config:
     reconnect_max_backoff: float = 2.0
     route_timeout: float = 30.0
     chunk_size: int = 4 * 1024 * 1024
+    handshake_spare_slots: int = 2
     max_payload: int = 64 * 1024 * 1024
     max_meta: int = 64 * 1024
     max_clients: int = 256
@@ -111,6 +112,8 @@ class Config:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+        if not 0 <= self.handshake_spare_slots <= 1024:
+            raise ConfigError("handshake_spare_slots must be between 0 and 1024")
             raise ConfigError("log_level must be one of debug, info, warning, error")
         if self.log_format not in ("text", "json"):
             raise ConfigError("log_format must be 'text' or 'json'")

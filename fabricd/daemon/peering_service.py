@@ -19,13 +19,17 @@ Each pair of nodes shares two links, control and data; the node with the lower i
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import itertools
 import logging
 import secrets
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from fabricd import frames
+from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.service import BaseService, Host
 from fabricd.engines import peers
 from fabricd.engines.actions import Notice, SendFrame
@@ -33,10 +37,11 @@ from fabricd.engines.gate import CloseHandshake, RefuseHandshake
 from fabricd.engines.handshake import HANDSHAKE_LIMITS, Channel, Handshake, Role
 from fabricd.engines.peers import PeerState, PeerTable, Timeouts
 from fabricd.errors import ProtocolError, TransportError
+from fabricd.transports.base import split_address
 from fabricd.wire import Kind, Meta
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
 
     from fabricd.engines.actions import Answer
     from fabricd.engines.handshake import PeerIdentity
@@ -44,6 +49,10 @@ if TYPE_CHECKING:
     from fabricd.wire import Frame, FrameHead, Limits
 
 log = logging.getLogger("fabricd.peering")
+#: lines that peers, or whoever connects to the peer port, cause: rate-limited
+remote_log = RateLimitedLog(log)
+#: the one host every link of a transport without network addresses (inproc) comes from
+_NO_HOST = "(in-process)"
 
 
 class LinkOwner(Host, Protocol):
@@ -102,7 +111,7 @@ class _PendingSink:
             view = frames.parse_handshake(frame.kind, frame.meta)
             self._send(link, self.handshake.on_frame(view))
         except ProtocolError as exc:
-            log.warning("refused link from %s: %s", link.peer_address, exc)
+            remote_log.warning("refused link", "refused link from %s: %s", link.peer_address, exc)
             self.service.handshake_over(self.link_id, failed=True)
             self.fail(link, str(exc))
             return
@@ -117,7 +126,9 @@ class _PendingSink:
         if self.done.done():
             return
         if junk:
-            log.warning("refused link from %s: %s", link.peer_address, reason)
+            remote_log.warning(
+                "refused link", "refused link from %s: %s", link.peer_address, reason
+            )
         self._settle(TransportError(reason))
 
     def fail(self, link: Link, reason: str) -> None:
@@ -188,6 +199,8 @@ class PeeringService(BaseService):
             ),
             handshake_timeout=cfg.handshake_timeout,
             max_backoff=cfg.reconnect_max_backoff,
+            hosts=node_hosts(cfg.nodes) if transport.network else _one_host(cfg.nodes),
+            spare_slots=cfg.handshake_spare_slots,
         )
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[Link, _PendingSink]] = {}  #: links in their handshake
@@ -226,7 +239,9 @@ class PeeringService(BaseService):
         actions = self.engine.on_link_closed(node, channel, now)
         said_bye = any(isinstance(a, peers.ResetPeer) and a.expected for a in actions)
         level = logging.INFO if said_bye else logging.WARNING
-        log.log(level, "%s link to node %d lost: %s", channel, node, link.close_reason)
+        remote_log.log(
+            level, "link lost", "%s link to node %d lost: %s", channel, node, link.close_reason
+        )
         self._perform(actions)
 
     def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
@@ -260,15 +275,22 @@ class PeeringService(BaseService):
             )
         engine = self.engine.statistics()
         refused = engine.handshakes_refused + engine.links_refused
+        counters = {
+            "refused_links": refused,
+            "refused_unknown_hosts": engine.gate.unknown_host,
+            "handshakes_evicted": engine.gate.evicted,
+            "peer_resets": engine.resets,
+            "log_lines_left_out": remote_log.left_out,
+        }
         return {
             "peers": rows,
-            "counters": {"refused_links": refused, "peer_resets": engine.resets},
+            "counters": counters,
             "dial_failures": {str(n): k for n, k in engine.dial_attempts.items()},
         }
 
     # -- handshakes -------------------------------------------------------------------------
     def _accepted(self, link: Link) -> None:
-        host = link.peer_address.rpartition(":")[0] or link.peer_address
+        host = peer_host(link.peer_address) if self.transport.network else _NO_HOST
         if self._closed:
             link.set_sink(_RefusedSink())
             link.close("daemon stopping")
@@ -393,11 +415,19 @@ class PeeringService(BaseService):
                     self.owner.peer_up(node)
                 case RefuseHandshake(reason=reason):
                     assert link is not None
+                    remote_log.warning(
+                        "refused on arrival",
+                        "refused link from %s on arrival: %s",
+                        link.peer_address,
+                        reason,
+                    )
                     link.close(reason)
                 case CloseHandshake(link_id=link_id, reason=reason):
                     pending = self._pending.pop(link_id, None)  # the engine freed its slot
                     if pending is not None:
-                        log.warning("closing %s: %s", pending[0].peer_address, reason)
+                        remote_log.warning(
+                            "handshake closed", "closing %s: %s", pending[0].peer_address, reason
+                        )
                         pending[1].fail(pending[0], reason)
                 case Notice(message=message):
                     log.warning("%s", message)
@@ -423,3 +453,45 @@ class PeeringService(BaseService):
             change.new.value,
             change.reason,
         )  # (a peer that goes down is reset by the ResetPeer that follows)
+
+
+def peer_host(address: str) -> str:
+    """The host of an accepted link's ``host:port``, as :func:`node_hosts` writes hosts.
+
+    An IPv4 address reaching an IPv6 listener (``::ffff:a.b.c.d``) is its IPv4 address.
+    """
+    with contextlib.suppress(ValueError):
+        address = split_address(address)[0]
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+def node_hosts(nodes: Sequence[str]) -> dict[int, frozenset[str]]:
+    """Every node's addresses: the IP addresses its configured host resolves to.
+
+    Names are resolved once, when the daemon starts (a peer whose name later points elsewhere
+    is admitted again after a restart); a name that does not resolve is logged, and links
+    from that node are refused until then.
+    """
+    hosts: dict[int, frozenset[str]] = {}
+    for node, address in enumerate(nodes):
+        host = split_address(address)[0]
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            log.warning(
+                "node %d's host %s does not resolve (%s): its links are refused", node, host, exc
+            )
+            infos = []
+        hosts[node] = frozenset(peer_host(str(info[4][0])) for info in infos)
+    return hosts
+
+
+def _one_host(nodes: Sequence[str]) -> dict[int, frozenset[str]]:
+    """Without network addresses every link comes from one host (:data:`_NO_HOST`)."""
+    return {node: frozenset({_NO_HOST}) for node in range(len(nodes))}

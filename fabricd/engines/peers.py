@@ -14,7 +14,7 @@ before a data link of it arrives, and a pair never races to open duplicate conne
 *Handshakes.*  A new link is unauthenticated until the handshake engine
 (:mod:`fabricd.engines.handshake`) accepts it; :class:`~fabricd.engines.gate.HandshakeGate`
 caps how many accepted links may wait for that and closes any that takes longer than
-``handshake_timeout``.
+``handshake_timeout``; only the hosts of configured nodes that dial this one get its slots.
 
 *Admission.*  An authenticated link carries the peer's incarnation (a number that grows with
 each daemon start).  It is compared with the newest incarnation seen from that node: SAME,
@@ -75,19 +75,23 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from fabricd.engines.actions import Notice, SendFrame
 from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.gate import (
-    MAX_PENDING_HANDSHAKES,
-    MAX_PENDING_PER_HOST,
+    SPARE_SLOTS,
     CloseHandshake,
+    GateStatistics,
     HandshakeGate,
     RefuseHandshake,
+    host_slots,
 )
 from fabricd.engines.handshake import Channel
 from fabricd.frames import Heartbeat
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 #: the first wait after a failed dial, and the pause before redialling a peer that was reset
 FIRST_BACKOFF: Final = 0.05
@@ -328,7 +332,8 @@ class PeerStatistics:
 
     links_up: int  #: admitted links now
     handshakes_pending: int  #: links in their handshake now, accepted or dialled
-    handshakes_refused: int  #: over a cap, past the deadline, or failed (since start)
+    handshakes_refused: int  #: refused on arrival, evicted, past the deadline, or failed
+    gate: GateStatistics  #: the handshake gate's counters (hosts refused, links evicted)
     links_refused: int  #: authenticated but refused: stale, early, or a second one
     resets: int  #: ResetPeer actions returned
     dial_attempts: dict[int, int]  #: per dialled node: failed dials since the last success
@@ -366,7 +371,9 @@ class PeerTable:
         now: the current time (peers are CONNECTING since then).
         handshake_timeout: seconds a link may stay unauthenticated.
         max_backoff: the longest wait between two dials of one node.
-        max_pending, max_pending_per_host: caps on accepted links in their handshake.
+        hosts: every node's addresses (the hosts its links may come from); only the hosts of
+            nodes that dial this one may begin a handshake here (:mod:`fabricd.engines.gate`).
+        spare_slots: handshake slots per such host beyond one per node on it.
     """
 
     def __init__(
@@ -378,8 +385,8 @@ class PeerTable:
         now: float,
         handshake_timeout: float = 2.0,
         max_backoff: float = 5.0,
-        max_pending: int = MAX_PENDING_HANDSHAKES,
-        max_pending_per_host: int = MAX_PENDING_PER_HOST,
+        hosts: Mapping[int, frozenset[str]] | None = None,
+        spare_slots: int = SPARE_SLOTS,
     ) -> None:
         if not max_backoff > 0:
             raise ValueError("max_backoff must be more than 0 seconds")
@@ -387,9 +394,7 @@ class PeerTable:
         self.timeouts = timeouts
         self.max_backoff = max_backoff
         self._gate = HandshakeGate(
-            timeout=handshake_timeout,
-            max_pending=max_pending,
-            max_pending_per_host=max_pending_per_host,
+            timeout=handshake_timeout, slots=host_slots(node, hosts or {}, spare_slots)
         )
         self._first_backoff = min(FIRST_BACKOFF, max_backoff)
         self._peers = {n: _Peer(since=now) for n in range(nodes) if n != node}
@@ -424,6 +429,7 @@ class PeerTable:
             links_up=sum(len(peer.links) for peer in self._peers.values()),
             handshakes_pending=self._gate.pending,
             handshakes_refused=self._gate.refused,
+            gate=self._gate.statistics(),
             links_refused=self._links_refused,
             resets=self._resets,
             dial_attempts={node: d.attempts for node, d in sorted(self._diallers.items())},
@@ -518,9 +524,10 @@ class PeerTable:
         """A link from (or to) ``host`` begins its handshake; ``link_id`` is the daemon's name
         for it until :meth:`on_handshake_over`.
 
-        An ``accepted`` link over a cap is refused at once (:class:`RefuseHandshake`, with a
-        :class:`~fabricd.engines.actions.Notice` for the first refusal of a flood); any link
-        in its handshake gets :class:`CloseHandshake` when ``handshake_timeout`` has passed.
+        An ``accepted`` link from a host that is no configured node's is refused at once
+        (:class:`RefuseHandshake`); one from a host whose slots are full evicts that host's
+        oldest pending link (:class:`CloseHandshake`); any link in its handshake gets
+        :class:`CloseHandshake` when ``handshake_timeout`` has passed.
 
         Raises:
             ValueError: ``link_id`` is already in its handshake (a daemon bug).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import time
 
@@ -115,24 +114,45 @@ def test_restarted_peer_is_a_new_incarnation(make_cluster):
     assert peer["incarnation"] > first
 
 
-def test_idle_unauthenticated_connections_are_capped(make_cluster):
-    from fabricd.engines.gate import MAX_PENDING_PER_HOST
+def _closed_by_peer(conn: socket.socket) -> bool:
+    """Whether the far end closed ``conn`` (waits up to 5 s: a hang guard)."""
+    conn.settimeout(5)
+    try:
+        return conn.recv(16) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
 
+
+def test_idle_unauthenticated_connections_from_a_peers_host_are_capped(make_cluster):
+    """Node 0 (on 127.0.0.1) dials node 1: that host has 1 + 2 spare handshake slots there."""
     cluster = make_cluster(2, handshake_timeout=10.0)
     host, port = split_address(cluster.nodes[1].address)
-    idle = [socket.create_connection((host, port), timeout=5) for _ in range(MAX_PENDING_PER_HOST)]
+    idle = [socket.create_connection((host, port), timeout=5) for _ in range(20)]
     try:
-        extra = [socket.create_connection((host, port), timeout=5) for _ in range(8)]
-        for conn in extra:  # refused at once, long before handshake_timeout
-            conn.settimeout(3)
-            with contextlib.suppress(ConnectionResetError):
-                assert conn.recv(16) == b""
-            conn.close()
-        assert "refusing links from 127.0.0.1" in _log(cluster, 1)
+        # each new link takes the slot of the oldest: all but the last three are closed,
+        # long before handshake_timeout
+        assert all(_closed_by_peer(conn) for conn in idle[:-3])
+        with fabricd.connect(socket_path=cluster.nodes[1].socket_path) as control:
+            status = control.status()
+        assert status["counters"]["handshakes_evicted"] == 17
+        assert "replaced by a newer link from 127.0.0.1" in _log(cluster, 1)
     finally:
         for conn in idle:
             conn.close()
+    assert [p["state"] for p in status["peers"]] == ["up"]  # the real peer was never affected
+
+
+def test_a_connection_from_no_configured_host_is_closed_on_arrival(make_cluster):
+    cluster = make_cluster(2, handshake_timeout=10.0)
+    host, port = split_address(cluster.nodes[1].address)
+    for i in range(2, 12):
+        conn = socket.create_connection((host, port), timeout=5, source_address=(f"127.0.0.{i}", 0))
+        with conn:
+            assert _closed_by_peer(conn)  # long before handshake_timeout, and unread
     with fabricd.connect(socket_path=cluster.nodes[1].socket_path) as control:
         status = control.status()
-    assert [p["state"] for p in status["peers"]] == ["up"]  # the real peer was never affected
-    assert status["counters"]["refused_links"] >= 8
+    assert status["counters"]["refused_unknown_hosts"] == 10
+    assert [p["state"] for p in status["peers"]] == ["up"]
+    assert "127.0.0.2 is not the address of a node in this fabric's nodes list" in _log(cluster, 1)

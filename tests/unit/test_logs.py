@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -43,3 +44,66 @@ def test_text_logs_name_the_node(capsys):
     line = capsys.readouterr().err.strip()
     assert "WARNING" in line
     assert "node7 fabricd.x: peer n2 down" in line
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_remote_lines_past_the_burst_are_counted_and_summarised(caplog):
+    clock = Clock()
+    limited = logs.RateLimitedLog(
+        logging.getLogger("fabricd.test"), interval=1.0, burst=3, clock=clock
+    )
+    with caplog.at_level(logging.INFO, logger="fabricd.test"):
+        written = [
+            limited.warning("refused link", "refused link from %s", f"h{i}") for i in range(1000)
+        ]
+        assert written == [True] * 3 + [False] * 997
+        assert limited.warning("other", "another kind") is True  # keys are apart
+        clock.now = 1.0
+        assert limited.warning("refused link", "refused link from %s", "again") is True
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 6  # 3 + the other key + the summary + the new interval's first
+    assert lines[:3] == ["refused link from h0", "refused link from h1", "refused link from h2"]
+    assert lines[4] == (
+        "refused link: 997 more such lines in 1.0s were left out; the last: refused link from h999"
+    )
+    assert limited.left_out == 997
+
+
+def test_flush_summarises_an_interval_that_ended(caplog):
+    clock = Clock()
+    limited = logs.RateLimitedLog(logging.getLogger("fabricd.test"), burst=0, clock=clock)
+    with caplog.at_level(logging.INFO, logger="fabricd.test"):
+        limited.log(logging.INFO, "k", "x %d", 1)
+        limited.flush()
+        assert caplog.records == []  # the interval has not ended
+        clock.now = 5.0
+        limited.flush()
+    assert [r.getMessage() for r in caplog.records] == [
+        "k: 1 more such lines in 1.0s were left out; the last: x 1"
+    ]
+
+
+async def test_with_a_loop_the_summary_comes_when_the_interval_ends(caplog):
+    limited = logs.RateLimitedLog(logging.getLogger("fabricd.test"), interval=0.05, burst=1)
+    with caplog.at_level(logging.INFO, logger="fabricd.test"):
+        for i in range(50):
+            limited.warning("flood", "line %d", i)
+        async with asyncio.timeout(10):  # a hang guard
+            while len(caplog.records) < 2:
+                await asyncio.sleep(0.01)
+    assert [r.getMessage() for r in caplog.records] == [
+        "line 0",
+        "flood: 49 more such lines in 0.1s were left out; the last: line 49",
+    ]
+
+
+def test_limits_must_make_sense():
+    with pytest.raises(ValueError, match="interval"):
+        logs.RateLimitedLog(logging.getLogger("fabricd.test"), interval=0.0)

@@ -490,8 +490,12 @@ def test_a_node_that_is_dialled_never_dials_back() -> None:
 
 
 # -- handshakes -------------------------------------------------------------------------------
+#: node 0 dials node 1 (it has the lower id); nodes 1 and 2 share a host
+THREE = {0: frozenset({"10.0.0.9"}), 1: frozenset({"10.0.0.5"}), 2: frozenset({"10.0.0.5"})}
+
+
 def test_a_handshake_that_takes_too_long_is_closed() -> None:
-    peers = table(handshake_timeout=2.0)
+    peers = table(handshake_timeout=2.0, node=1, hosts=THREE)
     assert peers.on_handshake_started(7, "10.0.0.9", 1.0) == []
     assert peers.next_deadline() == 3.0
     assert peers.on_timer(2.9) == []
@@ -503,43 +507,76 @@ def test_a_handshake_that_takes_too_long_is_closed() -> None:
 
 
 def test_a_handshake_over_in_time_has_no_deadline() -> None:
-    peers = table()
-    peers.on_handshake_started(7, "h", 0.0, accepted=False)
-    peers.on_handshake_started(8, "h", 0.0)
+    peers = table(node=1, hosts=THREE)
+    peers.on_handshake_started(7, "10.0.0.9", 0.0, accepted=False)
+    peers.on_handshake_started(8, "10.0.0.9", 0.0)
     peers.on_handshake_over(7)
     peers.on_handshake_over(8, failed=True)
     assert peers.next_deadline() is None
     assert peers.statistics().handshakes_refused == 1
 
 
-def test_accepted_handshakes_are_capped_per_host() -> None:
-    peers = table(max_pending_per_host=3)
-    assert [peers.on_handshake_started(i, "a", 0.0) for i in range(3)] == [[]] * 3
-    assert peers.on_handshake_started(3, "a", 0.0) == [
-        RefuseHandshake(link_id=3, reason="too many unauthenticated links"),
-        Notice(message="refusing links from a: 3 handshakes pending from it, 3 in all"),
+def test_links_from_a_host_no_node_dials_from_are_refused_on_arrival() -> None:
+    peers = table(3, node=1, hosts=THREE)
+    for link_id, host in enumerate(["10.0.0.7", "127.0.0.1", "10.0.0.5", "h"]):
+        assert peers.on_handshake_started(link_id, host, 0.0) == [
+            RefuseHandshake(
+                link_id=link_id,
+                reason=f"{host} is not the address of a node in this fabric's nodes list",
+            )
+        ]  # 10.0.0.5 is node 2's host, but node 2 never dials node 1: node 1 dials it
+    stats = peers.statistics()
+    assert (stats.handshakes_pending, stats.handshakes_refused, stats.gate.unknown_host) == (
+        0,
+        4,
+        4,
+    )
+    assert peers.next_deadline() is None  # a refused link holds no deadline either
+
+
+def test_node_zero_accepts_nobody() -> None:
+    peers = table(3, node=0, hosts=THREE)
+    assert of(RefuseHandshake, peers.on_handshake_started(1, "10.0.0.5", 0.0))
+
+
+def test_each_dialling_node_has_its_slots_and_a_full_host_replaces_its_oldest() -> None:
+    hosts = {n: frozenset({"10.0.0.1"}) for n in range(3)} | {3: frozenset({"10.0.0.2"})}
+    peers = table(5, node=4, hosts=hosts, spare_slots=1)  # 10.0.0.1: 3 + 1, 10.0.0.2: 1 + 1
+    assert [peers.on_handshake_started(i, "10.0.0.1", 0.0) for i in range(4)] == [[]] * 4
+    assert peers.on_handshake_started(4, "10.0.0.1", 0.5) == [
+        CloseHandshake(
+            link_id=0,
+            reason="replaced by a newer link from 10.0.0.1: 4 handshakes may be pending from "
+            "it (one per node there that dials this one, plus spare)",
+        )
     ]
-    assert of(Notice, peers.on_handshake_started(4, "a", 0.0)) == []  # once per flood
-    assert peers.on_handshake_started(5, "b", 0.0) == []  # other hosts are not locked out
-    peers.on_handshake_over(1)
-    assert peers.on_handshake_started(6, "a", 0.0) == []  # a freed slot
-    assert of(Notice, peers.on_handshake_started(7, "a", 0.0))  # a new flood
-    assert peers.statistics().handshakes_pending == 4
+    assert of(CloseHandshake, peers.on_handshake_started(5, "10.0.0.1", 0.5))[0].link_id == 1
+    # the other host's slots are its own: the flood from 10.0.0.1 takes none of them
+    assert peers.on_handshake_started(6, "10.0.0.2", 0.5) == []
+    assert peers.on_handshake_started(7, "10.0.0.2", 0.5) == []
+    peers.on_handshake_over(6)  # authenticated: its slot is free
+    assert peers.on_handshake_started(8, "10.0.0.2", 0.5) == []
+    stats = peers.statistics()
+    assert (stats.handshakes_pending, stats.gate.evicted, stats.handshakes_refused) == (6, 2, 2)
+    # the evicted links hold no deadline: the rest close at theirs
+    closed = of(CloseHandshake, peers.on_timer(2.5))
+    assert sorted(c.link_id for c in closed) == [2, 3, 4, 5, 7, 8]
 
 
-def test_accepted_handshakes_are_capped_in_all() -> None:
-    peers = table(max_pending=4)
-    for i, host in enumerate("abcd"):
-        assert peers.on_handshake_started(i, host, 0.0) == []
-    assert len(peers.on_handshake_started(4, "e", 0.0)) == 2  # refused, and told
-    assert len(peers.on_handshake_started(5, "f", 0.0)) == 1  # the same flood
-    peers.on_handshake_over(0)
-    assert peers.on_handshake_started(6, "f", 0.0) == []
-    assert peers.statistics().handshakes_refused == 2
+def test_a_flood_cannot_keep_a_dialling_node_out() -> None:
+    """However many links a host opens, the newest one gets a slot and may authenticate."""
+    peers = table(3, node=2, hosts={0: frozenset({"a"}), 1: frozenset({"b"})}, spare_slots=0)
+    for i in range(10_000):
+        peers.on_handshake_started(i, "b", 0.0)  # node 1's host floods
+        assert peers.on_handshake_started(100_000 + i, "x", 0.0)  # others are refused
+    assert peers.on_handshake_started(-1, "a", 0.0) == []  # node 0's own slot is free
+    assert peers.on_handshake_started(-2, "b", 0.0)  # the newest from b always gets in
+    peers.on_handshake_over(-2)  # ... and may authenticate
+    assert peers.statistics().handshakes_pending == 1
 
 
-def test_dialled_handshakes_count_towards_no_cap() -> None:
-    peers = table(max_pending=1, max_pending_per_host=1)
+def test_dialled_handshakes_count_towards_no_slot() -> None:
+    peers = table(node=1, hosts={0: frozenset({"a"})}, spare_slots=0)
     for i in range(10):
         assert peers.on_handshake_started(i, "a", 0.0, accepted=False) == []
     assert peers.on_handshake_started(10, "a", 0.0) == []
@@ -549,7 +586,7 @@ def test_dialled_handshakes_count_towards_no_cap() -> None:
 
 
 def test_a_link_id_is_in_one_handshake_at_a_time() -> None:
-    peers = table()
+    peers = table(node=1, hosts={0: frozenset({"a"})})
     peers.on_handshake_started(1, "a", 0.0)
     with pytest.raises(ValueError, match="already in its handshake"):
         peers.on_handshake_started(1, "a", 0.0, accepted=False)
@@ -604,8 +641,7 @@ def test_timeouts_must_be_ordered(interval: float, suspect: float, down: float) 
     [
         {"handshake_timeout": 0.0},
         {"max_backoff": -1.0},
-        {"max_pending": 0},
-        {"max_pending_per_host": 0},
+        {"spare_slots": -1},
     ],
 )
 def test_limits_must_be_positive(settings: dict[str, float]) -> None:
@@ -660,7 +696,9 @@ OTHERS = [n for n in range(NODES) if n != ME]
 HOSTS = ("a", "b", "c")
 HANDSHAKE_TIMEOUT = 0.5
 MAX_BACKOFF = 0.4
-PER_HOST, IN_ALL = 2, 4
+SPARE = 1
+#: node 0 (the one that dials ME) is on host a; b is node 2's, c nobody's
+NODE_HOSTS = {0: frozenset({"a"}), 1: frozenset({"a"}), 2: frozenset({"b"}), 3: frozenset({"b"})}
 
 nodes = st.sampled_from(OTHERS)
 channels = st.sampled_from([CONTROL, DATA])
@@ -759,12 +797,13 @@ class Shell:
                 assert node not in self.dialling
             case RefuseHandshake(link_id=link_id):
                 host, accepted, _ = self.handshakes.pop(link_id)
-                mine = [h for h, a, _ in self.handshakes.values() if a]
                 assert accepted
-                assert mine.count(host) >= PER_HOST or len(mine) >= IN_ALL
+                assert host != "a"  # only node 0 dials ME
             case CloseHandshake(link_id=link_id):
-                _, _, started = self.handshakes.pop(link_id)
-                assert self.now >= started + HANDSHAKE_TIMEOUT
+                host, accepted, started = self.handshakes.pop(link_id)
+                mine = [h for h, a, _ in self.handshakes.values() if a]
+                evicted = accepted and mine.count(host) >= 1 + SPARE
+                assert evicted or self.now >= started + HANDSHAKE_TIMEOUT
             case Notice():
                 pass
 
@@ -854,8 +893,8 @@ def test_random_histories_keep_the_invariants(start: float, history: list[tuple]
         now=start,
         handshake_timeout=HANDSHAKE_TIMEOUT,
         max_backoff=MAX_BACKOFF,
-        max_pending=IN_ALL,
-        max_pending_per_host=PER_HOST,
+        hosts=NODE_HOSTS,
+        spare_slots=SPARE,
     )
     shell = Shell(peers, start)
     for step in history:
