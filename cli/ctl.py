@@ -156,10 +156,27 @@ def status(socket_path: str | None, as_json: bool) -> None:
     )
     if info["peers"]:
         console.print(_peer_table(info["peers"]))
+    hidden = info.get("hidden", {})  # rows of other users' jobs the daemon withheld
     console.print(
-        _rows_table("clients", info["clients"], ("id", "pid", "uid", "job", "rank", "segments"))
+        _rows_table(
+            "clients",
+            info["clients"],
+            ("id", "pid", "uid", "job", "rank", "segments"),
+            hidden.get("clients", 0),
+        )
     )
-    console.print(_rows_table("ranks", info.get("ranks", []), ("job", "rank", "size", "node")))
+    console.print(
+        _rows_table(
+            "ranks",
+            info.get("ranks", []),
+            ("job", "rank", "size", "node", "owner"),
+            hidden.get("ranks", 0),
+        )
+    )
+    if any(hidden.values()):
+        console.print(
+            "hidden: rows of other users' jobs (root, the daemon's user and admin_gids see them)"
+        )
     counters = ", ".join(f"{k} {v}" for k, v in sorted(info["counters"].items()))
     console.print(f"counters: {counters}")
     dials = sorted((int(n), k) for n, k in info.get("dial_failures", {}).items() if k)
@@ -170,12 +187,16 @@ def status(socket_path: str | None, as_json: bool) -> None:
         console.print(f"services: {escape(', '.join(info['services']))}", soft_wrap=True)
 
 
-def _rows_table(title: str, rows: list[dict[str, Any]], columns: tuple[str, ...]) -> Table:
+def _rows_table(
+    title: str, rows: list[dict[str, Any]], columns: tuple[str, ...], hidden: int = 0
+) -> Table:
     """A table of ``rows`` (dicts from the daemon's status); a field it leaves out shows "-".
 
     The daemon's fields change between releases: a missing one must not break the command.
+    ``hidden``: rows of other users' jobs the daemon withheld (the title says so).
     """
-    table = _table(f"{title} ({len(rows)})", columns)
+    count = f"{len(rows)}, {hidden} hidden" if hidden else f"{len(rows)}"
+    table = _table(f"{title} ({count})", columns)
     for row in rows:
         table.add_row(*(Text("-" if row.get(k) is None else str(row[k])) for k in columns))
     return table

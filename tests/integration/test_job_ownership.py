@@ -14,8 +14,10 @@ import time
 from typing import TYPE_CHECKING
 
 import pytest
+from click.testing import CliRunner
 
 import fabricd
+from fabricd.cli.ctl import main as fabricctl
 from tests.integration.test_client_socket import NOBODY, _as_a_user, _open_to_all
 
 if TYPE_CHECKING:
@@ -191,3 +193,20 @@ def test_nothing_a_request_says_lets_a_client_pose_as_another_rank(make_cluster)
             assert got.tolist() == [1.0, 2.0, 3.0, 4.0]
         sent.wait(timeout=10)
         assert not stolen.done()  # still waiting for rank 0 of its own job
+
+
+def test_fabricctl_status_as_another_user_says_rows_were_withheld(make_cluster):
+    path = _daemon(make_cluster)
+
+    def child() -> str:  # in the forked child: nobody may not run this checkout's interpreter
+        shown = CliRunner().invoke(fabricctl, ["status", "--socket", path])
+        return f"{shown.exit_code}\n{shown.output}"
+
+    with fabricd.connect(job=JOB, rank=0, size=2, socket_path=path):
+        answer = _as_a_user(child)
+    code, _, output = answer.partition("\n")
+    assert code == "0", output
+    assert JOB not in output
+    assert "clients (0, 1 hidden)" in output, output
+    assert "ranks (0, 1 hidden)" in output, output
+    assert "hidden: rows of other users' jobs" in output
