@@ -81,10 +81,11 @@ class Client:
             if connection.closing is not None:  # the daemon said why: that is the error
                 raise
             raise DaemonUnavailable(
-                f"{exc}. A daemon that hangs up at once without a reason may have refused this "
-                f"process: its uid {os.getuid()} and groups must be in the daemon's "
-                "allowed_uids/allowed_gids (or in its group); the daemon's log names the "
-                "refused pid"
+                f"{exc}. It hung up without saying why, so the reason is in its log, under this "
+                f"pid ({os.getpid()}): it may have been stopped or killed, or (a daemon that "
+                "refuses without a word) not admit this process, whose uid "
+                f"{os.getuid()} and groups must be in its allowed_uids/allowed_gids, or already "
+                "serve max_clients clients"
             ) from None
         except BaseException:
             connection.close()

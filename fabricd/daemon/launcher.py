@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fabricd.dirs import make_dirs
 from fabricd.errors import FabricError
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ class LocalCluster:
         self.config_path = self.directory / "fabricd.toml"
         self.config_path.write_text("\n".join(lines) + "\n")
         log_dir = self.log_dir or self.directory
-        log_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(log_dir, 0o700)  # logs name jobs and pids: the user's own, whatever the umask
         for i, address in enumerate(addresses):
             notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             notify.bind(str(self.directory / f"notify{i}"))

@@ -74,7 +74,9 @@ def test_a_refused_client_raises_the_daemons_reason(make_cluster):
     assert "allowed_uids/allowed_gids" in answer
     assert "may have refused" not in answer  # the reason is the daemon's, not a guess
     with fabricd.connect(socket_path=path) as control:
-        assert control.status()["counters"]["refused_clients"] == 1
+        counters = control.status()["counters"]
+    assert counters["refused_clients"] == 1
+    assert counters["refused_clients_not_allowed"] == 1
 
 
 def test_a_user_finds_the_system_daemon_past_their_own_runtime_dir(make_cluster, monkeypatch):
