@@ -16,7 +16,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from bench import framecost, handoff, latency, throughput
+from bench import disconnect, framecost, handoff, latency, throughput
 from bench.report import Table, dump_json, machine, stderr_progress
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "throughput-window": functools.partial(throughput.run, window=throughput.WINDOW),
     "latency": latency.run,
     "framecost": framecost.run,
+    "disconnect": disconnect.run,
 }
 
 

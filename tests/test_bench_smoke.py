@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import framecost, handoff, latency, throughput
+from bench import disconnect, framecost, handoff, latency, throughput
 from bench.report import Column, Table, fmt_size, median, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,6 +107,23 @@ def test_framecost_waits_in_every_index_a_frame_could_scan() -> None:
         assert stats.unrouted >= 10  # route deadlines
         assert stats.unexpected >= 10  # the peer's announced sends, waiting for a receive
     pair.check()  # and a rendezvous still goes through untouched by them
+
+
+def test_disconnect_reports_the_stall_and_cleanup_for_every_size_and_case() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "disconnect")
+    table = the_table(result, "disconnect")
+    expected = [f"{label}, {n}" for label, *_ in disconnect.CASES for n in disconnect.QUICK_SIZES]
+    assert [row["label"] for row in table["rows"]] == expected
+    assert_ratios(table)
+    for index, row in enumerate(table["rows"]):
+        if index % len(disconnect.QUICK_SIZES) == 0:
+            assert row["ratio"] == 1.0  # each case's smallest N is its baseline
+        assert row["figures"]["pending"] == row["nbytes"]
+        assert set(row["figures"]) >= {"stall_ms", "stall_us", "cleanup_ms", "cpu_us", "kept_mb"}
+        assert row["figures"]["cleanup_ms"] > 0
+        assert row["figures"]["cpu_us"] > 0
+    assert len(table["extras"]) == len(disconnect.CASES)
+    assert progress.count("[disconnect] ") >= len(expected)
 
 
 def test_table_renders_a_ratio_for_every_row() -> None:

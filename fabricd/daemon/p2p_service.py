@@ -202,6 +202,7 @@ class P2PService(BaseService):
         stats = self.engine.statistics()
         return {
             "pending_ops": self.engine.pending(),
+            "unexpected_messages": stats.unexpected,  # sends and RTS waiting for a receive
             "counters": {
                 **self._counters,
                 **self._refused,
