@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -210,3 +211,28 @@ def test_fabricctl_status_as_another_user_says_rows_were_withheld(make_cluster):
     assert "clients (0, 1 hidden)" in output, output
     assert "ranks (0, 1 hidden)" in output, output
     assert "hidden: rows of other users' jobs" in output
+
+
+def test_a_job_opened_on_one_node_is_refused_to_another_uid_on_another_node(make_cluster):
+    cluster = make_cluster(2, allowed_uids=[NOBODY.pw_uid])
+    _open_to_all(cluster)
+    first, second = (node.socket_path for node in cluster.nodes)
+    Path(second).chmod(0o666)
+    with (
+        fabricd.connect(job=JOB, rank=0, size=2, socket_path=first),
+        fabricd.connect(socket_path=second) as control,
+    ):
+        deadline = time.monotonic() + 10  # a hang guard: the ANNOUNCE is on its way
+        while not control.status()["ranks"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(r["job"], r["node"], r["owner"]) for r in control.status()["ranks"]] == [
+            (JOB, 0, 0)
+        ]
+
+        def child() -> str:
+            with fabricd.connect(job=JOB, rank=1, size=2, socket_path=second, timeout=10):
+                return "joined"
+
+        answer = _as_a_user(child)
+        assert answer.startswith(f"PermissionDenied: hello: job '{JOB}' belongs to uid 0"), answer
+        assert control.status()["counters"]["refused_joins"] == 1
