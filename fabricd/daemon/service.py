@@ -162,7 +162,10 @@ class Service(Protocol):
     def statistics(self) -> Meta:
         """What ``fabricctl status`` shows of this service: top-level status fields.
 
-        JSON-ready.  A ``"counters"`` entry is merged with the other services' counters.
+        JSON-ready.  A ``"counters"`` entry is merged with the other services' counters.  A
+        row (a dict in a top-level list) about a job carries ``job`` and ``owner``, one about a
+        client ``uid``: the node withholds such rows from clients that may not see them
+        (:mod:`fabricd.daemon.access`).
         """
 
     def client_statistics(self, session: ClientSession) -> Meta:
