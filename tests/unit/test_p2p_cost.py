@@ -224,6 +224,27 @@ def test_a_rank_leaving_does_work_in_proportion_to_what_waited_for_it(monkeypatc
     assert_flat(monkeypatch, setup)
 
 
+@pytest.mark.slow
+def test_abandoning_and_cancelling_10_5_operations_costs_what_10_3_do(monkeypatch):
+    """The review's scale: 10^5 operations abandoned on their daemon, 10^5 CANCELs on the
+    remote one, against 10^3 of each; work per operation counted, as above."""
+
+    def abandon(n: int) -> Callable[[], object]:
+        pair = Pair()
+        ops, _ = pair.post_mixed(n)
+        return lambda: pair.engines[0].abandon(shuffled(ops))
+
+    def cancel(n: int) -> Callable[[], object]:
+        pair = Pair()
+        msgs = shuffled([frame.msg for frame in pair.queue_rts(n)])
+        engine = pair.engines[1]
+        return lambda: [engine.on_frame(0, Cancel(msg=msg), 0.0) for msg in msgs]
+
+    for setup in (abandon, cancel):
+        small, large = (per_op(monkeypatch, n, setup) for n in (1_000, 100_000))
+        assert large <= FLAT * small, f"{setup.__name__}: {small:.1f} -> {large:.1f} per op"
+
+
 def test_the_counter_sees_a_scan_per_operation(monkeypatch):
     """The yardstick itself: a C-level scan per abandoned receive (what the old engine did)
     shows as work that grows with n."""
