@@ -118,7 +118,9 @@ class Pair:
         if not isinstance(stream, StreamData):
             raise RuntimeError(f"a CTS did not start the stream: {stream}")
         chunk = Data(msg=stream.msg, off=0)
-        receiver.payload_buffer(0, chunk, PAYLOAD)[:] = self.payload
+        landing = receiver.payload_buffer(0, chunk, PAYLOAD)
+        assert landing is not None, "an expected chunk always has a place to land"
+        landing[:] = self.payload
         *landed, received = receiver.data_arrived(0, chunk, PAYLOAD, 0.0)
         receiver.next_deadline()
         done = _answer(landed, Done)

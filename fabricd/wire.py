@@ -16,7 +16,9 @@ Invariants the decoder keeps:
   and nothing else; after that the decoder is dead and the connection must be closed;
 * the payload can be written straight into a buffer the caller supplies after seeing the
   frame's head (:meth:`Decoder.set_payload_buffer`), and the kernel can write into it directly
-  (:meth:`Decoder.payload_target`), so large payloads land in place with no user-space copy.
+  (:meth:`Decoder.payload_target`), so large payloads land in place with no user-space copy;
+* a payload nobody wants is read and dropped (:meth:`Decoder.discard_payload`): nothing is
+  allocated for it, whatever length its header declares.
 """
 
 from __future__ import annotations
@@ -125,6 +127,16 @@ class NeedData(enum.Enum):
 NEED_DATA: Final = NeedData.NEED_DATA
 
 
+class Discard(enum.Enum):
+    """What a receiver returns for a payload to read and drop (:meth:`Decoder.discard_payload`)."""
+
+    DISCARD = enum.auto()
+
+
+DISCARD: Final = Discard.DISCARD
+_NO_PAYLOAD: Final = memoryview(b"")
+
+
 def encode_head(
     kind: Kind,
     meta: Mapping[str, object],
@@ -185,6 +197,7 @@ class Decoder:
         self._payload: memoryview | None = None
         self._payload_len = 0
         self._filled = 0
+        self._discard = False  #: the current payload is read and dropped
 
     @property
     def buffered(self) -> int:
@@ -211,7 +224,7 @@ class Decoder:
         Returns ``None`` unless the decoder is inside a payload with nothing buffered ahead of it.
         After writing ``n`` bytes into the returned view, call :meth:`payload_written`.
         """
-        if self._state is not _State.PAYLOAD or self._buf:
+        if self._state is not _State.PAYLOAD or self._buf or self._discard:
             return None
         payload = self._ensure_payload()
         return payload[self._filled :]
@@ -235,6 +248,17 @@ class Decoder:
                 f"payload buffer must be writable and {self._payload_len} B, got {len(view)} B"
             )
         self._payload = view
+
+    def discard_payload(self) -> None:
+        """Read the current frame's payload and drop it, allocating nothing for it.
+
+        The frame is still returned, with an empty ``payload``; its bytes pass through whatever
+        the caller feeds (a transport's read buffer), a slice at a time.  Only valid right
+        after :meth:`next_event` returned a :class:`FrameHead`.
+        """
+        if self._state is not _State.PAYLOAD or self._payload is not None or self._discard:
+            raise LocalProtocolError("discard_payload() must follow a FrameHead event")
+        self._discard = True
 
     def next_event(self) -> FrameHead | Frame | NeedData:
         """Return the next event, or :data:`NEED_DATA`."""
@@ -292,7 +316,7 @@ class Decoder:
         del self._buf[: self._meta_len]
         self._meta = _unpack_meta(raw, self.limits)
         self._state = _State.PAYLOAD
-        self._payload, self._filled = None, 0
+        self._payload, self._filled, self._discard = None, 0, False
         return FrameHead(
             kind=self._kind, flags=self._flags, meta=self._meta, payload_len=self._payload_len
         )
@@ -303,9 +327,8 @@ class Decoder:
             del self._buf[:taken]
         if self._filled < self._payload_len:
             return NEED_DATA
-        frame = Frame(
-            kind=self._kind, flags=self._flags, meta=self._meta, payload=self._ensure_payload()
-        )
+        payload = _NO_PAYLOAD if self._discard else self._ensure_payload()
+        frame = Frame(kind=self._kind, flags=self._flags, meta=self._meta, payload=payload)
         self._state, self._payload, self._meta = _State.HEADER, None, {}
         return frame
 
@@ -315,8 +338,11 @@ class Decoder:
         return self._payload
 
     def _fill_payload(self, view: memoryview) -> int:
-        payload = self._ensure_payload()
         n = min(len(view), self._payload_len - self._filled)
+        if self._discard:
+            self._filled += n
+            return n
+        payload = self._ensure_payload()
         payload[self._filled : self._filled + n] = view[:n]
         self._filled += n
         return n

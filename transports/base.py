@@ -10,7 +10,9 @@ Receiving is push-based, through a :class:`FrameSink` the upper layer installs:
 1. ``payload_buffer(link, head)`` is called once a frame's header and metadata have arrived and
    *before* any payload byte is read.  Returning a writable view of exactly ``head.payload_len``
    bytes makes the payload land there in place (the TCP transport lets the kernel write into it
-   directly); returning ``None`` makes the link allocate a buffer of its own.
+   directly); returning ``None`` makes the link allocate a buffer of its own; returning
+   :data:`~fabricd.wire.DISCARD` makes it read the payload through its small read buffer and
+   drop it, allocating nothing (``frame_received`` then gets an empty payload).
 2. ``frame_received(link, frame)`` is called with the whole frame.
 3. ``link_lost(link, exc)`` is called exactly once when the link closes for any reason.
 
@@ -40,7 +42,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from fabricd.wire import Frame, FrameHead, Kind, Limits
+    from fabricd.wire import Discard, Frame, FrameHead, Kind, Limits
 
 Buffer = bytes | bytearray | memoryview
 
@@ -51,8 +53,9 @@ MAX_UNREAD: Final = 64 * 1024 * 1024
 class FrameSink(Protocol):
     """What a link delivers received frames to (see the module docstring)."""
 
-    def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | None:
-        """Return where ``head``'s payload should land, or ``None`` for a fresh buffer."""
+    def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | Discard | None:
+        """Return where ``head``'s payload should land, ``None`` for a fresh buffer, or
+        ``DISCARD`` to drop it unallocated."""
 
     def frame_received(self, link: Link, frame: Frame) -> None:
         """Take a whole frame."""

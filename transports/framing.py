@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.errors import ProtocolError
 from fabricd.transports.base import Link, LinkStatistics
-from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, Limits, encode_head
+from fabricd.wire import DISCARD, NEED_DATA, Decoder, Frame, Kind, Limits, encode_head
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -62,7 +62,9 @@ class Receiver:
                     self.sink.frame_received(self.link, event)
                 elif event.payload_len:
                     buffer = self.sink.payload_buffer(self.link, event)
-                    if buffer is not None:
+                    if buffer is DISCARD:
+                        self.decoder.discard_payload()
+                    elif buffer is not None:
                         self.decoder.set_payload_buffer(buffer)
         except ProtocolError as exc:
             return f"protocol error: {exc}"

@@ -41,13 +41,14 @@ class Config:
     suspect_after: float = 3.0
     down_after: float = 10.0
     handshake_timeout: float = 2.0
+    handshake_spare_slots: int = 2
     reconnect_max_backoff: float = 2.0
     route_timeout: float = 30.0
     chunk_size: int = 4 * 1024 * 1024
-    handshake_spare_slots: int = 2
     max_payload: int = 64 * 1024 * 1024
     max_meta: int = 64 * 1024
     max_clients: int = 256
+    max_ranks_per_peer: int = 4096
     client_hello_timeout: float = 10.0
     client_frame_timeout: float = 10.0
     max_segments_per_client: int = 1024
@@ -111,9 +112,14 @@ class Config:
         for key in ("max_ops_per_client", "max_ops_per_job", "max_unmatched_rts_per_peer"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1")
-        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
         if not 0 <= self.handshake_spare_slots <= 1024:
             raise ConfigError("handshake_spare_slots must be between 0 and 1024")
+        if self.max_ranks_per_peer < self.max_clients:
+            raise ConfigError(
+                "max_ranks_per_peer must be at least max_clients: a peer hosts a rank per client, "
+                "and one past the bound is reset"
+            )
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level must be one of debug, info, warning, error")
         if self.log_format not in ("text", "json"):
             raise ConfigError("log_format must be 'text' or 'json'")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from fabricd import frames
 from fabricd.daemon import access
+from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.sessions import parse_hello
 from fabricd.engines.actions import Broadcast, Notice, SendFrame
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from fabricd.engines.membership import Action
 
 log = logging.getLogger("fabricd.membership")
+#: peers' announcements cause these lines: rate-limited
+remote_log = RateLimitedLog(log)
 
 
 class MembershipService(BaseService):
@@ -47,7 +50,11 @@ class MembershipService(BaseService):
 
     def __init__(self, host: Host) -> None:
         self.host = host
-        self.engine = Membership(node=host.config.node_id, ownership=access.ownership(host.config))
+        self.engine = Membership(
+            node=host.config.node_id,
+            ownership=access.ownership(host.config),
+            max_ranks_per_peer=host.config.max_ranks_per_peer,
+        )
 
     def on_request(self, request: Request, now: float) -> Meta:
         session = request.session
@@ -118,7 +125,12 @@ class MembershipService(BaseService):
     def statistics(self) -> Meta:
         engine = self.engine
         ranks = [{**dataclasses.asdict(e), "owner": engine.owner(e.job)} for e in engine.entries()]
-        return {"ranks": ranks, "counters": {"refused_joins": engine.statistics().refused_joins}}
+        stats = engine.statistics()
+        counters = {
+            "refused_joins": stats.refused_joins,
+            "refused_announcements": stats.refused_announcements,
+        }
+        return {"ranks": ranks, "counters": counters}
 
     def client_statistics(self, session: ClientSession) -> Meta:
         if session.job is None:
@@ -134,5 +146,5 @@ class MembershipService(BaseService):
                     self.host.broadcast(frame)
                 case RankJoined() | RankLeft():
                     self.host.rank_event(action)
-                case Notice(message=message):
-                    log.warning("%s", message)
+                case Notice(message=message):  # ignored announcements: a peer's doing
+                    remote_log.warning("ignored announcement", "%s", message)

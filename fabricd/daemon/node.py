@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from fabricd import frames
 from fabricd.daemon import access
+from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.membership_service import MembershipService
 from fabricd.daemon.p2p_service import P2PService
 from fabricd.daemon.peering_service import HandshakeSettings, PeeringService
@@ -55,7 +56,18 @@ from fabricd.ipc import IpcConnection, IpcServer
 from fabricd.shm import Segment
 from fabricd.transports.tcp import TcpTransport
 from fabricd.transports.verbs import device as verbs_device
-from fabricd.wire import PROTOCOL_VERSION, Frame, FrameHead, Kind, Limits, Meta, get_int, get_str
+from fabricd.wire import (
+    DISCARD,
+    PROTOCOL_VERSION,
+    Discard,
+    Frame,
+    FrameHead,
+    Kind,
+    Limits,
+    Meta,
+    get_int,
+    get_str,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -66,6 +78,8 @@ if TYPE_CHECKING:
     from fabricd.transports.base import Link, Transport
 
 log = logging.getLogger("fabricd.daemon")
+#: lines that peers' frames cause: rate-limited
+remote_log = RateLimitedLog(log)
 
 #: what an authenticated peer may send: the peer frame kinds, no handshake or client frames
 _PEER_LIMIT_KINDS: Final = frames.PEER_KINDS
@@ -154,7 +168,7 @@ class Daemon:
         self._stopped = False
         #: the last DATA frame's metadata and its parsed view: read once for its landing
         #: buffer, reused when the whole frame arrives (metadata is parsed on every frame)
-        self._chunk: tuple[Meta | None, frames.PeerFrame] = (None, frames.Heartbeat())
+        self._chunk: tuple[Meta | None, frames.PeerFrame, int] = (None, frames.Heartbeat(), 0)
 
     def service(self, name: str) -> Service:
         """The service called ``name`` (for status tools and tests).
@@ -303,7 +317,7 @@ class Daemon:
         key = self._current.get(link)
         return key[1] if key is not None and key[0] == node else None
 
-    def payload_buffer(self, node: int, link: Link, head: FrameHead) -> memoryview | None:
+    def payload_buffer(self, node: int, link: Link, head: FrameHead) -> memoryview | Discard:
         # checked before a byte lands in a client's region
         if self.current_channel(node, link) is not Channel.DATA or head.kind is not Kind.DATA:
             raise RemoteProtocolError(
@@ -313,8 +327,10 @@ class Daemon:
         if service is None:
             raise RemoteProtocolError("this daemon takes no DATA frames")
         chunk = frames.Data.from_meta(head.meta)
-        self._chunk = (head.meta, chunk)  # the whole frame comes next, with this same metadata
-        return service.payload_buffer(node, chunk, head.payload_len)
+        # the whole frame comes next, with this same metadata (and, if dropped, no payload)
+        self._chunk = (head.meta, chunk, head.payload_len)
+        buffer = service.payload_buffer(node, chunk, head.payload_len)
+        return DISCARD if buffer is None else buffer
 
     def frame_received(self, node: int, link: Link, frame: Frame) -> None:
         channel = self.current_channel(node, link)
@@ -327,12 +343,17 @@ class Daemon:
         self.peering.heard(node, now)
         service = self._by_kind.get(frame.kind)
         if service is None:
-            log.warning("node %d sent %s, which no service handles", node, frame.kind.name)
+            remote_log.warning(
+                "unhandled kind", "node %d sent %s, which no service handles", node, frame.kind.name
+            )
             raise RemoteProtocolError(f"no service handles {frame.kind.name} frames")
-        cached_meta, chunk = self._chunk
-        view = chunk if frame.meta is cached_meta else frames.parse(frame.kind, frame.meta)
+        cached_meta, chunk, length = self._chunk
+        if frame.meta is cached_meta:
+            view = chunk
+        else:
+            view, length = frames.parse(frame.kind, frame.meta), len(frame.payload)
         if isinstance(view, frames.Data):
-            service.on_data(node, view, len(frame.payload), now)
+            service.on_data(node, view, length, now)
         else:
             service.on_frame(node, view, now)
         self.rearm()

@@ -166,7 +166,7 @@ class P2PService(BaseService):
         assert isinstance(frame, frames.Rts | frames.Cts | frames.Done | frames.Cancel)
         self._perform(self.engine.on_frame(node, frame, now))
 
-    def payload_buffer(self, node: int, frame: frames.Data, length: int) -> memoryview:
+    def payload_buffer(self, node: int, frame: frames.Data, length: int) -> memoryview | None:
         return self.engine.payload_buffer(node, frame, length)
 
     def on_data(self, node: int, frame: frames.Data, length: int, now: float) -> None:

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from fabricd.engines.actions import Answer
     from fabricd.engines.handshake import PeerIdentity
     from fabricd.transports.base import Link, Listener, Transport
-    from fabricd.wire import Frame, FrameHead, Limits
+    from fabricd.wire import Discard, Frame, FrameHead, Limits
 
 log = logging.getLogger("fabricd.peering")
 #: lines that peers, or whoever connects to the peer port, cause: rate-limited
@@ -70,8 +70,8 @@ class LinkOwner(Host, Protocol):
     def link(self, node: int, channel: Channel) -> Link | None:
         """``node``'s current ``channel`` link, if it has one."""
 
-    def payload_buffer(self, node: int, link: Link, head: FrameHead) -> memoryview | None:
-        """Where an authenticated frame's payload lands."""
+    def payload_buffer(self, node: int, link: Link, head: FrameHead) -> memoryview | Discard:
+        """Where an authenticated frame's payload lands (``DISCARD``: nowhere)."""
 
     def frame_received(self, node: int, link: Link, frame: Frame) -> None:
         """An authenticated frame from ``node``."""
@@ -166,7 +166,7 @@ class _AuthedSink:
     owner: LinkOwner
     node: int
 
-    def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | None:
+    def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | Discard:
         return self.owner.payload_buffer(self.node, link, head)
 
     def frame_received(self, link: Link, frame: Frame) -> None:

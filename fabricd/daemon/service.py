@@ -118,11 +118,13 @@ class Service(Protocol):
     def on_frame(self, node: int, frame: PeerFrame, now: float) -> None:
         """A frame of one of :attr:`kinds` from authenticated peer ``node``."""
 
-    def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview:
-        """Where the ``length`` payload bytes of a DATA frame from ``node`` must land.
+    def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview | None:
+        """Where the ``length`` payload bytes of a DATA frame from ``node`` must land; ``None``:
+        read them and drop them (nothing is allocated for them).
 
         Only called on the service that claims :attr:`Kind.DATA`, before the first payload
-        byte is read, so the bytes land in place.
+        byte is read, so the bytes land in place.  Raise ``RemoteProtocolError`` for a chunk
+        nobody asked for: its link is closed.
         """
 
     def on_data(self, node: int, frame: Data, length: int, now: float) -> None:
@@ -182,7 +184,7 @@ class BaseService:
     def on_frame(self, node: int, frame: PeerFrame, now: float) -> None:
         raise NotImplementedError(f"{self.name} claims no frame kinds")
 
-    def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview:
+    def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview | None:
         raise NotImplementedError(f"{self.name} takes no payloads")
 
     def on_data(self, node: int, frame: Data, length: int, now: float) -> None:

@@ -12,10 +12,14 @@ error, and the daemon closes that link.  :meth:`Landing.payload_buffer` hands th
 view of the receiver's region, so the kernel writes socket -> shared memory with no copy in
 user space.
 
-Two kinds of bytes are read and dropped, into one scratch buffer that is reused instead of
-allocated per chunk: those of a message that is *discarded* (its receiver left mid-transfer;
-the bytes are still counted, so the transfer ends and the sender hears DONE) and those of a
-message the table does not know (cancelled, or sent before a reset of the link).
+Two kinds of bytes are read and dropped (:meth:`Landing.payload_buffer` returns ``None``, and
+the transport reads them through its small read buffer, allocating nothing for them): those of
+a message that is *discarded* (its receiver left mid-transfer; the bytes are still counted, so
+the transfer ends and the sender hears DONE) and those of a message the sender *cancelled*
+(DATA it had sent before its CANCEL, which travels on the other link, may still arrive).  The
+last :data:`CANCELLED_KEPT` cancelled messages of each node are remembered for that.  DATA of
+any other message is one this daemon never asked for (no CTS): a protocol error, so a peer can
+make the daemon neither allocate nor keep anything with DATA it sends unasked.
 
 Layout: ``{node: {msg: entry}}``, so a peer's reset forgets its messages in O(its messages).
 """
@@ -23,8 +27,12 @@ Layout: ``{node: {msg: entry}}``, so a peer's reset forgets its messages in O(it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from fabricd.errors import LocalProtocolError, RemoteProtocolError
+
+#: cancelled messages remembered per node, whose late DATA is dropped rather than refused
+CANCELLED_KEPT: Final = 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -46,7 +54,8 @@ class Landing:
 
     def __init__(self) -> None:
         self._entries: dict[int, dict[int, _Entry]] = {}
-        self._scratch = bytearray()  #: grows to the largest dropped chunk (at most max_payload)
+        #: per node, the last CANCELLED_KEPT messages it cancelled, oldest first
+        self._cancelled: dict[int, dict[int, None]] = {}
         self._count = 0
         #: payload bytes of expected messages that arrived (discarded ones included)
         self.bytes = 0
@@ -94,30 +103,49 @@ class Landing:
         self._count -= 1
         return entry.op
 
+    def cancel(self, node: int, msg: int) -> int | None:
+        """``node`` cancelled ``msg``: :meth:`forget` it, and drop its DATA still under way.
+
+        Returns the receive it filled, as :meth:`forget` does.
+        """
+        cancelled = self._cancelled.setdefault(node, {})
+        cancelled[msg] = None
+        if len(cancelled) > CANCELLED_KEPT:
+            del cancelled[next(iter(cancelled))]
+        return self.forget(node, msg)
+
     def forget_node(self, node: int) -> list[int]:
         """The links to ``node`` were reset: forget its messages; return the receives they filled
         (discarded ones excepted)."""
+        self._cancelled.pop(node, None)
         messages = self._entries.pop(node, {})
         self._count -= len(messages)
         return [entry.op for entry in messages.values() if entry.op is not None]
 
-    def payload_buffer(self, node: int, msg: int, off: int, length: int) -> memoryview:
-        """Where the ``length`` bytes of the DATA chunk of ``msg`` at ``off`` from ``node`` land.
+    def payload_buffer(self, node: int, msg: int, off: int, length: int) -> memoryview | None:
+        """Where the ``length`` bytes of the DATA chunk of ``msg`` at ``off`` from ``node`` land;
+        ``None``: read them and drop them (a discarded or cancelled message).
 
         Raises:
-            RemoteProtocolError: the chunk does not continue the message exactly where the last
-                one stopped, or runs past its end; close the link it came on.
+            RemoteProtocolError: the message was never asked for (or is complete), or the chunk
+                does not continue it exactly where the last one stopped, or runs past its end;
+                close the link it came on.
         """
         entry = self._entry(node, msg)
         if entry is None:
-            return self._drop(length)
+            if msg in self._cancelled.get(node, ()):
+                return None
+            raise RemoteProtocolError(
+                f"DATA of message {msg}, which this node never asked node {node} for "
+                "(no CTS), or which is complete"
+            )
         if off != entry.received or off + length > entry.nbytes:
             raise RemoteProtocolError(
                 f"DATA chunk [{off}, {off + length}) of message {msg} does not continue "
                 f"at {entry.received} of {entry.nbytes} B"
             )
         if entry.region is None:
-            return self._drop(length)
+            return None
         return entry.region[off : off + length]
 
     def arrived(self, node: int, msg: int, length: int) -> bool:
@@ -136,8 +164,3 @@ class Landing:
     def _entry(self, node: int, msg: int) -> _Entry | None:
         messages = self._entries.get(node)
         return None if messages is None else messages.get(msg)
-
-    def _drop(self, length: int) -> memoryview:
-        if len(self._scratch) < length:
-            self._scratch = bytearray(length)
-        return memoryview(self._scratch)[:length]

@@ -28,6 +28,12 @@ once the job is gone.  A job is released, its name free for any user again, when
 rank known to this daemon is gone: the last local rank left and no peer announced one, or the
 nodes that hosted the rest went down.
 
+A peer holds at most ``max_ranks_per_peer`` claims in the table, known and ignored together (and
+so at most that many jobs): an ANNOUNCE of a new rank beyond it raises
+:class:`~fabricd.errors.RemoteProtocolError`, so the daemon closes the link and resets the
+peer, whose ranks are then forgotten.  A daemon hosts one rank per client, so a peer within its
+``max_clients`` never reaches a bound at least that large.
+
 Every lookup, claim and release is O(1) while no claim is ignored, and O(ignored claims of the
 job) otherwise; :meth:`Membership.peer_down` is O(ranks of that node + ignored claims).
 """
@@ -35,14 +41,16 @@ job) otherwise; :meth:`Membership.peer_down` is O(ranks of that node + ignored c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from fabricd.engines.actions import Broadcast, Notice, SendFrame
 from fabricd.engines.ownership import Ownership, User
-from fabricd.errors import PermissionDenied, UsageError
+from fabricd.errors import PermissionDenied, RemoteProtocolError, UsageError
 from fabricd.frames import Announce
 
 RankKey = tuple[str, int]  #: (job, rank)
+#: claims (known and ignored) one peer may hold in the table
+MAX_RANKS_PER_PEER: Final = 4096
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,14 +106,24 @@ class MembershipStatistics:
     local_ranks: int  #: ranks whose client is connected to this daemon
     jobs: int  #: jobs with at least one known rank
     refused_joins: int  #: local claims refused because the job belongs to another user
+    refused_announcements: int  #: peers' claims past max_ranks_per_peer (each reset the peer)
 
 
 class Membership:
     """The fabric-wide view of (job, rank) -> node, as daemon ``node`` knows it."""
 
-    def __init__(self, node: int, ownership: Ownership | None = None) -> None:
+    def __init__(
+        self,
+        node: int,
+        ownership: Ownership | None = None,
+        *,
+        max_ranks_per_peer: int = MAX_RANKS_PER_PEER,
+    ) -> None:
+        if max_ranks_per_peer < 1:
+            raise ValueError("max_ranks_per_peer must be at least 1")
         self.node = node
         self.ownership = ownership or Ownership()
+        self.max_ranks_per_peer = max_ranks_per_peer
         self._entries: dict[RankKey, RankEntry] = {}
         self._by_node: dict[int, dict[RankKey, RankEntry]] = {}
         self._sizes: dict[str, int] = {}  #: job -> its size, while it has a known rank
@@ -115,7 +133,9 @@ class Membership:
         #: first, with the owner each named: each is retried when what it conflicted with is
         #: released
         self._ignored: dict[RankKey, dict[int, tuple[RankEntry, int]]] = {}
+        self._ignored_by_node: dict[int, int] = {}  #: how many ignored claims each node holds
         self._refused_joins = 0
+        self._refused_announcements = 0
 
     # -- local clients ----------------------------------------------------------------------
     def attach(self, job: str, rank: int, size: int, *, user: User) -> list[Action]:
@@ -178,11 +198,13 @@ class Membership:
         claim = RankEntry(job=frame.job, rank=frame.rank, size=frame.size, node=node)
         if self._entries.get(key) == claim and self._owners.get(frame.job) == frame.owner:
             return []
+        self._check_room(node, key)
         try:
             entry = self._claim(frame.job, frame.rank, frame.size, node, frame.owner)
         except UsageError as exc:
             if 0 <= frame.rank < frame.size:  # it may hold once the table changes
                 self._ignored.setdefault(key, {})[node] = (claim, frame.owner)
+                self._ignored_by_node[node] = self._ignored_by_node.get(node, 0) + 1
             return [Notice(message=f"ignored announcement from node {node}: {exc}")]
         return [RankJoined(entry=entry)]
 
@@ -232,6 +254,7 @@ class Membership:
             local_ranks=len(self._by_node.get(self.node, {})),
             jobs=len(self._sizes),
             refused_joins=self._refused_joins,
+            refused_announcements=self._refused_announcements,
         )
 
     # -- the table --------------------------------------------------------------------------
@@ -305,9 +328,30 @@ class Membership:
     def _unignore(self, key: RankKey, node: int) -> None:
         claims = self._ignored.get(key)
         if claims is not None:
-            claims.pop(node, None)
+            if claims.pop(node, None) is not None:
+                left = self._ignored_by_node[node] - 1
+                if left:
+                    self._ignored_by_node[node] = left
+                else:
+                    del self._ignored_by_node[node]
             if not claims:
                 del self._ignored[key]
+
+    def _check_room(self, node: int, key: RankKey) -> None:
+        """Raise RemoteProtocolError if ``node`` claiming ``key`` passes max_ranks_per_peer.
+
+        Called after ``key``'s ignored claim by ``node`` (if any) was dropped, so a claim that
+        replaces one the node already holds is not new.
+        """
+        held = len(self._by_node.get(node, ())) + self._ignored_by_node.get(node, 0)
+        if held < self.max_ranks_per_peer or key in self._by_node.get(node, ()):
+            return
+        self._refused_announcements += 1
+        raise RemoteProtocolError(
+            f"node {node} announced more than max_ranks_per_peer ({self.max_ranks_per_peer}) "
+            f"ranks; its link is reset (raise max_ranks_per_peer on node {self.node} if its "
+            "clients really hold that many)"
+        )
 
     def _forget(self, entry: RankEntry) -> None:
         """Drop ``entry`` from the table and its job's count (not from ``_by_node``)."""

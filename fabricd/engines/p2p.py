@@ -273,11 +273,13 @@ class Messaging:
                 return self._left(entry, reason, lost=lost)
 
     # -- the daemon's reports ---------------------------------------------------------------
-    def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview:
-        """Where the ``length`` payload bytes of a DATA frame from ``node`` land.
+    def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview | None:
+        """Where the ``length`` payload bytes of a DATA frame from ``node`` land; ``None``: read
+        them and drop them (:meth:`Landing.payload_buffer`).
 
         Raises:
-            RemoteProtocolError: the chunk is out of place; close the link it came on.
+            RemoteProtocolError: the chunk was never asked for, or is out of place; close the
+                link it came on.
         """
         return self._landing.payload_buffer(node, frame.msg, frame.off, length)
 
@@ -492,7 +494,7 @@ class Messaging:
         if offer is not None:
             self._unfile(offer)
             return []
-        op = self._landing.forget(node, msg_id)
+        op = self._landing.cancel(node, msg_id)  # its DATA already under way is dropped
         if op is None:
             return []
         recv = self._recvs[op]

@@ -28,7 +28,7 @@ from fabricd.transports import inproc, tcp
 from fabricd.transports.base import split_address
 from fabricd.transports.inproc import InprocTransport
 from fabricd.transports.tcp import TcpTransport
-from fabricd.wire import DEFAULT_LIMITS, Kind, Limits, encode_head
+from fabricd.wire import DEFAULT_LIMITS, DISCARD, Discard, Kind, Limits, encode_head
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -69,11 +69,11 @@ class Sink:
         self.frames: list[Frame] = []
         self.heads: list[FrameHead] = []
         self.lost: list[BaseException | None] = []
-        self.supply: Callable[[FrameHead], memoryview | None] | None = None
+        self.supply: Callable[[FrameHead], memoryview | Discard | None] | None = None
         self.fail: Exception | None = None  #: raise this from frame_received
         self._changed = asyncio.Event()
 
-    def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | None:
+    def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | Discard | None:
         self.heads.append(head)
         return None if self.supply is None else self.supply(head)
 
@@ -300,6 +300,30 @@ async def check_fresh_buffer(kind: str) -> None:
 
 def test_payload_buffer_returning_none_gives_a_fresh_buffer(case: tuple[str, str]) -> None:
     run(case, check_fresh_buffer)
+
+
+async def check_discard(kind: str) -> None:
+    async with network(kind) as net:
+        pair = await net.pair()
+        sink = pair.server_sink
+        sink.supply = lambda head: DISCARD if head.meta["i"] == 1 else None
+        await pair.client.send(Kind.DATA, {"i": 0}, [b"before"])
+        await pair.client.send(Kind.DATA, {"i": 1}, [bytes(64 * MiB)])
+        await pair.client.send(Kind.DATA, {"i": 2}, [b"after"])
+        frames = await sink.frames_count(3)
+        # the dropped frame arrives without its payload: the decoder never allocated one (it
+        # would be this frame's payload), and the stream goes on exactly after it
+        assert [(f.meta["i"], bytes(f.payload)) for f in frames] == [
+            (0, b"before"),
+            (1, b""),
+            (2, b"after"),
+        ]
+        assert sink.lost == []
+        assert pair.server.statistics().bytes_received > 64 * MiB  # every byte was read
+
+
+def test_a_discarded_payload_is_read_and_dropped_unallocated(case: tuple[str, str]) -> None:
+    run(case, check_discard)
 
 
 # -- backpressure -----------------------------------------------------------------------------

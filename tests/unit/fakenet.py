@@ -235,7 +235,9 @@ class FakeNet:
         for off in range(0, len(source), self.chunk_size):
             chunk = source[off : off + self.chunk_size]
             frame = Data(msg=stream.msg, off=off)
-            engine.payload_buffer(sender, frame, len(chunk))[:] = chunk
+            buffer = engine.payload_buffer(sender, frame, len(chunk))
+            if buffer is not None:  # None: dropped (a discarded or cancelled message)
+                buffer[:] = chunk
             self.perform(receiver, engine.data_arrived(sender, frame, len(chunk), self.now))
 
     def fail_stream(self, index: int = 0, reason: str = "data link closed") -> None:

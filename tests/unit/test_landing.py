@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import tracemalloc
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fabricd.engines.landing import Landing
+from fabricd.engines.landing import CANCELLED_KEPT, Landing
 from fabricd.errors import LocalProtocolError, RemoteProtocolError
 
 NODE, MSG, OP = 3, 7, 42
@@ -17,7 +18,9 @@ NODE, MSG, OP = 3, 7, 42
 
 def land(landing: Landing, node: int, msg: int, off: int, chunk: bytes) -> bool:
     """Do what the daemon does with one DATA chunk; return whether the message is complete."""
-    landing.payload_buffer(node, msg, off, len(chunk))[:] = chunk
+    buffer = landing.payload_buffer(node, msg, off, len(chunk))
+    if buffer is not None:  # None: read and dropped
+        buffer[:] = chunk
     return landing.arrived(node, msg, len(chunk))
 
 
@@ -71,15 +74,28 @@ def test_a_chunk_past_the_end_of_an_untouched_message_is_refused() -> None:
         landing.payload_buffer(NODE, MSG, 0, 5)
 
 
-def test_unknown_messages_land_in_one_reused_scratch_buffer() -> None:
+def test_data_nobody_asked_for_is_a_protocol_error_and_allocates_nothing() -> None:
     landing = Landing()
-    first = landing.payload_buffer(NODE, MSG, 123, 16)  # any offset: nothing to check against
-    second = landing.payload_buffer(NODE + 1, MSG, 0, 8)
-    assert first.nbytes == 16
-    assert second.nbytes == 8
-    assert second.obj is first.obj  # no fresh buffer per dropped chunk
+    tracemalloc.start()
+    try:
+        for node in range(100):
+            with pytest.raises(RemoteProtocolError, match="never asked node"):
+                landing.payload_buffer(node, MSG, 0, 64 << 20)  # a 64 MiB chunk, unasked
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # nothing of the declared size was allocated
     assert not landing.arrived(NODE, MSG, 16)
     assert landing.bytes == 0  # nobody waits for them: not counted
+
+
+def test_a_complete_message_takes_no_more_data() -> None:
+    landing = Landing()
+    landing.expect(NODE, MSG, OP, memoryview(bytearray(4)))
+    assert land(landing, NODE, MSG, 0, b"abcd")
+    assert landing.forget(NODE, MSG) == OP
+    with pytest.raises(RemoteProtocolError, match="or which is complete"):
+        landing.payload_buffer(NODE, MSG, 4, 1)
 
 
 def test_a_discarded_message_is_counted_but_written_nowhere() -> None:
@@ -97,13 +113,27 @@ def test_a_discarded_message_is_counted_but_written_nowhere() -> None:
     assert landing.forget(NODE, MSG) is None  # nobody to give the message to
 
 
-def test_forget_ends_a_message_whose_sender_cancelled() -> None:
+def test_cancel_ends_a_message_and_its_late_chunks_are_dropped_unallocated() -> None:
     landing = Landing()
     landing.expect(NODE, MSG, OP, memoryview(bytearray(4)))
-    assert landing.forget(NODE, MSG) == OP
+    assert landing.cancel(NODE, MSG) == OP
     assert landing.forget(NODE, MSG) is None
-    assert landing.payload_buffer(NODE, MSG, 2, 2).nbytes == 2  # late chunks are dropped
+    assert landing.payload_buffer(NODE, MSG, 2, 2) is None  # late chunks: read and dropped
     assert not landing.arrived(NODE, MSG, 2)
+    assert len(landing) == 0  # nothing waits for them: a drain does not
+
+
+def test_only_the_last_cancelled_messages_of_a_node_are_remembered() -> None:
+    landing = Landing()
+    for msg in range(CANCELLED_KEPT + 10):
+        assert landing.cancel(NODE, msg) is None  # (a CANCEL before the CTS: none expected)
+    assert landing.payload_buffer(NODE, CANCELLED_KEPT + 9, 0, 8) is None
+    assert landing.payload_buffer(NODE, 10, 0, 8) is None
+    with pytest.raises(RemoteProtocolError):
+        landing.payload_buffer(NODE, 9, 0, 8)  # forgotten: the table stays bounded
+    landing.forget_node(NODE)  # a reset forgets them all
+    with pytest.raises(RemoteProtocolError):
+        landing.payload_buffer(NODE, 10, 0, 8)
 
 
 def test_forget_node_returns_the_receives_that_still_wanted_its_messages() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from fabricd.engines.actions import Broadcast, Notice, SendFrame
 from fabricd.engines.membership import (
+    MAX_RANKS_PER_PEER,
     Membership,
     MembershipStatistics,
     RankEntry,
@@ -13,7 +14,7 @@ from fabricd.engines.membership import (
     RankLeft,
 )
 from fabricd.engines.ownership import JobGrant, Ownership, User
-from fabricd.errors import FabricError, PermissionDenied, UsageError
+from fabricd.errors import FabricError, PermissionDenied, RemoteProtocolError, UsageError
 from fabricd.frames import Announce
 
 HERE = 0
@@ -153,17 +154,17 @@ def test_local_and_entries_are_sorted_by_job_then_rank(members: Membership) -> N
 
 def test_statistics_count_ranks_local_ranks_and_jobs(members: Membership) -> None:
     assert members.statistics() == MembershipStatistics(
-        ranks=0, local_ranks=0, jobs=0, refused_joins=0
+        ranks=0, local_ranks=0, jobs=0, refused_joins=0, refused_announcements=0
     )
     members.attach("demo", 0, 4, user=ALICE)
     announce(members, 1, 1)
     announce(members, 1, 0, 1, job="other")
     assert members.statistics() == MembershipStatistics(
-        ranks=3, local_ranks=1, jobs=2, refused_joins=0
+        ranks=3, local_ranks=1, jobs=2, refused_joins=0, refused_announcements=0
     )
     members.peer_down(1, "down")
     assert members.statistics() == MembershipStatistics(
-        ranks=1, local_ranks=1, jobs=1, refused_joins=0
+        ranks=1, local_ranks=1, jobs=1, refused_joins=0, refused_announcements=0
     )
 
 
@@ -415,3 +416,55 @@ def test_peer_up_announces_each_rank_with_its_jobs_owner() -> None:
         ("demo", 1, ALICE.uid),
         ("solo", 0, BOB.uid),
     ]
+
+
+# -- what a peer may make this daemon hold ----------------------------------------------------
+def test_a_peer_announcing_past_max_ranks_per_peer_is_refused_and_counted() -> None:
+    members = Membership(node=HERE, max_ranks_per_peer=3)
+    for rank in range(3):
+        assert announce(members, 1, rank, size=10_000, job="flood")
+    assert announce(members, 1, 0, size=10_000, job="flood") == []  # held already: no news
+    with pytest.raises(RemoteProtocolError, match=r"max_ranks_per_peer \(3\)"):
+        announce(members, 1, 3, size=10_000, job="flood")
+    with pytest.raises(RemoteProtocolError):  # a new job is a new rank too
+        announce(members, 1, 0, job="another")
+    assert members.statistics().refused_announcements == 2
+    assert members.statistics().ranks == 3  # nothing past the bound was kept
+    assert announce(members, 2, 0, job="other")  # another peer has its own room
+    announce(members, 1, 2, size=10_000, job="flood", present=False)
+    assert announce(members, 1, 3, size=10_000, job="flood")  # room again once one left
+
+
+def test_ignored_claims_count_towards_a_peers_bound() -> None:
+    members = Membership(node=HERE, max_ranks_per_peer=2)
+    announce(members, 1, 0, size=4)  # node 1's rank 0 of demo (size 4)
+    assert of_kind(Notice, announce(members, 2, 0, size=8))  # ignored, but held
+    assert of_kind(Notice, announce(members, 2, 1, size=8))
+    with pytest.raises(RemoteProtocolError):
+        announce(members, 2, 2, size=8)
+    assert of_kind(Notice, announce(members, 2, 1, size=8))  # a claim it holds: not new
+
+
+def test_a_reset_peer_gets_its_room_back() -> None:
+    members = Membership(node=HERE, max_ranks_per_peer=2)
+    announce(members, 1, 0)
+    announce(members, 1, 1)
+    members.peer_down(1, "reset")
+    assert announce(members, 1, 2)
+    assert announce(members, 1, 3)
+
+
+def test_twenty_thousand_announcements_hold_at_most_the_bound() -> None:
+    members = Membership(node=HERE)  # the default bound
+    refused = 0
+    for rank in range(20_000):
+        try:
+            announce(members, 1, rank, size=2**31 - 1, job="flood")
+        except RemoteProtocolError:
+            refused += 1
+    assert members.statistics().ranks == MAX_RANKS_PER_PEER
+    assert refused == 20_000 - MAX_RANKS_PER_PEER
+
+
+def of_kind(kind: type, actions: list) -> list:
+    return [a for a in actions if isinstance(a, kind)]
