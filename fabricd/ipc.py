@@ -40,7 +40,7 @@ Nothing a client does holds a slot or the loop for free:
   :data:`ACCEPT_PAUSE_MIN` to :data:`ACCEPT_PAUSE_MAX` while it lasts;
 * every refusal says its own reason (uid not allowed, ``max_clients``, out of file descriptors,
   daemon stopping) and is counted in :meth:`IpcServer.counters`; log lines that clients cause
-  are at most one per kind per :data:`LOG_INTERVAL`, counting those held back.
+  go through :class:`~fabricd.daemon.logs.RateLimitedLog` (a burst per kind, then a count).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
+from fabricd.daemon.logs import RateLimitedLog
 from fabricd.dirs import make_dirs
 from fabricd.errors import ConfigError, ErrorCode, LocalProtocolError, ProtocolError
 from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, Limits, Meta, encode_head
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
 log = logging.getLogger("fabricd.ipc")
+#: lines that clients cause (refusals, timeouts, failed accepts): a burst per kind, then counted
+remote_log = RateLimitedLog(log)
 
 #: what the daemon accepts from a client: small requests, never a payload
 REQUEST_LIMITS: Final = Limits(max_meta=16 * 1024, max_payload=0, kinds=frozenset({Kind.REQUEST}))
@@ -100,10 +103,14 @@ _OUT_OF_RESOURCES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS,
 ACCEPT_PAUSE_MIN: Final = 0.05
 #: ... up to this; a successful accept starts again from the first
 ACCEPT_PAUSE_MAX: Final = 2.0
-#: seconds between two log lines of one kind caused by clients (refusals, timeouts, accept)
-LOG_INTERVAL: Final = 10.0
 #: where the spare fd points: any file that can always be opened
 _SPARE_PATH: Final = os.devnull
+#: the rate-limited log's key (a constant per kind) for each reason a client is refused
+_REFUSED_KEYS: Final = {
+    "not_allowed": "clients refused (uid not allowed)",
+    "max_clients": "clients refused (max_clients)",
+    "stopping": "clients refused (daemon stopping)",
+}
 
 
 #: where the system's daemon (systemd's, or one root started) listens; tests point it elsewhere
@@ -164,38 +171,6 @@ def _peer_groups(sock: socket.socket) -> frozenset[int]:
     except OSError:
         return frozenset()
     return frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
-
-
-class LogThrottle:
-    """At most one log line per key per interval; the lines held back are counted into the next.
-
-    For lines that clients cause (a refusal, a timeout, accept failing at the fd limit): they
-    would otherwise come as fast as clients try, and fill the journal.  The first line of a
-    burst is written at once, with its details; the status counters have the totals.
-    """
-
-    def __init__(self, logger: logging.Logger, interval: float = LOG_INTERVAL) -> None:
-        self.logger = logger
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._held: collections.Counter[str] = collections.Counter()
-
-    def log(self, key: str, level: int, message: str, *args: object, now: float) -> bool:
-        """Log ``message % args`` unless a ``key`` line was logged within the interval.
-
-        Returns whether it was logged.
-        """
-        last = self._last.get(key)
-        if last is not None and now - last < self.interval:
-            self._held[key] += 1
-            return False
-        self._last[key] = now
-        held = self._held.pop(key, 0)
-        if held and last is not None:
-            message += " (and %d more like it in the last %.0f s)"
-            args = (*args, held, now - last)
-        self.logger.log(level, message, *args)
-        return True
 
 
 class RequestHandler(Protocol):
@@ -439,7 +414,6 @@ class IpcServer:
         self._spare: int | None = None  #: an fd given up at the fd limit to refuse with a reason
         self._paused: asyncio.TimerHandle | None = None  #: set while accepting is paused
         self._next_pause = ACCEPT_PAUSE_MIN
-        self._throttle = LogThrottle(log)
         self.refused = 0  #: clients refused at accept, for any reason
         #: refusals by reason: not_allowed, max_clients, no_fds, stopping
         self.refused_by: collections.Counter[str] = collections.Counter()
@@ -510,9 +484,6 @@ class IpcServer:
             probe.close()
         raise ConfigError(f"another fabricd already serves {self.path}; stop it first")
 
-    def _now(self) -> float:
-        return asyncio.get_running_loop().time()
-
     def _on_accept(self) -> None:
         if self._sock is None:
             return
@@ -524,13 +495,8 @@ class IpcServer:
             if exc.errno in _OUT_OF_RESOURCES:
                 self._out_of_resources(exc.errno)
             else:  # this one connection failed (it left the queue): nothing to retry
-                self._throttle.log(
-                    "accept",
-                    logging.WARNING,
-                    "accept on %s failed: %s",
-                    self.path,
-                    exc.strerror,
-                    now=self._now(),
+                remote_log.warning(
+                    "failed accepts", "accept on %s failed: %s", self.path, exc.strerror
                 )
             return
         self._next_pause = ACCEPT_PAUSE_MIN
@@ -573,15 +539,13 @@ class IpcServer:
             then = "refusing queued clients with that reason"
         else:
             then = f"pausing accepts for {self._pause():g} s"
-        self._throttle.log(
-            "accept",
-            logging.WARNING,
+        remote_log.warning(
+            "accepts out of resources",
             "accept on %s failed: %s (%s); %s",
             self.path,
             os.strerror(code),
             shortage,
             then,
-            now=self._now(),
         )
 
     def _refuse_with_spare(self, shortage: str) -> bool:
@@ -635,41 +599,38 @@ class IpcServer:
     def _refuse(
         self, conn: socket.socket, creds: Credentials, kind: str, why: str, reason: str
     ) -> None:
-        """Log (throttled), count and close a client it does not admit, telling it why first.
+        """Log (rate-limited), count and close a client it does not admit, telling it why first.
 
         ``kind`` names the counter, ``why`` is for the log, ``reason`` for the client: the
         closing EVENT's ``error``, which names the setting that would change the answer.
         """
         self.refused += 1
         self.refused_by[kind] += 1
-        self._throttle.log(
-            f"refused {kind}",
-            logging.WARNING,
-            "refused client pid=%d uid=%d gid=%d: %s",
-            creds.pid,
-            creds.uid,
-            creds.gid,
-            why,
-            now=self._now(),
-        )
+        if kind != "no_fds":  # that one is said by the failed accept's line
+            remote_log.warning(
+                _REFUSED_KEYS[kind],
+                "refused client pid=%d uid=%d gid=%d: %s",
+                creds.pid,
+                creds.uid,
+                creds.gid,
+                why,
+            )
         code = ErrorCode.DAEMON_STOPPING if kind == "stopping" else ErrorCode.REFUSED
         with contextlib.suppress(OSError):  # non-blocking: a full socket just gets no reason
             conn.send(closing_frame(code, reason))
         conn.close()
 
     def timed_out(self, conn: IpcConnection, reason: str) -> None:
-        """Count and log (throttled) a connection closed for a deadline it missed."""
+        """Count and log (rate-limited) a connection closed for a deadline it missed."""
         self.clients_timed_out += 1
         creds = conn.credentials
-        self._throttle.log(
-            "timed out",
-            logging.WARNING,
+        remote_log.warning(
+            "clients timed out",
             "closed client %d (pid %d, uid %d): %s",
             conn.id,
             creds.pid,
             creds.uid,
             reason,
-            now=self._now(),
         )
 
     def forget(self, conn: IpcConnection) -> None:
@@ -677,7 +638,7 @@ class IpcServer:
             return
         reason = conn.close_reason or ""
         quiet = conn.timed_out or reason in ("disconnected", "daemon stopping")
-        level = logging.DEBUG if quiet else logging.WARNING  # a timeout was logged, throttled
+        level = logging.DEBUG if quiet else logging.WARNING  # a timeout was logged, rate-limited
         log.log(level, "client %d (pid %d) disconnected: %s", conn.id, conn.credentials.pid, reason)
         self.handler.client_gone(conn)
 

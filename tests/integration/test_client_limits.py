@@ -101,7 +101,7 @@ def test_at_the_fd_limit_accept_does_not_spin_says_why_and_serves_once_fds_retur
     with _daemon(tmp_path, path, *settings, before=_low_fd_limit):
         # far more idle connections than the daemon has fds: it admits what fits, and the rest
         # are accepted through its spare fd and refused with the reason, one accept each
-        flood = [_raw(path) for _ in range(2 * FD_LIMIT)]
+        flood = [_raw(path) for _ in range(4 * FD_LIMIT)]
         last = _closing(flood[-1])  # connections are taken in order: the last one was refused
         assert last["code"] == "refused"
         assert "file descriptors" in last["error"]
@@ -125,8 +125,9 @@ def test_at_the_fd_limit_accept_does_not_spin_says_why_and_serves_once_fds_retur
     # one failed accept per refused client, never more: the loop did not retry in place
     assert counters["accept_errors"] == len(refused) + len(early)
     log = (tmp_path / "daemon.log").read_text(errors="replace")
-    assert 1 <= log.count("accept on") <= 3, log  # throttled: not one line per attempt
-    assert log.count("refused client") <= 3, log
+    # rate-limited: a burst of lines per second, then a count; not one line per failed accept
+    assert 1 <= log.count("accept on") <= len(refused) // 4, log
+    assert log.count("refused client") <= len(refused) // 4, log
 
 
 def test_a_client_over_max_clients_is_told_so_not_that_its_uid_may_be_wrong(tmp_path):
