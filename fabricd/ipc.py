@@ -501,7 +501,14 @@ class IpcServer:
             return
         self._next_pause = ACCEPT_PAUSE_MIN
         conn.setblocking(False)
-        creds = peer_credentials(conn)
+        try:
+            creds = peer_credentials(conn)
+        except OSError as exc:  # the kernel cannot say who it is: nobody to admit
+            conn.close()
+            remote_log.warning(
+                "failed accepts", "accept on %s failed: credentials: %s", self.path, exc.strerror
+            )
+            return
         if not creds.allowed(self.allowed_uids, self.allowed_gids):
             self._refuse(
                 conn,
@@ -617,6 +624,7 @@ class IpcServer:
             )
         code = ErrorCode.DAEMON_STOPPING if kind == "stopping" else ErrorCode.REFUSED
         with contextlib.suppress(OSError):  # non-blocking: a full socket just gets no reason
+            conn.setblocking(False)
             conn.send(closing_frame(code, reason))
         conn.close()
 
@@ -637,9 +645,17 @@ class IpcServer:
         if self.connections.pop(conn.id, None) is None:
             return
         reason = conn.close_reason or ""
-        quiet = conn.timed_out or reason in ("disconnected", "daemon stopping")
-        level = logging.DEBUG if quiet else logging.WARNING  # a timeout was logged, rate-limited
-        log.log(level, "client %d (pid %d) disconnected: %s", conn.id, conn.credentials.pid, reason)
+        pid = conn.credentials.pid
+        if conn.timed_out or reason in ("disconnected", "daemon stopping"):  # timeouts: logged
+            log.debug("client %d (pid %d) disconnected: %s", conn.id, pid, reason)
+        else:  # broke the protocol, stopped reading: as often as clients do it, so rate-limited
+            remote_log.warning(
+                "clients closed for errors",
+                "client %d (pid %d) disconnected: %s",
+                conn.id,
+                pid,
+                reason,
+            )
         self.handler.client_gone(conn)
 
     def stop_accepting(self) -> None:
