@@ -125,6 +125,7 @@ class ErrorCode(enum.StrEnum):
     TRANSPORT = "transport"  #: the data link broke while streaming
     DAEMON_STOPPING = "daemon_stopping"  #: the daemon is draining
     LIMIT = "limit"  #: a configured bound was reached; the message names it and its setting
+    RESOURCES = "resources"  #: the daemon's system ran out (memory, address space, fds, threads)
     PERMISSION = "permission"  #: the job belongs to another user; job_groups grants access
     INTERNAL = "internal"  #: a bug in the daemon (its log has the traceback)
     PROTOCOL = "protocol"  #: the client broke the protocol; the daemon closes the connection

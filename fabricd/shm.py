@@ -81,11 +81,25 @@ Memory ordering.  Python has no fences, so here is what holds between processes:
   bytes it delivers into a receive leave them as they were, and a client learns that a receive
   is whole from ``recv`` returning (the daemon's completion message), never from
   :meth:`Segment.read_end`.
+
+File descriptors.  On the daemon's side a segment holds exactly one fd for as long as it is
+mapped, and that fd is not ours to close.  :meth:`Segment.adopt` closes the fd the client passed
+as soon as the mapping exists, but CPython's ``mmap.mmap`` keeps a ``dup`` of it for its own
+``size()``/``resize()`` and closes that dup in ``mmap.close()``.  Closing the dup behind mmap's
+back (``os.close`` on a number read out of it, or mapping through ctypes) is not safe: mmap would
+later close whatever file reused that number, and a ctypes mapping cannot tell when the last
+view into it (a DATA frame still in a socket buffer) is gone.  Python 3.13's ``trackfd=False``
+drops the dup cleanly; fabricd runs on 3.11, so it keeps it and bounds it instead: the daemon
+caps its segments (``max_segments``, and no more than its fd limit leaves once every client and
+peer link has its fd — :mod:`fabricd.daemon.segments`), so segments can never take the fds that
+accepting clients and peers needs.  Each mapping is also one entry of ``vm.max_map_count``, which
+the same cap bounds.  docs/operations.md ("Limits") has the numbers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -115,6 +129,8 @@ ALIGN: Final = 64
 #: where the header version slot lives, right after the fixed fields
 HEADER_VERSION_OFFSET: Final = HEADER.size
 _VERSION_MOD: Final = 1 << 64
+#: errnos with which mmap says the process has no room (memory, address space, maps, fds)
+_NO_ROOM: Final = frozenset({errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EAGAIN})
 
 
 def _align(n: int) -> int:
@@ -239,6 +255,9 @@ class Segment:
                 a valid fabricd header for that size (the message says which field is wrong),
                 or it cannot be mapped for writing.  Refuse the attach; the client's segment
                 is unusable and it should make another with ``fab.array()``.
+            OSError: errno ENOMEM, EMFILE, ENFILE or EAGAIN: this process has no room for the
+                mapping or for the fd it keeps (see "File descriptors").  The segment is fine.
+            MemoryError: no memory for the mapping object.
         """
         try:
             try:
@@ -255,7 +274,10 @@ class Segment:
             layout = _checked_layout(os.pread(fd, HEADER_SIZE, 0), actual)
             try:
                 segment = cls(fd, layout)
-            except OSError as exc:  # e.g. also sealed against writes: we could not fill it
+            except OSError as exc:
+                if exc.errno in _NO_ROOM:  # the daemon's trouble, not the client's mistake
+                    raise
+                # e.g. also sealed against writes (EPERM): we could not fill it
                 raise UsageError(f"segment cannot be mapped for writing: {exc.strerror}") from None
         except BaseException:
             os.close(fd)

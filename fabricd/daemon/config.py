@@ -13,12 +13,15 @@ import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from fabricd.engines.ownership import JobGrant
 from fabricd.errors import ConfigError
 from fabricd.ipc import default_socket_path
 from fabricd.transports.base import split_address
+
+#: the most ``max_mapped_bytes`` may be: half of x86-64's 128 TiB user address space
+MAX_MAPPED_BYTES: Final = 1 << 46
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -52,6 +55,9 @@ class Config:
     client_hello_timeout: float = 10.0
     client_frame_timeout: float = 10.0
     max_segments_per_client: int = 1024
+    max_segments: int = 32768
+    max_mapped_bytes_per_client: int = 256 << 30
+    max_mapped_bytes: int = 64 << 40
     max_ops_per_client: int = 65536
     max_ops_per_job: int = 262144
     max_unmatched_rts_per_peer: int = 65536
@@ -109,6 +115,14 @@ class Config:
             raise ConfigError("admin_gids must list group ids >= 0")
         if min(self.max_clients, self.max_segments_per_client) < 1:
             raise ConfigError("max_clients and max_segments_per_client must be at least 1")
+        for key in ("max_segments", "max_mapped_bytes_per_client", "max_mapped_bytes"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be at least 1")
+        if self.max_mapped_bytes > MAX_MAPPED_BYTES:
+            raise ConfigError(
+                f"max_mapped_bytes must be at most {MAX_MAPPED_BYTES} (64 TiB): half of the "
+                "128 TiB a process can address, so the daemon's own memory always fits"
+            )
         for key in ("max_ops_per_client", "max_ops_per_job", "max_unmatched_rts_per_peer"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1")

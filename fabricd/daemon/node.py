@@ -38,6 +38,7 @@ from fabricd.daemon.membership_service import MembershipService
 from fabricd.daemon.p2p_service import P2PService
 from fabricd.daemon.peering_service import HandshakeSettings, PeeringService
 from fabricd.daemon.sdnotify import Notifier
+from fabricd.daemon.segments import SegmentLimits, SegmentTable
 from fabricd.daemon.service import BaseService, Request, check_claims
 from fabricd.daemon.sessions import ClientSession, request_id
 from fabricd.engines.actions import Failure
@@ -53,7 +54,6 @@ from fabricd.errors import (
     code_of,
 )
 from fabricd.ipc import IpcConnection, IpcServer
-from fabricd.shm import Segment
 from fabricd.transports.tcp import TcpTransport
 from fabricd.transports.verbs import device as verbs_device
 from fabricd.wire import (
@@ -123,6 +123,8 @@ class Daemon:
         self._data = self._by_channel[Channel.DATA]
         self._current: dict[Link, tuple[int, Channel]] = {}
         self.sessions: dict[int, ClientSession] = {}
+        #: every segment clients attached, with the caps on their count and mapped bytes
+        self.segments = SegmentTable(SegmentLimits.from_config(cfg))
         self.address = cfg.listen_address
         self.peering = PeeringService(
             self,
@@ -503,9 +505,7 @@ class Daemon:
         for service in reversed(self.services):  # dependents first: messages before ranks
             with _bug_in(service, "client_gone"):
                 service.client_gone(session, now)
-        for segment in session.segments.values():
-            segment.close()
-        session.segments.clear()
+        self.segments.release(session)
         self.rearm()
 
     def _node_request(self, request: Request) -> Meta:
@@ -514,9 +514,7 @@ class Daemon:
             self._attach(session, meta, request.fds)
             return {}
         if request.op == "detach":
-            segment = session.segments.pop(get_int(meta, "seg"), None)
-            if segment is not None:
-                segment.close()
+            self.segments.detach(session, get_int(meta, "seg"))
             return {}
         if request.op == "status":
             return self.status(asking=session)
@@ -526,12 +524,7 @@ class Daemon:
         seg, size = get_int(meta, "seg"), get_int(meta, "size", lo=1)
         if len(fds) != 1:
             raise UsageError("attach needs exactly one segment fd")
-        if seg in session.segments:
-            raise UsageError(f"segment {seg} is already attached")
-        limit = self.config.max_segments_per_client
-        if len(session.segments) >= limit:
-            raise UsageError(f"over max_segments_per_client ({limit})")
-        session.segments[seg] = Segment.adopt(fds.pop(), size)
+        self.segments.attach(session, seg, size, fds.pop())
 
     def status(self, asking: ClientSession | None = None) -> Meta:
         """Everything ``fabricctl status`` and ``fabricctl peers`` show, JSON-ready.
@@ -553,6 +546,8 @@ class Daemon:
             "services": [s.name for s in self.services],
         }
         counters: dict[str, int] = self.ipc.counters()
+        counters.update(self.segments.counters())
+        status.update(self.segments.gauges())
         for service in self.services:
             stats = dict(service.statistics())
             counters.update(stats.pop("counters", {}))

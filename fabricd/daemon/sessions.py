@@ -33,6 +33,7 @@ class ClientSession:
     rank: int = -1
     size: int = 0
     segments: dict[int, Segment] = field(default_factory=dict)
+    mapped: int = 0  #: bytes of ``segments`` mapped in the daemon (their sealed sizes)
 
     def describe(self) -> dict[str, object]:
         creds = self.conn.credentials
@@ -43,6 +44,7 @@ class ClientSession:
             "job": self.job,
             "rank": self.rank if self.job else None,
             "segments": len(self.segments),
+            "mapped_bytes": self.mapped,
         }
 
     def segment(self, seg: int) -> Segment:

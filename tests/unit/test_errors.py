@@ -28,6 +28,7 @@ from fabricd.errors import (
         (ErrorCode.TRANSPORT, OperationFailed),
         (ErrorCode.DAEMON_STOPPING, OperationFailed),
         (ErrorCode.LIMIT, OperationFailed),
+        (ErrorCode.RESOURCES, OperationFailed),
         (ErrorCode.PERMISSION, PermissionDenied),
         (ErrorCode.INTERNAL, OperationFailed),
         (ErrorCode.DAEMON_GONE, DaemonUnavailable),
