@@ -19,10 +19,13 @@ Copies, per direction (docs/performance.md measures them):
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Final
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from fabricd.errors import ErrorCode, OperationFailed
 from fabricd.frames import Data
 from fabricd.wire import Kind
 
@@ -45,10 +48,80 @@ async def stream(link: Link, msg: int, region: memoryview, chunk_size: int) -> N
 
 
 async def copy(dst: memoryview, src: memoryview) -> None:
-    """Copy ``src`` into ``dst`` (equal sizes), off the event loop when large."""
+    """Copy ``src`` into ``dst`` (equal sizes), off the event loop when large.
+
+    Raises:
+        OperationFailed: code ``resources``: no worker thread could be started for a large
+            copy (``RuntimeError: can't start new thread``, when the process is out of memory,
+            address space or its thread limit).  Nothing was copied, and nothing will be.
+    """
     target = np.frombuffer(dst, dtype=np.uint8)
     source = np.frombuffer(src, dtype=np.uint8)
-    if len(src) >= THREAD_COPY_MIN:
-        await asyncio.to_thread(np.copyto, target, source)
-    else:
+    if len(src) < THREAD_COPY_MIN:
         np.copyto(target, source)
+        return
+    loop = asyncio.get_running_loop()
+    job = _Copy(loop, target, source)
+    try:
+        loop.run_in_executor(None, job.run)  # job.finished says when it ran, not this future
+    except RuntimeError as exc:
+        if job.drop():
+            raise OperationFailed(
+                f"the daemon could not start a thread for a {len(src)} B copy ({exc}); it is "
+                "short of memory or threads, retry later",
+                code=ErrorCode.RESOURCES,
+            ) from None
+    await job.finished
+
+
+class _Copy:
+    """A large copy handed to the default executor, which runs it at most once.
+
+    When the executor cannot start a worker thread, ``ThreadPoolExecutor.submit`` raises after
+    it queued the work item: a thread started later (or a busy one) would still copy into the
+    receiver's segment long after its operation failed.  So the item asks, under a lock, whether
+    it was dropped before it copies, and :meth:`drop` succeeds only if it has not begun.  Its
+    own future reports the end, since the executor's one is lost when ``submit`` raises.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        target: np.ndarray[Any, Any],
+        source: np.ndarray[Any, Any],
+    ) -> None:
+        self._loop = loop
+        self._target, self._source = target, source
+        self._lock = threading.Lock()
+        self._state = "queued"  #: then "running" (a worker took it) or "dropped"
+        self.finished: asyncio.Future[None] = loop.create_future()
+
+    def run(self) -> None:
+        """In a worker thread: copy, unless dropped; report the end to the loop."""
+        with self._lock:
+            if self._state == "dropped":
+                return
+            self._state = "running"
+        failure: BaseException | None = None
+        try:
+            np.copyto(self._target, self._source)
+        except BaseException as exc:  # reported to the awaiting task, never lost in a thread
+            failure = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self._loop.call_soon_threadsafe(self._end, failure)
+
+    def drop(self) -> bool:
+        """Make sure the copy never runs; ``False`` if a worker already runs it."""
+        with self._lock:
+            if self._state == "running":
+                return False
+            self._state = "dropped"
+            return True
+
+    def _end(self, failure: BaseException | None) -> None:
+        if self.finished.done():
+            return
+        if failure is None:
+            self.finished.set_result(None)
+        else:
+            self.finished.set_exception(failure)

@@ -35,7 +35,7 @@ from fabricd.errors import ErrorCode, LocalProtocolError, OperationFailed, Trans
 from fabricd.wire import Kind, Meta
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
@@ -78,7 +78,13 @@ class P2PService(BaseService):
         self._refused = {"ops_refused_client_limit": 0, "ops_refused_job_limit": 0}
         self._op_ids = itertools.count(1)
         self._copies: set[asyncio.Task[None]] = set()  #: local copies under way
-        self._counters = {"bytes_sent": 0, "bytes_copied": 0, "ops_completed": 0, "ops_failed": 0}
+        self._counters = {
+            "bytes_sent": 0,
+            "bytes_copied": 0,
+            "ops_completed": 0,
+            "ops_failed": 0,
+            "copies_failed": 0,  #: local copies that could not run (no thread, no memory)
+        }
 
     # -- requests ---------------------------------------------------------------------------
     def on_request(self, request: Request, now: float) -> None:
@@ -255,6 +261,7 @@ class P2PService(BaseService):
     async def _stream(self, node: int, msg: int, region: memoryview) -> None:
         # The region is held from the moment the stream is spawned: the operation may finish
         # (a DONE, a drain) while this task waits, and then no longer be in self._ops.
+        # Whatever it raises fails this message only: nothing reaches the daemon's task group.
         link = self.host.data_link(node)
         try:
             if link is None:
@@ -262,14 +269,42 @@ class P2PService(BaseService):
             await stream(link, msg, region, self.host.config.chunk_size)
             self._counters["bytes_sent"] += len(region)
         except (TransportError, LocalProtocolError) as exc:
-            self._perform(self.engine.stream_failed(msg, f"sending to node {node} failed: {exc}"))
+            reason = f"sending to node {node} failed: {exc}"
+            self._settle(lambda: self.engine.stream_failed(msg, reason))
+        except Exception as exc:  # MemoryError, OSError, RuntimeError: this message fails
+            code, reason = _trouble(exc, f"sending message {msg} to node {node}")
+            self._settle(lambda: self.engine.stream_failed(msg, reason, code))
         self.host.rearm()
 
     async def _copy(self, src: int, dst: int, source: memoryview, target: memoryview) -> None:
-        await copy(target, source)
-        self._counters["bytes_copied"] += len(source)
-        self._perform(self.engine.copied(src, dst))
+        # Whatever the copy raises fails these two operations only (a worker thread that cannot
+        # start, MemoryError): nothing reaches the daemon's task group.
+        try:
+            await copy(target, source)
+        except OperationFailed as exc:  # no worker thread (code resources)
+            self._counters["copies_failed"] += 1
+            log.warning("p2p: copying operation %d into %d failed: %s", src, dst, exc)
+            code, reason = ErrorCode.RESOURCES, str(exc)
+            self._settle(lambda: self.engine.copy_failed(src, dst, code, reason))
+        except Exception as exc:  # MemoryError, OSError, RuntimeError: these two fail
+            self._counters["copies_failed"] += 1
+            code, reason = _trouble(exc, f"copying operation {src} into {dst}")
+            self._settle(lambda: self.engine.copy_failed(src, dst, code, reason))
+        else:
+            self._counters["bytes_copied"] += len(source)
+            self._settle(lambda: self.engine.copied(src, dst))
         self.host.rearm()
+
+    def _settle(self, report: Callable[[], Iterable[Action]]) -> None:
+        """Tell the engine how a stream or copy task ended and perform what it decides.
+
+        Runs in a task of the daemon's task group, where an exception would stop the daemon:
+        an engine that refuses the report (a bug) is logged, and the daemon goes on.
+        """
+        try:
+            self._perform(report())
+        except Exception:
+            log.exception("p2p: reporting the end of a transfer failed (a bug); going on")
 
     def _complete(self, op: int, failure: Failure | None) -> None:
         transfer = self._forget(op)
@@ -285,3 +320,16 @@ class P2PService(BaseService):
         message = transfer.message
         result: Meta = {"nbytes": message.nbytes, "src": message.src, "tag": message.tag}
         self.host.reply(session, transfer.request, result)
+
+
+def _trouble(exc: Exception, what: str) -> tuple[ErrorCode, str]:
+    """The code and message a transfer fails with when ``what`` raised ``exc``.
+
+    MemoryError and OSError are the system running short (code ``resources``); anything else
+    is a bug in the daemon (``internal``), logged with its traceback.
+    """
+    if isinstance(exc, MemoryError | OSError):
+        log.warning("p2p: %s failed: %r", what, exc)
+        return ErrorCode.RESOURCES, f"the daemon ran short while {what}: {exc!r}; retry later"
+    log.error("p2p: %s failed (a bug)", what, exc_info=exc)
+    return ErrorCode.INTERNAL, "internal error in the daemon (see its log)"

@@ -7,13 +7,15 @@ of each operation.  Where an operation is filed in each state, and what a move c
 
 Theory of operation (besides the arrows below, FAILED takes every live state but COPY to
 CLOSED, and ABANDONED every live state -- except that a transfer whose bytes are moving, STREAM
-or COPY, stays where it is and runs to its end when its client leaves)::
+or COPY, stays where it is and runs to its end when its client leaves).  A copy ends only by
+the daemon's own report, COPIED or COPY_FAILED, so nothing a peer does can close an operation
+whose segment a worker thread may still be writing::
 
-    send  ROUTE --routed_here--> QUEUED --matched--> COPY --copied--> CLOSED
+    send  ROUTE --routed_here--> QUEUED --matched--> COPY --copied, copy_failed--> CLOSED
           ROUTE --routed_away--> RTS --cts--> STREAM --done--> CLOSED
                                  RTS --done (refused, or zero bytes)--> CLOSED
 
-    recv  POSTED --matched_here--> COPY --copied--> CLOSED
+    recv  POSTED --matched_here--> COPY --copied, copy_failed--> CLOSED
           POSTED --matched_away--> LANDING --delivered--> CLOSED
           POSTED --delivered (a zero-byte remote message)--> CLOSED
 
@@ -64,6 +66,7 @@ class SendInput(_Member):
     CTS = enum.auto()  #: the receiver is ready
     DONE = enum.auto()  #: the receiver's DONE, with or without an error
     COPIED = enum.auto()  #: the daemon copied it into its receive
+    COPY_FAILED = enum.auto()  #: the daemon could not copy it (no thread, no memory)
     FAILED = enum.auto()  #: failed here: route timeout, rank lost, stream failed, mismatch
     ABANDONED = enum.auto()  #: its client left
 
@@ -84,6 +87,7 @@ SEND_TRANSITIONS: Final[dict[tuple[SendState, SendInput], SendState]] = {
     (SendState.STREAM, SendInput.FAILED): SendState.CLOSED,
     (SendState.STREAM, SendInput.ABANDONED): SendState.STREAM,  # the bytes are moving: finish
     (SendState.COPY, SendInput.COPIED): SendState.CLOSED,
+    (SendState.COPY, SendInput.COPY_FAILED): SendState.CLOSED,
     (SendState.COPY, SendInput.ABANDONED): SendState.COPY,  # the daemon still maps the segment
 }
 
@@ -101,6 +105,7 @@ class RecvInput(_Member):
     MATCHED_HERE = enum.auto()  #: a send on this node took it
     DELIVERED = enum.auto()  #: every byte arrived (at once, for a zero-byte remote message)
     COPIED = enum.auto()  #: the daemon copied its send's bytes in
+    COPY_FAILED = enum.auto()  #: the daemon could not copy them (no thread, no memory)
     FAILED = enum.auto()  #: route timeout, rank lost, sender cancelled, mismatch
     ABANDONED = enum.auto()  #: its client left
 
@@ -115,6 +120,7 @@ RECV_TRANSITIONS: Final[dict[tuple[RecvState, RecvInput], RecvState]] = {
     (RecvState.LANDING, RecvInput.FAILED): RecvState.CLOSED,
     (RecvState.LANDING, RecvInput.ABANDONED): RecvState.CLOSED,  # its bytes land nowhere
     (RecvState.COPY, RecvInput.COPIED): RecvState.CLOSED,
+    (RecvState.COPY, RecvInput.COPY_FAILED): RecvState.CLOSED,
     (RecvState.COPY, RecvInput.ABANDONED): RecvState.COPY,  # the daemon still maps the segment
 }
 

@@ -307,15 +307,35 @@ class Messaging:
         self._move_recv(recv, RecvInput.COPIED)
         return [Complete(op=src_op), Complete(op=dst_op)]
 
-    def stream_failed(self, msg_id: int, reason: str) -> list[Action]:
-        """Streaming message ``msg_id`` failed locally (its data link closed).
+    def copy_failed(self, src_op: int, dst_op: int, code: ErrorCode, reason: str) -> list[Action]:
+        """A :class:`CopyLocal` could not be done (no worker thread, no memory): both operations
+        fail with ``code`` and ``reason``, and the receive's bytes are no whole message.
+
+        Raises:
+            LocalProtocolError: the two operations were not being copied (a bug).
+        """
+        send, recv = self._sends.get(src_op), self._recvs.get(dst_op)
+        if send is None or recv is None:
+            raise LocalProtocolError(f"no copy of operation {src_op} into {dst_op} is under way")
+        self._move_send(send, SendInput.COPY_FAILED)
+        self._move_recv(recv, RecvInput.COPY_FAILED)
+        return [
+            Complete(op=src_op, failure=Failure(code=code, message=reason)),
+            Complete(op=dst_op, failure=Failure(code=code, message=reason)),
+        ]
+
+    def stream_failed(
+        self, msg_id: int, reason: str, code: ErrorCode = ErrorCode.TRANSPORT
+    ) -> list[Action]:
+        """Streaming message ``msg_id`` failed locally: its data link closed (code ``transport``),
+        or the daemon ran out of memory for it (``resources``).
 
         The receiver is told with a CANCEL, so its receive fails instead of waiting.
         """
         send = self._out.get(msg_id)
         if send is None:
             return []
-        failed = self._fail_send(send, ErrorCode.TRANSPORT, reason, send.node, None)
+        failed = self._fail_send(send, code, reason, send.node, None)
         return [*failed, SendFrame(node=send.node, frame=Cancel(msg=msg_id))]
 
     def peer_down(self, node: int, reason: str) -> list[Action]:

@@ -26,7 +26,7 @@ from fabricd.engines.operations import (
     SendState,
 )
 from fabricd.engines.p2p import CopyLocal, Message, Messaging, MessagingStatistics, StreamData
-from fabricd.errors import LocalProtocolError, RemoteProtocolError, UsageError
+from fabricd.errors import ErrorCode, LocalProtocolError, RemoteProtocolError, UsageError
 from fabricd.frames import Announce, Cancel, Cts, Done, Rts
 from fabricd.wire import Kind
 
@@ -117,6 +117,37 @@ def test_local_copy_under_way_is_a_transfer() -> None:
     assert net.ok(0, send)
     assert net.ok(0, recv)
     assert net.engines[0].pending() == 0
+
+
+@pytest.mark.parametrize("abandoned", [False, True])
+def test_a_copy_that_could_not_run_fails_both_operations(abandoned: bool) -> None:
+    net = layout(auto_copy=False)
+    send = net.send(0, src=1, dst=0, data=DATA)
+    recv = net.recv(0, src=1, dst=0, nbytes=len(DATA))
+    (_, copy), *_ = net.copies
+    if abandoned:  # the clients left while the copy was under way: it must still end
+        net.abandon(0, [send, recv])
+    reason = "the daemon could not start a thread for the copy"
+    net.perform(
+        0, net.engines[0].copy_failed(copy.src_op, copy.dst_op, ErrorCode.RESOURCES, reason)
+    )
+    for op in (send, recv):
+        failure = failed(net, 0, op)
+        assert (failure.code, failure.message) == ("resources", reason)
+        assert len(net.completed[0, op]) == 1
+    assert net.region(0, recv) != DATA  # nothing was copied
+    assert net.engines[0].transfers() == 0
+    assert net.engines[0].pending() == 0
+    with pytest.raises(LocalProtocolError):  # a second report of the same copy is a bug
+        net.engines[0].copy_failed(copy.src_op, copy.dst_op, ErrorCode.RESOURCES, reason)
+
+
+def test_a_copy_failure_is_no_input_for_an_operation_that_is_not_copying(net: FakeNet) -> None:
+    send = net.send(0, src=0, dst=2, data=DATA)  # remote: RTS, never a copy
+    recv = net.recv(0, src=2, dst=0, nbytes=len(DATA))
+    with pytest.raises(LocalProtocolError):
+        net.engines[0].copy_failed(send, recv, ErrorCode.RESOURCES, "no thread")
+    assert (0, send) not in net.completed
 
 
 @pytest.mark.parametrize("remote", [True, False])
