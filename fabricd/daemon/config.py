@@ -50,6 +50,7 @@ class Config:
     chunk_size: int = 4 * 1024 * 1024
     max_payload: int = 64 * 1024 * 1024
     max_meta: int = 64 * 1024
+    data_integrity: str = "none"
     max_clients: int = 256
     max_ranks_per_peer: int = 4096
     client_hello_timeout: float = 10.0
@@ -106,6 +107,8 @@ class Config:
             raise ConfigError("drain_timeout must be 0 seconds or more")
         if self.max_meta < 1024:
             raise ConfigError("max_meta must be at least 1024 bytes")
+        if self.data_integrity not in ("mac", "none"):
+            raise ConfigError("data_integrity must be 'mac' or 'none'")
         for text in self.job_groups:
             try:
                 JobGrant.parse(text)

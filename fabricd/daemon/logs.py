@@ -13,6 +13,7 @@ import json
 import logging
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -105,6 +106,7 @@ class RateLimitedLog:
         self.left_out = 0  #: lines counted instead of written, since the start
         self._windows: dict[str, _Window] = {}
         self._timer: asyncio.TimerHandle | None = None
+        _LIMITED.add(self)
 
     def log(self, level: int, key: str, msg: str, *args: object) -> bool:
         """Write ``msg % args`` at ``level`` unless ``key`` had its burst this interval.
@@ -146,6 +148,12 @@ class RateLimitedLog:
             start = min(w.start for w in self._windows.values() if w.left_out)
             self._schedule(start + self.interval - now)
 
+    def close(self) -> None:
+        """Write every summary still owed and stop the timer (the daemon is stopping)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self.flush(everything=True)  # (no window is left, so it arms no timer)
+
     def _summarise(self, key: str, window: _Window) -> None:
         if window.left_out:
             self.logger.log(
@@ -165,3 +173,13 @@ class RateLimitedLog:
         except RuntimeError:  # no loop (a test): the next call or flush() summarises
             return
         self._timer = loop.call_later(max(delay, 0.0), self.flush)
+
+
+_LIMITED: weakref.WeakSet[RateLimitedLog] = weakref.WeakSet()
+
+
+def flush_all() -> None:
+    """Write every summary that every :class:`RateLimitedLog` still owes (at the daemon's exit,
+    so no count of what was left out is lost)."""
+    for limited in list(_LIMITED):
+        limited.close()
