@@ -151,7 +151,8 @@ def status(socket_path: str | None, as_json: bool) -> None:
         f"up {_ago(info['uptime'])}\n  peers on {escape(info['address'])} "
         f"({info['transport']}), clients on {escape(info['socket'])}\n"
         f"  incarnation {info['incarnation']}, "
-        f"protocol v{info['version']}, {info['pending_ops']} operations pending",
+        f"protocol v{info['version']}, {info['pending_ops']} operations pending, "
+        f"{info.get('segments', 0)} segments mapping {info.get('mapped_bytes', 0)} B",
         soft_wrap=True,  # an address or a path folded onto two lines cannot be pasted
     )
     if info["peers"]:
@@ -161,7 +162,7 @@ def status(socket_path: str | None, as_json: bool) -> None:
         _rows_table(
             "clients",
             info["clients"],
-            ("id", "pid", "uid", "job", "rank", "segments"),
+            ("id", "pid", "uid", "job", "rank", "segments", "mapped_bytes"),
             hidden.get("clients", 0),
         )
     )

@@ -122,6 +122,11 @@ class Client:
         Raises:
             UsageError: a name that is not a non-empty str, a shape that is not ints >= 0, a
                 dtype not in :mod:`fabricd.dtypes`, or a name reused with another layout.
+            OperationFailed: code ``limit``: the array would take this client or the daemon
+                past a cap on segments or mapped bytes; the message names the setting
+                (``max_segments_per_client``, ``max_mapped_bytes_per_client``,
+                ``max_segments``, ``max_mapped_bytes``).  Code ``resources``: the daemon could
+                not map it (out of memory, address space or fds).  Nothing was attached.
         """
         return self._arrays.create(name, shape, dtype)
 

@@ -55,6 +55,8 @@ class SharedArrays:
         Raises:
             UsageError: a bad name, shape or dtype, a name reused with another layout, or an
                 array this machine cannot hold (memory, fds).
+            OperationFailed: the daemon refused to attach it: code ``limit`` (a cap on segments
+                or mapped bytes, named with its setting) or ``resources`` (it could not map it).
         """
         name = checks.array_name(name)
         dims, dt = checks.shape(shape), checks.dtype(dtype)
