@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from fabricd import frames
 from fabricd.daemon import access
-from fabricd.daemon.logs import RateLimitedLog
+from fabricd.daemon.logs import RateLimitedLog, flush_all
 from fabricd.daemon.membership_service import MembershipService
 from fabricd.daemon.p2p_service import P2PService
 from fabricd.daemon.peering_service import HandshakeSettings, PeeringService
@@ -134,7 +134,6 @@ class Daemon:
                 incarnation=self._incarnation,
                 secret=cfg.read_secret(),
                 fabric_size=len(cfg.nodes),
-                data_integrity=cfg.data_integrity == "mac",
                 limits=Limits(
                     max_meta=cfg.max_meta, max_payload=cfg.max_payload, kinds=_PEER_LIMIT_KINDS
                 ),
@@ -458,6 +457,7 @@ class Daemon:
         self.ipc.close()
         if self.notifier is not None:
             self.notifier.close()
+        flush_all()  # the counts of lines left out, up to the last one
         log.info("stopped")
 
     async def _watchdog(self, notifier: Notifier) -> None:
