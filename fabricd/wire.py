@@ -3,11 +3,12 @@
 One frame format serves both the client socket and the network (docs/protocol.md)::
 
     0       4   5   6       8          12                  20
-    +-------+---+---+-------+----------+-------------------+------------------+-----------+
-    | magic |ver|knd| flags | meta_len |    payload_len    | meta (msgpack)   | payload   |
-    | FBRC  |u8 |u8 | u16   |   u32    |        u64        | meta_len bytes   | raw bytes |
-    +-------+---+---+-------+----------+-------------------+------------------+-----------+
-    all integers big-endian; meta is one msgpack map with str keys; payload is never msgpack
+    +-------+---+---+-------+----------+-------------------+----------------+---------+---------+
+    | magic |ver|knd| flags | meta_len |    payload_len    | meta (msgpack) | payload | trailer |
+    | FBRC  |u8 |u8 | u16   |   u32    |        u64        | meta_len bytes | raw     | 24 B    |
+    +-------+---+---+-------+----------+-------------------+----------------+---------+---------+
+    all integers big-endian; meta is one msgpack map with str keys; payload is never msgpack;
+    the trailer (seq u64, MAC 16 B) follows only frames whose flags have SEALED (integrity.py)
 
 Invariants the decoder keeps:
 
@@ -18,7 +19,13 @@ Invariants the decoder keeps:
   frame's head (:meth:`Decoder.set_payload_buffer`), and the kernel can write into it directly
   (:meth:`Decoder.payload_target`), so large payloads land in place with no user-space copy;
 * a payload nobody wants is read and dropped (:meth:`Decoder.discard_payload`): nothing is
-  allocated for it, whatever length its header declares.
+  allocated for it, whatever length its header declares;
+* once the decoder has an :attr:`Decoder.opener` (a link past its handshake), every frame must
+  be sealed, and no :class:`Frame` is returned before its trailer checked out: a frame that was
+  replayed, reordered, injected or altered raises
+  :class:`~fabricd.integrity.IntegrityError`.  Its head (and, for a DATA frame, its payload
+  bytes) may have been handed on before the check: the link is closed and the peer reset, so
+  nothing that arrived on it is reported as received.
 """
 
 from __future__ import annotations
@@ -31,12 +38,15 @@ from typing import TYPE_CHECKING, Any, Final
 import msgpack
 
 from fabricd.errors import LocalProtocolError, RemoteProtocolError
+from fabricd.integrity import FLAG_PAYLOAD_MAC, FLAG_SEALED, TRAILER_SIZE
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from fabricd.integrity import Opener
+
 MAGIC: Final = b"FBRC"
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 _HEADER: Final = struct.Struct(">4sBBHIQ")
 HEADER_SIZE: Final = _HEADER.size
 
@@ -64,8 +74,8 @@ class Kind(enum.IntEnum):
 #: the largest message tag (and rank) the protocol carries
 MAX_TAG: Final = 2**31 - 1
 
-#: No flag bits are defined in protocol version 1; a frame with any set is rejected.
-KNOWN_FLAGS: Final = 0
+#: The flag bits of protocol version 2 (fabricd/integrity.py); a frame with any other is rejected.
+KNOWN_FLAGS: Final = FLAG_SEALED | FLAG_PAYLOAD_MAC
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,6 +181,7 @@ class _State(enum.Enum):
     HEADER = enum.auto()  #: waiting for the fixed header
     META = enum.auto()  #: header parsed, waiting for metadata
     PAYLOAD = enum.auto()  #: head returned, filling the payload buffer
+    TRAILER = enum.auto()  #: a sealed frame's payload is in, waiting for its trailer
     DEAD = enum.auto()  #: a protocol error happened; nothing more is accepted
 
 
@@ -198,6 +209,10 @@ class Decoder:
         self._payload_len = 0
         self._filled = 0
         self._discard = False  #: the current payload is read and dropped
+        #: checks every frame once the link is authenticated (set between frames)
+        self.opener: Opener | None = None
+        self._header_raw = b""
+        self._covered = False  #: the current frame's MAC covers its payload
 
     @property
     def buffered(self) -> int:
@@ -268,6 +283,8 @@ class Decoder:
                 return NEED_DATA
             if self._state is _State.META:
                 return self._parse_meta()
+            if self._state is _State.TRAILER:
+                return self._finish_trailer()
             return self._finish_payload()
         except RemoteProtocolError:
             self._state = _State.DEAD
@@ -298,6 +315,8 @@ class Decoder:
             raise RemoteProtocolError(f"frame kind {self._kind.name} is not allowed here")
         if flags & ~KNOWN_FLAGS:
             raise RemoteProtocolError(f"undefined flag bits {flags:#x}")
+        if flags and self.opener is None:
+            raise RemoteProtocolError("a sealed frame on a link that has no session keys")
         if meta_len > self.limits.max_meta:
             raise RemoteProtocolError(f"metadata of {meta_len} B exceeds {self.limits.max_meta} B")
         if payload_len > self.limits.max_payload:
@@ -305,6 +324,8 @@ class Decoder:
                 f"payload of {payload_len} B exceeds {self.limits.max_payload} B"
             )
         self._flags, self._meta_len, self._payload_len = flags, meta_len, payload_len
+        if self.opener is not None:
+            self._header_raw = bytes(self._buf[:HEADER_SIZE])
         del self._buf[:HEADER_SIZE]
         self._state = _State.META
         return True
@@ -315,6 +336,8 @@ class Decoder:
         raw = bytes(self._buf[: self._meta_len])
         del self._buf[: self._meta_len]
         self._meta = _unpack_meta(raw, self.limits)
+        if self.opener is not None:
+            self._covered = self.opener.begin(self._kind, self._flags, self._header_raw + raw)
         self._state = _State.PAYLOAD
         self._payload, self._filled, self._discard = None, 0, False
         return FrameHead(
@@ -327,6 +350,22 @@ class Decoder:
             del self._buf[:taken]
         if self._filled < self._payload_len:
             return NEED_DATA
+        if self.opener is None:
+            return self._frame()
+        if self._covered and not self._discard and self._payload_len:
+            self.opener.update(self._ensure_payload())  # once, after the payload landed
+        self._state = _State.TRAILER
+        return self._finish_trailer()
+
+    def _finish_trailer(self) -> Frame | NeedData:
+        if len(self._buf) < TRAILER_SIZE:
+            return NEED_DATA
+        assert self.opener is not None
+        self.opener.finish(bytes(self._buf[:TRAILER_SIZE]))
+        del self._buf[:TRAILER_SIZE]
+        return self._frame()
+
+    def _frame(self) -> Frame:
         payload = _NO_PAYLOAD if self._discard else self._ensure_payload()
         frame = Frame(kind=self._kind, flags=self._flags, meta=self._meta, payload=payload)
         self._state, self._payload, self._meta = _State.HEADER, None, {}
@@ -340,6 +379,8 @@ class Decoder:
     def _fill_payload(self, view: memoryview) -> int:
         n = min(len(view), self._payload_len - self._filled)
         if self._discard:
+            if self._covered and self.opener is not None:
+                self.opener.update(view[:n])  # hashed as it passes: nothing is kept
             self._filled += n
             return n
         payload = self._ensure_payload()

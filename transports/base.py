@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from fabricd.integrity import Opener, Sealer
     from fabricd.wire import Discard, Frame, FrameHead, Kind, Limits
 
 Buffer = bytes | bytearray | memoryview
@@ -88,6 +89,14 @@ class Link(abc.ABC):
     @abc.abstractmethod
     def set_limits(self, limits: Limits) -> None:
         """Apply new decoder limits to frames not yet started (e.g. once authenticated)."""
+
+    @abc.abstractmethod
+    def secure(self, sealer: Sealer, opener: Opener) -> None:
+        """Seal every frame sent from now on with ``sealer``, and check every frame received
+        from now on with ``opener`` (once authenticated: fabricd/integrity.py).
+
+        Frames that fail the check close the link like any other protocol error.
+        """
 
     @abc.abstractmethod
     async def send(

@@ -18,6 +18,7 @@ from fabricd.wire import DISCARD, NEED_DATA, Decoder, Frame, Kind, Limits, encod
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from fabricd.integrity import Opener, Sealer
     from fabricd.transports.base import Buffer, FrameSink
 
 log = logging.getLogger("fabricd.transport")
@@ -89,6 +90,7 @@ class FramedLink(Link):
         self._closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._frames_sent = 0
         self._bytes_sent = 0
+        self._sealer: Sealer | None = None  #: seals every frame sent once authenticated
 
     def set_sink(self, sink: FrameSink) -> None:
         self._receiver.sink = sink
@@ -96,17 +98,32 @@ class FramedLink(Link):
     def set_limits(self, limits: Limits) -> None:
         self._receiver.decoder.limits = limits
 
-    def _encode(self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer]) -> bytes:
-        """The frame's header and metadata, checked against this link's limits, and counted.
+    def secure(self, sealer: Sealer, opener: Opener) -> None:
+        self._sealer = sealer
+        self._receiver.decoder.opener = opener
+
+    def _encode(
+        self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer]
+    ) -> list[Buffer]:
+        """The whole frame as buffers to send in order (the payload's are not copied): header
+        and metadata checked against this link's limits, the payload, and once the link is
+        secured, the trailer.  Counted; call once per frame, in wire order.
 
         Both ends of a link are configured alike, so what passes the sender's limits passes
         the receiver's.
         """
         size = sum(memoryview(p).nbytes for p in payload)
-        head = encode_head(kind, meta, size, limits=self._receiver.decoder.limits)
+        limits = self._receiver.decoder.limits
+        sealer = self._sealer
+        if sealer is None:
+            head = encode_head(kind, meta, size, limits=limits)
+            parts: list[Buffer] = [head, *payload]
+        else:
+            head = encode_head(kind, meta, size, flags=sealer.flags(kind), limits=limits)
+            parts = [head, *payload, sealer.seal(kind, head, payload)]
         self._frames_sent += 1
         self._bytes_sent += len(head) + size
-        return head
+        return parts
 
     def _lost(self, exc: BaseException | None) -> None:
         """The connection is gone: tell the sink, once, and wake ``wait_closed``."""

@@ -156,7 +156,7 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
         transport = self._transport
         if self._is_closed or transport is None or transport.is_closing():
             raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
-        transport.writelines([self._encode(kind, meta, payload), *payload])
+        transport.writelines(self._encode(kind, meta, payload))
         return transport
 
     def close(self, reason: str) -> None:

@@ -134,6 +134,7 @@ class Daemon:
                 incarnation=self._incarnation,
                 secret=cfg.read_secret(),
                 fabric_size=len(cfg.nodes),
+                data_integrity=cfg.data_integrity == "mac",
                 limits=Limits(
                     max_meta=cfg.max_meta, max_payload=cfg.max_payload, kinds=_PEER_LIMIT_KINDS
                 ),

@@ -37,6 +37,7 @@ from fabricd.engines.gate import CloseHandshake, RefuseHandshake
 from fabricd.engines.handshake import HANDSHAKE_LIMITS, Channel, Handshake, Role
 from fabricd.engines.peers import PeerState, PeerTable, Timeouts
 from fabricd.errors import ProtocolError, TransportError
+from fabricd.integrity import FAILURE, Opener, Sealer
 from fabricd.transports.base import split_address
 from fabricd.wire import Kind, Meta
 
@@ -89,6 +90,8 @@ class HandshakeSettings:
     secret: bytes
     fabric_size: int
     limits: Limits  #: limits once authenticated
+    #: DATA payloads are sealed too (``data_integrity = "mac"``); control frames always are
+    data_integrity: bool = False
 
 
 class _PendingSink:
@@ -206,6 +209,7 @@ class PeeringService(BaseService):
         self._pending: dict[int, tuple[Link, _PendingSink]] = {}  #: links in their handshake
         self._listener: Listener | None = None
         self._closed = False  #: aclose() ran: nothing new is dialled or accepted
+        self._integrity_failures = 0  #: links closed for a frame that failed its MAC or number
 
     # -- life cycle -------------------------------------------------------------------------
     async def listen(self, address: str) -> str:
@@ -236,6 +240,8 @@ class PeeringService(BaseService):
 
     def link_lost(self, node: int, channel: Channel, link: Link, now: float) -> None:
         """``node``'s current ``channel`` link closed."""
+        if (link.close_reason or "").removeprefix("protocol error: ").startswith(FAILURE):
+            self._integrity_failures += 1
         actions = self.engine.on_link_closed(node, channel, now)
         said_bye = any(isinstance(a, peers.ResetPeer) and a.expected for a in actions)
         level = logging.INFO if said_bye else logging.WARNING
@@ -280,6 +286,7 @@ class PeeringService(BaseService):
             "refused_unknown_hosts": engine.gate.unknown_host,
             "handshakes_evicted": engine.gate.evicted,
             "peer_resets": engine.resets,
+            "integrity_failures": self._integrity_failures,
             "log_lines_left_out": remote_log.left_out,
         }
         return {
@@ -337,6 +344,11 @@ class PeeringService(BaseService):
     def authenticated(self, sink: _PendingSink, link: Link, peer: PeerIdentity) -> None:
         """``link`` proved it speaks for ``peer``: the engine rules on it."""
         self.handshake_over(sink.link_id)
+        # sealed from the next frame either way (before PeerUp's greetings go out on it); a
+        # refused link is closed below
+        keys = sink.handshake.session_keys()
+        data = self.settings.data_integrity
+        link.secure(Sealer(keys.send, cover_data=data), Opener(keys.receive, require_data=data))
         now = self.owner.now()
         actions = self.engine.on_link_authenticated(peer.node, peer.channel, peer.incarnation, now)
         admitted = any(isinstance(a, peers.AdmitLink) for a in actions)

@@ -23,6 +23,16 @@ Each side proves it knows K over a nonce the *other* side chose, so a recorded e
 be replayed, and the role labels keep one side's answer from being reflected as the other's.
 The incarnation (a number that grows with each daemon start) rides in the authenticated
 transcript, so the daemon can reject links of a dead incarnation of a restarted peer.
+
+Once done, both sides derive the link's two session keys (:meth:`Handshake.session_keys`), one
+per direction, that seal every later frame (:mod:`fabricd.integrity`)::
+
+    key(initiator → acceptor) = HMAC(K, "fabricd-v2-session\0initiator\0" ‖ T)
+    key(acceptor → initiator) = HMAC(K, "fabricd-v2-session\0acceptor\0" ‖ T)
+
+T holds both nonces, so each link (control and data each run their own handshake) and each
+connection of the pair gets fresh keys; the labels differ from the handshake MACs' (which cross
+the wire) in their prefix, so no key is ever sent.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import msgpack
@@ -84,6 +94,14 @@ class PeerIdentity:
     channel: Channel
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionKeys:
+    """The keys that seal an authenticated link's frames, one per direction."""
+
+    send: bytes = field(repr=False)  #: seals what this side sends
+    receive: bytes = field(repr=False)  #: opens what the peer sends
+
+
 class Handshake:
     """One side of the handshake of one link.
 
@@ -131,6 +149,22 @@ class Handshake:
     def peer(self) -> PeerIdentity | None:
         """The authenticated peer, once the handshake is done."""
         return self._peer if self._state is _State.DONE else None
+
+    def session_keys(self) -> SessionKeys:
+        """The link's session keys; only once the handshake is done.
+
+        Raises:
+            RuntimeError: the handshake is not done (a caller bug).
+        """
+        if self._state is not _State.DONE:
+            raise RuntimeError("no session keys before the handshake is done")
+        ours = self._session_key(self.role)
+        other = Role.ACCEPTOR if self.role is Role.INITIATOR else Role.INITIATOR
+        return SessionKeys(send=ours, receive=self._session_key(other))
+
+    def _session_key(self, sender: Role) -> bytes:
+        label = b"fabricd-v2-session\0" + sender.value.encode() + b"\0"
+        return hmac.new(self._key, label + self._transcript, hashlib.sha256).digest()
 
     def start(self) -> list[Answer]:
         """Begin: the initiator sends its HELLO; the acceptor waits."""

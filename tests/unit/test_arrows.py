@@ -1,6 +1,7 @@
 """Imports point only down the layers, checked on the source; no pickle, eval or exec.
 
-* ``fabricd/engines/*.py``, ``fabricd/wire.py`` and ``fabricd/frames.py`` are sans-IO: no
+* ``fabricd/engines/*.py``, ``fabricd/wire.py``, ``fabricd/frames.py`` and
+  ``fabricd/integrity.py`` are sans-IO: no
   event loop, sockets, clock, daemon, transports or CLI.  Imports under ``TYPE_CHECKING``
   count too: an engine that needs a transport's type has its arrow pointing the wrong way.
 * ``transports/`` knows frames, never engines, the daemon or the CLI.
@@ -203,7 +204,9 @@ def test_engines_are_sans_io() -> None:
 
 
 def test_wire_and_frames_are_sans_io() -> None:
-    findings = check([PACKAGE / "wire.py", PACKAGE / "frames.py"], "sans-io")
+    findings = check(
+        [PACKAGE / "wire.py", PACKAGE / "frames.py", PACKAGE / "integrity.py"], "sans-io"
+    )
     assert not findings, report(findings)
 
 

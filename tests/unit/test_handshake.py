@@ -139,7 +139,7 @@ def test_both_sides_agree_on_who_is_on_the_other_end(channel: Channel) -> None:
 
 
 def test_frames_keep_their_wire_layout() -> None:
-    """The same keys, values and order as every release of protocol 1 sends: peers interoperate."""
+    """The same keys, values and order as every release of protocol 2 sends: peers interoperate."""
     init, acc = initiator(), acceptor()
     acc.start()
     (hello,) = init.start()
@@ -151,9 +151,9 @@ def test_frames_keep_their_wire_layout() -> None:
     assert isinstance(answer.frame, frames.Hello)
     assert isinstance(auth.frame, frames.Auth)
     assert sent == [
-        encode(Kind.HELLO, {"v": 1, "node": 0, "inc": 7, "nonce": i_nonce, "channel": "control"}),
+        encode(Kind.HELLO, {"v": 2, "node": 0, "inc": 7, "nonce": i_nonce, "channel": "control"}),
         encode(
-            Kind.HELLO, {"v": 1, "node": 1, "inc": 9, "nonce": a_nonce, "mac": answer.frame.mac}
+            Kind.HELLO, {"v": 2, "node": 1, "inc": 9, "nonce": a_nonce, "mac": answer.frame.mac}
         ),
         encode(Kind.AUTH, {"mac": auth.frame.mac}),
     ]

@@ -45,7 +45,7 @@ def header(
     payload_len: int = 0,
     *,
     magic: bytes = b"FBRC",
-    version: int = 1,
+    version: int = 2,
     flags: int = 0,
 ) -> bytes:
     return LAYOUT.pack(magic, version, kind, flags, meta_len, payload_len)
@@ -182,8 +182,8 @@ def test_header_layout_is_as_documented() -> None:
     data = encode(Kind.RTS, {"a": 1}, b"xyz")
     assert HEADER_SIZE == 20
     assert MAGIC == b"FBRC"
-    assert PROTOCOL_VERSION == 1
-    assert data[:20] == b"FBRC" + bytes([1, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
+    assert PROTOCOL_VERSION == 2
+    assert data[:20] == b"FBRC" + bytes([2, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
         3
     ).to_bytes(8, "big")
     assert data[20:24] == b"\x81\xa1a\x01"
@@ -191,7 +191,7 @@ def test_header_layout_is_as_documented() -> None:
 
 
 def test_the_example_in_protocol_md() -> None:
-    documented = "46 42 52 43 01 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
+    documented = "46 42 52 43 02 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
     assert encode(Kind.CTS, {"msg": 1}) == bytes.fromhex(documented)
 
 
@@ -530,14 +530,21 @@ def test_a_prefix_of_the_magic_waits_for_more() -> None:
         assert decoder.next_event() is NEED_DATA
 
 
-@pytest.mark.parametrize("version", [0, 2, 255])
+@pytest.mark.parametrize("version", [0, 1, 255])
 def test_wrong_version(version: int) -> None:
     assert_rejected(header(version=version) + b"\x80", match=f"protocol version {version}")
 
 
-@pytest.mark.parametrize("flags", [1, 0x8000, 0xFFFF])
+@pytest.mark.parametrize("flags", [4, 0x8000, 0xFFFF])
 def test_undefined_flag_bits(flags: int) -> None:
     assert_rejected(header(flags=flags) + b"\x80", match="undefined flag bits")
+
+
+@pytest.mark.parametrize("flags", [1, 2, 3])
+def test_a_sealed_frame_is_refused_where_no_keys_are(flags: int) -> None:
+    # the client socket and a link in its handshake have no opener: integrity flags there
+    # are a peer's mistake, refused before the metadata is read
+    assert_rejected(header(flags=flags) + b"\x80", match="no session keys")
 
 
 def test_kind_not_in_the_limits() -> None:
@@ -663,7 +670,7 @@ def test_encode_head_refuses_oversize_payload() -> None:
         encode_head(Kind.HELLO, {}, 1, limits=HANDSHAKE_LIMITS)
 
 
-@pytest.mark.parametrize("flags", [1, 0x100, 0xFFFF])
+@pytest.mark.parametrize("flags", [4, 0x100, 0xFFFF])
 def test_encode_head_refuses_undefined_flags(flags: int) -> None:
     with pytest.raises(LocalProtocolError, match="undefined flag bits"):
         encode_head(Kind.HEARTBEAT, {}, flags=flags)

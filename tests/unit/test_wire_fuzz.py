@@ -31,6 +31,7 @@ from fabricd.wire import (
     DEFAULT_LIMITS,
     HEADER_SIZE,
     NEED_DATA,
+    PROTOCOL_VERSION,
     Decoder,
     Frame,
     FrameHead,
@@ -394,7 +395,7 @@ def test_seeded_metadata_soup() -> None:
         meta = bytes([0x80 | n]) + b"".join(random_key(rng) + random_msgpack(rng) for _ in range(n))
         if rng.random() < 0.1:
             meta = random_msgpack(rng)  # not a map, most of the time
-        head = LAYOUT.pack(b"FBRC", 1, rng.choice(list(Kind)), 0, len(meta), 0)
+        head = LAYOUT.pack(b"FBRC", PROTOCOL_VERSION, rng.choice(list(Kind)), 0, len(meta), 0)
         reader = Reader(handshake if i % 4 == 0 else DEFAULT_LIMITS)
         try:
             error = reader.read_all(random_chunks(rng, head + meta))
@@ -505,7 +506,9 @@ def test_huge_lengths_are_refused_before_allocation() -> None:
                 payload_len = rng.choice((4 << 30, 2**64 - 1, huge))
             if which in (1, 2):
                 meta_len = rng.choice((2**32 - 1, rng.randint(limits.max_meta + 1, 2**32 - 1)))
-            head = LAYOUT.pack(b"FBRC", 1, rng.choice(kinds), 0, meta_len, payload_len)
+            head = LAYOUT.pack(
+                b"FBRC", PROTOCOL_VERSION, rng.choice(kinds), 0, meta_len, payload_len
+            )
             decoder = Decoder(limits)
             decoder.feed(head + rng.randbytes(i % 64))  # maybe a few body bytes behind it
             try:
@@ -523,7 +526,7 @@ def test_huge_lengths_are_refused_before_allocation() -> None:
 
 
 def test_a_refused_header_allocates_nothing_for_its_lengths() -> None:
-    head = LAYOUT.pack(b"FBRC", 1, Kind.DATA, 0, 2**32 - 1, 2**64 - 1)
+    head = LAYOUT.pack(b"FBRC", PROTOCOL_VERSION, Kind.DATA, 0, 2**32 - 1, 2**64 - 1)
     tracemalloc.start()
     try:
         tracemalloc.reset_peak()
