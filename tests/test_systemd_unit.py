@@ -8,6 +8,7 @@ too old. The remaining tests read the files themselves and run everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from fabricd.daemon.config import Config
+
 SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
 UNIT = SYSTEMD_DIR / "fabricd.service"
 RDMA_DROPIN = SYSTEMD_DIR / "fabricd-rdma.conf"
@@ -25,40 +28,8 @@ SAMPLE_CONFIG = SYSTEMD_DIR / "fabricd.toml"
 SYSUSERS = SYSTEMD_DIR / "fabricd.sysusers"
 TMPFILES = SYSTEMD_DIR / "fabricd.tmpfiles"
 
-#: Every configuration key the daemon reads (fabricd/daemon/config.py, docs/operations.md).
-CONFIG_KEYS = frozenset(
-    {
-        "node_id",
-        "nodes",
-        "listen",
-        "socket",
-        "secret_file",
-        "allowed_uids",
-        "allowed_gids",
-        "job_groups",
-        "admin_gids",
-        "heartbeat_interval",
-        "suspect_after",
-        "down_after",
-        "handshake_timeout",
-        "reconnect_max_backoff",
-        "route_timeout",
-        "chunk_size",
-        "max_payload",
-        "max_meta",
-        "max_clients",
-        "client_hello_timeout",
-        "client_frame_timeout",
-        "max_segments_per_client",
-        "max_segments",
-        "max_mapped_bytes_per_client",
-        "max_mapped_bytes",
-        "drain_timeout",
-        "log_level",
-        "log_format",
-        "event_loop",
-    }
-)
+#: Every configuration key the daemon reads: the sample must document each one, and no other
+CONFIG_KEYS = frozenset(field.name for field in dataclasses.fields(Config))
 
 #: The defaults the sample must document. node_id, nodes and secret_file have none (the sample
 #: shows an example); listen is unset by default (the sample shows it commented out). When the
