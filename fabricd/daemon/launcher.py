@@ -88,12 +88,18 @@ class LocalCluster:
         settings: extra config keys for every node (e.g. liveness timeouts).
         log_dir: where daemon logs go; default: inside the temporary directory (removed).
         node_env: extra environment variables for single nodes (``FABRICD_<KEY>`` overrides).
+        hosts: the address each node listens on, by node; default: 127.0.0.1 for every node.
+        wrappers: a command prefix for single nodes' daemons, e.g. ``ip netns exec <ns>`` to run
+            one in its own network namespace (the network tests); it must exec the daemon, so
+            that the process started is the daemon itself.
     """
 
     size: int
     settings: dict[str, Any] = field(default_factory=dict)
     log_dir: Path | None = None
     node_env: dict[int, dict[str, str]] = field(default_factory=dict)
+    hosts: list[str] | None = None
+    wrappers: dict[int, list[str]] = field(default_factory=dict)
     nodes: list[NodeProcess] = field(default_factory=list)
     directory: Path | None = None
     config_path: Path | None = None
@@ -106,6 +112,8 @@ class LocalCluster:
         """
         if self.size < 1:
             raise ClusterError("a cluster needs at least one node")
+        if self.hosts is not None and len(self.hosts) != self.size:
+            raise ClusterError(f"{len(self.hosts)} hosts given for {self.size} nodes")
         self.directory = Path(tempfile.mkdtemp(prefix=_directory_prefix()))
         try:
             self._write_files()
@@ -126,7 +134,8 @@ class LocalCluster:
             port = _free_port()
             if port not in ports:
                 ports.append(port)
-        addresses = [f"127.0.0.1:{port}" for port in ports]
+        hosts = self.hosts or ["127.0.0.1"] * self.size
+        addresses = [f"{host}:{port}" for host, port in zip(hosts, ports, strict=True)]
         lines = [f"nodes = {_toml_value(addresses)}", f"secret_file = {_toml_value(str(secret))}"]
         for key, value in self.settings.items():
             lines.append(f"{key} = {_toml_value(value)}")
@@ -158,7 +167,10 @@ class LocalCluster:
             "FABRICD_SOCKET": node.socket_path,
             **self.node_env.get(node.node, {}),
         }
-        command = [sys.executable, "-m", "fabricd.cli.daemon", "--config", str(self.config_path)]
+        command = [
+            *self.wrappers.get(node.node, []),
+            *(sys.executable, "-m", "fabricd.cli.daemon", "--config", str(self.config_path)),
+        ]
         with open(node.log_path, "ab") as log:
             node.process = spawn_tied(
                 command,
