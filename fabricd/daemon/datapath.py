@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 
 #: copies above this size run in a worker thread
 THREAD_COPY_MIN: Final = 1 << 20
+#: the worker threads of large copies (as many as asyncio's default executor would have);
+#: the process's, shared by the daemons an in-process test runs
+_copiers = ThreadPoolExecutor(thread_name_prefix="fabricd-copy")
 
 
 async def stream(link: Link, msg: int, region: memoryview, chunk_size: int) -> None:
@@ -60,10 +64,9 @@ async def copy(dst: memoryview, src: memoryview) -> None:
     if len(src) < THREAD_COPY_MIN:
         np.copyto(target, source)
         return
-    loop = asyncio.get_running_loop()
-    job = _Copy(loop, target, source)
+    job = _Copy(asyncio.get_running_loop(), target, source)
     try:
-        loop.run_in_executor(None, job.run)  # job.finished says when it ran, not this future
+        _copiers.submit(job.run)  # job.finished says when it ran: one wake-up of the loop
     except RuntimeError as exc:
         if job.drop():
             raise OperationFailed(
@@ -75,13 +78,14 @@ async def copy(dst: memoryview, src: memoryview) -> None:
 
 
 class _Copy:
-    """A large copy handed to the default executor, which runs it at most once.
+    """A large copy handed to the worker threads, which run it at most once.
 
     When the executor cannot start a worker thread, ``ThreadPoolExecutor.submit`` raises after
     it queued the work item: a thread started later (or a busy one) would still copy into the
     receiver's segment long after its operation failed.  So the item asks, under a lock, whether
     it was dropped before it copies, and :meth:`drop` succeeds only if it has not begun.  Its
-    own future reports the end, since the executor's one is lost when ``submit`` raises.
+    own future reports the end, since the executor's one is lost when ``submit`` raises (and
+    a second future would wake the loop twice per copy).
     """
 
     def __init__(

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ import pytest
 
 import fabricd
 from fabricd import shm
+from fabricd.daemon import datapath
 from fabricd.daemon.segments import FD_RESERVE
 from fabricd.shm import SEALS, Layout
 
@@ -320,13 +322,17 @@ async def test_a_copy_whose_thread_cannot_start_fails_and_the_daemon_serves_on(
         thread, result = _in_a_thread(pair)
         await fab.until(ready.is_set)
 
+        real_start = threading.Thread.start
+
         def no_thread(self: threading.Thread) -> None:
             raise RuntimeError("can't start new thread")
 
+        copiers = ThreadPoolExecutor()  # no idle worker: the next copy must start a thread
+        monkeypatch.setattr(datapath, "_copiers", copiers)
         monkeypatch.setattr(threading.Thread, "start", no_thread)
         go.set()
         await fab.until(lambda: failed.is_set() or not thread.is_alive(), timeout=60)
-        monkeypatch.undo()
+        monkeypatch.setattr(threading.Thread, "start", real_start)
         assert p2p.statistics()["counters"]["copies_failed"] == 1
         again.set()
         await fab.until(lambda: not thread.is_alive(), timeout=30)
@@ -339,6 +345,7 @@ async def test_a_copy_whose_thread_cannot_start_fails_and_the_daemon_serves_on(
         assert untouched == "untouched"  # nothing was copied into the failed receive
         assert copied == "copied"  # the next copy, with threads again, works
         assert not fab.tasks[0].done()
+        copiers.shutdown()
 
 
 @pytest.mark.parametrize(
