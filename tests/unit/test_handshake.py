@@ -476,3 +476,50 @@ def test_unequal_secrets_never_authenticate(
 def test_secrets_hmac_would_confuse_are_told_apart(mine: bytes, theirs: bytes) -> None:
     with pytest.raises(AuthenticationFailed):
         run(initiator(secret=mine), acceptor(secret=theirs))
+
+
+# -- session keys ---------------------------------------------------------------------------
+@pytest.mark.parametrize("channel", list(Channel))
+def test_each_direction_gets_its_own_key_and_both_sides_agree(channel: Channel) -> None:
+    init, acc = initiator(channel=channel), acceptor()
+    log = run(init, acc)
+    i_keys, a_keys = init.session_keys(), acc.session_keys()
+    assert i_keys.send == a_keys.receive
+    assert a_keys.send == i_keys.receive
+    assert i_keys.send != i_keys.receive
+    assert len(i_keys.send) == 32
+    frames_sent = log.by_initiator + log.by_acceptor
+    sent = [v for _, meta in frames_sent for v in meta.values() if isinstance(v, bytes)]
+    assert len(sent) == 4  # two nonces, two MACs
+    assert not {i_keys.send, i_keys.receive} & set(sent), "a session key crossed the wire"
+
+
+def test_every_link_gets_fresh_keys() -> None:
+    """Control and data links (and a reconnection) run their own handshakes, with new nonces."""
+    keys = set()
+    for i, channel in enumerate([Channel.CONTROL, Channel.DATA, Channel.CONTROL]):
+        init = initiator(channel=channel, nonce=bytes([i]) * NONCE_SIZE)
+        acc = acceptor(nonce=bytes([100 + i]) * NONCE_SIZE)
+        run(init, acc)
+        keys |= {init.session_keys().send, init.session_keys().receive}
+    assert len(keys) == 6
+
+
+def test_keys_depend_on_the_secret_and_the_channel() -> None:
+    def keys(secret: bytes, channel: Channel) -> bytes:
+        init, acc = initiator(secret=secret, channel=channel), acceptor(secret=secret)
+        run(init, acc)
+        return init.session_keys().send
+
+    assert keys(SECRET, Channel.CONTROL) != keys(SECRET + b"!", Channel.CONTROL)
+    assert keys(SECRET, Channel.CONTROL) != keys(SECRET, Channel.DATA)
+
+
+def test_no_session_keys_before_the_handshake_is_done() -> None:
+    init, acc = initiator(), acceptor()
+    acc.start()
+    (hello,) = init.start()
+    receive(acc, *transmit(hello))  # the acceptor waits for AUTH
+    for shake in (init, acc):
+        with pytest.raises(RuntimeError, match="before the handshake is done"):
+            shake.session_keys()
