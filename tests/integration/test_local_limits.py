@@ -37,7 +37,7 @@ import pytest
 
 import fabricd
 from fabricd import shm
-from fabricd.daemon import datapath
+from fabricd.daemon import datapath, p2p_service
 from fabricd.daemon.segments import FD_RESERVE
 from fabricd.shm import SEALS, Layout
 
@@ -418,3 +418,54 @@ async def test_a_client_over_its_caps_is_told_the_limit_and_the_setting(tmp_path
         assert counters["attach_refused_client_bytes"] == 1
         assert counters["attach_refused_client_segments"] == 1
         assert fab.daemons[0].segments.gauges() == {"segments": 0, "mapped_bytes": 0}
+
+
+@pytest.mark.parametrize("fault", [MemoryError(), OSError(errno.ENOBUFS, "No buffer space")])
+async def test_a_stream_that_raises_fails_that_message_only(tmp_path, monkeypatch, fault):
+    async with fabric(tmp_path) as fab:
+        sender = fab.daemons[0].service("p2p")
+        real_stream = p2p_service.stream
+        broken = [True]
+
+        async def stream(*args: Any) -> None:
+            if broken[0]:
+                broken[0] = False
+                raise fault
+            await real_stream(*args)
+
+        monkeypatch.setattr(p2p_service, "stream", stream)
+
+        def receiver() -> list[str]:
+            outcomes = []
+            with fabricd.connect(job="s", rank=1, size=2, socket_path=fab.socket(1)) as b:
+                y = b.array("y", (MiB,), "float32")  # 4 MiB: several chunks, a stream task
+                for _ in range(2):
+                    try:
+                        b.recv(y, src=0, timeout=30)
+                        outcomes.append("ok" if (y == 3.0).all() else "wrong bytes")
+                    except fabricd.FabricError as exc:
+                        outcomes.append(type(exc).__name__)
+            return outcomes
+
+        def sender_client() -> list[str]:
+            outcomes = []
+            with fabricd.connect(job="s", rank=0, size=2, socket_path=fab.socket(0)) as a:
+                x = a.array("x", (MiB,), "float32")
+                x[:] = 3.0
+                for _ in range(2):
+                    try:
+                        a.send(x, to=1, timeout=30)
+                        outcomes.append("ok")
+                    except fabricd.OperationFailed as exc:
+                        outcomes.append(f"{exc.code}: {exc}")
+            return outcomes
+
+        got = asyncio.create_task(asyncio.to_thread(receiver))
+        sent = await asyncio.to_thread(sender_client)
+        received = await got
+        assert sent[0].startswith("resources: "), sent
+        assert type(fault).__name__ in sent[0]
+        assert received[0] == "PeerFailed"  # told by the sender's CANCEL, not left waiting
+        assert (sent[1], received[1]) == ("ok", "ok")  # the next message streams whole
+        assert sender.statistics()["counters"]["ops_failed"] == 1
+        assert not fab.tasks[0].done()
