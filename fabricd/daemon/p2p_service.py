@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from fabricd import frames
 from fabricd.daemon.datapath import copy, stream
+from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.sessions import parse_transfer
 from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
     from fabricd.engines.p2p import Action, Message
 
 log = logging.getLogger("fabricd.p2p")
+#: transfers that failed for want of memory, fds or threads: a client that keeps asking while
+#: the system is short must not flood the journal
+short_log = RateLimitedLog(log)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -283,7 +287,7 @@ class P2PService(BaseService):
             await copy(target, source)
         except OperationFailed as exc:  # no worker thread (code resources)
             self._counters["copies_failed"] += 1
-            log.warning("p2p: copying operation %d into %d failed: %s", src, dst, exc)
+            short_log.log(logging.WARNING, "copy", "p2p: copy %d -> %d failed: %s", src, dst, exc)
             code, reason = ErrorCode.RESOURCES, str(exc)
             self._settle(lambda: self.engine.copy_failed(src, dst, code, reason))
         except Exception as exc:  # MemoryError, OSError, RuntimeError: these two fail
@@ -329,7 +333,7 @@ def _trouble(exc: Exception, what: str) -> tuple[ErrorCode, str]:
     is a bug in the daemon (``internal``), logged with its traceback.
     """
     if isinstance(exc, MemoryError | OSError):
-        log.warning("p2p: %s failed: %r", what, exc)
+        short_log.log(logging.WARNING, "short", "p2p: %s failed: %r", what, exc)
         return ErrorCode.RESOURCES, f"the daemon ran short while {what}: {exc!r}; retry later"
     log.error("p2p: %s failed (a bug)", what, exc_info=exc)
     return ErrorCode.INTERNAL, "internal error in the daemon (see its log)"

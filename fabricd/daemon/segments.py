@@ -40,6 +40,7 @@ import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+from fabricd.daemon.logs import RateLimitedLog
 from fabricd.errors import ErrorCode, OperationFailed, UsageError
 from fabricd.shm import Segment
 
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from fabricd.daemon.sessions import ClientSession
 
 log = logging.getLogger("fabricd.daemon")
+#: attaches the kernel had no room for: a client that keeps trying must not flood the journal
+short_log = RateLimitedLog(log)
 
 #: fds kept for what is not a segment or a client: the loop, logs, sd_notify, the listeners,
 #: libraries (an idle daemon holds 17; tests/integration/test_local_limits.py checks < this)
@@ -253,6 +256,7 @@ class SegmentTable:
 
     def _no_room(self, reason: str) -> OperationFailed:
         self._counters["attach_failed_resources"] += 1
+        short_log.log(logging.WARNING, "no_room", "attach: could not map a segment: %s", reason)
         return OperationFailed(
             f"the daemon could not map the segment: {reason}; retry later, with fewer or "
             "smaller arrays (the daemon's log and status counters say more)",
