@@ -356,7 +356,13 @@ class PeeringService(BaseService):
             reason = next(
                 (a.reason for a in actions if isinstance(a, peers.RefuseLink)), "link refused"
             )
-            log.warning("refused %s link from node %d: %s", peer.channel, peer.node, reason)
+            remote_log.warning(
+                "refused link",
+                "refused %s link from node %d: %s",
+                peer.channel,
+                peer.node,
+                reason,
+            )
             sink.fail(link, reason)
         try:
             self._perform(actions, link=link)
@@ -446,7 +452,8 @@ class PeeringService(BaseService):
                 case peers.StateChanged():
                     self._state_changed(action)
                 case peers.PeerRestarted(node=node):
-                    log.warning(
+                    remote_log.warning(
+                        "peer restarted",
                         "node %d restarted (incarnation %d -> %d)",
                         node,
                         action.old_incarnation,
@@ -457,8 +464,9 @@ class PeeringService(BaseService):
         level = (
             logging.WARNING if change.new in (PeerState.DOWN, PeerState.SUSPECT) else logging.INFO
         )
-        log.log(
+        remote_log.log(  # a peer that reconnects at will could otherwise write at will
             level,
+            "peer state",
             "node %d: %s -> %s (%s)",
             change.node,
             change.old.value,

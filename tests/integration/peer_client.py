@@ -1,5 +1,6 @@
 """A hand-driven peer for tests: open links to a daemon's peer port from any loopback address,
-authenticate as a configured node with the shared secret, then send whatever a test wants.
+authenticate as a configured node with the shared secret, then send whatever a test wants,
+sealed as a real peer seals its frames (:mod:`fabricd.integrity`) or raw.
 
 Blocking sockets only (these run beside daemons that are real processes), and every wait has a
 timeout that is a hang guard, never a measurement.
@@ -11,16 +12,20 @@ import itertools
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Final
 
 from fabricd import frames
 from fabricd.engines.handshake import HANDSHAKE_LIMITS, Channel, Handshake, Role
+from fabricd.integrity import Opener, Sealer
 from fabricd.transports.base import split_address
-from fabricd.wire import NEED_DATA, Decoder, Frame, encode
+from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, encode, encode_head
 
 #: seconds any one wait may take before the test is stuck (a hang guard)
 PATIENCE: Final = 20.0
-_incarnations = itertools.count(time.time_ns())  #: each authenticated session is a new one
+#: each authenticated session is a new incarnation, newer than any daemon started today (a
+#: link of an older one is refused while the real node is not yet down)
+_incarnations = itertools.count(time.time_ns() + 10**15)
 
 
 def connect(address: str, source: str = "127.0.0.1") -> socket.socket:
@@ -42,6 +47,36 @@ def closed_by_peer(sock: socket.socket) -> bool:
     return True
 
 
+@dataclass
+class SealedLink:
+    """An authenticated link: what it sends is sealed as a real peer seals it, unless a test
+    writes raw bytes to :attr:`sock`."""
+
+    sock: socket.socket
+    sealer: Sealer
+    decoder: Decoder  #: opens what the daemon sends
+    _head: bytes = field(default=b"", repr=False)
+
+    def frame(self, kind: Kind, meta: dict[str, object], payload: bytes = b"") -> bytes:
+        """A whole sealed frame: header, metadata, payload, trailer."""
+        return self.head(kind, meta, len(payload)) + payload + self.trailer(kind, payload)
+
+    def head(self, kind: Kind, meta: dict[str, object], payload_len: int) -> bytes:
+        """A sealed frame's header and metadata; :meth:`trailer` must follow its payload."""
+        self._head = encode_head(kind, meta, payload_len, flags=self.sealer.flags(kind))
+        return self._head
+
+    def trailer(self, kind: Kind, payload: bytes = b"") -> bytes:
+        """The trailer of the frame :meth:`head` began (DATA's MAC skips its payload)."""
+        return self.sealer.seal(kind, self._head, [payload])
+
+    def send(self, kind: Kind, meta: dict[str, object], payload: bytes = b"") -> None:
+        self.sock.sendall(self.frame(kind, meta, payload))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def authenticate(
     address: str,
     *,
@@ -51,7 +86,7 @@ def authenticate(
     fabric_size: int,
     channel: Channel = Channel.CONTROL,
     incarnation: int | None = None,
-) -> socket.socket:
+) -> SealedLink:
     """A link to node ``dialled`` at ``address`` that passed the handshake as node ``node``.
 
     Raises:
@@ -74,7 +109,10 @@ def authenticate(
         for answer in answers:
             sock.sendall(encode(answer.frame.KIND, answer.frame.to_meta()))
         if handshake.peer is not None:
-            return sock
+            keys = handshake.session_keys()
+            opened = Decoder()
+            opened.opener = Opener(keys.receive, require_data=False)
+            return SealedLink(sock, Sealer(keys.send, cover_data=False), opened)
         data = sock.recv(4096)
         if not data:
             sock.close()
@@ -90,3 +128,53 @@ def read_secret(path: str | os.PathLike[str]) -> bytes:
     """The shared secret as the daemon reads it."""
     with open(path, "rb") as fh:
         return fh.read().strip()
+
+
+class PeerSession:
+    """Both links of a pretend node ``node`` to node ``dialled``, one incarnation: what a real
+    peer that dials would open."""
+
+    def __init__(
+        self, address: str, *, secret: bytes, node: int, dialled: int, fabric_size: int
+    ) -> None:
+        incarnation = next(_incarnations)
+        self.control = authenticate(
+            address,
+            secret=secret,
+            node=node,
+            dialled=dialled,
+            fabric_size=fabric_size,
+            incarnation=incarnation,
+        )
+        self.data = authenticate(
+            address,
+            secret=secret,
+            node=node,
+            dialled=dialled,
+            fabric_size=fabric_size,
+            channel=Channel.DATA,
+            incarnation=incarnation,
+        )
+
+    def send(
+        self, kind: Kind, meta: dict[str, object], payload: bytes = b"", *, data: bool = False
+    ) -> None:
+        """Send one sealed frame on the control link (``data``: on the data link)."""
+        (self.data if data else self.control).send(kind, meta, payload)
+
+    def receive(self, kind: Kind) -> Frame:
+        """The next frame of ``kind`` on the control link (others are skipped)."""
+        link = self.control
+        link.sock.settimeout(PATIENCE)
+        while True:
+            while (event := link.decoder.next_event()) is not NEED_DATA:
+                if isinstance(event, Frame) and event.kind is kind:
+                    return event
+            data = link.sock.recv(65536)
+            if not data:
+                raise ConnectionError(f"the daemon closed the control link before a {kind.name}")
+            link.decoder.feed(data)
+
+    def close(self) -> None:
+        self.control.close()
+        self.data.close()
