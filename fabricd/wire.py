@@ -255,7 +255,7 @@ class Decoder:
 
         Only valid right after :meth:`next_event` returned a :class:`FrameHead`.
         """
-        if self._state is not _State.PAYLOAD or self._payload is not None:
+        if self._state is not _State.PAYLOAD or self._payload is not None or self._discard:
             raise LocalProtocolError("set_payload_buffer() must follow a FrameHead event")
         view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
         if view.readonly or len(view) != self._payload_len:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import struct
+import tracemalloc
 
 import msgpack
 import pytest
@@ -734,3 +735,39 @@ def test_field_access_on_decoded_metadata() -> None:
     assert get_str(frame.meta, "job") == "jöb-ü€"
     [frame] = decode_frames(encode(Kind.AUTH, {"mac": b"\x01" * 32, "ranks": [3, 1]}))
     assert get_bytes(frame.meta, "mac") == b"\x01" * 32
+
+
+@pytest.mark.parametrize("read_size", [13, 4096, 1 << 20])
+def test_a_discarded_payload_is_read_and_dropped_without_an_allocation(read_size: int) -> None:
+    big = 2 << 20
+    stream = encode(Kind.DATA, {"i": 0}, b"x" * big) + encode(Kind.DATA, {"i": 1}, b"after")
+    decoder = Decoder()
+    frames: list[Frame] = []
+    tracemalloc.start()
+    try:
+        for start in range(0, len(stream), read_size):
+            decoder.feed(memoryview(stream)[start : start + read_size])
+            while (event := decoder.next_event()) is not NEED_DATA:
+                if isinstance(event, FrameHead) and event.meta["i"] == 0:
+                    decoder.discard_payload()
+                    assert decoder.payload_target() is None  # read through the caller's buffer
+                elif isinstance(event, Frame):
+                    frames.append(event)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [(f.meta["i"], bytes(f.payload)) for f in frames] == [(0, b""), (1, b"after")]
+    assert peak < big // 4 + 2 * read_size  # nothing of the payload's size was allocated
+
+
+def test_discard_payload_only_right_after_a_head() -> None:
+    decoder = Decoder()
+    with pytest.raises(LocalProtocolError, match="must follow a FrameHead"):
+        decoder.discard_payload()
+    decoder.feed(encode_head(Kind.DATA, {"msg": 1, "off": 0}, 4))
+    assert isinstance(decoder.next_event(), FrameHead)
+    decoder.discard_payload()
+    with pytest.raises(LocalProtocolError, match="must follow a FrameHead"):
+        decoder.discard_payload()
+    with pytest.raises(LocalProtocolError, match="must follow a FrameHead"):
+        decoder.set_payload_buffer(memoryview(bytearray(4)))
