@@ -476,16 +476,19 @@ class PeeringService(BaseService):
 
 
 def peer_host(address: str) -> str:
-    """The host of an accepted link's ``host:port``, as :func:`node_hosts` writes hosts.
-
-    An IPv4 address reaching an IPv6 listener (``::ffff:a.b.c.d``) is its IPv4 address.
-    """
+    """The host of an accepted link's ``host:port``, as :func:`node_hosts` writes hosts."""
     with contextlib.suppress(ValueError):
-        address = split_address(address)[0]
+        return canonical_host(split_address(address)[0])
+    return address  # not host:port: a transport's name for the link
+
+
+def canonical_host(host: str) -> str:
+    """One spelling per IP address (an IPv4 address reaching an IPv6 listener as
+    ``::ffff:a.b.c.d`` is that IPv4 address); a name is left as it is."""
     try:
-        ip = ipaddress.ip_address(address)
+        ip = ipaddress.ip_address(host)
     except ValueError:
-        return address
+        return host
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return str(ip.ipv4_mapped)
     return str(ip)
@@ -508,7 +511,7 @@ def node_hosts(nodes: Sequence[str]) -> dict[int, frozenset[str]]:
                 "node %d's host %s does not resolve (%s): its links are refused", node, host, exc
             )
             infos = []
-        hosts[node] = frozenset(peer_host(str(info[4][0])) for info in infos)
+        hosts[node] = frozenset(canonical_host(str(info[4][0])) for info in infos)
     return hosts
 
 
