@@ -68,6 +68,11 @@ class Landing:
         """Whether message ``msg`` from ``node`` is expected (discarded ones included)."""
         return self._entry(node, msg) is not None
 
+    def received(self, node: int, msg: int) -> int | None:
+        """Bytes of message ``msg`` from ``node`` that arrived so far (``None``: not expected)."""
+        entry = self._entry(node, msg)
+        return None if entry is None else entry.received
+
     def expect(self, node: int, msg: int, op: int, region: memoryview) -> None:
         """The DATA of message ``msg`` from ``node`` fills receive ``op``'s ``region``.
 

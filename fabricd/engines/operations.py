@@ -136,6 +136,7 @@ class Send:
 
     op: int
     msg: Message
+    posted: float = 0.0  #: when its client posted it (how long it has been pending)
     state: SendState = SendState.ROUTE
     slot: Slot[Key, Send | Remote] | None = None  #: QUEUED: its place in ``_arrived``
     node: int = -1  #: RTS/STREAM: the destination's node
@@ -149,6 +150,7 @@ class Recv:
     op: int
     msg: Message
     region: memoryview | None  #: POSTED: where a remote message will land
+    posted: float = 0.0  #: when its client posted it (how long it has been pending)
     state: RecvState = RecvState.POSTED
     slot: Slot[Key, Recv] | None = None  #: POSTED: its place in ``_posted``
     source: tuple[int, int] = (-1, -1)  #: LANDING: the (node, msg) whose bytes land in it

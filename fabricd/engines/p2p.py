@@ -43,6 +43,7 @@ index                  holds                                      serves
 ``_out``/``_out_by``   announced sends by msg id, by node         CTS/DONE, a peer is down
 ``_remote``            unmatched RTS by node and msg id           CANCEL, a peer is down
 ``_deadlines``         route deadlines by op                      the timer
+``_stall_at``          stall deadlines by op (post + stall_after) the timer: stall reports
 =====================  =========================================  ===========================
 
 Memory: a Python dict never returns the memory of deleted entries, so once more operations and
@@ -51,6 +52,15 @@ unmatched RTS left the engine than twice the number still in it, every table is 
 that ended keep no memory behind.  A peer holds at most ``max_unmatched_rts_per_peer``
 unmatched RTS here; the next one is refused with a DONE of code ``limit`` (its send fails with a
 message that names the setting), so a sender that announces without end costs a bounded amount.
+
+Stalls: with ``stall_after`` set, every operation gets a stall deadline when it is posted (one
+heap push) that is cancelled when it ends (one dict removal; the heap entry is dropped
+lazily).  An operation still pending then is returned once from :meth:`Messaging.on_timer` as
+a :class:`~fabricd.engines.stalls.Stalled` saying what it waits for; :meth:`Messaging.stalls`
+describes every such operation on demand.  The timer is told about stall deadlines lazily
+(``_stall_check``): it only ever moves earlier when an operation is posted and is recomputed
+when it fires, so an operation that ends never moves the daemon's timer, and a busy daemon
+wakes for stall checks about once per ``stall_after``.
 
 Failure: when a rank's node goes down every operation that involves the rank fails with code
 ``peer_failed``; a send whose destination has not joined (or a receive whose source has not)
@@ -83,6 +93,7 @@ from fabricd.engines.operations import (
     SendState,
 )
 from fabricd.engines.queues import KeyedQueues
+from fabricd.engines.stalls import Stalled, Waits, other_tags
 from fabricd.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from fabricd.frames import Cancel, Cts, Done, Rts
 from fabricd.wire import Kind
@@ -141,7 +152,7 @@ class CopyLocal:
     dst_op: int
 
 
-Action = SendFrame | StreamData | CopyLocal | Complete | Notice
+Action = SendFrame | StreamData | CopyLocal | Complete | Notice | Stalled
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -155,10 +166,20 @@ class MessagingStatistics:
     transfers: int  #: transfers whose bytes are moving now
     bytes_received: int  #: payload bytes of remote messages that arrived
     refused_rts: int = 0  #: RTS refused: their node held max_unmatched_rts_per_peer here
+    stalls_reported: int = 0  #: operations reported once as pending past stall_after
 
 
 _ANNOUNCED: Final = (SendState.RTS, SendState.STREAM)  #: filed in ``_out``
 _MOVING: Final = (SendState.STREAM, SendState.COPY)  #: counted as transfers
+#: what an operation waits for in each state (a receive still POSTED: see ``_stalled``)
+_SEND_WAITS: Final = {
+    SendState.ROUTE: Waits.JOIN,
+    SendState.QUEUED: Waits.MATCH,
+    SendState.RTS: Waits.CTS,
+    SendState.STREAM: Waits.DONE,
+    SendState.COPY: Waits.COPY,
+}
+_RECV_WAITS: Final = {RecvState.LANDING: Waits.DATA, RecvState.COPY: Waits.COPY}
 #: removals tolerated beyond twice what is left before the tables are rebuilt (small engines
 #: are never rebuilt; large ones once per halving)
 _SHRINK_SLACK: Final = 1024
@@ -174,6 +195,8 @@ class Messaging:
         route_timeout: seconds a send or receive waits for its peer rank to join.
         max_unmatched_rts_per_peer: most unmatched RTS one peer node may hold here (``None``:
             no bound); the setting of that name in the daemon's config.
+        stall_after: seconds after which a pending operation is reported as stalled
+            (``None``: never).
     """
 
     def __init__(
@@ -183,11 +206,13 @@ class Messaging:
         routes: Routes,
         route_timeout: float,
         max_unmatched_rts_per_peer: int | None = None,
+        stall_after: float | None = None,
     ) -> None:
         self.node = node
         self.routes = routes
         self.route_timeout = route_timeout
         self.max_unmatched_rts_per_peer = max_unmatched_rts_per_peer
+        self.stall_after = stall_after
         self._sends: dict[int, Send] = {}
         self._recvs: dict[int, Recv] = {}
         self._posted: KeyedQueues[Key, Recv] = KeyedQueues()
@@ -200,6 +225,10 @@ class Messaging:
         self._out_by: dict[int, dict[int, Send]] = {}
         self._remote: dict[int, dict[int, Remote]] = {}
         self._deadlines: Deadlines[int] = Deadlines()
+        self._stall_at: Deadlines[int] = Deadlines()
+        #: when the timer must look at ``_stall_at``: never later than its earliest deadline
+        self._stall_check: float | None = None
+        self._stalls_reported = 0
         self._landing = Landing()
         self._moving = 0  #: sends in STREAM or COPY
         self._removed = 0  #: operations and RTS that left since the tables were last rebuilt
@@ -214,7 +243,8 @@ class Messaging:
             LocalProtocolError: ``op`` is already in the engine (a bug in the caller).
         """
         self._check_new(op)
-        send = self._sends[op] = Send(op=op, msg=msg)
+        send = self._sends[op] = Send(op=op, msg=msg, posted=now)
+        self._watch(op, now)
         entry = self.routes.lookup(msg.job, msg.dst)
         if entry is None:
             _add(self._unrouted, (msg.job, msg.dst), send)
@@ -232,7 +262,8 @@ class Messaging:
         self._check_new(op)
         if region.readonly or region.nbytes != msg.nbytes:
             raise LocalProtocolError(f"receive {op} needs {msg.nbytes} writable bytes")
-        recv = self._recvs[op] = Recv(op=op, msg=msg, region=region)
+        recv = self._recvs[op] = Recv(op=op, msg=msg, region=region, posted=now)
+        self._watch(op, now)
         offer = self._arrived.first(msg.key)
         if offer is not None:
             return self._match(offer, recv)
@@ -386,11 +417,16 @@ class Messaging:
 
     # -- timers and status ------------------------------------------------------------------
     def next_deadline(self) -> float | None:
-        """When :meth:`on_timer` must next run (``None``: nothing waits for a route)."""
-        return self._deadlines.next()
+        """When :meth:`on_timer` must next run (``None``: nothing waits for a route or a stall
+        check)."""
+        route, stall = self._deadlines.next(), self._stall_check
+        if stall is None or (route is not None and route < stall):
+            return route
+        return stall
 
     def on_timer(self, now: float) -> list[Action]:
-        """Fail the operations whose peer rank did not join within ``route_timeout``."""
+        """Fail the operations whose peer rank did not join within ``route_timeout``; report,
+        once each, those pending for ``stall_after`` (:class:`Stalled`)."""
         actions: list[Action] = []
         for op in self._deadlines.pop_due(now):
             send, recv = self._sends.get(op), self._recvs.get(op)
@@ -404,7 +440,25 @@ class Messaging:
                 actions += self._fail_recv(
                     recv, ErrorCode.NO_SUCH_RANK, text + self._waited(), None, recv.msg.src
                 )
+        if self._stall_check is not None and self._stall_check <= now:
+            for op in self._stall_at.pop_due(now):
+                operation = self._sends.get(op) or self._recvs.get(op)
+                if operation is not None:
+                    actions.append(self._stalled(operation, now))
+                    self._stalls_reported += 1
+            self._stall_check = self._stall_at.next()
         return actions
+
+    def stalls(self, now: float) -> list[Stalled]:
+        """Every operation pending for ``stall_after`` or longer, longest first, with what it
+        waits for.  O(pending operations): an operator's query, not a hot path."""
+        if self.stall_after is None:
+            return []
+        since = now - self.stall_after
+        found: list[Send | Recv] = [s for s in self._sends.values() if s.posted <= since]
+        found += [r for r in self._recvs.values() if r.posted <= since]
+        found.sort(key=lambda operation: (operation.posted, operation.op))
+        return [self._stalled(operation, now) for operation in found]
 
     def pending(self) -> int:
         """Operations not finished yet."""
@@ -427,6 +481,58 @@ class Messaging:
             transfers=self.transfers(),
             bytes_received=self._landing.bytes,
             refused_rts=self._refused_rts,
+            stalls_reported=self._stalls_reported,
+        )
+
+    # -- stalls -----------------------------------------------------------------------------
+    def _watch(self, op: int, now: float) -> None:
+        """Give a new operation its stall deadline: one heap push."""
+        if self.stall_after is None:
+            return
+        at = now + self.stall_after
+        self._stall_at.set(op, at)
+        if self._stall_check is None or at < self._stall_check:
+            self._stall_check = at
+
+    def _stalled(self, operation: Send | Recv, now: float) -> Stalled:
+        """What ``operation`` waits for, and where its peer rank is."""
+        msg = operation.msg
+        is_send = isinstance(operation, Send)
+        me, peer = (msg.src, msg.dst) if is_send else (msg.dst, msg.src)
+        entry = self.routes.lookup(msg.job, peer)
+        node = None if entry is None else entry.node
+        received: int | None = None
+        tags: set[int] = set()
+        if isinstance(operation, Send):
+            waits = _SEND_WAITS.get(operation.state, Waits.COPY)
+            if operation.state in _ANNOUNCED:
+                node = operation.node
+            elif waits is Waits.MATCH:  # receives the peer posted from this rank, other tags
+                posted = self._recvs_from.get((msg.job, me), ())
+                tags = {recv.msg.tag for recv in posted if recv.msg.dst == peer}
+        elif operation.state is RecvState.POSTED:
+            if node is None:
+                waits = Waits.JOIN
+            else:
+                waits = Waits.MATCH if node == self.node else Waits.RTS
+                offers = self._offers_to.get((msg.job, me), ())
+                tags = {offer.msg.tag for offer in offers if offer.msg.src == peer}
+        else:
+            waits = _RECV_WAITS.get(operation.state, Waits.COPY)
+            if operation.state is RecvState.LANDING:
+                node = operation.source[0]
+                received = self._landing.received(*operation.source)
+        return Stalled(
+            op=operation.op,
+            send=is_send,
+            msg=msg,
+            node=self.node,
+            pending_for=now - operation.posted,
+            waits=waits,
+            peer_node=node,
+            peer_joined=entry is not None,
+            other_tags=other_tags(tags, msg.tag),
+            received=received,
         )
 
     # -- matching and rendezvous ------------------------------------------------------------
@@ -567,6 +673,7 @@ class Messaging:
         send.state = new
         if new in TERMINAL:
             del self._sends[send.op]
+            self._stall_at.cancel(send.op)
             self._removal()
         if new is SendState.BROKEN:
             raise LocalProtocolError(f"send {send.op} in state {old.name} cannot take {event.name}")
@@ -592,6 +699,7 @@ class Messaging:
         recv.state = new
         if new in TERMINAL:
             del self._recvs[recv.op]
+            self._stall_at.cancel(recv.op)
             self._removal()
         if new is RecvState.BROKEN:
             raise LocalProtocolError(

@@ -83,6 +83,7 @@ class Posted:
 class FakeNet:
     nodes: int
     route_timeout: float = 5.0
+    stall_after: float | None = None  #: report operations pending this long (None: never)
     rng: random.Random | None = None  #: pick the next pair at random (reorders across pairs)
     auto_stream: bool = True
     auto_copy: bool = True
@@ -108,7 +109,12 @@ class FakeNet:
     def __post_init__(self) -> None:
         self.members = [Membership(n) for n in range(self.nodes)]
         self.engines = [
-            Messaging(node=n, routes=self.members[n], route_timeout=self.route_timeout)
+            Messaging(
+                node=n,
+                routes=self.members[n],
+                route_timeout=self.route_timeout,
+                stall_after=self.stall_after,
+            )
             for n in range(self.nodes)
         ]
         self.links = {
