@@ -8,6 +8,7 @@ value came from, which ``fabricctl config show`` prints.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import stat
 import tomllib
@@ -66,6 +67,7 @@ class Config:
     log_level: str = "info"
     log_format: str = "text"
     event_loop: str = "uvloop"
+    metrics_address: str = "127.0.0.1:9720"
 
     @property
     def listen_address(self) -> str:
@@ -142,6 +144,8 @@ class Config:
             raise ConfigError("log_format must be 'text' or 'json'")
         if self.event_loop not in ("uvloop", "asyncio"):
             raise ConfigError("event_loop must be 'uvloop' or 'asyncio'")
+        if self.metrics_address:
+            _check_metrics_address(self.metrics_address)
         if not self.socket.startswith("/"):
             raise ConfigError(
                 "socket must be an absolute path (abstract sockets have no permissions)"
@@ -169,6 +173,23 @@ class Config:
         if len(secret) < 16:
             raise ConfigError(f"secret_file {path} holds under 16 bytes; generate a longer secret")
         return secret
+
+
+def _check_metrics_address(address: str) -> None:
+    """``metrics_address`` must be ``ip:port``: an address, so what is bound is exactly it.
+
+    A host name could resolve to more than one address, or to another one tomorrow; the
+    endpoint is bound to one interface the operator named (RELIABILITY S3).  ``0.0.0.0`` or
+    ``::`` (every interface) is taken only when written here.
+    """
+    try:
+        host, _ = split_address(address)
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(
+            f"metrics_address: {address!r} is not ip:port (e.g. 127.0.0.1:9720 or [::1]:9720; "
+            "empty turns the endpoint off)"
+        ) from None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -64,6 +64,8 @@ class NodeProcess:
     socket_path: str
     log_path: Path
     notify: socket.socket
+    #: the metrics endpoint's ``host:port`` the launcher chose ("" when the settings choose)
+    metrics_address: str = ""
     process: subprocess.Popen[bytes] | None = None
     ready: bool = False
 
@@ -71,6 +73,11 @@ class NodeProcess:
     def pid(self) -> int:
         assert self.process is not None
         return self.process.pid
+
+    @property
+    def metrics_url(self) -> str:
+        """Its metrics endpoint (``status`` says the same under ``metrics_url``)."""
+        return f"http://{self.metrics_address}/metrics" if self.metrics_address else ""
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -129,13 +136,15 @@ class LocalCluster:
         secret = self.directory / "secret"
         secret.write_text(secrets.token_hex(32))
         secret.chmod(0o600)
+        # each daemon's peer port and, unless the settings say otherwise, its own metrics port
+        metrics = "metrics_address" not in self.settings
         ports: list[int] = []
-        while len(ports) < self.size:
+        while len(ports) < self.size * (2 if metrics else 1):
             port = _free_port()
             if port not in ports:
                 ports.append(port)
         hosts = self.hosts or ["127.0.0.1"] * self.size
-        addresses = [f"{host}:{port}" for host, port in zip(hosts, ports, strict=True)]
+        addresses = [f"{host}:{port}" for host, port in zip(hosts, ports[: self.size], strict=True)]
         lines = [f"nodes = {_toml_value(addresses)}", f"secret_file = {_toml_value(str(secret))}"]
         for key, value in self.settings.items():
             lines.append(f"{key} = {_toml_value(value)}")
@@ -154,6 +163,8 @@ class LocalCluster:
                     socket_path=str(self.directory / f"node{i}.sock"),
                     log_path=log_dir / f"node{i}.log",
                     notify=notify,
+                    # on loopback, also inside a network namespace of its own
+                    metrics_address=f"127.0.0.1:{ports[self.size + i]}" if metrics else "",
                 )
             )
 
@@ -165,6 +176,7 @@ class LocalCluster:
             "NOTIFY_SOCKET": str(self.directory / f"notify{node.node}"),
             "FABRICD_NODE_ID": str(node.node),
             "FABRICD_SOCKET": node.socket_path,
+            **({"FABRICD_METRICS_ADDRESS": node.metrics_address} if node.metrics_address else {}),
             **self.node_env.get(node.node, {}),
         }
         command = [

@@ -35,6 +35,9 @@ from fabricd import frames
 from fabricd.daemon import access
 from fabricd.daemon.logs import RateLimitedLog, flush_all
 from fabricd.daemon.membership_service import MembershipService
+from fabricd.daemon.metrics import MetricsRegistry, NodeStats
+from fabricd.daemon.metrics_http import MetricsServer
+from fabricd.daemon.node_metrics import DaemonCollector
 from fabricd.daemon.p2p_service import P2PService
 from fabricd.daemon.peering_service import HandshakeSettings, PeeringService
 from fabricd.daemon.sdnotify import Notifier
@@ -85,6 +88,8 @@ remote_log = RateLimitedLog(log)
 _PEER_LIMIT_KINDS: Final = frames.PEER_KINDS
 #: requests the node answers itself: they concern the session, not an engine
 _NODE_OPS: Final = frozenset({"attach", "detach", "status", "config"})
+#: seconds between two samples of the loop's lag when no other timer is due
+_LAG_PROBE_INTERVAL: Final = 1.0
 
 
 def default_services(daemon: Daemon) -> list[Service]:
@@ -172,6 +177,12 @@ class Daemon:
         #: the last DATA frame's metadata and its parsed view: read once for its landing
         #: buffer, reused when the whole frame arrives (metadata is parsed on every frame)
         self._chunk: tuple[Meta | None, frames.PeerFrame, int] = (None, frames.Heartbeat(), 0)
+        #: what the node counts as it happens; the registry reads it and everything else
+        #: when scraped (fabricd/daemon/metrics.py)
+        self.stats = NodeStats()
+        self.metrics = MetricsRegistry([DaemonCollector(self)])
+        self.metrics_server = MetricsServer(self.metrics.exposition)
+        self._metrics_error = ""
 
     def service(self, name: str) -> Service:
         """The service called ``name`` (for status tools and tests).
@@ -269,6 +280,8 @@ class Daemon:
     def _on_timer(self) -> None:
         self._timer = None
         now = self.now()
+        if self._timer_due is not None:
+            self.stats.loop_lag.observe(max(0.0, now - self._timer_due))
         for service in self.services:
             with _bug_in(service, "on_timer"):
                 due = service.next_deadline()
@@ -293,9 +306,10 @@ class Daemon:
         # both leave the table before either closes: a link may report its loss (or the peer
         # close the other one) from within close(), and neither is news any more
         links = [self._by_channel[channel].pop(node, None) for channel in Channel]
-        for link in links:
+        for channel, link in zip(Channel, links, strict=True):
             if link is not None:
                 del self._current[link]
+                self.stats.links.retire(node, channel, link.statistics())  # counters only grow
         for link in links:
             if link is not None:
                 link.close(f"node {node} {reason}")
@@ -344,6 +358,7 @@ class Daemon:
             raise RemoteProtocolError(f"{frame.kind.name} on the wrong channel from node {node}")
         now = self.now()
         self.peering.heard(node, now)
+        self.stats.frames_received[frame.kind] += 1
         service = self._by_kind.get(frame.kind)
         if service is None:
             remote_log.warning(
@@ -389,11 +404,13 @@ class Daemon:
             self._close_everything()
 
     async def _serve(self) -> None:
+        await self._start_metrics()
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
             watchdog = None
             if self.notifier is not None and self.notifier.watchdog_interval():
                 watchdog = tasks.create_task(self._watchdog(self.notifier))
+            lag_probe = tasks.create_task(self._probe_lag())
             self.peering.start(self.now())
             self.rearm()
             log.info(
@@ -409,8 +426,32 @@ class Daemon:
                 self.notifier.ready(f"serving node {self.config.node_id}")
             await self._stopping.wait()
             await self._drain()
+            lag_probe.cancel()
             if watchdog is not None:
                 watchdog.cancel()
+
+    async def _start_metrics(self) -> None:
+        """Serve the metrics endpoint, unless ``metrics_address`` is empty.
+
+        An address that cannot be bound (in use, not this host's) costs the endpoint, not the
+        daemon: the error is logged and in ``status`` (``metrics_error``), and the scraper sees
+        the target down.
+        """
+        address = self.config.metrics_address
+        if not address:
+            return
+        try:
+            await self.metrics_server.start(address)
+        except OSError as exc:
+            self._metrics_error = f"cannot bind metrics_address {address}: {exc.strerror or exc}"
+            log.error("%s; serving without the metrics endpoint", self._metrics_error)
+
+    async def _probe_lag(self) -> None:
+        """Sample the loop's lag once a second, so an idle daemon's is known too."""
+        while True:
+            due = self.loop.time() + _LAG_PROBE_INTERVAL
+            await asyncio.sleep(_LAG_PROBE_INTERVAL)
+            self.stats.loop_lag.observe(max(0.0, self.loop.time() - due))
 
     def stop(self) -> None:
         """Begin a graceful stop (idempotent; safe from a signal handler)."""
@@ -456,6 +497,7 @@ class Daemon:
         for table in self._by_channel.values():
             table.clear()
         self.ipc.close()
+        self.metrics_server.close()
         if self.notifier is not None:
             self.notifier.close()
         flush_all()  # the counts of lines left out, up to the last one
@@ -476,6 +518,8 @@ class Daemon:
             op = get_str(meta, "op")
             request = Request(session=session, id=rid, op=op, meta=meta, fds=fds)
             service = self._by_op.get(op)
+            # only ops that exist become labels: a client's junk must not grow the metrics
+            self.stats.requests[op if service is not None or op in _NODE_OPS else "unknown"] += 1
             if service is not None:
                 result = service.on_request(request, self.now())
             elif op in _NODE_OPS:
@@ -546,7 +590,10 @@ class Daemon:
             "state": "draining" if self._draining else "serving",
             "clients": [self._client_row(s) for s in self.sessions.values() if s is not asking],
             "services": [s.name for s in self.services],
+            "metrics_url": self.metrics_server.url,
         }
+        if self._metrics_error:
+            status["metrics_error"] = self._metrics_error
         counters: dict[str, int] = self.ipc.counters()
         counters.update(self.segments.counters())
         status.update(self.segments.gauges())
@@ -555,6 +602,7 @@ class Daemon:
             counters.update(stats.pop("counters", {}))
             status.update(stats)
         status["counters"] = counters
+        status["metrics"] = self.metrics.snapshot()  # what the endpoint serves, as JSON
         if asking is not None:
             access.redact(status, access.user_of(asking), self._ownership)
         return status

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from fabricd import frames
 from fabricd.daemon.datapath import copy, stream
 from fabricd.daemon.logs import RateLimitedLog
+from fabricd.daemon.metrics import OperationStats, counter
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.sessions import parse_transfer
 from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
@@ -37,6 +38,8 @@ from fabricd.wire import Kind, Meta
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
+
+    from prometheus_client.metrics_core import Metric
 
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
@@ -57,6 +60,8 @@ class _Transfer:
     message: Message
     region: memoryview
     session: ClientSession | None  #: ``None`` once the client left; its bytes may still move
+    kind: str  #: the request's op: ``send`` or ``recv``
+    started: float  #: when the request arrived (the loop's clock), for its latency
 
 
 class P2PService(BaseService):
@@ -76,6 +81,8 @@ class P2PService(BaseService):
             max_unmatched_rts_per_peer=cfg.max_unmatched_rts_per_peer,
         )
         self._ops: dict[int, _Transfer] = {}  #: every operation the engine may still act on
+        #: operations by kind and their latency, for the metrics (fabricd/daemon/metrics.py)
+        self.operations = OperationStats(self.name, kinds=sorted(self.ops))
         self._by_session: dict[ClientSession, set[int]] = {}
         self._by_job: dict[str, int] = {}  #: operations in ``_ops`` per job
         self._ended = 0  #: operations that left ``_ops`` since its tables were rebuilt
@@ -101,8 +108,14 @@ class P2PService(BaseService):
         self._admit(request.session, message.job)
         op = next(self._op_ids)
         self._ops[op] = _Transfer(
-            request=request.id, message=message, region=region, session=request.session
+            request=request.id,
+            message=message,
+            region=region,
+            session=request.session,
+            kind=request.op,
+            started=now,
         )
+        self.operations.started(request.op)
         self._by_session.setdefault(request.session, set()).add(op)
         self._by_job[message.job] = self._by_job.get(message.job, 0) + 1
         if is_send:
@@ -117,6 +130,7 @@ class P2PService(BaseService):
             transfer = self._ops.get(op)
             if transfer is None:  # completed by what was just performed
                 continue
+            self.operations.abandoned(transfer.kind)
             if self.engine.holds(op):  # a transfer under way keeps its region, not its client
                 transfer.session = None
             else:
@@ -224,6 +238,21 @@ class P2PService(BaseService):
     def client_statistics(self, session: ClientSession) -> Meta:
         return {"ops": len(self._by_session.get(session, ()))}
 
+    def metrics(self) -> Iterable[Metric]:
+        labels = {"service": self.name}
+        yield from self.operations.families(self.engine.pending())
+        moved = (
+            ("sent", self._counters["bytes_sent"]),
+            ("received", self.engine.statistics().bytes_received),
+            ("copied", self._counters["bytes_copied"]),
+        )
+        for direction, nbytes in moved:
+            yield counter(
+                f"fabricd_message_{direction}_bytes",
+                f"Message payload bytes {direction} (to peers, from peers, between local ranks).",
+                [(labels, nbytes)],
+            )
+
     # -- performing the engine's actions ----------------------------------------------------
     def _perform(self, actions: Iterable[Action]) -> None:
         for action in actions:
@@ -316,12 +345,15 @@ class P2PService(BaseService):
             return
         session = transfer.session
         self._by_session.get(session, set()).discard(op)
+        message = transfer.message
+        latency = self.host.now() - transfer.started
+        code = None if failure is None else str(failure.code)
+        self.operations.ended(transfer.kind, message.nbytes, latency, code)
         if failure is not None:
             self._counters["ops_failed"] += 1
             self.host.fail(session, transfer.request, failure)
             return
         self._counters["ops_completed"] += 1
-        message = transfer.message
         result: Meta = {"nbytes": message.nbytes, "src": message.src, "tag": message.tag}
         self.host.reply(session, transfer.request, result)
 

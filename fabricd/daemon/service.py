@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import Coroutine, Sequence
+    from collections.abc import Coroutine, Iterable, Sequence
+
+    from prometheus_client.metrics_core import Metric
 
     from fabricd.daemon.config import Config
     from fabricd.daemon.sessions import ClientSession
@@ -173,6 +175,15 @@ class Service(Protocol):
     def client_statistics(self, session: ClientSession) -> Meta:
         """Fields of ``session``'s row in ``fabricctl status`` (e.g. operations it has open)."""
 
+    def metrics(self) -> Iterable[Metric]:
+        """This service's own Prometheus families, built when the daemon is scraped.
+
+        Read the engine's counters here (engines never import prometheus-client); build the
+        families with :mod:`fabricd.daemon.metrics` (``counter``, ``gauge``, ``histogram``,
+        :class:`~fabricd.daemon.metrics.OperationStats`).  Families of one name from two
+        services are merged, so give their samples a ``service`` label.
+        """
+
 
 class BaseService:
     """No-op defaults for the hooks a service does not need; subclass and override."""
@@ -225,6 +236,9 @@ class BaseService:
 
     def client_statistics(self, session: ClientSession) -> Meta:
         return {}
+
+    def metrics(self) -> Iterable[Metric]:
+        return ()
 
 
 def check_claims(services: Sequence[Service]) -> None:

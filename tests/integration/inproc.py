@@ -41,6 +41,7 @@ class Fabric:
             "suspect_after": 0.3,
             "down_after": 1.0,
             "chunk_size": 1 << 20,
+            "metrics_address": "127.0.0.1:0",  # a free port each: daemons share one host
             **settings,
         }
         secret = tmp / "secret"

@@ -2,7 +2,8 @@
 
 * ``fabricd/engines/*.py``, ``fabricd/wire.py``, ``fabricd/frames.py`` and
   ``fabricd/integrity.py`` are sans-IO: no
-  event loop, sockets, clock, daemon, transports or CLI.  Imports under ``TYPE_CHECKING``
+  event loop, sockets, clock, daemon, transports, CLI or prometheus-client (the daemon reads
+  their counters and exports them).  Imports under ``TYPE_CHECKING``
   count too: an engine that needs a transport's type has its arrow pointing the wrong way.
 * ``transports/`` knows frames, never engines, the daemon or the CLI.
 * Nothing under ``fabricd/`` (``transports/`` and ``cli/`` included, through their symlinks)
@@ -36,6 +37,7 @@ SANS_IO_FORBIDDEN = (
     "selectors",
     "time",
     "uvloop",
+    "prometheus_client",  # the daemon reads engines' counters; engines never export
     "fabricd.daemon",
     "fabricd.transports",
     "fabricd.cli",
@@ -243,6 +245,9 @@ def test_engines_take_randomness_and_time_as_arguments() -> None:
         "from ..daemon.node import Node",
         "from .. import cli",
         "if TYPE_CHECKING:\n    from fabricd.transports.base import Link",
+        "import prometheus_client",
+        "from prometheus_client.core import CounterMetricFamily",
+        "from fabricd.daemon.metrics import counter",
     ],
 )
 def test_sans_io_rule_catches(source: str) -> None:

@@ -59,6 +59,9 @@ class FakeHost:
     def rearm(self) -> None:
         pass
 
+    def now(self) -> float:
+        return 0.0  # the service reads it for latencies; nothing here depends on time
+
 
 class Segment:
     """A client's segment: one byte of it is all any request here names."""

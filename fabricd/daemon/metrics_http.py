@@ -1,0 +1,171 @@
+"""The metrics endpoint: ``GET /metrics`` over HTTP, served from the daemon's event loop.
+
+prometheus-client's own ``start_http_server`` runs a thread, and that thread would read the
+tables the loop changes under it (a dict changing size while iterated raises).  This endpoint
+is an asyncio protocol on the loop instead: a scrape reads the counters between two events, the
+way ``status`` does, and costs the loop about a millisecond.
+
+What a scraper may do is bounded, since anyone who can reach the port can connect: a request
+head of at most 8 KiB, read within 5 s; 16 connections at once (more are closed at once);
+``Connection: close`` after each answer.  Only ``GET``/``HEAD`` of ``/metrics`` (and ``/``) are
+answered.  The address is ``metrics_address``: 127.0.0.1 by default, never every interface
+unless the config says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Final
+
+from fabricd.transports.base import join_address, split_address
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+log = logging.getLogger("fabricd.metrics")
+
+#: the most a request head may be, and how long it may take to arrive
+MAX_REQUEST: Final = 8192
+REQUEST_TIMEOUT: Final = 5.0
+#: scrapes served at once; more connections are closed on arrival
+MAX_CONNECTIONS: Final = 16
+#: the classic text format, which prometheus-client's ``generate_latest`` writes and every
+#: Prometheus reads
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+#: hosts that mean every interface: allowed only when ``metrics_address`` names them
+WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::"})
+
+
+class MetricsServer:
+    """The endpoint of one daemon.
+
+    Args:
+        render: builds the exposition (the registry's ``exposition``); called on the loop.
+    """
+
+    def __init__(self, render: Callable[[], bytes]) -> None:
+        self._render = render
+        self._server: asyncio.Server | None = None
+        self._open: set[_Scrape] = set()
+        self.address = ""  #: the bound ``host:port`` (the real port when 0 was asked for)
+
+    @property
+    def connections(self) -> int:
+        """Scrapes connected now."""
+        return len(self._open)
+
+    @property
+    def url(self) -> str:
+        """``http://host:port/metrics``, or ``""`` when not serving."""
+        return f"http://{self.address}/metrics" if self.address else ""
+
+    async def start(self, address: str) -> None:
+        """Bind ``address`` (``host:port``; port 0: a free one) and serve.
+
+        Raises:
+            OSError: the address cannot be bound (in use, not this host's).
+        """
+        host, port = split_address(address)
+        if host in WILDCARD_HOSTS:
+            log.warning("metrics endpoint on every interface (%s), as metrics_address says", host)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Scrape(self), host, port, reuse_address=True
+        )
+        bound = self._server.sockets[0].getsockname()
+        self.address = join_address(bound[0], bound[1])
+        log.info("metrics on %s", self.url)
+
+    def close(self) -> None:
+        """Stop serving: no new scrape, and those connected are hung up on."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for scrape in list(self._open):
+            scrape.hang_up()
+        self.address = ""
+
+    def admit(self, scrape: _Scrape) -> bool:
+        """Take a new connection, unless ``MAX_CONNECTIONS`` are open."""
+        if len(self._open) >= MAX_CONNECTIONS:
+            return False
+        self._open.add(scrape)
+        return True
+
+    def forget(self, scrape: _Scrape) -> None:
+        self._open.discard(scrape)
+
+    def answer(self, head: bytes) -> bytes:
+        """The whole response to a request ``head`` (its lines up to the blank one)."""
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+            return _response("400 Bad Request", b"not an HTTP/1 request\n")
+        method, target = parts[0], parts[1].split(b"?", 1)[0]
+        if method not in (b"GET", b"HEAD"):
+            return _response("405 Method Not Allowed", b"only GET and HEAD\n")
+        if target == b"/metrics":
+            body, content_type = self._render(), CONTENT_TYPE
+        elif target == b"/":
+            body, content_type = b"fabricd: metrics at /metrics\n", "text/plain"
+        else:
+            return _response("404 Not Found", b"metrics are at /metrics\n")
+        return _response("200 OK", b"" if method == b"HEAD" else body, content_type, len(body))
+
+
+class _Scrape(asyncio.Protocol):
+    """One connection: read a request head, answer it, hang up.
+
+    A protocol rather than a stream handler: no task per connection, so nothing is left to
+    cancel (and complain) when the daemon's loop ends with a scraper connected.
+    """
+
+    def __init__(self, server: MetricsServer) -> None:
+        self._server = server
+        self._head = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        if not self._server.admit(self):
+            transport.close()
+            return
+        self._deadline = asyncio.get_running_loop().call_later(REQUEST_TIMEOUT, self.hang_up)
+
+    def data_received(self, data: bytes) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return
+        self._head += data
+        end = self._head.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._head) > MAX_REQUEST:
+                self.hang_up()  # says too much
+            return
+        if end > MAX_REQUEST:
+            self.hang_up()
+            return
+        self._transport.write(self._server.answer(bytes(self._head[:end])))
+        self.hang_up()  # close() sends what was written first
+
+    def hang_up(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._server.forget(self)
+
+
+def _response(
+    status: str, body: bytes, content_type: str = "text/plain", length: int | None = None
+) -> bytes:
+    """An HTTP/1.1 response that closes its connection; ``length``: the GET body's (HEAD)."""
+    header = (
+        f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body) if length is None else length}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    return header + body
