@@ -337,7 +337,7 @@ class Decoder:
         del self._buf[: self._meta_len]
         self._meta = _unpack_meta(raw, self.limits)
         if self.opener is not None:
-            self._covered = self.opener.begin(self._kind, self._flags, self._header_raw + raw)
+            self._covered = self.opener.begin(self._kind, self._flags, self._header_raw, raw)
         self._state = _State.PAYLOAD
         self._payload, self._filled, self._discard = None, 0, False
         return FrameHead(
@@ -345,7 +345,7 @@ class Decoder:
         )
 
     def _finish_payload(self) -> Frame | NeedData:
-        if self._buf:
+        if self._buf and self._filled < self._payload_len:
             taken = self._fill_payload(memoryview(self._buf))
             del self._buf[:taken]
         if self._filled < self._payload_len:
@@ -361,7 +361,7 @@ class Decoder:
         if len(self._buf) < TRAILER_SIZE:
             return NEED_DATA
         assert self.opener is not None
-        self.opener.finish(bytes(self._buf[:TRAILER_SIZE]))
+        self.opener.finish(self._buf)  # reads the first TRAILER_SIZE bytes
         del self._buf[:TRAILER_SIZE]
         return self._frame()
 
