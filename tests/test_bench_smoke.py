@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import disconnect, framecost, handoff, latency, throughput
+from bench import disconnect, framecost, handoff, integrity, latency, throughput
 from bench.report import Column, Table, fmt_size, median, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,3 +145,23 @@ def test_statistics() -> None:
     assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
     assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
     assert percentile([5.0], 99) == 5.0
+
+
+@pytest.mark.slow
+def test_integrity_reports_mac_against_none_for_every_size() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "integrity")
+    table = the_table(result, "integrity")
+    assert [row["nbytes"] for row in table["rows"]] == integrity.QUICK_SIZES
+    assert_ratios(table)
+    for row in table["rows"]:
+        assert {"none", "mac", "none_spread", "mac_spread"} <= row["figures"].keys()
+    assert progress.count("[integrity] ") >= len(integrity.QUICK_SIZES)
+
+
+def test_integrity_frame_reports_sealed_against_unsealed_per_kind() -> None:
+    result, _ = run_bench("--quick", "--json", "--only", "integrity-frame")
+    table = the_table(result, "integrity-frame")
+    assert [row["label"] for row in table["rows"]] == ["HEARTBEAT", "RTS", "DATA head"]
+    assert_ratios(table)
+    [extra] = table["extras"]
+    assert set(extra["figures"]) == {"BLAKE2b-128 keyed", "HMAC-SHA256"}
