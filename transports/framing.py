@@ -118,11 +118,14 @@ class FramedLink(Link):
         if sealer is None:
             head = encode_head(kind, meta, size, limits=limits)
             parts: list[Buffer] = [head, *payload]
+            trailer = 0
         else:
             head = encode_head(kind, meta, size, flags=sealer.flags(kind), limits=limits)
-            parts = [head, *payload, sealer.seal(kind, head, payload)]
+            seal = sealer.seal(kind, head, payload)
+            parts = [head, *payload, seal]
+            trailer = len(seal)
         self._frames_sent += 1
-        self._bytes_sent += len(head) + size
+        self._bytes_sent += len(head) + size + trailer  # what the receiver counts: every byte
         return parts
 
     def _lost(self, exc: BaseException | None) -> None:

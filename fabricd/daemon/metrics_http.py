@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, cast
 
 from fabricd.transports.base import join_address, split_address
 
@@ -127,8 +127,8 @@ class _Scrape(asyncio.Protocol):
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # (uvloop's transports are not subclasses of asyncio.Transport, only alike)
+        self._transport = cast("asyncio.Transport", transport)
         if not self._server.admit(self):
             transport.close()
             return
