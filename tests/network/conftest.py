@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from fabricd.daemon.launcher import FAST_LIVENESS, LocalCluster
+from fabricd.daemon.launcher import remove_leftovers as remove_cluster_leftovers
 from tests.network.cluster import MakeNetCluster, NetCluster
 from tests.network.netns import TestNet, remove_leftovers, unavailable
 
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 def _why_not() -> str | None:
     why = unavailable()
     if why is None:
-        remove_leftovers()
+        remove_leftovers()  # namespaces of runs that died
+        remove_cluster_leftovers()  # and their clusters' directories
     return why
 
 

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 
 #: what every namespace name of these tests starts with
@@ -64,7 +65,8 @@ def unavailable() -> str | None:
     """Why these tests cannot run here (one line), or None if they can.
 
     They need root, ``ip`` and ``tc``, and a kernel that lets this process create a network
-    namespace, a bridge, a veth pair and a ``tbf`` qdisc: the check tries each once.
+    namespace, a bridge, a veth pair and a ``tbf`` qdisc, and run a program in the namespace
+    (``ip netns exec`` also needs a mount namespace): the check tries each once.
     """
     if os.geteuid() != 0:
         return "network namespace tests need root"
@@ -74,6 +76,7 @@ def unavailable() -> str | None:
     try:
         with TestNet(1) as net:
             net.shape(0, 100)
+            run(*net.wrapper(0), sys.executable, "-c", "pass")
     except (NetError, OSError, subprocess.TimeoutExpired) as exc:
         return f"network namespaces unavailable: {str(exc).splitlines()[0]}"
     return None
