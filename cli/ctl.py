@@ -12,11 +12,12 @@ import math
 import signal
 import sys
 import time
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
+from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -216,6 +217,172 @@ def peers(socket_path: str | None, as_json: bool) -> None:
         console.print("this daemon is a fabric of one: no peers configured")
     else:
         console.print(_peer_table(rows))
+
+
+@main.command()
+@socket_option
+@json_option
+def stalls(socket_path: str | None, as_json: bool) -> None:
+    """Operations pending longer than stall_after, and what each waits for."""
+    with _client(socket_path) as client:
+        info = client.stalls()
+    if as_json:
+        _emit_json(info)
+        return
+    rows, hidden = info["stalls"], info.get("hidden", {}).get("stalls", 0)
+    after = f"stall_after {info['stall_after']:g} s"
+    if not rows and not hidden:
+        console.print(f"node {info['node']}: no operation pending longer than {after}")
+        return
+    console.print(_stall_table(rows, f"stalled on node {info['node']} ({after})", hidden))
+
+
+def _stall_table(rows: list[dict[str, Any]], title: str, hidden: int = 0) -> Table:
+    count = f"{len(rows)}, {hidden} hidden" if hidden else f"{len(rows)}"
+    columns = ("job", "rank", "op", "peer", "tag", "size", "pending", "waits", "peer node")
+    table = _table(f"{title}: {count}", (*columns, "what it waits for"), right=("size",))
+    for row in rows:
+        table.add_row(
+            Text(row["job"]),
+            str(row["rank"]),
+            row["kind"],
+            str(row["peer"]),
+            str(row["tag"]),
+            _size(row["nbytes"]),
+            _ago(row["pending_for"]),
+            row["waits"],
+            Text(_peer_node(row)),
+            Text(row["detail"]),
+        )
+    return table
+
+
+def _peer_node(row: dict[str, Any]) -> str:
+    """Where the peer rank of a stalled operation lives, and how its node is."""
+    node, state = row.get("peer_node"), row.get("peer_node_state")
+    if node is None or not row.get("peer_joined"):
+        return "not joined"
+    if state == "local":
+        return "this node"
+    if state is None:
+        return str(node)
+    return f"{node} {state}, heard {_ago(row.get('peer_node_silent_for'))} ago"
+
+
+@main.command()
+@click.option(
+    "--socket",
+    "socket_paths",
+    multiple=True,
+    metavar="PATH",
+    help="a daemon's socket; repeat to watch several (default: as for status)",
+)
+@click.option("--all", "every", is_flag=True, help="every daemon of this user's local clusters")
+@click.option(
+    "--interval",
+    type=click.FloatRange(0.05, 60),
+    default=1.0,
+    show_default=True,
+    help="seconds between refreshes",
+)
+@click.option("--once", is_flag=True, help="sample twice, --interval apart, print, and exit")
+@json_option
+def top(
+    socket_paths: tuple[str, ...], every: bool, interval: float, once: bool, as_json: bool
+) -> None:
+    """Live view of daemons: per-peer throughput, operations per second, p50/p99 latency,
+    pending operations and clients.  Ctrl-C ends it.
+
+    Rates are over the last refresh; latencies are of the operations completed in it.
+    """
+    from fabricd.client.top import view
+    from fabricd.daemon.launcher import running_clusters
+
+    if as_json and not once:
+        raise click.UsageError("--json prints one sample: add --once")
+    paths: list[str | None] = list(socket_paths)
+    if every:
+        paths += [path for cluster in running_clusters() for path in cluster]
+        if not paths:
+            errors.print("[red]fabricctl:[/] no local cluster of yours is running")
+            sys.exit(1)
+    paths = paths or [None]  # the daemon status would find
+    with _clients(paths) as clients:
+        try:
+            if once:
+                views = _sample_views(clients, interval, view)
+                if as_json:
+                    _emit_json({"daemons": views})
+                else:
+                    console.print(_top_table(views))
+                return
+            with Live(console=console, auto_refresh=False) as live:
+                previous = _statuses(clients)
+                while True:
+                    time.sleep(interval)
+                    current = _statuses(clients)
+                    views = [view(b, a, interval) for b, a in zip(previous, current, strict=True)]
+                    live.update(_top_table(views), refresh=True)
+                    previous = current
+        except KeyboardInterrupt:
+            return
+        except FabricError as exc:
+            errors.print(f"[red]fabricctl:[/] {escape(str(exc))}", soft_wrap=True)
+            sys.exit(1)
+
+
+@contextmanager
+def _clients(paths: list[str | None]) -> Iterator[list[Client]]:
+    """A connection to each daemon, all closed at the end."""
+    with ExitStack() as stack:
+        clients = []
+        for path in paths:
+            clients.append(stack.enter_context(_client(path)))
+        yield clients
+
+
+def _statuses(clients: list[Client]) -> list[dict[str, Any]]:
+    return [client.status() for client in clients]
+
+
+def _sample_views(
+    clients: list[Client], interval: float, view: Callable[..., dict[str, Any]]
+) -> list[dict[str, Any]]:
+    before = _statuses(clients)
+    started = time.monotonic()
+    time.sleep(interval)
+    after = _statuses(clients)
+    seconds = time.monotonic() - started
+    return [view(b, a, seconds) for b, a in zip(before, after, strict=True)]
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1e6:.0f} µs" if value < 1e-3 else _ago(value)
+
+
+def _top_table(views: list[dict[str, Any]]) -> Table:
+    columns = ("node", "state", "clients", "pending", "ops/s", "p50", "p99", "peer", "sent/s")
+    table = _table("fabricd top", (*columns, "received/s"), right=columns[2:7] + ("sent/s",))
+    for v in views:
+        cells = [str(v["node"]), v["state"], str(v["clients"]), str(v["pending_ops"])]
+        cells += [_figure(v["ops_per_second"]), _seconds(v["latency_p50"])]
+        cells.append(_seconds(v["latency_p99"]))
+        peers = v["peers"] or [None]
+        for i, peer in enumerate(peers):
+            row = cells if i == 0 else [""] * len(cells)
+            if peer is None:
+                table.add_row(*row, "-", "-", "-")
+                continue
+            style = _STATE_STYLE.get(peer["state"], "")
+            table.add_row(
+                *row,
+                Text(f"{peer['peer']} {peer['state']}", style=style),
+                _size(peer["sent_bytes_per_second"]) + "/s",
+                _size(peer["received_bytes_per_second"]) + "/s",
+            )
+    return table
 
 
 @main.group()

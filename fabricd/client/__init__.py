@@ -156,6 +156,11 @@ class Client:
         """The daemon's status (what ``fabricctl status`` prints)."""
         return self._call("status", timeout=timeout)
 
+    def stalls(self, timeout: float = 10.0) -> Meta:
+        """Operations pending longer than ``stall_after`` on the daemon, with what each waits
+        for (what ``fabricctl stalls`` prints): ``{"node", "stall_after", "stalls": [...]}``."""
+        return self._call("stalls", timeout=timeout)
+
     def config(self, timeout: float = 10.0) -> Meta:
         """The daemon's effective configuration with each value's source."""
         result: Meta = self._call("config", timeout=timeout)["config"]

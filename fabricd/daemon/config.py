@@ -48,6 +48,7 @@ class Config:
     handshake_spare_slots: int = 2
     reconnect_max_backoff: float = 2.0
     route_timeout: float = 30.0
+    stall_after: float = 30.0
     chunk_size: int = 4 * 1024 * 1024
     max_payload: int = 64 * 1024 * 1024
     max_meta: int = 64 * 1024
@@ -97,12 +98,13 @@ class Config:
             "handshake_timeout",
             "reconnect_max_backoff",
             "route_timeout",
+            "stall_after",
             "client_hello_timeout",
             "client_frame_timeout",
         ):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} must be more than 0 seconds")
-        for key in ("client_hello_timeout", "client_frame_timeout"):  # the loop's timers need it
+        for key in ("client_hello_timeout", "client_frame_timeout", "stall_after"):  # loop timers
             if not getattr(self, key) <= 86400:
                 raise ConfigError(f"{key} must be at most 86400 seconds (a day)")
         if self.drain_timeout < 0:

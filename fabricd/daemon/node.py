@@ -87,7 +87,7 @@ remote_log = RateLimitedLog(log)
 #: what an authenticated peer may send: the peer frame kinds, no handshake or client frames
 _PEER_LIMIT_KINDS: Final = frames.PEER_KINDS
 #: requests the node answers itself: they concern the session, not an engine
-_NODE_OPS: Final = frozenset({"attach", "detach", "status", "config"})
+_NODE_OPS: Final = frozenset({"attach", "detach", "status", "config", "stalls"})
 #: seconds between two samples of the loop's lag when no other timer is due
 _LAG_PROBE_INTERVAL: Final = 1.0
 
@@ -95,7 +95,13 @@ _LAG_PROBE_INTERVAL: Final = 1.0
 def default_services(daemon: Daemon) -> list[Service]:
     """Membership and point-to-point messaging: the services every daemon runs."""
     membership = MembershipService(daemon)
-    return [membership, P2PService(daemon, routes=membership.engine)]
+    p2p = P2PService(
+        daemon,
+        routes=membership.engine,
+        peers=daemon.peering.engine.peers,  # stall reports say whether a peer's node is up
+        owners=membership.engine.owner,
+    )
+    return [membership, p2p]
 
 
 class Daemon:
@@ -564,6 +570,8 @@ class Daemon:
             return {}
         if request.op == "status":
             return self.status(asking=session)
+        if request.op == "stalls":
+            return self.stalls(asking=session)
         return {"config": self.loaded.describe()}
 
     def _attach(self, session: ClientSession, meta: Meta, fds: list[int]) -> None:
@@ -571,6 +579,18 @@ class Daemon:
         if len(fds) != 1:
             raise UsageError("attach needs exactly one segment fd")
         self.segments.attach(session, seg, size, fds.pop())
+
+    def stalls(self, asking: ClientSession | None = None) -> Meta:
+        """What ``fabricctl stalls`` shows: every operation of any service pending longer than
+        ``stall_after``, with what it waits for; ``asking`` sees only the rows of jobs it may
+        see (:func:`access.redact`)."""
+        now = self.now()
+        rows = [row for service in self.services for row in service.stalls(now)]
+        result: Meta = {"node": self.config.node_id, "stall_after": self.config.stall_after}
+        result["stalls"] = rows
+        if asking is not None:
+            access.redact(result, access.user_of(asking), self._ownership)
+        return result
 
     def status(self, asking: ClientSession | None = None) -> Meta:
         """Everything ``fabricctl status`` and ``fabricctl peers`` show, JSON-ready.

@@ -31,8 +31,10 @@ from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.sessions import parse_transfer
+from fabricd.daemon.stalls import line, report
 from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
 from fabricd.engines.p2p import CopyLocal, Messaging, StreamData
+from fabricd.engines.stalls import Stalled
 from fabricd.errors import ErrorCode, LocalProtocolError, OperationFailed, TransportError
 from fabricd.wire import Kind, Meta
 
@@ -45,11 +47,14 @@ if TYPE_CHECKING:
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.membership import RankEvent, Routes
     from fabricd.engines.p2p import Action, Message
+    from fabricd.engines.peers import PeerInfo
 
 log = logging.getLogger("fabricd.p2p")
 #: transfers that failed for want of memory, fds or threads: a client that keeps asking while
 #: the system is short must not flood the journal
 short_log = RateLimitedLog(log)
+#: stalled operations: each is reported once, but a whole job can stall at once
+stall_log = RateLimitedLog(log)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -71,7 +76,16 @@ class P2PService(BaseService):
     kinds = frozenset({Kind.RTS, Kind.CTS, Kind.DONE, Kind.CANCEL, Kind.DATA})
     ops = frozenset({"send", "recv"})
 
-    def __init__(self, host: Host, *, routes: Routes) -> None:
+    def __init__(
+        self,
+        host: Host,
+        *,
+        routes: Routes,
+        peers: Callable[[float], Iterable[PeerInfo]] | None = None,
+        owners: Callable[[str], int | None] | None = None,
+    ) -> None:
+        """``peers``: the peers engine's view of the other nodes (for stall reports: is the
+        peer rank's node up); ``owners``: a job's owner (stall rows carry it)."""
         self.host = host
         cfg = host.config
         self.engine = Messaging(
@@ -79,7 +93,10 @@ class P2PService(BaseService):
             routes=routes,
             route_timeout=cfg.route_timeout,
             max_unmatched_rts_per_peer=cfg.max_unmatched_rts_per_peer,
+            stall_after=cfg.stall_after,
         )
+        self._peers = peers
+        self._owners = owners
         self._ops: dict[int, _Transfer] = {}  #: every operation the engine may still act on
         #: operations by kind and their latency, for the metrics (fabricd/daemon/metrics.py)
         self.operations = OperationStats(self.name, kinds=sorted(self.ops))
@@ -232,8 +249,24 @@ class P2PService(BaseService):
                 **self._refused,
                 "bytes_received": stats.bytes_received,
                 "rts_refused_peer_limit": stats.refused_rts,
+                "stalls_reported": stats.stalls_reported,
             },
         }
+
+    def stalls(self, now: float) -> list[Meta]:
+        """Every operation pending longer than ``stall_after``, with what it waits for."""
+        peers = self._peer_table(now)
+        return [self._report(stall, peers) for stall in self.engine.stalls(now)]
+
+    def _peer_table(self, now: float) -> dict[int, PeerInfo]:
+        return {} if self._peers is None else {info.node: info for info in self._peers(now)}
+
+    def _report(self, stall: Stalled, peers: dict[int, PeerInfo]) -> Meta:
+        transfer = self._ops.get(stall.op)
+        session = None if transfer is None else transfer.session
+        uid = None if session is None else session.conn.credentials.uid
+        owner = None if self._owners is None else self._owners(stall.msg.job)
+        return report(stall, peers, uid=uid, owner=owner)
 
     def client_statistics(self, session: ClientSession) -> Meta:
         return {"ops": len(self._by_session.get(session, ()))}
@@ -272,6 +305,9 @@ class P2PService(BaseService):
                     self._complete(op, failure)
                 case Notice(message=message):
                     log.warning("%s", message)
+                case Stalled():
+                    row = self._report(action, self._peer_table(self.host.now()))
+                    stall_log.warning("stalled operation", "%s", line(row))
 
     def _send_at_once(self, node: int, msg: int, region: memoryview) -> bool:
         """Send a one-chunk message's DATA now if its link can take it without a wait.

@@ -163,6 +163,11 @@ class Service(Protocol):
     def shutdown(self, failure: Failure) -> None:
         """The drain is over: fail every request still open with ``failure``."""
 
+    def stalls(self, now: float) -> list[Meta]:
+        """Operations pending longer than ``stall_after``, one JSON-ready row each saying what
+        it waits for (``fabricctl stalls``); rows carry ``job``, ``owner`` and ``uid`` like
+        status rows, so the node withholds them from clients that may not see the job."""
+
     def statistics(self) -> Meta:
         """What ``fabricctl status`` shows of this service: top-level status fields.
 
@@ -230,6 +235,9 @@ class BaseService:
 
     def shutdown(self, failure: Failure) -> None:
         return None
+
+    def stalls(self, now: float) -> list[Meta]:
+        return []
 
     def statistics(self) -> Meta:
         return {}

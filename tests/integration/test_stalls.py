@@ -1,0 +1,105 @@
+"""Stall reports from real daemons: a rank waits for a send that never comes.
+
+Two daemons on loopback with ``stall_after = 0.5``; rank 0 (node 0) posts a receive from
+rank 1 (node 1), which joins but never sends.  The log line and ``fabricctl stalls`` must name
+rank 1, say that no RTS came, and say that node 1 is up.  Timeouts here only guard against a
+hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from fabricd.client import connect
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+STALL_AFTER = 0.5
+HANG_GUARD = 30.0
+
+
+def _until(check: Callable[[], Any], what: str) -> Any:
+    deadline = time.monotonic() + HANG_GUARD
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def _ctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fabricd.cli.ctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "COLUMNS": "250"},
+    )
+
+
+def test_a_receive_whose_sender_never_sends_is_reported_naming_the_missing_rank(make_cluster):
+    cluster = make_cluster(2, stall_after=STALL_AFTER)
+    sockets = [node.socket_path for node in cluster.nodes]
+    with (
+        connect(job="stuck", rank=0, size=2, socket_path=sockets[0]) as waiting,
+        connect(job="stuck", rank=1, size=2, socket_path=sockets[1]),
+    ):
+        _until(lambda: len(waiting.status()["ranks"]) == 2, "rank 1 to be known on node 0")
+        array = waiting.array("grad", (256,), "float32")
+        handle = waiting.recv_async(array, src=1, tag=7)
+        rows = _until(lambda: waiting.stalls()["stalls"], "a stall on node 0")
+        log = _until(
+            lambda: (
+                "stalled: recv" in cluster.nodes[0].log_path.read_text()
+                and cluster.nodes[0].log_path.read_text()
+            ),
+            "the stall's log line",
+        )
+        as_json = _ctl("stalls", "--json", "--socket", sockets[0])
+        table = _ctl("stalls", "--socket", sockets[0])
+        assert not handle.done()
+    [row] = rows
+    assert (row["kind"], row["job"], row["rank"], row["peer"], row["tag"]) == (
+        "recv",
+        "stuck",
+        0,
+        1,
+        7,
+    )
+    assert (row["waits"], row["peer_joined"], row["peer_posted"]) == ("rts", True, False)
+    assert (row["peer_node"], row["peer_node_state"]) == (1, "up")
+    assert row["peer_node_silent_for"] < HANG_GUARD
+    assert row["pending_for"] >= STALL_AFTER
+    assert row["nbytes"] == 1024
+
+    [line] = [line for line in log.splitlines() if "stalled: recv" in line]
+    assert "recv of rank 0 from rank 1, job 'stuck', tag 7, 1024 B float32" in line
+    assert "waits for rts: rank 1 on node 1 has sent nothing to rank 0 with tag 7" in line
+    assert "rank 1 has not posted a match, on node 1: up, last heard" in line
+
+    assert as_json.returncode == 0, as_json.stderr
+    reported = json.loads(as_json.stdout)
+    assert (reported["node"], reported["stall_after"]) == (0, STALL_AFTER)
+    assert [(r["peer"], r["waits"], r["peer_node"]) for r in reported["stalls"]] == [(1, "rts", 1)]
+
+    assert table.returncode == 0, table.stderr
+    assert "stalled on node 0 (stall_after 0.5 s): 1" in table.stdout
+    assert "rank 1 on node 1 has sent nothing to rank 0" in " ".join(table.stdout.split())
+    assert "1 up, heard" in table.stdout
+
+
+def test_a_daemon_without_stalls_says_so(make_cluster):
+    cluster = make_cluster(1, stall_after=STALL_AFTER)
+    result = _ctl("stalls", "--socket", cluster.nodes[0].socket_path)
+    assert result.returncode == 0, result.stderr
+    assert "node 0: no operation pending longer than stall_after 0.5 s" in result.stdout
+    with connect(socket_path=cluster.nodes[0].socket_path) as control:
+        answer = control.stalls()
+    assert (answer["node"], answer["stall_after"], answer["stalls"]) == (0, STALL_AFTER, [])
