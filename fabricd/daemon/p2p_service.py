@@ -273,6 +273,7 @@ class P2PService(BaseService):
 
     def metrics(self) -> Iterable[Metric]:
         labels = {"service": self.name}
+        self.operations.set_stalled(self.engine.stalled(self.host.now()))
         yield from self.operations.families(self.engine.pending())
         moved = (
             ("sent", self._counters["bytes_sent"]),

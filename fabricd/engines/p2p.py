@@ -460,6 +460,15 @@ class Messaging:
         found.sort(key=lambda operation: (operation.posted, operation.op))
         return [self._stalled(operation, now) for operation in found]
 
+    def stalled(self, now: float) -> int:
+        """How many operations are pending for ``stall_after`` or longer (a metrics gauge);
+        O(pending operations), nothing described."""
+        if self.stall_after is None:
+            return 0
+        since = now - self.stall_after
+        sends = sum(1 for send in self._sends.values() if send.posted <= since)
+        return sends + sum(1 for recv in self._recvs.values() if recv.posted <= since)
+
     def pending(self) -> int:
         """Operations not finished yet."""
         return len(self._sends) + len(self._recvs)

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from fabricd.client import connect
+from tests.integration.test_metrics import scrape
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -64,6 +65,7 @@ def test_a_receive_whose_sender_never_sends_is_reported_naming_the_missing_rank(
         )
         as_json = _ctl("stalls", "--json", "--socket", sockets[0])
         table = _ctl("stalls", "--socket", sockets[0])
+        samples = scrape(waiting.status()["metrics_url"])
         assert not handle.done()
     [row] = rows
     assert (row["kind"], row["job"], row["rank"], row["peer"], row["tag"]) == (
@@ -78,6 +80,7 @@ def test_a_receive_whose_sender_never_sends_is_reported_naming_the_missing_rank(
     assert row["peer_node_silent_for"] < HANG_GUARD
     assert row["pending_for"] >= STALL_AFTER
     assert row["nbytes"] == 1024
+    assert samples["fabricd_stalled_operations", frozenset({("service", "p2p")})] == 1
 
     [line] = [line for line in log.splitlines() if "stalled: recv" in line]
     assert "recv of rank 0 from rank 1, job 'stuck', tag 7, 1024 B float32" in line

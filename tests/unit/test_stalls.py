@@ -248,3 +248,14 @@ def test_stall_bookkeeping_costs_a_few_lines_per_operation_whatever_is_pending(
     print(f"stall bookkeeping: {extra[0]:.1f} and {extra[1]:.1f} lines per operation")
     assert 0 < extra[0] <= 15
     assert extra[1] <= extra[0] * 1.3 + 1
+
+
+def test_stalled_counts_what_stalls_lists() -> None:
+    net = layout()
+    net.recv(0, src=2, dst=0, nbytes=1)
+    net.now = 5.0
+    net.send(0, src=0, dst=3, data=b"x")
+    engine = net.engines[0]
+    assert [engine.stalled(now) for now in (9.9, 10.0, 15.0)] == [0, 1, 2]
+    assert engine.stalled(15.0) == len(engine.stalls(15.0))
+    assert FakeNet(1).engines[0].stalled(1e9) == 0
