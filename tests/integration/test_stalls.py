@@ -106,3 +106,23 @@ def test_a_daemon_without_stalls_says_so(make_cluster):
     with connect(socket_path=cluster.nodes[0].socket_path) as control:
         answer = control.stalls()
     assert (answer["node"], answer["stall_after"], answer["stalls"]) == (0, STALL_AFTER, [])
+
+
+def test_two_ranks_on_one_node_that_disagree_on_the_tag_are_both_named(make_cluster):
+    cluster = make_cluster(1, stall_after=STALL_AFTER)
+    socket = cluster.nodes[0].socket_path
+    with (
+        connect(job="tags", rank=0, size=2, socket_path=socket) as receiver,
+        connect(job="tags", rank=1, size=2, socket_path=socket) as sender,
+    ):
+        receiver.recv_async(receiver.array("in", (4,), "int32"), src=1, tag=5)
+        sender.send_async(sender.array("out", (4,), "int32"), to=0, tag=3)
+        rows = _until(
+            lambda: len(stalls := receiver.stalls()["stalls"]) == 2 and stalls, "both stalls"
+        )
+    by_kind = {row["kind"]: row for row in rows}
+    recv, send = by_kind["recv"], by_kind["send"]
+    assert (recv["peer"], recv["tag"], recv["waits"], recv["other_tags"]) == (1, 5, "match", [3])
+    assert (send["peer"], send["tag"], send["waits"], send["other_tags"]) == (0, 3, "match", [5])
+    assert recv["peer_node_state"] == send["peer_node_state"] == "local"
+    assert "its sends to rank 0 with tags 3 wait here for their recvs" in recv["detail"]
