@@ -363,22 +363,20 @@ def _seconds(value: float | None) -> str:
 
 
 def _top_table(views: list[dict[str, Any]]) -> Table:
-    columns = ("node", "state", "clients", "pending", "ops/s", "p50", "p99", "peer", "sent/s")
-    table = _table("fabricd top", (*columns, "received/s"), right=columns[2:7] + ("sent/s",))
+    columns = ("node", "clients", "pending", "ops/s", "p50", "p99", "peer", "sent/s", "recv/s")
+    table = _table("fabricd top", columns, right=columns[1:6] + columns[7:])
     for v in views:
-        cells = [str(v["node"]), v["state"], str(v["clients"]), str(v["pending_ops"])]
-        cells += [_figure(v["ops_per_second"]), _seconds(v["latency_p50"])]
-        cells.append(_seconds(v["latency_p99"]))
-        peers = v["peers"] or [None]
-        for i, peer in enumerate(peers):
+        node = str(v["node"]) if v["state"] == "serving" else f"{v['node']} {v['state']}"
+        cells = [node, str(v["clients"]), str(v["pending_ops"]), _figure(v["ops_per_second"])]
+        cells += [_seconds(v["latency_p50"]), _seconds(v["latency_p99"])]
+        for i, peer in enumerate(v["peers"] or [None]):
             row = cells if i == 0 else [""] * len(cells)
             if peer is None:
                 table.add_row(*row, "-", "-", "-")
                 continue
-            style = _STATE_STYLE.get(peer["state"], "")
             table.add_row(
                 *row,
-                Text(f"{peer['peer']} {peer['state']}", style=style),
+                Text(f"{peer['peer']} {peer['state']}", style=_STATE_STYLE.get(peer["state"], "")),
                 _size(peer["sent_bytes_per_second"]) + "/s",
                 _size(peer["received_bytes_per_second"]) + "/s",
             )
@@ -577,18 +575,26 @@ def _announce_cluster(cluster: Any, as_json: bool) -> None:
                     "address": node.address,
                     "pid": node.pid,
                     "log": str(node.log_path),
+                    "metrics_url": node.metrics_url,
                 }
             )
         sys.stdout.flush()
         return
     table = _table(
         f"local fabric of {len(cluster.nodes)} nodes (config {escape(str(cluster.config_path))})",
-        ("node", "address", "pid", "socket"),
+        ("node", "address", "pid", "socket", "metrics"),
     )
     for node in cluster.nodes:
-        table.add_row(str(node.node), Text(node.address), str(node.pid), Text(node.socket_path))
+        table.add_row(
+            str(node.node),
+            Text(node.address),
+            str(node.pid),
+            Text(node.socket_path),
+            Text(node.metrics_url or "-"),
+        )
     console.print(table)
     console.print(
+        "watch them with:  [bold]fabricctl top --all[/]\n"
         "connect a client to node N with:  "
         f"[bold]FABRICD_SOCKET={escape(cluster.nodes[0].socket_path)} RANK=0 WORLD_SIZE=…[/] "
         "[bold]python train.py[/]\n"

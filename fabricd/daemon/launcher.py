@@ -370,6 +370,43 @@ def remove_leftovers(root: Path | None = None) -> list[Path]:
     return removed
 
 
+def running_clusters(root: Path | None = None) -> list[list[str]]:
+    """The client sockets of this user's local clusters whose launcher is running.
+
+    What ``fabricctl top --all`` watches.  Only directories named by :func:`_directory_prefix`
+    in this pid namespace, owned by this user, whose launcher is alive count.
+
+    Args:
+        root: where to look; default: the temporary directory.
+
+    Returns:
+        per cluster (by directory name), its daemons' socket paths in node order.
+    """
+    found: list[list[str]] = []
+    namespace = _pid_namespace()
+    with os.scandir(root or tempfile.gettempdir()) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            match = _DIRECTORY_NAME.fullmatch(entry.name)
+            if match is None or int(match[3]) != namespace:
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            if _started(int(match[1])) != int(match[2]):
+                continue  # its launcher is gone: nothing serves there
+            numbered = [
+                (int(m[1]), path)
+                for path in Path(entry.path).glob("node*.sock")
+                if (m := re.fullmatch(r"node(\d+)\.sock", path.name))
+            ]
+            if numbered:
+                found.append([str(path) for _, path in sorted(numbered)])
+    return found
+
+
 def spawn_tied(command: list[str], **popen: Any) -> subprocess.Popen[bytes]:
     """Start ``command`` as a process that the kernel kills (SIGKILL) when this process dies.
 

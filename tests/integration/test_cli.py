@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,7 @@ from click.testing import CliRunner
 from fabricd.cli.ctl import main as fabricctl
 from fabricd.client import connect
 from tests.integration.processes import wait_exited
+from tests.integration.scrape import scrape
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -333,3 +335,79 @@ def test_a_second_stop_signal_does_not_cut_a_local_clusters_stop_short(short_tmp
     finally:
         launcher.kill()
         launcher.communicate()
+
+
+def _send_and_receive(sockets: list[str], count: int) -> None:
+    """Rank 0 on node 0 sends ``count`` messages of 4 KiB to rank 1 on node 1."""
+
+    def receive() -> None:
+        with connect(job="top-job", rank=1, size=2, socket_path=sockets[1]) as fab:
+            array = fab.array("in", (1024,), "float32")
+            for _ in range(count):
+                fab.recv(array, src=0, timeout=30)
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    with connect(job="top-job", rank=0, size=2, socket_path=sockets[0]) as fab:
+        array = fab.array("out", (1024,), "float32")
+        for _ in range(count):
+            fab.send(array, to=1, timeout=30)
+    receiver.join(60)
+    assert not receiver.is_alive()
+
+
+def test_top_once_json_reports_every_daemon_of_a_live_local_cluster(make_cluster):
+    cluster = make_cluster(2)
+    sockets = [node.socket_path for node in cluster.nodes]
+    _send_and_receive(sockets, 5)
+    args = ["top", "--once", "--json", "--interval", "0.2"]
+    given = _ctl(*args, "--socket", sockets[0], "--socket", sockets[1])
+    assert given.returncode == 0, given.stderr
+    daemons = json.loads(given.stdout)["daemons"]
+    assert [d["node"] for d in daemons] == [0, 1]
+    for daemon, node in zip(daemons, cluster.nodes, strict=True):
+        assert daemon["socket"] == node.socket_path
+        assert daemon["metrics_url"] == node.metrics_url
+        assert daemon["ops_completed"] == 5  # five sends on node 0, five receives on node 1
+        assert daemon["pending_ops"] == 0
+        assert daemon["clients"] == 0
+        ((peer),) = daemon["peers"]
+        assert (peer["peer"], peer["state"]) == (1 - node.node, "up")
+        assert daemon["ops_per_second"] == 0.0  # nothing moved while top watched
+        assert daemon["latency_p50"] is None
+    assert daemons[0]["peers"][0]["sent_bytes"] > 5 * 4096
+    assert daemons[1]["peers"][0]["received_bytes"] > 5 * 4096
+    found = _ctl(*args, "--all")  # every local cluster of this user: this one among them
+    assert found.returncode == 0, found.stderr
+    seen = {d["socket"] for d in json.loads(found.stdout)["daemons"]}
+    assert set(sockets) <= seen
+    assert _ctl("top", "--json", "--socket", sockets[0]).returncode == 2  # --json needs --once
+
+
+def test_top_refreshes_until_ctrl_c_and_exits_cleanly(make_cluster):
+    cluster = make_cluster(1)
+    node = cluster.nodes[0]
+
+    def status_requests() -> float:  # read by a scrape, which is no client request itself
+        samples = scrape(node.metrics_url)
+        return samples.get(("fabricd_client_requests_total", frozenset({("op", "status")})), 0)
+
+    before = status_requests()
+    top = subprocess.Popen(
+        [*CTL, "top", "--socket", node.socket_path, "--interval", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30  # a hang guard: top samples the daemon each refresh
+        while status_requests() < before + 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status_requests() >= before + 5, "top must keep sampling"
+        top.send_signal(signal.SIGINT)
+        out, err = top.communicate(timeout=30)
+    finally:
+        top.kill()
+    assert top.returncode == 0, err
+    assert "Traceback" not in err
+    assert "fabricd top" in out

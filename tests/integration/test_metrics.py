@@ -5,31 +5,15 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import urllib.request
 from typing import Any
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import fabricd
 
 from .inproc import fabric
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(url: str) -> Samples:
-    """Every sample the endpoint serves, parsed by prometheus-client's own parser."""
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        assert answer.status == 200
-        assert answer.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        text = answer.read().decode()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+from .scrape import Samples, scrape
 
 
 def _key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:

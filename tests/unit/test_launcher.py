@@ -23,6 +23,7 @@ from fabricd.daemon.launcher import (
     _directory_prefix,
     _pid_namespace,
     remove_leftovers,
+    running_clusters,
 )
 
 
@@ -153,3 +154,15 @@ def test_a_cluster_that_cannot_start_its_daemons_leaves_no_socket_open(monkeypat
         cluster.start()
     assert [node.notify.fileno() for node in cluster.nodes] == [-1, -1, -1]
     assert cluster.directory is None
+
+
+def test_top_all_finds_the_sockets_of_running_clusters_only(tmp_path):
+    mine = tmp_path / (_directory_prefix() + "running")
+    mine.mkdir()
+    for name in ("node10.sock", "node2.sock", "node0.sock", "nodeX.sock", "secret"):
+        (mine / name).write_text("")
+    dead = _leftover(tmp_path, _never_a_pid(), 12345)
+    (dead / "node0.sock").write_text("")
+    elsewhere = _leftover(tmp_path, os.getpid(), 1, namespace=_pid_namespace() + 1)
+    (elsewhere / "node0.sock").write_text("")
+    assert running_clusters(tmp_path) == [[str(mine / f"node{i}.sock") for i in (0, 2, 10)]]
