@@ -17,7 +17,8 @@ the transport reads them through its small read buffer, allocating nothing for t
 a message that is *discarded* (its receiver left mid-transfer; the bytes are still counted, so
 the transfer ends and the sender hears DONE) and those of a message the sender *cancelled*
 (DATA it had sent before its CANCEL, which travels on the other link, may still arrive).  The
-last :data:`CANCELLED_KEPT` cancelled messages of each node are remembered for that.  DATA of
+last :data:`CANCELLED_KEPT` messages of each node cancelled after their CTS are remembered for
+that (a CANCEL of a message that had no CTS, or whose DATA all came, has none under way).  DATA of
 any other message is one this daemon never asked for (no CTS): a protocol error, so a peer can
 make the daemon neither allocate nor keep anything with DATA it sends unasked.
 
@@ -111,8 +112,16 @@ class Landing:
     def cancel(self, node: int, msg: int) -> int | None:
         """``node`` cancelled ``msg``: :meth:`forget` it, and drop its DATA still under way.
 
+        Only a message that is expected can have DATA under way (DATA follows a CTS, and a
+        message leaves this table only once complete, cancelled or reset), so only those are
+        remembered: CANCELs of messages refused or never matched, which a client leaving with
+        many sends causes by the thousand, must not push out the one whose late DATA is still
+        coming (that DATA would then reset a healthy peer).
+
         Returns the receive it filled, as :meth:`forget` does.
         """
+        if not self.expects(node, msg):
+            return None
         cancelled = self._cancelled.setdefault(node, {})
         cancelled[msg] = None
         if len(cancelled) > CANCELLED_KEPT:

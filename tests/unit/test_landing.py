@@ -126,7 +126,8 @@ def test_cancel_ends_a_message_and_its_late_chunks_are_dropped_unallocated() -> 
 def test_only_the_last_cancelled_messages_of_a_node_are_remembered() -> None:
     landing = Landing()
     for msg in range(CANCELLED_KEPT + 10):
-        assert landing.cancel(NODE, msg) is None  # (a CANCEL before the CTS: none expected)
+        landing.expect(NODE, msg, msg, memoryview(bytearray(8)))
+        assert landing.cancel(NODE, msg) == msg
     assert landing.payload_buffer(NODE, CANCELLED_KEPT + 9, 0, 8) is None
     assert landing.payload_buffer(NODE, 10, 0, 8) is None
     with pytest.raises(RemoteProtocolError):
@@ -134,6 +135,22 @@ def test_only_the_last_cancelled_messages_of_a_node_are_remembered() -> None:
     landing.forget_node(NODE)  # a reset forgets them all
     with pytest.raises(RemoteProtocolError):
         landing.payload_buffer(NODE, 10, 0, 8)
+
+
+def test_cancels_of_messages_never_expected_do_not_push_out_one_whose_data_still_comes() -> None:
+    # a message whose stream failed mid-way (its CANCEL overtook its DATA on the other link),
+    # then a client leaving with thousands of sends the receiver had refused or never matched:
+    # their CANCELs have no DATA under way, and pushing the first one out made its late DATA
+    # "never asked for", which reset a healthy peer
+    landing = Landing()
+    landing.expect(NODE, MSG, OP, memoryview(bytearray(8)))
+    assert land(landing, NODE, MSG, 0, b"abcd") is False
+    assert landing.cancel(NODE, MSG) == OP
+    for msg in range(MSG + 1, MSG + 1 + 10 * CANCELLED_KEPT):
+        assert landing.cancel(NODE, msg) is None
+    assert landing.payload_buffer(NODE, MSG, 4, 4) is None  # still read and dropped
+    with pytest.raises(RemoteProtocolError):  # no CTS, so no DATA: still refused
+        landing.payload_buffer(NODE, MSG + 1, 0, 4)
 
 
 def test_forget_node_returns_the_receives_that_still_wanted_its_messages() -> None:
