@@ -47,6 +47,8 @@ _HIGH_WATER = 8 * 1024 * 1024
 _LOW_WATER = 2 * 1024 * 1024
 #: seconds a closed link may spend flushing what is queued before it is aborted
 CLOSE_GRACE = 1.0
+#: a frame whose last payload part is this large goes out before its trailer is computed
+_SPLIT_SEAL = 64 * 1024
 
 
 class TcpLink(FramedLink, asyncio.BufferedProtocol):
@@ -156,7 +158,12 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
         transport = self._transport
         if self._is_closed or transport is None or transport.is_closing():
             raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
-        transport.writelines(self._encode(kind, meta, payload))
+        parts = self._encode(kind, meta, payload)
+        if len(parts) == 1 or memoryview(parts[-1]).nbytes < _SPLIT_SEAL:
+            transport.writelines([*parts, self._trailer(kind, payload)])  # one write
+        else:  # the kernel takes what it can of the payload while the daemon hashes it
+            transport.writelines(parts)
+            transport.write(self._trailer(kind, payload))
         return transport
 
     def close(self, reason: str) -> None:
