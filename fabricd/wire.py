@@ -248,6 +248,10 @@ class Decoder:
         """Record that ``n`` bytes were written into the view from :meth:`payload_target`."""
         if self._state is not _State.PAYLOAD or not 0 <= n <= self._payload_len - self._filled:
             raise LocalProtocolError("payload_written() without a matching payload_target()")
+        if self._covered and self.opener is not None and n:
+            # hashed as it lands, so the check overlaps the transfer instead of following it
+            payload = self._ensure_payload()
+            self.opener.update(payload[self._filled : self._filled + n])
         self._filled += n
 
     def set_payload_buffer(self, buffer: memoryview) -> None:
@@ -352,8 +356,6 @@ class Decoder:
             return NEED_DATA
         if self.opener is None:
             return self._frame()
-        if self._covered and not self._discard and self._payload_len:
-            self.opener.update(self._ensure_payload())  # once, after the payload landed
         self._state = _State.TRAILER
         return self._finish_trailer()
 
@@ -378,9 +380,9 @@ class Decoder:
 
     def _fill_payload(self, view: memoryview) -> int:
         n = min(len(view), self._payload_len - self._filled)
+        if self._covered and self.opener is not None:
+            self.opener.update(view[:n])  # hashed as it passes (and, if dropped, nothing kept)
         if self._discard:
-            if self._covered and self.opener is not None:
-                self.opener.update(view[:n])  # hashed as it passes: nothing is kept
             self._filled += n
             return n
         payload = self._ensure_payload()

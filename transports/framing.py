@@ -91,6 +91,7 @@ class FramedLink(Link):
         self._frames_sent = 0
         self._bytes_sent = 0
         self._sealer: Sealer | None = None  #: seals every frame sent once authenticated
+        self._head = b""  #: the header and metadata of the frame being sent
 
     def set_sink(self, sink: FrameSink) -> None:
         self._receiver.sink = sink
@@ -105,28 +106,32 @@ class FramedLink(Link):
     def _encode(
         self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer]
     ) -> list[Buffer]:
-        """The whole frame as buffers to send in order (the payload's are not copied): header
-        and metadata checked against this link's limits, the payload, and once the link is
-        secured, the trailer.  Counted; call once per frame, in wire order.
+        """The frame but its trailer, as buffers to send in order (the payload's are not
+        copied): header and metadata checked against this link's limits, then the payload.
+        Counted.  Call once per frame, in wire order, and :meth:`_trailer` right after.
 
         Both ends of a link are configured alike, so what passes the sender's limits passes
         the receiver's.
         """
         size = sum(memoryview(p).nbytes for p in payload)
-        limits = self._receiver.decoder.limits
+        sealer = self._sealer
+        flags = 0 if sealer is None else sealer.flags(kind)
+        head = encode_head(kind, meta, size, flags=flags, limits=self._receiver.decoder.limits)
+        self._head = head
+        self._frames_sent += 1
+        self._bytes_sent += len(head) + size  # with the trailer: what the receiver counts
+        return [head, *payload]
+
+    def _trailer(self, kind: Kind, payload: Sequence[Buffer]) -> bytes:
+        """What follows the frame :meth:`_encode` just made: its seal once the link is
+        secured, else nothing.  Apart from ``_encode`` so that a transport can queue a large
+        payload first and hash it while the kernel already sends it."""
         sealer = self._sealer
         if sealer is None:
-            head = encode_head(kind, meta, size, limits=limits)
-            parts: list[Buffer] = [head, *payload]
-            trailer = 0
-        else:
-            head = encode_head(kind, meta, size, flags=sealer.flags(kind), limits=limits)
-            seal = sealer.seal(kind, head, payload)
-            parts = [head, *payload, seal]
-            trailer = len(seal)
-        self._frames_sent += 1
-        self._bytes_sent += len(head) + size + trailer  # what the receiver counts: every byte
-        return parts
+            return b""
+        trailer = sealer.seal(kind, self._head, payload)
+        self._bytes_sent += len(trailer)
+        return trailer
 
     def _lost(self, exc: BaseException | None) -> None:
         """The connection is gone: tell the sink, once, and wake ``wait_closed``."""

@@ -57,7 +57,7 @@ class TapNet(InprocTransport):
         self.trick: Callable[[TapLink, bytes], list[bytes]] | None = None
         self._dials = itertools.count()
 
-    async def connect(self, address: str, limits: Limits) -> InprocLink:
+    async def connect(self, address: str, limits: Limits, *, source: str = "") -> InprocLink:
         on_link, server_limits = self.listeners[address]
         # node 0 dials both links of the pair, control first (architecture.md, "Peers")
         channel = "control" if next(self._dials) % 2 == 0 else "data"
