@@ -25,6 +25,12 @@ left under ``vm.max_map_count``, half of the address space — and logs a warnin
 setting when that is less than configured.  So a segment can never take the fd a client
 connection needs, whatever the operator set.
 
+A segment counts for as long as it is really mapped.  ``detach`` (or the client leaving) while
+a transfer still holds a view of it cannot unmap it (``mmap`` refuses to close under a view,
+and keeps its fd): it stays counted, for its client too, until the last view goes and CPython
+unmaps it.  Otherwise a client could attach, post a receive that never matches, detach and
+repeat, past every cap.
+
 An attach that the kernel refuses for want of a resource (``mmap`` out of memory or address
 space, no fd left for the duplicate, a ``MemoryError``) fails that attach with code
 ``resources``, and is counted; the daemon goes on.
@@ -32,11 +38,13 @@ space, no fd left for the duplicate, a ``MemoryError``) fails that attach with c
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
 import os
 import resource
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -45,6 +53,8 @@ from fabricd.errors import ErrorCode, OperationFailed, UsageError
 from fabricd.shm import Segment
 
 if TYPE_CHECKING:
+    import mmap
+
     from fabricd.daemon.config import Config
     from fabricd.daemon.sessions import ClientSession
 
@@ -154,6 +164,11 @@ class SegmentTable:
         self.limits = limits
         self.segments = 0  #: held by every client together
         self.mapped = 0  #: bytes mapped for every client together
+        #: detached segments a transfer still maps, by a weak reference to their mapping
+        self._unmapping: dict[weakref.ref[mmap.mmap], tuple[ClientSession, int]] = {}
+        #: of those, the ones CPython has unmapped since: the weakref callback may run in a
+        #: copy's worker thread, so it only appends here, and the loop settles them
+        self._unmapped: collections.deque[weakref.ref[mmap.mmap]] = collections.deque()
         self._counters = {
             "attach_refused_client_segments": 0,
             "attach_refused_client_bytes": 0,
@@ -175,6 +190,7 @@ class SegmentTable:
         try:
             if seg in session.segments:
                 raise UsageError(f"segment {seg} is already attached")
+            self._reap()
             self._admit(session, size)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -207,6 +223,7 @@ class SegmentTable:
 
     def gauges(self) -> dict[str, int]:
         """What the daemon maps now, for status: ``segments`` and ``mapped_bytes``."""
+        self._reap()
         return {"segments": self.segments, "mapped_bytes": self.mapped}
 
     def counters(self) -> dict[str, int]:
@@ -214,17 +231,34 @@ class SegmentTable:
         return dict(self._counters)
 
     def _unmap(self, session: ClientSession, segment: Segment) -> None:
-        session.mapped -= segment.size
-        self.segments -= 1
-        self.mapped -= segment.size
         segment.close()
+        if segment.buffer.closed:
+            self._uncount(session, segment.size)
+            return
+        # a transfer holds a view: the mapping and its fd live until the view goes
+        ref = weakref.ref(segment.buffer, self._unmapped.append)
+        self._unmapping[ref] = (session, segment.size)
+        session.unmapping += 1
+
+    def _reap(self) -> None:
+        """Stop counting the detached segments that CPython has unmapped since."""
+        while self._unmapped:
+            session, size = self._unmapping.pop(self._unmapped.popleft())
+            session.unmapping -= 1
+            self._uncount(session, size)
+
+    def _uncount(self, session: ClientSession, size: int) -> None:
+        session.mapped -= size
+        self.segments -= 1
+        self.mapped -= size
 
     def _admit(self, session: ClientSession, size: int) -> None:
         limits = self.limits
-        if len(session.segments) >= limits.per_client:
+        held = len(session.segments) + session.unmapping
+        if held >= limits.per_client:
             self._refuse(
                 "attach_refused_client_segments",
-                f"this client holds {len(session.segments)} segments, the most "
+                f"this client holds {held} segments, the most "
                 "max_segments_per_client allows; free arrays it no longer needs (or raise "
                 "max_segments_per_client in the daemon's config)",
             )

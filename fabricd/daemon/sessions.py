@@ -33,7 +33,9 @@ class ClientSession:
     rank: int = -1
     size: int = 0
     segments: dict[int, Segment] = field(default_factory=dict)
-    mapped: int = 0  #: bytes of ``segments`` mapped in the daemon (their sealed sizes)
+    mapped: int = 0  #: bytes this client has mapped in the daemon (their sealed sizes)
+    #: segments detached while a transfer still maps them (counted in ``mapped`` until unmapped)
+    unmapping: int = 0
 
     def describe(self) -> dict[str, object]:
         creds = self.conn.credentials

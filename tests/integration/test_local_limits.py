@@ -469,3 +469,37 @@ async def test_a_stream_that_raises_fails_that_message_only(tmp_path, monkeypatc
         assert (sent[1], received[1]) == ("ok", "ok")  # the next message streams whole
         assert sender.statistics()["counters"]["ops_failed"] == 1
         assert not fab.tasks[0].done()
+
+
+async def test_a_detached_segment_a_receive_still_holds_counts_until_unmapped(tmp_path):
+    # A pending receive keeps a view of its segment, so ``detach`` cannot unmap it (mmap
+    # refuses to close under a view; the daemon's copy of the fd stays open too).  The caps
+    # went back all the same, so a client could attach, post a receive that never matches,
+    # detach, and repeat: past max_mapped_bytes_per_client and every other cap, with fds.
+    async with fabric(tmp_path, max_mapped_bytes_per_client=2 * MiB) as fab:
+        daemon = fab.daemons[0]
+
+        def client() -> tuple[str, dict[str, int]]:
+            path = fab.socket(0)
+            with (
+                fabricd.connect(job="d", rank=0, size=2, socket_path=path) as a,
+                fabricd.connect(job="d", rank=1, size=2, socket_path=path),
+            ):
+                x = a.array("x", (MiB,), "uint8")
+                pending = a.recv_async(x, src=1)  # rank 1 never sends
+                call = a._connection.submit("detach", {"seg": 1})
+                a._connection.wait(call, 10.0).result("detach")
+                with_view = daemon.segments.gauges()
+                try:
+                    a.array("y", (MiB,), "uint8")
+                    second = "ok"
+                except fabricd.OperationFailed as exc:
+                    second = f"{exc.code}: {exc}"
+                del pending
+            return second, with_view
+
+        second, with_view = await asyncio.to_thread(client)
+        assert with_view == {"segments": 1, "mapped_bytes": MiB + 128}  # still mapped
+        assert second.startswith("limit: "), second
+        assert "max_mapped_bytes_per_client" in second
+        await fab.until(lambda: daemon.segments.gauges() == {"segments": 0, "mapped_bytes": 0})

@@ -142,3 +142,33 @@ def test_limits_from_the_config_never_exceed_the_settings_or_the_host() -> None:
 )
 def test_sizes_read_as_a_person_writes_them(n: int, text: str) -> None:
     assert _size(n) == text
+
+
+def test_a_detached_segment_counts_until_the_last_view_of_it_goes() -> None:
+    # a pending transfer holds a view: the mapping (and mmap's fd) outlive detach and client
+    # exit, and so must the count, or the caps could be passed by detaching in-use segments
+    table = SegmentTable(limits(per_client=2))
+    a = session()
+    fds = open_fds()
+    table.attach(a, 0, 4 * MiB, memfd(4 * MiB))
+    held = a.segments[0].view(64, 64)  # what a receive keeps
+    table.detach(a, 0)
+    assert table.gauges() == {"segments": 1, "mapped_bytes": 4 * MiB}
+    assert "max_mapped_bytes_per_client" in refusal(table, a, 1, 128)
+    assert open_fds() == fds + 1
+    held.release()
+    assert open_fds() == fds
+    assert table.gauges() == {"segments": 0, "mapped_bytes": 0}
+    assert a.mapped == 0
+    table.attach(a, 1, 128, memfd(128))
+    held = a.segments[1].view(64, 0)
+    table.detach(a, 1)
+    table.attach(a, 2, 128, memfd(128))
+    assert "max_segments_per_client" in refusal(table, a, 3, 128)  # one mapped, one unmapping
+    b = session()
+    table.attach(b, 0, 128, memfd(128))
+    view = b.segments[0].view(64, 0)
+    table.release(b)  # the client left while a transfer holds its segment
+    assert table.gauges() == {"segments": 3, "mapped_bytes": 3 * 128}
+    del held, view
+    assert table.gauges() == {"segments": 1, "mapped_bytes": 128}
