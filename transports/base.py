@@ -193,8 +193,11 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def connect(self, address: str, limits: Limits) -> Link:
+    async def connect(self, address: str, limits: Limits, *, source: str = "") -> Link:
         """Open a link to ``address``.  Install a sink on it before awaiting anything else.
+
+        ``source``: the host the link should leave from (this node's configured address, which
+        is what the peer admits links from); a transport without addresses ignores it.
 
         Raises:
             TransportError: nobody accepts there (the caller retries with backoff).

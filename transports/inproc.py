@@ -166,7 +166,7 @@ class InprocTransport(Transport):
         self.listeners[address] = (on_link, limits)
         return InprocListener(self, address)
 
-    async def connect(self, address: str, limits: Limits) -> InprocLink:
+    async def connect(self, address: str, limits: Limits, *, source: str = "") -> InprocLink:
         try:
             on_link, server_limits = self.listeners[address]
         except KeyError:

@@ -18,6 +18,7 @@ segment of a bulk transfer should not wait for a delayed ACK either.
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 from typing import TYPE_CHECKING, cast
 
@@ -220,11 +221,19 @@ class TcpTransport(Transport):
             raise TransportError(f"cannot listen on {address}: {exc.strerror}") from exc
         return TcpListener(server)
 
-    async def connect(self, address: str, limits: Limits) -> TcpLink:
+    async def connect(self, address: str, limits: Limits, *, source: str = "") -> TcpLink:
         host, port = split_address(address)
         loop = asyncio.get_running_loop()
+        # from the configured address, not whichever one the kernel would pick: peers admit
+        # links only from configured hosts, and a multi-homed node would otherwise be refused
+        local = (source, 0) if source else None
         try:
-            _, link = await loop.create_connection(lambda: TcpLink(address, limits), host, port)
+            _, link = await loop.create_connection(
+                lambda: TcpLink(address, limits), host, port, local_addr=local
+            )
         except OSError as exc:
-            raise TransportError(f"cannot connect to {address}: {exc.strerror or exc}") from exc
+            why = exc.strerror or exc
+            if local is not None and exc.errno == errno.EADDRNOTAVAIL:
+                why = f"{why} (is {source}, this node's address in nodes, one of its own?)"
+            raise TransportError(f"cannot connect to {address}: {why}") from exc
         return link

@@ -191,6 +191,8 @@ class PeeringService(BaseService):
         self.transport = transport
         self.settings = settings
         self.addresses = cfg.nodes
+        #: where dialled links leave from: this node's host as its peers know it
+        self._source = split_address(cfg.nodes[cfg.node_id])[0] if transport.network else ""
         self.engine = PeerTable(
             node=cfg.node_id,
             nodes=len(cfg.nodes),
@@ -388,7 +390,14 @@ class PeeringService(BaseService):
             self.owner.rearm()
 
     async def _connect(self, node: int, channel: Channel) -> Link:
-        link = await self.transport.connect(self.addresses[node], HANDSHAKE_LIMITS)
+        address, timeout = self.addresses[node], self.owner.config.handshake_timeout
+        try:  # the kernel would retry a SYN into a partition for minutes; redial instead
+            async with asyncio.timeout(timeout):
+                link = await self.transport.connect(address, HANDSHAKE_LIMITS, source=self._source)
+        except TimeoutError:
+            raise TransportError(
+                f"cannot connect to {address}: no answer within {timeout:g}s (handshake_timeout)"
+            ) from None
         link_id = next(self._ids)
         actions = self.engine.on_handshake_started(
             link_id, self.addresses[node], self.owner.now(), accepted=False

@@ -13,9 +13,8 @@ from fabricd.daemon.launcher import FAST_LIVENESS, ClusterError, LocalCluster
 
 
 def test_each_node_listens_on_its_host_and_runs_under_its_wrapper(tmp_path: Path) -> None:
-    # node 0 dials node 1, and its links leave from the kernel's source address for 127.0.0.3,
-    # 127.0.0.1: node 1 admits links only from configured hosts, so node 0 must be there
-    hosts = ["127.0.0.1", "127.0.0.3"]
+    # node 0 dials node 1 from its own configured address, the only host node 1 admits
+    hosts = ["127.0.0.2", "127.0.0.3"]
     wrapped = ["env", "FABRICD_TEST_WRAPPED=yes"]
     with LocalCluster(
         2, settings=FAST_LIVENESS, log_dir=tmp_path, hosts=hosts, wrappers={1: wrapped}

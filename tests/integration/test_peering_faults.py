@@ -10,15 +10,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 import fabricd
+from fabricd.daemon.config import load
 from fabricd.daemon.node import Daemon, default_services
 from fabricd.daemon.service import BaseService
 from fabricd.engines.handshake import HANDSHAKE_LIMITS, Channel
 from fabricd.transports.inproc import InprocLink, InprocTransport
+from fabricd.transports.tcp import TcpTransport
 
 from .inproc import Fabric, fabric
 
@@ -98,7 +101,7 @@ async def test_a_reset_does_not_hear_its_own_links_closing_as_news(
 class HangsUpAtOnce(InprocTransport):
     """Every dialled link is closed by the far end before the dialler can say HELLO on it."""
 
-    async def connect(self, address: str, limits: Limits) -> InprocLink:
+    async def connect(self, address: str, limits: Limits, *, source: str = "") -> InprocLink:
         link = await super().connect(address, limits)
         link.peer.close("too many unauthenticated links")  # type: ignore[union-attr]
         return link
@@ -193,7 +196,7 @@ class SlowDataLinks(InprocTransport):
         self.delay = delay
         self.dialled = 0
 
-    async def connect(self, address: str, limits: Limits) -> InprocLink:
+    async def connect(self, address: str, limits: Limits, *, source: str = "") -> InprocLink:
         self.dialled += 1
         if self.dialled % 2 == 0:
             await asyncio.sleep(self.delay)
@@ -219,3 +222,76 @@ async def test_a_rank_that_joins_before_its_peer_is_up_is_announced_only_once_it
     finally:
         for node in list(fab.tasks):
             await fab.stop(node)
+
+
+async def test_a_dial_into_silence_gives_up_after_the_handshake_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A listener whose accept queue is full drops further SYNs, as a partition does: the
+    # kernel alone would retry such a connect for minutes, and a healed link would wait for it
+    caplog.set_level(logging.INFO, logger="fabricd.peering")
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(0)
+        fillers = [socket.socket() for _ in range(3)]
+        for filler in fillers:  # the first fills the queue; the others wait in SYN_SENT
+            filler.setblocking(False)
+            filler.connect_ex(hole.getsockname())
+        secret = tmp_path / "secret"
+        secret.write_text("a test secret of some length")
+        secret.chmod(0o600)
+        flags = {
+            "node_id": 0,
+            "nodes": ("127.0.0.1:0", f"127.0.0.1:{hole.getsockname()[1]}"),
+            "socket": str(tmp_path / "n0.sock"),
+            "secret_file": str(secret),
+            "handshake_timeout": 0.2,
+            "reconnect_max_backoff": 0.1,
+        }
+        daemon = Daemon(load(None, environ={}, flags=flags), transport=TcpTransport())
+        task = asyncio.create_task(daemon.run())
+        try:
+            async with asyncio.timeout(30):  # a hang guard only
+                while caplog.text.count("no answer within 0.2s (handshake_timeout)") < 2:
+                    await asyncio.sleep(0.05)
+        finally:
+            daemon.stop()
+            await asyncio.wait_for(task, 15)
+            for filler in fillers:
+                filler.close()
+    assert "retrying in" in caplog.text  # each silent dial failed and was retried
+
+
+async def test_dialled_links_leave_from_this_nodes_configured_address(tmp_path: Path) -> None:
+    # node 0 is configured as 127.0.0.2; its peer admits links only from configured hosts, so
+    # a link from the kernel's default source for 127.0.0.1 (127.0.0.1) would be refused
+    secret = tmp_path / "secret"
+    secret.write_text("a test secret of some length")
+    secret.chmod(0o600)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    nodes = (f"127.0.0.2:{ports[0]}", f"127.0.0.1:{ports[1]}")
+    daemons = []
+    for node in range(2):
+        flags = {
+            "node_id": node,
+            "nodes": nodes,
+            "socket": str(tmp_path / f"n{node}.sock"),
+            "secret_file": str(secret),
+        }
+        daemons.append(Daemon(load(None, environ={}, flags=flags), transport=TcpTransport()))
+    tasks = [asyncio.create_task(d.run()) for d in daemons]
+    try:
+        async with asyncio.timeout(30):  # a hang guard only
+            while not all(len(d.links) == 2 for d in daemons):
+                await asyncio.sleep(0.05)
+        ends = {link.local_address.rpartition(":")[0] for (_, _), link in daemons[0].links.items()}
+        assert ends == {"127.0.0.2"}
+        assert daemons[1].status()["counters"]["refused_unknown_hosts"] == 0
+    finally:
+        for d in daemons:
+            d.stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), 15)
