@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import fabricd
 
@@ -160,3 +163,15 @@ async def test_per_peer_counters_never_go_back_when_links_are_reset(tmp_path):
         scraped = await asyncio.to_thread(scrape, d0.metrics_server.url)
         assert scraped[_key("fabricd_peer_resets_total")] >= 1
         assert scraped[_key("fabricd_peer_sent_frames_total", **labels)] >= before
+
+
+def test_every_family_served_is_documented(make_cluster):
+    cluster = make_cluster(2)
+    _transfer([node.socket_path for node in cluster.nodes], 100)  # every family has samples
+    with urllib.request.urlopen(cluster.nodes[0].metrics_url, timeout=10) as answer:
+        families = list(text_string_to_metric_families(answer.read().decode()))
+    documented = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    names = [f.name + ("_total" if f.type == "counter" else "") for f in families]
+    assert len(names) > 20
+    missing = [name for name in names if f"`{name}`" not in documented]
+    assert not missing, f"docs/operations.md, Metrics, does not list {missing}"
