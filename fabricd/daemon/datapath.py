@@ -83,7 +83,9 @@ class _Copy:
     When the executor cannot start a worker thread, ``ThreadPoolExecutor.submit`` raises after
     it queued the work item: a thread started later (or a busy one) would still copy into the
     receiver's segment long after its operation failed.  So the item asks, under a lock, whether
-    it was dropped before it copies, and :meth:`drop` succeeds only if it has not begun.  Its
+    it was dropped before it copies, and :meth:`drop` succeeds only if it has not begun.  A
+    dropped item lets go of both arrays at once: queued, it would keep both segments mapped
+    (mmap cannot unmap under a view) until some later thread took it.  Its
     own future reports the end, since the executor's one is lost when ``submit`` raises (and
     a second future would wake the loop twice per copy).
     """
@@ -95,7 +97,8 @@ class _Copy:
         source: np.ndarray[Any, Any],
     ) -> None:
         self._loop = loop
-        self._target, self._source = target, source
+        #: let go when dropped: the queued item must not keep both segments mapped
+        self._arrays: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None = target, source
         self._lock = threading.Lock()
         self._state = "queued"  #: then "running" (a worker took it) or "dropped"
         self.finished: asyncio.Future[None] = loop.create_future()
@@ -103,14 +106,17 @@ class _Copy:
     def run(self) -> None:
         """In a worker thread: copy, unless dropped; report the end to the loop."""
         with self._lock:
-            if self._state == "dropped":
+            if self._state == "dropped" or self._arrays is None:
                 return
             self._state = "running"
+            target, source = self._arrays
+            self._arrays = None
         failure: BaseException | None = None
         try:
-            np.copyto(self._target, self._source)
+            np.copyto(target, source)
         except BaseException as exc:  # reported to the awaiting task, never lost in a thread
             failure = exc
+        del target, source
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
             self._loop.call_soon_threadsafe(self._end, failure)
 
@@ -120,6 +126,7 @@ class _Copy:
             if self._state == "running":
                 return False
             self._state = "dropped"
+            self._arrays = None
             return True
 
     def _end(self, failure: BaseException | None) -> None:
