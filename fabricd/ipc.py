@@ -37,7 +37,8 @@ Nothing a client does holds a slot or the loop for free:
   the fd limit the server closes a spare fd it keeps for this, accepts the queued client with
   it and refuses it with the reason (so a client is told, not left waiting); otherwise, or if
   the spare cannot be had back, it stops accepting for a pause that doubles from
-  :data:`ACCEPT_PAUSE_MIN` to :data:`ACCEPT_PAUSE_MAX` while it lasts;
+  :data:`ACCEPT_PAUSE_MIN` to :data:`ACCEPT_PAUSE_MAX` while it lasts (a lost spare is taken
+  again at the next accept that succeeds);
 * every refusal says its own reason (uid not allowed, ``max_clients``, out of file descriptors,
   daemon stopping) and is counted in :meth:`IpcServer.counters`; log lines that clients cause
   go through :class:`~fabricd.daemon.logs.RateLimitedLog` (a burst per kind, then a count).
@@ -500,6 +501,8 @@ class IpcServer:
                 )
             return
         self._next_pause = ACCEPT_PAUSE_MIN
+        if self._spare is None:  # lost at a shortage (ENFILE): fds are back, take it again
+            self._spare = _open_spare()
         conn.setblocking(False)
         try:
             creds = peer_credentials(conn)

@@ -310,6 +310,24 @@ async def test_at_the_fd_limit_a_queued_client_is_told_why_with_the_spare_fd(tmp
         assert reply["ok"] is True
 
 
+async def test_a_spare_fd_lost_at_a_shortage_is_taken_again_once_fds_return(tmp_path):
+    # the spare cannot always be had back (ENFILE: another process took the file it freed);
+    # it was never opened again, so every later shortage paused instead of telling the client
+    async with _server(tmp_path) as server:
+        assert server._spare is not None
+        os.close(server._spare)
+        server._spare = None
+        reply, _ = await asyncio.to_thread(_call, server.path, "news", n=1)  # fds are back
+        assert reply["ok"] is True
+        assert server._spare is not None
+        listening = _Listening(server._sock, fail=1, error=errno.EMFILE)  # type: ignore[arg-type]
+        server._sock = listening  # type: ignore[assignment]
+        with pytest.raises(fabricd.DaemonUnavailable, match="file descriptors it may open"):
+            await asyncio.to_thread(_call, server.path, "news", n=2)
+        counters = server.counters()
+        assert (counters["refused_clients_no_fds"], counters["accept_pauses"]) == (1, 0)
+
+
 async def test_clients_queued_when_the_daemon_stops_are_told_it_is_stopping(tmp_path):
     async with _server(tmp_path) as server:
         queued = [_raw(server.path) for _ in range(3)]  # in the backlog: not accepted yet
