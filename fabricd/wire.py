@@ -17,7 +17,9 @@ Invariants the decoder keeps:
   and nothing else; after that the decoder is dead and the connection must be closed;
 * the payload can be written straight into a buffer the caller supplies after seeing the
   frame's head (:meth:`Decoder.set_payload_buffer`), and the kernel can write into it directly
-  (:meth:`Decoder.payload_target`), so large payloads land in place with no user-space copy;
+  (:meth:`Decoder.payload_target`), so large payloads land in place with no user-space copy
+  (but for a payload its frame's MAC covers: that is hashed in the decoder's own buffer first,
+  since the caller's buffer may be memory another process writes);
 * a payload nobody wants is read and dropped (:meth:`Decoder.discard_payload`): nothing is
   allocated for it, whatever length its header declares;
 * once the decoder has an :attr:`Decoder.opener` (a link past its handshake), every frame must
@@ -145,6 +147,8 @@ class Discard(enum.Enum):
 
 DISCARD: Final = Discard.DISCARD
 _NO_PAYLOAD: Final = memoryview(b"")
+#: bytes of a covered payload read at a time into the decoder's own buffer (payload_target)
+BOUNCE: Final = 1 << 20
 
 
 def encode_head(
@@ -213,6 +217,8 @@ class Decoder:
         self.opener: Opener | None = None
         self._header_raw = b""
         self._covered = False  #: the current frame's MAC covers its payload
+        #: where a covered payload is read before it is hashed and copied (payload_target)
+        self._bounce: memoryview | None = None
 
     @property
     def buffered(self) -> int:
@@ -234,13 +240,25 @@ class Decoder:
             self._buf += view
 
     def payload_target(self) -> memoryview | None:
-        """The unfilled rest of the current payload buffer, if bytes may go straight there.
+        """Where the next payload bytes may be written directly, if anywhere: the unfilled rest
+        of the current payload buffer, or, for a payload its frame's MAC covers, the decoder's
+        own read buffer (see below).
 
         Returns ``None`` unless the decoder is inside a payload with nothing buffered ahead of it.
         After writing ``n`` bytes into the returned view, call :meth:`payload_written`.
+
+        A covered payload never lands in its buffer before it is hashed: that buffer may be a
+        client's shared memory, which the client's process can write at any moment, and a MAC
+        over what the buffer holds a moment later would fail (and reset the peer) whenever it
+        does.  So it is read into a buffer of the decoder's own (:data:`BOUNCE` bytes, made
+        once), hashed there, then copied: one copy, next to the MAC.
         """
         if self._state is not _State.PAYLOAD or self._buf or self._discard:
             return None
+        if self._covered and self.opener is not None:
+            if self._bounce is None:
+                self._bounce = memoryview(bytearray(BOUNCE))
+            return self._bounce[: min(BOUNCE, self._payload_len - self._filled)]
         payload = self._ensure_payload()
         return payload[self._filled :]
 
@@ -249,9 +267,11 @@ class Decoder:
         if self._state is not _State.PAYLOAD or not 0 <= n <= self._payload_len - self._filled:
             raise LocalProtocolError("payload_written() without a matching payload_target()")
         if self._covered and self.opener is not None and n:
-            # hashed as it lands, so the check overlaps the transfer instead of following it
-            payload = self._ensure_payload()
-            self.opener.update(payload[self._filled : self._filled + n])
+            # hashed where it landed, in the decoder's own buffer, then copied where it goes
+            assert self._bounce is not None, "payload_written() without payload_target()"
+            landed = self._bounce[:n]
+            self.opener.update(landed)
+            self._ensure_payload()[self._filled : self._filled + n] = landed
         self._filled += n
 
     def set_payload_buffer(self, buffer: memoryview) -> None:

@@ -107,14 +107,21 @@ class FramedLink(Link):
         self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer]
     ) -> list[Buffer]:
         """The frame but its trailer, as buffers to send in order (the payload's are not
-        copied): header and metadata checked against this link's limits, then the payload.
-        Counted.  Call once per frame, in wire order, and :meth:`_trailer` right after.
+        copied, but for a sealed frame whose MAC covers them): header and metadata checked
+        against this link's limits, then the payload.  Counted.  Call once per frame, in wire
+        order, and :meth:`_trailer` right after with the payload parts returned here.
 
         Both ends of a link are configured alike, so what passes the sender's limits passes
         the receiver's.
         """
         size = sum(memoryview(p).nbytes for p in payload)
         sealer = self._sealer
+        if sealer is not None and size and kind is Kind.DATA and sealer.cover_data:
+            # a DATA payload is a view of a client's shared memory, which its process may
+            # write at any moment (a send buffer reused too early): the bytes sealed must be
+            # the bytes sent, or the receiver's check fails and the peer is reset, so any
+            # user of this node could fail every job with that one.  One copy, next to the MAC.
+            payload = [b"".join(payload)]
         flags = 0 if sealer is None else sealer.flags(kind)
         head = encode_head(kind, meta, size, flags=flags, limits=self._receiver.decoder.limits)
         self._head = head
@@ -123,9 +130,10 @@ class FramedLink(Link):
         return [head, *payload]
 
     def _trailer(self, kind: Kind, payload: Sequence[Buffer]) -> bytes:
-        """What follows the frame :meth:`_encode` just made: its seal once the link is
-        secured, else nothing.  Apart from ``_encode`` so that a transport can queue a large
-        payload first and hash it while the kernel already sends it."""
+        """What follows the frame :meth:`_encode` just made (``payload``: the parts it
+        returned after the header): its seal once the link is secured, else nothing.  Apart
+        from ``_encode`` so that a transport can queue a large payload first and hash it while
+        the kernel already sends it."""
         sealer = self._sealer
         if sealer is None:
             return b""

@@ -67,7 +67,8 @@ class InprocLink(FramedLink):
     def _enqueue(self, kind: Kind, meta: dict[str, object], payload: Sequence[Buffer]) -> None:
         if self._is_closed:
             raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
-        data = b"".join([*self._encode(kind, meta, payload), self._trailer(kind, payload)])
+        parts = self._encode(kind, meta, payload)
+        data = b"".join([*parts, self._trailer(kind, parts[1:])])
         loop = asyncio.get_running_loop()
         # frames leave one after another at the link's bandwidth, then travel for latency
         wire_time = len(data) / self._net.bandwidth if self._net.bandwidth else 0.0

@@ -161,10 +161,10 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
             raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
         parts = self._encode(kind, meta, payload)
         if len(parts) == 1 or memoryview(parts[-1]).nbytes < _SPLIT_SEAL:
-            transport.writelines([*parts, self._trailer(kind, payload)])  # one write
+            transport.writelines([*parts, self._trailer(kind, parts[1:])])  # one write
         else:  # the kernel takes what it can of the payload while the daemon hashes it
             transport.writelines(parts)
-            transport.write(self._trailer(kind, payload))
+            transport.write(self._trailer(kind, parts[1:]))
         return transport
 
     def close(self, reason: str) -> None:

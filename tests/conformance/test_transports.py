@@ -24,6 +24,7 @@ import pytest
 import uvloop
 
 from fabricd.errors import LocalProtocolError, RemoteProtocolError, TransportError
+from fabricd.integrity import KEY_SIZE, Opener, Sealer
 from fabricd.transports import inproc, tcp
 from fabricd.transports.base import split_address
 from fabricd.transports.inproc import InprocTransport
@@ -693,3 +694,37 @@ def test_inproc_bandwidth_serializes_frames() -> None:
             assert loop.time() - start >= 4 * 256 * 1024 / 10e6 + 0.01
 
     run(("inproc", "asyncio"), check)
+
+
+# -- sealed links: a client's memory changing under a covered payload ---------------------------
+def secure(pair: Pair) -> None:
+    """Seal both directions as the handshake would, DATA payloads covered (data_integrity)."""
+    up, down = bytes(range(KEY_SIZE)), bytes(range(1, KEY_SIZE + 1))
+    pair.client.secure(Sealer(up, cover_data=True), Opener(down, require_data=True))
+    pair.server.secure(Sealer(down, cover_data=True), Opener(up, require_data=True))
+
+
+async def check_sender_reusing_its_buffer(kind: str) -> None:
+    size = 48 * MiB  # more than the kernel's buffers hold while the reader is stalled
+    source = bytearray(pattern(size, 11))
+    original = bytes(source)
+    async with network(kind) as net:
+        pair = await net.pair()
+        secure(pair)
+        if kind == "tcp":
+            stall_reader(pair)
+        assert pair.client.send_now(Kind.DATA, {"msg": 1, "off": 0}, [memoryview(source)])
+        source[-MiB:] = bytes(MiB)  # the sending client reuses its buffer before it is sent
+        if kind == "tcp":
+            resume_reader(pair)
+        sink = pair.server_sink
+        await sink.until(lambda: bool(sink.frames or sink.lost))
+        assert pair.server.close_reason is None  # not "integrity check failed": no reset
+        (frame,) = sink.frames
+        assert bytes(frame.payload) == original  # the bytes sealed are the bytes sent
+
+
+def test_a_sender_reusing_its_buffer_under_a_sealed_frame_does_not_fail_the_link(
+    case: tuple[str, str],
+) -> None:
+    run(case, check_sender_reusing_its_buffer)

@@ -236,3 +236,38 @@ def test_the_sealer_counts_from_zero_and_the_trailer_carries_the_number() -> Non
     frames = [sealed(sealer, *CTS) for _ in range(3)]
     assert [int.from_bytes(f[-TRAILER_SIZE:-16], "big") for f in frames] == [0, 1, 2]
     assert len({f[-16:] for f in frames}) == 3  # the same frame never gets the same MAC
+
+
+# -- a client's memory changing under a covered payload ---------------------------------------
+@pytest.mark.parametrize("step", [1000, 4096, 70_000])
+def test_a_receiver_scribbling_on_its_region_while_data_lands_cannot_fail_the_check(
+    step: int,
+) -> None:
+    # The region is a client's shared memory: its process may write there at any moment,
+    # also between the kernel's write and the daemon's next look.  The MAC must cover the bytes
+    # that came off the link, not what the region holds afterwards: a check that fails here
+    # resets the peer, and any user of the node could then fail every job with that node.
+    payload = bytes(range(256)) * 1000
+    (frame,) = stream((Kind.DATA, {"msg": 1, "off": 0}, payload))
+    head_len = len(frame) - len(payload) - TRAILER_SIZE
+    dec = decoder(require_data=True)
+    dec.feed(frame[:head_len])
+    assert isinstance(dec.next_event(), FrameHead)
+    region = bytearray(len(payload))
+    dec.set_payload_buffer(memoryview(region))
+    body = frame[head_len:]
+    frames: list[Frame] = []
+    for at in range(0, len(body), step):
+        piece = body[at : at + step]
+        target = dec.payload_target()
+        if target is not None and len(target) >= len(piece):  # a read straight into the region
+            target[: len(piece)] = piece
+            region[:] = bytes(len(region))  # the client writes before the daemon looks
+            dec.payload_written(len(piece))
+        else:  # a read through the link's own buffer (TcpLink.buffer_updated)
+            dec.feed(piece)
+            region[:] = bytes(len(region))
+        frames += drain(dec)
+    assert len(frames) == 1  # delivered: the check saw the bytes the peer sent
+    assert dec.opener is not None
+    assert dec.opener.seq == 1
