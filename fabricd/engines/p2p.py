@@ -183,6 +183,10 @@ _RECV_WAITS: Final = {RecvState.LANDING: Waits.DATA, RecvState.COPY: Waits.COPY}
 #: removals tolerated beyond twice what is left before the tables are rebuilt (small engines
 #: are never rebuilt; large ones once per halving)
 _SHRINK_SLACK: Final = 1024
+#: a stall report names the other tags among at most this many of the peer's oldest operations
+#: from (or to) the rank: a scan of all of them made each report O(pending), and a job whose
+#: tags all disagree, O(pending^2) in one timer callback
+_TAGS_SCANNED: Final = 64
 
 
 class Messaging:
@@ -518,14 +522,16 @@ class Messaging:
                 node = operation.node
             elif waits is Waits.MATCH:  # receives the peer posted from this rank, other tags
                 posted = self._recvs_from.get((msg.job, me), ())
-                tags = {recv.msg.tag for recv in posted if recv.msg.dst == peer}
+                near = itertools.islice(posted, _TAGS_SCANNED)
+                tags = {recv.msg.tag for recv in near if recv.msg.dst == peer}
         elif operation.state is RecvState.POSTED:
             if node is None:
                 waits = Waits.JOIN
             else:
                 waits = Waits.MATCH if node == self.node else Waits.RTS
                 offers = self._offers_to.get((msg.job, me), ())
-                tags = {offer.msg.tag for offer in offers if offer.msg.src == peer}
+                near = itertools.islice(offers, _TAGS_SCANNED)
+                tags = {offer.msg.tag for offer in near if offer.msg.src == peer}
         else:
             waits = _RECV_WAITS.get(operation.state, Waits.COPY)
             if operation.state is RecvState.LANDING:

@@ -259,3 +259,33 @@ def test_stalled_counts_what_stalls_lists() -> None:
     assert [engine.stalled(now) for now in (9.9, 10.0, 15.0)] == [0, 1, 2]
     assert engine.stalled(15.0) == len(engine.stalls(15.0))
     assert FakeNet(1).engines[0].stalled(1e9) == 0
+
+
+def _work_per_stall(monkeypatch: pytest.MonkeyPatch, n: int) -> float:
+    """Lines of fabricd run per report when ``n`` sends and ``n`` receives between one pair of
+    local ranks disagree on every tag (each side's operations are the other's other tags),
+    then all stall at once and are reported, then listed."""
+    net = FakeNet(1, stall_after=STALL)
+    net.attach(0, 0)
+    net.attach(0, 1)
+    for tag in range(n):
+        net.send(0, src=1, dst=0, data=b"x", tag=tag)
+        net.recv(0, src=1, dst=0, nbytes=1, tag=n + tag)
+    counter = WorkCounter(monkeypatch)
+    with counter.counting():
+        net.advance(STALL)
+        listed = net.engines[0].stalls(STALL)
+    assert len(reported(net, 0)) == len(listed) == 2 * n
+    assert all(len(stall.other_tags) == MAX_OTHER_TAGS for stall in listed)
+    return counter.total / (2 * n)
+
+
+def test_a_job_whose_tags_all_disagree_costs_the_same_per_report_however_many_stall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Naming the other tags looks at a bounded number of the peer's operations: before, each
+    report scanned every operation the peer posted between the pair, so 10^4 stalled
+    operations on each side cost 10^8 steps in one timer callback (the loop stalled)."""
+    small, large = (_work_per_stall(monkeypatch, n) for n in (200, 2_000))
+    print(f"stall reports: {small:.0f} and {large:.0f} lines per operation")
+    assert large <= small * 1.3 + 10
