@@ -153,7 +153,8 @@ def status(socket_path: str | None, as_json: bool) -> None:
         f"({info['transport']}), clients on {escape(info['socket'])}\n"
         f"  incarnation {info['incarnation']}, "
         f"protocol v{info['version']}, {info['pending_ops']} operations pending, "
-        f"{info.get('segments', 0)} segments mapping {info.get('mapped_bytes', 0)} B",
+        f"{info.get('segments', 0)} segments mapping {info.get('mapped_bytes', 0)} B\n"
+        f"  metrics {escape(_metrics_line(info))}",
         soft_wrap=True,  # an address or a path folded onto two lines cannot be pasted
     )
     if info["peers"]:
@@ -187,6 +188,13 @@ def status(socket_path: str | None, as_json: bool) -> None:
         console.print(f"failed dials: {failures}", soft_wrap=True)
     if info.get("services"):
         console.print(f"services: {escape(', '.join(info['services']))}", soft_wrap=True)
+
+
+def _metrics_line(info: dict[str, Any]) -> str:
+    """Where the daemon serves its metrics, or why it does not."""
+    if info.get("metrics_url"):
+        return f"at {info['metrics_url']}"
+    return info.get("metrics_error") or "off (metrics_address is empty)"
 
 
 def _rows_table(
@@ -307,7 +315,7 @@ def top(
             errors.print("[red]fabricctl:[/] no local cluster of yours is running")
             sys.exit(1)
     paths = paths or [None]  # the daemon status would find
-    with _clients(paths) as clients:
+    with _clients(paths, optional=len(socket_paths)) as clients:
         try:
             if once:
                 views = _sample_views(clients, interval, view)
@@ -321,7 +329,8 @@ def top(
                 while True:
                     time.sleep(interval)
                     current = _statuses(clients)
-                    views = [view(b, a, interval) for b, a in zip(previous, current, strict=True)]
+                    pairs = zip(previous, current, strict=True)
+                    views = [view(b, a, interval) for b, a in pairs if a is not None]
                     live.update(_top_table(views), refresh=True)
                     previous = current
         except KeyboardInterrupt:
@@ -332,17 +341,37 @@ def top(
 
 
 @contextmanager
-def _clients(paths: list[str | None]) -> Iterator[list[Client]]:
-    """A connection to each daemon, all closed at the end."""
+def _clients(paths: list[str | None], optional: int) -> Iterator[list[Client]]:
+    """A connection to each daemon, all closed at the end.
+
+    The daemons from ``paths[optional:]`` (found by ``--all``) may be stopping while we look:
+    one that does not answer is left out with a note; one named by ``--socket`` must answer.
+    """
     with ExitStack() as stack:
         clients = []
-        for path in paths:
-            clients.append(stack.enter_context(_client(path)))
+        for i, path in enumerate(paths):
+            if i < optional or path is None:
+                clients.append(stack.enter_context(_client(path)))
+                continue
+            try:
+                clients.append(stack.enter_context(connect(socket_path=path)))
+            except FabricError as exc:
+                errors.print(f"left out {escape(path)}: {escape(str(exc))}", soft_wrap=True)
+        if not clients:
+            errors.print("[red]fabricctl:[/] no daemon answers")
+            sys.exit(1)
         yield clients
 
 
-def _statuses(clients: list[Client]) -> list[dict[str, Any]]:
-    return [client.status() for client in clients]
+def _statuses(clients: list[Client]) -> list[dict[str, Any] | None]:
+    """Each daemon's status; None for one that stopped answering (a cluster stopping)."""
+    statuses: list[dict[str, Any] | None] = []
+    for client in clients:
+        try:
+            statuses.append(client.status())
+        except FabricError:
+            statuses.append(None)
+    return statuses
 
 
 def _sample_views(
@@ -353,7 +382,10 @@ def _sample_views(
     time.sleep(interval)
     after = _statuses(clients)
     seconds = time.monotonic() - started
-    return [view(b, a, seconds) for b, a in zip(before, after, strict=True)]
+    views = [view(b, a, seconds) for b, a in zip(before, after, strict=True) if a is not None]
+    if not views:
+        raise FabricError("no daemon answered")
+    return views
 
 
 def _seconds(value: float | None) -> str:

@@ -382,6 +382,8 @@ def test_top_once_json_reports_every_daemon_of_a_live_local_cluster(make_cluster
     seen = {d["socket"] for d in json.loads(found.stdout)["daemons"]}
     assert set(sockets) <= seen
     assert _ctl("top", "--json", "--socket", sockets[0]).returncode == 2  # --json needs --once
+    human = _ctl("status", "--socket", sockets[0], env={"COLUMNS": "200"})
+    assert f"metrics at {cluster.nodes[0].metrics_url}" in human.stdout
 
 
 def test_top_refreshes_until_ctrl_c_and_exits_cleanly(make_cluster):
