@@ -530,8 +530,8 @@ class Messaging:
             else:
                 waits = Waits.MATCH if node == self.node else Waits.RTS
                 offers = self._offers_to.get((msg.job, me), ())
-                near = itertools.islice(offers, _TAGS_SCANNED)
-                tags = {offer.msg.tag for offer in near if offer.msg.src == peer}
+                first = itertools.islice(offers, _TAGS_SCANNED)
+                tags = {offer.msg.tag for offer in first if offer.msg.src == peer}
         else:
             waits = _RECV_WAITS.get(operation.state, Waits.COPY)
             if operation.state is RecvState.LANDING:
