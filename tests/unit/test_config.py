@@ -91,6 +91,7 @@ def test_describe_lists_every_key_with_value_and_source(config_file):
         ("client_hello_timeout = 0\n", "client_hello_timeout must be more than 0"),
         ("client_frame_timeout = nan\n", "client_frame_timeout must be more than 0"),
         ("client_hello_timeout = inf\n", "client_hello_timeout must be at most 86400"),
+        ('data_integrity = "hmac"\n', "data_integrity must be 'mac' or 'none'"),
     ],
 )
 def test_invalid_files_name_the_problem(tmp_path, text, message):
