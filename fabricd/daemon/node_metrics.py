@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING
 
 from fabricd.daemon.metrics import counter, gauge, histogram
 from fabricd.engines.peers import PeerState
+from fabricd.frames import PEER_KINDS
+
+#: the peer frame kinds, in wire order
+PEER_KINDS_SORTED = sorted(PEER_KINDS)
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -116,7 +120,7 @@ class DaemonCollector:
         yield counter(
             "fabricd_peer_messages_received",
             "Authenticated peer frames handed to a service, by kind.",
-            (({"kind": k.name}, n) for k, n in sorted(self.daemon.stats.frames_received.items())),
+            (({"kind": k.name}, self.daemon.stats.frames_received[k]) for k in PEER_KINDS_SORTED),
         )
 
     def _refusals(self) -> Iterator[Metric]:
