@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
 from fabricd.daemon.logs import RateLimitedLog
-from fabricd.dirs import make_dirs
+from fabricd.dirs import make_dirs, unsafe_directory
 from fabricd.errors import ConfigError, ErrorCode, LocalProtocolError, ProtocolError
 from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, Limits, Meta, encode_head
 
@@ -439,18 +439,28 @@ class IpcServer:
         """Bind (removing a stale socket file), set mode 0660, and accept from the loop.
 
         The socket's directory, if missing, is created 0750 (and so are its missing parents),
-        whatever the umask.
+        whatever the umask; one that exists must be writable only by root or the daemon's user.
 
         Raises:
-            ConfigError: another daemon serves this path, or it cannot be bound.
+            ConfigError: another daemon serves this path, it cannot be bound, or its directory
+                is unsafe (another user may write it).
         """
-        self._remove_stale()
+        directory = os.path.dirname(self.path)
         try:
-            make_dirs(os.path.dirname(self.path), 0o750)
+            make_dirs(directory, 0o750)
+            unsafe = unsafe_directory(directory)
         except OSError as exc:
             raise ConfigError(
                 f"cannot create the directory of socket {self.path}: {exc.strerror}"
             ) from None
+        if unsafe is not None:  # whoever may write it may replace the socket, or squat it
+            raise ConfigError(
+                f"socket directory {directory} is unsafe: {unsafe}; another user could put "
+                "a socket of their own in this one's place and take other users' clients; "
+                "use a directory only root or the daemon's user may write (the default, or "
+                "systemd's RuntimeDirectory=)"
+            )
+        self._remove_stale()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             old_umask = os.umask(0o117)  # the socket is created 0660, never briefly wider

@@ -21,7 +21,7 @@ import fabricd
 from fabricd import ipc
 from fabricd.client.connection import Connection
 from fabricd.client.protocol import Event
-from fabricd.errors import LocalProtocolError
+from fabricd.errors import ConfigError, LocalProtocolError
 from fabricd.ipc import REPLY_LIMITS, IpcConnection, IpcServer
 from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, encode_head
 
@@ -354,3 +354,17 @@ async def test_the_socket_directory_is_0750_whatever_the_umask(tmp_path):
         assert stat.S_IMODE(path.stat().st_mode) == 0o660
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o770])
+async def test_a_socket_directory_another_user_may_write_is_refused(tmp_path, mode):
+    # whoever may write the directory may replace the socket (and take other users' clients,
+    # with their segments) or, between bind and chmod, swap in a symlink for root to chmod
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    server = IpcServer(str(shared / "d.sock"), Handler())
+    with pytest.raises(ConfigError, match="other users may write") as refused:
+        server.start()
+    assert str(shared) in str(refused.value)
+    assert not (shared / "d.sock").exists()
