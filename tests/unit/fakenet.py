@@ -41,7 +41,7 @@ from fabricd.engines.actions import Broadcast, Complete, Failure, Notice, SendFr
 from fabricd.engines.membership import Membership, RankJoined, RankLeft
 from fabricd.engines.ownership import User
 from fabricd.engines.p2p import FRAME_KINDS, CopyLocal, Message, Messaging, StreamData
-from fabricd.errors import RemoteProtocolError
+from fabricd.errors import ErrorCode, RemoteProtocolError
 from fabricd.frames import Announce, Cancel, Cts, Data, Done, PeerFrame, Rts, parse
 from fabricd.wire import DEFAULT_LIMITS, Decoder, Frame, Kind, Meta, encode
 
@@ -84,6 +84,8 @@ class FakeNet:
     nodes: int
     route_timeout: float = 5.0
     stall_after: float | None = None  #: report operations pending this long (None: never)
+    #: the engines' max_unmatched_rts_per_peer (None: no bound)
+    max_unmatched_rts_per_peer: int | None = None
     rng: random.Random | None = None  #: pick the next pair at random (reorders across pairs)
     auto_stream: bool = True
     auto_copy: bool = True
@@ -100,6 +102,11 @@ class FakeNet:
     fenced: set[tuple[int, int]] = field(default_factory=set)  #: (survivor, dead node)
     ops: dict[tuple[int, int], Posted] = field(default_factory=dict)
     streams: list[tuple[int, StreamData]] = field(default_factory=list)
+    #: bytes of each stream (sender, msg) already landed, for streams delivered a chunk at a time
+    streamed: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: DATA chunks a failed stream had already put on its data link (sender, receiver, msg,
+    #: off, bytes): they still arrive, possibly after the CANCEL that travels the control link
+    late: list[tuple[int, int, int, int, bytes]] = field(default_factory=list)
     copies: list[tuple[int, CopyLocal]] = field(default_factory=list)
     completed: dict[tuple[int, int], list[Failure | None]] = field(default_factory=dict)
     actions: list[tuple[int, Action]] = field(default_factory=list)
@@ -114,6 +121,7 @@ class FakeNet:
                 routes=self.members[n],
                 route_timeout=self.route_timeout,
                 stall_after=self.stall_after,
+                max_unmatched_rts_per_peer=self.max_unmatched_rts_per_peer,
             )
             for n in range(self.nodes)
         ]
@@ -232,28 +240,71 @@ class FakeNet:
 
     def finish_stream(self, index: int = 0) -> None:
         """The daemon streamed every DATA chunk of ``streams[index]``: they land at once."""
-        sender, stream = self.streams.pop(index)
+        self.stream_chunks(index, -1)
+
+    def stream_chunks(self, index: int, count: int) -> None:
+        """The next ``count`` DATA chunks of ``streams[index]`` land (``-1``: all that are left;
+        then the stream is done and leaves ``streams``)."""
+        sender, stream = self.streams[index]
         receiver = stream.node
+        source = self.ops[sender, stream.op].region.tobytes()
+        start = self.streamed.pop((sender, stream.msg), 0)
+        end = len(source) if count < 0 else min(len(source), start + count * self.chunk_size)
+        if end >= len(source):
+            self.streams.pop(index)
+        else:
+            self.streamed[sender, stream.msg] = end
+        for off in range(start, end, self.chunk_size):
+            self.land(
+                sender, receiver, stream.msg, off, source[off : min(end, off + self.chunk_size)]
+            )
+
+    def land(self, sender: int, receiver: int, msg: int, off: int, chunk: bytes) -> None:
+        """One DATA chunk from ``sender`` reaches ``receiver`` (unless the link is gone)."""
         if receiver in self.crashed or (receiver, sender) in self.fenced:
             return  # the bytes went into a dead or reset link
-        source = self.ops[sender, stream.op].region.tobytes()
         engine = self.engines[receiver]
-        for off in range(0, len(source), self.chunk_size):
-            chunk = source[off : off + self.chunk_size]
-            frame = Data(msg=stream.msg, off=off)
-            buffer = engine.payload_buffer(sender, frame, len(chunk))
-            if buffer is not None:  # None: dropped (a discarded or cancelled message)
-                buffer[:] = chunk
-            self.perform(receiver, engine.data_arrived(sender, frame, len(chunk), self.now))
+        frame = Data(msg=msg, off=off)
+        buffer = engine.payload_buffer(sender, frame, len(chunk))
+        if buffer is not None:  # None: dropped (a discarded or cancelled message)
+            buffer[:] = chunk
+        self.perform(receiver, engine.data_arrived(sender, frame, len(chunk), self.now))
 
-    def fail_stream(self, index: int = 0, reason: str = "data link closed") -> None:
+    def fail_stream(
+        self,
+        index: int = 0,
+        reason: str = "data link closed",
+        code: ErrorCode = ErrorCode.TRANSPORT,
+        late: int = 0,
+    ) -> None:
+        """``streams[index]`` failed with ``code``; the first ``late`` of its chunks not landed
+        yet were already on the data link (they join :attr:`late`), the rest never leave."""
         sender, stream = self.streams.pop(index)
-        self.perform(sender, self.engines[sender].stream_failed(stream.msg, reason))
+        source = self.ops[sender, stream.op].region.tobytes()
+        start = self.streamed.pop((sender, stream.msg), 0)
+        for off in range(start, len(source), self.chunk_size)[:late]:
+            chunk = source[off : off + self.chunk_size]
+            self.late.append((sender, stream.node, stream.msg, off, chunk))
+        self.perform(sender, self.engines[sender].stream_failed(stream.msg, reason, code))
+
+    def land_late(self, index: int = 0) -> None:
+        """The oldest late chunk between the pair of ``late[index]`` lands (a link is FIFO)."""
+        pair = self.late[index][:2]
+        first = next(i for i, item in enumerate(self.late) if item[:2] == pair)
+        self.land(*self.late.pop(first))
 
     def finish_copy(self, index: int = 0) -> None:
         node, copy = self.copies.pop(index)
         self.ops[node, copy.dst_op].region[:] = self.ops[node, copy.src_op].region
         self.perform(node, self.engines[node].copied(copy.src_op, copy.dst_op))
+
+    def fail_copy(
+        self, index: int = 0, code: ErrorCode = ErrorCode.RESOURCES, reason: str = "no thread"
+    ) -> None:
+        """The daemon could not run ``copies[index]`` (no worker thread): nothing is copied."""
+        node, copy = self.copies.pop(index)
+        engine = self.engines[node]
+        self.perform(node, engine.copy_failed(copy.src_op, copy.dst_op, code, reason))
 
     # -- the network --------------------------------------------------------------------------
     def in_flight(self) -> int:

@@ -6,13 +6,14 @@ rank 3 on node 2.  Time stands still unless a test moves it.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from random import Random
 from typing import TYPE_CHECKING
 
 import pytest
 from fakenet import JOB, USER, FakeNet, Posted
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from fabricd.engines.actions import Broadcast, Complete, Failure, SendFrame
@@ -751,6 +752,7 @@ def leftovers(engine: Messaging) -> dict[str, int]:
         "deadlines": len(engine._deadlines) + len(engine._deadlines._heap),
         "landing": len(engine._landing) + len(engine._landing._entries),
         "moving": engine._moving,
+        "stall deadlines": len(engine._stall_at),
     }
     return {name: size for name, size in sizes.items() if size}
 
@@ -1063,3 +1065,172 @@ def test_thousands_of_operations_by_clients_that_come_and_go_leave_every_table_e
         assert engine.pending() == engine.transfers() == 0
     for members in net.members:
         assert members.entries() == []
+
+
+# -- property: the hardening inputs (copy failures, stream failures with codes and late DATA,
+# -- the per-peer RTS bound, clients leaving at any moment, stall deadlines) ------------------
+#: rank -> node; rank 5 never joins
+HARD_HOME = {0: 0, 1: 0, 2: 1, 3: 2, 4: 2}
+HARD_SIZES = (20, 5, 20, 0)
+STREAM_CODES = (ErrorCode.TRANSPORT, ErrorCode.RESOURCES, ErrorCode.INTERNAL)
+
+steps = st.lists(
+    st.tuples(
+        st.integers(0, 11),  # what happens
+        st.integers(0, 4),  # the rank (or an index)
+        st.integers(0, 5),  # the peer rank (see hard_peer), or a count
+        st.integers(0, 3),  # a size (or a code)
+        st.integers(0, 1),  # a tag (or a choice)
+    ),
+    min_size=20,
+    max_size=120,
+)
+
+
+def hard_peer(rank: int, b: int) -> int:
+    """Each rank talks mostly with its two neighbours (so messages meet), sometimes with
+    itself or with rank 5, which never joins."""
+    return ((rank + 1) % 5, (rank + 1) % 5, (rank - 1) % 5, (rank - 1) % 5, rank, 5)[b]
+
+
+def check_engine_invariants(net: FakeNet) -> None:
+    """Between any two inputs: no deadline outlives its operation, and the counts agree."""
+    for engine in net.engines:
+        live = engine._sends.keys() | engine._recvs.keys()
+        assert set(engine._deadlines._at) <= live
+        assert set(engine._stall_at._at) <= live
+        queued = sum(1 for s in engine._sends.values() if s.state is SendState.QUEUED)
+        remote = sum(len(group) for group in engine._remote.values())
+        assert len(engine._arrived) == queued + remote
+        posted = sum(1 for r in engine._recvs.values() if r.state is RecvState.POSTED)
+        assert len(engine._posted) == posted
+        moving = sum(
+            1 for s in engine._sends.values() if s.state in (SendState.STREAM, SendState.COPY)
+        )
+        assert engine._moving == moving
+        limit = engine.max_unmatched_rts_per_peer
+        assert limit is None or all(len(group) <= limit for group in engine._remote.values())
+
+
+def play_hardened(plan: list[tuple[int, int, int, int, int]], limit: int | None) -> None:
+    net = FakeNet(
+        3,
+        auto_stream=False,
+        auto_copy=False,
+        route_timeout=1.0,
+        stall_after=0.3,
+        max_unmatched_rts_per_peer=limit,
+    )
+    mine: dict[int, list[int]] = {rank: [] for rank in HARD_HOME}
+    abandoned: set[tuple[int, int]] = set()
+    joined: set[int] = set()
+    uid = itertools.count(1)
+    payloads: dict[tuple[int, int], bytes] = {}
+
+    def leave(rank: int) -> None:
+        node = HARD_HOME[rank]
+        abandoned.update((node, op) for op in mine[rank])
+        net.detach(node, rank, ops=mine[rank])
+        joined.discard(rank)
+        mine[rank] = []
+
+    for rank, node in HARD_HOME.items():
+        net.attach(node, rank, size=6)
+        joined.add(rank)
+    net.run()
+    for what, a, b, c, d in plan:
+        rank, node = a, HARD_HOME[a]
+        if what < 4 and rank in joined:
+            if what < 2:
+                data = payload(next(uid), HARD_SIZES[c])
+                op = net.send(node, src=rank, dst=hard_peer(rank, b), data=data, tag=d)
+                payloads[node, op] = data
+            else:
+                op = net.recv(node, src=hard_peer(rank, b), dst=rank, nbytes=HARD_SIZES[c], tag=d)
+            mine[rank].append(op)
+        elif what == 4 and d:
+            if rank in joined:
+                leave(rank)
+            else:
+                net.attach(node, rank, size=6)
+                joined.add(rank)
+        elif what == 5:
+            for _ in range(b + 1):
+                net.deliver_one()
+        elif what == 6 and net.streams:
+            net.stream_chunks(a % len(net.streams), b - 1 if b else -1)
+        elif what == 7 and net.streams:
+            net.fail_stream(a % len(net.streams), "failed", STREAM_CODES[c % 3], late=b)
+        elif what == 8 and net.late:
+            net.land_late(a % len(net.late))
+        elif what == 9 and net.copies:
+            if d:
+                net.fail_copy(a % len(net.copies))
+            else:
+                net.finish_copy(a % len(net.copies))
+        elif what == 10:
+            net.advance(net.now + 0.1 * (b + 1))
+        elif what == 11:
+            net.run()
+        check_engine_invariants(net)
+
+    def drain(timers: bool) -> None:
+        while net.streams or net.copies or net.late or net.in_flight():
+            if net.late:
+                net.land_late()
+            elif net.streams:
+                net.finish_stream()
+            elif net.copies:
+                net.finish_copy()
+            net.run()
+            check_engine_invariants(net)
+        if timers and net.next_deadline() is not None:
+            net.run_timers()
+            drain(timers)
+
+    drain(timers=False)  # what was posted runs to its end, as far as it can
+    for rank in list(joined):
+        leave(rank)
+    drain(timers=True)
+    check_hardened_history(net, abandoned, payloads)
+    codes = {f.code for outcomes in net.completed.values() for f in outcomes if f is not None}
+    for code in sorted(codes):
+        event(f"failed with {code}")
+    event(f"completed {min(len(net.completed), 40) // 10 * 10}+")
+
+
+def check_hardened_history(
+    net: FakeNet, abandoned: set[tuple[int, int]], payloads: dict[tuple[int, int], bytes]
+) -> None:
+    """Exactly once (at most once for what a leaving client abandoned), every byte where it
+    belongs, and every table empty."""
+    for key in net.ops:
+        outcomes = net.completed.get(key, [])
+        assert len(outcomes) <= 1, f"op {key} completed {len(outcomes)} times: {outcomes}"
+        assert outcomes or key in abandoned, f"op {key} never completed"
+    delivered: dict[bytes, int] = defaultdict(int)
+    for key, posted in net.ops.items():
+        if posted.send or net.completed.get(key) != [None]:
+            continue
+        data = posted.region.tobytes()
+        senders = [k for k, p in net.ops.items() if p.send and p.msg.key == posted.msg.key]
+        assert data in {payloads[k] for k in senders}, f"receive {key} got bytes nobody sent"
+        delivered[data] += 1
+    for key, data in payloads.items():
+        if data and net.completed.get(key) == [None]:  # a send that succeeded was received
+            assert delivered[data] == 1, (
+                f"send {key} succeeded, its bytes arrived {delivered[data]} times"
+            )
+        assert delivered[data] <= 1 or not data
+    for node, engine in enumerate(net.engines):
+        assert leftovers(engine) == {}, node
+        assert engine.pending() == engine.transfers() == 0
+        assert engine.next_deadline() is None
+
+
+@settings(max_examples=400, deadline=None)
+@given(plan=steps, limit=st.sampled_from((None, 1, 2)))
+def test_hardening_inputs_complete_exactly_once_and_leave_nothing_behind(
+    plan: list[tuple[int, int, int, int, int]], limit: int | None
+) -> None:
+    play_hardened(plan, limit)
