@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -397,7 +398,13 @@ def _seconds(value: float | None) -> str:
 def _top_table(views: list[dict[str, Any]]) -> Table:
     columns = ("node", "clients", "pending", "ops/s", "p50", "p99", "peer", "sent/s", "recv/s")
     table = _table("fabricd top", columns, right=columns[1:6] + columns[7:])
+    fabric = None
     for v in views:
+        # daemons of one fabric share their socket's directory (local clusters); a line
+        # between fabrics, since each numbers its nodes from 0
+        if fabric is not None and os.path.dirname(v.get("socket", "")) != fabric:
+            table.add_section()
+        fabric = os.path.dirname(v.get("socket", ""))
         node = str(v["node"]) if v["state"] == "serving" else f"{v['node']} {v['state']}"
         cells = [node, str(v["clients"]), str(v["pending_ops"]), _figure(v["ops_per_second"])]
         cells += [_seconds(v["latency_p50"]), _seconds(v["latency_p99"])]

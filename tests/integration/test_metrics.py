@@ -103,6 +103,7 @@ def test_status_reports_the_endpoint_and_the_same_numbers(make_cluster):
     peers = {row["node"]: row for row in status["peers"]}
     peer_incarnation = scraped[_key("fabricd_peer_incarnation", peer="1")]
     assert peer_incarnation == pytest.approx(peers[1]["incarnation"])
+    assert scraped[_key("fabricd_loop_lag_seconds_count")] > 0  # heartbeats' timers fired
     # every counter of status is exported under its own name
     for name, value in status["counters"].items():
         exported = scraped[_key("fabricd_status_counters_total", counter=name)]
