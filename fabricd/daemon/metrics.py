@@ -93,7 +93,7 @@ class Histogram:
     """Counts of observations per bucket and their sum: what Prometheus calls a histogram.
 
     Cheaper than prometheus-client's own (no lock, no per-bucket objects): an observation is a
-    bisect and two additions on the loop.  ``buckets`` are the upper bounds, ascending; one more
+    bisect and two additions on the loop.  ``bounds`` are the upper bounds, ascending; one more
     bucket, +Inf, takes the rest.
     """
 
