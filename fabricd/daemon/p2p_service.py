@@ -314,7 +314,9 @@ class P2PService(BaseService):
         """Send a one-chunk message's DATA now if its link can take it without a wait.
 
         Saves a task and a loop iteration per small message; anything larger, or a link under
-        backpressure, goes through :meth:`_stream`.
+        backpressure, goes through :meth:`_stream`.  A failure fails this message only, as in
+        :meth:`_stream`: it runs in the handler of the peer's CTS, where anything raised would
+        close the control link and reset the peer.
         """
         link = self.host.data_link(node)
         if link is None or len(region) > self.host.config.chunk_size:
@@ -324,6 +326,10 @@ class P2PService(BaseService):
                 return False
         except (TransportError, LocalProtocolError) as exc:
             self._perform(self.engine.stream_failed(msg, f"sending to node {node} failed: {exc}"))
+            return True
+        except Exception as exc:  # MemoryError, OSError: this message fails, the link stays
+            code, reason = _trouble(exc, f"sending message {msg} to node {node}")
+            self._perform(self.engine.stream_failed(msg, reason, code))
             return True
         self._counters["bytes_sent"] += len(region)
         return True

@@ -331,7 +331,9 @@ async def test_clients_that_come_and_go_leave_no_operation_behind(tmp_path):
             assert daemon.sessions == {}
             assert daemon.service("membership").engine.entries() == []
             assert engine.statistics().unexpected == 0
-            assert engine.next_deadline() is None
+            # no route or stall deadline is left (the lazy stall check may still wake the
+            # timer once, up to stall_after later: that is by design, see engines/p2p.py)
+            assert len(engine._deadlines) == len(engine._stall_at) == 0
             tables = [engine._posted._queues, engine._arrived._queues, engine._unrouted]
             tables += [engine._recvs_from, engine._offers_to, engine._out_to, engine._out]
             tables += [engine._out_by, engine._remote, engine._landing._entries]
@@ -399,3 +401,30 @@ async def test_a_link_that_refuses_a_one_chunk_message_fails_only_that_send(tmp_
         outcomes = await asyncio.to_thread(_exchange, fab.socket(0), fab.socket(1), [256])
         assert outcomes == ["PeerFailed"]  # the receiver hears the CANCEL, never waits
         assert fab.daemons[0].service("p2p").engine.pending() == 0
+
+
+async def test_a_one_chunk_message_the_daemon_runs_short_on_fails_alone(tmp_path):
+    # the fast path must treat MemoryError as the stream task does: that message fails with
+    # code resources; before, it escaped the CTS handler and closed the control link, which
+    # reset the peer and failed every transfer with it
+    async with fabric(tmp_path) as fab:
+        d0 = fab.daemons[0]
+        links = d0.links
+        link = d0.data_link(1)
+        assert link is not None
+        send_now = link.send_now
+        calls: list[int] = []
+
+        def short_once(*args: Any) -> bool:
+            calls.append(1)
+            if len(calls) == 1:
+                raise MemoryError
+            return send_now(*args)
+
+        link.send_now = short_once  # type: ignore[method-assign]
+        outcomes = await asyncio.to_thread(_exchange, fab.socket(0), fab.socket(1), [256, 256])
+        assert outcomes == ["PeerFailed", "ok"]  # the CANCEL told the receiver; the next one went
+        assert d0.links == links  # no link was reset
+        p2p = d0.service("p2p")
+        assert p2p.engine.pending() == 0
+        assert p2p.statistics()["counters"]["ops_failed"] == 1
