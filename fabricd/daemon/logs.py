@@ -106,6 +106,7 @@ class RateLimitedLog:
         self.left_out = 0  #: lines counted instead of written, since the start
         self._windows: dict[str, _Window] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None  #: the loop _timer is on
         _LIMITED.add(self)
 
     def log(self, level: int, key: str, msg: str, *args: object) -> bool:
@@ -166,13 +167,15 @@ class RateLimitedLog:
             )
 
     def _schedule(self, delay: float) -> None:
-        if self._timer is not None:
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop (a test): the next call or flush() summarises
             return
-        self._timer = loop.call_later(max(delay, 0.0), self.flush)
+        # a timer of another loop (one that ended with it pending: these logs are module-level
+        # and outlive loops) will never fire; keeping it would stop every later summary
+        if self._timer is not None and self._timer_loop is loop:
+            return
+        self._timer, self._timer_loop = loop.call_later(max(delay, 0.0), self.flush), loop
 
 
 _LIMITED: weakref.WeakSet[RateLimitedLog] = weakref.WeakSet()

@@ -107,3 +107,27 @@ async def test_with_a_loop_the_summary_comes_when_the_interval_ends(caplog):
 def test_limits_must_make_sense():
     with pytest.raises(ValueError, match="interval"):
         logs.RateLimitedLog(logging.getLogger("fabricd.test"), interval=0.0)
+
+
+def test_a_timer_left_in_an_ended_loop_does_not_stop_later_summaries(caplog):
+    # the module-level logs outlive event loops (in-process daemons one after another, a test
+    # loop per test): a summary timer that was pending when its loop ended kept the log from
+    # ever arming another, so later floods got their summary only if the same kind recurred
+    limited = logs.RateLimitedLog(logging.getLogger("fabricd.test"), interval=0.05, burst=0)
+
+    async def flood(key: str) -> None:
+        limited.warning(key, "line of %s", key)
+
+    asyncio.run(flood("first"))  # its loop ends with the summary timer still pending
+
+    async def second() -> None:
+        await flood("second")
+        async with asyncio.timeout(10):  # a hang guard
+            while not any("second:" in r.getMessage() for r in caplog.records):
+                await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.INFO, logger="fabricd.test"):
+        asyncio.run(second())
+    assert "second: 1 more such lines in 0.1s were left out; the last: line of second" in [
+        r.getMessage() for r in caplog.records
+    ]
