@@ -138,8 +138,9 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
             cluster.stop()
     table.notes.append(
         "both pairs seal control frames and DATA headers; 'mac' also covers each DATA "
-        "payload with HMAC-SHA256 on each daemon's event loop: the sender hashes a chunk "
-        "once it handed it to the kernel, the receiver as its reads land"
+        "payload with HMAC-SHA256 on each daemon's event loop, over a private copy of the "
+        "chunk on both ends (no client can change what is hashed): the sender hashes it once "
+        "it handed it to the kernel, the receiver as each read lands in its own buffer"
     )
     table.notes.append("spread = (max - min) / median of the samples; the machine is shared")
     return table
