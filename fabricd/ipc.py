@@ -289,10 +289,30 @@ class IpcConnection:
         try:
             self._decoder.feed(data)
             handled = self._dispatch()
+            self._check_fds()
         except ProtocolError as exc:
             self.close(f"protocol error: {exc}")
             return
         self._watch(handled)
+
+    def _check_fds(self) -> None:
+        """Fds may wait only for the one frame still arriving.
+
+        A client sends a request and its fds in one ``sendmsg``, so the fds come with the
+        frame's first byte and every whole frame has taken its own by now: what is left belongs
+        to the frame under way, or to nothing (kept, they would count against no budget).
+
+        Raises:
+            ProtocolError: fds left with no frame under way, or more than one request takes.
+        """
+        if self.closed or not self._fds:
+            return
+        if not self._decoder.mid_frame:
+            raise ProtocolError(f"{len(self._fds)} fds arrived with no request that announces them")
+        if len(self._fds) > MAX_FDS_PER_REQUEST:
+            raise ProtocolError(
+                f"{len(self._fds)} fds arrived for one request (at most {MAX_FDS_PER_REQUEST})"
+            )
 
     def _watch(self, handled: int) -> None:
         """After a read: a frame left unfinished must be finished within client_frame_timeout.

@@ -368,3 +368,49 @@ async def test_a_socket_directory_another_user_may_write_is_refused(tmp_path, mo
         server.start()
     assert str(shared) in str(refused.value)
     assert not (shared / "d.sock").exists()
+
+
+def _pipe_fds(n: int) -> list[int]:
+    fds = []
+    for _ in range(n // 2 + 1):
+        fds += os.pipe()
+    return fds[:n]
+
+
+@pytest.mark.parametrize("announced", [0, 1])
+async def test_fds_no_request_claims_are_not_kept(tmp_path, announced):
+    # a frame's fds come with its first byte (one sendmsg), so once every whole frame took
+    # its own, fds left while no frame is under way belong to nothing: they were kept (up to
+    # 16 per connection, for as long as the client kept sending), past the daemon's fd budget
+    async with _server(tmp_path) as server:
+        sock = await asyncio.to_thread(_raw, server.path)
+        await asyncio.to_thread(sock.sendall, _request("news", n=1))
+        assert (await asyncio.to_thread(_read_reply, sock))["ok"] is True
+        fds = _pipe_fds(4)
+        extra = _request("news", 2, n=2, **({"fds": announced} if announced else {}))
+        socket.send_fds(sock, [extra], fds)
+        for fd in fds:
+            os.close(fd)
+        frames = await asyncio.to_thread(_read_until_closed, sock)
+        sock.close()
+        assert frames[-1]["event"] == "closing"
+        assert (
+            f"{4 - announced} fds arrived with no request that announces them"
+            in (frames[-1]["error"])
+        )
+        assert server.connections == {}
+
+
+async def test_the_fds_of_a_frame_still_arriving_are_kept_for_it(tmp_path):
+    async with _server(tmp_path) as server:
+        sock = await asyncio.to_thread(_raw, server.path)
+        frame = _request("news", n=1, fds=2)
+        fds = _pipe_fds(2)
+        socket.send_fds(sock, [frame[:10]], fds)  # the frame's first bytes, with its fds
+        for fd in fds:
+            os.close(fd)
+        await asyncio.sleep(0.1)
+        assert len(server.connections) == 1
+        await asyncio.to_thread(sock.sendall, frame[10:])
+        assert (await asyncio.to_thread(_read_reply, sock))["ok"] is True
+        sock.close()
