@@ -313,8 +313,12 @@ def _raise_fd_limit(wanted: int) -> None:
         return
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     if target > soft:
-        with contextlib.suppress(OSError, ValueError):
+        try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError) as exc:
+            log.info("RLIMIT_NOFILE stays %d: raising it to %d failed (%s)", soft, target, exc)
+        else:
+            log.info("raised RLIMIT_NOFILE from %d to %d", soft, target)
 
 
 def _maps_left() -> int:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import logging
 import os
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from fabricd.daemon import segments
 from fabricd.daemon.config import Config
 from fabricd.daemon.segments import SegmentLimits, SegmentTable, _size, segment_budget
 from fabricd.daemon.sessions import ClientSession
@@ -172,3 +174,22 @@ def test_a_detached_segment_counts_until_the_last_view_of_it_goes() -> None:
     assert table.gauges() == {"segments": 3, "mapped_bytes": 3 * 128}
     del held, view
     assert table.gauges() == {"segments": 1, "mapped_bytes": 128}
+
+
+def test_raising_the_fd_limit_at_start_is_logged(monkeypatch, caplog):
+    limits_now = {"soft": 1024, "hard": 4096}
+
+    def getrlimit(_: int) -> tuple[int, int]:
+        return limits_now["soft"], limits_now["hard"]
+
+    def setrlimit(_: int, new: tuple[int, int]) -> None:
+        if new[0] > limits_now["hard"]:
+            raise ValueError("not allowed to raise maximum limit")
+        limits_now["soft"] = new[0]
+
+    monkeypatch.setattr(segments.resource, "getrlimit", getrlimit)
+    monkeypatch.setattr(segments.resource, "setrlimit", setrlimit)
+    with caplog.at_level(logging.INFO, logger="fabricd.daemon"):
+        segments._raise_fd_limit(40000)
+    assert limits_now["soft"] == 4096  # as far as the hard limit allows
+    assert "raised RLIMIT_NOFILE from 1024 to 4096" in caplog.text
