@@ -271,7 +271,13 @@ class Segment:
             actual = os.fstat(fd).st_size
             if actual != declared_size:
                 raise UsageError(f"segment is {actual} B but was declared as {declared_size} B")
-            layout = _checked_layout(os.pread(fd, HEADER_SIZE, 0), actual)
+            try:
+                header = os.pread(fd, HEADER_SIZE, 0)
+            except OSError as exc:  # opened write-only (a reopened /proc/self/fd/N, say)
+                raise UsageError(
+                    f"segment fd cannot be read ({exc.strerror}); pass the memfd fab.array() made"
+                ) from None
+            layout = _checked_layout(header, actual)
             try:
                 segment = cls(fd, layout)
             except OSError as exc:

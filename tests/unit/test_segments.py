@@ -114,6 +114,21 @@ def test_a_bad_segment_or_a_reused_id_is_a_usage_error_and_costs_nothing() -> No
     table.release(client)
 
 
+@pytest.mark.parametrize("flags", [os.O_WRONLY, os.O_PATH], ids=["write-only", "O_PATH"])
+def test_a_memfd_reopened_so_it_cannot_be_read_is_a_usage_error(flags: int) -> None:
+    # the same sealed memfd through /proc/self/fd: pread failed with EBADF, which reached the
+    # daemon as an internal error with a traceback in the log, once per request
+    table = SegmentTable(limits())
+    fds = open_fds()
+    sealed = memfd(128)
+    reopened = os.open(f"/proc/self/fd/{sealed}", flags)
+    os.close(sealed)
+    with pytest.raises(UsageError, match="segment fd"):
+        table.attach(session(), 0, 128, reopened)
+    assert open_fds() == fds
+    assert table.gauges() == {"segments": 0, "mapped_bytes": 0}
+
+
 def test_the_budget_is_the_setting_unless_the_host_leaves_less() -> None:
     assert segment_budget(32768, fds=64000, maps=60000, fd_limit=65536) == (32768, "max_segments")
     cap, why = segment_budget(32768, fds=500, maps=60000, fd_limit=1024)
