@@ -54,6 +54,8 @@ log = logging.getLogger("fabricd.peering")
 remote_log = RateLimitedLog(log)
 #: the one host every link of a transport without network addresses (inproc) comes from
 _NO_HOST = "(in-process)"
+#: seconds between two tries to resolve the names of nodes that have no address yet
+RESOLVE_RETRY = 5.0
 
 
 class LinkOwner(Host, Protocol):
@@ -193,6 +195,8 @@ class PeeringService(BaseService):
         self.addresses = cfg.nodes
         #: where dialled links leave from: this node's host as its peers know it
         self._source = split_address(cfg.nodes[cfg.node_id])[0] if transport.network else ""
+        #: every node's addresses (node_hosts); a name that did not resolve has none yet
+        self._hosts = node_hosts(cfg.nodes) if transport.network else _one_host(cfg.nodes)
         self.engine = PeerTable(
             node=cfg.node_id,
             nodes=len(cfg.nodes),
@@ -204,9 +208,11 @@ class PeeringService(BaseService):
             ),
             handshake_timeout=cfg.handshake_timeout,
             max_backoff=cfg.reconnect_max_backoff,
-            hosts=node_hosts(cfg.nodes) if transport.network else _one_host(cfg.nodes),
+            hosts=self._hosts,
             spare_slots=cfg.handshake_spare_slots,
         )
+        self._resolving = False  #: a retry of the names that did not resolve is under way
+        self._resolved_at = -RESOLVE_RETRY  #: when the last retry began
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[Link, _PendingSink]] = {}  #: links in their handshake
         self._listener: Listener | None = None
@@ -308,10 +314,38 @@ class PeeringService(BaseService):
         actions = self.engine.on_handshake_started(link_id, host, self.owner.now(), accepted=True)
         if any(isinstance(a, RefuseHandshake) for a in actions):
             link.set_sink(_RefusedSink())
+            self._resolve_again()
         else:
             self._begin(link, link_id, Role.ACCEPTOR)
         self._perform(actions, link=link)
         self.owner.rearm()
+
+    def _resolve_again(self) -> None:
+        """A link came from a host no node has: if a node's name did not resolve at start (a
+        resolver not up yet at boot), resolve it again, at most once per RESOLVE_RETRY;
+        without this, that node's links were refused until this daemon restarted."""
+        now = self.owner.now()
+        if self._closed or self._resolving or now < self._resolved_at + RESOLVE_RETRY:
+            return
+        if all(self._hosts.values()):
+            return
+        self._resolving, self._resolved_at = True, now
+        self.owner.spawn(self._resolve())
+
+    async def _resolve(self) -> None:
+        try:  # getaddrinfo blocks: off the loop
+            fresh = await asyncio.to_thread(node_hosts, self.addresses)
+        except Exception as exc:  # no thread to be had: the next stranger tries again
+            remote_log.warning("resolve", "cannot resolve the nodes' names again: %s", exc)
+            return
+        finally:
+            self._resolving = False
+        # only names that had no address are filled in: those that resolved keep theirs
+        hosts = {n: self._hosts[n] or fresh.get(n, frozenset()) for n in self._hosts}
+        for node in (n for n in hosts if hosts[n] and not self._hosts[n]):
+            log.info("node %d's host now resolves: %s", node, ", ".join(sorted(hosts[node])))
+        self._hosts = hosts
+        self.engine.set_hosts(hosts)
 
     def _begin(
         self, link: Link, link_id: int, role: Role, channel: Channel | None = None, node: int = -1
@@ -508,7 +542,8 @@ def node_hosts(nodes: Sequence[str]) -> dict[int, frozenset[str]]:
 
     Names are resolved once, when the daemon starts (a peer whose name later points elsewhere
     is admitted again after a restart); a name that does not resolve is logged, and links
-    from that node are refused until then.
+    from that node are refused until it does (the peering service tries it again when a link
+    from an unknown host arrives, at most once per :data:`RESOLVE_RETRY`).
     """
     hosts: dict[int, frozenset[str]] = {}
     for node, address in enumerate(nodes):
@@ -517,7 +552,10 @@ def node_hosts(nodes: Sequence[str]) -> dict[int, frozenset[str]]:
             infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
         except OSError as exc:
             log.warning(
-                "node %d's host %s does not resolve (%s): its links are refused", node, host, exc
+                "node %d's host %s does not resolve (%s): its links are refused until it does",
+                node,
+                host,
+                exc,
             )
             infos = []
         hosts[node] = frozenset(canonical_host(str(info[4][0])) for info in infos)

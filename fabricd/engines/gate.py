@@ -87,10 +87,9 @@ class HandshakeGate:
     def __init__(self, *, timeout: float, slots: Mapping[str, int]) -> None:
         if not timeout > 0:
             raise ValueError("handshake_timeout must be more than 0 seconds")
-        if any(n < 1 for n in slots.values()):
-            raise ValueError("every configured host must have at least 1 handshake slot")
         self.timeout = timeout
-        self.slots = dict(slots)
+        self.slots: dict[str, int] = {}
+        self.set_slots(slots)
         self._deadlines: Deadlines[int] = Deadlines()
         self._pending: dict[int, _Pending] = {}
         #: accepted links pending per host, oldest first (only hosts with one pending)
@@ -98,6 +97,13 @@ class HandshakeGate:
         self._refused = 0
         self._unknown = 0
         self._evicted = 0
+
+    def set_slots(self, slots: Mapping[str, int]) -> None:
+        """Which hosts may begin a handshake from now on, and how many at once (a configured
+        name that resolved late).  Links already pending keep their slots until they end."""
+        if any(n < 1 for n in slots.values()):
+            raise ValueError("every configured host must have at least 1 handshake slot")
+        self.slots = dict(slots)
 
     @property
     def pending(self) -> int:

@@ -393,6 +393,7 @@ class PeerTable:
         self.node = node
         self.timeouts = timeouts
         self.max_backoff = max_backoff
+        self._spare_slots = spare_slots
         self._gate = HandshakeGate(
             timeout=handshake_timeout, slots=host_slots(node, hosts or {}, spare_slots)
         )
@@ -533,6 +534,11 @@ class PeerTable:
             ValueError: ``link_id`` is already in its handshake (a daemon bug).
         """
         return [*self._gate.on_started(link_id, host, now, accepted=accepted)]
+
+    def set_hosts(self, hosts: Mapping[int, frozenset[str]]) -> None:
+        """Every node's addresses, anew (a name that did not resolve at start now does): the
+        hosts of nodes that dial this one get their handshake slots from now on."""
+        self._gate.set_slots(host_slots(self.node, hosts, self._spare_slots))
 
     def on_handshake_over(self, link_id: int, *, failed: bool = False) -> None:
         """``link_id`` authenticated, or ``failed`` (counted as refused); its slot is free.

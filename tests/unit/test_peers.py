@@ -534,6 +534,17 @@ def test_links_from_a_host_no_node_dials_from_are_refused_on_arrival() -> None:
     assert peers.next_deadline() is None  # a refused link holds no deadline either
 
 
+def test_a_node_whose_name_resolved_late_gets_its_slots_and_pending_links_keep_theirs() -> None:
+    peers = table(3, node=2, hosts={0: frozenset(), 1: frozenset({"10.0.0.5"})})
+    assert of(RefuseHandshake, peers.on_handshake_started(1, "10.0.0.9", 0.0))  # no host yet
+    assert peers.on_handshake_started(2, "10.0.0.5", 0.0) == []
+    peers.set_hosts({0: frozenset({"10.0.0.9"}), 1: frozenset({"10.0.0.5"})})
+    assert peers.on_handshake_started(3, "10.0.0.9", 0.0) == []  # node 0's links are admitted
+    peers.on_handshake_over(2)  # a link pending across the change ends as usual
+    peers.on_handshake_over(3)
+    assert peers.statistics().handshakes_pending == 0
+
+
 def test_node_zero_accepts_nobody() -> None:
     peers = table(3, node=0, hosts=THREE)
     assert of(RefuseHandshake, peers.on_handshake_started(1, "10.0.0.5", 0.0))
