@@ -414,3 +414,37 @@ async def test_the_fds_of_a_frame_still_arriving_are_kept_for_it(tmp_path):
         await asyncio.to_thread(sock.sendall, frame[10:])
         assert (await asyncio.to_thread(_read_reply, sock))["ok"] is True
         sock.close()
+
+
+@pytest.mark.parametrize("owed", ["hello", "frame"])
+async def test_a_deadline_run_before_the_bytes_waiting_for_it_are_read_cuts_nobody(tmp_path, owed):
+    # libuv (uvloop) runs due timers before it polls: after the loop was busy elsewhere for
+    # as long as the deadline, the deadline ran first and cut a client whose bytes had come
+    async with _server(tmp_path, hello_timeout=30, frame_timeout=30) as server:
+        sock = await asyncio.to_thread(_raw, server.path)
+        while not server.connections:
+            await asyncio.sleep(0.01)
+        conn = next(iter(server.connections.values()))
+        frame = _request("news", 2, n=2)
+        if owed == "frame":  # the hello was answered; a frame is under way
+            sock.sendall(_request("news", n=1))
+            assert (await asyncio.to_thread(_read_reply, sock))["ok"] is True
+            sock.sendall(frame[:10])
+            while conn._timer is None:
+                await asyncio.sleep(0.01)
+            sock.sendall(frame[10:])
+        else:
+            sock.sendall(frame)
+        assert conn._timer is not None
+        conn._timer.cancel()
+        conn._time_out("the deadline")  # as the loop would, before reading
+        assert not conn.closed
+        assert server.counters()["clients_timed_out"] == 0
+        assert (await asyncio.to_thread(_read_reply, sock))["ok"] is True
+        sock.sendall(b"FB")  # a byte of the next frame, then silence: that still times out
+        await asyncio.sleep(0.1)
+        assert conn._timer is not None
+        conn._timer.cancel()
+        conn._time_out("the deadline")
+        assert conn.closed
+        sock.close()
