@@ -56,8 +56,9 @@ async def copy(dst: memoryview, src: memoryview) -> None:
 
     Raises:
         OperationFailed: code ``resources``: no worker thread could be started for a large
-            copy (``RuntimeError: can't start new thread``, when the process is out of memory,
-            address space or its thread limit).  Nothing was copied, and nothing will be.
+            copy (``RuntimeError: can't start new thread``, or ``MemoryError``, when the process
+            is out of memory, address space or its thread limit).  Nothing was copied, and
+            nothing will be.
     """
     target = np.frombuffer(dst, dtype=np.uint8)
     source = np.frombuffer(src, dtype=np.uint8)
@@ -67,11 +68,11 @@ async def copy(dst: memoryview, src: memoryview) -> None:
     job = _Copy(asyncio.get_running_loop(), target, source)
     try:
         _copiers.submit(job.run)  # job.finished says when it ran: one wake-up of the loop
-    except RuntimeError as exc:
+    except Exception as exc:  # RuntimeError (no thread), MemoryError: the item may be queued
         if job.drop():
             raise OperationFailed(
-                f"the daemon could not start a thread for a {len(src)} B copy ({exc}); it is "
-                "short of memory or threads, retry later",
+                f"the daemon could not start a thread for a {len(src)} B copy "
+                f"({exc or type(exc).__name__}); it is short of memory or threads, retry later",
                 code=ErrorCode.RESOURCES,
             ) from None
     await job.finished

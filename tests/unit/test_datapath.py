@@ -42,3 +42,24 @@ async def test_a_copy_whose_thread_cannot_start_lets_go_of_both_segments(monkeyp
     monkeypatch.undo()
     copiers.submit(int).result(timeout=30)  # a thread starts, runs the dropped item: no copy
     copiers.shutdown()
+
+
+async def test_a_copy_whose_thread_start_raises_anything_is_never_run_later(monkeypatch) -> None:
+    # submit queues the item before it starts a thread, and starting one can fail with
+    # MemoryError as well as RuntimeError: the copy failed (its receive too), yet the queued
+    # item ran once a thread came, writing into a receive already failed and maybe reused
+    source, target = bytearray(b"x" * SIZE), bytearray(SIZE)
+
+    def no_memory(self: threading.Thread) -> None:
+        raise MemoryError
+
+    copiers = ThreadPoolExecutor()
+    monkeypatch.setattr(datapath, "_copiers", copiers)
+    monkeypatch.setattr(threading.Thread, "start", no_memory)
+    with pytest.raises(OperationFailed) as failed:
+        await datapath.copy(memoryview(target), memoryview(source))
+    assert failed.value.code == "resources"
+    monkeypatch.undo()
+    copiers.submit(int).result(timeout=30)  # a thread starts and takes the queued item first
+    copiers.shutdown(wait=True)
+    assert not any(target)
