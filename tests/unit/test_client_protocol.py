@@ -28,7 +28,7 @@ from fabricd.client import protocol as protocol_module
 from fabricd.client.protocol import ClientProtocol, Event, Reply, State
 from fabricd.errors import ErrorCode, error_for
 from fabricd.ipc import closing_frame
-from fabricd.wire import Kind, encode
+from fabricd.wire import PROTOCOL_VERSION, Kind, encode
 
 # -- the protocol, sans IO --------------------------------------------------------------------
 
@@ -91,7 +91,7 @@ def _requested(n: int) -> ClientProtocol:
     for i in range(n):
         rid, frame = protocol.request("op", {"i": i})
         assert rid == i + 1
-        assert frame.startswith(b"FBRC\x01" + bytes([Kind.REQUEST]))
+        assert frame.startswith(b"FBRC" + bytes([PROTOCOL_VERSION, Kind.REQUEST]))
     return protocol
 
 
