@@ -22,6 +22,11 @@ that (a CANCEL of a message that had no CTS, or whose DATA all came, has none un
 any other message is one this daemon never asked for (no CTS): a protocol error, so a peer can
 make the daemon neither allocate nor keep anything with DATA it sends unasked.
 
+A CANCEL that comes while a chunk is still being written into the region (:meth:`Landing.
+filling`: a large chunk lands over several reads, and the control link is read in between)
+takes effect once that chunk is in: answering the receive earlier let its client reuse the
+region while the rest of the chunk still landed there.
+
 Layout: ``{node: {msg: entry}}``, so a peer's reset forgets its messages in O(its messages).
 """
 
@@ -48,6 +53,8 @@ class _Entry:
     region: memoryview | None  #: a writable byte view; ``None``: count the bytes, drop them
     nbytes: int
     received: int = 0
+    #: a chunk's view of ``region`` was handed out and its bytes are still being written there
+    filling: bool = False
 
 
 class Landing:
@@ -160,7 +167,15 @@ class Landing:
             )
         if entry.region is None:
             return None
+        entry.filling = True
         return entry.region[off : off + length]
+
+    def filling(self, node: int, msg: int) -> bool:
+        """Whether a chunk of (``node``, ``msg``) is being written into its receive's region now
+        (between :meth:`payload_buffer` and :meth:`arrived`): until it is in, the receive must
+        not be answered, or its client would reuse the region while the chunk still lands."""
+        entry = self._entry(node, msg)
+        return entry is not None and entry.filling and entry.op is not None
 
     def arrived(self, node: int, msg: int, length: int) -> bool:
         """A chunk of ``length`` bytes of (``node``, ``msg``) was written where
@@ -171,6 +186,7 @@ class Landing:
         entry = self._entry(node, msg)
         if entry is None:
             return False
+        entry.filling = False
         entry.received += length
         self.bytes += length
         return entry.received >= entry.nbytes

@@ -238,6 +238,9 @@ class Messaging:
         self._removed = 0  #: operations and RTS that left since the tables were last rebuilt
         self._refused_rts = 0
         self._msg_ids = itertools.count(1)
+        #: per node, the message whose CANCEL came while one of its chunks was landing in its
+        #: receive's region (one data link per node: at most one); applied once the chunk is in
+        self._cancel_after_chunk: dict[int, int] = {}
 
     # -- clients ----------------------------------------------------------------------------
     def post_send(self, op: int, msg: Message, now: float) -> list[Action]:
@@ -320,7 +323,11 @@ class Messaging:
 
     def data_arrived(self, node: int, frame: Data, length: int, now: float) -> list[Action]:
         """A DATA frame's ``length`` bytes were written where :meth:`payload_buffer` said."""
-        if not self._landing.arrived(node, frame.msg, length):
+        complete = self._landing.arrived(node, frame.msg, length)
+        if self._cancel_after_chunk and self._cancel_after_chunk.get(node) == frame.msg:
+            del self._cancel_after_chunk[node]  # the chunk is in: now its CANCEL can fail it
+            return self._on_cancel(node, frame.msg)
+        if not complete:
             return []
         op = self._landing.forget(node, frame.msg)
         if op is None:
@@ -380,6 +387,7 @@ class Messaging:
         """
         text = f"node {node} is {reason}"
         actions: list[Action] = []
+        self._cancel_after_chunk.pop(node, None)  # its receive fails here, with the others
         for send in list(self._out_by.get(node, {}).values()):
             actions += self._fail_send(send, ErrorCode.PEER_FAILED, text, node, send.msg.dst)
         for op in self._landing.forget_node(node):
@@ -634,6 +642,9 @@ class Messaging:
         offer = self._remote.get(node, {}).get(msg_id)
         if offer is not None:
             self._unfile(offer)
+            return []
+        if self._landing.filling(node, msg_id):  # a chunk is being written into the region:
+            self._cancel_after_chunk[node] = msg_id  # answering now lets the client reuse it
             return []
         op = self._landing.cancel(node, msg_id)  # its DATA already under way is dropped
         if op is None:

@@ -107,6 +107,11 @@ class FakeNet:
     #: DATA chunks a failed stream had already put on its data link (sender, receiver, msg,
     #: off, bytes): they still arrive, possibly after the CANCEL that travels the control link
     late: list[tuple[int, int, int, int, bytes]] = field(default_factory=list)
+    #: per (sender, receiver), the DATA chunk being read into its buffer right now: (msg, off,
+    #: bytes, buffer, the receive it fills); see :meth:`begin_chunk`
+    filling: dict[tuple[int, int], tuple[int, int, bytes, memoryview | None, int | None]] = field(
+        default_factory=dict
+    )
     copies: list[tuple[int, CopyLocal]] = field(default_factory=list)
     completed: dict[tuple[int, int], list[Failure | None]] = field(default_factory=dict)
     actions: list[tuple[int, Action]] = field(default_factory=list)
@@ -210,6 +215,8 @@ class FakeNet:
                     if self.auto_copy:
                         self.finish_copy(len(self.copies) - 1)
                 case Complete(op=op, failure=failure):
+                    landing = [f[4] for (_, dst), f in self.filling.items() if dst == node]
+                    assert op not in landing, f"op {op} answered while a chunk lands in it"
                     self.completed.setdefault((node, op), []).append(failure)
                 case Notice(message=message):
                     self.notices.append((node, message))
@@ -259,8 +266,46 @@ class FakeNet:
                 sender, receiver, stream.msg, off, source[off : min(end, off + self.chunk_size)]
             )
 
+    def begin_chunk(self, index: int) -> None:
+        """The next DATA chunk of ``streams[index]`` starts landing: its buffer is taken and
+        half of it written, as a transport reads a large chunk over several reads, while other
+        frames (a CANCEL on the control link) go on arriving.  :meth:`finish_chunk` ends it."""
+        sender, stream = self.streams[index]
+        receiver = stream.node
+        self.finish_chunk(sender, receiver)  # a link carries one frame at a time
+        source = self.ops[sender, stream.op].region.tobytes()
+        start = self.streamed.pop((sender, stream.msg), 0)
+        end = min(len(source), start + self.chunk_size)
+        if end >= len(source):
+            self.streams.pop(index)
+        else:
+            self.streamed[sender, stream.msg] = end
+        if receiver in self.crashed or (receiver, sender) in self.fenced:
+            return
+        engine, chunk = self.engines[receiver], source[start:end]
+        buffer = engine.payload_buffer(sender, Data(msg=stream.msg, off=start), len(chunk))
+        entry = engine._landing._entry(sender, stream.msg)
+        if buffer is not None:
+            buffer[: len(chunk) // 2] = chunk[: len(chunk) // 2]
+        op = None if buffer is None or entry is None else entry.op
+        self.filling[sender, receiver] = (stream.msg, start, chunk, buffer, op)
+
+    def finish_chunk(self, sender: int, receiver: int) -> None:
+        """The chunk :meth:`begin_chunk` started between the pair is in (if there is one)."""
+        started = self.filling.pop((sender, receiver), None)
+        if started is None or receiver in self.crashed or (receiver, sender) in self.fenced:
+            return
+        msg, off, chunk, buffer, _ = started
+        if buffer is not None:
+            buffer[:] = chunk
+        engine = self.engines[receiver]
+        self.perform(
+            receiver, engine.data_arrived(sender, Data(msg=msg, off=off), len(chunk), self.now)
+        )
+
     def land(self, sender: int, receiver: int, msg: int, off: int, chunk: bytes) -> None:
         """One DATA chunk from ``sender`` reaches ``receiver`` (unless the link is gone)."""
+        self.finish_chunk(sender, receiver)  # the frame before it on the link comes first
         if receiver in self.crashed or (receiver, sender) in self.fenced:
             return  # the bytes went into a dead or reset link
         engine = self.engines[receiver]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from fakenet import JOB, USER, FakeNet, Posted
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from fabricd.engines.actions import Broadcast, Complete, Failure, SendFrame
@@ -28,7 +28,7 @@ from fabricd.engines.operations import (
 )
 from fabricd.engines.p2p import CopyLocal, Message, Messaging, MessagingStatistics, StreamData
 from fabricd.errors import ErrorCode, LocalProtocolError, RemoteProtocolError, UsageError
-from fabricd.frames import Announce, Cancel, Cts, Done, Rts
+from fabricd.frames import Announce, Cancel, Cts, Data, Done, Rts
 from fabricd.wire import Kind
 
 if TYPE_CHECKING:
@@ -561,6 +561,52 @@ def test_stream_failed_fails_the_send_and_cancels_the_receive() -> None:
     assert net.pending() == [0, 0, 0]
 
 
+@pytest.mark.parametrize("last", [False, True])
+def test_a_cancel_while_a_chunk_lands_answers_the_receive_once_the_chunk_is_in(last: bool) -> None:
+    """The sender's stream failed mid-way; its CANCEL (control link) overtakes its DATA and
+    arrives while a chunk is being read straight into the receive's region.  Answering the
+    receive then let its client reuse the region while the rest of that chunk still landed in
+    it (over a later message's bytes); the answer waits for the chunk, later chunks are dropped."""
+    net = layout(auto_stream=False)
+    data = bytes(range(1, 17))  # two chunks of 8
+    net.send(0, src=0, dst=2, data=data)
+    recv = net.recv(1, src=0, dst=2, nbytes=len(data))
+    net.run()
+    [(_, stream)] = net.streams
+    if last:
+        net.stream_chunks(0, 1)
+    engine, off = net.engines[1], 8 if last else 0
+    chunk = Data(msg=stream.msg, off=off)
+    buffer = engine.payload_buffer(0, chunk, 8)  # the transport reads into it, a bit at a time
+    assert buffer is not None
+    buffer[:4] = data[off : off + 4]
+    net.fail_stream(0, "the daemon ran short", ErrorCode.RESOURCES)
+    net.run()  # the CANCEL
+    assert (1, recv) not in net.completed  # its client must not reuse the region yet
+    buffer[4:] = data[off + 4 : off + 8]
+    net.perform(1, engine.data_arrived(0, chunk, 8, net.now))
+    assert failed(net, 1, recv).code == "peer_failed"
+    if not last:  # the chunk after it was on the link too: read and dropped
+        assert engine.payload_buffer(0, Data(msg=stream.msg, off=8), 8) is None
+    assert leftovers(engine) == {}
+    assert net.pending() == [0, 0, 0]
+
+
+def test_a_reset_after_a_cancel_deferred_by_a_landing_chunk_fails_the_receive_once() -> None:
+    net = layout(auto_stream=False)
+    net.send(0, src=0, dst=2, data=bytes(16))
+    recv = net.recv(1, src=0, dst=2, nbytes=16)
+    net.run()
+    [(_, stream)] = net.streams
+    engine = net.engines[1]
+    assert engine.payload_buffer(0, Data(msg=stream.msg, off=0), 8) is not None
+    net.fail_stream(0, "the daemon ran short", ErrorCode.RESOURCES)
+    net.run()
+    net.perform(1, engine.peer_down(0, "reset"))  # the data link closed mid-chunk
+    assert failed(net, 1, recv).code == "peer_failed"
+    assert leftovers(engine) == {}
+
+
 def test_control_frames_from_the_wrong_node_or_for_unknown_messages_are_ignored() -> None:
     net = layout(auto_stream=False)
     net.hold(1, 0)
@@ -753,6 +799,7 @@ def leftovers(engine: Messaging) -> dict[str, int]:
         "landing": len(engine._landing) + len(engine._landing._entries),
         "moving": engine._moving,
         "stall deadlines": len(engine._stall_at),
+        "cancels after a chunk": len(engine._cancel_after_chunk),
     }
     return {name: size for name, size in sizes.items() if size}
 
@@ -1161,8 +1208,12 @@ def play_hardened(plan: list[tuple[int, int, int, int, int]], limit: int | None)
             net.stream_chunks(a % len(net.streams), b - 1 if b else -1)
         elif what == 7 and net.streams:
             net.fail_stream(a % len(net.streams), "failed", STREAM_CODES[c % 3], late=b)
-        elif what == 8 and net.late:
+        elif what == 8 and d and net.late:
             net.land_late(a % len(net.late))
+        elif what == 8 and not d and net.filling and b % 2:
+            net.finish_chunk(*sorted(net.filling)[a % len(net.filling)])
+        elif what == 8 and not d and net.streams:
+            net.begin_chunk(a % len(net.streams))
         elif what == 9 and net.copies:
             if d:
                 net.fail_copy(a % len(net.copies))
@@ -1175,8 +1226,10 @@ def play_hardened(plan: list[tuple[int, int, int, int, int]], limit: int | None)
         check_engine_invariants(net)
 
     def drain(timers: bool) -> None:
-        while net.streams or net.copies or net.late or net.in_flight():
-            if net.late:
+        while net.streams or net.copies or net.late or net.filling or net.in_flight():
+            if net.filling:
+                net.finish_chunk(*min(net.filling))
+            elif net.late:
                 net.land_late()
             elif net.streams:
                 net.finish_stream()
@@ -1228,8 +1281,15 @@ def check_hardened_history(
         assert engine.next_deadline() is None
 
 
+#: rank 0 sends 20 B to rank 4 (node 2), which receives it; a chunk starts landing, the stream
+#: fails and its CANCEL arrives while the chunk is still being written
+CANCEL_WHILE_A_CHUNK_LANDS = [(0, 0, 2, 0, 0), (2, 4, 0, 0, 0), (11, 0, 0, 0, 0), (8, 0, 0, 0, 0)]
+CANCEL_WHILE_A_CHUNK_LANDS += [(7, 0, 0, 1, 0), (11, 0, 0, 0, 0)]
+
+
 @settings(max_examples=400, deadline=None)
 @given(plan=steps, limit=st.sampled_from((None, 1, 2)))
+@example(plan=CANCEL_WHILE_A_CHUNK_LANDS, limit=None)
 def test_hardening_inputs_complete_exactly_once_and_leave_nothing_behind(
     plan: list[tuple[int, int, int, int, int]], limit: int | None
 ) -> None:
