@@ -503,3 +503,45 @@ async def test_a_detached_segment_a_receive_still_holds_counts_until_unmapped(tm
         assert second.startswith("limit: "), second
         assert "max_mapped_bytes_per_client" in second
         await fab.until(lambda: daemon.segments.gauges() == {"segments": 0, "mapped_bytes": 0})
+
+
+async def test_segments_detached_and_clients_gone_during_a_copy_stay_mapped_until_it_ends(
+    tmp_path, monkeypatch
+):
+    # The copy's worker thread writes through numpy views of both segments: the receiver
+    # detaching its segment and both clients leaving mid-copy must neither unmap them under the
+    # thread (a segfault of the daemon) nor give the caps back before the copy let go of them.
+    async with fabric(tmp_path) as fab:
+        daemon = fab.daemons[0]
+        copying, finish = threading.Event(), threading.Event()
+        real_run = datapath._Copy.run
+
+        def slow_run(self: datapath._Copy) -> None:
+            copying.set()
+            finish.wait(30)
+            real_run(self)
+
+        monkeypatch.setattr(datapath._Copy, "run", slow_run)
+
+        def pair() -> None:
+            path = fab.socket(0)
+            with (
+                fabricd.connect(job="u", rank=0, size=2, socket_path=path) as a,
+                fabricd.connect(job="u", rank=1, size=2, socket_path=path) as b,
+            ):
+                x, y = a.array("x", (MiB,), "float32"), b.array("y", (MiB,), "float32")
+                x[:] = 3.0
+                a.send_async(x, to=1)
+                b.recv_async(y, src=0)
+                assert copying.wait(30)
+                call = b._connection.submit("detach", {"seg": 1})
+                b._connection.wait(call, 10.0).result("detach")
+
+        await asyncio.to_thread(pair)  # both clients left while the copy waits to run
+        await fab.until(lambda: not daemon.sessions)
+        assert daemon.segments.gauges() == {"segments": 2, "mapped_bytes": 2 * (4 * MiB + 128)}
+        finish.set()
+        await fab.until(lambda: daemon.segments.gauges() == {"segments": 0, "mapped_bytes": 0})
+        assert daemon.service("p2p").statistics()["counters"]["bytes_copied"] == 4 * MiB
+        assert await asyncio.to_thread(local_copy_works, fab.socket(0), "after") is True
+        assert not fab.tasks[0].done()
