@@ -7,9 +7,11 @@ way ``status`` does, and costs the loop about a millisecond.
 
 What a scraper may do is bounded, since anyone who can reach the port can connect: a request
 head of at most 8 KiB, read within 5 s; 16 connections at once (more are closed at once);
-``Connection: close`` after each answer.  Only ``GET``/``HEAD`` of ``/metrics`` (and ``/``) are
-answered.  The address is ``metrics_address``: 127.0.0.1 by default, never every interface
-unless the config says so.
+``Connection: close`` after each answer, which must be taken within another 5 s (a scraper
+that never reads it would otherwise hold its connection, its copy of the answer and one of the
+16 places for ever: closing a transport waits until what was written is sent).  Only
+``GET``/``HEAD`` of ``/metrics`` (and ``/``) are answered.  The address is
+``metrics_address``: 127.0.0.1 by default, never every interface unless the config says so.
 """
 
 from __future__ import annotations
@@ -78,12 +80,13 @@ class MetricsServer:
         log.info("metrics on %s", self.url)
 
     def close(self) -> None:
-        """Stop serving: no new scrape, and those connected are hung up on."""
+        """Stop serving: no new scrape, and those connected are hung up on (an answer not yet
+        taken is dropped)."""
         if self._server is not None:
             self._server.close()
             self._server = None
         for scrape in list(self._open):
-            scrape.hang_up()
+            scrape.cut()
         self.address = ""
 
     def admit(self, scrape: _Scrape) -> bool:
@@ -132,7 +135,7 @@ class _Scrape(asyncio.Protocol):
         if not self._server.admit(self):
             transport.close()
             return
-        self._deadline = asyncio.get_running_loop().call_later(REQUEST_TIMEOUT, self.hang_up)
+        self._deadline = asyncio.get_running_loop().call_later(REQUEST_TIMEOUT, self.cut)
 
     def data_received(self, data: bytes) -> None:
         if self._transport is None or self._transport.is_closing():
@@ -148,10 +151,19 @@ class _Scrape(asyncio.Protocol):
             return
         self._transport.write(self._server.answer(bytes(self._head[:end])))
         self.hang_up()  # close() sends what was written first
+        if self._deadline is not None:  # ... if the scraper takes it in time
+            self._deadline.cancel()
+            self._deadline = asyncio.get_running_loop().call_later(REQUEST_TIMEOUT, self.cut)
 
     def hang_up(self) -> None:
+        """Close once what was written is sent."""
         if self._transport is not None:
             self._transport.close()
+
+    def cut(self) -> None:
+        """Close now, dropping what was written and not sent."""
+        if self._transport is not None:
+            self._transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:

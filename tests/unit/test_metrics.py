@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fabricd.daemon import metrics_http
 from fabricd.daemon.config import Config, load
 from fabricd.daemon.metrics import (
     LATENCY_BUCKETS,
@@ -214,3 +216,49 @@ async def test_endpoint_that_cannot_bind_raises_oserror(server):
     with pytest.raises(OSError, match="address already in use"):
         await other.start(server.address)
     assert other.url == ""
+
+
+async def _stuck_reader(address: str) -> socket.socket:
+    """A scraper that asks for a large answer and never reads it (a tiny receive window)."""
+    host, _, port = address.rpartition(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    sock.send(b"GET /metrics HTTP/1.1\r\n\r\n")
+    return sock
+
+
+@pytest.fixture
+async def big_server():
+    endpoint = MetricsServer(lambda: b"# x\n" * (4 << 20))  # 16 MiB: more than the kernel holds
+    await endpoint.start("127.0.0.1:0")
+    yield endpoint
+    endpoint.close()
+
+
+async def test_a_scraper_that_never_reads_its_answer_is_cut_off(big_server, monkeypatch):
+    monkeypatch.setattr(metrics_http, "REQUEST_TIMEOUT", 0.5)
+    sock = await _stuck_reader(big_server.address)
+    try:
+        async with asyncio.timeout(10):  # a hang guard: cut within REQUEST_TIMEOUT
+            while big_server.connections != 1:
+                await asyncio.sleep(0.01)
+            while big_server.connections:
+                await asyncio.sleep(0.05)
+    finally:
+        sock.close()
+
+
+async def test_close_hangs_up_on_a_scraper_that_never_reads_its_answer(big_server):
+    sock = await _stuck_reader(big_server.address)
+    try:
+        async with asyncio.timeout(10):
+            while big_server.connections != 1:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # the answer is written, and stuck in the transport
+            big_server.close()
+            while big_server.connections:  # a hang guard: close() lets go of every one
+                await asyncio.sleep(0.01)
+    finally:
+        sock.close()
