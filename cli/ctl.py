@@ -316,20 +316,24 @@ def top(
             errors.print("[red]fabricctl:[/] no local cluster of yours is running")
             sys.exit(1)
     paths = paths or [None]  # the daemon status would find
+    # the first ones (--socket, or the one status would find) must answer; --all's may go
+    required = len(socket_paths) or int(paths == [None])
     with _clients(paths, optional=len(socket_paths)) as clients:
         try:
             if once:
-                views = _sample_views(clients, interval, view)
+                views = _sample_views(clients, interval, view, required)
                 if as_json:
                     _emit_json({"daemons": views})
                 else:
                     console.print(_top_table(views))
                 return
             with Live(console=console, auto_refresh=False) as live:
-                previous = _statuses(clients)
+                previous = _statuses(clients, required)
                 while True:
                     time.sleep(interval)
-                    current = _statuses(clients)
+                    current = _statuses(clients, required)
+                    if all(status is None for status in current):
+                        raise FabricError("no daemon answers any more")
                     pairs = zip(previous, current, strict=True)
                     views = [view(b, a, interval) for b, a in pairs if a is not None]
                     live.update(_top_table(views), refresh=True)
@@ -364,24 +368,30 @@ def _clients(paths: list[str | None], optional: int) -> Iterator[list[Client]]:
         yield clients
 
 
-def _statuses(clients: list[Client]) -> list[dict[str, Any] | None]:
-    """Each daemon's status; None for one that stopped answering (a cluster stopping)."""
+def _statuses(clients: list[Client], required: int) -> list[dict[str, Any] | None]:
+    """Each daemon's status; None for one that stopped answering (a cluster stopping).
+
+    Raises:
+        FabricError: one of the first ``required`` (named by ``--socket``) does not answer.
+    """
     statuses: list[dict[str, Any] | None] = []
-    for client in clients:
+    for i, client in enumerate(clients):
         try:
             statuses.append(client.status())
         except FabricError:
+            if i < required:
+                raise
             statuses.append(None)
     return statuses
 
 
 def _sample_views(
-    clients: list[Client], interval: float, view: Callable[..., dict[str, Any]]
+    clients: list[Client], interval: float, view: Callable[..., dict[str, Any]], required: int
 ) -> list[dict[str, Any]]:
-    before = _statuses(clients)
+    before = _statuses(clients, required)
     started = time.monotonic()
     time.sleep(interval)
-    after = _statuses(clients)
+    after = _statuses(clients, required)
     seconds = time.monotonic() - started
     views = [view(b, a, seconds) for b, a in zip(before, after, strict=True) if a is not None]
     if not views:

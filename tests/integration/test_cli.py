@@ -413,3 +413,25 @@ def test_top_refreshes_until_ctrl_c_and_exits_cleanly(make_cluster):
     assert top.returncode == 0, err
     assert "Traceback" not in err
     assert "fabricd top" in out
+
+
+def test_top_exits_when_the_daemon_it_watches_goes_away(make_cluster):
+    """A daemon named by --socket (or found as status finds it) must answer: once it is gone,
+    top says so and exits 1 instead of drawing an empty table for ever."""
+    cluster = make_cluster(1)
+    node = cluster.nodes[0]
+    top = subprocess.Popen(
+        [*CTL, "top", "--socket", node.socket_path, "--interval", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(0.5)
+        cluster.kill(0)
+        out, err = top.communicate(timeout=30)  # a hang guard
+    finally:
+        top.kill()
+    assert top.returncode == 1, (out, err)
+    assert "Traceback" not in err
+    assert "fabricctl:" in err
