@@ -244,6 +244,8 @@ def stalls(socket_path: str | None, as_json: bool) -> None:
         console.print(f"node {info['node']}: no operation pending longer than {after}")
         return
     console.print(_stall_table(rows, f"stalled on node {info['node']} ({after})", hidden))
+    if left_out := info.get("left_out", 0):
+        console.print(f"and {left_out} more, pending for less long: not listed")
 
 
 def _stall_table(rows: list[dict[str, Any]], title: str, hidden: int = 0) -> Table:

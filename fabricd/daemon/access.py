@@ -56,6 +56,11 @@ def redact(status: Meta, user: User, rules: Ownership) -> None:
     status["hidden"] = hidden
 
 
+def visible(row: Meta, user: User, rules: Ownership) -> bool:
+    """Whether ``user`` may see ``row`` (what :func:`redact` keeps)."""
+    return rules.sees_everything(user) or _visible(row, user, rules)
+
+
 def _visible(row: object, user: User, rules: Ownership) -> bool:
     if not isinstance(row, dict):
         return True

@@ -88,6 +88,8 @@ remote_log = RateLimitedLog(log)
 _PEER_LIMIT_KINDS: Final = frames.PEER_KINDS
 #: requests the node answers itself: they concern the session, not an engine
 _NODE_OPS: Final = frozenset({"attach", "detach", "status", "config", "stalls"})
+#: the most rows a ``stalls`` reply carries (the oldest; ~300 B each, a reply may be 4 MiB)
+MAX_STALL_ROWS: Final = 1000
 #: seconds between two samples of the loop's lag when no other timer is due
 _LAG_PROBE_INTERVAL: Final = 1.0
 
@@ -581,15 +583,31 @@ class Daemon:
         self.segments.attach(session, seg, size, fds.pop())
 
     def stalls(self, asking: ClientSession | None = None) -> Meta:
-        """What ``fabricctl stalls`` shows: every operation of any service pending longer than
-        ``stall_after``, with what it waits for; ``asking`` sees only the rows of jobs it may
-        see (:func:`access.redact`)."""
+        """What ``fabricctl stalls`` shows: the operations of any service pending longer than
+        ``stall_after``, oldest first, with what each waits for; ``asking`` sees only the rows
+        of jobs it may see (``hidden`` counts the others, as :func:`access.redact` does).
+
+        At most :data:`MAX_STALL_ROWS` rows (``left_out`` counts the rest it may see): a client
+        may have tens of thousands of operations pending, and their rows would pass the 4 MiB
+        a reply may be (the asking client was cut off for it) and cost the loop seconds.
+        """
         now = self.now()
-        rows = [row for service in self.services for row in service.stalls(now)]
+        user = None if asking is None else access.user_of(asking)
+        seen = [0, 0]  # rows hidden from the asker, rows it may see
+
+        def keep(row: Meta) -> bool:
+            shown = user is None or access.visible(row, user, self._ownership)
+            seen[shown] += 1
+            return shown
+
+        rows: list[Meta] = []
+        for service in self.services:
+            rows += service.stalls(now, keep, MAX_STALL_ROWS - len(rows))
         result: Meta = {"node": self.config.node_id, "stall_after": self.config.stall_after}
         result["stalls"] = rows
-        if asking is not None:
-            access.redact(result, access.user_of(asking), self._ownership)
+        result["left_out"] = seen[1] - len(rows)
+        if user is not None:
+            result["hidden"] = {"stalls": seen[0]} if seen[0] else {}
         return result
 
     def status(self, asking: ClientSession | None = None) -> Meta:

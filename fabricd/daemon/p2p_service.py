@@ -253,20 +253,30 @@ class P2PService(BaseService):
             },
         }
 
-    def stalls(self, now: float) -> list[Meta]:
-        """Every operation pending longer than ``stall_after``, with what it waits for."""
+    def stalls(
+        self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
+    ) -> list[Meta]:
+        """Every operation pending longer than ``stall_after``, with what it waits for (those
+        ``keep`` accepts, at most ``limit``: see :meth:`BaseService.stalls`)."""
         peers = self._peer_table(now)
-        return [self._report(stall, peers) for stall in self.engine.stalls(now)]
+        chosen = None if keep is None else (lambda op, job: keep(self._whose(op, job)))
+        found = self.engine.stalls(now, chosen, limit)
+        return [self._report(stall, peers) for stall in found]
 
     def _peer_table(self, now: float) -> dict[int, PeerInfo]:
         return {} if self._peers is None else {info.node: info for info in self._peers(now)}
 
-    def _report(self, stall: Stalled, peers: dict[int, PeerInfo]) -> Meta:
-        transfer = self._ops.get(stall.op)
+    def _whose(self, op: int, job: str) -> Meta:
+        """Whose operation ``op`` of ``job`` is: the fields of its row that access reads."""
+        transfer = self._ops.get(op)
         session = None if transfer is None else transfer.session
         uid = None if session is None else session.conn.credentials.uid
-        owner = None if self._owners is None else self._owners(stall.msg.job)
-        return report(stall, peers, uid=uid, owner=owner)
+        owner = None if self._owners is None else self._owners(job)
+        return {"job": job, "owner": owner, "uid": uid}
+
+    def _report(self, stall: Stalled, peers: dict[int, PeerInfo]) -> Meta:
+        whose = self._whose(stall.op, stall.msg.job)
+        return report(stall, peers, uid=whose["uid"], owner=whose["owner"])
 
     def client_statistics(self, session: ClientSession) -> Meta:
         return {"ops": len(self._by_session.get(session, ()))}

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import Coroutine, Iterable, Sequence
+    from collections.abc import Callable, Coroutine, Iterable, Sequence
 
     from prometheus_client.metrics_core import Metric
 
@@ -163,10 +163,18 @@ class Service(Protocol):
     def shutdown(self, failure: Failure) -> None:
         """The drain is over: fail every request still open with ``failure``."""
 
-    def stalls(self, now: float) -> list[Meta]:
-        """Operations pending longer than ``stall_after``, one JSON-ready row each saying what
-        it waits for (``fabricctl stalls``); rows carry ``job``, ``owner`` and ``uid`` like
-        status rows, so the node withholds them from clients that may not see the job."""
+    def stalls(
+        self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
+    ) -> list[Meta]:
+        """Operations pending longer than ``stall_after``, oldest first, one JSON-ready row
+        each saying what it waits for (``fabricctl stalls``); rows carry ``job``, ``owner``
+        and ``uid`` like status rows, so the node withholds them from clients that may not see
+        the job.
+
+        ``keep`` is asked about every such operation with ``{"job", "owner", "uid"}`` before
+        its row is built; only those it accepts are described, and at most ``limit`` of them
+        (a reply has a size bound, and a client may have tens of thousands pending).
+        """
 
     def statistics(self) -> Meta:
         """What ``fabricctl status`` shows of this service: top-level status fields.
@@ -236,7 +244,9 @@ class BaseService:
     def shutdown(self, failure: Failure) -> None:
         return None
 
-    def stalls(self, now: float) -> list[Meta]:
+    def stalls(
+        self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
+    ) -> list[Meta]:
         return []
 
     def statistics(self) -> Meta:

@@ -99,7 +99,7 @@ from fabricd.frames import Cancel, Cts, Done, Rts
 from fabricd.wire import Kind
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from fabricd.engines.membership import RankEntry, RankEvent, Routes
     from fabricd.frames import Data
@@ -461,16 +461,35 @@ class Messaging:
             self._stall_check = self._stall_at.next()
         return actions
 
-    def stalls(self, now: float) -> list[Stalled]:
+    def stalls(
+        self,
+        now: float,
+        keep: Callable[[int, str], bool] | None = None,
+        limit: int | None = None,
+    ) -> list[Stalled]:
         """Every operation pending for ``stall_after`` or longer, longest first, with what it
-        waits for.  O(pending operations): an operator's query, not a hot path."""
+        waits for.  O(pending operations): an operator's query, not a hot path.
+
+        Args:
+            keep: asked once for every such operation, oldest first, with its op and job:
+                whether to describe it (the asker may see it).
+            limit: describe at most this many (the oldest ``keep`` accepted); ``keep`` is
+                still asked about the rest, so it can count them.  Describing one costs tens
+                of microseconds, and a client may have tens of thousands pending.
+        """
         if self.stall_after is None:
             return []
         since = now - self.stall_after
         found: list[Send | Recv] = [s for s in self._sends.values() if s.posted <= since]
         found += [r for r in self._recvs.values() if r.posted <= since]
         found.sort(key=lambda operation: (operation.posted, operation.op))
-        return [self._stalled(operation, now) for operation in found]
+        out: list[Stalled] = []
+        for operation in found:
+            if keep is not None and not keep(operation.op, operation.msg.job):
+                continue
+            if limit is None or len(out) < limit:
+                out.append(self._stalled(operation, now))
+        return out
 
     def stalled(self, now: float) -> int:
         """How many operations are pending for ``stall_after`` or longer (a metrics gauge);

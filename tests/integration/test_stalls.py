@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from fabricd.client import connect
+from fabricd.daemon.node import MAX_STALL_ROWS
 from tests.integration.test_metrics import scrape
 
 if TYPE_CHECKING:
@@ -126,3 +127,29 @@ def test_two_ranks_on_one_node_that_disagree_on_the_tag_are_both_named(make_clus
     assert (send["peer"], send["tag"], send["waits"], send["other_tags"]) == (0, 3, "match", [5])
     assert recv["peer_node_state"] == send["peer_node_state"] == "local"
     assert "its sends to rank 0 with tags 3 wait here for their recvs" in recv["detail"]
+
+
+def test_many_stalls_are_answered_oldest_first_up_to_a_bound(make_cluster):
+    """16,000 stalled receives (a quarter of one client's max_ops_per_client) made a reply of
+    4.8 MB, past the 4 MiB a reply may be: the daemon cut the asking client's connection off,
+    and the operator could see no stall at all."""
+    cluster = make_cluster(1, stall_after=STALL_AFTER)
+    socket = cluster.nodes[0].socket_path
+    count = 16000
+    with (
+        connect(job="many", rank=0, size=2, socket_path=socket) as waiting,
+        connect(job="many", rank=1, size=2, socket_path=socket),
+        connect(socket_path=socket) as control,
+    ):
+        array = waiting.array("in", (4,), "uint8")
+        for tag in range(count):
+            waiting.recv_async(array, src=1, tag=tag)
+        answer = _until(
+            lambda: (a := control.stalls())["left_out"] == count - MAX_STALL_ROWS and a,
+            "every receive to be pending past stall_after",
+        )
+        assert control.status()["pending_ops"] == count  # the connection is still served
+    rows = answer["stalls"]
+    assert len(rows) == MAX_STALL_ROWS
+    assert [row["tag"] for row in rows] == list(range(MAX_STALL_ROWS))  # the oldest first
+    assert answer["hidden"] == {}
