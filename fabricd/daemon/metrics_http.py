@@ -150,10 +150,10 @@ class _Scrape(asyncio.Protocol):
             self.hang_up()
             return
         self._transport.write(self._server.answer(bytes(self._head[:end])))
-        self.hang_up()  # close() sends what was written first
-        if self._deadline is not None:  # ... if the scraper takes it in time
+        if self._deadline is not None:  # the scraper must take the answer in time
             self._deadline.cancel()
             self._deadline = asyncio.get_running_loop().call_later(REQUEST_TIMEOUT, self.cut)
+        self.hang_up()  # close() sends what was written first
 
     def hang_up(self) -> None:
         """Close once what was written is sent."""
