@@ -158,7 +158,8 @@ class Client:
 
     def stalls(self, timeout: float = 10.0) -> Meta:
         """Operations pending longer than ``stall_after`` on the daemon, with what each waits
-        for (what ``fabricctl stalls`` prints): ``{"node", "stall_after", "stalls": [...]}``."""
+        for (what ``fabricctl stalls`` prints): ``{"node", "stall_after", "stalls": [...],
+        "left_out", "hidden"}`` (the 1000 pending longest; ``left_out`` counts the rest)."""
         return self._call("stalls", timeout=timeout)
 
     def config(self, timeout: float = 10.0) -> Meta:
