@@ -197,6 +197,23 @@ def test_stalls_lists_the_longest_pending_first_and_only_past_stall_after() -> N
     assert [s.pending_for for s in net.engines[0].stalls(14.0)] == [14.0, 10.0]
 
 
+def test_stalls_asks_keep_about_every_one_oldest_first_and_describes_at_most_limit() -> None:
+    net = layout()
+    ops = []
+    for src in (1, 2, 3):
+        ops.append(net.recv(0, src=src, dst=0, nbytes=1))
+        net.now += 1.0
+    asked: list[int] = []
+
+    def keep(op: int, job: str) -> bool:
+        asked.append(op)
+        return op != ops[0]  # the asker may not see the oldest
+
+    listed = net.engines[0].stalls(net.now + STALL, keep, limit=1)
+    assert asked == ops  # every one, so the caller can count what it hides and leaves out
+    assert [s.op for s in listed] == [ops[1]]
+
+
 def test_without_stall_after_nothing_is_watched() -> None:
     net = FakeNet(2)  # the engine's default: the daemon always passes its setting
     net.attach(0, 0)
