@@ -2,12 +2,13 @@
 
 :class:`LocalCluster` writes a config and a 0600 secret into a private temporary directory,
 starts one ``fabricd`` process per node with its own ``NOTIFY_SOCKET`` (so it knows each one is
-listening exactly when systemd would), and on :meth:`LocalCluster.stop` sends SIGTERM, waits
-for the drain, and removes the directory: nothing is left behind.
+listening exactly when systemd would), removes the secret once every daemon has read it, and on
+:meth:`LocalCluster.stop` sends SIGTERM, waits for the drain, and removes the directory:
+nothing is left behind.
 
 A launcher that is killed before it can stop its cluster (SIGKILL, a crash) takes its daemons
 along: the kernel kills each of them when the launcher dies (:func:`spawn_tied`).  Only its
-directory stays; the directory's name records which process made it, and
+directory stays, without the secret; the directory's name records which process made it, and
 :func:`remove_leftovers` removes the directories whose process is gone.
 """
 
@@ -110,6 +111,7 @@ class LocalCluster:
     nodes: list[NodeProcess] = field(default_factory=list)
     directory: Path | None = None
     config_path: Path | None = None
+    _secret: str = field(default="", repr=False)
 
     def start(self, timeout: float = 30.0) -> None:
         """Start every daemon and wait until each has said READY=1.
@@ -127,15 +129,14 @@ class LocalCluster:
             for node in self.nodes:
                 self._spawn(node)
             self._wait_ready(timeout)
+            self._forget_secret()
         except BaseException:
             self.stop()
             raise
 
     def _write_files(self) -> None:
         assert self.directory is not None
-        secret = self.directory / "secret"
-        secret.write_text(secrets.token_hex(32))
-        secret.chmod(0o600)
+        secret = self._write_secret()
         # each daemon's peer port and, unless the settings say otherwise, its own metrics port
         metrics = "metrics_address" not in self.settings
         ports: list[int] = []
@@ -243,8 +244,36 @@ class LocalCluster:
         if process is not None and process.poll() is None:
             raise ClusterError(f"node {node} is still running")
         self.nodes[node].ready = False
-        self._spawn(self.nodes[node])
-        self._wait_ready(timeout)
+        self._write_secret()
+        try:
+            self._spawn(self.nodes[node])
+            self._wait_ready(timeout)
+        finally:
+            self._forget_secret()
+
+    @property
+    def secret(self) -> bytes:
+        """The cluster's shared secret (for tests that play a peer)."""
+        return self._secret.encode()
+
+    def _write_secret(self) -> Path:
+        """Write the secret where the config says, 0600 from its first byte."""
+        assert self.directory is not None
+        if not self._secret:
+            self._secret = secrets.token_hex(32)
+        path = self.directory / "secret"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(self._secret)
+        return path
+
+    def _forget_secret(self) -> None:
+        """Remove the secret file once every daemon has read it (each reads it once, at start):
+        a launcher killed with SIGKILL then leaves no secret behind, only its daemons' sockets
+        and logs, which the next launcher removes."""
+        assert self.directory is not None
+        with contextlib.suppress(FileNotFoundError):
+            (self.directory / "secret").unlink()
 
     def kill(self, node: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to one daemon (for failure tests)."""

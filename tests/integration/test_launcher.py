@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from fabricd.daemon.launcher import _FORK_THREAD, remove_leftovers, spawn_tied
+import fabricd
+from fabricd.daemon.launcher import (
+    _FORK_THREAD,
+    FAST_LIVENESS,
+    LocalCluster,
+    remove_leftovers,
+    spawn_tied,
+)
 from tests.integration.processes import exited, wait_exited
 
 #: a child that echoes its input, line by line, until end of file
@@ -189,3 +196,23 @@ def test_a_running_launcher_in_another_pid_namespace_keeps_its_directory(tmp_pat
         assert directory.is_dir()
     finally:
         launcher.communicate("", timeout=30)
+
+
+def test_the_secret_is_on_disk_only_while_daemons_start(tmp_path):
+    # a launcher killed with SIGKILL leaves its directory to the next one; without this the
+    # fabric's secret stayed in it until then
+    with LocalCluster(2, settings=FAST_LIVENESS, log_dir=tmp_path) as cluster:
+        assert cluster.directory is not None
+        assert not (cluster.directory / "secret").exists()
+        cluster.wait_connected()
+        cluster.kill(1)
+        process = cluster.nodes[1].process
+        assert process is not None
+        process.wait(30)
+        cluster.restart(1)  # a new incarnation reads the secret again, then it is gone again
+        assert not (cluster.directory / "secret").exists()
+        cluster.wait_connected()
+        with fabricd.connect(socket_path=cluster.nodes[0].socket_path) as control:
+            (row,) = control.status()["peers"]
+        assert row["state"] == "up"
+        assert len(cluster.secret) == 64

@@ -27,7 +27,6 @@ from .peer_client import (
     authenticate,
     closed_by_peer,
     connect,
-    read_secret,
 )
 
 if TYPE_CHECKING:
@@ -62,7 +61,7 @@ def _pretend_node_zero(make_cluster: Callable[..., LocalCluster], **settings: ob
     cluster.kill(0)
     cluster.nodes[0].process.wait(30)
     assert cluster.directory is not None
-    secret = read_secret(cluster.directory / "secret")
+    secret = cluster.secret
     real = _peer(_status(cluster, TARGET), 1)
     return cluster, secret, real
 
