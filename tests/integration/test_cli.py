@@ -415,6 +415,11 @@ def test_top_refreshes_until_ctrl_c_and_exits_cleanly(make_cluster):
     assert "fabricd top" in out
 
 
+def _status_requests(metrics_url: str) -> float:
+    samples = scrape(metrics_url)
+    return samples.get(("fabricd_client_requests_total", frozenset({("op", "status")})), 0)
+
+
 def test_top_exits_when_the_daemon_it_watches_goes_away(make_cluster):
     """A daemon named by --socket (or found as status finds it) must answer: once it is gone,
     top says so and exits 1 instead of drawing an empty table for ever."""
@@ -427,7 +432,10 @@ def test_top_exits_when_the_daemon_it_watches_goes_away(make_cluster):
         text=True,
     )
     try:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30  # a hang guard: wait until top is in its live loop
+        while _status_requests(node.metrics_url) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _status_requests(node.metrics_url) >= 2, "top must sample the daemon"
         cluster.kill(0)
         out, err = top.communicate(timeout=30)  # a hang guard
     finally:
