@@ -136,6 +136,31 @@ def test_after_a_heal_the_peers_reconnect_and_new_transfers_succeed(
         _exchange(left, right, 2, 8 << 20)
 
 
+def test_after_a_long_cut_the_link_is_back_within_a_dial_deadline_and_a_backoff(
+    make_net_cluster: MakeNetCluster,
+) -> None:
+    """F9's heal after a cut longer than the kernel's first SYN retries (1, 3, 7, 15 s): the
+    link is back within a dial deadline (``handshake_timeout``), a backoff
+    (``reconnect_max_backoff``) and a heartbeat exchange.  Here a cut port also fails dials
+    quickly once the neighbour entry expires, so this passes without the dial deadline too; the
+    deadline itself is tested against a listener that drops SYNs
+    (tests/integration/test_peering_faults.py)."""
+    settings = {"handshake_timeout": 1.0, "reconnect_max_backoff": 0.5}
+    fabric = make_net_cluster(2, **settings)
+    cut = time.monotonic()
+    fabric.net.link_down(1)
+    assert wait_for(lambda: peer_state(fabric.socket(0), 1) == "down", 10 * D) is not None
+    assert wait_for(lambda: time.monotonic() - cut >= 20.0, 30.0) is not None
+    healed = time.monotonic()
+    fabric.net.link_up(1)
+    up = wait_for(lambda: _both_up(fabric), RECONNECT_GUARD)
+    assert up is not None, "the peers did not reconnect after the heal"
+    # a dial that started just before the heal ends within handshake_timeout, the next one
+    # starts within reconnect_max_backoff; a heartbeat or two then tells both sides
+    bound = settings["handshake_timeout"] + settings["reconnect_max_backoff"] + 2 * D
+    assert up - healed <= bound, f"reconnected {up - healed:.2f} s after the heal"
+
+
 def _one_message(
     left: fabricd.Client,
     right: fabricd.Client,
