@@ -16,7 +16,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from bench import disconnect, framecost, handoff, integrity, latency, throughput
+from bench import disconnect, framecost, handoff, integrity, latency, rate, roundtrip, throughput
 from bench.report import Table, dump_json, machine, stderr_progress
 
 if TYPE_CHECKING:
@@ -33,6 +33,8 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "disconnect": disconnect.run,
     "integrity": integrity.run,
     "integrity-frame": integrity.run_frame,
+    "roundtrip": roundtrip.run,
+    "rate": rate.run,
 }
 
 

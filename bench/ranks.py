@@ -5,7 +5,10 @@ does exactly that many operations, so it ends by itself; the measuring process f
 plan from its side.  Nothing here times anything: the measuring process does.
 
 * :func:`fabric_receiver`: rank 1 of a fabricd job; receives each planned message from rank 0.
-* :func:`fabric_echo`: rank 1; answers each 0-byte message from rank 0 with one of its own.
+* :func:`fabric_echo`: rank 1; sends each message from rank 0 back (0 B by default).
+* :func:`fabric_batch_receiver`: rank 1; receives batches of messages with a window of receives
+  posted and ends each batch with a 0-byte message back to rank 0.
+* :func:`tcp_echo`: the raw two-process ping-pong's far end: blocking TCP sockets.
 * :func:`raw_receiver`: the raw TCP baseline's receiver: uvloop, a ``BufferedProtocol`` reading
   straight into one preallocated shared-memory buffer, one 1-byte ack per complete message.
 * :func:`unix_echo`: the raw Unix-socket baseline: echoes fixed-size messages back.
@@ -61,15 +64,48 @@ def fabric_receiver(socket_path: str, job: str, plan: Plan, window: int = 1) -> 
                 posted.popleft().wait(CALL_TIMEOUT)
 
 
-def fabric_echo(socket_path: str, job: str, rounds: int) -> None:
-    """Rank 1 of ``job``: ``rounds`` times, receive a 0-byte message from rank 0 and answer it."""
+def fabric_echo(socket_path: str, job: str, rounds: int, nbytes: int = 0) -> None:
+    """Rank 1 of ``job``: ``rounds`` times, receive an ``nbytes`` message from rank 0 and send
+    it back (the same array, so the bytes that return are the bytes that came)."""
     import fabricd
 
     with fabricd.connect(job=job, rank=1, size=2, socket_path=socket_path) as fab:
-        empty = fab.array("bench-echo", (1,), "uint8")[:0]
+        message = fab.array("bench-echo", (max(nbytes, 1),), "uint8")[:nbytes]
         for _ in range(rounds):
-            fab.recv(empty, src=0, timeout=CALL_TIMEOUT)
-            fab.send(empty, to=0, timeout=CALL_TIMEOUT)
+            fab.recv(message, src=0, timeout=CALL_TIMEOUT)
+            fab.send(message, to=0, timeout=CALL_TIMEOUT)
+
+
+#: the tag of the 0-byte message with which :func:`fabric_batch_receiver` ends each batch
+BATCH_DONE_TAG = 1
+
+
+def fabric_batch_receiver(socket_path: str, job: str, nbytes: int, batches: Plan) -> None:
+    """Rank 1 of ``job``: for each ``(window, messages)`` batch, receive ``messages`` messages of
+    ``nbytes`` from rank 0 with ``window`` receives kept posted (each into its own array), then
+    tell rank 0 with a 0-byte message on :data:`BATCH_DONE_TAG` that all of them are in.
+
+    The message rate ends each sample on that signal, so a sample lasts until the receiver has
+    every byte whatever ``send`` waits for.
+    """
+    import collections
+
+    import fabricd
+
+    with fabricd.connect(job=job, rank=1, size=2, socket_path=socket_path) as fab:
+        widest = max([w for w, _ in batches] + [1])
+        buffers = [fab.array(f"bench-batch{i}", (max(nbytes, 1),), "uint8") for i in range(widest)]
+        views = [b[:nbytes] for b in buffers]
+        done = buffers[0][:0]
+        posted: collections.deque[fabricd.Handle[fabricd.Completion]] = collections.deque()
+        for window, messages in batches:
+            for turn in range(messages):
+                if len(posted) == window:
+                    posted.popleft().wait(CALL_TIMEOUT)
+                posted.append(fab.recv_async(views[turn % window], src=0))
+            while posted:
+                posted.popleft().wait(CALL_TIMEOUT)
+            fab.send(done, to=0, tag=BATCH_DONE_TAG, timeout=CALL_TIMEOUT)
 
 
 class _RawSink(asyncio.BufferedProtocol):
@@ -136,6 +172,31 @@ def raw_receiver(conn: Connection, plan: Plan) -> None:
     finally:
         target.release()
         segment.close()
+
+
+def tcp_echo(conn: Connection, rounds: int, nbytes: int) -> None:
+    """The raw ping-pong's far end: blocking sockets, one TCP connection on 127.0.0.1 with
+    ``TCP_NODELAY``.  Sends its port through ``conn``, accepts one connection and echoes
+    ``rounds`` messages of ``nbytes`` (read whole with ``recv_into``, written with ``sendall``).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.settimeout(CALL_TIMEOUT)
+        conn.send(server.getsockname()[1])
+        peer, _ = server.accept()
+    with peer:
+        peer.settimeout(CALL_TIMEOUT)
+        peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buffer = memoryview(bytearray(max(nbytes, 1)))[:nbytes]
+        for _ in range(rounds):
+            got = 0
+            while got < nbytes:
+                read = peer.recv_into(buffer[got:])
+                if not read:
+                    raise ConnectionError("the raw pinger closed early")
+                got += read
+            peer.sendall(buffer)
 
 
 def unix_echo(path: str, rounds: int, nbytes: int) -> None:

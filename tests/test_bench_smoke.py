@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import disconnect, framecost, handoff, integrity, latency, throughput
+from bench import disconnect, framecost, handoff, integrity, latency, rate, roundtrip, throughput
 from bench.report import Column, Table, fmt_size, median, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,3 +165,43 @@ def test_integrity_frame_reports_sealed_against_unsealed_per_kind() -> None:
     assert_ratios(table)
     [extra] = table["extras"]
     assert set(extra["figures"]) == {"BLAKE2b-128 keyed", "HMAC-SHA256"}
+
+
+def test_roundtrip_reports_both_medians_the_ratio_and_the_pinned_raw_figures() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "roundtrip")
+    table = the_table(result, "roundtrip")
+    [row] = table["rows"]
+    assert row["nbytes"] == roundtrip.NBYTES == 1
+    assert_ratios(table)
+    for side in ("raw", "fabricd"):
+        low, high = row["figures"][f"{side}_low"], row["figures"][f"{side}_high"]
+        assert 0 < low <= high
+        assert row["figures"][f"{side}_p99"] > 0
+    assert row["ratio"] == pytest.approx(
+        row["figures"]["fabricd_median"] / row["figures"]["raw_median"]
+    )
+    assert table["target"] == "ratio <= 4"
+    assert table["target_met"] in (True, False)
+    [extra] = table["extras"]
+    assert list(extra["figures"]) == [label for label, _ in roundtrip.pinnings()]
+    assert all(value > 0 for value in extra["figures"].values())
+    assert progress.count("[roundtrip] batch ") == table["settings"]["batches"]
+
+
+def test_rate_reports_messages_per_second_and_time_per_message_for_every_window() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "rate")
+    table = the_table(result, "rate")
+    assert [row["label"] for row in table["rows"]] == [f"4 KiB, window {w}" for w in rate.WINDOWS]
+    assert_ratios(table)
+    for row in table["rows"]:
+        figures = row["figures"]
+        assert row["nbytes"] == rate.NBYTES
+        for side in ("raw", "fabricd"):
+            assert figures[f"{side}_rate"] == pytest.approx(1e6 / figures[f"{side}_us"])
+            assert figures[f"{side}_spread"] >= 0
+        assert row["ratio"] == pytest.approx(figures["fabricd_us"] / figures["raw_us"])
+        assert figures["messages"] == table["settings"]["messages"]
+    assert table["target"] == "ratio <= 5 (every row)"
+    assert table["target_met"] in (True, False)
+    for window in rate.WINDOWS:  # one progress line per case
+        assert f"[rate] 4 KiB, window {window}: " in progress
