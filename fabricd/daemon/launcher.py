@@ -40,7 +40,7 @@ from fabricd.dirs import make_dirs
 from fabricd.errors import FabricError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
     from types import TracebackType
 
 #: liveness settings for development and the failure tests: a silent peer is suspect after
@@ -379,24 +379,32 @@ def remove_leftovers(root: Path | None = None) -> list[Path]:
         the directories removed.
     """
     removed: list[Path] = []
-    namespace = _pid_namespace()
-    with os.scandir(root or tempfile.gettempdir()) as entries:
-        for entry in entries:
-            match = _DIRECTORY_NAME.fullmatch(entry.name)
-            if match is None or int(match[3]) != namespace:
-                continue
-            try:
-                info = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # another launcher's clean-up removed it first
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-                continue
-            if _started(int(match[1])) == int(match[2]):
-                continue  # its launcher is running
-            shutil.rmtree(entry.path, ignore_errors=True)
-            if not os.path.lexists(entry.path):
-                removed.append(Path(entry.path))
+    for entry, running in _cluster_directories(root):
+        if running:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        if not os.path.lexists(entry.path):
+            removed.append(Path(entry.path))
     return removed
+
+
+def _cluster_directories(root: Path | None) -> Iterator[tuple[os.DirEntry[str], bool]]:
+    """This user's cluster directories under ``root`` made in this pid namespace (never through
+    a symlink), by name, each with whether its launcher is still running."""
+    namespace = _pid_namespace()
+    with os.scandir(root or tempfile.gettempdir()) as scan:
+        entries = sorted(scan, key=lambda e: e.name)
+    for entry in entries:
+        match = _DIRECTORY_NAME.fullmatch(entry.name)
+        if match is None or int(match[3]) != namespace:
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # another launcher's clean-up removed it first
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        yield entry, _started(int(match[1])) == int(match[2])
 
 
 def running_clusters(root: Path | None = None) -> list[list[str]]:
@@ -412,27 +420,16 @@ def running_clusters(root: Path | None = None) -> list[list[str]]:
         per cluster (by directory name), its daemons' socket paths in node order.
     """
     found: list[list[str]] = []
-    namespace = _pid_namespace()
-    with os.scandir(root or tempfile.gettempdir()) as entries:
-        for entry in sorted(entries, key=lambda e: e.name):
-            match = _DIRECTORY_NAME.fullmatch(entry.name)
-            if match is None or int(match[3]) != namespace:
-                continue
-            try:
-                info = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-                continue
-            if _started(int(match[1])) != int(match[2]):
-                continue  # its launcher is gone: nothing serves there
-            numbered = [
-                (int(m[1]), path)
-                for path in Path(entry.path).glob("node*.sock")
-                if (m := re.fullmatch(r"node(\d+)\.sock", path.name))
-            ]
-            if numbered:
-                found.append([str(path) for _, path in sorted(numbered)])
+    for entry, running in _cluster_directories(root):
+        if not running:
+            continue  # its launcher is gone: nothing serves there
+        numbered = [
+            (int(m[1]), path)
+            for path in Path(entry.path).glob("node*.sock")
+            if (m := re.fullmatch(r"node(\d+)\.sock", path.name))
+        ]
+        if numbered:
+            found.append([str(path) for _, path in sorted(numbered)])
     return found
 
 
