@@ -109,9 +109,11 @@ class RateLimitedLog:
         self._timer_loop: asyncio.AbstractEventLoop | None = None  #: the loop _timer is on
         _LIMITED.add(self)
 
-    def log(self, level: int, key: str, msg: str, *args: object) -> bool:
+    def log(self, level: int, key: str, msg: str, *args: object, exc_info: bool = False) -> bool:
         """Write ``msg % args`` at ``level`` unless ``key`` had its burst this interval.
 
+        ``exc_info``: a written line carries the exception being handled, with its traceback
+        (a line left out is counted like any other: one traceback per burst, not one per event).
         Returns whether the line was written (``False``: counted for the summary).
         """
         now = self.clock()
@@ -122,7 +124,7 @@ class RateLimitedLog:
             window = self._windows[key] = _Window(start=now, level=level)
         if window.logged < self.burst:
             window.logged += 1
-            self.logger.log(level, msg, *args)
+            self.logger.log(level, msg, *args, exc_info=exc_info)
             return True
         if not self.logger.isEnabledFor(level):
             return False

@@ -541,7 +541,15 @@ class Daemon:
         except FabricError as exc:
             self.fail(session, rid, Failure(code=code_of(exc), message=str(exc)))
         except Exception:  # a daemon bug: this request fails, the daemon and client go on
-            log.exception("request %r of client %d failed", meta.get("op"), conn.id)
+            # a client can repeat what triggers a bug: one traceback per burst, then a count
+            remote_log.log(
+                logging.ERROR,
+                "request failed",
+                "request %r of client %d failed",
+                meta.get("op"),
+                conn.id,
+                exc_info=True,
+            )
             failure = Failure(
                 code=ErrorCode.INTERNAL, message="internal error in the daemon (see its log)"
             )

@@ -131,3 +131,21 @@ def test_a_timer_left_in_an_ended_loop_does_not_stop_later_summaries(caplog):
     assert "second: 1 more such lines in 0.1s were left out; the last: line of second" in [
         r.getMessage() for r in caplog.records
     ]
+
+
+def test_tracebacks_of_a_repeated_bug_are_limited_like_any_line(caplog):
+    # a client can repeat the request that trips a daemon bug: one traceback each would flood
+    clock = Clock()
+    limited = logs.RateLimitedLog(
+        logging.getLogger("fabricd.test"), interval=1.0, burst=2, clock=clock
+    )
+    with caplog.at_level(logging.INFO, logger="fabricd.test"):
+        for i in range(50):
+            try:
+                raise RuntimeError(f"bug {i}")
+            except RuntimeError:
+                limited.log(logging.ERROR, "request failed", "request %d failed", i, exc_info=True)
+        limited.flush(everything=True)
+    with_traceback = [r for r in caplog.records if r.exc_info]
+    assert [str(r.exc_info[1]) for r in with_traceback if r.exc_info] == ["bug 0", "bug 1"]
+    assert "48 more such lines" in caplog.records[-1].getMessage()  # the rest, counted
