@@ -110,6 +110,7 @@ _SPARE_PATH: Final = os.devnull
 _REFUSED_KEYS: Final = {
     "not_allowed": "clients refused (uid not allowed)",
     "max_clients": "clients refused (max_clients)",
+    "max_clients_per_uid": "clients refused (max_clients_per_uid)",
     "stopping": "clients refused (daemon stopping)",
 }
 
@@ -410,6 +411,8 @@ class IpcServer:
         handler: the daemon's request handler.
         allowed_uids, allowed_gids: who may connect besides root and the daemon's own uid/gid.
         max_clients: connections beyond this are refused with a logged reason.
+        max_clients_per_uid: connections of one uid beyond this are refused, so one user
+            cannot take every slot; root and the daemon's own uid (operators) are exempt.
         hello_timeout: seconds a new connection has to send its first request
             (``client_hello_timeout``).
         frame_timeout: seconds a connection may leave a frame unfinished
@@ -424,6 +427,7 @@ class IpcServer:
         allowed_uids: Iterable[int] = (),
         allowed_gids: Iterable[int] = (),
         max_clients: int = 256,
+        max_clients_per_uid: int = 192,
         hello_timeout: float = 10.0,
         frame_timeout: float = 10.0,
     ) -> None:
@@ -434,6 +438,8 @@ class IpcServer:
         self.allowed_uids = {0, os.geteuid(), *allowed_uids}
         self.allowed_gids = {os.getegid(), *allowed_gids}
         self.max_clients = max_clients
+        self.max_clients_per_uid = max_clients_per_uid
+        self._operators = {0, os.geteuid()}
         self.hello_timeout = hello_timeout
         self.frame_timeout = frame_timeout
         self.connections: dict[int, IpcConnection] = {}
@@ -443,7 +449,7 @@ class IpcServer:
         self._paused: asyncio.TimerHandle | None = None  #: set while accepting is paused
         self._next_pause = ACCEPT_PAUSE_MIN
         self.refused = 0  #: clients refused at accept, for any reason
-        #: refusals by reason: not_allowed, max_clients, no_fds, stopping
+        #: refusals by reason: not_allowed, max_clients, max_clients_per_uid, no_fds, stopping
         self.refused_by: collections.Counter[str] = collections.Counter()
         self.accept_errors = 0  #: accepts that failed for lack of a resource (EMFILE...)
         self.accept_pauses = 0  #: times accepting was paused after such a failure
@@ -455,6 +461,7 @@ class IpcServer:
             "refused_clients": self.refused,
             "refused_clients_not_allowed": self.refused_by["not_allowed"],
             "refused_clients_max_clients": self.refused_by["max_clients"],
+            "refused_clients_max_clients_per_uid": self.refused_by["max_clients_per_uid"],
             "refused_clients_no_fds": self.refused_by["no_fds"],
             "refused_clients_stopping": self.refused_by["stopping"],
             "accept_errors": self.accept_errors,
@@ -570,9 +577,25 @@ class IpcServer:
                 "again when one has left, or raise max_clients in its config",
             )
             return
+        if creds.uid not in self._operators and self._clients_of(creds.uid) >= (
+            limit := self.max_clients_per_uid
+        ):
+            self._refuse(
+                conn,
+                creds,
+                "max_clients_per_uid",
+                f"max_clients_per_uid ({limit}) reached",
+                f"uid {creds.uid} already has max_clients_per_uid ({limit}) connections to "
+                "this daemon; close one, or ask its operator to raise max_clients_per_uid",
+            )
+            return
         cid = next(self._ids)
         self.connections[cid] = IpcConnection(cid, conn, creds, self)
         log.debug("client %d connected: pid=%d uid=%d gid=%d", cid, creds.pid, creds.uid, creds.gid)
+
+    def _clients_of(self, uid: int) -> int:
+        """Connections of ``uid`` now (at most ``max_clients``: counted, not indexed)."""
+        return sum(1 for c in self.connections.values() if c.credentials.uid == uid)
 
     def _out_of_resources(self, code: int) -> None:
         """``accept`` failed for lack of ``code``: tell the queued client, or pause accepting.

@@ -54,6 +54,7 @@ class Config:
     max_meta: int = 64 * 1024
     data_integrity: str = "none"
     max_clients: int = 256
+    max_clients_per_uid: int = 192
     max_ranks_per_peer: int = 4096
     client_hello_timeout: float = 10.0
     client_frame_timeout: float = 10.0
@@ -120,8 +121,10 @@ class Config:
                 raise ConfigError(f"job_groups: {exc}") from None
         if any(gid < 0 for gid in self.admin_gids):
             raise ConfigError("admin_gids must list group ids >= 0")
-        if min(self.max_clients, self.max_segments_per_client) < 1:
-            raise ConfigError("max_clients and max_segments_per_client must be at least 1")
+        if min(self.max_clients, self.max_segments_per_client, self.max_clients_per_uid) < 1:
+            raise ConfigError(
+                "max_clients, max_clients_per_uid and max_segments_per_client must be at least 1"
+            )
         for key in ("max_segments", "max_mapped_bytes_per_client", "max_mapped_bytes"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1")

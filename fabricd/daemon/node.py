@@ -169,6 +169,7 @@ class Daemon:
             allowed_uids=cfg.allowed_uids,
             allowed_gids=cfg.allowed_gids,
             max_clients=cfg.max_clients,
+            max_clients_per_uid=cfg.max_clients_per_uid,
             hello_timeout=cfg.client_hello_timeout,
             frame_timeout=cfg.client_frame_timeout,
         )

@@ -107,3 +107,28 @@ def test_a_request_that_breaks_the_protocol_fails_with_the_daemons_reason(make_c
         assert [event.name for event in closing] == ["closing"]
         assert closing[0].fields["code"] == "protocol"
         assert fab.closed
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root to switch to")
+def test_one_user_cannot_take_every_client_slot(make_cluster):
+    path = _open_to_all(make_cluster(1, allowed_uids=[NOBODY.pw_uid], max_clients_per_uid=2))
+
+    def child() -> str:
+        with (
+            fabricd.connect(socket_path=path, timeout=10),
+            fabricd.connect(socket_path=path, timeout=10),
+            fabricd.connect(socket_path=path, timeout=10) as third,
+        ):
+            return f"admitted: {third.status()['state']}"
+
+    answer = _as_a_user(child)
+    assert answer.startswith("DaemonUnavailable: "), answer
+    assert f"uid {NOBODY.pw_uid} already has max_clients_per_uid (2) connections" in answer
+    with (  # root (an operator) is exempt: three at once
+        fabricd.connect(socket_path=path),
+        fabricd.connect(socket_path=path),
+        fabricd.connect(socket_path=path) as control,
+    ):
+        counters = control.status()["counters"]
+    assert counters["refused_clients_max_clients_per_uid"] == 1
+    assert counters["refused_clients"] == 1
