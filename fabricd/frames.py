@@ -244,6 +244,8 @@ class Hello:
     nonce: bytes
     channel: str | None = None
     mac: bytes | None = None
+    #: whether the sender seals DATA payloads (``data_integrity = "mac"``): both ends must agree
+    sealed_data: bool = False
 
     def to_meta(self) -> Meta:
         meta: Meta = {
@@ -251,6 +253,7 @@ class Hello:
             "node": self.node,
             "inc": self.incarnation,
             "nonce": self.nonce,
+            "sealed_data": self.sealed_data,
         }
         if self.channel is not None:
             meta["channel"] = self.channel
@@ -282,6 +285,7 @@ class Hello:
             nonce=nonce,
             channel=get_str(meta, "channel") if "channel" in meta else None,
             mac=get_bytes(meta, "mac") if "mac" in meta else None,
+            sealed_data=_get_bool(meta, "sealed_data"),
         )
 
 
@@ -319,3 +323,11 @@ def parse_handshake(kind: Kind, meta: Meta) -> HandshakeFrame:
     if view is None:
         raise RemoteProtocolError(f"{kind.name} is not a handshake frame")
     return view.from_meta(meta)
+
+
+def _get_bool(meta: Meta, key: str) -> bool:
+    """Return ``meta[key]`` as a bool, or raise RemoteProtocolError."""
+    value = meta.get(key)
+    if type(value) is not bool:
+        raise RemoteProtocolError(f"field {key!r} must be true or false")
+    return value

@@ -360,6 +360,7 @@ class PeeringService(BaseService):
             fabric_size=s.fabric_size,
             channel=channel,
             expected_node=None if node < 0 else node,
+            sealed_data=s.data_integrity,
         )
         sink = _PendingSink(self, link_id, handshake)
         self._pending[link_id] = (link, sink)

@@ -113,6 +113,9 @@ class Handshake:
         fabric_size: node ids must be below this.
         channel: which channel we open (initiator only).
         expected_node: the node we dialled (initiator only).
+        sealed_data: whether this node seals DATA payloads (``data_integrity = "mac"``); a
+            peer that does otherwise is refused here, with the setting named, instead of
+            failing every DATA frame it sends or receives later.
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class Handshake:
         fabric_size: int,
         channel: Channel | None = None,
         expected_node: int | None = None,
+        sealed_data: bool = False,
     ) -> None:
         if len(nonce) != NONCE_SIZE:
             raise ValueError(f"nonce must be {NONCE_SIZE} bytes")
@@ -141,6 +145,7 @@ class Handshake:
         self._fabric_size = fabric_size
         self._channel = channel
         self._expected = expected_node
+        self._sealed_data = sealed_data
         self._state = _State.START
         self._peer: PeerIdentity | None = None
         self._transcript = b""
@@ -208,6 +213,7 @@ class Handshake:
             nonce=self._nonce,
             channel=None if channel is None else channel.value,
             mac=mac,
+            sealed_data=self._sealed_data,
         )
 
     def _on_hello(self, hello: Hello) -> list[Answer]:
@@ -218,6 +224,12 @@ class Handshake:
             )
         if node == self._node:
             raise AuthenticationFailed(f"peer claims to be this node ({node})")
+        if hello.sealed_data != self._sealed_data:
+            theirs, ours = ("mac", "none") if hello.sealed_data else ("none", "mac")
+            raise RemoteProtocolError(
+                f"node {node} has data_integrity = {theirs!r}, this node {ours!r}: "
+                "set the same data_integrity on every node"
+            )
         if self.role is Role.INITIATOR:
             if node != self._expected:
                 raise AuthenticationFailed(

@@ -46,6 +46,7 @@ def initiator(
     nonce: bytes = b"i" * NONCE_SIZE,
     channel: Channel = Channel.CONTROL,
     expected: int = 1,
+    sealed_data: bool = False,
 ) -> Handshake:
     return Handshake(
         role=Role.INITIATOR,
@@ -56,6 +57,7 @@ def initiator(
         fabric_size=FABRIC,
         channel=channel,
         expected_node=expected,
+        sealed_data=sealed_data,
     )
 
 
@@ -65,6 +67,7 @@ def acceptor(
     node: int = 1,
     incarnation: int = 9,
     nonce: bytes = b"a" * NONCE_SIZE,
+    sealed_data: bool = False,
 ) -> Handshake:
     return Handshake(
         role=Role.ACCEPTOR,
@@ -73,6 +76,7 @@ def acceptor(
         incarnation=incarnation,
         nonce=nonce,
         fabric_size=FABRIC,
+        sealed_data=sealed_data,
     )
 
 
@@ -150,13 +154,49 @@ def test_frames_keep_their_wire_layout() -> None:
     i_nonce, a_nonce = b"i" * NONCE_SIZE, b"a" * NONCE_SIZE
     assert isinstance(answer.frame, frames.Hello)
     assert isinstance(auth.frame, frames.Auth)
+    ids = {"v": 2, "node": 0, "inc": 7, "nonce": i_nonce, "sealed_data": False}
     assert sent == [
-        encode(Kind.HELLO, {"v": 2, "node": 0, "inc": 7, "nonce": i_nonce, "channel": "control"}),
+        encode(Kind.HELLO, {**ids, "channel": "control"}),
         encode(
-            Kind.HELLO, {"v": 2, "node": 1, "inc": 9, "nonce": a_nonce, "mac": answer.frame.mac}
+            Kind.HELLO,
+            {"v": 2, "node": 1, "inc": 9, "nonce": a_nonce, "sealed_data": False}
+            | {"mac": answer.frame.mac},
         ),
         encode(Kind.AUTH, {"mac": auth.frame.mac}),
     ]
+
+
+@pytest.mark.parametrize("initiator_seals", [True, False])
+def test_nodes_that_disagree_on_data_integrity_are_told_so_in_the_handshake(
+    initiator_seals: bool,
+) -> None:
+    # otherwise the link comes up and every DATA frame one of them sends fails the other's check
+    init, acc = initiator(sealed_data=initiator_seals), acceptor(sealed_data=not initiator_seals)
+    acc.start()
+    (hello,) = init.start()
+    theirs, ours = ("mac", "none") if initiator_seals else ("none", "mac")
+    refusal = f"node 0 has data_integrity = '{theirs}', this node '{ours}'"
+    with pytest.raises(RemoteProtocolError, match=refusal):
+        receive(acc, *transmit(hello))
+    assert acc.peer is None
+
+
+def test_an_initiator_checks_the_acceptors_data_integrity_too() -> None:
+    init = initiator(sealed_data=False)
+    init.start()
+    answer = frames.Hello(
+        node=1, incarnation=9, nonce=b"a" * NONCE_SIZE, mac=b"m" * 32, sealed_data=True
+    )
+    with pytest.raises(RemoteProtocolError, match="node 1 has data_integrity = 'mac', this node"):
+        receive(init, Kind.HELLO, answer.to_meta())
+    assert init.peer is None
+
+
+def test_a_hello_whose_sealed_data_is_no_bool_is_refused() -> None:
+    meta = frames.Hello(node=0, incarnation=1, nonce=b"n" * NONCE_SIZE).to_meta()
+    meta["sealed_data"] = 1
+    with pytest.raises(RemoteProtocolError, match="'sealed_data' must be true or false"):
+        frames.Hello.from_meta(meta)
 
 
 def test_peer_is_unknown_until_the_handshake_is_done() -> None:
