@@ -55,6 +55,27 @@ def test_wrong_secret_is_refused_and_logged(make_cluster, tmp_path):
         cluster.stop()
 
 
+def test_nodes_with_different_data_integrity_never_link_and_say_why():
+    from fabricd.daemon.launcher import FAST_LIVENESS, LocalCluster
+
+    cluster = LocalCluster(
+        2, settings=FAST_LIVENESS, node_env={1: {"FABRICD_DATA_INTEGRITY": "mac"}}
+    )
+    cluster.start()
+    try:
+        deadline = time.monotonic() + 10
+        said = "node 0 has data_integrity = 'none', this node 'mac'"
+        while said not in _log(cluster, 1):
+            assert time.monotonic() < deadline, _log(cluster, 0) + _log(cluster, 1)
+            time.sleep(0.05)
+        for node in cluster.nodes:
+            with fabricd.connect(socket_path=node.socket_path) as control:
+                status = control.status()
+            assert [p["state"] for p in status["peers"]] == ["connecting"]
+    finally:
+        cluster.stop()
+
+
 def test_unauthenticated_connections_get_little_and_are_closed(make_cluster):
     cluster = make_cluster(2, handshake_timeout=0.5)
     host, port = split_address(cluster.nodes[1].address)
