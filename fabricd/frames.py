@@ -205,11 +205,45 @@ class Cancel:
         return cls(msg=get_int(meta, "msg"))
 
 
+#: the largest posted-region slot number a WRITE carries
+MAX_SLOT: Final = 2**32 - 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Write:
+    """One-hop write of the payload into the region the receiver posted under (``epoch``,
+    ``slot``), starting at byte ``off``; ``seq`` is the writer's number for it, handed back to
+    the receiver with the completion (transports/posted.py).  The payload's length is the
+    frame's ``payload_len``: the header carries it, so the bounds are checked before any byte.
+
+    The transport handles WRITE itself (it never reaches a sink): a malformed one is a protocol
+    error, a well-formed one to a key the receiver does not hold is refused and dropped.
+    """
+
+    KIND: ClassVar[Kind] = Kind.WRITE
+    epoch: int
+    slot: int
+    off: int
+    seq: int
+
+    def to_meta(self) -> Meta:
+        return {"epoch": self.epoch, "slot": self.slot, "off": self.off, "seq": self.seq}
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Write:
+        return cls(
+            epoch=get_int(meta, "epoch"),
+            slot=get_int(meta, "slot", hi=MAX_SLOT),
+            off=get_int(meta, "off"),
+            seq=get_int(meta, "seq"),
+        )
+
+
 #: every frame an authenticated peer may send
-PeerFrame = Heartbeat | Bye | Announce | Rts | Cts | Data | Done | Cancel
+PeerFrame = Heartbeat | Bye | Announce | Rts | Cts | Data | Done | Cancel | Write
 
 _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
-    cls.KIND: cls for cls in (Heartbeat, Bye, Announce, Rts, Cts, Data, Done, Cancel)
+    cls.KIND: cls for cls in (Heartbeat, Bye, Announce, Rts, Cts, Data, Done, Cancel, Write)
 }
 #: the kinds :func:`parse` reads
 PEER_KINDS: Final = frozenset(_BY_KIND)

@@ -22,12 +22,13 @@ Theory of operation.  Once a link is authenticated, every frame on it, both ways
   engine then resets the peer (architecture.md, "Reset rule").  The number rides in the
   trailer, although both sides know it, so a rejection can say "replayed or reordered" apart
   from "altered".
-* The MAC is keyed BLAKE2b-128 for every kind but DATA (fastest for small frames: ~0.8 µs for
-  a control frame) and HMAC-SHA256 truncated to 128 bits for DATA (twice BLAKE2b's bulk rate
-  on CPUs with SHA extensions; bench/integrity.py measures both).
-* Control frames always cover their payload.  DATA covers its payload only when the sender's
-  ``data_integrity`` is ``"mac"``: the header and metadata (message, offset) are authenticated
-  either way.  A receiver whose own setting is ``"mac"`` refuses DATA that does not cover it.
+* The MAC is keyed BLAKE2b-128 for every kind but the bulk kinds, DATA and WRITE (fastest for
+  small frames: ~0.8 µs for a control frame), and HMAC-SHA256 truncated to 128 bits for those
+  two (twice BLAKE2b's bulk rate on CPUs with SHA extensions; bench/integrity.py measures both).
+* Control frames always cover their payload.  DATA and WRITE cover their payload only when the
+  sender's ``data_integrity`` is ``"mac"``: the header and metadata (message or key, offset)
+  are authenticated either way.  A receiver whose own setting is ``"mac"`` refuses DATA and
+  WRITE that do not cover it.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ TRAILER_SIZE: Final = _TRAILER.size
 _SEQ: Final = struct.Struct(">Q")
 #: the key size the handshake derives, per direction
 KEY_SIZE: Final = 32
-#: the one kind whose payload MAC is optional (and computed with HMAC-SHA256)
-_DATA_KIND: Final = 8
+#: the kinds whose payload MAC is optional (and computed with HMAC-SHA256): DATA and WRITE,
+#: wire.BULK_KINDS (by number: wire imports this module)
+_BULK_KINDS: Final = frozenset({8, 11})
 #: every error this module raises starts with this (the peering service counts them)
 FAILURE: Final = "integrity check failed"
 
@@ -97,7 +99,7 @@ class Sealer:
 
     def flags(self, kind: Kind) -> int:
         """The header flags a frame of ``kind`` must carry (encode its header with them)."""
-        if kind != _DATA_KIND or self.cover_data:
+        if kind not in _BULK_KINDS or self.cover_data:
             return FLAG_SEALED | FLAG_PAYLOAD_MAC
         return FLAG_SEALED
 
@@ -111,7 +113,7 @@ class Sealer:
         # MAC in ~1 us here, bench/integrity.py; helpers and enum lookups doubled it)
         number = _SEQ.pack(self.seq)
         self.seq += 1
-        if kind != _DATA_KIND:
+        if kind not in _BULK_KINDS:
             mac = self._control.copy()
             mac.update(number + head)
             for part in payload:
@@ -150,7 +152,7 @@ class Opener:
         """
         if flags != FLAG_SEALED | FLAG_PAYLOAD_MAC:
             self._refuse(kind, flags)
-        mac = self._control.copy() if kind != _DATA_KIND else self._data.copy()
+        mac = self._control.copy() if kind not in _BULK_KINDS else self._data.copy()
         mac.update(_SEQ.pack(self.seq) + header)
         mac.update(meta)
         self._mac = mac
@@ -159,7 +161,7 @@ class Opener:
     def _refuse(self, kind: Kind, flags: int) -> None:
         if not flags & FLAG_SEALED:
             raise IntegrityError(f"{FAILURE}: an unsealed {kind.name} frame after the handshake")
-        if kind != _DATA_KIND or self.require_data:
+        if kind not in _BULK_KINDS or self.require_data:
             raise IntegrityError(
                 f"{FAILURE}: a {kind.name} frame whose MAC does not cover its payload (set "
                 "data_integrity the same on every node)"

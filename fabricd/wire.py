@@ -68,10 +68,15 @@ class Kind(enum.IntEnum):
     DATA = 8  #: one chunk of a message payload (data channel)
     DONE = 9  #: the receiver has the whole message (or failed to take it)
     CANCEL = 10  #: the sender withdraws a message it announced
+    WRITE = 11  #: one-hop write into a region the receiver posted (transports/posted.py)
     REQUEST = 32  #: client -> daemon call
     REPLY = 33  #: daemon -> client answer to a REQUEST
     EVENT = 34  #: daemon -> client news nobody asked for in that moment (a pushed event)
 
+
+#: the kinds whose payload is bulk data, possibly a view of a client's shared memory: their
+#: MAC covers the payload only under ``data_integrity = "mac"`` (fabricd/integrity.py)
+BULK_KINDS: Final = frozenset({Kind.DATA, Kind.WRITE})
 
 #: the largest message tag (and rank) the protocol carries
 MAX_TAG: Final = 2**31 - 1
@@ -266,6 +271,9 @@ class Decoder:
         """Record that ``n`` bytes were written into the view from :meth:`payload_target`."""
         if self._state is not _State.PAYLOAD or not 0 <= n <= self._payload_len - self._filled:
             raise LocalProtocolError("payload_written() without a matching payload_target()")
+        if self._discard:  # abandoned since payload_target(): the bytes go nowhere
+            self._filled += n
+            return
         if self._covered and self.opener is not None and n:
             # hashed where it landed, in the decoder's own buffer, then copied where it goes
             assert self._bounce is not None, "payload_written() without payload_target()"
@@ -298,6 +306,19 @@ class Decoder:
         if self._state is not _State.PAYLOAD or self._payload is not None or self._discard:
             raise LocalProtocolError("discard_payload() must follow a FrameHead event")
         self._discard = True
+
+    def abandon_payload(self) -> None:
+        """Drop the rest of the current frame's payload: no further byte of it is placed in the
+        buffer given to :meth:`set_payload_buffer` (bytes already placed stay), and the frame
+        comes out with an empty ``payload``, as after :meth:`discard_payload`.
+
+        For a destination withdrawn while its payload arrives (a posted region retired
+        mid-write, transports/posted.py).  A no-op outside a payload (between frames, or with
+        only the trailer left, when every byte is already in).
+        """
+        if self._state is _State.PAYLOAD:
+            self._discard = True
+            self._payload = None
 
     def next_event(self) -> FrameHead | Frame | NeedData:
         """Return the next event, or :data:`NEED_DATA`."""

@@ -31,6 +31,24 @@ Failure semantics, the same on every transport:
 * After ``close``, sends raise ``TransportError``; frames already queued may still go out, for
   a short grace period at most: a peer that stopped reading cannot keep a closed link (and its
   queued bytes) alive, so ``link_lost`` always follows ``close``.
+
+Posted regions, one frame and one hop (transports/posted.py has the rules in full):
+
+* The receiving side calls :meth:`Link.post` with a :class:`~fabricd.transports.posted.PostKey`
+  ``(epoch, slot)``, a writable region, its dtype and an ``on_landed`` callback, and tells the
+  peer the key by some message of its own.  The peer calls :meth:`Link.write` with the key, a
+  byte offset, the payload and a sequence number: one WRITE frame, no RTS, no CTS.
+* The receiving link checks key, bounds and element alignment from the frame's header, before
+  any payload byte is read: a refused write is logged, counted (``writes_refused``) and
+  dropped unallocated, and never lands anywhere; the link stays open.  An accepted one lands
+  straight in the region (in place, as a payload buffer does) and ``on_landed`` gets
+  ``(key, offset, nbytes, seq)`` once it is whole and, on a sealed link, authenticated.
+  WRITE frames never reach the sink.
+* :meth:`Link.retire` withdraws a key (no byte lands after it returns, even of a write arriving
+  right then); :meth:`Link.fence` withdraws every key of older epochs, so a write meant for an
+  old incarnation never lands.  A lost link drops all its posts, reporting nothing.
+* Posts are per link (a verbs memory region is per protection domain; the rkey handed to one
+  peer plays the role of the key here).
 """
 
 from __future__ import annotations
@@ -39,11 +57,15 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
+from fabricd.frames import Write
+from fabricd.wire import Kind
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from fabricd.integrity import Opener, Sealer
-    from fabricd.wire import Discard, Frame, FrameHead, Kind, Limits
+    from fabricd.transports.posted import PostKey, WriteLanded
+    from fabricd.wire import Discard, Frame, FrameHead, Limits
 
 Buffer = bytes | bytearray | memoryview
 
@@ -73,6 +95,8 @@ class LinkStatistics:
     frames_received: int
     bytes_sent: int
     bytes_received: int
+    writes_landed: int = 0  #: WRITE frames placed in a posted region and reported
+    writes_refused: int = 0  #: WRITE frames refused (unknown, retired, fenced, out of bounds)
 
 
 class Link(abc.ABC):
@@ -136,6 +160,54 @@ class Link(abc.ABC):
             LocalProtocolError: the frame exceeds this link's limits.
         """
         return False
+
+    @abc.abstractmethod
+    def post(
+        self,
+        key: PostKey,
+        region: memoryview,
+        *,
+        dtype: str = "uint8",
+        on_landed: Callable[[WriteLanded], None],
+    ) -> None:
+        """Accept WRITE frames from the peer into ``region`` under ``key`` until retired.
+
+        ``on_landed`` is called, from the link's receive path, once per write that is wholly
+        in place.  The caller keeps ``region`` alive and its size unchanged until it retires
+        the key or the link is lost.
+
+        Raises:
+            ValueError: ``key`` is posted, was retired or is fenced; ``dtype`` is unknown;
+                ``region`` is read-only, not contiguous or not whole elements.
+        """
+
+    @abc.abstractmethod
+    def retire(self, key: PostKey) -> None:
+        """Stop accepting writes under ``key``: once this returns no byte lands in its region,
+        not even the rest of a write that is arriving now (its completion is never reported).
+        A key not posted is ignored."""
+
+    @abc.abstractmethod
+    def fence(self, epoch: int) -> None:
+        """Retire every key of an epoch below ``epoch`` and refuse to post below it again (the
+        poster's incarnation changed: nothing a writer cached from before may land)."""
+
+    async def write(self, key: PostKey, offset: int, payload: Sequence[Buffer], seq: int) -> None:
+        """Write ``payload`` (its parts concatenated) at byte ``offset`` of the region the peer
+        posted as ``key``: one WRITE frame, sent like :meth:`send` (same backpressure, same
+        rule on keeping the payload buffers unchanged).  ``seq`` comes back to the peer in
+        its completion.  Nothing comes back here: a refused write is logged and counted on
+        the receiving side; the protocol above decides what a missing completion means.
+
+        Raises:
+            TransportError: the link is closed.
+            LocalProtocolError: the payload exceeds the link's ``max_payload``.
+            ValueError: ``offset`` or ``seq`` is negative or too large for the wire.
+        """
+        if not 0 <= offset < 2**63 or not 0 <= seq < 2**63:
+            raise ValueError(f"offset {offset} and seq {seq} must be in [0, 2**63)")
+        meta = Write(epoch=key.epoch, slot=key.slot, off=offset, seq=seq).to_meta()
+        await self.send(Kind.WRITE, meta, payload)
 
     @abc.abstractmethod
     def close(self, reason: str) -> None:

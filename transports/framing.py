@@ -13,13 +13,15 @@ from typing import TYPE_CHECKING
 
 from fabricd.errors import ProtocolError
 from fabricd.transports.base import Link, LinkStatistics
-from fabricd.wire import DISCARD, NEED_DATA, Decoder, Frame, Kind, Limits, encode_head
+from fabricd.transports.posted import PostedRegions
+from fabricd.wire import BULK_KINDS, DISCARD, NEED_DATA, Decoder, Frame, Kind, Limits, encode_head
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from fabricd.integrity import Opener, Sealer
     from fabricd.transports.base import Buffer, FrameSink
+    from fabricd.transports.posted import PostKey, WriteLanded
 
 log = logging.getLogger("fabricd.transport")
 
@@ -41,7 +43,8 @@ class Receiver:
     """Decoder plus sink for one link.
 
     :meth:`process` runs the decoder until it needs data and returns an error message if the
-    link must be closed (a malformed frame, or a sink that rejected one).
+    link must be closed (a malformed frame, or a sink that rejected one).  WRITE frames never
+    reach the sink: they land in the link's :attr:`posted` regions (transports/posted.py).
     """
 
     def __init__(self, link: Link, limits: Limits) -> None:
@@ -50,6 +53,7 @@ class Receiver:
         self.sink: FrameSink = _NullSink()
         self.frames = 0
         self.bytes = 0
+        self.posted = PostedRegions(link)
 
     def process(self) -> str | None:
         """Deliver every complete event; return why the link must close, or ``None``."""
@@ -60,7 +64,16 @@ class Receiver:
                     return None
                 if isinstance(event, Frame):
                     self.frames += 1
-                    self.sink.frame_received(self.link, event)
+                    if event.kind is Kind.WRITE:
+                        self.posted.end()  # after its trailer: in place and authenticated
+                    else:
+                        self.sink.frame_received(self.link, event)
+                elif event.kind is Kind.WRITE:
+                    target = self.posted.begin(event)  # bounds checked before any byte
+                    if event.payload_len and target is DISCARD:
+                        self.decoder.discard_payload()
+                    elif event.payload_len and target is not DISCARD:
+                        self.decoder.set_payload_buffer(target)
                 elif event.payload_len:
                     buffer = self.sink.payload_buffer(self.link, event)
                     if buffer is DISCARD:
@@ -116,8 +129,8 @@ class FramedLink(Link):
         """
         size = sum(memoryview(p).nbytes for p in payload)
         sealer = self._sealer
-        if sealer is not None and size and kind is Kind.DATA and sealer.cover_data:
-            # a DATA payload is a view of a client's shared memory, which its process may
+        if sealer is not None and size and kind in BULK_KINDS and sealer.cover_data:
+            # a DATA (or WRITE) payload is a view of a client's shared memory, which its process may
             # write at any moment (a send buffer reused too early): the bytes sealed must be
             # the bytes sent, or the receiver's check fails and the peer is reset, so any
             # user of this node could fail every job with that one.  One copy, next to the MAC.
@@ -128,6 +141,24 @@ class FramedLink(Link):
         self._frames_sent += 1
         self._bytes_sent += len(head) + size  # with the trailer: what the receiver counts
         return [head, *payload]
+
+    def post(
+        self,
+        key: PostKey,
+        region: memoryview,
+        *,
+        dtype: str = "uint8",
+        on_landed: Callable[[WriteLanded], None],
+    ) -> None:
+        self._receiver.posted.post(key, region, dtype=dtype, on_landed=on_landed)
+
+    def retire(self, key: PostKey) -> None:
+        if self._receiver.posted.retire(key):
+            self._receiver.decoder.abandon_payload()  # the rest of it goes nowhere
+
+    def fence(self, epoch: int) -> None:
+        if self._receiver.posted.fence(epoch):
+            self._receiver.decoder.abandon_payload()
 
     def _trailer(self, kind: Kind, payload: Sequence[Buffer]) -> bytes:
         """What follows the frame :meth:`_encode` just made (``payload``: the parts it
@@ -146,6 +177,7 @@ class FramedLink(Link):
         if self._closed.done():
             return
         self._is_closed = True
+        self._receiver.posted.clear()  # no write lands or completes on a lost link
         try:
             self._receiver.sink.link_lost(self, exc)
         finally:
@@ -163,9 +195,12 @@ class FramedLink(Link):
         return self._local
 
     def statistics(self) -> LinkStatistics:
+        posted = self._receiver.posted.statistics()
         return LinkStatistics(
             frames_sent=self._frames_sent,
             frames_received=self._receiver.frames,
             bytes_sent=self._bytes_sent,
             bytes_received=self._receiver.bytes,
+            writes_landed=posted.writes_landed,
+            writes_refused=posted.writes_refused,
         )

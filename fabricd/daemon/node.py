@@ -84,8 +84,9 @@ log = logging.getLogger("fabricd.daemon")
 #: lines that peers' frames cause: rate-limited
 remote_log = RateLimitedLog(log)
 
-#: what an authenticated peer may send: the peer frame kinds, no handshake or client frames
-_PEER_LIMIT_KINDS: Final = frames.PEER_KINDS
+#: what an authenticated peer may send: the peer frame kinds, no handshake or client frames;
+#: no WRITE either until a service posts regions (issue 8's eager path): the decoder refuses it
+_PEER_LIMIT_KINDS: Final = frames.PEER_KINDS - {Kind.WRITE}
 #: requests the node answers itself: they concern the session, not an engine
 _NODE_OPS: Final = frozenset({"attach", "detach", "status", "config", "stalls"})
 #: the most rows a ``stalls`` reply carries (the oldest; ~300 B each, a reply may be 4 MiB)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from fabricd.integrity import KEY_SIZE, Opener, Sealer
 from fabricd.transports import inproc, tcp
 from fabricd.transports.base import split_address
 from fabricd.transports.inproc import InprocTransport
+from fabricd.transports.posted import PostKey, WriteLanded
 from fabricd.transports.tcp import TcpTransport
 from fabricd.wire import DEFAULT_LIMITS, DISCARD, Discard, Kind, Limits, encode_head
 
@@ -728,3 +730,235 @@ def test_a_sender_reusing_its_buffer_under_a_sealed_frame_does_not_fail_the_link
     case: tuple[str, str],
 ) -> None:
     run(case, check_sender_reusing_its_buffer)
+
+
+# -- posted regions: one-hop WRITE frames (transports/posted.py) --------------------------------
+class Landed:
+    """An ``on_landed`` callback that records completions and lets a check wait for them."""
+
+    def __init__(self) -> None:
+        self.writes: list[WriteLanded] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, landed: WriteLanded) -> None:
+        self.writes.append(landed)
+        self._changed.set()
+
+    async def count(self, n: int) -> list[WriteLanded]:
+        async with asyncio.timeout(PATIENCE):
+            while len(self.writes) < n:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.writes
+
+
+SEALINGS = ["plain", "sealed-covered", "sealed-uncovered"]
+
+
+def seal(pair: Pair, sealing: str) -> None:
+    if sealing == "plain":
+        return
+    cover = sealing == "sealed-covered"
+    up, down = bytes(range(KEY_SIZE)), bytes(range(1, KEY_SIZE + 1))
+    pair.client.secure(Sealer(up, cover_data=cover), Opener(down, require_data=cover))
+    pair.server.secure(Sealer(down, cover_data=cover), Opener(up, require_data=cover))
+
+
+async def check_writes_land_in_place(kind: str, sealing: str) -> None:
+    region = np.zeros(1 << 18, dtype=np.float32)  # 1 MiB
+    key = PostKey(epoch=7, slot=3)
+    landed = Landed()
+    async with network(kind) as net:
+        pair = await net.pair()
+        seal(pair, sealing)
+        pair.server.post(key, region.data, dtype="float32", on_landed=landed)
+        source = np.arange(region.size, dtype=np.float32)
+        spans = [(0, 4), (4096, 300_000), (1 << 19, 8), (64, 0), ((1 << 20) - 4, 4)]
+        for seq, (off, n) in enumerate(spans):
+            raw = source.view(np.uint8)[off : off + n]
+            await pair.client.write(key, off, [raw[:1].tobytes(), raw.data[1:]], seq)
+        writes = await landed.count(len(spans))
+        assert writes == [
+            WriteLanded(key=key, offset=off, nbytes=n, seq=seq)
+            for seq, (off, n) in enumerate(spans)
+        ]
+        expected = np.zeros_like(region)
+        for off, n in spans:
+            expected.view(np.uint8)[off : off + n] = source.view(np.uint8)[off : off + n]
+        assert np.array_equal(region, expected)  # those bytes, and nothing else
+        # WRITE never reaches the sink: no frame, and no payload buffer asked for
+        assert (pair.server_sink.frames, pair.server_sink.heads) == ([], [])
+        stats = pair.server.statistics()
+        assert (stats.writes_landed, stats.writes_refused) == (len(spans), 0)
+        assert pair.server.close_reason is None
+
+
+@pytest.mark.parametrize("sealing", SEALINGS)
+def test_a_write_lands_in_the_posted_region_and_is_reported(
+    case: tuple[str, str], sealing: str
+) -> None:
+    run(case, lambda kind: check_writes_land_in_place(kind, sealing))
+
+
+async def check_refused_writes(kind: str, sealing: str) -> None:
+    """Past the end, misaligned, unknown slot, other epoch, retired: each refused before any
+    byte is placed, logged, counted, and the link goes on."""
+    region = bytearray(b"\xaa" * 4096)
+    other = bytearray(64)
+    key, marker = PostKey(epoch=1, slot=0), PostKey(epoch=1, slot=1)
+    retired = PostKey(epoch=1, slot=2)
+    landed, marks = Landed(), Landed()
+    async with network(kind) as net:
+        pair = await net.pair()
+        seal(pair, sealing)
+        server = pair.server
+        server.post(key, memoryview(region).cast("B").cast("I"), dtype="uint32", on_landed=landed)
+        server.post(marker, memoryview(bytearray(1)), on_landed=marks)
+        server.post(retired, memoryview(other), on_landed=landed)
+        server.retire(retired)
+        bad = [
+            (key, 4096 - 8, 12),  # 4 B past the end
+            (key, 4096, 4),  # starts at the end
+            (key, 2**62, 4),  # far past it
+            (key, 2, 4),  # not whole uint32 elements
+            (key, 0, 6),
+            (PostKey(epoch=1, slot=9), 0, 4),  # never posted
+            (PostKey(epoch=2, slot=0), 0, 4),  # another epoch
+            (retired, 0, 4),
+        ]
+        for seq, (k, off, n) in enumerate(bad):
+            await pair.client.write(k, off, [b"\x55" * n], seq)
+        await pair.client.write(marker, 0, [b"m"], 99)  # behind every bad one, on the same link
+        await marks.count(1)
+        assert region == b"\xaa" * 4096
+        assert other == bytes(64)
+        assert landed.writes == []
+        assert server.statistics().writes_refused == len(bad)
+        assert server.close_reason is None  # a refusal is not a protocol error
+        await pair.client.write(key, 4092, [b"\x01\x02\x03\x04"], 100)  # the last element fits
+        assert [w.seq for w in await landed.count(1)] == [100]
+        assert region[-4:] == b"\x01\x02\x03\x04"
+        assert region[:-4] == b"\xaa" * 4092
+
+
+@pytest.mark.parametrize("sealing", ["plain", "sealed-covered"])
+def test_refused_writes_never_land_and_keep_the_link(
+    case: tuple[str, str], sealing: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="fabricd.transport"):
+        run(case, lambda kind: check_refused_writes(kind, sealing))
+    reasons = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(reasons) == 8
+    assert sum("run past the region's 4096 B" in r for r in reasons) == 3
+    assert sum("not whole elements of 4 B" in r for r in reasons) == 2
+    assert sum("it is not posted" in r for r in reasons) == 2
+    assert sum("it was retired" in r for r in reasons) == 1
+
+
+async def check_concurrent_disjoint_writers(kind: str) -> None:
+    """Eight tasks on one link and four on a second link write disjoint 64 KiB ranges of one
+    region (posted on each link under its own key): every range lands, whole and once."""
+    chunk, per_task = 64 * 1024, 8
+    region = np.zeros(12 * per_task * chunk, dtype=np.uint8)
+    source = np.frombuffer(pattern(region.size, 5), dtype=np.uint8)
+    async with network(kind) as net:
+        pairs = [await net.pair(), await net.pair()]
+        landed = [Landed(), Landed()]
+        keys = [PostKey(epoch=1, slot=0), PostKey(epoch=1, slot=1)]
+        for pair, key, done in zip(pairs, keys, landed, strict=True):
+            pair.server.post(key, region.data, on_landed=done)
+
+        async def writer(task: int) -> None:
+            link = 0 if task < 8 else 1
+            for i in range(per_task):
+                off = (task * per_task + i) * chunk
+                await pairs[link].client.write(
+                    keys[link], off, [source[off : off + chunk].tobytes()], seq=off
+                )
+
+        await asyncio.gather(*(writer(t) for t in range(12)))
+        first, second = await landed[0].count(8 * per_task), await landed[1].count(4 * per_task)
+        assert sorted(w.offset for w in first + second) == list(range(0, region.size, chunk))
+        assert all(w.seq == w.offset and w.nbytes == chunk for w in first + second)
+        assert np.array_equal(region, source)
+
+
+def test_concurrent_writers_to_disjoint_ranges_all_land(case: tuple[str, str]) -> None:
+    run(case, check_concurrent_disjoint_writers)
+
+
+async def check_retire_and_fence(kind: str) -> None:
+    region = bytearray(16)
+    old, new = PostKey(epoch=1, slot=0), PostKey(epoch=2, slot=0)
+    landed = Landed()
+    async with network(kind) as net:
+        pair = await net.pair()
+        server = pair.server
+        server.post(old, memoryview(region), on_landed=landed)
+        await pair.client.write(old, 0, [b"1111"], 1)
+        await landed.count(1)
+        # the posting side's incarnation changes: every key of epoch 1 goes, at once
+        server.fence(2)
+        with pytest.raises(ValueError, match="retired"):
+            server.post(PostKey(epoch=1, slot=5), memoryview(region), on_landed=landed)
+        server.post(new, memoryview(region), on_landed=landed)
+        await pair.client.write(old, 4, [b"2222"], 2)  # a writer still holding the old key
+        await pair.client.write(new, 8, [b"3333"], 3)
+        assert [w.seq for w in await landed.count(2)] == [1, 3]
+        assert region == b"1111" + bytes(4) + b"3333" + bytes(4)
+        server.retire(new)
+        server.retire(new)  # twice is harmless
+        with pytest.raises(ValueError, match="retired"):
+            server.post(new, memoryview(region), on_landed=landed)
+        await pair.client.write(new, 12, [b"4444"], 4)
+        await pair.client.write(old, 12, [b"5555"], 5)
+        await pair.client.send(Kind.HEARTBEAT, {})  # behind both writes
+        await pair.server_sink.frames_count(1)
+        assert region == b"1111" + bytes(4) + b"3333" + bytes(4)
+        assert [w.seq for w in landed.writes] == [1, 3]
+        assert server.statistics().writes_refused == 3
+        assert server.close_reason is None
+
+
+def test_retired_and_fenced_keys_never_land(case: tuple[str, str]) -> None:
+    run(case, check_retire_and_fence)
+
+
+async def check_malformed_write_closes_the_link(kind: str) -> None:
+    async with network(kind) as net:
+        pair = await net.pair()
+        pair.server.post(PostKey(epoch=1, slot=0), memoryview(bytearray(8)), on_landed=Landed())
+        await pair.client.send(Kind.WRITE, {"epoch": 1, "slot": 0, "off": -1, "seq": 0}, [b"x"])
+        await pair.server_sink.closed()
+        assert "protocol error" in (pair.server.close_reason or "")
+        assert "'off'" in (pair.server.close_reason or "")
+
+
+def test_a_malformed_write_is_a_protocol_error(case: tuple[str, str]) -> None:
+    run(case, check_malformed_write_closes_the_link)
+
+
+async def check_write_checks(kind: str) -> None:
+    async with network(kind, Limits(max_payload=1024)) as net:
+        pair = await net.pair()
+        key = PostKey(epoch=1, slot=0)
+        with pytest.raises(LocalProtocolError, match="exceeds 1024 B"):
+            await pair.client.write(key, 0, [bytes(1025)], 0)
+        with pytest.raises(ValueError, match="offset -1"):
+            await pair.client.write(key, -1, [b"x"], 0)
+        with pytest.raises(ValueError, match="writable"):
+            pair.server.post(key, memoryview(b"read-only"), on_landed=Landed())
+        with pytest.raises(ValueError, match="whole float64"):
+            pair.server.post(key, memoryview(bytearray(12)), dtype="float64", on_landed=Landed())
+        with pytest.raises(ValueError, match="unknown dtype"):
+            pair.server.post(key, memoryview(bytearray(8)), dtype="float128", on_landed=Landed())
+        pair.server.post(key, memoryview(bytearray(8)), on_landed=Landed())
+        with pytest.raises(ValueError, match="posted already"):
+            pair.server.post(key, memoryview(bytearray(8)), on_landed=Landed())
+        pair.client.close("done")
+        with pytest.raises(TransportError):
+            await pair.client.write(key, 0, [b"x"], 0)
+
+
+def test_write_and_post_refuse_bad_arguments_locally(case: tuple[str, str]) -> None:
+    run(case, check_write_checks)

@@ -135,6 +135,7 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
     Kind.DATA: {"msg": 5, "off": 4 * 1024 * 1024},
     Kind.DONE: {"msg": 9, "code": "mismatch", "error": "x" * 4096},
     Kind.CANCEL: {"msg": 0},
+    Kind.WRITE: {"epoch": 2**63 - 1, "slot": 2**32 - 1, "off": 4096, "seq": 7},
     Kind.REQUEST: {
         "id": 1,
         "op": "send",
@@ -208,6 +209,7 @@ def test_kind_numbers_are_stable() -> None:
         "DATA": 8,
         "DONE": 9,
         "CANCEL": 10,
+        "WRITE": 11,
         "REQUEST": 32,
         "REPLY": 33,
         "EVENT": 34,
@@ -507,7 +509,7 @@ def test_client_socket_limits() -> None:
 # -- malformed headers ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 11, 31, 35, 255])
+@pytest.mark.parametrize("kind", [0, 12, 31, 35, 255])
 def test_unknown_kind(kind: int) -> None:
     assert_rejected(header(kind, 1) + b"\x80", match=f"unknown frame kind {kind}")
 

@@ -1,0 +1,185 @@
+"""Posted regions (transports/posted.py) and the decoder's abandon_payload, without sockets.
+
+The conformance suite (tests/conformance/test_transports.py) runs WRITE frames over tcp and
+inproc; here the checks the receive path makes are driven by hand: every (offset, length) a
+hypothesis picks against every region is either placed exactly where it says or refused with
+the region untouched, and a key retired while its write is half in lets no later byte land.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, cast
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fabricd.errors import RemoteProtocolError
+from fabricd.frames import Write
+from fabricd.integrity import KEY_SIZE, Opener, Sealer
+from fabricd.transports.inproc import InprocLink, InprocTransport
+from fabricd.transports.posted import RETIRED_MEMORY, PostedRegions, PostKey, WriteLanded
+from fabricd.wire import (
+    DEFAULT_LIMITS,
+    DISCARD,
+    NEED_DATA,
+    Decoder,
+    Frame,
+    FrameHead,
+    Kind,
+    encode_head,
+)
+
+if TYPE_CHECKING:
+    from fabricd.transports.base import Link
+
+KEY = PostKey(epoch=3, slot=1)
+
+
+class _Peer:
+    peer_address = "peer:1"
+
+
+def regions() -> PostedRegions:
+    return PostedRegions(cast("Link", _Peer()))
+
+
+def head(key: PostKey, off: int, nbytes: int, seq: int = 0) -> FrameHead:
+    meta = Write(epoch=key.epoch, slot=key.slot, off=off, seq=seq).to_meta()
+    return FrameHead(kind=Kind.WRITE, flags=0, meta=meta, payload_len=nbytes)
+
+
+@given(
+    size=st.integers(0, 64),
+    itemsize_dtype=st.sampled_from([(1, "uint8"), (2, "float16"), (4, "int32"), (8, "float64")]),
+    off=st.integers(0, 2**63 - 1) | st.integers(0, 80),
+    nbytes=st.integers(0, 80),
+)
+def test_a_write_lands_exactly_in_bounds_or_not_at_all(
+    size: int, itemsize_dtype: tuple[int, str], off: int, nbytes: int
+) -> None:
+    itemsize, dtype = itemsize_dtype
+    region = bytearray(b"\xee" * size * itemsize)
+    posted = regions()
+    landed: list[WriteLanded] = []
+    posted.post(KEY, memoryview(region), dtype=dtype, on_landed=landed.append)
+    target = posted.begin(head(KEY, off, nbytes, seq=5))
+    fits = off + nbytes <= len(region) and not off % itemsize and not nbytes % itemsize
+    if not fits:
+        assert target is DISCARD
+        posted.end()
+        assert region == b"\xee" * len(region)
+        assert landed == []
+        assert posted.statistics().writes_refused == 1
+        return
+    assert target is not DISCARD
+    assert len(target) == nbytes
+    target[:] = b"\x11" * nbytes  # what the decoder does with the payload
+    posted.end()
+    assert region == b"\xee" * off + b"\x11" * nbytes + b"\xee" * (len(region) - off - nbytes)
+    assert landed == [WriteLanded(key=KEY, offset=off, nbytes=nbytes, seq=5)]
+
+
+@given(st.dictionaries(st.sampled_from(["epoch", "slot", "off", "seq", "x"]), st.integers()))
+def test_malformed_write_metadata_is_a_protocol_error(meta: dict[str, int]) -> None:
+    posted = regions()
+    posted.post(KEY, memoryview(bytearray(8)), on_landed=lambda _: pytest.fail("landed"))
+    try:
+        target = posted.begin(FrameHead(kind=Kind.WRITE, flags=0, meta=meta, payload_len=1))
+    except RemoteProtocolError:
+        return
+    matches = meta.get("epoch") == KEY.epoch and meta.get("slot") == KEY.slot
+    assert matches or target is DISCARD
+
+
+def test_fence_retires_every_older_key_and_forbids_posting_below_it() -> None:
+    posted = regions()
+    for epoch, slot in [(1, 0), (1, 1), (2, 0), (3, 0)]:
+        posted.post(PostKey(epoch=epoch, slot=slot), memoryview(bytearray(4)), on_landed=print)
+    assert posted.fence(3) is False
+    assert posted.statistics().posted == 1
+    assert posted.begin(head(PostKey(epoch=2, slot=0), 0, 4)) is DISCARD
+    with pytest.raises(ValueError, match="fenced below epoch 3"):
+        posted.post(PostKey(epoch=2, slot=9), memoryview(bytearray(4)), on_landed=print)
+
+
+def test_retired_keys_are_remembered_within_a_bound() -> None:
+    posted = regions()
+    for slot in range(RETIRED_MEMORY + 1):
+        key = PostKey(epoch=0, slot=slot)
+        posted.post(key, memoryview(bytearray(1)), on_landed=print)
+        posted.retire(key)
+    posted.post(PostKey(epoch=0, slot=0), memoryview(bytearray(1)), on_landed=print)  # forgotten
+    with pytest.raises(ValueError, match="retired"):
+        posted.post(PostKey(epoch=0, slot=1), memoryview(bytearray(1)), on_landed=print)
+
+
+def test_post_keys_stay_on_the_wire() -> None:
+    with pytest.raises(ValueError, match="post key"):
+        PostKey(epoch=-1, slot=0)
+    with pytest.raises(ValueError, match="post key"):
+        PostKey(epoch=0, slot=2**32)
+
+
+# -- a write cut off by retire: the decoder's two payload paths --------------------------------
+def test_abandon_payload_on_the_in_place_path_places_no_later_byte() -> None:
+    """As TCP reads: the kernel writes into payload_target(); retire lands between reads."""
+    decoder = Decoder()
+    region = bytearray(8)
+    decoder.feed(encode_head(Kind.WRITE, {"x": 1}, 8))
+    assert isinstance(decoder.next_event(), FrameHead)
+    decoder.set_payload_buffer(memoryview(region))
+    target = decoder.payload_target()
+    assert target is not None
+    target[:4] = b"AAAA"
+    decoder.payload_written(4)
+    decoder.abandon_payload()
+    assert decoder.payload_target() is None  # the rest comes through feed, and is dropped
+    decoder.feed(b"BBBB")
+    frame = decoder.next_event()
+    assert isinstance(frame, Frame)
+    assert bytes(frame.payload) == b""
+    assert region == b"AAAA" + bytes(4)
+    decoder.abandon_payload()  # between frames: nothing to do
+    assert decoder.next_event() is NEED_DATA
+
+
+def sealed_pair() -> tuple[Sealer, Opener]:
+    key = bytes(range(KEY_SIZE))
+    return Sealer(key, cover_data=True), Opener(key, require_data=True)
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
+def test_a_key_retired_mid_write_gets_no_more_bytes_and_no_completion(sealed: bool) -> None:
+    """An inproc link fed a WRITE in two halves, the key retired in between (a tcp link sees
+    the same when a large payload arrives over several reads)."""
+
+    async def check() -> None:
+        link = InprocLink("me", "peer", DEFAULT_LIMITS, InprocTransport())
+        # no sink: the link's null sink refuses any frame, and WRITE never reaches a sink
+        region = bytearray(8)
+        landed: list[WriteLanded] = []
+        link.post(KEY, memoryview(region), on_landed=landed.append)
+        meta = Write(epoch=KEY.epoch, slot=KEY.slot, off=0, seq=1).to_meta()
+        payload = b"AAAABBBB"
+        frame = encode_head(Kind.WRITE, meta, 8)
+        trailer = b""
+        if sealed:
+            sealer, opener = sealed_pair()
+            flags = sealer.flags(Kind.WRITE)
+            frame = encode_head(Kind.WRITE, meta, 8, flags=flags)
+            trailer = sealer.seal(Kind.WRITE, frame, [payload])
+            link._receiver.decoder.opener = opener
+        link._receive(frame + payload[:4])
+        assert region == b"AAAA" + bytes(4)
+        link.retire(KEY)
+        link._receive(payload[4:] + trailer)
+        assert region == b"AAAA" + bytes(4)  # nothing after retire returned
+        assert landed == []
+        assert link.close_reason is None  # the MAC still checked out over the bytes sent
+        stats = link.statistics()
+        assert (stats.writes_landed, stats.writes_refused) == (0, 1)
+        link.close("test over")
+
+    asyncio.run(check())
