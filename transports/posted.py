@@ -13,7 +13,8 @@ shared receive path in transports/framing.py):
 * **Checked before any byte is placed.**  A WRITE's key, offset and length are all in its header
   and metadata, which arrive before its payload; the write is accepted only if the key is posted,
   ``0 <= off`` and ``off + nbytes <= len(region)``, and both are whole elements of the dtype.
-  Otherwise it is *refused*: logged with its reason, counted, and its payload read and dropped
+  Otherwise it is *refused*: logged with its reason (the first :data:`LOG_FIRST` per link, then
+  one in :data:`LOG_EVERY`), counted, and its payload read and dropped
   (allocating nothing), so it never lands anywhere.  A refusal does not close the link: a write
   racing a retirement is normal.  A WRITE whose metadata is malformed is a protocol error and
   closes the link, like any malformed frame.
@@ -58,6 +59,10 @@ log = logging.getLogger("fabricd.transport")
 
 #: retired keys remembered, so that a refusal can say "retired" rather than "unknown"
 RETIRED_MEMORY: Final = 1024
+#: refusals logged one by one per link; after that one line in every LOG_EVERY (a peer that
+#: floods refused writes cannot flood the log; the counter still counts every one)
+LOG_FIRST: Final = 16
+LOG_EVERY: Final = 1000
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -244,4 +249,14 @@ class PostedRegions:
 
     def _refuse(self, key: PostKey, reason: str) -> None:
         self._refused += 1
-        log.warning("WRITE from %s to key %s refused: %s", self._link.peer_address, key, reason)
+        n = self._refused
+        if n <= LOG_FIRST or n % LOG_EVERY == 0:
+            log.warning(
+                "WRITE from %s to key %s refused: %s%s",
+                self._link.peer_address,
+                key,
+                reason,
+                ""
+                if n < LOG_FIRST
+                else f" ({n} refused on this link so far; logging 1 in {LOG_EVERY} from now on)",
+            )

@@ -9,6 +9,7 @@ the region untouched, and a key retired while its write is half in lets no later
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING, cast
 
 import pytest
@@ -17,9 +18,16 @@ from hypothesis import strategies as st
 
 from fabricd.errors import RemoteProtocolError
 from fabricd.frames import Write
-from fabricd.integrity import KEY_SIZE, Opener, Sealer
+from fabricd.integrity import KEY_SIZE, IntegrityError, Opener, Sealer
 from fabricd.transports.inproc import InprocLink, InprocTransport
-from fabricd.transports.posted import RETIRED_MEMORY, PostedRegions, PostKey, WriteLanded
+from fabricd.transports.posted import (
+    LOG_EVERY,
+    LOG_FIRST,
+    RETIRED_MEMORY,
+    PostedRegions,
+    PostKey,
+    WriteLanded,
+)
 from fabricd.wire import (
     DEFAULT_LIMITS,
     DISCARD,
@@ -183,3 +191,35 @@ def test_a_key_retired_mid_write_gets_no_more_bytes_and_no_completion(sealed: bo
         link.close("test over")
 
     asyncio.run(check())
+
+
+def test_a_flood_of_refused_writes_is_counted_in_full_and_logged_sparingly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    posted = regions()
+    with caplog.at_level(logging.WARNING, logger="fabricd.transport"):
+        for seq in range(LOG_EVERY * 3):
+            assert posted.begin(head(KEY, 0, 4, seq)) is DISCARD
+    assert posted.statistics().writes_refused == LOG_EVERY * 3
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == LOG_FIRST + 3
+    assert all("it is not posted" in line for line in lines)
+    assert f"({LOG_EVERY * 3} refused on this link so far" in lines[-1]
+
+
+def test_a_write_whose_mac_does_not_cover_its_payload_is_refused_where_required() -> None:
+    """WRITE follows DATA's data_integrity rule: a receiver set to "mac" refuses it uncovered."""
+    key = bytes(range(KEY_SIZE))
+    sealer, opener = Sealer(key, cover_data=False), Opener(key, require_data=True)
+    meta = Write(epoch=1, slot=0, off=0, seq=0).to_meta()
+    frame = encode_head(Kind.WRITE, meta, 4, flags=sealer.flags(Kind.WRITE))
+    decoder = Decoder()
+    decoder.opener = opener
+    decoder.feed(frame + b"abcd" + sealer.seal(Kind.WRITE, frame, [b"abcd"]))
+    with pytest.raises(IntegrityError, match="WRITE frame whose MAC does not cover its payload"):
+        decoder.next_event()
+    lenient = Decoder()
+    lenient.opener = Opener(key, require_data=False)
+    lenient.feed(frame + b"abcd" + Sealer(key, cover_data=False).seal(Kind.WRITE, frame, [b"abcd"]))
+    assert isinstance(lenient.next_event(), FrameHead)
+    assert isinstance(lenient.next_event(), Frame)  # header and metadata still authenticated
