@@ -271,15 +271,15 @@ class Decoder:
         """Record that ``n`` bytes were written into the view from :meth:`payload_target`."""
         if self._state is not _State.PAYLOAD or not 0 <= n <= self._payload_len - self._filled:
             raise LocalProtocolError("payload_written() without a matching payload_target()")
-        if self._discard:  # abandoned since payload_target(): the bytes go nowhere
-            self._filled += n
-            return
         if self._covered and self.opener is not None and n:
             # hashed where it landed, in the decoder's own buffer, then copied where it goes
             assert self._bounce is not None, "payload_written() without payload_target()"
             landed = self._bounce[:n]
-            self.opener.update(landed)
-            self._ensure_payload()[self._filled : self._filled + n] = landed
+            self.opener.update(landed)  # even if abandoned since: the MAC covers every byte
+            if not self._discard:
+                self._ensure_payload()[self._filled : self._filled + n] = landed
+        # abandoned since payload_target() (and not covered): the bytes are where the view
+        # pointed; the decoder places no more
         self._filled += n
 
     def set_payload_buffer(self, buffer: memoryview) -> None:
@@ -313,10 +313,11 @@ class Decoder:
         comes out with an empty ``payload``, as after :meth:`discard_payload`.
 
         For a destination withdrawn while its payload arrives (a posted region retired
-        mid-write, transports/posted.py).  A no-op outside a payload (between frames, or with
-        only the trailer left, when every byte is already in).
+        mid-write, transports/posted.py).  With only the trailer left it drops the buffer too
+        (every byte is in; the decoder must not keep a view of a withdrawn region until the
+        trailer comes).  A no-op between frames.
         """
-        if self._state is _State.PAYLOAD:
+        if self._state is _State.PAYLOAD or self._state is _State.TRAILER:
             self._discard = True
             self._payload = None
 

@@ -177,7 +177,8 @@ class FramedLink(Link):
         if self._closed.done():
             return
         self._is_closed = True
-        self._receiver.posted.clear()  # no write lands or completes on a lost link
+        if self._receiver.posted.clear():  # no write lands or completes on a lost link
+            self._receiver.decoder.abandon_payload()  # nor keeps its region mapped
         try:
             self._receiver.sink.link_lost(self, exc)
         finally:

@@ -181,10 +181,13 @@ class PostedRegions:
             cut = self.retire(key) or cut
         return cut
 
-    def clear(self) -> None:
-        """Drop every post (the link is gone): no callback runs."""
+    def clear(self) -> bool:
+        """Drop every post (the link is gone): no callback runs.  Return whether a write was
+        being placed (the caller must then drop the decoder's view of its region, as after
+        :meth:`retire`)."""
         self._regions.clear()
-        self._pending = None
+        cut, self._pending = self._pending is not None, None
+        return cut
 
     def begin(self, head: FrameHead) -> memoryview | Discard:
         """Check the WRITE whose head arrived; return where its payload lands, or ``DISCARD``

@@ -223,3 +223,75 @@ def test_a_write_whose_mac_does_not_cover_its_payload_is_refused_where_required(
     lenient.feed(frame + b"abcd" + Sealer(key, cover_data=False).seal(Kind.WRITE, frame, [b"abcd"]))
     assert isinstance(lenient.next_event(), FrameHead)
     assert isinstance(lenient.next_event(), Frame)  # header and metadata still authenticated
+
+
+# -- review of issue 8 item 1: the cut-off paths keep the MAC and let the region go ------------
+def sealed_write(payload: bytes) -> tuple[bytes, bytes, Opener]:
+    """A sealed WRITE to KEY at offset 0 (header and metadata, trailer) and the opener for it."""
+    sealer, opener = sealed_pair()
+    meta = Write(epoch=KEY.epoch, slot=KEY.slot, off=0, seq=1).to_meta()
+    frame = encode_head(Kind.WRITE, meta, len(payload), flags=sealer.flags(Kind.WRITE))
+    return frame, sealer.seal(Kind.WRITE, frame, [payload]), opener
+
+
+def test_bytes_read_directly_after_an_abandon_are_still_hashed() -> None:
+    """A covered payload read into the bounce buffer, abandoned before payload_written(): the
+    bytes go nowhere but still pass through the MAC, or the trailer check fails and the peer
+    is reset for a write the receiver itself withdrew."""
+    frame, trailer, opener = sealed_write(b"AAAABBBB")
+    decoder = Decoder()
+    decoder.opener = opener
+    region = bytearray(8)
+    decoder.feed(frame)
+    assert isinstance(decoder.next_event(), FrameHead)
+    decoder.set_payload_buffer(memoryview(region))
+    target = decoder.payload_target()
+    assert target is not None
+    target[:4] = b"AAAA"  # the kernel's read
+    decoder.abandon_payload()  # retired before the read was reported
+    decoder.payload_written(4)
+    decoder.feed(b"BBBB" + trailer)
+    frame_out = decoder.next_event()
+    assert isinstance(frame_out, Frame)
+    assert bytes(frame_out.payload) == b""
+    assert region == bytes(8)  # the bounce was not copied in
+
+
+def _resizable(region: bytearray) -> bool:
+    """Whether nothing holds a view of ``region`` any more (a segment could be unmapped)."""
+    try:
+        region += b"x"
+    except BufferError:
+        return False
+    del region[-1:]
+    return True
+
+
+@pytest.mark.parametrize("how", ["retire_before_trailer", "link_lost_mid_write"])
+def test_a_cut_off_write_leaves_no_view_of_its_region(how: str) -> None:
+    """After retire (or the link's loss) the poster may unmap the region's segment: nothing of
+    the link may still hold a view of it, not even the decoder's payload buffer."""
+
+    async def check() -> None:
+        link = InprocLink("me", "peer", DEFAULT_LIMITS, InprocTransport())
+        region = bytearray(8)
+        view = memoryview(region)
+        landed: list[WriteLanded] = []
+        link.post(KEY, view, on_landed=landed.append)
+        frame, trailer, opener = sealed_write(b"AAAABBBB")
+        link._receiver.decoder.opener = opener
+        if how == "retire_before_trailer":
+            link._receive(frame + b"AAAABBBB")  # every byte in, the trailer not yet
+            link.retire(KEY)
+        else:
+            link._receive(frame + b"AAAA")
+            link.close("test: lost mid-write")
+        view.release()
+        assert _resizable(region)
+        if how == "retire_before_trailer":
+            link._receive(trailer)
+            assert link.close_reason is None
+            link.close("test over")
+        assert landed == []
+
+    asyncio.run(check())
