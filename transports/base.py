@@ -178,7 +178,7 @@ class Link(abc.ABC):
 
         Raises:
             ValueError: ``key`` is posted, was retired or is fenced; ``dtype`` is unknown;
-                ``region`` is read-only, not contiguous or not whole elements.
+                ``region`` is read-only, not C-contiguous or not whole elements.
         """
 
     @abc.abstractmethod

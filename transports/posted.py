@@ -139,7 +139,7 @@ class PostedRegions:
 
         Raises:
             ValueError: ``key`` is posted already, was retired, or is below the fence; ``dtype``
-                is unknown; ``region`` is read-only, not contiguous, or not whole elements.
+                is unknown; ``region`` is read-only, not C-contiguous, or not whole elements.
         """
         if key in self._regions:
             raise ValueError(f"post key {key} is posted already")
@@ -148,8 +148,8 @@ class PostedRegions:
         itemsize = ITEMSIZE.get(dtype)
         if itemsize is None:
             raise ValueError(f"unknown dtype {dtype!r}")
-        if region.readonly or not region.contiguous:
-            raise ValueError("a posted region must be writable and contiguous")
+        if region.readonly or not region.c_contiguous:  # cast("B") needs C order
+            raise ValueError("a posted region must be writable and C-contiguous")
         view = region.cast("B") if region.format != "B" or region.ndim != 1 else region
         if len(view) % itemsize:
             raise ValueError(f"a region of {len(view)} B is not whole {dtype} elements")

@@ -295,3 +295,15 @@ def test_a_cut_off_write_leaves_no_view_of_its_region(how: str) -> None:
         assert landed == []
 
     asyncio.run(check())
+
+
+def test_a_region_that_is_not_c_contiguous_is_refused_with_value_error() -> None:
+    """post() names ValueError for a region it cannot take; a Fortran-order array (contiguous,
+    but not in C order, so it cannot be cast to bytes) raised TypeError from memoryview.cast."""
+    import numpy as np
+
+    fortran = np.zeros((4, 4), dtype=np.float32, order="F")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        regions().post(KEY, memoryview(fortran), dtype="float32", on_landed=print)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        regions().post(KEY, memoryview(bytearray(8))[::2], on_landed=print)
