@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from fabricd.errors import ProtocolError
 from fabricd.transports.base import Link, LinkStatistics
@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from fabricd.integrity import Opener, Sealer
     from fabricd.transports.base import Buffer, FrameSink
     from fabricd.transports.posted import PostKey, WriteLanded
+    from fabricd.wire import Discard
+
+#: read on every frame: a module constant is cheaper than the enum attribute
+_WRITE: Final = Kind.WRITE
 
 log = logging.getLogger("fabricd.transport")
 
@@ -64,22 +68,24 @@ class Receiver:
                     return None
                 if isinstance(event, Frame):
                     self.frames += 1
-                    if event.kind is Kind.WRITE:
+                    if event.kind is _WRITE:
                         self.posted.end()  # after its trailer: in place and authenticated
                     else:
                         self.sink.frame_received(self.link, event)
-                elif event.kind is Kind.WRITE:
-                    target = self.posted.begin(event)  # bounds checked before any byte
-                    if event.payload_len and target is DISCARD:
-                        self.decoder.discard_payload()
-                    elif event.payload_len and target is not DISCARD:
-                        self.decoder.set_payload_buffer(target)
+                    continue
+                buffer: memoryview | Discard | None
+                if event.kind is _WRITE:
+                    buffer = self.posted.begin(event)  # bounds checked before any byte
                 elif event.payload_len:
                     buffer = self.sink.payload_buffer(self.link, event)
-                    if buffer is DISCARD:
-                        self.decoder.discard_payload()
-                    elif buffer is not None:
-                        self.decoder.set_payload_buffer(buffer)
+                else:
+                    continue
+                if not event.payload_len:
+                    continue
+                if buffer is DISCARD:
+                    self.decoder.discard_payload()
+                elif buffer is not None:
+                    self.decoder.set_payload_buffer(buffer)
         except ProtocolError as exc:
             return f"protocol error: {exc}"
         except Exception:
