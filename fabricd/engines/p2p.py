@@ -342,9 +342,7 @@ class Messaging:
         Raises:
             LocalProtocolError: the two operations were not being copied (a bug).
         """
-        send, recv = self._sends.get(src_op), self._recvs.get(dst_op)
-        if send is None or recv is None:
-            raise LocalProtocolError(f"no copy of operation {src_op} into {dst_op} is under way")
+        send, recv = self._copying(src_op, dst_op)
         self._move_send(send, SendInput.COPIED)
         self._move_recv(recv, RecvInput.COPIED)
         return [Complete(op=src_op), Complete(op=dst_op)]
@@ -356,15 +354,24 @@ class Messaging:
         Raises:
             LocalProtocolError: the two operations were not being copied (a bug).
         """
-        send, recv = self._sends.get(src_op), self._recvs.get(dst_op)
-        if send is None or recv is None:
-            raise LocalProtocolError(f"no copy of operation {src_op} into {dst_op} is under way")
+        send, recv = self._copying(src_op, dst_op)
         self._move_send(send, SendInput.COPY_FAILED)
         self._move_recv(recv, RecvInput.COPY_FAILED)
         return [
             Complete(op=src_op, failure=Failure(code=code, message=reason)),
             Complete(op=dst_op, failure=Failure(code=code, message=reason)),
         ]
+
+    def _copying(self, src_op: int, dst_op: int) -> tuple[Send, Recv]:
+        """The send and receive of a :class:`CopyLocal` under way.
+
+        Raises:
+            LocalProtocolError: the two operations were not being copied (a bug).
+        """
+        send, recv = self._sends.get(src_op), self._recvs.get(dst_op)
+        if send is None or recv is None:
+            raise LocalProtocolError(f"no copy of operation {src_op} into {dst_op} is under way")
+        return send, recv
 
     def stream_failed(
         self, msg_id: int, reason: str, code: ErrorCode = ErrorCode.TRANSPORT
