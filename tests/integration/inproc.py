@@ -24,6 +24,14 @@ if TYPE_CHECKING:
 NODES = ("node0:1", "node1:1")
 
 
+def write_secret(directory: Path) -> Path:
+    """A shared secret file the daemon accepts (0600, long enough) in ``directory``."""
+    secret = directory / "secret"
+    secret.write_text("an inproc test secret of some length")
+    secret.chmod(0o600)
+    return secret
+
+
 class Fabric:
     """Two daemons on one in-memory network; start, stop and restart them."""
 
@@ -44,9 +52,7 @@ class Fabric:
             "metrics_address": "127.0.0.1:0",  # a free port each: daemons share one host
             **settings,
         }
-        secret = tmp / "secret"
-        secret.write_text("an inproc test secret of some length")
-        secret.chmod(0o600)
+        write_secret(tmp)
         self.daemons: dict[int, Daemon] = {}
         self.tasks: dict[int, asyncio.Task[None]] = {}
 

@@ -19,6 +19,8 @@ from fabricd.daemon.config import load
 from fabricd.daemon.node import Daemon
 from fabricd.transports.tcp import TcpTransport
 
+from .inproc import write_secret
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -49,9 +51,7 @@ async def test_a_node_whose_name_resolves_late_is_admitted(
 
     shim = SimpleNamespace(getaddrinfo=getaddrinfo, SOCK_STREAM=socket.SOCK_STREAM)
     monkeypatch.setattr(peering_service, "socket", shim)
-    secret = tmp_path / "secret"
-    secret.write_text("a resolve test secret of some length")
-    secret.chmod(0o600)
+    secret = write_secret(tmp_path)
     nodes = [f"127.0.0.1:{port}" for port in free_ports(2)]
 
     def daemon(node: int) -> Daemon:

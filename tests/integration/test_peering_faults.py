@@ -23,7 +23,7 @@ from fabricd.engines.handshake import HANDSHAKE_LIMITS, Channel
 from fabricd.transports.inproc import InprocLink, InprocTransport
 from fabricd.transports.tcp import TcpTransport
 
-from .inproc import Fabric, fabric
+from .inproc import Fabric, fabric, write_secret
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -237,9 +237,7 @@ async def test_a_dial_into_silence_gives_up_after_the_handshake_timeout(
         for filler in fillers:  # the first fills the queue; the others wait in SYN_SENT
             filler.setblocking(False)
             filler.connect_ex(hole.getsockname())
-        secret = tmp_path / "secret"
-        secret.write_text("a test secret of some length")
-        secret.chmod(0o600)
+        secret = write_secret(tmp_path)
         flags = {
             "node_id": 0,
             "nodes": ("127.0.0.1:0", f"127.0.0.1:{hole.getsockname()[1]}"),
@@ -265,9 +263,7 @@ async def test_a_dial_into_silence_gives_up_after_the_handshake_timeout(
 async def test_dialled_links_leave_from_this_nodes_configured_address(tmp_path: Path) -> None:
     # node 0 is configured as 127.0.0.2; its peer admits links only from configured hosts, so
     # a link from the kernel's default source for 127.0.0.1 (127.0.0.1) would be refused
-    secret = tmp_path / "secret"
-    secret.write_text("a test secret of some length")
-    secret.chmod(0o600)
+    secret = write_secret(tmp_path)
     ports = []
     for _ in range(2):
         with socket.socket() as probe:

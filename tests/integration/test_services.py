@@ -25,7 +25,7 @@ from fabricd.daemon.node import Daemon, default_services
 from fabricd.daemon.service import BaseService
 from fabricd.wire import Kind
 
-from .inproc import NODES, fabric
+from .inproc import NODES, fabric, write_secret
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -92,9 +92,7 @@ async def test_a_new_service_gets_its_frames_requests_and_timer_ticks(tmp_path: 
 
 
 async def test_two_services_claiming_one_kind_refuse_to_start(tmp_path: Path) -> None:
-    secret = tmp_path / "secret"
-    secret.write_text("a secret of some length for the test")
-    secret.chmod(0o600)
+    secret = write_secret(tmp_path)
     flags = {
         "node_id": 0,
         "nodes": NODES,
