@@ -29,7 +29,6 @@ Run alone: ``python -m bench.latency [--quick]``.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import socket
 import sys
@@ -48,6 +47,7 @@ from bench.report import (
     fmt_number,
     median,
     percentile,
+    pinned_helper,
     quiet,
     reap,
     run_alone,
@@ -182,25 +182,11 @@ def _in_two_processes(
 ) -> tuple[list[float], list[float]]:
     """Both echoes in another process with its own uvloop loop; pinger on ``cpus[0]``, echo
     process on ``cpus[1]`` (the same CPU or two)."""
-    parent, child = multiprocessing.get_context("spawn").Pipe()
-    saved = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpus[0]})
-    try:
-        helper = spawn(ranks.frame_echo, child, ranks.CALL_TIMEOUT)
-        try:
-            assert helper.pid is not None
-            os.sched_setaffinity(helper.pid, {cpus[1]})
-            if not parent.poll(60):
-                raise RuntimeError("the echo helper did not start")
-            address, port = parent.recv()
-            result = uvloop.run(_ping_pong(address, port, batches, per_batch, progress))
-        except BaseException:
-            helper.terminate()
-            raise
-        reap(helper)
-    finally:
-        os.sched_setaffinity(0, saved)
-    return result
+    with pinned_helper(ranks.frame_echo, ranks.CALL_TIMEOUT, cpus=cpus, what="the echo helper") as (
+        address,
+        port,
+    ):
+        return uvloop.run(_ping_pong(address, port, batches, per_batch, progress))
 
 
 def placements() -> list[tuple[str, tuple[int, int] | None]]:

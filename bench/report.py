@@ -9,6 +9,7 @@ ratio of two things measured side by side is not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing
@@ -22,7 +23,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterator, Sequence
     from multiprocessing.context import SpawnProcess
 
 #: writes one progress line (to stderr, so ``--json`` output stays clean)
@@ -282,6 +283,37 @@ def reap(process: SpawnProcess, timeout: float = 30.0) -> None:
         raise RuntimeError(f"benchmark helper {process.name} did not finish in {timeout}s")
     if process.exitcode != 0:
         raise RuntimeError(f"benchmark helper {process.name} exited with {process.exitcode}")
+
+
+@contextlib.contextmanager
+def pinned_helper(
+    target: Callable[..., None], *args: Any, cpus: tuple[int, int], what: str
+) -> Iterator[Any]:
+    """Run ``target(conn, *args)`` in a helper process on ``cpus[1]`` while this process runs on
+    ``cpus[0]`` (the same CPU or two); yield the first thing the helper sends on ``conn`` (where
+    it listens).  The helper is reaped after the block, terminated if the block raised, and
+    this process's CPUs are given back.
+
+    Raises:
+        RuntimeError: the helper said nothing within 60 s (``what`` names it), or failed.
+    """
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpus[0]})
+    try:
+        helper = spawn(target, child, *args)
+        try:
+            assert helper.pid is not None
+            os.sched_setaffinity(helper.pid, {cpus[1]})
+            if not parent.poll(60):
+                raise RuntimeError(f"{what} did not start")
+            yield parent.recv()
+        except BaseException:
+            helper.terminate()
+            raise
+        reap(helper)
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 def run_alone(

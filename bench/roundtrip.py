@@ -41,6 +41,7 @@ from bench.report import (
     fmt_number,
     median,
     percentile,
+    pinned_helper,
     quiet,
     reap,
     run_alone,
@@ -97,29 +98,14 @@ def pinnings() -> list[tuple[str, tuple[int, int]]]:
 
 def _pinned_raw(cpus: tuple[int, int], rounds: int) -> float:
     """Median seconds of ``rounds`` raw round trips with pinger and echo pinned to ``cpus``."""
-    parent, child = multiprocessing.get_context("spawn").Pipe()
-    saved = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpus[0]})
-    try:
-        helper = spawn(ranks.tcp_echo, child, 2 * rounds, NBYTES)
-        try:
-            assert helper.pid is not None
-            os.sched_setaffinity(helper.pid, {cpus[1]})
-            if not parent.poll(60):
-                raise RuntimeError("the raw echo did not start")
-            with socket.create_connection(
-                ("127.0.0.1", parent.recv()), timeout=ranks.CALL_TIMEOUT
-            ) as sock:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                one = _raw_round_trip(sock, b"\x5a" * NBYTES)
-                _batch(one, rounds)  # warm-up
-                times = _batch(one, rounds)
-        except BaseException:
-            helper.terminate()
-            raise
-        reap(helper)
-    finally:
-        os.sched_setaffinity(0, saved)
+    with (
+        pinned_helper(ranks.tcp_echo, 2 * rounds, NBYTES, cpus=cpus, what="the raw echo") as port,
+        socket.create_connection(("127.0.0.1", port), timeout=ranks.CALL_TIMEOUT) as sock,
+    ):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        one = _raw_round_trip(sock, b"\x5a" * NBYTES)
+        _batch(one, rounds)  # warm-up
+        times = _batch(one, rounds)
     return median(times)
 
 
