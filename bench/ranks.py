@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import os
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,19 @@ if TYPE_CHECKING:
 CALL_TIMEOUT = 120.0
 
 Plan = list[tuple[int, int]]
+
+
+def send_windowed(fab: Any, view: Any, messages: int, window: int) -> None:
+    """Rank 0: send ``messages`` copies of ``view`` to rank 1, at most ``window`` unfinished."""
+    import collections
+
+    in_flight: collections.deque[Any] = collections.deque()
+    for _ in range(messages):
+        if len(in_flight) == window:
+            in_flight.popleft().wait(CALL_TIMEOUT)
+        in_flight.append(fab.send_async(view, to=1))
+    while in_flight:
+        in_flight.popleft().wait(CALL_TIMEOUT)
 
 
 def fabric_receiver(socket_path: str, job: str, plan: Plan, window: int = 1) -> None:

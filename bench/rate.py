@@ -35,7 +35,6 @@ Run alone: ``python -m bench.rate [--quick]``.
 
 from __future__ import annotations
 
-import collections
 import multiprocessing
 import sys
 import time
@@ -74,15 +73,9 @@ def _spread(values: Sequence[float]) -> float:
 def _fabric_sample(fab: Any, view: Any, done: Any, messages: int, window: int) -> float:
     """Send ``messages`` copies of ``view``, at most ``window`` open, until rank 1 says it has
     them all; return seconds."""
-    in_flight: collections.deque[Any] = collections.deque()
     start = time.perf_counter()
     finished = fab.recv_async(done, src=1, tag=ranks.BATCH_DONE_TAG)
-    for _ in range(messages):
-        if len(in_flight) == window:
-            in_flight.popleft().wait(ranks.CALL_TIMEOUT)
-        in_flight.append(fab.send_async(view, to=1))
-    while in_flight:
-        in_flight.popleft().wait(ranks.CALL_TIMEOUT)
+    ranks.send_windowed(fab, view, messages, window)
     finished.wait(ranks.CALL_TIMEOUT)
     return time.perf_counter() - start
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import multiprocessing
 import socket
 import sys
@@ -141,14 +140,8 @@ class RawSender:
 
 def _fabric_sample(fab: Any, view: Any, messages: int, window: int) -> float:
     """Send ``messages`` copies of ``view`` with at most ``window`` in flight; return seconds."""
-    in_flight: collections.deque[Any] = collections.deque()
     start = time.perf_counter()
-    for _ in range(messages):
-        if len(in_flight) == window:
-            in_flight.popleft().wait(ranks.CALL_TIMEOUT)
-        in_flight.append(fab.send_async(view, to=1))
-    while in_flight:
-        in_flight.popleft().wait(ranks.CALL_TIMEOUT)
+    ranks.send_windowed(fab, view, messages, window)
     return time.perf_counter() - start
 
 
