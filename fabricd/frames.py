@@ -18,7 +18,7 @@ that sends one again is refused by :func:`parse` like any other kind it may not 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Final
+from typing import Any, ClassVar, Final
 
 from fabricd.errors import RemoteProtocolError
 from fabricd.wire import MAX_TAG, PROTOCOL_VERSION, Kind, Meta, get_bytes, get_int, get_str
@@ -98,7 +98,11 @@ class Announce:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rts:
-    """Request to send message ``msg``: what it is, so the receiver can match it."""
+    """Request to send message ``msg``: what it is, so the receiver can match it.
+
+    ``rtr``: the receiver's RTR this send answers (0: none).  Such an RTS is already matched:
+    its DATA, which carries the same ``rtr``, may arrive before it on the data channel.
+    """
 
     KIND: ClassVar[Kind] = Kind.RTS
     msg: int
@@ -108,10 +112,73 @@ class Rts:
     tag: int
     nbytes: int
     dtype: str
+    rtr: int = 0
+
+    def to_meta(self) -> Meta:
+        meta = _message_meta(self)
+        if self.rtr:
+            meta["rtr"] = self.rtr
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Rts:
+        return cls(**_message_fields(meta), rtr=_optional_int(meta, "rtr"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Eager:
+    """Message ``msg`` whole: what :class:`Rts` says of it, and its ``nbytes`` bytes as the
+    frame's payload (control channel).  Sent only within the receiver's credit; a receiver
+    whose pool is full drops the payload and treats the frame as an RTS (docs/protocol.md)."""
+
+    KIND: ClassVar[Kind] = Kind.EAGER
+    msg: int
+    job: str
+    src: int
+    dst: int
+    tag: int
+    nbytes: int
+    dtype: str
+
+    def to_meta(self) -> Meta:
+        return _message_meta(self)
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Eager:
+        return cls(**_message_fields(meta))
+
+    def rts(self) -> Rts:
+        """The RTS this frame stands for once its payload is dropped."""
+        return Rts(
+            msg=self.msg,
+            job=self.job,
+            src=self.src,
+            dst=self.dst,
+            tag=self.tag,
+            nbytes=self.nbytes,
+            dtype=self.dtype,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rtr:
+    """Ready to receive: a receive for (``job``, ``src``, ``dst``, ``tag``) of ``nbytes`` of
+    ``dtype`` is posted, and its region is ready under the receiver's number ``rtr``.  The
+    sender's next send of that key may stream at once (its RTS and DATA carry ``rtr``), unless a
+    send of the key is still unanswered there: then the RTR is dropped (the crossing rule)."""
+
+    KIND: ClassVar[Kind] = Kind.RTR
+    rtr: int
+    job: str
+    src: int
+    dst: int
+    tag: int
+    nbytes: int
+    dtype: str
 
     def to_meta(self) -> Meta:
         return {
-            "msg": self.msg,
+            "rtr": self.rtr,
             "job": self.job,
             "src": self.src,
             "dst": self.dst,
@@ -121,16 +188,41 @@ class Rts:
         }
 
     @classmethod
-    def from_meta(cls, meta: Meta) -> Rts:
-        return cls(
-            msg=get_int(meta, "msg"),
-            job=get_str(meta, "job"),
-            src=get_int(meta, "src", hi=MAX_RANK),
-            dst=get_int(meta, "dst", hi=MAX_RANK),
-            tag=get_int(meta, "tag", hi=MAX_TAG + 1),
-            nbytes=get_int(meta, "nbytes"),
-            dtype=get_str(meta, "dtype"),
-        )
+    def from_meta(cls, meta: Meta) -> Rtr:
+        fields = _message_fields(meta, id_field="rtr")
+        if not fields["rtr"]:
+            raise RemoteProtocolError("an RTR numbered 0")
+        return cls(**fields)
+
+
+def _optional_int(meta: Meta, key: str) -> int:
+    """``meta[key]`` as :func:`get_int` reads it, or 0 when the field is absent."""
+    return get_int(meta, key) if key in meta else 0
+
+
+def _message_meta(frame: Rts | Eager) -> Meta:
+    return {
+        "msg": frame.msg,
+        "job": frame.job,
+        "src": frame.src,
+        "dst": frame.dst,
+        "tag": frame.tag,
+        "nbytes": frame.nbytes,
+        "dtype": frame.dtype,
+    }
+
+
+def _message_fields(meta: Meta, id_field: str = "msg") -> dict[str, Any]:
+    """The fields that describe a message, checked (RTS, EAGER and RTR carry them)."""
+    return {
+        id_field: get_int(meta, id_field),
+        "job": get_str(meta, "job"),
+        "src": get_int(meta, "src", hi=MAX_RANK),
+        "dst": get_int(meta, "dst", hi=MAX_RANK),
+        "tag": get_int(meta, "tag", hi=MAX_TAG + 1),
+        "nbytes": get_int(meta, "nbytes"),
+        "dtype": get_str(meta, "dtype"),
+    }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,18 +242,23 @@ class Cts:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Data:
-    """One chunk of message ``msg``'s payload, starting at byte ``off`` (data channel)."""
+    """One chunk of message ``msg``'s payload, starting at byte ``off`` (data channel);
+    ``rtr``: the receiver's RTR the message answers (0: it had a CTS)."""
 
     KIND: ClassVar[Kind] = Kind.DATA
     msg: int
     off: int
+    rtr: int = 0
 
     def to_meta(self) -> Meta:
+        if self.rtr:
+            return {"msg": self.msg, "off": self.off, "rtr": self.rtr}
         return {"msg": self.msg, "off": self.off}
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Data:
-        return cls(msg=get_int(meta, "msg"), off=get_int(meta, "off"))
+        msg, off = get_int(meta, "msg"), get_int(meta, "off")
+        return cls(msg=msg, off=off, rtr=_optional_int(meta, "rtr"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -192,17 +289,19 @@ class Done:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cancel:
-    """The sender withdraws message ``msg``; no (more) DATA of it will come."""
+    """The sender withdraws message ``msg`` (which answered RTR ``rtr``, if not 0); no (more)
+    DATA of it will come."""
 
     KIND: ClassVar[Kind] = Kind.CANCEL
     msg: int
+    rtr: int = 0
 
     def to_meta(self) -> Meta:
-        return {"msg": self.msg}
+        return {"msg": self.msg, "rtr": self.rtr} if self.rtr else {"msg": self.msg}
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Cancel:
-        return cls(msg=get_int(meta, "msg"))
+        return cls(msg=get_int(meta, "msg"), rtr=_optional_int(meta, "rtr"))
 
 
 #: the largest posted-region slot number a WRITE carries
@@ -240,10 +339,13 @@ class Write:
 
 
 #: every frame an authenticated peer may send
-PeerFrame = Heartbeat | Bye | Announce | Rts | Cts | Data | Done | Cancel | Write
+PeerFrame = Heartbeat | Bye | Announce | Rts | Cts | Data | Done | Cancel | Write | Eager | Rtr
+#: the frames whose payload is a message's bytes (the DATA channel's, and EAGER on control)
+PayloadFrame = Data | Eager
 
 _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
-    cls.KIND: cls for cls in (Heartbeat, Bye, Announce, Rts, Cts, Data, Done, Cancel, Write)
+    cls.KIND: cls
+    for cls in (Heartbeat, Bye, Announce, Rts, Cts, Data, Done, Cancel, Write, Eager, Rtr)
 }
 #: the kinds :func:`parse` reads
 PEER_KINDS: Final = frozenset(_BY_KIND)

@@ -23,6 +23,9 @@ from fabricd.transports.base import split_address
 
 #: the most ``max_mapped_bytes`` may be: half of x86-64's 128 TiB user address space
 MAX_MAPPED_BYTES: Final = 1 << 46
+#: the most eager_credit: eager messages ride the control link, which a peer may leave at most
+#: MAX_UNREAD (64 MiB) unread before it is dropped; a quarter keeps control frames well clear
+MAX_EAGER_CREDIT: Final = 16 << 20
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -65,6 +68,9 @@ class Config:
     max_ops_per_client: int = 65536
     max_ops_per_job: int = 262144
     max_unmatched_rts_per_peer: int = 65536
+    eager_limit: int = 64 * 1024
+    eager_credit: int = 4 * 1024 * 1024
+    receiver_initiated: bool = True
     drain_timeout: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -136,6 +142,16 @@ class Config:
         for key in ("max_ops_per_client", "max_ops_per_job", "max_unmatched_rts_per_peer"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1")
+        if not 0 <= self.eager_limit <= min(self.eager_credit, self.max_payload):
+            raise ConfigError(
+                "eager_limit must be between 0 and both eager_credit and max_payload (a message "
+                "sent eager must fit the peer's pool and one frame)"
+            )
+        if self.eager_credit > MAX_EAGER_CREDIT:
+            raise ConfigError(
+                f"eager_credit must be at most {MAX_EAGER_CREDIT} bytes: eager messages travel "
+                "on the control channel, whose unread bytes are bounded"
+            )
         if not 0 <= self.handshake_spare_slots <= 1024:
             raise ConfigError("handshake_spare_slots must be between 0 and 1024")
         if self.max_ranks_per_peer < self.max_clients:
@@ -211,12 +227,17 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
             if isinstance(value, bool):
                 raise ValueError
             return int(value)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+            return words[str(value).strip().lower()]
         if kind == "float":
             return float(value)
         if not isinstance(value, str):
             raise ValueError
         return value
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, KeyError):
         raise ConfigError(f"{key} ({origin}): {value!r} is not a valid {kind}") from None
 
 

@@ -40,14 +40,15 @@ THREAD_COPY_MIN: Final = 1 << 20
 _copiers = ThreadPoolExecutor(thread_name_prefix="fabricd-copy")
 
 
-async def stream(link: Link, msg: int, region: memoryview, chunk_size: int) -> None:
-    """Send ``region`` as DATA frames of ``msg``, waiting on backpressure.
+async def stream(link: Link, msg: int, region: memoryview, chunk_size: int, rtr: int = 0) -> None:
+    """Send ``region`` as DATA frames of ``msg`` (answering RTR ``rtr``, if not 0), waiting on
+    backpressure.
 
     Raises:
         TransportError: the link closed before every chunk was queued.
     """
     for off in range(0, len(region), chunk_size):
-        chunk = Data(msg=msg, off=off)
+        chunk = Data(msg=msg, off=off, rtr=rtr)
         await link.send(Kind.DATA, chunk.to_meta(), [region[off : off + chunk_size]])
 
 

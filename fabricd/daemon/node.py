@@ -78,7 +78,7 @@ if TYPE_CHECKING:
     from fabricd.daemon.config import Config, Loaded
     from fabricd.daemon.service import Service
     from fabricd.engines.membership import RankEvent
-    from fabricd.transports.base import Link, Transport
+    from fabricd.transports.base import Buffer, Link, Transport
 
 log = logging.getLogger("fabricd.daemon")
 #: lines that peers' frames cause: rate-limited
@@ -87,6 +87,8 @@ remote_log = RateLimitedLog(log)
 #: what an authenticated peer may send: the peer frame kinds, no handshake or client frames;
 #: no WRITE either until a service posts regions (issue 8's eager path): the decoder refuses it
 _PEER_LIMIT_KINDS: Final = frames.PEER_KINDS - {Kind.WRITE}
+#: the kinds that carry a payload a service places, and the channel each travels on
+_PAYLOAD_CHANNEL: Final = {Kind.DATA: Channel.DATA, Kind.EAGER: Channel.CONTROL}
 #: requests the node answers itself: they concern the session, not an engine
 _NODE_OPS: Final = frozenset({"attach", "detach", "status", "config", "stalls"})
 #: the most rows a ``stalls`` reply carries (the oldest; ~300 B each, a reply may be 4 MiB)
@@ -184,7 +186,7 @@ class Daemon:
         self._tasks: asyncio.TaskGroup | None = None
         self._spawned: set[asyncio.Task[None]] = set()
         self._stopped = False
-        #: the last DATA frame's metadata and its parsed view: read once for its landing
+        #: the last DATA or EAGER frame's metadata and its parsed view: read once for its landing
         #: buffer, reused when the whole frame arrives (metadata is parsed on every frame)
         self._chunk: tuple[Meta | None, frames.PeerFrame, int] = (None, frames.Heartbeat(), 0)
         #: what the node counts as it happens; the registry reads it and everything else
@@ -226,13 +228,13 @@ class Daemon:
         """Every current link by (node, channel) (a snapshot, for status and tests)."""
         return {key: link for link, key in self._current.items()}
 
-    def send(self, node: int, frame: frames.PeerFrame) -> None:
+    def send(self, node: int, frame: frames.PeerFrame, payload: Sequence[Buffer] = ()) -> None:
         link = self._control.get(node)
         if link is None:
             log.debug("no control link to node %d: dropped %s", node, frame.KIND.name)
             return
         try:
-            link.send_nowait(frame.KIND, frame.to_meta())
+            link.send_nowait(frame.KIND, frame.to_meta(), payload)
         except TransportError as exc:
             log.debug("dropped %s to node %d: %s", frame.KIND.name, node, exc)
         except LocalProtocolError as exc:  # over this node's own limits: a config mismatch
@@ -345,15 +347,21 @@ class Daemon:
         return key[1] if key is not None and key[0] == node else None
 
     def payload_buffer(self, node: int, link: Link, head: FrameHead) -> memoryview | Discard:
-        # checked before a byte lands in a client's region
-        if self.current_channel(node, link) is not Channel.DATA or head.kind is not Kind.DATA:
+        # checked before a byte lands in a client's region: DATA on the data link, EAGER (a
+        # small message whole) on the control link, nothing else carries a payload
+        channel = self.current_channel(node, link)
+        if _PAYLOAD_CHANNEL.get(head.kind) is not channel or channel is None:
             raise RemoteProtocolError(
-                f"{head.kind.name} payload on a link that is not node {node}'s data link"
+                f"{head.kind.name} payload on a link of node {node} that does not carry it"
             )
-        service = self._by_kind.get(Kind.DATA)
+        service = self._by_kind.get(head.kind)
         if service is None:
-            raise RemoteProtocolError("this daemon takes no DATA frames")
-        chunk = frames.Data.from_meta(head.meta)
+            remote_log.warning(
+                "unhandled kind", "node %d sent %s, which no service handles", node, head.kind.name
+            )
+            raise RemoteProtocolError(f"no service handles {head.kind.name} frames")
+        chunk = frames.parse(head.kind, head.meta)
+        assert isinstance(chunk, frames.Data | frames.Eager)
         # the whole frame comes next, with this same metadata (and, if dropped, no payload)
         self._chunk = (head.meta, chunk, head.payload_len)
         buffer = service.payload_buffer(node, chunk, head.payload_len)
@@ -380,7 +388,7 @@ class Daemon:
             view = chunk
         else:
             view, length = frames.parse(frame.kind, frame.meta), len(frame.payload)
-        if isinstance(view, frames.Data):
+        if isinstance(view, frames.Data | frames.Eager):
             service.on_data(node, view, length, now)
         else:
             service.on_frame(node, view, now)

@@ -2,10 +2,12 @@
 
 Drives :mod:`fabricd.engines.p2p`.  Each request becomes an operation of the engine; the
 service keeps, per operation, the client region its bytes come from or land in and the request
-to answer, and performs what the engine decides: control frames to peers, streaming a send's
-region as DATA on the data link, a segment-to-segment copy for ranks on this node, and the
-reply when an operation completes.  Incoming DATA lands where the engine's landing table says
-(:mod:`fabricd.engines.landing`), straight in the receiver's segment.
+to answer, and performs what the engine decides: control frames to peers, a small message
+whole as an EAGER frame on the control link (its bytes copied out of the segment), streaming a
+send's region as DATA on the data link, a segment-to-segment copy for ranks on this node, an
+eager message from the pool into its receive, and the reply when an operation completes.
+Incoming DATA and EAGER payloads land where the engine says (its landing table,
+:mod:`fabricd.engines.landing`, straight in the receiver's segment; or the eager pool).
 
 A client that leaves takes its unmatched operations with it; a transfer already moving runs to
 its end from the daemon's own mapping of the segment, and its result is dropped.
@@ -33,7 +35,7 @@ from fabricd.daemon.service import BaseService
 from fabricd.daemon.sessions import parse_transfer
 from fabricd.daemon.stalls import line, report
 from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
-from fabricd.engines.p2p import CopyLocal, Messaging, StreamData
+from fabricd.engines.p2p import CopyLocal, Messaging, Place, SendEager, StreamData
 from fabricd.engines.stalls import Stalled
 from fabricd.errors import ErrorCode, LocalProtocolError, OperationFailed, TransportError
 from fabricd.wire import Kind, Meta
@@ -73,7 +75,7 @@ class P2PService(BaseService):
     """MPI-style point-to-point messages between ranks."""
 
     name = "p2p"
-    kinds = frozenset({Kind.RTS, Kind.CTS, Kind.DONE, Kind.CANCEL, Kind.DATA})
+    kinds = frozenset({Kind.RTS, Kind.CTS, Kind.DONE, Kind.CANCEL, Kind.DATA, Kind.EAGER, Kind.RTR})
     ops = frozenset({"send", "recv"})
 
     def __init__(
@@ -94,6 +96,9 @@ class P2PService(BaseService):
             route_timeout=cfg.route_timeout,
             max_unmatched_rts_per_peer=cfg.max_unmatched_rts_per_peer,
             stall_after=cfg.stall_after,
+            eager_limit=cfg.eager_limit,
+            eager_credit=cfg.eager_credit,
+            receiver_initiated=cfg.receiver_initiated,
         )
         self._peers = peers
         self._owners = owners
@@ -204,13 +209,15 @@ class P2PService(BaseService):
 
     # -- peers ------------------------------------------------------------------------------
     def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
-        assert isinstance(frame, frames.Rts | frames.Cts | frames.Done | frames.Cancel)
+        assert isinstance(frame, frames.Rts | frames.Cts | frames.Done | frames.Cancel | frames.Rtr)
         self._perform(self.engine.on_frame(node, frame, now))
 
-    def payload_buffer(self, node: int, frame: frames.Data, length: int) -> memoryview | None:
+    def payload_buffer(
+        self, node: int, frame: frames.PayloadFrame, length: int
+    ) -> memoryview | None:
         return self.engine.payload_buffer(node, frame, length)
 
-    def on_data(self, node: int, frame: frames.Data, length: int, now: float) -> None:
+    def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
         self._perform(self.engine.data_arrived(node, frame, length, now))
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
@@ -241,15 +248,24 @@ class P2PService(BaseService):
 
     def statistics(self) -> Meta:
         stats = self.engine.statistics()
+        cfg = self.host.config
         return {
             "pending_ops": self.engine.pending(),
-            "unexpected_messages": stats.unexpected,  # sends and RTS waiting for a receive
+            "unexpected_messages": stats.unexpected,  # sends, RTS and EAGER waiting for a receive
+            "eager_pool_bytes": stats.eager_pool_bytes,  # eager payloads held for their receive
+            "eager_pool_limit": cfg.eager_credit * max(len(cfg.nodes) - 1, 0),
             "counters": {
                 **self._counters,
                 **self._refused,
                 "bytes_received": stats.bytes_received,
                 "rts_refused_peer_limit": stats.refused_rts,
                 "stalls_reported": stats.stalls_reported,
+                "eager_sent": stats.eager_sent,
+                "eager_no_credit": stats.eager_no_credit,
+                "eager_pool_full": stats.eager_pool_full,
+                "rtr_sent": stats.rtr_sent,
+                "rtr_answered": stats.rtr_answered,
+                "rtr_dropped": stats.rtr_dropped,
             },
         }
 
@@ -303,10 +319,17 @@ class P2PService(BaseService):
             match action:
                 case SendFrame(node=node, frame=frame):
                     self.host.send(node, frame)
-                case StreamData(node=node, msg=msg, op=op):
+                case SendEager(node=node, op=op, frame=frame):
+                    # a copy: the pool, not the segment, holds the bytes from here on
+                    payload = bytes(self._ops[op].region)
+                    self.host.send(node, frame, [payload])
+                    self._counters["bytes_sent"] += len(payload)
+                case Place(op=op, payload=payload):
+                    _bytes_of(self._ops[op].region)[:] = payload
+                case StreamData(node=node, msg=msg, op=op, rtr=rtr):
                     region = self._ops[op].region
-                    if not self._send_at_once(node, msg, region):
-                        self.host.spawn(self._stream(node, msg, region))
+                    if not self._send_at_once(node, msg, region, rtr):
+                        self.host.spawn(self._stream(node, msg, region, rtr))
                 case CopyLocal(src_op=src, dst_op=dst):
                     source, target = self._ops[src].region, self._ops[dst].region
                     task = self.host.spawn(self._copy(src, dst, source, target))
@@ -320,7 +343,7 @@ class P2PService(BaseService):
                     row = self._report(action, self._peer_table(self.host.now()))
                     stall_log.warning("stalled operation", "%s", line(row))
 
-    def _send_at_once(self, node: int, msg: int, region: memoryview) -> bool:
+    def _send_at_once(self, node: int, msg: int, region: memoryview, rtr: int) -> bool:
         """Send a one-chunk message's DATA now if its link can take it without a wait.
 
         Saves a task and a loop iteration per small message; anything larger, or a link under
@@ -332,7 +355,8 @@ class P2PService(BaseService):
         if link is None or len(region) > self.host.config.chunk_size:
             return False
         try:
-            if not link.send_now(Kind.DATA, frames.Data(msg=msg, off=0).to_meta(), [region]):
+            chunk = frames.Data(msg=msg, off=0, rtr=rtr)
+            if not link.send_now(Kind.DATA, chunk.to_meta(), [region]):
                 return False
         except (TransportError, LocalProtocolError) as exc:
             self._perform(self.engine.stream_failed(msg, f"sending to node {node} failed: {exc}"))
@@ -344,7 +368,7 @@ class P2PService(BaseService):
         self._counters["bytes_sent"] += len(region)
         return True
 
-    async def _stream(self, node: int, msg: int, region: memoryview) -> None:
+    async def _stream(self, node: int, msg: int, region: memoryview, rtr: int) -> None:
         # The region is held from the moment the stream is spawned: the operation may finish
         # (a DONE, a drain) while this task waits, and then no longer be in self._ops.
         # Whatever it raises fails this message only: nothing reaches the daemon's task group.
@@ -352,7 +376,7 @@ class P2PService(BaseService):
         try:
             if link is None:
                 raise TransportError(f"no data link to node {node}")
-            await stream(link, msg, region, self.host.config.chunk_size)
+            await stream(link, msg, region, self.host.config.chunk_size, rtr)
             self._counters["bytes_sent"] += len(region)
         except (TransportError, LocalProtocolError) as exc:
             reason = f"sending to node {node} failed: {exc}"
@@ -409,6 +433,11 @@ class P2PService(BaseService):
         self._counters["ops_completed"] += 1
         result: Meta = {"nbytes": message.nbytes, "src": message.src, "tag": message.tag}
         self.host.reply(session, transfer.request, result)
+
+
+def _bytes_of(region: memoryview) -> memoryview:
+    """``region`` as a flat view of bytes (a client's region may carry its dtype's format)."""
+    return region if region.format == "B" and region.ndim == 1 else region.cast("B")
 
 
 def _trouble(exc: Exception, what: str) -> tuple[ErrorCode, str]:

@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.actions import Failure
     from fabricd.engines.membership import RankEvent
-    from fabricd.frames import Data, PeerFrame
-    from fabricd.transports.base import Link
+    from fabricd.frames import PayloadFrame, PeerFrame
+    from fabricd.transports.base import Buffer, Link
     from fabricd.wire import Kind, Meta
 
 
@@ -75,8 +75,9 @@ class Host(Protocol):
     def now(self) -> float:
         """The loop's monotonic clock, the ``now`` engines are given."""
 
-    def send(self, node: int, frame: PeerFrame) -> None:
-        """Queue ``frame`` on ``node``'s control link; dropped (debug log) if it has none."""
+    def send(self, node: int, frame: PeerFrame, payload: Sequence[Buffer] = ()) -> None:
+        """Queue ``frame`` (with ``payload``: an EAGER's) on ``node``'s control link; dropped
+        (debug log) if it has none."""
 
     def broadcast(self, frame: PeerFrame) -> None:
         """Queue ``frame`` to every peer that is up (both links; see :meth:`Service.peer_up`)."""
@@ -120,17 +121,18 @@ class Service(Protocol):
     def on_frame(self, node: int, frame: PeerFrame, now: float) -> None:
         """A frame of one of :attr:`kinds` from authenticated peer ``node``."""
 
-    def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview | None:
-        """Where the ``length`` payload bytes of a DATA frame from ``node`` must land; ``None``:
-        read them and drop them (nothing is allocated for them).
+    def payload_buffer(self, node: int, frame: PayloadFrame, length: int) -> memoryview | None:
+        """Where the ``length`` payload bytes of a DATA (or EAGER) frame from ``node`` must
+        land; ``None``: read them and drop them (nothing is allocated for them).
 
-        Only called on the service that claims :attr:`Kind.DATA`, before the first payload
+        Only called on the service that claims the frame's kind, before the first payload
         byte is read, so the bytes land in place.  Raise ``RemoteProtocolError`` for a chunk
         nobody asked for: its link is closed.
         """
 
-    def on_data(self, node: int, frame: Data, length: int, now: float) -> None:
-        """A whole DATA frame of ``length`` payload bytes from ``node`` has landed."""
+    def on_data(self, node: int, frame: PayloadFrame, length: int, now: float) -> None:
+        """A whole DATA (or EAGER) frame of ``length`` payload bytes from ``node`` has landed
+        (an EAGER of no bytes comes here without :meth:`payload_buffer`)."""
 
     def on_request(self, request: Request, now: float) -> Meta | None:
         """A client request of one of :attr:`ops`; return the reply, or ``None`` to answer
@@ -208,10 +210,10 @@ class BaseService:
     def on_frame(self, node: int, frame: PeerFrame, now: float) -> None:
         raise NotImplementedError(f"{self.name} claims no frame kinds")
 
-    def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview | None:
+    def payload_buffer(self, node: int, frame: PayloadFrame, length: int) -> memoryview | None:
         raise NotImplementedError(f"{self.name} takes no payloads")
 
-    def on_data(self, node: int, frame: Data, length: int, now: float) -> None:
+    def on_data(self, node: int, frame: PayloadFrame, length: int, now: float) -> None:
         raise NotImplementedError(f"{self.name} takes no payloads")
 
     def on_request(self, request: Request, now: float) -> Meta | None:

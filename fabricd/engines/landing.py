@@ -27,6 +27,13 @@ filling`: a large chunk lands over several reads, and the control link is read i
 takes effect once that chunk is in: answering the receive earlier let its client reuse the
 region while the rest of the chunk still landed there.
 
+Ids: a message is known by the sender's id when a CTS asked for it, and by the *negative* of
+the receiver's RTR number when an RTR did (:mod:`fabricd.engines.p2p`): its DATA carries that
+number, and may arrive before the RTS that names the message.  Such an entry is registered
+*unarmed* when the RTR leaves, and is not counted among the transfers under way
+(:meth:`Landing.__len__`, which a drain waits on) until the sender's answer arms it: an RTR the
+sender drops is never answered.
+
 Layout: ``{node: {msg: entry}}``, so a peer's reset forgets its messages in O(its messages).
 """
 
@@ -55,6 +62,7 @@ class _Entry:
     received: int = 0
     #: a chunk's view of ``region`` was handed out and its bytes are still being written there
     filling: bool = False
+    armed: bool = True  #: counted in ``len()`` (an RTR's entry: once the sender answered it)
 
 
 class Landing:
@@ -69,7 +77,7 @@ class Landing:
         self.bytes = 0
 
     def __len__(self) -> int:
-        """Messages whose bytes are still coming."""
+        """Messages whose bytes are still coming (unarmed RTR entries aside)."""
         return self._count
 
     def expects(self, node: int, msg: int) -> bool:
@@ -81,8 +89,11 @@ class Landing:
         entry = self._entry(node, msg)
         return None if entry is None else entry.received
 
-    def expect(self, node: int, msg: int, op: int, region: memoryview) -> None:
-        """The DATA of message ``msg`` from ``node`` fills receive ``op``'s ``region``.
+    def expect(
+        self, node: int, msg: int, op: int, region: memoryview, *, armed: bool = True
+    ) -> None:
+        """The DATA of message ``msg`` from ``node`` fills receive ``op``'s ``region``
+        (``armed=False``: an RTR's entry, not counted until :meth:`arm`).
 
         Raises:
             LocalProtocolError: the message is already expected, or ``region`` is read-only or
@@ -93,8 +104,16 @@ class Landing:
         if region.readonly or not region.nbytes:
             raise LocalProtocolError(f"receive {op} has no writable bytes for message {msg}")
         view = region.cast("B") if region.format != "B" or region.ndim != 1 else region
-        self._entries.setdefault(node, {})[msg] = _Entry(op=op, region=view, nbytes=view.nbytes)
-        self._count += 1
+        entry = _Entry(op=op, region=view, nbytes=view.nbytes, armed=armed)
+        self._entries.setdefault(node, {})[msg] = entry
+        self._count += armed
+
+    def arm(self, node: int, msg: int) -> None:
+        """Count (``node``, ``msg``) among the transfers under way from now on."""
+        entry = self._entry(node, msg)
+        if entry is not None and not entry.armed:
+            entry.armed = True
+            self._count += 1
 
     def discard(self, node: int, msg: int) -> None:
         """The receiver of (``node``, ``msg``) left: keep counting its bytes, write them nowhere."""
@@ -113,7 +132,7 @@ class Landing:
         entry = messages.pop(msg)
         if not messages:
             del self._entries[node]
-        self._count -= 1
+        self._count -= entry.armed
         return entry.op
 
     def cancel(self, node: int, msg: int) -> int | None:
@@ -140,7 +159,7 @@ class Landing:
         (discarded ones excepted)."""
         self._cancelled.pop(node, None)
         messages = self._entries.pop(node, {})
-        self._count -= len(messages)
+        self._count -= sum(entry.armed for entry in messages.values())
         return [entry.op for entry in messages.values() if entry.op is not None]
 
     def payload_buffer(self, node: int, msg: int, off: int, length: int) -> memoryview | None:

@@ -14,10 +14,18 @@ whose segment a worker thread may still be writing::
     send  ROUTE --routed_here--> QUEUED --matched--> COPY --copied, copy_failed--> CLOSED
           ROUTE --routed_away--> RTS --cts--> STREAM --done--> CLOSED
                                  RTS --done (refused, or zero bytes)--> CLOSED
+          ROUTE --sent_eager--> EAGER --done--> CLOSED
+                                EAGER --cts (the receiver's pool was full)--> STREAM
+          ROUTE --met_rtr--> STREAM  (an RTR of the receiver's was waiting: RTS and DATA at once)
 
     recv  POSTED --matched_here--> COPY --copied, copy_failed--> CLOSED
           POSTED --matched_away--> LANDING --delivered--> CLOSED
-          POSTED --delivered (a zero-byte remote message)--> CLOSED
+          POSTED --delivered (a zero-byte remote message, an eager one from the pool, or
+                             one whose RTR was answered and whose bytes are all in)--> CLOSED
+
+A receive POSTED with an RTR out is still POSTED: any RTS or EAGER that arrives first takes it
+(the crossing rule, :mod:`fabricd.engines.p2p`); the RTS that answers its RTR moves it to
+LANDING (or straight to CLOSED when its DATA all came first).
 
 An input missing from a table is a bug in fabricd, never a peer's doing (the engine checks a
 peer's frames before it moves anything): the operation goes to BROKEN and leaves the engine, and
@@ -53,6 +61,7 @@ class SendState(_Member):
     ROUTE = "route"  #: waiting for the destination rank to join (a route deadline runs)
     QUEUED = "queued"  #: the destination is local: waiting in ``_arrived`` for its receive
     RTS = "rts"  #: announced to the destination's daemon, waiting for CTS (or DONE)
+    EAGER = "eager"  #: sent whole, within the peer's credit: waiting for DONE (or CTS)
     STREAM = "stream"  #: CTS came: the daemon streams the bytes, waiting for DONE
     COPY = "copy"  #: met its receive on this node: the daemon copies
     CLOSED = "closed"  #: finished, failed or abandoned: gone from the engine
@@ -62,6 +71,8 @@ class SendState(_Member):
 class SendInput(_Member):
     ROUTED_HERE = enum.auto()  #: the destination rank is on this node
     ROUTED_AWAY = enum.auto()  #: the destination rank is on another node: send the RTS
+    SENT_EAGER = enum.auto()  #: ... and the message fits the eager limit and the credit
+    MET_RTR = enum.auto()  #: ... and the receiver's RTR for it was waiting: stream at once
     MATCHED = enum.auto()  #: a receive on this node took it
     CTS = enum.auto()  #: the receiver is ready
     DONE = enum.auto()  #: the receiver's DONE, with or without an error
@@ -74,6 +85,8 @@ class SendInput(_Member):
 SEND_TRANSITIONS: Final[dict[tuple[SendState, SendInput], SendState]] = {
     (SendState.ROUTE, SendInput.ROUTED_HERE): SendState.QUEUED,
     (SendState.ROUTE, SendInput.ROUTED_AWAY): SendState.RTS,
+    (SendState.ROUTE, SendInput.SENT_EAGER): SendState.EAGER,
+    (SendState.ROUTE, SendInput.MET_RTR): SendState.STREAM,
     (SendState.ROUTE, SendInput.FAILED): SendState.CLOSED,
     (SendState.ROUTE, SendInput.ABANDONED): SendState.CLOSED,
     (SendState.QUEUED, SendInput.MATCHED): SendState.COPY,
@@ -83,6 +96,10 @@ SEND_TRANSITIONS: Final[dict[tuple[SendState, SendInput], SendState]] = {
     (SendState.RTS, SendInput.DONE): SendState.CLOSED,
     (SendState.RTS, SendInput.FAILED): SendState.CLOSED,
     (SendState.RTS, SendInput.ABANDONED): SendState.CLOSED,  # and CANCEL it
+    (SendState.EAGER, SendInput.DONE): SendState.CLOSED,
+    (SendState.EAGER, SendInput.CTS): SendState.STREAM,  # its payload was dropped: stream it
+    (SendState.EAGER, SendInput.FAILED): SendState.CLOSED,
+    (SendState.EAGER, SendInput.ABANDONED): SendState.CLOSED,  # and CANCEL it
     (SendState.STREAM, SendInput.DONE): SendState.CLOSED,
     (SendState.STREAM, SendInput.FAILED): SendState.CLOSED,
     (SendState.STREAM, SendInput.ABANDONED): SendState.STREAM,  # the bytes are moving: finish
@@ -139,8 +156,9 @@ class Send:
     posted: float = 0.0  #: when its client posted it (how long it has been pending)
     state: SendState = SendState.ROUTE
     slot: Slot[Key, Send | Remote] | None = None  #: QUEUED: its place in ``_arrived``
-    node: int = -1  #: RTS/STREAM: the destination's node
-    msg_id: int = -1  #: RTS/STREAM: the id its frames carry
+    node: int = -1  #: RTS/EAGER/STREAM: the destination's node
+    msg_id: int = -1  #: RTS/EAGER/STREAM: the id its frames carry
+    rtr: int = 0  #: the receiver's RTR it answered (0: none): its DATA and CANCEL carry it
 
 
 @dataclass(slots=True, eq=False)
@@ -153,14 +171,30 @@ class Recv:
     posted: float = 0.0  #: when its client posted it (how long it has been pending)
     state: RecvState = RecvState.POSTED
     slot: Slot[Key, Recv] | None = None  #: POSTED: its place in ``_posted``
-    source: tuple[int, int] = (-1, -1)  #: LANDING: the (node, msg) whose bytes land in it
+    source: tuple[int, int] = (-1, -1)  #: LANDING: the (node, landing id) filling it
+    rtr: int = 0  #: POSTED: the RTR it sent to its source's node ``source[0]`` (0: none)
+    rtr_done: int = 0  #: POSTED with an RTR: its bytes are all in, from this message id
 
 
 @dataclass(slots=True, eq=False)
 class Remote:
-    """An RTS that arrived before its receive was posted (compared and hashed by identity)."""
+    """An RTS or EAGER that arrived before its receive was posted (compared and hashed by
+    identity)."""
 
     node: int
     msg_id: int
     msg: Message
     slot: Slot[Key, Send | Remote] | None = None
+    #: an EAGER's bytes, held in the node's pool until the receive is posted (``None``: an RTS)
+    payload: bytearray | None = None
+
+
+@dataclass(slots=True, eq=False)
+class QueuedRtr:
+    """An RTR a receiver's node sent here, waiting for the send it asks for (compared and
+    hashed by identity)."""
+
+    node: int
+    rtr: int
+    msg: Message
+    slot: Slot[Key, QueuedRtr] | None = None

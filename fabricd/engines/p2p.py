@@ -84,6 +84,7 @@ from fabricd.engines.operations import (
     SEND_TRANSITIONS,
     TERMINAL,
     Key,
+    QueuedRtr,
     Recv,
     RecvInput,
     RecvState,
@@ -95,17 +96,18 @@ from fabricd.engines.operations import (
 from fabricd.engines.queues import KeyedQueues
 from fabricd.engines.stalls import Stalled, Waits, other_tags
 from fabricd.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
-from fabricd.frames import Cancel, Cts, Done, Rts
+from fabricd.frames import Cancel, Cts, Done, Eager, Rtr, Rts
 from fabricd.wire import Kind
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from fabricd.engines.membership import RankEntry, RankEvent, Routes
-    from fabricd.frames import Data
+    from fabricd.frames import PayloadFrame
 
-#: the control frames :meth:`Messaging.on_frame` takes (DATA goes to ``payload_buffer``)
-FRAME_KINDS: Final = frozenset({Kind.RTS, Kind.CTS, Kind.DONE, Kind.CANCEL})
+#: the control frames :meth:`Messaging.on_frame` takes (DATA and EAGER carry a payload: they
+#: go to ``payload_buffer`` and ``data_arrived``)
+FRAME_KINDS: Final = frozenset({Kind.RTS, Kind.CTS, Kind.DONE, Kind.CANCEL, Kind.RTR})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,7 +122,7 @@ class Message:
     dtype: str
 
     @classmethod
-    def from_rts(cls, frame: Rts) -> Message:
+    def from_rts(cls, frame: Rts | Eager | Rtr) -> Message:
         return cls(
             job=frame.job,
             src=frame.src,
@@ -137,11 +139,32 @@ class Message:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamData:
-    """Stream send ``op``'s bytes to ``node`` as DATA frames of message ``msg``."""
+    """Stream send ``op``'s bytes to ``node`` as DATA frames of message ``msg`` (carrying
+    ``rtr``, the receiver's RTR it answers, if not 0)."""
 
     node: int
     msg: int
     op: int
+    rtr: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendEager:
+    """Send ``frame`` to ``node`` on the control channel, a copy of send ``op``'s bytes as its
+    payload (the copy lets the receiver's pool, not the sender's segment, hold them)."""
+
+    node: int
+    op: int
+    frame: Eager
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Place:
+    """Copy ``payload``, an eager message the pool held, into receive ``op``'s region (before
+    the ``Complete`` of ``op`` that follows it)."""
+
+    op: int
+    payload: bytearray
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,7 +175,7 @@ class CopyLocal:
     dst_op: int
 
 
-Action = SendFrame | StreamData | CopyLocal | Complete | Notice | Stalled
+Action = SendFrame | SendEager | StreamData | Place | CopyLocal | Complete | Notice | Stalled
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,15 +190,25 @@ class MessagingStatistics:
     bytes_received: int  #: payload bytes of remote messages that arrived
     refused_rts: int = 0  #: RTS refused: their node held max_unmatched_rts_per_peer here
     stalls_reported: int = 0  #: operations reported once as pending past stall_after
+    eager_pool_bytes: int = 0  #: bytes of eager messages the pool holds for their receive
+    eager_sent: int = 0  #: sends that went eager
+    eager_no_credit: int = 0  #: sends small enough for eager that went RTS: no credit left
+    eager_pool_full: int = 0  #: EAGER frames whose payload was dropped (pool full): as RTS
+    rtr_sent: int = 0  #: receives that sent an RTR ahead of the RTS
+    rtr_answered: int = 0  #: sends that found an RTR and streamed at once
+    rtr_dropped: int = 0  #: RTRs dropped here: a send of the key was unanswered, or no room
 
 
-_ANNOUNCED: Final = (SendState.RTS, SendState.STREAM)  #: filed in ``_out``
+_ANNOUNCED: Final = (SendState.RTS, SendState.EAGER, SendState.STREAM)  #: filed in ``_out``
+#: sent, but not yet matched as far as this node knows: an RTR of the key is dropped (crossing)
+_UNANSWERED: Final = (SendState.RTS, SendState.EAGER)
 _MOVING: Final = (SendState.STREAM, SendState.COPY)  #: counted as transfers
 #: what an operation waits for in each state (a receive still POSTED: see ``_stalled``)
 _SEND_WAITS: Final = {
     SendState.ROUTE: Waits.JOIN,
     SendState.QUEUED: Waits.MATCH,
     SendState.RTS: Waits.CTS,
+    SendState.EAGER: Waits.DONE,
     SendState.STREAM: Waits.DONE,
     SendState.COPY: Waits.COPY,
 }
@@ -201,6 +234,12 @@ class Messaging:
             no bound); the setting of that name in the daemon's config.
         stall_after: seconds after which a pending operation is reported as stalled
             (``None``: never).
+        eager_limit: the largest message sent eager (``0``: none).  Larger receives whose
+            source is on another node send an RTR.
+        eager_credit: bytes of eager messages this node may have unanswered at each peer, and
+            the size of the pool it holds for each peer's (both ends are configured alike; a
+            peer that overdraws finds its payloads dropped and its messages taken as RTS).
+        receiver_initiated: whether a receive posted before its message sends an RTR.
     """
 
     def __init__(
@@ -211,12 +250,18 @@ class Messaging:
         route_timeout: float,
         max_unmatched_rts_per_peer: int | None = None,
         stall_after: float | None = None,
+        eager_limit: int = 0,
+        eager_credit: int = 0,
+        receiver_initiated: bool = True,
     ) -> None:
         self.node = node
         self.routes = routes
         self.route_timeout = route_timeout
         self.max_unmatched_rts_per_peer = max_unmatched_rts_per_peer
         self.stall_after = stall_after
+        self.eager_limit = eager_limit
+        self.eager_credit = eager_credit
+        self.receiver_initiated = receiver_initiated
         self._sends: dict[int, Send] = {}
         self._recvs: dict[int, Recv] = {}
         self._posted: KeyedQueues[Key, Recv] = KeyedQueues()
@@ -238,9 +283,35 @@ class Messaging:
         self._removed = 0  #: operations and RTS that left since the tables were last rebuilt
         self._refused_rts = 0
         self._msg_ids = itertools.count(1)
-        #: per node, the message whose CANCEL came while one of its chunks was landing in its
-        #: receive's region (one data link per node: at most one); applied once the chunk is in
-        self._cancel_after_chunk: dict[int, int] = {}
+        #: per node, the (message, rtr) whose CANCEL came while one of its chunks was landing in
+        #: its receive's region (one data link per node: at most one); applied once it is in
+        self._cancel_after_chunk: dict[int, tuple[int, int]] = {}
+        # -- eager messages (sender: credit; receiver: pool)
+        self._unanswered: dict[Key, int] = {}  #: sends in RTS or EAGER state, by key
+        self._credit_used: dict[int, int] = {}  #: bytes of EAGER sends unanswered, by node
+        self._pool_used: dict[int, int] = {}  #: bytes the pool holds (or reserved), by node
+        #: per node, the EAGER whose payload is arriving now: (msg, its pool buffer or ``None``
+        #: when it lands straight in its receive); control frames arrive one at a time
+        self._arriving: dict[int, tuple[int, bytearray | None]] = {}
+        # -- receiver-initiated rendezvous (receiver: RTRs out; sender: RTRs waiting)
+        self._rtr_ids = itertools.count(1)
+        self._rtrs: dict[int, Recv] = {}  #: POSTED receives with an RTR out, by its number
+        self._rtrs_by_key: dict[Key, dict[Recv, None]] = {}
+        self._no_rtr: dict[Key, int] = {}  #: POSTED receives without an RTR out, by key
+        self._rtrs_in: KeyedQueues[Key, QueuedRtr] = KeyedQueues()
+        self._rtrs_in_by: dict[int, dict[QueuedRtr, None]] = {}  #: by the node that sent them
+        self._rtrs_in_for: dict[RankKey, dict[QueuedRtr, None]] = {}  #: by src and by dst rank
+        self._counts = dict.fromkeys(
+            (
+                "eager_sent",
+                "eager_no_credit",
+                "eager_pool_full",
+                "rtr_sent",
+                "rtr_answered",
+                "rtr_dropped",
+            ),
+            0,
+        )
 
     # -- clients ----------------------------------------------------------------------------
     def post_send(self, op: int, msg: Message, now: float) -> list[Action]:
@@ -271,13 +342,22 @@ class Messaging:
             raise LocalProtocolError(f"receive {op} needs {msg.nbytes} writable bytes")
         recv = self._recvs[op] = Recv(op=op, msg=msg, region=region, posted=now)
         self._watch(op, now)
+        _bump(self._no_rtr, msg.key, 1)  # POSTED, no RTR out
         offer = self._arrived.first(msg.key)
         if offer is not None:
             return self._match(offer, recv)
         recv.slot = self._posted.push(msg.key, recv)
         _add(self._recvs_from, (msg.job, msg.src), recv)
-        if self.routes.lookup(msg.job, msg.src) is None:
+        entry = self.routes.lookup(msg.job, msg.src)
+        if entry is None:
             self._deadlines.set(op, now + self.route_timeout)
+        elif (
+            self.receiver_initiated
+            and entry.node != self.node
+            and msg.nbytes > self.eager_limit
+            and self._no_rtr[msg.key] == 1  # this one: RTRs go out in the receives' order
+        ):
+            return self._send_rtr(recv, entry.node)
         return []
 
     def abandon(self, ops: Iterable[int]) -> list[Action]:
@@ -286,10 +366,11 @@ class Messaging:
         for op in ops:
             send = self._sends.get(op)
             if send is not None:
-                announced = send.state is SendState.RTS
+                announced = send.state in _UNANSWERED
                 self._move_send(send, SendInput.ABANDONED)
                 if announced:
-                    actions.append(SendFrame(node=send.node, frame=Cancel(msg=send.msg_id)))
+                    cancel = Cancel(msg=send.msg_id, rtr=send.rtr)
+                    actions.append(SendFrame(node=send.node, frame=cancel))
             recv = self._recvs.get(op)
             if recv is not None:
                 self._move_recv(recv, RecvInput.ABANDONED)
@@ -311,30 +392,87 @@ class Messaging:
                 return self._left(entry, reason, lost=lost)
 
     # -- the daemon's reports ---------------------------------------------------------------
-    def payload_buffer(self, node: int, frame: Data, length: int) -> memoryview | None:
-        """Where the ``length`` payload bytes of a DATA frame from ``node`` land; ``None``: read
-        them and drop them (:meth:`Landing.payload_buffer`).
+    def payload_buffer(self, node: int, frame: PayloadFrame, length: int) -> memoryview | None:
+        """Where the ``length`` payload bytes of a DATA or EAGER frame from ``node`` land;
+        ``None``: read them and drop them (:meth:`Landing.payload_buffer`; an EAGER whose
+        receive is not posted lands in the pool, or nowhere when the pool is full).
 
         Raises:
-            RemoteProtocolError: the chunk was never asked for, or is out of place; close the
-                link it came on.
+            RemoteProtocolError: the chunk was never asked for, or is out of place, or the EAGER
+                reuses a message id or carries other than its ``nbytes``; close the link it
+                came on.
         """
-        return self._landing.payload_buffer(node, frame.msg, frame.off, length)
+        if isinstance(frame, Eager):
+            return self._eager_buffer(node, frame, length)
+        lid = -frame.rtr if frame.rtr else frame.msg
+        return self._landing.payload_buffer(node, lid, frame.off, length)
 
-    def data_arrived(self, node: int, frame: Data, length: int, now: float) -> list[Action]:
-        """A DATA frame's ``length`` bytes were written where :meth:`payload_buffer` said."""
-        complete = self._landing.arrived(node, frame.msg, length)
-        if self._cancel_after_chunk and self._cancel_after_chunk.get(node) == frame.msg:
+    def data_arrived(self, node: int, frame: PayloadFrame, length: int, now: float) -> list[Action]:
+        """A DATA or EAGER frame's ``length`` bytes were written where :meth:`payload_buffer`
+        said (for an EAGER of no bytes, :meth:`payload_buffer` was never asked)."""
+        if isinstance(frame, Eager):
+            arriving = self._arriving.pop(node, None)
+            if arriving is None or arriving[0] != frame.msg:
+                return self._on_rts(node, frame.rts())  # no bytes, or dropped: as an RTS
+            if arriving[1] is None:  # straight into its receive
+                return self._landed(node, frame.msg, frame.msg, length)
+            return self._on_rts(node, frame.rts(), arriving[1])
+        lid = -frame.rtr if frame.rtr else frame.msg
+        after = self._cancel_after_chunk
+        if after and after.get(node) == (frame.msg, frame.rtr):
+            self._landing.arrived(node, lid, length)
             del self._cancel_after_chunk[node]  # the chunk is in: now its CANCEL can fail it
-            return self._on_cancel(node, frame.msg)
-        if not complete:
+            return self._on_cancel(node, frame.msg, frame.rtr)
+        return self._landed(node, lid, frame.msg, length)
+
+    def _landed(self, node: int, lid: int, msg_id: int, length: int) -> list[Action]:
+        """``length`` more bytes of landing entry (``node``, ``lid``) of message ``msg_id`` are
+        in: once all are, the receive is answered."""
+        if not self._landing.arrived(node, lid, length):
             return []
-        op = self._landing.forget(node, frame.msg)
+        op = self._landing.forget(node, lid)
         if op is None:
             text = "the receiving rank disconnected"
-            return [_refuse(node, frame.msg, ErrorCode.RECEIVER_LEFT, text)]
-        self._move_recv(self._recvs[op], RecvInput.DELIVERED)
-        return [SendFrame(node=node, frame=Done(msg=frame.msg)), Complete(op=op)]
+            return [_refuse(node, msg_id, ErrorCode.RECEIVER_LEFT, text)]
+        recv = self._recvs[op]
+        if recv.state is RecvState.POSTED:  # an RTR's bytes, all in before the RTS answering it
+            recv.rtr_done = msg_id
+            return []
+        self._move_recv(recv, RecvInput.DELIVERED)
+        return [SendFrame(node=node, frame=Done(msg=msg_id)), Complete(op=op)]
+
+    def _eager_buffer(self, node: int, frame: Eager, length: int) -> memoryview | None:
+        """Where an EAGER's payload lands: its receive's region if that is posted and fits, a
+        buffer of the pool if there is room, else nowhere (the frame is then taken as an RTS
+        when it ends: :meth:`data_arrived`)."""
+        if length != frame.nbytes:
+            raise RemoteProtocolError(
+                f"EAGER {frame.msg} from node {node} says {frame.nbytes} B and carries {length}"
+            )
+        if frame.msg in self._remote.get(node, {}) or self._landing.expects(node, frame.msg):
+            raise RemoteProtocolError(f"node {node} reused the id of message {frame.msg}")
+        msg = Message.from_rts(frame)
+        recv = self._posted.first(msg.key)
+        if recv is not None:
+            if _mismatch(msg, recv.msg) is not None:
+                return None  # both fail when the frame ends
+            self._land(recv, node, frame.msg)
+            self._arriving[node] = (frame.msg, None)
+            return self._landing.payload_buffer(node, frame.msg, 0, length)
+        entry = self.routes.lookup(msg.job, msg.dst)
+        limit = self.max_unmatched_rts_per_peer
+        if entry is None or entry.node != self.node:
+            return None  # refused when the frame ends
+        if limit is not None and len(self._remote.get(node, ())) >= limit:
+            return None
+        used = self._pool_used.get(node, 0)
+        if used + length > self.eager_credit:
+            self._counts["eager_pool_full"] += 1
+            return None
+        payload = bytearray(length)
+        self._pool_used[node] = used + length
+        self._arriving[node] = (frame.msg, payload)
+        return memoryview(payload)
 
     def copied(self, src_op: int, dst_op: int) -> list[Action]:
         """A :class:`CopyLocal` finished.
@@ -385,7 +523,7 @@ class Messaging:
         if send is None:
             return []
         failed = self._fail_send(send, code, reason, send.node, None)
-        return [*failed, SendFrame(node=send.node, frame=Cancel(msg=msg_id))]
+        return [*failed, SendFrame(node=send.node, frame=Cancel(msg=msg_id, rtr=send.rtr))]
 
     def peer_down(self, node: int, reason: str) -> list[Action]:
         """``node`` is down or restarted: fail every transfer with it, forget its messages.
@@ -395,6 +533,13 @@ class Messaging:
         text = f"node {node} is {reason}"
         actions: list[Action] = []
         self._cancel_after_chunk.pop(node, None)  # its receive fails here, with the others
+        arriving = self._arriving.pop(node, None)
+        if arriving is not None and arriving[1] is not None:
+            self._release(node, len(arriving[1]))
+        for queued in list(self._rtrs_in_by.get(node, ())):
+            self._unqueue_rtr(queued)
+        for recv in [r for r in self._rtrs.values() if r.source[0] == node]:
+            self._void_rtr(recv)  # it waits on as a plain receive (its rank's news decides)
         for send in list(self._out_by.get(node, {}).values()):
             actions += self._fail_send(send, ErrorCode.PEER_FAILED, text, node, send.msg.dst)
         for op in self._landing.forget_node(node):
@@ -404,7 +549,9 @@ class Messaging:
             self._unfile(offer)
         return actions
 
-    def on_frame(self, node: int, frame: Rts | Cts | Done | Cancel, now: float) -> list[Action]:
+    def on_frame(
+        self, node: int, frame: Rts | Cts | Done | Cancel | Rtr, now: float
+    ) -> list[Action]:
         """A control frame of :data:`FRAME_KINDS` arrived from ``node``.
 
         Raises:
@@ -418,7 +565,7 @@ class Messaging:
                 send = self._out.get(msg_id)
                 if send is None or send.node != node:
                     return []  # cancelled meanwhile
-                if send.state is not SendState.RTS:
+                if send.state not in _UNANSWERED or send.rtr:
                     return [Notice(message=f"node {node} sent a second CTS for message {msg_id}")]
                 self._move_send(send, SendInput.CTS)
                 return [StreamData(node=node, msg=msg_id, op=send.op)]
@@ -431,8 +578,10 @@ class Messaging:
                     return [Complete(op=send.op)]
                 failure = Failure(code=code, message=error, rank=send.msg.dst, node=node)
                 return [Complete(op=send.op, failure=failure)]
-            case Cancel(msg=msg_id):
-                return self._on_cancel(node, msg_id)
+            case Cancel(msg=msg_id, rtr=rtr):
+                return self._on_cancel(node, msg_id, rtr)
+            case Rtr():
+                return self._on_rtr(node, frame)
 
     # -- timers and status ------------------------------------------------------------------
     def next_deadline(self) -> float | None:
@@ -529,6 +678,8 @@ class Messaging:
             bytes_received=self._landing.bytes,
             refused_rts=self._refused_rts,
             stalls_reported=self._stalls_reported,
+            eager_pool_bytes=sum(self._pool_used.values()),
+            **self._counts,
         )
 
     # -- stalls -----------------------------------------------------------------------------
@@ -596,21 +747,54 @@ class Messaging:
             send.slot = self._arrived.push(msg.key, send)
             _add(self._offers_to, (msg.job, msg.dst), send)
             return []
-        self._move_send(send, SendInput.ROUTED_AWAY)
-        send.node, send.msg_id = entry.node, next(self._msg_ids)
+        node = send.node = entry.node
+        send.msg_id = next(self._msg_ids)
+        while (queued := self._rtrs_in.first(msg.key)) is not None:
+            self._unqueue_rtr(queued)
+            if queued.node == node:  # the receiver is ready: announce and stream at once
+                return self._answer_rtr(send, queued)
+            self._counts["rtr_dropped"] += 1  # stale: the rank lives elsewhere now
+        used = self._credit_used.get(node, 0)
+        if msg.nbytes <= self.eager_limit:
+            if used + msg.nbytes <= self.eager_credit:
+                _bump(self._credit_used, node, msg.nbytes)
+                self._announce(send, SendInput.SENT_EAGER)
+                self._counts["eager_sent"] += 1
+                eager = Eager(
+                    msg=send.msg_id,
+                    job=msg.job,
+                    src=msg.src,
+                    dst=msg.dst,
+                    tag=msg.tag,
+                    nbytes=msg.nbytes,
+                    dtype=msg.dtype,
+                )
+                return [SendEager(node=node, op=send.op, frame=eager)]
+            self._counts["eager_no_credit"] += 1
+        self._announce(send, SendInput.ROUTED_AWAY)
+        return [SendFrame(node=node, frame=_rts(send))]
+
+    def _announce(self, send: Send, event: SendInput) -> None:
+        """Move ``send`` to the state ``event`` names, and file it by its message id."""
+        self._move_send(send, event)
         self._out[send.msg_id] = send
         self._out_by.setdefault(send.node, {})[send.msg_id] = send
-        _add(self._out_to, (msg.job, msg.dst), send)
-        rts = Rts(
-            msg=send.msg_id,
-            job=msg.job,
-            src=msg.src,
-            dst=msg.dst,
-            tag=msg.tag,
-            nbytes=msg.nbytes,
-            dtype=msg.dtype,
-        )
-        return [SendFrame(node=entry.node, frame=rts)]
+        _add(self._out_to, (send.msg.job, send.msg.dst), send)
+
+    def _answer_rtr(self, send: Send, queued: QueuedRtr) -> list[Action]:
+        """``send`` takes the receiver's waiting RTR: its RTS names the RTR and goes ahead of
+        its DATA on the control channel (so a later send's RTS cannot overtake it), and its
+        DATA, which carries the RTR too, follows at once.  A send that does not fit the
+        receive only announces itself: the receiver fails both, in order."""
+        send.rtr = queued.rtr
+        announce = SendFrame(node=send.node, frame=_rts(send))
+        if _mismatch(send.msg, queued.msg) is not None:
+            self._announce(send, SendInput.ROUTED_AWAY)  # its DONE brings the mismatch
+            return [announce]
+        self._announce(send, SendInput.MET_RTR)
+        self._counts["rtr_answered"] += 1
+        stream = StreamData(node=send.node, msg=send.msg_id, op=send.op, rtr=queued.rtr)
+        return [announce, stream]
 
     def _match(self, offer: Send | Remote, recv: Recv) -> list[Action]:
         """The oldest message of a key meets the oldest receive of that key."""
@@ -625,33 +809,48 @@ class Messaging:
             self._move_recv(recv, RecvInput.MATCHED_HERE)
             return [CopyLocal(src_op=offer.op, dst_op=recv.op)]
         self._unfile(offer)
+        self._void_rtrs(recv.msg.key)  # a message that answers no RTR: its sender dropped them
         node, msg_id = offer.node, offer.msg_id
         if problem is not None:
             failed = self._fail_recv(recv, ErrorCode.MISMATCH, problem, None, recv.msg.src)
             return [_refuse(node, msg_id, ErrorCode.MISMATCH, problem), *failed]
+        if offer.payload is not None:  # an eager message the pool held
+            self._move_recv(recv, RecvInput.DELIVERED)
+            done = SendFrame(node=node, frame=Done(msg=msg_id))
+            return [Place(op=recv.op, payload=offer.payload), done, Complete(op=recv.op)]
         if offer.msg.nbytes == 0:
             self._move_recv(recv, RecvInput.DELIVERED)
             return [SendFrame(node=node, frame=Done(msg=msg_id)), Complete(op=recv.op)]
+        self._land(recv, node, msg_id)
+        return [SendFrame(node=node, frame=Cts(msg=msg_id))]
+
+    def _land(self, recv: Recv, node: int, msg_id: int) -> None:
+        """Message ``msg_id`` of ``node`` lands in ``recv``'s region from now on."""
+        self._void_rtrs(recv.msg.key)
         assert recv.region is not None  # a POSTED receive keeps its region
         self._landing.expect(node, msg_id, recv.op, recv.region)
         recv.source = (node, msg_id)
         self._move_recv(recv, RecvInput.MATCHED_AWAY)
-        return [SendFrame(node=node, frame=Cts(msg=msg_id))]
 
-    def _on_rts(self, node: int, frame: Rts) -> list[Action]:
+    def _on_rts(self, node: int, frame: Rts, payload: bytearray | None = None) -> list[Action]:
+        """An RTS, or an EAGER as one (``payload``: its bytes, if the pool holds them)."""
+        if frame.rtr:
+            return self._on_answer(node, frame)
         if frame.msg in self._remote.get(node, {}) or self._landing.expects(node, frame.msg):
             raise RemoteProtocolError(f"node {node} reused the id of message {frame.msg}")
         msg = Message.from_rts(frame)
         entry = self.routes.lookup(msg.job, msg.dst)
         if entry is None or entry.node != self.node:
+            self._release(node, payload)
             text = f"rank {msg.dst} of job {msg.job!r} is not connected to node {self.node}"
             return [_refuse(node, frame.msg, ErrorCode.NO_SUCH_RANK, text)]
-        offer = Remote(node=node, msg_id=frame.msg, msg=msg)
+        offer = Remote(node=node, msg_id=frame.msg, msg=msg, payload=payload)
         recv = self._posted.first(msg.key)
         if recv is not None:
             return self._match(offer, recv)
         limit = self.max_unmatched_rts_per_peer
         if limit is not None and len(self._remote.get(node, ())) >= limit:
+            self._release(node, payload)
             self._refused_rts += 1
             text = (
                 f"node {self.node} holds {limit} messages from node {node} that wait for their "
@@ -664,15 +863,122 @@ class Messaging:
         self._remote.setdefault(node, {})[frame.msg] = offer
         return []
 
-    def _on_cancel(self, node: int, msg_id: int) -> list[Action]:
+    def _on_answer(self, node: int, frame: Rts) -> list[Action]:
+        """The RTS of a message that answers this node's RTR ``frame.rtr`` (its DATA may be in
+        already): the receive is matched; it ends when every byte is in."""
+        recv = self._rtrs.get(frame.rtr)
+        if recv is None or recv.source[0] != node:
+            text = "the receive this message answered is gone: its rank left"
+            return [_refuse(node, frame.msg, ErrorCode.RECEIVER_LEFT, text)]
+        if self._posted.first(recv.msg.key) is not recv:
+            raise RemoteProtocolError(f"node {node} answered RTR {frame.rtr} out of turn")
+        problem = _mismatch(Message.from_rts(frame), recv.msg)
+        if problem is not None:
+            failed = self._fail_recv(recv, ErrorCode.MISMATCH, problem, None, recv.msg.src)
+            return [_refuse(node, frame.msg, ErrorCode.MISMATCH, problem), *failed]
+        if recv.rtr_done:  # every byte came ahead of this RTS
+            self._move_recv(recv, RecvInput.DELIVERED)
+            return [SendFrame(node=node, frame=Done(msg=frame.msg)), Complete(op=recv.op)]
+        self._move_recv(recv, RecvInput.MATCHED_AWAY)
+        self._landing.arm(*recv.source)
+        return []
+
+    def _on_rtr(self, node: int, frame: Rtr) -> list[Action]:
+        """``node``'s receive is ready: keep its RTR for the next send of the key, unless a
+        send of the key is unanswered here (the crossing rule: that send's RTS or EAGER will
+        take the receive, and the receiver drops its RTRs of the key when it does)."""
+        msg = Message.from_rts(frame)
+        source = self.routes.lookup(msg.job, msg.src)
+        limit = self.max_unmatched_rts_per_peer
+        if (
+            source is None
+            or source.node != self.node
+            or self._unanswered.get(msg.key)
+            or (limit is not None and len(self._rtrs_in_by.get(node, ())) >= limit)
+        ):
+            self._counts["rtr_dropped"] += 1
+            return []
+        queued = QueuedRtr(node=node, rtr=frame.rtr, msg=msg)
+        queued.slot = self._rtrs_in.push(msg.key, queued)
+        _add(self._rtrs_in_by, node, queued)
+        _add(self._rtrs_in_for, (msg.job, msg.src), queued)
+        _add(self._rtrs_in_for, (msg.job, msg.dst), queued)
+        return []
+
+    def _unqueue_rtr(self, queued: QueuedRtr) -> None:
+        """A waiting RTR leaves: a send took it, or its node or rank is gone."""
+        if queued.slot is not None:
+            self._rtrs_in.remove(queued.slot)
+            queued.slot = None
+        msg = queued.msg
+        _discard(self._rtrs_in_by, queued.node, queued)
+        _discard(self._rtrs_in_for, (msg.job, msg.src), queued)
+        _discard(self._rtrs_in_for, (msg.job, msg.dst), queued)
+
+    def _send_rtr(self, recv: Recv, node: int) -> list[Action]:
+        """Ask ``node`` to stream ``recv``'s message as soon as it is sent: its region is
+        registered now (unarmed) under the RTR's number, for DATA that may beat its RTS."""
+        rtr = next(self._rtr_ids)
+        assert recv.region is not None  # a POSTED receive keeps its region
+        self._landing.expect(node, -rtr, recv.op, recv.region, armed=False)
+        recv.rtr, recv.source = rtr, (node, -rtr)
+        _bump(self._no_rtr, recv.msg.key, -1)
+        self._rtrs[rtr] = recv
+        _add(self._rtrs_by_key, recv.msg.key, recv)
+        self._counts["rtr_sent"] += 1
+        msg = recv.msg
+        frame = Rtr(
+            rtr=rtr,
+            job=msg.job,
+            src=msg.src,
+            dst=msg.dst,
+            tag=msg.tag,
+            nbytes=msg.nbytes,
+            dtype=msg.dtype,
+        )
+        return [SendFrame(node=node, frame=frame)]
+
+    def _void_rtrs(self, key: Key) -> None:
+        """A message of ``key`` arrived that answers no RTR: its sender dropped every RTR of
+        the key still out (it had that message unanswered when they came), so forget them;
+        their receives wait on as plain ones, and no RTR of the key goes out until they match."""
+        for recv in list(self._rtrs_by_key.get(key, ())):
+            self._void_rtr(recv)
+
+    def _void_rtr(self, recv: Recv) -> None:
+        """``recv``'s RTR will never be answered: forget it, and its unarmed landing entry."""
+        self._unindex_rtr(recv)
+        self._landing.forget(*recv.source)
+        recv.rtr = recv.rtr_done = 0
+        _bump(self._no_rtr, recv.msg.key, 1)
+
+    def _unindex_rtr(self, recv: Recv) -> None:
+        del self._rtrs[recv.rtr]
+        _discard(self._rtrs_by_key, recv.msg.key, recv)
+
+    def _release(self, node: int, payload: bytearray | int | None) -> None:
+        """Give back the pool bytes an EAGER of ``node`` held (a buffer, or its size)."""
+        if payload is None:
+            return
+        nbytes = payload if isinstance(payload, int) else len(payload)
+        left = self._pool_used.get(node, 0) - nbytes
+        if left > 0:
+            self._pool_used[node] = left
+        else:
+            self._pool_used.pop(node, None)
+
+    def _on_cancel(self, node: int, msg_id: int, rtr: int = 0) -> list[Action]:
         offer = self._remote.get(node, {}).get(msg_id)
-        if offer is not None:
+        if offer is not None and not rtr:
             self._unfile(offer)
             return []
-        if self._landing.filling(node, msg_id):  # a chunk is being written into the region:
-            self._cancel_after_chunk[node] = msg_id  # answering now lets the client reuse it
+        if rtr in self._rtrs:  # before the RTS naming it: no sender does that
             return []
-        op = self._landing.cancel(node, msg_id)  # its DATA already under way is dropped
+        lid = -rtr if rtr else msg_id
+        if self._landing.filling(node, lid):  # a chunk is being written into the region:
+            self._cancel_after_chunk[node] = (msg_id, rtr)  # answering now lets the client
+            return []  # reuse it
+        op = self._landing.cancel(node, lid)  # its DATA already under way is dropped
         if op is None:
             return []
         recv = self._recvs[op]
@@ -696,6 +1002,8 @@ class Messaging:
         if lost:
             for send in list(self._out_to.get(gone, ())):
                 actions += self._fail_send(send, code, reason, entry.node, entry.rank)
+        for queued in list(self._rtrs_in_for.get(gone, ())):  # asked by it, or for its sends
+            self._unqueue_rtr(queued)
         return actions
 
     # -- state changes ----------------------------------------------------------------------
@@ -721,6 +1029,11 @@ class Messaging:
             del self._out[send.msg_id]
             _discard(self._out_by, send.node, send.msg_id)
             _discard(self._out_to, (msg.job, msg.dst), send)
+        unanswered = (new in _UNANSWERED) - (old in _UNANSWERED)
+        if unanswered:
+            _bump(self._unanswered, msg.key, unanswered)
+        if old is SendState.EAGER:  # answered, refused or withdrawn: its credit is back
+            _bump(self._credit_used, send.node, -msg.nbytes)
         self._moving += (new in _MOVING) - (old in _MOVING)
         send.state = new
         if new in TERMINAL:
@@ -746,6 +1059,12 @@ class Messaging:
                 self._posted.remove(recv.slot)
             _discard(self._recvs_from, (recv.msg.job, recv.msg.src), recv)
             recv.region = None  # the landing table holds it from now on, if anyone does
+            if not recv.rtr:
+                _bump(self._no_rtr, recv.msg.key, -1)
+            else:  # its RTR was answered (MATCHED_AWAY, DELIVERED), or it failed or left
+                self._unindex_rtr(recv)
+                if event is not RecvInput.MATCHED_AWAY and event is not RecvInput.DELIVERED:
+                    self._landing.cancel(*recv.source)  # DATA under way for it is dropped
         elif old is RecvState.LANDING:
             self._landing.discard(*recv.source)  # bytes still to come (if any) land nowhere
         recv.state = new
@@ -759,7 +1078,9 @@ class Messaging:
             )
 
     def _unfile(self, offer: Remote) -> None:
-        """An unmatched RTS leaves the engine (matched, cancelled, refused, or its node is gone)."""
+        """An unmatched RTS or EAGER leaves the engine (matched, cancelled, refused, or its node
+        is gone); an EAGER's pool bytes are given back (a match has its payload in hand)."""
+        self._release(offer.node, offer.payload)
         if offer.slot is not None:
             self._arrived.remove(offer.slot)
         _discard(self._offers_to, (offer.msg.job, offer.msg.dst), offer)
@@ -789,6 +1110,12 @@ class Messaging:
         self._recvs_from = _rebuilt(self._recvs_from)
         self._offers_to = _rebuilt(self._offers_to)
         self._out_to = _rebuilt(self._out_to)
+        self._rtrs = dict(self._rtrs)
+        self._rtrs_by_key = _rebuilt(self._rtrs_by_key)
+        self._no_rtr = dict(self._no_rtr)
+        self._unanswered = dict(self._unanswered)
+        self._rtrs_in_by = _rebuilt(self._rtrs_in_by)
+        self._rtrs_in_for = _rebuilt(self._rtrs_in_for)
         self._removed = 0
 
     def _fail_send(
@@ -823,6 +1150,21 @@ def _mismatch(offer: Message, want: Message) -> str | None:
     )
 
 
+def _rts(send: Send) -> Rts:
+    """The RTS that announces ``send`` (naming the RTR it answers, if any)."""
+    msg = send.msg
+    return Rts(
+        msg=send.msg_id,
+        job=msg.job,
+        src=msg.src,
+        dst=msg.dst,
+        tag=msg.tag,
+        nbytes=msg.nbytes,
+        dtype=msg.dtype,
+        rtr=send.rtr,
+    )
+
+
 def _refuse(node: int, msg_id: int, code: ErrorCode, text: str) -> SendFrame:
     """The DONE that tells ``node`` its message ``msg_id`` failed here."""
     return SendFrame(node=node, frame=Done(msg=msg_id, code=code, error=text))
@@ -831,6 +1173,16 @@ def _refuse(node: int, msg_id: int, code: ErrorCode, text: str) -> SendFrame:
 K = TypeVar("K")
 V = TypeVar("V")
 W = TypeVar("W")
+
+
+def _bump(counts: dict[K, int], key: K, by: int) -> None:
+    """Add ``by`` to ``counts[key]``, dropping the key at zero (so the table holds only live
+    keys: tags may be step numbers, one of them per step)."""
+    value = counts.get(key, 0) + by
+    if value:
+        counts[key] = value
+    else:
+        counts.pop(key, None)
 
 
 def _add(index: dict[K, dict[V, None]], key: K, item: V) -> None:

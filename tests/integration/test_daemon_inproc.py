@@ -373,7 +373,7 @@ def _exchange(socket0: str, socket1: str, shapes: list[int]) -> list[str]:
 
 async def test_a_one_chunk_message_leaves_without_a_stream_task(tmp_path, monkeypatch):
     # chunk_size is 1 MiB here: 1 KiB goes at once from the CTS handler, 2 MiB is streamed
-    async with fabric(tmp_path) as fab:
+    async with fabric(tmp_path, eager_limit=0) as fab:  # the DATA path
         d0 = fab.daemons[0]
         spawned: list[str] = []
         spawn = d0.spawn
@@ -390,7 +390,7 @@ async def test_a_one_chunk_message_leaves_without_a_stream_task(tmp_path, monkey
 
 
 async def test_a_link_that_refuses_a_one_chunk_message_fails_only_that_send(tmp_path):
-    async with fabric(tmp_path) as fab:
+    async with fabric(tmp_path, eager_limit=0) as fab:  # the DATA path
         link = fab.daemons[0].data_link(1)
         assert link is not None
 
@@ -407,7 +407,7 @@ async def test_a_one_chunk_message_the_daemon_runs_short_on_fails_alone(tmp_path
     # the fast path must treat MemoryError as the stream task does: that message fails with
     # code resources; before, it escaped the CTS handler and closed the control link, which
     # reset the peer and failed every transfer with it
-    async with fabric(tmp_path) as fab:
+    async with fabric(tmp_path, eager_limit=0) as fab:  # the DATA path
         d0 = fab.daemons[0]
         links = d0.links
         link = d0.data_link(1)

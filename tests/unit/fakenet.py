@@ -11,6 +11,10 @@ daemon does, minus the I/O:
   dropped (``drop``).  ANNOUNCE goes to membership, the rest to messaging.
 * ``RankJoined``/``RankLeft`` from membership go to the node's messaging engine, as the service
   host's ``rank_event`` does.
+* ``SendEager`` becomes an EAGER frame on the control pair, its payload a copy of the send's
+  bytes; its receiver lands it through ``payload_buffer`` and ``data_arrived`` when it is
+  delivered (a zero-byte one through ``data_arrived`` alone, as the daemon does).  ``Place``
+  copies a pooled payload into its receive.
 * ``StreamData`` cuts the send's bytes into DATA chunks of ``chunk_size`` and lands them through
   the receiver's engine (``payload_buffer``, then ``data_arrived``), the way the data channel
   does, at once -- unless ``auto_stream`` is off, in which case it waits for
@@ -40,9 +44,17 @@ import numpy as np
 from fabricd.engines.actions import Broadcast, Complete, Failure, Notice, SendFrame
 from fabricd.engines.membership import Membership, RankJoined, RankLeft
 from fabricd.engines.ownership import User
-from fabricd.engines.p2p import FRAME_KINDS, CopyLocal, Message, Messaging, StreamData
+from fabricd.engines.p2p import (
+    FRAME_KINDS,
+    CopyLocal,
+    Message,
+    Messaging,
+    Place,
+    SendEager,
+    StreamData,
+)
 from fabricd.errors import ErrorCode, RemoteProtocolError
-from fabricd.frames import Announce, Cancel, Cts, Data, Done, PeerFrame, Rts, parse
+from fabricd.frames import Announce, Cancel, Cts, Data, Done, Eager, PeerFrame, Rtr, Rts, parse
 from fabricd.wire import DEFAULT_LIMITS, Decoder, Frame, Kind, Meta, encode
 
 if TYPE_CHECKING:
@@ -90,13 +102,17 @@ class FakeNet:
     auto_stream: bool = True
     auto_copy: bool = True
     chunk_size: int = 8  #: DATA chunk size: most test messages take several chunks
+    eager_limit: int = 0  #: the engines' eager_limit (0: every message has a rendezvous)
+    eager_credit: int = 0  #: the engines' eager_credit (credit and pool per peer, bytes)
+    receiver_initiated: bool = True  #: the engines send RTRs for receives posted first
     #: return True to lose a frame (sender, receiver, frame): for deliberate fault tests
     drop: Callable[[int, int, PeerFrame], bool] | None = None
     now: float = 0.0
 
     members: list[Membership] = field(init=False)
     engines: list[Messaging] = field(init=False)
-    links: dict[tuple[int, int], collections.deque[tuple[Kind, Meta]]] = field(init=False)
+    #: control frames in flight per (sender, receiver): kind, metadata, payload (EAGER's)
+    links: dict[tuple[int, int], collections.deque[tuple[Kind, Meta, bytes]]] = field(init=False)
     held: set[tuple[int, int]] = field(default_factory=set)
     crashed: set[int] = field(default_factory=set)
     fenced: set[tuple[int, int]] = field(default_factory=set)  #: (survivor, dead node)
@@ -105,11 +121,11 @@ class FakeNet:
     #: bytes of each stream (sender, msg) already landed, for streams delivered a chunk at a time
     streamed: dict[tuple[int, int], int] = field(default_factory=dict)
     #: DATA chunks a failed stream had already put on its data link (sender, receiver, msg,
-    #: off, bytes): they still arrive, possibly after the CANCEL that travels the control link
-    late: list[tuple[int, int, int, int, bytes]] = field(default_factory=list)
-    #: per (sender, receiver), the DATA chunk being read into its buffer right now: (msg, off,
-    #: bytes, buffer, the receive it fills); see :meth:`begin_chunk`
-    filling: dict[tuple[int, int], tuple[int, int, bytes, memoryview | None, int | None]] = field(
+    #: off, bytes, rtr): they still arrive, possibly after the CANCEL on the control link
+    late: list[tuple[int, int, int, int, bytes, int]] = field(default_factory=list)
+    #: per (sender, receiver), the DATA chunk being read into its buffer right now: its frame,
+    #: bytes, buffer, and the receive it fills; see :meth:`begin_chunk`
+    filling: dict[tuple[int, int], tuple[Data, bytes, memoryview | None, int | None]] = field(
         default_factory=dict
     )
     copies: list[tuple[int, CopyLocal]] = field(default_factory=list)
@@ -127,6 +143,9 @@ class FakeNet:
                 route_timeout=self.route_timeout,
                 stall_after=self.stall_after,
                 max_unmatched_rts_per_peer=self.max_unmatched_rts_per_peer,
+                eager_limit=self.eager_limit,
+                eager_credit=self.eager_credit,
+                receiver_initiated=self.receiver_initiated,
             )
             for n in range(self.nodes)
         ]
@@ -206,6 +225,11 @@ class FakeNet:
                             self._queue(node, peer, frame)
                 case RankJoined() | RankLeft():
                     self.perform(node, self.engines[node].on_rank_event(action, self.now))
+                case SendEager(node=peer, op=op, frame=frame):
+                    payload = self.ops[node, op].region.tobytes()
+                    self._queue(node, peer, frame, payload)
+                case Place(op=op, payload=payload):
+                    self.ops[node, op].region[:] = np.frombuffer(payload, dtype=np.uint8)
                 case StreamData():
                     self.streams.append((node, action))
                     if self.auto_stream:
@@ -215,19 +239,21 @@ class FakeNet:
                     if self.auto_copy:
                         self.finish_copy(len(self.copies) - 1)
                 case Complete(op=op, failure=failure):
-                    landing = [f[4] for (_, dst), f in self.filling.items() if dst == node]
+                    landing = [f[3] for (_, dst), f in self.filling.items() if dst == node]
                     assert op not in landing, f"op {op} answered while a chunk lands in it"
                     self.completed.setdefault((node, op), []).append(failure)
                 case Notice(message=message):
                     self.notices.append((node, message))
 
-    def _queue(self, src: int, dst: int, frame: PeerFrame) -> None:
+    def _queue(self, src: int, dst: int, frame: PeerFrame, payload: bytes = b"") -> None:
         assert src not in self.crashed, "a crashed node acted"
         if dst not in self.crashed:
-            self.links[src, dst].append((frame.KIND, transmit(frame.KIND, frame.to_meta())))
+            meta = transmit(frame.KIND, frame.to_meta())
+            self.links[src, dst].append((frame.KIND, meta, payload))
 
-    def receive(self, src: int, dst: int, kind: Kind, meta: Meta) -> None:
-        """``dst``'s daemon parses a control frame from ``src`` and hands it to its engine.
+    def receive(self, src: int, dst: int, kind: Kind, meta: Meta, payload: bytes = b"") -> None:
+        """``dst``'s daemon parses a control frame from ``src`` and hands it to its engine
+        (an EAGER's ``payload`` lands where the engine says, as the daemon's would).
 
         Raises:
             RemoteProtocolError: malformed, or a kind neither engine takes.
@@ -239,9 +265,17 @@ class FakeNet:
         match frame:
             case Announce():
                 self.perform(dst, self.members[dst].on_announce(src, frame))
-            case Rts() | Cts() | Done() | Cancel():
+            case Rts() | Cts() | Done() | Cancel() | Rtr():
                 assert frame.KIND in FRAME_KINDS
                 self.perform(dst, self.engines[dst].on_frame(src, frame, self.now))
+            case Eager():
+                engine = self.engines[dst]
+                if payload:
+                    buffer = engine.payload_buffer(src, frame, len(payload))
+                    if buffer is not None:
+                        buffer[:] = payload
+                arrived = engine.data_arrived(src, frame, len(payload), self.now)
+                self.perform(dst, arrived)
             case _:
                 raise RemoteProtocolError(f"no engine takes {kind.name} frames")
 
@@ -262,9 +296,8 @@ class FakeNet:
         else:
             self.streamed[sender, stream.msg] = end
         for off in range(start, end, self.chunk_size):
-            self.land(
-                sender, receiver, stream.msg, off, source[off : min(end, off + self.chunk_size)]
-            )
+            chunk = source[off : min(end, off + self.chunk_size)]
+            self.land(sender, receiver, stream.msg, off, chunk, stream.rtr)
 
     def begin_chunk(self, index: int) -> None:
         """The next DATA chunk of ``streams[index]`` starts landing: its buffer is taken and
@@ -283,33 +316,34 @@ class FakeNet:
         if receiver in self.crashed or (receiver, sender) in self.fenced:
             return
         engine, chunk = self.engines[receiver], source[start:end]
-        buffer = engine.payload_buffer(sender, Data(msg=stream.msg, off=start), len(chunk))
-        entry = engine._landing._entry(sender, stream.msg)
+        frame = Data(msg=stream.msg, off=start, rtr=stream.rtr)
+        buffer = engine.payload_buffer(sender, frame, len(chunk))
+        entry = engine._landing._entry(sender, -stream.rtr if stream.rtr else stream.msg)
         if buffer is not None:
             buffer[: len(chunk) // 2] = chunk[: len(chunk) // 2]
         op = None if buffer is None or entry is None else entry.op
-        self.filling[sender, receiver] = (stream.msg, start, chunk, buffer, op)
+        self.filling[sender, receiver] = (frame, chunk, buffer, op)
 
     def finish_chunk(self, sender: int, receiver: int) -> None:
         """The chunk :meth:`begin_chunk` started between the pair is in (if there is one)."""
         started = self.filling.pop((sender, receiver), None)
         if started is None or receiver in self.crashed or (receiver, sender) in self.fenced:
             return
-        msg, off, chunk, buffer, _ = started
+        frame, chunk, buffer, _ = started
         if buffer is not None:
             buffer[:] = chunk
         engine = self.engines[receiver]
-        self.perform(
-            receiver, engine.data_arrived(sender, Data(msg=msg, off=off), len(chunk), self.now)
-        )
+        self.perform(receiver, engine.data_arrived(sender, frame, len(chunk), self.now))
 
-    def land(self, sender: int, receiver: int, msg: int, off: int, chunk: bytes) -> None:
+    def land(
+        self, sender: int, receiver: int, msg: int, off: int, chunk: bytes, rtr: int = 0
+    ) -> None:
         """One DATA chunk from ``sender`` reaches ``receiver`` (unless the link is gone)."""
         self.finish_chunk(sender, receiver)  # the frame before it on the link comes first
         if receiver in self.crashed or (receiver, sender) in self.fenced:
             return  # the bytes went into a dead or reset link
         engine = self.engines[receiver]
-        frame = Data(msg=msg, off=off)
+        frame = Data(msg=msg, off=off, rtr=rtr)
         buffer = engine.payload_buffer(sender, frame, len(chunk))
         if buffer is not None:  # None: dropped (a discarded or cancelled message)
             buffer[:] = chunk
@@ -329,7 +363,7 @@ class FakeNet:
         start = self.streamed.pop((sender, stream.msg), 0)
         for off in range(start, len(source), self.chunk_size)[:late]:
             chunk = source[off : off + self.chunk_size]
-            self.late.append((sender, stream.node, stream.msg, off, chunk))
+            self.late.append((sender, stream.node, stream.msg, off, chunk, stream.rtr))
         self.perform(sender, self.engines[sender].stream_failed(stream.msg, reason, code))
 
     def land_late(self, index: int = 0) -> None:
@@ -368,9 +402,9 @@ class FakeNet:
         if not ready:
             return False
         src, dst = self.rng.choice(ready) if self.rng is not None else ready[0]
-        kind, meta = self.links[src, dst].popleft()
+        kind, meta, payload = self.links[src, dst].popleft()
         if (dst, src) not in self.fenced:
-            self.receive(src, dst, kind, meta)
+            self.receive(src, dst, kind, meta, payload)
         return True
 
     def run(self, limit: int = 100_000) -> None:

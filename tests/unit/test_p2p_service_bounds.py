@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import tracemalloc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from workcount import WorkCounter
@@ -23,6 +23,11 @@ from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.membership import RankEntry
 from fabricd.errors import OperationFailed
 from fabricd.frames import Cancel, Data, Done, PeerFrame, Rts
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from fabricd.transports.base import Buffer
 
 JOB = "j"
 
@@ -47,7 +52,7 @@ class FakeHost:
     sent: list[tuple[int, PeerFrame]] = field(default_factory=list)
     answered: list[tuple[int, Any]] = field(default_factory=list)
 
-    def send(self, node: int, frame: PeerFrame) -> None:
+    def send(self, node: int, frame: PeerFrame, payload: Sequence[Buffer] = ()) -> None:
         self.sent.append((node, frame))
 
     def reply(self, session: ClientSession, request_id: int, result: Any) -> None:
@@ -135,7 +140,7 @@ def test_a_job_beyond_max_ops_per_job_is_refused_with_limit() -> None:
 
 
 def test_operations_that_complete_leave_the_count() -> None:
-    svc, host = service(max_ops_per_client=1)
+    svc, host = service(max_ops_per_client=1, eager_limit=0)  # each send has an RTS
     session = client(1)
     for msg in range(1, 6):  # one at a time, each completes before the next: never refused
         post(svc, session, 2 * msg, "recv", 2, 0)

@@ -46,7 +46,7 @@ def header(
     payload_len: int = 0,
     *,
     magic: bytes = b"FBRC",
-    version: int = 2,
+    version: int = 3,
     flags: int = 0,
 ) -> bytes:
     return LAYOUT.pack(magic, version, kind, flags, meta_len, payload_len)
@@ -136,6 +136,24 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
     Kind.DONE: {"msg": 9, "code": "mismatch", "error": "x" * 4096},
     Kind.CANCEL: {"msg": 0},
     Kind.WRITE: {"epoch": 2**63 - 1, "slot": 2**32 - 1, "off": 4096, "seq": 7},
+    Kind.EAGER: {
+        "msg": 13,
+        "job": "demo",
+        "src": 1,
+        "dst": 0,
+        "tag": 4,
+        "nbytes": 4096,
+        "dtype": "uint8",
+    },
+    Kind.RTR: {
+        "rtr": 3,
+        "job": "demo",
+        "src": 1,
+        "dst": 0,
+        "tag": 4,
+        "nbytes": 2**30,
+        "dtype": "float32",
+    },
     Kind.REQUEST: {
         "id": 1,
         "op": "send",
@@ -184,8 +202,8 @@ def test_header_layout_is_as_documented() -> None:
     data = encode(Kind.RTS, {"a": 1}, b"xyz")
     assert HEADER_SIZE == 20
     assert MAGIC == b"FBRC"
-    assert PROTOCOL_VERSION == 2
-    assert data[:20] == b"FBRC" + bytes([2, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
+    assert PROTOCOL_VERSION == 3
+    assert data[:20] == b"FBRC" + bytes([3, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
         3
     ).to_bytes(8, "big")
     assert data[20:24] == b"\x81\xa1a\x01"
@@ -193,7 +211,7 @@ def test_header_layout_is_as_documented() -> None:
 
 
 def test_the_example_in_protocol_md() -> None:
-    documented = "46 42 52 43 02 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
+    documented = "46 42 52 43 03 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
     assert encode(Kind.CTS, {"msg": 1}) == bytes.fromhex(documented)
 
 
@@ -210,6 +228,8 @@ def test_kind_numbers_are_stable() -> None:
         "DONE": 9,
         "CANCEL": 10,
         "WRITE": 11,
+        "EAGER": 12,
+        "RTR": 13,
         "REQUEST": 32,
         "REPLY": 33,
         "EVENT": 34,
@@ -509,7 +529,7 @@ def test_client_socket_limits() -> None:
 # -- malformed headers ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 12, 31, 35, 255])
+@pytest.mark.parametrize("kind", [0, 14, 31, 35, 255])
 def test_unknown_kind(kind: int) -> None:
     assert_rejected(header(kind, 1) + b"\x80", match=f"unknown frame kind {kind}")
 
@@ -533,7 +553,7 @@ def test_a_prefix_of_the_magic_waits_for_more() -> None:
         assert decoder.next_event() is NEED_DATA
 
 
-@pytest.mark.parametrize("version", [0, 1, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 255])
 def test_wrong_version(version: int) -> None:
     assert_rejected(header(version=version) + b"\x80", match=f"protocol version {version}")
 
