@@ -38,7 +38,7 @@ from fabricd.client import checks
 from fabricd.client.arrays import SharedArrays
 from fabricd.client.connection import Connection
 from fabricd.client.handle import Handle
-from fabricd.client.p2p import Completion, PointToPoint
+from fabricd.client.p2p import Completion, PointToPoint, Wait
 from fabricd.client.protocol import Event
 from fabricd.errors import DaemonUnavailable, Timeout, UsageError
 from fabricd.ipc import socket_candidates
@@ -132,10 +132,17 @@ class Client:
 
     # -- point to point (shortcuts to the p2p facet) ----------------------------------------
     def send(
-        self, array: np.ndarray[Any, Any], to: int, tag: int = 0, *, timeout: float | None = None
+        self,
+        array: np.ndarray[Any, Any],
+        to: int,
+        tag: int = 0,
+        *,
+        timeout: float | None = None,
+        wait: Wait = "delivered",
     ) -> Completion:
-        """Send ``array`` to rank ``to``; returns once the receiver has all of it."""
-        return self.p2p.send(array, to, tag, timeout=timeout)
+        """Send ``array`` to rank ``to``; returns once the receiver has all of it, or with
+        ``wait="sent"`` once ``array`` may change again (:meth:`PointToPoint.send`)."""
+        return self.p2p.send(array, to, tag, timeout=timeout, wait=wait)
 
     def recv(
         self, array: np.ndarray[Any, Any], src: int, tag: int = 0, *, timeout: float | None = None
@@ -143,9 +150,11 @@ class Client:
         """Receive from rank ``src`` into ``array`` (same byte size and dtype as sent)."""
         return self.p2p.recv(array, src, tag, timeout=timeout)
 
-    def send_async(self, array: np.ndarray[Any, Any], to: int, tag: int = 0) -> Handle[Completion]:
+    def send_async(
+        self, array: np.ndarray[Any, Any], to: int, tag: int = 0, *, wait: Wait = "delivered"
+    ) -> Handle[Completion]:
         """Start a send; leave ``array`` unchanged until the handle is done."""
-        return self.p2p.send_async(array, to, tag)
+        return self.p2p.send_async(array, to, tag, wait=wait)
 
     def recv_async(self, array: np.ndarray[Any, Any], src: int, tag: int = 0) -> Handle[Completion]:
         """Start a receive; don't read ``array`` until the handle is done."""

@@ -9,7 +9,7 @@ the request goes out (:mod:`fabricd.client.checks`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from fabricd.client import checks
 from fabricd.client.handle import Handle
@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from fabricd.client.arrays import SharedArrays
     from fabricd.client.connection import Connection
     from fabricd.wire import Meta
+
+
+#: when a send returns (see :meth:`PointToPoint.send`)
+Wait = Literal["delivered", "sent"]
+_WAITS: Final = ("delivered", "sent")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,10 +52,25 @@ class PointToPoint:
         self._job = job
 
     def send(
-        self, array: np.ndarray[Any, Any], to: int, tag: int = 0, *, timeout: float | None = None
+        self,
+        array: np.ndarray[Any, Any],
+        to: int,
+        tag: int = 0,
+        *,
+        timeout: float | None = None,
+        wait: Wait = "delivered",
     ) -> Completion:
-        """Send ``array`` to rank ``to``; returns once the receiver has all of it."""
-        return self.send_async(array, to, tag).wait(timeout)
+        """Send ``array`` to rank ``to``.
+
+        ``wait="delivered"`` (the default) returns once the receiver has all of it, and raises
+        whatever went wrong on the way (a receive of another size, a rank that left).
+        ``wait="sent"`` returns as soon as ``array`` may be changed again: for a message of at
+        most the daemon's ``eager_limit`` (64 KiB by default), once the daemon holds a copy of
+        its bytes, before the receiver has it -- a later failure is then reported only to the
+        receiver (MPI_Send's buffered semantics); a larger message is never copied, so it
+        returns on delivery either way.
+        """
+        return self.send_async(array, to, tag, wait=wait).wait(timeout)
 
     def recv(
         self, array: np.ndarray[Any, Any], src: int, tag: int = 0, *, timeout: float | None = None
@@ -58,14 +78,20 @@ class PointToPoint:
         """Receive from rank ``src`` into ``array`` (same byte size and dtype as sent)."""
         return self.recv_async(array, src, tag).wait(timeout)
 
-    def send_async(self, array: np.ndarray[Any, Any], to: int, tag: int = 0) -> Handle[Completion]:
-        """Start a send; leave ``array`` unchanged until the handle is done.
+    def send_async(
+        self, array: np.ndarray[Any, Any], to: int, tag: int = 0, *, wait: Wait = "delivered"
+    ) -> Handle[Completion]:
+        """Start a send; leave ``array`` unchanged until the handle is done (``wait``: as for
+        :meth:`send`).
 
         Raises:
-            UsageError: no job joined, ``to`` or ``tag`` not an int in range, or ``array`` not
-                (a contiguous slice of) a ``fab.array()``.
+            UsageError: no job joined, ``to`` or ``tag`` not an int in range, ``array`` not
+                (a contiguous slice of) a ``fab.array()``, or ``wait`` not one of
+                ``"delivered"``, ``"sent"``.
         """
-        return self._transfer("send", array, to, "to", tag)
+        if wait not in _WAITS:
+            raise UsageError(f"wait must be one of {', '.join(map(repr, _WAITS))}, not {wait!r}")
+        return self._transfer("send", array, to, "to", tag, wait)
 
     def recv_async(self, array: np.ndarray[Any, Any], src: int, tag: int = 0) -> Handle[Completion]:
         """Start a receive; don't read ``array`` until the handle is done.
@@ -76,7 +102,13 @@ class PointToPoint:
         return self._transfer("recv", array, src, "src", tag)
 
     def _transfer(
-        self, op: str, array: np.ndarray[Any, Any], peer: object, name: str, tag: object
+        self,
+        op: str,
+        array: np.ndarray[Any, Any],
+        peer: object,
+        name: str,
+        tag: object,
+        wait: Wait = "delivered",
     ) -> Handle[Completion]:
         if self._job is None:
             raise UsageError("this client joined no job; pass job= to fabricd.connect()")
@@ -92,6 +124,8 @@ class PointToPoint:
             "peer": rank,
             "tag": number,
         }
+        if wait != "delivered":
+            fields["wait"] = wait
         what = f"{op} {'to' if op == 'send' else 'from'} rank {rank} (tag {number})"
 
         def completion(reply: Meta) -> Completion:

@@ -9,6 +9,12 @@ eager message from the pool into its receive, and the reply when an operation co
 Incoming DATA and EAGER payloads land where the engine says (its landing table,
 :mod:`fabricd.engines.landing`, straight in the receiver's segment; or the eager pool).
 
+Completion: a send is answered when its receiver has every byte, or, asked with ``wait="sent"``,
+as soon as the daemon no longer needs the client's bytes: an eager send once its copy is made
+(the copy, not the segment, then serves a fallback to rendezvous); larger sends are not copied
+and are answered on delivery either way.  Such an early send stays in the engine until its
+DONE, counted against its job but no longer its client.
+
 A client that leaves takes its unmatched operations with it; a transfer already moving runs to
 its end from the daemon's own mapping of the segment, and its result is dropped.
 
@@ -37,7 +43,13 @@ from fabricd.daemon.stalls import line, report
 from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
 from fabricd.engines.p2p import CopyLocal, Messaging, Place, SendEager, StreamData
 from fabricd.engines.stalls import Stalled
-from fabricd.errors import ErrorCode, LocalProtocolError, OperationFailed, TransportError
+from fabricd.errors import (
+    ErrorCode,
+    LocalProtocolError,
+    OperationFailed,
+    TransportError,
+    UsageError,
+)
 from fabricd.wire import Kind, Meta
 
 if TYPE_CHECKING:
@@ -69,6 +81,7 @@ class _Transfer:
     session: ClientSession | None  #: ``None`` once the client left; its bytes may still move
     kind: str  #: the request's op: ``send`` or ``recv``
     started: float  #: when the request arrived (the loop's clock), for its latency
+    early: bool = False  #: a send asked with ``wait="sent"``: answered once its bytes are copied
 
 
 class P2PService(BaseService):
@@ -117,6 +130,7 @@ class P2PService(BaseService):
             "ops_completed": 0,
             "ops_failed": 0,
             "copies_failed": 0,  #: local copies that could not run (no thread, no memory)
+            "sent_then_failed": 0,  #: wait="sent" sends answered, then refused by the receiver
         }
 
     # -- requests ---------------------------------------------------------------------------
@@ -127,6 +141,7 @@ class P2PService(BaseService):
             )
         is_send = request.op == "send"
         message, region = parse_transfer(request.session, request.meta, is_send=is_send)
+        early = _early(request.meta, is_send)
         self._admit(request.session, message.job)
         op = next(self._op_ids)
         self._ops[op] = _Transfer(
@@ -136,6 +151,7 @@ class P2PService(BaseService):
             session=request.session,
             kind=request.op,
             started=now,
+            early=early,
         )
         self.operations.started(request.op)
         self._by_session.setdefault(request.session, set()).add(op)
@@ -321,9 +337,13 @@ class P2PService(BaseService):
                     self.host.send(node, frame)
                 case SendEager(node=node, op=op, frame=frame):
                     # a copy: the pool, not the segment, holds the bytes from here on
-                    payload = bytes(self._ops[op].region)
+                    transfer = self._ops[op]
+                    payload = bytes(transfer.region)
                     self.host.send(node, frame, [payload])
                     self._counters["bytes_sent"] += len(payload)
+                    if transfer.early:
+                        transfer.region = memoryview(payload)  # what a fallback (CTS) streams
+                        self._answer_early(op, transfer)
                 case Place(op=op, payload=payload):
                     _bytes_of(self._ops[op].region)[:] = payload
                 case StreamData(node=node, msg=msg, op=op, rtr=rtr):
@@ -416,12 +436,32 @@ class P2PService(BaseService):
         except Exception:
             log.exception("p2p: reporting the end of a transfer failed (a bug); going on")
 
+    def _answer_early(self, op: int, transfer: _Transfer) -> None:
+        """Answer a ``wait="sent"`` send now: its bytes are copied; the engine keeps it until
+        its DONE, but its client may reuse the array and post more."""
+        session = transfer.session
+        if session is None:
+            return
+        transfer.session = None  # its end, later, answers nobody
+        self._by_session.get(session, set()).discard(op)
+        self._answered(session, transfer, None)
+
     def _complete(self, op: int, failure: Failure | None) -> None:
         transfer = self._forget(op)
-        if transfer is None or transfer.session is None:
+        if transfer is None:
+            return
+        if transfer.session is None:
+            if transfer.early and failure is not None:  # only the receiver hears of it
+                self._counters["sent_then_failed"] += 1
             return
         session = transfer.session
         self._by_session.get(session, set()).discard(op)
+        self._answered(session, transfer, failure)
+
+    def _answered(
+        self, session: ClientSession, transfer: _Transfer, failure: Failure | None
+    ) -> None:
+        """Reply to ``transfer``'s request, and count it."""
         message = transfer.message
         latency = self.host.now() - transfer.started
         code = None if failure is None else str(failure.code)
@@ -433,6 +473,20 @@ class P2PService(BaseService):
         self._counters["ops_completed"] += 1
         result: Meta = {"nbytes": message.nbytes, "src": message.src, "tag": message.tag}
         self.host.reply(session, transfer.request, result)
+
+
+def _early(meta: Meta, is_send: bool) -> bool:
+    """Whether a request asks to be answered once its bytes are copied (``wait="sent"``).
+
+    Raises:
+        UsageError: ``wait`` is not ``"delivered"`` or ``"sent"``, or is given to a receive.
+    """
+    wait = meta.get("wait", "delivered")
+    if wait != "delivered" and wait != "sent":
+        raise UsageError(f"wait must be 'delivered' or 'sent', not {wait!r}")
+    if wait == "sent" and not is_send:
+        raise UsageError("wait applies to sends only")
+    return bool(wait == "sent")
 
 
 def _bytes_of(region: memoryview) -> memoryview:
