@@ -158,6 +158,8 @@ def status(socket_path: str | None, as_json: bool) -> None:
         f"  metrics {escape(_metrics_line(info))}",
         soft_wrap=True,  # an address or a path folded onto two lines cannot be pasted
     )
+    if "eager_pool_bytes" in info:  # a daemon without the eager path has no such line
+        console.print(_messages_line(info), soft_wrap=True)
     if info["peers"]:
         console.print(_peer_table(info["peers"]))
     hidden = info.get("hidden", {})  # rows of other users' jobs the daemon withheld
@@ -189,6 +191,25 @@ def status(socket_path: str | None, as_json: bool) -> None:
         console.print(f"failed dials: {failures}", soft_wrap=True)
     if info.get("services"):
         console.print(f"services: {escape(', '.join(info['services']))}", soft_wrap=True)
+
+
+def _messages_line(info: dict[str, Any]) -> str:
+    """How remote messages travel here: those waiting for their receive, the eager pool's use
+    against its bound, and the eager and RTR counters (docs/protocol.md, §3.4).
+
+    The pool and RTR figures are what an operator reads a flood or a misfit ``eager_limit``
+    from; the same numbers are in the counters line, but scattered among forty others.
+    """
+    n = info.get("counters", {})
+    pool, limit = info["eager_pool_bytes"], info.get("eager_pool_limit", 0)
+    return (
+        f"messages: {info.get('unexpected_messages', 0)} waiting for their receive; "
+        f"eager pool {_size(pool)} held of {_size(limit)}\n"
+        f"  eager: {n.get('eager_sent', 0)} sent, {n.get('eager_no_credit', 0)} sent as RTS "
+        f"(no credit), {n.get('eager_pool_full', 0)} taken as RTS here (pool full); "
+        f"RTR: {n.get('rtr_sent', 0)} sent, {n.get('rtr_answered', 0)} answered, "
+        f"{n.get('rtr_dropped', 0)} dropped"
+    )
 
 
 def _metrics_line(info: dict[str, Any]) -> str:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 from click.testing import CliRunner
 
 from fabricd import demo
+from fabricd.cli import ctl
 from fabricd.cli.ctl import _exit_description, _figure
 from fabricd.cli.ctl import main as fabricctl
 
@@ -62,3 +66,88 @@ def test_the_demo_prints_small_rates_and_ratios_with_their_digits(monkeypatch):
     assert "3.41 GB/s (same run)" in result.output
     assert "8.00 s moving data, from when every rank was ready" in result.output
     assert "0.00x" not in result.output
+
+
+def _status_with_eager_use() -> dict[str, Any]:
+    """A status as a daemon of two nodes answers it, with eager and RTR traffic counted."""
+    return {
+        "node": 0,
+        "nodes": 2,
+        "state": "serving",
+        "uptime": 12.0,
+        "address": "127.0.0.1:7000",
+        "transport": "tcp",
+        "socket": "/run/fabricd/fabricd.sock",
+        "incarnation": 1,
+        "version": 3,
+        "pending_ops": 2,
+        "unexpected_messages": 1,
+        "eager_pool_bytes": 3 * 1024,
+        "eager_pool_limit": 4 * 1024 * 1024,
+        "peers": [],
+        "clients": [],
+        "ranks": [],
+        "metrics_url": "",
+        "counters": {
+            "eager_sent": 7,
+            "eager_no_credit": 2,
+            "eager_pool_full": 1,
+            "rtr_sent": 5,
+            "rtr_answered": 4,
+            "rtr_dropped": 3,
+        },
+    }
+
+
+class _FakeClient:
+    def __init__(self, status: dict[str, Any]) -> None:
+        self._status = status
+
+    def __enter__(self) -> _FakeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def status(self) -> dict[str, Any]:
+        return self._status
+
+
+def test_status_shows_the_eager_pool_against_its_bound_and_the_eager_and_rtr_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    status = _status_with_eager_use()
+    monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(status))
+    result = CliRunner().invoke(fabricctl, ["status"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "messages: 1 waiting for their receive; eager pool 3.0 KiB held of 4.0 MiB" in (
+        result.output
+    )
+    assert "eager: 7 sent, 2 sent as RTS (no credit), 1 taken as RTS here (pool full)" in (
+        result.output
+    )
+    assert "RTR: 5 sent, 4 answered, 3 dropped" in result.output
+
+
+def test_status_json_carries_the_eager_pool_and_its_counters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    status = _status_with_eager_use()
+    monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(status))
+    result = CliRunner().invoke(fabricctl, ["status", "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    assert (shown["eager_pool_bytes"], shown["eager_pool_limit"]) == (3072, 4 * 1024 * 1024)
+    names = ("eager_sent", "eager_no_credit", "eager_pool_full", "rtr_sent", "rtr_answered")
+    assert all(name in shown["counters"] for name in (*names, "rtr_dropped"))
+
+
+def test_status_of_a_daemon_without_the_eager_path_has_no_messages_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    older = _status_with_eager_use()
+    del older["eager_pool_bytes"], older["eager_pool_limit"]
+    monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(older))
+    result = CliRunner().invoke(fabricctl, ["status"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "eager pool" not in result.output

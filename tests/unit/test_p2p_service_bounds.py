@@ -22,7 +22,7 @@ from fabricd.daemon.service import Request
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.membership import RankEntry
 from fabricd.errors import OperationFailed
-from fabricd.frames import Cancel, Data, Done, PeerFrame, Rts
+from fabricd.frames import Cancel, Data, Done, Eager, PeerFrame, Rts
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -163,6 +163,29 @@ def test_the_counters_are_in_the_statistics_from_the_start() -> None:
     counters = svc.statistics()["counters"]
     for name in ("ops_refused_client_limit", "ops_refused_job_limit", "rts_refused_peer_limit"):
         assert counters[name] == 0
+    for name in ("eager_sent", "eager_no_credit", "eager_pool_full"):
+        assert counters[name] == 0
+    for name in ("rtr_sent", "rtr_answered", "rtr_dropped"):
+        assert counters[name] == 0
+
+
+def test_the_statistics_show_the_eager_pool_in_use_against_its_bound() -> None:
+    """``fabricctl status`` shows these two: the pool is eager_credit for each peer."""
+    svc, _ = service(eager_credit=1 << 20)
+    stats = svc.statistics()
+    assert (stats["eager_pool_bytes"], stats["eager_pool_limit"]) == (0, 1 << 20)  # one peer
+    eager = Eager(msg=1, job=JOB, src=2, dst=0, tag=0, nbytes=1, dtype="uint8")
+    buffer = svc.payload_buffer(1, eager, 1)
+    assert buffer is not None  # no receive posted: the pool holds it
+    buffer[:] = b"x"
+    svc.on_data(1, eager, 1, 0.0)
+    stats = svc.statistics()
+    assert (stats["eager_pool_bytes"], stats["unexpected_messages"]) == (1, 1)
+    receiver = client(0)
+    post(svc, receiver, 1, "recv", 2, 0)  # its receive takes it out of the pool
+    stats = svc.statistics()
+    assert (stats["eager_pool_bytes"], stats["unexpected_messages"]) == (0, 0)
+    assert receiver.segments[1].data == b"x"  # type: ignore[attr-defined]
 
 
 # -- the cost of leaving ----------------------------------------------------------------------
