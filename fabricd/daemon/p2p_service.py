@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from fabricd import frames
 from fabricd.daemon.datapath import copy, stream
 from fabricd.daemon.logs import RateLimitedLog
-from fabricd.daemon.metrics import OperationStats, counter
+from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.sessions import parse_transfer
 from fabricd.daemon.stalls import line, report
@@ -328,6 +328,18 @@ class P2PService(BaseService):
                 f"Message payload bytes {direction} (to peers, from peers, between local ranks).",
                 [(labels, nbytes)],
             )
+        # the eager and RTR counters are in fabricd_status_counters; the pool is a level
+        pool = self.statistics()
+        yield gauge(
+            "fabricd_eager_pool_bytes",
+            "Bytes of eager messages held for their receive, from all peers.",
+            [(labels, pool["eager_pool_bytes"])],
+        )
+        yield gauge(
+            "fabricd_eager_pool_limit_bytes",
+            "The most the eager pool may hold: eager_credit for each peer.",
+            [(labels, pool["eager_pool_limit"])],
+        )
 
     # -- performing the engine's actions ----------------------------------------------------
     def _perform(self, actions: Iterable[Action]) -> None:
