@@ -84,9 +84,10 @@ log = logging.getLogger("fabricd.daemon")
 #: lines that peers' frames cause: rate-limited
 remote_log = RateLimitedLog(log)
 
-#: what an authenticated peer may send: the peer frame kinds, no handshake or client frames;
-#: no WRITE either until a service posts regions (issue 8's eager path): the decoder refuses it
-_PEER_LIMIT_KINDS: Final = frames.PEER_KINDS - {Kind.WRITE}
+#: what an authenticated peer may send: the peer frame kinds, no handshake or client frames.
+#: WRITE included: a service posts regions on a peer's link (``Host.data_link(node).post``), and
+#: a WRITE to a key nobody posted is refused and counted by the link, never placed
+_PEER_LIMIT_KINDS: Final = frames.PEER_KINDS
 #: the kinds that carry a payload a service places, and the channel each travels on
 _PAYLOAD_CHANNEL: Final = {Kind.DATA: Channel.DATA, Kind.EAGER: Channel.CONTROL}
 #: requests the node answers itself: they concern the session, not an engine
