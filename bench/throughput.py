@@ -244,10 +244,12 @@ def run(
     )
     judged = [r.ratio for r in table.rows if r.nbytes >= TARGET_FROM]
     table.target_met = all(r >= TARGET_RATIO for r in judged) if judged else None
+    eager = int(settings.get("eager_limit", 64 * KiB))
     table.notes.append(
-        f"{window} message(s) in flight per side; each fabricd message is an RTS/CTS "
-        f"rendezvous, DATA frames of {fmt_size(chunk)} and a DONE, each raw message one write "
-        "and a 1-byte ack"
+        f"{window} message(s) in flight per side; a fabricd message of at most "
+        f"{fmt_size(eager)} (eager_limit) is one EAGER frame and a DONE, a larger one an RTR "
+        f"(or an RTS/CTS when the send comes first), DATA frames of {fmt_size(chunk)} and a "
+        "DONE; each raw message is one write and a 1-byte ack"
     )
     return table
 
@@ -260,12 +262,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help="comma-separated chunk sizes to compare (e.g. 1MiB,4MiB,16MiB); default: config's",
     )
+    parser.add_argument(
+        "--eager-limit",
+        default="",
+        help="comma-separated eager limits to compare (e.g. 0,1MiB: where eager stops paying)",
+    )
     parser.add_argument("--sizes", default="", help="comma-separated message sizes")
     parser.add_argument("--window", type=int, default=1, help="messages in flight per side")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s] or None
     chunks = [parse_size(c) for c in args.chunk_size.split(",") if c]
-    for settings in [{"chunk_size": c} for c in chunks] or [{}]:
+    eagers = [parse_size(e) for e in args.eager_limit.split(",") if e]
+    runs: list[dict[str, Any]] = [{"chunk_size": c} for c in chunks] or [{}]
+    if eagers:
+        runs = [{**r, "eager_limit": e} for r in runs for e in eagers]
+    for settings in runs:
         table = run(
             args.quick,
             stderr_progress("throughput"),
