@@ -16,6 +16,10 @@ Receiving is push-based, through a :class:`FrameSink` the upper layer installs:
 2. ``frame_received(link, frame)`` is called with the whole frame.
 3. ``link_lost(link, exc)`` is called exactly once when the link closes for any reason.
 
+A link delivers at most ``FRAME_BUDGET`` frames (transports/framing.py) before the event loop
+goes round once, reading nothing meanwhile: a flood of small frames cannot hold the loop, and
+none is lost or reordered by the pause.
+
 Failure semantics, the same on every transport:
 
 * A frame that breaks the wire rules, or a sink that raises a ``ProtocolError``, closes the link
@@ -28,6 +32,10 @@ Failure semantics, the same on every transport:
   cancelled ``send`` may or may not have queued its frame.
 * One writer at a time per frame: a frame's header and payload are queued together, so frames of
   concurrent senders never interleave.
+* Frames leave in the order they were queued, whichever of ``send``, ``send_now`` and
+  ``send_nowait`` queued them.  While a read callback runs, a transport may hold the frames
+  after the first until it returns and write them together (transports/batch.py); outside one
+  a frame is handed to the kernel at once.
 * After ``close``, sends raise ``TransportError``; frames already queued may still go out, for
   a short grace period at most: a peer that stopped reading cannot keep a closed link (and its
   queued bytes) alive, so ``link_lost`` always follows ``close``.

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 
 #: read on every frame: a module constant is cheaper than the enum attribute
 _WRITE: Final = Kind.WRITE
+#: frames a link delivers before it lets the event loop go round once (reading nothing
+#: meanwhile): a read that brings a flood of small frames (10^5 CANCELs) is delivered over
+#: many loop iterations, not in one callback that holds the loop for seconds while heartbeats,
+#: other links and clients wait
+FRAME_BUDGET: Final = 256
 
 log = logging.getLogger("fabricd.transport")
 
@@ -46,9 +51,11 @@ class _NullSink:
 class Receiver:
     """Decoder plus sink for one link.
 
-    :meth:`process` runs the decoder until it needs data and returns an error message if the
-    link must be closed (a malformed frame, or a sink that rejected one).  WRITE frames never
-    reach the sink: they land in the link's :attr:`posted` regions (transports/posted.py).
+    :meth:`process` runs the decoder until it needs data or has delivered the frames its
+    budget allows (the transport calls it again later for the rest, reading nothing more
+    meanwhile), and returns an error message if the link must be closed (a malformed frame,
+    or a sink that rejected one).  WRITE frames never reach the sink: they land in the link's
+    :attr:`posted` regions (transports/posted.py).
     """
 
     def __init__(self, link: Link, limits: Limits) -> None:
@@ -58,11 +65,14 @@ class Receiver:
         self.frames = 0
         self.bytes = 0
         self.posted = PostedRegions(link)
+        self.delivered = 0  #: frames the last :meth:`process` delivered
 
-    def process(self) -> str | None:
-        """Deliver every complete event; return why the link must close, or ``None``."""
+    def process(self, budget: int = FRAME_BUDGET) -> str | None:
+        """Deliver complete events, at most ``budget`` frames (:attr:`delivered` says how
+        many); return why the link must close, or ``None``."""
+        self.delivered = 0
         try:
-            while not self.link.closed:
+            while self.delivered < budget and not self.link.closed:
                 event = self.decoder.next_event()
                 if event is NEED_DATA:
                     return None
@@ -72,6 +82,7 @@ class Receiver:
                         self.posted.end()  # after its trailer: in place and authenticated
                     else:
                         self.sink.frame_received(self.link, event)
+                    self.delivered += 1
                     continue
                 buffer: memoryview | Discard | None
                 if event.kind is _WRITE:

@@ -4,7 +4,8 @@ Frames are encoded and decoded exactly as on the wire (the same :class:`Receiver
 including the payload-buffer callback), so a test on ``inproc`` exercises the framing and limits
 too.  Optional ``latency`` (seconds) and ``bandwidth`` (bytes/s) delay delivery per link, in
 order, on the event loop's clock.  Backpressure: a sender waits while more than ``window``
-bytes are in flight on its link.
+bytes are in flight on its link.  A link delivers at most ``FRAME_BUDGET`` frames per loop
+iteration, as TCP does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.errors import TransportError
 from fabricd.transports.base import MAX_UNREAD, Buffer, Link, Listener, Transport
-from fabricd.transports.framing import FramedLink
+from fabricd.transports.framing import FRAME_BUDGET, FramedLink
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ class InprocLink(FramedLink):
         self._net = net
         self.peer: InprocLink | None = None
         self._queue: collections.deque[tuple[float, bytes]] = collections.deque()
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None  #: the next delivery, timed or at once
         self._in_flight = 0
         self._writable = asyncio.Event()
         self._writable.set()
@@ -85,7 +86,12 @@ class InprocLink(FramedLink):
     def _deliver(self) -> None:
         self._timer = None
         loop = asyncio.get_running_loop()
+        budget = FRAME_BUDGET
         while self._queue and self._queue[0][0] <= loop.time() and not self._is_closed:
+            if not budget:  # a flood: the rest in the next loop iteration
+                self._timer = loop.call_soon(self._deliver)
+                break
+            budget -= 1
             _, data = self._queue.popleft()
             self._in_flight -= len(data)
             if self.peer is not None and not self.peer.closed:

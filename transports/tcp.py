@@ -13,6 +13,15 @@ reason the daemon runs on uvloop.)
 
 Both channels set ``TCP_NODELAY``: control frames are latency-bound, and the last partial
 segment of a bulk transfer should not wait for a delayed ACK either.
+
+The first small frame a read callback queues on a link leaves at once (a lone frame waits for
+nothing); the ones after it are held (transports/batch.py) and leave in one ``writelines`` when
+the callback returns, so the frames that one read answers take two ``writev`` calls, not one
+each.  A link
+delivers :data:`~fabricd.transports.framing.FRAME_BUDGET` frames, however many reads they took,
+then stops reading (the rest waits in the kernel, not here) until the loop has gone round once,
+so a flood of small frames cannot hold the loop (libuv reads a readable socket up to 32 times
+in one iteration, so a budget per read would not bound it).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import socket
 from typing import TYPE_CHECKING, cast
 
 from fabricd.errors import TransportError
+from fabricd.transports import batch
 from fabricd.transports.base import (
     MAX_UNREAD,
     Buffer,
@@ -32,7 +42,7 @@ from fabricd.transports.base import (
     join_address,
     split_address,
 )
-from fabricd.transports.framing import FramedLink
+from fabricd.transports.framing import FRAME_BUDGET, FramedLink
 from fabricd.wire import HEADER_SIZE
 
 if TYPE_CHECKING:
@@ -50,6 +60,8 @@ _LOW_WATER = 2 * 1024 * 1024
 CLOSE_GRACE = 1.0
 #: a frame whose last payload part is this large goes out before its trailer is computed
 _SPLIT_SEAL = 64 * 1024
+#: bytes of small frames a link holds in one read callback before it writes them anyway
+_HOLD_MAX = 256 * 1024
 
 
 class TcpLink(FramedLink, asyncio.BufferedProtocol):
@@ -67,6 +79,14 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
         self._writable.set()
         self._send_lock = asyncio.Lock()
         self._abort_timer: asyncio.TimerHandle | None = None
+        self._loop = asyncio.get_running_loop()
+        #: whether small frames are held now: this read callback already wrote one
+        self._holding = False
+        #: small frames queued in this read callback after its first, in wire order, and size
+        self._held: list[Buffer] = []
+        self._held_bytes = 0
+        self._budget = FRAME_BUDGET  #: frames it may deliver before the loop goes round
+        self._budget_paused = False  #: reading stopped until the budget is renewed
 
     # -- asyncio protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -97,9 +117,39 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
             except Exception as exc:
                 self.close(f"protocol error: {exc}")
                 return
-        reason = self._receiver.process()
-        if reason is not None:
-            self.close(reason)
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Deliver what the decoder holds, within the budget, holding the writes it makes.
+
+        A spent budget stops reading and renews itself in the next loop iteration.
+        """
+        batch.hold()
+        try:
+            receiver = self._receiver
+            reason = receiver.process(self._budget)
+            if reason is not None:
+                self.close(reason)
+                return
+            self._budget -= receiver.delivered
+            transport = self._transport
+            if self._budget or self._is_closed or transport is None:
+                return
+            if not self._budget_paused:
+                self._budget_paused = True
+                transport.pause_reading()
+            self._loop.call_soon(self._renew_budget)
+        finally:
+            batch.release()
+
+    def _renew_budget(self) -> None:
+        """The loop went round: deliver what is buffered, and read again once it is all out."""
+        self._budget = FRAME_BUDGET
+        self._deliver()
+        transport = self._transport
+        if self._budget and self._budget_paused and not self._is_closed and transport is not None:
+            self._budget_paused = False
+            transport.resume_reading()
 
     def eof_received(self) -> bool:
         return False
@@ -114,6 +164,8 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
         if self._abort_timer is not None:
             self._abort_timer.cancel()
         self._is_closed = True
+        self._held.clear()  # the connection is gone: nowhere to write them
+        self._held_bytes = 0
         self._writable.set()
         if self.close_reason is None:
             self.close_reason = f"connection lost: {exc}" if exc else "closed by peer"
@@ -159,19 +211,43 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
         transport = self._transport
         if self._is_closed or transport is None or transport.is_closing():
             raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
+        sent = self._bytes_sent
         parts = self._encode(kind, meta, payload)
         if len(parts) == 1 or memoryview(parts[-1]).nbytes < _SPLIT_SEAL:
-            transport.writelines([*parts, self._trailer(kind, parts[1:])])  # one write
+            trailer = self._trailer(kind, parts[1:])  # now: trailers are chained in wire order
+            if trailer:
+                parts.append(trailer)
+            if self._holding:  # not the first frame of this read callback: hold it
+                self._held += parts
+                self._held_bytes += self._bytes_sent - sent
+                if self._held_bytes > _HOLD_MAX:
+                    self._flush_held()
+            else:  # the first (or outside a read callback, the only) one leaves at once
+                self._holding = batch.defer(self._flush_held)
+                transport.writelines(parts)  # one write
         else:  # the kernel takes what it can of the payload while the daemon hashes it
+            self._flush_held()  # what was queued first goes first
             transport.writelines(parts)
             transport.write(self._trailer(kind, parts[1:]))
         return transport
+
+    def _flush_held(self) -> None:
+        """Write the frames held in this read callback, in order, as one ``writelines``."""
+        self._holding = False
+        held = self._held
+        if not held:
+            return
+        self._held, self._held_bytes = [], 0
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.writelines(held)
 
     def close(self, reason: str) -> None:
         if self.close_reason is None:
             self.close_reason = reason
         transport = self._transport
         if transport is not None and not transport.is_closing():
+            self._flush_held()  # queued before the close: they may still go out
             transport.close()
             if transport.get_write_buffer_size():  # a stalled peer would hold the flush forever
                 loop = asyncio.get_running_loop()

@@ -26,8 +26,9 @@ import uvloop
 
 from fabricd.errors import LocalProtocolError, RemoteProtocolError, TransportError
 from fabricd.integrity import KEY_SIZE, Opener, Sealer
-from fabricd.transports import inproc, tcp
+from fabricd.transports import batch, inproc, tcp
 from fabricd.transports.base import split_address
+from fabricd.transports.framing import FRAME_BUDGET
 from fabricd.transports.inproc import InprocTransport
 from fabricd.transports.posted import PostKey, WriteLanded
 from fabricd.transports.tcp import TcpTransport
@@ -449,6 +450,91 @@ def test_send_is_not_cut_by_the_nowait_limit(
     monkeypatch.setattr(tcp, "MAX_UNREAD", 512 * 1024)
     monkeypatch.setattr(inproc, "MAX_UNREAD", 512 * 1024)
     run(case, check_send_is_not_cut_by_the_nowait_limit)
+
+
+# -- many small frames: the frame budget, and writes held while a read callback runs ----------
+async def check_flood_is_delivered_a_budget_at_a_time(kind: str) -> None:
+    # a burst far larger than the budget (a flood of CANCELs): every frame arrives, in order,
+    # and the loop gets control between batches -- a callback that re-arms itself every loop
+    # iteration sees at most two budgets' worth delivered between two of its runs (a
+    # renewed budget's leftover, then the next), never the whole burst at once
+    count = 20 * FRAME_BUDGET
+    async with network(kind) as net:
+        pair = await net.pair()
+        sink = pair.server_sink
+        loop = asyncio.get_running_loop()
+        seen: list[int] = []  #: frames delivered so far, once per loop iteration
+
+        def tick() -> None:
+            seen.append(len(sink.frames))
+            if len(sink.frames) < count and not sink.lost:
+                loop.call_soon(tick)
+
+        for i in range(count):  # one go: they reach the peer's socket buffer together
+            pair.client.send_nowait(Kind.CANCEL, {"i": i})
+        loop.call_soon(tick)
+        frames = await sink.frames_count(count)
+        assert [f.meta["i"] for f in frames] == list(range(count))  # none lost or reordered
+        await sink.until(lambda: len(seen) > 1 and seen[-1] == count)
+        steps = [after - before for before, after in itertools.pairwise(seen)]
+        assert max(steps) <= 2 * FRAME_BUDGET, f"one loop iteration delivered {max(steps)}"
+        assert not sink.lost
+
+
+def test_a_flood_of_small_frames_is_delivered_a_budget_at_a_time(case: tuple[str, str]) -> None:
+    run(case, check_flood_is_delivered_a_budget_at_a_time)
+
+
+async def check_held_writes_keep_their_order_and_seals(kind: str) -> None:
+    # frames queued while a read callback runs (the first at once, the rest when it returns)
+    # keep call order whichever method queued them, small or large, and each one's trailer is
+    # sealed in that wire order (one out of order would fail the peer's check and close the link)
+    big = pattern(MiB, 5)
+    async with network(kind) as net:
+        pair = await net.pair()
+        secure(pair)
+        batch.hold()
+        try:
+            pair.client.send_nowait(Kind.DATA, {"i": 0})
+            assert pair.client.send_now(Kind.DATA, {"i": 1}, [b"small"])
+            pair.client.send_nowait(Kind.DATA, {"i": 2}, [b"x" * 1000])
+            assert pair.client.send_now(Kind.DATA, {"i": 3}, [big])  # large: not held
+            pair.client.send_nowait(Kind.CANCEL, {"i": 4})
+        finally:
+            batch.release()
+        await pair.client.send(Kind.DATA, {"i": 5}, [b"after the callback"])
+        frames = await pair.server_sink.frames_count(6)
+        assert [f.meta["i"] for f in frames] == list(range(6))
+        payloads = [bytes(f.payload) for f in frames]
+        assert payloads == [b"", b"small", b"x" * 1000, big, b"", b"after the callback"]
+        assert pair.server.close_reason is None
+        assert pair.client.close_reason is None
+
+
+def test_frames_held_in_a_read_callback_keep_their_order_and_seals(
+    case: tuple[str, str],
+) -> None:
+    run(case, check_held_writes_keep_their_order_and_seals)
+
+
+async def check_close_in_a_read_callback_sends_what_it_held(kind: str) -> None:
+    async with network(kind) as net:
+        pair = await net.pair()
+        batch.hold()
+        try:
+            pair.client.send_nowait(Kind.BYE, {"last": True})
+            pair.client.close("done here")
+        finally:
+            batch.release()
+        frames = await pair.server_sink.frames_count(1)
+        assert frames[0].meta == {"last": True}
+        await pair.server_sink.closed()
+
+
+def test_a_close_in_a_read_callback_still_sends_what_it_held(case: tuple[str, str]) -> None:
+    if case[0] != "tcp":
+        pytest.skip("inproc links drop queued frames on close")
+    run(case, check_close_in_a_read_callback_sends_what_it_held)
 
 
 # -- closing ----------------------------------------------------------------------------------
