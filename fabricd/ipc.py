@@ -25,6 +25,9 @@ the daemon's reason instead of guessing one.
 The daemon reads with ``recvmsg`` from the event loop's reader callback (asyncio streams cannot
 receive fds) and writes replies without blocking; a client that stops reading its replies is
 disconnected once ``MAX_OUTBOUND`` bytes are waiting for it, so it cannot make the daemon grow.
+The first reply or event a read callback (a client's requests, or a peer's frames) queues for a
+client is sent at once; the ones after it are held and leave in one ``send`` when the callback
+returns (transports/batch.py).
 
 Nothing a client does holds a slot or the loop for free:
 
@@ -63,6 +66,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.dirs import make_dirs, unsafe_directory
 from fabricd.errors import ConfigError, ErrorCode, LocalProtocolError, ProtocolError
+from fabricd.transports import batch
 from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, Limits, Meta, encode_head
 
 if TYPE_CHECKING:
@@ -201,6 +205,7 @@ class IpcConnection:
         self._fds: collections.deque[int] = collections.deque()
         self._out = bytearray()
         self._writing = False
+        self._holding = False  #: this read callback sent the client something: hold the rest
         self._first = True  #: no request has come yet
         self.timed_out = False  #: closed for a deadline (client_hello/frame_timeout) it missed
         #: the one deadline a connection has: its first request, then only the frame it is in
@@ -222,7 +227,7 @@ class IpcConnection:
         if self.closed:
             return
         self._out += encode_head(Kind.REPLY, meta, limits=REPLY_LIMITS)
-        self._flush()
+        self._send()
 
     def reply_error(self, request_id: int, code: str, message: str) -> None:
         self.reply({"id": request_id, "ok": False, "code": code, "error": message})
@@ -244,7 +249,7 @@ class IpcConnection:
         if self.closed:
             return
         self._out += encode_head(Kind.EVENT, {"event": event, **fields}, limits=REPLY_LIMITS)
-        self._flush()
+        self._send()
 
     def close(self, reason: str, *, code: ErrorCode | None = ErrorCode.PROTOCOL) -> None:
         """Disconnect the client; its session is released through ``client_gone``.
@@ -273,7 +278,17 @@ class IpcConnection:
         self._server.forget(self)
 
     def _on_readable(self) -> int:
-        """Read once and handle every whole request; returns how many there were."""
+        """Read once and handle every whole request; returns how many there were.
+
+        What the requests send leaves once they are all handled (transports/batch.py).
+        """
+        batch.hold()
+        try:
+            return self._read()
+        finally:
+            batch.release()
+
+    def _read(self) -> int:
         try:
             data, ancdata, flags, _ = self._sock.recvmsg(_RECV_SIZE, _FD_SPACE)
         except (BlockingIOError, InterruptedError):
@@ -380,7 +395,21 @@ class IpcConnection:
             self._server.handler.client_request(self, event.meta, fds)
         return handled
 
+    def _send(self) -> None:
+        """What was just queued: sent at once if it is the first of this read callback, else
+        held until the callback returns."""
+        if not self._holding:
+            self._holding = batch.defer(self._flush_held)
+            self._flush()
+
+    def _flush_held(self) -> None:
+        self._holding = False
+        self._flush()
+
     def _flush(self) -> None:
+        """Send what is queued, without blocking; watch for writability while some is left."""
+        if self.closed:  # closed since it was queued (a deferred flush, a late writability)
+            return
         try:
             sent = self._sock.send(self._out) if self._out else 0
         except (BlockingIOError, InterruptedError):
@@ -393,14 +422,10 @@ class IpcConnection:
             self.close(f"client is not reading its replies ({len(self._out)} B queued)", code=None)
         elif self._out and not self._writing:
             self._writing = True
-            self._loop.add_writer(self._sock.fileno(), self._on_writable)
+            self._loop.add_writer(self._sock.fileno(), self._flush)
         elif not self._out and self._writing:
             self._writing = False
             self._loop.remove_writer(self._sock.fileno())
-
-    def _on_writable(self) -> None:
-        if not self.closed:
-            self._flush()
 
 
 class IpcServer:

@@ -75,6 +75,24 @@ async def test_pushed_events_reach_the_client_beside_the_replies(server):
     assert events == [Event(name="news", fields={"n": 7})]
 
 
+async def test_replies_to_requests_read_together_leave_in_order_before_a_closing_event(server):
+    # the replies and events of one read callback are held and sent together when it returns;
+    # a close in the same callback sends them first, then the closing event
+    def exchange() -> list[Meta]:
+        with _raw(server.path) as sock:
+            sock.sendall(b"".join(_request("news", rid, n=rid) for rid in range(50)))
+            sock.sendall(_request("bad", 50))
+            return _read_until_closed(sock)
+
+    metas = await asyncio.to_thread(exchange)
+    expected: list[Meta] = []
+    for rid in range(50):
+        expected += [{"event": "news", "n": rid}, {"id": rid, "ok": True}]
+    assert metas[:100] == expected
+    assert metas[100]["event"] == ipc.CLOSING_EVENT
+    assert len(metas) == 101
+
+
 async def test_a_client_closed_for_a_bad_request_is_told_why(server):
     with pytest.raises(fabricd.DaemonUnavailable) as closed:
         await asyncio.to_thread(_call, server.path, "bad")
