@@ -188,6 +188,166 @@ def test_an_announce_flood_resets_the_peer_at_max_ranks_per_peer(make_cluster):
     _real_peer_untouched(cluster, real)
 
 
+# -- RELIABILITY Z1 and Z4 for EAGER and RTR --------------------------------------------------
+_ABOUT = {"job": "j", "src": 0, "dst": 1, "tag": 0, "dtype": "uint8"}  #: what a message is
+_EAGER = {"msg": 1, **_ABOUT, "nbytes": 8}
+_RTR = {"rtr": 1, **_ABOUT, "nbytes": 1 << 20}
+
+
+def _sealed_head(link: SealedLink, kind: Kind, meta: dict[str, object], payload_len: int) -> bytes:
+    """A sealed frame's head that declares ``payload_len`` bytes, past what encode_head allows
+    to be written (the daemon must refuse it at the header, before reading any of it)."""
+    head = bytearray(link.head(kind, meta, 0))
+    head[12:HEADER_SIZE] = payload_len.to_bytes(8, "big")
+    return bytes(head)
+
+
+#: (what it is, the link it goes on, its bytes, what the daemon's log must say of it)
+_MALFORMED: list[tuple[str, str, Callable[[SealedLink], bytes], str]] = [
+    (
+        "EAGER without nbytes",
+        "control",
+        lambda link: link.frame(Kind.EAGER, {k: v for k, v in _EAGER.items() if k != "nbytes"}),
+        "field 'nbytes' must be an integer",
+    ),
+    (
+        "EAGER with a job that is no string",
+        "control",
+        lambda link: link.frame(Kind.EAGER, {**_EAGER, "job": 5}, bytes(8)),
+        "field 'job' must be a non-empty string",
+    ),
+    (
+        "EAGER with a tag that is no int",
+        "control",
+        lambda link: link.frame(Kind.EAGER, {**_EAGER, "tag": "t"}, bytes(8)),
+        "field 'tag' must be an integer",
+    ),
+    (
+        "EAGER of negative nbytes",
+        "control",
+        lambda link: link.frame(Kind.EAGER, {**_EAGER, "nbytes": -8}, bytes(8)),
+        "field 'nbytes' must be an integer",
+    ),
+    (
+        "EAGER of 2**64 - 1 bytes",
+        "control",
+        lambda link: link.frame(Kind.EAGER, {**_EAGER, "nbytes": 2**64 - 1}, bytes(8)),
+        "field 'nbytes' must be an integer",
+    ),
+    (
+        "EAGER of 2**63 - 1 bytes carrying 8",
+        "control",
+        lambda link: link.frame(Kind.EAGER, {**_EAGER, "nbytes": 2**63 - 1}, bytes(8)),
+        f"says {2**63 - 1} B and carries 8",
+    ),
+    (
+        "EAGER declaring 4 GiB",
+        "control",
+        lambda link: _sealed_head(link, Kind.EAGER, {**_EAGER, "nbytes": 4 << 30}, 4 << 30),
+        f"payload of {4 << 30} B exceeds",
+    ),
+    (
+        "EAGER on the data link",
+        "data",
+        lambda link: link.frame(Kind.EAGER, _EAGER, bytes(8)),
+        "EAGER payload on a link of node 0 that does not carry it",
+    ),
+    (
+        "EAGER of no bytes on the data link",
+        "data",
+        lambda link: link.frame(Kind.EAGER, {**_EAGER, "nbytes": 0}),
+        "EAGER on the wrong channel from node 0",
+    ),
+    (
+        "RTR numbered 0",
+        "control",
+        lambda link: link.frame(Kind.RTR, {**_RTR, "rtr": 0}),
+        "RTR numbered 0",
+    ),
+    (
+        "RTR without a job",
+        "control",
+        lambda link: link.frame(Kind.RTR, {"rtr": 1, "nbytes": 1}),
+        "field 'job' must be a non-empty string",
+    ),
+    (
+        "RTR numbered by a string",
+        "control",
+        lambda link: link.frame(Kind.RTR, {**_RTR, "rtr": "x"}),
+        "field 'rtr' must be an integer",
+    ),
+    (
+        "RTR of negative nbytes",
+        "control",
+        lambda link: link.frame(Kind.RTR, {**_RTR, "nbytes": -1}),
+        "field 'nbytes' must be an integer",
+    ),
+    (
+        "RTR of 2**64 - 1 bytes",
+        "control",
+        lambda link: link.frame(Kind.RTR, {**_RTR, "nbytes": 2**64 - 1}),
+        "field 'nbytes' must be an integer",
+    ),
+    (
+        "RTR with a payload",
+        "control",
+        lambda link: link.frame(Kind.RTR, _RTR, b"p"),
+        "RTR payload on a link of node 0 that does not carry it",
+    ),
+    (
+        "RTR on the data link",
+        "data",
+        lambda link: link.frame(Kind.RTR, _RTR),
+        "RTR on the wrong channel from node 0",
+    ),
+    (
+        "DATA answering an RTR never sent",
+        "data",
+        lambda link: link.frame(Kind.DATA, {"msg": 1, "off": 0, "rtr": 99}, bytes(8)),
+        "which this node never asked node 0 for",
+    ),
+    (
+        "DATA with an rtr that is no int",
+        "data",
+        lambda link: link.frame(Kind.DATA, {"msg": 1, "off": 0, "rtr": "x"}, bytes(8)),
+        "field 'rtr' must be an integer",
+    ),
+]
+
+
+def _log_says(cluster: LocalCluster, text: str) -> int:
+    """How many times the target's log has said ``text`` so far."""
+    return cluster.nodes[TARGET].log_path.read_text(errors="replace").count(text)
+
+
+def test_malformed_eager_and_rtr_frames_close_only_that_peers_links_and_say_why(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    # slow liveness: only the links a frame breaks take the pretend node down
+    cluster, secret, real = _pretend_node_zero(make_cluster, suspect_after=30.0, down_after=60.0)
+    pid = cluster.nodes[TARGET].pid
+    before = _rss(pid)
+    for what, channel, make, reason in _MALFORMED:
+        said = _log_says(cluster, reason)
+        peer = _session(cluster, secret)
+        link = peer.data if channel == "data" else peer.control
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            link.sock.sendall(make(link))
+        guard = time.monotonic() + 20  # a hang guard: past a burst, the line comes as a summary
+        while _log_says(cluster, reason) == said:
+            assert time.monotonic() < guard, f"{what}: the log never said {reason!r}"
+            time.sleep(0.02)
+        for sock in (peer.control.sock, peer.data.sock):  # the reset takes both links
+            sock.settimeout(20)
+            with contextlib.suppress(ConnectionResetError):
+                while sock.recv(65536):  # (heartbeats sent before the reset)
+                    pass
+        peer.close()
+    assert cluster.nodes[TARGET].process.poll() is None
+    assert _rss(pid) - before < 16 * MiB  # nothing declared was allocated
+    _real_peer_untouched(cluster, real)
+
+
 # -- RELIABILITY Z5 -----------------------------------------------------------------------------
 def _junk(rng: random.Random) -> bytes:
     return rng.randbytes(rng.randint(1, 600))
@@ -237,6 +397,13 @@ def _bad_auth_frames(rng: random.Random, link: SealedLink) -> bytes:
         lambda: link.frame(Kind.CANCEL, {"msg": 2**64 - 1}),
         lambda: link.frame(Kind.RTS, {"msg": 1}, b"p"),  # a payload on a control kind
         lambda: link.head(Kind.DATA, {"msg": 1, "off": 0}, big),  # 64 MiB declared
+        lambda: link.frame(Kind.EAGER, {"msg": 1, "job": "j", "nbytes": -1}, b"e"),
+        lambda: link.frame(Kind.EAGER, {**_EAGER, "nbytes": 2**63 - 1}, b"e"),  # not its size
+        lambda: link.head(Kind.EAGER, _EAGER, big),  # 64 MiB declared for 8
+        lambda: link.frame(Kind.RTR, {**_RTR, "rtr": 0}),
+        lambda: link.frame(Kind.RTR, {"rtr": True, "job": b"j"}),
+        lambda: link.frame(Kind.RTR, _RTR, b"p"),  # a payload on an RTR
+        lambda: link.frame(Kind.DATA, {"msg": 1, "off": 0, "rtr": 99}, b"d"),  # control link
     ]
     raw = [
         lambda: encode(Kind.HEARTBEAT, {}),  # unsealed
