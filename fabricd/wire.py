@@ -77,8 +77,9 @@ class Kind(enum.IntEnum):
 
 
 #: the kinds whose payload is bulk data, possibly a view of a client's shared memory: their
-#: MAC covers the payload only under ``data_integrity = "mac"`` (fabricd/integrity.py)
-BULK_KINDS: Final = frozenset({Kind.DATA, Kind.WRITE, Kind.EAGER})
+#: MAC covers the payload only under ``data_integrity = "mac"`` (fabricd/integrity.py).  Not
+#: EAGER: its payload is the daemon's own copy of at most eager_limit bytes, always covered
+BULK_KINDS: Final = frozenset({Kind.DATA, Kind.WRITE})
 
 #: the largest message tag (and rank) the protocol carries
 MAX_TAG: Final = 2**31 - 1

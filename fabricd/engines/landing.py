@@ -175,9 +175,10 @@ class Landing:
         if entry is None:
             if msg in self._cancelled.get(node, ()):
                 return None
+            what = f"message {msg}" if msg >= 0 else f"the message answering RTR {-msg}"
             raise RemoteProtocolError(
-                f"DATA of message {msg}, which this node never asked node {node} for "
-                "(no CTS), or which is complete"
+                f"DATA of {what}, which this node never asked node {node} for "
+                "(no CTS or RTR), or which is complete"
             )
         if off != entry.received or off + length > entry.nbytes:
             raise RemoteProtocolError(
