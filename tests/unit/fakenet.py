@@ -20,6 +20,11 @@ daemon does, minus the I/O:
   does, at once -- unless ``auto_stream`` is off, in which case it waits for
   :meth:`finish_stream`/:meth:`fail_stream`.  Where bytes land is the engine's landing table;
   the fake keeps no table of its own.
+* ``data_channel`` on: ``StreamData`` instead puts every DATA chunk of the stream (the daemon
+  writes them all at once) on a FIFO per (sender, receiver) of its own, the data link, which
+  :meth:`deliver_one` serves independently of the control pair: with ``rng`` a DATA that answers
+  an RTR may land before or after its RTS, and a CANCEL may overtake DATA sent before it.
+  :meth:`cut_stream` fails a stream whose chunks are still on the data link.
 * ``CopyLocal`` copies segment to segment and reports ``copied`` (or waits, with ``auto_copy``
   off, for :meth:`finish_copy`).
 * ``Complete`` is recorded per (node, op); a second completion of one op is kept too, so tests
@@ -105,6 +110,8 @@ class FakeNet:
     eager_limit: int = 0  #: the engines' eager_limit (0: every message has a rendezvous)
     eager_credit: int = 0  #: the engines' eager_credit (credit and pool per peer, bytes)
     receiver_initiated: bool = True  #: the engines send RTRs for receives posted first
+    #: DATA travels data links of its own (see the module docstring) instead of landing at once
+    data_channel: bool = False
     #: return True to lose a frame (sender, receiver, frame): for deliberate fault tests
     drop: Callable[[int, int, PeerFrame], bool] | None = None
     now: float = 0.0
@@ -113,6 +120,10 @@ class FakeNet:
     engines: list[Messaging] = field(init=False)
     #: control frames in flight per (sender, receiver): kind, metadata, payload (EAGER's)
     links: dict[tuple[int, int], collections.deque[tuple[Kind, Meta, bytes]]] = field(init=False)
+    #: with ``data_channel``: DATA chunks in flight per (sender, receiver): msg, off, bytes, rtr
+    data_links: dict[tuple[int, int], collections.deque[tuple[int, int, bytes, int]]] = field(
+        init=False
+    )
     held: set[tuple[int, int]] = field(default_factory=set)
     crashed: set[int] = field(default_factory=set)
     fenced: set[tuple[int, int]] = field(default_factory=set)  #: (survivor, dead node)
@@ -149,11 +160,9 @@ class FakeNet:
             )
             for n in range(self.nodes)
         ]
-        self.links = {
-            (a, b): collections.deque()
-            for a, b in itertools.product(range(self.nodes), repeat=2)
-            if a != b
-        }
+        pairs = [(a, b) for a, b in itertools.product(range(self.nodes), repeat=2) if a != b]
+        self.links = {pair: collections.deque() for pair in pairs}
+        self.data_links = {pair: collections.deque() for pair in pairs}
         self._ids = itertools.count(1)
 
     # -- what clients do ----------------------------------------------------------------------
@@ -230,6 +239,8 @@ class FakeNet:
                     self._queue(node, peer, frame, payload)
                 case Place(op=op, payload=payload):
                     self.ops[node, op].region[:] = np.frombuffer(payload, dtype=np.uint8)
+                case StreamData() if self.data_channel:
+                    self._write_data(node, action)
                 case StreamData():
                     self.streams.append((node, action))
                     if self.auto_stream:
@@ -250,6 +261,31 @@ class FakeNet:
         if dst not in self.crashed:
             meta = transmit(frame.KIND, frame.to_meta())
             self.links[src, dst].append((frame.KIND, meta, payload))
+
+    def _write_data(self, sender: int, stream: StreamData) -> None:
+        """The daemon writes every DATA chunk of ``stream`` on its data link (``data_channel``)."""
+        if stream.node in self.crashed:
+            return
+        source = self.ops[sender, stream.op].region.tobytes()
+        link = self.data_links[sender, stream.node]
+        for off in range(0, len(source), self.chunk_size):
+            link.append((stream.msg, off, source[off : off + self.chunk_size], stream.rtr))
+
+    def cut_stream(self, sender: int, receiver: int, index: int) -> bool:
+        """The stream of the chunk at ``index`` on the data link from ``sender`` to
+        ``receiver`` fails there (``data_channel``): its chunks from ``index`` on never leave,
+        those before it are still on their way, and the sender's engine hears
+        ``stream_failed`` (so its CANCEL may overtake them).  Return False if there is no such
+        chunk."""
+        link = self.data_links[sender, receiver]
+        if index >= len(link):
+            return False
+        msg = link[index][0]
+        kept = [chunk for i, chunk in enumerate(link) if i < index or chunk[0] != msg]
+        link.clear()
+        link.extend(kept)
+        self.perform(sender, self.engines[sender].stream_failed(msg, "data link failed"))
+        return True
 
     def receive(self, src: int, dst: int, kind: Kind, meta: Meta, payload: bytes = b"") -> None:
         """``dst``'s daemon parses a control frame from ``src`` and hands it to its engine
@@ -387,7 +423,9 @@ class FakeNet:
 
     # -- the network --------------------------------------------------------------------------
     def in_flight(self) -> int:
-        return sum(len(q) for q in self.links.values())
+        return sum(len(q) for q in self.links.values()) + sum(
+            len(q) for q in self.data_links.values()
+        )
 
     def hold(self, src: int, dst: int) -> None:
         """Delay every frame from ``src`` to ``dst`` until :meth:`release`."""
@@ -397,15 +435,29 @@ class FakeNet:
         self.held.discard((src, dst))
 
     def deliver_one(self) -> bool:
-        """Deliver the oldest frame of one pair; return False when nothing can move."""
-        ready = [pair for pair, q in self.links.items() if q and pair not in self.held]
+        """Deliver the oldest frame of one link (a control pair, or a data link); return False
+        when nothing can move."""
+        ready = [
+            (data, pair)
+            for data, links in ((False, self.links), (True, self.data_links))
+            for pair, q in links.items()
+            if q and pair not in self.held
+        ]
         if not ready:
             return False
-        src, dst = self.rng.choice(ready) if self.rng is not None else ready[0]
+        data, (src, dst) = self.rng.choice(ready) if self.rng is not None else ready[0]
+        self.deliver(src, dst, data=data)
+        return True
+
+    def deliver(self, src: int, dst: int, *, data: bool = False) -> None:
+        """Deliver the oldest frame from ``src`` to ``dst``: of the control pair, or (``data``)
+        of the data link."""
+        if data:
+            self.land(src, dst, *self.data_links[src, dst].popleft())
+            return
         kind, meta, payload = self.links[src, dst].popleft()
         if (dst, src) not in self.fenced:
             self.receive(src, dst, kind, meta, payload)
-        return True
 
     def run(self, limit: int = 100_000) -> None:
         """Deliver until every pair that is not held is empty."""
@@ -417,14 +469,16 @@ class FakeNet:
     def crash(self, node: int) -> None:
         """``node`` stops dead: frames to it vanish; what it sent is still in flight."""
         self.crashed.add(node)
-        for (_, dst), queue in self.links.items():
-            if dst == node:
-                queue.clear()
+        for links in (self.links, self.data_links):
+            for (_, dst), queue in links.items():
+                if dst == node:
+                    queue.clear()
 
     def detect(self, survivor: int, node: int, reason: str = "down") -> None:
         """``survivor``'s daemon resets its links to ``node`` and fails what involved it."""
         self.fenced.add((survivor, node))
         self.links[node, survivor].clear()
+        self.data_links[node, survivor].clear()
         self.perform(survivor, self.members[survivor].peer_down(node, reason))
         self.perform(survivor, self.engines[survivor].peer_down(node, reason))
 
