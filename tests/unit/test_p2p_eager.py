@@ -727,3 +727,131 @@ def test_every_mix_of_eager_rtr_and_rts_keeps_mpi_order_on_two_channels(
     net, left = play(random.Random(seed), msgs, order, credit, skew, cuts, room)
     check_traffic(net, left)
     event(f"{len(left)} receives left")
+
+
+def held_by(net: FakeNet, rank: int) -> list[int]:
+    """The operations of ``rank``'s client its engine still holds (what it abandons)."""
+    node = HOME[rank]
+    return [
+        op
+        for (n, op), posted in net.ops.items()
+        if n == node
+        and net.engines[node].holds(op)
+        and rank == (posted.msg.src if posted.send else posted.msg.dst)
+    ]
+
+
+def play_failures(
+    rng: random.Random,
+    msgs: list[tuple[tuple[int, int], int, int, int | None]],
+    credit: int,
+    crash: int | None,
+) -> tuple[FakeNet, set[tuple[int, int]], dict[tuple[int, int], int]]:
+    """Like :func:`play` (interleaved), while clients leave at random, abandoning what they
+    posted, and come back; ``crash``: that node dies at a random moment.  Returns the network
+    once everything settled (timers included), the abandoned operations, and each send's uid."""
+    net = FakeNet(2, data_channel=True, rng=rng, eager_limit=LIMIT, eager_credit=credit)
+    for rank, node in HOME.items():
+        net.attach(node, rank)
+    net.run()
+    program: dict[int, list[tuple[Any, ...]]] = {rank: [] for rank in HOME}
+    for uid, ((src, dst), tag, sent, expected) in enumerate(msgs):
+        program[src].append(("send", dst, tag, uid, sent))
+        program[dst].append(("recv", src, tag, None, sent if expected is None else expected))
+    for ops in program.values():
+        rng.shuffle(ops)
+    joined = set(HOME)
+    abandoned: set[tuple[int, int]] = set()
+    uids: dict[tuple[int, int], int] = {}
+    crash_at = rng.randrange(60) if crash is not None else -1
+    for step in range(10_000):
+        if crash is not None and step == crash_at:
+            net.crash(crash)
+            net.detect(1 - crash, crash)
+            joined -= {rank for rank, node in HOME.items() if node == crash}
+        ready = [rank for rank in joined if program[rank]]
+        if not ready and not net.in_flight():
+            break
+        chance = rng.random()
+        if ready and (not net.in_flight() or chance < 0.4):
+            rank = rng.choice(ready)
+            what, peer, tag, uid, nbytes = program[rank].pop(0)
+            if what == "send":
+                op = net.send(HOME[rank], src=rank, dst=peer, data=payload(uid, nbytes), tag=tag)
+                uids[HOME[rank], op] = uid
+            else:
+                net.recv(HOME[rank], src=peer, dst=rank, nbytes=nbytes, tag=tag)
+        elif chance > 0.95:  # a client leaves with what it posted, or comes back
+            rank = rng.choice(sorted(HOME))
+            node = HOME[rank]
+            if node in net.crashed:
+                continue
+            if rank in joined:
+                mine = held_by(net, rank)
+                abandoned.update((node, op) for op in mine)
+                net.detach(node, rank, ops=mine)
+                joined.discard(rank)
+                event("a client left")
+            else:
+                net.attach(node, rank)
+                joined.add(rank)
+        else:
+            net.deliver_one()
+    else:
+        raise AssertionError("the traffic did not settle")
+    for rank in sorted(joined):  # the clients still here leave too
+        node = HOME[rank]
+        mine = held_by(net, rank)
+        abandoned.update((node, op) for op in mine)
+        net.detach(node, rank, ops=mine)
+    net.run_timers()
+    return net, abandoned, uids
+
+
+def check_failures(
+    net: FakeNet, abandoned: set[tuple[int, int]], uids: dict[tuple[int, int], int]
+) -> None:
+    """At most once (exactly once unless abandoned); a successful receive holds the bytes of
+    one send of its key, each send's bytes land at most once, later receives of a key never get
+    earlier sends (non-overtaking); survivors are left with empty tables, pool and credit."""
+    survivors = [n for n in range(2) if n not in net.crashed]
+    got: dict[int, int] = {}  # uid -> receives that got its bytes
+    by_key: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for (node, op), posted in sorted(net.ops.items(), key=lambda item: item[0][1]):
+        if node not in survivors:
+            continue
+        outcomes = net.completed.get((node, op), [])
+        assert len(outcomes) <= 1, f"op {op} completed {len(outcomes)} times"
+        assert outcomes or (node, op) in abandoned, f"op {op} never completed"
+        if posted.send or outcomes != [None] or not posted.msg.nbytes:
+            continue
+        senders = {uid: key for key, uid in uids.items() if net.ops[key].msg.key == posted.msg.key}
+        data = posted.region.tobytes()
+        [uid] = [u for u in senders if payload(u, posted.msg.nbytes) == data]
+        got[uid] = got.get(uid, 0) + 1
+        by_key[posted.msg.key].append(senders[uid][1])
+    assert all(count == 1 for count in got.values())
+    for ops in by_key.values():
+        assert ops == sorted(ops), "a later receive got an earlier send"
+    for node in survivors:
+        engine = net.engines[node]
+        assert eager_leftovers(engine) == {}, node
+        assert engine.pending() == engine.transfers() == 0
+        assert engine.next_deadline() is None
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    msgs=traffic,
+    seed=st.integers(0, 2**32 - 1),
+    credit=st.sampled_from((8, LIMIT, 4 * LIMIT)),
+    crash=st.sampled_from((None, None, 0, 1)),
+)
+def test_clients_leaving_and_nodes_dying_amid_eager_and_rtr_traffic_leave_nothing(
+    msgs: list[tuple[tuple[int, int], int, int, int | None]],
+    seed: int,
+    credit: int,
+    crash: int | None,
+) -> None:
+    net, abandoned, uids = play_failures(random.Random(seed), msgs, credit, crash)
+    check_failures(net, abandoned, uids)
