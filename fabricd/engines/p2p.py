@@ -301,6 +301,9 @@ class Messaging:
         self._rtrs_in: KeyedQueues[Key, QueuedRtr] = KeyedQueues()
         self._rtrs_in_by: dict[int, dict[QueuedRtr, None]] = {}  #: by the node that sent them
         self._rtrs_in_for: dict[RankKey, dict[QueuedRtr, None]] = {}  #: by src and by dst rank
+        #: per node, the keys one of whose RTRs was dropped for want of room: later RTRs of the
+        #: key are dropped too, until a send of the key goes without one (see ``_on_rtr``)
+        self._rtrs_lost: dict[int, set[Key]] = {}
         self._counts = dict.fromkeys(
             (
                 "eager_sent",
@@ -411,6 +414,10 @@ class Messaging:
         """A DATA or EAGER frame's ``length`` bytes were written where :meth:`payload_buffer`
         said (for an EAGER of no bytes, :meth:`payload_buffer` was never asked)."""
         if isinstance(frame, Eager):
+            if length != frame.nbytes:  # (a payload of any length but 0 was checked at its head)
+                raise RemoteProtocolError(
+                    f"EAGER {frame.msg} from node {node} says {frame.nbytes} B and carries {length}"
+                )
             arriving = self._arriving.pop(node, None)
             if arriving is None or arriving[0] != frame.msg:
                 return self._on_rts(node, frame.rts())  # no bytes, or dropped: as an RTS
@@ -538,6 +545,7 @@ class Messaging:
             self._release(node, len(arriving[1]))
         for queued in list(self._rtrs_in_by.get(node, ())):
             self._unqueue_rtr(queued)
+        self._rtrs_lost.pop(node, None)
         for recv in [r for r in self._rtrs.values() if r.source[0] == node]:
             self._void_rtr(recv)  # it waits on as a plain receive (its rank's news decides)
         for send in list(self._out_by.get(node, {}).values()):
@@ -754,6 +762,11 @@ class Messaging:
             if queued.node == node:  # the receiver is ready: announce and stream at once
                 return self._answer_rtr(send, queued)
             self._counts["rtr_dropped"] += 1  # stale: the rank lives elsewhere now
+        lost = self._rtrs_lost.get(node)
+        if lost is not None and msg.key in lost:  # this plain message voids them (``_on_rtr``)
+            lost.discard(msg.key)
+            if not lost:
+                del self._rtrs_lost[node]
         used = self._credit_used.get(node, 0)
         if msg.nbytes <= self.eager_limit:
             if used + msg.nbytes <= self.eager_credit:
@@ -890,12 +903,26 @@ class Messaging:
         msg = Message.from_rts(frame)
         source = self.routes.lookup(msg.job, msg.src)
         limit = self.max_unmatched_rts_per_peer
-        if (
-            source is None
-            or source.node != self.node
-            or self._unanswered.get(msg.key)
-            or (limit is not None and len(self._rtrs_in_by.get(node, ())) >= limit)
+        if source is None or source.node != self.node or self._unanswered.get(msg.key):
+            self._counts["rtr_dropped"] += 1
+            return []
+        lost = self._rtrs_lost.get(node)
+        if (lost is not None and msg.key in lost) or (
+            limit is not None and len(self._rtrs_in_by.get(node, ())) >= limit
         ):
+            # No room: the receiver still counts this RTR out, and a later RTR of the key that
+            # found room would be taken by the next send, which is this one's (answered out of
+            # turn).  So every RTR of the key is dropped until a send of it goes without one:
+            # that plain message takes this RTR's receive and voids the later ones there.
+            keys = self._rtrs_lost.setdefault(node, set())
+            if limit is not None and msg.key not in keys and len(keys) >= _lost_keys(limit):
+                # a receiver does not post receives of that many distinct keys at once past
+                # the room; a peer that makes up keys would grow this table without end
+                raise RemoteProtocolError(
+                    f"node {node} sent RTRs of more than {_lost_keys(limit)} keys beyond the "
+                    f"{limit} this node keeps (max_unmatched_rts_per_peer)"
+                )
+            keys.add(msg.key)
             self._counts["rtr_dropped"] += 1
             return []
         queued = QueuedRtr(node=node, rtr=frame.rtr, msg=msg)
@@ -1004,6 +1031,10 @@ class Messaging:
                 actions += self._fail_send(send, code, reason, entry.node, entry.rank)
         for queued in list(self._rtrs_in_for.get(gone, ())):  # asked by it, or for its sends
             self._unqueue_rtr(queued)
+        for node, keys in list(self._rtrs_lost.items()):  # its receives or sends are gone too
+            keys.difference_update([key for key in keys if gone in (key[:2], key[::2])])
+            if not keys:
+                del self._rtrs_lost[node]
         return actions
 
     # -- state changes ----------------------------------------------------------------------
@@ -1029,7 +1060,11 @@ class Messaging:
             del self._out[send.msg_id]
             _discard(self._out_by, send.node, send.msg_id)
             _discard(self._out_to, (msg.job, msg.dst), send)
-        unanswered = (new in _UNANSWERED) - (old in _UNANSWERED)
+        # A send that answers an RTR (one that does not fit it waits in RTS for its DONE) is
+        # matched already: an RTR of its key that comes meanwhile is a later receive's, kept.
+        # Dropping it lost that receive's turn: the receiver counts it out, and the next RTR of
+        # the key, once this DONE came, was taken ahead of it (answered out of turn).
+        unanswered = 0 if send.rtr else (new in _UNANSWERED) - (old in _UNANSWERED)
         if unanswered:
             _bump(self._unanswered, msg.key, unanswered)
         if old is SendState.EAGER:  # answered, refused or withdrawn: its credit is back
@@ -1148,6 +1183,12 @@ def _mismatch(offer: Message, want: Message) -> str | None:
         f"{offer.dtype}, rank {want.dst} posted {want.nbytes} B of {want.dtype} "
         f"(job {offer.job!r}, tag {offer.tag}); use the same shape and dtype on both sides"
     )
+
+
+def _lost_keys(limit: int) -> int:
+    """The most keys per node whose RTR was dropped for room that are remembered (4x the room,
+    and some); one more is a protocol error."""
+    return 4 * limit + 1024
 
 
 def _rts(send: Send) -> Rts:

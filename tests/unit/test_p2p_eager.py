@@ -22,7 +22,7 @@ from fabricd.engines.actions import SendFrame
 from fabricd.engines.operations import RecvState, SendState
 from fabricd.engines.p2p import Messaging, StreamData
 from fabricd.errors import RemoteProtocolError
-from fabricd.frames import Data, Done, Eager, Rts
+from fabricd.frames import Data, Done, Eager, Rtr, Rts
 from fabricd.wire import Kind
 
 if TYPE_CHECKING:
@@ -855,3 +855,22 @@ def test_clients_leaving_and_nodes_dying_amid_eager_and_rtr_traffic_leave_nothin
 ) -> None:
     net, abandoned, uids = play_failures(random.Random(seed), msgs, credit, crash)
     check_failures(net, abandoned, uids)
+
+
+def test_rtrs_of_made_up_keys_beyond_the_room_reset_the_peer() -> None:
+    """Keys whose RTR was dropped for room are remembered (so later RTRs of the key cannot
+    overtake it); a peer that invents keys past the room is a protocol error, not a table
+    that grows without end."""
+    net = FakeNet(2, max_unmatched_rts_per_peer=2)
+    net.attach(0, 0)
+    net.attach(1, 1)
+    net.run()
+    engine = net.engines[0]
+    remembered = 4 * 2 + 1024
+    for tag in range(2 + remembered):  # 2 kept, the rest dropped and their keys remembered
+        rtr = Rtr(rtr=tag + 1, job=JOB, src=0, dst=1, tag=tag, nbytes=64, dtype="uint8")
+        assert engine.on_frame(1, rtr, 0.0) == []
+    assert engine.statistics().rtr_dropped == remembered
+    rtr = Rtr(rtr=9999, job=JOB, src=0, dst=1, tag=9999, nbytes=64, dtype="uint8")
+    with pytest.raises(RemoteProtocolError, match="max_unmatched_rts_per_peer"):
+        engine.on_frame(1, rtr, 0.0)
