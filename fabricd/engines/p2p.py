@@ -10,15 +10,26 @@ Landing` table).  It reads the rank table but never changes it: membership does,
 Theory of operation: sends and receives match like MPI's -- same job, source, destination and
 tag, first posted first matched (non-overtaking).  There are no wildcards, so one FIFO queue per
 (job, src, dst, tag) key is exactly MPI's rule: a key's posted receives and its unmatched
-messages are never both non-empty.  Remote messages use a rendezvous, so a payload only ever
-moves into a receive that is already posted, straight into the receiver's shared-memory
-segment, and a daemon never buffers an unexpected 256 MiB message::
+messages are never both non-empty.  A remote message travels one of three ways (docs/protocol.md
+§3.4 has the frames, and the argument that MPI order holds across all three):
 
-    sender's daemon                    receiver's daemon
-      RTS {msg, job, src, dst, tag, nbytes, dtype}  ──►  match a posted receive (or queue it)
-                                       ◄──  CTS {msg}        (receive posted, region ready)
-      DATA {msg, off} x n (data channel)            ──►  bytes land in the receive's region
-                                       ◄──  DONE {msg[, code, error]}
+* **eager** -- at most ``eager_limit`` bytes, within the sender's credit at that peer: one EAGER
+  frame {msg, job, src, dst, tag, nbytes, dtype} + payload on the control channel.  The receiver
+  lands it straight in the receive if that is posted, else holds it in its pool for that peer
+  (``eager_credit`` bytes, the credit) until it is; a pool without room drops the payload and
+  takes the frame as an RTS.  DONE gives the credit back.
+* **rendezvous, sender first** -- RTS, then CTS once the receive is posted, then DATA on the
+  data channel and DONE; a large message is never buffered, and lands in the segment.
+* **rendezvous, receiver first (RTR)** -- a larger receive posted before its message sends an
+  RTR {rtr, key, nbytes, dtype} to the source's node, its region registered (unarmed) in the
+  landing table under ``-rtr``.  The next send of the key streams at once: RTS{rtr} ahead of
+  DATA{rtr} on the control channel, so no later send's RTS can overtake it, while its DATA may
+  arrive first.  Crossing: a sender with a send of the key unanswered (RTS or EAGER state) drops
+  an RTR, and a receiver that matches a message answering no RTR voids every RTR of the key
+  still out (``_void_rtrs``) and sends none while a posted receive of the key has none
+  (``_no_rtr``); a sender that drops an RTR for want of room drops every later one of its key
+  until a send of it goes plain (``_rtrs_lost``).  So the i-th send of a key always meets the
+  i-th receive.
 
 A zero-byte or mismatched message skips CTS and DATA: the receiver answers DONE at once (with
 an error when sizes or dtypes differ; both sides then fail with the same message).  Ranks on
@@ -44,6 +55,15 @@ index                  holds                                      serves
 ``_remote``            unmatched RTS by node and msg id           CANCEL, a peer is down
 ``_deadlines``         route deadlines by op                      the timer
 ``_stall_at``          stall deadlines by op (post + stall_after) the timer: stall reports
+``_unanswered``        sends in RTS or EAGER state, by key        the crossing rule
+``_credit_used``       bytes of EAGER sends unanswered, by node   credit
+``_pool_used``         pool bytes held (or reserved), by node     the pool's bound
+``_arriving``          the EAGER whose payload lands, by node     its end
+``_rtrs``/``_by_key``  receives with an RTR out, by number, key   RTS{rtr}, voiding
+``_no_rtr``            posted receives without an RTR, by key     RTRs in the receives' order
+``_rtrs_in``           RTRs waiting for a send, FIFO by key       dispatch
+``_rtrs_in_by/_for``   those RTRs by node, by src and dst rank    a peer or a rank is gone
+``_rtrs_lost``         keys of RTRs dropped for room, by node     turn-keeping
 =====================  =========================================  ===========================
 
 Memory: a Python dict never returns the memory of deleted entries, so once more operations and
@@ -52,6 +72,8 @@ unmatched RTS left the engine than twice the number still in it, every table is 
 that ended keep no memory behind.  A peer holds at most ``max_unmatched_rts_per_peer``
 unmatched RTS here; the next one is refused with a DONE of code ``limit`` (its send fails with a
 message that names the setting), so a sender that announces without end costs a bounded amount.
+The pool holds at most ``eager_credit`` bytes of a peer's eager messages, and at most
+``max_unmatched_rts_per_peer`` of its RTRs wait here.
 
 Stalls: with ``stall_after`` set, every operation gets a stall deadline when it is posted (one
 heap push) that is cancelled when it ends (one dict removal; the heap entry is dropped
