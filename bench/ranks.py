@@ -39,15 +39,16 @@ CALL_TIMEOUT = 120.0
 Plan = list[tuple[int, int]]
 
 
-def send_windowed(fab: Any, view: Any, messages: int, window: int) -> None:
-    """Rank 0: send ``messages`` copies of ``view`` to rank 1, at most ``window`` unfinished."""
+def send_windowed(fab: Any, view: Any, messages: int, window: int, wait: str = "delivered") -> None:
+    """Rank 0: send ``messages`` copies of ``view`` to rank 1, at most ``window`` unfinished
+    (``wait``: when a send finishes, as ``fab.send`` takes it)."""
     import collections
 
     in_flight: collections.deque[Any] = collections.deque()
     for _ in range(messages):
         if len(in_flight) == window:
             in_flight.popleft().wait(CALL_TIMEOUT)
-        in_flight.append(fab.send_async(view, to=1))
+        in_flight.append(fab.send_async(view, to=1, wait=wait))
     while in_flight:
         in_flight.popleft().wait(CALL_TIMEOUT)
 
