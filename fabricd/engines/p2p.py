@@ -64,6 +64,7 @@ index                  holds                                      serves
 ``_rtrs_in``           RTRs waiting for a send, FIFO by key       dispatch
 ``_rtrs_in_by/_for``   those RTRs by node, by src and dst rank    a peer or a rank is gone
 ``_rtrs_lost``         keys of RTRs dropped for room, by node     turn-keeping
+``_rtr_top``           the highest RTR number sent, by node       late DATA of a gone receive
 =====================  =========================================  ===========================
 
 Memory: a Python dict never returns the memory of deleted entries, so once more operations and
@@ -326,6 +327,9 @@ class Messaging:
         #: per node, the keys one of whose RTRs was dropped for want of room: later RTRs of the
         #: key are dropped too, until a send of the key goes without one (see ``_on_rtr``)
         self._rtrs_lost: dict[int, set[Key]] = {}
+        #: per node, the highest RTR number sent there: DATA naming one of those that is no
+        #: longer expected is read and dropped (``payload_buffer``), not a protocol error
+        self._rtr_top: dict[int, int] = {}
         self._counts = dict.fromkeys(
             (
                 "eager_sent",
@@ -430,6 +434,13 @@ class Messaging:
         if isinstance(frame, Eager):
             return self._eager_buffer(node, frame, length)
         lid = -frame.rtr if frame.rtr else frame.msg
+        if 0 < frame.rtr <= self._rtr_top.get(node, 0) and not self._landing.expects(node, lid):
+            # An RTR this node sent there whose receive is gone (abandoned, failed, voided):
+            # the sender may have answered it, and its DATA outrun the RTS, before it heard.
+            # Such receives are not marked cancelled in the landing table: a client leaving
+            # with more of them than it remembers pushed out the marks of the answered ones
+            # (and of messages whose sender cancelled them), and their DATA reset the peer.
+            return None
         return self._landing.payload_buffer(node, lid, frame.off, length)
 
     def data_arrived(self, node: int, frame: PayloadFrame, length: int, now: float) -> list[Action]:
@@ -568,6 +579,7 @@ class Messaging:
         for queued in list(self._rtrs_in_by.get(node, ())):
             self._unqueue_rtr(queued)
         self._rtrs_lost.pop(node, None)
+        self._rtr_top.pop(node, None)  # its next incarnation answers none of them
         for recv in [r for r in self._rtrs.values() if r.source[0] == node]:
             self._void_rtr(recv)  # it waits on as a plain receive (its rank's news decides)
         for send in list(self._out_by.get(node, {}).values()):
@@ -973,6 +985,7 @@ class Messaging:
         recv.rtr, recv.source = rtr, (node, -rtr)
         _bump(self._no_rtr, recv.msg.key, -1)
         self._rtrs[rtr] = recv
+        self._rtr_top[node] = rtr
         _add(self._rtrs_by_key, recv.msg.key, recv)
         self._counts["rtr_sent"] += 1
         msg = recv.msg
@@ -1121,7 +1134,8 @@ class Messaging:
             else:  # its RTR was answered (MATCHED_AWAY, DELIVERED), or it failed or left
                 self._unindex_rtr(recv)
                 if event is not RecvInput.MATCHED_AWAY and event is not RecvInput.DELIVERED:
-                    self._landing.cancel(*recv.source)  # DATA under way for it is dropped
+                    # DATA under way for it is dropped by its RTR's number (``payload_buffer``)
+                    self._landing.forget(*recv.source)
         elif old is RecvState.LANDING:
             self._landing.discard(*recv.source)  # bytes still to come (if any) land nowhere
         recv.state = new
