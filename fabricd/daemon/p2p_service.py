@@ -343,6 +343,22 @@ class P2PService(BaseService):
 
     # -- performing the engine's actions ----------------------------------------------------
     def _perform(self, actions: Iterable[Action]) -> None:
+        # wait="sent" replies go after every action: a reply may find its client gone (a failed
+        # write closes the connection) and the client's other operations abandoned within it,
+        # while an action of one of them (an EAGER the engine already counts as sent) is still
+        # to be performed here
+        early: list[tuple[ClientSession, _Transfer]] = []
+        try:
+            self._perform_each(actions, early)
+        finally:  # a send parted from its client is answered whatever came after it
+            for session, transfer in early:
+                self._answered(session, transfer, None)
+
+    def _perform_each(
+        self, actions: Iterable[Action], early: list[tuple[ClientSession, _Transfer]]
+    ) -> None:
+        """Perform ``actions`` in order; the ``wait="sent"`` sends they part from their clients
+        go in ``early``, for the caller to answer."""
         for action in actions:
             match action:
                 case SendFrame(node=node, frame=frame):
@@ -355,7 +371,9 @@ class P2PService(BaseService):
                     self._counters["bytes_sent"] += len(payload)
                     if transfer.early:
                         transfer.region = memoryview(payload)  # what a fallback (CTS) streams
-                        self._answer_early(op, transfer)
+                        session = self._answer_early(op, transfer)
+                        if session is not None:
+                            early.append((session, transfer))
                 case Place(op=op, payload=payload):
                     _bytes_of(self._ops[op].region)[:] = payload
                 case StreamData(node=node, msg=msg, op=op, rtr=rtr):
@@ -448,15 +466,16 @@ class P2PService(BaseService):
         except Exception:
             log.exception("p2p: reporting the end of a transfer failed (a bug); going on")
 
-    def _answer_early(self, op: int, transfer: _Transfer) -> None:
-        """Answer a ``wait="sent"`` send now: its bytes are copied; the engine keeps it until
-        its DONE, but its client may reuse the array and post more."""
+    def _answer_early(self, op: int, transfer: _Transfer) -> ClientSession | None:
+        """Part a ``wait="sent"`` send from its client, whom the caller answers (the session
+        returned; ``None``: answered already, or the client left): its bytes are copied; the
+        engine keeps it until its DONE, but its client may reuse the array and post more."""
         session = transfer.session
         if session is None:
-            return
+            return None
         transfer.session = None  # its end, later, answers nobody
         self._by_session.get(session, set()).discard(op)
-        self._answered(session, transfer, None)
+        return session
 
     def _complete(self, op: int, failure: Failure | None) -> None:
         transfer = self._forget(op)

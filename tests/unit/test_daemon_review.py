@@ -1,0 +1,107 @@
+"""The point-to-point service and the write batching, where a callback re-enters or raises.
+
+The service runs on a fake host (the recorder of test_p2p_service_bounds.py, with the real
+engine behind it) whose ``reply`` can do what a client connection does when its write fails:
+close the connection, which tells the daemon, at once, that the client is gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fabricd.daemon.config import Config
+from fabricd.daemon.p2p_service import P2PService
+from fabricd.daemon.service import Request
+from fabricd.daemon.sessions import ClientSession
+from fabricd.engines.membership import RankEntry, RankJoined
+from fabricd.frames import Cancel, Eager, PeerFrame
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from fabricd.transports.base import Buffer
+
+JOB = "j"
+
+
+class Table:
+    """Job ``"j"`` of size 3: ranks 0 and 1 on node 0; rank 2 (on node 1) joins later."""
+
+    def __init__(self) -> None:
+        self.entries = {
+            (JOB, rank): RankEntry(job=JOB, rank=rank, size=3, node=0) for rank in (0, 1)
+        }
+
+    def lookup(self, job: str, rank: int) -> RankEntry | None:
+        return self.entries.get((job, rank))
+
+
+@dataclass
+class LeavingHost:
+    """Records what the service sends and answers; a reply to a client that ``leaves`` closes
+    its connection, and the daemon then hears of it within that reply (ipc.py ``_flush``)."""
+
+    config: Config
+    draining: bool = False
+    sent: list[tuple[int, PeerFrame]] = field(default_factory=list)
+    answered: list[tuple[int, Any]] = field(default_factory=list)
+    leaves: set[ClientSession] = field(default_factory=set)
+    gone: Callable[[ClientSession], None] | None = None
+
+    def send(self, node: int, frame: PeerFrame, payload: Sequence[Buffer] = ()) -> None:
+        self.sent.append((node, frame))
+
+    def reply(self, session: ClientSession, request_id: int, result: Any) -> None:
+        self.answered.append((request_id, result))
+        if session in self.leaves and self.gone is not None:
+            self.leaves.discard(session)
+            self.gone(session)
+
+    def fail(self, session: ClientSession, request_id: int, failure: Any) -> None:
+        self.reply(session, request_id, failure)
+
+    def rearm(self) -> None:
+        pass
+
+    def now(self) -> float:
+        return 0.0
+
+
+class Segment:
+    def __init__(self) -> None:
+        self.data = bytearray(16)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        return memoryview(self.data)[offset : offset + nbytes]
+
+
+def test_a_client_gone_during_an_early_reply_leaves_the_other_eagers_in_that_batch_sent() -> None:
+    # Two wait="sent" sends of one client wait for rank 2 to join; its joining sends both as
+    # EAGER.  The first one's early reply finds the client gone (its socket refuses the write)
+    # and the daemon forgets the client right then.  Answered in the middle of the actions,
+    # that abandoned the second send, already EAGER in the engine, while its SendEager was yet
+    # to be performed: KeyError, and every action after it (other clients' EAGERs too) lost.
+    cfg = Config(node_id=0, nodes=("127.0.0.1:1", "127.0.0.1:2"))
+    host = LeavingHost(cfg)
+    table = Table()
+    svc = P2PService(host, routes=table)  # type: ignore[arg-type]
+    host.gone = lambda session: svc.client_gone(session, 0.0)
+    leaving = ClientSession(conn=None, job=JOB, rank=0, size=3)  # type: ignore[arg-type]
+    staying = ClientSession(conn=None, job=JOB, rank=1, size=3)  # type: ignore[arg-type]
+    for session in (leaving, staying):
+        session.segments[1] = Segment()  # type: ignore[assignment]
+    meta = {"seg": 1, "off": 0, "nbytes": 4, "dtype": "uint8", "peer": 2, "wait": "sent"}
+    svc.on_request(Request(session=leaving, id=1, op="send", meta={**meta, "tag": 1}, fds=[]), 0)
+    svc.on_request(Request(session=leaving, id=2, op="send", meta={**meta, "tag": 2}, fds=[]), 0)
+    svc.on_request(Request(session=staying, id=3, op="send", meta={**meta, "tag": 3}, fds=[]), 0)
+    assert host.sent == []  # rank 2 has no node yet
+    host.leaves.add(leaving)
+    entry = RankEntry(job=JOB, rank=2, size=3, node=1)
+    table.entries[(JOB, 2)] = entry
+    svc.on_rank_event(RankJoined(entry=entry), 0.0)
+    eagers = [frame.tag for _, frame in host.sent if isinstance(frame, Eager)]
+    cancels = [frame.msg for _, frame in host.sent if isinstance(frame, Cancel)]
+    assert eagers == [1, 2, 3]  # every EAGER the engine decided went out
+    assert cancels == []  # each was answered (sent) already: nothing of it is cancelled
+    assert sorted(request for request, _ in host.answered) == [1, 2, 3]  # each answered once
