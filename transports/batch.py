@@ -11,20 +11,24 @@ keeps, and every deferred flush runs once, in the order first deferred, when the
 callback returns.  Outside a read callback nothing is held: a frame sent from a task or a
 timer leaves at once, as before, and no frame ever waits for a loop iteration.
 
-What is deferred must not raise (a flush that fails closes its own connection) and must keep
-its writer's frames in the order they were queued: each writer keeps one queue, so per link
-(or per client connection) wire order is call order, whichever send method queued them.
+What is deferred must not raise (a flush that fails closes its own connection; one that raises,
+a bug, is logged and the others still run) and must keep its writer's frames in the order they
+were queued: each writer keeps one queue, so per link (or per client connection) wire order is
+call order, whichever send method queued them.
 
 Per thread: each event loop runs in one thread, and a held span never awaits.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+log = logging.getLogger("fabricd.transport")
 
 
 class _Held(threading.local):
@@ -54,7 +58,11 @@ def release() -> None:
     while flushes:  # a flush deferring again (it cannot hold now) would write at once
         flush = next(iter(flushes))
         del flushes[flush]
-        flush()
+        try:
+            flush()
+        except Exception:  # a bug: logged, and the other writers still flush (else they
+            # would hold all they send, even outside a read callback, until another one ends)
+            log.exception("a deferred flush failed (a bug); the other writers go on")
 
 
 def defer(flush: Callable[[], None]) -> bool:

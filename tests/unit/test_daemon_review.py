@@ -16,9 +16,12 @@ from fabricd.daemon.service import Request
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.membership import RankEntry, RankJoined
 from fabricd.frames import Cancel, Eager, PeerFrame
+from fabricd.transports import batch
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+
+    import pytest
 
     from fabricd.transports.base import Buffer
 
@@ -105,3 +108,28 @@ def test_a_client_gone_during_an_early_reply_leaves_the_other_eagers_in_that_bat
     assert eagers == [1, 2, 3]  # every EAGER the engine decided went out
     assert cancels == []  # each was answered (sent) already: nothing of it is cancelled
     assert sorted(request for request, _ in host.answered) == [1, 2, 3]  # each answered once
+
+
+def test_a_flush_that_raises_does_not_keep_the_others_held(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A deferred flush must not raise (batch.py), but one that does (a bug) must not leave the
+    # flushes after it pending: their writers would hold every frame they send from then on,
+    # outside any read callback too, until some later callback ends.  Nor may it reach the
+    # read callback whose span ended (a link's: the loop would close that healthy link).
+    ran: list[str] = []
+
+    def broken() -> None:
+        ran.append("broken")
+        raise RuntimeError("a bug")
+
+    def healthy() -> None:
+        ran.append("healthy")
+
+    batch.hold()
+    assert batch.defer(broken)
+    assert batch.defer(healthy)
+    batch.release()
+    assert ran == ["broken", "healthy"]
+    assert "a bug" in caplog.text  # logged
+    assert not batch.defer(healthy)  # nothing held: a writer writes at once again
