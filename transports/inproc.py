@@ -80,7 +80,10 @@ class InprocLink(FramedLink):
         self._arm(loop)
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._timer is None and self._queue:
+        # not once closed: what is queued never goes (``_deliver`` stops at a closed link), and
+        # a peer closing its end while ``_deliver`` runs leaves frames queued, which re-armed
+        # a delivery that did nothing every loop iteration, for ever
+        if self._timer is None and self._queue and not self._is_closed:
             self._timer = loop.call_at(self._queue[0][0], self._deliver)
 
     def _deliver(self) -> None:

@@ -7,6 +7,7 @@ close the connection, which tells the daemon, at once, that the client is gone.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,15 +16,19 @@ from fabricd.daemon.p2p_service import P2PService
 from fabricd.daemon.service import Request
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.membership import RankEntry, RankJoined
+from fabricd.errors import RemoteProtocolError
 from fabricd.frames import Cancel, Eager, PeerFrame
 from fabricd.transports import batch
+from fabricd.transports.inproc import InprocTransport
+from fabricd.wire import DEFAULT_LIMITS, Kind
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     import pytest
 
-    from fabricd.transports.base import Buffer
+    from fabricd.transports.base import Buffer, Link
+    from fabricd.wire import Frame, FrameHead
 
 JOB = "j"
 
@@ -133,3 +138,49 @@ def test_a_flush_that_raises_does_not_keep_the_others_held(
     assert ran == ["broken", "healthy"]
     assert "a bug" in caplog.text  # logged
     assert not batch.defer(healthy)  # nothing held: a writer writes at once again
+
+
+class _Refusing:
+    """A sink that refuses every frame (as a peer's node does a malformed one)."""
+
+    def payload_buffer(self, link: Link, head: FrameHead) -> memoryview | None:
+        return None
+
+    def frame_received(self, link: Link, frame: Frame) -> None:
+        raise RemoteProtocolError("refused")
+
+    def link_lost(self, link: Link, exc: BaseException | None) -> None:
+        pass
+
+
+async def test_an_inproc_link_its_peer_closes_mid_delivery_stops_delivering() -> None:
+    # Node 1 refuses the first of two frames node 0 sent at once and closes its end, which
+    # closes node 0's end from within the delivery of that frame.  The second frame stayed
+    # queued, and the delivery re-armed itself for it on a closed link: every loop iteration
+    # ran it again, for ever (a spinning loop in every test whose peer closes a link).
+    transport = InprocTransport()
+    accepted: list[Link] = []
+
+    def on_link(link: Link) -> None:
+        link.set_sink(_Refusing())
+        accepted.append(link)
+
+    await transport.listen("node1", on_link, DEFAULT_LIMITS)
+    link = await transport.connect("node1", DEFAULT_LIMITS)
+    link.set_sink(_Refusing())
+    deliveries = 0
+    deliver = link._deliver
+
+    def counted() -> None:
+        nonlocal deliveries
+        deliveries += 1
+        deliver()
+
+    link._deliver = counted  # type: ignore[method-assign]
+    link.send_nowait(Kind.HEARTBEAT, {})
+    link.send_nowait(Kind.HEARTBEAT, {})
+    for _ in range(50):  # bounded: far more iterations than two frames need
+        await asyncio.sleep(0)
+    assert link.closed
+    assert accepted[0].closed
+    assert deliveries == 1  # the one delivery that met the closed link, and none after it
