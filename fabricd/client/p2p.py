@@ -65,10 +65,11 @@ class PointToPoint:
         ``wait="delivered"`` (the default) returns once the receiver has all of it, and raises
         whatever went wrong on the way (a receive of another size, a rank that left).
         ``wait="sent"`` returns as soon as ``array`` may be changed again: for a message of at
-        most the daemon's ``eager_limit`` (64 KiB by default), once the daemon holds a copy of
-        its bytes, before the receiver has it -- a later failure is then reported only to the
-        receiver (MPI_Send's buffered semantics); a larger message is never copied, so it
-        returns on delivery either way.
+        most the daemon's ``eager_limit`` (64 KiB by default) that goes eager, once the daemon
+        holds a copy of its bytes, before the receiver has it -- a later failure is then
+        reported only to the receiver (MPI_Send's buffered semantics).  A message that does
+        not go eager (larger, or the daemon's credit at the receiver's node is used up) is
+        never copied, so it returns on delivery either way.
         """
         return self.send_async(array, to, tag, wait=wait).wait(timeout)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,14 +18,18 @@ import fabricd
 from tests.integration.inproc import fabric
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _early_send_then_late_receive(socket0: str, socket1: str, nbytes: int) -> dict[str, object]:
+def _early_send_then_late_receive(
+    socket0: str, socket1: str, nbytes: int, arrived: Callable[[], bool] = lambda: True
+) -> dict[str, object]:
     """Rank 0 sends ``nbytes`` with ``wait="sent"`` and overwrites its array once the send
-    returned; only then does rank 1 post its receive.  What each side saw."""
+    returned; only then, and once ``arrived()`` says so, does rank 1 post its receive.  What
+    each side saw."""
     joined, sent = threading.Event(), threading.Event()
     seen: dict[str, object] = {}
     count = nbytes // 4
@@ -34,6 +39,10 @@ def _early_send_then_late_receive(socket0: str, socket1: str, nbytes: int) -> di
             array = fab.array("in", (count,), "int32")
             joined.set()
             assert sent.wait(20)
+            deadline = time.monotonic() + 20
+            while not arrived():  # the message is at node 1 before its receive is posted
+                assert time.monotonic() < deadline, "the message never reached node 1"
+                time.sleep(0.005)
             try:
                 fab.recv(array, src=0, timeout=20)
             except fabricd.FabricError as exc:
@@ -81,9 +90,14 @@ async def test_a_sent_send_whose_payload_the_receiver_dropped_streams_the_copy(
     # that follows the late receive makes node 0 stream -- from its copy, not the array that
     # rank 0 overwrote after its send returned
     async with fabric(tmp_path) as fab:
-        fab.daemons[1].service("p2p").engine.eager_credit = 0
+        engine = fab.daemons[1].service("p2p").engine
+        engine.eager_credit = 0
+
+        def arrived() -> bool:  # read from the receiver's thread: one int
+            return bool(engine.statistics().unexpected == 1)
+
         seen = await asyncio.to_thread(
-            _early_send_then_late_receive, fab.socket(0), fab.socket(1), 4096
+            _early_send_then_late_receive, fab.socket(0), fab.socket(1), 4096, arrived
         )
         assert seen == {"sent": "ok", "received": True}
         assert fab.daemons[1].service("p2p").statistics()["counters"]["eager_pool_full"] == 1
