@@ -96,7 +96,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
 from fabricd.engines.deadlines import Deadlines
@@ -807,15 +807,7 @@ class Messaging:
                 _bump(self._credit_used, node, msg.nbytes)
                 self._announce(send, SendInput.SENT_EAGER)
                 self._counts["eager_sent"] += 1
-                eager = Eager(
-                    msg=send.msg_id,
-                    job=msg.job,
-                    src=msg.src,
-                    dst=msg.dst,
-                    tag=msg.tag,
-                    nbytes=msg.nbytes,
-                    dtype=msg.dtype,
-                )
+                eager = Eager(**_announced(send))
                 return [SendEager(node=node, op=send.op, frame=eager)]
             self._counts["eager_no_credit"] += 1
         self._announce(send, SendInput.ROUTED_AWAY)
@@ -1229,17 +1221,21 @@ def _lost_keys(limit: int) -> int:
 
 def _rts(send: Send) -> Rts:
     """The RTS that announces ``send`` (naming the RTR it answers, if any)."""
+    return Rts(**_announced(send), rtr=send.rtr)
+
+
+def _announced(send: Send) -> dict[str, Any]:
+    """What an RTS or EAGER says of ``send``'s message."""
     msg = send.msg
-    return Rts(
-        msg=send.msg_id,
-        job=msg.job,
-        src=msg.src,
-        dst=msg.dst,
-        tag=msg.tag,
-        nbytes=msg.nbytes,
-        dtype=msg.dtype,
-        rtr=send.rtr,
-    )
+    return {
+        "msg": send.msg_id,
+        "job": msg.job,
+        "src": msg.src,
+        "dst": msg.dst,
+        "tag": msg.tag,
+        "nbytes": msg.nbytes,
+        "dtype": msg.dtype,
+    }
 
 
 def _refuse(node: int, msg_id: int, code: ErrorCode, text: str) -> SendFrame:
