@@ -53,6 +53,7 @@ import asyncio
 import collections
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -206,6 +207,7 @@ class IpcConnection:
         self._out = bytearray()
         self._writing = False
         self._holding = False  #: this read callback sent the client something: hold the rest
+        self._failed = False  #: a write failed: nothing more is written; it closes next round
         self._first = True  #: no request has come yet
         self.timed_out = False  #: closed for a deadline (client_hello/frame_timeout) it missed
         #: the one deadline a connection has: its first request, then only the frame it is in
@@ -224,7 +226,7 @@ class IpcConnection:
 
     def reply(self, meta: Meta) -> None:
         """Queue a REPLY frame; disconnects the client if too much is already queued."""
-        if self.closed:
+        if self.closed or self._failed:
             return
         self._out += encode_head(Kind.REPLY, meta, limits=REPLY_LIMITS)
         self._send()
@@ -246,7 +248,7 @@ class IpcConnection:
         """
         if event == CLOSING_EVENT or "event" in fields:
             raise LocalProtocolError(f"cannot push event {event!r} with fields {sorted(fields)}")
-        if self.closed:
+        if self.closed or self._failed:
             return
         self._out += encode_head(Kind.EVENT, {"event": event, **fields}, limits=REPLY_LIMITS)
         self._send()
@@ -402,24 +404,33 @@ class IpcConnection:
             self._holding = batch.defer(self._flush_held)
             self._flush()
 
+    def _fail(self, reason: str) -> None:
+        """The client cannot be written to: write nothing more, and disconnect it once the code
+        that wrote has returned.  A reply is often written amid a service's work (a batch of
+        engine actions); disconnecting at once released the client's session right there, and
+        abandoned its other operations while actions for them were still to be performed."""
+        self._failed = True
+        self._out.clear()
+        self._loop.call_soon(functools.partial(self.close, reason, code=None))
+
     def _flush_held(self) -> None:
         self._holding = False
         self._flush()
 
     def _flush(self) -> None:
         """Send what is queued, without blocking; watch for writability while some is left."""
-        if self.closed:  # closed since it was queued (a deferred flush, a late writability)
+        if self.closed or self._failed:  # since it was queued (a deferred flush, writability)
             return
         try:
             sent = self._sock.send(self._out) if self._out else 0
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError as exc:
-            self.close(f"write failed: {exc.strerror}", code=None)
+            self._fail(f"write failed: {exc.strerror}")
             return
         del self._out[:sent]
         if len(self._out) > MAX_OUTBOUND:
-            self.close(f"client is not reading its replies ({len(self._out)} B queued)", code=None)
+            self._fail(f"client is not reading its replies ({len(self._out)} B queued)")
         elif self._out and not self._writing:
             self._writing = True
             self._loop.add_writer(self._sock.fileno(), self._flush)

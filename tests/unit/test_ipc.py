@@ -469,3 +469,45 @@ async def test_a_deadline_run_before_the_bytes_waiting_for_it_are_read_cuts_nobo
         conn._time_out("the deadline")
         assert conn.closed
         sock.close()
+
+
+async def test_a_failed_write_disconnects_the_client_once_the_writer_has_returned(server):
+    # A reply is often written amid a service's work (a batch of engine actions); a failed write
+    # that released the client's session at once abandoned its other operations while actions
+    # for them were still to be performed.  Now nothing more is written to it at once, and it is
+    # let go one loop iteration later, after the writer returned.
+    seen: list[tuple[int, bool]] = []
+
+    class Refusing:
+        """The client's socket, but every send fails as if it had hung up."""
+
+        def __init__(self, sock: socket.socket) -> None:
+            self.sock = sock
+
+        def send(self, data: object) -> int:
+            raise OSError(errno.EPIPE, "Broken pipe")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.sock, name)
+
+    handler = server.handler
+
+    def failing(conn: IpcConnection, meta: Meta, fds: list[int]) -> None:
+        conn._sock = Refusing(conn._sock)  # type: ignore[assignment]
+        conn.reply({"id": meta["id"], "ok": True})  # the write fails
+        seen.append((len(handler.gone), conn.closed))  # not let go inside the writer
+        conn.reply({"id": meta["id"], "ok": True})  # nothing more is written
+        seen.append((len(handler.gone), conn.closed))
+
+    handler.client_request = failing
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        client.connect(server.path)
+        client.sendall(encode_head(Kind.REQUEST, {"id": 1, "op": "anything"}))
+        async with asyncio.timeout(10):
+            while not handler.gone:
+                await asyncio.sleep(0.01)
+    finally:
+        client.close()
+    assert seen == [(0, False), (0, False)]
+    assert handler.gone == ["write failed: Broken pipe"]
