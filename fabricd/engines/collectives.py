@@ -1,0 +1,372 @@
+"""Synchronous collectives and the activation broadcast, built as one rank's schedule DAG.
+
+Rules: this module only *builds* :class:`~fabricd.engines.schedule.Schedule` objects for rank
+``rank`` of ``size`` (any ``size >= 1``, not only powers of two); the schedule engine runs them,
+the daemon's schedule service performs their actions.  It knows no dtype and no length: a
+schedule works for any tensor, whose bytes the service splits by :func:`chunk_bounds`.  The
+choice of algorithm by message size is :func:`choose_allreduce`, with the switch point a
+parameter: it is to be measured (issue 10, item 8), not guessed here.
+
+Buffers: the convention the service must implement.  An :class:`Op`'s ``buffer`` and
+``inputs`` are one of (:func:`parse` reads them back as a :class:`Buffer`):
+
+* ``"data"`` (:data:`DATA`): the rank's tensor for the round, given by its call; the result
+  ends there, in place.
+* ``"data:I"`` (:func:`chunk`): chunk ``I`` of ``"data"``, elements
+  ``chunk_bounds(count, size, I)``.  Chunks may be empty (fewer elements than ranks): their
+  messages then carry zero bytes.
+* ``"slot:P:T"`` (:func:`slot`): where the recv of message tag ``T`` from rank ``P`` lands,
+  one per recv.  A slot, never ``"data"``, because a message of round ``r + 1`` may land while
+  round ``r`` still uses ``"data"`` (see the engine's "Rounds and the overlap allowed": one
+  slot per round parity for a required recv).  A send may read a slot (a broadcast forwards
+  from it); the slot of round ``r`` is free again once round ``r`` ended.
+* ``"empty"`` (:data:`EMPTY`): no bytes: barrier and activation messages, which only say "I
+  got here" (optional recvs of the activation need no landing slot at all).
+
+Compute functions (``Op.fn``), elementwise, in the tensor's dtype (integers wrap):
+``"sum"``, ``"max"``, ``"min"``: ``buffer = fn(inputs[0], inputs[1])``; ``"copy"``:
+``buffer = inputs[0]``; ``"div"``: ``buffer = inputs[0] / size`` with ``size`` the number of
+ranks of the collective (floor division for integer dtypes).  A reduction ``"avg"`` is built
+as ``"sum"`` then one ``"div"``, applied where it costs least and leaves every rank the same
+bits: on the rank's own chunk before the ring's allgather, after the last exchange of
+recursive doubling.  The reductions are commutative, so the two ranks of an exchange compute
+``a + b`` and ``b + a``, equal in IEEE arithmetic: every rank ends with the same bits.
+
+Theory of operation, with the cost of a message of ``m`` bytes as ``alpha + m * beta``:
+
+* **Ring allreduce** (:func:`allreduce_ring`; Patarasuk and Yuan, "Bandwidth optimal all-reduce
+  algorithms for clusters of workstations", JPDC 2009; Thakur, Rabenseifner and Gropp,
+  "Optimization of collective communication operations in MPICH", IJHPCA 2005): the tensor in
+  ``size`` chunks; a reduce-scatter of ``size - 1`` steps (step ``s``: send chunk
+  ``rank - s`` to the right, reduce chunk ``rank - s - 1`` from the left) leaves chunk
+  ``rank + 1`` complete here, and an allgather of ``size - 1`` steps passes the complete chunks
+  round.  ``2 (size - 1)`` messages per rank, ``2 (size - 1) / size * m`` bytes: bandwidth
+  optimal, for large messages.
+* **Recursive doubling** (:func:`allreduce_recursive_doubling`; Thakur, Rabenseifner and Gropp
+  2005, the allreduce for short messages, with its handling of a ``size`` that is not a power
+  of two): with ``p`` the largest power of two ``<= size`` and ``rem = size - p``, the first
+  ``2 rem`` ranks pair up, each even one sends its tensor to the odd one above it and sits the
+  doubling out; the ``p`` ranks left exchange whole tensors with the partner ``new ^ 2**k`` at
+  step ``k`` (``new``: the rank among them) and reduce; the odd ranks send the result back.
+  ``log2 p`` messages per rank (one more for the odd folding ranks, one in all for the even
+  ones), each of ``m`` bytes: fewest steps, for small messages.
+* **Broadcast** (:func:`broadcast`; the binomial tree of MPICH, Thakur et al. 2005): relative
+  rank ``v = rank - root``; ``v`` takes the tensor from ``v`` without its lowest set bit and
+  forwards it, straight from its slot, to ``v + 2**j`` for each ``2**j`` below that bit, the
+  largest subtree first.  ``ceil(log2 size)`` steps; a rank's call only gates the copy into
+  its own ``"data"``, never its subtree.
+* **Barrier** (:func:`barrier`; the dissemination barrier of Hensgen, Finkel and Manber,
+  "Two algorithms for barrier synchronization", IJPP 1988): ``ceil(log2 size)`` steps, step
+  ``k`` sends an empty message to ``rank + 2**k`` and takes one from ``rank - 2**k``; step
+  ``k + 1`` waits for step ``k``'s message.  Works for any size.
+* **Activation broadcast** (:func:`activation_broadcast`; eager-SGD §4.1.1, Fig. 6): the
+  union of the binomial trees rooted at every rank, so any rank may initiate.  On channel
+  ``k`` a rank sends an empty message to ``rank + 2**k`` and takes one from ``rank - 2**k``
+  (mod ``size``); the rank's call sends on every channel, a message on channel ``j`` forwards
+  on the channels above ``j``.  From initiator ``i`` this reaches ``i + m`` for every
+  ``m < 2**ceil(log2 size)``: every rank exactly once for a power of two (as Fig. 6's XOR
+  scheme does; addition mod ``size`` also serves the other sizes), and some twice otherwise --
+  the second message is a consumed or skipped optional recv, absorbed by the engine like a
+  second initiator's.  The call, the recvs and the sends are optional; a required nop (the
+  paper's N1) waits for any of them and starts the collective, so simultaneous initiators run
+  the collective exactly once (operations are consumable).  Known limit: the engine absorbs
+  such a redundant message only up to one round late; one held back on a slow link while its
+  receiver ran two more rounds is refused (``RemoteProtocolError``; a strict xfail test in
+  ``tests/unit/test_collectives.py`` shows it).
+
+Persistence, rounds, and when a message may come are the engine's (its docstring); a broadcast
+root hears nobody, so the data plane's credit must keep it from running two rounds ahead.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, replace
+from typing import Final
+
+from fabricd.engines.schedule import Join, Kind, Op, Schedule
+from fabricd.errors import UsageError
+
+#: the reductions an allreduce takes
+REDUCTIONS: Final = ("sum", "avg", "max", "min")
+
+#: the rank's tensor for the round (the result lands in it)
+DATA: Final = "data"
+#: a message of no bytes (barrier, activation)
+EMPTY: Final = "empty"
+
+
+def chunk(index: int) -> str:
+    """The name of chunk ``index`` of :data:`DATA`."""
+    return f"{DATA}:{index}"
+
+
+def slot(peer: int, tag: int) -> str:
+    """The name of the landing slot of message ``tag`` from ``peer``."""
+    return f"slot:{peer}:{tag}"
+
+
+def chunk_bounds(count: int, parts: int, index: int) -> tuple[int, int]:
+    """Elements ``[start, stop)`` of chunk ``index`` of ``count`` split in ``parts``: sizes
+    differ by at most one, and every rank computes the same split."""
+    return index * count // parts, (index + 1) * count // parts
+
+
+class Region(enum.Enum):
+    DATA = "data"  #: the whole tensor
+    CHUNK = "chunk"  #: one chunk of it (``index``)
+    SLOT = "slot"  #: a recv's landing slot (``peer``, ``tag``)
+    EMPTY = "empty"  #: no bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """A buffer name, read back: what the service maps it to."""
+
+    region: Region
+    index: int = -1
+    peer: int = -1
+    tag: int = -1
+
+
+_CHUNK = re.compile(r"data:(\d+)")
+_SLOT = re.compile(r"slot:(\d+):(\d+)")
+
+
+def parse(name: str) -> Buffer:
+    """Read a buffer name this module wrote.
+
+    Raises:
+        UsageError: not a name of the convention.
+    """
+    if name == DATA:
+        return Buffer(Region.DATA)
+    if name == EMPTY:
+        return Buffer(Region.EMPTY)
+    if m := _CHUNK.fullmatch(name):
+        return Buffer(Region.CHUNK, index=int(m[1]))
+    if m := _SLOT.fullmatch(name):
+        return Buffer(Region.SLOT, peer=int(m[1]), tag=int(m[2]))
+    raise UsageError(f"{name!r} is not a collective buffer (data, data:I, slot:P:T, empty)")
+
+
+class Algorithm(enum.Enum):
+    RING = "ring"
+    RECURSIVE_DOUBLING = "recursive doubling"
+
+
+def choose_allreduce(size: int, nbytes: int, *, ring_from_bytes: int) -> Algorithm:
+    """Ring for tensors of ``ring_from_bytes`` or more, recursive doubling below.
+
+    The switch point is the caller's: it depends on the fabric's alpha and beta and is to be
+    measured (``bench/``), never guessed here.  With two ranks or fewer recursive doubling is
+    chosen whatever the size: it moves the same bytes as the ring in one step instead of two.
+    """
+    if ring_from_bytes < 0 or nbytes < 0:
+        raise UsageError("sizes in bytes must be >= 0")
+    if size > 2 and nbytes >= ring_from_bytes:
+        return Algorithm.RING
+    return Algorithm.RECURSIVE_DOUBLING
+
+
+def allreduce(rank: int, size: int, op: str, nbytes: int, *, ring_from_bytes: int) -> Schedule:
+    """The allreduce :func:`choose_allreduce` picks for ``nbytes``."""
+    match choose_allreduce(size, nbytes, ring_from_bytes=ring_from_bytes):
+        case Algorithm.RING:
+            return allreduce_ring(rank, size, op)
+        case Algorithm.RECURSIVE_DOUBLING:
+            return allreduce_recursive_doubling(rank, size, op)
+
+
+class _Builder:
+    """Appends operations; op 0 is the activation (the rank's call)."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = [Op.nop()]
+
+    def add(self, op: Op) -> int:
+        self.ops.append(op)
+        return len(self.ops) - 1
+
+    def build(self) -> Schedule:
+        return Schedule(ops=tuple(self.ops), activation=0)
+
+
+_CALL: Final = 0
+
+
+def _check(rank: int, size: int, op: str | None = None) -> None:
+    if size < 1 or not 0 <= rank < size:
+        raise UsageError(f"rank {rank} of {size}: need size >= 1 and 0 <= rank < size")
+    if op is not None and op not in REDUCTIONS:
+        raise UsageError(f"op {op!r}: must be one of {', '.join(REDUCTIONS)}")
+
+
+def _reduce_fn(op: str) -> str:
+    return "sum" if op == "avg" else op
+
+
+def allreduce_ring(rank: int, size: int, op: str) -> Schedule:
+    """Ring allreduce (reduce-scatter, then allgather) of ``"data"`` in ``size`` chunks.
+
+    Tags: reduce-scatter step ``s`` is tag ``s``, allgather step ``s`` tag ``size - 1 + s``.
+    Besides the data flow, allgather step ``s``'s copy into chunk ``rank - s`` waits for the
+    reduce-scatter send that read that chunk (a write after a read in flight).
+    """
+    _check(rank, size, op)
+    b = _Builder()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    fn = _reduce_fn(op)
+    last = _CALL  #: the op after which the next send's chunk is ready
+    scattered: list[int] = []  #: the reduce-scatter sends, by step
+    for step in range(size - 1):
+        mine, theirs = (rank - step) % size, (rank - step - 1) % size
+        scattered.append(b.add(Op.send(right, chunk(mine), tag=step, after=(last,))))
+        got = b.add(Op.recv(left, slot(left, step), tag=step))
+        last = b.add(
+            Op.compute(fn, chunk(theirs), (chunk(theirs), slot(left, step)), after=(_CALL, got))
+        )
+    owned = chunk((rank + 1) % size)  # complete here after the reduce-scatter
+    if op == "avg" and size > 1:
+        last = b.add(Op.compute("div", owned, (owned,), after=(last,)))
+    for step in range(size - 1):
+        tag = size - 1 + step
+        mine, theirs = (rank + 1 - step) % size, (rank - step) % size
+        b.add(Op.send(right, chunk(mine), tag=tag, after=(last,)))
+        got = b.add(Op.recv(left, slot(left, tag), tag=tag))
+        last = b.add(
+            Op.compute("copy", chunk(theirs), (slot(left, tag),), after=(got, scattered[step]))
+        )
+    return b.build()
+
+
+def allreduce_recursive_doubling(rank: int, size: int, op: str) -> Schedule:
+    """Recursive-doubling allreduce of the whole ``"data"``, any ``size`` (see the module).
+
+    Tags: the fold-in message is tag 0, doubling step ``k`` is tag ``1 + k``, the result sent
+    back to a folded rank is tag ``1 + log2 p``.  Each step's reduction waits for the step's
+    send to complete, since it overwrites what the send reads.
+    """
+    _check(rank, size, op)
+    b = _Builder()
+    fn = _reduce_fn(op)
+    steps = size.bit_length() - 1
+    rem = size - (1 << steps)
+    back = 1 + steps  #: the tag of the result sent back to a folded rank
+    last = _CALL  #: the op after which "data" holds this rank's partial result
+    if rank < 2 * rem and rank % 2 == 0:  # folded: hands its tensor over, gets the result
+        sent = b.add(Op.send(rank + 1, DATA, tag=0, after=(_CALL,)))
+        got = b.add(Op.recv(rank + 1, slot(rank + 1, back), tag=back))
+        b.add(Op.compute("copy", DATA, (slot(rank + 1, back),), after=(got, sent)))
+        return b.build()
+    if rank < 2 * rem:  # takes its even neighbour's tensor in
+        got = b.add(Op.recv(rank - 1, slot(rank - 1, 0), tag=0))
+        last = b.add(Op.compute(fn, DATA, (DATA, slot(rank - 1, 0)), after=(_CALL, got)))
+        new = rank // 2
+    else:
+        new = rank - rem
+    for k in range(steps):
+        partner = new ^ (1 << k)
+        peer = 2 * partner + 1 if partner < rem else partner + rem
+        tag = 1 + k
+        sent = b.add(Op.send(peer, DATA, tag=tag, after=(last,)))
+        got = b.add(Op.recv(peer, slot(peer, tag), tag=tag))
+        last = b.add(Op.compute(fn, DATA, (DATA, slot(peer, tag)), after=(sent, got)))
+    if op == "avg" and size > 1:
+        last = b.add(Op.compute("div", DATA, (DATA,), after=(last,)))
+    if rank < 2 * rem:
+        b.add(Op.send(rank - 1, DATA, tag=back, after=(last,)))
+    return b.build()
+
+
+def broadcast(rank: int, size: int, root: int) -> Schedule:
+    """Binomial-tree broadcast of ``root``'s ``"data"`` into every rank's ``"data"``; tag 0."""
+    _check(rank, size)
+    if not 0 <= root < size:
+        raise UsageError(f"root {root}: must be a rank of 0..{size - 1}")
+    b = _Builder()
+    v = (rank - root) % size
+    if v == 0:
+        source, ready, below = DATA, _CALL, 1 << (size - 1).bit_length()
+    else:
+        below = v & -v  # the lowest set bit: the parent is v without it
+        parent = (v - below + root) % size
+        source = slot(parent, 0)
+        ready = b.add(Op.recv(parent, source, tag=0))
+        b.add(Op.compute("copy", DATA, (source,), after=(_CALL, ready)))
+    step = below >> 1
+    while step:
+        if v + step < size:
+            b.add(Op.send((v + step + root) % size, source, tag=0, after=(ready,)))
+        step >>= 1
+    return b.build()
+
+
+def barrier(rank: int, size: int) -> Schedule:
+    """Dissemination barrier: empty messages, tag ``k`` at step ``k``."""
+    _check(rank, size)
+    b = _Builder()
+    last: tuple[int, ...] = (_CALL,)
+    for k in range((size - 1).bit_length()):
+        sent = b.add(Op.send((rank + (1 << k)) % size, EMPTY, tag=k, after=last))
+        got = b.add(Op.recv((rank - (1 << k)) % size, EMPTY, tag=k))
+        last = (sent, got)
+    return b.build()
+
+
+def activation_broadcast(rank: int, size: int, collective: Schedule) -> Schedule:
+    """``collective`` started by the first of the rank's call or any rank's activation message.
+
+    Ops ``0 .. 2K + 1`` (``K = ceil(log2 size)`` channels) are the activation: 0 the call
+    (optional), ``1 .. K`` the recvs of channels ``0 .. K - 1``, ``K + 1 .. 2K`` the sends, and
+    ``2K + 1`` the required nop N1; tags ``0 .. K - 1``.  The collective follows, its
+    activation now a nop after N1, its tags (and slot names) shifted up by ``K``.
+
+    Raises:
+        UsageError: ``collective`` has no activation to hang behind N1.
+    """
+    _check(rank, size)
+    if collective.activation is None:
+        raise UsageError("the collective has no activation nop to start after the broadcast")
+    channels = (size - 1).bit_length()
+    ops = [Op.nop(optional=True)]
+    recvs = [1 + k for k in range(channels)]
+    ops += [Op.recv((rank - (1 << k)) % size, EMPTY, tag=k, optional=True) for k in range(channels)]
+    ops += [
+        Op.send(
+            (rank + (1 << k)) % size,
+            EMPTY,
+            tag=k,
+            after=(0, *recvs[:k]),
+            join=Join.ANY,
+            optional=True,
+        )
+        for k in range(channels)
+    ]
+    n1 = len(ops)
+    ops.append(Op.nop(after=(0, *recvs), join=Join.ANY))
+    offset = len(ops)
+    for index, op in enumerate(collective.ops):
+        if index == collective.activation:
+            ops.append(Op.nop(after=(n1,)))
+            continue
+        tag = op.tag + channels if op.kind in (Kind.SEND, Kind.RECV) else op.tag
+        ops.append(
+            replace(
+                op,
+                after=tuple(d + offset for d in op.after),
+                tag=tag,
+                buffer=_shift(op.buffer, channels),
+                inputs=tuple(_shift(name, channels) for name in op.inputs),
+            )
+        )
+    return Schedule(ops=tuple(ops), activation=0)
+
+
+def _shift(name: str, channels: int) -> str:
+    """A slot's name follows its recv's tag when the tags move up by ``channels``."""
+    if not name:
+        return name
+    buffer = parse(name)
+    return slot(buffer.peer, buffer.tag + channels) if buffer.region is Region.SLOT else name
