@@ -338,7 +338,7 @@ def test_allreduce_equals_numpy_round_after_round(
     run_allreduce(algorithm, size, op, dtype, count=19, rounds=3, seed=size * 1000 + len(op))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     algorithm=st.sampled_from(Algorithm),
     size=st.integers(1, 16),
@@ -369,7 +369,7 @@ def test_the_choice_rule_takes_the_switch_point_as_given() -> None:
 
 
 # -- broadcast, barrier ----------------------------------------------------------------------------
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     size=st.integers(1, 16),
     root=st.data(),
@@ -404,7 +404,7 @@ def test_barrier_ends_nowhere_before_every_rank_called(size: int) -> None:
 
 
 # -- activation broadcast: solo allreduce ----------------------------------------------------------
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80)
 @given(
     algorithm=st.sampled_from(Algorithm),
     size=st.integers(1, 16),
