@@ -97,7 +97,29 @@ class Announce:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Rts:
+class _Described:
+    """What RTS, EAGER and RTR say of a message: its key (job, src, dst, tag), size and dtype."""
+
+    job: str
+    src: int
+    dst: int
+    tag: int
+    nbytes: int
+    dtype: str
+
+    def _described(self) -> Meta:
+        return {
+            "job": self.job,
+            "src": self.src,
+            "dst": self.dst,
+            "tag": self.tag,
+            "nbytes": self.nbytes,
+            "dtype": self.dtype,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rts(_Described):
     """Request to send message ``msg``: what it is, so the receiver can match it.
 
     ``rtr``: the receiver's RTR this send answers (0: none).  Such an RTS is already matched:
@@ -106,16 +128,10 @@ class Rts:
 
     KIND: ClassVar[Kind] = Kind.RTS
     msg: int
-    job: str
-    src: int
-    dst: int
-    tag: int
-    nbytes: int
-    dtype: str
     rtr: int = 0
 
     def to_meta(self) -> Meta:
-        meta = _message_meta(self)
+        meta = {"msg": self.msg, **self._described()}
         if self.rtr:
             meta["rtr"] = self.rtr
         return meta
@@ -126,22 +142,16 @@ class Rts:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Eager:
+class Eager(_Described):
     """Message ``msg`` whole: what :class:`Rts` says of it, and its ``nbytes`` bytes as the
     frame's payload (control channel).  Sent only within the receiver's credit; a receiver
     whose pool is full drops the payload and treats the frame as an RTS (docs/protocol.md)."""
 
     KIND: ClassVar[Kind] = Kind.EAGER
     msg: int
-    job: str
-    src: int
-    dst: int
-    tag: int
-    nbytes: int
-    dtype: str
 
     def to_meta(self) -> Meta:
-        return _message_meta(self)
+        return {"msg": self.msg, **self._described()}
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Eager:
@@ -149,19 +159,11 @@ class Eager:
 
     def rts(self) -> Rts:
         """The RTS this frame stands for once its payload is dropped."""
-        return Rts(
-            msg=self.msg,
-            job=self.job,
-            src=self.src,
-            dst=self.dst,
-            tag=self.tag,
-            nbytes=self.nbytes,
-            dtype=self.dtype,
-        )
+        return Rts(msg=self.msg, **self._described())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Rtr:
+class Rtr(_Described):
     """Ready to receive: a receive for (``job``, ``src``, ``dst``, ``tag``) of ``nbytes`` of
     ``dtype`` is posted, and its region is ready under the receiver's number ``rtr``.  The
     sender's next send of that key may stream at once (its RTS and DATA carry ``rtr``), unless a
@@ -169,23 +171,9 @@ class Rtr:
 
     KIND: ClassVar[Kind] = Kind.RTR
     rtr: int
-    job: str
-    src: int
-    dst: int
-    tag: int
-    nbytes: int
-    dtype: str
 
     def to_meta(self) -> Meta:
-        return {
-            "rtr": self.rtr,
-            "job": self.job,
-            "src": self.src,
-            "dst": self.dst,
-            "tag": self.tag,
-            "nbytes": self.nbytes,
-            "dtype": self.dtype,
-        }
+        return {"rtr": self.rtr, **self._described()}
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Rtr:
@@ -198,18 +186,6 @@ class Rtr:
 def _optional_int(meta: Meta, key: str) -> int:
     """``meta[key]`` as :func:`get_int` reads it, or 0 when the field is absent."""
     return get_int(meta, key) if key in meta else 0
-
-
-def _message_meta(frame: Rts | Eager) -> Meta:
-    return {
-        "msg": frame.msg,
-        "job": frame.job,
-        "src": frame.src,
-        "dst": frame.dst,
-        "tag": frame.tag,
-        "nbytes": frame.nbytes,
-        "dtype": frame.dtype,
-    }
 
 
 def _message_fields(meta: Meta, id_field: str = "msg") -> dict[str, Any]:

@@ -510,7 +510,7 @@ class Messaging:
             self._counts["eager_pool_full"] += 1
             return None
         payload = bytearray(length)
-        self._pool_used[node] = used + length
+        _bump(self._pool_used, node, length)
         self._arriving[node] = (frame.msg, payload)
         return memoryview(payload)
 
@@ -574,8 +574,8 @@ class Messaging:
         actions: list[Action] = []
         self._cancel_after_chunk.pop(node, None)  # its receive fails here, with the others
         arriving = self._arriving.pop(node, None)
-        if arriving is not None and arriving[1] is not None:
-            self._release(node, len(arriving[1]))
+        if arriving is not None:
+            self._release(node, arriving[1])
         for queued in list(self._rtrs_in_by.get(node, ())):
             self._unqueue_rtr(queued)
         self._rtrs_lost.pop(node, None)
@@ -1010,16 +1010,10 @@ class Messaging:
         del self._rtrs[recv.rtr]
         _discard(self._rtrs_by_key, recv.msg.key, recv)
 
-    def _release(self, node: int, payload: bytearray | int | None) -> None:
-        """Give back the pool bytes an EAGER of ``node`` held (a buffer, or its size)."""
-        if payload is None:
-            return
-        nbytes = payload if isinstance(payload, int) else len(payload)
-        left = self._pool_used.get(node, 0) - nbytes
-        if left > 0:
-            self._pool_used[node] = left
-        else:
-            self._pool_used.pop(node, None)
+    def _release(self, node: int, payload: bytearray | None) -> None:
+        """Give back the pool bytes an EAGER of ``node`` held (``None``: it held none)."""
+        if payload is not None:
+            _bump(self._pool_used, node, -len(payload))
 
     def _on_cancel(self, node: int, msg_id: int, rtr: int = 0) -> list[Action]:
         offer = self._remote.get(node, {}).get(msg_id)
