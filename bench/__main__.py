@@ -16,7 +16,18 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from bench import disconnect, framecost, handoff, integrity, latency, rate, roundtrip, throughput
+from bench import (
+    allreduce,
+    disconnect,
+    framecost,
+    handoff,
+    integrity,
+    latency,
+    rate,
+    roundtrip,
+    skew,
+    throughput,
+)
 from bench.report import Table, dump_json, machine, stderr_progress
 
 if TYPE_CHECKING:
@@ -35,6 +46,8 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "integrity-frame": integrity.run_frame,
     "roundtrip": roundtrip.run,
     "rate": rate.run,
+    "allreduce": allreduce.run,
+    "skew": skew.run,
 }
 
 
