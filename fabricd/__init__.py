@@ -13,7 +13,7 @@ Every error fabricd raises on purpose is a :class:`FabricError`.
 
 from __future__ import annotations
 
-from fabricd.client import Client, Completion, Event, Handle, connect
+from fabricd.client import Client, Completion, Event, Handle, Result, connect
 from fabricd.errors import (
     ConfigError,
     DaemonUnavailable,
@@ -43,6 +43,7 @@ __all__ = [
     "PermissionDenied",
     "ProtocolError",
     "RemoteProtocolError",
+    "Result",
     "Timeout",
     "TransportError",
     "UsageError",

@@ -15,8 +15,10 @@ Layers, one module each:
   events out);
 * :mod:`~fabricd.client.connection`: the socket, SCM_RIGHTS, and the hand-off between threads;
 * :mod:`~fabricd.client.arrays`: the shared-memory arrays of ``fab.array()``;
-* one facet per engine of the daemon, reached through :class:`Client`: today
-  :mod:`~fabricd.client.p2p` (``fab.p2p``; ``fab.send`` and ``fab.recv`` are its shortcuts);
+* one facet per engine of the daemon, reached through :class:`Client`:
+  :mod:`~fabricd.client.p2p` (``fab.p2p``; ``fab.send`` and ``fab.recv`` are its shortcuts) and
+  :mod:`~fabricd.client.collectives` (``fab.collectives``; ``fab.allreduce``, ``fab.broadcast``,
+  ``fab.barrier`` and ``fab.sync_model`` are its shortcuts);
 * :mod:`~fabricd.client.checks`: every argument is checked before anything is sent.
 
 The client is synchronous and thread-safe, with no thread of its own: one waiting thread at a
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from fabricd.client import checks
 from fabricd.client.arrays import SharedArrays
+from fabricd.client.collectives import Collectives, Mode, Op, Result
 from fabricd.client.connection import Connection
 from fabricd.client.handle import Handle
 from fabricd.client.p2p import Completion, PointToPoint, Wait
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
 
     from fabricd.wire import Meta
 
-__all__ = ["Client", "Completion", "Event", "Handle", "connect"]
+__all__ = ["Client", "Completion", "Event", "Handle", "Result", "connect"]
 
 
 class Client:
@@ -62,6 +65,7 @@ class Client:
         job: the job it joined, or ``None`` for a control client (status, config only).
         node, nodes: this daemon's node id and the number of nodes of the fabric.
         p2p: the point-to-point facet (send, recv and their ``_async`` forms).
+        collectives: the collectives facet (allreduce, broadcast, barrier, sync_model).
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class Client:
         self.nodes: int = hello["nodes"]
         self._arrays = SharedArrays(connection)
         self.p2p = PointToPoint(connection, self._arrays, job)
+        self.collectives = Collectives(connection, self._arrays, job)
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -159,6 +164,61 @@ class Client:
     def recv_async(self, array: np.ndarray[Any, Any], src: int, tag: int = 0) -> Handle[Completion]:
         """Start a receive; don't read ``array`` until the handle is done."""
         return self.p2p.recv_async(array, src, tag)
+
+    # -- collectives (shortcuts to the collectives facet) -----------------------------------
+    def allreduce(
+        self,
+        array: np.ndarray[Any, Any],
+        op: Op = "sum",
+        mode: Mode = "sync",
+        *,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> Result:
+        """Reduce ``array`` over the job's ranks in place (:meth:`Collectives.allreduce`);
+        ``mode``: ``"sync"``, ``"solo"`` or ``"majority"``."""
+        return self.collectives.allreduce(array, op, mode, name=name, timeout=timeout)
+
+    def allreduce_async(
+        self,
+        array: np.ndarray[Any, Any],
+        op: Op = "sum",
+        mode: Mode = "sync",
+        *,
+        name: str | None = None,
+    ) -> Handle[Result]:
+        """Start an allreduce; ``.wait(timeout=)`` for its :class:`Result`."""
+        return self.collectives.allreduce_async(array, op, mode, name=name)
+
+    def broadcast(
+        self,
+        array: np.ndarray[Any, Any],
+        root: int = 0,
+        *,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> Result:
+        """Copy rank ``root``'s ``array`` into every rank's (:meth:`Collectives.broadcast`)."""
+        return self.collectives.broadcast(array, root, name=name, timeout=timeout)
+
+    def barrier(self, *, name: str = "barrier", timeout: float | None = None) -> Result:
+        """Wait until every rank of the job reached this barrier."""
+        return self.collectives.barrier(name=name, timeout=timeout)
+
+    def sync_model(
+        self,
+        array: np.ndarray[Any, Any],
+        *,
+        every: int = 1,
+        root: int | None = None,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> Result | None:
+        """Average (or, with ``root``, broadcast) the model every ``every``-th call
+        (:meth:`Collectives.sync_model`, eager-SGD §5)."""
+        return self.collectives.sync_model(
+            array, every=every, root=root, name=name, timeout=timeout
+        )
 
     # -- control ----------------------------------------------------------------------------
     def status(self, timeout: float = 10.0) -> Meta:

@@ -111,6 +111,16 @@ class SharedArrays:
             UsageError: not a numpy array, an unsupported dtype, not contiguous, or not in
                 fabricd shared memory.
         """
+        seg, offset, _ = self.find(array)
+        return seg, offset
+
+    def find(self, array: object) -> tuple[int, int, str]:
+        """:meth:`locate`, and the name of the array: its ``fab.array()`` name, with
+        ``@OFFSET`` (bytes into the array) for a slice that does not start at its beginning.
+
+        Raises:
+            UsageError: as for :meth:`locate`.
+        """
         if not isinstance(array, np.ndarray):
             raise UsageError("send and recv take numpy arrays made by fab.array()")
         if array.dtype.name not in ITEMSIZE or not array.dtype.isnative:
@@ -121,7 +131,9 @@ class SharedArrays:
         for entry in self._entries.values():
             end = entry.base + entry.root.nbytes
             if entry.base <= start and start + array.nbytes <= end:
-                return entry.seg, start - entry.base
+                into = start - _address(entry.array)
+                label = next(n for n, e in self._entries.items() if e is entry)
+                return entry.seg, start - entry.base, f"{label}@{into}" if into else label
         raise UsageError(
             "array is not in fabricd shared memory; create it with fab.array(name, shape, dtype)"
         )

@@ -281,25 +281,37 @@ def allreduce_recursive_doubling(rank: int, size: int, op: str) -> Schedule:
 
 
 def broadcast(rank: int, size: int, root: int) -> Schedule:
-    """Binomial-tree broadcast of ``root``'s ``"data"`` into every rank's ``"data"``; tag 0."""
+    """Binomial-tree broadcast of ``root``'s ``"data"`` into every rank's ``"data"``.
+
+    Tag 0 carries the data down the tree; tag 1 is an empty acknowledgement up it, sent once
+    the rank copied the data (after its own call) and heard from its whole subtree.  A rank's
+    round ends only with its children's acknowledgements, so the root, which hears nobody
+    else, cannot run more than one round ahead of the slowest rank (the engine's rule).
+    """
     _check(rank, size)
     if not 0 <= root < size:
         raise UsageError(f"root {root}: must be a rank of 0..{size - 1}")
     b = _Builder()
     v = (rank - root) % size
+    parent = -1
     if v == 0:
-        source, ready, below = DATA, _CALL, 1 << (size - 1).bit_length()
+        source, ready, below, copied = DATA, _CALL, 1 << (size - 1).bit_length(), _CALL
     else:
         below = v & -v  # the lowest set bit: the parent is v without it
         parent = (v - below + root) % size
         source = slot(parent, 0)
         ready = b.add(Op.recv(parent, source, tag=0))
-        b.add(Op.compute("copy", DATA, (source,), after=(_CALL, ready)))
+        copied = b.add(Op.compute("copy", DATA, (source,), after=(_CALL, ready)))
+    acks: list[int] = []
     step = below >> 1
     while step:
         if v + step < size:
-            b.add(Op.send((v + step + root) % size, source, tag=0, after=(ready,)))
+            child = (v + step + root) % size
+            b.add(Op.send(child, source, tag=0, after=(ready,)))
+            acks.append(b.add(Op.recv(child, EMPTY, tag=1)))
         step >>= 1
+    if parent >= 0:
+        b.add(Op.send(parent, EMPTY, tag=1, after=(copied, *acks)))
     return b.build()
 
 

@@ -1,0 +1,220 @@
+"""The collectives facet: allreduce (sync, solo, majority), broadcast, barrier, sync_model.
+
+``fab.allreduce`` and the others come here; the daemon's collective service
+(:mod:`fabricd.daemon.collective_service`) runs each as a *persistent schedule* per
+(job, collective name): the first call builds it on every node, later calls reuse it round
+after round (eager-SGD §4.1, §4.3).  Only (segment, offset, length, dtype) travels over the
+socket; the daemon reads the contribution from the array's shared memory and writes the result
+back into it, in place.
+
+Names: a collective is named after its array (``fab.array``'s name, ``@OFFSET`` for a slice
+that does not start at the array's beginning) and its kind, unless ``name=`` says otherwise.
+Every rank must call a collective of one name with the same shape, dtype, op and mode; the
+daemon refuses a call that disagrees with what the job's first call said.
+
+Partial modes (eager-SGD §4.1, §4.2): with ``mode="solo"`` the first rank to call starts the
+round and every other rank takes part passively, its daemon contributing what the rank gave
+since its last contribution (zeros, or gradients a round missed); with ``mode="majority"`` the
+round's initiator, drawn from a seed all ranks share, starts it.  Nothing a rank gives is lost:
+a call that comes after its round started gets that round's result (``included`` false) and
+its data is added to its next contribution.  A rank more than one round behind gets the latest
+result only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from fabricd.client.handle import Handle
+from fabricd.errors import UsageError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from fabricd.client import checks
+    from fabricd.client.arrays import SharedArrays
+    from fabricd.client.connection import Connection
+    from fabricd.wire import Meta
+
+Mode = Literal["sync", "solo", "majority"]
+Op = Literal["sum", "avg", "max", "min"]
+MODES: Final = ("sync", "solo", "majority")
+OPS: Final = ("sum", "avg", "max", "min")
+#: the ops a partial (solo, majority) allreduce takes: a passive rank's zeros must not change
+#: the result, which rules out max and min
+PARTIAL_OPS: Final = ("sum", "avg")
+#: the longest collective name
+MAX_NAME: Final = 200
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Result:
+    """What a collective call returns (DESIGN §8).
+
+    ``round``: the round whose result is now in the array (0, 1, ...; per collective name).
+    ``included``: whether this call's data is in that result; false when the round had started
+    without it (solo, majority), in which case its data goes into the rank's next contribution.
+    ``active``: how many ranks contributed data they gave since their last contribution (for
+    sync: every rank).
+    """
+
+    round: int
+    included: bool
+    active: int
+
+
+class Collectives:
+    """Collective calls over the ranks of a job, on arrays made by ``fab.array()``.
+
+    Between a call and its completion the array must not be touched: the daemon reads the
+    contribution from it and writes the result into it.
+    """
+
+    def __init__(
+        self, connection: Connection, arrays: SharedArrays, job: checks.Membership | None
+    ) -> None:
+        self._connection = connection
+        self._arrays = arrays
+        self._job = job
+        self._syncs: dict[str, int] = {}  #: sync_model calls per collective name
+
+    def allreduce(
+        self,
+        array: np.ndarray[Any, Any],
+        op: Op = "sum",
+        mode: Mode = "sync",
+        *,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> Result:
+        """Reduce ``array`` over every rank of the job, in place; see :class:`Result`.
+
+        ``op``: ``"sum"``, ``"avg"`` (the sum divided by the job's size; integers floor),
+        ``"max"``, ``"min"``; partial modes take ``"sum"`` and ``"avg"`` only.
+
+        Raises:
+            UsageError: a bad argument, or a call that disagrees with the collective's first
+                (shape, dtype, op, mode).
+            PeerFailed: sync only: a node of the job went down or a rank left during the round;
+                the round's result is undefined (resynchronise the model before going on).
+            Timeout: ``timeout`` passed; the call goes on (:meth:`allreduce_async` to wait
+                again).
+        """
+        return self.allreduce_async(array, op, mode, name=name).wait(timeout)
+
+    def allreduce_async(
+        self,
+        array: np.ndarray[Any, Any],
+        op: Op = "sum",
+        mode: Mode = "sync",
+        *,
+        name: str | None = None,
+    ) -> Handle[Result]:
+        """Start an allreduce; leave ``array`` alone until ``handle.wait()`` returns."""
+        if mode not in MODES:
+            raise UsageError(f"mode must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
+        if op not in OPS:
+            raise UsageError(f"op must be one of {', '.join(map(repr, OPS))}, not {op!r}")
+        if mode != "sync" and op not in PARTIAL_OPS:
+            raise UsageError(
+                f"a {mode} allreduce takes op 'sum' or 'avg': ranks that take part passively "
+                f"contribute zeros, which {op!r} would count"
+            )
+        return self._start("allreduce", array, name, op=op, mode=mode)
+
+    def broadcast(
+        self,
+        array: np.ndarray[Any, Any],
+        root: int = 0,
+        *,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> Result:
+        """Copy rank ``root``'s ``array`` into every rank's, in place (a sync collective)."""
+        return self.broadcast_async(array, root, name=name).wait(timeout)
+
+    def broadcast_async(
+        self, array: np.ndarray[Any, Any], root: int = 0, *, name: str | None = None
+    ) -> Handle[Result]:
+        """Start a broadcast; leave ``array`` alone until ``handle.wait()`` returns."""
+        job = self._joined()
+        if type(root) is not int or not 0 <= root < job.size:
+            raise UsageError(f"root must be a rank of 0..{job.size - 1}, not {root!r}")
+        return self._start("broadcast", array, name, root=root)
+
+    def barrier(self, *, name: str = "barrier", timeout: float | None = None) -> Result:
+        """Return once every rank of the job called ``barrier`` of this name."""
+        self._joined()
+        call = self._connection.submit(
+            "collective", {"kind": "barrier", "name": _name(name)}, what=f"barrier {name!r}"
+        )
+        return Handle(self._connection, call, _result).wait(timeout)
+
+    def sync_model(
+        self,
+        array: np.ndarray[Any, Any],
+        *,
+        every: int = 1,
+        root: int | None = None,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> Result | None:
+        """Synchronise the model ``array`` across ranks every ``every``-th call (eager-SGD §5).
+
+        Partial allreduce lets replicas drift (a rank more than one round behind sees only the
+        latest result); the paper resynchronises the models every few epochs.  With ``root``
+        ``None`` the replicas are averaged (a sync allreduce ``avg``); with a rank, that rank's
+        model replaces every other (a broadcast), which is also how a restarted trainer fetches
+        the current model before it contributes again.  Every rank must make the same sequence
+        of calls; returns ``None`` on the calls that do not synchronise.
+        """
+        if type(every) is not int or every < 1:
+            raise UsageError(f"every must be an int >= 1, not {every!r}")
+        key = name or self._arrays.find(array)[2]
+        calls = self._syncs.get(key, 0) + 1
+        self._syncs[key] = calls
+        if calls % every:
+            return None
+        label = f"sync_model:{key}"
+        if root is None:
+            return self.allreduce(array, "avg", "sync", name=label, timeout=timeout)
+        return self.broadcast(array, root, name=label, timeout=timeout)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _joined(self) -> checks.Membership:
+        if self._job is None:
+            raise UsageError("this client joined no job; pass job= to fabricd.connect()")
+        return self._job
+
+    def _start(
+        self, kind: str, array: np.ndarray[Any, Any], name: str | None, **fields: Any
+    ) -> Handle[Result]:
+        self._joined()
+        seg, offset, label = self._arrays.find(array)
+        if not array.flags.writeable:
+            raise UsageError(f"a {kind} writes its result into the array: it cannot be read-only")
+        collective = _name(name if name is not None else f"{kind}:{label}")
+        request = {
+            "kind": kind,
+            "name": collective,
+            "seg": seg,
+            "off": offset,
+            "nbytes": array.nbytes,
+            "dtype": array.dtype.name,
+            **fields,
+        }
+        call = self._connection.submit("collective", request, what=f"{kind} {collective!r}")
+        return Handle(self._connection, call, _result)
+
+
+def _name(name: object) -> str:
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+        raise UsageError(f"a collective name is a str of 1 to {MAX_NAME} characters, not {name!r}")
+    return name
+
+
+def _result(reply: Meta) -> Result:
+    return Result(
+        round=int(reply["round"]), included=bool(reply["included"]), active=int(reply["active"])
+    )

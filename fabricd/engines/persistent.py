@@ -1,0 +1,769 @@
+"""One persistent collective on one node: its schedule, buffers, the local ranks' calls, and
+the partial-collective bookkeeping of eager-SGD (solo and majority allreduce).
+
+Rules: this module decides, for one collective (a job and a name) on one node, what each local
+rank's call contributes, which round's result it gets, what the node sends to which peer node,
+and when a call completes.  It holds the collective's buffers (numpy arrays) and performs the
+schedule's computes on them in place; it never touches a socket or a clock (``now`` comes in,
+:class:`Transmit` and :class:`Deliver` go out).  The daemon's collective service
+(``daemon/collective_service.py``) lands peers' messages where :meth:`Collective.landing` says
+and sends what :class:`Transmit` says, one frame per message into a slot the receiving node
+allocated when it built the same schedule: no rendezvous.
+
+Theory of operation.
+
+* **Hierarchical.**  The schedule (:mod:`fabricd.engines.collectives`) runs over the job's
+  *nodes*, not its ranks: the ranks on one node reduce into the node's contribution through
+  shared memory first, and only the daemon talks to the network for them, as NCCL and Horovod
+  do within a machine.  The node's index in the sorted member nodes is its schedule rank.
+* **Sync** (``mode="sync"``; broadcast and barrier are always sync): the node activates round
+  ``r`` once every local rank of the job called it; the calls' arrays are reduced into the
+  contribution as they come (:data:`REDUCE`), and every call gets round ``r``'s result.
+* **Solo and majority** (eager-SGD §4.1, §4.2): the schedule is the allreduce behind the
+  activation broadcast of §4.1.1, so any node may start a round.  A call adds its array to the
+  node's *accumulator* (sum) and, under solo, starts the current round if it has not started;
+  under majority only the call of the round's initiator does (:func:`initiator`: a hash of the
+  job, the name and the round, the same at every node with no message).  When round ``r``
+  starts here -- by a local call or by a peer's message -- the accumulator becomes the round's
+  contribution (the *snapshot*) and is zeroed: a rank that has not called takes part passively
+  with what it gave since its last contribution (zeros, or data a round missed).  Calls whose
+  data the snapshot took are ``included``; a call that comes after the snapshot still gets
+  round ``r``'s result, and its data waits in the accumulator for round ``r + 1``: no
+  contribution is ever lost (:attr:`Collective.conservation` checks it).  A rank that comes
+  back after rounds ended without it gets the latest result at once (eager-SGD §4.2: a rank
+  more than one round behind sees the latest result only).  The result says how many ranks
+  contributed fresh data (``active``): the count travels with the data as one extra element,
+  reduced with it.  ``avg`` divides the sum by the job's size after the round (the paper's
+  update), partial modes take ``sum`` and ``avg`` only.
+* **Failures of a member node** (the service reports them, :meth:`Collective.lose`): a sync
+  collective fails its waiting calls and is *broken* (every later call fails: the job lost
+  ranks a sync collective needs).  A partial one goes on among the survivors: the round in
+  progress is abandoned here (its snapshot goes back into the accumulator, so nothing is lost),
+  and the schedule is rebuilt over the surviving nodes.  Survivors may stand one round apart
+  when they notice; each frame says which nodes its sender has lost and the round its view
+  began with (its *base*), and a node adopts a larger loss set or a higher base from any frame
+  (restarting its round, which cannot have ended: it needed the sender's messages of the lower
+  base, which the sender drops).  Views converge on the union of losses and the highest base.
+  A contribution that a survivor's abandoned round had taken may already be in another
+  survivor's result of that round: across a failure a result may count it twice, never lose
+  it.  A node that finds itself among a frame's lost nodes is excluded: its calls fail.
+
+Buffers: ``data`` (the round's working tensor, the result ends there), ``result`` (the last
+result, for late callers), ``accumulator``, ``snapshot`` (partial modes: the round's
+contribution, restored if the round is abandoned), and two landing slots per required recv
+with bytes (one per round parity: the engine's one-round overlap).  Sends are copied out when
+they start (the transport may still hold a view of a queued payload when the schedule
+overwrites the buffer), so a send is complete at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from fabricd.engines import collectives
+from fabricd.engines.collectives import Region, chunk_bounds
+from fabricd.engines.schedule import (
+    Discard,
+    Executor,
+    Kind,
+    Phase,
+    RoundEnded,
+    RoundStarted,
+    Schedule,
+    StartCompute,
+    StartRecv,
+    StartSend,
+)
+from fabricd.errors import ErrorCode, LocalProtocolError, RemoteProtocolError, UsageError
+
+KINDS: Final = ("allreduce", "broadcast", "barrier")
+MODES: Final = ("sync", "solo", "majority")
+#: how a sync allreduce folds the local ranks' arrays into the node's contribution
+REDUCE: Final = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Spec:
+    """What every call of one collective must agree on (its first call fixes it)."""
+
+    kind: str  #: allreduce, broadcast, barrier
+    count: int = 0  #: elements of each rank's array
+    dtype: str = "uint8"
+    op: str = "sum"  #: allreduce
+    mode: str = "sync"  #: allreduce: sync, solo, majority
+    root: int = 0  #: broadcast: the rank whose array everyone gets
+    ring: bool = False  #: allreduce: ring (else recursive doubling), chosen by the first call
+
+    @property
+    def partial(self) -> bool:
+        return self.mode != "sync"
+
+    def describe(self) -> str:
+        match self.kind:
+            case "allreduce":
+                return f"{self.mode} allreduce {self.op} of {self.count} {self.dtype}"
+            case "broadcast":
+                return f"broadcast of {self.count} {self.dtype} from rank {self.root}"
+            case _:
+                return "barrier"
+
+    def same_call(self, other: Spec) -> bool:
+        """Whether ``other`` (a call's spec) agrees with this one (the algorithm is not the
+        caller's: it was chosen once, by the first call)."""
+        return self == Spec(**{**_fields(other), "ring": self.ring})
+
+    def to_meta(self) -> dict[str, Any]:
+        return _fields(self)
+
+    @classmethod
+    def from_meta(cls, meta: object) -> Spec:
+        """Raises RemoteProtocolError: not a spec a daemon of this release sends."""
+        if not isinstance(meta, dict):
+            raise RemoteProtocolError("a collective frame's spec must be a map")
+        try:
+            spec = cls(**meta)
+        except TypeError as exc:
+            raise RemoteProtocolError(f"a collective frame's spec is malformed: {exc}") from None
+        try:
+            spec.check()
+        except UsageError as exc:
+            raise RemoteProtocolError(f"a collective frame's spec is invalid: {exc}") from None
+        return spec
+
+    def check(self) -> None:
+        """Raises UsageError: a field out of its range."""
+        if self.kind not in KINDS or self.mode not in MODES:
+            raise UsageError(f"kind must be one of {KINDS} and mode one of {MODES}")
+        if type(self.count) is not int or self.count < 0 or type(self.root) is not int:
+            raise UsageError("count and root must be ints, count >= 0")
+        if self.dtype not in _DTYPES or type(self.ring) is not bool:
+            raise UsageError(f"dtype must be one of {', '.join(_DTYPES)}")
+        if self.op not in collectives.REDUCTIONS:
+            raise UsageError(f"op must be one of {', '.join(collectives.REDUCTIONS)}")
+        if self.partial and (self.kind != "allreduce" or self.op not in ("sum", "avg")):
+            raise UsageError("solo and majority are allreduce modes, with op sum or avg")
+
+
+_DTYPES: Final = ("float16", "float32", "float64", "int32", "int64", "uint8")
+
+
+def _fields(spec: Spec) -> dict[str, Any]:
+    return {
+        "kind": spec.kind,
+        "count": spec.count,
+        "dtype": spec.dtype,
+        "op": spec.op,
+        "mode": spec.mode,
+        "root": spec.root,
+        "ring": spec.ring,
+    }
+
+
+def initiator(job: str, name: str, round: int, size: int, live: frozenset[int]) -> int:
+    """The rank that starts round ``round`` of a majority allreduce (eager-SGD §4.2).
+
+    Drawn uniformly from ``0 .. size - 1`` by a hash of (job, name, round): every node computes
+    the same rank with no message, and over many rounds each rank initiates equally often.  A
+    drawn rank that is not ``live`` (its trainer left or its node went down) passes the turn to
+    the next live rank above it (cyclically), so a round always has an initiator while any rank
+    lives; nodes that briefly disagree on who lives may start a round twice (absorbed, like any
+    simultaneous initiators) but never leave it without one once they agree.
+    """
+    digest = hashlib.blake2b(f"{job}\0{name}\0{round}".encode(), digest_size=8).digest()
+    drawn = int.from_bytes(digest, "little") % size
+    for step in range(size):
+        rank = (drawn + step) % size
+        if rank in live:
+            return rank
+    return drawn
+
+
+# -- actions --------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Transmit:
+    """Send message ``tag`` of round ``round`` (``payload``, a copy: may be empty) to ``node``,
+    saying the sender's view (``lost``, ``base``)."""
+
+    node: int
+    round: int
+    tag: int
+    payload: bytes
+    lost: tuple[int, ...]
+    base: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Deliver:
+    """Call ``token`` is complete: its array holds round ``round``'s result."""
+
+    token: int
+    round: int
+    included: bool
+    active: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fail:
+    """Call ``token`` failed (``code``, ``message``); its array is undefined."""
+
+    token: int
+    code: str
+    message: str
+    node: int | None = None
+
+
+Action = Transmit | Deliver | Fail
+
+
+@dataclass(slots=True, kw_only=True)
+class _Call:
+    token: int
+    rank: int
+    array: np.ndarray[Any, Any] | None  #: the rank's array (a view of its segment)
+    round: int  #: the round whose result it gets
+    included: bool = False  #: a snapshot took its data (cleared if that round is abandoned)
+
+
+@dataclass(slots=True)
+class _Counters:
+    rounds: int = 0  #: rounds ended here
+    calls: int = 0
+    included: int = 0  #: calls whose data was in the result they got
+    late: int = 0  #: calls answered at once with the latest result (their rank was behind)
+    views: int = 0  #: schedule rebuilds after a member node was lost
+    frames_dropped: int = 0  #: peers' messages of an older view, dropped
+    sum_active: int = 0  #: sum over rounds of ``active`` (its mean is what the demo shows)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Landing:
+    """A message being received in pieces: which recv, which round, how many bytes are in."""
+
+    op: int
+    view: memoryview
+    got: int = 0
+
+
+class Collective:
+    """One collective (job, name) on node ``node``; see the module docstring.
+
+    Args:
+        spec: what every call agrees on.
+        job, name: what it is called (majority's initiator hashes them).
+        node: this node.
+        ranks: the node of every rank of the job (index: rank), from membership.
+        live: the ranks alive now (majority's initiator skips the others).
+    """
+
+    def __init__(
+        self,
+        spec: Spec,
+        *,
+        job: str,
+        name: str,
+        node: int,
+        ranks: tuple[int, ...],
+        live: frozenset[int],
+    ) -> None:
+        spec.check()
+        self.spec = spec
+        self.job, self.name, self.node = job, name, node
+        self.size = len(ranks)
+        self.ranks = ranks
+        self.local = frozenset(r for r, n in enumerate(ranks) if n == node)
+        if not self.local:
+            raise UsageError(f"node {node} hosts no rank of job {job!r}")
+        self.live = live
+        self.initial = tuple(sorted(set(ranks)))
+        self.lost: frozenset[int] = frozenset()
+        self.base = 0  #: the round this view began with
+        self.broken: tuple[str, str] | None = None  #: (code, message) once nothing can run
+        self.counters = _Counters()
+        elements = spec.count + (1 if spec.partial else 0)  #: partial: the active count too
+        dtype = np.dtype(spec.dtype)
+        self.data = np.zeros(elements, dtype)
+        self.result = np.zeros(elements, dtype)
+        self.accumulator = np.zeros(elements, dtype)
+        self.snapshot = np.zeros(elements if spec.partial else 0, dtype)
+        self._taken = False  #: partial: the current round's snapshot is taken
+        self._fresh: set[int] = set()  #: ranks whose data waits in the accumulator
+        self._given: set[int] = set()  #: sync: ranks whose call is in the accumulator
+        self._activated: int | None = None  #: sync: the round activated here, until it ends
+        self._ready = False  #: sync: every local rank gave to the new round: activate it
+        self._calls: dict[int, _Call] = {}  #: by token
+        self._by_rank: dict[int, _Call] = {}
+        self._due: dict[int, int] = {}  #: the round each local rank's next call is for
+        self._later: deque[_Call] = deque()  #: sync calls for the round after the current one
+        self._landings: dict[tuple[int, int], _Landing] = {}  #: (recv op, round) -> in progress
+        self._out: list[Action] = []
+        self._build(first_round=0)
+
+    # -- the view ---------------------------------------------------------------------------
+    @property
+    def members(self) -> tuple[int, ...]:
+        return tuple(n for n in self.initial if n not in self.lost)
+
+    @property
+    def round(self) -> int:
+        """The current round (not ended)."""
+        return self.executor.round
+
+    def _build(self, first_round: int) -> None:
+        members = self.members
+        me, n = members.index(self.node), len(members)
+        spec = self.spec
+        schedule: Schedule
+        match spec.kind:
+            case "barrier":
+                schedule = collectives.barrier(me, n)
+            case "broadcast":
+                schedule = collectives.broadcast(me, n, members.index(self.ranks[spec.root]))
+            case _:
+                fn = "sum" if spec.partial else spec.op
+                if spec.ring:
+                    schedule = collectives.allreduce_ring(me, n, fn)
+                else:
+                    schedule = collectives.allreduce_recursive_doubling(me, n, fn)
+                if spec.partial:
+                    schedule = collectives.activation_broadcast(me, n, schedule)
+        self.members_now = members
+        self.index = {node: i for i, node in enumerate(members)}
+        self.executor = Executor(schedule, first_round=first_round)
+        self._recv_of: dict[tuple[int, int], int] = {}
+        self._slots: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
+        for i, op in enumerate(schedule.ops):
+            if op.kind is Kind.RECV:
+                self._recv_of[op.peer, op.tag] = i
+                elements = self._slot_elements(schedule, op.buffer)
+                if elements is not None:  # a slot of 0 elements: an empty chunk's messages
+                    self._slots[i] = (
+                        np.zeros(elements, self.data.dtype),
+                        np.zeros(elements, self.data.dtype),
+                    )
+        self._landings.clear()
+        self._perform(self.executor.post(0.0), 0.0)
+
+    def _slot_elements(self, schedule: Schedule, name: str) -> int | None:
+        """A slot holds what the compute that reads it writes: a chunk or the whole tensor
+        (``None``: no slot, the recv's messages are empty by design)."""
+        if collectives.parse(name).region is Region.EMPTY:
+            return None
+        for op in schedule.ops:
+            if op.kind is Kind.COMPUTE and name in op.inputs:
+                return len(self._buffer(op.buffer))
+        raise LocalProtocolError(f"no compute reads {name!r}: its size is unknown")
+
+    # -- calls ------------------------------------------------------------------------------
+    def call(
+        self, rank: int, token: int, array: np.ndarray[Any, Any] | None, now: float
+    ) -> list[Action]:
+        """Local ``rank``'s call, answered later by :class:`Deliver` or :class:`Fail` for
+        ``token``.  ``array``: its elements (``None`` for a barrier), kept until then.
+
+        Raises:
+            UsageError: the rank is not on this node, has a call of this collective open, or
+                the collective is broken (the message says why).
+        """
+        if rank not in self.local:
+            raise UsageError(f"rank {rank} is not on node {self.node}")
+        if rank in self._by_rank:
+            raise UsageError(
+                f"rank {rank} already has a call of {self.name!r} open; wait for it first"
+            )
+        if self.broken is not None:
+            raise UsageError(self.broken[1])
+        self.counters.calls += 1
+        call = _Call(token=token, rank=rank, array=array, round=self.round)
+        self._calls[token] = call
+        self._by_rank[rank] = call
+        if self.spec.partial:
+            self._call_partial(call, now)
+        else:
+            self._call_sync(call, now)
+        return self._flush()
+
+    def _call_partial(self, call: _Call, now: float) -> None:
+        assert call.array is not None
+        due = self._due.get(call.rank, self.round)
+        self.accumulator[: self.spec.count] += call.array
+        self._fresh.add(call.rank)
+        if due < self.round:  # rounds ended without it: the latest result, at once
+            self.counters.late += 1
+            self._due[call.rank] = self.round
+            self._deliver(call, self.round - 1)
+            return
+        call.included = not self._taken  # the snapshot is taken when the round starts
+        if self.executor.phase is Phase.ARMED and self._starts(call.rank):
+            self._perform(self.executor.activate(self.round, now), now)
+
+    def _starts(self, rank: int) -> bool:
+        if self.spec.mode == "solo":
+            return True
+        return initiator(self.job, self.name, self.round, self.size, self.live) == rank
+
+    def _call_sync(self, call: _Call, now: float) -> None:
+        if call.rank in self._given or self._activated == self.round:
+            call.round = self.round + 1  # after a failure: this rank is a round ahead
+            self._later.append(call)
+            return
+        self._give(call)
+        if self._given >= self.local:
+            self._activate_sync(now)
+
+    def _give(self, call: _Call) -> None:
+        """Fold a sync call's array into the accumulator (the first one is copied)."""
+        if call.array is not None and self.spec.kind == "allreduce":
+            if self._given:
+                REDUCE[self.spec.op](self.accumulator, call.array, out=self.accumulator)
+            else:
+                np.copyto(self.accumulator, call.array)
+        elif (
+            call.array is not None
+            and self.spec.kind == "broadcast"
+            and call.rank == (self.spec.root)
+        ):
+            np.copyto(self.accumulator, call.array)
+        call.included = True
+        self._given.add(call.rank)
+
+    def _activate_sync(self, now: float) -> None:
+        np.copyto(self.data, self.accumulator)
+        self._activated = self.round
+        self._perform(self.executor.activate(self.round, now), now)
+
+    def abandon(self, token: int) -> None:
+        """The client of call ``token`` left: forget the call (what it gave stays given)."""
+        call = self._calls.pop(token, None)
+        if call is None:
+            return
+        self._by_rank.pop(call.rank, None)
+        if call in self._later:
+            self._later.remove(call)
+
+    def rank_gone(self, rank: int, live: frozenset[int], now: float) -> list[Action]:
+        """``rank`` of the job left (its trainer exited or its node went down).
+
+        A sync collective fails its open calls (their round cannot complete with that rank's
+        data missing).  A partial one goes on; a local rank that comes back starts again at
+        the current round.
+        """
+        self.live = live
+        self._due.pop(rank, None)
+        if not self.spec.partial and self._calls:
+            message = (
+                f"rank {rank} of job {self.job!r} left during {self.spec.describe()} "
+                f"{self.name!r}: the round cannot complete without it; its result is undefined "
+                "(resynchronise the model before going on)"
+            )
+            for token in list(self._calls):
+                self._fail(token, ErrorCode.PEER_FAILED, message)
+            if self._activated != self.round:  # what they gave is void: they call again
+                self._given.clear()
+        self._kick(now)
+        return self._flush()
+
+    def rank_back(self, live: frozenset[int]) -> None:
+        """A rank of the job (re)joined: it may initiate majority rounds again."""
+        self.live = live
+
+    # -- peers ------------------------------------------------------------------------------
+    def landing(
+        self,
+        node: int,
+        tag: int,
+        round: int,
+        offset: int,
+        nbytes: int,
+        lost: tuple[int, ...],
+        base: int,
+        now: float,
+    ) -> memoryview | None:
+        """Where ``nbytes`` bytes at ``offset`` of message ``tag`` of ``round`` from ``node``
+        land; ``None``: drop them (a message of an older view, or of no bytes).  A newer view
+        is adopted first, so its message lands.
+
+        Raises:
+            RemoteProtocolError: no recv takes the message, or its bytes do not fit its slot.
+        """
+        if not self._adopt(node, lost, base, now) or self.broken is not None:
+            return None
+        op = self._recv_op(node, tag)
+        slots = self._slots.get(op)
+        if slots is None or not slots[0].nbytes:
+            if nbytes:
+                raise RemoteProtocolError(f"message tag {tag} from node {node} carries no bytes")
+            return None
+        if not self.round <= round <= self.round + 1:
+            raise RemoteProtocolError(
+                f"message of round {round} from node {node}: this node is in round {self.round}"
+            )
+        view = slots[round % 2].data.cast("B")
+        if offset + nbytes > len(view):
+            raise RemoteProtocolError(
+                f"{nbytes} B at {offset} of message tag {tag} from node {node}: its slot holds "
+                f"{len(view)} B"
+            )
+        landing = self._landings.setdefault((op, round), _Landing(op=op, view=view))
+        return landing.view[offset : offset + nbytes]
+
+    def arrived(
+        self,
+        node: int,
+        tag: int,
+        round: int,
+        nbytes: int,
+        lost: tuple[int, ...],
+        base: int,
+        now: float,
+    ) -> list[Action]:
+        """``nbytes`` of message ``tag`` of ``round`` from ``node`` landed where
+        :meth:`landing` said (or, a message of no bytes, came); the recv is done once all of
+        its slot is in."""
+        if not self._adopt(node, lost, base, now) or self.broken is not None:
+            return self._flush()
+        op = self._recv_op(node, tag)
+        if op in self._slots and self._slots[op][0].nbytes:
+            landing = self._landings.get((op, round))
+            if landing is None:  # landing() dropped it, or our view changed since it landed
+                self.counters.frames_dropped += 1
+                return self._flush()
+            landing.got += nbytes
+            if landing.got < len(landing.view):
+                return self._flush()
+            del self._landings[op, round]
+        peer = self.index[node]
+        self._perform(self.executor.arrived(peer, tag, round, now), now)
+        return self._flush()
+
+    def _recv_op(self, node: int, tag: int) -> int:
+        peer = self.index.get(node)
+        op = self._recv_of.get((peer, tag)) if peer is not None else None
+        if op is None:
+            raise RemoteProtocolError(f"no recv of {self.name!r} takes tag {tag} from node {node}")
+        return op
+
+    def _current_view(self, node: int, lost: tuple[int, ...], base: int) -> bool:
+        """Whether a frame of view (``lost``, ``base``) from ``node`` belongs to ours."""
+        return frozenset(lost) == self.lost and base == self.base and node in self.index
+
+    def _adopt(self, node: int, lost: tuple[int, ...], base: int, now: float) -> bool:
+        """Take a peer's view where it is ahead of ours; ``False``: the frame is of an older
+        view (or names this node lost) and is dropped."""
+        theirs = frozenset(lost)
+        if self.node in theirs:
+            self._break(
+                ErrorCode.PEER_FAILED,
+                f"node {node} counts this node lost, so {self.name!r} of job {self.job!r} goes "
+                "on without it; its calls fail (restart the job's ranks here to take part again)",
+            )
+            return False
+        if not theirs <= self.lost and self.spec.partial:
+            self._lose(theirs | self.lost, now, base=max(base, self.base))
+        elif base > self.base and theirs == self.lost and self.spec.partial:
+            self._restart(base, now)
+        return self._current_view(node, lost, base)
+
+    def lose(self, node: int, reason: str, now: float) -> list[Action]:
+        """Member ``node`` went down (``reason``): see the module docstring."""
+        if node not in self.members or self.broken is not None:
+            return self._flush()
+        if not self.spec.partial:
+            self._break(
+                ErrorCode.PEER_FAILED,
+                f"{reason}: the {self.spec.describe()} {self.name!r} of job {self.job!r} needs "
+                f"every node, so it cannot go on (restart the job)",
+                node=node,
+            )
+            return self._flush()
+        self._lose(self.lost | {node}, now, base=self.base)
+        return self._flush()
+
+    def _lose(self, lost: frozenset[int], now: float, *, base: int) -> None:
+        self.lost = lost
+        if len(self.members) == 0 or self.node not in self.members:
+            self._break(ErrorCode.PEER_FAILED, f"no member node of {self.name!r} is left")
+            return
+        self.counters.views += 1
+        self._restart(max(base, self.round), now)
+
+    def _restart(self, base: int, now: float) -> None:
+        """Abandon the current round (its contribution back into the accumulator) and run the
+        view from round ``base``."""
+        if self._taken:
+            self.accumulator += self.snapshot
+            for call in self._calls.values():
+                call.included = False
+            self._taken = False
+        self.base = base
+        for call in self._calls.values():
+            call.round = max(call.round, base)
+        for rank in self.local:
+            if self._due.get(rank, base) < base:
+                self._due[rank] = base
+        self._build(first_round=base)
+        self._kick(now)
+
+    def _kick(self, now: float) -> None:
+        """A call already waiting for the current round starts it, if it may (solo: any;
+        majority: the initiator's, which a view change or a rank's departure may have made
+        it): nothing else would."""
+        if not self.spec.partial or self.executor.phase is not Phase.ARMED:
+            return
+        if any(c.round == self.round and self._starts(c.rank) for c in self._calls.values()):
+            self._perform(self.executor.activate(self.round, now), now)
+
+    def _break(self, code: str, message: str, node: int | None = None) -> None:
+        self.broken = (code, message)
+        for token in list(self._calls):
+            self._fail(token, code, message, node)
+
+    # -- performing the schedule ------------------------------------------------------------
+    def _perform(self, actions: list[Any], now: float) -> None:
+        self._run(actions, now)
+        while self._ready:  # outside the loop: the ended round's actions are all performed
+            self._ready = False
+            self._activate_sync(now)
+
+    def _run(self, actions: list[Any], now: float) -> None:
+        work = deque(actions)
+        while work:
+            action = work.popleft()
+            more: list[Any] = []
+            match action:
+                case StartSend(op=op, round=round):
+                    sched = self.executor.schedule.ops[op]
+                    source = self._buffer(sched.buffer, round)
+                    self._out.append(
+                        Transmit(
+                            node=self.members_now[sched.peer],
+                            round=round,
+                            tag=sched.tag,
+                            payload=source.tobytes(),
+                            lost=tuple(sorted(self.lost)),
+                            base=self.base,
+                        )
+                    )
+                    more = self.executor.completed(op, round, now)
+                case StartCompute(op=op, round=round):
+                    self._compute(op, round)
+                    more = self.executor.completed(op, round, now)
+                case RoundStarted():
+                    if self.spec.partial:
+                        self._take_snapshot()
+                case RoundEnded(round=round):
+                    self._ended(round)
+                case StartRecv() | Discard():
+                    pass
+            work.extendleft(reversed(more))
+
+    def _buffer(self, name: str, round: int = 0) -> np.ndarray[Any, Any]:
+        buffer = collectives.parse(name)
+        match buffer.region:
+            case Region.DATA:
+                return self.data
+            case Region.CHUNK:
+                start, stop = chunk_bounds(len(self.data), len(self.members), buffer.index)
+                return self.data[start:stop]
+            case Region.SLOT:
+                op = self._recv_of[buffer.peer, buffer.tag]
+                return self._slots[op][round % 2]
+            case Region.EMPTY:
+                return self.data[:0]
+
+    def _compute(self, op: int, round: int) -> None:
+        sched = self.executor.schedule.ops[op]
+        out = self._buffer(sched.buffer, round)
+        inputs = [self._buffer(name, round) for name in sched.inputs]
+        match sched.fn:
+            case "copy":
+                np.copyto(out, inputs[0])
+            case "div":
+                if out.dtype.kind == "f":
+                    np.divide(inputs[0], self.size, out=out)
+                else:
+                    np.floor_divide(inputs[0], self.size, out=out)
+            case fn:
+                REDUCE[fn](inputs[0], inputs[1], out=out)
+
+    def _take_snapshot(self) -> None:
+        count = self.spec.count
+        self.accumulator[count] = len(self._fresh)
+        np.copyto(self.data, self.accumulator)
+        np.copyto(self.snapshot, self.accumulator)
+        self.accumulator[:] = 0
+        self._fresh.clear()
+        self._taken = True
+
+    def _ended(self, round: int) -> None:
+        self.data, self.result = self.result, self.data
+        count = self.spec.count
+        active = int(self.result[count]) if self.spec.partial else self.size
+        # avg: a sync schedule over several nodes divides once, on the way (its builder's
+        # "div"); a partial one, or one node alone, divides the sum here
+        if self.spec.op == "avg" and (self.spec.partial or len(self.members_now) == 1):
+            part = self.result[:count]
+            if part.dtype.kind == "f":
+                np.divide(part, self.size, out=part)
+            else:
+                np.floor_divide(part, self.size, out=part)
+        self._taken = False
+        self._given.clear()
+        self._activated = None
+        self.counters.rounds += 1
+        self.counters.sum_active += active
+        for call in [c for c in self._calls.values() if c.round <= round]:
+            self._deliver(call, round, active)
+        later, self._later = self._later, deque()
+        for call in later:  # sync calls made while this round ran: the next one's
+            call.round = self.round
+            self._give(call)
+        self._ready = bool(self._given) and self._given >= self.local
+
+    def _deliver(self, call: _Call, round: int, active: int | None = None) -> None:
+        if call.array is not None and self.spec.kind != "barrier":
+            np.copyto(call.array, self.result[: self.spec.count])
+        if active is None:
+            active = int(self.result[self.spec.count]) if self.spec.partial else self.size
+        self._due[call.rank] = round + 1
+        self.counters.included += call.included
+        self._forget(call)
+        self._out.append(
+            Deliver(token=call.token, round=round, included=call.included, active=active)
+        )
+
+    def _fail(self, token: int, code: str, message: str, node: int | None = None) -> None:
+        call = self._calls.get(token)
+        if call is None:
+            return
+        self._forget(call)
+        self._out.append(Fail(token=token, code=code, message=message, node=node))
+
+    def _forget(self, call: _Call) -> None:
+        self._calls.pop(call.token, None)
+        if self._by_rank.get(call.rank) is call:
+            del self._by_rank[call.rank]
+        if call in self._later:
+            self._later.remove(call)
+
+    def _flush(self) -> list[Action]:
+        out, self._out = self._out, []
+        return out
+
+    # -- what status shows -------------------------------------------------------------------
+    def waiting(self) -> int:
+        """Calls open."""
+        return len(self._calls)
+
+    def conservation(self) -> np.ndarray[Any, Any]:
+        """What local ranks gave that no result has yet counted: the accumulator, plus the
+        snapshot of a round in progress (partial modes; the engine tests check that everything
+        ever given equals what results counted plus this)."""
+        waiting = self.accumulator[: self.spec.count].copy()
+        if self._taken:
+            waiting += self.snapshot[: self.spec.count]
+        return waiting

@@ -1,0 +1,404 @@
+"""The persistent collective engine on a simulated fabric: no sockets, a fake clock, numpy data.
+
+Each node runs one :class:`Collective`; messages travel on FIFO links between node pairs (as
+the daemon's data links do) and are delivered in an order hypothesis draws, while ranks call in
+an order it draws too.  Partial-mode gifts are unit vectors (gift ``k`` of rank ``r`` sets one
+element of its own), so a result says exactly which gifts it counted: every gift must be in
+exactly one result or still wait at its node (conservation, no loss, no double count).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from random import Random
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fabricd.engines.persistent import (
+    Action,
+    Collective,
+    Deliver,
+    Fail,
+    Spec,
+    Transmit,
+    initiator,
+)
+from fabricd.errors import UsageError
+
+JOB, NAME = "job", "grad"
+
+
+class Recording(Collective):
+    """A collective that keeps every round's result (each node has its own copy)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.history: dict[int, np.ndarray[Any, Any]] = {}
+        super().__init__(*args, **kwargs)
+
+    def _ended(self, round: int) -> None:
+        super()._ended(round)
+        assert round not in self.history, "a round ended twice"
+        self.history[round] = self.result[: self.spec.count].copy()
+
+
+@dataclass
+class Fabric:
+    """Nodes, FIFO links, and every call's outcome."""
+
+    spec: Spec
+    placement: tuple[int, ...]  #: the node of each rank
+    rng: Random
+    colls: dict[int, Recording] = field(default_factory=dict)
+    links: dict[tuple[int, int], deque[Transmit]] = field(default_factory=dict)
+    delivered: dict[int, Deliver] = field(default_factory=dict)
+    failed: dict[int, Fail] = field(default_factory=dict)
+    down: set[int] = field(default_factory=set)
+    now: float = 0.0
+
+    def __post_init__(self) -> None:
+        live = frozenset(range(len(self.placement)))
+        for node in sorted(set(self.placement)):
+            self.colls[node] = Recording(
+                self.spec, job=JOB, name=NAME, node=node, ranks=self.placement, live=live
+            )
+
+    def tick(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def perform(self, node: int, actions: list[Action]) -> None:
+        for action in actions:
+            match action:
+                case Transmit():
+                    self.links.setdefault((node, action.node), deque()).append(action)
+                case Deliver():
+                    assert action.token not in self.delivered, "a call completed twice"
+                    self.delivered[action.token] = action
+                case Fail():
+                    self.failed[action.token] = action
+
+    def call(self, rank: int, token: int, array: np.ndarray[Any, Any] | None) -> None:
+        node = self.placement[rank]
+        self.perform(node, self.colls[node].call(rank, token, array, self.tick()))
+
+    def deliver_one(self) -> bool:
+        ready = [pair for pair, queue in self.links.items() if queue]
+        if not ready:
+            return False
+        src, dst = self.rng.choice(ready)
+        message = self.links[src, dst].popleft()
+        if dst in self.down or src in self.down:
+            return True
+        coll = self.colls[dst]
+        now = self.tick()
+        n = len(message.payload)
+        if n:
+            view = coll.landing(
+                src, message.tag, message.round, 0, n, message.lost, message.base, now
+            )
+            if view is None:
+                n = 0
+            else:
+                view[:] = message.payload
+        self.perform(
+            dst, coll.arrived(src, message.tag, message.round, n, message.lost, message.base, now)
+        )
+        return True
+
+    def drain(self) -> None:
+        for _ in range(100_000):
+            if not self.deliver_one():
+                return
+        raise AssertionError("messages never stopped")
+
+    def kill(self, node: int) -> None:
+        """``node`` goes down: the others hear it (the peers engine) and lose its ranks
+        (membership), in that order, as the daemon's services do."""
+        self.down.add(node)
+        live = frozenset(r for r, n in enumerate(self.placement) if n not in self.down)
+        for other, coll in self.colls.items():
+            if other not in self.down:
+                self.perform(other, coll.lose(node, f"node {node} went down", self.tick()))
+                for rank, home in enumerate(self.placement):
+                    if home == node:
+                        self.perform(other, coll.rank_gone(rank, live, self.tick()))
+
+
+PLACEMENTS = [
+    (0,),
+    (0, 0),
+    (0, 1),
+    (0, 1, 2),
+    (0, 0, 1),
+    (0, 1, 0, 1, 2),
+    (0, 0, 1, 1, 2, 2, 3, 3),
+    (0, 1, 2, 3, 4),
+]
+DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+
+
+# -- sync ------------------------------------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(
+    placement=st.sampled_from(PLACEMENTS),
+    op=st.sampled_from(["sum", "avg", "max", "min"]),
+    dtype=st.sampled_from(DTYPES),
+    ring=st.booleans(),
+    count=st.integers(0, 13),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_sync_allreduce_equals_numpy_every_round(
+    placement: tuple[int, ...], op: str, dtype: str, ring: bool, count: int, seed: int
+) -> None:
+    rng = Random(seed)
+    spec = Spec(kind="allreduce", count=count, dtype=dtype, op=op, ring=ring)
+    fab = Fabric(spec, placement, rng)
+    size = len(placement)
+    for round in range(3):
+        inputs = [np.array([rng.randint(-20, 20) for _ in range(count)], dtype) for _ in placement]
+        arrays = [x.copy() for x in inputs]
+        order = list(range(size))
+        rng.shuffle(order)
+        for rank in order:  # calls interleaved with message deliveries
+            fab.call(rank, round * size + rank, arrays[rank])
+            for _ in range(rng.randint(0, 3)):
+                fab.deliver_one()
+        fab.drain()
+        stacked = np.stack(inputs) if count else np.zeros((size, 0), dtype)
+        match op:
+            case "sum":
+                want = stacked.sum(axis=0, dtype=dtype)
+            case "avg":
+                total = stacked.sum(axis=0, dtype=dtype)
+                want = total / size if np.dtype(dtype).kind == "f" else total // size
+            case "max":
+                want = stacked.max(axis=0)
+            case _:
+                want = stacked.min(axis=0)
+        for rank in range(size):
+            result = fab.delivered[round * size + rank]
+            assert (result.round, result.included, result.active) == (round, True, size)
+            np.testing.assert_allclose(
+                arrays[rank].astype("float64"), want.astype("float64"), rtol=2e-3
+            )
+        # every rank has the very same bits
+        assert all(np.array_equal(arrays[0], a) for a in arrays)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_broadcast_and_barrier_from_every_root(placement: tuple[int, ...]) -> None:
+    size = len(placement)
+    for root in range(size):
+        fab = Fabric(
+            Spec(kind="broadcast", count=5, dtype="int32", root=root), placement, Random(root)
+        )
+        arrays = [np.full(5, rank, "int32") for rank in range(size)]
+        for round in range(3):
+            for rank in range(size):
+                arrays[rank][:] = rank + 100 * round
+                fab.call(rank, round * size + rank, arrays[rank])
+            fab.drain()
+            assert all((a == root + 100 * round).all() for a in arrays)
+            assert all(fab.delivered[round * size + r].round == round for r in range(size))
+    fab = Fabric(Spec(kind="barrier"), placement, Random(1))
+    for rank in range(size - 1):
+        fab.call(rank, rank, None)
+    fab.drain()
+    assert not fab.delivered  # nobody passes before the last rank came
+    fab.call(size - 1, size - 1, None)
+    fab.drain()
+    assert sorted(fab.delivered) == list(range(size))
+
+
+def test_a_sync_collective_refuses_a_call_that_disagrees_and_a_second_open_call() -> None:
+    fab = Fabric(Spec(kind="allreduce", count=2, dtype="float32"), (0, 1), Random(0))
+    fab.call(0, 1, np.zeros(2, "float32"))
+    with pytest.raises(UsageError, match="already has a call"):
+        fab.call(0, 2, np.zeros(2, "float32"))
+    assert Spec(kind="allreduce", count=2, dtype="float32").same_call(fab.spec)
+    assert not Spec(kind="allreduce", count=3, dtype="float32").same_call(fab.spec)
+
+
+def test_a_dead_node_fails_every_waiting_sync_call_and_breaks_the_collective() -> None:
+    fab = Fabric(Spec(kind="allreduce", count=2, dtype="float32"), (0, 1, 2), Random(0))
+    fab.call(0, 1, np.ones(2, "float32"))
+    fab.call(1, 2, np.ones(2, "float32"))
+    fab.drain()
+    fab.kill(2)
+    assert set(fab.failed) == {1, 2}
+    assert all(
+        f.code == "peer_failed" and "needs every node" in f.message for f in fab.failed.values()
+    )
+    with pytest.raises(UsageError, match="needs every node"):
+        fab.call(0, 3, np.ones(2, "float32"))
+
+
+# -- solo and majority -------------------------------------------------------------------------
+@dataclass
+class Gifts:
+    """Unit-vector gifts: element ``rank * per_rank + k`` is gift ``k`` of ``rank``."""
+
+    size: int
+    per_rank: int
+    given: np.ndarray[Any, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.given = np.zeros(self.size * self.per_rank, "int64")
+
+    def gift(self, rank: int, k: int) -> np.ndarray[Any, Any]:
+        array = np.zeros(self.size * self.per_rank, "int64")
+        array[rank * self.per_rank + k] = 1
+        self.given += array
+        return array
+
+
+def run_partial(
+    mode: str, placement: tuple[int, ...], rounds: int, rng: Random, *, kill: int | None = None
+) -> tuple[Fabric, Gifts, dict[int, np.ndarray[Any, Any]], dict[int, tuple[int, int]]]:
+    """Every rank calls ``rounds`` times, in an order and with deliveries drawn from ``rng``;
+    ``kill``: a node that goes down halfway.  Returns the fabric, the gifts, each call's array
+    (its result), and each call's (rank, k)."""
+    size = len(placement)
+    gifts = Gifts(size, rounds)
+    fab = Fabric(
+        Spec(kind="allreduce", count=size * rounds, dtype="int64", mode=mode), placement, rng
+    )
+    made = [0] * size
+    open_: dict[int, int] = {}  #: rank -> open token
+    arrays: dict[int, np.ndarray[Any, Any]] = {}
+    who: dict[int, tuple[int, int]] = {}
+    token = 0
+    for _ in range(100_000):
+        dead = fab.down
+        for rank, t in list(open_.items()):
+            if t in fab.delivered or t in fab.failed:
+                del open_[rank]
+        callers = [
+            r
+            for r in range(size)
+            if made[r] < rounds and r not in open_ and placement[r] not in dead
+        ]
+        if kill is not None and kill not in dead and sum(made) >= size * rounds // 2:
+            fab.kill(kill)
+            continue
+        if callers and (rng.random() < 0.4 or not any(fab.links.values())):
+            rank = rng.choice(callers)
+            token += 1
+            arrays[token] = gifts.gift(rank, made[rank])
+            who[token] = (rank, made[rank])
+            made[rank] += 1
+            open_[rank] = token
+            fab.call(rank, token, arrays[token])
+        elif not fab.deliver_one() and not callers:
+            break  # nothing moves: a majority round may wait for an initiator that is done
+    return fab, gifts, arrays, who
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    mode=st.sampled_from(["solo", "majority"]),
+    placement=st.sampled_from(PLACEMENTS),
+    rounds=st.integers(1, 5),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_partial_results_count_every_gift_exactly_once(
+    mode: str, placement: tuple[int, ...], rounds: int, seed: int
+) -> None:
+    fab, gifts, arrays, who = run_partial(mode, placement, rounds, Random(seed))
+    # each round's result is the same at every node; gather them from the calls that got them
+    results: dict[int, np.ndarray[Any, Any]] = {}
+    for token, done in fab.delivered.items():
+        got = arrays[token]
+        if done.round in results:
+            np.testing.assert_array_equal(results[done.round], got)
+        results[done.round] = got.copy()
+        rank, k = who[token]
+        assert bool(got[rank * rounds + k]) == done.included  # included: its gift is in it
+        # active: the ranks with a gift in the result
+        assert done.active == len({e // rounds for e in np.flatnonzero(got)})
+    # every round ran once at every node, with the same result everywhere
+    histories = [c.history for c in fab.colls.values()]
+    assert all(h.keys() == histories[0].keys() for h in histories)
+    for round, result in histories[0].items():
+        assert all(np.array_equal(h[round], result) for h in histories)
+        if round in results:
+            np.testing.assert_array_equal(results[round], result)
+    # conservation: everything given is in exactly one result, or still waits
+    counted = sum(histories[0].values(), np.zeros_like(gifts.given))
+    waiting = sum((c.conservation() for c in fab.colls.values()), np.zeros_like(gifts.given))
+    np.testing.assert_array_equal(counted + waiting, gifts.given)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    mode=st.sampled_from(["solo", "majority"]),
+    placement=st.sampled_from([p for p in PLACEMENTS if len(set(p)) >= 3]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_partial_modes_go_on_among_the_survivors_and_lose_no_gift(
+    mode: str, placement: tuple[int, ...], seed: int
+) -> None:
+    rng = Random(seed)
+    victim = rng.choice(sorted(set(placement)))
+    rounds = 4
+    fab, gifts, _arrays, who = run_partial(mode, placement, rounds, rng, kill=victim)
+    survivors = [n for n in fab.colls if n != victim]
+    for token, (rank, k) in who.items():
+        if placement[rank] != victim and token not in fab.delivered:
+            # only a majority round whose initiator made all its calls may still wait
+            assert mode == "majority", f"call {k} of rank {rank} never completed"
+            assert token not in fab.failed
+            assert fab.colls[placement[rank]].waiting()
+    # every survivor gift is in some result or still waits (a failure may count one twice)
+    seen = np.zeros_like(gifts.given, dtype=bool)
+    for node in survivors:
+        seen |= fab.colls[node].conservation() > 0
+        for result in fab.colls[node].history.values():
+            seen |= result > 0
+    for rank, node in enumerate(placement):
+        mine = slice(rank * rounds, (rank + 1) * rounds)
+        if node != victim:
+            assert seen[mine][gifts.given[mine] > 0].all(), f"a gift of rank {rank} is lost"
+    assert all(fab.colls[n].lost == {victim} for n in survivors)
+
+
+def test_majority_initiator_is_the_same_everywhere_and_skips_dead_ranks() -> None:
+    live = frozenset(range(8))
+    drawn = [initiator(JOB, NAME, r, 8, live) for r in range(4000)]
+    assert drawn == [initiator(JOB, NAME, r, 8, live) for r in range(4000)]
+    counts = np.bincount(drawn, minlength=8)
+    assert counts.min() > 350  # about 500 each: every rank initiates
+    without = frozenset(live - {drawn[0]})
+    assert initiator(JOB, NAME, 0, 8, without) == (drawn[0] + 1) % 8
+
+
+def test_a_late_rank_gets_the_latest_result_and_its_gift_joins_the_next_round() -> None:
+    fab = Fabric(Spec(kind="allreduce", count=2, dtype="int64", mode="solo"), (0, 1), Random(0))
+    fab.call(0, 1, np.array([1, 0], "int64"))  # round 0 starts with rank 0's call ...
+    assert fab.deliver_one()  # ... its activation reaches node 1, which starts it too ...
+    fab.call(1, 2, np.array([0, 1], "int64"))  # ... so rank 1's call comes too late for it
+    fab.drain()
+    assert fab.delivered[1].included
+    assert fab.delivered[1].active == 1
+    assert not fab.delivered[2].included
+    assert fab.delivered[2].round == 0
+    for token in (3, 4):  # rank 0 alone runs rounds 1 (with rank 1's gift) and 2
+        fab.call(0, token, np.array([1, 0], "int64"))
+        fab.drain()
+    assert fab.delivered[3].active == 2
+    assert fab.delivered[4].active == 1
+    late = np.array([0, 5], "int64")
+    fab.call(1, 5, late)  # rank 1 is two rounds behind: round 2's result, at once
+    assert fab.delivered[5].round == 2
+    assert not fab.delivered[5].included
+    np.testing.assert_array_equal(late, [1, 0])
+    fab.call(0, 6, np.array([1, 0], "int64"))
+    fab.drain()
+    assert fab.delivered[6].round == 3
+    assert fab.delivered[6].active == 2
+    np.testing.assert_array_equal(fab.colls[0].result[:2], [1, 5])
