@@ -12,7 +12,7 @@ $(BIN)/activate:
 # Reinstall whenever the project metadata changes.
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e '.[test]'
+	$(BIN)/python -m pip install -e '.[test,demo]'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -239,7 +239,7 @@ def test_a_killed_local_cluster_leaves_no_daemon_and_its_files_go_next_time(shor
 
 
 def test_demo_verifies_the_ring_and_reports_json():
-    result = _ctl("demo", "--nodes", "3", "--size-mib", "4", "--laps", "2", "--json")
+    result = _ctl("demo", "--ring", "--nodes", "3", "--size-mib", "4", "--laps", "2", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["verified"] is True

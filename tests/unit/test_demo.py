@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fabricd.demo import READY_TAG, DemoFailed, lead
+from fabricd.demo.ring import READY_TAG, DemoFailed, lead
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""The main job for now (``make demo`` / ``fabricctl demo``): a tensor around a ring of daemons.
+"""The ring demo (``fabricctl demo --ring``): a tensor around a ring of daemons.
 
 A local fabric of N daemons starts on loopback; one client per node joins job ``ring-demo``.
 Every other rank tells rank 0 that it is ready (it has joined and made its tensor), and only then

@@ -1,0 +1,207 @@
+"""The demo's model and data (numpy only), and one rank's training loop against a fake client."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fabricd.client.collectives import Result
+from fabricd.demo.hyperplane import Hyperplane, default_lr, gradient, loss, predict
+from fabricd.demo.training import DemoFailed, Settings, parse_modes, summarize, train
+
+
+def test_every_rank_draws_the_same_numbers_from_the_seed():
+    one, two = Hyperplane(64, seed=5), Hyperplane(64, seed=5)
+    assert np.array_equal(one.coefficients, two.coefficients)
+    assert np.array_equal(one.batch(3, 1, 8)[0], two.batch(3, 1, 8)[0])
+    assert [one.straggler(t, 8) for t in range(50)] == [two.straggler(t, 8) for t in range(50)]
+    assert len({one.straggler(t, 8) for t in range(200)}) == 8  # every rank straggles sometime
+    # other steps, other ranks and the held-out set are different draws
+    assert not np.array_equal(one.batch(3, 1, 8)[0], one.batch(4, 1, 8)[0])
+    assert not np.array_equal(one.batch(3, 1, 8)[0], one.batch(3, 2, 8)[0])
+    assert not np.array_equal(one.batch(0, 0, 8)[0], one.validation(8)[0])
+    assert not np.array_equal(one.coefficients, Hyperplane(64, seed=6).coefficients)
+
+
+def test_the_labels_lie_on_the_hyperplane_up_to_the_noise():
+    problem = Hyperplane(32, noise=0.5, seed=1)
+    x, y = problem.validation(20_000)
+    assert x.shape == (20_000, 32)
+    assert y.shape == (20_000,)
+    assert x.dtype == y.dtype == np.float32
+    truth = np.append(problem.coefficients, np.float32(0))
+    # the best model's loss is the noise variance
+    assert loss(truth, x, y) == pytest.approx(0.25, rel=0.05)
+    # the zero model's: the signal's variance |a|^2 as well
+    expected = float(problem.coefficients @ problem.coefficients) + 0.25
+    assert loss(np.zeros(33, np.float32), x, y) == pytest.approx(expected, rel=0.05)
+    assert Hyperplane(32, noise=0.0).sample(4, (9,))[1] == pytest.approx(
+        Hyperplane(32, noise=0.0).sample(4, (9,))[0] @ Hyperplane(32).coefficients
+    )
+
+
+def test_the_gradient_is_the_derivative_of_the_loss():
+    problem = Hyperplane(6, seed=2)
+    x, y = problem.batch(0, 0, 50)
+    theta = np.random.default_rng(0).standard_normal(7).astype(np.float32)
+    out = np.full(7, np.nan, np.float32)
+    assert gradient(theta, x, y, out=out) is out
+    for i in range(7):  # central differences, in float64
+        step = np.zeros(7)
+        step[i] = 1e-4
+        x64, y64 = x.astype(np.float64), y.astype(np.float64)
+        numeric = (loss(theta + step, x64, y64) - loss(theta - step, x64, y64)) / 2e-4
+        assert out[i] == pytest.approx(numeric, rel=1e-3, abs=1e-3)
+    assert predict(theta, x).shape == (50,)
+
+
+def test_the_default_step_learns_the_hyperplane_on_one_process():
+    problem = Hyperplane(256, noise=1.0, seed=3)
+    batch = 128
+    theta = np.zeros(257, np.float32)
+    grad = np.empty_like(theta)
+    held_out = problem.validation(2000)
+    before = loss(theta, *held_out)
+    for step in range(60):
+        theta -= default_lr(256, batch) * gradient(theta, *problem.batch(step, 0, batch), out=grad)
+    # from |a|^2 + 1 (about 257) to within a few noise variances
+    assert before > 100
+    assert loss(theta, *held_out) < 4.0
+
+
+class FakeClient:
+    """Rank ``rank`` of ``size``: an allreduce leaves the gradient as it is (as if every rank
+    gave the same) and returns the rounds of ``rounds`` in turn (default 0, 1, 2, ...); it
+    records every call."""
+
+    def __init__(self, rank: int, size: int, active: int, rounds=None) -> None:
+        self.rank, self.size, self.active = rank, size, active
+        self.calls: list[tuple[Any, ...]] = []
+        self.rounds = iter(rounds) if rounds is not None else itertools.count()
+
+    def array(self, name, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def broadcast(self, array, root=0, *, timeout=None):
+        self.calls.append(("broadcast", root))
+
+    def barrier(self, *, name="barrier", timeout=None):
+        self.calls.append(("barrier", name))
+
+    def allreduce(self, array, op="sum", mode="sync", *, timeout=None):
+        self.calls.append(("allreduce", op, mode))
+        return Result(round=next(self.rounds), included=True, active=self.active)
+
+    def sync_model(self, array, *, timeout=None):
+        self.calls.append(("sync_model",))
+
+
+@pytest.mark.parametrize("mode", ["sync", "solo", "majority"])
+def test_a_rank_trains_in_steps_and_rank_0_reports_each(mode):
+    settings = Settings(
+        nodes=2,
+        ranks_per_node=2,
+        dim=64,
+        batch=256,
+        steps=12,
+        sync_every=5,
+        delay_ms=30,
+        validation=500,
+    )
+    problem = Hyperplane(settings.dim, seed=settings.seed)
+    straggles = [t for t in range(12) if problem.straggler(t, 4) == 0]
+    assert straggles, "pick a seed where rank 0 straggles at least once"
+    fab = FakeClient(rank=0, size=4, active=3)
+    slept: list[float] = []
+    reports: list[tuple[int, float, float, int]] = []
+    ticks = iter(range(100))
+    train(
+        fab,
+        problem,
+        settings,
+        mode,
+        reports.append,
+        clock=lambda: float(next(ticks)),
+        sleep=slept.append,
+    )
+    assert slept == [0.03] * len(straggles)
+    assert fab.calls[:2] == [("broadcast", 0), ("barrier", "barrier")]
+    assert fab.calls[-1] == ("barrier", "end")
+    assert fab.calls.count(("allreduce", "avg", mode)) == 12
+    # after rounds 4 and 9: the replicas are averaged every 5 rounds, partial modes only
+    assert fab.calls.count(("sync_model",)) == (0 if mode == "sync" else 2)
+    assert [r[0] for r in reports] == list(range(-1, 12))
+    assert reports[0][1:] == (0.0, reports[0][2], 4)  # before any step, every rank counts
+    assert all(r[3] == 3 for r in reports[1:])
+    assert reports[-1][2] < reports[0][2] / 4  # the validation loss came down
+    result = summarize(mode, settings, reports)
+    assert result.steps == 12
+    assert result.mean_active == 3
+    assert result.initial_loss == reports[0][2]
+    assert result.final_loss == reports[-1][2]
+    assert result.seconds == reports[-1][1]
+    assert result.steps_per_s == pytest.approx(12 / result.seconds)
+    assert result.history[0] == (0.0, reports[0][2])
+
+
+def test_a_rank_left_behind_stops_on_rounds_and_averages_as_often_as_the_others():
+    """Calls that get a later round's result (the rank was behind) end the loop sooner; the
+    number of model averages is one per ``sync_every`` rounds all the same."""
+    settings = Settings(nodes=1, ranks_per_node=2, dim=16, batch=8, steps=10, sync_every=3)
+    fab = FakeClient(rank=1, size=2, active=1, rounds=[0, 1, 5, 6, 7, 7, 11])
+    train(fab, Hyperplane(16), settings, "majority", None, sleep=lambda _: None)
+    kinds = [c[0] for c in fab.calls]
+    assert kinds.count("allreduce") == 7  # the 7th call saw round 11 >= 9: the last
+    # rounds 2, 5 and 8 end a sync_every: the jump from 1 to 5 averages twice in a row
+    assert kinds.count("sync_model") == 3
+    assert kinds[kinds.index("allreduce") + 2 : kinds.index("allreduce") + 5] == [
+        "allreduce",
+        "sync_model",
+        "sync_model",
+    ]
+
+
+def test_a_rank_other_than_0_reports_nothing_and_never_evaluates():
+    settings = Settings(nodes=1, ranks_per_node=2, dim=16, batch=8, steps=3, delay_ms=0)
+    fab = FakeClient(rank=1, size=2, active=2)
+    train(fab, Hyperplane(16), settings, "solo", None, sleep=pytest.fail)
+    assert fab.calls.count(("allreduce", "avg", "solo")) == 3
+
+
+def test_the_time_to_target_is_the_first_report_at_or_below_it():
+    settings = Settings(nodes=1, ranks_per_node=2, steps=3, noise=2.0, target=2.0)  # 8.0
+    reports = [
+        (-1, 0.0, 100.0, 2),
+        (0, 1.0, 9.0, 2),
+        (1, 2.0, 8.0, 1),
+        (1, 2.5, 8.0, 1),
+        (2, 3.0, 7.0, 2),
+    ]
+    result = summarize("solo", settings, reports)
+    assert result.time_to_target == 2.0
+    assert result.mean_active == pytest.approx(5 / 3)  # round 1 counts once
+    assert result.steps_per_s == pytest.approx(1.0)
+    never = summarize("solo", settings, [(s, t, 50.0, a) for s, t, _, a in reports])
+    assert never.time_to_target is None
+    with pytest.raises(DemoFailed, match="saw round 1, not 2"):
+        summarize("solo", settings, reports[:4])
+
+
+def test_modes_are_parsed_in_the_order_given():
+    assert parse_modes("solo, sync") == ["solo", "sync"]
+    for bad in ("", "sync,async", ","):
+        with pytest.raises(DemoFailed, match="modes are some of sync, solo, majority"):
+            parse_modes(bad)
+
+
+def test_settings_refuse_what_cannot_run():
+    with pytest.raises(DemoFailed, match="at least 2 ranks"):
+        Settings(nodes=1, ranks_per_node=1)
+    with pytest.raises(DemoFailed, match="one point per rank"):
+        Settings(nodes=4, ranks_per_node=2, batch=4)
+    assert Settings(nodes=3, ranks_per_node=2, batch=2048).local_batch == 341
+    assert Settings(lr=0.01).step_size == 0.01
+    assert Settings().step_size == default_lr(8192, 2048)
