@@ -21,6 +21,7 @@ from bench import (
     disconnect,
     framecost,
     handoff,
+    hyperplane,
     integrity,
     latency,
     rate,
@@ -48,6 +49,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "rate": rate.run,
     "allreduce": allreduce.run,
     "skew": skew.run,
+    "hyperplane": hyperplane.run,
 }
 
 
