@@ -708,6 +708,13 @@ _DEMO = "fabricd-demo.png"
     show_default=True,
     help="the allreduce modes to train with, one run each, comma-separated",
 )
+@click.option(
+    "--sync-every",
+    type=click.IntRange(1, 100_000),
+    default=20,
+    show_default=True,
+    help="solo, majority: average the replicas every this many steps",
+)
 @click.option("--dim", type=click.IntRange(1, 1 << 20), default=8192, show_default=True)
 @click.option(
     "--batch",
@@ -753,6 +760,7 @@ def demo(
     delay_ms: float,
     steps: int,
     modes: str,
+    sync_every: int,
     dim: int,
     batch: int,
     target: float,
@@ -789,6 +797,7 @@ def demo(
             steps=steps,
             delay_ms=delay_ms,
             target=target,
+            sync_every=sync_every,
         )
         if not as_json:
             console.print(
