@@ -11,6 +11,7 @@ import pytest
 from fabricd.client.collectives import Result
 from fabricd.demo.hyperplane import Hyperplane, default_lr, gradient, loss, predict
 from fabricd.demo.training import DemoFailed, Settings, parse_modes, summarize, train
+from fabricd.errors import PeerFailed
 
 
 def test_every_rank_draws_the_same_numbers_from_the_seed():
@@ -162,6 +163,27 @@ def test_a_rank_left_behind_stops_on_rounds_and_averages_as_often_as_the_others(
         "sync_model",
         "sync_model",
     ]
+
+
+def test_a_rank_that_left_after_training_does_not_fail_the_end_barrier():
+    """Whoever left the end barrier early was past training: the rank is done all the same.
+    A failure in a training collective is not forgiven."""
+    settings = Settings(nodes=1, ranks_per_node=2, dim=16, batch=8, steps=2, delay_ms=0)
+    fab = FakeClient(rank=1, size=2, active=2)
+
+    def barrier(*, name="barrier", timeout=None):
+        if name == "end":
+            raise PeerFailed("rank 0 left during barrier 'end'", rank=0)
+
+    fab.barrier = barrier
+    train(fab, Hyperplane(16), settings, "sync", None)
+
+    def allreduce(array, op="sum", mode="sync", *, timeout=None):
+        raise PeerFailed("rank 0 left during sync allreduce", rank=0)
+
+    fab.allreduce = allreduce
+    with pytest.raises(PeerFailed):
+        train(fab, Hyperplane(16), settings, "sync", None)
 
 
 def test_a_rank_other_than_0_reports_nothing_and_never_evaluates():
