@@ -314,14 +314,82 @@ class Write:
         )
 
 
+#: the longest collective name a frame carries
+MAX_COLLECTIVE_NAME: Final = 200
+#: the most lost nodes a collective frame lists
+MAX_LOST: Final = 4096
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Coll:
+    """Message ``tag`` of round ``round`` of collective ``name`` of ``job`` (data channel):
+    ``payload`` bytes at byte ``off`` of the slot the receiving node allocated for it when it
+    built the same schedule (fabricd/engines/persistent.py).  ``lost`` and ``base`` say the
+    sender's view (the member nodes it lost, the round that view began with); ``spec`` what
+    every call of the collective agrees on, so that a node whose ranks have not called yet can
+    build it and take part passively."""
+
+    KIND: ClassVar[Kind] = Kind.COLL
+    job: str
+    name: str
+    round: int
+    tag: int
+    off: int
+    lost: tuple[int, ...]
+    base: int
+    spec: dict[str, Any]
+
+    def to_meta(self) -> Meta:
+        return {
+            "job": self.job,
+            "name": self.name,
+            "r": self.round,
+            "t": self.tag,
+            "off": self.off,
+            "lost": list(self.lost),
+            "b": self.base,
+            "spec": self.spec,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Coll:
+        job, name = get_str(meta, "job"), get_str(meta, "name")
+        if not 0 < len(name) <= MAX_COLLECTIVE_NAME:
+            raise RemoteProtocolError(f"collective name of {len(name)} characters")
+        lost = meta.get("lost")
+        if (
+            not isinstance(lost, list)
+            or len(lost) > MAX_LOST
+            or not all(type(n) is int and 0 <= n < MAX_RANK for n in lost)
+        ):
+            raise RemoteProtocolError("field 'lost' must be a list of node ids")
+        spec = meta.get("spec")
+        if not isinstance(spec, dict):
+            raise RemoteProtocolError("field 'spec' must be a map")
+        return cls(
+            job=job,
+            name=name,
+            round=get_int(meta, "r"),
+            tag=get_int(meta, "t", hi=MAX_TAG),
+            off=get_int(meta, "off"),
+            lost=tuple(lost),
+            base=get_int(meta, "b"),
+            spec=spec,
+        )
+
+
 #: every frame an authenticated peer may send
-PeerFrame = Heartbeat | Bye | Announce | Rts | Cts | Data | Done | Cancel | Write | Eager | Rtr
-#: the frames whose payload is a message's bytes (the DATA channel's, and EAGER on control)
-PayloadFrame = Data | Eager
+PeerFrame = (
+    Heartbeat | Bye | Announce | Rts | Cts | Data | Done | Cancel | Write | Eager | Rtr | Coll
+)
+#: the frames whose payload is a point-to-point message's bytes (DATA, and EAGER on control)
+MessageFrame = Data | Eager
+#: the frames whose payload a service places (a collective's COLL on the data channel too)
+PayloadFrame = Data | Eager | Coll
 
 _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
     cls.KIND: cls
-    for cls in (Heartbeat, Bye, Announce, Rts, Cts, Data, Done, Cancel, Write, Eager, Rtr)
+    for cls in (Heartbeat, Bye, Announce, Rts, Cts, Data, Done, Cancel, Write, Eager, Rtr, Coll)
 }
 #: the kinds :func:`parse` reads
 PEER_KINDS: Final = frozenset(_BY_KIND)

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from fabricd.integrity import Opener
 
 MAGIC: Final = b"FBRC"
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 _HEADER: Final = struct.Struct(">4sBBHIQ")
 HEADER_SIZE: Final = _HEADER.size
 
@@ -71,6 +71,7 @@ class Kind(enum.IntEnum):
     WRITE = 11  #: one-hop write into a region the receiver posted (transports/posted.py)
     EAGER = 12  #: a small message with its payload, no rendezvous (control channel)
     RTR = 13  #: ready to receive: a posted receive asks its sender to stream at once
+    COLL = 14  #: one message of a persistent collective's round, into its slot (data channel)
     REQUEST = 32  #: client -> daemon call
     REPLY = 33  #: daemon -> client answer to a REQUEST
     EVENT = 34  #: daemon -> client news nobody asked for in that moment (a pushed event)
@@ -79,7 +80,7 @@ class Kind(enum.IntEnum):
 #: the kinds whose payload is bulk data, possibly a view of a client's shared memory: their
 #: MAC covers the payload only under ``data_integrity = "mac"`` (fabricd/integrity.py).  Not
 #: EAGER: its payload is the daemon's own copy of at most eager_limit bytes, always covered
-BULK_KINDS: Final = frozenset({Kind.DATA, Kind.WRITE})
+BULK_KINDS: Final = frozenset({Kind.DATA, Kind.WRITE, Kind.COLL})
 
 #: the largest message tag (and rank) the protocol carries
 MAX_TAG: Final = 2**31 - 1

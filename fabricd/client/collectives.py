@@ -7,8 +7,9 @@ after round (eager-SGD §4.1, §4.3).  Only (segment, offset, length, dtype) tra
 socket; the daemon reads the contribution from the array's shared memory and writes the result
 back into it, in place.
 
-Names: a collective is named after its array (``fab.array``'s name, ``@OFFSET`` for a slice
-that does not start at the array's beginning) and its kind, unless ``name=`` says otherwise.
+Names: a collective is named after its kind (with an allreduce's mode) and its array
+(``fab.array``'s name, ``@OFFSET`` for a slice that does not start at the array's beginning),
+e.g. ``allreduce:solo:grad``, unless ``name=`` says otherwise.
 Every rank must call a collective of one name with the same shape, dtype, op and mode; the
 daemon refuses a call that disagrees with what the job's first call said.
 
@@ -121,7 +122,7 @@ class Collectives:
                 f"a {mode} allreduce takes op 'sum' or 'avg': ranks that take part passively "
                 f"contribute zeros, which {op!r} would count"
             )
-        return self._start("allreduce", array, name, op=op, mode=mode)
+        return self._start(f"allreduce:{mode}", array, name, reduce=op, mode=mode)
 
     def broadcast(
         self,
@@ -188,13 +189,16 @@ class Collectives:
         return self._job
 
     def _start(
-        self, kind: str, array: np.ndarray[Any, Any], name: str | None, **fields: Any
+        self, what: str, array: np.ndarray[Any, Any], name: str | None, **fields: Any
     ) -> Handle[Result]:
+        """``what``: the kind, and for an allreduce its mode (``allreduce:solo``), which the
+        default name starts with: one array may serve several modes, each its own schedule."""
         self._joined()
         seg, offset, label = self._arrays.find(array)
         if not array.flags.writeable:
-            raise UsageError(f"a {kind} writes its result into the array: it cannot be read-only")
-        collective = _name(name if name is not None else f"{kind}:{label}")
+            raise UsageError(f"a {what} writes its result into the array: it cannot be read-only")
+        collective = _name(name if name is not None else f"{what}:{label}")
+        kind = what.partition(":")[0]
         request = {
             "kind": kind,
             "name": collective,

@@ -71,6 +71,8 @@ class Config:
     eager_limit: int = 64 * 1024
     eager_credit: int = 4 * 1024 * 1024
     receiver_initiated: bool = True
+    ring_from_bytes: int = 1024 * 1024
+    max_collectives_per_job: int = 1024
     drain_timeout: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -147,6 +149,10 @@ class Config:
                 "eager_limit must be between 0 and both eager_credit and max_payload (a message "
                 "sent eager must fit the peer's pool and one frame)"
             )
+        if self.ring_from_bytes < 0:
+            raise ConfigError("ring_from_bytes must be >= 0 (0: ring allreduce at every size)")
+        if self.max_collectives_per_job < 1:
+            raise ConfigError("max_collectives_per_job must be at least 1")
         if self.eager_credit > MAX_EAGER_CREDIT:
             raise ConfigError(
                 f"eager_credit must be at most {MAX_EAGER_CREDIT} bytes: eager messages travel "

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from fabricd import frames
 from fabricd.daemon import access
+from fabricd.daemon.collective_service import CollectiveService
 from fabricd.daemon.logs import RateLimitedLog, flush_all
 from fabricd.daemon.membership_service import MembershipService
 from fabricd.daemon.metrics import MetricsRegistry, NodeStats
@@ -90,7 +91,13 @@ remote_log = RateLimitedLog(log)
 #: a WRITE to a key nobody posted is refused and counted by the link, never placed
 _PEER_LIMIT_KINDS: Final = frames.PEER_KINDS
 #: the kinds that carry a payload a service places, and the channel each travels on
-_PAYLOAD_CHANNEL: Final = {Kind.DATA: Channel.DATA, Kind.EAGER: Channel.CONTROL}
+_PAYLOAD_CHANNEL: Final = {
+    Kind.DATA: Channel.DATA,
+    Kind.COLL: Channel.DATA,
+    Kind.EAGER: Channel.CONTROL,
+}
+#: the kinds the data link carries, and only it
+_DATA_KINDS: Final = frozenset({Kind.DATA, Kind.COLL})
 #: requests the node answers itself: they concern the session, not an engine
 _NODE_OPS: Final = frozenset({"attach", "detach", "status", "config", "stalls"})
 #: the most rows a ``stalls`` reply carries (the oldest; ~300 B each, a reply may be 4 MiB)
@@ -100,7 +107,7 @@ _LAG_PROBE_INTERVAL: Final = 1.0
 
 
 def default_services(daemon: Daemon) -> list[Service]:
-    """Membership and point-to-point messaging: the services every daemon runs."""
+    """Membership, point-to-point messaging and collectives: the services every daemon runs."""
     membership = MembershipService(daemon)
     p2p = P2PService(
         daemon,
@@ -108,7 +115,8 @@ def default_services(daemon: Daemon) -> list[Service]:
         peers=daemon.peering.engine.peers,  # stall reports say whether a peer's node is up
         owners=membership.engine.owner,
     )
-    return [membership, p2p]
+    collectives = CollectiveService(daemon, membership=membership.engine)
+    return [membership, p2p, collectives]
 
 
 class Daemon:
@@ -193,7 +201,7 @@ class Daemon:
         #: frame is in (its payload may have been dropped: the length is only known here).  Per
         #: link: reads of several links interleave, and a control link's EAGER may be under
         #: way while a data link's DATA begins
-        self._chunks: dict[Link, tuple[Meta, frames.Data | frames.Eager, int]] = {}
+        self._chunks: dict[Link, tuple[Meta, frames.PayloadFrame, int]] = {}
         #: what the node counts as it happens; the registry reads it and everything else
         #: when scraped (fabricd/daemon/metrics.py)
         self.stats = NodeStats()
@@ -376,7 +384,7 @@ class Daemon:
             )
             raise RemoteProtocolError(f"no service handles {head.kind.name} frames")
         chunk = frames.parse(head.kind, head.meta)
-        assert isinstance(chunk, frames.Data | frames.Eager)
+        assert isinstance(chunk, frames.Data | frames.Eager | frames.Coll)
         # the whole frame comes next, with this same metadata (and, if dropped, no payload)
         self._chunks[link] = (head.meta, chunk, head.payload_len)
         buffer = service.payload_buffer(node, chunk, head.payload_len)
@@ -387,7 +395,7 @@ class Daemon:
         if channel is None:
             link.close("frame on a link that is no longer current")  # fenced: a dead incarnation
             return
-        if (frame.kind is Kind.DATA) != (channel is Channel.DATA):
+        if (frame.kind in _DATA_KINDS) != (channel is Channel.DATA):
             raise RemoteProtocolError(f"{frame.kind.name} on the wrong channel from node {node}")
         now = self.now()
         self.peering.heard(node, now)
@@ -404,7 +412,7 @@ class Daemon:
             view, length = cached[1], cached[2]
         else:  # a frame with no payload: nothing was cached for it
             view, length = frames.parse(frame.kind, frame.meta), len(frame.payload)
-        if isinstance(view, frames.Data | frames.Eager):
+        if isinstance(view, frames.Data | frames.Eager | frames.Coll):
             service.on_data(node, view, length, now)
         else:
             service.on_frame(node, view, now)

@@ -231,9 +231,11 @@ class P2PService(BaseService):
     def payload_buffer(
         self, node: int, frame: frames.PayloadFrame, length: int
     ) -> memoryview | None:
+        assert isinstance(frame, frames.Data | frames.Eager)  # the kinds this service claims
         return self.engine.payload_buffer(node, frame, length)
 
     def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
+        assert isinstance(frame, frames.Data | frames.Eager)
         self._perform(self.engine.data_arrived(node, frame, length, now))
 
     def peer_down(self, node: int, reason: str, now: float) -> None:

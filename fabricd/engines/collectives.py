@@ -69,10 +69,9 @@ Theory of operation, with the cost of a message of ``m`` bytes as ``alpha + m * 
   the second message is a consumed or skipped optional recv, absorbed by the engine like a
   second initiator's.  The call, the recvs and the sends are optional; a required nop (the
   paper's N1) waits for any of them and starts the collective, so simultaneous initiators run
-  the collective exactly once (operations are consumable).  Known limit: the engine absorbs
-  such a redundant message only up to one round late; one held back on a slow link while its
-  receiver ran two more rounds is refused (``RemoteProtocolError``; a strict xfail test in
-  ``tests/unit/test_collectives.py`` shows it).
+  the collective exactly once (operations are consumable).  Such a redundant message may
+  come rounds late, held back on a slow link while the data flows on other paths; the engine
+  absorbs it (its "Rounds and the overlap allowed").
 
 Persistence, rounds, and when a message may come are the engine's (its docstring); a broadcast
 root hears nobody, so the data plane's credit must keep it from running two rounds ahead.

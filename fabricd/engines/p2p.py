@@ -126,7 +126,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from fabricd.engines.membership import RankEntry, RankEvent, Routes
-    from fabricd.frames import PayloadFrame
+    from fabricd.frames import MessageFrame
 
 #: the control frames :meth:`Messaging.on_frame` takes (DATA and EAGER carry a payload: they
 #: go to ``payload_buffer`` and ``data_arrived``)
@@ -421,7 +421,7 @@ class Messaging:
                 return self._left(entry, reason, lost=lost)
 
     # -- the daemon's reports ---------------------------------------------------------------
-    def payload_buffer(self, node: int, frame: PayloadFrame, length: int) -> memoryview | None:
+    def payload_buffer(self, node: int, frame: MessageFrame, length: int) -> memoryview | None:
         """Where the ``length`` payload bytes of a DATA or EAGER frame from ``node`` land;
         ``None``: read them and drop them (:meth:`Landing.payload_buffer`; an EAGER whose
         receive is not posted lands in the pool, or nowhere when the pool is full).
@@ -443,7 +443,7 @@ class Messaging:
             return None
         return self._landing.payload_buffer(node, lid, frame.off, length)
 
-    def data_arrived(self, node: int, frame: PayloadFrame, length: int, now: float) -> list[Action]:
+    def data_arrived(self, node: int, frame: MessageFrame, length: int, now: float) -> list[Action]:
         """A DATA or EAGER frame's ``length`` bytes were written where :meth:`payload_buffer`
         said (for an EAGER of no bytes, :meth:`payload_buffer` was never asked)."""
         if isinstance(frame, Eager):

@@ -617,6 +617,12 @@ class Collective:
         if any(c.round == self.round and self._starts(c.rank) for c in self._calls.values()):
             self._perform(self.executor.activate(self.round, now), now)
 
+    def break_with(self, code: str, message: str) -> list[Action]:
+        """Nothing of this collective can run any more (``message`` says why): fail its calls,
+        and every later one."""
+        self._break(code, message)
+        return self._flush()
+
     def _break(self, code: str, message: str, node: int | None = None) -> None:
         self.broken = (code, message)
         for token in list(self._calls):

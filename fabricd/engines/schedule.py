@@ -36,18 +36,21 @@ Rounds and the overlap allowed.  The engine runs one round at a time; round ``r`
 from the moment round ``r - 1`` ended until it ends itself.  Inputs of round ``r + 1`` (a
 message, the rank's call) may come while ``r`` runs: they are held for ``r + 1``, never
 consumed by ``r``, and replayed when ``r + 1`` is armed.  No action of round ``r + 1`` is
-returned before :class:`RoundEnded` of ``r``.  A message may come late, for round ``r - 1``,
-only for a recv that round skipped (a second initiator's activation); it is absorbed with a
-:class:`Discard`, as is a message that came for a recv its round skipped before it was ready.
-Anything else outside ``r - 1 .. r + 1``, or a second message for one recv in one round, is
-refused with :class:`~fabricd.errors.RemoteProtocolError` (the peer ran past its flow control,
-or repeated itself).  One round ahead is enough when a rank's round cannot end without
-messages of every peer's same round (allreduce, barrier): a sender in round ``r + 2`` ended
-``r + 1``, which needed this rank's ``r + 1`` messages, sent after this rank ended ``r``.
-Where a schedule lacks that (a broadcast's root hears nobody), the data plane's credit must
-hold the sender back.  For the service this means: a required recv needs a landing slot per
-round parity; an optional recv, whose late message for ``r - 1`` may land beside an early one
-for ``r + 1``, needs one per round modulo 3, or no bytes at all (activation messages have none).
+returned before :class:`RoundEnded` of ``r``.  A message may come late, for any ended round,
+only for an optional recv that round skipped (a second initiator's activation, which may trail
+any number of rounds behind on a slow link while the data flows on other paths); it is absorbed
+with a :class:`Discard`, as is a message that came for a recv its round skipped before it was
+ready.  The last :data:`LATE_WINDOW` rounds remember which optional recvs they skipped, so a
+second message for a recv that ran is still refused; past the window a late message of an
+optional recv is absorbed unchecked.  Anything else outside ``.. r + 1``, or a second message
+for one recv in one round, is refused with :class:`~fabricd.errors.RemoteProtocolError` (the
+peer ran past its flow control, or repeated itself).  One round ahead is enough when a rank's
+round cannot end without messages of every peer's same round (allreduce, barrier): a sender in
+round ``r + 2`` ended ``r + 1``, which needed this rank's ``r + 1`` messages, sent after this
+rank ended ``r``.  Where a schedule lacks that (a broadcast's root hears nobody), it must add
+it (the collectives module's broadcast acknowledges up its tree).  For the service this means:
+a required recv needs a landing slot per round parity; an optional recv, whose late message
+may land beside an early one, needs no bytes at all (activation messages have none).
 
 Cost and memory: an input costs O(the operations it makes ready and their dependents); arming
 a round costs O(operations).  Between rounds the engine keeps at most one held input per recv
@@ -75,6 +78,9 @@ from fabricd.errors import LocalProtocolError, RemoteProtocolError, UsageError
 
 #: how many rounds ahead of the current one an input may come, and be held
 AHEAD: Final = 1
+#: how many ended rounds remember their skipped recvs, so that a second message for a recv
+#: that ran is still told from a late one for a recv that was skipped
+LATE_WINDOW: Final = 64
 
 
 class Kind(enum.Enum):
@@ -393,7 +399,7 @@ class ScheduleStatistics:
     rounds: int  #: rounds ended
     in_flight: int  #: sends and computes started and not completed
     held: int  #: messages and calls held for a recv not ready yet, or for the next round
-    late_open: int  #: recvs the last round skipped: a message may still come (and be discarded)
+    late_open: int  #: optional recvs recent rounds skipped: a message may still come (discarded)
     discarded: int  #: late messages of skipped recvs absorbed
 
 
@@ -422,7 +428,9 @@ class Executor:
         self._began = 0.0
         # what is kept across rounds
         self._next: list[int | None] = []  #: held for round + 1: recvs, None for the activation
-        self._behind: set[int] = set()  #: recvs the last round skipped: a late message is absorbed
+        #: per ended round (the last LATE_WINDOW), the optional recvs it skipped whose message
+        #: has not come: it is absorbed when it does
+        self._behind: dict[int, set[int]] = {}
         self._rounds = 0
         self._discarded = 0
 
@@ -484,21 +492,24 @@ class Executor:
             self.phase = phase
             self._next.append(op)
             return []
-        if round == self.round - 1:
+        if round < self.round and self.schedule.ops[op].optional:
             phase = self._move(_Input.LATE)
-            if op not in self._behind:
-                raise RemoteProtocolError(
-                    f"{what}: that round ended (or never ran here) with this recv done"
-                )
+            behind = self._behind.get(round)
+            remembered = round >= self.round - LATE_WINDOW
+            if remembered and (behind is None or op not in behind):
+                raise RemoteProtocolError(f"{what}: that round ended with this recv done")
             self.phase = phase
-            self._behind.remove(op)
+            if behind is not None:
+                behind.discard(op)
+                if not behind:
+                    del self._behind[round]
             self._discarded += 1
             return [Discard(op=op, round=round)]
         if round != self.round:
             raise RemoteProtocolError(
                 f"{what}: this rank is in round {self.round}, and messages may arrive only "
-                f"up to {AHEAD} round ahead (the sender ran past its flow control) or, for a "
-                "skipped recv, one round late"
+                f"up to {AHEAD} round ahead (the sender ran past its flow control) or, for an "
+                "optional recv its round skipped, late"
             )
         if op in self._arrived or self._state[op] is OpState.DONE:
             raise RemoteProtocolError(f"second {what}")
@@ -543,7 +554,7 @@ class Executor:
             rounds=self._rounds,
             in_flight=self._in_flight,
             held=len(self._next) + len(self._arrived),
-            late_open=len(self._behind),
+            late_open=sum(len(ops) for ops in self._behind.values()),
             discarded=self._discarded,
         )
 
@@ -633,9 +644,14 @@ class Executor:
                 )
             )
             self._rounds += 1
-            self._behind = {
-                i for i in skipped if ops[i].kind is Kind.RECV and i not in self._arrived
+            behind = {
+                i
+                for i in skipped
+                if ops[i].kind is Kind.RECV and ops[i].optional and i not in self._arrived
             }
+            if behind:
+                self._behind[self.round] = behind
+            self._behind.pop(self.round - LATE_WINDOW, None)
             self.round += 1
             self._arm(now, out)
 

@@ -55,7 +55,7 @@ from fabricd.engines.schedule import (
     StartCompute,
     StartSend,
 )
-from fabricd.errors import RemoteProtocolError, UsageError
+from fabricd.errors import UsageError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -493,11 +493,6 @@ def test_any_initiators_run_the_allreduce_once_per_round_at_every_rank(
     assert all(ex.round == rounds for ex in sim.executors)
 
 
-@pytest.mark.xfail(
-    raises=RemoteProtocolError,
-    reason="the engine absorbs a skipped recv's message only one round late; a duplicate "
-    "activation on a slow link may come later (issue 10, reported to its owner)",
-)
 def test_a_duplicate_activation_overtaken_by_two_rounds_is_absorbed() -> None:
     """Size 3, rank 0 initiates every round: its activation reaches rank 1 (channel 0) and
     rank 2 (channel 1), and rank 1 forwards on channel 1 to rank 0 again, a duplicate.  No

@@ -46,7 +46,7 @@ def header(
     payload_len: int = 0,
     *,
     magic: bytes = b"FBRC",
-    version: int = 3,
+    version: int = PROTOCOL_VERSION,
     flags: int = 0,
 ) -> bytes:
     return LAYOUT.pack(magic, version, kind, flags, meta_len, payload_len)
@@ -154,6 +154,16 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
         "nbytes": 2**30,
         "dtype": "float32",
     },
+    Kind.COLL: {
+        "job": "demo",
+        "name": "allreduce:sync:grad",
+        "r": 7,
+        "t": 2,
+        "off": 0,
+        "lost": [3],
+        "b": 5,
+        "spec": {"kind": "allreduce", "count": 1024, "dtype": "float32", "op": "sum"},
+    },
     Kind.REQUEST: {
         "id": 1,
         "op": "send",
@@ -202,8 +212,8 @@ def test_header_layout_is_as_documented() -> None:
     data = encode(Kind.RTS, {"a": 1}, b"xyz")
     assert HEADER_SIZE == 20
     assert MAGIC == b"FBRC"
-    assert PROTOCOL_VERSION == 3
-    assert data[:20] == b"FBRC" + bytes([3, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
+    assert PROTOCOL_VERSION == 4
+    assert data[:20] == b"FBRC" + bytes([4, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
         3
     ).to_bytes(8, "big")
     assert data[20:24] == b"\x81\xa1a\x01"
@@ -211,7 +221,7 @@ def test_header_layout_is_as_documented() -> None:
 
 
 def test_the_example_in_protocol_md() -> None:
-    documented = "46 42 52 43 03 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
+    documented = "46 42 52 43 04 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
     assert encode(Kind.CTS, {"msg": 1}) == bytes.fromhex(documented)
 
 
@@ -230,6 +240,7 @@ def test_kind_numbers_are_stable() -> None:
         "WRITE": 11,
         "EAGER": 12,
         "RTR": 13,
+        "COLL": 14,
         "REQUEST": 32,
         "REPLY": 33,
         "EVENT": 34,
@@ -529,7 +540,7 @@ def test_client_socket_limits() -> None:
 # -- malformed headers ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 14, 31, 35, 255])
+@pytest.mark.parametrize("kind", [0, 15, 31, 35, 255])
 def test_unknown_kind(kind: int) -> None:
     assert_rejected(header(kind, 1) + b"\x80", match=f"unknown frame kind {kind}")
 

@@ -1,0 +1,639 @@
+"""The collective service: ``collective`` requests and COLL frames, for persistent schedules.
+
+Drives :mod:`fabricd.engines.persistent`: one :class:`~fabricd.engines.persistent.Collective`
+per (job, name) on this node, built by the first call or the first peer frame of that name,
+and kept round after round (eager-SGD §4.1, §4.3: persistent schedules).  A request names the
+collective, its kind (allreduce, broadcast, barrier), the caller's array (a view of its
+segment), op and mode; the engine reads the contribution from the array and writes the result
+into it, and the service answers ``{round, included, active}``.
+
+The data plane: every message of a round is one COLL frame on the data link (more only past
+``chunk_size``), landing in the slot the receiving node allocated when it built the same
+schedule: the posted-buffer path, with no RTS, CTS or RTR (``docs/architecture.md``).  The
+frame names the slot by (job, name, round, tag); both ends derive the same slots from the same
+schedule, so no key needs to be exchanged.  Frames to one peer leave in order: at once while the
+link takes them, else from a queue one task drains.
+
+Membership: a collective runs over the nodes that host the job's ranks, so it is built only
+once every rank of the job is known here.  A call made earlier waits (up to ``route_timeout``,
+then fails with code ``no_such_rank``); a peer's frame that comes earlier is held, within
+``max_held_bytes``, until it can be placed.  A member node that goes down fails a sync
+collective's calls and breaks it; solo and majority go on among the survivors (the engine's
+docstring says how).  A rank that leaves fails the open calls of sync collectives; its clients
+hear ``rank_left`` events.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from fabricd import frames
+from fabricd.daemon.logs import RateLimitedLog
+from fabricd.daemon.metrics import OperationStats, counter, gauge
+from fabricd.daemon.service import BaseService
+from fabricd.dtypes import ITEMSIZE
+from fabricd.engines.actions import Failure
+from fabricd.engines.collectives import Algorithm, choose_allreduce
+from fabricd.engines.membership import RankJoined, RankLeft
+from fabricd.engines.persistent import Collective, Deliver, Fail, Spec, Transmit
+from fabricd.errors import (
+    ErrorCode,
+    LocalProtocolError,
+    OperationFailed,
+    RemoteProtocolError,
+    TransportError,
+    UsageError,
+)
+from fabricd.frames import MAX_COLLECTIVE_NAME
+from fabricd.wire import Kind, Meta, get_int, get_str
+
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable, Iterable
+
+    from prometheus_client.metrics_core import Metric
+
+    from fabricd.daemon.service import Host, Request
+    from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.membership import Membership, RankEvent
+    from fabricd.engines.persistent import Action
+
+log = logging.getLogger("fabricd.collectives")
+remote_log = RateLimitedLog(log)
+
+#: peers' frames held for collectives not built here yet (their job's ranks not all known)
+MAX_HELD_BYTES: Final = 64 * 1024 * 1024
+MAX_HELD_FRAMES: Final = 4096
+
+Key = tuple[str, str]  #: (job, collective name)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Open:
+    """A call the engine holds: whom to answer."""
+
+    session: ClientSession
+    request: int
+    key: Key
+    kind: str
+    started: float
+    nbytes: int
+
+
+@dataclass(slots=True, kw_only=True)
+class _Waiting:
+    """A call that waits for every rank of its job to be known."""
+
+    request: Request
+    spec: Spec
+    array: np.ndarray[Any, Any] | None
+    name: str
+    deadline: float
+
+
+@dataclass(slots=True, kw_only=True)
+class _Held:
+    """A peer's frame for a collective not built here yet."""
+
+    node: int
+    frame: frames.Coll
+    payload: bytearray
+    complete: bool  #: its payload is all in (a frame still landing is not replayed yet)
+
+
+class CollectiveService(BaseService):
+    """Persistent collectives: sync, solo and majority allreduce, broadcast, barrier."""
+
+    name = "collectives"
+    kinds = frozenset({Kind.COLL})
+    ops = frozenset({"collective"})
+
+    def __init__(self, host: Host, *, membership: Membership) -> None:
+        self.host = host
+        self.membership = membership
+        self.collectives: dict[Key, Collective] = {}
+        self._open: dict[int, _Open] = {}  #: by token
+        self._by_session: dict[ClientSession, set[int]] = {}
+        self._sessions: dict[str, set[ClientSession]] = {}  #: clients that called, per job
+        self._waiting: list[_Waiting] = []
+        self._held: dict[Key, list[_Held]] = {}
+        self._held_bytes = 0
+        self._tokens = 0
+        self._queues: dict[int, deque[tuple[Meta, bytes]]] = {}  #: frames waiting per node
+        self._senders: dict[int, asyncio.Task[None]] = {}
+        self.operations = OperationStats(self.name, kinds=["allreduce", "broadcast", "barrier"])
+        self._counters = {
+            "bytes_sent": 0,
+            "frames_held": 0,
+            "frames_dropped": 0,  #: held past the bound, or for a collective that cannot be built
+            "rounds": 0,
+        }
+
+    # -- requests ---------------------------------------------------------------------------
+    def on_request(self, request: Request, now: float) -> None:
+        if self.host.draining:
+            raise OperationFailed(
+                "the daemon is stopping; retry later", code=ErrorCode.DAEMON_STOPPING
+            )
+        session = request.session
+        if session.job is None:
+            raise UsageError("connect with a job (fabricd.connect(job=...)) before collectives")
+        spec, array, name = self._parse(request)
+        waiting = _Waiting(
+            request=request,
+            spec=spec,
+            array=array,
+            name=name,
+            deadline=now + self.host.config.route_timeout,
+        )
+        if not self._try(waiting, now):
+            self._waiting.append(waiting)
+
+    def _parse(self, request: Request) -> tuple[Spec, np.ndarray[Any, Any] | None, str]:
+        meta, session = request.meta, request.session
+        kind, name = get_str(meta, "kind"), get_str(meta, "name")
+        if not 0 < len(name) <= MAX_COLLECTIVE_NAME:
+            raise UsageError(f"a collective name has 1 to {MAX_COLLECTIVE_NAME} characters")
+        if kind == "barrier":
+            return Spec(kind="barrier"), None, name
+        dtype = get_str(meta, "dtype")
+        if dtype not in ITEMSIZE or dtype == "uint8":
+            raise UsageError(
+                f"dtype {dtype!r}: collectives reduce float16, float32, float64, int32, int64"
+            )
+        nbytes = get_int(meta, "nbytes")
+        if nbytes % ITEMSIZE[dtype]:
+            raise UsageError(f"{nbytes} B is not a whole number of {dtype} elements")
+        region = session.segment(get_int(meta, "seg")).view(get_int(meta, "off"), nbytes)
+        array = np.frombuffer(region, dtype=dtype)
+        count = len(array)
+        fields: dict[str, Any] = {"kind": kind, "count": count, "dtype": dtype}
+        if kind == "allreduce":
+            fields.update(op=get_str(meta, "reduce"), mode=get_str(meta, "mode"))
+        elif kind == "broadcast":
+            root = get_int(meta, "root")
+            if root >= session.size:
+                raise UsageError(f"root {root} is outside job {session.job!r} of {session.size}")
+            fields.update(root=root)
+        else:
+            raise UsageError(f"kind {kind!r}: must be allreduce, broadcast or barrier")
+        spec = Spec(**fields)
+        spec.check()
+        return spec, array, name
+
+    def _try(self, waiting: _Waiting, now: float) -> bool:
+        """Hand the call to its collective, building it if every rank is known; ``False``:
+        it must wait for the job's ranks."""
+        request, session = waiting.request, waiting.request.session
+        assert session.job is not None
+        key = (session.job, waiting.name)
+        coll = self.collectives.get(key)
+        if coll is None:
+            ranks = self._ranks(session.job, session.size)
+            if ranks is None:
+                return False
+            coll = self._build(key, waiting.spec, ranks, now, choose=True)
+        elif not coll.spec.same_call(waiting.spec):
+            raise UsageError(
+                f"collective {waiting.name!r} of job {session.job!r} is a {coll.spec.describe()}; "
+                f"this call asks for a {waiting.spec.describe()}: every rank must call it alike "
+                "(or use another name)"
+            )
+        self._tokens += 1
+        token = self._tokens
+        actions = coll.call(session.rank, token, waiting.array, now)
+        nbytes = 0 if waiting.array is None else waiting.array.nbytes
+        self._open[token] = _Open(
+            session=session,
+            request=request.id,
+            key=key,
+            kind=waiting.spec.kind,
+            started=now,
+            nbytes=nbytes,
+        )
+        self._by_session.setdefault(session, set()).add(token)
+        self._sessions.setdefault(session.job, set()).add(session)
+        self.operations.started(waiting.spec.kind)
+        self._perform(key, actions)
+        return True
+
+    def _ranks(self, job: str, size: int) -> tuple[int, ...] | None:
+        """The node of every rank of ``job``, or ``None`` while one is unknown."""
+        nodes = []
+        for rank in range(size):
+            entry = self.membership.lookup(job, rank)
+            if entry is None:
+                return None
+            nodes.append(entry.node)
+        return tuple(nodes)
+
+    def _live(self, job: str, size: int) -> frozenset[int]:
+        return frozenset(r for r in range(size) if self.membership.lookup(job, r) is not None)
+
+    def _build(
+        self, key: Key, spec: Spec, ranks: tuple[int, ...], now: float, *, choose: bool
+    ) -> Collective:
+        """Build ``key``'s collective (``choose``: pick its algorithm here, for a local call;
+        else it is the peer's, from its frame) and place what was held for it."""
+        job, name = key
+        held = sum(1 for k in self.collectives if k[0] == job)
+        if held >= self.host.config.max_collectives_per_job:
+            raise OperationFailed(
+                f"job {job!r} has {held} collectives on node {self.host.config.node_id}, the "
+                "most max_collectives_per_job allows; reuse names (a collective is persistent: "
+                "call it again every step) or raise the setting",
+                code=ErrorCode.LIMIT,
+            )
+        if spec.kind == "allreduce" and choose:
+            nodes = len(set(ranks))
+            nbytes = spec.count * ITEMSIZE[spec.dtype]
+            ring_from = self.host.config.ring_from_bytes
+            ring = choose_allreduce(nodes, nbytes, ring_from_bytes=ring_from) is Algorithm.RING
+            spec = Spec(**{**spec.to_meta(), "ring": ring})
+        coll = Collective(
+            spec,
+            job=job,
+            name=name,
+            node=self.host.config.node_id,
+            ranks=ranks,
+            live=self._live(job, len(ranks)),
+        )
+        self.collectives[key] = coll
+        for node in coll.initial:  # a member already lost to this daemon
+            if node != coll.node and self.host.data_link(node) is None:
+                log.info("collective %r of job %r: node %d is not up", name, job, node)
+        self._replay(key, now)
+        return coll
+
+    # -- peers ------------------------------------------------------------------------------
+    def payload_buffer(self, node: int, frame: frames.PayloadFrame, length: int) -> memoryview:
+        assert isinstance(frame, frames.Coll)
+        coll = self._collective(frame, node)
+        if coll is None:
+            return memoryview(self._hold(node, frame, length).payload)
+        if coll.broken is not None:
+            return memoryview(bytearray(length))  # nothing can use it: read and forgotten
+        view = coll.landing(
+            node,
+            frame.tag,
+            frame.round,
+            frame.off,
+            length,
+            frame.lost,
+            frame.base,
+            self.host.now(),
+        )
+        if view is None:
+            self._counters["frames_dropped"] += 1
+            return memoryview(bytearray(length))  # an older view's: read and forgotten
+        return view
+
+    def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
+        assert isinstance(frame, frames.Coll)
+        key = (frame.job, frame.name)
+        for item in self._held.get(key, ()):
+            if item.frame is frame:  # its payload landed in the hold
+                item.complete = True
+                if key in self.collectives:  # built meanwhile: place it now
+                    self._replay(key, now)
+                return
+        coll = self._collective(frame, node)
+        if coll is None:
+            self._hold(node, frame, 0).complete = True
+            return
+        if coll.broken is not None:
+            return
+        self._perform(
+            key,
+            coll.arrived(node, frame.tag, frame.round, length, frame.lost, frame.base, now),
+        )
+
+    def _collective(self, frame: frames.Coll, node: int) -> Collective | None:
+        """The collective a peer's frame is for, built from its spec if every rank of its job
+        is known here; ``None``: not yet.
+
+        Raises:
+            RemoteProtocolError: its spec is malformed, or disagrees with ours.
+        """
+        key = (frame.job, frame.name)
+        spec = Spec.from_meta(frame.spec)
+        coll = self.collectives.get(key)
+        if coll is not None:
+            if coll.spec != spec and coll.broken is None:  # the ranks' calls disagree
+                message = (
+                    f"node {node} runs {frame.name!r} of job {frame.job!r} as a "
+                    f"{spec.describe()}, this node as a {coll.spec.describe()}: every rank "
+                    "must call a collective alike (and every daemon have one ring_from_bytes)"
+                )
+                self._perform(key, coll.break_with(ErrorCode.USAGE, message))
+            return coll
+        size = self.membership.job_size(frame.job)
+        ranks = self._ranks(frame.job, size) if size is not None else None
+        if ranks is None or self.host.config.node_id not in ranks:
+            return None
+        try:
+            return self._build(key, spec, ranks, self.host.now(), choose=False)
+        except OperationFailed as exc:  # the job's collectives are at their bound here
+            raise RemoteProtocolError(str(exc)) from None
+
+    def _hold(self, node: int, frame: frames.Coll, length: int) -> _Held:
+        """Keep a frame (and its payload) until its collective can be built here.
+
+        Raises:
+            RemoteProtocolError: the hold is full: the peer sends far ahead of this node's
+                membership (its link is closed, which the peer sees as this node's failure).
+        """
+        if self._held_bytes + length > MAX_HELD_BYTES or self._held_frames() >= MAX_HELD_FRAMES:
+            self._counters["frames_dropped"] += 1
+            raise RemoteProtocolError(
+                f"node {node} sent more collective frames for unknown jobs than this node holds"
+            )
+        held = _Held(node=node, frame=frame, payload=bytearray(length), complete=False)
+        self._held.setdefault((frame.job, frame.name), []).append(held)
+        self._held_bytes += length
+        self._counters["frames_held"] += 1
+        return held
+
+    def _held_frames(self) -> int:
+        return sum(len(h) for h in self._held.values())
+
+    def _replay(self, key: Key, now: float) -> None:
+        """Place the frames held for ``key`` whose payload is in, now that it is built, in
+        the order they came; a frame still landing waits for its on_data."""
+        held = self._held.pop(key, [])
+        coll = self.collectives[key]
+        while held and held[0].complete:
+            item = held.pop(0)
+            self._held_bytes -= len(item.payload)
+            frame, n = item.frame, len(item.payload)
+            if n:
+                view = coll.landing(
+                    item.node, frame.tag, frame.round, frame.off, n, frame.lost, frame.base, now
+                )
+                if view is None:
+                    continue
+                view[:] = item.payload
+            self._perform(
+                key,
+                coll.arrived(item.node, frame.tag, frame.round, n, frame.lost, frame.base, now),
+            )
+        if held:
+            self._held[key] = held
+
+    def peer_down(self, node: int, reason: str, now: float) -> None:
+        self._queues.pop(node, None)
+        for key, coll in list(self.collectives.items()):
+            self._perform(key, coll.lose(node, reason, now))
+        for key, held in list(self._held.items()):
+            kept = [h for h in held if h.node != node]
+            self._held_bytes -= sum(len(h.payload) for h in held if h.node == node)
+            if kept:
+                self._held[key] = kept
+            else:
+                del self._held[key]
+
+    def on_rank_event(self, event: RankEvent, now: float) -> None:
+        job = event.entry.job
+        if isinstance(event, RankLeft):
+            for key, coll in list(self.collectives.items()):
+                if key[0] == job:
+                    live = self._live(job, coll.size)
+                    self._perform(key, coll.rank_gone(event.entry.rank, live, now))
+            self._tell(job, "rank_left", {"rank": event.entry.rank, "reason": event.reason})
+            return
+        assert isinstance(event, RankJoined)
+        for key, coll in self.collectives.items():
+            if key[0] == job:
+                coll.rank_back(self._live(job, coll.size))
+        waiting, self._waiting = self._waiting, []
+        for item in waiting:
+            self._retry(item, now)
+        for key in [k for k in self._held if k[0] == job]:
+            if self._held.get(key):
+                first = self._held[key][0]
+                try:
+                    self._collective(first.frame, first.node)  # builds and replays if it can
+                except RemoteProtocolError as exc:
+                    remote_log.warning("held", "dropping held frames of %r: %s", key, exc)
+                    self._drop_held(key)
+
+    def _drop_held(self, key: Key) -> None:
+        held = self._held.pop(key, [])
+        self._held_bytes -= sum(len(h.payload) for h in held)
+        self._counters["frames_dropped"] += len(held)
+
+    def _tell(self, job: str, event: str, fields: Meta) -> None:
+        """Push ``event`` to every client of ``job`` here that made a collective call."""
+        for session in self._sessions.get(job, ()):
+            self.host.push(session, event, {"job": job, **fields})
+
+    def _retry(self, item: _Waiting, now: float) -> None:
+        request = item.request
+        try:
+            if not self._try(item, now):
+                self._waiting.append(item)
+        except (UsageError, OperationFailed) as exc:
+            code = ErrorCode.USAGE if isinstance(exc, UsageError) else exc.code
+            self.host.fail(request.session, request.id, Failure(code=code, message=str(exc)))
+
+    # -- sending ----------------------------------------------------------------------------
+    def _perform(self, key: Key, actions: Iterable[Action]) -> None:
+        for action in actions:
+            match action:
+                case Transmit():
+                    self._transmit(key, action)
+                case Deliver():
+                    self._answer(action.token, None, action)
+                case Fail():
+                    failure = Failure(code=action.code, message=action.message)
+                    self._answer(action.token, failure, None)
+
+    def _transmit(self, key: Key, t: Transmit) -> None:
+        coll = self.collectives[key]
+        spec = coll.spec.to_meta()
+        chunk = self.host.config.chunk_size
+        payload = t.payload
+        offsets = range(0, len(payload), chunk) if payload else range(1)
+        for off in offsets:
+            frame = frames.Coll(
+                job=key[0],
+                name=key[1],
+                round=t.round,
+                tag=t.tag,
+                off=off,
+                lost=t.lost,
+                base=t.base,
+                spec=spec,
+            )
+            self._send(t.node, frame.to_meta(), payload[off : off + chunk])
+
+    def _send(self, node: int, meta: Meta, payload: bytes) -> None:
+        """Queue one frame to ``node`` on its data link, in order with the ones before."""
+        queue = self._queues.get(node)
+        if not queue:
+            link = self.host.data_link(node)
+            if link is None:
+                return  # its node is down: peer_down changes the view
+            try:
+                if link.send_now(Kind.COLL, meta, [payload] if payload else []):
+                    self._counters["bytes_sent"] += len(payload)
+                    return
+            except (TransportError, LocalProtocolError) as exc:
+                remote_log.warning("send", "collective frame to node %d: %s", node, exc)
+                return
+            queue = self._queues.setdefault(node, deque())
+        queue.append((meta, payload))
+        if node not in self._senders:
+            self._senders[node] = self.host.spawn(self._drain(node))
+
+    async def _drain(self, node: int) -> None:
+        """Send ``node``'s queued frames, waiting out backpressure; a lost link drops them
+        (its peer_down changes the view)."""
+        try:
+            while queue := self._queues.get(node):
+                meta, payload = queue[0]
+                link = self.host.data_link(node)
+                if link is None:
+                    self._queues.pop(node, None)
+                    return
+                await link.send(Kind.COLL, meta, [payload] if payload else [])
+                self._counters["bytes_sent"] += len(payload)
+                if queue is self._queues.get(node):
+                    queue.popleft()
+        except (TransportError, LocalProtocolError) as exc:
+            remote_log.warning("send", "collective frames to node %d: %s", node, exc)
+            self._queues.pop(node, None)
+        finally:
+            self._senders.pop(node, None)
+
+    def _answer(self, token: int, failure: Failure | None, done: Deliver | None) -> None:
+        call = self._open.pop(token, None)
+        if call is None:
+            return
+        tokens = self._by_session.get(call.session)
+        if tokens is not None:
+            tokens.discard(token)
+            if not tokens:
+                del self._by_session[call.session]
+        seconds = self.host.now() - call.started
+        if failure is not None:
+            self.operations.ended(call.kind, 0, seconds, str(failure.code))
+            self.host.fail(call.session, call.request, failure)
+            return
+        assert done is not None
+        self.operations.ended(call.kind, call.nbytes, seconds, None)
+        self.host.reply(
+            call.session,
+            call.request,
+            {"round": done.round, "included": done.included, "active": done.active},
+        )
+
+    # -- clients, time, the drain -----------------------------------------------------------
+    def client_gone(self, session: ClientSession, now: float) -> None:
+        self._waiting = [w for w in self._waiting if w.request.session is not session]
+        if session.job is not None and session.job in self._sessions:
+            self._sessions[session.job].discard(session)
+            if not self._sessions[session.job]:
+                del self._sessions[session.job]
+        for token in self._by_session.pop(session, set()):
+            call = self._open.pop(token)
+            self.operations.abandoned(call.kind)
+            coll = self.collectives.get(call.key)
+            if coll is not None:
+                coll.abandon(token)
+
+    def next_deadline(self) -> float | None:
+        return min((w.deadline for w in self._waiting), default=None)
+
+    def on_timer(self, now: float) -> None:
+        late = [w for w in self._waiting if w.deadline <= now]
+        self._waiting = [w for w in self._waiting if w.deadline > now]
+        for item in late:
+            session = item.request.session
+            missing = [
+                r
+                for r in range(session.size)
+                if self.membership.lookup(str(session.job), r) is None
+            ]
+            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+            self.host.fail(
+                session,
+                item.request.id,
+                Failure(
+                    code=ErrorCode.NO_SUCH_RANK,
+                    message=(
+                        f"{item.spec.describe()} {item.name!r} of job {session.job!r} waited "
+                        f"route_timeout ({self.host.config.route_timeout} s) for ranks {shown} "
+                        "to join; start them, or check their daemons are peers of this one"
+                    ),
+                ),
+            )
+
+    def shutdown(self, failure: Failure) -> None:
+        for token in list(self._open):
+            self._answer(token, failure, None)
+        for item in self._waiting:
+            self.host.fail(item.request.session, item.request.id, failure)
+        self._waiting = []
+
+    # -- status and metrics -----------------------------------------------------------------
+    def statistics(self) -> Meta:
+        rows = []
+        owner: Callable[[str], int | None] = self.membership.owner
+        for (job, name), coll in sorted(self.collectives.items()):
+            c = coll.counters
+            rows.append(
+                {
+                    "job": job,
+                    "owner": owner(job),
+                    "name": name,
+                    "what": coll.spec.describe(),
+                    "algorithm": "ring" if coll.spec.ring else "recursive doubling",
+                    "round": coll.round,
+                    "nodes": list(coll.members),
+                    "lost": sorted(coll.lost),
+                    "waiting": coll.waiting(),
+                    "rounds": c.rounds,
+                    "calls": c.calls,
+                    "included": c.included,
+                    "late": c.late,
+                    "mean_active": round(c.sum_active / c.rounds, 2) if c.rounds else None,
+                    "broken": coll.broken[1] if coll.broken else None,
+                }
+            )
+        rounds = sum(c.counters.rounds for c in self.collectives.values())
+        return {
+            "collectives": rows,
+            "counters": {
+                **self._counters,
+                "rounds": rounds,
+                "collective_calls_waiting_for_ranks": len(self._waiting),
+            },
+        }
+
+    def client_statistics(self, session: ClientSession) -> Meta:
+        return {"collective_calls": len(self._by_session.get(session, ()))}
+
+    def metrics(self) -> Iterable[Metric]:
+        yield from self.operations.families(pending=len(self._open))
+        rows = [(key, coll.counters) for key, coll in self.collectives.items()]
+        yield counter(
+            "fabricd_collective_rounds",
+            "Rounds of persistent collectives ended on this node",
+            [({"job": k[0], "name": k[1]}, c.rounds) for k, c in rows],
+        )
+        yield counter(
+            "fabricd_collective_active_ranks",
+            "Sum over rounds of the ranks that contributed fresh data (divide by rounds)",
+            [({"job": k[0], "name": k[1]}, c.sum_active) for k, c in rows],
+        )
+        yield gauge(
+            "fabricd_collective_calls_open",
+            "Collective calls waiting for their round",
+            [({"job": k[0], "name": k[1]}, coll.waiting()) for k, coll in self.collectives.items()],
+        )
