@@ -218,10 +218,14 @@ def run(
                 if nbytes == TARGET_LATENCY_SIZE:
                     judged.append(ratio >= 1 / TARGET_LATENCY)
             progress(
-                f"{label}: fabricd {fmt_number(figures['fabricd_ms'])} ms "
-                f"({fmt_number(figures['fabricd_mibs'])} MiB/s), "
-                + ", ".join(f"{b} {fmt_number(figures[f'{b}_ms'])} ms" for b in available)
-                + f", ratio {fmt_number(ratio)}x"
+                ", ".join(
+                    [
+                        f"{label}: fabricd {fmt_number(figures['fabricd_ms'])} ms "
+                        f"({fmt_number(figures['fabricd_mibs'])} MiB/s)",
+                        *(f"{b} {fmt_number(figures[f'{b}_ms'])} ms" for b in available),
+                        f"ratio {fmt_number(ratio)}x",
+                    ]
+                )
             )
     table.target_met = all(judged) if judged else None
     table.notes.append(

@@ -277,14 +277,22 @@ BODIES: dict[str, Callable[[Rank, Spec], dict[str, Any]]] = {
 
 
 def spawned_rank(conn: Connection, body: str, spec: Spec) -> None:
-    """A spawned rank (fabricd, gloo): run ``body`` and send its figures through ``conn``."""
+    """A spawned rank (fabricd, gloo): run ``body``, send its figures through ``conn``, and
+    leave the job only when the parent says so.
+
+    Leaving waits for every rank's figures (:func:`run_spawned` says ``"leave"`` once it has
+    them all): a rank that left as soon as its own last collective returned could leave while
+    a slower rank's daemon was still finishing that round, and the daemon fails a sync round
+    that a rank of the job leaves during.
+    """
     rank = BACKENDS[spec["backend"]](spec)
     try:
-        result = BODIES[body](rank, spec)
+        conn.send(BODIES[body](rank, spec))
+        if conn.poll(CALL_TIMEOUT):
+            conn.recv()
     finally:
         rank.close()
-    conn.send(result)
-    conn.close()
+        conn.close()
 
 
 # -- starting ranks ---------------------------------------------------------------------------
@@ -297,29 +305,36 @@ def run_spawned(body: str, specs: Sequence[Spec], timeout: float) -> list[dict[s
     context = multiprocessing.get_context("spawn")
     ranks = []
     for spec in specs:
-        reader, writer = context.Pipe(duplex=False)
-        process = context.Process(target=spawned_rank, args=(writer, body, spec), daemon=True)
+        conn, child = context.Pipe()
+        process = context.Process(target=spawned_rank, args=(child, body, spec), daemon=True)
         process.start()
-        writer.close()
-        ranks.append((process, reader))
+        child.close()
+        ranks.append((process, conn))
     deadline = time.monotonic() + timeout
     results = []
     try:
-        for index, (process, reader) in enumerate(ranks):
-            while not reader.poll(0.2):
-                if not process.is_alive() and not reader.poll(0):
-                    raise RuntimeError(f"rank {index} exited with status {process.exitcode}")
+        for index, (process, conn) in enumerate(ranks):
+            while not conn.poll(0.2):  # true on figures, and on EOF when the rank died
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"rank {index} did not finish within {timeout:.0f} s")
-            results.append(reader.recv())
+            try:
+                results.append(conn.recv())
+            except EOFError:
+                process.join(5)
+                raise RuntimeError(
+                    f"rank {index} exited with status {process.exitcode} before reporting "
+                    "(its traceback is above)"
+                ) from None
+        for _, conn in ranks:
+            conn.send("leave")
         for process, _ in ranks:
             process.join(max(1.0, deadline - time.monotonic()))
     finally:
-        for process, reader in ranks:
+        for process, conn in ranks:
             if process.is_alive():
                 process.terminate()
                 process.join(5)
-            reader.close()
+            conn.close()
     return results
 
 

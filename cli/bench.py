@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
+from rich.console import Console, Group
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table as RichTable
@@ -206,20 +206,21 @@ def _show(body: Callable[[Callable[[str], None]], Any], rows: int, as_json: bool
     console.print(_rich_table(table, report))
 
 
-def _rich_table(table: Any, report: ModuleType) -> RichTable:
-    """A :class:`bench.report.Table` as a rich table, its target and notes in the caption."""
-    out = RichTable(title=table.title, caption_justify="left")
+def _rich_table(table: Any, report: ModuleType) -> Group:
+    """A :class:`bench.report.Table` as a rich table, then its ratio, target and notes (lines
+    below it, not a caption: a caption folds at the table's width)."""
+    out = RichTable(title=table.title)
     out.add_column("case")
     for column in table.columns:
         out.add_column(column.heading, justify="right")
     out.add_column("ratio", justify="right", style="bold")
     for row in table.rows:
         cells = [report.fmt_number(row.figures.get(c.key), c.digits) for c in table.columns]
-        out.add_row(Text(row.label), *cells, report.fmt_number(row.ratio) + "x")
+        ratio = report.fmt_number(row.ratio)
+        out.add_row(Text(row.label), *cells, ratio if ratio == "-" else ratio + "x")
     verdict = {True: "met", False: "MISSED", None: "not measured"}[table.target_met]
     caption = [f"ratio = {table.ratio}"]
     if table.target is not None:
         caption.append(f"target: {table.target}: {verdict}")
     caption += [f"note: {note}" for note in table.notes]
-    out.caption = Text("\n".join(caption))
-    return out
+    return Group(out, Text("\n".join(caption)))
