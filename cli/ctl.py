@@ -701,7 +701,13 @@ _DEMO = "fabricd-demo.png"
     show_default=True,
     help="how long one random rank sleeps before its allreduce, at every step",
 )
-@click.option("--steps", type=click.IntRange(1, 100_000), default=60, show_default=True)
+@click.option(
+    "--steps",
+    type=click.IntRange(1, 100_000),
+    default=80,
+    show_default=True,
+    help="allreduce rounds per mode",
+)
 @click.option(
     "--modes",
     default="sync,solo,majority",
@@ -711,7 +717,7 @@ _DEMO = "fabricd-demo.png"
 @click.option(
     "--sync-every",
     type=click.IntRange(1, 100_000),
-    default=20,
+    default=10,
     show_default=True,
     help="solo, majority: average the replicas every this many steps",
 )
@@ -838,7 +844,10 @@ def _train_with_progress(settings: Settings, modes: list[Mode]) -> DemoResult:
 
         def update(mode: Mode, report: Report) -> None:
             step, _, value, _ = report
-            progress.update(tasks[mode], completed=step + 1, loss=_figure(value))
+            # a call that was behind may get a round past the last
+            progress.update(
+                tasks[mode], completed=min(step + 1, settings.steps), loss=_figure(value)
+            )
 
         return training.run(settings, modes, progress=update)
 

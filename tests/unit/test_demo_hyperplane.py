@@ -132,8 +132,10 @@ def test_a_rank_trains_in_steps_and_rank_0_reports_each(mode):
     assert fab.calls[:2] == [("broadcast", 0), ("barrier", "barrier")]
     assert fab.calls[-1] == ("barrier", "end")
     assert fab.calls.count(("allreduce", "avg", mode)) == 12
-    # after rounds 4 and 9: the replicas are averaged every 5 rounds, partial modes only
-    assert fab.calls.count(("sync_model",)) == (0 if mode == "sync" else 2)
+    # after rounds 4, 9 and 11: every 5 rounds and after the last, partial modes only
+    assert fab.calls.count(("sync_model",)) == (0 if mode == "sync" else 3)
+    if mode != "sync":
+        assert fab.calls[-3:-1] == [("allreduce", "avg", mode), ("sync_model",)]
     assert [r[0] for r in reports] == list(range(-1, 12))
     assert reports[0][1:] == (0.0, reports[0][2], 4)  # before any step, every rank counts
     assert all(r[3] == 3 for r in reports[1:])
@@ -156,8 +158,10 @@ def test_a_rank_left_behind_stops_on_rounds_and_averages_as_often_as_the_others(
     train(fab, Hyperplane(16), settings, "majority", None, sleep=lambda _: None)
     kinds = [c[0] for c in fab.calls]
     assert kinds.count("allreduce") == 7  # the 7th call saw round 11 >= 9: the last
-    # rounds 2, 5 and 8 end a sync_every: the jump from 1 to 5 averages twice in a row
-    assert kinds.count("sync_model") == 3
+    # rounds 2, 5 and 8 end a sync_every, and 9 is the last: the jump from 1 to 5 averages
+    # twice in a row, the jump to 11 twice too
+    assert kinds.count("sync_model") == 4
+    assert kinds[-4:] == ["allreduce", "sync_model", "sync_model", "barrier"]
     assert kinds[kinds.index("allreduce") + 2 : kinds.index("allreduce") + 5] == [
         "allreduce",
         "sync_model",
