@@ -7,9 +7,10 @@ after round (eager-SGD §4.1, §4.3).  Only (segment, offset, length, dtype) tra
 socket; the daemon reads the contribution from the array's shared memory and writes the result
 back into it, in place.
 
-Names: a collective is named after its kind (with an allreduce's mode) and its array
+Names: a collective is named after its kind (with an allreduce's mode and op) and its array
 (``fab.array``'s name, ``@OFFSET`` for a slice that does not start at the array's beginning),
-e.g. ``allreduce:solo:grad``, unless ``name=`` says otherwise.
+e.g. ``allreduce:solo:avg:grad`` or ``broadcast:0:model`` (a broadcast's root), unless
+``name=`` says otherwise.
 Every rank must call a collective of one name with the same shape, dtype, op and mode; the
 daemon refuses a call that disagrees with what the job's first call said.
 
@@ -122,7 +123,7 @@ class Collectives:
                 f"a {mode} allreduce takes op 'sum' or 'avg': ranks that take part passively "
                 f"contribute zeros, which {op!r} would count"
             )
-        return self._start(f"allreduce:{mode}", array, name, reduce=op, mode=mode)
+        return self._start(f"allreduce:{mode}:{op}", array, name, reduce=op, mode=mode)
 
     def broadcast(
         self,
@@ -142,15 +143,19 @@ class Collectives:
         job = self._joined()
         if type(root) is not int or not 0 <= root < job.size:
             raise UsageError(f"root must be a rank of 0..{job.size - 1}, not {root!r}")
-        return self._start("broadcast", array, name, root=root)
+        return self._start(f"broadcast:{root}", array, name, root=root)
 
     def barrier(self, *, name: str = "barrier", timeout: float | None = None) -> Result:
         """Return once every rank of the job called ``barrier`` of this name."""
+        return self.barrier_async(name=name).wait(timeout)
+
+    def barrier_async(self, *, name: str = "barrier") -> Handle[Result]:
+        """Enter the barrier; ``handle.wait()`` returns once every rank entered it."""
         self._joined()
         call = self._connection.submit(
             "collective", {"kind": "barrier", "name": _name(name)}, what=f"barrier {name!r}"
         )
-        return Handle(self._connection, call, _result).wait(timeout)
+        return Handle(self._connection, call, _result)
 
     def sync_model(
         self,
@@ -191,8 +196,9 @@ class Collectives:
     def _start(
         self, what: str, array: np.ndarray[Any, Any], name: str | None, **fields: Any
     ) -> Handle[Result]:
-        """``what``: the kind, and for an allreduce its mode (``allreduce:solo``), which the
-        default name starts with: one array may serve several modes, each its own schedule."""
+        """``what``: the kind, with an allreduce's mode and op (``allreduce:solo:sum``) or a
+        broadcast's root, which the default name starts with: one array may serve several
+        modes, ops and roots, each its own persistent schedule."""
         self._joined()
         seg, offset, label = self._arrays.find(array)
         if not array.flags.writeable:

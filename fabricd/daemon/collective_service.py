@@ -124,7 +124,7 @@ class CollectiveService(BaseService):
         self._held: dict[Key, list[_Held]] = {}
         self._held_bytes = 0
         self._tokens = 0
-        self._queues: dict[int, deque[tuple[Meta, bytes]]] = {}  #: frames waiting per node
+        self._queues: dict[int, deque[tuple[Meta, memoryview]]] = {}  #: frames waiting per node
         self._senders: dict[int, asyncio.Task[None]] = {}
         self.operations = OperationStats(self.name, kinds=["allreduce", "broadcast", "barrier"])
         self._counters = {
@@ -457,7 +457,7 @@ class CollectiveService(BaseService):
         coll = self.collectives[key]
         spec = coll.spec.to_meta()
         chunk = self.host.config.chunk_size
-        payload = t.payload
+        payload = memoryview(t.payload)  # slices of it copy nothing
         offsets = range(0, len(payload), chunk) if payload else range(1)
         for off in offsets:
             frame = frames.Coll(
@@ -472,7 +472,7 @@ class CollectiveService(BaseService):
             )
             self._send(t.node, frame.to_meta(), payload[off : off + chunk])
 
-    def _send(self, node: int, meta: Meta, payload: bytes) -> None:
+    def _send(self, node: int, meta: Meta, payload: memoryview) -> None:
         """Queue one frame to ``node`` on its data link, in order with the ones before."""
         queue = self._queues.get(node)
         if not queue:

@@ -29,9 +29,13 @@ Theory of operation.
   with what it gave since its last contribution (zeros, or data a round missed).  Calls whose
   data the snapshot took are ``included``; a call that comes after the snapshot still gets
   round ``r``'s result, and its data waits in the accumulator for round ``r + 1``: no
-  contribution is ever lost (:attr:`Collective.conservation` checks it).  A rank that comes
+  contribution is ever lost (:meth:`Collective.conservation` checks it).  A rank that comes
   back after rounds ended without it gets the latest result at once (eager-SGD §4.2: a rank
-  more than one round behind sees the latest result only).  The result says how many ranks
+  more than one round behind sees the latest result only); under majority, if it is the
+  current round's initiator, its call also starts that round (else a training loop whose
+  initiator answered late would wait a whole step for its next call).  A rank's ``k``-th call
+  is for round ``k``; a trainer that restarts (its rank left and came back) starts at the
+  current round, joining where the job is.  The result says how many ranks
   contributed fresh data (``active``): the count travels with the data as one extra element,
   reduced with it.  ``avg`` divides the sum by the job's size after the round (the paper's
   update), partial modes take ``sum`` and ``avg`` only.
@@ -48,8 +52,9 @@ Theory of operation.
   survivor's result of that round: across a failure a result may count it twice, never lose
   it.  A node that finds itself among a frame's lost nodes is excluded: its calls fail.
 
-Buffers: ``data`` (the round's working tensor, the result ends there), ``result`` (the last
-result, for late callers), ``accumulator``, ``snapshot`` (partial modes: the round's
+Buffers: ``data`` (the round's working tensor, the result ends there; sync calls reduce into
+it as they come), ``result`` (the last result, for late callers), ``accumulator`` and
+``snapshot`` (partial modes: what ranks gave since the last round, and the round's
 contribution, restored if the round is abandoned), and two landing slots per required recv
 with bytes (one per round parity: the engine's one-round overlap).  Sends are copied out when
 they start (the transport may still hold a view of a queued payload when the schedule
@@ -288,16 +293,19 @@ class Collective:
         dtype = np.dtype(spec.dtype)
         self.data = np.zeros(elements, dtype)
         self.result = np.zeros(elements, dtype)
-        self.accumulator = np.zeros(elements, dtype)
+        #: partial modes: what local ranks gave since the last snapshot (sync gives into data)
+        self.accumulator = np.zeros(elements if spec.partial else 0, dtype)
         self.snapshot = np.zeros(elements if spec.partial else 0, dtype)
         self._taken = False  #: partial: the current round's snapshot is taken
         self._fresh: set[int] = set()  #: ranks whose data waits in the accumulator
-        self._given: set[int] = set()  #: sync: ranks whose call is in the accumulator
+        self._given: set[int] = set()  #: sync: ranks whose call is in ``data``
         self._activated: int | None = None  #: sync: the round activated here, until it ends
         self._ready = False  #: sync: every local rank gave to the new round: activate it
         self._calls: dict[int, _Call] = {}  #: by token
         self._by_rank: dict[int, _Call] = {}
-        self._due: dict[int, int] = {}  #: the round each local rank's next call is for
+        #: the round each local rank's next call is for: its k-th call is for round k (the
+        #: paper's rounds), until it leaves; a rank that comes back starts at the current one
+        self._due: dict[int, int] = dict.fromkeys(self.local, 0)
         self._later: deque[_Call] = deque()  #: sync calls for the round after the current one
         self._landings: dict[tuple[int, int], _Landing] = {}  #: (recv op, round) -> in progress
         self._out: list[Action] = []
@@ -396,6 +404,11 @@ class Collective:
             self.counters.late += 1
             self._due[call.rank] = self.round
             self._deliver(call, self.round - 1)
+            # majority: the current round waits for its initiator, who may be this rank; it
+            # has arrived, so the round starts (its data, just given, is in it)
+            starts = self.spec.mode == "majority" and self._starts(call.rank)
+            if starts and self.executor.phase is Phase.ARMED:
+                self._perform(self.executor.activate(self.round, now), now)
             return
         call.included = not self._taken  # the snapshot is taken when the round starts
         if self.executor.phase is Phase.ARMED and self._starts(call.rank):
@@ -416,23 +429,21 @@ class Collective:
             self._activate_sync(now)
 
     def _give(self, call: _Call) -> None:
-        """Fold a sync call's array into the accumulator (the first one is copied)."""
-        if call.array is not None and self.spec.kind == "allreduce":
+        """Fold a sync call's array into ``data`` (the first one is copied): a sync round
+        reads ``data`` only once every local rank gave, and a call made while it runs waits
+        for its end (``_later``), so nothing else touches ``data`` meanwhile."""
+        data, array = self.data, call.array
+        if array is not None and self.spec.kind == "allreduce":
             if self._given:
-                REDUCE[self.spec.op](self.accumulator, call.array, out=self.accumulator)
+                REDUCE[self.spec.op](data, array, out=data)
             else:
-                np.copyto(self.accumulator, call.array)
-        elif (
-            call.array is not None
-            and self.spec.kind == "broadcast"
-            and call.rank == (self.spec.root)
-        ):
-            np.copyto(self.accumulator, call.array)
+                np.copyto(data, array)
+        elif array is not None and self.spec.kind == "broadcast" and call.rank == self.spec.root:
+            np.copyto(data, array)
         call.included = True
         self._given.add(call.rank)
 
     def _activate_sync(self, now: float) -> None:
-        np.copyto(self.data, self.accumulator)
         self._activated = self.round
         self._perform(self.executor.activate(self.round, now), now)
 

@@ -271,3 +271,12 @@ def test_a_receiver_scribbling_on_its_region_while_data_lands_cannot_fail_the_ch
     assert len(frames) == 1  # delivered: the check saw the bytes the peer sent
     assert dec.opener is not None
     assert dec.opener.seq == 1
+
+
+def test_the_bulk_kinds_agree_with_the_wire() -> None:
+    """integrity.py names the bulk kinds by number (wire imports it): they must stay the same,
+    or a COLL payload would be hashed (or not) against the setting."""
+    from fabricd import integrity
+    from fabricd.wire import BULK_KINDS
+
+    assert integrity._BULK_KINDS == {int(kind) for kind in BULK_KINDS}
