@@ -159,12 +159,14 @@ def choose_allreduce(size: int, nbytes: int, *, ring_from_bytes: int) -> Algorit
     """Ring for tensors of ``ring_from_bytes`` or more, recursive doubling below.
 
     The switch point is the caller's: it depends on the fabric's alpha and beta and is to be
-    measured (``bench/``), never guessed here.  With two ranks or fewer recursive doubling is
-    chosen whatever the size: it moves the same bytes as the ring in one step instead of two.
+    measured (``bench/``), never guessed here.  With two ranks both move the same bytes,
+    recursive doubling in one step, the ring in two of half the size: the ring still wins on
+    large tensors, as one half is reduced while the other travels and it sends straight from
+    the tensor (see fabricd/engines/persistent.py: recursive doubling's sends are copies).
     """
     if ring_from_bytes < 0 or nbytes < 0:
         raise UsageError("sizes in bytes must be >= 0")
-    if size > 2 and nbytes >= ring_from_bytes:
+    if size > 1 and nbytes >= ring_from_bytes:
         return Algorithm.RING
     return Algorithm.RECURSIVE_DOUBLING
 

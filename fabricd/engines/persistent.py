@@ -56,9 +56,18 @@ Buffers: ``data`` (the round's working tensor, the result ends there; sync calls
 it as they come), ``result`` (the last result, for late callers), ``accumulator`` and
 ``snapshot`` (partial modes: what ranks gave since the last round, and the round's
 contribution, restored if the round is abandoned), and two landing slots per required recv
-with bytes (one per round parity: the engine's one-round overlap).  Sends are copied out when
-they start (the transport may still hold a view of a queued payload when the schedule
-overwrites the buffer), so a send is complete at once.
+with bytes (one per round parity: the engine's one-round overlap).  A send is complete once
+handed to the service; the transport may keep a view of a queued payload until the kernel
+took it, so a send hands over a view only where nothing writes those bytes before the peer
+surely has them.  ``data`` and ``result`` swap at each round's end, so round ``r``'s tensor
+is written again only in round ``r + 2``, once round ``r + 1`` ended; that needed every
+member's round ``r + 1`` messages (ring allreduce, and the activation broadcast's allreduce,
+need every member each round; a broadcast's acknowledgements climb its whole tree), each
+sent after its sender ended round ``r``, which needed this node's round ``r`` messages: on
+a FIFO link, those were gone first.  Ring steps write a chunk only after the send that read
+it was answered round the ring; broadcast slots are the same per round parity.  Recursive
+doubling reduces into the very tensor it sent as soon as the partner's arrives, so its sends
+are copies.  A view change allocates a fresh ``data``.
 """
 
 from __future__ import annotations
@@ -191,13 +200,15 @@ def initiator(job: str, name: str, round: int, size: int, live: frozenset[int]) 
 # -- actions --------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Transmit:
-    """Send message ``tag`` of round ``round`` (``payload``, a copy: may be empty) to ``node``,
-    saying the sender's view (``lost``, ``base``)."""
+    """Send message ``tag`` of round ``round`` (``payload``: may be empty) to ``node``, saying
+    the sender's view (``lost``, ``base``).  ``payload`` is a view of the collective's buffers
+    that stays unchanged until the frame has surely left (the module docstring says why), or
+    a copy where the schedule overwrites it sooner."""
 
     node: int
     round: int
     tag: int
-    payload: bytes
+    payload: memoryview
     lost: tuple[int, ...]
     base: int
 
@@ -611,6 +622,8 @@ class Collective:
                 call.included = False
             self._taken = False
         self.base = base
+        # frames of the abandoned round may still be queued, reading this buffer: take another
+        self.data = np.zeros_like(self.data)
         for call in self._calls.values():
             call.round = max(call.round, base)
         for rank in self.local:
@@ -660,7 +673,7 @@ class Collective:
                             node=self.members_now[sched.peer],
                             round=round,
                             tag=sched.tag,
-                            payload=source.tobytes(),
+                            payload=self._payload(source),
                             lost=tuple(sorted(self.lost)),
                             base=self.base,
                         )
@@ -677,6 +690,14 @@ class Collective:
                 case StartRecv() | Discard():
                     pass
             work.extendleft(reversed(more))
+
+    def _payload(self, source: np.ndarray[Any, Any]) -> memoryview:
+        """What a send hands the transport: a view where nothing writes the bytes before the
+        peer has them, a copy where something may (recursive doubling reduces into the very
+        tensor it just sent, as soon as the partner's arrives)."""
+        if self.spec.kind == "allreduce" and not self.spec.ring:
+            return memoryview(source.tobytes())
+        return source.data.cast("B")
 
     def _buffer(self, name: str, round: int = 0) -> np.ndarray[Any, Any]:
         buffer = collectives.parse(name)

@@ -358,8 +358,10 @@ def test_the_choice_rule_takes_the_switch_point_as_given() -> None:
     assert choose_allreduce(8, 4095, ring_from_bytes=4096) is Algorithm.RECURSIVE_DOUBLING
     assert choose_allreduce(8, 4096, ring_from_bytes=4096) is Algorithm.RING
     assert choose_allreduce(3, 4096, ring_from_bytes=4096) is Algorithm.RING
-    # two ranks: one exchange moves what the ring's two steps move
-    assert choose_allreduce(2, 1 << 30, ring_from_bytes=0) is Algorithm.RECURSIVE_DOUBLING
+    # two ranks: the same bytes either way; the ring's halves pipeline on large tensors
+    assert choose_allreduce(2, 1 << 30, ring_from_bytes=4096) is Algorithm.RING
+    assert choose_allreduce(2, 4095, ring_from_bytes=4096) is Algorithm.RECURSIVE_DOUBLING
+    assert choose_allreduce(1, 1 << 30, ring_from_bytes=0) is Algorithm.RECURSIVE_DOUBLING
     assert allreduce(0, 4, "sum", 10, ring_from_bytes=10) == allreduce_ring(0, 4, "sum")
     assert allreduce(0, 4, "sum", 9, ring_from_bytes=10) == allreduce_recursive_doubling(
         0, 4, "sum"
