@@ -279,4 +279,4 @@ def test_the_bulk_kinds_agree_with_the_wire() -> None:
     from fabricd import integrity
     from fabricd.wire import BULK_KINDS
 
-    assert integrity._BULK_KINDS == {int(kind) for kind in BULK_KINDS}
+    assert {int(kind) for kind in BULK_KINDS} == integrity._BULK_KINDS
