@@ -276,8 +276,6 @@ class CollectiveService(BaseService):
         coll = self._collective(frame, node)
         if coll is None:
             return memoryview(self._hold(node, frame, length).payload)
-        if coll.broken is not None:
-            return memoryview(bytearray(length))  # nothing can use it: read and forgotten
         view = coll.landing(
             node,
             frame.tag,
@@ -305,8 +303,6 @@ class CollectiveService(BaseService):
         coll = self._collective(frame, node)
         if coll is None:
             self._hold(node, frame, 0).complete = True
-            return
-        if coll.broken is not None:
             return
         self._perform(
             key,

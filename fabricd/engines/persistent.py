@@ -297,6 +297,7 @@ class Collective:
         self.live = live
         self.initial = tuple(sorted(set(ranks)))
         self.lost: frozenset[int] = frozenset()
+        self._told: set[int] = set()  #: lost nodes whose frames were answered with our view
         self.base = 0  #: the round this view began with
         self.broken: tuple[str, str] | None = None  #: (code, message) once nothing can run
         self.counters = _Counters()
@@ -577,6 +578,21 @@ class Collective:
         """Take a peer's view where it is ahead of ours; ``False``: the frame is of an older
         view (or names this node lost) and is dropped."""
         theirs = frozenset(lost)
+        if node in self.lost:  # a node this one lost (it restarted, or was thought dead)
+            if node not in self._told:  # tell it once per loss: its calls then fail there
+                self._told.add(node)
+                notice = Transmit(
+                    node=node,
+                    round=0,
+                    tag=0,
+                    payload=memoryview(b""),
+                    lost=tuple(sorted(self.lost)),
+                    base=self.base,
+                )
+                self._out.append(notice)
+            return False
+        if self.broken is not None:
+            return False
         if self.node in theirs:
             self._break(
                 ErrorCode.PEER_FAILED,
@@ -595,6 +611,7 @@ class Collective:
         if node not in self.members or self.broken is not None:
             return self._flush()
         if not self.spec.partial:
+            self.lost |= {node}  # a node that comes back is told, and its calls fail there
             self._break(
                 ErrorCode.PEER_FAILED,
                 f"{reason}: the {self.spec.describe()} {self.name!r} of job {self.job!r} needs "

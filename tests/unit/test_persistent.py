@@ -402,3 +402,21 @@ def test_a_late_rank_gets_the_latest_result_and_its_gift_joins_the_next_round() 
     assert fab.delivered[6].round == 3
     assert fab.delivered[6].active == 2
     np.testing.assert_array_equal(fab.colls[0].result[:2], [1, 5])
+
+
+@pytest.mark.parametrize("mode", ["sync", "solo"])
+def test_a_node_that_comes_back_is_told_and_its_calls_fail(mode: str) -> None:
+    """Node 2 dies and restarts with an empty collective: the survivors answer its frames with
+    their view, which counts it lost, so its call fails with a reason instead of hanging."""
+    placement = (0, 1, 2)
+    spec = Spec(kind="allreduce", count=2, dtype="float32", mode=mode)
+    fab = Fabric(spec, placement, Random(0))
+    fab.kill(2)
+    fab.down.discard(2)
+    live = frozenset(range(3))
+    fab.colls[2] = Recording(spec, job=JOB, name=NAME, node=2, ranks=placement, live=live)
+    fab.call(2, 99, np.ones(2, "float32"))
+    fab.drain()
+    assert fab.failed[99].code == "peer_failed"
+    assert "counts this node lost" in fab.failed[99].message
+    assert [c.counters.rounds for c in fab.colls.values()] == [0, 0, 0]
