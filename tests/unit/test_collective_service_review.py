@@ -1,0 +1,357 @@
+"""Review of the collective service: what it keeps of jobs that are gone, peers' specs, held
+frames, and the sender task across a link reset.
+
+The service runs on a fake host (a recorder of what it answers, with data links a test
+controls) and a fake rank table the test edits, so ranks join and leave as membership would
+say.  Every test here shows a bug the review found and is marked ``xfail(strict=True)``: it
+passes once the bug is fixed (then drop the mark).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+from fabricd import frames
+from fabricd.daemon.collective_service import MAX_HELD_FRAMES, CollectiveService
+from fabricd.daemon.config import Config
+from fabricd.daemon.service import Request
+from fabricd.daemon.sessions import ClientSession
+from fabricd.engines.membership import RankEntry, RankJoined, RankLeft
+from fabricd.errors import RemoteProtocolError, TransportError
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
+    from fabricd.wire import Kind, Meta
+
+JOB, NAME = "j", "grad"
+
+
+class Table:
+    """The rank table membership would hold: ranks join and leave as a test says."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, int], RankEntry] = {}
+        self.owners: dict[str, int] = {}
+
+    def join(self, job: str, size: int, nodes: tuple[int, ...], owner: int) -> list[RankEntry]:
+        self.owners[job] = owner
+        added = [RankEntry(job=job, rank=r, size=size, node=n) for r, n in enumerate(nodes)]
+        for entry in added:
+            self.entries[job, entry.rank] = entry
+        return added
+
+    def leave(self, job: str) -> list[RankEntry]:
+        gone = [e for (j, _), e in self.entries.items() if j == job]
+        for entry in gone:
+            del self.entries[job, entry.rank]
+        self.owners.pop(job, None)
+        return gone
+
+    def lookup(self, job: str, rank: int) -> RankEntry | None:
+        return self.entries.get((job, rank))
+
+    def job_size(self, job: str) -> int | None:
+        sizes = {e.size for (j, _), e in self.entries.items() if j == job}
+        return sizes.pop() if sizes else None
+
+    def owner(self, job: str) -> int | None:
+        return self.owners.get(job)
+
+
+class Link:
+    """A data link whose sends a test completes or fails by hand."""
+
+    def __init__(self) -> None:
+        self.sent: list[Meta] = []
+        self.writable = False  #: send_now takes frames
+        self.pending: asyncio.Future[None] | None = None
+
+    def send_now(self, kind: Kind, meta: Meta, payload: list[memoryview]) -> bool:
+        if self.writable:
+            self.sent.append(meta)
+        return self.writable
+
+    async def send(self, kind: Kind, meta: Meta, payload: list[memoryview]) -> None:
+        self.pending = asyncio.get_running_loop().create_future()
+        await self.pending
+        self.sent.append(meta)
+
+
+@dataclass
+class FakeHost:
+    """What the service asks of the node, recorded."""
+
+    config: Config
+    draining: bool = False
+    links: dict[int, Link] = field(default_factory=dict)
+    answered: dict[int, Any] = field(default_factory=dict)
+    pushed: list[tuple[str, Meta]] = field(default_factory=list)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def now(self) -> float:
+        return 0.0
+
+    def data_link(self, node: int) -> Link | None:
+        return self.links.get(node)
+
+    def reply(self, session: ClientSession, request_id: int, result: Any) -> None:
+        self.answered[request_id] = result
+
+    def fail(self, session: ClientSession, request_id: int, failure: Any) -> None:
+        self.answered[request_id] = failure
+
+    def push(self, session: ClientSession, event: str, fields: Meta) -> None:
+        self.pushed.append((event, fields))
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.append(task)
+        return task
+
+    def rearm(self) -> None:
+        pass
+
+
+class Segment:
+    """A client's segment: one float64 array."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.array = np.array(values, dtype=np.float64)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        return self.array.data.cast("B")[offset : offset + nbytes]
+
+
+def service(table: Table, node: int = 0) -> tuple[CollectiveService, FakeHost]:
+    config = Config(node_id=node, nodes=("127.0.0.1:1", "127.0.0.1:2"))
+    host = FakeHost(config)
+    return CollectiveService(host, membership=table), host  # type: ignore[arg-type]
+
+
+def client(rank: int, size: int, values: list[float], job: str = JOB) -> ClientSession:
+    session = ClientSession(conn=None, job=job, rank=rank, size=size)  # type: ignore[arg-type]
+    session.segments[1] = Segment(values)  # type: ignore[assignment]
+    return session
+
+
+def array(session: ClientSession) -> np.ndarray[Any, Any]:
+    return session.segments[1].array  # type: ignore[attr-defined,no-any-return]
+
+
+def call(svc: CollectiveService, session: ClientSession, rid: int, **fields: Any) -> None:
+    nbytes = array(session).nbytes
+    meta = {"kind": "allreduce", "name": NAME, "dtype": "float64", "nbytes": nbytes, "seg": 1}
+    meta |= {"off": 0, "reduce": "sum", "mode": "sync"} | fields
+    svc.on_request(Request(session=session, id=rid, op="collective", meta=meta, fds=[]), 0.0)
+
+
+def join(svc: CollectiveService, table: Table, size: int, nodes: tuple[int, ...]) -> None:
+    for entry in table.join(JOB, size, nodes, owner=1000):
+        svc.on_rank_event(RankJoined(entry=entry), 0.0)
+
+
+def leave(svc: CollectiveService, table: Table) -> None:
+    for entry in table.leave(JOB):
+        reason = f"rank {entry.rank} of job {JOB!r} disconnected"
+        svc.on_rank_event(RankLeft(entry=entry, reason=reason, lost=False), 0.0)
+
+
+def coll_frame(spec: dict[str, Any], job: str = JOB, name: str = NAME) -> frames.Coll:
+    return frames.Coll(job=job, name=name, round=0, tag=0, off=0, lost=(), base=0, spec=spec)
+
+
+# -- collectives of jobs that are gone --------------------------------------------------------
+@pytest.mark.xfail(
+    strict=True,
+    reason="collectives outlive their job: a later job of the same name gets the old "
+    "accumulator (partial modes), so one job's data lands in another's result",
+)
+def test_a_new_job_of_the_same_name_gets_none_of_the_old_jobs_data() -> None:
+    table = Table()
+    svc, host = service(table)
+    join(svc, table, 2, (0, 0))
+    old0, old1 = client(0, 2, [0.0, 0.0]), client(1, 2, [7.0, 7.0])
+    call(svc, old0, 1, mode="solo")  # one node: round 0 ends in this call
+    call(svc, old1, 2, mode="solo")  # behind: the latest result now, its data kept for round 1
+    assert host.answered[1]["round"] == 0
+    assert host.answered[2]["round"] == 0
+    leave(svc, table)  # the whole job ends
+
+    join(svc, table, 2, (0, 0))  # another job of the same name (any owner, later)
+    new0 = client(0, 2, [1.0, 1.0])
+    call(svc, new0, 3, mode="solo")
+    assert np.array_equal(array(new0), [1.0, 1.0]), "the old job's [7, 7] is in this result"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a sync collective broken by a node's failure stays broken after the whole job "
+    "restarted (its message even says 'restart the job')",
+)
+def test_a_restarted_job_can_use_a_name_a_node_failure_broke() -> None:
+    table = Table()
+    svc, host = service(table)
+    join(svc, table, 2, (0, 1))
+    first = client(0, 2, [1.0, 2.0])
+    call(svc, first, 1)
+    svc.peer_down(1, "node 1 went down", 0.0)
+    assert host.answered[1].code == "peer_failed"
+    leave(svc, table)
+
+    join(svc, table, 2, (0, 1))  # the job restarted on both nodes
+    again = client(0, 2, [1.0, 2.0])
+    call(svc, again, 2)  # raises UsageError: "... cannot go on (restart the job)"
+    assert 2 not in host.answered  # waits for node 1's part, as a first call does
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a job that re-runs with another array size under the same job name is refused "
+    "forever: the old job's spec is kept",
+)
+def test_a_rerun_with_another_count_is_not_refused() -> None:
+    table = Table()
+    svc, host = service(table)
+    join(svc, table, 1, (0,))
+    call(svc, client(0, 1, [1.0, 2.0]), 1)
+    assert host.answered[1]["round"] == 0
+    leave(svc, table)
+
+    join(svc, table, 1, (0,))
+    call(svc, client(0, 1, [1.0, 2.0, 3.0]), 2)  # UsageError: "... is a sync allreduce of 2"
+    assert host.answered[2]["round"] == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="nothing frees a collective (its buffers, its status row) once its job is gone",
+)
+def test_a_gone_jobs_collectives_are_freed() -> None:
+    table = Table()
+    svc, _ = service(table)
+    join(svc, table, 1, (0,))
+    call(svc, client(0, 1, [1.0] * 1024), 1)
+    leave(svc, table)
+    assert svc.collectives == {}
+    assert svc.statistics()["collectives"] == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="client_gone abandons a sync call before membership's RankLeft, so rank_gone sees "
+    "no open call and keeps the dead trainer's gift: the next round counts it",
+)
+def test_a_dead_trainers_sync_gift_is_not_in_a_result() -> None:
+    table = Table()
+    svc, host = service(table)
+    entries = table.join(JOB, 2, (0, 0), owner=1000)
+    for entry in entries:
+        svc.on_rank_event(RankJoined(entry=entry), 0.0)
+    dead = client(0, 2, [1.0, 1.0])
+    call(svc, dead, 1)  # rank 0 gives [1, 1], waits for rank 1
+    # the node's order (services reversed): this service hears of the client first, then
+    # membership detaches its rank
+    svc.client_gone(dead, 0.0)
+    del table.entries[JOB, 0]
+    svc.on_rank_event(RankLeft(entry=entries[0], reason="rank 0 died", lost=False), 0.0)
+    table.entries[JOB, 0] = entries[0]  # its trainer restarts
+    svc.on_rank_event(RankJoined(entry=entries[0]), 0.0)
+    again, other = client(0, 2, [5.0, 5.0]), client(1, 2, [2.0, 2.0])
+    call(svc, again, 2)
+    call(svc, other, 3)
+    # had membership spoken first, both calls would get [7, 7] in round 0; here rank 1 gets
+    # [3, 3] (the dead trainer's [1, 1]) and the restarted rank 0 waits a round behind
+    assert np.array_equal(array(other), [7.0, 7.0])
+    assert 2 in host.answered
+
+
+# -- held frames ------------------------------------------------------------------------------
+@pytest.mark.xfail(
+    strict=True,
+    reason="frames held for a job that never completes here are kept until their peer goes "
+    "down; they fill the hold and a healthy peer's link is then closed",
+)
+def test_frames_held_for_a_job_that_left_are_dropped() -> None:
+    table = Table()
+    svc, _ = service(table)
+    spec = {"kind": "barrier", "count": 0, "dtype": "uint8", "op": "sum", "mode": "sync"}
+    spec |= {"root": 0, "ring": False}
+    entries = table.join(JOB, 2, (0, 1), owner=1000)
+    del table.entries[JOB, 0]  # rank 0 (here) has not joined yet: node 1's frames wait
+    svc.on_rank_event(RankJoined(entry=entries[1]), 0.0)
+    for i in range(MAX_HELD_FRAMES):
+        svc.on_data(1, coll_frame(spec, name=f"b{i}"), 0, 0.0)
+    svc.on_rank_event(RankLeft(entry=entries[1], reason="rank 1 left", lost=False), 0.0)
+    table.leave(JOB)  # the job is over: nothing can build those collectives any more
+    # another job's frame from the same healthy peer: refused, and node 1's links closed
+    svc.on_data(1, coll_frame(spec, job="other"), 0, 0.0)
+
+
+# -- peers' specs -----------------------------------------------------------------------------
+def _allreduce_spec(**fields: Any) -> dict[str, Any]:
+    spec = {"kind": "allreduce", "count": 4, "dtype": "float64", "op": "sum", "mode": "sync"}
+    return spec | {"root": 0, "ring": False} | fields
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a peer's spec count is unbounded: numpy's ValueError/MemoryError escapes as a "
+    "daemon bug (or the daemon allocates what the peer asks)",
+)
+def test_a_peer_spec_of_absurd_count_is_a_protocol_error() -> None:
+    table = Table()
+    svc, _ = service(table)
+    join(svc, table, 2, (0, 1))
+    frame = coll_frame(_allreduce_spec(count=2**62))
+    with pytest.raises(RemoteProtocolError):
+        svc.payload_buffer(1, frame, 8)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a peer's broadcast root is not checked against the job's size: IndexError",
+)
+def test_a_peer_broadcast_root_outside_the_job_is_a_protocol_error() -> None:
+    table = Table()
+    svc, _ = service(table)
+    join(svc, table, 2, (0, 1))
+    frame = coll_frame(_allreduce_spec(kind="broadcast", root=5))
+    with pytest.raises(RemoteProtocolError):
+        svc.payload_buffer(1, frame, 32)
+
+
+# -- the sender task across a link reset ------------------------------------------------------
+@pytest.mark.xfail(
+    strict=True,
+    reason="the old link's sender, failing after the reset, pops the new link's queue: its "
+    "frames are never sent and the collective hangs",
+)
+def test_frames_queued_on_a_new_link_survive_the_old_senders_failure() -> None:
+    async def scenario() -> list[Meta]:
+        table = Table()
+        svc, host = service(table)
+        join(svc, table, 2, (0, 1))
+        old = host.links[1] = Link()
+        call(svc, client(0, 2, [1.0, 2.0]), 1)  # its frame waits behind backpressure
+        await asyncio.sleep(0)
+        assert old.pending is not None
+        svc.peer_down(1, "node 1 reset", 0.0)  # a sync collective breaks: another name next
+        new = host.links[1] = Link()
+        call(svc, client(0, 2, [1.0, 2.0]), 2, name="again")  # queued on the new link
+        old.pending.set_exception(TransportError("link closed while sending"))
+        for _ in range(10):
+            await asyncio.sleep(0)
+            if new.pending is not None and not new.pending.done():
+                new.pending.set_result(None)
+        for task in host.tasks:
+            task.cancel()
+        return new.sent
+
+    sent = asyncio.run(scenario())
+    assert [m["name"] for m in sent] == ["again"]
