@@ -1,0 +1,189 @@
+"""fabricd.torch: DDP's gradient buckets averaged through real daemons (issue 10, item 5).
+
+Each rank is a spawned process with its own DDP model over a process group of its own
+(``init_local_process_group``), so fabricd is the only thing between the ranks: the initial
+model comes from ``broadcast_module`` and every gradient from the hook.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import queue
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed (the optional extra: pip install 'fabricd[torch]')"
+)
+
+import fabricd  # noqa: E402  (after the skip: fabricd.torch needs torch)
+import fabricd.torch as fabtorch  # noqa: E402
+
+RANKS = 2
+STEPS = 4
+#: small enough that the model's parameters spread over several buckets
+BUCKET_CAP_MB = 100 / 2**20
+
+
+def _model(seed: int) -> Any:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)
+    )
+
+
+def _batch(step: int, rank: int) -> tuple[Any, Any]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 6, generator=generator)
+    return x, x.sum(dim=1, keepdim=True)
+
+
+def train_rank(socket_path: str, job: str, rank: int, mode: str, out: Any) -> None:
+    """STEPS steps of DDP with the fabricd hook; report each step's gradients and results.
+
+    Alongside, a plain copy of the model computes every rank's gradient itself and averages them
+    by hand: that is what DDP's gradients must be in mode sync.
+    """
+    torch.set_num_threads(1)
+    with fabricd.connect(job=job, rank=rank, size=RANKS, socket_path=socket_path) as fab:
+        group = fabtorch.init_local_process_group()
+        model = _model(seed=rank)  # different on every rank until the broadcast
+        fabtorch.broadcast_module(fab, model, timeout=60)
+        reference = _model(seed=0)  # rank 0's model: what the broadcast must have given
+        if any(
+            not torch.equal(a, b)
+            for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+        ):
+            raise AssertionError("broadcast_module did not copy rank 0's parameters")
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, process_group=group, bucket_cap_mb=BUCKET_CAP_MB, forward_sync_buffers=False
+        )
+        state = fabtorch.register(ddp, fab, mode, timeout=60)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        steps = []
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            x, y = _batch(step, rank)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            expected = _manual_average(reference, step)
+            error = max(
+                (p.grad - e).abs().max().item()
+                for p, e in zip(model.parameters(), expected, strict=True)
+            )
+            results = sorted((i, r.round, r.included, r.active) for i, r in state.results.items())
+            steps.append((error, results))
+            optimizer.step()
+            with torch.no_grad():  # the next hand-made average starts where DDP's model is
+                for p, q in zip(reference.parameters(), model.parameters(), strict=True):
+                    p.copy_(q)
+        # numpy, not tensors: torch would pass tensors by fd, from a process about to exit
+        out.put((rank, steps, [p.detach().numpy().copy() for p in model.parameters()]))
+
+
+def _manual_average(model: Any, step: int) -> list[Any]:
+    """The gradient of every rank's batch at ``step`` on ``model``, averaged by hand."""
+    total = [torch.zeros_like(p) for p in model.parameters()]
+    for rank in range(RANKS):
+        model.zero_grad()
+        x, y = _batch(step, rank)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        for t, p in zip(total, model.parameters(), strict=True):
+            t += p.grad
+    model.zero_grad()
+    return [t / RANKS for t in total]
+
+
+class _TwoLayers(torch.nn.Module):
+    """Two equal layers, applied in the order ``swapped`` says."""
+
+    def __init__(self, swapped: bool) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.swapped = swapped
+
+    def forward(self, x):
+        if self.swapped:
+            return self.first(self.second(x))
+        return self.second(self.first(x))
+
+
+def swapped_rank(socket_path: str, job: str, rank: int, out: Any) -> None:
+    """The layers in another order on rank 1: the same bucket sizes, other contents."""
+    torch.set_num_threads(1)
+    with fabricd.connect(job=job, rank=rank, size=RANKS, socket_path=socket_path) as fab:
+        group = fabtorch.init_local_process_group()
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            _TwoLayers(swapped=rank == 1),
+            process_group=group,
+            bucket_cap_mb=BUCKET_CAP_MB,
+            forward_sync_buffers=False,
+        )
+        fabtorch.register(ddp, fab, "sync", timeout=60)
+        outcome = "no error"
+        for _ in range(3):  # DDP lays the buckets out again, by gradient order, after step 0
+            try:
+                ddp(torch.randn(2, 4)).sum().backward()
+            except Exception as exc:  # DDP may wrap what the hook raised
+                outcome = str(exc)
+                break
+        out.put((rank, outcome))
+
+
+def _run(make_cluster, spawn, target, *args) -> list[Any]:
+    cluster = make_cluster(RANKS)
+    out = multiprocessing.get_context("spawn").Queue()
+    processes = [
+        spawn(target, cluster.nodes[rank].socket_path, "torch", rank, *args, out)
+        for rank in range(RANKS)
+    ]
+    reports = []
+    for _ in processes:
+        try:
+            reports.append(out.get(timeout=120))
+        except queue.Empty:
+            pytest.fail(f"a rank reported nothing; exit codes {[p.exitcode for p in processes]}")
+    for process in processes:
+        process.join(30)
+        assert process.exitcode == 0
+    return sorted(reports, key=lambda report: report[0])
+
+
+def test_sync_gradients_are_the_ranks_average(make_cluster, spawn):
+    reports = _run(make_cluster, spawn, train_rank, "sync")
+    for _rank, steps, _params in reports:
+        for error, results in steps:
+            assert error < 1e-6  # float32 sums in another order than the hand-made average
+            assert all(included and active == RANKS for _, _, included, active in results)
+        # DDP's first step has one bucket; from the second on, the layout it keeps: several
+        # buckets, one collective each, one round per step
+        assert len(steps[1][1]) > 1
+        for (_, before), (_, after) in itertools.pairwise(steps[1:]):
+            assert [(i, r + 1) for i, r, _, _ in before] == [(i, r) for i, r, _, _ in after]
+    # the same gradients on both ranks, from the same start: the same model after every step
+    for a, b in zip(reports[0][2], reports[1][2], strict=True):
+        assert (a == b).all()
+
+
+@pytest.mark.parametrize("mode", ["solo", "majority"])
+def test_partial_modes_train_and_report(make_cluster, spawn, mode):
+    reports = _run(make_cluster, spawn, train_rank, mode)
+    for _rank, steps, params in reports:
+        # steps 0 and 1 are sync: DDP's first layout, then the one it keeps (the hook's rule)
+        for error, results in steps[:2]:
+            assert error < 1e-6
+            assert all(included and active == RANKS for _, _, included, active in results)
+        for _error, results in steps[2:]:
+            for _index, round_, _included, active in results:
+                assert round_ >= 0
+                assert 1 <= active <= RANKS
+        assert all(np.isfinite(p).all() for p in params)
+
+
+def test_ranks_whose_buckets_differ_are_told(make_cluster, spawn):
+    reports = _run(make_cluster, spawn, swapped_rank)
+    for _rank, outcome in reports:
+        assert "holds other parameters on other ranks" in outcome
