@@ -10,15 +10,15 @@ paper's injected load imbalance).  The job runs once per mode on the same fabric
   straggler (synch-SGD);
 * ``solo`` and ``majority``: the partial allreduce does not wait for it; its gradient goes into
   a later round (eager-SGD, Algorithm 5: every rank updates with the averaged gradient), and
-  ``fab.sync_model(w, every=sync_every)`` averages the replicas, which partial rounds let drift
-  (eager-SGD §5).
+  ``fab.sync_model(w)`` once every ``sync_every`` rounds averages the replicas, which partial
+  rounds let drift (eager-SGD §5).
 
 A run stops after a fixed number of steps, counted in allreduce rounds (:func:`train` says why
 not in calls), not after a time budget: a stop on each rank's own clock would leave ranks
 disagreeing on which round is the last.  The clock starts after a barrier, once every rank has
 joined and rank 0 has the held-out set; rank 0 measures the validation loss of its replica
-after every call (that evaluation is part of its step's time).  A rank reports
-nothing but its failure; rank 0 reports every step to this process, which draws the progress.
+after every call (that evaluation is part of its step's time).  A rank reports nothing but
+its failure; rank 0 reports after every call to this process, which draws the progress.
 """
 
 from __future__ import annotations
