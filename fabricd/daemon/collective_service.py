@@ -577,6 +577,55 @@ class CollectiveService(BaseService):
             self.host.fail(item.request.session, item.request.id, failure)
         self._waiting = []
 
+    def stalls(
+        self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
+    ) -> list[Meta]:
+        """Collective calls open longer than ``stall_after``, oldest first, saying what their
+        round waits for: local ranks that have not called (sync), majority's initiator, or
+        messages from which nodes."""
+        after = self.host.config.stall_after
+        late = sorted(
+            (c.started, token) for token, c in self._open.items() if now - c.started >= after
+        )
+        rows: list[Meta] = []
+        for started, token in late:
+            if limit is not None and len(rows) >= limit:
+                break
+            call = self._open[token]
+            coll = self.collectives.get(call.key)
+            if coll is None:
+                continue
+            job, name = call.key
+            whose = {
+                "job": job,
+                "owner": self.membership.owner(job),
+                "uid": call.session.conn.credentials.uid,
+            }
+            if keep is not None and not keep(whose):
+                continue
+            waits, detail, node = coll.waits()
+            rows.append(
+                {
+                    **whose,
+                    "node": self.host.config.node_id,
+                    "op": token,
+                    "kind": call.kind,
+                    "rank": call.session.rank,
+                    "peer": "-",
+                    "tag": name,
+                    "nbytes": call.nbytes,
+                    "dtype": coll.spec.dtype,
+                    "pending_for": now - started,
+                    "waits": waits,
+                    "detail": f"{coll.spec.describe()} {name!r}: {detail}",
+                    "peer_joined": True,
+                    "peer_node": node,
+                    "peer_node_state": None,
+                    "client_left": False,
+                }
+            )
+        return rows
+
     # -- status and metrics -----------------------------------------------------------------
     def statistics(self) -> Meta:
         rows = []

@@ -814,6 +814,25 @@ class Collective:
         """Calls open."""
         return len(self._calls)
 
+    def waits(self) -> tuple[str, str, int | None]:
+        """What the current round waits for, for a stall report: (``ranks``, ``initiator``
+        or ``messages``; a sentence; a node it waits for, if one)."""
+        round = self.round
+        if self.broken is not None:
+            return "broken", self.broken[1], None
+        if not self.spec.partial and self._activated != round:
+            missing = sorted(self.local - self._given)
+            return "ranks", f"round {round} starts once local ranks {missing} call it", None
+        if self.spec.mode == "majority" and self.executor.phase is Phase.ARMED:
+            rank = initiator(self.job, self.name, round, self.size, self.live)
+            node = self.ranks[rank]
+            return "initiator", f"round {round} starts when rank {rank} calls it", node
+        ops = self.executor.schedule.ops
+        nodes = sorted({self.members_now[ops[i].peer] for i in self.executor.waiting_recvs()})
+        if not nodes:
+            return "messages", f"round {round} has not started", None
+        return "messages", f"round {round} waits for messages from nodes {nodes}", nodes[0]
+
     def conservation(self) -> np.ndarray[Any, Any]:
         """What local ranks gave that no result has yet counted: the accumulator, plus the
         snapshot of a round in progress (partial modes; the engine tests check that everything

@@ -547,6 +547,19 @@ class Executor:
         self._arrived.clear()
         self._in_flight = 0
 
+    def waiting_recvs(self) -> list[int]:
+        """The required recvs of the current round that wait for their message (for a stall
+        report: whom the round waits for)."""
+        ops = self.schedule.ops
+        return [
+            i
+            for i, state in enumerate(self._state)
+            if ops[i].kind is Kind.RECV
+            and not ops[i].optional
+            and state is not OpState.DONE
+            and i not in self._arrived
+        ]
+
     def statistics(self) -> ScheduleStatistics:
         return ScheduleStatistics(
             round=self.round,

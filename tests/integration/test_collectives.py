@@ -295,3 +295,28 @@ def test_random_kills_during_a_solo_loop_never_hang(make_cluster) -> None:
                 with contextlib.suppress(fabricd.DaemonUnavailable):
                     handle.wait(timeout=WAIT)  # a Timeout here is the hang this test forbids
         assert fabs[0].status()["collectives"][0]["lost"] == sorted(dead)
+
+
+def test_a_collective_call_that_waits_shows_in_stalls(make_cluster) -> None:
+    """fabricctl stalls names a collective call pending past stall_after, and what its round
+    waits for: here rank 1, which never calls."""
+    cluster = make_cluster(2, stall_after=0.2)
+    with ranks(cluster, (0, 1), "stalled") as fabs:
+        x = fabs[0].array("g", (16,), "float32")
+        handle = fabs[0].allreduce_async(x)
+        deadline = time.monotonic() + WAIT
+        rows: list[dict[str, Any]] = []
+        while not rows and time.monotonic() < deadline:
+            time.sleep(0.1)
+            rows = fabs[0].stalls()["stalls"]
+        assert rows, "no stall row within the wait"
+        row = rows[0]
+        assert (row["job"], row["rank"], row["kind"], row["tag"]) == (
+            "stalled",
+            0,
+            "allreduce",
+            "allreduce:sync:sum:g",
+        )
+        assert row["waits"] == "messages"
+        assert "messages from nodes [1]" in row["detail"]
+        assert not handle.done()

@@ -420,3 +420,21 @@ def test_a_node_that_comes_back_is_told_and_its_calls_fail(mode: str) -> None:
     assert fab.failed[99].code == "peer_failed"
     assert "counts this node lost" in fab.failed[99].message
     assert [c.counters.rounds for c in fab.colls.values()] == [0, 0, 0]
+
+
+def test_what_a_round_waits_for_is_said_for_stall_reports() -> None:
+    sync = Fabric(Spec(kind="allreduce", count=2, dtype="float32"), (0, 0, 1), Random(0))
+    sync.call(0, 1, np.ones(2, "float32"))
+    assert sync.colls[0].waits() == ("ranks", "round 0 starts once local ranks [1] call it", None)
+    sync.call(1, 2, np.ones(2, "float32"))
+    waits, detail, node = sync.colls[0].waits()
+    assert (waits, node) == ("messages", 1)
+    assert "messages from nodes [1]" in detail
+    spec = Spec(kind="allreduce", count=2, dtype="float32", mode="majority")
+    majority = Fabric(spec, (0, 1), Random(0))
+    chosen = initiator(JOB, NAME, 0, 2, frozenset({0, 1}))
+    assert majority.colls[0].waits() == (
+        "initiator",
+        f"round 0 starts when rank {chosen} calls it",
+        chosen,
+    )
