@@ -41,15 +41,25 @@ def _batch(step: int, rank: int) -> tuple[Any, Any]:
     return x, x.sum(dim=1, keepdim=True)
 
 
-def train_rank(socket_path: str, job: str, rank: int, mode: str, out: Any) -> None:
+def train_rank(
+    socket_path: str, job: str, rank: int, mode: str, rendezvous: str | None, out: Any
+) -> None:
     """STEPS steps of DDP with the fabricd hook; report each step's gradients and results.
 
-    Alongside, a plain copy of the model computes every rank's gradient itself and averages them
-    by hand: that is what DDP's gradients must be in mode sync.
+    DDP's process group is this process alone, or with ``rendezvous`` (a file) a gloo group of
+    all ranks, which DDP then sets itself up through.  Alongside, a plain copy of the model
+    computes every rank's gradient itself and averages them by hand: that is what DDP's
+    gradients must be in mode sync.
     """
     torch.set_num_threads(1)
     with fabricd.connect(job=job, rank=rank, size=RANKS, socket_path=socket_path) as fab:
-        group = fabtorch.init_local_process_group()
+        if rendezvous is None:
+            group = fabtorch.init_local_process_group()
+        else:
+            torch.distributed.init_process_group(
+                "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=RANKS
+            )
+            group = torch.distributed.group.WORLD
         model = _model(seed=rank)  # different on every rank until the broadcast
         fabtorch.broadcast_module(fab, model, timeout=60)
         reference = _model(seed=0)  # rank 0's model: what the broadcast must have given
@@ -153,7 +163,7 @@ def _run(make_cluster, spawn, target, *args) -> list[Any]:
 
 
 def test_sync_gradients_are_the_ranks_average(make_cluster, spawn):
-    reports = _run(make_cluster, spawn, train_rank, "sync")
+    reports = _run(make_cluster, spawn, train_rank, "sync", None)
     for _rank, steps, _params in reports:
         for error, results in steps:
             assert error < 1e-6  # float32 sums in another order than the hand-made average
@@ -168,9 +178,21 @@ def test_sync_gradients_are_the_ranks_average(make_cluster, spawn):
         assert (a == b).all()
 
 
+def test_with_a_gloo_group_of_all_ranks_gradients_still_come_from_fabricd(
+    make_cluster, spawn, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the spawned ranks inherit it: loopback only
+    reports = _run(make_cluster, spawn, train_rank, "sync", str(tmp_path / "rendezvous"))
+    for _rank, steps, _params in reports:
+        for error, results in steps:
+            assert error < 1e-6
+            assert results  # the hook, not gloo, averaged them
+            assert all(included and active == RANKS for _, _, included, active in results)
+
+
 @pytest.mark.parametrize("mode", ["solo", "majority"])
 def test_partial_modes_train_and_report(make_cluster, spawn, mode):
-    reports = _run(make_cluster, spawn, train_rank, mode)
+    reports = _run(make_cluster, spawn, train_rank, mode, None)
     for _rank, steps, params in reports:
         # steps 0 and 1 are sync: DDP's first layout, then the one it keeps (the hook's rule)
         for error, results in steps[:2]:
