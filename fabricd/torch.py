@@ -12,13 +12,13 @@ eager-SGD that torch.distributed itself does not offer (pytorch issue 71330)::
     fab = fabricd.connect(job="train")                  # rank and size from RANK/WORLD_SIZE
     group = fabricd.torch.init_local_process_group()    # DDP's own group: this process only
     fabricd.torch.broadcast_module(fab, model)          # every rank starts from rank 0's model
-    ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
+    ddp = DistributedDataParallel(model, process_group=group, forward_sync_buffers=False)
     state = fabricd.torch.register(ddp, fab, mode="majority")
     ...  # train as usual: loss.backward() averages the gradients over fabricd's ranks
 
 The process group.  DDP refuses to run without one; it uses it to check that every rank has the
 same parameters, to broadcast rank 0's parameters at construction, to agree on a bucket layout,
-and (``broadcast_buffers``, ``find_unused_parameters``) for work in every step.  Two ways:
+and (``forward_sync_buffers``, ``find_unused_parameters``) for work in every step.  Two ways:
 
 * :func:`init_local_process_group`: a gloo group of this process alone, with an in-memory store.
   DDP's own collectives then cost nothing and never wait for another rank, which is what the
@@ -26,11 +26,11 @@ and (``broadcast_buffers``, ``find_unused_parameters``) for work in every step. 
   models equal, and the hook checks that every rank's buckets hold the same parameters.
 * a real group of all ranks (``torch.distributed.init_process_group("gloo", ...)`` with its own
   rendezvous): DDP sets itself up through it and the hook still moves every gradient through
-  fabricd.  With a partial mode keep ``broadcast_buffers=False`` and
+  fabricd.  With a partial mode keep ``forward_sync_buffers=False`` and
   ``find_unused_parameters=False``: either makes DDP run a synchronous collective on that group
   in every step, which would make every rank wait for the slowest again.
 
-Buckets.  Each bucket index gets a fabricd array of its own (``{prefix}:bucket{i}:{numel}``),
+Buckets.  Each bucket index gets a fabricd array (``{prefix}:bucket{i}:{numel}:{dtype}``),
 made the first time a bucket of that index is larger than what it has; the bucket is copied in,
 allreduced, and copied back, and the hook returns a completed future.  DDP lays its buckets out
 again after the first step (in the order the gradients became ready), so a training run makes
