@@ -23,7 +23,7 @@ from fabricd.daemon.config import Config
 from fabricd.daemon.service import Request
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.membership import RankEntry, RankJoined, RankLeft
-from fabricd.errors import RemoteProtocolError, TransportError
+from fabricd.errors import OperationFailed, RemoteProtocolError, TransportError
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -129,8 +129,8 @@ class Segment:
         return self.array.data.cast("B")[offset : offset + nbytes]
 
 
-def service(table: Table, node: int = 0) -> tuple[CollectiveService, FakeHost]:
-    config = Config(node_id=node, nodes=("127.0.0.1:1", "127.0.0.1:2"))
+def service(table: Table, node: int = 0, **settings: Any) -> tuple[CollectiveService, FakeHost]:
+    config = Config(node_id=node, nodes=("127.0.0.1:1", "127.0.0.1:2"), **settings)
     host = FakeHost(config)
     return CollectiveService(host, membership=table), host  # type: ignore[arg-type]
 
@@ -270,6 +270,25 @@ def test_a_dead_trainers_sync_gift_is_not_in_a_result() -> None:
     # [3, 3] (the dead trainer's [1, 1]) and the restarted rank 0 waits a round behind
     assert np.array_equal(array(other), [7.0, 7.0])
     assert 2 in host.answered
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="calls waiting for their job's ranks have no bound: one client can queue any "
+    "number (each retried at every rank that joins anywhere)",
+)
+def test_calls_waiting_for_ranks_are_bounded_per_client() -> None:
+    table = Table()
+    svc, _ = service(table, max_ops_per_client=4)
+    entries = table.join(JOB, 2, (0, 1), owner=1000)
+    del table.entries[JOB, 1]  # rank 1 never comes
+    svc.on_rank_event(RankJoined(entry=entries[0]), 0.0)
+    session = client(0, 2, [1.0])
+    for i in range(4):
+        call(svc, session, i, name=f"c{i}")  # wait for rank 1
+    with pytest.raises(OperationFailed) as refused:
+        call(svc, session, 4, name="c4")
+    assert refused.value.code == "limit"
 
 
 # -- held frames ------------------------------------------------------------------------------
