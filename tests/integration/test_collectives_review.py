@@ -1,0 +1,91 @@
+"""Review of the collective service with real daemons: a job that ends and a later job of the
+same name (the way a trainer is re-run).  Each test shows a bug the review found and is marked
+``xfail(strict=True)``: it passes once the bug is fixed (then drop the mark).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+import fabricd
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from fabricd.client import Client
+    from fabricd.daemon.launcher import LocalCluster
+
+pytestmark = pytest.mark.timeout(120)
+
+WAIT = 30.0
+
+
+@contextlib.contextmanager
+def ranks(cluster: LocalCluster, placement: tuple[int, ...], job: str) -> Iterator[list[Client]]:
+    clients = [
+        fabricd.connect(
+            job=job, rank=r, size=len(placement), socket_path=cluster.nodes[n].socket_path
+        )
+        for r, n in enumerate(placement)
+    ]
+    try:
+        yield clients
+    finally:
+        for client in clients:
+            client.close()
+
+
+def wait_gone(cluster: LocalCluster, job: str) -> None:
+    """Wait (bounded) until no daemon of ``cluster`` knows a rank of ``job``."""
+    for node in cluster.nodes:
+        with fabricd.connect(socket_path=node.socket_path) as watcher:
+            deadline = time.monotonic() + WAIT
+            while any(row["job"] == job for row in watcher.status()["ranks"]):
+                assert time.monotonic() < deadline, f"node {node.node} still knows job {job!r}"
+                time.sleep(0.05)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a collective outlives its job: the same script re-run with another model size "
+    "under the same job name is refused until the daemons restart",
+)
+def test_a_rerun_with_another_size_is_not_refused(make_cluster: Any) -> None:
+    cluster = make_cluster(2)
+    for count in (4, 8):  # the default name, allreduce:sync:sum:g, is the same both times
+        with ranks(cluster, (0, 1), "rerun") as fabs:
+            arrays = [f.array("g", (count,), "float64") for f in fabs]
+            for r, a in enumerate(arrays):
+                a[:] = r + 1
+            handles = [
+                f.allreduce_async(a, "sum", "sync") for f, a in zip(fabs, arrays, strict=True)
+            ]
+            for handle in handles:
+                handle.wait(timeout=WAIT)  # the second run: "... is a sync allreduce of 4"
+            assert all(np.array_equal(a, np.full(count, 3.0)) for a in arrays)
+        wait_gone(cluster, "rerun")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a solo collective's accumulator outlives its job: the next job of the same name "
+    "gets the old job's data in its first result",
+)
+def test_a_later_job_of_the_same_name_sees_none_of_the_old_data(make_cluster: Any) -> None:
+    cluster = make_cluster(1)
+    with ranks(cluster, (0, 0), "shared") as fabs:
+        arrays = [f.array("g", (4,), "float64") for f in fabs]
+        arrays[0][:], arrays[1][:] = 0.0, 7.0
+        fabs[0].allreduce(arrays[0], "sum", "solo")  # one node: round 0 ends in this call
+        fabs[1].allreduce(arrays[1], "sum", "solo")  # behind: [7] waits for round 1
+    wait_gone(cluster, "shared")
+    with ranks(cluster, (0, 0), "shared") as fabs:
+        mine = fabs[0].array("g", (4,), "float64")
+        mine[:] = 1.0
+        fabs[0].allreduce(mine, "sum", "solo")
+        assert np.array_equal(mine, np.full(4, 1.0)), "the old job's 7s are in this result"
