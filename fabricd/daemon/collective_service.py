@@ -25,6 +25,7 @@ hear ``rank_left`` events.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -53,7 +54,6 @@ from fabricd.frames import MAX_COLLECTIVE_NAME
 from fabricd.wire import Kind, Meta, get_int, get_str
 
 if TYPE_CHECKING:
-    import asyncio
     from collections.abc import Callable, Iterable
 
     from prometheus_client.metrics_core import Metric
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.membership import Membership, RankEvent
     from fabricd.engines.persistent import Action
+    from fabricd.transports.base import Link
 
 log = logging.getLogger("fabricd.collectives")
 remote_log = RateLimitedLog(log)
@@ -104,6 +105,7 @@ class _Held:
     frame: frames.Coll
     payload: bytearray
     complete: bool  #: its payload is all in (a frame still landing is not replayed yet)
+    expires: float  #: dropped then if its collective still cannot be built (route_timeout)
 
 
 class CollectiveService(BaseService):
@@ -152,6 +154,13 @@ class CollectiveService(BaseService):
             deadline=now + self.host.config.route_timeout,
         )
         if not self._try(waiting, now):
+            held = sum(1 for w in self._waiting if w.request.session is session)
+            if held >= self.host.config.max_ops_per_client:
+                raise OperationFailed(
+                    f"this client has {held} collective calls waiting for their job's ranks, "
+                    "the most max_ops_per_client allows; start the missing ranks first",
+                    code=ErrorCode.LIMIT,
+                )
             self._waiting.append(waiting)
 
     def _parse(self, request: Request) -> tuple[Spec, np.ndarray[Any, Any] | None, str]:
@@ -271,7 +280,9 @@ class CollectiveService(BaseService):
         return coll
 
     # -- peers ------------------------------------------------------------------------------
-    def payload_buffer(self, node: int, frame: frames.PayloadFrame, length: int) -> memoryview:
+    def payload_buffer(
+        self, node: int, frame: frames.PayloadFrame, length: int
+    ) -> memoryview | None:
         assert isinstance(frame, frames.Coll)
         coll = self._collective(frame, node)
         if coll is None:
@@ -286,16 +297,15 @@ class CollectiveService(BaseService):
             frame.base,
             self.host.now(),
         )
-        if view is None:
+        if view is None:  # an older view's, or a broken collective's: read and dropped
             self._counters["frames_dropped"] += 1
-            return memoryview(bytearray(length))  # an older view's: read and forgotten
         return view
 
     def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
         assert isinstance(frame, frames.Coll)
         key = (frame.job, frame.name)
         for item in self._held.get(key, ()):
-            if item.frame is frame:  # its payload landed in the hold
+            if item.frame is frame and not item.complete:  # its payload landed in the hold
                 item.complete = True
                 if key in self.collectives:  # built meanwhile: place it now
                     self._replay(key, now)
@@ -332,10 +342,18 @@ class CollectiveService(BaseService):
         ranks = self._ranks(frame.job, size) if size is not None else None
         if ranks is None or self.host.config.node_id not in ranks:
             return None
+        nbytes = spec.count * ITEMSIZE[spec.dtype]
+        if nbytes > self.host.config.max_mapped_bytes_per_client:
+            raise RemoteProtocolError(
+                f"node {node} asks for a collective of {nbytes} B, more than any client here "
+                "may map (max_mapped_bytes_per_client)"
+            )
         try:
             return self._build(key, spec, ranks, self.host.now(), choose=False)
-        except OperationFailed as exc:  # the job's collectives are at their bound here
+        except (OperationFailed, UsageError) as exc:  # at its bound here, or a bad root
             raise RemoteProtocolError(str(exc)) from None
+        except (MemoryError, ValueError) as exc:  # its buffers do not fit in this process
+            raise RemoteProtocolError(f"cannot build {frame.name!r} here: {exc!r}") from None
 
     def _hold(self, node: int, frame: frames.Coll, length: int) -> _Held:
         """Keep a frame (and its payload) until its collective can be built here.
@@ -349,7 +367,10 @@ class CollectiveService(BaseService):
             raise RemoteProtocolError(
                 f"node {node} sent more collective frames for unknown jobs than this node holds"
             )
-        held = _Held(node=node, frame=frame, payload=bytearray(length), complete=False)
+        expires = self.host.now() + self.host.config.route_timeout
+        held = _Held(
+            node=node, frame=frame, payload=bytearray(length), complete=False, expires=expires
+        )
         self._held.setdefault((frame.job, frame.name), []).append(held)
         self._held_bytes += length
         self._counters["frames_held"] += 1
@@ -360,29 +381,42 @@ class CollectiveService(BaseService):
 
     def _replay(self, key: Key, now: float) -> None:
         """Place the frames held for ``key`` whose payload is in, now that it is built, in
-        the order they came; a frame still landing waits for its on_data."""
+        the order they came; a frame still landing waits for its on_data.  A frame that does
+        not fit (its spec disagrees: the collective breaks here, naming both) is dropped and
+        counted; the others are still placed."""
         held = self._held.pop(key, [])
-        coll = self.collectives[key]
         while held and held[0].complete:
             item = held.pop(0)
             self._held_bytes -= len(item.payload)
             frame, n = item.frame, len(item.payload)
-            if n:
-                view = coll.landing(
-                    item.node, frame.tag, frame.round, frame.off, n, frame.lost, frame.base, now
+            try:
+                coll = self._collective(frame, item.node)  # checks its spec against ours
+                assert coll is not None  # built: that is why it replays
+                if n:
+                    view = coll.landing(
+                        item.node, frame.tag, frame.round, frame.off, n, frame.lost, frame.base, now
+                    )
+                    if view is None:
+                        self._counters["frames_dropped"] += 1
+                        continue
+                    view[:] = item.payload
+                actions = coll.arrived(
+                    item.node, frame.tag, frame.round, n, frame.lost, frame.base, now
                 )
-                if view is None:
-                    continue
-                view[:] = item.payload
-            self._perform(
-                key,
-                coll.arrived(item.node, frame.tag, frame.round, n, frame.lost, frame.base, now),
-            )
+            except RemoteProtocolError as exc:
+                self._counters["frames_dropped"] += 1
+                remote_log.warning(
+                    "held", "dropping a frame node %d sent for %r: %s", item.node, key, exc
+                )
+                continue
+            self._perform(key, actions)
         if held:
             self._held[key] = held
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
+        # the old link's frames go with it; its sender task ends on its own queue and link
         self._queues.pop(node, None)
+        self._senders.pop(node, None)
         for key, coll in list(self.collectives.items()):
             self._perform(key, coll.lose(node, reason, now))
         for key, held in list(self._held.items()):
@@ -396,11 +430,14 @@ class CollectiveService(BaseService):
     def on_rank_event(self, event: RankEvent, now: float) -> None:
         job = event.entry.job
         if isinstance(event, RankLeft):
+            grace = self.host.config.suspect_after
             for key, coll in list(self.collectives.items()):
                 if key[0] == job:
                     live = self._live(job, coll.size)
-                    self._perform(key, coll.rank_gone(event.entry.rank, live, now))
+                    self._perform(key, coll.rank_gone(event.entry.rank, live, now, grace=grace))
             self._tell(job, "rank_left", {"rank": event.entry.rank, "reason": event.reason})
+            if self.membership.job_size(job) is None:
+                self._forget_job(job)
             return
         assert isinstance(event, RankJoined)
         for key, coll in self.collectives.items():
@@ -417,6 +454,24 @@ class CollectiveService(BaseService):
                 except RemoteProtocolError as exc:
                     remote_log.warning("held", "dropping held frames of %r: %s", key, exc)
                     self._drop_held(key)
+
+    def _forget_job(self, job: str) -> None:
+        """``job`` is gone from the fabric (no rank of it is known any more): its collectives,
+        held frames and sessions go, so a later job of that name starts afresh."""
+        for key in [k for k in self.collectives if k[0] == job]:
+            coll = self.collectives.pop(key)
+            failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
+            for token in [t for t, c in self._open.items() if c.key == key]:
+                self._answer(token, failure, None)
+            log.info(
+                "collective %r of job %r: the job ended after %d rounds",
+                key[1],
+                job,
+                coll.counters.rounds,
+            )
+        for key in [k for k in self._held if k[0] == job]:
+            self._drop_held(key)
+        self._sessions.pop(job, None)
 
     def _drop_held(self, key: Key) -> None:
         held = self._held.pop(key, [])
@@ -485,27 +540,30 @@ class CollectiveService(BaseService):
             queue = self._queues.setdefault(node, deque())
         queue.append((meta, payload))
         if node not in self._senders:
-            self._senders[node] = self.host.spawn(self._drain(node))
+            link = self.host.data_link(node)
+            if link is None:  # its node is down: peer_down changes the view
+                self._queues.pop(node, None)
+                return
+            self._senders[node] = self.host.spawn(self._drain(node, link, queue))
 
-    async def _drain(self, node: int) -> None:
-        """Send ``node``'s queued frames, waiting out backpressure; a lost link drops them
-        (its peer_down changes the view)."""
+    async def _drain(self, node: int, link: Link, queue: deque[tuple[Meta, memoryview]]) -> None:
+        """Send ``queue`` on ``link``, waiting out backpressure.  A link that fails or is
+        replaced takes its queue with it (peer_down changes the view); this task never touches
+        a newer link's queue or sender."""
+        me = asyncio.current_task()
         try:
-            while queue := self._queues.get(node):
+            while queue and self._queues.get(node) is queue:
                 meta, payload = queue[0]
-                link = self.host.data_link(node)
-                if link is None:
-                    self._queues.pop(node, None)
-                    return
                 await link.send(Kind.COLL, meta, [payload] if payload else [])
                 self._counters["bytes_sent"] += len(payload)
-                if queue is self._queues.get(node):
-                    queue.popleft()
+                queue.popleft()
         except (TransportError, LocalProtocolError) as exc:
             remote_log.warning("send", "collective frames to node %d: %s", node, exc)
-            self._queues.pop(node, None)
+            if self._queues.get(node) is queue:
+                del self._queues[node]
         finally:
-            self._senders.pop(node, None)
+            if self._senders.get(node) is me:
+                del self._senders[node]
 
     def _answer(self, token: int, failure: Failure | None, done: Deliver | None) -> None:
         call = self._open.pop(token, None)
@@ -541,12 +599,29 @@ class CollectiveService(BaseService):
             self.operations.abandoned(call.kind)
             coll = self.collectives.get(call.key)
             if coll is not None:
-                coll.abandon(token)
+                self._perform(call.key, coll.abandon(token))
 
     def next_deadline(self) -> float | None:
-        return min((w.deadline for w in self._waiting), default=None)
+        deadlines = [w.deadline for w in self._waiting]
+        deadlines += [h.expires for held in self._held.values() for h in held]
+        deadlines += [d for c in self.collectives.values() if (d := c.next_deadline()) is not None]
+        return min(deadlines, default=None)
 
     def on_timer(self, now: float) -> None:
+        for key, coll in list(self.collectives.items()):
+            self._perform(key, coll.tick(now))
+        for key, held in list(self._held.items()):
+            kept = [h for h in held if h.expires > now]
+            if len(kept) < len(held):  # its job never completed here: nothing can use them
+                self._counters["frames_dropped"] += len(held) - len(kept)
+                self._held_bytes -= sum(len(h.payload) for h in held if h.expires <= now)
+                remote_log.warning(
+                    "held", "dropping frames held route_timeout for %r: its job is incomplete", key
+                )
+                if kept:
+                    self._held[key] = kept
+                else:
+                    del self._held[key]
         late = [w for w in self._waiting if w.deadline <= now]
         self._waiting = [w for w in self._waiting if w.deadline > now]
         for item in late:

@@ -287,6 +287,8 @@ class Collective:
         live: frozenset[int],
     ) -> None:
         spec.check()
+        if spec.kind == "broadcast" and not 0 <= spec.root < len(ranks):
+            raise UsageError(f"root {spec.root} is not a rank of job {job!r} of {len(ranks)}")
         self.spec = spec
         self.job, self.name, self.node = job, name, node
         self.size = len(ranks)
@@ -312,6 +314,8 @@ class Collective:
         self._fresh: set[int] = set()  #: ranks whose data waits in the accumulator
         self._given: set[int] = set()  #: sync: ranks whose call is in ``data``
         self._activated: int | None = None  #: sync: the round activated here, until it ends
+        #: sync: (round, deadline, rank): a rank of another node left during this round
+        self._doom: tuple[int, float, int] | None = None
         self._ready = False  #: sync: every local rank gave to the new round: activate it
         self._calls: dict[int, _Call] = {}  #: by token
         self._by_rank: dict[int, _Call] = {}
@@ -459,35 +463,59 @@ class Collective:
         self._activated = self.round
         self._perform(self.executor.activate(self.round, now), now)
 
-    def abandon(self, token: int) -> None:
-        """The client of call ``token`` left: forget the call (what it gave stays given)."""
-        call = self._calls.pop(token, None)
+    def abandon(self, token: int) -> list[Action]:
+        """The client of call ``token`` left: forget the call.  Partial modes keep what it
+        gave (no contribution is lost).  A sync round it gave to and that has not started
+        cannot complete without it (its trainer is gone), and its gift cannot be taken back
+        out of a reduction: the round's gifts here are void and its other calls fail now."""
+        call = self._calls.get(token)
         if call is None:
-            return
-        self._by_rank.pop(call.rank, None)
-        if call in self._later:
-            self._later.remove(call)
+            return []
+        self._forget(call)
+        if not self.spec.partial and call.rank in self._given and self._activated != self.round:
+            self._void(f"rank {call.rank} left during {self.spec.describe()} {self.name!r}")
+        return self._flush()
 
-    def rank_gone(self, rank: int, live: frozenset[int], now: float) -> list[Action]:
+    def rank_gone(
+        self, rank: int, live: frozenset[int], now: float, *, grace: float
+    ) -> list[Action]:
         """``rank`` of the job left (its trainer exited or its node went down).
 
-        A sync collective fails its open calls (their round cannot complete with that rank's
-        data missing).  A partial one goes on; a local rank that comes back starts again at
-        the current round.
+        Partial modes go on.  A sync round may still complete: the rank may have given before
+        it left (here, or on its node, which this node cannot see), or its trainer may restart
+        and call.  So calls here fail only if the round has not ended ``grace`` seconds later
+        (:meth:`tick`).  A local rank that comes back starts at the current round.
         """
         self.live = live
         self._due.pop(rank, None)
-        if not self.spec.partial and self._calls:
-            message = (
-                f"rank {rank} of job {self.job!r} left during {self.spec.describe()} "
-                f"{self.name!r}: the round cannot complete without it; its result is undefined "
-                "(resynchronise the model before going on)"
-            )
-            for token in list(self._calls):
-                self._fail(token, ErrorCode.PEER_FAILED, message)
-            if self._activated != self.round:  # what they gave is void: they call again
-                self._given.clear()
+        if not self.spec.partial and self._calls and self._doom is None:
+            self._doom = (self.round, now + grace, rank)
         self._kick(now)
+        return self._flush()
+
+    def _void(self, why: str) -> None:
+        """The current sync round cannot complete: its gifts here are void, its calls fail."""
+        message = (
+            f"{why}: round {self.round} cannot complete; its result is undefined "
+            "(resynchronise the model before going on)"
+        )
+        for call in [c for c in self._calls.values() if c.round == self.round]:
+            self._fail(call.token, ErrorCode.PEER_FAILED, message)
+        if self._activated != self.round:
+            self._given.clear()
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` must run: a rank of another node left during a sync round."""
+        return self._doom[1] if self._doom is not None else None
+
+    def tick(self, now: float) -> list[Action]:
+        """A sync round still open ``grace`` seconds after a rank of another node left will
+        not complete: its calls fail."""
+        if self._doom is not None and now >= self._doom[1]:
+            round, _, rank = self._doom
+            self._doom = None
+            if round == self.round and self.broken is None:
+                self._void(f"rank {rank} of job {self.job!r} left during {self.name!r}")
         return self._flush()
 
     def rank_back(self, live: frozenset[int]) -> None:
@@ -614,7 +642,8 @@ class Collective:
             self.lost |= {node}  # a node that comes back is told, and its calls fail there
             self._break(
                 ErrorCode.PEER_FAILED,
-                f"{reason}: the {self.spec.describe()} {self.name!r} of job {self.job!r} needs "
+                f"node {node} went down ({reason}): the {self.spec.describe()} {self.name!r} "
+                f"of job {self.job!r} needs "
                 f"every node, so it cannot go on (restart the job)",
                 node=node,
             )
@@ -769,6 +798,8 @@ class Collective:
         self._taken = False
         self._given.clear()
         self._activated = None
+        if self._doom is not None and self._doom[0] <= round:
+            self._doom = None  # it ended all the same
         self.counters.rounds += 1
         self.counters.sum_active += active
         for call in [c for c in self._calls.values() if c.round <= round]:

@@ -106,40 +106,49 @@ def test_sync_allreduce_every_op_and_dtype_equals_numpy(make_cluster, size: int)
 @pytest.mark.parametrize("mode", ["solo", "majority"])
 @pytest.mark.parametrize("size", [2, 5, 8])
 def test_partial_allreduce_loses_no_contribution(make_cluster, mode: str, size: int) -> None:
-    """Ranks call in a random order with random skew; every rank's data ends in exactly one
-    round's result, which every rank sees alike; then rounds of zeros drain what waited."""
+    """Ranks call in a random order with random skew, then rounds of zeros drain what waited.
+    Each call gives one gift, a one-hot element of its own, so a result says which gifts it
+    counted: every rank sees a round alike, an ``included`` call's gift is in the round it
+    got, no gift is counted twice, and every gift is in a round.  A round every rank was too
+    late for is seen by nobody (eager-SGD: a rank behind gets the latest result only), so a
+    gift may be missing from the rounds seen only if such a round exists."""
     placement = PLACEMENTS[size]
     cluster = make_cluster(max(placement) + 1)
     rng = Random(size)
-    given = np.zeros(64, "int64")
-    counted = np.zeros(64, "int64")
+    steps, drain = 6, 6
+    given = np.zeros(size * steps, "int64")
     seen: dict[int, np.ndarray[Any, Any]] = {}
     with ranks(cluster, placement, f"{mode}{size}") as fabs:
-        arrays = [f.array("g", (64,), "int64") for f in fabs]
-        for step in range(12):
-            draining = step >= 6
+        arrays = [f.array("g", (size * steps,), "int64") for f in fabs]
+        for step in range(steps + drain):
             order = list(range(size))
             rng.shuffle(order)
             handles = []
             for r in order:
-                arrays[r][:] = 0 if draining else np.arange(64) * (r + 1) + step
-                given += arrays[r]
-                handles.append((r, fabs[r].allreduce_async(arrays[r], "sum", mode)))
+                arrays[r][:] = 0
+                if step < steps:
+                    arrays[r][r * steps + step] = 1
+                    given += arrays[r]
+                handles.append((r, step, fabs[r].allreduce_async(arrays[r], "sum", mode)))
                 time.sleep(rng.random() * 0.003)
-            for r, handle in handles:
+            for r, step_, handle in handles:
                 res = handle.wait(timeout=WAIT)
                 assert 0 <= res.active <= size
+                if res.included and step_ < steps:
+                    assert arrays[r][r * steps + step_] == 1, "an included gift is missing"
                 if res.round in seen:
                     np.testing.assert_array_equal(seen[res.round], arrays[r])
                 else:
                     seen[res.round] = arrays[r].copy()
-        for result in seen.values():
-            counted += result
         status = fabs[0].status()
+    counted = sum(seen.values(), np.zeros_like(given))
+    assert counted.max() <= 1, "a gift counted twice"
     rows = [row for row in status["collectives"] if row["name"] == f"allreduce:{mode}:sum:g"]
     assert rows
-    assert rows[0]["rounds"] == len(seen)  # every round some call here got
-    np.testing.assert_array_equal(counted, given)
+    unseen = rows[0]["rounds"] - len(seen)
+    assert unseen >= 0
+    if unseen == 0:
+        np.testing.assert_array_equal(counted, given)
 
 
 @pytest.mark.parametrize("size", [1, 3, 5])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -168,11 +169,6 @@ def coll_frame(spec: dict[str, Any], job: str = JOB, name: str = NAME) -> frames
 
 
 # -- collectives of jobs that are gone --------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="collectives outlive their job: a later job of the same name gets the old "
-    "accumulator (partial modes), so one job's data lands in another's result",
-)
 def test_a_new_job_of_the_same_name_gets_none_of_the_old_jobs_data() -> None:
     table = Table()
     svc, host = service(table)
@@ -190,11 +186,6 @@ def test_a_new_job_of_the_same_name_gets_none_of_the_old_jobs_data() -> None:
     assert np.array_equal(array(new0), [1.0, 1.0]), "the old job's [7, 7] is in this result"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a sync collective broken by a node's failure stays broken after the whole job "
-    "restarted (its message even says 'restart the job')",
-)
 def test_a_restarted_job_can_use_a_name_a_node_failure_broke() -> None:
     table = Table()
     svc, host = service(table)
@@ -211,11 +202,6 @@ def test_a_restarted_job_can_use_a_name_a_node_failure_broke() -> None:
     assert 2 not in host.answered  # waits for node 1's part, as a first call does
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a job that re-runs with another array size under the same job name is refused "
-    "forever: the old job's spec is kept",
-)
 def test_a_rerun_with_another_count_is_not_refused() -> None:
     table = Table()
     svc, host = service(table)
@@ -229,10 +215,6 @@ def test_a_rerun_with_another_count_is_not_refused() -> None:
     assert host.answered[2]["round"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nothing frees a collective (its buffers, its status row) once its job is gone",
-)
 def test_a_gone_jobs_collectives_are_freed() -> None:
     table = Table()
     svc, _ = service(table)
@@ -243,11 +225,6 @@ def test_a_gone_jobs_collectives_are_freed() -> None:
     assert svc.statistics()["collectives"] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client_gone abandons a sync call before membership's RankLeft, so rank_gone sees "
-    "no open call and keeps the dead trainer's gift: the next round counts it",
-)
 def test_a_dead_trainers_sync_gift_is_not_in_a_result() -> None:
     table = Table()
     svc, host = service(table)
@@ -272,11 +249,6 @@ def test_a_dead_trainers_sync_gift_is_not_in_a_result() -> None:
     assert 2 in host.answered
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="calls waiting for their job's ranks have no bound: one client can queue any "
-    "number (each retried at every rank that joins anywhere)",
-)
 def test_calls_waiting_for_ranks_are_bounded_per_client() -> None:
     table = Table()
     svc, _ = service(table, max_ops_per_client=4)
@@ -291,12 +263,32 @@ def test_calls_waiting_for_ranks_are_bounded_per_client() -> None:
     assert refused.value.code == "limit"
 
 
+def test_a_call_stuck_past_stall_after_is_reported() -> None:
+    table = Table()
+    svc, host = service(table)
+    join(svc, table, 2, (0, 1))
+    session = client(0, 2, [1.0, 2.0])
+    creds = SimpleNamespace(uid=1000, gid=1000, pid=1, groups=frozenset())
+    session.conn = SimpleNamespace(id=1, credentials=creds)  # type: ignore[assignment]
+    call(svc, session, 1)  # node 1's rank never calls
+    rows = svc.stalls(host.config.stall_after + 1.0)
+    assert len(rows) == 1
+    assert rows[0]["job"] == JOB
+    assert rows[0]["owner"] == 1000
+    assert rows[0]["uid"] == 1000
+
+
+def test_frames_nothing_can_use_are_not_given_a_buffer() -> None:
+    table = Table()
+    svc, _ = service(table)
+    join(svc, table, 2, (0, 1))
+    call(svc, client(0, 2, [1.0] * 4), 1)
+    svc.peer_down(1, "node 1 went down", 0.0)  # sync: broken
+    frame, payload = peer_frame(4)
+    assert svc.payload_buffer(1, frame, len(payload)) is None
+
+
 # -- held frames ------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="frames held for a job that never completes here are kept until their peer goes "
-    "down; they fill the hold and a healthy peer's link is then closed",
-)
 def test_frames_held_for_a_job_that_left_are_dropped() -> None:
     table = Table()
     svc, _ = service(table)
@@ -307,8 +299,9 @@ def test_frames_held_for_a_job_that_left_are_dropped() -> None:
     svc.on_rank_event(RankJoined(entry=entries[1]), 0.0)
     for i in range(MAX_HELD_FRAMES):
         svc.on_data(1, coll_frame(spec, name=f"b{i}"), 0, 0.0)
-    svc.on_rank_event(RankLeft(entry=entries[1], reason="rank 1 left", lost=False), 0.0)
     table.leave(JOB)  # the job is over: nothing can build those collectives any more
+    # (membership releases the rank, then tells the services)
+    svc.on_rank_event(RankLeft(entry=entries[1], reason="rank 1 left", lost=False), 0.0)
     # another job's frame from the same healthy peer: refused, and node 1's links closed
     svc.on_data(1, coll_frame(spec, job="other"), 0, 0.0)
 
@@ -340,11 +333,6 @@ def land(svc: CollectiveService, frame: frames.Coll, payload: bytes) -> None:
     svc.on_data(1, frame, len(payload), 0.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a held frame that does not fit the collective a waiting call built raises out of "
-    "_replay through _retry: that call and every call still waiting are dropped unanswered",
-)
 def test_a_bad_held_frame_does_not_drop_the_calls_waiting_for_ranks() -> None:
     table = Table()
     svc, host = service(table)
@@ -366,12 +354,6 @@ def test_a_bad_held_frame_does_not_drop_the_calls_waiting_for_ranks() -> None:
     assert host.answered[2].code == "no_such_rank"  # job k's rank 1 never came
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_replay pops the held list before placing it: a frame that raises loses the ones "
-    "after it without uncounting their bytes (the hold shrinks for good) or counting them "
-    "dropped",
-)
 def test_held_frames_dropped_at_replay_are_uncounted() -> None:
     table = Table()
     svc, _ = service(table)
@@ -394,11 +376,6 @@ def _allreduce_spec(**fields: Any) -> dict[str, Any]:
     return spec | {"root": 0, "ring": False} | fields
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a peer's spec count is unbounded: numpy's ValueError/MemoryError escapes as a "
-    "daemon bug (or the daemon allocates what the peer asks)",
-)
 def test_a_peer_spec_of_absurd_count_is_a_protocol_error() -> None:
     table = Table()
     svc, _ = service(table)
@@ -408,10 +385,6 @@ def test_a_peer_spec_of_absurd_count_is_a_protocol_error() -> None:
         svc.payload_buffer(1, frame, 8)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a peer's broadcast root is not checked against the job's size: IndexError",
-)
 def test_a_peer_broadcast_root_outside_the_job_is_a_protocol_error() -> None:
     table = Table()
     svc, _ = service(table)
@@ -422,11 +395,6 @@ def test_a_peer_broadcast_root_outside_the_job_is_a_protocol_error() -> None:
 
 
 # -- the sender task across a link reset ------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="the old link's sender, failing after the reset, pops the new link's queue: its "
-    "frames are never sent and the collective hangs",
-)
 def test_frames_queued_on_a_new_link_survive_the_old_senders_failure() -> None:
     async def scenario() -> list[Meta]:
         table = Table()

@@ -31,6 +31,8 @@ from fabricd.engines.persistent import (
 from fabricd.errors import UsageError
 
 JOB, NAME = "job", "grad"
+#: seconds a sync round may still end after a rank left (the daemon uses suspect_after)
+GRACE = 5.0
 
 
 class Recording(Collective):
@@ -126,7 +128,8 @@ class Fabric:
                 self.perform(other, coll.lose(node, f"node {node} went down", self.tick()))
                 for rank, home in enumerate(self.placement):
                     if home == node:
-                        self.perform(other, coll.rank_gone(rank, live, self.tick()))
+                        actions = coll.rank_gone(rank, live, self.tick(), grace=GRACE)
+                        self.perform(other, actions)
 
 
 PLACEMENTS = [
@@ -438,3 +441,47 @@ def test_what_a_round_waits_for_is_said_for_stall_reports() -> None:
         f"round 0 starts when rank {chosen} calls it",
         chosen,
     )
+
+
+def test_a_rank_that_leaves_after_giving_does_not_fail_a_round_that_completes() -> None:
+    """Rank 1 gave and left at once (its node sent its messages): the round still ends at node
+    0 within the grace, and rank 0's call gets the whole result."""
+    fab = Fabric(Spec(kind="allreduce", count=2, dtype="float32"), (0, 1), Random(0))
+    fab.call(0, 1, np.ones(2, "float32"))
+    fab.call(1, 2, np.full(2, 2.0, "float32"))  # node 1 ends the round before node 0
+    live = frozenset({0})
+    fab.perform(0, fab.colls[0].rank_gone(1, live, fab.tick(), grace=GRACE))
+    fab.drain()
+    assert fab.delivered[1].round == 0
+    assert not fab.failed
+    assert fab.colls[0].next_deadline() is None  # nothing left to fail
+
+
+def test_a_rank_that_leaves_before_giving_fails_the_round_after_the_grace() -> None:
+    fab = Fabric(Spec(kind="allreduce", count=2, dtype="float32"), (0, 1), Random(0))
+    fab.call(0, 1, np.ones(2, "float32"))
+    coll = fab.colls[0]
+    fab.perform(0, coll.rank_gone(1, frozenset({0}), 10.0, grace=GRACE))
+    assert coll.next_deadline() == 10.0 + GRACE
+    fab.perform(0, coll.tick(12.0))
+    assert not fab.failed  # its trainer may still come back and call
+    fab.perform(0, coll.tick(10.0 + GRACE))
+    assert fab.failed[1].code == "peer_failed"
+    assert "rank 1" in fab.failed[1].message
+
+
+def test_a_dead_trainers_sync_gift_is_void_and_its_restart_joins_the_round() -> None:
+    """Rank 0 gave to a round that had not started and died: its gift cannot be taken out of
+    the reduction, so the round's gifts here are void (rank 1's call fails now); the restarted
+    rank 0 and rank 1 then run that round afresh."""
+    fab = Fabric(Spec(kind="allreduce", count=2, dtype="float32"), (0, 0, 0, 1), Random(0))
+    fab.call(0, 1, np.ones(2, "float32"))
+    fab.call(1, 2, np.ones(2, "float32"))  # rank 2 has not called: round 0 has not started
+    fab.perform(0, fab.colls[0].abandon(1))  # rank 0's client left: the node voids round 0
+    assert fab.failed[2].code == "peer_failed"
+    arrays = [np.full(2, float(r + 1), "float32") for r in range(4)]
+    for rank in range(4):
+        fab.call(rank, 10 + rank, arrays[rank])
+    fab.drain()
+    assert all(fab.delivered[10 + r].round == 0 for r in range(4))
+    assert all((a == 10.0).all() for a in arrays)
