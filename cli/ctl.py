@@ -25,6 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from fabricd.cli.bench import bench as bench_group
 from fabricd.cli.daemon import config_flags, load_from_cli
 from fabricd.cli.daemon import main as daemon_main
 from fabricd.client import Client, connect
@@ -140,6 +141,7 @@ def main() -> None:
 
 
 main.add_command(daemon_main, "daemon")
+main.add_command(bench_group, "bench")
 
 
 @main.command()
