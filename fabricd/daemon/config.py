@@ -71,7 +71,7 @@ class Config:
     eager_limit: int = 64 * 1024
     eager_credit: int = 4 * 1024 * 1024
     receiver_initiated: bool = True
-    ring_from_bytes: int = 1024 * 1024
+    ring_from_bytes: int = 2 * 1024 * 1024
     max_collectives_per_job: int = 1024
     drain_timeout: float = 10.0
     log_level: str = "info"
