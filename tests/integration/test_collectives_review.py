@@ -1,6 +1,7 @@
 """Review of the collective service with real daemons: a job that ends and a later job of the
-same name (the way a trainer is re-run).  Each test shows a bug the review found and is marked
-``xfail(strict=True)``: it passes once the bug is fixed (then drop the mark).
+same name (the way a trainer is re-run), and what status shows of a job.  A test marked
+``xfail(strict=True)`` shows a bug the review found that is still open (drop the mark once
+fixed); the others are bugs it found that are fixed, kept as regression tests.
 """
 
 from __future__ import annotations
@@ -50,11 +51,6 @@ def wait_gone(cluster: LocalCluster, job: str) -> None:
                 time.sleep(0.05)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a collective outlives its job: the same script re-run with another model size "
-    "under the same job name is refused until the daemons restart",
-)
 def test_a_rerun_with_another_size_is_not_refused(make_cluster: Any) -> None:
     cluster = make_cluster(2)
     for count in (4, 8):  # the default name, allreduce:sync:sum:g, is the same both times
@@ -71,11 +67,6 @@ def test_a_rerun_with_another_size_is_not_refused(make_cluster: Any) -> None:
         wait_gone(cluster, "rerun")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a solo collective's accumulator outlives its job: the next job of the same name "
-    "gets the old job's data in its first result",
-)
 def test_a_later_job_of_the_same_name_sees_none_of_the_old_data(make_cluster: Any) -> None:
     cluster = make_cluster(1)
     with ranks(cluster, (0, 0), "shared") as fabs:
