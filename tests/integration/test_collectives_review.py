@@ -1,7 +1,6 @@
 """Review of the collective service with real daemons: a job that ends and a later job of the
-same name (the way a trainer is re-run), and what status shows of a job.  A test marked
-``xfail(strict=True)`` shows a bug the review found that is still open (drop the mark once
-fixed); the others are bugs it found that are fixed, kept as regression tests.
+same name (the way a trainer is re-run), and what status and metrics show of a job.  Each test
+shows a bug the review found, since fixed: they stay as regression tests.
 """
 
 from __future__ import annotations
@@ -82,12 +81,6 @@ def test_a_later_job_of_the_same_name_sees_none_of_the_old_data(make_cluster: An
         assert np.array_equal(mine, np.full(4, 1.0)), "the old job's 7s are in this result"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the collective metrics label samples with job and collective names, which "
-    "docs/operations.md rules out (unbounded series), and status()['metrics'] is not redacted, "
-    "so any local client of any uid reads every job's and collective's name there",
-)
 def test_no_metric_label_carries_a_job_or_collective_name(make_cluster: Any) -> None:
     cluster = make_cluster(1)
     with ranks(cluster, (0,), "secret-job") as fabs:

@@ -3,8 +3,7 @@ frames, the sender task across a link reset, and the work a rank's arrival costs
 
 The service runs on a fake host (a recorder of what it answers, with data links a test
 controls) and a fake rank table the test edits, so ranks join and leave as membership would
-say.  Every test here shows a bug the review found; one marked ``xfail(strict=True)`` is still
-open (drop the mark once it is fixed), the others are fixed and kept as regression tests.
+say.  Every test here shows a bug the review found, since fixed: they stay as regression tests.
 """
 
 from __future__ import annotations
@@ -451,12 +450,6 @@ def solo_frames_after_losing_node_1() -> list[tuple[frames.Coll, bytes]]:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="peer_down drops a node's held frame that was still landing, but nothing replays "
-    "the complete frames queued behind it: the survivors' messages stay held and the round "
-    "never ends",
-)
 def test_frames_held_behind_a_dead_nodes_landing_frame_are_placed() -> None:
     survivors = solo_frames_after_losing_node_1()
     table = Table()
@@ -498,11 +491,6 @@ class CountingTable(Table):
         return super().lookup(job, rank)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="every rank that joins any job retries every call waiting for ranks, of every job "
-    "(O(waiting x ranks) per join, with up to max_ops_per_client waiting per client)",
-)
 def test_a_rank_of_another_job_joining_retries_no_waiting_call() -> None:
     table = CountingTable()
     svc, _ = service(table)
