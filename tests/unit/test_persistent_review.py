@@ -182,3 +182,29 @@ def test_a_sync_call_made_after_a_remote_rank_left_fails_after_the_grace() -> No
     assert deadline is not None
     fab.perform(0, coll.tick(deadline))
     assert 1 in fab.failed
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a lost node is told only once: its next incarnation's calls wait forever",
+)
+def test_a_node_that_comes_back_twice_is_told_twice() -> None:
+    """Node 2 dies and comes back: the survivors tell it, its call fails.  Its daemon dies
+    again and comes back with a fresh collective (a flaky node): the survivors' ``lose``
+    returns early for a node already lost and ``_told`` still holds node 2, so the new
+    incarnation's frames are dropped without a word and its call neither completes nor
+    fails."""
+    placement = (0, 1, 2)
+    spec = Spec(kind="allreduce", count=2, dtype="float32", mode="solo")
+    fab = Fab(spec, placement, Random(0))
+    fab.kill(2)
+    fab.down.discard(2)
+    live = frozenset(range(3))
+    for token in (98, 99):  # two incarnations of node 2's daemon
+        if token == 99:
+            fab.kill(2)
+            fab.down.discard(2)
+        fab.colls[2] = Recording(spec, job=JOB, name=NAME, node=2, ranks=placement, live=live)
+        fab.call(2, token, np.ones(2, "float32"))
+        fab.drain()
+        assert token in fab.failed, f"call {token} of incarnation {token - 97} waits"
