@@ -45,12 +45,17 @@ Theory of operation.
   progress is abandoned here (its snapshot goes back into the accumulator, so nothing is lost),
   and the schedule is rebuilt over the surviving nodes.  Survivors may stand one round apart
   when they notice; each frame says which nodes its sender has lost and the round its view
-  began with (its *base*), and a node adopts a larger loss set or a higher base from any frame
+  began with (its *base*); a node that changes view tells every member at once with a
+  :data:`NOTICE` frame (no bytes), so one a round behind hears it even when nothing else would
+  come its way; and a node adopts a larger loss set or a higher base from any frame
   (restarting its round, which cannot have ended: it needed the sender's messages of the lower
   base, which the sender drops).  Views converge on the union of losses and the highest base.
   A contribution that a survivor's abandoned round had taken may already be in another
   survivor's result of that round: across a failure a result may count it twice, never lose
-  it.  A node that finds itself among a frame's lost nodes is excluded: its calls fail.
+  it.  And a survivor a round behind, which jumps to the others' base, never gets the round
+  they ended before the failure: its ranks skip that result, as a rank behind does (a periodic
+  ``sync_model`` realigns the replicas).  A node that finds itself among a frame's lost nodes
+  is excluded: its calls fail.
 
 Buffers: ``data`` (the round's working tensor, the result ends there; sync calls reduce into
 it as they come), ``result`` (the last result, for late callers), ``accumulator`` and
@@ -67,7 +72,9 @@ sent after its sender ended round ``r``, which needed this node's round ``r`` me
 a FIFO link, those were gone first.  Ring steps write a chunk only after the send that read
 it was answered round the ring; broadcast slots are the same per round parity.  Recursive
 doubling reduces into the very tensor it sent as soon as the partner's arrives, so its sends
-are copies.  A view change allocates a fresh ``data``.
+are copies.  A view change allocates a fresh ``data`` and ``result``: frames of the abandoned
+round, and round ``r - 1``'s to a node the new view lost (no round waits for it any more), may
+still be queued reading the old ones.
 """
 
 from __future__ import annotations
@@ -97,6 +104,8 @@ from fabricd.errors import ErrorCode, LocalProtocolError, RemoteProtocolError, U
 
 KINDS: Final = ("allreduce", "broadcast", "barrier")
 MODES: Final = ("sync", "solo", "majority")
+#: the tag of a frame that carries only its sender's view (no schedule uses it)
+NOTICE: Final = 2**31 - 1
 #: how a sync allreduce folds the local ranks' arrays into the node's contribution
 REDUCE: Final = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 
@@ -312,10 +321,12 @@ class Collective:
         self.snapshot = np.zeros(elements if spec.partial else 0, dtype)
         self._taken = False  #: partial: the current round's snapshot is taken
         self._fresh: set[int] = set()  #: ranks whose data waits in the accumulator
+        self._snapped: set[int] = set()  #: the ranks the current round's snapshot took
         self._given: set[int] = set()  #: sync: ranks whose call is in ``data``
         self._activated: int | None = None  #: sync: the round activated here, until it ends
         #: sync: (round, deadline, rank): a rank of another node left during this round
         self._doom: tuple[int, float, int] | None = None
+        self._grace = 0.0  #: seconds a sync round may take to end once a rank left
         self._ready = False  #: sync: every local rank gave to the new round: activate it
         self._calls: dict[int, _Call] = {}  #: by token
         self._by_rank: dict[int, _Call] = {}
@@ -433,7 +444,14 @@ class Collective:
     def _starts(self, rank: int) -> bool:
         if self.spec.mode == "solo":
             return True
-        return initiator(self.job, self.name, self.round, self.size, self.live) == rank
+        return self._initiator() == rank
+
+    def _initiator(self) -> int:
+        """The current round's majority initiator, among the live ranks of the member nodes
+        (a rank whose node this view lost may be live again, but cannot start our round)."""
+        members = set(self.members)
+        live = frozenset(r for r in self.live if self.ranks[r] in members)
+        return initiator(self.job, self.name, self.round, self.size, live)
 
     def _call_sync(self, call: _Call, now: float) -> None:
         if call.rank in self._given or self._activated == self.round:
@@ -441,6 +459,7 @@ class Collective:
             self._later.append(call)
             return
         self._give(call)
+        self._watch(now)
         if self._given >= self.local:
             self._activate_sync(now)
 
@@ -487,11 +506,20 @@ class Collective:
         (:meth:`tick`).  A local rank that comes back starts at the current round.
         """
         self.live = live
+        self._grace = grace
         self._due.pop(rank, None)
-        if not self.spec.partial and self._calls and self._doom is None:
-            self._doom = (self.round, now + grace, rank)
+        self._watch(now)
         self._kick(now)
         return self._flush()
+
+    def _watch(self, now: float) -> None:
+        """Sync: while a rank of the job is gone, the current round gets a deadline once a
+        call waits for it (:meth:`tick` fails it if the round has not ended by then)."""
+        if self.spec.partial or self._doom is not None or len(self.live) == self.size:
+            return
+        if any(c.round == self.round for c in self._calls.values()):
+            gone = min(set(range(self.size)) - self.live)
+            self._doom = (self.round, now + self._grace, gone)
 
     def _void(self, why: str) -> None:
         """The current sync round cannot complete: its gifts here are void, its calls fail."""
@@ -519,8 +547,11 @@ class Collective:
         return self._flush()
 
     def rank_back(self, live: frozenset[int]) -> None:
-        """A rank of the job (re)joined: it may initiate majority rounds again."""
+        """A rank of the job (re)joined: it may initiate majority rounds again; once every rank
+        is back, a sync round has no deadline (its trainers can all call it)."""
         self.live = live
+        if len(live) == self.size:
+            self._doom = None
 
     # -- peers ------------------------------------------------------------------------------
     def landing(
@@ -575,7 +606,7 @@ class Collective:
         """``nbytes`` of message ``tag`` of ``round`` from ``node`` landed where
         :meth:`landing` said (or, a message of no bytes, came); the recv is done once all of
         its slot is in."""
-        if not self._adopt(node, lost, base, now) or self.broken is not None:
+        if not self._adopt(node, lost, base, now) or self.broken is not None or tag == NOTICE:
             return self._flush()
         op = self._recv_op(node, tag)
         if op in self._slots and self._slots[op][0].nbytes:
@@ -609,15 +640,7 @@ class Collective:
         if node in self.lost:  # a node this one lost (it restarted, or was thought dead)
             if node not in self._told:  # tell it once per loss: its calls then fail there
                 self._told.add(node)
-                notice = Transmit(
-                    node=node,
-                    round=0,
-                    tag=0,
-                    payload=memoryview(b""),
-                    lost=tuple(sorted(self.lost)),
-                    base=self.base,
-                )
-                self._out.append(notice)
+                self._out.append(self._notice(node))
             return False
         if self.broken is not None:
             return False
@@ -625,7 +648,7 @@ class Collective:
             self._break(
                 ErrorCode.PEER_FAILED,
                 f"node {node} counts this node lost, so {self.name!r} of job {self.job!r} goes "
-                "on without it; its calls fail (restart the job's ranks here to take part again)",
+                "on without it until the whole job restarts; its calls here fail",
             )
             return False
         if not theirs <= self.lost and self.spec.partial:
@@ -636,6 +659,7 @@ class Collective:
 
     def lose(self, node: int, reason: str, now: float) -> list[Action]:
         """Member ``node`` went down (``reason``): see the module docstring."""
+        self._told.discard(node)  # lost again (it came back and died): tell it again
         if node not in self.members or self.broken is not None:
             return self._flush()
         if not self.spec.partial:
@@ -664,19 +688,32 @@ class Collective:
         view from round ``base``."""
         if self._taken:
             self.accumulator += self.snapshot
+            self._fresh |= self._snapped
             for call in self._calls.values():
                 call.included = False
             self._taken = False
         self.base = base
-        # frames of the abandoned round may still be queued, reading this buffer: take another
+        # frames of the abandoned round, and of the round before to a node this view lost
+        # (nothing waits for it any more), may still be queued reading these: take others
         self.data = np.zeros_like(self.data)
+        self.result = self.result.copy()
         for call in self._calls.values():
             call.round = max(call.round, base)
         for rank in self.local:
             if self._due.get(rank, base) < base:
                 self._due[rank] = base
         self._build(first_round=base)
+        for node in self.members:  # a member a round behind may hear nothing else of it
+            if node != self.node:
+                self._out.append(self._notice(node))
         self._kick(now)
+
+    def _notice(self, node: int) -> Transmit:
+        """A frame that carries only this node's view (:data:`NOTICE` tag, no bytes)."""
+        lost = tuple(sorted(self.lost))
+        return Transmit(
+            node=node, round=0, tag=NOTICE, payload=memoryview(b""), lost=lost, base=self.base
+        )
 
     def _kick(self, now: float) -> None:
         """A call already waiting for the current round starts it, if it may (solo: any;
@@ -732,7 +769,7 @@ class Collective:
                     if self.spec.partial:
                         self._take_snapshot()
                 case RoundEnded(round=round):
-                    self._ended(round)
+                    self._ended(round, now)
                 case StartRecv() | Discard():
                     pass
             work.extendleft(reversed(more))
@@ -780,10 +817,13 @@ class Collective:
         np.copyto(self.data, self.accumulator)
         np.copyto(self.snapshot, self.accumulator)
         self.accumulator[:] = 0
-        self._fresh.clear()
+        self._snapped, self._fresh = self._fresh, set()
+        for call in self._calls.values():  # their data is in it (again, after a restart)
+            if call.round == self.round:
+                call.included = True
         self._taken = True
 
-    def _ended(self, round: int) -> None:
+    def _ended(self, round: int, now: float) -> None:
         self.data, self.result = self.result, self.data
         count = self.spec.count
         active = int(self.result[count]) if self.spec.partial else self.size
@@ -808,6 +848,7 @@ class Collective:
         for call in later:  # sync calls made while this round ran: the next one's
             call.round = self.round
             self._give(call)
+        self._watch(now)
         self._ready = bool(self._given) and self._given >= self.local
 
     def _deliver(self, call: _Call, round: int, active: int | None = None) -> None:
@@ -855,7 +896,7 @@ class Collective:
             missing = sorted(self.local - self._given)
             return "ranks", f"round {round} starts once local ranks {missing} call it", None
         if self.spec.mode == "majority" and self.executor.phase is Phase.ARMED:
-            rank = initiator(self.job, self.name, round, self.size, self.live)
+            rank = self._initiator()
             node = self.ranks[rank]
             return "initiator", f"round {round} starts when rank {rank} calls it", node
         ops = self.executor.schedule.ops

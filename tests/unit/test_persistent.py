@@ -42,8 +42,8 @@ class Recording(Collective):
         self.history: dict[int, np.ndarray[Any, Any]] = {}
         super().__init__(*args, **kwargs)
 
-    def _ended(self, round: int) -> None:
-        super()._ended(round)
+    def _ended(self, round: int, now: float) -> None:
+        super()._ended(round, now)
         assert round not in self.history, "a round ended twice"
         self.history[round] = self.result[: self.spec.count].copy()
 

@@ -1,5 +1,5 @@
-"""Review of the persistent collective engine: each test shows one bug found, and is marked
-``xfail(strict=True)`` until the engine is fixed (then it passes, and the mark must go).
+"""Review of the persistent collective engine: each test shows one bug the review found, since
+fixed; they stay as regression tests.
 
 The simulated fabric is test_persistent's; :class:`Fab` adds delivery link by link, which the
 reproductions need to hold one message back.
@@ -10,7 +10,6 @@ from __future__ import annotations
 from random import Random
 
 import numpy as np
-import pytest
 
 from fabricd.engines.persistent import Spec, Transmit, initiator
 from tests.unit.test_persistent import GRACE, JOB, NAME, Fabric, Recording
@@ -47,10 +46,6 @@ class Fab(Fabric):
         raise AssertionError("messages never stopped")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="majority initiator drawn among ranks of a node the view excludes: round hangs",
-)
 def test_majority_round_whose_initiator_is_on_an_excluded_node_still_starts() -> None:
     """Node 2 goes down and comes back (d36f5d2: it is told it was counted lost, its calls
     fail).  Membership sees its rank again, so ``live`` holds rank 2; the survivors' view
@@ -74,11 +69,6 @@ def test_majority_round_whose_initiator_is_on_an_excluded_node_still_starts() ->
     assert {1, 2} <= set(fab.delivered), fab.colls[0].waits()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after a view change a call's data is in the result it gets, yet included=False "
-    "and active does not count its rank",
-)
 def test_included_and_active_are_right_for_a_round_restarted_by_a_view_change() -> None:
     """Rank 0's solo call starts round 0 (the snapshot takes its gift); node 2 dies before
     the round ends; the round restarts among nodes 0 and 1 with the snapshot back in the
@@ -96,11 +86,6 @@ def test_included_and_active_are_right_for_a_round_restarted_by_a_view_change() 
     assert (done.included, done.active) == (True, 1)  # ... so it is included, and active
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a node whose view starts at a lower base than a peer's is never told: its "
-    "frames are dropped, its call hangs",
-)
 def test_a_solo_call_completes_when_the_survivors_noticed_a_failure_a_round_apart() -> None:
     """Recursive doubling over 3 nodes: node 0 folds into node 1, which sends it the result.
     Node 1 ends round 0 while that result is still on the link to node 0.  Node 2 dies:
@@ -120,11 +105,6 @@ def test_a_solo_call_completes_when_the_survivors_noticed_a_failure_a_round_apar
     assert 1 in fab.delivered, fab.colls[0].waits()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zero-copy payload queued to a node that a view change excluded is overwritten "
-    "two rounds later; that node (alive, not yet told) delivers a corrupt result",
-)
 def test_a_payload_queued_to_a_node_lost_by_adoption_is_never_overwritten() -> None:
     """Ring over 3 nodes, solo.  Node 1 ends round 0 with its last allgather message to node
     2 still queued (a slow link; the view points into round 0's tensor).  Node 0 counts node
@@ -164,10 +144,6 @@ def test_a_payload_queued_to_a_node_lost_by_adoption_is_never_overwritten() -> N
     assert not overwritten, f"payloads of tags {overwritten} changed while queued"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sync call made after a remote rank left never fails: no deadline is set",
-)
 def test_a_sync_call_made_after_a_remote_rank_left_fails_after_the_grace() -> None:
     """Rank 1 (node 1) leaves between rounds, when node 0 has no call open, so rank_gone
     sets no deadline; rank 0's next call can never complete (rank 1 never comes back) and
@@ -184,10 +160,6 @@ def test_a_sync_call_made_after_a_remote_rank_left_fails_after_the_grace() -> No
     assert 1 in fab.failed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a lost node is told only once: its next incarnation's calls wait forever",
-)
 def test_a_node_that_comes_back_twice_is_told_twice() -> None:
     """Node 2 dies and comes back: the survivors tell it, its call fails.  Its daemon dies
     again and comes back with a fresh collective (a flaky node): the survivors' ``lose``
