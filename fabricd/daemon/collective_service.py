@@ -41,7 +41,7 @@ from fabricd.dtypes import ITEMSIZE
 from fabricd.engines.actions import Failure
 from fabricd.engines.collectives import Algorithm, choose_allreduce
 from fabricd.engines.membership import RankJoined, RankLeft
-from fabricd.engines.persistent import Collective, Deliver, Fail, Spec, Transmit
+from fabricd.engines.persistent import NOTICE, Collective, Deliver, Fail, Spec, Transmit
 from fabricd.errors import (
     ErrorCode,
     LocalProtocolError,
@@ -208,11 +208,13 @@ class CollectiveService(BaseService):
                 return False
             coll = self._build(key, waiting.spec, ranks, now, choose=True)
         elif not coll.spec.same_call(waiting.spec):
-            raise UsageError(
+            message = (
                 f"collective {waiting.name!r} of job {session.job!r} is a {coll.spec.describe()}; "
-                f"this call asks for a {waiting.spec.describe()}: every rank must call it alike "
-                "(or use another name)"
+                f"rank {session.rank} called it as a {waiting.spec.describe()}: every rank must "
+                "call it alike (or use another name)"
             )
+            self._disagree(key, coll, waiting.spec, message)
+            raise UsageError(message)
         self._tokens += 1
         token = self._tokens
         actions = coll.call(session.rank, token, waiting.array, now)
@@ -230,6 +232,30 @@ class CollectiveService(BaseService):
         self.operations.started(waiting.spec.kind)
         self._perform(key, actions)
         return True
+
+    def _disagree(self, key: Key, coll: Collective, spec: Spec, message: str) -> None:
+        """A local rank called ``key`` unlike the collective here: its rounds cannot complete
+        (that rank gives nothing), so it breaks here, and every member hears the call's spec in
+        a NOTICE frame, which disagrees with theirs and breaks it there too (else the ranks
+        that called it right would wait for this node for ever)."""
+        if coll.broken is not None:
+            return
+        self._perform(key, coll.break_with(ErrorCode.USAGE, message))
+        disagreeing = {**spec.to_meta(), "ring": coll.spec.ring}
+        for node in coll.members:
+            if node == coll.node:
+                continue
+            frame = frames.Coll(
+                job=key[0],
+                name=key[1],
+                round=0,
+                tag=NOTICE,
+                off=0,
+                lost=tuple(sorted(coll.lost)),
+                base=coll.base,
+                spec=disagreeing,
+            )
+            self._send(node, frame.to_meta(), memoryview(b""))
 
     def _ranks(self, job: str, size: int) -> tuple[int, ...] | None:
         """The node of every rank of ``job``, or ``None`` while one is unknown."""

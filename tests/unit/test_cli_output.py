@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from fabricd import demo
+from fabricd.demo import ring
 from fabricd.cli import ctl
 from fabricd.cli.ctl import _exit_description, _figure
 from fabricd.cli.ctl import main as fabricctl
@@ -43,7 +43,7 @@ def test_the_demo_prints_small_rates_and_ratios_with_their_digits(monkeypatch):
     def slow_ring(nodes, nbytes, laps, progress=None, settings=None):
         if progress is not None:
             progress(1, 2.0)
-        return demo.DemoResult(
+        return ring.DemoResult(
             nodes=nodes,
             nbytes=nbytes,
             laps=laps,
@@ -56,9 +56,9 @@ def test_the_demo_prints_small_rates_and_ratios_with_their_digits(monkeypatch):
             checksum="0123456789abcdef",
         )
 
-    monkeypatch.setattr(demo, "run", slow_ring)
+    monkeypatch.setattr(ring, "run", slow_ring)
     result = CliRunner().invoke(
-        fabricctl, ["demo", "--nodes", "2", "--size-mib", "1", "--laps", "1"]
+        fabricctl, ["demo", "--ring", "--nodes", "2", "--size-mib", "1", "--laps", "1"]
     )
     assert result.exit_code == 0, result.output
     assert "0.0123x memcpy" in result.output

@@ -24,7 +24,7 @@ from fabricd.daemon.config import Config
 from fabricd.daemon.service import Request
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.membership import RankEntry, RankJoined, RankLeft
-from fabricd.errors import OperationFailed, RemoteProtocolError, TransportError
+from fabricd.errors import OperationFailed, RemoteProtocolError, TransportError, UsageError
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -504,3 +504,36 @@ def test_a_rank_of_another_job_joining_retries_no_waiting_call() -> None:
     for entry in table.join("k", 1, (1,), owner=1000):  # another job, on node 1
         svc.on_rank_event(RankJoined(entry=entry), 0.0)
     assert table.lookups.get(JOB, 0) == 0  # 200: two lookups for each of j's 100 calls
+
+
+def test_a_call_unlike_a_collective_built_from_a_peer_fails_there_too() -> None:
+    """Node 0 built "grad" from node 1's frame (4 elements); rank 0 then calls it with 8: its
+    call fails, and node 1 hears the disagreeing spec, so rank 1's call fails too instead of
+    waiting for node 0 for ever (found by the integration test of two disagreeing calls)."""
+    table = Table()
+    here, host = service(table)
+    join(here, table, 2, (0, 1))
+    there, far = service(Table(), node=1)
+    join(there, there.membership, 2, (0, 1))  # type: ignore[arg-type]
+    link = far.links[0] = Link()
+    link.writable = True
+    sent: list[tuple[Meta, bytes]] = []
+
+    def send_now(kind: Kind, meta: Meta, payload: list[memoryview]) -> bool:
+        sent.append((meta, b"".join(bytes(p) for p in payload)))
+        return True
+
+    link.send_now = send_now  # type: ignore[method-assign]
+    call(there, client(1, 2, [1.0] * 4), 7)  # rank 1, 4 elements: its frame reaches node 0
+    meta, payload = sent[0]
+    land(here, frames.Coll.from_meta(meta), payload)
+    back = host.links[1] = Link()
+    back.writable = True
+    with pytest.raises(UsageError, match="every rank must call it alike"):
+        call(here, client(0, 2, [1.0] * 8), 8)
+    notices = [frames.Coll.from_meta(m) for m in back.sent]
+    assert notices
+    assert notices[0].spec["count"] == 8
+    for notice in notices:
+        there.on_data(0, notice, 0, 0.0)
+    assert far.answered[7].code == "usage"
