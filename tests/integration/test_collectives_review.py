@@ -5,7 +5,6 @@ shows a bug the review found, since fixed: they stay as regression tests.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -13,31 +12,14 @@ import numpy as np
 import pytest
 
 import fabricd
+from tests.integration.test_collectives import ranks
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
-    from fabricd.client import Client
     from fabricd.daemon.launcher import LocalCluster
 
 pytestmark = pytest.mark.timeout(120)
 
 WAIT = 30.0
-
-
-@contextlib.contextmanager
-def ranks(cluster: LocalCluster, placement: tuple[int, ...], job: str) -> Iterator[list[Client]]:
-    clients = [
-        fabricd.connect(
-            job=job, rank=r, size=len(placement), socket_path=cluster.nodes[n].socket_path
-        )
-        for r, n in enumerate(placement)
-    ]
-    try:
-        yield clients
-    finally:
-        for client in clients:
-            client.close()
 
 
 def wait_gone(cluster: LocalCluster, job: str) -> None:

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from fabricd.demo import ring
 from fabricd.cli import ctl
 from fabricd.cli.ctl import _exit_description, _figure
 from fabricd.cli.ctl import main as fabricctl
+from fabricd.demo import ring
 
 
 @pytest.mark.parametrize(
