@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.membership import Membership, RankEvent
+    from fabricd.engines.peers import PeerInfo
     from fabricd.engines.persistent import Action
     from fabricd.transports.base import Link
 
@@ -115,9 +116,20 @@ class CollectiveService(BaseService):
     kinds = frozenset({Kind.COLL})
     ops = frozenset({"collective"})
 
-    def __init__(self, host: Host, *, membership: Membership) -> None:
+    def __init__(
+        self,
+        host: Host,
+        *,
+        membership: Membership,
+        peers: Callable[[float], Iterable[PeerInfo]] | None = None,
+    ) -> None:
+        """``peers``: the peers engine's view of the other nodes (a peer that comes back after
+        a reset is the same daemon only with the same incarnation)."""
         self.host = host
         self.membership = membership
+        self._peers = peers
+        #: nodes whose links were reset: (when they count as down, their incarnation, why)
+        self._resets: dict[int, tuple[float, int | None, str]] = {}
         self.collectives: dict[Key, Collective] = {}
         self._open: dict[int, _Open] = {}  #: by token
         self._by_session: dict[ClientSession, set[int]] = {}
@@ -440,11 +452,20 @@ class CollectiveService(BaseService):
             self._held[key] = held
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
+        """``node``'s links were reset: frames in flight are lost.  It is counted down (a view
+        change, or a broken sync collective) only if it has not come back, the same daemon,
+        within ``down_after``: a link that flaps under load must not split a collective."""
         # the old link's frames go with it; its sender task ends on its own queue and link
         self._queues.pop(node, None)
         self._senders.pop(node, None)
+        if node not in self._resets:
+            self._resets[node] = (
+                now + self.host.config.down_after,
+                self._incarnation(node),
+                reason,
+            )
         for key, coll in list(self.collectives.items()):
-            self._perform(key, coll.lose(node, reason, now))
+            self._perform(key, coll.interrupted(node, reason))
         for key, held in list(self._held.items()):
             kept = [h for h in held if h.node != node]
             self._held_bytes -= sum(len(h.payload) for h in held if h.node == node)
@@ -454,6 +475,27 @@ class CollectiveService(BaseService):
                 del self._held[key]
             if kept and key in self.collectives:  # the frames behind a dead node's, still landing
                 self._replay(key, now)
+
+    def peer_up(self, node: int, now: float) -> None:
+        reset = self._resets.pop(node, None)
+        if reset is None:
+            return
+        _, incarnation, reason = reset
+        if incarnation is not None and incarnation != self._incarnation(node):
+            self._lose(node, f"{reason}; it restarted", now)  # a new daemon: the old one died
+            return
+        for key, coll in list(self.collectives.items()):
+            self._perform(key, coll.resume(node, now))
+
+    def _incarnation(self, node: int) -> int | None:
+        """The incarnation the peers engine last admitted for ``node``, if it knows one."""
+        if self._peers is None:
+            return None
+        return next((p.incarnation for p in self._peers(self.host.now()) if p.node == node), None)
+
+    def _lose(self, node: int, reason: str, now: float) -> None:
+        for key, coll in list(self.collectives.items()):
+            self._perform(key, coll.lose(node, reason, now))
 
     def on_rank_event(self, event: RankEvent, now: float) -> None:
         job = event.entry.job
@@ -633,11 +675,16 @@ class CollectiveService(BaseService):
 
     def next_deadline(self) -> float | None:
         deadlines = [w.deadline for w in self._waiting]
+        deadlines += [deadline for deadline, _, _ in self._resets.values()]
         deadlines += [h.expires for held in self._held.values() for h in held]
         deadlines += [d for c in self.collectives.values() if (d := c.next_deadline()) is not None]
         return min(deadlines, default=None)
 
     def on_timer(self, now: float) -> None:
+        for node, (deadline, _, reason) in list(self._resets.items()):
+            if deadline <= now:  # not back within down_after: down
+                del self._resets[node]
+                self._lose(node, reason, now)
         for key, coll in list(self.collectives.items()):
             self._perform(key, coll.tick(now))
         for key, held in list(self._held.items()):

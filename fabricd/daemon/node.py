@@ -115,7 +115,9 @@ def default_services(daemon: Daemon) -> list[Service]:
         peers=daemon.peering.engine.peers,  # stall reports say whether a peer's node is up
         owners=membership.engine.owner,
     )
-    collectives = CollectiveService(daemon, membership=membership.engine)
+    collectives = CollectiveService(
+        daemon, membership=membership.engine, peers=daemon.peering.engine.peers
+    )
     return [membership, p2p, collectives]
 
 

@@ -39,6 +39,11 @@ Theory of operation.
   contributed fresh data (``active``): the count travels with the data as one extra element,
   reduced with it.  ``avg`` divides the sum by the job's size after the round (the paper's
   update), partial modes take ``sum`` and ``avg`` only.
+* **A reset of a member's links** (:meth:`Collective.interrupted`, then
+  :meth:`Collective.resume` if the same daemon comes back): frames in flight are lost; a partial
+  collective runs on from the next round number, the round in flight run again with what it
+  held (a survivor that ended it meanwhile adopts the new base, so a contribution may count
+  twice); a sync one survives only between rounds.
 * **Failures of a member node** (the service reports them, :meth:`Collective.lose`): a sync
   collective fails its waiting calls and is *broken* (every later call fails: the job lost
   ranks a sync collective needs).  A partial one goes on among the survivors: the round in
@@ -673,6 +678,29 @@ class Collective:
             )
             return self._flush()
         self._lose(self.lost | {node}, now, base=self.base)
+        return self._flush()
+
+    def interrupted(self, node: int, reason: str) -> list[Action]:
+        """Member ``node``'s links were reset: frames in flight to and from it are lost, but
+        it may come back (:meth:`resume`) before it is counted down (:meth:`lose`).  A sync
+        round under way cannot be run again (its gifts were reduced in place), so a sync
+        collective with a round under way breaks now; one between rounds, and a partial one,
+        wait."""
+        if node not in self.members or self.broken is not None or self.spec.partial:
+            return self._flush()
+        if self._calls or self.executor.phase is Phase.RUNNING:
+            return self.lose(node, reason, 0.0)
+        return self._flush()
+
+    def resume(self, node: int, now: float) -> list[Action]:
+        """Member ``node`` is back, the same daemon, after a reset of its links: what was in
+        flight is lost, so a partial collective abandons its round (keeping its contribution)
+        and every member runs on from the next round number, told by the view's new base (a
+        survivor that ended the round meanwhile adopts the base too: across the reset a
+        contribution may be counted twice, never lost)."""
+        if node not in self.members or self.broken is not None or not self.spec.partial:
+            return self._flush()
+        self._restart(self.round + 1, now)
         return self._flush()
 
     def _lose(self, lost: frozenset[int], now: float, *, base: int) -> None:

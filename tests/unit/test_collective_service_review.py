@@ -447,6 +447,7 @@ def solo_frames_after_losing_node_1() -> list[tuple[frames.Coll, bytes]]:
     call(svc, client(2, 3, [1.0] * 4), 1, mode="solo")
     out.clear()
     svc.peer_down(1, "node 1 went down", 0.0)
+    svc.on_timer(host.config.down_after)  # not back within down_after: counted down
     return out
 
 

@@ -485,3 +485,42 @@ def test_a_dead_trainers_sync_gift_is_void_and_its_restart_joins_the_round() -> 
     fab.drain()
     assert all(fab.delivered[10 + r].round == 0 for r in range(4))
     assert all((a == 10.0).all() for a in arrays)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_link_reset_that_heals_restarts_the_round_and_loses_no_gift(seed: int) -> None:
+    """Nodes 0 and 1 lose what was in flight between them (their links were reset) and come
+    back, the same daemons: they run on from the next round number, the third node adopts it
+    from their frames, every call completes, and no gift is lost (one may count twice)."""
+    rng = Random(seed)
+    spec = Spec(kind="allreduce", count=3, dtype="int64", mode="solo")
+    fab = Fabric(spec, (0, 1, 2), rng)
+    gifts = [np.eye(3, dtype="int64")[r].copy() for r in range(3)]
+    for rank in range(3):
+        fab.call(rank, rank, gifts[rank])
+        for _ in range(rng.randint(0, 4)):
+            fab.deliver_one()
+    for pair in ((0, 1), (1, 0)):  # the reset: frames in flight either way are gone
+        fab.links.pop(pair, None)
+    for node, other in ((0, 1), (1, 0)):
+        fab.perform(node, fab.colls[node].interrupted(other, "links reset"))
+    for node, other in ((0, 1), (1, 0)):
+        fab.perform(node, fab.colls[node].resume(other, fab.tick()))
+    fab.drain()
+    assert sorted(fab.delivered) == [0, 1, 2]
+    assert all(not c.lost for c in fab.colls.values())
+    seen = sum((r for c in fab.colls.values() for r in c.history.values()), np.zeros(3, "int64"))
+    waiting = sum((c.conservation() for c in fab.colls.values()), np.zeros(3, "int64"))
+    assert ((seen + waiting) >= 1).all()  # every gift is in a result or still waits
+
+
+def test_a_sync_collective_between_rounds_survives_a_link_reset() -> None:
+    fab = Fabric(Spec(kind="allreduce", count=2, dtype="float32"), (0, 1), Random(0))
+    for rank in range(2):
+        fab.call(rank, rank, np.ones(2, "float32"))
+    fab.drain()
+    fab.perform(0, fab.colls[0].interrupted(1, "links reset"))  # no round under way
+    assert fab.colls[0].broken is None
+    fab.call(0, 5, np.ones(2, "float32"))
+    fab.perform(0, fab.colls[0].interrupted(1, "links reset"))  # a round under way: broken
+    assert fab.failed[5].code == "peer_failed"
