@@ -28,6 +28,7 @@ from rich.text import Text
 from fabricd.cli.bench import bench as bench_group
 from fabricd.cli.daemon import config_flags, load_from_cli
 from fabricd.cli.daemon import main as daemon_main
+from fabricd.cli.graph import graph as graph_command
 from fabricd.client import Client, connect
 from fabricd.errors import FabricError
 
@@ -142,6 +143,7 @@ def main() -> None:
 
 main.add_command(daemon_main, "daemon")
 main.add_command(bench_group, "bench")
+main.add_command(graph_command, "graph")
 
 
 @main.command()
