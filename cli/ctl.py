@@ -187,6 +187,15 @@ def status(socket_path: str | None, as_json: bool) -> None:
             hidden.get("ranks", 0),
         )
     )
+    if info.get("collectives") or hidden.get("collectives"):
+        console.print(
+            _rows_table(
+                "collectives",
+                info.get("collectives", []),
+                ("job", "name", "what", "round", "nodes", "lost", "waiting", "mean_active"),
+                hidden.get("collectives", 0),
+            )
+        )
     if any(hidden.values()):
         console.print(
             "hidden: rows of other users' jobs (root, the daemon's user and admin_gids see them)"

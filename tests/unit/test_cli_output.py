@@ -151,3 +151,32 @@ def test_status_of_a_daemon_without_the_eager_path_has_no_messages_line(
     result = CliRunner().invoke(fabricctl, ["status"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "eager pool" not in result.output
+
+
+def test_status_lists_the_collectives_with_their_round_and_participation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    status = _status_with_eager_use()
+    status["collectives"] = [
+        {
+            "job": "train",
+            "owner": 1000,
+            "name": "allreduce:solo:avg:grad",
+            "what": "solo allreduce avg of 8192 float32",
+            "round": 41,
+            "nodes": [0, 1, 2],
+            "lost": [3],
+            "waiting": 1,
+            "mean_active": 5.5,
+        }
+    ]
+    monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(status))
+    result = CliRunner().invoke(fabricctl, ["status"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert "collectives (1)" in result.output
+    assert "allreduce:solo:avg:grad" in result.output
+    assert "[0, 1, 2]" in result.output
+    assert "5.5" in result.output
+    quiet = _status_with_eager_use()  # none: no table
+    monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(quiet))
+    assert "collectives" not in CliRunner().invoke(fabricctl, ["status"]).output
