@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -131,6 +131,7 @@ class CollectiveService(BaseService):
         #: nodes whose links were reset: (when they count as down, their incarnation, why)
         self._resets: dict[int, tuple[float, int | None, str]] = {}
         self.collectives: dict[Key, Collective] = {}
+        self._specs: dict[Key, Meta] = {}  #: each collective's spec as its frames carry it
         self._open: dict[int, _Open] = {}  #: by token
         self._by_session: dict[ClientSession, set[int]] = {}
         self._sessions: dict[str, set[ClientSession]] = {}  #: clients that called, per job
@@ -254,20 +255,13 @@ class CollectiveService(BaseService):
             return
         self._perform(key, coll.break_with(ErrorCode.USAGE, message))
         disagreeing = {**spec.to_meta(), "ring": coll.spec.ring}
+        lost = tuple(sorted(coll.lost))
+        notice = Transmit(
+            node=-1, round=0, tag=NOTICE, payload=memoryview(b""), lost=lost, base=coll.base
+        )
         for node in coll.members:
-            if node == coll.node:
-                continue
-            frame = frames.Coll(
-                job=key[0],
-                name=key[1],
-                round=0,
-                tag=NOTICE,
-                off=0,
-                lost=tuple(sorted(coll.lost)),
-                base=coll.base,
-                spec=disagreeing,
-            )
-            self._send(node, frame.to_meta(), memoryview(b""))
+            if node != coll.node:
+                self._transmit(key, replace(notice, node=node), spec=disagreeing)
 
     def _ranks(self, job: str, size: int) -> tuple[int, ...] | None:
         """The node of every rank of ``job``, or ``None`` while one is unknown."""
@@ -311,6 +305,7 @@ class CollectiveService(BaseService):
             live=self._live(job, len(ranks)),
         )
         self.collectives[key] = coll
+        self._specs[key] = coll.spec.to_meta()
         for node in coll.initial:  # a member already lost to this daemon
             if node != coll.node and self.host.data_link(node) is None:
                 log.info("collective %r of job %r: node %d is not up", name, job, node)
@@ -365,8 +360,10 @@ class CollectiveService(BaseService):
             RemoteProtocolError: its spec is malformed, or disagrees with ours.
         """
         key = (frame.job, frame.name)
-        spec = Spec.from_meta(frame.spec)
         coll = self.collectives.get(key)
+        if coll is not None and frame.spec == self._specs[key]:
+            return coll  # every frame of a round: no need to parse the spec again
+        spec = Spec.from_meta(frame.spec)
         if coll is not None:
             if coll.spec != spec and coll.broken is None:  # the ranks' calls disagree
                 message = (
@@ -532,6 +529,7 @@ class CollectiveService(BaseService):
         held frames and sessions go, so a later job of that name starts afresh."""
         for key in [k for k in self.collectives if k[0] == job]:
             coll = self.collectives.pop(key)
+            del self._specs[key]
             failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
             for token in [t for t, c in self._open.items() if c.key == key]:
                 self._answer(token, failure, None)
@@ -576,9 +574,10 @@ class CollectiveService(BaseService):
                     failure = Failure(code=action.code, message=action.message)
                     self._answer(action.token, failure, None)
 
-    def _transmit(self, key: Key, t: Transmit) -> None:
-        coll = self.collectives[key]
-        spec = coll.spec.to_meta()
+    def _transmit(self, key: Key, t: Transmit, *, spec: Meta | None = None) -> None:
+        """Send ``t`` as COLL frames (one, or ``chunk_size`` pieces), saying the collective's
+        spec, or ``spec``."""
+        spec = self._specs[key] if spec is None else spec
         chunk = self.host.config.chunk_size
         payload = memoryview(t.payload)  # slices of it copy nothing
         offsets = range(0, len(payload), chunk) if payload else range(1)

@@ -434,15 +434,13 @@ class Collective:
         self._fresh.add(call.rank)
         if due < self.round:  # rounds ended without it: the latest result, at once
             self.counters.late += 1
-            self._due[call.rank] = self.round
             self._deliver(call, self.round - 1)
+            if self.spec.mode != "majority":
+                return
             # majority: the current round waits for its initiator, who may be this rank; it
             # has arrived, so the round starts (its data, just given, is in it)
-            starts = self.spec.mode == "majority" and self._starts(call.rank)
-            if starts and self.executor.phase is Phase.ARMED:
-                self._perform(self.executor.activate(self.round, now), now)
-            return
-        call.included = not self._taken  # the snapshot is taken when the round starts
+        else:
+            call.included = not self._taken  # the snapshot is taken when the round starts
         if self.executor.phase is Phase.ARMED and self._starts(call.rank):
             self._perform(self.executor.activate(self.round, now), now)
 

@@ -125,15 +125,7 @@ class Op:
         join: Join = Join.ALL,
         optional: bool = False,
     ) -> Op:
-        return cls(
-            kind=Kind.SEND,
-            peer=peer,
-            buffer=buffer,
-            tag=tag,
-            after=after,
-            join=join,
-            optional=optional,
-        )
+        return cls._message(Kind.SEND, peer, buffer, tag, after, join, optional)
 
     @classmethod
     def recv(
@@ -146,14 +138,21 @@ class Op:
         join: Join = Join.ALL,
         optional: bool = False,
     ) -> Op:
+        return cls._message(Kind.RECV, peer, buffer, tag, after, join, optional)
+
+    @classmethod
+    def _message(
+        cls,
+        kind: Kind,
+        peer: int,
+        buffer: str,
+        tag: int,
+        after: tuple[int, ...],
+        join: Join,
+        optional: bool,
+    ) -> Op:
         return cls(
-            kind=Kind.RECV,
-            peer=peer,
-            buffer=buffer,
-            tag=tag,
-            after=after,
-            join=join,
-            optional=optional,
+            kind=kind, peer=peer, buffer=buffer, tag=tag, after=after, join=join, optional=optional
         )
 
     @classmethod

@@ -94,8 +94,12 @@ class Fabric:
             return False
         src, dst = self.rng.choice(ready)
         message = self.links[src, dst].popleft()
-        if dst in self.down or src in self.down:
-            return True
+        if dst not in self.down and src not in self.down:
+            self.deliver(src, dst, message)
+        return True
+
+    def deliver(self, src: int, dst: int, message: Transmit) -> None:
+        """``message`` from ``src`` lands at ``dst`` as the service places it."""
         coll = self.colls[dst]
         now = self.tick()
         n = len(message.payload)
@@ -110,7 +114,6 @@ class Fabric:
         self.perform(
             dst, coll.arrived(src, message.tag, message.round, n, message.lost, message.base, now)
         )
-        return True
 
     def drain(self) -> None:
         for _ in range(100_000):

@@ -20,21 +20,7 @@ class Fab(Fabric):
 
     def deliver_from(self, src: int, dst: int) -> None:
         """Deliver the oldest message on link ``src`` -> ``dst``."""
-        message = self.links[src, dst].popleft()
-        coll = self.colls[dst]
-        now = self.tick()
-        n = len(message.payload)
-        if n:
-            view = coll.landing(
-                src, message.tag, message.round, 0, n, message.lost, message.base, now
-            )
-            if view is None:
-                n = 0
-            else:
-                view[:] = message.payload
-        self.perform(
-            dst, coll.arrived(src, message.tag, message.round, n, message.lost, message.base, now)
-        )
+        self.deliver(src, dst, self.links[src, dst].popleft())
 
     def drain_except(self, *held: tuple[int, int]) -> None:
         """Deliver everything but the messages on the ``held`` links, until nothing moves."""
