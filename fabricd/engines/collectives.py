@@ -5,7 +5,8 @@ Rules: this module only *builds* :class:`~fabricd.engines.schedule.Schedule` obj
 the daemon's schedule service performs their actions.  It knows no dtype and no length: a
 schedule works for any tensor, whose bytes the service splits by :func:`chunk_bounds`.  The
 choice of algorithm by message size is :func:`choose_allreduce`, with the switch point a
-parameter: it is to be measured (issue 10, item 8), not guessed here.
+parameter: the daemon's ``ring_from_bytes``, measured (docs/performance.md: the two are level
+at 2 MiB), not guessed here.
 
 Buffers: the convention the service must implement.  An :class:`Op`'s ``buffer`` and
 ``inputs`` are one of (:func:`parse` reads them back as a :class:`Buffer`):
