@@ -289,7 +289,7 @@ def check_result(result: np.ndarray, expected: np.ndarray, dtype: str, size: int
     elif dtype == "float32":
         np.testing.assert_allclose(result, expected, rtol=1e-5, atol=1e-5 * size)
     else:
-        np.testing.assert_allclose(result, expected, rtol=1e-12, atol=0)
+        np.testing.assert_allclose(result, expected, rtol=1e-12, atol=1e-12 * size)
 
 
 def recursive_doubling_sends(rank: int, size: int) -> int:
