@@ -378,18 +378,147 @@ class Coll:
         )
 
 
+#: the longest edge list a stochastic reduce's spec may carry (``graph = "edges"``)
+MAX_SPEC_EDGES: Final = 4096
+
+
+def _graph_spec(meta: Meta) -> dict[str, Any]:
+    spec = meta.get("spec")
+    if not isinstance(spec, dict):
+        raise RemoteProtocolError("field 'spec' must be a map")
+    edges = spec.get("edges")
+    if edges is not None and (not isinstance(edges, list) or len(edges) > MAX_SPEC_EDGES):
+        raise RemoteProtocolError(f"a spec's edges must be a list of at most {MAX_SPEC_EDGES}")
+    return spec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _GraphFrame:
+    """The fields every stochastic-reduce frame has: whose reduce, between which ranks, which
+    round (fabricd/engines/notify_ack.py)."""
+
+    job: str
+    name: str
+    src: int
+    dst: int
+    round: int
+
+    def _meta(self) -> Meta:
+        return {
+            "job": self.job,
+            "name": self.name,
+            "src": self.src,
+            "dst": self.dst,
+            "r": self.round,
+        }
+
+    @staticmethod
+    def _fields(meta: Meta) -> dict[str, Any]:
+        name = get_str(meta, "name")
+        if not 0 < len(name) <= MAX_COLLECTIVE_NAME:
+            raise RemoteProtocolError(f"stochastic reduce name of {len(name)} characters")
+        return {
+            "job": get_str(meta, "job"),
+            "name": name,
+            "src": get_int(meta, "src", hi=MAX_RANK),
+            "dst": get_int(meta, "dst", hi=MAX_RANK),
+            "round": get_int(meta, "r"),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Update(_GraphFrame):
+    """Rank ``src``'s model update of ``round`` for rank ``dst`` (data channel): the payload
+    is the update, versions included, whole, into ``dst``'s slot for ``src``.  ``spec`` says
+    what every call of the reduce agrees on (graph, sync, dtype, bytes), so a node whose rank
+    has not called yet can build its side."""
+
+    KIND: ClassVar[Kind] = Kind.UPDATE
+    spec: dict[str, Any]
+
+    def to_meta(self) -> Meta:
+        return {**self._meta(), "spec": self.spec}
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Update:
+        return cls(**cls._fields(meta), spec=_graph_spec(meta))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Notify(_GraphFrame):
+    """Rank ``src``'s update of ``round`` for ``dst`` is out (``tag`` 0), or ``src`` reached
+    step ``tag - 2`` of round ``round``'s barrier (control channel, no payload)."""
+
+    KIND: ClassVar[Kind] = Kind.NOTIFY
+    tag: int
+    spec: dict[str, Any]
+
+    def to_meta(self) -> Meta:
+        return {**self._meta(), "t": self.tag, "spec": self.spec}
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Notify:
+        return cls(**cls._fields(meta), tag=get_int(meta, "t", hi=MAX_TAG), spec=_graph_spec(meta))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ack(_GraphFrame):
+    """Rank ``src`` reduced rank ``dst``'s update of ``round``: ``dst`` may send the next
+    (control channel, no payload)."""
+
+    KIND: ClassVar[Kind] = Kind.ACK
+
+    def to_meta(self) -> Meta:
+        return self._meta()
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Ack:
+        return cls(**cls._fields(meta))
+
+
 #: every frame an authenticated peer may send
 PeerFrame = (
-    Heartbeat | Bye | Announce | Rts | Cts | Data | Done | Cancel | Write | Eager | Rtr | Coll
+    Heartbeat
+    | Bye
+    | Announce
+    | Rts
+    | Cts
+    | Data
+    | Done
+    | Cancel
+    | Write
+    | Eager
+    | Rtr
+    | Coll
+    | Update
+    | Notify
+    | Ack
 )
 #: the frames whose payload is a point-to-point message's bytes (DATA, and EAGER on control)
 MessageFrame = Data | Eager
-#: the frames whose payload a service places (a collective's COLL on the data channel too)
-PayloadFrame = Data | Eager | Coll
+#: the frames whose payload a service places (a collective's COLL and a stochastic reduce's
+#: UPDATE on the data channel too)
+PayloadFrame = Data | Eager | Coll | Update
 
 _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
     cls.KIND: cls
-    for cls in (Heartbeat, Bye, Announce, Rts, Cts, Data, Done, Cancel, Write, Eager, Rtr, Coll)
+    for cls in (
+        Heartbeat,
+        Bye,
+        Announce,
+        Rts,
+        Cts,
+        Data,
+        Done,
+        Cancel,
+        Write,
+        Eager,
+        Rtr,
+        Coll,
+        Update,
+        Notify,
+        Ack,
+    )
 }
 #: the kinds :func:`parse` reads
 PEER_KINDS: Final = frozenset(_BY_KIND)

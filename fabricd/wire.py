@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from fabricd.integrity import Opener
 
 MAGIC: Final = b"FBRC"
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 _HEADER: Final = struct.Struct(">4sBBHIQ")
 HEADER_SIZE: Final = _HEADER.size
 
@@ -72,6 +72,9 @@ class Kind(enum.IntEnum):
     EAGER = 12  #: a small message with its payload, no rendezvous (control channel)
     RTR = 13  #: ready to receive: a posted receive asks its sender to stream at once
     COLL = 14  #: one message of a persistent collective's round, into its slot (data channel)
+    UPDATE = 15  #: a rank's model update of a stochastic reduce round, into a slot (data channel)
+    NOTIFY = 16  #: an update of a round is out (or a barrier step of one) (control channel)
+    ACK = 17  #: a receiver reduced a round's update: its sender may send the next (control)
     REQUEST = 32  #: client -> daemon call
     REPLY = 33  #: daemon -> client answer to a REQUEST
     EVENT = 34  #: daemon -> client news nobody asked for in that moment (a pushed event)
@@ -80,7 +83,7 @@ class Kind(enum.IntEnum):
 #: the kinds whose payload is bulk data, possibly a view of a client's shared memory: their
 #: MAC covers the payload only under ``data_integrity = "mac"`` (fabricd/integrity.py).  Not
 #: EAGER: its payload is the daemon's own copy of at most eager_limit bytes, always covered
-BULK_KINDS: Final = frozenset({Kind.DATA, Kind.WRITE, Kind.COLL})
+BULK_KINDS: Final = frozenset({Kind.DATA, Kind.WRITE, Kind.COLL, Kind.UPDATE})
 
 #: the largest message tag (and rank) the protocol carries
 MAX_TAG: Final = 2**31 - 1

@@ -18,7 +18,9 @@ Layers, one module each:
 * one facet per engine of the daemon, reached through :class:`Client`:
   :mod:`~fabricd.client.p2p` (``fab.p2p``; ``fab.send`` and ``fab.recv`` are its shortcuts) and
   :mod:`~fabricd.client.collectives` (``fab.collectives``; ``fab.allreduce``, ``fab.broadcast``,
-  ``fab.barrier`` and ``fab.sync_model`` are its shortcuts);
+  ``fab.barrier`` and ``fab.sync_model`` are its shortcuts) and
+  :mod:`~fabricd.client.stochastic` (``fab.graphs``; ``fab.stochastic_reduce`` is its
+  shortcut);
 * :mod:`~fabricd.client.checks`: every argument is checked before anything is sent.
 
 The client is synchronous and thread-safe, with no thread of its own: one waiting thread at a
@@ -43,18 +45,19 @@ from fabricd.client.connection import Connection
 from fabricd.client.handle import Handle
 from fabricd.client.p2p import Completion, PointToPoint, Wait
 from fabricd.client.protocol import Event
+from fabricd.client.stochastic import ReduceResult, StochasticReduce, Sync
 from fabricd.errors import DaemonUnavailable, Timeout, UsageError
 from fabricd.ipc import socket_candidates
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterable, Sequence
     from types import TracebackType
 
     import numpy as np
 
     from fabricd.wire import Meta
 
-__all__ = ["Client", "Completion", "Event", "Handle", "Result", "connect"]
+__all__ = ["Client", "Completion", "Event", "Handle", "ReduceResult", "Result", "connect"]
 
 
 class Client:
@@ -66,6 +69,7 @@ class Client:
         node, nodes: this daemon's node id and the number of nodes of the fabric.
         p2p: the point-to-point facet (send, recv and their ``_async`` forms).
         collectives: the collectives facet (allreduce, broadcast, barrier, sync_model).
+        graphs: the stochastic-reduce facet (stochastic_reduce over a communication graph).
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class Client:
         self._arrays = SharedArrays(connection)
         self.p2p = PointToPoint(connection, self._arrays, job)
         self.collectives = Collectives(connection, self._arrays, job)
+        self.graphs = StochasticReduce(connection, self._arrays, job)
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -218,6 +223,32 @@ class Client:
         (:meth:`Collectives.sync_model`, eager-SGD §5)."""
         return self.collectives.sync_model(
             array, every=every, root=root, name=name, timeout=timeout
+        )
+
+    # -- stochastic reduce (shortcut to the graphs facet) -----------------------------------
+    def stochastic_reduce(
+        self,
+        array: np.ndarray[Any, Any],
+        graph: str = "expander",
+        sync: Sync = "notify-ack",
+        *,
+        degree: int | None = None,
+        seed: int = 0,
+        edges: Iterable[tuple[int, int]] | None = None,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> ReduceResult:
+        """Average ``array`` in place with its in-neighbours' models in ``graph``
+        (:meth:`StochasticReduce.stochastic_reduce`, ASAP §3-§4)."""
+        return self.graphs.stochastic_reduce(
+            array,
+            graph,
+            sync,
+            degree=degree,
+            seed=seed,
+            edges=edges,
+            name=name,
+            timeout=timeout,
         )
 
     # -- control ----------------------------------------------------------------------------

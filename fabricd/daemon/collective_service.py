@@ -25,15 +25,14 @@ hear ``rank_left`` events.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from fabricd import frames
+from fabricd.daemon.data_queues import DataQueues
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
@@ -44,10 +43,8 @@ from fabricd.engines.membership import RankJoined, RankLeft
 from fabricd.engines.persistent import NOTICE, Collective, Deliver, Fail, Spec, Transmit
 from fabricd.errors import (
     ErrorCode,
-    LocalProtocolError,
     OperationFailed,
     RemoteProtocolError,
-    TransportError,
     UsageError,
 )
 from fabricd.frames import MAX_COLLECTIVE_NAME
@@ -63,7 +60,6 @@ if TYPE_CHECKING:
     from fabricd.engines.membership import Membership, RankEvent
     from fabricd.engines.peers import PeerInfo
     from fabricd.engines.persistent import Action
-    from fabricd.transports.base import Link
 
 log = logging.getLogger("fabricd.collectives")
 remote_log = RateLimitedLog(log)
@@ -139,8 +135,7 @@ class CollectiveService(BaseService):
         self._held: dict[Key, list[_Held]] = {}
         self._held_bytes = 0
         self._tokens = 0
-        self._queues: dict[int, deque[tuple[Meta, memoryview]]] = {}  #: frames waiting per node
-        self._senders: dict[int, asyncio.Task[None]] = {}
+        self._frames = DataQueues(host, Kind.COLL, sent=self._count_sent)
         self.operations = OperationStats(self.name, kinds=["allreduce", "broadcast", "barrier"])
         self._counters = {
             "bytes_sent": 0,
@@ -148,6 +143,9 @@ class CollectiveService(BaseService):
             "frames_dropped": 0,  #: held past the bound, or for a collective that cannot be built
             "rounds": 0,
         }
+
+    def _count_sent(self, nbytes: int) -> None:
+        self._counters["bytes_sent"] += nbytes
 
     # -- requests ---------------------------------------------------------------------------
     def on_request(self, request: Request, now: float) -> None:
@@ -452,9 +450,7 @@ class CollectiveService(BaseService):
         """``node``'s links were reset: frames in flight are lost.  It is counted down (a view
         change, or a broken sync collective) only if it has not come back, the same daemon,
         within ``down_after``: a link that flaps under load must not split a collective."""
-        # the old link's frames go with it; its sender task ends on its own queue and link
-        self._queues.pop(node, None)
-        self._senders.pop(node, None)
+        self._frames.drop(node)  # the old link's frames go with it
         if node not in self._resets:
             self._resets[node] = (
                 now + self.host.config.down_after,
@@ -592,49 +588,7 @@ class CollectiveService(BaseService):
                 base=t.base,
                 spec=spec,
             )
-            self._send(t.node, frame.to_meta(), payload[off : off + chunk])
-
-    def _send(self, node: int, meta: Meta, payload: memoryview) -> None:
-        """Queue one frame to ``node`` on its data link, in order with the ones before."""
-        queue = self._queues.get(node)
-        if not queue:
-            link = self.host.data_link(node)
-            if link is None:
-                return  # its node is down: peer_down changes the view
-            try:
-                if link.send_now(Kind.COLL, meta, [payload] if payload else []):
-                    self._counters["bytes_sent"] += len(payload)
-                    return
-            except (TransportError, LocalProtocolError) as exc:
-                remote_log.warning("send", "collective frame to node %d: %s", node, exc)
-                return
-            queue = self._queues.setdefault(node, deque())
-        queue.append((meta, payload))
-        if node not in self._senders:
-            link = self.host.data_link(node)
-            if link is None:  # its node is down: peer_down changes the view
-                self._queues.pop(node, None)
-                return
-            self._senders[node] = self.host.spawn(self._drain(node, link, queue))
-
-    async def _drain(self, node: int, link: Link, queue: deque[tuple[Meta, memoryview]]) -> None:
-        """Send ``queue`` on ``link``, waiting out backpressure.  A link that fails or is
-        replaced takes its queue with it (peer_down changes the view); this task never touches
-        a newer link's queue or sender."""
-        me = asyncio.current_task()
-        try:
-            while queue and self._queues.get(node) is queue:
-                meta, payload = queue[0]
-                await link.send(Kind.COLL, meta, [payload] if payload else [])
-                self._counters["bytes_sent"] += len(payload)
-                queue.popleft()
-        except (TransportError, LocalProtocolError) as exc:
-            remote_log.warning("send", "collective frames to node %d: %s", node, exc)
-            if self._queues.get(node) is queue:
-                del self._queues[node]
-        finally:
-            if self._senders.get(node) is me:
-                del self._senders[node]
+            self._frames.send(t.node, frame.to_meta(), payload[off : off + chunk])
 
     def _answer(self, token: int, failure: Failure | None, done: Deliver | None) -> None:
         call = self._open.pop(token, None)

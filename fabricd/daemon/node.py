@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Final
 from fabricd import frames
 from fabricd.daemon import access
 from fabricd.daemon.collective_service import CollectiveService
+from fabricd.daemon.graph_service import GraphService
 from fabricd.daemon.logs import RateLimitedLog, flush_all
 from fabricd.daemon.membership_service import MembershipService
 from fabricd.daemon.metrics import MetricsRegistry, NodeStats
@@ -94,10 +95,11 @@ _PEER_LIMIT_KINDS: Final = frames.PEER_KINDS
 _PAYLOAD_CHANNEL: Final = {
     Kind.DATA: Channel.DATA,
     Kind.COLL: Channel.DATA,
+    Kind.UPDATE: Channel.DATA,
     Kind.EAGER: Channel.CONTROL,
 }
 #: the kinds the data link carries, and only it
-_DATA_KINDS: Final = frozenset({Kind.DATA, Kind.COLL})
+_DATA_KINDS: Final = frozenset({Kind.DATA, Kind.COLL, Kind.UPDATE})
 #: requests the node answers itself: they concern the session, not an engine
 _NODE_OPS: Final = frozenset({"attach", "detach", "status", "config", "stalls"})
 #: the most rows a ``stalls`` reply carries (the oldest; ~300 B each, a reply may be 4 MiB)
@@ -107,7 +109,8 @@ _LAG_PROBE_INTERVAL: Final = 1.0
 
 
 def default_services(daemon: Daemon) -> list[Service]:
-    """Membership, point-to-point messaging and collectives: the services every daemon runs."""
+    """Membership, point-to-point messaging, collectives and stochastic reduce: the services
+    every daemon runs."""
     membership = MembershipService(daemon)
     p2p = P2PService(
         daemon,
@@ -118,7 +121,8 @@ def default_services(daemon: Daemon) -> list[Service]:
     collectives = CollectiveService(
         daemon, membership=membership.engine, peers=daemon.peering.engine.peers
     )
-    return [membership, p2p, collectives]
+    reduces = GraphService(daemon, membership=membership.engine)
+    return [membership, p2p, collectives, reduces]
 
 
 class Daemon:
@@ -386,7 +390,7 @@ class Daemon:
             )
             raise RemoteProtocolError(f"no service handles {head.kind.name} frames")
         chunk = frames.parse(head.kind, head.meta)
-        assert isinstance(chunk, frames.Data | frames.Eager | frames.Coll)
+        assert isinstance(chunk, frames.Data | frames.Eager | frames.Coll | frames.Update)
         # the whole frame comes next, with this same metadata (and, if dropped, no payload)
         self._chunks[link] = (head.meta, chunk, head.payload_len)
         buffer = service.payload_buffer(node, chunk, head.payload_len)
@@ -414,7 +418,7 @@ class Daemon:
             view, length = cached[1], cached[2]
         else:  # a frame with no payload: nothing was cached for it
             view, length = frames.parse(frame.kind, frame.meta), len(frame.payload)
-        if isinstance(view, frames.Data | frames.Eager | frames.Coll):
+        if isinstance(view, frames.Data | frames.Eager | frames.Coll | frames.Update):
             service.on_data(node, view, length, now)
         else:
             service.on_frame(node, view, now)

@@ -355,17 +355,24 @@ class Reducer:
         if self.sync is Sync.ASYNC and rank in self._consumed:
             self._consumed[rank] = 0
 
-    def close(self) -> None:
-        """Drop the reduce (its job is gone, or the daemon stops): the open call, if any, is
-        the caller's to fail; every input is ignored after this."""
+    def close(self, reason: str) -> None:
+        """Stop the reduce for ``reason`` (its job is gone, its trainer left mid-call): the
+        open call, if any, is the caller's to fail; every input is ignored after this and
+        every later call fails, saying ``reason``."""
         if self._broken is None:
-            self._broken = "the stochastic reduce was closed"
+            self._broken = reason
             self.executor.retire()
+        self._open = None
         self._arrays.clear()
         self._landing.clear()
         self._notified.clear()
 
     # -- reading --------------------------------------------------------------------------
+    @property
+    def calls(self) -> int:
+        """The calls the rank made (its next call is round ``calls``)."""
+        return self._calls
+
     @property
     def open_round(self) -> int | None:
         """The round of the call not answered yet, if any."""

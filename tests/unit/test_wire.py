@@ -36,6 +36,18 @@ from fabricd.wire import (
     get_str,
 )
 
+#: a stochastic reduce's spec, as UPDATE and NOTIFY frames carry it
+SPEC = {
+    "graph": "expander",
+    "n": 8,
+    "degree": None,
+    "seed": 0,
+    "edges": None,
+    "sync": "notify-ack",
+    "dtype": "float32",
+    "nbytes": 4096,
+}
+
 #: the documented header: magic, version u8, kind u8, flags u16, meta_len u32, payload_len u64
 LAYOUT = struct.Struct(">4sBBHIQ")
 
@@ -164,6 +176,9 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
         "b": 5,
         "spec": {"kind": "allreduce", "count": 1024, "dtype": "float32", "op": "sum"},
     },
+    Kind.UPDATE: {"job": "demo", "name": "svm", "src": 1, "dst": 2, "r": 3, "spec": SPEC},
+    Kind.NOTIFY: {"job": "demo", "name": "svm", "src": 1, "dst": 2, "r": 3, "t": 0, "spec": SPEC},
+    Kind.ACK: {"job": "demo", "name": "svm", "src": 2, "dst": 1, "r": 3},
     Kind.REQUEST: {
         "id": 1,
         "op": "send",
@@ -212,8 +227,8 @@ def test_header_layout_is_as_documented() -> None:
     data = encode(Kind.RTS, {"a": 1}, b"xyz")
     assert HEADER_SIZE == 20
     assert MAGIC == b"FBRC"
-    assert PROTOCOL_VERSION == 4
-    assert data[:20] == b"FBRC" + bytes([4, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
+    assert PROTOCOL_VERSION == 5
+    assert data[:20] == b"FBRC" + bytes([5, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
         3
     ).to_bytes(8, "big")
     assert data[20:24] == b"\x81\xa1a\x01"
@@ -221,7 +236,7 @@ def test_header_layout_is_as_documented() -> None:
 
 
 def test_the_example_in_protocol_md() -> None:
-    documented = "46 42 52 43 04 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
+    documented = "46 42 52 43 05 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
     assert encode(Kind.CTS, {"msg": 1}) == bytes.fromhex(documented)
 
 
@@ -241,6 +256,9 @@ def test_kind_numbers_are_stable() -> None:
         "EAGER": 12,
         "RTR": 13,
         "COLL": 14,
+        "UPDATE": 15,
+        "NOTIFY": 16,
+        "ACK": 17,
         "REQUEST": 32,
         "REPLY": 33,
         "EVENT": 34,
@@ -540,7 +558,7 @@ def test_client_socket_limits() -> None:
 # -- malformed headers ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 15, 31, 35, 255])
+@pytest.mark.parametrize("kind", [0, 18, 31, 35, 255])
 def test_unknown_kind(kind: int) -> None:
     assert_rejected(header(kind, 1) + b"\x80", match=f"unknown frame kind {kind}")
 

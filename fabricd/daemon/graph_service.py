@@ -1,0 +1,656 @@
+"""The graph service: ``stochastic_reduce`` requests and UPDATE, NOTIFY and ACK frames.
+
+Drives :mod:`fabricd.engines.notify_ack`: one :class:`~fabricd.engines.notify_ack.Reducer`
+per (job, name, local rank), built by the rank's first call or by the first peer frame for it,
+and kept round after round.  A request names the reduce, its graph (a kind of
+:mod:`fabricd.engines.graphs` over the job's ranks, with its degree, seed or edge list), its
+sync mode and the caller's array (a view of its segment); the engine reads the model from the
+array and writes the average into it, and the service answers ``{round, inputs, in_degree,
+torn, stale}``.
+
+The data plane: a rank's update travels to each out-neighbour as one UPDATE frame on the data
+link (the posted-buffer path: it lands in the slot the receiving rank keeps for that sender,
+named by (job, name, src, dst); no key is exchanged), NOTIFY and ACK as control frames on the
+control link (ASAP's two channels, so an ACK never waits behind a model).  Between two ranks
+of one node the service copies the update into the slot itself.  Under ``barrier`` and
+``async`` at most one update per edge waits in this daemon's queue: a newer one is not sent
+while it does (``updates_skipped``), so a slow link cannot pile models up.
+
+Membership: a call waits (up to ``route_timeout``, then fails with ``no_such_rank``) until
+every rank of its job is known, so that its frames can be routed.  A rank that leaves (or
+whose node goes down) is lost to every reducer of its job here: under ``notify-ack`` its
+neighbours' calls fail with ``peer_failed``, under ``barrier`` everybody's, under ``async``
+nobody's (the engine's docstring).  The job's clients hear ``rank_left`` events.  A job gone
+from the fabric frees its reducers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from fabricd import frames
+from fabricd.daemon.data_queues import DataQueues
+from fabricd.daemon.logs import RateLimitedLog
+from fabricd.daemon.metrics import OperationStats, counter, gauge
+from fabricd.daemon.service import BaseService
+from fabricd.engines import graphs
+from fabricd.engines.actions import Failure
+from fabricd.engines.membership import RankJoined, RankLeft
+from fabricd.engines.notify_ack import (
+    ACK,
+    DTYPES,
+    SYNCS,
+    UPDATE,
+    Failed,
+    Reduced,
+    Reducer,
+    SendSignal,
+    SendUpdate,
+    Sync,
+)
+from fabricd.errors import ErrorCode, OperationFailed, RemoteProtocolError, UsageError
+from fabricd.frames import MAX_COLLECTIVE_NAME, MAX_SPEC_EDGES
+from fabricd.wire import Kind, Meta, get_int, get_str
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from prometheus_client.metrics_core import Metric
+
+    from fabricd.daemon.service import Host, Request
+    from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.membership import Membership, RankEvent
+    from fabricd.engines.notify_ack import Action
+
+log = logging.getLogger("fabricd.graphs")
+remote_log = RateLimitedLog(log)
+
+Key = tuple[str, str]  #: (job, reduce name)
+RankKey = tuple[str, str, int]  #: (job, reduce name, rank)
+
+#: the spec fields a call and its frames agree on
+SPEC_FIELDS: Final = ("graph", "n", "degree", "seed", "edges", "sync", "dtype", "nbytes")
+
+
+@dataclass(slots=True, kw_only=True)
+class _Open:
+    """A call the engine holds: whom to answer."""
+
+    session: ClientSession
+    request: int
+    started: float
+    nbytes: int
+
+
+@dataclass(slots=True, kw_only=True)
+class _Waiting:
+    """A call that waits for every rank of its job to be known."""
+
+    request: Request
+    spec: Meta
+    array: np.ndarray[Any, Any]
+    name: str
+    deadline: float
+
+
+class GraphService(BaseService):
+    """Stochastic reduce over communication graphs, with NOTIFY-ACK, barrier or async sync."""
+
+    name = "graphs"
+    kinds = frozenset({Kind.UPDATE, Kind.NOTIFY, Kind.ACK})
+    ops = frozenset({"stochastic_reduce"})
+
+    def __init__(self, host: Host, *, membership: Membership) -> None:
+        self.host = host
+        self.membership = membership
+        self.reducers: dict[RankKey, Reducer] = {}
+        self._specs: dict[Key, Meta] = {}  #: each reduce's spec, as calls and frames carry it
+        self._graphs: dict[Key, graphs.Graph] = {}
+        self._broken: dict[Key, str] = {}  #: reduces whose ranks called them unlike each other
+        self._open: dict[RankKey, _Open] = {}
+        self._waiting: list[_Waiting] = []
+        self._sessions: dict[str, set[ClientSession]] = {}  #: clients that called, per job
+        self._queued: dict[tuple[str, str, int, int], int] = {}  #: updates queued per edge
+        #: UPDATE frames whose payload is landing, by (node, job, name, src, dst, round), and
+        #: the reducer whose slot takes it
+        self._landing: dict[tuple[int, str, str, int, int, int], Reducer] = {}
+        self._frames = DataQueues(host, Kind.UPDATE, sent=self._count_sent)
+        self.operations = OperationStats(self.name, kinds=list(SYNCS))
+        self._counters = {
+            "update_bytes_sent": 0,
+            "updates_skipped": 0,  #: barrier, async: the edge's last update was still queued
+            "graph_frames_dropped": 0,  #: for a rank not here, or a reduce called otherwise
+        }
+
+    def _count_sent(self, nbytes: int) -> None:
+        self._counters["update_bytes_sent"] += nbytes
+
+    # -- requests ---------------------------------------------------------------------------
+    def on_request(self, request: Request, now: float) -> None:
+        if self.host.draining:
+            raise OperationFailed(
+                "the daemon is stopping; retry later", code=ErrorCode.DAEMON_STOPPING
+            )
+        session = request.session
+        if session.job is None:
+            raise UsageError("connect with a job (fabricd.connect(job=...)) before reducing")
+        spec, array, name = self._parse(request)
+        key = (session.job, name, session.rank)
+        if key in self._open or any(
+            w.request.session is session and w.name == name for w in self._waiting
+        ):
+            raise UsageError(
+                f"rank {session.rank} already has a call of stochastic reduce {name!r} open: "
+                "wait for it before the next"
+            )
+        waiting = _Waiting(
+            request=request,
+            spec=spec,
+            array=array,
+            name=name,
+            deadline=now + self.host.config.route_timeout,
+        )
+        if not self._try(waiting, now):
+            held = sum(1 for w in self._waiting if w.request.session is session)
+            if held >= self.host.config.max_ops_per_client:
+                raise OperationFailed(
+                    f"this client has {held} stochastic reduce calls waiting for their job's "
+                    "ranks, the most max_ops_per_client allows; start the missing ranks first",
+                    code=ErrorCode.LIMIT,
+                )
+            self._waiting.append(waiting)
+
+    def _parse(self, request: Request) -> tuple[Meta, np.ndarray[Any, Any], str]:
+        meta, session = request.meta, request.session
+        name = get_str(meta, "name")
+        if not 0 < len(name) <= MAX_COLLECTIVE_NAME:
+            raise UsageError(f"a stochastic reduce name has 1 to {MAX_COLLECTIVE_NAME} characters")
+        dtype, sync = get_str(meta, "dtype"), get_str(meta, "sync")
+        if dtype not in DTYPES:
+            raise UsageError(f"dtype {dtype!r}: a stochastic reduce averages {', '.join(DTYPES)}")
+        if sync not in SYNCS:
+            raise UsageError(f"sync {sync!r}: one of {', '.join(SYNCS)}")
+        nbytes = get_int(meta, "nbytes")
+        if nbytes == 0 or nbytes % np.dtype(dtype).itemsize:
+            raise UsageError(f"{nbytes} B is not a whole number (> 0) of {dtype} elements")
+        edges = meta.get("edges")
+        if edges is not None and (not isinstance(edges, list) or len(edges) > MAX_SPEC_EDGES):
+            raise UsageError(f"edges: a list of at most {MAX_SPEC_EDGES} [src, dst] pairs")
+        degree = meta.get("degree")
+        spec = {
+            "graph": get_str(meta, "graph"),
+            "n": session.size,
+            "degree": None if degree is None else get_int(meta, "degree"),
+            "seed": get_int(meta, "seed"),
+            "edges": edges,
+            "sync": sync,
+            "dtype": dtype,
+            "nbytes": nbytes,
+        }
+        region = session.segment(get_int(meta, "seg")).view(get_int(meta, "off"), nbytes)
+        return spec, np.frombuffer(region, dtype=dtype), name
+
+    def _try(self, waiting: _Waiting, now: float) -> bool:
+        """Hand the call to its reducer, once every rank of its job is known if the reducer is
+        new; ``False``: it must wait for them."""
+        request, session = waiting.request, waiting.request.session
+        job = str(session.job)
+        key = (job, waiting.name)
+        reducer = self.reducers.get((*key, session.rank))
+        # after its first call a rank gone is lost to the reducer; before, it may be late
+        known = reducer is not None and reducer.calls > 0
+        if not known and any(self.membership.lookup(job, r) is None for r in range(session.size)):
+            return False
+        reducer = self._reducer(key, session.rank, waiting.spec)
+        if reducer is None:
+            raise UsageError(self._broken[key])
+        self._open[(*key, session.rank)] = _Open(
+            session=session, request=request.id, started=now, nbytes=waiting.array.nbytes
+        )
+        self._sessions.setdefault(job, set()).add(session)
+        self.operations.started(reducer.sync.value)
+        self._perform(key, session.rank, reducer.call(waiting.array, now))
+        return True
+
+    def _reducer(self, key: Key, rank: int, spec: Meta) -> Reducer | None:
+        """``rank``'s reducer of ``key``, built if it is new; ``None``: the reduce is broken
+        (its ranks called it unlike each other; ``self._broken`` says how)."""
+        if key in self._broken:
+            return None
+        known = self._specs.get(key)
+        if known is None:
+            self._graphs[key] = _graph(spec)  # a bad graph is refused here, saying why
+            self._specs[key] = spec
+        elif known != spec:
+            self._break(key, f"one call said {_describe(known)}, another {_describe(spec)}")
+            return None
+        reducer = self.reducers.get((*key, rank))
+        if reducer is None:
+            reducer = Reducer(
+                rank=rank,
+                graph=self._graphs[key],
+                sync=Sync(spec["sync"]),
+                dtype=spec["dtype"],
+                nbytes=spec["nbytes"],
+            )
+            self.reducers[(*key, rank)] = reducer
+        return reducer
+
+    def _break(self, key: Key, why: str) -> None:
+        """The ranks of ``key`` called it unlike each other: it can never run; every open and
+        later call here fails, naming the difference."""
+        message = (
+            f"stochastic reduce {key[1]!r} of job {key[0]!r} was called in two ways ({why}): "
+            "every rank must call it with the same graph, sync, dtype and size (or use "
+            "another name)"
+        )
+        log.warning("%s", message)
+        self._broken[key] = message
+        for rank_key in [k for k in self.reducers if k[:2] == key]:
+            self.reducers.pop(rank_key).close(message)
+            self._answer(rank_key, Failure(code=ErrorCode.USAGE, message=message), None)
+
+    # -- peers ------------------------------------------------------------------------------
+    def payload_buffer(
+        self, node: int, frame: frames.PayloadFrame, length: int
+    ) -> memoryview | None:
+        assert isinstance(frame, frames.Update)
+        reducer = self._for_frame(node, frame, frame.spec)
+        if reducer is None:
+            return None
+        view = reducer.landing(frame.src, frame.round, length)
+        if view is not None:
+            self._landing[_landing_key(node, frame)] = reducer
+        return view
+
+    def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
+        assert isinstance(frame, frames.Update)
+        reducer = self._landing.pop(_landing_key(node, frame), None)
+        if reducer is None:  # dropped (its bytes were read and discarded)
+            return
+        if self.reducers.get((frame.job, frame.name, frame.dst)) is reducer:
+            key = (frame.job, frame.name)
+            self._perform(key, frame.dst, reducer.landed(frame.src, frame.round, now))
+
+    def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+        if isinstance(frame, frames.Notify):
+            reducer = self._for_frame(node, frame, frame.spec)
+            tag = frame.tag
+        else:
+            assert isinstance(frame, frames.Ack)
+            reducer = self.reducers.get((frame.job, frame.name, frame.dst))
+            tag = ACK
+        if reducer is not None:
+            actions = reducer.message(frame.src, tag, frame.round, now)
+            self._perform((frame.job, frame.name), frame.dst, actions)
+
+    def _for_frame(
+        self, node: int, frame: frames.Update | frames.Notify, spec: Meta
+    ) -> Reducer | None:
+        """The reducer a peer's frame is for, built from its spec if its rank has not called
+        yet; ``None`` (the frame is dropped and counted): its rank is not here, or the reduce
+        was called otherwise."""
+        entry = self.membership.lookup(frame.job, frame.dst)
+        if entry is None or entry.node != self.host.config.node_id:
+            self._counters["graph_frames_dropped"] += 1
+            remote_log.warning(
+                "stray", "node %d sent a frame for rank %d, not here", node, frame.dst
+            )
+            return None
+        key = (frame.job, frame.name)
+        reducer = self.reducers.get((*key, frame.dst))
+        if reducer is not None and spec == self._specs.get(key):
+            return reducer
+        if tuple(sorted(spec)) != tuple(sorted(SPEC_FIELDS)):
+            raise RemoteProtocolError(f"a stochastic reduce spec with fields {sorted(spec)}")
+        try:
+            reducer = self._reducer(key, frame.dst, spec)
+        except UsageError as exc:  # its graph cannot be built: the peer's daemon is wrong
+            raise RemoteProtocolError(f"stochastic reduce spec: {exc}") from exc
+        if reducer is None:
+            self._counters["graph_frames_dropped"] += 1
+        return reducer
+
+    def peer_down(self, node: int, reason: str, now: float) -> None:
+        """Frames queued for ``node`` go with its links; its ranks' departure (membership's
+        news, :meth:`on_rank_event`) is what fails the reduces that need them."""
+        self._frames.drop(node)
+        self._landing = {k: r for k, r in self._landing.items() if k[0] != node}
+
+    def on_rank_event(self, event: RankEvent, now: float) -> None:
+        job, rank = event.entry.job, event.entry.rank
+        if isinstance(event, RankLeft):
+            for rank_key, reducer in list(self.reducers.items()):
+                if rank_key[0] == job:
+                    self._perform(rank_key[:2], rank_key[2], reducer.lose(rank, event.reason, now))
+            for session in self._sessions.get(job, ()):
+                self.host.push(
+                    session, "rank_left", {"job": job, "rank": rank, "reason": event.reason}
+                )
+            if self.membership.job_size(job) is None:
+                self._forget_job(job)
+            return
+        assert isinstance(event, RankJoined)
+        for rank_key, reducer in self.reducers.items():
+            if rank_key[0] == job:
+                reducer.rejoined(rank)
+        waiting = [w for w in self._waiting if w.request.session.job == job]
+        if waiting:
+            self._waiting = [w for w in self._waiting if w.request.session.job != job]
+            for item in waiting:
+                try:
+                    if not self._try(item, now):
+                        self._waiting.append(item)
+                except UsageError as exc:
+                    failure = Failure(code=ErrorCode.USAGE, message=str(exc))
+                    self.host.fail(item.request.session, item.request.id, failure)
+
+    def _forget_job(self, job: str) -> None:
+        """No rank of ``job`` is known any more: its reducers go, so a later job of that
+        name starts afresh."""
+        failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
+        for rank_key in [k for k in self.reducers if k[0] == job]:
+            self.reducers.pop(rank_key).close(failure.message)
+            self._answer(rank_key, failure, None)
+        for table in (self._specs, self._graphs, self._broken):
+            for key in [k for k in table if k[0] == job]:
+                del table[key]
+        self._sessions.pop(job, None)
+
+    # -- sending ----------------------------------------------------------------------------
+    def _perform(self, key: Key, rank: int, actions: list[Action]) -> None:
+        """Carry out ``rank``'s actions, and those of local ranks they reach, in order."""
+        work = [(rank, actions)]
+        while work:
+            src, todo = work.pop(0)
+            for action in todo:
+                if isinstance(action, Reduced):
+                    self._answer((*key, src), None, action)
+                elif isinstance(action, Failed):
+                    failure = Failure(
+                        code=ErrorCode.PEER_FAILED, message=action.message, rank=action.rank
+                    )
+                    self._answer((*key, src), failure, None)
+                else:
+                    work.extend(self._send(key, src, action))
+
+    def _send(
+        self, key: Key, src: int, action: SendUpdate | SendSignal
+    ) -> list[tuple[int, list[Action]]]:
+        """Send ``action`` from rank ``src``; returns a local receiver's actions."""
+        job, name = key
+        entry = self.membership.lookup(job, action.dst)
+        if entry is None:
+            return []  # it left: membership's news loses it
+        here = self.host.now()
+        if entry.node == self.host.config.node_id:
+            target = self.reducers.get((*key, action.dst))
+            if target is None:
+                target = self._reducer(key, action.dst, self._specs[key])
+                if target is None:
+                    return []
+            if isinstance(action, SendSignal):
+                return [(action.dst, target.message(src, action.tag, action.round, here))]
+            slot = target.landing(src, action.round, len(action.payload))
+            if slot is None:
+                return []
+            slot[:] = action.payload
+            actions = target.landed(src, action.round, here)
+            if action.notify:
+                actions += target.message(src, UPDATE, action.round, here)
+            return [(action.dst, actions)]
+        spec = self._specs[key]
+        fields: dict[str, Any] = {
+            "job": job,
+            "name": name,
+            "src": src,
+            "dst": action.dst,
+            "round": action.round,
+        }
+        if isinstance(action, SendSignal):
+            frame: frames.PeerFrame = (
+                frames.Ack(**fields)
+                if action.tag == ACK
+                else frames.Notify(**fields, tag=action.tag, spec=spec)
+            )
+            self.host.send(entry.node, frame)
+            return []
+        edge = (job, name, src, action.dst)
+        if not action.notify and self._queued.get(edge):
+            self._counters["updates_skipped"] += 1
+            return []
+        meta = frames.Update(**fields, spec=spec).to_meta()
+        self._queued[edge] = self._queued.get(edge, 0) + 1
+        if self._frames.send(entry.node, meta, action.payload, self._left(edge)):
+            self._left(edge)(True)
+        if action.notify:
+            self.host.send(entry.node, frames.Notify(**fields, tag=UPDATE, spec=spec))
+        return []
+
+    def _left(self, edge: tuple[str, str, int, int]) -> Callable[[bool], None]:
+        def left(_: bool) -> None:
+            count = self._queued.get(edge, 0) - 1
+            if count > 0:
+                self._queued[edge] = count
+            else:
+                self._queued.pop(edge, None)
+
+        return left
+
+    def _answer(self, rank_key: RankKey, failure: Failure | None, done: Reduced | None) -> None:
+        call = self._open.pop(rank_key, None)
+        if call is None:
+            return
+        reducer = self.reducers.get(rank_key)
+        sync = reducer.sync.value if reducer is not None else SYNCS[0]
+        seconds = self.host.now() - call.started
+        if failure is not None:
+            self.operations.ended(sync, 0, seconds, str(failure.code))
+            self.host.fail(call.session, call.request, failure)
+            return
+        assert done is not None
+        assert reducer is not None
+        self.operations.ended(sync, call.nbytes, seconds, None)
+        self.host.reply(
+            call.session,
+            call.request,
+            {
+                "round": done.round,
+                "inputs": done.inputs,
+                "in_degree": len(reducer.sources),
+                "torn": done.torn,
+                "stale": done.stale,
+            },
+        )
+
+    # -- clients, time, the drain -----------------------------------------------------------
+    def client_gone(self, session: ClientSession, now: float) -> None:
+        """A trainer that left abandons its open call (its rank's departure, membership's
+        news, tells its neighbours)."""
+        self._waiting = [w for w in self._waiting if w.request.session is not session]
+        if session.job is not None and session.job in self._sessions:
+            self._sessions[session.job].discard(session)
+            if not self._sessions[session.job]:
+                del self._sessions[session.job]
+        for rank_key in [k for k, c in self._open.items() if c.session is session]:
+            del self._open[rank_key]
+            reducer = self.reducers[rank_key]
+            self.operations.abandoned(reducer.sync.value)
+            # its array goes with the client: the round cannot finish; a new trainer of the
+            # rank must use another name (its neighbours' rounds wait for it, or failed)
+            reducer.close(f"rank {rank_key[2]}'s trainer left during a call")
+
+    def next_deadline(self) -> float | None:
+        return min((w.deadline for w in self._waiting), default=None)
+
+    def on_timer(self, now: float) -> None:
+        late = [w for w in self._waiting if w.deadline <= now]
+        self._waiting = [w for w in self._waiting if w.deadline > now]
+        for item in late:
+            session = item.request.session
+            job = str(session.job)
+            missing = [r for r in range(session.size) if self.membership.lookup(job, r) is None]
+            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+            message = (
+                f"stochastic reduce {item.name!r} of job {job!r} waited route_timeout "
+                f"({self.host.config.route_timeout} s) for ranks {shown} to join; start them, "
+                "or check their daemons are peers of this one"
+            )
+            failure = Failure(code=ErrorCode.NO_SUCH_RANK, message=message)
+            self.host.fail(session, item.request.id, failure)
+
+    def shutdown(self, failure: Failure) -> None:
+        for rank_key in list(self._open):
+            self._answer(rank_key, failure, None)
+        for item in self._waiting:
+            self.host.fail(item.request.session, item.request.id, failure)
+        self._waiting = []
+
+    def stalls(
+        self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
+    ) -> list[Meta]:
+        """Calls open longer than ``stall_after``, oldest first, saying whose NOTIFY, ACK or
+        barrier step their round waits for."""
+        after = self.host.config.stall_after
+        late = sorted((c.started, k) for k, c in self._open.items() if now - c.started >= after)
+        rows: list[Meta] = []
+        for started, rank_key in late:
+            if limit is not None and len(rows) >= limit:
+                break
+            reducer = self.reducers.get(rank_key)
+            call = self._open[rank_key]
+            if reducer is None:
+                continue
+            job, name, rank = rank_key
+            whose = {
+                "job": job,
+                "owner": self.membership.owner(job),
+                "uid": call.session.conn.credentials.uid,
+            }
+            if keep is not None and not keep(whose):
+                continue
+            waiting = reducer.waiting_for()
+            rows.append(
+                {
+                    **whose,
+                    "node": self.host.config.node_id,
+                    "op": f"{name}@{rank}",
+                    "kind": f"stochastic_reduce ({reducer.sync.value})",
+                    "rank": rank,
+                    "peer": "-",
+                    "tag": name,
+                    "nbytes": call.nbytes,
+                    "dtype": str(reducer.dtype),
+                    "pending_for": now - started,
+                    "waits": "peer" if waiting else "round",
+                    "detail": (
+                        f"round {reducer.executor.round} of {reducer.graph.kind} graph waits "
+                        f"for {', '.join(waiting[:8]) or 'the round before to end'}"
+                    ),
+                    "peer_joined": True,
+                    "peer_node": None,
+                    "peer_node_state": None,
+                    "client_left": False,
+                }
+            )
+        return rows
+
+    # -- status and metrics -----------------------------------------------------------------
+    def statistics(self) -> Meta:
+        rows = []
+        for (job, name, rank), reducer in sorted(self.reducers.items()):
+            s = reducer.statistics()
+            rows.append(
+                {
+                    "job": job,
+                    "owner": self.membership.owner(job),
+                    "name": name,
+                    "rank": rank,
+                    "graph": reducer.graph.kind,
+                    "sync": reducer.sync.value,
+                    "in_degree": len(reducer.sources),
+                    "out_degree": len(reducer.targets),
+                    "round": s.round,
+                    "reduces": s.reduces,
+                    "used": list(s.used),
+                    "torn": s.torn,
+                    "stale": s.stale,
+                    "waiting": list(s.waiting),
+                    "broken": s.broken,
+                }
+            )
+        return {
+            "stochastic_reduces": rows,
+            "counters": {
+                **self._counters,
+                "reduces": sum(r.statistics().reduces for r in self.reducers.values()),
+                "reduce_calls_waiting_for_ranks": len(self._waiting),
+            },
+        }
+
+    def client_statistics(self, session: ClientSession) -> Meta:
+        return {"reduce_calls": sum(1 for c in self._open.values() if c.session is session)}
+
+    def metrics(self) -> Iterable[Metric]:
+        """Totals over this node's reducers (no job or name labels: their number has no
+        bound); per-reducer figures are in the status rows."""
+        yield from self.operations.families(pending=len(self._open))
+        labels = {"service": self.name}
+        stats = [r.statistics() for r in self.reducers.values()]
+        yield counter(
+            "fabricd_reduce_inputs_used",
+            "In-neighbour updates averaged by stochastic reduces on this node",
+            [(labels, sum(k * n for s in stats for k, n in enumerate(s.used)))],
+        )
+        yield counter(
+            "fabricd_reduce_inputs_rejected",
+            "Updates not averaged: torn or of another round (barrier, async)",
+            [(labels, sum(s.torn + s.stale for s in stats))],
+        )
+        yield counter(
+            "fabricd_reduce_update_bytes_sent",
+            "Bytes of UPDATE frames sent to peers",
+            [(labels, self._counters["update_bytes_sent"])],
+        )
+        yield gauge(
+            "fabricd_reducers",
+            "Stochastic reducers (rank, name) on this node",
+            [(labels, len(stats))],
+        )
+
+
+def _graph(spec: Meta) -> graphs.Graph:
+    """The graph a spec names, over the job's ranks."""
+    edges = spec["edges"]
+    pairs = None
+    if edges is not None:
+        if not all(
+            isinstance(e, list | tuple) and len(e) == 2 and all(type(x) is int for x in e)
+            for e in edges
+        ):
+            raise UsageError("edges: a list of [src, dst] pairs of ranks")
+        pairs = [(int(a), int(b)) for a, b in edges]
+        if any(not 0 <= x < spec["n"] for pair in pairs for x in pair):
+            raise UsageError(f"edges name ranks outside the job's 0..{spec['n'] - 1}")
+    graph = graphs.build(
+        spec["graph"], spec["n"], degree=spec["degree"], seed=spec["seed"], edges=pairs
+    )
+    if graph.n != spec["n"]:
+        raise UsageError(f"a graph of {graph.n} ranks for a job of {spec['n']}")
+    return graph
+
+
+def _landing_key(node: int, frame: frames.Update) -> tuple[int, str, str, int, int, int]:
+    return (node, frame.job, frame.name, frame.src, frame.dst, frame.round)
+
+
+def _describe(spec: Meta) -> str:
+    return (
+        f"{spec['sync']} over a {spec['graph']} graph, {spec['nbytes']} B of {spec['dtype']}"
+        + (f", degree {spec['degree']}" if spec["degree"] is not None else "")
+        + (f", seed {spec['seed']}" if spec["seed"] else "")
+    )
