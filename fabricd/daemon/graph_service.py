@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.membership import Membership, RankEvent
     from fabricd.engines.notify_ack import Action
+    from fabricd.engines.peers import PeerInfo
 
 log = logging.getLogger("fabricd.graphs")
 remote_log = RateLimitedLog(log)
@@ -104,9 +105,21 @@ class GraphService(BaseService):
     kinds = frozenset({Kind.UPDATE, Kind.NOTIFY, Kind.ACK})
     ops = frozenset({"stochastic_reduce"})
 
-    def __init__(self, host: Host, *, membership: Membership) -> None:
+    def __init__(
+        self,
+        host: Host,
+        *,
+        membership: Membership,
+        peers: Callable[[float], Iterable[PeerInfo]] | None = None,
+    ) -> None:
+        """``peers``: the peers engine's view of the other nodes (a node that comes back
+        after a reset is the same daemon only with the same incarnation)."""
         self.host = host
         self.membership = membership
+        self._peers = peers
+        #: ranks whose node's links were reset: (job, rank) -> (lost at, node, incarnation,
+        #: why); lost if not back from the same daemon by then
+        self._suspects: dict[tuple[str, int], tuple[float, int, int | None, str]] = {}
         self.reducers: dict[RankKey, Reducer] = {}
         self._specs: dict[Key, Meta] = {}  #: each reduce's spec, as calls and frames carry it
         self._graphs: dict[Key, graphs.Graph] = {}
@@ -322,19 +335,45 @@ class GraphService(BaseService):
         self._landing = {k: r for k, r in self._landing.items() if k[0] != node}
 
     def on_rank_event(self, event: RankEvent, now: float) -> None:
+        """A rank that left is lost to its job's reducers at once if its trainer went; if its
+        node's links were reset (``lost``), only once ``down_after`` passed without the same
+        daemon coming back: then each reducer sends it again what the reset may have lost
+        (:meth:`~fabricd.engines.notify_ack.Reducer.resume`)."""
         job, rank = event.entry.job, event.entry.rank
         if isinstance(event, RankLeft):
-            for rank_key, reducer in list(self.reducers.items()):
-                if rank_key[0] == job:
-                    self._perform(rank_key[:2], rank_key[2], reducer.lose(rank, event.reason, now))
+            node = event.entry.node
+            if event.lost and node != self.host.config.node_id:
+                deadline = now + self.host.config.down_after
+                self._suspects[(job, rank)] = (
+                    deadline,
+                    node,
+                    self._incarnation(node),
+                    event.reason,
+                )
+                for rank_key, reducer in self.reducers.items():
+                    if rank_key[0] == job:
+                        reducer.interrupted(rank)
+            else:
+                self._lose(job, rank, event.reason, now)
             for session in self._sessions.get(job, ()):
                 self.host.push(
                     session, "rank_left", {"job": job, "rank": rank, "reason": event.reason}
                 )
-            if self.membership.job_size(job) is None:
+            if self.membership.job_size(job) is None and not any(
+                key[0] == job for key in self._suspects
+            ):
                 self._forget_job(job)
             return
         assert isinstance(event, RankJoined)
+        suspect = self._suspects.pop((job, rank), None)
+        if suspect is not None:
+            _, node, incarnation, reason = suspect
+            if event.entry.node != node or incarnation != self._incarnation(node):
+                self._lose(job, rank, f"{reason}; it came back restarted", now)
+            else:
+                for rank_key, reducer in list(self.reducers.items()):
+                    if rank_key[0] == job:
+                        self._perform(rank_key[:2], rank_key[2], reducer.resume(rank))
         for rank_key, reducer in self.reducers.items():
             if rank_key[0] == job:
                 reducer.rejoined(rank)
@@ -348,6 +387,17 @@ class GraphService(BaseService):
                 except UsageError as exc:
                     failure = Failure(code=ErrorCode.USAGE, message=str(exc))
                     self.host.fail(item.request.session, item.request.id, failure)
+
+    def _lose(self, job: str, rank: int, reason: str, now: float) -> None:
+        for rank_key, reducer in list(self.reducers.items()):
+            if rank_key[0] == job:
+                self._perform(rank_key[:2], rank_key[2], reducer.lose(rank, reason, now))
+
+    def _incarnation(self, node: int) -> int | None:
+        """The incarnation the peers engine last admitted for ``node``, if it knows one."""
+        if self._peers is None:
+            return None
+        return next((p.incarnation for p in self._peers(self.host.now()) if p.node == node), None)
 
     def _forget_job(self, job: str) -> None:
         """No rank of ``job`` is known any more: its reducers go, so a later job of that
@@ -485,9 +535,17 @@ class GraphService(BaseService):
             reducer.close(f"rank {rank_key[2]}'s trainer left during a call")
 
     def next_deadline(self) -> float | None:
-        return min((w.deadline for w in self._waiting), default=None)
+        deadlines = [w.deadline for w in self._waiting]
+        deadlines += [suspect[0] for suspect in self._suspects.values()]
+        return min(deadlines, default=None)
 
     def on_timer(self, now: float) -> None:
+        for (job, rank), (deadline, _, _, reason) in list(self._suspects.items()):
+            if deadline <= now:  # its node did not come back within down_after
+                del self._suspects[(job, rank)]
+                self._lose(job, rank, reason, now)
+                if self.membership.job_size(job) is None:
+                    self._forget_job(job)
         late = [w for w in self._waiting if w.deadline <= now]
         self._waiting = [w for w in self._waiting if w.deadline > now]
         for item in late:
@@ -579,6 +637,10 @@ class GraphService(BaseService):
                     "used": list(s.used),
                     "torn": s.torn,
                     "stale": s.stale,
+                    "notifies": s.notifies,
+                    "acks": s.acks,
+                    "duplicates": s.duplicates,
+                    "resent": s.resent,
                     "waiting": list(s.waiting),
                     "broken": s.broken,
                 }

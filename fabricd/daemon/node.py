@@ -121,7 +121,7 @@ def default_services(daemon: Daemon) -> list[Service]:
     collectives = CollectiveService(
         daemon, membership=membership.engine, peers=daemon.peering.engine.peers
     )
-    reduces = GraphService(daemon, membership=membership.engine)
+    reduces = GraphService(daemon, membership=membership.engine, peers=daemon.peering.engine.peers)
     return [membership, p2p, collectives, reduces]
 
 

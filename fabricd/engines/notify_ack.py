@@ -212,6 +212,10 @@ class ReducerStatistics:
     torn: int
     stale: int
     broken: str | None
+    notifies: int  #: NOTIFYs taken (each once)
+    acks: int  #: ACKs taken (each once)
+    duplicates: int  #: messages and updates dropped because they came a second time
+    resent: int  #: messages and updates sent again after a link reset
     waiting: tuple[str, ...] = field(default=())
 
 
@@ -242,6 +246,15 @@ class Reducer:
         #: async: the last version used from each source
         self._consumed = dict.fromkeys(self.sources, -1 if sync is Sync.NOTIFY_ACK else 0)
         self._notified: dict[int, int] = {}  #: NOTIFYs whose update has not fully landed
+        #: the last round of each (source, tag) control message handed to the schedule
+        self._delivered: dict[tuple[int, int], int] = {}
+        self._unacked: dict[int, int] = {}  #: notify-ack: out-neighbours' unACKed round
+        self._reduced = -1  #: the last round reduced (whose ACKs went out)
+        #: barrier steps sent in the last two rounds (sent again on :meth:`resume`)
+        self._barrier_sent: deque[SendSignal] = deque()
+        self._counts = {UPDATE: 0, ACK: 0, BARRIER: 0}  #: control messages taken, by kind
+        self._duplicates = 0
+        self._resent = 0
         self._landing: dict[int, int] = {}  #: sources with an update landing: its round
         self._lost: set[int] = set()
         self._broken: str | None = None
@@ -278,6 +291,9 @@ class Reducer:
         """Where rank ``src``'s update of ``round`` (``length`` bytes) lands: its slot;
         ``None`` once the reduce is broken (read the bytes and drop them).
 
+        An update sent again after a link reset (:meth:`resume`) whose round was reduced
+        already is dropped (``None``); one that was not lands again, whole.
+
         Raises:
             RemoteProtocolError: ``src`` is no in-neighbour, ``length`` is not an update's, or
                 (notify-ack) the slot's update of the round before is not reduced yet: the
@@ -290,6 +306,13 @@ class Reducer:
             return None
         if length != len(slot):
             raise RemoteProtocolError(f"an update of {length} bytes; this one takes {len(slot)}")
+        if self.sync is Sync.NOTIFY_ACK and (
+            round <= self._consumed[src]
+            or self._delivered.get((src, UPDATE), -1) >= round
+            or (self._whole(src, round) and self._landing.get(src) != round)
+        ):
+            self._duplicates += 1  # sent again after a link reset: the slot has it already
+            return None
         if self.sync is Sync.NOTIFY_ACK and round != self._consumed[src] + 1:
             raise RemoteProtocolError(
                 f"rank {src}'s update of round {round} before rank {self.rank} ACKed round "
@@ -307,7 +330,7 @@ class Reducer:
         del self._landing[src]
         if self._notified.get(src) == round:
             del self._notified[src]
-            return self._drive(self.executor.arrived(src, UPDATE, round, now), now)
+            return self._arrived(src, UPDATE, round, now)
         return []
 
     def message(self, src: int, tag: int, round: int, now: float) -> list[Action]:
@@ -320,6 +343,10 @@ class Reducer:
         """
         if self._broken is not None:
             return []  # the reduce failed; late news changes nothing
+        pending = tag == UPDATE and self._notified.get(src) == round
+        if pending or round <= self._delivered.get((src, tag), -1):
+            self._duplicates += 1  # sent again after a link reset (:meth:`resume`)
+            return []
         if tag == UPDATE and self.sync is Sync.NOTIFY_ACK:
             if src not in self._slots:
                 raise RemoteProtocolError(f"NOTIFY from rank {src}, no in-neighbour")
@@ -328,7 +355,45 @@ class Reducer:
                     raise RemoteProtocolError(f"second NOTIFY from rank {src} before its update")
                 self._notified[src] = round  # its update is still landing: wait for it
                 return []
-        return self._drive(self.executor.arrived(src, tag, round, now), now)
+        return self._arrived(src, tag, round, now)
+
+    def _arrived(self, src: int, tag: int, round: int, now: float) -> list[Action]:
+        """Hand a control message to the schedule, once: a second copy of it (sent again
+        after a link reset) is dropped by :meth:`message`."""
+        actions = self.executor.arrived(src, tag, round, now)
+        self._delivered[(src, tag)] = round
+        if tag == ACK and self._unacked.get(src) == round:
+            del self._unacked[src]
+        self._counts[tag if tag < BARRIER else BARRIER] += 1
+        return self._drive(actions, now)
+
+    def interrupted(self, rank: int) -> None:
+        """The links to rank ``rank``'s node were reset: an update of it that was landing
+        never will (it is sent again on :meth:`resume`, or the rank is lost)."""
+        self._landing.pop(rank, None)
+
+    def resume(self, rank: int) -> list[Action]:
+        """Rank ``rank``'s node is back, the same daemon, after its links were reset: send
+        it again whatever it may not have had (messages in flight are lost with a link).
+
+        Its out-neighbour gets the update it has not ACKed (with its NOTIFY), its
+        in-neighbour the ACK of the last round reduced, and anyone the barrier steps of the
+        current and the last round.  The receiver drops what it had already
+        (:meth:`landing`, :meth:`message`), so each is taken exactly once.
+        """
+        if self._broken is not None or rank in self._lost:
+            return []
+        out: list[Action] = []
+        unacked = self._unacked.get(rank)
+        if unacked is not None:
+            out.append(
+                SendUpdate(dst=rank, round=unacked, payload=memoryview(self._update), notify=True)
+            )
+        if self.sync is Sync.NOTIFY_ACK and rank in self._slots and self._reduced >= 0:
+            out.append(SendSignal(dst=rank, round=self._reduced, tag=ACK))
+        out += [s for s in self._barrier_sent if s.dst == rank]
+        self._resent += len(out)
+        return out
 
     def lose(self, rank: int, reason: str, now: float) -> list[Action]:
         """Rank ``rank`` left the job or its node went down (module docstring, Failures)."""
@@ -406,6 +471,10 @@ class Reducer:
             torn=self._torn,
             stale=self._stale,
             broken=self._broken,
+            notifies=self._counts[UPDATE],
+            acks=self._counts[ACK],
+            duplicates=self._duplicates,
+            resent=self._resent,
             waiting=tuple(self.waiting_for()) if self._broken is None else (),
         )
 
@@ -432,13 +501,20 @@ class Reducer:
 
     def _send(self, op: sched.Op, round: int) -> Action:
         if op.tag == UPDATE:
+            if self.sync is Sync.NOTIFY_ACK:
+                self._unacked[op.peer] = round
             return SendUpdate(
                 dst=op.peer,
                 round=round,
                 payload=memoryview(self._update),
                 notify=self.sync is Sync.NOTIFY_ACK,
             )
-        return SendSignal(dst=op.peer, round=round, tag=op.tag)
+        signal = SendSignal(dst=op.peer, round=round, tag=op.tag)
+        if op.tag >= BARRIER:
+            while self._barrier_sent and self._barrier_sent[0].round < round - 1:
+                self._barrier_sent.popleft()
+            self._barrier_sent.append(signal)
+        return signal
 
     def _stage(self, round: int) -> None:
         """Copy round ``round``'s model into the outgoing update, between its versions."""
@@ -474,6 +550,7 @@ class Reducer:
         if self.sync is Sync.NOTIFY_ACK:
             for src in self.sources:
                 self._consumed[src] = round
+        self._reduced = round
         total /= 1 + used
         model[:] = total
         self._reduces += 1
