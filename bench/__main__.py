@@ -27,6 +27,7 @@ from bench import (
     rate,
     roundtrip,
     skew,
+    svm,
     throughput,
 )
 from bench.report import Table, dump_json, machine, stderr_progress
@@ -50,6 +51,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "allreduce": allreduce.run,
     "skew": skew.run,
     "hyperplane": hyperplane.run,
+    "svm": svm.run,
 }
 
 

@@ -254,18 +254,13 @@ def summarize(mode: str, settings: Settings, reports: Sequence[Report]) -> ModeR
 
 
 def _rank_main(
-    socket_path: str, job: str, rank: int, settings: Settings, mode: Mode, reports: Queue[Any]
+    socket_path: str, rank: int, reports: Queue[Any], job: str, settings: Settings, mode: Mode
 ) -> None:
-    """A rank's process: train, and tell the launcher of a failure before exiting with it."""
-    try:
-        problem = Hyperplane(settings.dim, settings.noise, settings.seed)
-        with connect(job=job, rank=rank, size=settings.ranks, socket_path=socket_path) as fab:
-            report = (lambda r: reports.put(("step", r))) if rank == 0 else None
-            train(fab, problem, settings, mode, report)
-    except BaseException as exc:
-        last = traceback.format_exception_only(exc)[-1].strip()
-        reports.put(("error", rank, last))
-        raise
+    """A rank's process (under :func:`run_ranks`): train; rank 0 reports its steps."""
+    problem = Hyperplane(settings.dim, settings.noise, settings.seed)
+    with connect(job=job, rank=rank, size=settings.ranks, socket_path=socket_path) as fab:
+        report = (lambda r: reports.put(("report", r))) if rank == 0 else None
+        train(fab, problem, settings, mode, report)
 
 
 def run_mode(
@@ -274,50 +269,81 @@ def run_mode(
     mode: Mode,
     progress: Callable[[Mode, Report], None] | None = None,
 ) -> ModeResult:
-    """One run of the job in ``mode`` on a started ``cluster``: one process per rank, rank
-    ``r`` a client of node ``r // ranks_per_node``.
+    """One run of the job in ``mode`` on a started ``cluster`` (:func:`run_ranks`).
 
     Raises:
         DemoFailed: a rank failed or the run outlived its deadline; every rank is stopped.
     """
+    steps: list[Report] = []
+
+    def collect(report: Any) -> None:
+        steps.append(report)
+        if progress is not None:
+            progress(mode, report)
+
+    job = f"hyperplane-{mode}-{uuid.uuid4().hex[:8]}"
+    # generous: the straggler's sleeps, and every rank slowed by the ranks sharing its cores
+    seconds = 60 + settings.steps * (settings.delay_ms / 1000 + 5)
+    run_ranks(
+        cluster,
+        settings.ranks_per_node,
+        settings.ranks,
+        _rank_main,
+        (job, settings, mode),
+        seconds=seconds,
+        what=mode,
+        collect=collect,
+    )
+    return summarize(mode, settings, steps)
+
+
+def run_ranks(
+    cluster: LocalCluster,
+    ranks_per_node: int,
+    size: int,
+    body: Callable[..., None],
+    args: tuple[Any, ...],
+    *,
+    seconds: float,
+    what: str,
+    collect: Callable[[Any], None],
+) -> None:
+    """Run a job of ``size`` ranks on a started ``cluster``: one spawned process per rank,
+    rank ``r`` a client of node ``r // ranks_per_node``, running
+    ``body(socket_path, rank, reports, *args)``.  What a rank puts on ``reports`` as
+    ``("report", x)`` reaches ``collect(x)`` here, in order per rank; a rank that raises tells
+    this process before it exits.
+
+    Raises:
+        DemoFailed: a rank failed, or the job outlived ``seconds`` (``what`` names the job);
+            every rank is stopped.
+    """
     context = multiprocessing.get_context("spawn")
     reports: Queue[Any] = context.Queue()
-    job = f"hyperplane-{mode}-{uuid.uuid4().hex[:8]}"
     workers = [
         context.Process(
-            target=_rank_main,
+            target=_rank_process,
             daemon=True,
-            args=(
-                cluster.nodes[rank // settings.ranks_per_node].socket_path,
-                job,
-                rank,
-                settings,
-                mode,
-                reports,
-            ),
+            args=(body, cluster.nodes[rank // ranks_per_node].socket_path, rank, reports, *args),
         )
-        for rank in range(settings.ranks)
+        for rank in range(size)
     ]
-    # generous: the straggler's sleeps, and every rank slowed by the ranks sharing its cores
-    deadline = time.monotonic() + 60 + settings.steps * (settings.delay_ms / 1000 + 5)
-    steps: list[Report] = []
+    deadline = time.monotonic() + seconds
     try:
         for worker in workers:
             worker.start()
         while any(w.exitcode is None for w in workers) or not reports.empty():
             if time.monotonic() > deadline:
-                raise DemoFailed(f"{mode}: the run did not finish in time")
+                raise DemoFailed(f"{what}: the run did not finish in time")
             with contextlib.suppress(queue.Empty):
-                kind, *body = reports.get(timeout=0.1)
+                kind, *message = reports.get(timeout=0.1)
                 if kind == "error":
-                    raise DemoFailed(f"{mode}: rank {body[0]} failed: {body[1]}")
-                steps.append(body[0])
-                if progress is not None:
-                    progress(mode, body[0])
+                    raise DemoFailed(f"{what}: rank {message[0]} failed: {message[1]}")
+                collect(message[0])
             failed = [r for r, w in enumerate(workers) if w.exitcode not in (None, 0)]
             if failed and reports.empty():
                 raise DemoFailed(
-                    f"{mode}: rank {failed[0]} exited with {workers[failed[0]].exitcode}"
+                    f"{what}: rank {failed[0]} exited with {workers[failed[0]].exitcode}"
                 )
     finally:
         for worker in workers:
@@ -325,7 +351,19 @@ def run_mode(
                 worker.kill()
             worker.join()
         reports.close()
-    return summarize(mode, settings, steps)
+
+
+def _rank_process(
+    body: Callable[..., None], socket_path: str, rank: int, reports: Queue[Any], *args: Any
+) -> None:
+    """A rank's process: run ``body``, and tell the launcher of a failure before exiting
+    with it."""
+    try:
+        body(socket_path, rank, reports, *args)
+    except BaseException as exc:
+        last = traceback.format_exception_only(exc)[-1].strip()
+        reports.put(("error", rank, last))
+        raise
 
 
 def run(
