@@ -196,6 +196,15 @@ def status(socket_path: str | None, as_json: bool) -> None:
                 hidden.get("collectives", 0),
             )
         )
+    if info.get("stochastic_reduces") or hidden.get("stochastic_reduces"):
+        console.print(
+            _rows_table(
+                "stochastic reduces",
+                info.get("stochastic_reduces", []),
+                ("job", "name", "rank", "graph", "sync", "round", "used", "torn", "waiting"),
+                hidden.get("stochastic_reduces", 0),
+            )
+        )
     if any(hidden.values()):
         console.print(
             "hidden: rows of other users' jobs (root, the daemon's user and admin_gids see them)"
