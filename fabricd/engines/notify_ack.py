@@ -54,9 +54,11 @@ engine: one round at a time, inputs of the next round held, consumable operation
 
 Failures (:meth:`Reducer.lose`): under ``notify-ack`` a lost in- or out-neighbour, and under
 ``barrier`` any lost rank, fail the open call and every later one (``peer_failed``): the round
-can never complete.  Under ``async`` the rank goes on: updates to a lost rank are not sent and
-its slot is never fresh again (:meth:`Reducer.rejoined` forgets what was used from a rank that
-came back, whose versions start again at 1).
+can never complete.  Under ``async`` the rank goes on: updates to a lost rank are not sent, and
+what it sent before is used at most once, like any update (:meth:`Reducer.rejoined` empties
+its slot and forgets what was used from it when it comes back, its versions starting again at
+1).  A reset link (:meth:`Reducer.interrupted`, then :meth:`Reducer.resume` when its node is
+back the same daemon) loses no NOTIFY, ACK or notify-ack update and repeats none.
 
 Memory: one slot of ``nbytes + 16`` per in-neighbour and one outgoing update (a fresh one per
 round under ``barrier`` and ``async``: a queued frame may still reference the last one).
@@ -270,13 +272,18 @@ class Reducer:
         """The rank's next call with its model ``array`` (averaged in place).
 
         Raises:
-            UsageError: ``array`` is not this reduce's dtype and size.
+            UsageError: ``array`` is not this reduce's dtype and size, or is read-only (the
+                reduce that writes it may run inside :meth:`message`, a peer's frame).
             LocalProtocolError: the rank's previous call is still open.
         """
         if array.dtype != self.dtype or array.nbytes != self.nbytes:
             raise UsageError(
                 f"this stochastic reduce averages {self.nbytes} bytes of {self.dtype}, not "
                 f"{array.nbytes} bytes of {array.dtype}"
+            )
+        if not array.flags.writeable:
+            raise UsageError(
+                "a stochastic reduce averages the model in place: pass a writeable array"
             )
         if self._open is not None:
             raise LocalProtocolError(f"round {self._open}'s call is still open")
@@ -369,8 +376,14 @@ class Reducer:
 
     def interrupted(self, rank: int) -> None:
         """The links to rank ``rank``'s node were reset: an update of it that was landing
-        never will (it is sent again on :meth:`resume`, or the rank is lost)."""
-        self._landing.pop(rank, None)
+        never will (it is sent again on :meth:`resume`, or the rank is lost).
+
+        Its slot is marked torn (footer 0): bytes cut off anywhere, even inside the footer,
+        can leave it looking whole, and the copy :meth:`resume` sends would then be dropped
+        as one the slot has, stranding a NOTIFY that waits for :meth:`landed`."""
+        if self._landing.pop(rank, None) is not None:
+            slot = self._slots[rank]
+            VERSION.pack_into(slot, len(slot) - VERSION.size, 0)
 
     def resume(self, rank: int) -> list[Action]:
         """Rank ``rank``'s node is back, the same daemon, after its links were reset: send
@@ -415,10 +428,18 @@ class Reducer:
         return [self._fail(self._open)]
 
     def rejoined(self, rank: int) -> None:
-        """Rank ``rank`` came back (async goes on with it; its versions start again)."""
+        """Rank ``rank`` joined (again).  If it was lost (:meth:`lose`), async goes on with
+        it: its versions start again at 1, so what was used from it is forgotten and its
+        slot emptied (version 0), lest its last update be used twice and its new ones be
+        stale until they pass the old count.  A rank never lost (its first join, or its node
+        back the same daemon after a reset) goes on counting: nothing changes."""
+        if rank not in self._lost:
+            return
         self._lost.discard(rank)
-        if self.sync is Sync.ASYNC and rank in self._consumed:
+        if self.sync is Sync.ASYNC and rank in self._slots:
             self._consumed[rank] = 0
+            if rank not in self._landing:  # one landing now is its new life's
+                self._slots[rank][:] = bytes(len(self._slots[rank]))
 
     def close(self, reason: str) -> None:
         """Stop the reduce for ``reason`` (its job is gone, its trainer left mid-call): the
@@ -529,7 +550,8 @@ class Reducer:
 
     def _reduce(self, round: int) -> Reduced:
         """Average the round's model with the usable slots (module docstring), in place."""
-        model = self._arrays.pop(round).reshape(-1)
+        array = self._arrays.pop(round)
+        model = array.reshape(-1)  # a copy if ``array`` is not contiguous: written back below
         count = model.size
         total = model.astype(np.float32) if self.dtype == np.float16 else model.copy()
         used = torn = stale = 0
@@ -552,7 +574,7 @@ class Reducer:
                 self._consumed[src] = round
         self._reduced = round
         total /= 1 + used
-        model[:] = total
+        array[...] = total.reshape(array.shape)  # in the element order _stage sent
         self._reduces += 1
         self._used[used] += 1
         self._torn += torn
