@@ -5,6 +5,9 @@ loopback and one process per rank, spread over the nodes::
 
     python examples/ddp_train.py --mode majority --ranks 4 --nodes 2 --delay-ms 50
 
+With ``--device cuda`` every rank's model lives on the GPU and the hook moves its gradient
+buckets through pinned host memory.
+
 Every rank fits the same small network to a fixed random function on batches of its own; before
 each step one rank, drawn from a seed every rank shares, sleeps ``--delay-ms`` (a slow machine,
 a long input).  With ``--mode sync`` everyone waits for it every step; with ``solo`` and
@@ -16,11 +19,12 @@ ranks were active per bucket on average.  See docs/torch.md.
 from __future__ import annotations
 
 import argparse
+import inspect
 import multiprocessing
 import queue
 import random
 import time
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -35,6 +39,13 @@ if TYPE_CHECKING:
 
 INPUTS = 16
 BATCH = 32
+#: DDP without its per-step buffer sync: torch 2.13 names the switch forward_sync_buffers and
+#: warns on broadcast_buffers, the only name that older torch knows
+NO_BUFFER_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -49,9 +60,9 @@ def make_model(seed: int) -> torch.nn.Module:
     )
 
 
-def batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(generator: torch.Generator, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets of the function to learn: a fixed smooth function of the inputs."""
-    x = torch.randn(BATCH, INPUTS, generator=generator)
+    x = torch.randn(BATCH, INPUTS, generator=generator).to(device)
     return x, torch.sin(x[:, :4].sum(dim=1, keepdim=True)) + 0.1 * x[:, 4:8].sum(
         dim=1, keepdim=True
     )
@@ -67,13 +78,13 @@ def train(
         job="ddp_train", rank=rank, size=args.ranks, socket_path=socket_path
     ) as fab:
         group = fabricd.torch.init_local_process_group()
-        model = make_model(seed=rank)
+        model = make_model(seed=rank).to(args.device)
         fabricd.torch.broadcast_module(fab, model, timeout=60)
         ddp = DistributedDataParallel(
             model,
             process_group=group,
             bucket_cap_mb=args.bucket_cap_mb,
-            forward_sync_buffers=False,
+            **NO_BUFFER_SYNC,
         )
         state = fabricd.torch.register(ddp, fab, mode, timeout=60)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -84,7 +95,7 @@ def train(
         for step in range(args.steps):
             if slow.randrange(args.ranks) == rank:
                 time.sleep(args.delay_ms / 1000)
-            x, y = batch(data)
+            x, y = batch(data, args.device)
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(ddp(x), y)
             torch.autograd.backward(loss)  # loss.backward() has no type hints
@@ -95,7 +106,7 @@ def train(
         seconds = time.perf_counter() - start
         held_out = torch.Generator().manual_seed(10_000)
         with torch.no_grad():
-            x, y = batch(held_out)
+            x, y = batch(held_out, args.device)
             final = torch.nn.functional.mse_loss(model(x), y).item()
         report.put(
             (
@@ -116,6 +127,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--bucket-cap-mb", type=float, default=0.01, help="DDP's bucket size")
     parser.add_argument("--seed", type=int, default=0, help="which rank is slow at each step")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the models live"
+    )
     args = parser.parse_args()
     context = multiprocessing.get_context("spawn")
     report: Queue[tuple[int, str]] = context.Queue()

@@ -41,7 +41,7 @@ and the layout that DDP drops after the first step has no next round.
 
 CUDA: fabricd's arrays are host memory, so a CUDA bucket goes through a pinned host copy (one
 per bucket index): device to pinned memory, pinned memory to the array, and back the same way.
-Only the CPU path is tested here (no GPU in CI).
+The tests run it where torch sees a GPU (CI has none; docs/torch.md says where it passed).
 
 Zero copy without DDP: ``torch.from_numpy`` shares memory with the numpy array it is given, so a
 tensor made from ``fab.array()`` lives in fabricd's shared memory and the daemon reduces it in

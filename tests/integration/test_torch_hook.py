@@ -2,11 +2,13 @@
 
 Each rank is a spawned process with its own DDP model over a process group of its own
 (``init_local_process_group``), so fabricd is the only thing between the ranks: the initial
-model comes from ``broadcast_module`` and every gradient from the hook.
+model comes from ``broadcast_module`` and every gradient from the hook.  The training tests run
+on the CPU and, where torch sees a GPU, with the model on it (the hook's pinned-memory path).
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import multiprocessing
 import queue
@@ -26,6 +28,25 @@ RANKS = 2
 STEPS = 4
 #: small enough that the model's parameters spread over several buckets
 BUCKET_CAP_MB = 100 / 2**20
+#: where the ranks' models live; a CUDA bucket goes through a pinned host copy in the hook
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available(),
+            reason="torch sees no CUDA device: the hook's CUDA path (pinned staging) needs a GPU",
+        ),
+    ),
+]
+#: DDP without its per-step buffer sync: torch 2.13 names the switch forward_sync_buffers and
+#: warns on broadcast_buffers, the only name that older torch (as on a GPU machine) knows
+NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers"
+    in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def _model(seed: int) -> Any:
@@ -35,21 +56,29 @@ def _model(seed: int) -> Any:
     )
 
 
-def _batch(step: int, rank: int) -> tuple[Any, Any]:
+def _batch(step: int, rank: int, device: str) -> tuple[Any, Any]:
     generator = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(8, 6, generator=generator)
+    x = torch.randn(8, 6, generator=generator).to(device)
     return x, x.sum(dim=1, keepdim=True)
 
 
 def train_rank(
-    socket_path: str, job: str, rank: int, mode: str, rendezvous: str | None, out: Any
+    socket_path: str,
+    job: str,
+    rank: int,
+    mode: str,
+    rendezvous: str | None,
+    device: str,
+    out: Any,
 ) -> None:
     """STEPS steps of DDP with the fabricd hook; report each step's gradients and results.
 
     DDP's process group is this process alone, or with ``rendezvous`` (a file) a gloo group of
     all ranks, which DDP then sets itself up through.  Alongside, a plain copy of the model
     computes every rank's gradient itself and averages them by hand: that is what DDP's
-    gradients must be in mode sync.
+    gradients must be in mode sync.  Both models live on ``device``; the report says whether
+    parameters and gradients were still there at the end, and whether every bucket went
+    through pinned host memory (CUDA) or straight into the shared array (CPU).
     """
     torch.set_num_threads(1)
     with fabricd.connect(job=job, rank=rank, size=RANKS, socket_path=socket_path) as fab:
@@ -60,25 +89,25 @@ def train_rank(
                 "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=RANKS
             )
             group = torch.distributed.group.WORLD
-        model = _model(seed=rank)  # different on every rank until the broadcast
+        model = _model(seed=rank).to(device)  # different on every rank until the broadcast
         fabtorch.broadcast_module(fab, model, timeout=60)
-        reference = _model(seed=0)  # rank 0's model: what the broadcast must have given
+        reference = _model(seed=0).to(device)  # rank 0's: what the broadcast must have given
         if any(
             not torch.equal(a, b)
             for a, b in zip(model.parameters(), reference.parameters(), strict=True)
         ):
             raise AssertionError("broadcast_module did not copy rank 0's parameters")
         ddp = torch.nn.parallel.DistributedDataParallel(
-            model, process_group=group, bucket_cap_mb=BUCKET_CAP_MB, forward_sync_buffers=False
+            model, process_group=group, bucket_cap_mb=BUCKET_CAP_MB, **NO_BUFFER_SYNC
         )
         state = fabtorch.register(ddp, fab, mode, timeout=60)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         steps = []
         for step in range(STEPS):
             optimizer.zero_grad()
-            x, y = _batch(step, rank)
+            x, y = _batch(step, rank, device)
             torch.nn.functional.mse_loss(ddp(x), y).backward()
-            expected = _manual_average(reference, step)
+            expected = _manual_average(reference, step, device)
             error = max(
                 (p.grad - e).abs().max().item()
                 for p, e in zip(model.parameters(), expected, strict=True)
@@ -89,16 +118,25 @@ def train_rank(
             with torch.no_grad():  # the next hand-made average starts where DDP's model is
                 for p, q in zip(reference.parameters(), model.parameters(), strict=True):
                     p.copy_(q)
+        placed = all(
+            p.device.type == device and p.grad is not None and p.grad.device.type == device
+            for p in model.parameters()
+        )
+        staged = [  # the hook's per-bucket copies: pinned for a CUDA bucket, none for a CPU one
+            slot.staging is not None and slot.staging.is_pinned()
+            for slot in state._buckets.values()
+        ]
         # numpy, not tensors: torch would pass tensors by fd, from a process about to exit
-        out.put((rank, steps, [p.detach().numpy().copy() for p in model.parameters()]))
+        params = [p.detach().cpu().numpy().copy() for p in model.parameters()]
+        out.put((rank, steps, params, placed, staged))
 
 
-def _manual_average(model: Any, step: int) -> list[Any]:
+def _manual_average(model: Any, step: int, device: str) -> list[Any]:
     """The gradient of every rank's batch at ``step`` on ``model``, averaged by hand."""
     total = [torch.zeros_like(p) for p in model.parameters()]
     for rank in range(RANKS):
         model.zero_grad()
-        x, y = _batch(step, rank)
+        x, y = _batch(step, rank, device)
         torch.nn.functional.mse_loss(model(x), y).backward()
         for t, p in zip(total, model.parameters(), strict=True):
             t += p.grad
@@ -130,7 +168,7 @@ def swapped_rank(socket_path: str, job: str, rank: int, out: Any) -> None:
             _TwoLayers(swapped=rank == 1),
             process_group=group,
             bucket_cap_mb=BUCKET_CAP_MB,
-            forward_sync_buffers=False,
+            **NO_BUFFER_SYNC,
         )
         fabtorch.register(ddp, fab, "sync", timeout=60)
         outcome = "no error"
@@ -162,9 +200,18 @@ def _run(make_cluster, spawn, target, *args) -> list[Any]:
     return sorted(reports, key=lambda report: report[0])
 
 
-def test_sync_gradients_are_the_ranks_average(make_cluster, spawn):
-    reports = _run(make_cluster, spawn, train_rank, "sync", None)
-    for _rank, steps, _params in reports:
+def _check_placement(device: str, placed: bool, staged: list[bool]) -> None:
+    """The model and its gradients stayed on ``device``; the buckets took that device's path."""
+    assert placed, f"a parameter or its gradient left {device}"
+    assert staged  # the hook saw buckets
+    assert all(staged) if device == "cuda" else not any(staged)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sync_gradients_are_the_ranks_average(make_cluster, spawn, device):
+    reports = _run(make_cluster, spawn, train_rank, "sync", None, device)
+    for _rank, steps, _params, placed, staged in reports:
+        _check_placement(device, placed, staged)
         for error, results in steps:
             assert error < 1e-6  # float32 sums in another order than the hand-made average
             assert all(included and active == RANKS for _, _, included, active in results)
@@ -178,22 +225,26 @@ def test_sync_gradients_are_the_ranks_average(make_cluster, spawn):
         assert (a == b).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_with_a_gloo_group_of_all_ranks_gradients_still_come_from_fabricd(
-    make_cluster, spawn, tmp_path, monkeypatch
+    make_cluster, spawn, tmp_path, monkeypatch, device
 ):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the spawned ranks inherit it: loopback only
-    reports = _run(make_cluster, spawn, train_rank, "sync", str(tmp_path / "rendezvous"))
-    for _rank, steps, _params in reports:
+    reports = _run(make_cluster, spawn, train_rank, "sync", str(tmp_path / "rendezvous"), device)
+    for _rank, steps, _params, placed, staged in reports:
+        _check_placement(device, placed, staged)
         for error, results in steps:
             assert error < 1e-6
             assert results  # the hook, not gloo, averaged them
             assert all(included and active == RANKS for _, _, included, active in results)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["solo", "majority"])
-def test_partial_modes_train_and_report(make_cluster, spawn, mode):
-    reports = _run(make_cluster, spawn, train_rank, mode, None)
-    for _rank, steps, params in reports:
+def test_partial_modes_train_and_report(make_cluster, spawn, mode, device):
+    reports = _run(make_cluster, spawn, train_rank, mode, None, device)
+    for _rank, steps, params, placed, staged in reports:
+        _check_placement(device, placed, staged)
         # steps 0 and 1 are sync: DDP's first layout, then the one it keeps (the hook's rule)
         for error, results in steps[:2]:
             assert error < 1e-6
