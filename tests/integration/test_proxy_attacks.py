@@ -2,186 +2,51 @@
 (RELIABILITY S4; issue 7, item 5).
 
 :mod:`tests.integration.test_frame_integrity` plays the same tricks on an in-process tap; this
-is the literal version the review used.  Node 0 dials node 1, and its config says node 1 is at
-the proxy's port (a per-node ``FABRICD_NODES`` override; node 1 itself keeps the cluster's
-config and listens where it says), so both of the pair's links, control and data, pass
-through :class:`Proxy`.  The proxy dials node 1 from 127.0.0.1, a configured host, so node 1
-admits it.  It knows the frame layout (docs/protocol.md) but not the secret, and each test
-gives it one trick: inject a forged ANNOUNCE, replay one, reorder two frames, flip a DATA
-payload byte, flip a MAC bit.  Each time the receiving daemon must close the link (counted in
-``integrity_failures``, the peer reset), apply nothing the trick carried (no fake rank in
-``status``, a receive that fails instead of reporting altered bytes), and the pair must come
-back through the same proxy and move a clean message intact.
+is the literal version the review used.  Both of the pair's links pass through
+:class:`~tests.integration.tcp_proxy.Proxy`, which knows the frame layout (docs/protocol.md)
+but not the secret, and each test gives it one trick: inject a forged ANNOUNCE, replay one,
+reorder two frames, flip a DATA payload byte, flip a MAC bit.  Each time the receiving daemon
+must close the link (counted in ``integrity_failures``, the peer reset), apply nothing the
+trick carried (no fake rank in ``status``, a receive that fails instead of reporting altered
+bytes), and the pair must come back through the same proxy and move a clean message intact.
 
 Timeouts here are hang guards only.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import os
-import struct
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import numpy as np
 import pytest
 
 import fabricd
-from fabricd.daemon.launcher import FAST_LIVENESS, LocalCluster, _free_port
 from fabricd.integrity import FLAG_SEALED, KEY_SIZE, TRAILER_SIZE, Sealer
 from fabricd.wire import HEADER_SIZE, Kind, encode_head
+from tests.integration.tcp_proxy import (
+    GUARD,
+    HEADER,
+    ProxiedPairs,
+    Relay,
+    flags_of,
+    kind_of,
+    seq_of,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
     from typing import TypeAlias
 
+    from fabricd.daemon.launcher import LocalCluster
+    from tests.integration.tcp_proxy import Proxy
+
     #: the fixture: start a proxied pair with these settings
     MakeProxied: TypeAlias = "Callable[..., tuple[LocalCluster, Proxy]]"
-
-#: the fixed frame header (fabricd/wire.py): magic, version, kind, flags, meta_len, payload_len
-_HEADER = struct.Struct(">4sBBHIQ")
-#: how long anything here may take before the test calls it a hang
-GUARD = 30.0
-
-
-@dataclass(eq=False)
-class Relay:
-    """One TCP connection node 0 opened, spliced to one the proxy opened to node 1."""
-
-    channel: str = ""  #: "control" or "data", from node 0's HELLO
-    writers: list[asyncio.StreamWriter] = field(default_factory=list)
-
-
-class Proxy:
-    """A frame-aware TCP forwarder on 127.0.0.1, run by an event loop on its own thread.
-
-    It listens at once (so node 0 may dial before node 1 is known) and holds each connection
-    until :attr:`upstream` is set.  Every frame either way passes through :attr:`trick`.
-    """
-
-    def __init__(self) -> None:
-        #: (the relay, the node the frame goes to, the frame) -> what to forward instead
-        self.trick: Callable[[Relay, int, bytes], list[bytes]] | None = None
-        self.upstream = ""  #: node 1's real address
-        self.relays: list[Relay] = []
-        self.errors: list[Exception] = []  #: what tricks raised
-        self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="proxy", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(GUARD)
-
-    async def _listen(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def _accept(self, r0: asyncio.StreamReader, w0: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        relay = Relay(writers=[w0])
-        self.relays.append(relay)
-        try:
-            while not self.upstream:
-                await asyncio.sleep(0.01)
-            host, port = self.upstream.rsplit(":", 1)
-            r1, w1 = await asyncio.open_connection(host, int(port))
-            relay.writers.append(w1)
-            pumps = [
-                asyncio.create_task(self._pump(relay, r0, w1, towards=1)),
-                asyncio.create_task(self._pump(relay, r1, w0, towards=0)),
-            ]
-            # either side closing (a daemon refusing a frame, say) closes both
-            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-            for pump in pumps:
-                pump.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-        except OSError:
-            pass
-        finally:
-            for writer in relay.writers:
-                writer.transport.abort()
-            self._tasks.discard(task)
-
-    async def _pump(
-        self, relay: Relay, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, towards: int
-    ) -> None:
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
-            while True:
-                frame = await read_frame(reader)
-                if not relay.channel and towards == 1 and frame[5] == Kind.HELLO:
-                    relay.channel = meta_of(frame)["channel"]
-                trick = self.trick
-                try:
-                    forward = [frame] if trick is None else trick(relay, towards, frame)
-                except Exception as exc:  # a broken trick fails the test, not just the link
-                    self.errors.append(exc)
-                    raise
-                for out in forward:
-                    writer.write(out)
-                await writer.drain()
-
-    def open_connections(self) -> int:
-        """How many TCP connections the proxy holds now (both sides counted)."""
-        return sum(not w.transport.is_closing() for r in self.relays for w in r.writers)
-
-    def close(self) -> None:
-        """Close the listener and every connection; stop the thread."""
-
-        async def shut() -> None:
-            if self._server is not None:
-                self._server.close()
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            if self._server is not None:
-                await self._server.wait_closed()
-
-        if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(shut(), self._loop).result(GUARD)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(GUARD)
-        self._loop.close()
-
-
-# -- the frame layout -----------------------------------------------------------------------
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
-    header = await reader.readexactly(HEADER_SIZE)
-    _, _, _, flags, meta_len, payload_len = _HEADER.unpack(header)
-    rest = meta_len + payload_len + (TRAILER_SIZE if flags & FLAG_SEALED else 0)
-    return header + await reader.readexactly(rest)
-
-
-def kind_of(frame: bytes) -> Kind:
-    return Kind(frame[5])
-
-
-def flags_of(frame: bytes) -> int:
-    flags: int = _HEADER.unpack_from(frame)[3]
-    return flags
-
-
-def meta_of(frame: bytes) -> dict[str, Any]:
-    meta_len = _HEADER.unpack_from(frame)[4]
-    meta: dict[str, Any] = msgpack.unpackb(frame[HEADER_SIZE : HEADER_SIZE + meta_len])
-    return meta
-
-
-def seq_of(frame: bytes) -> int:
-    seq: int = struct.unpack_from(">Q", frame, len(frame) - TRAILER_SIZE)[0]
-    return seq
 
 
 def sealed_control_to_node1(relay: Relay, towards: int, frame: bytes) -> bool:
@@ -194,36 +59,9 @@ def sealed_control_to_node1(relay: Relay, towards: int, frame: bytes) -> bool:
 def proxied(tmp_path: Path) -> Iterator[MakeProxied]:
     """Two daemon processes whose links pass through a :class:`Proxy`; all stop at teardown,
     the proxy holds no connection after, and no daemon logged a traceback."""
-    made: list[tuple[LocalCluster, Proxy]] = []
-
-    def make(**settings: Any) -> tuple[LocalCluster, Proxy]:
-        proxy = Proxy()
-        proxy.start()
-        # node 0's own entry is a port it binds; its entry for node 1 is the proxy
-        node0 = f"127.0.0.1:{_free_port()}"
-        cluster = LocalCluster(
-            2,
-            settings={**FAST_LIVENESS, **settings},
-            log_dir=tmp_path / "cluster",
-            node_env={0: {"FABRICD_NODES": f"{node0},127.0.0.1:{proxy.port}"}},
-        )
-        made.append((cluster, proxy))
-        cluster.start()
-        proxy.upstream = cluster.nodes[1].address
-        cluster.wait_connected(GUARD)
-        assert proxy.relays, "the pair did not connect through the proxy"
-        return cluster, proxy
-
-    yield make
-    for cluster, proxy in made:
-        cluster.stop()
-        proxy.close()
-        assert proxy.open_connections() == 0
-        assert not proxy.errors, f"a trick failed: {proxy.errors!r}"
-    for cluster, _ in made:
-        for node in cluster.nodes:
-            log = node.log_path.read_text(errors="replace")
-            assert "Traceback" not in log, f"node {node.node} logged a traceback:\n{log}"
+    pairs = ProxiedPairs(tmp_path)
+    yield pairs.make
+    pairs.close()
 
 
 def status(cluster: LocalCluster, node: int) -> dict[str, Any]:
@@ -401,7 +239,7 @@ def flip_first_data_byte(flipped: list[int]) -> Callable[[Relay, int, bytes], li
     def flip(relay: Relay, towards: int, frame: bytes) -> list[bytes]:
         if flipped or relay.channel != "data" or towards != 0 or kind_of(frame) != Kind.DATA:
             return [frame]
-        at = HEADER_SIZE + _HEADER.unpack_from(frame)[4] + 1000  # a payload byte
+        at = HEADER_SIZE + HEADER.unpack_from(frame)[4] + 1000  # a payload byte
         assert at < len(frame) - TRAILER_SIZE
         tampered = bytearray(frame)
         tampered[at] ^= 0x01
