@@ -26,7 +26,8 @@ ranks, so 10^5 notifies would take 3 minutes or more; :data:`ROUNDS` is what fit
 figure's one minute across the three cases instead: 10^4 rounds of 2 ranks (2 * 10^4 NOTIFYs
 across the proxy, some 35 s), 1000 of 4 ranks all-to-all (12 NOTIFYs a round, half of them
 across) and 1500 of 4 ranks on a ring (2 of its 4 edges across), some 10 s each.  Each case
-goes on past its rounds until node 0 has counted :data:`MIN_RESETS` peer resets.
+goes on past its rounds until the proxy has reset the links, and node 0 the peer,
+:data:`MIN_RESETS` times each.
 
 Ranks are clients in this process playing all ranks from one thread (the ``_async`` form,
 then a wait each).  Timeouts are hang guards only.
@@ -73,7 +74,7 @@ ROUNDS: Final = {
     ("all-to-all", (0, 1, 1, 0)): 1000,
     ("ring", (0, 1, 1, 0)): 1500,
 }
-#: peer resets at least (the run goes on past ROUNDS until node 0 counted them)
+#: resets at least, by the proxy and by node 0 (the run goes on past ROUNDS until then)
 MIN_RESETS: Final = 10
 
 
@@ -188,7 +189,14 @@ def test_each_notify_and_ack_is_taken_once_in_order_across_resets(
     with ranks(cluster, placement, f"f7-{kind}-{size}") as fabs:
         arrays = [f.array("w", (COUNT,), "float64") for f in fabs]
         with Nemesis(proxy, SEED):
-            while rounds < ROUNDS[(kind, placement)] or peer_resets(cluster) < MIN_RESETS:
+            # on until the proxy reset the links MIN_RESETS times, and node 0 the peer (not
+            # one for one: a reset in a handshake fails a dial, and the proxy's two upstream
+            # dials race, so node 1 may refuse a data link that came before its control link)
+            while (
+                rounds < ROUNDS[(kind, placement)]
+                or proxy.resets < MIN_RESETS
+                or peer_resets(cluster) < MIN_RESETS
+            ):
                 for r, a in enumerate(arrays):
                     a[:] = model(r, rounds)
                 results = one_round(fabs, arrays, kind)
@@ -205,7 +213,6 @@ def test_each_notify_and_ack_is_taken_once_in_order_across_resets(
             assert time.monotonic() < deadline, f"hang guard: the last ACKs: {explain(fabs)}"
             time.sleep(0.02)
         found = rows(cluster)
-    assert proxy.resets >= MIN_RESETS
     assert Kind.UPDATE in proxy.cut_frames  # an update arrived in part at least once
     assert sorted(row["rank"] for row in found) == list(range(size))
     for row in found:
