@@ -380,16 +380,42 @@ class Coll:
 
 #: the longest edge list a stochastic reduce's spec may carry (``graph = "edges"``)
 MAX_SPEC_EDGES: Final = 4096
+#: the fields of a stochastic reduce's spec, every one always present: what every call of the
+#: reduce agrees on
+GRAPH_SPEC_FIELDS: Final = ("graph", "n", "degree", "seed", "edges", "sync", "dtype", "nbytes")
 
 
 def _graph_spec(meta: Meta) -> dict[str, Any]:
+    """A stochastic reduce's spec, each field of its type and range: a peer's spec reaches
+    the graph generators and the reducer's allocations, which must never see another type."""
     spec = meta.get("spec")
-    if not isinstance(spec, dict):
-        raise RemoteProtocolError("field 'spec' must be a map")
-    edges = spec.get("edges")
-    if edges is not None and (not isinstance(edges, list) or len(edges) > MAX_SPEC_EDGES):
-        raise RemoteProtocolError(f"a spec's edges must be a list of at most {MAX_SPEC_EDGES}")
-    return spec
+    # str(): a bytes key (msgpack allows them) never equals a field's name, nor sorts with one
+    if not isinstance(spec, dict) or sorted(map(str, spec)) != sorted(GRAPH_SPEC_FIELDS):
+        raise RemoteProtocolError(f"field 'spec' must be a map of {', '.join(GRAPH_SPEC_FIELDS)}")
+    degree, edges = spec["degree"], spec["edges"]
+    if edges is not None and (
+        not isinstance(edges, list)
+        or len(edges) > MAX_SPEC_EDGES
+        or not all(
+            isinstance(edge, list)
+            and len(edge) == 2
+            and all(type(x) is int and 0 <= x < MAX_RANK for x in edge)
+            for edge in edges
+        )
+    ):
+        raise RemoteProtocolError(
+            f"a spec's edges must be a list of at most {MAX_SPEC_EDGES} [src, dst] rank pairs"
+        )
+    return {
+        "graph": get_str(spec, "graph"),
+        "n": get_int(spec, "n", lo=1, hi=MAX_RANK),
+        "degree": None if degree is None else get_int(spec, "degree", hi=MAX_RANK),
+        "seed": get_int(spec, "seed"),
+        "edges": edges,
+        "sync": get_str(spec, "sync"),
+        "dtype": get_str(spec, "dtype"),
+        "nbytes": get_int(spec, "nbytes", lo=1),
+    }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -97,6 +97,8 @@ class DataQueues:
                 meta, payload, left = queue[0]
                 await link.send(self.kind, meta, [payload] if payload else [])
                 self._sent(len(payload))
+                if self._queues.get(node) is not queue:
+                    break  # dropped meanwhile: drop() told ``left`` already, once is all
                 queue.popleft()
                 if left is not None:
                     left(True)

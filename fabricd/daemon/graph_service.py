@@ -20,15 +20,21 @@ Membership: a call waits (up to ``route_timeout``, then fails with ``no_such_ran
 every rank of its job is known, so that its frames can be routed.  A rank that leaves (or
 whose node goes down) is lost to every reducer of its job here: under ``notify-ack`` its
 neighbours' calls fail with ``peer_failed``, under ``barrier`` everybody's, under ``async``
-nobody's (the engine's docstring).  The job's clients hear ``rank_left`` events.  A job gone
-from the fabric frees its reducers.
+nobody's (the engine's docstring); a local rank that leaves ends its own reducers too (a
+trainer that takes its place calls them under another name, or under ``async`` afresh).  The
+job's clients hear ``rank_left`` events.  A job gone from the fabric frees its reducers.
+
+Bounds: a model travels whole in one frame, so at most ``max_payload`` less 16 bytes; a job has
+at most ``max_collectives_per_job`` reduce names on a node (built by its calls or its peers'
+frames); a peer's spec is checked field by field, over the job's own size, before anything is
+built from it.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +49,7 @@ from fabricd.engines.membership import RankJoined, RankLeft
 from fabricd.engines.notify_ack import (
     ACK,
     DTYPES,
+    OVERHEAD,
     SYNCS,
     UPDATE,
     Failed,
@@ -52,7 +59,14 @@ from fabricd.engines.notify_ack import (
     SendUpdate,
     Sync,
 )
-from fabricd.errors import ErrorCode, OperationFailed, RemoteProtocolError, UsageError
+from fabricd.errors import (
+    ErrorCode,
+    FabricError,
+    OperationFailed,
+    RemoteProtocolError,
+    UsageError,
+    code_of,
+)
 from fabricd.frames import MAX_COLLECTIVE_NAME, MAX_SPEC_EDGES
 from fabricd.wire import Kind, Meta, get_int, get_str
 
@@ -72,9 +86,6 @@ remote_log = RateLimitedLog(log)
 
 Key = tuple[str, str]  #: (job, reduce name)
 RankKey = tuple[str, str, int]  #: (job, reduce name, rank)
-
-#: the spec fields a call and its frames agree on
-SPEC_FIELDS: Final = ("graph", "n", "degree", "seed", "edges", "sync", "dtype", "nbytes")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -190,6 +201,9 @@ class GraphService(BaseService):
         nbytes = get_int(meta, "nbytes")
         if nbytes == 0 or nbytes % np.dtype(dtype).itemsize:
             raise UsageError(f"{nbytes} B is not a whole number (> 0) of {dtype} elements")
+        too_big = self._too_big(nbytes)
+        if too_big is not None:
+            raise OperationFailed(too_big, code=ErrorCode.LIMIT)
         edges = meta.get("edges")
         if edges is not None and (not isinstance(edges, list) or len(edges) > MAX_SPEC_EDGES):
             raise UsageError(f"edges: a list of at most {MAX_SPEC_EDGES} [src, dst] pairs")
@@ -231,27 +245,63 @@ class GraphService(BaseService):
 
     def _reducer(self, key: Key, rank: int, spec: Meta) -> Reducer | None:
         """``rank``'s reducer of ``key``, built if it is new; ``None``: the reduce is broken
-        (its ranks called it unlike each other; ``self._broken`` says how)."""
+        (its ranks called it unlike each other; ``self._broken`` says how).
+
+        Raises:
+            UsageError: the spec's graph cannot be built.
+            OperationFailed: a new name past ``max_collectives_per_job`` (``limit``), or slots
+                that do not fit in memory (``resources``).
+        """
         if key in self._broken:
             return None
         known = self._specs.get(key)
-        if known is None:
-            self._graphs[key] = _graph(spec)  # a bad graph is refused here, saying why
-            self._specs[key] = spec
-        elif known != spec:
+        if known is not None and known != spec:
             self._break(key, f"one call said {_describe(known)}, another {_describe(spec)}")
             return None
         reducer = self.reducers.get((*key, rank))
-        if reducer is None:
+        if reducer is not None:
+            return reducer
+        if known is None:
+            names = sum(1 for k in self._specs if k[0] == key[0])
+            if names >= self.host.config.max_collectives_per_job:
+                raise OperationFailed(
+                    f"job {key[0]!r} has {names} stochastic reduces on node "
+                    f"{self.host.config.node_id}, the most max_collectives_per_job allows; "
+                    "reuse names (a reduce is persistent: call it again every round) or raise "
+                    "the setting",
+                    code=ErrorCode.LIMIT,
+                )
+        graph = self._graphs[key] if known is not None else _graph(spec)  # refused saying why
+        try:
             reducer = Reducer(
                 rank=rank,
-                graph=self._graphs[key],
+                graph=graph,
                 sync=Sync(spec["sync"]),
                 dtype=spec["dtype"],
                 nbytes=spec["nbytes"],
             )
-            self.reducers[(*key, rank)] = reducer
+        except MemoryError:  # a slot per in-neighbour, each the model's size
+            raise OperationFailed(
+                f"no memory for the {len(graph.in_neighbours[rank])} slots of "
+                f"{spec['nbytes']} B of rank {rank}'s stochastic reduce {key[1]!r}",
+                code=ErrorCode.RESOURCES,
+            ) from None
+        # kept only now: a spec refused above leaves nothing behind to break the reduce later
+        self._specs[key], self._graphs[key] = spec, graph
+        self.reducers[(*key, rank)] = reducer
         return reducer
+
+    def _too_big(self, nbytes: int) -> str | None:
+        """Why a model of ``nbytes`` is refused, if it is: an UPDATE is never chunked, and one
+        its link refused would leave the receiver waiting for it for ever."""
+        limit = self.host.config.max_payload
+        if nbytes + OVERHEAD <= limit:
+            return None
+        return (
+            f"a stochastic reduce sends its model whole in one frame: {nbytes} B (and "
+            f"{OVERHEAD} B of versions) is more than max_payload ({limit} B) allows; reduce a "
+            "smaller array, or several under names of their own"
+        )
 
     def _break(self, key: Key, why: str) -> None:
         """The ranks of ``key`` called it unlike each other: it can never run; every open and
@@ -318,11 +368,22 @@ class GraphService(BaseService):
         reducer = self.reducers.get((*key, frame.dst))
         if reducer is not None and spec == self._specs.get(key):
             return reducer
-        if tuple(sorted(spec)) != tuple(sorted(SPEC_FIELDS)):
-            raise RemoteProtocolError(f"a stochastic reduce spec with fields {sorted(spec)}")
+        # the frame layer checked the fields' types; these checks the service's own call makes
+        size = self.membership.job_size(frame.job)
+        if spec["n"] != size:
+            raise RemoteProtocolError(
+                f"a stochastic reduce spec over {spec['n']} ranks, job of {size}"
+            )
+        if spec["sync"] not in SYNCS or spec["dtype"] not in DTYPES:
+            raise RemoteProtocolError(
+                f"a stochastic reduce spec of {spec['sync']!r}, {spec['dtype']!r}"
+            )
+        too_big = self._too_big(spec["nbytes"])
+        if too_big is not None:
+            raise RemoteProtocolError(too_big)
         try:
             reducer = self._reducer(key, frame.dst, spec)
-        except UsageError as exc:  # its graph cannot be built: the peer's daemon is wrong
+        except (UsageError, OperationFailed) as exc:  # a graph that cannot be, or the bound
             raise RemoteProtocolError(f"stochastic reduce spec: {exc}") from exc
         if reducer is None:
             self._counters["graph_frames_dropped"] += 1
@@ -355,6 +416,8 @@ class GraphService(BaseService):
                         reducer.interrupted(rank)
             else:
                 self._lose(job, rank, event.reason, now)
+                if node == self.host.config.node_id:
+                    self._left_here(job, rank, event.reason)
             for session in self._sessions.get(job, ()):
                 self.host.push(
                     session, "rank_left", {"job": job, "rank": rank, "reason": event.reason}
@@ -384,9 +447,26 @@ class GraphService(BaseService):
                 try:
                     if not self._try(item, now):
                         self._waiting.append(item)
-                except UsageError as exc:
-                    failure = Failure(code=ErrorCode.USAGE, message=str(exc))
+                except FabricError as exc:  # a bad graph, the names' bound
+                    failure = Failure(code=code_of(exc), message=str(exc))
                     self.host.fail(item.request.session, item.request.id, failure)
+
+    def _left_here(self, job: str, rank: int, reason: str) -> None:
+        """Local rank ``rank`` left: its neighbours dropped it for good, so its reducers end
+        too, or a trainer that takes its place would call them and wait for ever.  Under
+        ``async`` the reducer goes (nobody dropped it: a new trainer starts it afresh, its
+        versions from 1 again, as the neighbours expect); otherwise every later call fails,
+        saying why."""
+        for rank_key in [k for k in self.reducers if k[0] == job and k[2] == rank]:
+            reducer = self.reducers[rank_key]
+            if reducer.sync is Sync.ASYNC:
+                del self.reducers[rank_key]
+            else:
+                reducer.close(
+                    f"rank {rank} left job {job!r} ({reason}) after calling stochastic reduce "
+                    f"{rank_key[1]!r}, and its {reducer.sync.value} partners dropped it: a "
+                    "trainer that takes its place must call the reduce under another name"
+                )
 
     def _lose(self, job: str, rank: int, reason: str, now: float) -> None:
         for rank_key, reducer in list(self.reducers.items()):
