@@ -1,0 +1,51 @@
+"""A finding of F7 (tests/integration/test_notify_ack_faults.py), reduced to the engine: the
+update :meth:`~fabricd.engines.notify_ack.Reducer.resume` sends again is a view of the one
+outgoing buffer, which the next round stages into as soon as the ACK comes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fabricd.engines import graphs
+from fabricd.engines.notify_ack import ACK, UPDATE, VERSION, Reducer, SendSignal, SendUpdate, Sync
+
+
+def reducer(rank: int) -> Reducer:
+    return Reducer(
+        rank=rank, graph=graphs.chain(2), sync=Sync.NOTIFY_ACK, dtype="float64", nbytes=8
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "notify_ack.Reducer.resume() resends memoryview(self._update); when the ACK of that "
+        "round comes (the original, or the peer's own resume) before the resent UPDATE frame "
+        "left the daemon (the link's held writes, the transport's buffer: the MAC is computed "
+        "when queued), the next call's _stage() rewrites the bytes under it: the frame says "
+        "round r but carries round r+1's update, and its MAC (UPDATE payloads are always "
+        "covered) no longer matches: the peer closes the data link for integrity "
+        "('frame 2 was altered'), seen under F7's resets"
+    ),
+)
+def test_a_resent_update_keeps_its_rounds_bytes_after_the_next_round_stages() -> None:
+    sender, receiver = reducer(0), reducer(1)
+    [update] = sender.call(np.full(1, 2.0), 0.0)
+    assert isinstance(update, SendUpdate)
+    receiver.call(np.zeros(1), 0.0)
+    view = receiver.landing(0, 0, len(update.payload))
+    assert view is not None
+    view[:] = update.payload
+    receiver.landed(0, 0, 0.0)
+    receiver.message(0, UPDATE, 0, 0.0)  # reduced; its ACK is lost with the links
+    sender.interrupted(1)
+    receiver.interrupted(0)
+    [resent] = sender.resume(1)  # queued on the new data link, not written yet
+    assert isinstance(resent, SendUpdate)
+    assert VERSION.unpack_from(resent.payload, 0)[0] == 1
+    [ack] = [a for a in receiver.resume(0) if isinstance(a, SendSignal)]
+    assert ack.tag == ACK
+    sender.message(1, ACK, 0, 0.0)  # round 0 ends
+    sender.call(np.full(1, 3.0), 0.0)  # round 1 stages into the same buffer
+    assert VERSION.unpack_from(resent.payload, 0)[0] == 1  # still round 0's update
