@@ -31,8 +31,7 @@ def reducer(rank: int) -> Reducer:
 )
 def test_a_resent_update_keeps_its_rounds_bytes_after_the_next_round_stages() -> None:
     sender, receiver = reducer(0), reducer(1)
-    [update] = sender.call(np.full(1, 2.0), 0.0)
-    assert isinstance(update, SendUpdate)
+    [update] = [a for a in sender.call(np.full(1, 2.0), 0.0) if isinstance(a, SendUpdate)]
     receiver.call(np.zeros(1), 0.0)
     view = receiver.landing(0, 0, len(update.payload))
     assert view is not None
@@ -41,8 +40,8 @@ def test_a_resent_update_keeps_its_rounds_bytes_after_the_next_round_stages() ->
     receiver.message(0, UPDATE, 0, 0.0)  # reduced; its ACK is lost with the links
     sender.interrupted(1)
     receiver.interrupted(0)
-    [resent] = sender.resume(1)  # queued on the new data link, not written yet
-    assert isinstance(resent, SendUpdate)
+    # queued on the new data link, not written yet
+    [resent] = [a for a in sender.resume(1) if isinstance(a, SendUpdate)]
     assert VERSION.unpack_from(resent.payload, 0)[0] == 1
     [ack] = [a for a in receiver.resume(0) if isinstance(a, SendSignal)]
     assert ack.tag == ACK
