@@ -30,13 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
+import numpy as np
+
 from fabricd.client.handle import Handle
 from fabricd.errors import UsageError
+from fabricd.frames import MAX_SPEC_EDGES
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
-
-    import numpy as np
 
     from fabricd.client import checks
     from fabricd.client.arrays import SharedArrays
@@ -132,7 +133,7 @@ class StochasticReduce:
             raise UsageError(f"degree must be an int >= 1, not {degree!r}")
         if type(seed) is not int or seed < 0:
             raise UsageError(f"seed must be an int >= 0, not {seed!r}")
-        pairs = None if edges is None else [[int(a), int(b)] for a, b in edges]
+        pairs = None if edges is None else _edges(edges)
         seg, offset, label = self._arrays.find(array)
         if array.dtype.name not in DTYPES:
             raise UsageError(f"a stochastic reduce averages {', '.join(DTYPES)}, not {array.dtype}")
@@ -157,6 +158,22 @@ class StochasticReduce:
             "stochastic_reduce", request, what=f"stochastic reduce {reduce!r}"
         )
         return Handle(self._connection, call, _result)
+
+
+def _edges(edges: Iterable[tuple[int, int]]) -> list[list[int]]:
+    """``edges`` as the request carries them, or a UsageError naming the first bad one."""
+    pairs: list[list[int]] = []
+    for edge in edges:
+        if (
+            not isinstance(edge, tuple | list)
+            or len(edge) != 2
+            or not all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in edge)
+        ):
+            raise UsageError(f"edges are (src, dst) pairs of ranks (ints), not {edge!r}")
+        pairs.append([int(edge[0]), int(edge[1])])
+        if len(pairs) > MAX_SPEC_EDGES:
+            raise UsageError(f"at most {MAX_SPEC_EDGES} edges (a spec travels in every frame)")
+    return pairs
 
 
 def _result(reply: Meta) -> ReduceResult:

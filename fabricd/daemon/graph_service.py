@@ -322,7 +322,7 @@ class GraphService(BaseService):
         self, node: int, frame: frames.PayloadFrame, length: int
     ) -> memoryview | None:
         assert isinstance(frame, frames.Update)
-        reducer = self._for_frame(node, frame, frame.spec)
+        reducer = self._for_frame(node, frame, frame.spec) if self._from(node, frame) else None
         if reducer is None:
             return None
         view = reducer.landing(frame.src, frame.round, length)
@@ -340,7 +340,12 @@ class GraphService(BaseService):
             self._perform(key, frame.dst, reducer.landed(frame.src, frame.round, now))
 
     def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+        assert isinstance(frame, frames.Notify | frames.Ack)
+        if not self._from(node, frame):
+            return
         if isinstance(frame, frames.Notify):
+            if frame.tag == ACK:
+                raise RemoteProtocolError("a NOTIFY with the ACK's tag")
             reducer = self._for_frame(node, frame, frame.spec)
             tag = frame.tag
         else:
@@ -350,6 +355,20 @@ class GraphService(BaseService):
         if reducer is not None:
             actions = reducer.message(frame.src, tag, frame.round, now)
             self._perform((frame.job, frame.name), frame.dst, actions)
+
+    def _from(self, node: int, frame: frames.Update | frames.Notify | frames.Ack) -> bool:
+        """Whether ``frame``'s sender rank may live on ``node``, the peer that sent it: a frame
+        naming a rank of another node is dropped and counted, never taken as that rank's.  A
+        rank not known here yet passes: after a reset, an UPDATE sent again on the data link
+        may overtake the ANNOUNCE of its rank on the control link."""
+        entry = self.membership.lookup(frame.job, frame.src)
+        if entry is None or entry.node == node:
+            return True
+        self._counters["graph_frames_dropped"] += 1
+        remote_log.warning(
+            "stray", "node %d sent a frame as rank %d, which is not on it", node, frame.src
+        )
+        return False
 
     def _for_frame(
         self, node: int, frame: frames.Update | frames.Notify, spec: Meta

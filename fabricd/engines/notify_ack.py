@@ -161,7 +161,7 @@ class SendUpdate:
     """Send ``payload`` (round ``round``'s update, versions included) to rank ``dst`` as one
     UPDATE frame on the data channel, then, if ``notify``, a NOTIFY of the round on the
     control channel.  ``payload`` is not written again before ``dst`` ACKed it (notify-ack)
-    or ever (a fresh one per round otherwise)."""
+    or ever (a fresh one per round otherwise, and a copy when sent again after a reset)."""
 
     dst: int
     round: int
@@ -400,7 +400,11 @@ class Reducer:
         unacked = self._unacked.get(rank)
         if unacked is not None:
             out.append(
-                SendUpdate(dst=rank, round=unacked, payload=memoryview(self._update), notify=True)
+                # a copy: the ACK may come (and the next round stage into the update) while
+                # this frame still waits in the daemon's queue
+                SendUpdate(
+                    dst=rank, round=unacked, payload=memoryview(bytes(self._update)), notify=True
+                )
             )
         if self.sync is Sync.NOTIFY_ACK and rank in self._slots and self._reduced >= 0:
             out.append(SendSignal(dst=rank, round=self._reduced, tag=ACK))

@@ -144,6 +144,10 @@ def test_a_call_unlike_the_first_is_refused_and_bad_graphs_are_named(make_cluste
             fabs[0].stochastic_reduce(a, "regular", timeout=WAIT)
         with pytest.raises(fabricd.UsageError, match="sync must be one of"):
             fabs[0].stochastic_reduce(a, "ring", "bsp", timeout=WAIT)  # type: ignore[arg-type]
+        with pytest.raises(fabricd.UsageError, match="edges are"):
+            fabs[0].stochastic_reduce(a, "edges", edges=[(0, "1")], timeout=WAIT)  # type: ignore[list-item]
+        with pytest.raises(fabricd.UsageError, match=r"not a node of|outside"):
+            fabs[0].stochastic_reduce(a, "edges", edges=[(0, 1), (1, 5)], timeout=WAIT)
         i = fabs[0].array("i", (8,), "int32")
         with pytest.raises(fabricd.UsageError, match="averages float16"):
             fabs[0].stochastic_reduce(i, "ring", timeout=WAIT)

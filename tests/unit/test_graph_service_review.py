@@ -139,7 +139,7 @@ def test_an_update_larger_than_a_frame_is_refused_not_dropped_on_the_wire() -> N
 def test_the_names_of_a_job_are_bounded() -> None:
     table = Table()
     svc, _ = service(table, max_collectives_per_job=2)
-    join(svc, table, (0, 0))
+    join(svc, table, (0, 1))
     session = client(0, 2)
     call(svc, session, 1, name="a", sync="async")
     call(svc, session, 2, name="b", sync="async")
@@ -197,3 +197,26 @@ def test_a_frame_sent_while_its_queue_is_dropped_is_told_once() -> None:
         return told
 
     assert asyncio.run(scenario()) == [False]
+
+
+# -- who a frame says it is from --------------------------------------------------------------
+def test_a_notify_with_the_acks_tag_is_a_protocol_error() -> None:
+    table = Table()
+    svc, _ = service(table)
+    join(svc, table, (0, 1))
+    frame = frames.Notify(job=JOB, name=NAME, src=1, dst=0, round=0, tag=1, spec=spec())
+    with pytest.raises(RemoteProtocolError, match="ACK's tag"):
+        svc.on_frame(1, frame, 0.0)
+
+
+def test_a_frame_as_a_rank_of_another_node_is_dropped() -> None:
+    """Node 1 sends a NOTIFY and an ACK as rank 1, which lives on node 0: neither is taken
+    as rank 1's (it could complete a round rank 1 never took part in)."""
+    table = Table()
+    svc, host = service(table)
+    join(svc, table, (0, 0))
+    call(svc, client(0, 2), 1)
+    svc.on_frame(1, notify(spec()), 0.0)
+    svc.on_frame(1, frames.Ack(job=JOB, name=NAME, src=1, dst=0, round=0), 0.0)
+    assert 1 not in host.answered  # still waits for the real rank 1
+    assert svc.statistics()["counters"]["graph_frames_dropped"] == 2

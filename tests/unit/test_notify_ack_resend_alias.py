@@ -1,11 +1,11 @@
-"""A finding of F7 (tests/integration/test_notify_ack_faults.py), reduced to the engine: the
-update :meth:`~fabricd.engines.notify_ack.Reducer.resume` sends again is a view of the one
-outgoing buffer, which the next round stages into as soon as the ACK comes."""
+"""A finding of F7 (tests/integration/test_notify_ack_faults.py), reduced to the engine and
+fixed: the update :meth:`~fabricd.engines.notify_ack.Reducer.resume` sends again was a view of
+the one outgoing buffer, which the next round stages into as soon as the ACK comes; the frame
+then said round r, carried round r + 1 and failed its MAC.  It is a copy now."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from fabricd.engines import graphs
 from fabricd.engines.notify_ack import ACK, UPDATE, VERSION, Reducer, SendSignal, SendUpdate, Sync
@@ -17,18 +17,6 @@ def reducer(rank: int) -> Reducer:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "notify_ack.Reducer.resume() resends memoryview(self._update); when the ACK of that "
-        "round comes (the original, or the peer's own resume) before the resent UPDATE frame "
-        "left the daemon (the link's held writes, the transport's buffer: the MAC is computed "
-        "when queued), the next call's _stage() rewrites the bytes under it: the frame says "
-        "round r but carries round r+1's update, and its MAC (UPDATE payloads are always "
-        "covered) no longer matches: the peer closes the data link for integrity "
-        "('frame 2 was altered'), seen under F7's resets"
-    ),
-)
 def test_a_resent_update_keeps_its_rounds_bytes_after_the_next_round_stages() -> None:
     sender, receiver = reducer(0), reducer(1)
     [update] = [a for a in sender.call(np.full(1, 2.0), 0.0) if isinstance(a, SendUpdate)]
