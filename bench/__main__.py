@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from bench import (
     allreduce,
+    consistency,
     disconnect,
     framecost,
     handoff,
@@ -52,6 +53,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "skew": skew.run,
     "hyperplane": hyperplane.run,
     "svm": svm.run,
+    "consistency": consistency.run,
 }
 
 
