@@ -1,4 +1,5 @@
-"""``fabricctl bench allreduce|skew``: the collective benchmarks, for users (DESIGN §9).
+"""``fabricctl bench allreduce|skew|consistency|svm``: the collective and stochastic-reduce
+benchmarks, for users (DESIGN §9).
 
 Each command runs one benchmark of the repository's ``bench/`` folder (docs/performance.md
 explains them) on daemons it starts on loopback, shows its progress, and prints its table: the
@@ -81,7 +82,8 @@ baselines_option = click.option(
 
 @click.group()
 def bench() -> None:
-    """Benchmark fabricd's collectives against gloo and MPI on local daemons."""
+    """Benchmark fabricd's collectives (against gloo and MPI) and stochastic reduce on local
+    daemons."""
 
 
 @bench.command()
@@ -171,6 +173,54 @@ def skew(
         rows,
         as_json,
     )
+
+
+@bench.command()
+@click.option("--ranks", type=click.IntRange(2, 64), default=None, help="[8]")
+@click.option("--nodes", type=click.IntRange(1, 64), default=None, help="[4]")
+@click.option("--rounds", type=click.IntRange(1, 100_000), default=None, help="[200]")
+@click.option("--jitter-ms", type=click.FloatRange(0, 10_000), default=5.0, show_default=True)
+@click.option("--size", "nbytes", default="", help="bytes of the model [default: 1MiB]")
+@quick_option
+@json_option
+def consistency(
+    ranks: int | None,
+    nodes: int | None,
+    rounds: int | None,
+    jitter_ms: float,
+    nbytes: str,
+    quick: bool,
+    as_json: bool,
+) -> None:
+    """ASAP Fig. 8: how many reduces of an all-to-all graph used all their inputs, whole and
+    of their round, under notify-ack, barrier and async."""
+    module = _bench("consistency")
+    report = _bench("report")
+    sizes = _numbers(nbytes, report.parse_size)
+    size = sizes[0] if sizes else None
+    _show(
+        lambda progress: module.run(
+            quick,
+            progress,
+            ranks=ranks,
+            nodes=nodes,
+            rounds=rounds,
+            jitter_ms=jitter_ms,
+            nbytes=size,
+        ),
+        3,
+        as_json,
+    )
+
+
+@bench.command()
+@quick_option
+@json_option
+def svm(quick: bool, as_json: bool) -> None:
+    """ASAP's SVM: bytes per rank to a test accuracy over all-to-all, expander and chain
+    graphs (and the expander with a barrier), with a plot."""
+    module = _bench("svm")
+    _show(lambda progress: module.run(quick, progress), 4, as_json)
 
 
 def _show(body: Callable[[Callable[[str], None]], Any], rows: int, as_json: bool) -> None:

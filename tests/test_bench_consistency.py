@@ -49,3 +49,21 @@ def test_consistency_reports_every_mode_with_notify_ack_at_every_input() -> None
     assert (notify["torn"], notify["stale"]) == (0, 0)
     assert table["target_met"] is True
     assert not [note for note in table["notes"] if "the daemons counted" in note]
+
+
+@pytest.mark.slow
+def test_fabricctl_bench_consistency_prints_json_for_scripts() -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from fabricd.cli.bench import bench as bench_group
+
+    result = CliRunner().invoke(
+        bench_group, ["consistency", "--quick", "--json", "--rounds", "4", "--size", "4KiB"]
+    )
+    assert result.exit_code == 0, result.output
+    [table] = json.loads(result.output)["benchmarks"]
+    rows = {row["label"]: row["figures"] for row in table["rows"]}
+    assert set(rows) == set(consistency.MODES)
+    assert rows["notify-ack"]["all"] == 100.0
