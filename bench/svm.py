@@ -16,8 +16,8 @@ with NOTIFY-ACK (> 1: NOTIFY-ACK is faster; ASAP Fig. 10 reports about 3x in tim
 on 25 processes), and what :func:`~fabricd.demo.svm.simulate` gives for the same settings in
 lockstep (no fabric, so no timing), and the same simulation at 25 ranks, ASAP Fig. 7's
 process count, where the expander's out-degree 2 against all-to-all's 24 leaves room for the
-10x that 8 ranks (3.5x per round) cannot give.  A PNG of test accuracy against MiB sent per rank goes to
-the current directory when matplotlib is installed (the ``demo`` extra).
+10x that 8 ranks (3.5x per round) cannot give.  A PNG of test accuracy against MiB sent per
+rank goes to the current directory when matplotlib is installed (the ``demo`` extra).
 
 Run alone: ``python -m bench.svm [--quick]``.
 """
