@@ -499,8 +499,9 @@ class GraphService(BaseService):
         return next((p.incarnation for p in self._peers(self.host.now()) if p.node == node), None)
 
     def _forget_job(self, job: str) -> None:
-        """No rank of ``job`` is known any more: its reducers go, so a later job of that
-        name starts afresh."""
+        """No rank of ``job`` is known any more: its reducers go, and its ranks' suspicions
+        (one that ran out later would lose its rank to the reducers of a later job of that
+        name), so that job starts afresh."""
         failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
         for rank_key in [k for k in self.reducers if k[0] == job]:
             self.reducers.pop(rank_key).close(failure.message)
@@ -508,6 +509,7 @@ class GraphService(BaseService):
         for table in (self._specs, self._graphs, self._broken):
             for key in [k for k in table if k[0] == job]:
                 del table[key]
+        self._suspects = {k: s for k, s in self._suspects.items() if k[0] != job}
         self._sessions.pop(job, None)
 
     # -- sending ----------------------------------------------------------------------------
@@ -640,8 +642,9 @@ class GraphService(BaseService):
 
     def on_timer(self, now: float) -> None:
         for (job, rank), (deadline, _, _, reason) in list(self._suspects.items()):
-            if deadline <= now:  # its node did not come back within down_after
-                del self._suspects[(job, rank)]
+            # its node did not come back within down_after (and its job was not forgotten by
+            # an earlier one in this loop)
+            if deadline <= now and self._suspects.pop((job, rank), None) is not None:
                 self._lose(job, rank, reason, now)
                 if self.membership.job_size(job) is None:
                     self._forget_job(job)
