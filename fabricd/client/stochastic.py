@@ -34,7 +34,7 @@ import numpy as np
 
 from fabricd.client.handle import Handle
 from fabricd.errors import UsageError
-from fabricd.frames import MAX_SPEC_EDGES
+from fabricd.frames import MAX_COLLECTIVE_NAME, MAX_SPEC_EDGES
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -49,7 +49,7 @@ SYNCS: Final = ("notify-ack", "barrier", "async")
 #: the graph kinds (as ``fabricctl graph --kind`` names them)
 GRAPHS: Final = ("all-to-all", "star", "chain", "ring", "expander", "regular", "edges")
 DTYPES: Final = ("float16", "float32", "float64")
-MAX_NAME: Final = 200
+MAX_NAME: Final = MAX_COLLECTIVE_NAME
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,8 +104,9 @@ class StochasticReduce:
                 dtype, size).
             PeerFailed: a rank the round needs was lost (notify-ack: a neighbour; barrier:
                 any rank).
-            Timeout: ``timeout`` passed; the call goes on (:meth:`stochastic_reduce_async`
-                to wait again).
+            Timeout: ``timeout`` passed.  The call is still open in the daemon, and this
+                rank's next call of the name is refused until it ends: with a timeout, use
+                :meth:`stochastic_reduce_async` and wait on its handle again.
         """
         return self.stochastic_reduce_async(
             array, graph, sync, degree=degree, seed=seed, edges=edges, name=name
@@ -131,7 +132,7 @@ class StochasticReduce:
             raise UsageError(f"graph must be one of {', '.join(map(repr, GRAPHS))}, not {graph!r}")
         if degree is not None and (type(degree) is not int or degree < 1):
             raise UsageError(f"degree must be an int >= 1, not {degree!r}")
-        if type(seed) is not int or seed < 0:
+        if not isinstance(seed, int | np.integer) or isinstance(seed, bool) or seed < 0:
             raise UsageError(f"seed must be an int >= 0, not {seed!r}")
         pairs = None if edges is None else _edges(edges)
         seg, offset, label = self._arrays.find(array)
@@ -150,7 +151,7 @@ class StochasticReduce:
             "dtype": array.dtype.name,
             "graph": graph,
             "degree": degree,
-            "seed": seed,
+            "seed": int(seed),
             "edges": pairs,
             "sync": sync,
         }
