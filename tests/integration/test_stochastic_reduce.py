@@ -114,20 +114,22 @@ def test_notify_ack_equals_the_averaging_matrix_every_round(
 
 
 @pytest.mark.parametrize("sync", ["barrier", "async"])
-@pytest.mark.parametrize("kind", ["all-to-all", "expander"])
-def test_barrier_and_async_average_only_whole_updates(make_cluster, sync: str, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "options"), KINDS, ids=[k for k, _ in KINDS])
+def test_barrier_and_async_average_only_whole_updates(
+    make_cluster, sync: str, kind: str, options: dict[str, Any]
+) -> None:
     """Each rank's model is a constant vector, so an average of whole updates is one too; the
     counts add up to the in-degree, and the average lies within the models given."""
     cluster = make_cluster(3)
     size = len(PLACEMENT)
-    graph = graphs.build(kind, size)
+    graph = graphs.build(kind, size, **options)
     with ranks(cluster, PLACEMENT, f"{sync}-{kind}") as fabs:
         arrays = [f.array("w", (COUNT,), "float32") for f in fabs]
         for rnd in range(6):
             given = [float(10 * r + rnd) for r in range(size)]
             for a, value in zip(arrays, given, strict=True):
                 a[:] = value
-            results = round_of(fabs, arrays, kind, sync)
+            results = round_of(fabs, arrays, kind, sync, **options)
             for r, (a, res) in enumerate(zip(arrays, results, strict=True)):
                 assert res.round == rnd
                 assert res.in_degree == graph.in_degrees[r]
