@@ -48,7 +48,7 @@ import fabricd
 from fabricd.engines import graphs
 from fabricd.wire import Kind
 from tests.integration.tcp_proxy import GUARD, ProxiedPairs
-from tests.integration.test_stochastic_reduce import ranks
+from tests.integration.test_collectives import ranks
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -17,12 +17,10 @@ import pytest
 
 import fabricd
 from fabricd.engines import graphs
+from tests.integration.test_collectives import ranks
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from fabricd.client import Client, ReduceResult
-    from fabricd.daemon.launcher import LocalCluster
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,21 +28,6 @@ pytestmark = pytest.mark.timeout(240)
 PLACEMENT = (0, 1, 2, 0, 1)
 WAIT = 60.0
 COUNT = 1000
-
-
-@contextlib.contextmanager
-def ranks(cluster: LocalCluster, placement: tuple[int, ...], job: str) -> Iterator[list[Client]]:
-    clients = [
-        fabricd.connect(
-            job=job, rank=r, size=len(placement), socket_path=cluster.nodes[n].socket_path
-        )
-        for r, n in enumerate(placement)
-    ]
-    try:
-        yield clients
-    finally:
-        for client in clients:
-            client.close()
 
 
 def wait_or_explain(handle: Any, fabs: list[Client]) -> Any:
