@@ -1,0 +1,621 @@
+"""Parameter-server consistency: when a server applies workers' updates, when a worker's pull
+may be answered, which updates are too stale to apply, and how an update changes the model
+(MLfabric §2, §3.1, §4 and Table 1, eq. 2; SSP as MLfabric §6 and its [23] define it).
+
+Rules: this module decides, for one model (or one shard of one) on its server, which pushed
+updates to apply, in which order and grouped how (:class:`Apply`), when to answer each pull
+(:class:`Reply`), which updates to drop as too delayed (:class:`Drop`), and which pulls it will
+never answer (:class:`Refused`); and it holds the update rules (:class:`Sum`, :class:`SGD`, a
+user's :class:`UpdateCallback`) that turn one :class:`Apply` into a model step.  It never
+touches a socket, a segment or a clock (``now`` only stamps held pulls for stall reports) and
+holds no model: the parameter-server service keeps the model, performs the actions *in the
+order given* (a :class:`Reply` follows the :class:`Apply` actions it must see), moves the
+bytes, and says when a worker is lost.  On a worker's node, :class:`DelayGate` is MLfabric's
+worker-side drop.  Every malformed push or pull raises :class:`RemoteProtocolError` (the
+worker's daemon broke the protocol; nothing in the coordinator changed); a wrong setting
+raises :class:`UsageError`.
+
+Theory of operation.  The model has a *version*: the number of :class:`Apply` actions so far,
+each one step of the update rule.  A worker at *clock* ``c`` computes its update of iteration
+``c`` from the model it pulled last (its *base* version), pushes it, and pulls for clock
+``c + 1``.  An update's *delay* is the version of the model it is applied to minus its base
+(MLfabric §2: "the difference between the version of the model being updated and the one used
+to compute the update").  Every worker's pushes are numbered 0, 1, 2, ...; a push repeating or
+going back on a worker's iteration is a protocol error under every consistency model.  Pulls
+travel on the control channel and pushes on the data channel, so a pull may overtake its
+worker's pushes: under BSP and SSP its clock may run up to ``s + 1`` past the pushes that
+arrived (as many as an honest worker can have in flight), no further.
+
+* ``bsp`` (synchronous SGD, MLfabric §6).  Iteration ``t`` is applied exactly once, as one
+  :class:`Apply` holding every worker's push of ``t`` (the rule steps once with their sum:
+  version ``t + 1`` is the model after iteration ``t``), when the last of them arrived.  A pull
+  at clock ``c`` is answered once iterations ``0 .. c - 1`` are applied (version >= ``c``),
+  else held until then.  A worker pushes its iterations in order and at most one iteration
+  ahead of the one being collected: pushing ``t + 1`` before ``t`` is applied is allowed (a
+  worker that pushes, then pulls without waiting, pipelines by one), ``t + 2`` is an error,
+  so at most two iterations' pushes are ever held.
+* ``ssp`` with staleness ``s`` (stale synchronous parallel: slow workers lag fast ones by at
+  most ``s`` iterations).  Every push is applied on arrival (one :class:`Apply` each).  The
+  server tracks each worker's clock (iterations pushed) and the *complete* count: the least
+  clock over live workers, i.e. every live worker's updates of iterations ``< complete`` are
+  applied.  The classic SSP read rule: a worker at clock ``c`` may read once every worker's
+  updates of iterations up to ``c - s - 1`` are applied, ``complete >= c - s``; a pull that
+  would break it is held and answered as soon as a push (or a loss) lifts ``complete``.  So the
+  model a reader at clock ``c`` gets lacks at most the updates of iterations ``c - s .. c - 1``:
+  it is at most ``s`` iterations behind the reader (``s = 0`` reads like BSP, but applies on
+  arrival).  Pushes go in order, at most ``s + 1`` iterations past ``complete`` (a worker
+  whose pull at clock ``c`` was answered may push ``c``, and one more without waiting, as
+  under BSP, which is ``s = 0`` here).
+* ``async`` (asynchronous SGD, MLfabric §2, §3.1).  Every push is applied on arrival; a push
+  whose delay would exceed the bound ``tau_max`` is dropped instead (:class:`Drop`, reason
+  :attr:`DropReason.DELAY`, counted), as §3.1 allows ("no update with delay > τmax should be
+  applied").  Pulls are answered at once.  Iterations may skip numbers (a worker that dropped
+  an update at home sends none for it).  MLfabric drops such updates at the worker, before
+  they cost the network anything (§5.1.3, §7.1): :class:`DelayGate` does that where the worker
+  can know — the server's version only grows, so an update whose base is more than ``tau_max``
+  behind the newest version the worker has heard of would be dropped on arrival — and the
+  server drops what the worker could not know about.
+
+Lost workers (:meth:`Coordinator.lose`): nothing waits for a lost worker again.  Under BSP an
+iteration is applied once every *live* worker's push of it arrived (the one being collected
+included, so the survivors go on at once); under SSP ``complete`` is the least clock over live
+workers.  Held pulls are re-examined and answered where now allowed; the lost worker's own held
+pull is :class:`Refused`.  What a lost worker pushed before it was lost is kept and applied
+(under BSP with its iteration's other pushes): an update that arrived is never discarded
+silently.  What it pushes afterwards (a frame still in flight) is dropped (:class:`Drop`,
+:attr:`DropReason.LOST`, counted) and its pulls are refused.  A lost worker does not come back
+to the same coordinator: a job whose membership grows starts a new one.
+
+Duplicates: a push of an iteration the worker pushed already is an error, not a duplicate to
+absorb.  A service that sends pushes again after a link reset must recognise its own resends
+(by frame sequence) before they reach the coordinator.
+
+Cost: a push or a pull is O(1) plus, when ``complete`` moves, O(held pulls) to release them;
+BSP holds at most two iterations' pushes; one held pull per worker.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import numpy as np
+
+from fabricd.errors import RemoteProtocolError, UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+
+class Consistency(enum.Enum):
+    """When updates are applied and pulls answered (module docstring)."""
+
+    BSP = "bsp"
+    SSP = "ssp"
+    ASYNC = "async"
+
+
+CONSISTENCIES: Final = tuple(c.value for c in Consistency)
+#: the built-in update rules' names (:func:`update_rule`)
+RULES: Final = ("sum", "sgd")
+#: upper bounds of the delay histogram's buckets (:attr:`CoordinatorStatistics.delays`): bucket
+#: ``i`` counts applied updates with ``DELAY_BUCKETS[i - 1] < delay <= DELAY_BUCKETS[i]``, and
+#: one more bucket those above the last bound
+DELAY_BUCKETS: Final = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+# -- update rules -------------------------------------------------------------------------
+class UpdateRule(Protocol):
+    """How one :class:`Apply` changes the model: ``apply`` steps ``model`` in place by
+    ``update`` (an :class:`Apply`'s :meth:`Apply.combined`), once per version."""
+
+    def apply(self, model: np.ndarray[Any, Any], update: np.ndarray[Any, Any]) -> None: ...
+
+
+class UpdateCallback(Protocol):
+    """A user's update rule (MLfabric Table 1, ``registerUpdateCallback``): called in the
+    server's own process with the model and the update, it changes the model in place.  Under
+    BSP it gets the sum of an iteration's updates; state it needs (a learning-rate schedule,
+    the version) it keeps itself."""
+
+    def __call__(self, model: np.ndarray[Any, Any], update: np.ndarray[Any, Any], /) -> None: ...
+
+
+def _check_shapes(model: np.ndarray[Any, Any], update: np.ndarray[Any, Any]) -> None:
+    if update.shape != model.shape:
+        raise UsageError(f"an update of shape {update.shape} for a model of shape {model.shape}")
+
+
+class Sum:
+    """``w += u``: the update is the step (the worker scaled it)."""
+
+    def apply(self, model: np.ndarray[Any, Any], update: np.ndarray[Any, Any]) -> None:
+        _check_shapes(model, update)
+        model += update
+
+
+class SGD:
+    """SGD with momentum, MLfabric eq. 2 with eq. 1's step taken on the server::
+
+        w_{t+1} = w_t + u_t + gamma (w_t - w_{t-1}),    u_t = -lr g_t
+
+    where ``g_t`` is the pushed update (a gradient: the worker folds any regularisation term of
+    eq. 1 into it), ``lr`` is eq. 1's learning rate (eta) and ``gamma`` is ``momentum``.  The
+    rule keeps the last step ``w_t - w_{t-1}`` (zero before the first: ``w_{-1} = w_0``), the
+    server state MLfabric's footnote 2 names "history of updates ... used for momentum based
+    model updates"; each call computes ``step = -lr g + gamma step`` and ``w += step``, which is
+    eq. 2 exactly.
+    """
+
+    def __init__(self, *, lr: float, momentum: float = 0.0) -> None:
+        if not (math.isfinite(lr) and lr > 0):
+            raise UsageError(f"the sgd rule needs a finite lr > 0, not {lr}")
+        if not (math.isfinite(momentum) and 0 <= momentum < 1):
+            raise UsageError(f"the sgd rule needs 0 <= momentum < 1, not {momentum}")
+        self.lr = lr
+        self.momentum = momentum
+        self._step: np.ndarray[Any, Any] | None = None  #: w_t - w_{t-1}
+
+    def apply(self, model: np.ndarray[Any, Any], update: np.ndarray[Any, Any]) -> None:
+        _check_shapes(model, update)
+        if self._step is None:
+            self._step = np.zeros_like(model)
+        elif self._step.shape != model.shape:
+            raise UsageError(f"this rule steps a model of shape {self._step.shape}")
+        step = self._step
+        step *= self.momentum
+        step -= self.lr * update
+        model += step
+
+
+class Callback:
+    """A user's :class:`UpdateCallback` as an :class:`UpdateRule`."""
+
+    def __init__(self, callback: UpdateCallback) -> None:
+        self.callback = callback
+
+    def apply(self, model: np.ndarray[Any, Any], update: np.ndarray[Any, Any]) -> None:
+        self.callback(model, update)
+
+
+def update_rule(
+    rule: str | UpdateCallback, *, lr: float | None = None, momentum: float | None = None
+) -> UpdateRule:
+    """The rule ``update_rule=`` names: ``"sum"``, ``"sgd"`` (``lr`` required, ``momentum``
+    0 unless given), or a callable (:class:`UpdateCallback`).
+
+    Raises:
+        UsageError: an unknown name, or ``lr``/``momentum`` given to a rule that takes none.
+    """
+    if rule == "sgd":
+        if lr is None:
+            raise UsageError('update_rule="sgd" needs lr=')
+        return SGD(lr=lr, momentum=0.0 if momentum is None else momentum)
+    if rule != "sum" and (isinstance(rule, str) or not callable(rule)):
+        raise UsageError(f"update_rule is one of {', '.join(RULES)} or a callable, not {rule!r}")
+    if lr is not None or momentum is not None:
+        raise UsageError('lr= and momentum= belong to update_rule="sgd"')
+    return Sum() if isinstance(rule, str) else Callback(rule)
+
+
+# -- actions ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Update:
+    """Worker ``worker``'s push of iteration ``iteration``, computed from model version
+    ``base``; ``delay`` is the version it was applied to (or dropped at) minus ``base``."""
+
+    worker: int
+    iteration: int
+    base: int
+    delay: int
+    values: np.ndarray[Any, Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Apply:
+    """Step the model once with the update rule and :meth:`combined`: the model becomes
+    version ``version``.  ``updates`` is one push (SSP, async) or every push of iteration
+    ``iteration`` (BSP), in worker order."""
+
+    version: int
+    iteration: int
+    updates: tuple[Update, ...]
+
+    def combined(self) -> np.ndarray[Any, Any]:
+        """The update to step with: the one push's values, or a new array with their sum."""
+        if len(self.updates) == 1:
+            return self.updates[0].values
+        total = np.array(self.updates[0].values, copy=True)
+        for update in self.updates[1:]:
+            total += update.values
+        return total
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reply:
+    """Answer worker ``worker``'s pull at clock ``clock`` with the model at ``version`` (what
+    changed since its cached ``since``).  Every live worker's updates of iterations below
+    ``complete`` are in it; ``held`` says the pull waited."""
+
+    worker: int
+    clock: int
+    version: int
+    since: int
+    complete: int
+    held: bool
+
+
+class DropReason(enum.Enum):
+    """Why an update was not applied."""
+
+    DELAY = "delay"  #: its delay would exceed the bound (async)
+    LOST = "lost"  #: its worker was lost before it arrived
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Drop:
+    """Worker ``worker``'s update of ``iteration`` (base version ``base``, ``delay`` versions
+    behind) is not applied, for ``reason`` (counted; :attr:`message` says it for a log)."""
+
+    worker: int
+    iteration: int
+    base: int
+    delay: int
+    reason: DropReason
+    bound: int | None = None  #: the delay bound, for :attr:`DropReason.DELAY`
+
+    @property
+    def message(self) -> str:
+        if self.reason is DropReason.DELAY:
+            return (
+                f"worker {self.worker}'s update of iteration {self.iteration} was dropped: "
+                f"delay {self.delay} > bound {self.bound}"
+            )
+        return f"worker {self.worker}'s update of iteration {self.iteration} came after it was lost"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refused:
+    """Worker ``worker``'s pull at clock ``clock`` will never be answered (``reason``)."""
+
+    worker: int
+    clock: int
+    reason: str
+
+
+Action = Apply | Reply | Drop | Refused
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorStatistics:
+    """What ``fabricctl status`` and the metrics show of one model's consistency."""
+
+    version: int
+    complete: int
+    applied: int  #: updates applied (under BSP several per version)
+    dropped: Mapping[str, int]  #: updates dropped, by :class:`DropReason` value
+    delays: tuple[int, ...]  #: applied updates by delay (:data:`DELAY_BUCKETS`)
+    held: int  #: pulls held now
+    held_total: int  #: pulls that had to wait, ever
+    refused: int  #: pulls refused (lost workers)
+    live: int  #: workers not lost
+    waiting: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class _Held:
+    clock: int
+    since: int
+    at: float  #: when it was held (``now``)
+
+
+class Coordinator:
+    """The consistency of one model (or shard) on its server (module docstring).
+
+    ``workers`` are the worker ids; ``staleness`` is SSP's ``s``; ``delay_bound`` is async's
+    ``tau_max`` (``None``: no bound).
+    """
+
+    def __init__(
+        self,
+        *,
+        workers: Iterable[int],
+        consistency: Consistency,
+        staleness: int = 0,
+        delay_bound: int | None = None,
+    ) -> None:
+        ids = sorted(set(workers))
+        if not ids or ids[0] < 0:
+            raise UsageError("a parameter server needs one or more workers, ids >= 0")
+        if staleness < 0 or (staleness and consistency is not Consistency.SSP):
+            raise UsageError(f"staleness >= 0 belongs to ssp, not {consistency.value}")
+        if delay_bound is not None and (delay_bound < 0 or consistency is not Consistency.ASYNC):
+            raise UsageError(f"a delay bound >= 0 belongs to async, not {consistency.value}")
+        self.consistency = consistency
+        self.staleness = staleness
+        self.delay_bound = delay_bound
+        self.workers: tuple[int, ...] = tuple(ids)
+        self._live = set(ids)
+        self._next = dict.fromkeys(ids, 0)  #: each worker's clock: its next iteration
+        self._version = 0
+        self._complete = 0
+        #: BSP: iteration -> worker -> its push (base version, values)
+        self._pending: dict[int, dict[int, tuple[int, np.ndarray[Any, Any]]]] = {}
+        self._held: dict[int, _Held] = {}  #: worker -> its held pull, in arrival order
+        self._applied = 0
+        self._dropped = {r.value: 0 for r in DropReason}
+        self._delays = [0] * (len(DELAY_BUCKETS) + 1)
+        self._held_total = 0
+        self._refused = 0
+
+    # -- inputs ---------------------------------------------------------------------------
+    def push(
+        self, worker: int, iteration: int, base: int, values: np.ndarray[Any, Any], now: float
+    ) -> list[Action]:
+        """Worker ``worker`` pushed its update of ``iteration``, computed from version ``base``.
+
+        Raises:
+            RemoteProtocolError: an unknown worker, a base version the model never had, an
+                iteration pushed before (or older than one pushed), or (BSP, SSP) one that
+                skips an iteration or runs too far ahead (module docstring).
+        """
+        self._known(worker)
+        if not 0 <= base <= self._version:
+            raise RemoteProtocolError(
+                f"worker {worker} pushed an update computed from version {base}; "
+                f"the model is at version {self._version}"
+            )
+        self._check_iteration(worker, iteration)
+        self._next[worker] = iteration + 1
+        delay = self._version - base
+        if worker not in self._live:
+            return [self._drop(worker, iteration, base, delay, DropReason.LOST)]
+        bound = self.delay_bound
+        if self.consistency is Consistency.ASYNC and bound is not None and delay > bound:
+            return [self._drop(worker, iteration, base, delay, DropReason.DELAY)]
+        if self.consistency is Consistency.BSP:
+            self._pending.setdefault(iteration, {})[worker] = (base, values)
+            out: list[Action] = self._apply_iterations()
+        else:
+            out = [self._apply(iteration, {worker: (base, values)})]
+            self._advance()
+        return out + self._release()
+
+    def pull(self, worker: int, clock: int, since: int, now: float) -> list[Action]:
+        """Worker ``worker``, at clock ``clock``, asks for the model; it holds version
+        ``since``.  Answered now, held (answered by a later input) or refused (a lost worker).
+
+        Raises:
+            RemoteProtocolError: an unknown worker, a cached version the model never had, a
+                second pull while one is held, or (BSP, SSP) a clock more than ``s + 1`` past
+                the iterations the worker pushed (an honest worker has at most ``s + 1``
+                pushes in flight, and its pull may overtake them).
+        """
+        self._known(worker)
+        if not 0 <= since <= self._version:
+            raise RemoteProtocolError(
+                f"worker {worker} holds version {since}; the model is at version {self._version}"
+            )
+        if worker in self._held:
+            raise RemoteProtocolError(f"worker {worker} pulled again while its pull is held")
+        if clock < 0 or (
+            self.consistency is not Consistency.ASYNC
+            and clock > self._next[worker] + self.staleness + 1
+        ):
+            raise RemoteProtocolError(
+                f"worker {worker} pulled at clock {clock} having pushed "
+                f"{self._next[worker]} iterations"
+            )
+        if worker not in self._live:
+            self._refused += 1
+            return [Refused(worker=worker, clock=clock, reason=f"worker {worker} was lost")]
+        if self._readable(clock):
+            return [self._reply(worker, clock, since, held=False)]
+        self._held[worker] = _Held(clock=clock, since=since, at=now)
+        self._held_total += 1
+        return []
+
+    def lose(self, worker: int, reason: str, now: float) -> list[Action]:
+        """Worker ``worker`` left or its node went down (module docstring, Lost workers)."""
+        self._known(worker)
+        if worker not in self._live:
+            return []
+        self._live.discard(worker)
+        out: list[Action] = []
+        held = self._held.pop(worker, None)
+        if held is not None:
+            self._refused += 1
+            out.append(Refused(worker=worker, clock=held.clock, reason=f"lost: {reason}"))
+        if self.consistency is Consistency.BSP:
+            out += self._apply_iterations()
+        else:
+            self._advance()
+        return out + self._release()
+
+    # -- reading --------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The model's version: :class:`Apply` actions so far."""
+        return self._version
+
+    @property
+    def complete(self) -> int:
+        """Every live worker's updates of iterations below this are applied."""
+        return self._complete
+
+    @property
+    def live(self) -> frozenset[int]:
+        """The workers not lost."""
+        return frozenset(self._live)
+
+    def waiting_for(self) -> list[str]:
+        """What held pulls and (BSP) the iteration being collected wait for (stall reports)."""
+        out: list[str] = []
+        if self.consistency is Consistency.BSP and self._pending.get(self._complete):
+            missing = sorted(self._live - self._pending[self._complete].keys())
+            out.append(f"iteration {self._complete} waits for the pushes of workers {missing}")
+        for worker, held in self._held.items():
+            need = held.clock - self.staleness
+            slow = sorted(w for w in self._live if self._next[w] < need)
+            out.append(
+                f"worker {worker}'s pull at clock {held.clock} (held since {held.at:.3f}) waits "
+                f"for iteration {need - 1} from workers {slow}"
+            )
+        return out
+
+    def statistics(self) -> CoordinatorStatistics:
+        return CoordinatorStatistics(
+            version=self._version,
+            complete=self._complete,
+            applied=self._applied,
+            dropped=dict(self._dropped),
+            delays=tuple(self._delays),
+            held=len(self._held),
+            held_total=self._held_total,
+            refused=self._refused,
+            live=len(self._live),
+            waiting=tuple(self.waiting_for()),
+        )
+
+    # -- internals ------------------------------------------------------------------------
+    def _known(self, worker: int) -> None:
+        if worker not in self._next:
+            raise RemoteProtocolError(f"worker {worker} is not a worker of this model")
+
+    def _check_iteration(self, worker: int, iteration: int) -> None:
+        """Raise unless ``iteration`` may be ``worker``'s next push (module docstring)."""
+        expected = self._next[worker]
+        if iteration < expected:
+            raise RemoteProtocolError(
+                f"worker {worker} pushed iteration {iteration} after pushing {expected - 1}"
+            )
+        if self.consistency is Consistency.ASYNC:
+            return
+        if iteration > expected:
+            raise RemoteProtocolError(
+                f"worker {worker} pushed iteration {iteration}, skipping {expected}"
+            )
+        ahead = self._complete + self.staleness + 1
+        if iteration > ahead:
+            raise RemoteProtocolError(
+                f"worker {worker} pushed iteration {iteration} before its pull at clock "
+                f"{iteration} could be answered (at most {ahead} while {self._complete} "
+                f"iterations are complete)"
+            )
+
+    def _drop(self, worker: int, iteration: int, base: int, delay: int, reason: DropReason) -> Drop:
+        self._dropped[reason.value] += 1
+        bound = self.delay_bound if reason is DropReason.DELAY else None
+        return Drop(
+            worker=worker, iteration=iteration, base=base, delay=delay, reason=reason, bound=bound
+        )
+
+    def _apply(
+        self, iteration: int, pushes: Mapping[int, tuple[int, np.ndarray[Any, Any]]]
+    ) -> Apply:
+        """One version: ``pushes`` (worker -> base, values) of ``iteration``, in worker
+        order, with their delays, counted."""
+        updates = tuple(
+            Update(
+                worker=w,
+                iteration=iteration,
+                base=pushes[w][0],
+                delay=self._version - pushes[w][0],
+                values=pushes[w][1],
+            )
+            for w in sorted(pushes)
+        )
+        for u in updates:
+            self._delays[_bucket(u.delay)] += 1
+        self._applied += len(updates)
+        self._version += 1
+        return Apply(version=self._version, iteration=iteration, updates=updates)
+
+    def _apply_iterations(self) -> list[Action]:
+        """BSP: apply every iteration, in order, whose live workers' pushes are all in."""
+        out: list[Action] = []
+        while (pushes := self._pending.get(self._complete)) and self._live <= pushes.keys():
+            del self._pending[self._complete]
+            out.append(self._apply(self._complete, pushes))
+            self._complete += 1
+        return out
+
+    def _advance(self) -> None:
+        """SSP, async: ``complete`` is the least clock over live workers (never lower)."""
+        if self._live:
+            self._complete = max(self._complete, min(self._next[w] for w in self._live))
+
+    def _readable(self, clock: int) -> bool:
+        return self.consistency is Consistency.ASYNC or self._complete >= clock - self.staleness
+
+    def _reply(self, worker: int, clock: int, since: int, *, held: bool) -> Reply:
+        return Reply(
+            worker=worker,
+            clock=clock,
+            version=self._version,
+            since=since,
+            complete=self._complete,
+            held=held,
+        )
+
+    def _release(self) -> list[Action]:
+        """Answer the held pulls now allowed, in the order they came."""
+        ready = [w for w, h in self._held.items() if self._readable(h.clock)]
+        out: list[Action] = []
+        for worker in ready:
+            held = self._held.pop(worker)
+            out.append(self._reply(worker, held.clock, held.since, held=True))
+        return out
+
+
+def _bucket(delay: int) -> int:
+    for i, bound in enumerate(DELAY_BUCKETS):
+        if delay <= bound:
+            return i
+    return len(DELAY_BUCKETS)
+
+
+class DelayGate:
+    """A worker's side of the delay bound (MLfabric §5.1.3, §7.1: updates "dropped at the
+    worker for violating delay bounds"): whether an update is worth sending at all.
+
+    The worker's daemon says which version the worker computes from (:meth:`pulled`) and every
+    server version it hears of (:meth:`heard`: pull replies, push acknowledgements).  The
+    server's version only grows, so an update whose base is more than ``delay_bound`` behind
+    the newest version heard would be dropped on arrival: :meth:`check` drops it here instead,
+    and counts it.  It never drops an update the server would apply.
+    """
+
+    def __init__(self, *, delay_bound: int | None) -> None:
+        if delay_bound is not None and delay_bound < 0:
+            raise UsageError(f"a delay bound is >= 0, not {delay_bound}")
+        self.delay_bound = delay_bound
+        self.base = 0  #: the version the worker's next update is computed from
+        self.newest = 0  #: the newest server version heard of
+        self.dropped = 0
+
+    def pulled(self, version: int) -> None:
+        """The worker's model is now version ``version`` (its next update's base)."""
+        self.base = version
+        self.heard(version)
+
+    def heard(self, version: int) -> None:
+        """The server's model was at version ``version`` (news may come out of order)."""
+        self.newest = max(self.newest, version)
+
+    def check(self, worker: int, iteration: int) -> Drop | None:
+        """``None``: send the update of ``iteration``; else a :class:`Drop` (counted)."""
+        delay = self.newest - self.base
+        if self.delay_bound is None or delay <= self.delay_bound:
+            return None
+        self.dropped += 1
+        return Drop(
+            worker=worker,
+            iteration=iteration,
+            base=self.base,
+            delay=delay,
+            reason=DropReason.DELAY,
+            bound=self.delay_bound,
+        )
