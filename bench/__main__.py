@@ -25,6 +25,7 @@ from bench import (
     hyperplane,
     integrity,
     latency,
+    ps_storage,
     rate,
     roundtrip,
     skew,
@@ -54,6 +55,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "hyperplane": hyperplane.run,
     "svm": svm.run,
     "consistency": consistency.run,
+    "ps-storage": ps_storage.run,
 }
 
 
