@@ -187,24 +187,10 @@ def status(socket_path: str | None, as_json: bool) -> None:
             hidden.get("ranks", 0),
         )
     )
-    if info.get("collectives") or hidden.get("collectives"):
-        console.print(
-            _rows_table(
-                "collectives",
-                info.get("collectives", []),
-                ("job", "name", "what", "round", "nodes", "lost", "waiting", "mean_active"),
-                hidden.get("collectives", 0),
-            )
-        )
-    if info.get("stochastic_reduces") or hidden.get("stochastic_reduces"):
-        console.print(
-            _rows_table(
-                "stochastic reduces",
-                info.get("stochastic_reduces", []),
-                ("job", "name", "rank", "graph", "sync", "round", "used", "torn", "waiting"),
-                hidden.get("stochastic_reduces", 0),
-            )
-        )
+    for key, columns in _ENGINE_TABLES:  # shown only where the node has rows of them
+        if info.get(key) or hidden.get(key):
+            title = key.replace("_", " ")
+            console.print(_rows_table(title, info.get(key, []), columns, hidden.get(key, 0)))
     if any(hidden.values()):
         console.print(
             "hidden: rows of other users' jobs (root, the daemon's user and admin_gids see them)"
@@ -243,6 +229,16 @@ def _metrics_line(info: dict[str, Any]) -> str:
     if info.get("metrics_url"):
         return f"at {info['metrics_url']}"
     return info.get("metrics_error") or "off (metrics_address is empty)"
+
+
+#: the engine services' status rows ``fabricctl status`` shows as tables, and their columns
+_ENGINE_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("collectives", ("job", "name", "what", "round", "nodes", "lost", "waiting", "mean_active")),
+    (
+        "stochastic_reduces",
+        ("job", "name", "rank", "graph", "sync", "round", "used", "torn", "waiting"),
+    ),
+)
 
 
 def _rows_table(

@@ -33,6 +33,7 @@ import numpy as np
 
 from fabricd import frames
 from fabricd.daemon.data_queues import DataQueues
+from fabricd.daemon.job_ranks import admitted_incarnation, waited_too_long
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
@@ -481,10 +482,7 @@ class CollectiveService(BaseService):
             self._perform(key, coll.resume(node, now))
 
     def _incarnation(self, node: int) -> int | None:
-        """The incarnation the peers engine last admitted for ``node``, if it knows one."""
-        if self._peers is None:
-            return None
-        return next((p.incarnation for p in self._peers(self.host.now()) if p.node == node), None)
+        return admitted_incarnation(self._peers, node, self.host.now())
 
     def _lose(self, node: int, reason: str, now: float) -> None:
         for key, coll in list(self.collectives.items()):
@@ -656,24 +654,14 @@ class CollectiveService(BaseService):
         self._waiting = [w for w in self._waiting if w.deadline > now]
         for item in late:
             session = item.request.session
-            missing = [
-                r
-                for r in range(session.size)
-                if self.membership.lookup(str(session.job), r) is None
-            ]
-            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
-            self.host.fail(
-                session,
-                item.request.id,
-                Failure(
-                    code=ErrorCode.NO_SUCH_RANK,
-                    message=(
-                        f"{item.spec.describe()} {item.name!r} of job {session.job!r} waited "
-                        f"route_timeout ({self.host.config.route_timeout} s) for ranks {shown} "
-                        "to join; start them, or check their daemons are peers of this one"
-                    ),
-                ),
+            failure = waited_too_long(
+                f"{item.spec.describe()} {item.name!r}",
+                str(session.job),
+                session.size,
+                self.membership,
+                self.host.config.route_timeout,
             )
+            self.host.fail(session, item.request.id, failure)
 
     def shutdown(self, failure: Failure) -> None:
         for token in list(self._open):

@@ -33,6 +33,7 @@ built from it.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ import numpy as np
 
 from fabricd import frames
 from fabricd.daemon.data_queues import DataQueues
+from fabricd.daemon.job_ranks import admitted_incarnation, waited_too_long
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
@@ -493,10 +495,7 @@ class GraphService(BaseService):
                 self._perform(rank_key[:2], rank_key[2], reducer.lose(rank, reason, now))
 
     def _incarnation(self, node: int) -> int | None:
-        """The incarnation the peers engine last admitted for ``node``, if it knows one."""
-        if self._peers is None:
-            return None
-        return next((p.incarnation for p in self._peers(self.host.now()) if p.node == node), None)
+        return admitted_incarnation(self._peers, node, self.host.now())
 
     def _forget_job(self, job: str) -> None:
         """No rank of ``job`` is known any more: its reducers go, and its ranks' suspicions
@@ -515,9 +514,9 @@ class GraphService(BaseService):
     # -- sending ----------------------------------------------------------------------------
     def _perform(self, key: Key, rank: int, actions: list[Action]) -> None:
         """Carry out ``rank``'s actions, and those of local ranks they reach, in order."""
-        work = [(rank, actions)]
+        work = deque([(rank, actions)])
         while work:
-            src, todo = work.pop(0)
+            src, todo = work.popleft()
             for action in todo:
                 if isinstance(action, Reduced):
                     self._answer((*key, src), None, action)
@@ -652,15 +651,13 @@ class GraphService(BaseService):
         self._waiting = [w for w in self._waiting if w.deadline > now]
         for item in late:
             session = item.request.session
-            job = str(session.job)
-            missing = [r for r in range(session.size) if self.membership.lookup(job, r) is None]
-            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
-            message = (
-                f"stochastic reduce {item.name!r} of job {job!r} waited route_timeout "
-                f"({self.host.config.route_timeout} s) for ranks {shown} to join; start them, "
-                "or check their daemons are peers of this one"
+            failure = waited_too_long(
+                f"stochastic reduce {item.name!r}",
+                str(session.job),
+                session.size,
+                self.membership,
+                self.host.config.route_timeout,
             )
-            failure = Failure(code=ErrorCode.NO_SUCH_RANK, message=message)
             self.host.fail(session, item.request.id, failure)
 
     def shutdown(self, failure: Failure) -> None:
@@ -751,7 +748,7 @@ class GraphService(BaseService):
             "stochastic_reduces": rows,
             "counters": {
                 **self._counters,
-                "reduces": sum(r.statistics().reduces for r in self.reducers.values()),
+                "reduces": sum(row["reduces"] for row in rows),
                 "reduce_calls_waiting_for_ranks": len(self._waiting),
             },
         }

@@ -565,8 +565,9 @@ class Reducer:
                 torn += 1
                 continue
             # async: newer than the last one used; else: the round's own
-            expected = self._consumed[src] + 1 if self.sync is Sync.ASYNC else round + 1
-            if header < expected or (self.sync is not Sync.ASYNC and header != expected):
+            asynchronous = self.sync is Sync.ASYNC
+            fresh = header > self._consumed[src] if asynchronous else header == round + 1
+            if not fresh:
                 stale += 1
                 continue
             total += np.frombuffer(self._slots[src], self.dtype, count, VERSION.size)

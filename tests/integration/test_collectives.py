@@ -51,9 +51,10 @@ def ranks(cluster: LocalCluster, placement: tuple[int, ...], job: str) -> Iterat
             client.close()
 
 
-def wait_or_explain(handle: Any, fabs: list[Client]) -> Any:
+def wait_or_explain(handle: Any, fabs: list[Client], rows: str = "collectives") -> Any:
     """``handle.wait``, or on a timeout an AssertionError carrying what every daemon says of
-    its collectives and stalled calls: a hang must be readable from the report alone."""
+    its ``rows`` (status rows: its collectives, or ``stochastic_reduces``) and stalled calls:
+    a hang must be readable from the report alone."""
     try:
         return handle.wait(timeout=WAIT)
     except fabricd.Timeout:
@@ -62,7 +63,7 @@ def wait_or_explain(handle: Any, fabs: list[Client]) -> Any:
             with contextlib.suppress(fabricd.FabricError):
                 status = fab.status()
                 seen[status["node"]] = {
-                    "collectives": status["collectives"],
+                    rows: status[rows],
                     "stalls": fab.stalls()["stalls"],
                 }
         raise AssertionError(f"{handle.what} hung; the daemons say: {seen}") from None

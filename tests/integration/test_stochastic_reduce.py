@@ -9,7 +9,6 @@ Ranks are clients in this process, one connection each; every call is started wi
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +17,7 @@ import pytest
 import fabricd
 from fabricd.engines import graphs
 from tests.integration.test_collectives import ranks
+from tests.integration.test_collectives import wait_or_explain as collectives_wait
 
 if TYPE_CHECKING:
     from fabricd.client import Client, ReduceResult
@@ -31,20 +31,8 @@ COUNT = 1000
 
 
 def wait_or_explain(handle: Any, fabs: list[Client]) -> Any:
-    """``handle.wait``, or on a timeout an AssertionError carrying what every daemon says of
-    its reducers and stalled calls."""
-    try:
-        return handle.wait(timeout=WAIT)
-    except fabricd.Timeout:
-        seen = {}
-        for fab in fabs:
-            with contextlib.suppress(fabricd.FabricError):
-                status = fab.status()
-                seen[status["node"]] = {
-                    "reduces": status["stochastic_reduces"],
-                    "stalls": fab.stalls()["stalls"],
-                }
-        raise AssertionError(f"{handle.what} hung; the daemons say: {seen}") from None
+    """``handle.wait``, or a report of every daemon's reducers and stalled calls."""
+    return collectives_wait(handle, fabs, rows="stochastic_reduces")
 
 
 def round_of(
