@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from fabricd.integrity import Opener
 
 MAGIC: Final = b"FBRC"
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 _HEADER: Final = struct.Struct(">4sBBHIQ")
 HEADER_SIZE: Final = _HEADER.size
 
@@ -75,6 +75,12 @@ class Kind(enum.IntEnum):
     UPDATE = 15  #: a rank's model update of a stochastic reduce round, into a slot (data channel)
     NOTIFY = 16  #: an update of a round is out (or a barrier step of one) (control channel)
     ACK = 17  #: a receiver reduced a round's update: its sender may send the next (control)
+    PUSH = 18  #: a worker's filtered update of one parameter-server shard (data channel)
+    PULL = 19  #: a worker asks a server for a shard's parameters changed since a version (control)
+    PUSHED = 20  #: a server applied (or dropped) a push: the model version it made (control)
+    PULLED = 21  #: a server's answer to a PULL: the changed parameters (data channel)
+    REPLICATE = 22  #: a primary server forwards one log entry to its replica (data channel)
+    REPLICATED = 23  #: a replica holds a log entry, and every one before it (control)
     REQUEST = 32  #: client -> daemon call
     REPLY = 33  #: daemon -> client answer to a REQUEST
     EVENT = 34  #: daemon -> client news nobody asked for in that moment (a pushed event)
@@ -83,7 +89,9 @@ class Kind(enum.IntEnum):
 #: the kinds whose payload is bulk data, possibly a view of a client's shared memory: their
 #: MAC covers the payload only under ``data_integrity = "mac"`` (fabricd/integrity.py).  Not
 #: EAGER: its payload is the daemon's own copy of at most eager_limit bytes, always covered
-BULK_KINDS: Final = frozenset({Kind.DATA, Kind.WRITE, Kind.COLL, Kind.UPDATE})
+BULK_KINDS: Final = frozenset(
+    {Kind.DATA, Kind.WRITE, Kind.COLL, Kind.UPDATE, Kind.PUSH, Kind.PULLED, Kind.REPLICATE}
+)
 
 #: the largest message tag (and rank) the protocol carries
 MAX_TAG: Final = 2**31 - 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, get_args
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -9,7 +11,31 @@ from hypothesis import strategies as st
 from fabricd import frames
 from fabricd.engines.handshake import HANDSHAKE_LIMITS
 from fabricd.errors import RemoteProtocolError
-from fabricd.wire import DEFAULT_LIMITS, PROTOCOL_VERSION, Decoder, Frame, Kind, Meta, encode
+from fabricd.wire import (
+    BULK_KINDS,
+    DEFAULT_LIMITS,
+    PROTOCOL_VERSION,
+    Decoder,
+    Frame,
+    Kind,
+    Meta,
+    encode,
+)
+
+#: a parameter server's spec, as PUSH, PULL and REPLICATE carry it
+PS_SPEC: Meta = {
+    "n": 4,
+    "size": 10_000,
+    "dtype": "float32",
+    "servers": [0, 1],
+    "replicas": [],
+    "consistency": "bsp",
+    "staleness": 0,
+    "delay_bound": 8,
+    "chunk": 16,
+}
+#: the fields every parameter-server frame has
+SHARD: Meta = {"job": "j", "name": "ps", "shard": 1, "server": 1}
 
 EXAMPLES: list[frames.PeerFrame] = [
     frames.Heartbeat(),
@@ -22,6 +48,35 @@ EXAMPLES: list[frames.PeerFrame] = [
     frames.Done(msg=1),
     frames.Done(msg=1, code="mismatch", error="sizes differ"),
     frames.Cancel(msg=9),
+    frames.Push(**SHARD, worker=3, iteration=7, base=6, epoch=0, spec=PS_SPEC),
+    frames.Push(
+        **SHARD,
+        worker=0,
+        iteration=0,
+        base=0,
+        epoch=2,
+        spec={**PS_SPEC, "replicas": [1, 0], "consistency": "async", "delay_bound": None},
+    ),
+    frames.Pull(**SHARD, worker=3, clock=8, since=6, epoch=0, spec=PS_SPEC),
+    frames.Pushed(**SHARD, worker=3, iteration=7, version=9, epoch=0),
+    frames.Pushed(**SHARD, worker=3, iteration=7, version=9, epoch=0, dropped="delay 9 > 8"),
+    frames.Pulled(**SHARD, worker=3, clock=8, version=9, epoch=0),
+    frames.Pulled(**SHARD, worker=3, clock=8, version=9, epoch=1, error="not this epoch's server"),
+    frames.Replicate(
+        **SHARD, replica=0, index=1, entry="push", worker=3, iteration=7, base=6, spec=PS_SPEC
+    ),
+    frames.Replicate(
+        **{**SHARD, "server": 0},
+        replica=1,
+        index=2**40,
+        entry="lose",
+        worker=2,
+        iteration=5,
+        base=4,
+        reason="worker lost",
+        spec=PS_SPEC,
+    ),
+    frames.Replicated(**SHARD, replica=0, index=1),
 ]
 
 
@@ -150,3 +205,195 @@ def test_parse_gives_a_view_of_its_kind_or_a_remote_protocol_error(meta: dict) -
         except RemoteProtocolError:
             view = None
         assert view is None or view.KIND is kind
+
+
+#: well-formed metadata of each parameter-server frame kind, for the malformed ones below
+PS_META: dict[Kind, Meta] = {
+    Kind.PUSH: {
+        "job": "j",
+        "name": "ps",
+        "sh": 1,
+        "srv": 1,
+        "w": 3,
+        "it": 7,
+        "b": 6,
+        "ep": 0,
+        "spec": PS_SPEC,
+    },
+    Kind.PULL: {
+        "job": "j",
+        "name": "ps",
+        "sh": 1,
+        "srv": 1,
+        "w": 3,
+        "c": 8,
+        "since": 6,
+        "ep": 0,
+        "spec": PS_SPEC,
+    },
+    Kind.PUSHED: {"job": "j", "name": "ps", "sh": 1, "srv": 1, "w": 3, "it": 7, "ver": 9, "ep": 0},
+    Kind.PULLED: {"job": "j", "name": "ps", "sh": 1, "srv": 1, "w": 3, "c": 8, "ver": 9, "ep": 0},
+    Kind.REPLICATE: {
+        "job": "j",
+        "name": "ps",
+        "sh": 1,
+        "srv": 1,
+        "rep": 0,
+        "ix": 1,
+        "entry": "push",
+        "w": 3,
+        "it": 7,
+        "b": 6,
+        "spec": PS_SPEC,
+    },
+    Kind.REPLICATED: {"job": "j", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ix": 1},
+}
+LONG = "x" * (frames.MAX_PS_REASON + 1)
+#: a spec whose ``n`` is keyed by bytes (msgpack allows such keys in a nested map)
+BYTES_KEYED_SPEC: dict[Any, Any] = {**without(PS_SPEC, "n"), b"n": 4}
+
+
+@pytest.mark.parametrize("kind", sorted(PS_META))
+def test_the_parameter_server_examples_are_well_formed(kind: Kind) -> None:
+    view = frames.parse(kind, PS_META[kind])
+    assert view.KIND is kind
+    assert view.to_meta() == PS_META[kind]
+
+
+def changed(kind: Kind, **fields: object) -> Meta:
+    """``kind``'s well-formed metadata with ``fields`` set (None: removed)."""
+    meta = {**PS_META[kind], **fields}
+    return {k: v for k, v in meta.items() if v is not None}
+
+
+def spec_with(**fields: object) -> Meta:
+    """A PUSH whose spec has ``fields`` set."""
+    return changed(Kind.PUSH, spec={**PS_SPEC, **fields})
+
+
+@pytest.mark.parametrize(
+    ("kind", "meta", "message"),
+    [
+        # the fields every parameter-server frame has
+        (Kind.PUSH, changed(Kind.PUSH, job=None), "'job'"),
+        (Kind.PULL, changed(Kind.PULL, job=7), "'job'"),
+        (Kind.PUSHED, changed(Kind.PUSHED, name=""), "'name'"),
+        (Kind.PULLED, changed(Kind.PULLED, name="n" * 201), "name of 201 characters"),
+        (Kind.REPLICATE, changed(Kind.REPLICATE, sh=-1), "'sh'"),
+        (Kind.REPLICATED, changed(Kind.REPLICATED, sh="1"), "'sh'"),
+        (Kind.PUSH, changed(Kind.PUSH, srv=frames.MAX_RANK + 1), "'srv'"),
+        (Kind.PULL, changed(Kind.PULL, srv=True), "'srv'"),
+        # each kind's own fields: wrong type, out of range, missing
+        (Kind.PUSH, changed(Kind.PUSH, w=-1), "'w'"),
+        (Kind.PUSH, changed(Kind.PUSH, it="7"), "'it'"),
+        (Kind.PUSH, changed(Kind.PUSH, b=-1), "'b'"),
+        (Kind.PUSH, changed(Kind.PUSH, ep=1.0), "'ep'"),
+        (Kind.PULL, changed(Kind.PULL, w=frames.MAX_RANK + 1), "'w'"),
+        (Kind.PULL, changed(Kind.PULL, c=-1), "'c'"),
+        (Kind.PULL, changed(Kind.PULL, since=None), "'since'"),
+        (Kind.PULL, changed(Kind.PULL, ep=False), "'ep'"),
+        (Kind.PUSHED, changed(Kind.PUSHED, it=-1), "'it'"),
+        (Kind.PUSHED, changed(Kind.PUSHED, ver=None), "'ver'"),
+        (Kind.PUSHED, changed(Kind.PUSHED, ep=2**63), "'ep'"),
+        (Kind.PULLED, changed(Kind.PULLED, w=None), "'w'"),
+        (Kind.PULLED, changed(Kind.PULLED, c="8"), "'c'"),
+        (Kind.PULLED, changed(Kind.PULLED, ver=-1), "'ver'"),
+        (Kind.REPLICATE, changed(Kind.REPLICATE, rep=-1), "'rep'"),
+        (Kind.REPLICATE, changed(Kind.REPLICATE, ix=0), "'ix'"),
+        (Kind.REPLICATE, changed(Kind.REPLICATE, w=None), "'w'"),
+        (Kind.REPLICATE, changed(Kind.REPLICATE, it=-1), "'it'"),
+        (Kind.REPLICATE, changed(Kind.REPLICATE, b="6"), "'b'"),
+        (Kind.REPLICATED, changed(Kind.REPLICATED, rep=None), "'rep'"),
+        (Kind.REPLICATED, changed(Kind.REPLICATED, ix=0), "'ix'"),
+        # a log entry of a kind the log does not hold
+        (Kind.REPLICATE, changed(Kind.REPLICATE, entry="apply"), "'entry'"),
+        (Kind.REPLICATE, changed(Kind.REPLICATE, entry=b"push"), "'entry'"),
+        (Kind.REPLICATE, changed(Kind.REPLICATE, entry=None), "'entry'"),
+        # reasons: a non-empty str, at most MAX_PS_REASON characters, absent rather than nil
+        (Kind.PUSHED, {**PS_META[Kind.PUSHED], "drop": LONG}, "'drop' of 1025 characters"),
+        (Kind.PUSHED, {**PS_META[Kind.PUSHED], "drop": None}, "'drop'"),
+        (Kind.PULLED, {**PS_META[Kind.PULLED], "error": LONG}, "'error' of 1025 characters"),
+        (Kind.PULLED, {**PS_META[Kind.PULLED], "error": ""}, "'error'"),
+        (Kind.REPLICATE, changed(Kind.REPLICATE, why=LONG), "'why' of 1025 characters"),
+        (Kind.REPLICATE, changed(Kind.REPLICATE, why=3), "'why'"),
+        # the spec: exactly its fields, each of its type and range
+        (Kind.PUSH, changed(Kind.PUSH, spec=None), "'spec' must be a map of n, size"),
+        (Kind.PULL, changed(Kind.PULL, spec=[PS_SPEC]), "'spec' must be a map"),
+        (
+            Kind.REPLICATE,
+            changed(Kind.REPLICATE, spec=without(PS_SPEC, "chunk")),
+            "'spec' must be a map",
+        ),
+        (Kind.PUSH, spec_with(extra=1), "'spec' must be a map"),
+        (
+            Kind.PUSH,
+            changed(Kind.PUSH, spec=BYTES_KEYED_SPEC),
+            "'spec' must be a map",
+        ),
+        (Kind.PUSH, spec_with(n=0), "'n'"),
+        (Kind.PUSH, spec_with(n=frames.MAX_RANK + 1), "'n'"),
+        (Kind.PUSH, spec_with(size=0), "'size'"),
+        (Kind.PUSH, spec_with(size=1.5), "'size'"),
+        (Kind.PUSH, spec_with(dtype=""), "'dtype'"),
+        (Kind.PUSH, spec_with(dtype=None), "'dtype'"),
+        (Kind.PUSH, spec_with(servers=[]), "servers must be a list of 1 to 4096 ranks"),
+        (Kind.PUSH, spec_with(servers=[0] * 4097), "servers must be a list"),
+        (Kind.PUSH, spec_with(servers=[0, -1]), "servers must be a list"),
+        (Kind.PUSH, spec_with(servers=[0, True]), "servers must be a list"),
+        (Kind.PUSH, spec_with(servers=[frames.MAX_RANK + 1]), "servers must be a list"),
+        (Kind.PUSH, spec_with(servers=3), "servers must be a list"),
+        (Kind.PUSH, spec_with(servers=None), "servers must be a list"),
+        (Kind.PUSH, spec_with(replicas=[1]), "replicas must be a list of ranks, none or one"),
+        (Kind.PUSH, spec_with(replicas=[1, 0, 2]), "replicas must be a list"),
+        (Kind.PUSH, spec_with(replicas=[1, None]), "replicas must be a list"),
+        (Kind.PUSH, spec_with(replicas=None), "replicas must be a list"),
+        (Kind.PUSH, spec_with(consistency=1), "'consistency'"),
+        (Kind.PUSH, spec_with(staleness=-1), "'staleness'"),
+        (Kind.PUSH, spec_with(delay_bound=-1), "'delay_bound'"),
+        (Kind.PUSH, spec_with(delay_bound="8"), "'delay_bound'"),
+        (Kind.PUSH, spec_with(chunk=0), "'chunk'"),
+        (Kind.PULL, changed(Kind.PULL, spec={**PS_SPEC, "chunk": None}), "'chunk'"),
+        (Kind.REPLICATE, changed(Kind.REPLICATE, spec={**PS_SPEC, "n": "4"}), "'n'"),
+    ],
+)
+def test_a_bad_parameter_server_field_is_a_remote_protocol_error(
+    kind: Kind, meta: Meta, message: str
+) -> None:
+    with pytest.raises(RemoteProtocolError, match=message):
+        frames.parse(kind, meta)
+
+
+def test_the_parameter_server_bounds_are_inclusive() -> None:
+    """The longest reason, the most servers, the largest ranks: accepted."""
+    most = list(range(frames.MAX_PS_SERVERS))
+    spec = {**PS_SPEC, "n": frames.MAX_RANK, "servers": most, "replicas": most[::-1]}
+    push = frames.parse(Kind.PUSH, changed(Kind.PUSH, w=frames.MAX_RANK, spec=spec))
+    assert isinstance(push, frames.Push)
+    assert push.worker == frames.MAX_RANK
+    assert push.spec == spec
+    reason = "x" * frames.MAX_PS_REASON
+    pushed = frames.parse(Kind.PUSHED, {**PS_META[Kind.PUSHED], "drop": reason})
+    assert isinstance(pushed, frames.Pushed)
+    assert pushed.dropped == reason
+
+
+def test_a_parsed_spec_is_a_copy_of_its_fields() -> None:
+    """The view's spec holds the checked fields only, in a map of its own."""
+    meta = changed(Kind.PULL)
+    view = frames.parse(Kind.PULL, meta)
+    assert isinstance(view, frames.Pull)
+    assert view.spec == PS_SPEC
+    assert view.spec is not meta["spec"]
+    assert tuple(view.spec) == frames.PS_SPEC_FIELDS
+
+
+def test_payload_frames_are_routed_by_the_node_on_their_channel() -> None:
+    """Every frame whose payload a service places has a channel at the node, every bulk kind
+    but WRITE (which the transport handles) goes on the data link, and nothing else does."""
+    from fabricd.daemon import node
+    from fabricd.engines.handshake import Channel
+
+    payload_kinds = {view.KIND for view in get_args(frames.PayloadFrame)}
+    assert payload_kinds == set(node._PAYLOAD_CHANNEL)
+    data = {kind for kind, channel in node._PAYLOAD_CHANNEL.items() if channel is Channel.DATA}
+    assert data == node._DATA_KINDS == BULK_KINDS - {Kind.WRITE}

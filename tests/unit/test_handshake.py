@@ -143,7 +143,7 @@ def test_both_sides_agree_on_who_is_on_the_other_end(channel: Channel) -> None:
 
 
 def test_frames_keep_their_wire_layout() -> None:
-    """The same keys, values and order as every release of protocol 5 sends: peers interoperate."""
+    """The same keys, values and order as every release of protocol 6 sends: peers interoperate."""
     init, acc = initiator(), acceptor()
     acc.start()
     (hello,) = init.start()
@@ -154,12 +154,12 @@ def test_frames_keep_their_wire_layout() -> None:
     i_nonce, a_nonce = b"i" * NONCE_SIZE, b"a" * NONCE_SIZE
     assert isinstance(answer.frame, frames.Hello)
     assert isinstance(auth.frame, frames.Auth)
-    ids = {"v": 5, "node": 0, "inc": 7, "nonce": i_nonce, "sealed_data": False}
+    ids = {"v": 6, "node": 0, "inc": 7, "nonce": i_nonce, "sealed_data": False}
     assert sent == [
         encode(Kind.HELLO, {**ids, "channel": "control"}),
         encode(
             Kind.HELLO,
-            {"v": 5, "node": 1, "inc": 9, "nonce": a_nonce, "sealed_data": False}
+            {"v": 6, "node": 1, "inc": 9, "nonce": a_nonce, "sealed_data": False}
             | {"mac": answer.frame.mac},
         ),
         encode(Kind.AUTH, {"mac": auth.frame.mac}),

@@ -48,6 +48,19 @@ SPEC = {
     "nbytes": 4096,
 }
 
+#: a parameter server's spec, as PUSH, PULL and REPLICATE frames carry it
+PS_SPEC = {
+    "n": 4,
+    "size": 1_000_000,
+    "dtype": "float32",
+    "servers": [0, 1],
+    "replicas": [1, 0],
+    "consistency": "ssp",
+    "staleness": 2,
+    "delay_bound": None,
+    "chunk": 1,
+}
+
 #: the documented header: magic, version u8, kind u8, flags u16, meta_len u32, payload_len u64
 LAYOUT = struct.Struct(">4sBBHIQ")
 
@@ -179,6 +192,64 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
     Kind.UPDATE: {"job": "demo", "name": "svm", "src": 1, "dst": 2, "r": 3, "spec": SPEC},
     Kind.NOTIFY: {"job": "demo", "name": "svm", "src": 1, "dst": 2, "r": 3, "t": 0, "spec": SPEC},
     Kind.ACK: {"job": "demo", "name": "svm", "src": 2, "dst": 1, "r": 3},
+    Kind.PUSH: {
+        "job": "demo",
+        "name": "ps",
+        "sh": 1,
+        "srv": 1,
+        "w": 3,
+        "it": 7,
+        "b": 6,
+        "ep": 0,
+        "spec": PS_SPEC,
+    },
+    Kind.PULL: {
+        "job": "demo",
+        "name": "ps",
+        "sh": 1,
+        "srv": 1,
+        "w": 3,
+        "c": 8,
+        "since": 6,
+        "ep": 0,
+        "spec": PS_SPEC,
+    },
+    Kind.PUSHED: {
+        "job": "demo",
+        "name": "ps",
+        "sh": 1,
+        "srv": 1,
+        "w": 3,
+        "it": 7,
+        "ver": 9,
+        "ep": 0,
+        "drop": "delay",
+    },
+    Kind.PULLED: {
+        "job": "demo",
+        "name": "ps",
+        "sh": 1,
+        "srv": 1,
+        "w": 3,
+        "c": 8,
+        "ver": 9,
+        "ep": 0,
+        "error": "not this epoch's server",
+    },
+    Kind.REPLICATE: {
+        "job": "demo",
+        "name": "ps",
+        "sh": 1,
+        "srv": 1,
+        "rep": 0,
+        "ix": 12,
+        "entry": "push",
+        "w": 3,
+        "it": 7,
+        "b": 6,
+        "spec": PS_SPEC,
+    },
+    Kind.REPLICATED: {"job": "demo", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ix": 12},
     Kind.REQUEST: {
         "id": 1,
         "op": "send",
@@ -227,8 +298,8 @@ def test_header_layout_is_as_documented() -> None:
     data = encode(Kind.RTS, {"a": 1}, b"xyz")
     assert HEADER_SIZE == 20
     assert MAGIC == b"FBRC"
-    assert PROTOCOL_VERSION == 5
-    assert data[:20] == b"FBRC" + bytes([5, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
+    assert PROTOCOL_VERSION == 6
+    assert data[:20] == b"FBRC" + bytes([6, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
         3
     ).to_bytes(8, "big")
     assert data[20:24] == b"\x81\xa1a\x01"
@@ -236,7 +307,7 @@ def test_header_layout_is_as_documented() -> None:
 
 
 def test_the_example_in_protocol_md() -> None:
-    documented = "46 42 52 43 05 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
+    documented = "46 42 52 43 06 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
     assert encode(Kind.CTS, {"msg": 1}) == bytes.fromhex(documented)
 
 
@@ -259,6 +330,12 @@ def test_kind_numbers_are_stable() -> None:
         "UPDATE": 15,
         "NOTIFY": 16,
         "ACK": 17,
+        "PUSH": 18,
+        "PULL": 19,
+        "PUSHED": 20,
+        "PULLED": 21,
+        "REPLICATE": 22,
+        "REPLICATED": 23,
         "REQUEST": 32,
         "REPLY": 33,
         "EVENT": 34,
@@ -558,7 +635,7 @@ def test_client_socket_limits() -> None:
 # -- malformed headers ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 18, 31, 35, 255])
+@pytest.mark.parametrize("kind", [0, 24, 31, 35, 255])
 def test_unknown_kind(kind: int) -> None:
     assert_rejected(header(kind, 1) + b"\x80", match=f"unknown frame kind {kind}")
 
@@ -582,7 +659,7 @@ def test_a_prefix_of_the_magic_waits_for_more() -> None:
         assert decoder.next_event() is NEED_DATA
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 5, 255])
 def test_wrong_version(version: int) -> None:
     assert_rejected(header(version=version) + b"\x80", match=f"protocol version {version}")
 
