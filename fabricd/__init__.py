@@ -13,7 +13,17 @@ Every error fabricd raises on purpose is a :class:`FabricError`.
 
 from __future__ import annotations
 
-from fabricd.client import Client, Completion, Event, Handle, Result, connect
+from fabricd.client import (
+    Client,
+    Completion,
+    Event,
+    FilterSettings,
+    Handle,
+    ParameterServer,
+    PushResult,
+    Result,
+    connect,
+)
 from fabricd.errors import (
     ConfigError,
     DaemonUnavailable,
@@ -37,11 +47,14 @@ __all__ = [
     "DaemonUnavailable",
     "Event",
     "FabricError",
+    "FilterSettings",
     "Handle",
     "OperationFailed",
+    "ParameterServer",
     "PeerFailed",
     "PermissionDenied",
     "ProtocolError",
+    "PushResult",
     "RemoteProtocolError",
     "Result",
     "Timeout",

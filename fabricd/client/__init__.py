@@ -20,7 +20,7 @@ Layers, one module each:
   :mod:`~fabricd.client.collectives` (``fab.collectives``; ``fab.allreduce``, ``fab.broadcast``,
   ``fab.barrier`` and ``fab.sync_model`` are its shortcuts) and
   :mod:`~fabricd.client.stochastic` (``fab.graphs``; ``fab.stochastic_reduce`` is its
-  shortcut);
+  shortcut) and :mod:`~fabricd.client.ps` (``fab.parameter_server()`` opens a model);
 * :mod:`~fabricd.client.checks`: every argument is checked before anything is sent.
 
 The client is synchronous and thread-safe, with no thread of its own: one waiting thread at a
@@ -38,6 +38,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from fabricd.client import checks
 from fabricd.client.arrays import SharedArrays
 from fabricd.client.collectives import Collectives, Mode, Op, Result
@@ -45,7 +47,9 @@ from fabricd.client.connection import Connection
 from fabricd.client.handle import Handle
 from fabricd.client.p2p import Completion, PointToPoint, Wait
 from fabricd.client.protocol import Event
+from fabricd.client.ps import ParameterServer, PushResult, open_request
 from fabricd.client.stochastic import ReduceResult, StochasticReduce, Sync
+from fabricd.engines.ps_filters import FilterSettings
 from fabricd.errors import DaemonUnavailable, Timeout, UsageError
 from fabricd.ipc import socket_candidates
 
@@ -53,11 +57,20 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
     from types import TracebackType
 
-    import numpy as np
-
     from fabricd.wire import Meta
 
-__all__ = ["Client", "Completion", "Event", "Handle", "ReduceResult", "Result", "connect"]
+__all__ = [
+    "Client",
+    "Completion",
+    "Event",
+    "FilterSettings",
+    "Handle",
+    "ParameterServer",
+    "PushResult",
+    "ReduceResult",
+    "Result",
+    "connect",
+]
 
 
 class Client:
@@ -249,6 +262,80 @@ class Client:
             edges=edges,
             name=name,
             timeout=timeout,
+        )
+
+    # -- parameter server -------------------------------------------------------------------
+    def parameter_server(
+        self,
+        name: str,
+        shape: int | Sequence[int],
+        dtype: Any = "float32",
+        role: str = "worker",
+        *,
+        servers: Sequence[int] = (0,),
+        replicas: Sequence[int] = (),
+        consistency: str = "async",
+        staleness: int = 0,
+        delay_bound: int | None = None,
+        update_rule: Any = "sum",
+        lr: float | None = None,
+        momentum: float | None = None,
+        filters: FilterSettings | None = None,
+        chunk: int = 1,
+        seed: int = 0,
+        initial: np.ndarray[Any, Any] | None = None,
+        timeout: float | None = 30.0,
+    ) -> ParameterServer:
+        """Open parameter-server model ``name`` as a ``"worker"``, ``"server"`` or
+        ``"replica"`` of it (:mod:`fabricd.client.ps`; MLfabric §2, Table 1; TDF §III).
+
+        ``servers``: the server ranks, one per key-range shard; ``replicas``: none, or one
+        rank per server that takes over if it dies.  ``initial`` (servers and replicas: the
+        same on each): the starting model, a ``fab.array()``; zeros if omitted.  ``filters``:
+        TDF's filters (:class:`FilterSettings`, all off by default); ``seed`` seeds G-RP.
+
+        Raises:
+            UsageError: a bad argument, a rank whose role does not match ``servers`` and
+                ``replicas``, or a spec unlike the one this model was opened with.
+            OperationFailed: code ``limit``: a shard larger than ``max_payload``.
+        """
+        dims = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
+        if not dims or not all(isinstance(d, int | np.integer) and d > 0 for d in dims):
+            raise UsageError(f"shape is ints > 0, not {shape!r}")
+        dt = np.dtype(dtype)
+        fields = open_request(
+            name=name,
+            shape=tuple(int(d) for d in dims),
+            dtype=dt,
+            role=role,
+            servers=servers,
+            replicas=replicas,
+            consistency=consistency,
+            staleness=staleness,
+            delay_bound=delay_bound,
+            update_rule=update_rule,
+            lr=lr,
+            momentum=momentum,
+            filters=filters,
+            chunk=chunk,
+            seed=seed,
+        )
+        if initial is not None:
+            if role == "worker":
+                raise UsageError("initial= is for servers and replicas: workers pull the model")
+            if initial.dtype != dt or initial.size != fields["size"]:
+                raise UsageError(f"initial must hold {fields['size']} elements of {dt}")
+            seg, offset = self._arrays.locate(initial)
+            fields.update(seg=seg, off=offset, nbytes=initial.nbytes)
+        reply = self._call("ps_open", timeout=timeout, **fields)
+        return ParameterServer(
+            self._connection,
+            self._arrays,
+            name=name,
+            role=role,  # type: ignore[arg-type]
+            shape=tuple(int(d) for d in dims),
+            dtype=dt,
+            reply=reply,
         )
 
     # -- control ----------------------------------------------------------------------------

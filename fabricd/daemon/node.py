@@ -42,6 +42,7 @@ from fabricd.daemon.metrics_http import MetricsServer
 from fabricd.daemon.node_metrics import DaemonCollector
 from fabricd.daemon.p2p_service import P2PService
 from fabricd.daemon.peering_service import HandshakeSettings, PeeringService
+from fabricd.daemon.ps_service import PSService
 from fabricd.daemon.sdnotify import Notifier
 from fabricd.daemon.segments import SegmentLimits, SegmentTable
 from fabricd.daemon.service import BaseService, Request, check_claims
@@ -96,10 +97,15 @@ _PAYLOAD_CHANNEL: Final = {
     Kind.DATA: Channel.DATA,
     Kind.COLL: Channel.DATA,
     Kind.UPDATE: Channel.DATA,
+    Kind.PUSH: Channel.DATA,
+    Kind.PULLED: Channel.DATA,
+    Kind.REPLICATE: Channel.DATA,
     Kind.EAGER: Channel.CONTROL,
 }
 #: the kinds the data link carries, and only it
-_DATA_KINDS: Final = frozenset({Kind.DATA, Kind.COLL, Kind.UPDATE})
+_DATA_KINDS: Final = frozenset(
+    {Kind.DATA, Kind.COLL, Kind.UPDATE, Kind.PUSH, Kind.PULLED, Kind.REPLICATE}
+)
 #: requests the node answers itself: they concern the session, not an engine
 _NODE_OPS: Final = frozenset({"attach", "detach", "status", "config", "stalls"})
 #: the most rows a ``stalls`` reply carries (the oldest; ~300 B each, a reply may be 4 MiB)
@@ -109,8 +115,8 @@ _LAG_PROBE_INTERVAL: Final = 1.0
 
 
 def default_services(daemon: Daemon) -> list[Service]:
-    """Membership, point-to-point messaging, collectives and stochastic reduce: the services
-    every daemon runs."""
+    """Membership, point-to-point messaging, collectives, stochastic reduce and parameter
+    servers: the services every daemon runs."""
     membership = MembershipService(daemon)
     p2p = P2PService(
         daemon,
@@ -122,7 +128,8 @@ def default_services(daemon: Daemon) -> list[Service]:
         daemon, membership=membership.engine, peers=daemon.peering.engine.peers
     )
     reduces = GraphService(daemon, membership=membership.engine, peers=daemon.peering.engine.peers)
-    return [membership, p2p, collectives, reduces]
+    servers = PSService(daemon, membership=membership.engine)
+    return [membership, p2p, collectives, reduces, servers]
 
 
 class Daemon:
@@ -390,7 +397,7 @@ class Daemon:
             )
             raise RemoteProtocolError(f"no service handles {head.kind.name} frames")
         chunk = frames.parse(head.kind, head.meta)
-        assert isinstance(chunk, frames.Data | frames.Eager | frames.Coll | frames.Update)
+        assert isinstance(chunk, frames.PayloadFrame)
         # the whole frame comes next, with this same metadata (and, if dropped, no payload)
         self._chunks[link] = (head.meta, chunk, head.payload_len)
         buffer = service.payload_buffer(node, chunk, head.payload_len)
@@ -418,7 +425,7 @@ class Daemon:
             view, length = cached[1], cached[2]
         else:  # a frame with no payload: nothing was cached for it
             view, length = frames.parse(frame.kind, frame.meta), len(frame.payload)
-        if isinstance(view, frames.Data | frames.Eager | frames.Coll | frames.Update):
+        if isinstance(view, frames.PayloadFrame):
             service.on_data(node, view, length, now)
         else:
             service.on_frame(node, view, now)

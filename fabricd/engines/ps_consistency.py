@@ -361,13 +361,7 @@ class Coordinator:
                 iteration pushed before (or older than one pushed), or (BSP, SSP) one that
                 skips an iteration or runs too far ahead (module docstring).
         """
-        self._known(worker)
-        if not 0 <= base <= self._version:
-            raise RemoteProtocolError(
-                f"worker {worker} pushed an update computed from version {base}; "
-                f"the model is at version {self._version}"
-            )
-        self._check_iteration(worker, iteration)
+        self.check_push(worker, iteration, base)
         self._next[worker] = iteration + 1
         delay = self._version - base
         if worker not in self._live:
@@ -382,6 +376,21 @@ class Coordinator:
             out = [self._apply(iteration, {worker: (base, values)})]
             self._advance()
         return out + self._release()
+
+    def check_push(self, worker: int, iteration: int, base: int) -> None:
+        """Raise as :meth:`push` would for this push, changing nothing: a server that logs a
+        push (to replicate it) before it applies it refuses a malformed one first.
+
+        Raises:
+            RemoteProtocolError: as :meth:`push`.
+        """
+        self._known(worker)
+        if not 0 <= base <= self._version:
+            raise RemoteProtocolError(
+                f"worker {worker} pushed an update computed from version {base}; "
+                f"the model is at version {self._version}"
+            )
+        self._check_iteration(worker, iteration)
 
     def pull(self, worker: int, clock: int, since: int, now: float) -> list[Action]:
         """Worker ``worker``, at clock ``clock``, asks for the model; it holds version
@@ -444,6 +453,16 @@ class Coordinator:
     def complete(self) -> int:
         """Every live worker's updates of iterations below this are applied."""
         return self._complete
+
+    def held(self, worker: int) -> int | None:
+        """The clock of ``worker``'s held pull, if one is held."""
+        held = self._held.get(worker)
+        return None if held is None else held.clock
+
+    def clock(self, worker: int) -> int:
+        """``worker``'s clock: the iteration it pushes next (0 before its first push)."""
+        self._known(worker)
+        return self._next[worker]
 
     @property
     def live(self) -> frozenset[int]:

@@ -1,0 +1,316 @@
+"""The parameter-server facet: push updates, pull the model (MLfabric Table 1; TDF §III).
+
+>>> ps = fab.parameter_server("model", (n,), "float32", role="worker", servers=[0],
+...                           consistency="ssp", staleness=4)
+>>> version = ps.pull(out=w)          # w: the model, only what changed since w's version moves
+>>> ps.push(grad)                     # the server applies it with its update rule
+
+Every rank of the job opens the model with the same ``name``, ``shape``, ``dtype``,
+``servers``, ``replicas``, ``consistency``, ``staleness``, ``delay_bound`` and ``chunk``; the
+ranks in ``servers`` (one per key-range shard) open it with ``role="server"``, those in
+``replicas`` (one per server, optional) with ``role="replica"``, every other rank is a worker.
+A server's or replica's state lives in its daemon for as long as its process keeps the
+connection: the process opens the model and stays (:meth:`ParameterServer.serve`).
+
+Consistency (:mod:`fabricd.engines.ps_consistency`): ``"bsp"`` (an iteration is applied once
+every worker pushed it; a push returns once applied), ``"ssp"`` with ``staleness=s`` (a pull
+waits until the model lacks at most the last ``s`` iterations of any worker), ``"async"``
+(applied on arrival; with ``delay_bound=tau_max`` an update more than ``tau_max`` versions
+stale is dropped, at the worker when it can tell, and counted).
+
+Filters (:class:`~fabricd.engines.ps_filters.FilterSettings`, all off by default): G-SMP, G-RP
+and G-LNP on the workers' pushes, P-SMP (TDF's, or the lossless publish mode) and P-LNP on the
+servers' pulls.  ``update_rule``: ``"sum"`` (``w += u``) or ``"sgd"`` with ``lr`` and
+``momentum`` (the pushed update is a gradient; MLfabric eq. 2).
+
+Failover: with replicas, a server that dies is replaced by its replica; the calls in flight
+complete there (nothing acknowledged is lost, versions never go back) and the client gets a
+``ps_epoch`` event (:meth:`~fabricd.client.Client.poll`); :attr:`ParameterServer.epochs` says
+which shards changed hands.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import numpy as np
+
+from fabricd.client.handle import Handle
+from fabricd.engines.ps_filters import FilterSettings
+from fabricd.errors import UsageError
+from fabricd.frames import MAX_COLLECTIVE_NAME
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from fabricd.client.arrays import SharedArrays
+    from fabricd.client.connection import Connection
+    from fabricd.wire import Meta
+
+Role = Literal["worker", "server", "replica"]
+Consistency = Literal["async", "bsp", "ssp"]
+ROLES: Final = ("worker", "server", "replica")
+CONSISTENCIES: Final = ("async", "bsp", "ssp")
+DTYPES: Final = ("float16", "float32", "float64")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushResult:
+    """What a push returns: its ``iteration`` (the worker's clock before it), each shard's
+    model version after processing it, why shards did not apply it (``dropped``: the delay
+    bound, at the worker or the server), and each shard's epoch."""
+
+    iteration: int
+    versions: tuple[int, ...]
+    dropped: tuple[str, ...]
+    epochs: tuple[int, ...]
+
+
+class ParameterServer:
+    """One rank's handle on a parameter-server model (module docstring).
+
+    Attributes:
+        name, role, shape, dtype: as opened.
+        shards: how many servers the model is split over; ``bounds``: each shard's
+            ``[lo, hi)`` range of the flattened model.
+        epochs: per shard, 0 while its first server serves it, 1 once its replica took over.
+    """
+
+    def __init__(
+        self,
+        connection: Connection,
+        arrays: SharedArrays,
+        *,
+        name: str,
+        role: Role,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        reply: Meta,
+    ) -> None:
+        self._connection = connection
+        self._arrays = arrays
+        self.name = name
+        self.role = role
+        self.shape = shape
+        self.dtype = dtype
+        self.size = int(np.prod(shape))
+        self.bounds: list[tuple[int, int]] = [(int(a), int(b)) for a, b in reply["bounds"]]
+        self.shards = int(reply["shards"])
+        self.epochs: tuple[int, ...] = (0,) * self.shards
+        self._staging: np.ndarray[Any, Any] | None = None
+
+    # -- worker ---------------------------------------------------------------------------
+    def push(
+        self,
+        update: np.ndarray[Any, Any],
+        norm: float | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> PushResult:
+        """Push ``update`` (the model's shape and dtype) as this worker's next iteration;
+        returns once every shard processed it (under BSP: once the iteration was applied).
+
+        ``norm``: the update's norm (MLfabric's ``push(update, norm)``), checked and carried
+        for the network-aware ordering of a later release; ``None`` is fine.
+
+        Raises:
+            UsageError: not a worker, a wrong shape or dtype, a NaN or an infinity, a push
+                or pull still open.
+            PeerFailed: a shard has no server any more.
+        """
+        return self.push_async(update, norm).wait(timeout)
+
+    def push_async(
+        self, update: np.ndarray[Any, Any], norm: float | None = None
+    ) -> Handle[PushResult]:
+        """Start a push; ``update`` may be reused once the handle's ``wait()`` returned."""
+        self._worker_only("push")
+        if norm is not None and (
+            isinstance(norm, bool)
+            or not isinstance(norm, int | float)
+            or not math.isfinite(norm)
+            or norm < 0
+        ):
+            raise UsageError(f"norm is a finite number >= 0 or None, not {norm!r}")
+        array = self._shared(update, "update", copy_in=True)
+        call = self._connection.submit(
+            "ps_push", self._where(array), what=f"push to parameter server {self.name!r}"
+        )
+        return Handle(self._connection, call, self._pushed)
+
+    def pull(self, out: np.ndarray[Any, Any], *, timeout: float | None = None) -> int:
+        """Bring ``out`` (the model's shape and dtype) up to date with the model and return
+        its version (the least of its shards' versions).  Only what changed since ``out``'s
+        last pull travels, when ``out`` is a ``fab.array()``; any other array is filled from
+        a shared copy.
+
+        Raises:
+            UsageError: not a worker, a wrong shape or dtype, a push or pull still open.
+            PeerFailed: a shard has no server any more, or refused this worker.
+        """
+        target = self._shared(out, "out", copy_in=False)
+        version = self._pull(target).wait(timeout)
+        if target is not out:
+            np.copyto(out, target.reshape(out.shape))
+        return version
+
+    def pull_async(self, out: np.ndarray[Any, Any]) -> Handle[int]:
+        """Start a pull into ``out``, a ``fab.array()`` of the model's shape and dtype, which
+        must be left alone until the handle's ``wait()`` returns the version."""
+        target = self._shared(out, "out", copy_in=False)
+        if target is not out:
+            raise UsageError("pull_async writes into out itself: make it with fab.array()")
+        return self._pull(target)
+
+    def _pull(self, target: np.ndarray[Any, Any]) -> Handle[int]:
+        self._worker_only("pull")
+        if not target.flags.writeable:
+            raise UsageError("pull writes the model into out: not a read-only array")
+        call = self._connection.submit(
+            "ps_pull", self._where(target), what=f"pull from parameter server {self.name!r}"
+        )
+        return Handle(self._connection, call, self._pulled)
+
+    # -- server ---------------------------------------------------------------------------
+    def serve(self, duration: float | None = None, *, poll: float = 0.5) -> None:
+        """Keep this server or replica serving for ``duration`` seconds (``None``: until the
+        connection ends).  The daemon does the work; this process only has to stay.  Events
+        the daemon pushes meanwhile are read and dropped.
+
+        Raises:
+            DaemonUnavailable: the daemon went away (the shard's state went with it).
+        """
+        if self.role == "worker":
+            raise UsageError("serve() is for a server or replica; workers push and pull")
+        end = None if duration is None else time.monotonic() + duration
+        while end is None or time.monotonic() < end:
+            wait = poll if end is None else max(0.0, min(poll, end - time.monotonic()))
+            self._connection.poll(wait)  # raises DaemonUnavailable once the daemon is gone
+
+    # -- internals ------------------------------------------------------------------------
+    def _worker_only(self, what: str) -> None:
+        if self.role != "worker":
+            raise UsageError(
+                f"{what} is for workers; this rank opened {self.name!r} as {self.role}"
+            )
+
+    def _shared(self, array: object, what: str, *, copy_in: bool) -> np.ndarray[Any, Any]:
+        """``array`` if it is a whole ``fab.array()`` of the model, else a shared staging copy."""
+        if not isinstance(array, np.ndarray):
+            raise UsageError(f"{what} is a numpy array, not {type(array).__name__}")
+        if array.dtype != self.dtype or array.size != self.size:
+            raise UsageError(
+                f"{what} must hold {self.size} elements of {self.dtype} ({self.shape}), not "
+                f"{array.size} of {array.dtype} {array.shape}"
+            )
+        try:
+            self._arrays.locate(array)
+            if array.flags.c_contiguous:
+                return array
+        except UsageError:
+            pass
+        if self._staging is None:
+            self._staging = self._arrays.create(f"ps:{self.name}", (self.size,), self.dtype.name)
+        if copy_in:
+            np.copyto(self._staging, array.reshape(-1))
+        return self._staging
+
+    def _where(self, array: np.ndarray[Any, Any]) -> Meta:
+        seg, offset = self._arrays.locate(array)
+        return {
+            "name": self.name,
+            "seg": seg,
+            "off": offset,
+            "nbytes": array.nbytes,
+            "dtype": array.dtype.name,
+        }
+
+    def _pushed(self, reply: Meta) -> PushResult:
+        self.epochs = tuple(int(e) for e in reply["epochs"])
+        return PushResult(
+            iteration=int(reply["iteration"]),
+            versions=tuple(int(v) for v in reply["versions"]),
+            dropped=tuple(str(d) for d in reply["dropped"]),
+            epochs=self.epochs,
+        )
+
+    def _pulled(self, reply: Meta) -> int:
+        self.epochs = tuple(int(e) for e in reply["epochs"])
+        return int(reply["version"])
+
+
+def open_request(
+    *,
+    name: object,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    role: object,
+    servers: Sequence[int],
+    replicas: Sequence[int],
+    consistency: object,
+    staleness: object,
+    delay_bound: object,
+    update_rule: object,
+    lr: object,
+    momentum: object,
+    filters: FilterSettings | None,
+    chunk: object,
+    seed: object,
+) -> Meta:
+    """The ``ps_open`` request's fields, every argument checked first."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_COLLECTIVE_NAME:
+        raise UsageError(f"a parameter server name is a str of 1 to {MAX_COLLECTIVE_NAME} chars")
+    if role not in ROLES:
+        raise UsageError(f"role must be one of {', '.join(map(repr, ROLES))}, not {role!r}")
+    if consistency not in CONSISTENCIES:
+        raise UsageError(
+            f"consistency must be one of {', '.join(map(repr, CONSISTENCIES))}, not {consistency!r}"
+        )
+    if dtype.name not in DTYPES:
+        raise UsageError(f"a parameter server holds {', '.join(DTYPES)}, not {dtype}")
+    for what, value, low in (("staleness", staleness, 0), ("chunk", chunk, 1), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise UsageError(f"{what} must be an int >= {low}, not {value!r}")
+    if delay_bound is not None and (
+        isinstance(delay_bound, bool) or not isinstance(delay_bound, int) or delay_bound < 0
+    ):
+        raise UsageError(f"delay_bound (tau_max) must be an int >= 0 or None, not {delay_bound!r}")
+    if callable(update_rule):
+        raise UsageError(
+            "an update callback runs in the server's own process, which this release does not "
+            "support yet: use update_rule='sum' (push the step) or 'sgd' with lr= and momentum="
+        )
+    if update_rule not in ("sum", "sgd"):
+        raise UsageError(f"update_rule must be 'sum' or 'sgd', not {update_rule!r}")
+    for what, value in (("lr", lr), ("momentum", momentum)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise UsageError(f"{what} must be a number, not {value!r}")
+    if filters is not None and not isinstance(filters, FilterSettings):
+        raise UsageError("filters must be a fabricd.FilterSettings")
+    ranks = []
+    for what, seq in (("servers", servers), ("replicas", replicas)):
+        if isinstance(seq, str | bytes) or not all(
+            isinstance(r, int | np.integer) and not isinstance(r, bool) for r in seq
+        ):
+            raise UsageError(f"{what} must be a sequence of ranks (ints), not {seq!r}")
+        ranks.append([int(r) for r in seq])
+    return {
+        "name": name,
+        "role": role,
+        "size": int(np.prod(shape)),
+        "dtype": dtype.name,
+        "servers": ranks[0],
+        "replicas": ranks[1],
+        "consistency": consistency,
+        "staleness": staleness,
+        "delay_bound": delay_bound,
+        "chunk": chunk,
+        "seed": seed,
+        "rule": update_rule,
+        "lr": None if lr is None else float(lr),  # type: ignore[arg-type]
+        "momentum": None if momentum is None else float(momentum),  # type: ignore[arg-type]
+        "filters": None if filters is None else asdict(filters),
+    }

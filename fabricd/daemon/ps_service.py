@@ -1,0 +1,1193 @@
+"""The parameter-server service: ``ps_open``, ``ps_push`` and ``ps_pull`` requests, and the
+PUSH, PULL, PUSHED, PULLED, REPLICATE and REPLICATED frames.
+
+Drives :mod:`fabricd.engines.ps_worker` (one :class:`~fabricd.engines.ps_worker.Worker` per
+local worker rank of a model) and :mod:`fabricd.engines.ps_server` (one
+:class:`~fabricd.engines.ps_server.ShardServer` per local server or replica rank).  A model is
+named by (job, name); every rank of the job opens it with the same *spec* (size, dtype, the
+server ranks, one per key-range shard, and their replica ranks, consistency, staleness, delay
+bound, chunk); the job's other ranks are its workers.
+
+The data plane: a push travels to each shard's server as one PUSH frame on the data link (the
+filtered update, :mod:`fabricd.engines.ps_push`), a pull as a PULL on the control link, its
+answer as a PULLED on the data link (the changed parameters, :mod:`fabricd.engines.ps_storage`),
+applied by the worker's daemon straight into the worker's array (its cache); the ack of a
+processed push is a PUSHED on the control link.  A primary forwards each entry to its replica
+as a REPLICATE (data) and processes it once the replica's REPLICATED says it is logged.
+Between ranks of one node the frames are handed over in memory, in the same order.
+
+Faults: after a reset of a peer's links every unacknowledged push, unanswered pull and
+unconfirmed replication entry to it is sent again, and the servers recognise what they took
+already (exactly once: ``fabricd.engines.ps_server``).  A server rank that leaves (its process
+ended, or its node was down longer than ``down_after``) is replaced by its replica, one epoch
+later: local workers send the replica what is in flight, their clients hear ``ps_epoch``; a
+shard with no replica fails its workers' calls with ``peer_failed``.  A worker that leaves is
+lost to the model's coordinators (BSP and SSP stop waiting for it).  A server's state lives as
+long as its process: the shard's process is its owner.
+
+Frames for a model whose server has not opened it yet are held (at most ``_MAX_EARLY``, each
+``route_timeout`` long), then answered with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from fabricd import frames
+from fabricd.daemon.data_queues import DataQueues
+from fabricd.daemon.logs import RateLimitedLog
+from fabricd.daemon.metrics import OperationStats, counter, gauge
+from fabricd.daemon.service import BaseService
+from fabricd.engines import ps_push
+from fabricd.engines.actions import Failure
+from fabricd.engines.membership import RankJoined, RankLeft
+from fabricd.engines.ps_consistency import (
+    CONSISTENCIES,
+    DELAY_BUCKETS,
+    Consistency,
+    update_rule,
+)
+from fabricd.engines.ps_filters import DTYPES, FilterSettings
+from fabricd.engines.ps_server import (
+    LOSE,
+    PUSH,
+    Acked,
+    Answer,
+    Entry,
+    Forward,
+    Logged,
+    Refuse,
+    ShardServer,
+)
+from fabricd.engines.ps_storage import HEADER as PULL_HEADER
+from fabricd.engines.ps_worker import (
+    PullDone,
+    PullFailed,
+    PushDone,
+    SendPull,
+    SendPush,
+    Worker,
+    shard_bounds,
+)
+from fabricd.errors import (
+    ErrorCode,
+    OperationFailed,
+    RemoteProtocolError,
+    UsageError,
+)
+from fabricd.frames import MAX_COLLECTIVE_NAME, MAX_RANK
+from fabricd.wire import Kind, Meta, get_int, get_str
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from prometheus_client.metrics_core import Metric
+
+    from fabricd.daemon.service import Host, Request
+    from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.membership import Membership, RankEvent
+    from fabricd.engines.ps_server import Action as ServerAction
+    from fabricd.engines.ps_worker import Action as WorkerAction
+
+log = logging.getLogger("fabricd.ps")
+remote_log = RateLimitedLog(log)
+
+Key = tuple[str, str]  #: (job, model name)
+ROLES: Final = ("worker", "server", "replica")
+#: frames held for models not opened here yet, at most
+_MAX_EARLY: Final = 1024
+_MAX_SERVERS: Final = 4096
+_FILTER_FIELDS: Final = tuple(FilterSettings.__dataclass_fields__)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Call:
+    """A worker's push or pull the engine holds: whom to answer."""
+
+    session: ClientSession
+    request: int
+    started: float
+    op: str
+
+
+@dataclass(slots=True, kw_only=True)
+class _WorkerSide:
+    """A local worker rank of a model."""
+
+    session: ClientSession
+    engine: Worker
+    call: _Call | None = None
+    out: np.ndarray[Any, Any] | None = None  #: the pull's target (the cache)
+    cache_key: tuple[int, int, int] | None = None  #: (seg, off, nbytes) of the last pull's
+
+
+@dataclass(slots=True, kw_only=True)
+class _Model:
+    spec: Meta
+    bounds: list[tuple[int, int]]
+    workers: tuple[int, ...]
+    servers: dict[int, ShardServer] = field(default_factory=dict)  #: local shards
+    owners: dict[int, ClientSession] = field(default_factory=dict)  #: their processes
+    local_workers: dict[int, _WorkerSide] = field(default_factory=dict)
+    epochs: dict[int, int] = field(default_factory=dict)  #: shard -> epoch, as workers see it
+    failed: dict[int, str] = field(default_factory=dict)  #: shards nobody serves any more
+
+    def target(self, shard: int) -> int:
+        """The rank serving ``shard`` now."""
+        if self.epochs.get(shard, 0):
+            return int(self.spec["replicas"][shard])
+        return int(self.spec["servers"][shard])
+
+
+@dataclass(slots=True, kw_only=True)
+class _Early:
+    """A frame for a model not opened here yet."""
+
+    node: int
+    frame: frames.Push | frames.Pull
+    payload: bytes
+    deadline: float
+
+
+class PSService(BaseService):
+    """Parameter servers: workers push and pull, servers apply, replicas follow."""
+
+    name = "ps"
+    kinds = frozenset(
+        {Kind.PUSH, Kind.PULL, Kind.PUSHED, Kind.PULLED, Kind.REPLICATE, Kind.REPLICATED}
+    )
+    ops = frozenset({"ps_open", "ps_push", "ps_pull"})
+
+    def __init__(self, host: Host, *, membership: Membership) -> None:
+        self.host = host
+        self.membership = membership
+        self.models: dict[Key, _Model] = {}
+        self._early: list[_Early] = []
+        #: ranks whose node's links were reset: (job, rank) -> when they count as gone
+        self._suspects: dict[tuple[str, int], float] = {}
+        #: payloads landing: (node, kind, job, name, shard, worker, n) -> buffer
+        self._landing: dict[tuple[Any, ...], bytearray] = {}
+        self._local: deque[tuple[int, frames.PeerFrame, bytes]] = deque()
+        self._flushing = False
+        self._queues = {
+            kind: DataQueues(host, kind, sent=self._count_sent)
+            for kind in (Kind.PUSH, Kind.PULLED, Kind.REPLICATE)
+        }
+        self.operations = OperationStats(self.name, kinds=["push", "pull"])
+        self._counters = {
+            "ps_bytes_sent": 0,
+            "ps_frames_dropped": 0,  #: for a model, shard or worker not here
+            "ps_early_expired": 0,
+            "ps_failovers": 0,
+        }
+
+    def _count_sent(self, nbytes: int) -> None:
+        self._counters["ps_bytes_sent"] += nbytes
+
+    # -- requests ---------------------------------------------------------------------------
+    def on_request(self, request: Request, now: float) -> Meta | None:
+        if self.host.draining:
+            raise OperationFailed(
+                "the daemon is stopping; retry later", code=ErrorCode.DAEMON_STOPPING
+            )
+        session = request.session
+        if session.job is None:
+            raise UsageError("connect with a job (fabricd.connect(job=...)) first")
+        try:
+            if request.op == "ps_open":
+                return self._open(request, now)
+            side = self._side(request)
+            if request.op == "ps_push":
+                self._push(side, request, now)
+            else:
+                self._pull(side, request, now)
+            return None
+        finally:
+            self._flush()
+
+    def _open(self, request: Request, now: float) -> Meta:
+        meta, session = request.meta, request.session
+        job, rank = str(session.job), session.rank
+        name = get_str(meta, "name")
+        if not 0 < len(name) <= MAX_COLLECTIVE_NAME:
+            raise UsageError(f"a parameter server name has 1 to {MAX_COLLECTIVE_NAME} characters")
+        role = get_str(meta, "role")
+        if role not in ROLES:
+            raise UsageError(f"role {role!r}: one of {', '.join(ROLES)}")
+        spec = _spec(meta, session.size)
+        self._check_spec(spec)
+        key = (job, name)
+        model = self.models.get(key)
+        if model is not None and model.spec != spec:
+            raise UsageError(
+                f"parameter server {name!r} of job {job!r} was opened here as "
+                f"{_describe(model.spec)}; this call says {_describe(spec)}: every rank must "
+                "open it alike"
+            )
+        servers, replicas = spec["servers"], spec["replicas"]
+        if role == "worker" and (rank in servers or rank in replicas):
+            raise UsageError(f"rank {rank} is a server or replica of {name!r}, not a worker")
+        if role == "server" and rank not in servers:
+            raise UsageError(f"rank {rank} is not one of {name!r}'s servers {servers}")
+        if role == "replica" and rank not in replicas:
+            raise UsageError(f"rank {rank} is not one of {name!r}'s replicas {replicas}")
+        if model is None:
+            model = _Model(
+                spec=spec,
+                bounds=shard_bounds(spec["size"], len(servers)),
+                workers=tuple(
+                    r for r in range(spec["n"]) if r not in servers and r not in replicas
+                ),
+            )
+        settings = _settings(meta.get("filters"))
+        if role == "worker":
+            if rank in model.local_workers:
+                raise UsageError(f"rank {rank} opened parameter server {name!r} already")
+            worker = Worker(
+                worker=rank,
+                size=spec["size"],
+                dtype=spec["dtype"],
+                shards=len(servers),
+                settings=settings,
+                delay_bound=spec["delay_bound"],
+                seed=get_int(meta, "seed"),
+            )
+            model.local_workers[rank] = _WorkerSide(session=session, engine=worker)
+            self.models[key] = model
+            return {"shards": len(servers), "bounds": [list(b) for b in model.bounds]}
+        shard = (servers if role == "server" else replicas).index(rank)
+        if shard in model.servers:
+            raise UsageError(f"shard {shard} of {name!r} is open here already")
+        lo, hi = model.bounds[shard]
+        initial = self._initial(request, spec, lo, hi)
+        rule_name = get_str(meta, "rule")
+        lr, momentum = meta.get("lr"), meta.get("momentum")
+        if rule_name not in ("sum", "sgd"):
+            raise UsageError(f"update_rule {rule_name!r}: the daemon applies 'sum' or 'sgd'")
+        rule = update_rule(
+            rule_name,
+            lr=None if lr is None else float(lr),
+            momentum=None if momentum is None else float(momentum),
+        )
+        model.servers[shard] = ShardServer(
+            initial=initial,
+            workers=model.workers,
+            consistency=Consistency(spec["consistency"]),
+            staleness=spec["staleness"],
+            delay_bound=spec["delay_bound"],
+            rule=rule,
+            settings=settings,
+            chunk=spec["chunk"],
+            replica=role == "replica",
+            replicated=role == "server" and bool(replicas),
+        )
+        model.owners[shard] = session
+        self.models[key] = model
+        self._take_early(key, now)
+        return {"shards": len(servers), "bounds": [list(b) for b in model.bounds], "shard": shard}
+
+    def _check_spec(self, spec: Meta) -> None:
+        servers, replicas, n = spec["servers"], spec["replicas"], spec["n"]
+        ranks = [*servers, *replicas]
+        if not servers or len(servers) > _MAX_SERVERS:
+            raise UsageError(f"a parameter server has 1 to {_MAX_SERVERS} server ranks")
+        if replicas and len(replicas) != len(servers):
+            raise UsageError("replicas: none, or one rank per server (shard)")
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < n for r in ranks):
+            raise UsageError(f"servers and replicas are distinct ranks of the job's 0..{n - 1}")
+        if len(ranks) >= n:
+            raise UsageError("a parameter server needs at least one worker rank")
+        if spec["dtype"] not in DTYPES:
+            raise UsageError(f"dtype {spec['dtype']!r}: one of {', '.join(DTYPES)}")
+        if spec["consistency"] not in CONSISTENCIES:
+            raise UsageError(
+                f"consistency {spec['consistency']!r}: one of {', '.join(CONSISTENCIES)}"
+            )
+        if spec["staleness"] and spec["consistency"] != "ssp":
+            raise UsageError("staleness belongs to consistency='ssp'")
+        if spec["delay_bound"] is not None and spec["consistency"] != "async":
+            raise UsageError("delay_bound belongs to consistency='async'")
+        if spec["size"] < len(servers) or spec["chunk"] < 1:
+            raise UsageError(f"{spec['size']} elements cannot be split over {len(servers)} servers")
+        itemsize = np.dtype(spec["dtype"]).itemsize
+        largest = -(-spec["size"] // len(servers)) * itemsize
+        if largest + max(ps_push.HEADER.size, PULL_HEADER.size) > self.host.config.max_payload:
+            raise OperationFailed(
+                f"a shard of {largest} B travels whole in one frame, more than max_payload "
+                f"({self.host.config.max_payload} B) allows: use more servers",
+                code=ErrorCode.LIMIT,
+            )
+
+    def _initial(self, request: Request, spec: Meta, lo: int, hi: int) -> np.ndarray[Any, Any]:
+        """A server's shard of the initial model: from the caller's array, or zeros."""
+        dtype = np.dtype(spec["dtype"])
+        seg = request.meta.get("seg")
+        if seg is None:
+            return np.zeros(hi - lo, dtype)
+        nbytes = spec["size"] * dtype.itemsize
+        if get_int(request.meta, "nbytes") != nbytes:
+            raise UsageError(f"the initial model is {spec['size']} elements of {dtype}")
+        region = request.session.segment(get_int(request.meta, "seg")).view(
+            get_int(request.meta, "off"), nbytes
+        )
+        return np.frombuffer(region, dtype=dtype)[lo:hi].copy()
+
+    def _side(self, request: Request) -> _WorkerSide:
+        session = request.session
+        name = get_str(request.meta, "name")
+        model = self.models.get((str(session.job), name))
+        side = None if model is None else model.local_workers.get(session.rank)
+        if side is None or side.session is not session:
+            raise UsageError(
+                f"open parameter server {name!r} as a worker before pushing or pulling"
+            )
+        if side.call is not None:
+            raise UsageError(f"a {side.call.op} of {name!r} is still open: wait for it first")
+        if model is not None and model.failed:
+            shard, why = next(iter(model.failed.items()))
+            raise OperationFailed(
+                f"shard {shard} of {name!r} has no server: {why}", code=ErrorCode.PEER_FAILED
+            )
+        return side
+
+    def _array(self, request: Request, spec: Meta, writable: bool) -> np.ndarray[Any, Any]:
+        meta = request.meta
+        dtype = np.dtype(spec["dtype"])
+        if get_str(meta, "dtype") != dtype.name or get_int(meta, "nbytes") != (
+            spec["size"] * dtype.itemsize
+        ):
+            raise UsageError(
+                f"this parameter server holds {spec['size']} elements of {dtype}, not "
+                f"{get_int(meta, 'nbytes')} B of {get_str(meta, 'dtype')}"
+            )
+        region = request.session.segment(get_int(meta, "seg")).view(
+            get_int(meta, "off"), get_int(meta, "nbytes")
+        )
+        return np.frombuffer(region, dtype=dtype)
+
+    def _push(self, side: _WorkerSide, request: Request, now: float) -> None:
+        key = (str(request.session.job), get_str(request.meta, "name"))
+        model = self.models[key]
+        update = self._array(request, model.spec, writable=False)
+        actions = side.engine.push(update)  # refused (UsageError) before anything is sent
+        side.call = _Call(session=request.session, request=request.id, started=now, op="push")
+        self.operations.started("push")
+        self._worker(key, side, actions)
+
+    def _pull(self, side: _WorkerSide, request: Request, now: float) -> None:
+        key = (str(request.session.job), get_str(request.meta, "name"))
+        model = self.models[key]
+        out = self._array(request, model.spec, writable=True)
+        cache_key = (
+            get_int(request.meta, "seg"),
+            get_int(request.meta, "off"),
+            get_int(request.meta, "nbytes"),
+        )
+        actions = side.engine.pull(fresh=cache_key != side.cache_key)
+        side.out, side.cache_key = out, cache_key
+        side.call = _Call(session=request.session, request=request.id, started=now, op="pull")
+        self.operations.started("pull")
+        self._worker(key, side, actions)
+
+    # -- a worker's actions -----------------------------------------------------------------
+    def _worker(self, key: Key, side: _WorkerSide, actions: list[WorkerAction]) -> None:
+        model = self.models.get(key)
+        if model is None:
+            return
+        job, name = key
+        rank = side.engine.worker
+        for action in actions:
+            if isinstance(action, SendPush | SendPull):
+                shard = action.shard
+                fields: dict[str, Any] = {
+                    "job": job,
+                    "name": name,
+                    "shard": shard,
+                    "server": model.target(shard),
+                    "worker": rank,
+                    "epoch": side.engine.epochs[shard],
+                    "spec": model.spec,
+                }
+                if isinstance(action, SendPush):
+                    frame: frames.PeerFrame = frames.Push(
+                        **fields, iteration=action.iteration, base=action.base
+                    )
+                    self._send(job, model.target(shard), frame, bytes(action.payload))
+                else:
+                    frame = frames.Pull(**fields, clock=action.clock, since=action.since)
+                    self._send(job, model.target(shard), frame)
+            elif isinstance(action, PushDone):
+                self._answer(
+                    side,
+                    None,
+                    {
+                        "iteration": action.iteration,
+                        "versions": list(action.versions),
+                        "dropped": list(action.dropped),
+                        "epochs": [side.engine.epochs[s] for s in range(len(model.bounds))],
+                    },
+                )
+            elif isinstance(action, PullDone):
+                side.out = None
+                self._answer(
+                    side,
+                    None,
+                    {
+                        "version": action.version,
+                        "versions": list(action.versions),
+                        "epochs": [side.engine.epochs[s] for s in range(len(model.bounds))],
+                    },
+                )
+            else:
+                assert isinstance(action, PullFailed)
+                side.out = None
+                self._answer(
+                    side,
+                    Failure(
+                        code=ErrorCode.PEER_FAILED,
+                        message=f"shard {action.shard} of {name!r}: {action.reason}",
+                    ),
+                    None,
+                )
+
+    def _answer(self, side: _WorkerSide, failure: Failure | None, result: Meta | None) -> None:
+        call, side.call = side.call, None
+        if call is None:
+            return
+        seconds = self.host.now() - call.started
+        if failure is not None:
+            self.operations.ended(call.op, 0, seconds, str(failure.code))
+            self.host.fail(call.session, call.request, failure)
+            return
+        assert result is not None
+        self.operations.ended(call.op, side.engine.bounds[-1][1], seconds, None)
+        self.host.reply(call.session, call.request, result)
+
+    # -- a shard's actions ------------------------------------------------------------------
+    def _server(self, key: Key, shard: int, actions: list[ServerAction]) -> None:
+        model = self.models.get(key)
+        if model is None:
+            return
+        job, name = key
+        server = model.servers.get(shard)
+        if server is None:
+            return
+        spec = model.spec
+        me = int(
+            spec["replicas"][shard]
+            if not server.primary or server.epoch
+            else spec["servers"][shard]
+        )
+        for action in actions:
+            if isinstance(action, Forward):
+                entry = action.entry
+                replica = int(spec["replicas"][shard])
+                frame: frames.PeerFrame = frames.Replicate(
+                    job=job,
+                    name=name,
+                    shard=shard,
+                    server=me,
+                    replica=replica,
+                    index=entry.index,
+                    entry=entry.kind,
+                    worker=entry.worker,
+                    iteration=entry.iteration,
+                    base=entry.base,
+                    reason=entry.reason,
+                    spec=spec,
+                )
+                self._send(job, replica, frame, bytes(entry.payload))
+            elif isinstance(action, Logged):
+                primary = int(spec["servers"][shard])
+                self._send(
+                    job,
+                    primary,
+                    frames.Replicated(
+                        job=job,
+                        name=name,
+                        shard=shard,
+                        server=primary,
+                        replica=me,
+                        index=action.index,
+                    ),
+                )
+            elif isinstance(action, Acked):
+                self._send(
+                    job,
+                    action.worker,
+                    frames.Pushed(
+                        job=job,
+                        name=name,
+                        shard=shard,
+                        server=me,
+                        worker=action.worker,
+                        iteration=action.iteration,
+                        version=action.version,
+                        epoch=server.epoch,
+                        dropped=action.dropped,
+                    ),
+                )
+            elif isinstance(action, Answer):
+                self._send(
+                    job,
+                    action.worker,
+                    frames.Pulled(
+                        job=job,
+                        name=name,
+                        shard=shard,
+                        server=me,
+                        worker=action.worker,
+                        clock=action.clock,
+                        version=action.version,
+                        epoch=server.epoch,
+                        error=None,
+                    ),
+                    bytes(action.data),
+                )
+            else:
+                assert isinstance(action, Refuse)
+                self._send(
+                    job,
+                    action.worker,
+                    frames.Pulled(
+                        job=job,
+                        name=name,
+                        shard=shard,
+                        server=me,
+                        worker=action.worker,
+                        clock=action.clock,
+                        version=server.version,
+                        epoch=server.epoch,
+                        error=action.reason,
+                    ),
+                )
+
+    # -- moving frames ----------------------------------------------------------------------
+    def _send(self, job: str, rank: int, frame: frames.PeerFrame, payload: bytes = b"") -> None:
+        """Send ``frame`` to rank ``rank``'s node, or hand it over here if the rank is local.
+        A rank not known (yet, or any more) gets nothing: what waits for it is sent again
+        when it joins, or fails when it is gone (:meth:`on_rank_event`)."""
+        entry = self.membership.lookup(job, rank)
+        if entry is None:
+            return
+        if entry.node == self.host.config.node_id:
+            self._local.append((entry.node, frame, payload))
+            return
+        if frame.KIND in self._queues:
+            self._queues[frame.KIND].send(entry.node, frame.to_meta(), memoryview(payload))
+        else:
+            self.host.send(entry.node, frame)
+
+    def _flush(self) -> None:
+        """Hand over the frames between local ranks, in order, until none is left."""
+        if self._flushing:
+            return
+        self._flushing = True
+        try:
+            while self._local:
+                node, frame, payload = self._local.popleft()
+                self._dispatch(node, frame, payload, self.host.now())
+        finally:
+            self._flushing = False
+
+    def payload_buffer(
+        self, node: int, frame: frames.PayloadFrame, length: int
+    ) -> memoryview | None:
+        assert isinstance(frame, frames.Push | frames.Pulled | frames.Replicate)
+        if length > self.host.config.max_payload:
+            raise RemoteProtocolError(f"a {frame.KIND.name} of {length} B")
+        buffer = bytearray(length)
+        self._landing[_landing_key(node, frame)] = buffer
+        return memoryview(buffer)
+
+    def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
+        assert isinstance(frame, frames.Push | frames.Pulled | frames.Replicate)
+        payload = self._landing.pop(_landing_key(node, frame), None)
+        data = bytes(payload) if payload is not None else b""
+        self._dispatch(node, frame, data, now)
+        self._flush()
+
+    def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+        self._dispatch(node, frame, b"", now)
+        self._flush()
+
+    def _dispatch(self, node: int, frame: frames.PeerFrame, payload: bytes, now: float) -> None:
+        if isinstance(frame, frames.Push | frames.Pull):
+            self._at_server(node, frame, payload, now)
+        elif isinstance(frame, frames.Pushed | frames.Pulled):
+            self._at_worker(node, frame, payload)
+        elif isinstance(frame, frames.Replicate):
+            self._at_replica(node, frame, payload, now)
+        else:
+            assert isinstance(frame, frames.Replicated)
+            key = (frame.job, frame.name)
+            model = self.models.get(key)
+            server = None if model is None else model.servers.get(frame.shard)
+            if server is None or not server.primary:
+                self._counters["ps_frames_dropped"] += 1
+                return
+            self._server(key, frame.shard, server.replicated_upto(frame.index, now))
+
+    def _from(self, node: int, job: str, rank: int) -> bool:
+        """Whether rank ``rank`` may live on ``node`` (a frame naming a rank of another node
+        is dropped and counted, never taken as that rank's)."""
+        entry = self.membership.lookup(job, rank)
+        if entry is None or entry.node == node:
+            return True
+        self._counters["ps_frames_dropped"] += 1
+        remote_log.warning("stray", "node %d sent a frame as rank %d, not on it", node, rank)
+        return False
+
+    def _at_server(
+        self, node: int, frame: frames.Push | frames.Pull, payload: bytes, now: float
+    ) -> None:
+        if not self._from(node, frame.job, frame.worker):
+            return
+        key = (frame.job, frame.name)
+        model = self.models.get(key)
+        server = None if model is None else model.servers.get(frame.shard)
+        if model is None or server is None:
+            self._hold(node, frame, payload, now)
+            return
+        if model.spec != frame.spec:
+            self._refuse(
+                key,
+                frame,
+                f"the worker opened it as {_describe(frame.spec)}, the "
+                f"server as {_describe(model.spec)}",
+            )
+            return
+        if frame.worker not in model.workers:
+            raise RemoteProtocolError(f"rank {frame.worker} is not a worker of {frame.name!r}")
+        if not server.primary:
+            if frame.epoch == 0:  # sent to the primary's rank: not this one
+                self._counters["ps_frames_dropped"] += 1
+                return
+            self._promote(key, frame.shard, "a worker failed over to it", now)
+        if isinstance(frame, frames.Push):
+            actions = server.push(frame.worker, frame.iteration, frame.base, payload, now)
+        else:
+            actions = server.pull(frame.worker, frame.clock, frame.since, now)
+        self._server(key, frame.shard, actions)
+
+    def _refuse(self, key: Key, frame: frames.Push | frames.Pull, why: str) -> None:
+        job, name = key
+        common: dict[str, Any] = {
+            "job": job,
+            "name": name,
+            "shard": frame.shard,
+            "server": frame.server,
+            "worker": frame.worker,
+            "epoch": frame.epoch,
+        }
+        if isinstance(frame, frames.Push):
+            reply: frames.PeerFrame = frames.Pushed(
+                **common, iteration=frame.iteration, version=0, dropped=why
+            )
+        else:
+            reply = frames.Pulled(**common, clock=frame.clock, version=0, error=why)
+        self._send(job, frame.worker, reply)
+
+    def _at_worker(self, node: int, frame: frames.Pushed | frames.Pulled, payload: bytes) -> None:
+        key = (frame.job, frame.name)
+        model = self.models.get(key)
+        side = None if model is None else model.local_workers.get(frame.worker)
+        if model is None or side is None:
+            self._counters["ps_frames_dropped"] += 1
+            return
+        side.engine.check_frame(frame.shard)
+        if frame.server != model.target(frame.shard):
+            self._counters["ps_frames_dropped"] += 1  # from the server before a failover
+            return
+        if isinstance(frame, frames.Pushed):
+            actions = side.engine.pushed(frame.shard, frame.iteration, frame.version, frame.dropped)
+        elif frame.error is not None:
+            actions = side.engine.refused(frame.shard, frame.clock, frame.error)
+        elif side.out is None:
+            actions = []  # an answer nobody waits for (the client left, or sent again)
+        else:
+            actions = side.engine.pulled(frame.shard, frame.clock, payload, side.out)
+        self._worker(key, side, actions)
+
+    def _at_replica(self, node: int, frame: frames.Replicate, payload: bytes, now: float) -> None:
+        key = (frame.job, frame.name)
+        model = self.models.get(key)
+        server = None if model is None else model.servers.get(frame.shard)
+        if model is None or server is None or model.spec != frame.spec:
+            self._counters["ps_frames_dropped"] += 1
+            return
+        if frame.entry not in (PUSH, LOSE):
+            raise RemoteProtocolError(f"replication entry of kind {frame.entry!r}")
+        entry = Entry(
+            index=frame.index,
+            kind=frame.entry,
+            worker=frame.worker,
+            iteration=frame.iteration,
+            base=frame.base,
+            payload=payload,
+            reason=frame.reason,
+        )
+        if server.primary:
+            self._counters["ps_frames_dropped"] += 1  # promoted: the old primary is gone
+            return
+        self._server(key, frame.shard, server.log(entry, now))
+
+    # -- early frames -----------------------------------------------------------------------
+    def _hold(
+        self, node: int, frame: frames.Push | frames.Pull, payload: bytes, now: float
+    ) -> None:
+        if len(self._early) >= _MAX_EARLY:
+            self._counters["ps_frames_dropped"] += 1
+            self._refuse(
+                (frame.job, frame.name),
+                frame,
+                f"rank {frame.server} has not opened {frame.name!r} and this daemon "
+                f"holds {_MAX_EARLY} frames for models not open yet",
+            )
+            return
+        deadline = now + self.host.config.route_timeout
+        self._early.append(_Early(node=node, frame=frame, payload=payload, deadline=deadline))
+
+    def _take_early(self, key: Key, now: float) -> None:
+        model = self.models[key]
+        mine = [
+            e
+            for e in self._early
+            if (e.frame.job, e.frame.name) == key and e.frame.shard in model.servers
+        ]
+        if not mine:
+            return
+        self._early = [e for e in self._early if e not in mine]
+        for early in mine:
+            self._local.append((early.node, early.frame, early.payload))
+
+    # -- peers, ranks, clients ----------------------------------------------------------------
+    def peer_up(self, node: int, now: float) -> None:
+        """Send ``node``'s ranks again what may have been lost with its old links."""
+        for key, model in list(self.models.items()):
+            for side in model.local_workers.values():
+                for shard in range(len(model.bounds)):
+                    if self._node_of(key[0], model.target(shard)) == node:
+                        self._worker(key, side, side.engine.resend(shard))
+            for shard, server in model.servers.items():
+                if server.primary and server.replicated:
+                    replica = int(model.spec["replicas"][shard])
+                    if self._node_of(key[0], replica) == node:
+                        self._server(key, shard, list(server.unconfirmed()))
+        self._flush()
+
+    def peer_down(self, node: int, reason: str, now: float) -> None:
+        for queue in self._queues.values():
+            queue.drop(node)
+        self._landing = {k: b for k, b in self._landing.items() if k[0] != node}
+
+    def _node_of(self, job: str, rank: int) -> int | None:
+        entry = self.membership.lookup(job, rank)
+        return None if entry is None else entry.node
+
+    def on_rank_event(self, event: RankEvent, now: float) -> None:
+        job, rank = event.entry.job, event.entry.rank
+        if isinstance(event, RankJoined):
+            if self._suspects.pop((job, rank), None) is None:
+                # a rank seen for the first time: what waited for it goes now
+                for key, model in list(self.models.items()):
+                    if key[0] != job:
+                        continue
+                    for side in model.local_workers.values():
+                        for shard in range(len(model.bounds)):
+                            if model.target(shard) == rank:
+                                self._worker(key, side, side.engine.resend(shard))
+            self._flush()
+            return
+        assert isinstance(event, RankLeft)
+        if event.lost and event.entry.node != self.host.config.node_id:
+            self._suspects[(job, rank)] = now + self.host.config.down_after
+            return
+        self._gone(job, rank, event.reason, now)
+        self._flush()
+
+    def _gone(self, job: str, rank: int, reason: str, now: float) -> None:
+        """Rank ``rank`` of ``job`` is gone for good: lose it as a worker, replace it as a
+        server, go on without it as a replica."""
+        for key, model in list(self.models.items()):
+            if key[0] != job:
+                continue
+            spec = model.spec
+            if rank in model.workers:
+                for shard, server in model.servers.items():
+                    if server.primary:
+                        self._server(key, shard, server.lose(rank, reason, now))
+            for shard, server_rank in enumerate(spec["servers"]):
+                if server_rank == rank and not model.epochs.get(shard, 0):
+                    self._failover(key, shard, f"server rank {rank} left ({reason})", now)
+            for shard, replica_rank in enumerate(spec["replicas"]):
+                if replica_rank != rank:
+                    continue
+                local = model.servers.get(shard)
+                if local is not None and local.primary:
+                    self._server(key, shard, local.replica_lost(now))
+                elif model.epochs.get(shard, 0):
+                    self._fail_shard(key, shard, f"its replica rank {rank} left too ({reason})")
+
+    def _failover(self, key: Key, shard: int, reason: str, now: float) -> None:
+        model = self.models[key]
+        if not model.spec["replicas"]:
+            self._fail_shard(key, shard, reason)
+            return
+        self._counters["ps_failovers"] += 1
+        model.epochs[shard] = 1
+        server = model.servers.get(shard)
+        if server is not None and not server.primary:
+            self._promote(key, shard, reason, now)
+        replica = int(model.spec["replicas"][shard])
+        log.warning(
+            "parameter server %r shard %d: %s; replica rank %d takes over",
+            key[1],
+            shard,
+            reason,
+            replica,
+        )
+        for side in model.local_workers.values():
+            self.host.push(
+                side.session,
+                "ps_epoch",
+                {
+                    "name": key[1],
+                    "shard": shard,
+                    "epoch": 1,
+                    "server": replica,
+                    "reason": reason,
+                },
+            )
+            self._worker(key, side, side.engine.failover(shard))
+
+    def _promote(self, key: Key, shard: int, reason: str, now: float) -> None:
+        """The local replica of ``shard`` takes over; workers already gone are lost to it."""
+        model = self.models[key]
+        server = model.servers[shard]
+        if server.primary:
+            return
+        server.promote()  # the workers here move to it when they hear the primary is gone
+        log.warning("parameter server %r shard %d: promoted to primary (%s)", key[1], shard, reason)
+        for worker in model.workers:
+            if self.membership.lookup(key[0], worker) is None:
+                self._server(key, shard, server.lose(worker, "gone at the failover", now))
+
+    def _fail_shard(self, key: Key, shard: int, reason: str) -> None:
+        model = self.models[key]
+        model.failed[shard] = reason
+        failure = Failure(
+            code=ErrorCode.PEER_FAILED,
+            message=f"shard {shard} of {key[1]!r} has no server: {reason}",
+        )
+        for side in model.local_workers.values():
+            self._answer(side, failure, None)
+
+    def client_gone(self, session: ClientSession, now: float) -> None:
+        for key, model in list(self.models.items()):
+            for rank in [r for r, s in model.local_workers.items() if s.session is session]:
+                side = model.local_workers.pop(rank)
+                if side.call is not None:
+                    self.operations.abandoned(side.call.op)
+            for shard in [s for s, owner in model.owners.items() if owner is session]:
+                del model.owners[shard]
+                del model.servers[shard]
+            if not model.local_workers and not model.servers:
+                del self.models[key]
+
+    # -- time, the drain --------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        deadlines = [e.deadline for e in self._early] + list(self._suspects.values())
+        return min(deadlines, default=None)
+
+    def on_timer(self, now: float) -> None:
+        for (job, rank), deadline in list(self._suspects.items()):
+            if deadline <= now:
+                del self._suspects[(job, rank)]
+                self._gone(job, rank, "its node was unreachable longer than down_after", now)
+        late = [e for e in self._early if e.deadline <= now]
+        self._early = [e for e in self._early if e.deadline > now]
+        for early in late:
+            self._counters["ps_early_expired"] += 1
+            frame = early.frame
+            self._refuse(
+                (frame.job, frame.name),
+                frame,
+                f"rank {frame.server} did not open parameter server {frame.name!r} "
+                f"within route_timeout ({self.host.config.route_timeout} s)",
+            )
+        self._flush()
+
+    def shutdown(self, failure: Failure) -> None:
+        for model in self.models.values():
+            for side in model.local_workers.values():
+                self._answer(side, failure, None)
+
+    def stalls(
+        self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
+    ) -> list[Meta]:
+        """Pushes and pulls open longer than ``stall_after``, saying which shards they wait
+        for."""
+        after = self.host.config.stall_after
+        rows: list[Meta] = []
+        for (job, name), model in sorted(self.models.items()):
+            for rank, side in sorted(model.local_workers.items()):
+                call = side.call
+                if call is None or now - call.started < after:
+                    continue
+                if limit is not None and len(rows) >= limit:
+                    return rows
+                whose = {
+                    "job": job,
+                    "owner": self.membership.owner(job),
+                    "uid": call.session.conn.credentials.uid,
+                }
+                if keep is not None and not keep(whose):
+                    continue
+                shards = ", ".join(
+                    f"shard {s} (rank {model.target(s)})" for s in range(len(model.bounds))
+                )
+                rows.append(
+                    {
+                        **whose,
+                        "node": self.host.config.node_id,
+                        "op": f"{name}@{rank}",
+                        "kind": f"ps_{call.op} ({model.spec['consistency']})",
+                        "rank": rank,
+                        "peer": "-",
+                        "tag": name,
+                        "nbytes": side.engine.bounds[-1][1] * side.engine.dtype.itemsize,
+                        "dtype": str(side.engine.dtype),
+                        "pending_for": now - call.started,
+                        "waits": "peer",
+                        "detail": f"{call.op} at clock {side.engine.iteration} waits for {shards}",
+                        "peer_joined": True,
+                        "peer_node": None,
+                        "peer_node_state": None,
+                        "client_left": False,
+                    }
+                )
+        return rows
+
+    # -- status and metrics -----------------------------------------------------------------
+    def statistics(self) -> Meta:
+        servers, workers = [], []
+        for (job, name), model in sorted(self.models.items()):
+            owner = self.membership.owner(job)
+            for shard, server in sorted(model.servers.items()):
+                s = server.statistics()
+                c = s.coordinator
+                servers.append(
+                    {
+                        "job": job,
+                        "owner": owner,
+                        "name": name,
+                        "shard": shard,
+                        "role": "primary" if s.primary else "replica",
+                        "epoch": s.epoch,
+                        "consistency": model.spec["consistency"],
+                        "version": s.version,
+                        "complete": c.complete,
+                        "applied": c.applied,
+                        "dropped_delay": c.dropped.get("delay", 0),
+                        "dropped_lost": c.dropped.get("lost", 0),
+                        "delays": list(c.delays),
+                        "held_pulls": c.held,
+                        "live_workers": c.live,
+                        "pushes": s.pushes,
+                        "resent": s.resent,
+                        "push_bytes": s.push_bytes,
+                        "push_dense_bytes": s.push_dense_bytes,
+                        "pulls": s.pulls,
+                        "pull_bytes": s.pull_bytes,
+                        "pull_dense_bytes": s.pull_dense_bytes,
+                        "considered": s.considered,
+                        "published": s.published,
+                        "logged": s.logged,
+                        "unreplicated": s.unreplicated,
+                        "waiting": list(c.waiting),
+                    }
+                )
+            for rank, side in sorted(model.local_workers.items()):
+                w = side.engine.statistics()
+                workers.append(
+                    {
+                        "job": job,
+                        "owner": owner,
+                        "name": name,
+                        "rank": rank,
+                        "clock": side.engine.iteration,
+                        "versions": list(side.engine.versions),
+                        "epochs": list(side.engine.epochs),
+                        "pushes": w.pushes,
+                        "push_bytes": w.push_bytes,
+                        "push_dense_bytes": w.push_dense_bytes,
+                        "considered": w.considered,
+                        "pushed": w.pushed,
+                        "smp_selected": w.smp_selected,
+                        "rp_selected": w.rp_selected,
+                        "glnp_clipped": w.glnp_clipped,
+                        "delay_dropped": w.delay_dropped,
+                        "server_dropped": w.server_dropped,
+                        "pulls": w.pulls,
+                        "pull_bytes": w.pull_bytes,
+                        "pull_dense_bytes": w.pull_dense_bytes,
+                        "resent": w.resent,
+                    }
+                )
+        return {
+            "ps_servers": servers,
+            "ps_workers": workers,
+            "counters": {**self._counters, "ps_early_frames": len(self._early)},
+        }
+
+    def client_statistics(self, session: ClientSession) -> Meta:
+        return {
+            "ps_calls": sum(
+                1
+                for m in self.models.values()
+                for s in m.local_workers.values()
+                if s.session is session and s.call is not None
+            )
+        }
+
+    def metrics(self) -> Iterable[Metric]:
+        """Totals over this node's models (no job or model labels: their number has no
+        bound); per-model figures are in the status rows."""
+        pending = sum(1 for m in self.models.values() for s in m.local_workers.values() if s.call)
+        yield from self.operations.families(pending=pending)
+        labels = {"service": self.name}
+        workers = [
+            s.engine.statistics() for m in self.models.values() for s in m.local_workers.values()
+        ]
+        shards = [s.statistics() for m in self.models.values() for s in m.servers.values()]
+        yield counter(
+            "fabricd_ps_push_bytes",
+            "Bytes of pushes sent by this node's workers, as sent (filtered) and as they would "
+            "have been unfiltered (dense)",
+            [
+                ({**labels, "filtered": "yes"}, sum(w.push_bytes for w in workers)),
+                ({**labels, "filtered": "no"}, sum(w.push_dense_bytes for w in workers)),
+            ],
+        )
+        yield counter(
+            "fabricd_ps_pull_bytes",
+            "Bytes of pull answers received by this node's workers, as received (changed "
+            "parameters only) and as whole models",
+            [
+                ({**labels, "filtered": "yes"}, sum(w.pull_bytes for w in workers)),
+                ({**labels, "filtered": "no"}, sum(w.pull_dense_bytes for w in workers)),
+            ],
+        )
+        yield counter(
+            "fabricd_ps_gradients_selected",
+            "Gradient elements each filter selected for dropping (G-SMP, G-RP), those dropped "
+            "(selected by every filter on) and those considered",
+            [
+                ({**labels, "filter": "gsmp"}, sum(w.smp_selected for w in workers)),
+                ({**labels, "filter": "grp"}, sum(w.rp_selected for w in workers)),
+                ({**labels, "filter": "dropped"}, sum(w.considered - w.pushed for w in workers)),
+                ({**labels, "filter": "considered"}, sum(w.considered for w in workers)),
+            ],
+        )
+        yield counter(
+            "fabricd_ps_parameters_published",
+            "Parameters the servers' P-SMP filters published, and those considered",
+            [
+                ({**labels, "what": "published"}, sum(s.published for s in shards)),
+                ({**labels, "what": "considered"}, sum(s.considered for s in shards)),
+            ],
+        )
+        yield counter(
+            "fabricd_ps_updates_dropped",
+            "Updates not applied: delay above tau_max (at the worker or the server), or "
+            "their worker lost",
+            [
+                ({**labels, "reason": "delay_worker"}, sum(w.delay_dropped for w in workers)),
+                (
+                    {**labels, "reason": "delay_server"},
+                    sum(s.coordinator.dropped.get("delay", 0) for s in shards),
+                ),
+                (
+                    {**labels, "reason": "lost"},
+                    sum(s.coordinator.dropped.get("lost", 0) for s in shards),
+                ),
+            ],
+        )
+        buckets = [0] * (len(DELAY_BUCKETS) + 1)
+        for s in shards:
+            for i, n in enumerate(s.coordinator.delays):
+                buckets[i] += n
+        yield counter(
+            "fabricd_ps_update_delay",
+            "Applied updates by delay (server version minus the version the update was "
+            "computed from), per bucket's upper bound",
+            [
+                ({**labels, "le": str(b)}, n)
+                for b, n in zip([*map(str, DELAY_BUCKETS), "+Inf"], buckets, strict=True)
+            ],
+        )
+        yield gauge(
+            "fabricd_ps_shards",
+            "Parameter-server shards on this node, by role",
+            [
+                ({**labels, "role": "primary"}, sum(1 for s in shards if s.primary)),
+                ({**labels, "role": "replica"}, sum(1 for s in shards if not s.primary)),
+            ],
+        )
+
+
+def _spec(meta: Meta, n: int) -> Meta:
+    """The spec every rank of a model opens it with, from a request."""
+    servers, replicas = meta.get("servers"), meta.get("replicas", [])
+    for what, ranks in (("servers", servers), ("replicas", replicas)):
+        if not isinstance(ranks, list) or not all(
+            type(r) is int and 0 <= r < MAX_RANK for r in ranks
+        ):
+            raise UsageError(f"{what}: a list of ranks")
+    delay_bound = meta.get("delay_bound")
+    return {
+        "n": n,
+        "size": get_int(meta, "size", lo=1),
+        "dtype": get_str(meta, "dtype"),
+        "servers": list(servers),  # type: ignore[arg-type]
+        "replicas": list(replicas),
+        "consistency": get_str(meta, "consistency"),
+        "staleness": get_int(meta, "staleness"),
+        "delay_bound": None if delay_bound is None else get_int(meta, "delay_bound"),
+        "chunk": get_int(meta, "chunk", lo=1),
+    }
+
+
+def _settings(filters: Any) -> FilterSettings:
+    if filters is None:
+        return FilterSettings()
+    if not isinstance(filters, dict) or not set(filters) <= set(_FILTER_FIELDS):
+        raise UsageError(f"filters: a map of {', '.join(_FILTER_FIELDS)}")
+    return FilterSettings(**filters)
+
+
+def _describe(spec: Meta) -> str:
+    return (
+        f"{spec['size']} x {spec['dtype']} on servers {spec['servers']}"
+        + (f" (replicas {spec['replicas']})" if spec["replicas"] else "")
+        + f", {spec['consistency']}"
+        + (f"({spec['staleness']})" if spec["consistency"] == "ssp" else "")
+        + (f", tau_max {spec['delay_bound']}" if spec["delay_bound"] is not None else "")
+        + (f", chunks of {spec['chunk']}" if spec["chunk"] != 1 else "")
+    )
+
+
+def _landing_key(
+    node: int, frame: frames.Push | frames.Pulled | frames.Replicate
+) -> tuple[Any, ...]:
+    if isinstance(frame, frames.Push):
+        return (node, frame.KIND, frame.job, frame.name, frame.shard, frame.worker, frame.iteration)
+    if isinstance(frame, frames.Pulled):
+        return (node, frame.KIND, frame.job, frame.name, frame.shard, frame.worker, frame.clock)
+    return (node, frame.KIND, frame.job, frame.name, frame.shard, frame.index, 0)

@@ -1,0 +1,429 @@
+"""One shard of a parameter-server model on its server, or on that server's replica.
+
+Rules: this module decides, for one shard, what each push, pull, lost worker and replication
+acknowledgement leads to, and keeps the shard's whole state: the consistency
+(:class:`~fabricd.engines.ps_consistency.Coordinator`), the update rule, the parameter filter
+(TDF §III.D) and the timed storage (TDF §III.B).  It never touches a socket: the ``ps`` service
+moves the frames its actions name and says which worker was lost and when the replica
+answered.  A malformed push or pull, or a replication entry out of order, raises
+:class:`~fabricd.errors.RemoteProtocolError` with nothing changed.
+
+Theory of operation.
+
+* A push (one worker's filtered update of one iteration, :mod:`fabricd.engines.ps_push`) is
+  checked, decoded, and becomes a log *entry*; so does a lost worker.  Entries are *processed*
+  in log order: the coordinator decides, the update rule steps the model for each
+  :class:`~fabricd.engines.ps_consistency.Apply`, the parameter filter says what to publish,
+  and the store makes it the next version.  Every worker's push is acknowledged
+  (:class:`Acked`) once processed: applied (with the version it made), or dropped (why).  A
+  pull is answered (:class:`Answer`: the store's reply since the worker's version) when the
+  coordinator allows.
+* Exactly once: a worker has at most one push in flight per shard (a second before the first
+  is acknowledged is a protocol error), so the server knows each worker's next iteration; a
+  push of an earlier one is the worker's daemon sending it again after a link reset.  If it
+  was processed, the acknowledgement is sent again; if it waits (replication, a BSP
+  iteration), its acknowledgement will come.  It is never applied twice.
+* Order-preserving replication (MLfabric §4's replicas, "forwards every applied update, in
+  order"): with a replica, the primary forwards each entry (:class:`Forward`) and processes it
+  only once the replica has logged it and every entry before it (:meth:`replicated`), so
+  nothing a worker was told, no acknowledgement and no published version, exists on the
+  primary alone.  The replica processes the same entries in the same order through the same
+  deterministic steps, so its model, versions and acknowledgement records equal the primary's
+  as of the last entry it logged.  When the primary dies the replica is promoted
+  (:meth:`promote`, the *epoch* grows by one) and serves the workers, whose daemons send it
+  every push not yet acknowledged: one it logged is acknowledged again, one it never saw is
+  applied now.  Versions never go back: a version a worker saw was logged by the replica first.
+* Cost: a push is O(shard) to decode and apply; a pull O(changed chunks) (the store); the log
+  holds at most one entry per worker (one push in flight each) and the lost workers' entries.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from fabricd.engines import ps_push
+from fabricd.engines.ps_consistency import (
+    Apply,
+    Consistency,
+    Coordinator,
+    CoordinatorStatistics,
+    Drop,
+    Refused,
+    Reply,
+    UpdateRule,
+)
+from fabricd.engines.ps_filters import LOW_MAX, FilterSettings, ParameterFilter
+from fabricd.engines.ps_storage import TimedStore
+from fabricd.errors import RemoteProtocolError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+Array = np.ndarray[Any, Any]
+
+PUSH: Final = "push"
+LOSE: Final = "lose"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    """One log entry: a worker's push (its encoded ``payload``) or a lost worker (``reason``),
+    numbered from 1 in the order the primary took them."""
+
+    index: int
+    kind: str
+    worker: int
+    iteration: int = 0
+    base: int = 0
+    payload: bytes | bytearray = b""
+    reason: str | None = None
+
+
+# -- actions ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Forward:
+    """Send ``entry`` to the replica (REPLICATE)."""
+
+    entry: Entry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Logged:
+    """Replica: tell the primary every entry up to ``index`` is logged and processed."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Acked:
+    """Tell ``worker`` its push of ``iteration`` was processed: applied (the model reached
+    ``version``), or not (``dropped`` says why; ``version`` is the model's then)."""
+
+    worker: int
+    iteration: int
+    version: int
+    dropped: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Answer:
+    """Answer ``worker``'s pull at ``clock``: ``data`` is the store's reply (the chunks
+    changed since its version), the model at ``version``."""
+
+    worker: int
+    clock: int
+    version: int
+    data: bytearray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refuse:
+    """``worker``'s pull at ``clock`` will never be answered (``reason``)."""
+
+    worker: int
+    clock: int
+    reason: str
+
+
+Action = Forward | Logged | Acked | Answer | Refuse
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardStatistics:
+    """What ``fabricctl status`` and the metrics show of one shard."""
+
+    epoch: int
+    primary: bool
+    version: int
+    logged: int  #: entries taken (primary) or logged (replica)
+    unreplicated: int  #: entries the replica has not confirmed yet
+    pushes: int  #: pushes taken (not counting resends)
+    resent: int  #: pushes a worker's daemon sent again
+    push_bytes: int  #: bytes of the pushes taken (encoded, as they travelled)
+    push_dense_bytes: int  #: what they would have been unfiltered (dense, the model's dtype)
+    pulls: int  #: pulls answered
+    pull_bytes: int  #: bytes of the answers
+    pull_dense_bytes: int  #: what a whole-model answer would have been each time
+    considered: int  #: parameters the parameter filter looked at
+    published: int  #: parameters it published
+    coordinator: CoordinatorStatistics
+
+
+class ShardServer:
+    """One shard's server state (module docstring).
+
+    ``initial``: the shard's starting values (copied), a flat float16/32/64 array.  ``replica``:
+    this is the replica (it logs what the primary forwards).  ``replicated``: this is a primary
+    with a replica.  The other arguments are the coordinator's and the filters'.
+    """
+
+    def __init__(
+        self,
+        *,
+        initial: Array,
+        workers: Iterable[int],
+        consistency: Consistency,
+        staleness: int = 0,
+        delay_bound: int | None = None,
+        rule: UpdateRule,
+        settings: FilterSettings | None = None,
+        chunk: int = 1,
+        replica: bool = False,
+        replicated: bool = False,
+    ) -> None:
+        settings = settings or FilterSettings()
+        self.coordinator = Coordinator(
+            workers=workers,
+            consistency=consistency,
+            staleness=staleness,
+            delay_bound=delay_bound,
+        )
+        self.rule = rule
+        self.filter = ParameterFilter(settings, initial, chunk=chunk)
+        published = self.filter.published
+        if settings.plnp:  # P-LNP: the store holds what pulls carry, float16 (ps_filters)
+            published = np.clip(published, -LOW_MAX, LOW_MAX).astype(np.float16)
+        self.store = TimedStore(published, chunk=chunk)
+        self.size = initial.size
+        self.dtype = initial.dtype
+        self.primary = not replica
+        self.replicated = replicated and not replica
+        self.epoch = 0
+        self._index = 0  #: the last entry taken (primary) or logged (replica)
+        self._unreplicated: deque[Entry] = deque()  #: forwarded, not yet confirmed
+        self._waiting: dict[int, int] = {}  #: worker -> iteration taken, not yet processed
+        #: worker -> (iteration, version, dropped) of its last processed push
+        self._last: dict[int, tuple[int, int, str | None]] = {}
+        self._pushes = self._resent = self._push_bytes = 0
+        self._pulls = self._pull_bytes = 0
+
+    # -- the primary's inputs -------------------------------------------------------------
+    def push(
+        self, worker: int, iteration: int, base: int, payload: bytes | bytearray, now: float
+    ) -> list[Action]:
+        """Worker ``worker``'s encoded push of ``iteration``, computed from version ``base``.
+
+        Raises:
+            RemoteProtocolError: this is a replica, the push is malformed or breaks the
+                consistency's rules, or the worker pushed again before its last push was
+                acknowledged.
+        """
+        self._primary_only("a push")
+        last = self._last.get(worker)
+        waiting = self._waiting.get(worker)
+        if (last is not None and iteration <= last[0]) or (
+            waiting is not None and iteration <= waiting
+        ):
+            self._resent += 1
+            if last is not None and iteration == last[0]:
+                return [Acked(worker=worker, iteration=iteration, version=last[1], dropped=last[2])]
+            return []  # still waiting, or older than one acknowledged: its answer went or goes
+        if waiting is not None:
+            raise RemoteProtocolError(
+                f"worker {worker} pushed iteration {iteration} before its iteration {waiting} "
+                "was acknowledged"
+            )
+        self.coordinator.check_push(worker, iteration, base)
+        ps_push.decode(payload, self.size, self.dtype)  # refused now, not when processed
+        self._pushes += 1
+        self._push_bytes += len(payload)
+        self._waiting[worker] = iteration
+        return self._take(
+            Entry(
+                index=self._index + 1,
+                kind=PUSH,
+                worker=worker,
+                iteration=iteration,
+                base=base,
+                payload=payload,
+            ),
+            now,
+        )
+
+    def pull(self, worker: int, clock: int, since: int, now: float) -> list[Action]:
+        """Worker ``worker``'s pull at ``clock``; its cache holds version ``since``.
+
+        Raises:
+            RemoteProtocolError: this is a replica, or the pull breaks the coordinator's rules.
+        """
+        self._primary_only("a pull")
+        if self.coordinator.held(worker) == clock:
+            return []  # sent again after a reset: the held one is answered in time
+        return self._perform(self.coordinator.pull(worker, clock, since, now), now)
+
+    def lose(self, worker: int, reason: str, now: float) -> list[Action]:
+        """Worker ``worker`` is gone for good (its rank left, or its node is down)."""
+        self._primary_only("a lost worker")
+        if worker not in self.coordinator.live:
+            return []
+        return self._take(
+            Entry(index=self._index + 1, kind=LOSE, worker=worker, reason=reason), now
+        )
+
+    def replicated_upto(self, index: int, now: float) -> list[Action]:
+        """The replica logged and processed every entry up to ``index``: process them here.
+
+        Raises:
+            RemoteProtocolError: ``index`` names an entry never forwarded.
+        """
+        if not self.replicated:
+            return []  # a confirmation late after the replica was given up
+        if index > self._index:
+            raise RemoteProtocolError(f"replica confirmed entry {index}; {self._index} were sent")
+        out: list[Action] = []
+        while self._unreplicated and self._unreplicated[0].index <= index:
+            out += self._process(self._unreplicated.popleft(), now)
+        return out
+
+    def unconfirmed(self) -> list[Forward]:
+        """The entries to send the replica again after its links were reset, in order."""
+        return [Forward(entry=e) for e in self._unreplicated] if self.replicated else []
+
+    def replica_lost(self, now: float) -> list[Action]:
+        """The replica is gone: go on alone, processing what waited for it."""
+        if not self.replicated:
+            return []
+        self.replicated = False
+        out: list[Action] = []
+        while self._unreplicated:
+            out += self._process(self._unreplicated.popleft(), now)
+        return out
+
+    # -- the replica's inputs -------------------------------------------------------------
+    def log(self, entry: Entry, now: float) -> list[Action]:
+        """Replica: the primary's entry ``entry.index``: process it, in order, and confirm.
+        One logged already (sent again after a reset) is confirmed again.
+
+        Raises:
+            RemoteProtocolError: this is not a replica, or the entry skips one, or is
+                malformed.
+        """
+        if self.primary:
+            raise RemoteProtocolError("a replication entry for a shard's primary")
+        if entry.index <= self._index:
+            return [Logged(index=self._index)]
+        if entry.index != self._index + 1:
+            raise RemoteProtocolError(f"replication entry {entry.index} after {self._index}")
+        if entry.kind == PUSH:
+            self.coordinator.check_push(entry.worker, entry.iteration, entry.base)
+            ps_push.decode(entry.payload, self.size, self.dtype)
+            self._pushes += 1
+            self._push_bytes += len(entry.payload)
+        elif entry.kind != LOSE:
+            raise RemoteProtocolError(f"replication entry of kind {entry.kind!r}")
+        self._index = entry.index
+        self._process(entry, now)  # a replica answers nobody: its acknowledgements are kept
+        return [Logged(index=entry.index)]
+
+    def promote(self) -> None:
+        """The primary is gone: this replica serves the shard from now on, one epoch later."""
+        if not self.primary:
+            self.primary = True
+            self.epoch += 1
+
+    # -- reading --------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.store.version
+
+    def waiting_for(self) -> list[str]:
+        """What the shard waits for (stall reports)."""
+        out = self.coordinator.waiting_for()
+        if self._unreplicated:
+            out.append(f"{len(self._unreplicated)} entries wait for the replica's confirmation")
+        return out
+
+    def statistics(self) -> ShardStatistics:
+        filtered = self.filter.statistics()
+        dense = self.size * self.dtype.itemsize
+        return ShardStatistics(
+            epoch=self.epoch,
+            primary=self.primary,
+            version=self.store.version,
+            logged=self._index,
+            unreplicated=len(self._unreplicated),
+            pushes=self._pushes,
+            resent=self._resent,
+            push_bytes=self._push_bytes,
+            push_dense_bytes=self._pushes * dense,
+            pulls=self._pulls,
+            pull_bytes=self._pull_bytes,
+            pull_dense_bytes=self._pulls * dense,
+            considered=filtered.considered,
+            published=filtered.published,
+            coordinator=self.coordinator.statistics(),
+        )
+
+    # -- internals ------------------------------------------------------------------------
+    def _primary_only(self, what: str) -> None:
+        if not self.primary:
+            raise RemoteProtocolError(f"{what} for a replica (epoch {self.epoch})")
+
+    def _take(self, entry: Entry, now: float) -> list[Action]:
+        self._index = entry.index
+        if self.replicated:
+            self._unreplicated.append(entry)
+            return [Forward(entry=entry)]
+        return self._process(entry, now)
+
+    def _process(self, entry: Entry, now: float) -> list[Action]:
+        if entry.kind == LOSE:
+            self._waiting.pop(entry.worker, None)
+            actions = self.coordinator.lose(entry.worker, entry.reason or "lost", now)
+        else:
+            values = ps_push.decode(entry.payload, self.size, self.dtype)
+            actions = self.coordinator.push(entry.worker, entry.iteration, entry.base, values, now)
+        return self._perform(actions, now)
+
+    def _perform(self, actions: list[Any], now: float) -> list[Action]:
+        out: list[Action] = []
+        for action in actions:
+            if isinstance(action, Apply):
+                out += self._apply(action)
+            elif isinstance(action, Drop):
+                self._waiting.pop(action.worker, None)
+                record = (action.iteration, self.store.version, action.message)
+                self._last[action.worker] = record
+                out.append(
+                    Acked(
+                        worker=action.worker,
+                        iteration=action.iteration,
+                        version=record[1],
+                        dropped=record[2],
+                    )
+                )
+            elif isinstance(action, Reply):
+                assert action.version == self.store.version
+                data = self.store.pull(action.since)
+                self._pulls += 1
+                self._pull_bytes += len(data)
+                out.append(
+                    Answer(
+                        worker=action.worker, clock=action.clock, version=action.version, data=data
+                    )
+                )
+            else:
+                assert isinstance(action, Refused)
+                out.append(Refuse(worker=action.worker, clock=action.clock, reason=action.reason))
+        return out if self.primary else []
+
+    def _apply(self, apply: Apply) -> list[Action]:
+        model = self.filter.model.copy()
+        self.rule.apply(model, apply.combined())
+        publish = self.filter.update(model, apply.version)
+        version = self.store.publish(publish.mask, publish.values)
+        assert version == apply.version
+        out: list[Action] = []
+        for update in apply.updates:
+            self._waiting.pop(update.worker, None)
+            self._last[update.worker] = (update.iteration, version, None)
+            out.append(
+                Acked(
+                    worker=update.worker, iteration=update.iteration, version=version, dropped=None
+                )
+            )
+        return out

@@ -1,0 +1,330 @@
+"""A worker's side of one parameter-server model: its pushes and pulls over the model's shards.
+
+Rules: this module decides, for one worker rank of one model, what each shard is sent and when
+a push or a pull is complete.  It keeps the worker's state: one gradient filter per shard (TDF
+§III.C, with what it holds back), one delay gate per shard (MLfabric's worker-side τmax drop),
+the version of each shard the worker's cache holds, the push of each shard not yet
+acknowledged and the pull not yet answered, so that both can be sent again after a link reset
+or to a promoted replica (:meth:`Worker.resend`).  The ``ps`` service moves the frames, and
+gives :meth:`Worker.pulled` the view of the worker's array (in its shared-memory segment) that
+a shard's reply is applied to: the cache *is* the worker's array.
+
+Sharding (MLfabric §10.2, by key range): the model's ``size`` elements are split into
+contiguous ranges, one per server (:func:`shard_bounds`: as equal as possible, the first ones a
+parameter longer).  A push is split along them, a pull gathered, and versions are per shard:
+a pull's version is the least of its shards' (all equal under BSP, where every iteration
+publishes once on every shard).
+
+A worker has one push and one pull in flight at a time (the client waits for each): a push is
+acknowledged once every shard processed it, a pull complete once every shard answered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fabricd.engines import ps_push
+from fabricd.engines.ps_consistency import DelayGate
+from fabricd.engines.ps_filters import FilterSettings, GradientFilter, Push
+from fabricd.engines.ps_storage import apply_delta
+from fabricd.errors import RemoteProtocolError, UsageError
+
+Array = np.ndarray[Any, Any]
+
+
+def shard_bounds(size: int, shards: int) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` element ranges of ``shards`` key-range shards of ``size`` elements.
+
+    Raises:
+        UsageError: fewer elements than shards, or no shard.
+    """
+    if shards < 1 or size < shards:
+        raise UsageError(f"{size} elements cannot be split over {shards} servers")
+    base, extra = divmod(size, shards)
+    bounds, lo = [], 0
+    for shard in range(shards):
+        hi = lo + base + (1 if shard < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+# -- actions ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendPush:
+    """Send ``shard`` its part of the push of ``iteration`` (computed from ``base``)."""
+
+    shard: int
+    iteration: int
+    base: int
+    payload: bytearray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendPull:
+    """Ask ``shard`` for what changed since ``since``, at clock ``clock``."""
+
+    shard: int
+    clock: int
+    since: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushDone:
+    """The push of ``iteration`` was processed by every shard; ``dropped`` says, per shard
+    that did not apply it, why (at the worker by the delay gate, or at the server)."""
+
+    iteration: int
+    versions: tuple[int, ...]
+    dropped: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PullDone:
+    """The worker's array holds the model: shard ``i`` at ``versions[i]``."""
+
+    versions: tuple[int, ...]
+
+    @property
+    def version(self) -> int:
+        return min(self.versions)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PullFailed:
+    """A shard will never answer the pull (``reason``)."""
+
+    shard: int
+    reason: str
+
+
+Action = SendPush | SendPull | PushDone | PullDone | PullFailed
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerStatistics:
+    """Bytes and drops of one worker's pushes and pulls, over all shards."""
+
+    pushes: int
+    push_bytes: int  #: encoded, as sent
+    push_dense_bytes: int  #: unfiltered: every element in the gradient's dtype
+    considered: int  #: gradient elements the filters looked at
+    pushed: int  #: elements they let through
+    smp_selected: int
+    rp_selected: int
+    glnp_clipped: int
+    delay_dropped: int  #: shard pushes the delay gate dropped here
+    server_dropped: int  #: shard pushes the server did not apply
+    pulls: int
+    pull_bytes: int
+    pull_dense_bytes: int  #: a whole-model reply each time
+    resent: int  #: pushes and pulls sent again (link reset, failover)
+
+
+class Worker:
+    """Worker ``worker``'s pushes and pulls of one model of ``size`` elements of ``dtype``
+    sharded over ``shards`` servers (module docstring).  ``seed`` seeds G-RP's draws (with
+    the worker and shard, so workers draw differently and a rerun draws the same).
+    """
+
+    def __init__(
+        self,
+        *,
+        worker: int,
+        size: int,
+        dtype: str,
+        shards: int,
+        settings: FilterSettings | None = None,
+        delay_bound: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        settings = settings or FilterSettings()
+        self.worker = worker
+        self.dtype = np.dtype(dtype)
+        self.bounds = shard_bounds(size, shards)
+        self.filters = [
+            GradientFilter(
+                settings,
+                size=hi - lo,
+                dtype=dtype,
+                rng=np.random.default_rng([seed, worker, shard]),
+            )
+            for shard, (lo, hi) in enumerate(self.bounds)
+        ]
+        self.gates = [DelayGate(delay_bound=delay_bound) for _ in self.bounds]
+        self.iteration = 0  #: the next push's iteration (the worker's clock)
+        self.versions = [0] * shards  #: the versions the cache holds
+        self.epochs = [0] * shards
+        self._pushing: dict[int, tuple[int, int, bytearray]] = {}  #: shard -> (it, base, data)
+        self._push_results: dict[int, tuple[int, str | None]] = {}  #: shard -> (version, why)
+        self._pull_clock: int | None = None
+        self._pulling: set[int] = set()  #: shards whose answer is awaited
+        self._pushes = self._push_bytes = self._delay_dropped = self._server_dropped = 0
+        self._pulls = self._pull_bytes = self._resent = 0
+
+    # -- pushes ---------------------------------------------------------------------------
+    def push(self, gradient: Array) -> list[Action]:
+        """Push ``gradient`` (the whole model's, flat, of the model's dtype) as the next
+        iteration.
+
+        Raises:
+            UsageError: a push is still in flight, or the gradient is not the model's size and
+                dtype, or holds a NaN or an infinity.  Nothing changed.
+        """
+        if self._pushing or self._push_results:
+            raise UsageError("a push is still in flight: wait for it before the next")
+        if gradient.dtype != self.dtype or gradient.size != self.bounds[-1][1]:
+            raise UsageError(
+                f"this model takes {self.bounds[-1][1]} elements of {self.dtype}, not "
+                f"{gradient.size} of {gradient.dtype}"
+            )
+        if not np.isfinite(gradient).all():
+            raise UsageError("the update holds a NaN or an infinity: the model would too")
+        iteration = self.iteration
+        self.iteration += 1
+        self._pushes += 1
+        out: list[Action] = []
+        flat = gradient.reshape(-1)
+        for shard, (lo, hi) in enumerate(self.bounds):
+            drop = self.gates[shard].check(self.worker, iteration)
+            if drop is not None:
+                self._delay_dropped += 1
+                self._push_results[shard] = (self.versions[shard], drop.message)
+                continue
+            filtered: Push = self.filters[shard].push(flat[lo:hi], iteration + 1)
+            data = ps_push.encode(filtered)
+            self._push_bytes += len(data)
+            base = self.versions[shard]
+            self._pushing[shard] = (iteration, base, data)
+            out.append(SendPush(shard=shard, iteration=iteration, base=base, payload=data))
+        return out + self._push_done()
+
+    def pushed(self, shard: int, iteration: int, version: int, dropped: str | None) -> list[Action]:
+        """``shard`` processed the push of ``iteration`` (the model at ``version``).  One for
+        a push not in flight (an acknowledgement sent again) is ignored."""
+        pending = self._pushing.get(shard)
+        if pending is None or pending[0] != iteration:
+            return []
+        del self._pushing[shard]
+        self.gates[shard].heard(version)
+        if dropped is not None:
+            self._server_dropped += 1
+        self._push_results[shard] = (version, dropped)
+        return self._push_done()
+
+    def _push_done(self) -> list[Action]:
+        if self._pushing or len(self._push_results) < len(self.bounds):
+            return []
+        results = [self._push_results[s] for s in range(len(self.bounds))]
+        self._push_results.clear()
+        return [
+            PushDone(
+                iteration=self.iteration - 1,
+                versions=tuple(v for v, _ in results),
+                dropped=tuple(why for _, why in results if why is not None),
+            )
+        ]
+
+    # -- pulls ----------------------------------------------------------------------------
+    def pull(self, *, fresh: bool = False) -> list[Action]:
+        """Pull the model at the worker's clock; ``fresh``: the cache holds nothing (another
+        array than last time), so every shard sends everything.
+
+        Raises:
+            UsageError: a pull is still in flight.
+        """
+        if self._pulling:
+            raise UsageError("a pull is still in flight: wait for it before the next")
+        if fresh:
+            self.versions = [0] * len(self.bounds)
+        self._pull_clock = self.iteration
+        self._pulling = set(range(len(self.bounds)))
+        self._pulls += 1
+        return [
+            SendPull(shard=shard, clock=self.iteration, since=self.versions[shard])
+            for shard in range(len(self.bounds))
+        ]
+
+    def pulled(
+        self, shard: int, clock: int, data: bytes | bytearray | memoryview, cache: Array
+    ) -> list[Action]:
+        """``shard``'s answer to the pull at ``clock``: apply it to ``cache`` (the worker's
+        array, whole).  An answer to no pull in flight is ignored.
+
+        Raises:
+            RemoteProtocolError: the answer is malformed or does not fit the cache's version
+                (the cache is untouched).
+        """
+        if shard not in self._pulling or clock != self._pull_clock:
+            return []
+        lo, hi = self.bounds[shard]
+        version = apply_delta(data, cache.reshape(-1)[lo:hi], self.versions[shard])
+        self._pull_bytes += len(data)
+        self.versions[shard] = version
+        self.gates[shard].pulled(version)
+        self._pulling.discard(shard)
+        if self._pulling:
+            return []
+        self._pull_clock = None
+        return [PullDone(versions=tuple(self.versions))]
+
+    def refused(self, shard: int, clock: int, reason: str) -> list[Action]:
+        """``shard`` will never answer the pull at ``clock``: the pull fails."""
+        if shard not in self._pulling or clock != self._pull_clock:
+            return []
+        self._pulling.clear()
+        self._pull_clock = None
+        return [PullFailed(shard=shard, reason=reason)]
+
+    # -- resets and failover --------------------------------------------------------------
+    def resend(self, shard: int) -> list[Action]:
+        """What ``shard`` must be sent again: its push not acknowledged and its pull not
+        answered (after a reset of its server's links, or to the replica that took over)."""
+        out: list[Action] = []
+        pending = self._pushing.get(shard)
+        if pending is not None:
+            iteration, base, data = pending
+            out.append(SendPush(shard=shard, iteration=iteration, base=base, payload=data))
+        if shard in self._pulling and self._pull_clock is not None:
+            out.append(SendPull(shard=shard, clock=self._pull_clock, since=self.versions[shard]))
+        self._resent += len(out)
+        return out
+
+    def failover(self, shard: int) -> list[Action]:
+        """``shard``'s server is gone and its replica serves it, one epoch later: send the
+        replica what is in flight."""
+        self.epochs[shard] += 1
+        return self.resend(shard)
+
+    def check_frame(self, shard: int) -> None:
+        """Raise unless ``shard`` is one of the model's."""
+        if not 0 <= shard < len(self.bounds):
+            raise RemoteProtocolError(f"shard {shard} of a model of {len(self.bounds)}")
+
+    # -- reading --------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._pushing or self._pulling)
+
+    def statistics(self) -> WorkerStatistics:
+        stats = [f.statistics() for f in self.filters]
+        size = self.bounds[-1][1]
+        return WorkerStatistics(
+            pushes=self._pushes,
+            push_bytes=self._push_bytes,
+            push_dense_bytes=sum(s.considered_bytes for s in stats),
+            considered=sum(s.considered for s in stats),
+            pushed=sum(s.pushed for s in stats),
+            smp_selected=sum(s.smp_selected for s in stats),
+            rp_selected=sum(s.rp_selected for s in stats),
+            glnp_clipped=sum(s.glnp_clipped for s in stats),
+            delay_dropped=self._delay_dropped,
+            server_dropped=self._server_dropped,
+            pulls=self._pulls,
+            pull_bytes=self._pull_bytes,
+            pull_dense_bytes=self._pulls * size * self.dtype.itemsize,
+            resent=self._resent,
+        )

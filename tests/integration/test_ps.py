@@ -1,0 +1,199 @@
+"""The parameter server between real daemons on loopback (issue 12): several workers and a
+server under each consistency model, a model sharded over two servers, malformed pushes
+refused while the server keeps serving, and a server that dies replaced by its replica with no
+acknowledged update lost.
+
+Ranks are clients in this process, one connection each; pushes and pulls are started with the
+``_async`` forms and then waited for, so one thread plays all ranks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+import fabricd
+from tests.integration.test_collectives import ranks
+from tests.integration.test_collectives import wait_or_explain as collectives_wait
+
+if TYPE_CHECKING:
+    from fabricd.client import Client, ParameterServer
+
+pytestmark = pytest.mark.timeout(240)
+
+COUNT = 1000
+
+
+def wait(handle: Any, fabs: list[Client]) -> Any:
+    """``handle.wait``, or a report of every daemon's parameter-server rows and stalls."""
+    return collectives_wait(handle, fabs, rows="ps_workers")
+
+
+def open_all(
+    fabs: list[Client], servers: list[int], replicas: tuple[int, ...] = (), **kw: Any
+) -> dict[int, ParameterServer]:
+    handles = {}
+    for rank, fab in enumerate(fabs):
+        role = "server" if rank in servers else "replica" if rank in replicas else "worker"
+        handles[rank] = fab.parameter_server(
+            "m", (COUNT,), "float64", role, servers=servers, replicas=list(replicas), **kw
+        )
+    return handles
+
+
+def step(
+    fabs: list[Client],
+    pss: dict[int, ParameterServer],
+    workers: list[int],
+    updates: dict[int, np.ndarray[Any, Any]],
+    models: dict[int, np.ndarray[Any, Any]],
+) -> tuple[list[Any], list[int]]:
+    """Every worker pushes its update, then pulls: the push results and the versions."""
+    pushed = [pss[w].push_async(updates[w]) for w in workers]
+    results = [wait(h, fabs) for h in pushed]
+    pulled = [pss[w].pull_async(models[w]) for w in workers]
+    return results, [wait(h, fabs) for h in pulled]
+
+
+def test_bsp_applies_every_workers_push_once_per_iteration(make_cluster) -> None:
+    cluster = make_cluster(2)
+    placement = (0, 1, 0, 1)  # server rank 0; workers 1, 2 (local to the server), 3
+    with ranks(cluster, placement, "ps-bsp") as fabs:
+        pss = open_all(fabs, [0], consistency="bsp")
+        workers = [1, 2, 3]
+        models = {w: fabs[w].array("w", (COUNT,), "float64") for w in workers}
+        updates = {w: fabs[w].array("u", (COUNT,), "float64") for w in workers}
+        rng = np.random.default_rng(3)
+        expected = np.zeros(COUNT)
+        for iteration in range(4):
+            for w in workers:
+                updates[w][:] = rng.standard_normal(COUNT)
+                expected += updates[w]
+            results, versions = step(fabs, pss, workers, updates, models)
+            assert [r.iteration for r in results] == [iteration] * 3
+            assert all(r.dropped == () for r in results)
+            assert versions == [iteration + 1] * 3  # one version per iteration: BSP
+            for w in workers:
+                np.testing.assert_allclose(models[w], expected, rtol=1e-12, atol=1e-12)
+        status = fabs[0].status()
+        (row,) = [r for r in status["ps_servers"] if r["name"] == "m"]
+        assert (row["version"], row["applied"], row["pushes"]) == (4, 12, 12)
+
+
+@pytest.mark.parametrize("consistency", ["ssp", "async"])
+def test_ssp_and_async_apply_every_push_on_arrival(make_cluster, consistency: str) -> None:
+    cluster = make_cluster(2)
+    with ranks(cluster, (0, 1, 1), f"ps-{consistency}") as fabs:
+        kw: dict[str, Any] = {"staleness": 2} if consistency == "ssp" else {}
+        pss = open_all(fabs, [0], consistency=consistency, **kw)
+        workers = [1, 2]
+        models = {w: fabs[w].array("w", (COUNT,), "float64") for w in workers}
+        updates = {w: fabs[w].array("u", (COUNT,), "float64") for w in workers}
+        for w in workers:
+            updates[w][:] = w
+        for _ in range(3):
+            step(fabs, pss, workers, updates, models)
+        for w in workers:
+            np.testing.assert_allclose(models[w], 3 * (1 + 2))
+            assert wait(pss[w].pull_async(models[w]), fabs) == 6  # a version per push
+
+
+def test_a_model_sharded_over_two_servers_with_sgd(make_cluster) -> None:
+    cluster = make_cluster(3)
+    placement = (0, 1, 2, 0, 1)  # servers 0 and 1, workers 2, 3, 4
+    with ranks(cluster, placement, "ps-shards") as fabs:
+        start = fabs[0].array("init", (COUNT,), "float64")
+        start[:] = np.linspace(-1, 1, COUNT)
+        start1 = fabs[1].array("init", (COUNT,), "float64")
+        start1[:] = start
+        pss = {}
+        for rank, fab in enumerate(fabs):
+            role = "server" if rank < 2 else "worker"
+            initial = (start if rank == 0 else start1) if rank < 2 else None
+            pss[rank] = fab.parameter_server(
+                "m",
+                (COUNT,),
+                "float64",
+                role,
+                servers=[0, 1],
+                consistency="bsp",
+                update_rule="sgd",
+                lr=0.1,
+                momentum=0.5,
+                initial=initial,
+            )
+        assert pss[2].bounds == [(0, 500), (500, 1000)]
+        workers = [2, 3, 4]
+        models = {w: fabs[w].array("w", (COUNT,), "float64") for w in workers}
+        grads = {w: fabs[w].array("g", (COUNT,), "float64") for w in workers}
+        model, velocity = start.copy(), np.zeros(COUNT)
+        for w in workers:
+            assert wait(pss[w].pull_async(models[w]), fabs) == 0
+            np.testing.assert_array_equal(models[w], model)
+        for _ in range(3):
+            for w in workers:
+                grads[w][:] = models[w] * w  # a gradient of the model each worker pulled
+            total = sum(np.array(grads[w]) for w in workers)
+            velocity = 0.5 * velocity - 0.1 * total  # MLfabric eq. 2, on the iteration's sum
+            model = model + velocity
+            results, _ = step(fabs, pss, workers, grads, models)
+            assert all(len(r.versions) == 2 for r in results)
+            for w in workers:
+                np.testing.assert_allclose(models[w], model, rtol=1e-12, atol=1e-12)
+
+
+def test_malformed_pushes_are_refused_and_the_server_keeps_serving(make_cluster) -> None:
+    cluster = make_cluster(2)
+    with ranks(cluster, (0, 1, 1), "ps-bad") as fabs:
+        pss = open_all(fabs, [0], consistency="async")
+        wrong_shape = fabs[1].array("short", (COUNT - 1,), "float64")
+        wrong_dtype = fabs[1].array("f32", (COUNT,), "float32")
+        bad = fabs[1].array("nan", (COUNT,), "float64")
+        bad[3] = np.nan
+        for update, what in ((wrong_shape, "999 of float64"), (wrong_dtype, "float32")):
+            with pytest.raises(fabricd.UsageError, match=what):
+                pss[1].push(update)
+        with pytest.raises(fabricd.UsageError, match="NaN"):
+            pss[1].push(bad)
+        with pytest.raises(fabricd.UsageError, match="for workers"):
+            pss[0].push(bad)
+        with pytest.raises(fabricd.UsageError, match="opened here as"):
+            fabs[2].parameter_server("m", (COUNT,), "float32", servers=[0])
+        good = fabs[2].array("u", (COUNT,), "float64")
+        good[:] = 1.0
+        assert pss[2].push(good, norm=float(np.linalg.norm(good))).versions == (1,)
+        model = fabs[2].array("w", (COUNT,), "float64")
+        assert pss[2].pull(model) == 1
+        np.testing.assert_array_equal(model, 1.0)
+
+
+def test_a_dead_server_is_replaced_by_its_replica_and_nothing_acknowledged_is_lost(
+    make_cluster,
+) -> None:
+    cluster = make_cluster(3)
+    placement = (0, 1, 1, 2)  # server 0 alone on node 0; replica 1; workers 2 and 3
+    with ranks(cluster, placement, "ps-failover") as fabs:
+        pss = open_all(fabs, [0], [1], consistency="async")
+        workers = [2, 3]
+        models = {w: fabs[w].array("w", (COUNT,), "float64") for w in workers}
+        updates = {w: fabs[w].array("u", (COUNT,), "float64") for w in workers}
+        acked = np.zeros(COUNT)
+        for w in workers:
+            updates[w][:] = w
+        for _ in range(3):
+            step(fabs, pss, workers, updates, models)
+            acked += 2 + 3
+        fabs[0].close()  # the server's process ends: its shard goes with it
+        for _ in range(3):
+            results, versions = step(fabs, pss, workers, updates, models)
+            acked += 2 + 3
+            assert all(r.epochs == (1,) for r in results)
+        for w in workers:
+            np.testing.assert_array_equal(models[w], acked)  # nothing acknowledged lost
+            assert pss[w].epochs == (1,)
+        assert versions[-1] == 12  # versions went on from where the server left them
+        events = [e for e in fabs[2].poll(1.0) if e.name == "ps_epoch"]
+        assert events
+        assert (events[0].fields["epoch"], events[0].fields["server"]) == (1, 1)
