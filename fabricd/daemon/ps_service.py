@@ -80,7 +80,7 @@ from fabricd.errors import (
     RemoteProtocolError,
     UsageError,
 )
-from fabricd.frames import MAX_COLLECTIVE_NAME, MAX_RANK
+from fabricd.frames import MAX_COLLECTIVE_NAME, MAX_PS_REASON, MAX_RANK
 from fabricd.wire import Kind, Meta, get_int, get_str
 
 if TYPE_CHECKING:
@@ -498,7 +498,7 @@ class PSService(BaseService):
                     worker=entry.worker,
                     iteration=entry.iteration,
                     base=entry.base,
-                    reason=entry.reason,
+                    reason=_text(entry.reason),
                     spec=spec,
                 )
                 self._send(job, replica, frame, bytes(entry.payload))
@@ -529,7 +529,7 @@ class PSService(BaseService):
                         iteration=action.iteration,
                         version=action.version,
                         epoch=server.epoch,
-                        dropped=action.dropped,
+                        dropped=_text(action.dropped),
                     ),
                 )
             elif isinstance(action, Answer):
@@ -563,7 +563,7 @@ class PSService(BaseService):
                         clock=action.clock,
                         version=server.version,
                         epoch=server.epoch,
-                        error=action.reason,
+                        error=_text(action.reason),
                     ),
                 )
 
@@ -687,10 +687,10 @@ class PSService(BaseService):
         }
         if isinstance(frame, frames.Push):
             reply: frames.PeerFrame = frames.Pushed(
-                **common, iteration=frame.iteration, version=0, dropped=why
+                **common, iteration=frame.iteration, version=0, dropped=_text(why)
             )
         else:
-            reply = frames.Pulled(**common, clock=frame.clock, version=0, error=why)
+            reply = frames.Pulled(**common, clock=frame.clock, version=0, error=_text(why))
         self._send(job, frame.worker, reply)
 
     def _at_worker(self, node: int, frame: frames.Pushed | frames.Pulled, payload: bytes) -> None:
@@ -1170,6 +1170,13 @@ def _settings(filters: Any) -> FilterSettings:
     if not isinstance(filters, dict) or not set(filters) <= set(_FILTER_FIELDS):
         raise UsageError(f"filters: a map of {', '.join(_FILTER_FIELDS)}")
     return FilterSettings(**filters)
+
+
+def _text(why: str | None) -> str | None:
+    """A reason as a frame carries it: 1 to ``MAX_PS_REASON`` characters (or none)."""
+    if why is None:
+        return None
+    return (why or "no reason given")[:MAX_PS_REASON]
 
 
 def _describe(spec: Meta) -> str:
