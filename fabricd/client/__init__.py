@@ -50,6 +50,7 @@ from fabricd.client.protocol import Event
 from fabricd.client.ps import ParameterServer, PushResult, open_request
 from fabricd.client.stochastic import ReduceResult, StochasticReduce, Sync
 from fabricd.engines.ps_filters import FilterSettings
+from fabricd.engines.ps_worker import shard_bounds
 from fabricd.errors import DaemonUnavailable, Timeout, UsageError
 from fabricd.ipc import socket_candidates
 
@@ -117,6 +118,7 @@ class Client:
         self.p2p = PointToPoint(connection, self._arrays, job)
         self.collectives = Collectives(connection, self._arrays, job)
         self.graphs = StochasticReduce(connection, self._arrays, job)
+        self._servers: dict[str, ParameterServer] = {}  #: models with an update callback
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -290,7 +292,11 @@ class Client:
         ``"replica"`` of it (:mod:`fabricd.client.ps`; MLfabric §2, Table 1; TDF §III).
 
         ``servers``: the server ranks, one per key-range shard; ``replicas``: none, or one
-        rank per server that takes over if it dies.  ``initial`` (servers and replicas: the
+        rank per server that takes over if it dies.  ``update_rule``: ``"sum"``, ``"sgd"``
+        (with ``lr``, ``momentum``) or a callable ``f(model, update)`` that steps ``model``
+        in place in the server's own process, run while it is in
+        :meth:`ParameterServer.serve` (MLfabric's registerUpdateCallback; replicas pass the
+        same one).  ``initial`` (servers and replicas: the
         same on each): the starting model, a ``fab.array()``; zeros if omitted.  ``filters``:
         TDF's filters (:class:`FilterSettings`, all off by default); ``seed`` seeds G-RP.
 
@@ -327,6 +333,17 @@ class Client:
                 raise UsageError(f"initial must hold {fields['size']} elements of {dt}")
             seg, offset = self._arrays.locate(initial)
             fields.update(seg=seg, off=offset, nbytes=initial.nbytes)
+        step = None
+        if callable(update_rule):
+            if role == "worker":
+                raise UsageError("an update callback belongs to servers and replicas")
+            ranks = list(servers if role == "server" else replicas)
+            if self.rank not in ranks:
+                raise UsageError(f"rank {self.rank} is not one of the {role} ranks {ranks}")
+            lo, hi = shard_bounds(fields["size"], len(servers))[ranks.index(self.rank)]
+            step = self._arrays.create(f"ps:{name}:step", (2, hi - lo), dt.name)
+            where, offset = self._arrays.locate(step)
+            fields.update(step_seg=where, step_off=offset, step_nbytes=step.nbytes)
         reply = self._call("ps_open", timeout=timeout, **fields)
         return ParameterServer(
             self._connection,
@@ -336,6 +353,9 @@ class Client:
             shape=tuple(int(d) for d in dims),
             dtype=dt,
             reply=reply,
+            callback=update_rule if callable(update_rule) else None,
+            step=step,
+            servers=self._servers,
         )
 
     # -- control ----------------------------------------------------------------------------

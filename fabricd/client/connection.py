@@ -75,6 +75,7 @@ class Connection:
         self._calls: dict[int, Call] = {}
         self._events: collections.deque[Event] = collections.deque()
         self._broken: str | None = None  #: why sending failed, if it did
+        self._closed_here = False
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
 
@@ -200,8 +201,14 @@ class Connection:
         return taken
 
     # -- the end ----------------------------------------------------------------------------
+    @property
+    def closed_here(self) -> bool:
+        """Whether :meth:`close` ended the connection (not the daemon)."""
+        return self._closed_here
+
     def close(self) -> None:
         """End the connection: every pending call fails, then the fd is released."""
+        self._closed_here = True
         self._end("the client was closed; connect again")
         with self._send_lock, self._read_lock:  # nobody writes or polls the fd now
             self._sock.close()

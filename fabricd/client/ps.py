@@ -40,7 +40,7 @@ import numpy as np
 
 from fabricd.client.handle import Handle
 from fabricd.engines.ps_filters import FilterSettings
-from fabricd.errors import UsageError
+from fabricd.errors import DaemonUnavailable, UsageError
 from fabricd.frames import MAX_COLLECTIVE_NAME
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
     from fabricd.client.arrays import SharedArrays
     from fabricd.client.connection import Connection
+    from fabricd.engines.ps_consistency import UpdateCallback
     from fabricd.wire import Meta
 
 Role = Literal["worker", "server", "replica"]
@@ -89,7 +90,13 @@ class ParameterServer:
         shape: tuple[int, ...],
         dtype: np.dtype[Any],
         reply: Meta,
+        callback: UpdateCallback | None = None,
+        step: np.ndarray[Any, Any] | None = None,
+        servers: dict[str, ParameterServer] | None = None,
     ) -> None:
+        """``callback`` and ``step``: a server's update callback and its step buffer;
+        ``servers``: the client's models with a callback, by name (:meth:`serve` runs
+        theirs)."""
         self._connection = connection
         self._arrays = arrays
         self.name = name
@@ -101,6 +108,12 @@ class ParameterServer:
         self.shards = int(reply["shards"])
         self.epochs: tuple[int, ...] = (0,) * self.shards
         self._staging: np.ndarray[Any, Any] | None = None
+        self._callback = callback
+        self._step = step
+        self._shard = reply.get("shard")
+        self._servers = {} if servers is None else servers
+        if callback is not None:
+            self._servers[name] = self
 
     # -- worker ---------------------------------------------------------------------------
     def push(
@@ -177,18 +190,42 @@ class ParameterServer:
     # -- server ---------------------------------------------------------------------------
     def serve(self, duration: float | None = None, *, poll: float = 0.5) -> None:
         """Keep this server or replica serving for ``duration`` seconds (``None``: until the
-        connection ends).  The daemon does the work; this process only has to stay.  Events
-        the daemon pushes meanwhile are read and dropped.
+        connection ends).  The daemon does the work; this process only has to stay, and run
+        the update callbacks of the models it opened with one (for every such model of this
+        client, whichever ``serve`` runs).  Other events the daemon pushes meanwhile are read
+        and dropped.
 
         Raises:
-            DaemonUnavailable: the daemon went away (the shard's state went with it).
+            DaemonUnavailable: the daemon went away (the shard's state went with it); not
+                when this process closed the client, which ends serving.
         """
         if self.role == "worker":
             raise UsageError("serve() is for a server or replica; workers push and pull")
         end = None if duration is None else time.monotonic() + duration
         while end is None or time.monotonic() < end:
             wait = poll if end is None else max(0.0, min(poll, end - time.monotonic()))
-            self._connection.poll(wait)  # raises DaemonUnavailable once the daemon is gone
+            try:
+                events = self._connection.poll(wait)
+            except DaemonUnavailable:
+                if self._connection.closed_here:
+                    return  # this process closed the client: serving ends with it
+                raise
+            for event in events:
+                if event.name == "ps_step":
+                    self._servers[str(event.fields["name"])]._run_step(event.fields)
+
+    def _run_step(self, fields: Meta) -> None:
+        """Run the update callback on the daemon's step: the model and the update are in the
+        step buffer; the callback changes the model in place, and the daemon reads it back."""
+        assert self._callback is not None
+        assert self._step is not None
+        self._callback(self._step[0], self._step[1])
+        call = self._connection.submit(
+            "ps_stepped",
+            {"name": self.name, "shard": int(fields["shard"]), "version": int(fields["version"])},
+            what=f"update callback of parameter server {self.name!r}",
+        )
+        self._connection.wait(call, 30.0).result("ps_stepped")
 
     # -- internals ------------------------------------------------------------------------
     def _worker_only(self, what: str) -> None:
@@ -279,12 +316,10 @@ def open_request(
     ):
         raise UsageError(f"delay_bound (tau_max) must be an int >= 0 or None, not {delay_bound!r}")
     if callable(update_rule):
-        raise UsageError(
-            "an update callback runs in the server's own process, which this release does not "
-            "support yet: use update_rule='sum' (push the step) or 'sgd' with lr= and momentum="
-        )
-    if update_rule not in ("sum", "sgd"):
-        raise UsageError(f"update_rule must be 'sum' or 'sgd', not {update_rule!r}")
+        if lr is not None or momentum is not None:
+            raise UsageError("lr= and momentum= belong to update_rule='sgd', not a callback")
+    elif update_rule not in ("sum", "sgd"):
+        raise UsageError(f"update_rule must be 'sum', 'sgd' or a callable, not {update_rule!r}")
     for what, value in (("lr", lr), ("momentum", momentum)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise UsageError(f"{what} must be a number, not {value!r}")
@@ -309,7 +344,7 @@ def open_request(
         "delay_bound": delay_bound,
         "chunk": chunk,
         "seed": seed,
-        "rule": update_rule,
+        "rule": "callback" if callable(update_rule) else update_rule,
         "lr": None if lr is None else float(lr),  # type: ignore[arg-type]
         "momentum": None if momentum is None else float(momentum),  # type: ignore[arg-type]
         "filters": None if filters is None else asdict(filters),

@@ -41,7 +41,7 @@ import numpy as np
 from fabricd import frames
 from fabricd.daemon.data_queues import DataQueues
 from fabricd.daemon.logs import RateLimitedLog
-from fabricd.daemon.metrics import OperationStats, counter, gauge
+from fabricd.daemon.metrics import Histogram, OperationStats, counter, gauge, histogram
 from fabricd.daemon.service import BaseService
 from fabricd.engines import ps_push
 from fabricd.engines.actions import Failure
@@ -50,6 +50,7 @@ from fabricd.engines.ps_consistency import (
     CONSISTENCIES,
     DELAY_BUCKETS,
     Consistency,
+    UpdateRule,
     update_rule,
 )
 from fabricd.engines.ps_filters import DTYPES, FilterSettings
@@ -63,6 +64,7 @@ from fabricd.engines.ps_server import (
     Logged,
     Refuse,
     ShardServer,
+    Step,
 )
 from fabricd.engines.ps_storage import HEADER as PULL_HEADER
 from fabricd.engines.ps_worker import (
@@ -134,6 +136,7 @@ class _Model:
     servers: dict[int, ShardServer] = field(default_factory=dict)  #: local shards
     owners: dict[int, ClientSession] = field(default_factory=dict)  #: their processes
     local_workers: dict[int, _WorkerSide] = field(default_factory=dict)
+    steps: dict[int, np.ndarray[Any, Any]] = field(default_factory=dict)  #: callback buffers
     epochs: dict[int, int] = field(default_factory=dict)  #: shard -> epoch, as workers see it
     failed: dict[int, str] = field(default_factory=dict)  #: shards nobody serves any more
 
@@ -161,7 +164,7 @@ class PSService(BaseService):
     kinds = frozenset(
         {Kind.PUSH, Kind.PULL, Kind.PUSHED, Kind.PULLED, Kind.REPLICATE, Kind.REPLICATED}
     )
-    ops = frozenset({"ps_open", "ps_push", "ps_pull"})
+    ops = frozenset({"ps_open", "ps_push", "ps_pull", "ps_stepped"})
 
     def __init__(self, host: Host, *, membership: Membership) -> None:
         self.host = host
@@ -201,6 +204,8 @@ class PSService(BaseService):
         try:
             if request.op == "ps_open":
                 return self._open(request, now)
+            if request.op == "ps_stepped":
+                return self._stepped(request, now)
             side = self._side(request)
             if request.op == "ps_push":
                 self._push(side, request, now)
@@ -267,13 +272,18 @@ class PSService(BaseService):
         initial = self._initial(request, spec, lo, hi)
         rule_name = get_str(meta, "rule")
         lr, momentum = meta.get("lr"), meta.get("momentum")
-        if rule_name not in ("sum", "sgd"):
-            raise UsageError(f"update_rule {rule_name!r}: the daemon applies 'sum' or 'sgd'")
-        rule = update_rule(
-            rule_name,
-            lr=None if lr is None else float(lr),
-            momentum=None if momentum is None else float(momentum),
-        )
+        rule: UpdateRule | None = None
+        if rule_name == "callback":  # the process steps the model in its own step buffer
+            step = self._step_buffer(request, spec, hi - lo)
+        elif rule_name in ("sum", "sgd"):
+            step = None
+            rule = update_rule(
+                rule_name,
+                lr=None if lr is None else float(lr),
+                momentum=None if momentum is None else float(momentum),
+            )
+        else:
+            raise UsageError(f"update_rule {rule_name!r}: 'sum', 'sgd' or a callback")
         model.servers[shard] = ShardServer(
             initial=initial,
             workers=model.workers,
@@ -287,9 +297,39 @@ class PSService(BaseService):
             replicated=role == "server" and bool(replicas),
         )
         model.owners[shard] = session
+        if step is not None:
+            model.steps[shard] = step
         self.models[key] = model
         self._take_early(key, now)
         return {"shards": len(servers), "bounds": [list(b) for b in model.bounds], "shard": shard}
+
+    def _step_buffer(self, request: Request, spec: Meta, count: int) -> np.ndarray[Any, Any]:
+        """The callback's buffer in the server process's memory: the model, then the update,
+        ``count`` elements each."""
+        dtype = np.dtype(spec["dtype"])
+        nbytes = 2 * count * dtype.itemsize
+        if get_int(request.meta, "step_nbytes") != nbytes:
+            raise UsageError(f"the step buffer holds 2 x {count} elements of {dtype}")
+        region = request.session.segment(get_int(request.meta, "step_seg")).view(
+            get_int(request.meta, "step_off"), nbytes
+        )
+        return np.frombuffer(region, dtype=dtype).reshape(2, count)
+
+    def _stepped(self, request: Request, now: float) -> Meta:
+        """The server process ran its update callback: the new model is in its buffer."""
+        session = request.session
+        key = (str(session.job), get_str(request.meta, "name"))
+        model = self.models.get(key)
+        shard = get_int(request.meta, "shard")
+        server = None if model is None else model.servers.get(shard)
+        if model is None or server is None or model.owners.get(shard) is not session:
+            raise UsageError(f"this process serves no shard {shard} of {key[1]!r}")
+        buffer = model.steps.get(shard)
+        if buffer is None:
+            raise UsageError(f"shard {shard} of {key[1]!r} has no update callback")
+        actions = server.stepped(get_int(request.meta, "version"), buffer[0].copy(), now)
+        self._server(key, shard, actions)
+        return {}
 
     def _check_spec(self, spec: Meta) -> None:
         servers, replicas, n = spec["servers"], spec["replicas"], spec["n"]
@@ -502,6 +542,15 @@ class PSService(BaseService):
                     spec=spec,
                 )
                 self._send(job, replica, frame, bytes(entry.payload))
+            elif isinstance(action, Step):
+                buffer = model.steps[shard]
+                buffer[0] = action.model
+                buffer[1] = action.update
+                self.host.push(
+                    model.owners[shard],
+                    "ps_step",
+                    {"name": name, "shard": shard, "version": action.version},
+                )
             elif isinstance(action, Logged):
                 primary = int(spec["servers"][shard])
                 self._send(
@@ -997,6 +1046,7 @@ class PSService(BaseService):
                         "dropped_delay": c.dropped.get("delay", 0),
                         "dropped_lost": c.dropped.get("lost", 0),
                         "delays": list(c.delays),
+                        "delay_sum": c.delay_sum,
                         "held_pulls": c.held,
                         "live_workers": c.live,
                         "pushes": s.pushes,
@@ -1066,6 +1116,8 @@ class PSService(BaseService):
             s.engine.statistics() for m in self.models.values() for s in m.local_workers.values()
         ]
         shards = [s.statistics() for m in self.models.values() for s in m.servers.values()]
+        # a replica replays its primary's updates: counted once, where they are served from
+        primaries = [s for s in shards if s.primary]
         yield counter(
             "fabricd_ps_push_bytes",
             "Bytes of pushes sent by this node's workers, as sent (filtered) and as they would "
@@ -1097,40 +1149,38 @@ class PSService(BaseService):
         )
         yield counter(
             "fabricd_ps_parameters_published",
-            "Parameters the servers' P-SMP filters published, and those considered",
+            "Parameters the primary servers' P-SMP filters published, and those considered",
             [
-                ({**labels, "what": "published"}, sum(s.published for s in shards)),
-                ({**labels, "what": "considered"}, sum(s.considered for s in shards)),
+                ({**labels, "what": "published"}, sum(s.published for s in primaries)),
+                ({**labels, "what": "considered"}, sum(s.considered for s in primaries)),
             ],
         )
         yield counter(
             "fabricd_ps_updates_dropped",
-            "Updates not applied: delay above tau_max (at the worker or the server), or "
-            "their worker lost",
+            "Shard pushes not applied: delay above tau_max at this node's workers "
+            "(delay_worker) or its primary servers (delay_server), or their worker lost",
             [
                 ({**labels, "reason": "delay_worker"}, sum(w.delay_dropped for w in workers)),
                 (
                     {**labels, "reason": "delay_server"},
-                    sum(s.coordinator.dropped.get("delay", 0) for s in shards),
+                    sum(s.coordinator.dropped.get("delay", 0) for s in primaries),
                 ),
                 (
                     {**labels, "reason": "lost"},
-                    sum(s.coordinator.dropped.get("lost", 0) for s in shards),
+                    sum(s.coordinator.dropped.get("lost", 0) for s in primaries),
                 ),
             ],
         )
-        buckets = [0] * (len(DELAY_BUCKETS) + 1)
-        for s in shards:
+        delays = Histogram(DELAY_BUCKETS)
+        for s in primaries:
             for i, n in enumerate(s.coordinator.delays):
-                buckets[i] += n
-        yield counter(
+                delays.counts[i] += n
+            delays.sum += s.coordinator.delay_sum
+        yield histogram(
             "fabricd_ps_update_delay",
-            "Applied updates by delay (server version minus the version the update was "
-            "computed from), per bucket's upper bound",
-            [
-                ({**labels, "le": str(b)}, n)
-                for b, n in zip([*map(str, DELAY_BUCKETS), "+Inf"], buckets, strict=True)
-            ],
+            "Updates this node's primary servers applied, by delay (the server's version "
+            "minus the version the update was computed from)",
+            [(labels, delays)],
         )
         yield gauge(
             "fabricd_ps_shards",

@@ -297,6 +297,7 @@ class CoordinatorStatistics:
     applied: int  #: updates applied (under BSP several per version)
     dropped: Mapping[str, int]  #: updates dropped, by :class:`DropReason` value
     delays: tuple[int, ...]  #: applied updates by delay (:data:`DELAY_BUCKETS`)
+    delay_sum: int  #: the applied updates' delays added up (a histogram's sum: the mean delay)
     held: int  #: pulls held now
     held_total: int  #: pulls that had to wait, ever
     refused: int  #: pulls refused (lost workers)
@@ -347,6 +348,7 @@ class Coordinator:
         self._applied = 0
         self._dropped = {r.value: 0 for r in DropReason}
         self._delays = [0] * (len(DELAY_BUCKETS) + 1)
+        self._delay_sum = 0
         self._held_total = 0
         self._refused = 0
 
@@ -491,6 +493,7 @@ class Coordinator:
             applied=self._applied,
             dropped=dict(self._dropped),
             delays=tuple(self._delays),
+            delay_sum=self._delay_sum,
             held=len(self._held),
             held_total=self._held_total,
             refused=self._refused,
@@ -548,6 +551,7 @@ class Coordinator:
         )
         for u in updates:
             self._delays[_bucket(u.delay)] += 1
+            self._delay_sum += u.delay
         self._applied += len(updates)
         self._version += 1
         return Apply(version=self._version, iteration=iteration, updates=updates)

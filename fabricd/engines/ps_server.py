@@ -33,6 +33,12 @@ Theory of operation.
   (:meth:`promote`, the *epoch* grows by one) and serves the workers, whose daemons send it
   every push not yet acknowledged: one it logged is acknowledged again, one it never saw is
   applied now.  Versions never go back: a version a worker saw was logged by the replica first.
+* The update callback (MLfabric Table 1, ``registerUpdateCallback``): with ``rule=None`` the
+  server's own process steps the model.  Each :class:`~fabricd.engines.ps_consistency.Apply`
+  becomes a :class:`Step` for the service to hand to the process, and the shard carries out
+  nothing after it (acknowledgements, answers, later applies) until :meth:`ShardServer.stepped`
+  brings the new model: the coordinator's decisions never depend on the model, so they are
+  taken at once and queued.  A replica's process runs the same callback on the same steps.
 * Cost: a push is O(shard) to decode and apply; a pull O(changed chunks) (the store); the log
   holds at most one entry per worker (one push in flight each) and the lost workers' entries.
 """
@@ -58,7 +64,7 @@ from fabricd.engines.ps_consistency import (
 )
 from fabricd.engines.ps_filters import LOW_MAX, FilterSettings, ParameterFilter
 from fabricd.engines.ps_storage import TimedStore
-from fabricd.errors import RemoteProtocolError
+from fabricd.errors import RemoteProtocolError, UsageError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -129,7 +135,20 @@ class Refuse:
     reason: str
 
 
-Action = Forward | Logged | Acked | Answer | Refuse
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Step:
+    """Run the update callback in the server's own process (MLfabric Table 1's
+    registerUpdateCallback): step ``model`` (a copy of the values the next version starts
+    from) by ``update`` (the :class:`~fabricd.engines.ps_consistency.Apply`'s combined update)
+    and hand the result to :meth:`ShardServer.stepped`.  The shard waits for it: pushes and
+    pulls that come meanwhile are queued behind it, in order."""
+
+    version: int
+    model: Array
+    update: Array
+
+
+Action = Forward | Logged | Acked | Answer | Refuse | Step
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,7 +175,8 @@ class ShardStatistics:
 class ShardServer:
     """One shard's server state (module docstring).
 
-    ``initial``: the shard's starting values (copied), a flat float16/32/64 array.  ``replica``:
+    ``initial``: the shard's starting values (copied), a flat float16/32/64 array.  ``rule``:
+    the update rule, or ``None``: the server's process runs it (:class:`Step`).  ``replica``:
     this is the replica (it logs what the primary forwards).  ``replicated``: this is a primary
     with a replica.  The other arguments are the coordinator's and the filters'.
     """
@@ -169,7 +189,7 @@ class ShardServer:
         consistency: Consistency,
         staleness: int = 0,
         delay_bound: int | None = None,
-        rule: UpdateRule,
+        rule: UpdateRule | None,
         settings: FilterSettings | None = None,
         chunk: int = 1,
         replica: bool = False,
@@ -198,6 +218,8 @@ class ShardServer:
         self._waiting: dict[int, int] = {}  #: worker -> iteration taken, not yet processed
         #: worker -> (iteration, version, dropped) of its last processed push
         self._last: dict[int, tuple[int, int, str | None]] = {}
+        self._actions: deque[Any] = deque()  #: the coordinator's, not carried out yet
+        self._stepping: Apply | None = None  #: the Apply whose step the process runs now
         self._pushes = self._resent = self._push_bytes = 0
         self._pulls = self._pull_bytes = 0
 
@@ -309,21 +331,46 @@ class ShardServer:
         if entry.index != self._index + 1:
             raise RemoteProtocolError(f"replication entry {entry.index} after {self._index}")
         if entry.kind == PUSH:
-            self.coordinator.check_push(entry.worker, entry.iteration, entry.base)
+            # checked by the primary against the same state; only the bytes are checked here
             ps_push.decode(entry.payload, self.size, self.dtype)
             self._pushes += 1
             self._push_bytes += len(entry.payload)
         elif entry.kind != LOSE:
             raise RemoteProtocolError(f"replication entry of kind {entry.kind!r}")
         self._index = entry.index
-        self._process(entry, now)  # a replica answers nobody: its acknowledgements are kept
-        return [Logged(index=entry.index)]
+        steps = self._process(entry, now)  # only Step actions: a replica answers nobody
+        return [Logged(index=entry.index), *steps]
 
     def promote(self) -> None:
         """The primary is gone: this replica serves the shard from now on, one epoch later."""
         if not self.primary:
             self.primary = True
             self.epoch += 1
+
+    # -- the update callback --------------------------------------------------------------
+    def stepped(self, version: int, model: Array, now: float) -> list[Action]:
+        """The server's process ran its update callback for the :class:`Step` of
+        ``version``: ``model`` is the new model; publish it and go on.
+
+        Raises:
+            UsageError: no step of ``version`` is awaited, or ``model`` is not the shard's
+                size and dtype (the step is still awaited).
+        """
+        apply = self._stepping
+        if apply is None or apply.version != version:
+            awaited = "none" if apply is None else f"version {apply.version}"
+            raise UsageError(f"a step of version {version} was not asked for ({awaited} is)")
+        if model.dtype != self.dtype or model.size != self.size:
+            raise UsageError(
+                f"the callback's model must stay {self.size} elements of {self.dtype}, not "
+                f"{model.size} of {model.dtype}"
+            )
+        if not np.isfinite(model).all():
+            raise UsageError("the callback's model holds a NaN or an infinity")
+        self._stepping = None
+        out = self._publish(apply, model.reshape(-1).copy())
+        out = out if self.primary else []
+        return out + self._perform([], now)
 
     # -- reading --------------------------------------------------------------------------
     @property
@@ -335,6 +382,11 @@ class ShardServer:
         out = self.coordinator.waiting_for()
         if self._unreplicated:
             out.append(f"{len(self._unreplicated)} entries wait for the replica's confirmation")
+        if self._stepping is not None:
+            out.append(
+                f"version {self._stepping.version} waits for the server process's update "
+                "callback (is it in serve()?)"
+            )
         return out
 
     def statistics(self) -> ShardStatistics:
@@ -380,10 +432,26 @@ class ShardServer:
         return self._perform(actions, now)
 
     def _perform(self, actions: list[Any], now: float) -> list[Action]:
+        """Queue the coordinator's ``actions`` behind those waiting for a step, and carry out
+        what can be now, in order."""
+        self._actions.extend(actions)
         out: list[Action] = []
-        for action in actions:
+        while self._actions and self._stepping is None:
+            action = self._actions.popleft()
             if isinstance(action, Apply):
-                out += self._apply(action)
+                if self.rule is None:  # the server's process steps the model: wait for it
+                    self._stepping = action
+                    out.append(
+                        Step(
+                            version=action.version,
+                            model=self.filter.model.copy(),
+                            update=np.asarray(action.combined(), self.dtype),
+                        )
+                    )
+                    break
+                model = self.filter.model.copy()
+                self.rule.apply(model, action.combined())
+                out += self._publish(action, model)
             elif isinstance(action, Drop):
                 self._waiting.pop(action.worker, None)
                 record = (action.iteration, self.store.version, action.message)
@@ -409,11 +477,13 @@ class ShardServer:
             else:
                 assert isinstance(action, Refused)
                 out.append(Refuse(worker=action.worker, clock=action.clock, reason=action.reason))
-        return out if self.primary else []
+        # a replica answers nobody (its acknowledgements are kept for after a promotion), but
+        # its own process runs the update callback too
+        return out if self.primary else [a for a in out if isinstance(a, Step)]
 
-    def _apply(self, apply: Apply) -> list[Action]:
-        model = self.filter.model.copy()
-        self.rule.apply(model, apply.combined())
+    def _publish(self, apply: Apply, model: Array) -> list[Action]:
+        """``model`` is the update rule's step of ``apply``: filter it, publish it, and
+        acknowledge the pushes it held."""
         publish = self.filter.update(model, apply.version)
         version = self.store.publish(publish.mask, publish.values)
         assert version == apply.version

@@ -9,6 +9,7 @@ Ranks are clients in this process, one connection each; pushes and pulls are sta
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -197,3 +198,34 @@ def test_a_dead_server_is_replaced_by_its_replica_and_nothing_acknowledged_is_lo
         events = [e for e in fabs[2].poll(1.0) if e.name == "ps_epoch"]
         assert events
         assert (events[0].fields["epoch"], events[0].fields["server"]) == (1, 1)
+
+
+def test_an_update_callback_runs_in_the_server_process(make_cluster) -> None:
+    cluster = make_cluster(2)
+    with ranks(cluster, (0, 1, 1), "ps-callback") as fabs:
+        steps: list[int] = []
+
+        def rule(model: np.ndarray[Any, Any], update: np.ndarray[Any, Any]) -> None:
+            steps.append(len(steps))
+            model += 2.0 * update  # not a built-in rule: twice the update
+
+        server = fabs[0].parameter_server(
+            "m", (COUNT,), "float64", "server", servers=[0], consistency="bsp", update_rule=rule
+        )
+        thread = threading.Thread(target=server.serve, args=(30.0,), daemon=True)
+        thread.start()
+        pss = {
+            r: fabs[r].parameter_server("m", (COUNT,), "float64", servers=[0], consistency="bsp")
+            for r in (1, 2)
+        }
+        with pytest.raises(fabricd.UsageError, match="opened here as"):
+            fabs[1].parameter_server("m", (COUNT,), "float64", servers=[0], consistency="ssp")
+        models = {w: fabs[w].array("w", (COUNT,), "float64") for w in (1, 2)}
+        updates = {w: fabs[w].array("u", (COUNT,), "float64") for w in (1, 2)}
+        for w in (1, 2):
+            updates[w][:] = w
+        for _ in range(3):
+            step(fabs, pss, [1, 2], updates, models)
+        for w in (1, 2):
+            np.testing.assert_array_equal(models[w], 3 * 2.0 * (1 + 2))
+        assert steps == [0, 1, 2]  # once per BSP iteration, on the iteration's sum

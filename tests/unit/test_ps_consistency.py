@@ -86,6 +86,7 @@ class Sim:
         self.bulk = [deque() for _ in range(self.n)]
         self.control = [deque() for _ in range(self.n)]
         self.gates = [DelayGate(delay_bound=self.bound) for _ in range(self.n)]
+        self.delay_sum = 0  #: the applied updates' delays, added up
 
     def moves(self, losses: int) -> list[tuple[str, int]]:
         out: list[tuple[str, int]] = []
@@ -134,6 +135,7 @@ class Sim:
                 self.model += action.combined()
                 self.version += 1
                 self.applied |= {(u.worker, u.iteration) for u in action.updates}
+                self.delay_sum += sum(u.delay for u in action.updates)
             elif isinstance(action, Reply):
                 self.check_reply(action)
                 self.iteration[action.worker] = action.clock
@@ -207,6 +209,7 @@ class Sim:
         assert dict(stats.dropped) == by_reason
         assert sum(g.dropped for g in self.gates) == self.worker_drops
         assert sum(stats.delays) == stats.applied
+        assert stats.delay_sum == self.delay_sum  # the histogram's sum, in versions
         assert stats.version == self.version
         assert stats.refused == self.refused
         expected = sum(values(w, t) for (w, t) in self.applied)
@@ -325,6 +328,7 @@ def test_async_drops_past_the_bound_at_the_server_and_counts_by_delay() -> None:
     stats = c.statistics()
     assert stats.dropped == {"delay": 1, "lost": 0}
     assert stats.delays[:3] == (3, 1, 0)
+    assert stats.delay_sum == 1  # three updates of delay 0, one of 1; the dropped one not
     assert len(stats.delays) == len(DELAY_BUCKETS) + 1
     # async answers every pull at once
     reply = c.pull(1, 0, 0, now=0.0)[0]
