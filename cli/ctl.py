@@ -231,18 +231,92 @@ def _metrics_line(info: dict[str, Any]) -> str:
     return info.get("metrics_error") or "off (metrics_address is empty)"
 
 
-#: the engine services' status rows ``fabricctl status`` shows as tables, and their columns
-_ENGINE_TABLES: tuple[tuple[str, tuple[str, ...]], ...] = (
+#: a column of a status table: a field of the row, or (heading, what to show of the row)
+Column = str | tuple[str, "Callable[[dict[str, Any]], str]"]
+
+
+def _saved(sent: str, dense: str) -> Callable[[dict[str, Any]], str]:
+    """A cell with the bytes a row's ``sent`` field counts, against its ``dense`` field (what
+    they would have been unfiltered, whole models), and the share that saved."""
+
+    def cell(row: dict[str, Any]) -> str:
+        if row.get(sent) is None or row.get(dense) is None:
+            return "-"
+        done, whole = row[sent], row[dense]
+        saved = f", {_figure(100 * (1 - done / whole))}% saved" if whole else ""
+        return f"{_size(done)} of {_size(whole)}{saved}"
+
+    return cell
+
+
+def _share(part: str, whole: str, *, complement: bool = False) -> Callable[[dict[str, Any]], str]:
+    """A cell with a row's ``part`` field as a percentage of its ``whole`` field (``complement``:
+    the rest of it), "-" before there is a whole."""
+
+    def cell(row: dict[str, Any]) -> str:
+        if not row.get(whole) or row.get(part) is None:
+            return "-"
+        share = row[part] / row[whole]
+        return f"{_figure(100 * (1 - share if complement else share))}%"
+
+    return cell
+
+
+#: the engine services' status rows ``fabricctl status`` shows as tables, and their columns;
+#: the parameter server's byte columns say how much its filters and deltas saved, and its
+#: workers' filter columns the share of gradient elements each filter selected for dropping
+#: (G-SMP, G-RP) and the share dropped (selected by every filter on)
+_ENGINE_TABLES: tuple[tuple[str, tuple[Column, ...]], ...] = (
     ("collectives", ("job", "name", "what", "round", "nodes", "lost", "waiting", "mean_active")),
     (
         "stochastic_reduces",
         ("job", "name", "rank", "graph", "sync", "round", "used", "torn", "waiting"),
     ),
+    (
+        "ps_servers",
+        (
+            "job",
+            "name",
+            "shard",
+            "role",
+            "epoch",
+            "consistency",
+            "version",
+            "applied",
+            "pushes",
+            ("push bytes", _saved("push_bytes", "push_dense_bytes")),
+            ("pull bytes", _saved("pull_bytes", "pull_dense_bytes")),
+            ("dropped tau_max", lambda row: _field(row, "dropped_delay")),
+            ("dropped lost", lambda row: _field(row, "dropped_lost")),
+            ("held pulls", lambda row: _field(row, "held_pulls")),
+        ),
+    ),
+    (
+        "ps_workers",
+        (
+            "job",
+            "name",
+            "rank",
+            "clock",
+            "versions",
+            ("push bytes", _saved("push_bytes", "push_dense_bytes")),
+            ("pull bytes", _saved("pull_bytes", "pull_dense_bytes")),
+            ("G-SMP", _share("smp_selected", "considered")),
+            ("G-RP", _share("rp_selected", "considered")),
+            ("dropped", _share("pushed", "considered", complement=True)),
+            ("dropped tau_max", lambda row: _field(row, "delay_dropped")),
+        ),
+    ),
 )
 
 
+def _field(row: dict[str, Any], key: str) -> str:
+    """A row's field as a cell: "-" where the daemon left it out."""
+    return "-" if row.get(key) is None else str(row[key])
+
+
 def _rows_table(
-    title: str, rows: list[dict[str, Any]], columns: tuple[str, ...], hidden: int = 0
+    title: str, rows: list[dict[str, Any]], columns: tuple[Column, ...], hidden: int = 0
 ) -> Table:
     """A table of ``rows`` (dicts from the daemon's status); a field it leaves out shows "-".
 
@@ -250,9 +324,9 @@ def _rows_table(
     ``hidden``: rows of other users' jobs the daemon withheld (the title says so).
     """
     count = f"{len(rows)}, {hidden} hidden" if hidden else f"{len(rows)}"
-    table = _table(f"{title} ({count})", columns)
+    table = _table(f"{title} ({count})", [c if isinstance(c, str) else c[0] for c in columns])
     for row in rows:
-        table.add_row(*(Text("-" if row.get(k) is None else str(row[k])) for k in columns))
+        table.add_row(*(Text(_field(row, c) if isinstance(c, str) else c[1](row)) for c in columns))
     return table
 
 

@@ -180,3 +180,45 @@ def test_status_lists_the_collectives_with_their_round_and_participation(
     quiet = _status_with_eager_use()  # none: no table
     monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(quiet))
     assert "collectives" not in CliRunner().invoke(fabricctl, ["status"]).output
+
+
+def test_status_shows_the_parameter_server_tables_with_bytes_saved_and_filter_shares(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    status = _status_with_eager_use()
+    status["ps_workers"] = [
+        {
+            "job": "train",
+            "owner": 1000,
+            "name": "model",
+            "rank": 1,
+            "clock": 4,
+            "versions": [8],
+            "push_bytes": 1024,
+            "push_dense_bytes": 4096,
+            "pull_bytes": 512,
+            "pull_dense_bytes": 4096,
+            "considered": 4000,
+            "pushed": 1000,
+            "smp_selected": 2000,
+            "rp_selected": 2000,
+            "delay_dropped": 2,
+        },
+        # a worker that pushed nothing yet, from a daemon that leaves out the byte fields
+        {"job": "train", "owner": 1000, "name": "model", "rank": 2, "considered": 0},
+    ]
+    monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(status))
+    result = CliRunner().invoke(fabricctl, ["status"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert "ps workers (2)" in result.output
+    assert "ps servers" not in result.output  # no shard served here: no table
+    assert "1.0 KiB of 4.0 KiB, 75.0% saved" in result.output
+    assert "512 B of 4.0 KiB, 87.5% saved" in result.output
+    rows = [
+        [cell.strip() for cell in line.split("│")[1:-1]]
+        for line in result.output.splitlines()
+        if line.startswith("│ train")
+    ]
+    assert [row[2] for row in rows] == ["1", "2"]
+    assert rows[0][-4:] == ["50.0%", "50.0%", "75.0%", "2"]
+    assert rows[1][3:] == ["-"] * 8  # every missing or undefined figure shows "-"
