@@ -523,7 +523,7 @@ PS_SPEC_FIELDS: Final = (
     "chunk",
 )
 #: the kinds of entry a shard's replication log holds: a worker's push, or a lost worker
-PS_ENTRIES: Final = ("push", "lose")
+PS_ENTRIES: Final = ("push", "lose", "snapshot")
 
 
 def _ranks(spec: dict[str, Any], key: str, lengths: Container[int], what: str) -> list[int]:
@@ -763,8 +763,11 @@ class Replicate(_ShardFrame):
     """Entry ``index`` (from 1) of primary ``server``'s log for the shard, for its ``replica``
     (data channel): rank ``worker``'s push of ``iteration`` from version ``base`` (``entry``
     "push", the payload the push's bytes), or rank ``worker`` lost (``entry`` "lose", no
-    payload, ``reason`` why).  The primary sends its entries in log order, so the replica
-    processes them as the primary does (fabricd/engines/ps_server.py)."""
+    payload, ``reason`` why), or the primary's whole state as of entry ``index`` (``entry``
+    "snapshot", from index 0, the payload fabricd/engines/ps_snapshot.py's bytes; ``worker``,
+    ``iteration`` and ``base`` are 0) for a replica that joined.  The primary sends its
+    entries in log order, so the replica processes them as the primary does
+    (fabricd/engines/ps_server.py)."""
 
     KIND: ClassVar[Kind] = Kind.REPLICATE
     replica: int
@@ -797,7 +800,7 @@ class Replicate(_ShardFrame):
         return cls(
             **cls._fields(meta),
             replica=_rank(meta, "rep"),
-            index=get_int(meta, "ix", lo=1),
+            index=get_int(meta, "ix", lo=0 if entry == "snapshot" else 1),
             entry=entry,
             worker=_rank(meta, "w"),
             iteration=get_int(meta, "it"),
@@ -824,6 +827,31 @@ class Replicated(_ShardFrame):
         return cls(**cls._fields(meta), replica=_rank(meta, "rep"), index=get_int(meta, "ix", lo=1))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Join(_ShardFrame):
+    """Rank ``replica`` opened the shard (as its server or its replica, at ``epoch`` as far
+    as it knows) and asks its partner ``server`` for the shard's state: a partner that serves
+    the shard answers with a REPLICATE snapshot and forwards its log from there (control
+    channel, no payload; fabricd/engines/ps_server.py)."""
+
+    KIND: ClassVar[Kind] = Kind.JOIN
+    replica: int
+    epoch: int
+    spec: dict[str, Any]
+
+    def to_meta(self) -> Meta:
+        return {**self._meta(), "rep": self.replica, "ep": self.epoch, "spec": self.spec}
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Join:
+        return cls(
+            **cls._fields(meta),
+            replica=_rank(meta, "rep"),
+            epoch=get_int(meta, "ep"),
+            spec=_ps_spec(meta),
+        )
+
+
 #: every frame an authenticated peer may send
 PeerFrame = (
     Heartbeat
@@ -847,6 +875,7 @@ PeerFrame = (
     | Pulled
     | Replicate
     | Replicated
+    | Join
 )
 #: the frames whose payload is a point-to-point message's bytes (DATA, and EAGER on control)
 MessageFrame = Data | Eager
@@ -878,6 +907,7 @@ _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
         Pulled,
         Replicate,
         Replicated,
+        Join,
     )
 }
 #: the kinds :func:`parse` reads

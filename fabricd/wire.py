@@ -81,6 +81,7 @@ class Kind(enum.IntEnum):
     PULLED = 21  #: a server's answer to a PULL: the changed parameters (data channel)
     REPLICATE = 22  #: a primary server forwards one log entry to its replica (data channel)
     REPLICATED = 23  #: a replica holds a log entry, and every one before it (control)
+    JOIN = 24  #: a server or replica opened a shard: its partner sends a snapshot (control)
     REQUEST = 32  #: client -> daemon call
     REPLY = 33  #: daemon -> client answer to a REQUEST
     EVENT = 34  #: daemon -> client news nobody asked for in that moment (a pushed event)

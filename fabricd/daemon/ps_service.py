@@ -64,6 +64,7 @@ from fabricd.engines.ps_server import (
     Logged,
     Refuse,
     ShardServer,
+    Snapshot,
     Step,
 )
 from fabricd.engines.ps_storage import HEADER as PULL_HEADER
@@ -135,16 +136,29 @@ class _Model:
     workers: tuple[int, ...]
     servers: dict[int, ShardServer] = field(default_factory=dict)  #: local shards
     owners: dict[int, ClientSession] = field(default_factory=dict)  #: their processes
+    ranks: dict[int, int] = field(default_factory=dict)  #: their ranks
     local_workers: dict[int, _WorkerSide] = field(default_factory=dict)
     steps: dict[int, np.ndarray[Any, Any]] = field(default_factory=dict)  #: callback buffers
     epochs: dict[int, int] = field(default_factory=dict)  #: shard -> epoch, as workers see it
     failed: dict[int, str] = field(default_factory=dict)  #: shards nobody serves any more
 
     def target(self, shard: int) -> int:
-        """The rank serving ``shard`` now."""
-        if self.epochs.get(shard, 0):
+        """The rank serving ``shard`` now: its server at even epochs, its replica at odd ones
+        (each failover hands the shard to the other of the two)."""
+        if self.spec["replicas"] and self.epochs.get(shard, 0) % 2:
             return int(self.spec["replicas"][shard])
         return int(self.spec["servers"][shard])
+
+    def rank_of(self, shard: int) -> int:
+        """The local rank that opened ``shard`` (server or replica)."""
+        return self.ranks[shard]
+
+    def partner(self, shard: int, rank: int) -> int | None:
+        """The other rank of ``shard``'s pair, if it has a replica."""
+        if not self.spec["replicas"]:
+            return None
+        pair = (int(self.spec["servers"][shard]), int(self.spec["replicas"][shard]))
+        return pair[1] if rank == pair[0] else pair[0]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -162,7 +176,15 @@ class PSService(BaseService):
 
     name = "ps"
     kinds = frozenset(
-        {Kind.PUSH, Kind.PULL, Kind.PUSHED, Kind.PULLED, Kind.REPLICATE, Kind.REPLICATED}
+        {
+            Kind.PUSH,
+            Kind.PULL,
+            Kind.PUSHED,
+            Kind.PULLED,
+            Kind.REPLICATE,
+            Kind.REPLICATED,
+            Kind.JOIN,
+        }
     )
     ops = frozenset({"ps_open", "ps_push", "ps_pull", "ps_stepped"})
 
@@ -173,6 +195,9 @@ class PSService(BaseService):
         self._early: list[_Early] = []
         #: ranks whose node's links were reset: (job, rank) -> when they count as gone
         self._suspects: dict[tuple[str, int], float] = {}
+        #: frames for ranks lost with their node's links or on a node whose links are not all
+        #: up: sent once the rank is known and they are (at most ``_MAX_EARLY`` in all)
+        self._held: dict[tuple[str, int], list[tuple[frames.PeerFrame, bytes]]] = {}
         #: payloads landing: (node, kind, job, name, shard, worker, n) -> buffer
         self._landing: dict[tuple[Any, ...], bytearray] = {}
         self._local: deque[tuple[int, frames.PeerFrame, bytes]] = deque()
@@ -262,6 +287,7 @@ class PSService(BaseService):
                 delay_bound=spec["delay_bound"],
                 seed=get_int(meta, "seed"),
             )
+            worker.epochs = [model.epochs.get(shard, 0) for shard in range(len(servers))]
             model.local_workers[rank] = _WorkerSide(session=session, engine=worker)
             self.models[key] = model
             return {"shards": len(servers), "bounds": [list(b) for b in model.bounds]}
@@ -293,15 +319,40 @@ class PSService(BaseService):
             rule=rule,
             settings=settings,
             chunk=spec["chunk"],
-            replica=role == "replica",
-            replicated=role == "server" and bool(replicas),
+            # a rank that opens its shard after a failover (or not as its server) has no state
+            # of its own: it joins its partner, which sends it the shard's
+            replica=role == "replica" or model.epochs.get(shard, 0) > 0,
+            replicated=bool(replicas),
         )
         model.owners[shard] = session
+        model.ranks[shard] = rank
         if step is not None:
             model.steps[shard] = step
         self.models[key] = model
+        self._join(key, shard)
         self._take_early(key, now)
         return {"shards": len(servers), "bounds": [list(b) for b in model.bounds], "shard": shard}
+
+    def _join(self, key: Key, shard: int) -> None:
+        """Ask the shard's partner for its state (it ignores this if it has none to give)."""
+        model = self.models[key]
+        rank = model.rank_of(shard)
+        partner = model.partner(shard, rank)
+        if partner is None:
+            return
+        self._send(
+            key[0],
+            partner,
+            frames.Join(
+                job=key[0],
+                name=key[1],
+                shard=shard,
+                server=partner,
+                replica=rank,
+                epoch=model.servers[shard].epoch,
+                spec=model.spec,
+            ),
+        )
 
     def _step_buffer(self, request: Request, spec: Meta, count: int) -> np.ndarray[Any, Any]:
         """The callback's buffer in the server process's memory: the model, then the update,
@@ -518,30 +569,33 @@ class PSService(BaseService):
         if server is None:
             return
         spec = model.spec
-        me = int(
-            spec["replicas"][shard]
-            if not server.primary or server.epoch
-            else spec["servers"][shard]
-        )
+        me = model.rank_of(shard)
+        partner = model.partner(shard, me)
         for action in actions:
-            if isinstance(action, Forward):
-                entry = action.entry
-                replica = int(spec["replicas"][shard])
+            if isinstance(action, Forward | Snapshot):
+                assert partner is not None
+                if isinstance(action, Forward):
+                    entry = action.entry
+                    index, kind, payload = entry.index, entry.kind, entry.payload
+                    fields = (entry.worker, entry.iteration, entry.base, _text(entry.reason))
+                else:
+                    index, kind, payload = action.index, "snapshot", action.data
+                    fields = (0, 0, 0, None)
                 frame: frames.PeerFrame = frames.Replicate(
                     job=job,
                     name=name,
                     shard=shard,
                     server=me,
-                    replica=replica,
-                    index=entry.index,
-                    entry=entry.kind,
-                    worker=entry.worker,
-                    iteration=entry.iteration,
-                    base=entry.base,
-                    reason=_text(entry.reason),
+                    replica=partner,
+                    index=index,
+                    entry=kind,
+                    worker=fields[0],
+                    iteration=fields[1],
+                    base=fields[2],
+                    reason=fields[3],
                     spec=spec,
                 )
-                self._send(job, replica, frame, bytes(entry.payload))
+                self._send(job, partner, frame, bytes(payload))
             elif isinstance(action, Step):
                 buffer = model.steps[shard]
                 buffer[0] = action.model
@@ -552,15 +606,15 @@ class PSService(BaseService):
                     {"name": name, "shard": shard, "version": action.version},
                 )
             elif isinstance(action, Logged):
-                primary = int(spec["servers"][shard])
+                assert partner is not None
                 self._send(
                     job,
-                    primary,
+                    partner,
                     frames.Replicated(
                         job=job,
                         name=name,
                         shard=shard,
-                        server=primary,
+                        server=partner,
                         replica=me,
                         index=action.index,
                     ),
@@ -620,9 +674,20 @@ class PSService(BaseService):
     def _send(self, job: str, rank: int, frame: frames.PeerFrame, payload: bytes = b"") -> None:
         """Send ``frame`` to rank ``rank``'s node, or hand it over here if the rank is local.
         A rank not known (yet, or any more) gets nothing: what waits for it is sent again
-        when it joins, or fails when it is gone (:meth:`on_rank_event`)."""
+        when it joins, or fails when it is gone (:meth:`on_rank_event`).  One lost with its
+        node's links (a suspect), or on a node whose links are not all up, gets the frame
+        once it is known and they are (:meth:`peer_up`, :meth:`on_rank_event`): an
+        acknowledgement or an answer is sent once, to a worker that will not ask again."""
         entry = self.membership.lookup(job, rank)
-        if entry is None:
+        if entry is None and (job, rank) not in self._suspects:
+            return
+        if entry is None or (
+            entry.node != self.host.config.node_id and self.host.data_link(entry.node) is None
+        ):
+            if sum(map(len, self._held.values())) < _MAX_EARLY:
+                self._held.setdefault((job, rank), []).append((frame, payload))
+            else:
+                self._counters["ps_frames_dropped"] += 1
             return
         if entry.node == self.host.config.node_id:
             self._local.append((entry.node, frame, payload))
@@ -672,6 +737,8 @@ class PSService(BaseService):
             self._at_worker(node, frame, payload)
         elif isinstance(frame, frames.Replicate):
             self._at_replica(node, frame, payload, now)
+        elif isinstance(frame, frames.Join):
+            self._at_partner(frame)
         else:
             assert isinstance(frame, frames.Replicated)
             key = (frame.job, frame.name)
@@ -713,16 +780,35 @@ class PSService(BaseService):
             return
         if frame.worker not in model.workers:
             raise RemoteProtocolError(f"rank {frame.worker} is not a worker of {frame.name!r}")
-        if not server.primary:
-            if frame.epoch == 0:  # sent to the primary's rank: not this one
-                self._counters["ps_frames_dropped"] += 1
-                return
+        if not server.primary and frame.epoch > server.epoch:
+            # the worker's daemon saw the primary go before this one did
             self._promote(key, frame.shard, "a worker failed over to it", now)
+        if not server.primary or frame.epoch != server.epoch:
+            self._refuse(key, frame, self._why_not_serving(server, frame.epoch))
+            return
         if isinstance(frame, frames.Push):
             actions = server.push(frame.worker, frame.iteration, frame.base, payload, now)
         else:
             actions = server.pull(frame.worker, frame.clock, frame.since, now)
         self._server(key, frame.shard, actions)
+
+    @staticmethod
+    def _why_not_serving(server: ShardServer, epoch: int) -> str:
+        if not server.has_state:
+            return (
+                "the shard's state is lost: this rank came back (or opened) after its partner "
+                "served the shard, and the partner went before sending it the state"
+            )
+        if epoch > server.epoch:
+            return (
+                f"the shard's state is lost: its workers are at epoch {epoch}, but this rank "
+                f"holds epoch {server.epoch} (it restarted after every copy of the shard went)"
+            )
+        role = "serves" if server.primary else "follows its partner"
+        return (
+            f"this rank {role} the shard at epoch {server.epoch}; the worker's daemon is at "
+            f"epoch {epoch}"
+        )
 
     def _refuse(self, key: Key, frame: frames.Push | frames.Pull, why: str) -> None:
         job, name = key
@@ -770,6 +856,17 @@ class PSService(BaseService):
         if model is None or server is None or model.spec != frame.spec:
             self._counters["ps_frames_dropped"] += 1
             return
+        if frame.entry == "snapshot":
+            if server.restore(frame.index, payload):
+                log.info(
+                    "parameter server %r shard %d: took the state of rank %d at epoch %d",
+                    key[1],
+                    frame.shard,
+                    frame.server,
+                    server.epoch,
+                )
+                self._adopt(key, frame.shard, server.epoch)
+            return
         if frame.entry not in (PUSH, LOSE):
             raise RemoteProtocolError(f"replication entry of kind {frame.entry!r}")
         entry = Entry(
@@ -785,6 +882,31 @@ class PSService(BaseService):
             self._counters["ps_frames_dropped"] += 1  # promoted: the old primary is gone
             return
         self._server(key, frame.shard, server.log(entry, now))
+
+    def _at_partner(self, frame: frames.Join) -> None:
+        """The shard's partner opened it: send it the state if this rank serves the shard;
+        if this rank waits for the state itself, the partner has just opened, so ask it."""
+        key = (frame.job, frame.name)
+        model = self.models.get(key)
+        server = None if model is None else model.servers.get(frame.shard)
+        if model is None or server is None or model.spec != frame.spec:
+            self._counters["ps_frames_dropped"] += 1
+            return
+        if model.partner(frame.shard, model.rank_of(frame.shard)) != frame.replica:
+            raise RemoteProtocolError(f"rank {frame.replica} is not shard {frame.shard}'s partner")
+        if server.primary:
+            self._server(key, frame.shard, server.joined())
+        elif not server.has_state:
+            self._join(key, frame.shard)
+
+    def _adopt(self, key: Key, shard: int, epoch: int) -> None:
+        """This daemon learned that ``shard`` is at ``epoch``: its workers here move there."""
+        model = self.models[key]
+        if epoch <= model.epochs.get(shard, 0):
+            return
+        model.epochs[shard] = epoch
+        for side in model.local_workers.values():
+            self._worker(key, side, side.engine.move(shard, epoch))
 
     # -- early frames -----------------------------------------------------------------------
     def _hold(
@@ -817,17 +939,26 @@ class PSService(BaseService):
 
     # -- peers, ranks, clients ----------------------------------------------------------------
     def peer_up(self, node: int, now: float) -> None:
-        """Send ``node``'s ranks again what may have been lost with its old links."""
+        """Send ``node``'s ranks again what may have been lost with its old links, and what
+        was held for them; ranks it has not announced again yet get theirs when it does
+        (:meth:`on_rank_event`)."""
+        for job, rank in list(self._held):
+            if self._node_of(job, rank) == node:
+                for frame, payload in self._held.pop((job, rank)):
+                    self._send(job, rank, frame, payload)
         for key, model in list(self.models.items()):
             for side in model.local_workers.values():
                 for shard in range(len(model.bounds)):
                     if self._node_of(key[0], model.target(shard)) == node:
                         self._worker(key, side, side.engine.resend(shard))
             for shard, server in model.servers.items():
-                if server.primary and server.replicated:
-                    replica = int(model.spec["replicas"][shard])
-                    if self._node_of(key[0], replica) == node:
-                        self._server(key, shard, list(server.unconfirmed()))
+                partner = model.partner(shard, model.rank_of(shard))
+                if partner is None or self._node_of(key[0], partner) != node:
+                    continue
+                if server.primary:
+                    self._server(key, shard, list(server.unconfirmed()))
+                elif not server.has_state:
+                    self._join(key, shard)  # the JOIN may have gone with the old links
         self._flush()
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
@@ -842,8 +973,15 @@ class PSService(BaseService):
     def on_rank_event(self, event: RankEvent, now: float) -> None:
         job, rank = event.entry.job, event.entry.rank
         if isinstance(event, RankJoined):
-            if self._suspects.pop((job, rank), None) is None:
-                # a rank seen for the first time: what waited for it goes now
+            self._suspects.pop((job, rank), None)
+            node = event.entry.node
+            # a rank seen for the first time, or back after its node's links were reset (a
+            # peer forgets the ranks of a node it reset, so peer_up could not tell it was
+            # there): what waits for it goes now, unless its node's links are not all up yet
+            # (then peer_up sends it)
+            if node == self.host.config.node_id or self.host.data_link(node) is not None:
+                for frame, payload in self._held.pop((job, rank), []):
+                    self._send(job, rank, frame, payload)
                 for key, model in list(self.models.items()):
                     if key[0] != job:
                         continue
@@ -851,6 +989,9 @@ class PSService(BaseService):
                         for shard in range(len(model.bounds)):
                             if model.target(shard) == rank:
                                 self._worker(key, side, side.engine.resend(shard))
+                    for shard, server in model.servers.items():
+                        if model.spec["replicas"] and model.spec["replicas"][shard] == rank:
+                            self._server(key, shard, list(server.unconfirmed()))
             self._flush()
             return
         assert isinstance(event, RankLeft)
@@ -863,6 +1004,7 @@ class PSService(BaseService):
     def _gone(self, job: str, rank: int, reason: str, now: float) -> None:
         """Rank ``rank`` of ``job`` is gone for good: lose it as a worker, replace it as a
         server, go on without it as a replica."""
+        self._held.pop((job, rank), None)
         for key, model in list(self.models.items()):
             if key[0] != job:
                 continue
@@ -872,35 +1014,41 @@ class PSService(BaseService):
                     if server.primary:
                         self._server(key, shard, server.lose(rank, reason, now))
             for shard, server_rank in enumerate(spec["servers"]):
-                if server_rank == rank and not model.epochs.get(shard, 0):
-                    self._failover(key, shard, f"server rank {rank} left ({reason})", now)
-            for shard, replica_rank in enumerate(spec["replicas"]):
-                if replica_rank != rank:
+                pair = (server_rank, *spec["replicas"][shard : shard + 1])
+                if rank not in pair:
                     continue
-                local = model.servers.get(shard)
+                if rank == model.target(shard):
+                    self._failover(key, shard, f"rank {rank} serving it left ({reason})", now)
+                    continue
+                local = model.servers.get(shard)  # the partner that follows it went
                 if local is not None and local.primary:
                     self._server(key, shard, local.replica_lost(now))
-                elif model.epochs.get(shard, 0):
-                    self._fail_shard(key, shard, f"its replica rank {rank} left too ({reason})")
 
     def _failover(self, key: Key, shard: int, reason: str, now: float) -> None:
+        """The rank serving ``shard`` is gone: its partner serves it from the next epoch (if
+        the shard has one; else the shard has no server any more)."""
         model = self.models[key]
         if not model.spec["replicas"]:
             self._fail_shard(key, shard, reason)
             return
         self._counters["ps_failovers"] += 1
-        model.epochs[shard] = 1
+        epoch = model.epochs.get(shard, 0) + 1
+        model.epochs[shard] = epoch
+        successor = model.target(shard)
         server = model.servers.get(shard)
         if server is not None and not server.primary:
             self._promote(key, shard, reason, now)
-        replica = int(model.spec["replicas"][shard])
         log.warning(
-            "parameter server %r shard %d: %s; replica rank %d takes over",
+            "parameter server %r shard %d: %s; rank %d serves it from epoch %d",
             key[1],
             shard,
             reason,
-            replica,
+            successor,
+            epoch,
         )
+        if self.membership.lookup(key[0], successor) is None:
+            self._fail_shard(key, shard, f"{reason}, and its partner rank {successor} is gone too")
+            return
         for side in model.local_workers.values():
             self.host.push(
                 side.session,
@@ -908,21 +1056,36 @@ class PSService(BaseService):
                 {
                     "name": key[1],
                     "shard": shard,
-                    "epoch": 1,
-                    "server": replica,
+                    "epoch": epoch,
+                    "server": successor,
                     "reason": reason,
                 },
             )
-            self._worker(key, side, side.engine.failover(shard))
+            self._worker(key, side, side.engine.move(shard, epoch))
 
     def _promote(self, key: Key, shard: int, reason: str, now: float) -> None:
-        """The local replica of ``shard`` takes over; workers already gone are lost to it."""
+        """The local partner of ``shard`` takes over, if it holds the shard's state; workers
+        already gone are lost to it."""
         model = self.models[key]
         server = model.servers[shard]
         if server.primary:
             return
-        server.promote()  # the workers here move to it when they hear the primary is gone
-        log.warning("parameter server %r shard %d: promoted to primary (%s)", key[1], shard, reason)
+        if not server.promote():
+            log.error(
+                "parameter server %r shard %d: %s, and this rank never got the shard's state: "
+                "the shard is lost",
+                key[1],
+                shard,
+                reason,
+            )
+            return
+        log.warning(
+            "parameter server %r shard %d: promoted to primary at epoch %d (%s)",
+            key[1],
+            shard,
+            server.epoch,
+            reason,
+        )
         for worker in model.workers:
             if self.membership.lookup(key[0], worker) is None:
                 self._server(key, shard, server.lose(worker, "gone at the failover", now))

@@ -83,6 +83,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
 
+from fabricd.engines import ps_snapshot as snap
 from fabricd.errors import RemoteProtocolError, UsageError
 
 if TYPE_CHECKING:
@@ -156,18 +157,44 @@ class SGD:
             raise UsageError(f"the sgd rule needs 0 <= momentum < 1, not {momentum}")
         self.lr = lr
         self.momentum = momentum
-        self._step: np.ndarray[Any, Any] | None = None  #: w_t - w_{t-1}
+        self.step: np.ndarray[Any, Any] | None = None  #: w_t - w_{t-1}, None before the first
 
     def apply(self, model: np.ndarray[Any, Any], update: np.ndarray[Any, Any]) -> None:
         _check_shapes(model, update)
-        if self._step is None:
-            self._step = np.zeros_like(model)
-        elif self._step.shape != model.shape:
-            raise UsageError(f"this rule steps a model of shape {self._step.shape}")
-        step = self._step
+        if self.step is None:
+            self.step = np.zeros_like(model)
+        elif self.step.shape != model.shape:
+            raise UsageError(f"this rule steps a model of shape {self.step.shape}")
+        step = self.step
         step *= self.momentum
         step -= self.lr * update
         model += step
+
+
+def rule_state(rule: UpdateRule | None) -> dict[str, Any]:
+    """What a replica needs of ``rule`` (SGD's last step; the other rules keep nothing here:
+    a callback's own state lives in its process)."""
+    if isinstance(rule, SGD):
+        return {"step": rule.step}
+    return {}
+
+
+def restore_rule(
+    rule: UpdateRule | None, state: dict[str, Any], like: np.ndarray[Any, Any]
+) -> None:
+    """Take :func:`rule_state`'s ``state`` into ``rule`` (a model shaped ``like``).
+
+    Raises:
+        RemoteProtocolError: a step of another shape or dtype.
+    """
+    if not isinstance(rule, SGD):
+        return
+    step = state.get("step")
+    if step is not None and (
+        not isinstance(step, np.ndarray) or step.shape != like.shape or step.dtype != like.dtype
+    ):
+        raise RemoteProtocolError("a snapshot's sgd step of another shape or dtype")
+    rule.step = step
 
 
 class Callback:
@@ -500,6 +527,75 @@ class Coordinator:
             live=len(self._live),
             waiting=tuple(self.waiting_for()),
         )
+
+    # -- snapshots ------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """What a replica needs to go on from here (held pulls excepted: their workers send
+        them again to whoever serves next); see :mod:`fabricd.engines.ps_snapshot`."""
+        return {
+            "live": sorted(self._live),
+            "next": dict(self._next),
+            "version": self._version,
+            "complete": self._complete,
+            "pending": {
+                it: {w: [base, values] for w, (base, values) in pushes.items()}
+                for it, pushes in self._pending.items()
+            },
+            "applied": self._applied,
+            "dropped": dict(self._dropped),
+            "delays": list(self._delays),
+            "delay_sum": self._delay_sum,
+            "held_total": self._held_total,
+            "refused": self._refused,
+        }
+
+    def restore(self, state: dict[str, Any], *, size: int, dtype: np.dtype[Any]) -> None:
+        """Take ``state`` (:meth:`state` of a coordinator of the same workers and settings,
+        holding pushes of ``size`` elements of ``dtype``); held pulls are dropped.
+
+        Raises:
+            RemoteProtocolError: ``state`` is not such a state; nothing changed.
+        """
+        live = snap.field(state, "live", list)
+        nexts = snap.field(state, "next", dict)
+        workers = set(self.workers)
+        if set(nexts) != workers or not set(live) <= workers:
+            raise RemoteProtocolError("a snapshot of another set of workers")
+        if not all(type(v) is int and v >= 0 for v in nexts.values()):
+            raise RemoteProtocolError("snapshot clocks must be ints >= 0")
+        pending: dict[int, dict[int, tuple[int, np.ndarray[Any, Any]]]] = {}
+        for it, pushes in snap.field(state, "pending", dict).items():
+            if type(it) is not int or not isinstance(pushes, dict) or not set(pushes) <= workers:
+                raise RemoteProtocolError("snapshot pushes of unknown iterations or workers")
+            pending[it] = {}
+            for w, entry in pushes.items():
+                if not isinstance(entry, list) or len(entry) != 2 or type(entry[0]) is not int:
+                    raise RemoteProtocolError("a snapshot push is [base, values]")
+                values = entry[1]
+                if (
+                    not isinstance(values, np.ndarray)
+                    or values.shape != (size,)
+                    or values.dtype != dtype
+                ):
+                    raise RemoteProtocolError("a snapshot push of another shape or dtype")
+                pending[it][w] = (entry[0], values)
+        dropped = snap.field(state, "dropped", dict)
+        delays = snap.field(state, "delays", list)
+        if set(dropped) != set(self._dropped) or len(delays) != len(self._delays):
+            raise RemoteProtocolError("snapshot counters of another shape")
+        counts = {
+            name: snap.count(state, name)
+            for name in ("version", "complete", "applied", "delay_sum", "held_total", "refused")
+        }
+        self._live = set(live)
+        self._next = dict(nexts)
+        self._pending = pending
+        self._held = {}
+        self._version, self._complete = counts["version"], counts["complete"]
+        self._applied, self._delay_sum = counts["applied"], counts["delay_sum"]
+        self._held_total, self._refused = counts["held_total"], counts["refused"]
+        self._dropped = {k: int(v) for k, v in dropped.items()}
+        self._delays = [int(v) for v in delays]
 
     # -- internals ------------------------------------------------------------------------
     def _known(self, worker: int) -> None:

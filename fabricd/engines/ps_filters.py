@@ -85,7 +85,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from fabricd.errors import UsageError
+from fabricd.engines import ps_snapshot as snap
+from fabricd.errors import RemoteProtocolError, UsageError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -530,6 +531,49 @@ class ParameterFilter:
         self._chunks += int(np.count_nonzero(mask))
         self._bytes += values.nbytes
         return Publish(mask=mask, values=values)
+
+    def state(self) -> dict[str, Any]:
+        """What a replica needs to go on from here (:mod:`fabricd.engines.ps_snapshot`)."""
+        return {
+            "model": self._model,
+            "published": self._published if self.settings.lossless_publish else None,
+            "counts": [
+                self._updates,
+                self._flushes,
+                self._considered,
+                self._published_count,
+                self._dropped,
+                self._chunks,
+                self._bytes,
+                self._clipped,
+            ],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take :meth:`state` of a filter of the same model and settings.
+
+        Raises:
+            RemoteProtocolError: ``state`` is not such a state; nothing changed.
+        """
+        model = snap.array(state, "model", self._model)
+        published = (
+            snap.array(state, "published", self._model) if self.settings.lossless_publish else model
+        )
+        counts = snap.field(state, "counts", list)
+        if len(counts) != 8 or not all(type(c) is int and c >= 0 for c in counts):
+            raise RemoteProtocolError("snapshot filter counters of another shape")
+        self._model = model
+        self._published = published.copy() if published is not model else model
+        (
+            self._updates,
+            self._flushes,
+            self._considered,
+            self._published_count,
+            self._dropped,
+            self._chunks,
+            self._bytes,
+            self._clipped,
+        ) = counts
 
     def statistics(self) -> ParameterStatistics:
         return ParameterStatistics(

@@ -45,13 +45,14 @@ Theory of operation.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from fabricd.engines import ps_push
+from fabricd.engines import ps_push, ps_snapshot
 from fabricd.engines.ps_consistency import (
     Apply,
     Consistency,
@@ -61,6 +62,8 @@ from fabricd.engines.ps_consistency import (
     Refused,
     Reply,
     UpdateRule,
+    restore_rule,
+    rule_state,
 )
 from fabricd.engines.ps_filters import LOW_MAX, FilterSettings, ParameterFilter
 from fabricd.engines.ps_storage import TimedStore
@@ -148,7 +151,16 @@ class Step:
     update: Array
 
 
-Action = Forward | Logged | Acked | Answer | Refuse | Step
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Snapshot:
+    """Send the replica that joined the shard's state as of entry ``index`` (``data``,
+    :mod:`fabricd.engines.ps_snapshot`); the entries after it follow as :class:`Forward`."""
+
+    index: int
+    data: bytes
+
+
+Action = Forward | Logged | Acked | Answer | Refuse | Step | Snapshot
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,7 +223,13 @@ class ShardServer:
         self.size = initial.size
         self.dtype = initial.dtype
         self.primary = not replica
+        #: a primary that waits for its replica's confirmations (it has one, not given up)
         self.replicated = replicated and not replica
+        #: the replica has the state and takes forwarded entries (it joined)
+        self.synced = False
+        #: whether this shard holds the model: a fresh replica has none until a snapshot
+        self.has_state = not replica
+        self._join_pending = False  #: a replica asked to join while a step was out
         self.epoch = 0
         self._index = 0  #: the last entry taken (primary) or logged (replica)
         self._unreplicated: deque[Entry] = deque()  #: forwarded, not yet confirmed
@@ -303,10 +321,34 @@ class ShardServer:
 
     def unconfirmed(self) -> list[Forward]:
         """The entries to send the replica again after its links were reset, in order."""
-        return [Forward(entry=e) for e in self._unreplicated] if self.replicated else []
+        if not (self.replicated and self.synced):
+            return []
+        return [Forward(entry=e) for e in self._unreplicated]
+
+    def joined(self) -> list[Action]:
+        """Primary: the replica (new, or back after it died) asks for the shard: send it a
+        :class:`Snapshot` of the processed state and then every entry after it, and wait
+        for its confirmations from now on.  While an update callback is out, the snapshot
+        waits for it (the coordinator is ahead of the model then)."""
+        if not self.primary:
+            return []
+        self.replicated = True
+        if self._actions or self._stepping is not None:
+            self._join_pending = True
+            return []
+        return self._snapshot()
+
+    def _snapshot(self) -> list[Action]:
+        self._join_pending = False
+        self.synced = True
+        processed = self._index - len(self._unreplicated)
+        out: list[Action] = [Snapshot(index=processed, data=ps_snapshot.encode(self.state()))]
+        return out + [Forward(entry=e) for e in self._unreplicated]
 
     def replica_lost(self, now: float) -> list[Action]:
-        """The replica is gone: go on alone, processing what waited for it."""
+        """The replica is gone: go on alone, processing what waited for it, until a replica
+        joins again."""
+        self.synced = self._join_pending = False
         if not self.replicated:
             return []
         self.replicated = False
@@ -326,6 +368,8 @@ class ShardServer:
         """
         if self.primary:
             raise RemoteProtocolError("a replication entry for a shard's primary")
+        if not self.has_state:
+            return []  # sent before the snapshot this replica asked for: it comes again
         if entry.index <= self._index:
             return [Logged(index=self._index)]
         if entry.index != self._index + 1:
@@ -341,11 +385,94 @@ class ShardServer:
         steps = self._process(entry, now)  # only Step actions: a replica answers nobody
         return [Logged(index=entry.index), *steps]
 
-    def promote(self) -> None:
-        """The primary is gone: this replica serves the shard from now on, one epoch later."""
-        if not self.primary:
-            self.primary = True
-            self.epoch += 1
+    def restore(self, index: int, data: bytes | bytearray) -> bool:
+        """The primary's :class:`Snapshot` of its state as of entry ``index``: take it and
+        follow that primary.  A primary takes one only from a later epoch (it came back
+        after its replica took over, and is the replica now); ``False``: ignored.
+
+        Raises:
+            RemoteProtocolError: a malformed snapshot, or one of another model; nothing
+                changed.
+        """
+        state = ps_snapshot.decode(data)
+        epoch = ps_snapshot.count(state, "epoch")
+        if self.primary and epoch <= self.epoch:
+            return False
+        self._restore(state)
+        self.primary = self.replicated = self.synced = False
+        self.has_state = True
+        self.epoch = epoch
+        self._index = index
+        self._unreplicated.clear()
+        self._actions.clear()
+        self._stepping = None
+        return True
+
+    def promote(self) -> bool:
+        """The primary is gone: this replica serves the shard from now on, one epoch later,
+        alone until a replica joins; ``False``: it has no state to serve (it never got its
+        snapshot), and the shard is lost."""
+        if self.primary:
+            return True
+        if not self.has_state:
+            return False
+        self.primary = True
+        self.replicated = self.synced = False
+        self.epoch += 1
+        return True
+
+    # -- snapshots ------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Everything a replica needs to go on from the processed entries
+        (:mod:`fabricd.engines.ps_snapshot`)."""
+        return {
+            "epoch": self.epoch,
+            "last": {w: list(record) for w, record in self._last.items()},
+            "counts": [self._pushes, self._resent, self._push_bytes, self._pulls, self._pull_bytes],
+            "coordinator": self.coordinator.state(),
+            "rule": rule_state(self.rule),
+            "filter": self.filter.state(),
+            "store": self.store.state(),
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Take ``state``, every part checked before any is taken (but the parts' own
+        ``restore``, each of which checks before it changes anything, in an order that
+        leaves nothing half done: the checks that can fail come first)."""
+        last = ps_snapshot.field(state, "last", dict)
+        records: dict[int, tuple[int, int, str | None]] = {}
+        for worker, record in last.items():
+            if (
+                type(worker) is not int
+                or not isinstance(record, list)
+                or len(record) != 3
+                or not all(type(x) is int for x in record[:2])
+                or not (record[2] is None or isinstance(record[2], str))
+            ):
+                raise RemoteProtocolError("a snapshot's acknowledgement records are malformed")
+            records[worker] = (record[0], record[1], record[2])
+        counts = ps_snapshot.field(state, "counts", list)
+        if len(counts) != 5 or not all(type(c) is int and c >= 0 for c in counts):
+            raise RemoteProtocolError("snapshot shard counters of another shape")
+        parts = {
+            name: ps_snapshot.field(state, name, dict)
+            for name in ("coordinator", "rule", "filter", "store")
+        }
+        # each restore checks its part before it changes anything; a later one that fails
+        # would leave the earlier ones taken, so every part is tried on a copy first
+        trial = ShardServer.__new__(ShardServer)
+        trial.coordinator = copy.deepcopy(self.coordinator)
+        trial.filter = copy.deepcopy(self.filter)
+        trial.store = copy.deepcopy(self.store)
+        trial.coordinator.restore(parts["coordinator"], size=self.size, dtype=self.dtype)
+        restore_rule(copy.deepcopy(self.rule), parts["rule"], self.filter.model)
+        trial.filter.restore(parts["filter"])
+        trial.store.restore(parts["store"])
+        self.coordinator, self.filter, self.store = trial.coordinator, trial.filter, trial.store
+        restore_rule(self.rule, parts["rule"], self.filter.model)
+        self._last = records
+        self._waiting = {}
+        self._pushes, self._resent, self._push_bytes, self._pulls, self._pull_bytes = counts
 
     # -- the update callback --------------------------------------------------------------
     def stepped(self, version: int, model: Array, now: float) -> list[Action]:
@@ -417,9 +544,9 @@ class ShardServer:
 
     def _take(self, entry: Entry, now: float) -> list[Action]:
         self._index = entry.index
-        if self.replicated:
+        if self.replicated:  # held until the replica confirms it (or is given up)
             self._unreplicated.append(entry)
-            return [Forward(entry=entry)]
+            return [Forward(entry=entry)] if self.synced else []
         return self._process(entry, now)
 
     def _process(self, entry: Entry, now: float) -> list[Action]:
@@ -477,6 +604,8 @@ class ShardServer:
             else:
                 assert isinstance(action, Refused)
                 out.append(Refuse(worker=action.worker, clock=action.clock, reason=action.reason))
+        if self._join_pending and not self._actions and self._stepping is None:
+            out += self._snapshot()
         # a replica answers nobody (its acknowledgements are kept for after a promotion), but
         # its own process runs the update callback too
         return out if self.primary else [a for a in out if isinstance(a, Step)]

@@ -90,6 +90,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from fabricd.engines import ps_snapshot as snap
 from fabricd.errors import RemoteProtocolError, UsageError
 
 Array = np.ndarray[Any, Any]
@@ -371,6 +372,37 @@ class TimedStore:
         self._pulls[kind] += 1
         self._pulled_bytes += len(out)
         return out
+
+    def state(self) -> dict[str, Any]:
+        """What a replica needs to go on from here (:mod:`fabricd.engines.ps_snapshot`)."""
+        return {
+            "model": self._model,
+            "versions": self._versions,
+            "version": self._version,
+            "chunks_published": self._chunks_published,
+            "pulled_bytes": self._pulled_bytes,
+            "pulls": [self._pulls[e] for e in Encoding],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take :meth:`state` of a store of the same model and chunks.
+
+        Raises:
+            RemoteProtocolError: ``state`` is not such a state, or its versions are not the
+                model's (a chunk newer than the model); nothing changed.
+        """
+        model = snap.array(state, "model", self._model)
+        versions = snap.array(state, "versions", self._versions)
+        version = snap.count(state, "version")
+        if versions.size and int(versions.max()) > version:
+            raise RemoteProtocolError("a snapshot chunk newer than its model's version")
+        pulls = snap.field(state, "pulls", list)
+        if len(pulls) != len(Encoding) or not all(type(n) is int and n >= 0 for n in pulls):
+            raise RemoteProtocolError("snapshot pull counters of another shape")
+        self._chunks_published = snap.count(state, "chunks_published")
+        self._pulled_bytes = snap.count(state, "pulled_bytes")
+        self._model, self._versions, self._version = model, versions, version
+        self._pulls = dict(zip(Encoding, pulls, strict=True))
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(

@@ -293,11 +293,17 @@ class Worker:
         self._resent += len(out)
         return out
 
-    def failover(self, shard: int) -> list[Action]:
-        """``shard``'s server is gone and its replica serves it, one epoch later: send the
-        replica what is in flight."""
-        self.epochs[shard] += 1
+    def move(self, shard: int, epoch: int) -> list[Action]:
+        """``shard`` is served at ``epoch`` now (its server went and its partner took over,
+        or this daemon just learned so): send the new server what is in flight."""
+        if epoch <= self.epochs[shard]:
+            return []
+        self.epochs[shard] = epoch
         return self.resend(shard)
+
+    def failover(self, shard: int) -> list[Action]:
+        """``shard``'s server is gone and its partner serves it, one epoch later."""
+        return self.move(shard, self.epochs[shard] + 1)
 
     def check_frame(self, shard: int) -> None:
         """Raise unless ``shard`` is one of the model's."""

@@ -229,3 +229,61 @@ def test_an_update_callback_runs_in_the_server_process(make_cluster) -> None:
         for w in (1, 2):
             np.testing.assert_array_equal(models[w], 3 * 2.0 * (1 + 2))
         assert steps == [0, 1, 2]  # once per BSP iteration, on the iteration's sum
+
+
+def test_servers_killed_again_and_again_lose_nothing_and_never_go_back(make_cluster) -> None:
+    """F6 with a replica: the rank serving the shard is killed five times; each time its
+    partner takes over (one epoch later) and the killed rank comes back as the new replica,
+    taking the shard's state from its partner.  Nothing acknowledged is lost, no version goes
+    back, and every change of epoch is told."""
+    cluster = make_cluster(3)
+    placement = (0, 1, 2, 2)  # server 0, replica 1, workers 2 and 3
+    job = "ps-f6"
+    with ranks(cluster, placement, job) as fabs:
+        pss = open_all(fabs, [0], [1], consistency="bsp")
+        workers = [2, 3]
+        models = {w: fabs[w].array("w", (COUNT,), "float64") for w in workers}
+        updates = {w: fabs[w].array("u", (COUNT,), "float64") for w in workers}
+        for w in workers:
+            updates[w][:] = w
+        acked = np.zeros(COUNT)
+        seen = {w: 0 for w in workers}
+        extra: list[Client] = []
+        try:
+            for kill in range(5):
+                for _ in range(2):
+                    results, versions = step(fabs, pss, workers, updates, models)
+                    acked += 2 + 3
+                    for w, version in zip(workers, versions, strict=True):
+                        assert version > seen[w]  # never back
+                        seen[w] = version
+                for w in workers:
+                    np.testing.assert_array_equal(models[w], acked)
+                    assert pss[w].epochs == (kill,)
+                serving = (0, 1)[kill % 2]
+                victim = next(f for f in [*fabs, *extra] if not f.closed and f.rank == serving)
+                victim.close()  # the rank serving the shard dies
+                back = fabricd.connect(
+                    job=job, rank=serving, size=4, socket_path=cluster.nodes[serving].socket_path
+                )
+                extra.append(back)
+                back.parameter_server(
+                    "m",
+                    (COUNT,),
+                    "float64",
+                    ("server", "replica")[serving],
+                    servers=[0],
+                    replicas=[1],
+                    consistency="bsp",
+                )  # comes back: it follows its partner now
+            results, versions = step(fabs, pss, workers, updates, models)
+            acked += 2 + 3
+            for w in workers:
+                np.testing.assert_array_equal(models[w], acked)
+                assert pss[w].epochs == (5,)
+            assert all(r.epochs == (5,) for r in results)
+            epochs = [e.fields["epoch"] for e in fabs[2].poll(1.0) if e.name == "ps_epoch"]
+            assert epochs == [1, 2, 3, 4, 5]
+        finally:
+            for client in extra:
+                client.close()

@@ -77,6 +77,17 @@ EXAMPLES: list[frames.PeerFrame] = [
         spec=PS_SPEC,
     ),
     frames.Replicated(**SHARD, replica=0, index=1),
+    frames.Join(**SHARD, replica=0, epoch=3, spec=PS_SPEC),
+    frames.Replicate(
+        **SHARD,
+        replica=1,
+        index=0,
+        entry="snapshot",
+        worker=0,
+        iteration=0,
+        base=0,
+        spec=PS_SPEC,
+    ),
 ]
 
 
@@ -247,6 +258,7 @@ PS_META: dict[Kind, Meta] = {
         "spec": PS_SPEC,
     },
     Kind.REPLICATED: {"job": "j", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ix": 1},
+    Kind.JOIN: {"job": "j", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ep": 0, "spec": PS_SPEC},
 }
 LONG = "x" * (frames.MAX_PS_REASON + 1)
 #: a spec whose ``n`` is keyed by bytes (msgpack allows such keys in a nested map)
@@ -305,6 +317,9 @@ def spec_with(**fields: object) -> Meta:
         (Kind.REPLICATE, changed(Kind.REPLICATE, b="6"), "'b'"),
         (Kind.REPLICATED, changed(Kind.REPLICATED, rep=None), "'rep'"),
         (Kind.REPLICATED, changed(Kind.REPLICATED, ix=0), "'ix'"),
+        (Kind.JOIN, changed(Kind.JOIN, ep=-1), "'ep'"),
+        (Kind.JOIN, changed(Kind.JOIN, rep="0"), "'rep'"),
+        (Kind.JOIN, changed(Kind.JOIN, spec=None), "'spec'"),
         # a log entry of a kind the log does not hold
         (Kind.REPLICATE, changed(Kind.REPLICATE, entry="apply"), "'entry'"),
         (Kind.REPLICATE, changed(Kind.REPLICATE, entry=b"push"), "'entry'"),

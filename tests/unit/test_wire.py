@@ -250,6 +250,7 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
         "spec": PS_SPEC,
     },
     Kind.REPLICATED: {"job": "demo", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ix": 12},
+    Kind.JOIN: {"job": "demo", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ep": 2, "spec": PS_SPEC},
     Kind.REQUEST: {
         "id": 1,
         "op": "send",
@@ -336,6 +337,7 @@ def test_kind_numbers_are_stable() -> None:
         "PULLED": 21,
         "REPLICATE": 22,
         "REPLICATED": 23,
+        "JOIN": 24,
         "REQUEST": 32,
         "REPLY": 33,
         "EVENT": 34,
@@ -635,7 +637,7 @@ def test_client_socket_limits() -> None:
 # -- malformed headers ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 24, 31, 35, 255])
+@pytest.mark.parametrize("kind", [0, 25, 31, 35, 255])
 def test_unknown_kind(kind: int) -> None:
     assert_rejected(header(kind, 1) + b"\x80", match=f"unknown frame kind {kind}")
 
