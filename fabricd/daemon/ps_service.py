@@ -581,6 +581,19 @@ class PSService(BaseService):
                 else:
                     index, kind, payload = action.index, "snapshot", action.data
                     fields = (0, 0, 0, None)
+                    if len(payload) > self.host.config.max_payload:
+                        log.error(
+                            "parameter server %r shard %d: a snapshot of %d B is more than "
+                            "max_payload (%d B) allows: rank %d cannot follow this shard, which "
+                            "goes on unreplicated (raise max_payload, or use more servers)",
+                            name,
+                            shard,
+                            len(payload),
+                            self.host.config.max_payload,
+                            partner,
+                        )
+                        self._server(key, shard, server.replica_lost(self.host.now()))
+                        return  # the entries that followed were processed just now
                 frame: frames.PeerFrame = frames.Replicate(
                     job=job,
                     name=name,
