@@ -32,7 +32,7 @@ Frames for a model whose server has not opened it yet are held (at most ``_MAX_E
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -64,6 +64,7 @@ from fabricd.engines.ps_server import (
     Logged,
     Refuse,
     ShardServer,
+    ShardStatistics,
     Snapshot,
     Step,
 )
@@ -75,6 +76,7 @@ from fabricd.engines.ps_worker import (
     SendPull,
     SendPush,
     Worker,
+    WorkerStatistics,
     shard_bounds,
 )
 from fabricd.errors import (
@@ -207,6 +209,8 @@ class PSService(BaseService):
             for kind in (Kind.PUSH, Kind.PULLED, Kind.REPLICATE)
         }
         self.operations = OperationStats(self.name, kinds=["push", "pull"])
+        #: what models gone from this node counted, kept so that counters never go back
+        self._retired: Counter[str] = Counter()
         self._counters = {
             "ps_bytes_sent": 0,
             "ps_frames_dropped": 0,  #: for a model, shard or worker not here
@@ -1117,11 +1121,16 @@ class PSService(BaseService):
         for key, model in list(self.models.items()):
             for rank in [r for r, s in model.local_workers.items() if s.session is session]:
                 side = model.local_workers.pop(rank)
+                self._retired += _totals([side.engine.statistics()], [])
                 if side.call is not None:
                     self.operations.abandoned(side.call.op)
             for shard in [s for s, owner in model.owners.items() if owner is session]:
                 del model.owners[shard]
-                del model.servers[shard]
+                model.steps.pop(shard, None)
+                model.ranks.pop(shard, None)
+                server = model.servers.pop(shard)
+                if server.primary:
+                    self._retired += _totals([], [server.statistics()])
             if not model.local_workers and not model.servers:
                 del self.models[key]
 
@@ -1292,24 +1301,25 @@ class PSService(BaseService):
             s.engine.statistics() for m in self.models.values() for s in m.local_workers.values()
         ]
         shards = [s.statistics() for m in self.models.values() for s in m.servers.values()]
-        # a replica replays its primary's updates: counted once, where they are served from
-        primaries = [s for s in shards if s.primary]
+        # a replica replays its primary's updates: counted once, where they are served from;
+        # what models gone from this node counted stays counted (counters never go back)
+        t = _totals(workers, [s for s in shards if s.primary]) + self._retired
         yield counter(
             "fabricd_ps_push_bytes",
             "Bytes of pushes sent by this node's workers, as sent (filtered) and as they would "
-            "have been unfiltered (dense)",
+            "have been unfiltered (dense, headers included)",
             [
-                ({**labels, "filtered": "yes"}, sum(w.push_bytes for w in workers)),
-                ({**labels, "filtered": "no"}, sum(w.push_dense_bytes for w in workers)),
+                ({**labels, "filtered": "yes"}, t["push"]),
+                ({**labels, "filtered": "no"}, t["push_dense"]),
             ],
         )
         yield counter(
             "fabricd_ps_pull_bytes",
             "Bytes of pull answers received by this node's workers, as received (changed "
-            "parameters only) and as whole models",
+            "parameters only) and as whole models (headers included)",
             [
-                ({**labels, "filtered": "yes"}, sum(w.pull_bytes for w in workers)),
-                ({**labels, "filtered": "no"}, sum(w.pull_dense_bytes for w in workers)),
+                ({**labels, "filtered": "yes"}, t["pull"]),
+                ({**labels, "filtered": "no"}, t["pull_dense"]),
             ],
         )
         yield counter(
@@ -1317,18 +1327,16 @@ class PSService(BaseService):
             "Gradient elements each filter selected for dropping (G-SMP, G-RP), those dropped "
             "(selected by every filter on) and those considered",
             [
-                ({**labels, "filter": "gsmp"}, sum(w.smp_selected for w in workers)),
-                ({**labels, "filter": "grp"}, sum(w.rp_selected for w in workers)),
-                ({**labels, "filter": "dropped"}, sum(w.considered - w.pushed for w in workers)),
-                ({**labels, "filter": "considered"}, sum(w.considered for w in workers)),
+                ({**labels, "filter": name}, t[name])
+                for name in ("gsmp", "grp", "dropped", "considered")
             ],
         )
         yield counter(
             "fabricd_ps_parameters_published",
             "Parameters the primary servers' P-SMP filters published, and those considered",
             [
-                ({**labels, "what": "published"}, sum(s.published for s in primaries)),
-                ({**labels, "what": "considered"}, sum(s.considered for s in primaries)),
+                ({**labels, "what": "published"}, t["published"]),
+                ({**labels, "what": "considered"}, t["p_considered"]),
             ],
         )
         yield counter(
@@ -1336,22 +1344,14 @@ class PSService(BaseService):
             "Shard pushes not applied: delay above tau_max at this node's workers "
             "(delay_worker) or its primary servers (delay_server), or their worker lost",
             [
-                ({**labels, "reason": "delay_worker"}, sum(w.delay_dropped for w in workers)),
-                (
-                    {**labels, "reason": "delay_server"},
-                    sum(s.coordinator.dropped.get("delay", 0) for s in primaries),
-                ),
-                (
-                    {**labels, "reason": "lost"},
-                    sum(s.coordinator.dropped.get("lost", 0) for s in primaries),
-                ),
+                ({**labels, "reason": reason}, t[reason])
+                for reason in ("delay_worker", "delay_server", "lost")
             ],
         )
         delays = Histogram(DELAY_BUCKETS)
-        for s in primaries:
-            for i, n in enumerate(s.coordinator.delays):
-                delays.counts[i] += n
-            delays.sum += s.coordinator.delay_sum
+        for i in range(len(delays.counts)):
+            delays.counts[i] += t[f"delay{i}"]
+        delays.sum += t["delay_sum"]
         yield histogram(
             "fabricd_ps_update_delay",
             "Updates this node's primary servers applied, by delay (the server's version "
@@ -1366,6 +1366,34 @@ class PSService(BaseService):
                 ({**labels, "role": "replica"}, sum(1 for s in shards if not s.primary)),
             ],
         )
+
+
+def _totals(workers: list[WorkerStatistics], primaries: list[ShardStatistics]) -> Counter[str]:
+    """The sums the Prometheus series are made of, over these workers and primary shards."""
+    t: Counter[str] = Counter()
+    for w in workers:
+        t.update(
+            push=w.push_bytes,
+            push_dense=w.push_dense_bytes,
+            pull=w.pull_bytes,
+            pull_dense=w.pull_dense_bytes,
+            gsmp=w.smp_selected,
+            grp=w.rp_selected,
+            dropped=w.considered - w.pushed,
+            considered=w.considered,
+            delay_worker=w.delay_dropped,
+        )
+    for s in primaries:
+        c = s.coordinator
+        t.update(
+            published=s.published,
+            p_considered=s.considered,
+            delay_server=c.dropped.get("delay", 0),
+            lost=c.dropped.get("lost", 0),
+            delay_sum=c.delay_sum,
+        )
+        t.update({f"delay{i}": n for i, n in enumerate(c.delays)})
+    return t
 
 
 def _spec(meta: Meta, n: int) -> Meta:

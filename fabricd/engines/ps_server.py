@@ -66,6 +66,7 @@ from fabricd.engines.ps_consistency import (
     rule_state,
 )
 from fabricd.engines.ps_filters import LOW_MAX, FilterSettings, ParameterFilter
+from fabricd.engines.ps_storage import HEADER as PULL_HEADER
 from fabricd.engines.ps_storage import TimedStore
 from fabricd.errors import RemoteProtocolError, UsageError
 
@@ -528,10 +529,10 @@ class ShardServer:
             pushes=self._pushes,
             resent=self._resent,
             push_bytes=self._push_bytes,
-            push_dense_bytes=self._pushes * dense,
+            push_dense_bytes=self._pushes * (ps_push.HEADER.size + dense),
             pulls=self._pulls,
             pull_bytes=self._pull_bytes,
-            pull_dense_bytes=self._pulls * dense,
+            pull_dense_bytes=self._pulls * (PULL_HEADER.size + dense),
             considered=filtered.considered,
             published=filtered.published,
             coordinator=self.coordinator.statistics(),

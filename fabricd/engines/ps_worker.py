@@ -29,6 +29,7 @@ import numpy as np
 from fabricd.engines import ps_push
 from fabricd.engines.ps_consistency import DelayGate
 from fabricd.engines.ps_filters import FilterSettings, GradientFilter, Push
+from fabricd.engines.ps_storage import HEADER as PULL_HEADER
 from fabricd.engines.ps_storage import apply_delta
 from fabricd.errors import RemoteProtocolError, UsageError
 
@@ -110,7 +111,7 @@ class WorkerStatistics:
 
     pushes: int
     push_bytes: int  #: encoded, as sent
-    push_dense_bytes: int  #: unfiltered: every element in the gradient's dtype
+    push_dense_bytes: int  #: unfiltered: a dense push (header and every element) each time
     considered: int  #: gradient elements the filters looked at
     pushed: int  #: elements they let through
     smp_selected: int
@@ -120,7 +121,7 @@ class WorkerStatistics:
     server_dropped: int  #: shard pushes the server did not apply
     pulls: int
     pull_bytes: int
-    pull_dense_bytes: int  #: a whole-model reply each time
+    pull_dense_bytes: int  #: unfiltered: a dense answer (header and every parameter) each time
     resent: int  #: pushes and pulls sent again (link reset, failover)
 
 
@@ -163,7 +164,8 @@ class Worker:
         self._pull_clock: int | None = None
         self._pulling: set[int] = set()  #: shards whose answer is awaited
         self._pushes = self._push_bytes = self._delay_dropped = self._server_dropped = 0
-        self._pulls = self._pull_bytes = self._resent = 0
+        self._pulls = self._pull_bytes = self._pull_dense = self._resent = 0
+        self._push_dense = 0
 
     # -- pushes ---------------------------------------------------------------------------
     def push(self, gradient: Array) -> list[Action]:
@@ -197,6 +199,7 @@ class Worker:
             filtered: Push = self.filters[shard].push(flat[lo:hi], iteration + 1)
             data = ps_push.encode(filtered)
             self._push_bytes += len(data)
+            self._push_dense += ps_push.HEADER.size + (hi - lo) * self.dtype.itemsize
             base = self.versions[shard]
             self._pushing[shard] = (iteration, base, data)
             out.append(SendPush(shard=shard, iteration=iteration, base=base, payload=data))
@@ -263,6 +266,8 @@ class Worker:
         lo, hi = self.bounds[shard]
         version = apply_delta(data, cache.reshape(-1)[lo:hi], self.versions[shard])
         self._pull_bytes += len(data)
+        # unfiltered, the same pull is a dense answer in the model's dtype, header included
+        self._pull_dense += PULL_HEADER.size + (hi - lo) * self.dtype.itemsize
         self.versions[shard] = version
         self.gates[shard].pulled(version)
         self._pulling.discard(shard)
@@ -317,11 +322,10 @@ class Worker:
 
     def statistics(self) -> WorkerStatistics:
         stats = [f.statistics() for f in self.filters]
-        size = self.bounds[-1][1]
         return WorkerStatistics(
             pushes=self._pushes,
             push_bytes=self._push_bytes,
-            push_dense_bytes=sum(s.considered_bytes for s in stats),
+            push_dense_bytes=self._push_dense,
             considered=sum(s.considered for s in stats),
             pushed=sum(s.pushed for s in stats),
             smp_selected=sum(s.smp_selected for s in stats),
@@ -331,6 +335,6 @@ class Worker:
             server_dropped=self._server_dropped,
             pulls=self._pulls,
             pull_bytes=self._pull_bytes,
-            pull_dense_bytes=self._pulls * size * self.dtype.itemsize,
+            pull_dense_bytes=self._pull_dense,
             resent=self._resent,
         )

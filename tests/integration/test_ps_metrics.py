@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import fabricd
+from fabricd.engines import ps_push, ps_storage
 from tests.integration.scrape import Samples, scrape
 from tests.integration.test_cli import _ctl, _tables
 from tests.integration.test_collectives import ranks
@@ -64,8 +65,11 @@ def test_status_and_metrics_count_the_filtered_bytes_grp_share_and_delays(make_c
         assert row["considered"] == ROUNDS * COUNT
         assert row["rp_selected"] == row["considered"] // 2  # round(0.5 * 1000) per push
         assert row["pushed"] == row["considered"] - row["rp_selected"]  # G-RP alone decides
-        assert row["push_bytes"] < row["push_dense_bytes"] == ROUNDS * COUNT * 8
-        assert row["pull_bytes"] < row["pull_dense_bytes"] == ROUNDS * COUNT * 8
+        # unfiltered: a dense push or answer, header included, every round
+        dense_push = ROUNDS * (ps_push.HEADER.size + COUNT * 8)
+        dense_pull = ROUNDS * (ps_storage.HEADER.size + COUNT * 8)
+        assert row["push_bytes"] < row["push_dense_bytes"] == dense_push
+        assert row["pull_bytes"] < row["pull_dense_bytes"] == dense_pull
         assert row["delay_dropped"] == 0
     # what the workers sent is what the server took, and what it answered what they got
     assert server["pushes"] == len(workers) * ROUNDS
