@@ -287,3 +287,52 @@ def test_servers_killed_again_and_again_lose_nothing_and_never_go_back(make_clus
         finally:
             for client in extra:
                 client.close()
+
+
+def test_a_replica_may_open_after_its_server_started_serving(make_cluster) -> None:
+    cluster = make_cluster(2)
+    with ranks(cluster, (0, 1, 1), "ps-late") as fabs:
+        server = fabs[0].parameter_server(
+            "m", (COUNT,), "float64", "server", servers=[0], replicas=[1], consistency="async"
+        )
+        worker = fabs[2].parameter_server(
+            "m", (COUNT,), "float64", servers=[0], replicas=[1], consistency="async"
+        )
+        update = fabs[2].array("u", (COUNT,), "float64")
+        model = fabs[2].array("w", (COUNT,), "float64")
+        update[:] = 1.0
+        pushed = worker.push_async(update)  # held: nothing is acknowledged on one copy
+        assert wait(worker.pull_async(model), fabs) == 0
+        assert not pushed.done()
+        fabs[1].parameter_server(
+            "m", (COUNT,), "float64", "replica", servers=[0], replicas=[1], consistency="async"
+        )  # joins: takes the state, then the held push
+        assert wait(pushed, fabs).versions == (1,)
+        fabs[0].close()  # the replica has everything acknowledged
+        assert worker.pull(model) == 1
+        np.testing.assert_array_equal(model, 1.0)
+        assert worker.epochs == (1,)
+        del server
+
+
+def test_a_server_back_after_every_copy_went_says_the_state_is_lost(make_cluster) -> None:
+    cluster = make_cluster(3)
+    job = "ps-lost"
+    with ranks(cluster, (0, 1, 2), job) as fabs:
+        pss = open_all(fabs, [0], [1], consistency="async")
+        update = fabs[2].array("u", (COUNT,), "float64")
+        model = fabs[2].array("w", (COUNT,), "float64")
+        update[:] = 1.0
+        pss[2].push(update)
+        fabs[0].close()
+        assert pss[2].pull(model) == 1  # served by the replica, epoch 1
+        fabs[1].close()  # and now the replica: no copy of the shard is left
+        with pytest.raises(fabricd.PeerFailed, match="no server"):
+            pss[2].pull(model)
+        with fabricd.connect(
+            job=job, rank=0, size=3, socket_path=cluster.nodes[0].socket_path
+        ) as back:  # the server comes back empty: it must not serve version 0 as the model
+            back.parameter_server("m", (COUNT,), "float64", "server", servers=[0], replicas=[1])
+            with pytest.raises(fabricd.PeerFailed, match="no server"):
+                pss[2].pull(model)
+        np.testing.assert_array_equal(model, 1.0)
