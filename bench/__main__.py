@@ -25,6 +25,7 @@ from bench import (
     hyperplane,
     integrity,
     latency,
+    ps_logreg,
     ps_storage,
     rate,
     roundtrip,
@@ -56,6 +57,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "svm": svm.run,
     "consistency": consistency.run,
     "ps-storage": ps_storage.run,
+    "ps-logreg": ps_logreg.run,
 }
 
 

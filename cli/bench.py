@@ -1,5 +1,5 @@
-"""``fabricctl bench allreduce|skew|consistency|svm``: the collective and stochastic-reduce
-benchmarks, for users (DESIGN §9).
+"""``fabricctl bench allreduce|skew|consistency|svm|ps``: the collective, stochastic-reduce and
+parameter-server benchmarks, for users (DESIGN §9).
 
 Each command runs one benchmark of the repository's ``bench/`` folder (docs/performance.md
 explains them) on daemons it starts on loopback, shows its progress, and prints its table: the
@@ -82,8 +82,8 @@ baselines_option = click.option(
 
 @click.group()
 def bench() -> None:
-    """Benchmark fabricd's collectives (against gloo and MPI) and stochastic reduce on local
-    daemons."""
+    """Benchmark fabricd's collectives (against gloo and MPI), stochastic reduce and parameter
+    server on local daemons."""
 
 
 @bench.command()
@@ -221,6 +221,16 @@ def svm(quick: bool, as_json: bool) -> None:
     graphs (and the expander with a barrier), with a plot."""
     module = _bench("svm")
     _show(lambda progress: module.run(quick, progress), 4, as_json)
+
+
+@bench.command()
+@quick_option
+@json_option
+def ps(quick: bool, as_json: bool) -> None:
+    """TDF's logistic regression through the parameter server: push and pull traffic cut by
+    the filters and the accuracy change, under BSP, SSP(4) and SSP(8)."""
+    module = _bench("ps_logreg")
+    _show(lambda progress: module.run(quick, progress), len(module.cases(quick)), as_json)
 
 
 def _show(body: Callable[[Callable[[str], None]], Any], rows: int, as_json: bool) -> None:
