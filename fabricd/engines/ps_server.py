@@ -256,6 +256,11 @@ class ShardServer:
         self._primary_only("a push")
         last = self._last.get(worker)
         waiting = self._waiting.get(worker)
+        clock = self.coordinator.clock(worker)
+        if waiting is None and clock and (last is None or last[0] < clock - 1):
+            # the coordinator holds the push of clock - 1, not applied yet (a BSP iteration):
+            # one a promoted replica logged, or a lost worker's, which _waiting does not name
+            waiting = clock - 1
         if (last is not None and iteration <= last[0]) or (
             waiting is not None and iteration <= waiting
         ):
