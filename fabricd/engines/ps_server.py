@@ -557,7 +557,8 @@ class ShardServer:
 
     def _process(self, entry: Entry, now: float) -> list[Action]:
         if entry.kind == LOSE:
-            self._waiting.pop(entry.worker, None)
+            # the worker's push in waiting, if any, stays so until processed: one taken before
+            # this entry is held for its BSP iteration, one taken after it is dropped
             actions = self.coordinator.lose(entry.worker, entry.reason or "lost", now)
         else:
             values = ps_push.decode(entry.payload, self.size, self.dtype)

@@ -519,3 +519,20 @@ def test_lose_is_replicated_in_order() -> None:
     assert ack.version == 1
     assert replica.version == 1
     assert replica.coordinator.live == primary.coordinator.live == frozenset({0})
+
+
+def test_lose_entry_leaves_a_later_push_in_waiting() -> None:
+    """A lost worker's push taken after its LOSE entry, the LOSE confirmed first: the push
+    sent again is still in waiting (no second entry for it), then dropped once."""
+    primary, replica = pair(Consistency.BSP, workers=3)
+    [lose] = primary.lose(2, "node down", 0.0)
+    [push] = primary.push(2, 0, 0, ones(), 0.0)
+    replica.log(lose.entry, 0.0)
+    primary.replicated_upto(1, 0.0)
+    assert primary.push(2, 0, 0, ones(), 1.0) == []  # a resend: not a new entry
+    replica.log(push.entry, 1.0)
+    [drop] = primary.replicated_upto(2, 1.0)
+    assert isinstance(drop, Acked)
+    assert drop.dropped is not None
+    assert "lost" in drop.dropped
+    assert primary.statistics().logged == replica.statistics().logged == 2
