@@ -263,6 +263,11 @@ class Worker:
         """
         if shard not in self._pulling or clock != self._pull_clock:
             return []
+        if (
+            len(data) >= PULL_HEADER.size
+            and PULL_HEADER.unpack_from(data)[5] != self.versions[shard]
+        ):
+            return []  # an answer sent again for an earlier pull of this clock, since another
         lo, hi = self.bounds[shard]
         version = apply_delta(data, cache.reshape(-1)[lo:hi], self.versions[shard])
         self._pull_bytes += len(data)

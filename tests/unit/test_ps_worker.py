@@ -180,6 +180,26 @@ def test_pull_gathers_every_shard_then_fresh_resets_versions() -> None:
     np.testing.assert_array_equal(other, model)
 
 
+def test_an_answer_sent_again_for_an_earlier_pull_of_the_same_clock_is_ignored() -> None:
+    w = worker()
+    model = np.arange(1, 7, dtype=np.float64)
+    stores = [store_for(w, s, model) for s in range(2)]
+    cache = np.zeros(6)
+    w.pull()
+    for s in range(2):
+        w.pulled(s, 0, stores[s].pull(0), cache)
+    w.pull()  # since 1, at the same clock
+    late = [stores[s].pull(1) for s in range(2)]  # its answers, sent twice after a reset
+    for s in range(2):
+        w.pulled(s, 0, late[s], cache)
+    w.pull(fresh=True)  # another array: since 0, still clock 0
+    other = np.zeros(6)
+    assert w.pulled(0, 0, late[0], other) == []  # built since 1: not this pull's answer
+    assert w.pulled(0, 0, stores[0].pull(0), other) == []
+    assert w.pulled(1, 0, stores[1].pull(0), other) == [PullDone(versions=(1, 1))]
+    np.testing.assert_array_equal(other, model)
+
+
 def test_malformed_answer_raises_and_leaves_the_cache() -> None:
     w = worker()
     cache = np.full(6, 9.0)
