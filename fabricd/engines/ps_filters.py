@@ -30,7 +30,10 @@ The worker (:class:`GradientFilter`, TDF §III.C and Fig. 4), at each push of it
    gradients, if p_grp = 0.9"), a share, not a per-element coin.  An element is dropped when
    every policy that is on selects it: "part of the gradients [is dropped] if they are selected
    by both G-SMP and G-RP".  With one policy off, the other alone decides (an off policy
-   selecting nothing would turn the other off too); with both off nothing is dropped;
+   selecting nothing would turn the other off too); with both off nothing is dropped.  An
+   exact zero (the new gradient plus what was held) is never pushed, whatever the policies
+   selected, once any filter is on: it carries nothing, and sparse data has many (G-RP would
+   otherwise send the zeros it left unselected);
 3. G-LNP casts what is pushed to float16 (TDF Table I), clipping to +-65504 (float16's range);
 4. keeps what it did not push, ``grad_j - pushed_j``: the dropped elements whole, and the part
    of a pushed element G-LNP rounded off or clipped.  TDF keeps dropped gradients because "all
@@ -322,14 +325,16 @@ class GradientFilter:
             ] = True
             self._rp += int(np.count_nonzero(chosen))
             drop = chosen if drop is None else drop & chosen
-        dense = total if drop is None else np.where(drop, 0, total)
+        # an exact zero (new gradient and what was held) carries nothing: never sent, whatever
+        # the policies selected, and nothing is held for it
+        zero = total == 0
+        drop = zero if drop is None else drop | zero
+        dense = np.where(drop, 0, total)
         if s.glnp:
             dense, clipped = _low(dense)
             self._clipped += clipped
         # exact but where eq. 2 rounds or a clipped value's remainder does (balance())
         np.subtract(total, dense, out=self._residual)
-        if drop is None:
-            return self._count(Push(size=self.size, pushed=self.size, indices=None, values=dense))
         pushed = self.size - int(np.count_nonzero(drop))
         value = dense.dtype.itemsize
         if pushed * (self._index.itemsize + value) < self.size * value:

@@ -33,8 +33,8 @@ def gradient(rng: np.random.Generator, n: int, dtype: str, scale: float) -> np.n
 def reference_push(
     total: np.ndarray, s: pf.FilterSettings, t: int, rng: np.random.Generator | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Eq. 1, G-RP, the both-select rule and G-LNP written out: (dropped mask, what is
-    pushed as a dense array, what stays held)."""
+    """Eq. 1, G-RP, the both-select rule, exact zeros left out, and G-LNP written out:
+    (dropped mask, what is pushed as a dense array, what stays held)."""
     n = total.size
     selections = []
     if s.gsmp_threshold:
@@ -46,6 +46,7 @@ def reference_push(
         chosen[rng.choice(n, size=round(s.grp_drop * n), replace=False)] = True
         selections.append(chosen)
     dropped = np.logical_and.reduce(selections) if selections else np.zeros(n, bool)
+    dropped |= total == 0  # an exact zero carries nothing: never pushed
     pushed = np.where(dropped, np.zeros_like(total), total)
     if s.glnp and total.dtype != np.float16:
         pushed = np.clip(pushed, -65504, 65504).astype(np.float16)
@@ -102,6 +103,20 @@ def test_gradient_filter_follows_eq_1_and_2_grp_and_glnp_push_by_push(s, dtype, 
     assert stats.considered_bytes == rounds * n * np.dtype(dtype).itemsize
     assert stats.pushed + stats.dropped == stats.considered
     assert (stats.smp_selected, stats.rp_selected) == (smp, rp)
+
+
+def test_exact_zeros_are_never_pushed_whatever_grp_selects() -> None:
+    """G-RP alone leaves 1 - p of the elements unselected; the zeros among them carry
+    nothing, so they are not sent (sparse), and nothing is held for them."""
+    rng = np.random.default_rng(5)
+    f = pf.GradientFilter(pf.FilterSettings(grp_drop=0.5), size=1000, dtype="float32", rng=rng)
+    gradient = np.zeros(1000, np.float32)
+    gradient[:10] = 1.0
+    push = f.push(gradient, 1)
+    assert push.indices is not None  # sparse: at most the 10 nonzero elements go
+    assert push.pushed <= 10
+    assert np.all(push.values != 0)
+    np.testing.assert_array_equal(push.dense() + f.residual, gradient)
 
 
 def test_a_gradient_is_dropped_only_when_both_gsmp_and_grp_select_it():
