@@ -523,7 +523,7 @@ PS_SPEC_FIELDS: Final = (
     "chunk",
 )
 #: the kinds of entry a shard's replication log holds: a worker's push, or a lost worker
-PS_ENTRIES: Final = ("push", "lose", "snapshot")
+PS_ENTRIES: Final = ("push", "lose", "flush", "snapshot")
 
 
 def _ranks(spec: dict[str, Any], key: str, lengths: Container[int], what: str) -> list[int]:
@@ -763,7 +763,8 @@ class Replicate(_ShardFrame):
     """Entry ``index`` (from 1) of primary ``server``'s log for the shard, for its ``replica``
     (data channel): rank ``worker``'s push of ``iteration`` from version ``base`` (``entry``
     "push", the payload the push's bytes), or rank ``worker`` lost (``entry`` "lose", no
-    payload, ``reason`` why), or the primary's whole state as of entry ``index`` (``entry``
+    payload, ``reason`` why), or a flush of the lossless publish mode (``entry`` "flush", no
+    payload), or the primary's whole state as of entry ``index`` (``entry``
     "snapshot", from index 0, the payload fabricd/engines/ps_snapshot.py's bytes; ``worker``,
     ``iteration`` and ``base`` are 0) for a replica that joined.  The primary sends its
     entries in log order, so the replica processes them as the primary does

@@ -227,6 +227,22 @@ class ParameterServer:
         )
         self._connection.wait(call, 30.0).result("ps_stepped")
 
+    def flush(self, *, timeout: float | None = 30.0) -> bool:
+        """Publish what the lossless publish mode held back on this rank's shard (the end of
+        training, a checkpoint): the workers' next pulls get the exact model.  Through the
+        replication log, so the replica publishes the same.  ``False``: this rank follows its
+        partner, which serves the shard (flush there).
+
+        Raises:
+            UsageError: called on a worker.
+        """
+        if self.role == "worker":
+            raise UsageError("flush() is for a server or replica; workers push and pull")
+        call = self._connection.submit(
+            "ps_flush", {"name": self.name}, what=f"flush of parameter server {self.name!r}"
+        )
+        return bool(self._connection.wait(call, timeout).result("ps_flush")["flushed"])
+
     # -- internals ------------------------------------------------------------------------
     def _worker_only(self, what: str) -> None:
         if self.role != "worker":

@@ -55,6 +55,7 @@ from fabricd.engines.ps_consistency import (
 )
 from fabricd.engines.ps_filters import DTYPES, FilterSettings
 from fabricd.engines.ps_server import (
+    FLUSH,
     LOSE,
     PUSH,
     Acked,
@@ -188,7 +189,7 @@ class PSService(BaseService):
             Kind.JOIN,
         }
     )
-    ops = frozenset({"ps_open", "ps_push", "ps_pull", "ps_stepped"})
+    ops = frozenset({"ps_open", "ps_push", "ps_pull", "ps_stepped", "ps_flush"})
 
     def __init__(self, host: Host, *, membership: Membership) -> None:
         self.host = host
@@ -235,6 +236,8 @@ class PSService(BaseService):
                 return self._open(request, now)
             if request.op == "ps_stepped":
                 return self._stepped(request, now)
+            if request.op == "ps_flush":
+                return self._flush_shards(request, now)
             side = self._side(request)
             if request.op == "ps_push":
                 self._push(side, request, now)
@@ -385,6 +388,23 @@ class PSService(BaseService):
         actions = server.stepped(get_int(request.meta, "version"), buffer[0].copy(), now)
         self._server(key, shard, actions)
         return {}
+
+    def _flush_shards(self, request: Request, now: float) -> Meta:
+        """The server process asks its shards to publish what the lossless mode held back;
+        a replica's shard follows its primary's (``flushed`` false)."""
+        session = request.session
+        key = (str(session.job), get_str(request.meta, "name"))
+        model = self.models.get(key)
+        shards = [] if model is None else [s for s, o in model.owners.items() if o is session]
+        if model is None or not shards:
+            raise UsageError(f"this process serves no shard of {key[1]!r}")
+        flushed = False
+        for shard in shards:
+            server = model.servers[shard]
+            if server.primary:
+                self._server(key, shard, server.flush(now))
+                flushed = True
+        return {"flushed": flushed}
 
     def _check_spec(self, spec: Meta) -> None:
         servers, replicas, n = spec["servers"], spec["replicas"], spec["n"]
@@ -884,7 +904,7 @@ class PSService(BaseService):
                 )
                 self._adopt(key, frame.shard, server.epoch)
             return
-        if frame.entry not in (PUSH, LOSE):
+        if frame.entry not in (PUSH, LOSE, FLUSH):
             raise RemoteProtocolError(f"replication entry of kind {frame.entry!r}")
         entry = Entry(
             index=frame.index,
@@ -1007,8 +1027,12 @@ class PSService(BaseService):
                             if model.target(shard) == rank:
                                 self._worker(key, side, side.engine.resend(shard))
                     for shard, server in model.servers.items():
-                        if model.spec["replicas"] and model.spec["replicas"][shard] == rank:
+                        if model.partner(shard, model.rank_of(shard)) != rank:
+                            continue
+                        if server.primary:
                             self._server(key, shard, list(server.unconfirmed()))
+                        elif not server.has_state:
+                            self._join(key, shard)  # the JOIN may have gone with the old links
             self._flush()
             return
         assert isinstance(event, RankLeft)

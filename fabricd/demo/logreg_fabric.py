@@ -260,6 +260,8 @@ def _rank_main(
             figures["row"] = _row(fab, "ps_workers", job, rank=rank)
         fab.barrier(name="trained", timeout=_WAIT)
         if data is None:  # every push is in: the server's counts are final
+            if case.filters.lossless_publish:  # publish what the mode held back, exactly
+                ps.flush(timeout=_WAIT)
             figures["row"] = _row(fab, "ps_servers", job, shard=0)
         fab.barrier(name="counted", timeout=_WAIT)
         if rank == 1 and data is not None:

@@ -488,6 +488,12 @@ class Coordinator:
         held = self._held.get(worker)
         return None if held is None else held.clock
 
+    def bump(self) -> int:
+        """A new version that applies no update (the server published what its lossless
+        filter held back); returns it."""
+        self._version += 1
+        return self._version
+
     def clock(self, worker: int) -> int:
         """``worker``'s clock: the iteration it pushes next (0 before its first push)."""
         self._known(worker)

@@ -77,6 +77,9 @@ Array = np.ndarray[Any, Any]
 
 PUSH: Final = "push"
 LOSE: Final = "lose"
+FLUSH: Final = "flush"
+#: the marker of a flush among the coordinator's actions
+_FLUSHED: Final = object()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -301,6 +304,17 @@ class ShardServer:
             return []  # sent again after a reset: the held one is answered in time
         return self._perform(self.coordinator.pull(worker, clock, since, now), now)
 
+    def flush(self, now: float) -> list[Action]:
+        """Publish every parameter whose exact value the lossless publish mode held back
+        (:meth:`~fabricd.engines.ps_filters.ParameterFilter.flush`: the end of training, a
+        checkpoint), as the next version; through the log, so the replica does the same.
+
+        Raises:
+            RemoteProtocolError: this is a replica.
+        """
+        self._primary_only("a flush")
+        return self._take(Entry(index=self._index + 1, kind=FLUSH, worker=0), now)
+
     def lose(self, worker: int, reason: str, now: float) -> list[Action]:
         """Worker ``worker`` is gone for good (its rank left, or its node is down)."""
         self._primary_only("a lost worker")
@@ -385,7 +399,7 @@ class ShardServer:
             ps_push.decode(entry.payload, self.size, self.dtype)
             self._pushes += 1
             self._push_bytes += len(entry.payload)
-        elif entry.kind != LOSE:
+        elif entry.kind not in (LOSE, FLUSH):
             raise RemoteProtocolError(f"replication entry of kind {entry.kind!r}")
         self._index = entry.index
         steps = self._process(entry, now)  # only Step actions: a replica answers nobody
@@ -556,6 +570,9 @@ class ShardServer:
         return self._process(entry, now)
 
     def _process(self, entry: Entry, now: float) -> list[Action]:
+        if entry.kind == FLUSH:
+            self.coordinator.bump()
+            return self._perform([_FLUSHED], now)
         if entry.kind == LOSE:
             # the worker's push in waiting, if any, stays so until processed: one taken before
             # this entry is held for its BSP iteration, one taken after it is dropped
@@ -572,6 +589,10 @@ class ShardServer:
         out: list[Action] = []
         while self._actions and self._stepping is None:
             action = self._actions.popleft()
+            if action is _FLUSHED:
+                publish = self.filter.flush()
+                self.store.publish(publish.mask, publish.values)
+                continue
             if isinstance(action, Apply):
                 if self.rule is None:  # the server's process steps the model: wait for it
                     self._stepping = action

@@ -302,8 +302,10 @@ def test_a_replica_may_open_after_its_server_started_serving(make_cluster) -> No
         model = fabs[2].array("w", (COUNT,), "float64")
         update[:] = 1.0
         pushed = worker.push_async(update)  # held: nothing is acknowledged on one copy
-        assert wait(worker.pull_async(model), fabs) == 0
-        assert not pushed.done()
+        with pytest.raises(fabricd.Timeout):
+            pushed.wait(timeout=0.5)
+        rows = fabs[0].status()["ps_servers"]
+        assert [(r["role"], r["version"], r["unreplicated"]) for r in rows] == [("primary", 0, 1)]
         fabs[1].parameter_server(
             "m", (COUNT,), "float64", "replica", servers=[0], replicas=[1], consistency="async"
         )  # joins: takes the state, then the held push
@@ -336,3 +338,37 @@ def test_a_server_back_after_every_copy_went_says_the_state_is_lost(make_cluster
             with pytest.raises(fabricd.PeerFailed, match="no server"):
                 pss[2].pull(model)
         np.testing.assert_array_equal(model, 1.0)
+
+
+def test_flush_publishes_what_the_lossless_mode_held_back_on_both_copies(make_cluster) -> None:
+    cluster = make_cluster(3)
+    filters = fabricd.FilterSettings(psmp_threshold=0.5, lossless_publish=True)
+    with ranks(cluster, (0, 1, 2), "ps-flush") as fabs:
+        start = [fabs[r].array("init", (COUNT,), "float64") for r in (0, 1)]
+        for a in start:
+            a[:] = 1.0
+        layout: dict[str, Any] = {"servers": [0], "replicas": [1], "consistency": "async"}
+        servers = [
+            fabs[r].parameter_server(
+                "m", (COUNT,), "float64", role, filters=filters, initial=start[r], **layout
+            )
+            for r, role in ((0, "server"), (1, "replica"))
+        ]
+        worker = fabs[2].parameter_server("m", (COUNT,), "float64", filters=filters, **layout)
+        update = fabs[2].array("u", (COUNT,), "float64")
+        model = fabs[2].array("w", (COUNT,), "float64")
+        update[:] = 0.1  # a 10% change: under the 50% threshold, held back
+        for _ in range(3):
+            worker.push(update)
+        assert worker.pull(model) == 3
+        np.testing.assert_array_equal(model, 1.0)  # nothing published yet
+        assert servers[1].flush() is False  # the replica follows: flush where it is served
+        assert servers[0].flush() is True
+        assert worker.pull(model) == 4  # the flush is a version of its own
+        np.testing.assert_allclose(model, 1.3, rtol=1e-12)
+        fabs[0].close()  # the replica flushed the same: it serves the exact model
+        other = fabs[2].array("w2", (COUNT,), "float64")  # another array: pulled whole
+        assert worker.pull(other) == 4
+        np.testing.assert_allclose(other, 1.3, rtol=1e-12)
+        with pytest.raises(fabricd.UsageError, match="for a server or replica"):
+            worker.flush()
