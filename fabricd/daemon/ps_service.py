@@ -144,6 +144,9 @@ class _Model:
     steps: dict[int, np.ndarray[Any, Any]] = field(default_factory=dict)  #: callback buffers
     epochs: dict[int, int] = field(default_factory=dict)  #: shard -> epoch, as workers see it
     failed: dict[int, str] = field(default_factory=dict)  #: shards nobody serves any more
+    #: shards whose local rank, without state, answered its partner's JOIN with its own since
+    #: it last asked of itself: it answers one, so two partners without state stop there
+    answered: set[int] = field(default_factory=set)
 
     def target(self, shard: int) -> int:
         """The rank serving ``shard`` now: its server at even epochs, its replica at odd ones
@@ -343,6 +346,7 @@ class PSService(BaseService):
     def _join(self, key: Key, shard: int) -> None:
         """Ask the shard's partner for its state (it ignores this if it has none to give)."""
         model = self.models[key]
+        model.answered.discard(shard)
         rank = model.rank_of(shard)
         partner = model.partner(shard, rank)
         if partner is None:
@@ -933,8 +937,11 @@ class PSService(BaseService):
             raise RemoteProtocolError(f"rank {frame.replica} is not shard {frame.shard}'s partner")
         if server.primary:
             self._server(key, frame.shard, server.joined())
-        elif not server.has_state:
+        elif not server.has_state and frame.shard not in model.answered:
+            # once: a partner without state answers this JOIN with its own, and two such
+            # partners would otherwise ask each other for ever (the shard is lost)
             self._join(key, frame.shard)
+            model.answered.add(frame.shard)
 
     def _adopt(self, key: Key, shard: int, epoch: int) -> None:
         """This daemon learned that ``shard`` is at ``epoch``: its workers here move there."""

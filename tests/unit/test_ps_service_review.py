@@ -1,0 +1,202 @@
+"""Review of the parameter-server service: frames between daemons that never stop, and what
+its stall rows say.
+
+Each daemon's service runs on a fake host whose sends land in one shared queue that the test
+delivers in order (a data frame's payload into the buffer the receiving service gives), and
+on a fake rank table the test edits, so ranks join and leave as membership would say.  Every
+test here shows a bug the review found, since fixed: they stay as regression tests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from fabricd import frames
+from fabricd.daemon.config import Config
+from fabricd.daemon.ps_service import PSService
+from fabricd.daemon.service import Request
+from fabricd.daemon.sessions import ClientSession
+from fabricd.engines.membership import RankEntry, RankJoined, RankLeft
+from fabricd.wire import Kind, Meta
+
+JOB, NAME, SIZE = "j", "w", 8
+#: rank -> node: server 0 and replica 1 on nodes 0 and 1, a worker beside each
+NODES = {0: 0, 1: 1, 2: 0, 3: 1}
+DATA_FRAMES: dict[Kind, type[frames.Push | frames.Pulled | frames.Replicate]] = {
+    Kind.PUSH: frames.Push,
+    Kind.PULLED: frames.Pulled,
+    Kind.REPLICATE: frames.Replicate,
+}
+
+
+class Table:
+    """The rank table membership would hold: ranks join and leave as a test says."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, int], RankEntry] = {}
+
+    def lookup(self, job: str, rank: int) -> RankEntry | None:
+        return self.entries.get((job, rank))
+
+    def owner(self, job: str) -> int | None:
+        return 1000
+
+
+@dataclass
+class Wire:
+    """Frames on their way, in the order they were sent: (from, to, frame, payload)."""
+
+    frames: deque[tuple[int, int, frames.PeerFrame, bytes]] = field(default_factory=deque)
+
+
+class Link:
+    """A data link that takes every frame at once, onto the wire."""
+
+    def __init__(self, wire: Wire, src: int, dst: int) -> None:
+        self.wire, self.src, self.dst = wire, src, dst
+
+    def send_now(self, kind: Kind, meta: Meta, payload: list[memoryview]) -> bool:
+        frame = DATA_FRAMES[kind].from_meta(meta)
+        self.wire.frames.append((self.src, self.dst, frame, b"".join(bytes(p) for p in payload)))
+        return True
+
+
+@dataclass
+class FakeHost:
+    """What the service asks of the node: sends go onto the wire, answers are recorded."""
+
+    config: Config
+    wire: Wire
+    draining: bool = False
+    answered: dict[int, Any] = field(default_factory=dict)
+    pushed: list[tuple[str, Meta]] = field(default_factory=list)
+    clock: float = 0.0
+
+    def now(self) -> float:
+        return self.clock
+
+    def send(self, node: int, frame: frames.PeerFrame, payload: Any = ()) -> None:
+        self.wire.frames.append((self.config.node_id, node, frame, b""))
+
+    def data_link(self, node: int) -> Link | None:
+        return Link(self.wire, self.config.node_id, node)
+
+    def reply(self, session: ClientSession, request_id: int, result: Any) -> None:
+        self.answered[request_id] = result
+
+    def fail(self, session: ClientSession, request_id: int, failure: Any) -> None:
+        self.answered[request_id] = failure
+
+    def push(self, session: ClientSession, event: str, fields: Meta) -> None:
+        self.pushed.append((event, fields))
+
+    def rearm(self) -> None:
+        pass
+
+
+class Fabric:
+    """Two daemons' services (nodes 0 and 1) on one wire and one rank table."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.wire = Wire()
+        self.table = Table()
+        self.hosts: list[FakeHost] = []
+        self.services: list[PSService] = []
+        for node in (0, 1):
+            config = Config(node_id=node, nodes=("127.0.0.1:1", "127.0.0.1:2"), **settings)
+            host = FakeHost(config, self.wire)
+            self.hosts.append(host)
+            self.services.append(PSService(host, membership=self.table))  # type: ignore[arg-type]
+        self.sessions: dict[int, ClientSession] = {}
+        self.delivered = 0
+
+    def join(self, rank: int) -> ClientSession:
+        entry = RankEntry(job=JOB, rank=rank, size=len(NODES), node=NODES[rank])
+        self.table.entries[JOB, rank] = entry
+        session = ClientSession(
+            conn=SimpleNamespace(credentials=SimpleNamespace(uid=1000)),  # type: ignore[arg-type]
+            job=JOB,
+            rank=rank,
+            size=len(NODES),
+        )
+        self.sessions[rank] = session
+        for service in self.services:
+            service.on_rank_event(RankJoined(entry=entry), 0.0)
+        return session
+
+    def leave(self, rank: int) -> None:
+        entry = self.table.entries.pop((JOB, rank))
+        session = self.sessions.pop(rank)
+        self.services[entry.node].client_gone(session, 0.0)
+        for service in self.services:
+            service.on_rank_event(RankLeft(entry=entry, reason="it left", lost=False), 0.0)
+
+    def request(self, rank: int, rid: int, op: str, **meta: Any) -> Meta | None:
+        session = self.sessions[rank]
+        service = self.services[NODES[rank]]
+        return service.on_request(Request(session=session, id=rid, op=op, meta=meta, fds=[]), 0.0)
+
+    def open(self, rank: int, role: str, rid: int = 1, **spec: Any) -> Meta | None:
+        meta = {
+            "name": NAME,
+            "role": role,
+            "size": SIZE,
+            "dtype": "float64",
+            "servers": [0],
+            "replicas": [1],
+            "consistency": "bsp",
+            "staleness": 0,
+            "chunk": 1,
+            "seed": 0,
+            "rule": "sum",
+        } | spec
+        return self.request(rank, rid, "ps_open", **meta)
+
+    def deliver(self, limit: int) -> bool:
+        """Deliver frames until none is left (``True``) or ``limit`` were (``False``)."""
+        for _ in range(limit):
+            if not self.wire.frames:
+                return True
+            src, dst, frame, payload = self.wire.frames.popleft()
+            service = self.services[dst]
+            self.delivered += 1
+            if frame.KIND in DATA_FRAMES and payload:
+                buffer = service.payload_buffer(src, frame, len(payload))  # type: ignore[arg-type]
+                assert buffer is not None
+                buffer[:] = payload
+                service.on_data(src, frame, len(payload), 0.0)  # type: ignore[arg-type]
+            elif frame.KIND in DATA_FRAMES:
+                service.on_data(src, frame, 0, 0.0)  # type: ignore[arg-type]
+            else:
+                service.on_frame(src, frame, 0.0)
+        return not self.wire.frames
+
+
+def test_two_partners_without_the_shards_state_do_not_ask_each_other_for_ever() -> None:
+    """Both ranks of a shard went, one after the other (the shard is lost), and came back:
+    each opens it without state (its daemon knows the shard was at epoch 2) and asks its
+    partner to JOIN.  A rank without state used to answer every JOIN with one of its own, so
+    the two daemons sent each other JOINs for ever."""
+    fabric = Fabric()
+    for rank in NODES:
+        fabric.join(rank)
+    fabric.open(0, "server")
+    fabric.open(1, "replica")
+    fabric.open(2, "worker")
+    fabric.open(3, "worker")
+    assert fabric.deliver(100)
+    fabric.leave(0)  # the replica takes over at epoch 1
+    assert fabric.deliver(100)
+    fabric.leave(1)  # nobody is left to serve the shard
+    assert fabric.deliver(100)
+    fabric.join(0)
+    fabric.join(1)
+    fabric.open(0, "server")
+    fabric.open(1, "replica")
+    assert fabric.deliver(100), "the JOINs never stop"
+    for service in fabric.services:
+        (model,) = service.models.values()
+        assert not model.servers[0].has_state
