@@ -565,6 +565,8 @@ class Coordinator:
         live = snap.field(state, "live", list)
         nexts = snap.field(state, "next", dict)
         workers = set(self.workers)
+        if not all(type(w) is int for w in live):
+            raise RemoteProtocolError("snapshot workers must be ints")
         if set(nexts) != workers or not set(live) <= workers:
             raise RemoteProtocolError("a snapshot of another set of workers")
         if not all(type(v) is int and v >= 0 for v in nexts.values()):
@@ -589,6 +591,8 @@ class Coordinator:
         delays = snap.field(state, "delays", list)
         if set(dropped) != set(self._dropped) or len(delays) != len(self._delays):
             raise RemoteProtocolError("snapshot counters of another shape")
+        if not all(type(v) is int and v >= 0 for v in [*dropped.values(), *delays]):
+            raise RemoteProtocolError("snapshot counters must be ints >= 0")
         counts = {
             name: snap.count(state, name)
             for name in ("version", "complete", "applied", "delay_sum", "held_total", "refused")

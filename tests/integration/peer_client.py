@@ -162,9 +162,10 @@ class PeerSession:
         """Send one sealed frame on the control link (``data``: on the data link)."""
         (self.data if data else self.control).send(kind, meta, payload)
 
-    def receive(self, kind: Kind) -> Frame:
-        """The next frame of ``kind`` on the control link (others are skipped)."""
-        link = self.control
+    def receive(self, kind: Kind, *, data: bool = False) -> Frame:
+        """The next frame of ``kind`` on the control link (``data``: on the data link; others
+        are skipped)."""
+        link = self.data if data else self.control
         link.sock.settimeout(PATIENCE)
         while True:
             while (event := link.decoder.next_event()) is not NEED_DATA:
@@ -172,7 +173,7 @@ class PeerSession:
                     return event
             data = link.sock.recv(65536)
             if not data:
-                raise ConnectionError(f"the daemon closed the control link before a {kind.name}")
+                raise ConnectionError(f"the daemon closed the link before a {kind.name}")
             link.decoder.feed(data)
 
     def close(self) -> None:
