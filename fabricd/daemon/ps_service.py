@@ -25,8 +25,10 @@ shard with no replica fails its workers' calls with ``peer_failed``.  A worker t
 lost to the model's coordinators (BSP and SSP stop waiting for it).  A server's state lives as
 long as its process: the shard's process is its owner.
 
-Frames for a model whose server has not opened it yet are held (at most ``_MAX_EARLY``, each
-``route_timeout`` long), then answered with an error.
+Frames for a model whose server has not opened it yet are held (at most ``_MAX_EARLY``): a
+pull for ``route_timeout``, then answered with an error; a push until the server opens it, or
+its worker or that server rank is gone (answered as dropped, its worker's clock would run
+ahead of the server's).
 """
 
 from __future__ import annotations
@@ -169,12 +171,15 @@ class _Model:
 
 @dataclass(slots=True, kw_only=True)
 class _Early:
-    """A frame for a model not opened here yet."""
+    """A frame for a model not opened here yet: refused at its ``deadline``, but a push to a
+    rank of its shard (``deadline`` None) waits for that rank however long, or until it or the
+    push's worker is gone (answered as dropped, it would leave the worker's clock one ahead of
+    the coordinator's, and BSP and SSP refuse a push that skips an iteration)."""
 
     node: int
     frame: frames.Push | frames.Pull
     payload: bytes
-    deadline: float
+    deadline: float | None
 
 
 class PSService(BaseService):
@@ -965,7 +970,12 @@ class PSService(BaseService):
                 f"holds {_MAX_EARLY} frames for models not open yet",
             )
             return
-        deadline = now + self.host.config.route_timeout
+        spec, shard = frame.spec, frame.shard
+        pair = (*spec["servers"][shard : shard + 1], *spec["replicas"][shard : shard + 1])
+        if isinstance(frame, frames.Push) and frame.server in pair:
+            deadline = None  # it waits for its server (_Early)
+        else:  # a pull, or a push for a shard or rank its spec does not have: refused in time
+            deadline = now + self.host.config.route_timeout
         self._early.append(_Early(node=node, frame=frame, payload=payload, deadline=deadline))
 
     def _take_early(self, key: Key, now: float) -> None:
@@ -1053,6 +1063,14 @@ class PSService(BaseService):
         """Rank ``rank`` of ``job`` is gone for good: lose it as a worker, replace it as a
         server, go on without it as a replica."""
         self._held.pop((job, rank), None)
+        gone = [
+            e
+            for e in self._early
+            if e.frame.job == job and rank in (e.frame.worker, e.frame.server)
+        ]
+        if gone:  # a push for a server that left is sent again to its successor, if any
+            self._counters["ps_frames_dropped"] += len(gone)
+            self._early = [e for e in self._early if e not in gone]
         for key, model in list(self.models.items()):
             if key[0] != job:
                 continue
@@ -1167,7 +1185,8 @@ class PSService(BaseService):
 
     # -- time, the drain --------------------------------------------------------------------
     def next_deadline(self) -> float | None:
-        deadlines = [e.deadline for e in self._early] + list(self._suspects.values())
+        deadlines = [e.deadline for e in self._early if e.deadline is not None]
+        deadlines += self._suspects.values()
         return min(deadlines, default=None)
 
     def on_timer(self, now: float) -> None:
@@ -1175,8 +1194,8 @@ class PSService(BaseService):
             if deadline <= now:
                 del self._suspects[(job, rank)]
                 self._gone(job, rank, "its node was unreachable longer than down_after", now)
-        late = [e for e in self._early if e.deadline <= now]
-        self._early = [e for e in self._early if e.deadline > now]
+        late = [e for e in self._early if e.deadline is not None and e.deadline <= now]
+        self._early = [e for e in self._early if e not in late]
         for early in late:
             self._counters["ps_early_expired"] += 1
             frame = early.frame

@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 from fabricd import frames
 from fabricd.daemon.config import Config
 from fabricd.daemon.ps_service import PSService
 from fabricd.daemon.service import Request
 from fabricd.daemon.sessions import ClientSession
+from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankEntry, RankJoined, RankLeft
 from fabricd.wire import Kind, Meta
 
@@ -97,6 +100,16 @@ class FakeHost:
         pass
 
 
+class Segment:
+    """A client's segment: one float64 array of the model's size."""
+
+    def __init__(self) -> None:
+        self.array = np.zeros(SIZE)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        return self.array.data.cast("B")[offset : offset + nbytes]
+
+
 class Fabric:
     """Two daemons' services (nodes 0 and 1) on one wire and one rank table."""
 
@@ -122,6 +135,7 @@ class Fabric:
             rank=rank,
             size=len(NODES),
         )
+        session.segments[1] = Segment()  # type: ignore[assignment]
         self.sessions[rank] = session
         for service in self.services:
             service.on_rank_event(RankJoined(entry=entry), 0.0)
@@ -154,6 +168,18 @@ class Fabric:
             "rule": "sum",
         } | spec
         return self.request(rank, rid, "ps_open", **meta)
+
+    def array(self, rank: int) -> np.ndarray[Any, Any]:
+        return self.sessions[rank].segments[1].array  # type: ignore[attr-defined,no-any-return]
+
+    def call(self, rank: int, rid: int, op: str) -> None:
+        """Push rank ``rank``'s array, or pull into it."""
+        self.request(rank, rid, op, name=NAME, dtype="float64", nbytes=SIZE * 8, seg=1, off=0)
+
+    def tick(self, now: float) -> None:
+        for host, service in zip(self.hosts, self.services, strict=True):
+            host.clock = now
+            service.on_timer(now)
 
     def deliver(self, limit: int) -> bool:
         """Deliver frames until none is left (``True``) or ``limit`` were (``False``)."""
@@ -200,3 +226,54 @@ def test_two_partners_without_the_shards_state_do_not_ask_each_other_for_ever() 
     for service in fabric.services:
         (model,) = service.models.values()
         assert not model.servers[0].has_state
+
+
+def test_a_push_sent_before_its_server_opened_waits_for_it_past_route_timeout() -> None:
+    """A worker pushed before the server's process opened the model, which took longer than
+    route_timeout.  The push used to be answered as dropped, so the worker went on to its next
+    iteration while the server's BSP coordinator had never seen the first: its next push was a
+    protocol error ('skipping 0') and the worker's node's links were closed, again after every
+    reset.  Now the push waits for the server, is applied, and the next one too; a pull still
+    fails after route_timeout (a pull changes nothing)."""
+    fabric = Fabric(route_timeout=5.0)
+    for rank in NODES:
+        fabric.join(rank)
+    fabric.open(1, "replica")
+    fabric.open(2, "worker")
+    fabric.open(3, "worker")
+    fabric.array(3)[:] = 1.0
+    fabric.call(3, 10, "ps_push")
+    fabric.call(2, 10, "ps_pull")
+    assert fabric.deliver(100)
+    fabric.tick(6.0)
+    assert fabric.deliver(100)
+    assert isinstance(fabric.hosts[0].answered.pop(10), Failure)  # the pull
+    assert 10 not in fabric.hosts[1].answered  # the push waits
+    fabric.open(0, "server")
+    fabric.array(2)[:] = 2.0
+    fabric.call(2, 11, "ps_push")
+    assert fabric.deliver(100)
+    assert fabric.hosts[1].answered.pop(10)["dropped"] == []
+    assert fabric.hosts[0].answered.pop(11)["dropped"] == []
+    fabric.call(3, 11, "ps_push")
+    fabric.call(2, 12, "ps_push")
+    assert fabric.deliver(100)
+    assert fabric.hosts[1].answered.pop(11)["dropped"] == []
+    assert fabric.hosts[0].answered.pop(12)["dropped"] == []
+    fabric.call(2, 13, "ps_pull")
+    assert fabric.deliver(100)
+    assert fabric.hosts[0].answered.pop(13)["version"] == 2
+    np.testing.assert_array_equal(fabric.array(2), 6.0)
+
+
+def test_a_push_waiting_for_its_server_is_dropped_when_its_worker_leaves() -> None:
+    """A push that waits for its server holds its payload: it goes when its worker does."""
+    fabric = Fabric()
+    for rank in NODES:
+        fabric.join(rank)
+    fabric.open(3, "worker")
+    fabric.call(3, 10, "ps_push")
+    assert fabric.deliver(100)
+    assert fabric.services[0].statistics()["counters"]["ps_early_frames"] == 1
+    fabric.leave(3)
+    assert fabric.services[0].statistics()["counters"]["ps_early_frames"] == 0
