@@ -124,6 +124,17 @@ class _Call:
 
 
 @dataclass(slots=True, kw_only=True)
+class _Flush:
+    """A server process's ``ps_flush``, answered once each of its shards processed its flush
+    entry (with a replica, after the replica's confirmation): a pull after it gets the exact
+    model."""
+
+    session: ClientSession
+    request: int
+    waits: dict[int, tuple[int, int]]  #: shard -> (its flush's log index, the epoch then)
+
+
+@dataclass(slots=True, kw_only=True)
 class _WorkerSide:
     """A local worker rank of a model."""
 
@@ -149,6 +160,7 @@ class _Model:
     #: shards whose local rank, without state, answered its partner's JOIN with its own since
     #: it last asked of itself: it answers one, so two partners without state stop there
     answered: set[int] = field(default_factory=set)
+    flushes: list[_Flush] = field(default_factory=list)  #: answered once processed
 
     def target(self, shard: int) -> int:
         """The rank serving ``shard`` now: its server at even epochs, its replica at odd ones
@@ -398,22 +410,28 @@ class PSService(BaseService):
         self._server(key, shard, actions)
         return {}
 
-    def _flush_shards(self, request: Request, now: float) -> Meta:
+    def _flush_shards(self, request: Request, now: float) -> Meta | None:
         """The server process asks its shards to publish what the lossless mode held back;
-        a replica's shard follows its primary's (``flushed`` false)."""
+        a replica's shard follows its primary's (``flushed`` false).  Answered once the
+        flushes are processed (:class:`_Flush`); one behind an update callback the process has
+        yet to run is published once it has (the process runs it after this call)."""
         session = request.session
         key = (str(session.job), get_str(request.meta, "name"))
         model = self.models.get(key)
         shards = [] if model is None else [s for s, o in model.owners.items() if o is session]
         if model is None or not shards:
             raise UsageError(f"this process serves no shard of {key[1]!r}")
-        flushed = False
+        flush = _Flush(session=session, request=request.id, waits={})
         for shard in shards:
             server = model.servers[shard]
             if server.primary:
+                flush.waits[shard] = (server.statistics().logged + 1, server.epoch)
                 self._server(key, shard, server.flush(now))
-                flushed = True
-        return {"flushed": flushed}
+        if not flush.waits:
+            return {"flushed": False}
+        model.flushes.append(flush)
+        self._flushed(model)
+        return None
 
     def _check_spec(self, spec: Meta) -> None:
         servers, replicas, n = spec["servers"], spec["replicas"], spec["n"]
@@ -715,6 +733,33 @@ class PSService(BaseService):
                         error=_text(action.reason),
                     ),
                 )
+        if model.flushes:
+            self._flushed(model)
+
+    def _flushed(self, model: _Model) -> None:
+        """Answer the flushes whose shards processed them; fail those whose shard was taken
+        over by its partner before (its log went with the state it took)."""
+        for flush in list(model.flushes):
+            for shard, (index, epoch) in list(flush.waits.items()):
+                server = model.servers.get(shard)
+                if server is None:
+                    continue  # closed: its process, the flush's, left (client_gone)
+                if server.epoch != epoch or not server.primary:
+                    model.flushes.remove(flush)
+                    failure = Failure(
+                        code=ErrorCode.PEER_FAILED,
+                        message=f"shard {shard} was taken over by its partner before the flush "
+                        "was published: flush where it is served",
+                    )
+                    self.host.fail(flush.session, flush.request, failure)
+                    break
+                stats = server.statistics()
+                if stats.logged - stats.unreplicated >= index:
+                    del flush.waits[shard]
+            else:
+                if not flush.waits:
+                    model.flushes.remove(flush)
+                    self.host.reply(flush.session, flush.request, {"flushed": True})
 
     # -- moving frames ----------------------------------------------------------------------
     def _send(self, job: str, rank: int, frame: frames.PeerFrame, payload: bytes = b"") -> None:
@@ -779,7 +824,19 @@ class PSService(BaseService):
     def _dispatch(self, node: int, frame: frames.PeerFrame, payload: bytes, now: float) -> None:
         if isinstance(frame, frames.Push | frames.Pull):
             self._at_server(node, frame, payload, now)
-        elif isinstance(frame, frames.Pushed | frames.Pulled):
+            return
+        # a server's, replica's or partner's frame counts only from the node its rank lives
+        # on: anything else could forge an entry, a confirmation or an acknowledgement
+        assert isinstance(
+            frame,
+            frames.Pushed | frames.Pulled | frames.Replicate | frames.Replicated | frames.Join,
+        )
+        sender = (
+            frame.replica if isinstance(frame, frames.Replicated | frames.Join) else frame.server
+        )
+        if not self._sent_by(node, frame.job, sender):
+            return
+        if isinstance(frame, frames.Pushed | frames.Pulled):
             self._at_worker(node, frame, payload)
         elif isinstance(frame, frames.Replicate):
             self._at_replica(node, frame, payload, now)
@@ -794,6 +851,19 @@ class PSService(BaseService):
                 self._counters["ps_frames_dropped"] += 1
                 return
             self._server(key, frame.shard, server.replicated_upto(frame.index, now))
+
+    def _sent_by(self, node: int, job: str, rank: int) -> bool:
+        """Whether rank ``rank`` lives on ``node``, known there: a server's or replica's
+        frame from anywhere else is dropped and counted.  One that overtook its rank's
+        announcement after a reset is sent again when the rank joins (:meth:`on_rank_event`)."""
+        entry = self.membership.lookup(job, rank)
+        if entry is not None and entry.node == node:
+            return True
+        self._counters["ps_frames_dropped"] += 1
+        remote_log.warning(
+            "stray", "node %d sent a frame as server rank %d, which is not on it", node, rank
+        )
+        return False
 
     def _from(self, node: int, job: str, rank: int) -> bool:
         """Whether rank ``rank`` may live on ``node`` (a frame naming a rank of another node
@@ -1112,7 +1182,12 @@ class PSService(BaseService):
             successor,
             epoch,
         )
-        if self.membership.lookup(key[0], successor) is None:
+        # a suspect (its node unreachable, down_after not over) may come back: what is sent it
+        # waits for it (_send), and if it is gone for good, _gone fails the shard over again
+        if (
+            self.membership.lookup(key[0], successor) is None
+            and (key[0], successor) not in self._suspects
+        ):
             self._fail_shard(key, shard, f"{reason}, and its partner rank {successor} is gone too")
             return
         for side in model.local_workers.values():
@@ -1173,6 +1248,7 @@ class PSService(BaseService):
                 self._retired += _totals([side.engine.statistics()], [])
                 if side.call is not None:
                     self.operations.abandoned(side.call.op)
+            model.flushes = [f for f in model.flushes if f.session is not session]
             for shard in [s for s, owner in model.owners.items() if owner is session]:
                 del model.owners[shard]
                 model.steps.pop(shard, None)
@@ -1211,6 +1287,9 @@ class PSService(BaseService):
         for model in self.models.values():
             for side in model.local_workers.values():
                 self._answer(side, failure, None)
+            for flush in model.flushes:
+                self.host.fail(flush.session, flush.request, failure)
+            model.flushes.clear()
 
     def stalls(
         self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
@@ -1233,8 +1312,15 @@ class PSService(BaseService):
                 }
                 if keep is not None and not keep(whose):
                     continue
+                waiting = side.engine.waiting()
+                targets = [model.target(s) for s in waiting]
+                # a shard served here says what it waits for itself (its BSP iteration, the
+                # replica's confirmation, the update callback of a process not in serve())
                 shards = ", ".join(
-                    f"shard {s} (rank {model.target(s)})" for s in range(len(model.bounds))
+                    f"shard {s} (rank {t}"
+                    + "".join(f"; {why}" for why in self._local_waits(model, s, t))
+                    + ")"
+                    for s, t in zip(waiting, targets, strict=True)
                 )
                 rows.append(
                     {
@@ -1250,13 +1336,23 @@ class PSService(BaseService):
                         "pending_for": now - call.started,
                         "waits": "peer",
                         "detail": f"{call.op} at clock {side.engine.iteration} waits for {shards}",
-                        "peer_joined": True,
+                        "peer_joined": all(
+                            self.membership.lookup(job, t) is not None for t in targets
+                        ),
                         "peer_node": None,
                         "peer_node_state": None,
                         "client_left": False,
                     }
                 )
         return rows
+
+    @staticmethod
+    def _local_waits(model: _Model, shard: int, rank: int) -> list[str]:
+        """What ``shard`` waits for, if rank ``rank`` serves it here."""
+        server = model.servers.get(shard)
+        if server is None or model.ranks.get(shard) != rank:
+            return []
+        return server.waiting_for()
 
     # -- status and metrics -----------------------------------------------------------------
     def statistics(self) -> Meta:

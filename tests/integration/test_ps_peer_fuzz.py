@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ import fabricd
 from fabricd import frames
 from fabricd.engines import ps_push, ps_snapshot
 from fabricd.engines.ps_consistency import Consistency, update_rule
-from fabricd.engines.ps_server import ShardServer
+from fabricd.engines.ps_server import Entry, ShardServer
 from fabricd.wire import Kind
 
 from .test_peer_fuzz import (
@@ -416,41 +417,69 @@ _BAD_REPLICATION: list[tuple[str, dict[str, Any], bytes, str]] = [
 ]
 
 
-def test_bad_replication_frames_close_the_rogues_links_and_no_copy_changes(
+@pytest.mark.parametrize(
+    ("what", "change", "payload", "why"), _BAD_REPLICATION, ids=[c[0] for c in _BAD_REPLICATION]
+)
+def test_a_bad_replication_entry_is_refused_and_changes_nothing(
+    what: str, change: dict[str, Any], payload: bytes, why: str
+) -> None:
+    """What shard 1's replica does with each bad entry had its primary's node sent it (the
+    daemon takes such a frame only from the node its primary rank lives on: below)."""
+    replica = ShardServer(
+        initial=np.zeros(SHARD),
+        workers=(0, *WORKERS),
+        consistency=Consistency.ASYNC,
+        rule=update_rule("sum", lr=None, momentum=None),
+        replica=True,
+    )
+    assert replica.restore(0, ps_snapshot.encode(_snapshot_state()))
+    before = ps_snapshot.encode(replica.state())
+    kind, index = change["entry"], change.get("index", 1)
+    take: Callable[[], object] = (
+        partial(replica.restore, index, payload)
+        if kind == "snapshot"
+        else partial(replica.log, Entry(index=index, kind=kind, worker=0, payload=payload), 0.0)
+    )
+    with pytest.raises(fabricd.RemoteProtocolError, match=re.escape(why)):
+        take()
+    assert ps_snapshot.encode(replica.state()) == before, f"{what}: the replica changed"
+
+
+def test_replication_frames_from_a_node_their_rank_is_not_on_are_dropped(
     make_cluster: Callable[..., LocalCluster],
 ) -> None:
+    """Entries, snapshots, confirmations and JOINs claiming another node's server or replica
+    rank are dropped and counted before they are read: a rogue cannot forge an entry for a
+    replica (a failover would serve an update nobody acknowledged), a confirmation that makes
+    a primary acknowledge early, or a snapshot that demotes a primary."""
     with _served(make_cluster) as (cluster, secret, real, fabric):
         pid = cluster.nodes[TARGET].pid
         before = _rss(pid)
         rows = _shard_rows(cluster)
+        peer = _rogue(cluster, secret)
+        dropped = _counters(cluster)["ps_frames_dropped"]
         fields = {"shard": 1, "server": 3, "replica": 4, "index": 0}
         fields |= {"worker": 0, "iteration": 0, "base": 0}
-        for what, change, payload, why in _BAD_REPLICATION:
-            peer = _rogue(cluster, secret)
+        for _, change, payload, _ in _BAD_REPLICATION:
             meta = _frame_meta(frames.Replicate, **{**fields, **change})
-            send = partial(peer.data.send, Kind.REPLICATE, meta, payload)
-            _closed_saying(cluster, peer, send, why)
-            assert _shard_rows(cluster) == rows, f"{what}: a shard changed"
-            fabric.step()
-            rows = _shard_rows(cluster)
-        # the next entry the replica awaits, with junk for a push: refused before it is logged
-        peer = _rogue(cluster, secret)
+            peer.data.send(Kind.REPLICATE, meta, payload)
+        # the next entry the replica awaits, a well-formed push it would have applied
         index = rows[1, "replica"][1] + 1
         meta = _frame_meta(frames.Replicate, **{**fields, "entry": "push", "index": index})
-        send = partial(peer.data.send, Kind.REPLICATE, meta, b"junk")
-        _closed_saying(cluster, peer, send, "malformed push: 4 B is shorter than its header")
+        peer.data.send(Kind.REPLICATE, meta, _dense(np.full(SHARD, 1e6)))
+        # a confirmation of an entry shard 0's primary (rank 1, here) never sent, as rank 2
+        peer.send(Kind.REPLICATED, {"job": JOB, "name": "m", "sh": 0, "srv": 1, "rep": 2, "ix": 9})
+        # a JOIN of shard 0 as its partner, rank 2, which lives on node 1
+        peer.send(Kind.JOIN, _frame_meta(frames.Join, shard=0, server=1, replica=2, epoch=0))
+        sent = len(_BAD_REPLICATION) + 3
+        guard = time.monotonic() + 20  # a hang guard
+        while _counters(cluster)["ps_frames_dropped"] < dropped + sent:
+            assert time.monotonic() < guard, "the forged frames were not dropped"
+            time.sleep(0.02)
         assert _shard_rows(cluster) == rows
-        # a confirmation of an entry shard 0's primary (rank 1, here) never sent
-        peer = _rogue(cluster, secret)
-        meta = {"job": JOB, "name": "m", "sh": 0, "srv": 1, "rep": 2, "ix": 10**6}
-        why = f"replica confirmed entry {10**6}; "
-        _closed_saying(cluster, peer, lambda: peer.send(Kind.REPLICATED, meta), why)
-        # a JOIN of shard 0 from rank 5, a worker, not its partner
-        peer = _rogue(cluster, secret)
-        meta = _frame_meta(frames.Join, shard=0, server=1, replica=5, epoch=0)
-        why = "rank 5 is not shard 0's partner"
-        _closed_saying(cluster, peer, lambda: peer.send(Kind.JOIN, meta), why)
-        assert _shard_rows(cluster) == rows
+        assert _log_says(cluster, "node 0 sent a frame as server rank 3, which is not on it")
+        row = next(p for p in _status(cluster, TARGET)["peers"] if p["node"] == 0)
+        assert (row["state"], row["links"]) == ("up", {"control": True, "data": True})
         for _ in range(3):
             fabric.step()
         rows = _shard_rows(cluster)
@@ -458,4 +487,5 @@ def test_bad_replication_frames_close_the_rogues_links_and_no_copy_changes(
             assert rows[shard, "primary"] == rows[shard, "replica"]
         assert rows[0, "primary"][0] + rows[1, "primary"][0] == 2 * fabric.pushes
         assert _rss(pid) - before < 32 * MiB
+        peer.close()
         _real_peer_untouched(cluster, real)
