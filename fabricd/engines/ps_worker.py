@@ -325,6 +325,10 @@ class Worker:
     def in_flight(self) -> bool:
         return bool(self._pushing or self._pulling)
 
+    def waiting(self) -> list[int]:
+        """The shards whose acknowledgement or answer the push or pull in flight awaits."""
+        return sorted(self._pushing.keys() | self._pulling)
+
     def statistics(self) -> WorkerStatistics:
         stats = [f.statistics() for f in self.filters]
         return WorkerStatistics(

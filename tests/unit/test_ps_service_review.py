@@ -277,3 +277,105 @@ def test_a_push_waiting_for_its_server_is_dropped_when_its_worker_leaves() -> No
     assert fabric.services[0].statistics()["counters"]["ps_early_frames"] == 1
     fabric.leave(3)
     assert fabric.services[0].statistics()["counters"]["ps_early_frames"] == 0
+
+
+def test_a_flush_is_answered_once_it_is_published() -> None:
+    """With a replica, the flush of the lossless publish mode waits for the replica's
+    confirmation like any entry; ps_flush used to answer at once, so the pull a script makes
+    right after (the bench's final pull) could be answered before the flush was published,
+    without the changes it held back."""
+    fabric = Fabric()
+    for rank in NODES:
+        fabric.join(rank)
+    lossless = {"psmp_threshold": 0.5, "lossless_publish": True}
+    fabric.array(0)[:] = 100.0
+    fabric.open(0, "server", filters=lossless, seg=1, off=0, nbytes=SIZE * 8)
+    fabric.open(1, "replica", filters=lossless)
+    fabric.open(2, "worker")
+    fabric.open(3, "worker")
+    assert fabric.deliver(100)
+    for rank in (2, 3):
+        fabric.array(rank)[:] = 1.0
+        fabric.call(rank, 10, "ps_push")
+    assert fabric.deliver(100)
+    fabric.call(2, 11, "ps_pull")
+    assert fabric.deliver(100)
+    assert fabric.hosts[0].answered.pop(11)["version"] == 1
+    np.testing.assert_array_equal(fabric.array(2), 100.0)  # the changes are held back
+    result = fabric.request(0, 20, "ps_flush", name=NAME)
+    if result is None:  # answered once published
+        assert 20 not in fabric.hosts[0].answered
+        assert fabric.deliver(100)
+        result = fabric.hosts[0].answered.pop(20)
+    assert result == {"flushed": True}
+    fabric.call(2, 12, "ps_pull")
+    assert fabric.deliver(100)
+    assert fabric.hosts[0].answered.pop(12)["version"] == 2
+    np.testing.assert_array_equal(fabric.array(2), 102.0)
+
+
+def test_a_failover_to_a_replica_whose_node_is_briefly_unreachable_waits_for_it() -> None:
+    """The server's process ended while node 0 could not reach the replica's node (a link
+    reset: the replica's rank is a suspect there, down_after not over).  Node 0 used to fail
+    the shard for good ('its partner rank 1 is gone too') although the replica came back a
+    moment later and served the shard; its workers' calls failed for ever."""
+    fabric = Fabric()
+    for rank in NODES:
+        fabric.join(rank)
+    fabric.open(0, "server")
+    fabric.open(1, "replica")
+    fabric.open(2, "worker")
+    fabric.open(3, "worker")
+    assert fabric.deliver(100)
+    node0, node1 = fabric.services
+    # node 0 loses its links to node 1: ranks 1 and 3 are suspects there
+    lost = [fabric.table.entries.pop((JOB, rank)) for rank in (1, 3)]
+    for entry in lost:
+        node0.on_rank_event(RankLeft(entry=entry, reason="links reset", lost=True), 0.0)
+    fabric.call(2, 10, "ps_push")  # BSP: it waits for rank 3's
+    # the server's process ends
+    server = fabric.table.entries.pop((JOB, 0))
+    node0.client_gone(fabric.sessions.pop(0), 0.0)
+    node0.on_rank_event(RankLeft(entry=server, reason="it left", lost=False), 0.0)
+    fabric.wire.frames = deque(f for f in fabric.wire.frames if f[1] != 1)  # lost with the links
+    assert fabric.deliver(100)
+    assert 10 not in fabric.hosts[0].answered  # waits for the replica's node
+    for entry in lost:  # node 1 is back within down_after: it saw rank 0 leave, and promoted
+        fabric.table.entries[JOB, entry.rank] = entry
+    node1.on_rank_event(RankLeft(entry=server, reason="it left", lost=False), 0.0)
+    for entry in lost:
+        node0.on_rank_event(RankJoined(entry=entry), 1.0)
+    fabric.call(3, 10, "ps_push")
+    assert fabric.deliver(100)
+    assert fabric.hosts[0].answered.pop(10)["epochs"] == [1]
+    assert fabric.hosts[1].answered.pop(10)["epochs"] == [1]
+
+
+def test_a_stall_row_names_the_shards_the_call_waits_for() -> None:
+    """A push that two shards' servers must acknowledge, one of which did: its stall row used
+    to say it waited for every shard, the one that answered too.  A shard served on the
+    row's node says what it waits for itself."""
+    fabric = Fabric(stall_after=10.0)
+    for rank in NODES:
+        fabric.join(rank)
+    spec: dict[str, Any] = {"servers": [0, 1], "replicas": [], "consistency": "async"}
+    fabric.open(0, "server", **spec)
+    fabric.open(1, "server", **spec)
+    fabric.open(2, "worker", **spec)
+    assert fabric.deliver(100)
+    fabric.call(2, 10, "ps_push")
+    fabric.wire.frames.clear()  # shard 1's push is lost (its resend would follow a reset)
+    (row,) = fabric.services[0].stalls(11.0)
+    assert row["detail"] == "push at clock 1 waits for shard 1 (rank 1)"
+    assert row["peer_joined"] is True
+    bsp = Fabric(stall_after=10.0)
+    for rank in NODES:
+        bsp.join(rank)
+    bsp.open(0, "server", replicas=[])
+    bsp.open(2, "worker", replicas=[])
+    bsp.call(2, 10, "ps_push")
+    (row,) = bsp.services[0].stalls(11.0)
+    assert row["detail"] == (
+        "push at clock 1 waits for shard 0 (rank 0; iteration 0 waits for the pushes of "
+        "workers [1, 3])"
+    )
