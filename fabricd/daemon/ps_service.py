@@ -325,6 +325,10 @@ class PSService(BaseService):
         initial = self._initial(request, spec, lo, hi)
         rule_name = get_str(meta, "rule")
         lr, momentum = meta.get("lr"), meta.get("momentum")
+        if any(
+            isinstance(x, bool) or not isinstance(x, int | float | None) for x in (lr, momentum)
+        ):
+            raise UsageError(f"lr and momentum are numbers (or none), not {lr!r} and {momentum!r}")
         rule: UpdateRule | None = None
         if rule_name == "callback":  # the process steps the model in its own step buffer
             step = self._step_buffer(request, spec, hi - lo)

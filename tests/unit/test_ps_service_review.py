@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 
 from fabricd import frames
 from fabricd.daemon.config import Config
@@ -23,6 +24,7 @@ from fabricd.daemon.service import Request
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankEntry, RankJoined, RankLeft
+from fabricd.errors import UsageError
 from fabricd.wire import Kind, Meta
 
 JOB, NAME, SIZE = "j", "w", 8
@@ -379,3 +381,15 @@ def test_a_stall_row_names_the_shards_the_call_waits_for() -> None:
         "push at clock 1 waits for shard 0 (rank 0; iteration 0 waits for the pushes of "
         "workers [1, 3])"
     )
+
+
+def test_a_learning_rate_that_is_not_a_number_is_a_usage_error() -> None:
+    """A local client's lr or momentum of another type reached float(): a ValueError or
+    TypeError, which the node takes for a bug in the daemon ('internal', a traceback)."""
+    fabric = Fabric()
+    for rank in NODES:
+        fabric.join(rank)
+    for lr, momentum in (("fast", None), ([0.1], None), (0.1, "none"), (True, None)):
+        with pytest.raises(UsageError, match="lr and momentum are numbers"):
+            fabric.open(0, "server", rule="sgd", lr=lr, momentum=momentum)
+    assert fabric.open(0, "server", rule="sgd", lr=1, momentum=0.5) is not None
