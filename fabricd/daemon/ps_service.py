@@ -1035,6 +1035,8 @@ class PSService(BaseService):
     def _hold(
         self, node: int, frame: frames.Push | frames.Pull, payload: bytes, now: float
     ) -> None:
+        if any(e.node == node and e.frame == frame for e in self._early):
+            return  # sent again after a reset: the one held is taken (or refused) in its place
         if len(self._early) >= _MAX_EARLY:
             self._counters["ps_frames_dropped"] += 1
             self._refuse(

@@ -393,3 +393,20 @@ def test_a_learning_rate_that_is_not_a_number_is_a_usage_error() -> None:
         with pytest.raises(UsageError, match="lr and momentum are numbers"):
             fabric.open(0, "server", rule="sgd", lr=lr, momentum=momentum)
     assert fabric.open(0, "server", rule="sgd", lr=1, momentum=0.5) is not None
+
+
+def test_a_push_sent_again_while_it_waits_for_its_server_is_held_once() -> None:
+    """Each reset of the links sends the push again: a copy held per reset would fill the
+    bound on held frames, past which pushes are refused."""
+    fabric = Fabric()
+    for rank in NODES:
+        fabric.join(rank)
+    fabric.open(3, "worker", replicas=[], consistency="async")
+    fabric.call(3, 10, "ps_push")
+    for _ in range(3):
+        fabric.services[1].peer_up(0, 0.0)  # sends the push again
+        assert fabric.deliver(100)
+    assert fabric.services[0].statistics()["counters"]["ps_early_frames"] == 1
+    fabric.open(0, "server", replicas=[], consistency="async")
+    assert fabric.deliver(100)
+    assert fabric.hosts[1].answered.pop(10)["dropped"] == []
