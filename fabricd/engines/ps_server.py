@@ -260,7 +260,13 @@ class ShardServer:
         last = self._last.get(worker)
         waiting = self._waiting.get(worker)
         clock = self.coordinator.clock(worker)
-        if waiting is None and clock and (last is None or last[0] < clock - 1):
+        queued = self._queued(worker)
+        if queued is not None and iteration <= queued:
+            # decided, its acknowledgement behind the step out (a promoted replica's: the
+            # worker's daemon sends it again), or older than that: its answer goes or went
+            self._resent += 1
+            return []
+        if waiting is None and clock and (last is None or last[0] < clock - 1) and queued is None:
             # the coordinator holds the push of clock - 1, not applied yet (a BSP iteration):
             # one a promoted replica logged, or a lost worker's, which _waiting does not name
             waiting = clock - 1
@@ -408,7 +414,10 @@ class ShardServer:
     def restore(self, index: int, data: bytes | bytearray) -> bool:
         """The primary's :class:`Snapshot` of its state as of entry ``index``: take it and
         follow that primary.  A primary takes one only from a later epoch (it came back
-        after its replica took over, and is the replica now); ``False``: ignored.
+        after its replica took over, and is the replica now).  A replica that has the state
+        of the same epoch up to ``index`` or later ignores it (its JOIN arrived twice): taking
+        it would take back entries it confirmed, which the primary then never sends again,
+        and drop the step its process runs.  ``False``: ignored.
 
         Raises:
             RemoteProtocolError: a malformed snapshot, or one of another model; nothing
@@ -417,6 +426,8 @@ class ShardServer:
         state = ps_snapshot.decode(data)
         epoch = ps_snapshot.count(state, "epoch")
         if self.primary and epoch <= self.epoch:
+            return False
+        if self.has_state and epoch == self.epoch and index <= self._index:
             return False
         self._restore(state)
         self.primary = self.replicated = self.synced = False
@@ -558,6 +569,21 @@ class ShardServer:
         )
 
     # -- internals ------------------------------------------------------------------------
+    def _queued(self, worker: int) -> int | None:
+        """The latest iteration of ``worker``'s whose push the coordinator decided on but
+        that waits behind a step of the update callback (acknowledged once it is carried
+        out; the old primary may have acknowledged it already), if any."""
+        latest: int | None = None
+        for action in (self._stepping, *self._actions):
+            if isinstance(action, Apply):
+                its = [u.iteration for u in action.updates if u.worker == worker]
+            elif isinstance(action, Drop) and action.worker == worker:
+                its = [action.iteration]
+            else:
+                continue
+            latest = max([*its, -1 if latest is None else latest]) if its else latest
+        return latest
+
     def _primary_only(self, what: str) -> None:
         if not self.primary:
             raise RemoteProtocolError(f"{what} for a replica (epoch {self.epoch})")

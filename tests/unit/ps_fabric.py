@@ -4,15 +4,20 @@ FIFO links that the test drives one frame at a time, without sockets.
 
 The links are the ``ps`` service's: per worker and shard, pushes on a data link and pulls on a
 control link to the server, acknowledgements on a control link and pull answers (and refusals)
-on a data link back; per shard, the replica's snapshot (it joins at the start) and entries
-on a data link to the replica and confirmations on a
-control link back.  A test may deliver any link's next frame (once or twice), reset the links
-between a worker and a shard (what is in flight is lost, and :meth:`Worker.resend` sends what
-it must again, as the service does on ``peer_up``), reset the links to a replica (the primary
-sends :meth:`ShardServer.unconfirmed` again), make a worker resend at any time, kill a
-primary (its links and unconfirmed entries are lost, the replica is promoted, every worker
-fails over; workers lost before are lost to the promoted replica too, as the service does),
-and lose a worker.
+on a data link back; per shard, the replica's snapshot (it joins at the start) and entries on a
+data link to the replica and confirmations on a control link back; and, with ``callback``, each
+server's :class:`~ps_server.Step` events to its own process, which adds the update to the model
+(the sum rule, run outside the engine) and answers :meth:`ShardServer.stepped` in order. A test
+may deliver any link's next frame (once or twice), reset the links between a worker and a shard
+(what is in flight is lost, and :meth:`Worker.resend` sends what it must again, as the service
+does on ``peer_up``), reset the links to a replica (the primary sends
+:meth:`ShardServer.unconfirmed` again), make a worker resend at any time, kill a primary (its
+links and unconfirmed entries are lost, the replica is promoted, every worker fails over;
+workers lost before are lost to the promoted replica too, as the service does), bring a fresh
+replica to the promoted one (it joins: a snapshot of whatever is processed then), make a late
+replica join (``late_join``: the primary holds every entry until then), flush a shard
+(``lossless``: the lossless publish mode, so a flush publishes what it held back), and lose a
+worker.
 
 Each simulated worker runs a training loop, one call at a time as the client does: pull, push
 its update of that iteration, pull, ..., ending with a pull.  Updates are small integers, so
@@ -31,6 +36,7 @@ import numpy as np
 
 from fabricd.engines import ps_server, ps_worker
 from fabricd.engines.ps_consistency import Consistency, Sum
+from fabricd.engines.ps_filters import FilterSettings
 from fabricd.engines.ps_server import ShardServer
 from fabricd.engines.ps_worker import Worker
 
@@ -39,6 +45,9 @@ Frame = Any
 
 #: link names; a link is (name, worker, shard) or, for replication, (name, -1, shard)
 PUSH, PULL, ACK, ANSWER, FORWARD, LOGGED = "push", "pull", "ack", "answer", "forward", "logged"
+#: a server's Step events to its process: (STEP, 0, shard) the primary's, (STEP, 1, shard) the
+#: replica's
+STEP = "step"
 WORKER_LINKS = (PUSH, PULL, ACK, ANSWER)
 
 
@@ -87,8 +96,14 @@ class Fabric:
         delay_bound: int | None = None,
         replicas: bool = False,
         chunk: int = 1,
+        callback: bool = False,
+        lossless: bool = False,
+        late_join: bool = False,
     ) -> None:
         self.consistency = consistency
+        self.callback = callback
+        self.lossless = lossless
+        self.flushes = 0  #: flushes asked for (BSP versions are iteration + 1 without any)
         self.staleness = staleness
         self.delay_bound = delay_bound
         self.size = size
@@ -105,6 +120,9 @@ class Fabric:
         ]
         self.bounds = self.workers[0].engine.bounds
 
+        # lossless publish with P-SMP: small changes are held back until a flush publishes them
+        settings = FilterSettings(psmp_threshold=0.3, lossless_publish=True) if lossless else None
+
         def server(
             lo: int, hi: int, *, replica: bool = False, replicated: bool = False
         ) -> ShardServer:
@@ -114,18 +132,25 @@ class Fabric:
                 consistency=consistency,
                 staleness=staleness,
                 delay_bound=delay_bound if consistency is Consistency.ASYNC else None,
-                rule=Sum(),
+                rule=None if callback else Sum(),
+                settings=settings,
                 chunk=chunk,
                 replica=replica,
                 replicated=replicated,
             )
 
+        self._server_of = server
         self.primaries: list[ShardServer | None] = [
             server(lo, hi, replicated=replicas) for lo, hi in self.bounds
         ]
         self.replicas: list[ShardServer | None] = [
             server(lo, hi, replica=True) if replicas else None for lo, hi in self.bounds
         ]
+        #: shards whose replica has not asked to join yet (``late_join``)
+        self.unjoined: set[int] = set(range(shards)) if replicas and late_join else set()
+        #: id of a server -> (it, the version of the last Step it gave its process since it
+        #: last took a snapshot)
+        self.stepped_to: dict[int, tuple[ShardServer, int]] = {}
         self.links: dict[tuple[str, int, int], deque[Frame]] = {}
         for s in range(shards):
             for w in range(workers):
@@ -134,15 +159,18 @@ class Fabric:
             if replicas:
                 self.links[(FORWARD, -1, s)] = deque()
                 self.links[(LOGGED, -1, s)] = deque()
+            self.links[(STEP, 0, s)] = deque()
+            self.links[(STEP, 1, s)] = deque()
         #: (worker, iteration, shard) -> (version, dropped) of its acknowledgement
         self.acked: dict[tuple[int, int, int], tuple[int, str | None]] = {}
         #: (worker, iteration, shard) -> the base it was pushed with
         self.bases: dict[tuple[int, int, int], int] = {}
         self.answers = 0  #: pull answers delivered
-        if replicas:  # each replica joins: its primary sends it a snapshot, then entries
-            for s, primary in enumerate(self.primaries):
-                assert primary is not None
-                self._server(s, primary.joined())
+        #: (shard, iteration) -> the version BSP applied it as
+        self.bsp_versions: dict[tuple[int, int], int] = {}
+        for s in range(shards):  # each replica joins: a snapshot, then entries
+            if replicas and s not in self.unjoined:
+                self.join(s)
 
     # -- who serves ------------------------------------------------------------------------
     def serving(self, shard: int) -> ShardServer:
@@ -177,7 +205,7 @@ class Fabric:
             return False
         key = busy[pick % len(busy)]
         frame = self.links[key].popleft()
-        for _ in range(2 if twice else 1):
+        for _ in range(2 if twice and key[0] != STEP else 1):  # a process answers once
             self._arrive(key, frame)
         return True
 
@@ -203,6 +231,33 @@ class Fabric:
         else:  # its snapshot was lost: it asks to join again
             self._server(s, primary.joined())
 
+    def join(self, s: int) -> None:
+        """Shard ``s``'s replica (late, or fresh after a failover) asks to join."""
+        self.unjoined.discard(s)
+        primary = self.primaries[s]
+        if primary is not None and self.replicas[s] is not None:
+            self._server(s, primary.joined())
+
+    def rejoin(self, s: int) -> None:
+        """A fresh replica comes to shard ``s``'s promoted replica (the dead primary's rank
+        back, empty) and joins it: the two swap roles."""
+        if self.primaries[s] is not None:
+            return
+        promoted = self.replicas[s]
+        assert promoted is not None
+        assert promoted.primary
+        lo, hi = self.bounds[s]
+        self.primaries[s], self.replicas[s] = promoted, self._server_of(lo, hi, replica=True)
+        for key in ((FORWARD, -1, s), (LOGGED, -1, s), (STEP, 1, s)):
+            self.links[key].clear()
+        self.links[(STEP, 0, s)].extend(self.links[(STEP, 1, s)])  # the promoted's process
+        self.join(s)
+
+    def flush(self, s: int) -> None:
+        """Shard ``s``'s serving process flushes (publishes what the lossless mode held)."""
+        self.flushes += 1
+        self._server(s, self.serving(s).flush(self.now))
+
     def kill(self, s: int) -> None:
         """Shard ``s``'s primary dies: its links go, its replica serves, workers fail over."""
         replica = self.replicas[s]
@@ -210,17 +265,22 @@ class Fabric:
             return  # no replica that could take over (the service fails the shard then)
         primary = self.primaries[s]
         assert primary is not None
-        assert replica.version >= primary.version  # it logged (and applied) first
+        # it logged (and applied, or its process steps it now) first
+        decided = replica.coordinator.version
+        assert decided >= primary.version
         seen = [d.versions[s] for sim in self.workers for d in sim.pushes]
         seen += [d.versions[s] for sim in self.workers for d in sim.pulls]
-        assert replica.version >= max(seen, default=0)  # no version a worker saw is lost
+        assert decided >= max(seen, default=0)  # no version a worker saw is lost
         self.primaries[s] = None
         for key in self.links:
-            if key[2] == s:
+            if key[2] == s and key != (STEP, 1, s):  # the replica's process goes on
                 self.links[key].clear()
+        epoch = replica.epoch
         assert replica.promote()
         assert replica.primary
-        assert replica.epoch == 1
+        assert replica.epoch == epoch + 1
+        self.links[(STEP, 0, s)] = self.links[(STEP, 1, s)]  # its process serves on
+        self.links[(STEP, 1, s)] = deque()
         for w, sim in enumerate(self.workers):  # the service loses the ranks gone (_promote)
             if sim.lost:
                 self._server(s, replica.lose(w, "gone at the failover", self.now))
@@ -236,7 +296,10 @@ class Fabric:
             self._server(s, self.serving(s).lose(w, "gone", self.now))
 
     def drain(self, limit: int = 20000) -> None:
-        """Run every worker to the end of its loop, delivering in a fixed order."""
+        """Run every worker to the end of its loop, delivering in a fixed order (a late
+        replica joins first: without it nothing is processed)."""
+        for s in sorted(self.unjoined):
+            self.join(s)
         for _ in range(limit):
             for w in range(len(self.workers)):
                 self.step(w)
@@ -265,9 +328,20 @@ class Fabric:
             replica = self.replicas[s]
             assert replica is not None
             if isinstance(frame, ps_server.Snapshot):
-                assert replica.restore(frame.index, frame.data)
+                # a second snapshot (its JOIN came twice) is ignored by a replica that has
+                # the state up to it already
+                if replica.restore(frame.index, frame.data):
+                    self.stepped_to.pop(id(replica), None)
+                else:
+                    assert replica.has_state
+                    assert replica.statistics().logged >= frame.index
             else:
                 self._server(s, replica.log(frame.entry, self.now), replica=True)
+        elif name == STEP:
+            server = self.serving(s) if w == 0 else self.replicas[s]
+            assert server is not None
+            model = frame.model + frame.update  # the process's callback: the sum rule
+            self._server(s, server.stepped(frame.version, model, self.now), replica=w == 1)
         elif name == LOGGED:
             primary = self.primaries[s]
             assert primary is not None
@@ -325,7 +399,16 @@ class Fabric:
         server = self.replicas[s] if replica else self.serving(s)
         assert server is not None
         for action in actions:
-            if isinstance(action, ps_server.Forward | ps_server.Snapshot):
+            if isinstance(action, ps_server.Step):
+                assert self.callback, action
+                # one step at a time, in version order, from the published model (a flush
+                # makes a version without one)
+                last = self.stepped_to.get(id(server), (server, 0))[1]
+                assert action.version > last, (last, action)
+                assert action.version == server.store.version + 1, action
+                self.stepped_to[id(server)] = (server, action.version)
+                self.links[(STEP, 0 if server.primary else 1, s)].append(action)
+            elif isinstance(action, ps_server.Forward | ps_server.Snapshot):
                 self.links[(FORWARD, -1, s)].append(action)
             elif isinstance(action, ps_server.Logged):
                 self.links[(LOGGED, -1, s)].append(action)
@@ -347,7 +430,11 @@ class Fabric:
         assert seen == (ack.version, ack.dropped), f"{key} acknowledged as {seen} and {ack}"
         if ack.dropped is None:
             if self.consistency is Consistency.BSP:
-                assert ack.version == ack.iteration + 1, ack
+                # one version per iteration, every shard's pushes of it in one; a flush adds one
+                same = self.bsp_versions.setdefault((s, ack.iteration), ack.version)
+                assert same == ack.version, (same, ack)
+                assert ack.version == ack.iteration + 1 or self.flushes, ack
+                assert ack.version >= ack.iteration + 1, ack
             if self.consistency is Consistency.ASYNC and self.delay_bound is not None:
                 delay = ack.version - 1 - self.bases[key]
                 assert delay <= self.delay_bound, (ack, delay)
@@ -369,7 +456,12 @@ class Fabric:
     def check_settled(self) -> None:
         """After :meth:`drain`: every push acknowledged by every shard, applied exactly once,
         the model the sum of what was applied, a replica equal to its primary, and a fresh
-        pull of every worker equal to the model."""
+        pull of every worker equal to the model (after a flush of each shard in lossless
+        mode: until then pulls serve the published values, not the exact ones)."""
+        if self.lossless:
+            for s in range(len(self.bounds)):
+                self.flush(s)
+            self.drain()
         for w, sim in enumerate(self.workers):
             for it in range(sim.engine.iteration):
                 for s in range(len(self.bounds)):
@@ -391,6 +483,7 @@ class Fabric:
                 np.testing.assert_array_equal(replica.store.model, primary.store.model)
                 np.testing.assert_array_equal(replica.store.versions, primary.store.versions)
                 np.testing.assert_array_equal(replica.filter.model, primary.filter.model)
+                np.testing.assert_array_equal(replica.filter.published, primary.filter.published)
                 assert replica.coordinator.complete == primary.coordinator.complete
         for sim in self.workers:
             if sim.lost:

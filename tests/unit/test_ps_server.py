@@ -25,6 +25,7 @@ from fabricd.engines.ps_server import (
     Refuse,
     ShardServer,
     Snapshot,
+    Step,
 )
 from fabricd.errors import RemoteProtocolError
 from tests.unit.ps_fabric import Fabric
@@ -77,10 +78,13 @@ def ones(scale: float = 1.0) -> bytearray:
 
 
 # -- moves the property tests draw ------------------------------------------------------------
-def moves(workers: int, shards: int, *, failover: bool) -> st.SearchStrategy[list[tuple[Any, ...]]]:
+def moves(
+    workers: int, shards: int, *, failover: bool, joins: bool = False, flushes: bool = False
+) -> st.SearchStrategy[list[tuple[Any, ...]]]:
     """Scripts for :func:`play`: mostly workers' calls and deliveries, and bursts of both (so
-    the loops get far), with resends, duplicates, resets, fresh arrays and (``failover``)
-    primaries killed."""
+    the loops get far), with resends, duplicates, resets, fresh arrays, (``failover``)
+    primaries killed, (``joins``) late replicas joining and fresh replicas rejoining a promoted
+    one, and (``flushes``) shards flushed."""
     w = st.integers(0, workers - 1)
     s = st.integers(0, shards - 1)
     step = st.tuples(st.just("step"), w)
@@ -100,6 +104,10 @@ def moves(workers: int, shards: int, *, failover: bool) -> st.SearchStrategy[lis
     ]
     if failover:
         options.append(st.tuples(st.just("kill"), s))
+    if joins:
+        options += [st.tuples(st.just("join"), s), st.tuples(st.just("rejoin"), s)]
+    if flushes:
+        options.append(st.tuples(st.just("flush"), s))
     return st.lists(st.one_of(options), min_size=10, max_size=150)
 
 
@@ -124,6 +132,12 @@ def run(fabric: Fabric, script: list[tuple[Any, ...]]) -> None:
                 for w in range(len(fabric.workers)):
                     fabric.step(w)
                 fabric.deliver(args[1] * i + i)
+        elif name == "join":
+            fabric.join(args[0])
+        elif name == "rejoin":
+            fabric.rejoin(args[0])
+        elif name == "flush":
+            fabric.flush(args[0])
         else:
             assert name == "kill"
             fabric.kill(args[0])
@@ -243,6 +257,33 @@ def test_lost_worker_with_interleavings(consistency: Consistency, data: st.DataO
     if consistency is Consistency.BSP:
         for s in range(2):
             assert fabric.serving(s).version == 3
+
+
+@settings(max_examples=80)
+@given(CONSISTENCIES, st.booleans(), st.booleans(), st.data())
+def test_callback_flush_and_joins_at_any_point(
+    mode: tuple[Consistency, int], callback: bool, lossless: bool, data: st.DataObject
+) -> None:
+    """The update callback's Steps answered at any point (pushes, pulls, flushes and entries
+    queued behind them), flushes between any frames (BSP iterations pending, pulls held),
+    a replica that joins late, primaries killed and fresh replicas joining the promoted one
+    (a snapshot with entries unconfirmed or a Step out): the same guarantees as ever."""
+    consistency, staleness = mode
+    fabric = Fabric(
+        workers=3,
+        shards=2,
+        size=5,
+        rounds=3,
+        consistency=consistency,
+        staleness=staleness,
+        replicas=True,
+        callback=callback,
+        lossless=lossless,
+        late_join=True,
+    )
+    for _ in range(3):  # kill and rejoin more than once: the epochs go on
+        run(fabric, data.draw(moves(3, 2, failover=True, joins=True, flushes=True)))
+    play(fabric, data.draw(moves(3, 2, failover=True, joins=True, flushes=True)))
 
 
 # -- one call at a time -----------------------------------------------------------------------
@@ -536,3 +577,59 @@ def test_lose_entry_leaves_a_later_push_in_waiting() -> None:
     assert drop.dropped is not None
     assert "lost" in drop.dropped
     assert primary.statistics().logged == replica.statistics().logged == 2
+
+
+def test_a_second_snapshot_takes_back_nothing_the_replica_confirmed() -> None:
+    """The replica's JOIN arrived twice: the second snapshot is as of an entry older than
+    one it confirmed since, which the primary then processes and never sends again; the
+    replica keeps its state, so the next entry follows on."""
+    primary, replica = pair()
+    [forward] = primary.push(0, 0, 0, ones(), 1.0)
+    assert isinstance(forward, Forward)
+    assert replica.log(forward.entry, 2.0) == [Logged(index=1)]
+    snapshot, again = primary.joined()
+    assert isinstance(snapshot, Snapshot)
+    assert snapshot.index == 0
+    assert again == forward
+    primary.replicated_upto(1, 3.0)
+    assert not replica.restore(snapshot.index, snapshot.data)
+    assert replica.version == 1
+    [forward] = primary.push(1, 0, 0, ones(), 4.0)
+    assert isinstance(forward, Forward)
+    assert replica.log(forward.entry, 5.0) == [Logged(index=2)]
+
+
+def test_promoted_replica_with_a_step_out_takes_the_next_push() -> None:
+    """With the update callback, a replica promoted while its process steps an entry the
+    old primary acknowledged: the worker's next push is taken (queued behind the step), not
+    refused as one pushed before its last was acknowledged; the last sent again waits."""
+
+    def callback_shard(**kw: Any) -> ShardServer:
+        return ShardServer(
+            initial=np.zeros(SIZE), workers=range(2), consistency=Consistency.ASYNC, rule=None, **kw
+        )
+
+    primary, replica = callback_shard(replicated=True), callback_shard(replica=True)
+    [snapshot] = primary.joined()
+    assert isinstance(snapshot, Snapshot)
+    assert replica.restore(snapshot.index, snapshot.data)
+    [forward] = primary.push(0, 0, 0, ones(), 1.0)
+    assert isinstance(forward, Forward)
+    logged, replica_step = replica.log(forward.entry, 2.0)
+    assert logged == Logged(index=1)
+    assert isinstance(replica_step, Step)
+    [step] = primary.replicated_upto(1, 3.0)
+    assert isinstance(step, Step)
+    acked = Acked(worker=0, iteration=0, version=1, dropped=None)
+    assert primary.stepped(1, step.model + step.update, 4.0) == [acked]
+    assert replica.promote()  # the primary died; the replica's process still steps
+    assert replica.push(0, 0, 0, ones(), 5.0) == []  # sent again: acknowledged after the step
+    assert replica.push(0, 1, 1, ones(2.0), 6.0) == []  # queued behind the step
+    out = replica.stepped(1, replica_step.model + replica_step.update, 7.0)
+    assert out[0] == acked
+    assert isinstance(out[1], Step)
+    assert out[1].version == 2
+    assert replica.stepped(2, out[1].model + out[1].update, 8.0) == [
+        Acked(worker=0, iteration=1, version=2, dropped=None)
+    ]
+    np.testing.assert_array_equal(replica.store.model, np.full(SIZE, 3.0))
