@@ -1173,21 +1173,9 @@ class PSService(BaseService):
         if not model.spec["replicas"]:
             self._fail_shard(key, shard, reason)
             return
-        self._counters["ps_failovers"] += 1
         epoch = model.epochs.get(shard, 0) + 1
         model.epochs[shard] = epoch
         successor = model.target(shard)
-        server = model.servers.get(shard)
-        if server is not None and not server.primary:
-            self._promote(key, shard, reason, now)
-        log.warning(
-            "parameter server %r shard %d: %s; rank %d serves it from epoch %d",
-            key[1],
-            shard,
-            reason,
-            successor,
-            epoch,
-        )
         # a suspect (its node unreachable, down_after not over) may come back: what is sent it
         # waits for it (_send), and if it is gone for good, _gone fails the shard over again
         if (
@@ -1196,6 +1184,19 @@ class PSService(BaseService):
         ):
             self._fail_shard(key, shard, f"{reason}, and its partner rank {successor} is gone too")
             return
+        server = model.servers.get(shard)
+        if server is not None and not self._promote(key, shard, reason, now):
+            self._fail_shard(key, shard, f"{reason}, and its partner never got the shard's state")
+            return
+        self._counters["ps_failovers"] += 1
+        log.warning(
+            "parameter server %r shard %d: %s; rank %d serves it from epoch %d",
+            key[1],
+            shard,
+            reason,
+            successor,
+            epoch,
+        )
         for side in model.local_workers.values():
             self.host.push(
                 side.session,
@@ -1210,13 +1211,13 @@ class PSService(BaseService):
             )
             self._worker(key, side, side.engine.move(shard, epoch))
 
-    def _promote(self, key: Key, shard: int, reason: str, now: float) -> None:
+    def _promote(self, key: Key, shard: int, reason: str, now: float) -> bool:
         """The local partner of ``shard`` takes over, if it holds the shard's state; workers
-        already gone are lost to it."""
+        already gone are lost to it.  ``False``: it has none, and the shard is lost."""
         model = self.models[key]
         server = model.servers[shard]
         if server.primary:
-            return
+            return True
         if not server.promote():
             log.error(
                 "parameter server %r shard %d: %s, and this rank never got the shard's state: "
@@ -1225,7 +1226,7 @@ class PSService(BaseService):
                 shard,
                 reason,
             )
-            return
+            return False
         log.warning(
             "parameter server %r shard %d: promoted to primary at epoch %d (%s)",
             key[1],
@@ -1236,6 +1237,7 @@ class PSService(BaseService):
         for worker in model.workers:
             if self.membership.lookup(key[0], worker) is None:
                 self._server(key, shard, server.lose(worker, "gone at the failover", now))
+        return True
 
     def _fail_shard(self, key: Key, shard: int, reason: str) -> None:
         model = self.models[key]

@@ -410,3 +410,38 @@ def test_a_push_sent_again_while_it_waits_for_its_server_is_held_once() -> None:
     fabric.open(0, "server", replicas=[], consistency="async")
     assert fabric.deliver(100)
     assert fabric.hosts[1].answered.pop(10)["dropped"] == []
+
+
+def test_a_failover_to_a_replica_without_the_state_fails_the_shard() -> None:
+    """The server went before its replica got the shard's state.  The replica's daemon used
+    to count a failover, log that the replica served the shard, and move its workers there,
+    where a push came back 'dropped' (the state is lost) as if it had been processed; now the
+    shard has no server, said once and clearly."""
+    fabric = Fabric()
+    for rank in NODES:
+        fabric.join(rank)
+    fabric.open(1, "replica")  # its JOIN finds no server: rank 0 never opens
+    fabric.open(3, "worker")
+    assert fabric.deliver(100)
+    fabric.call(3, 10, "ps_push")  # waits for rank 0 to open
+    assert fabric.deliver(100)
+    fabric.leave(0)
+    assert fabric.deliver(100)
+    failure = fabric.hosts[1].answered.pop(10)
+    assert isinstance(failure, Failure)
+    assert "its partner never got the shard's state" in failure.message
+    assert fabric.services[1].statistics()["counters"]["ps_failovers"] == 0
+
+
+def test_a_failover_to_a_partner_that_is_gone_is_not_counted() -> None:
+    fabric = Fabric()
+    for rank in NODES:
+        fabric.join(rank)
+    fabric.open(0, "server")
+    fabric.open(1, "replica")
+    fabric.open(2, "worker")
+    assert fabric.deliver(100)
+    fabric.leave(1)
+    fabric.leave(0)
+    assert fabric.deliver(100)
+    assert fabric.services[0].statistics()["counters"]["ps_failovers"] == 0
