@@ -597,6 +597,16 @@ class Coordinator:
             name: snap.count(state, name)
             for name in ("version", "complete", "applied", "delay_sum", "held_total", "refused")
         }
+        complete = counts["complete"]
+        if self.consistency is Consistency.BSP and complete > counts["version"]:
+            raise RemoteProtocolError("a snapshot with more iterations complete than versions")
+        if any(nexts[w] < complete for w in live):
+            raise RemoteProtocolError("a snapshot with a live worker's clock below complete")
+        if pending and self.consistency is not Consistency.BSP:
+            raise RemoteProtocolError(f"a snapshot with pushes held under {self.consistency.value}")
+        for it, pushes in pending.items():
+            if it < complete or any(it >= nexts[w] for w in pushes):
+                raise RemoteProtocolError(f"a snapshot holding pushes of iteration {it}")
         self._live = set(live)
         self._next = dict(nexts)
         self._pending = pending

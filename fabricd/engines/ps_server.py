@@ -430,7 +430,7 @@ class ShardServer:
         if self.has_state and epoch == self.epoch and index <= self._index:
             return False
         self._restore(state)
-        self.primary = self.replicated = self.synced = False
+        self.primary = self.replicated = self.synced = self._join_pending = False
         self.has_state = True
         self.epoch = epoch
         self._index = index
@@ -475,6 +475,7 @@ class ShardServer:
         for worker, record in last.items():
             if (
                 type(worker) is not int
+                or worker not in self.coordinator.workers
                 or not isinstance(record, list)
                 or len(record) != 3
                 or not all(type(x) is int for x in record[:2])
@@ -499,6 +500,11 @@ class ShardServer:
         restore_rule(copy.deepcopy(self.rule), parts["rule"], self.filter.model)
         trial.filter.restore(parts["filter"])
         trial.store.restore(parts["store"])
+        if trial.coordinator.version != trial.store.version:
+            raise RemoteProtocolError(
+                f"a snapshot whose model is at version {trial.store.version} and its "
+                f"consistency at {trial.coordinator.version}"
+            )
         self.coordinator, self.filter, self.store = trial.coordinator, trial.filter, trial.store
         restore_rule(self.rule, parts["rule"], self.filter.model)
         self._last = records

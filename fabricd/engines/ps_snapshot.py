@@ -10,6 +10,7 @@ of another model is refused before it replaces anything.
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any, Final
 
@@ -20,6 +21,8 @@ from fabricd.errors import RemoteProtocolError
 
 #: the msgpack extension type of an array
 _ARRAY: Final = 1
+#: the most dimensions a snapshot's array may have
+_MAX_DIMS: Final = 4
 #: dtypes a snapshot's arrays may have
 _DTYPES: Final = frozenset({"float16", "float32", "float64", "uint64", "int64", "bool"})
 _HEAD: Final = struct.Struct("<B")
@@ -44,13 +47,19 @@ def _ext(code: int, data: bytes) -> np.ndarray[Any, Any]:
     (size,) = _HEAD.unpack_from(data)
     try:
         dtype, shape = msgpack.unpackb(data[1 : 1 + size])
-        dt = np.dtype(dtype) if dtype in _DTYPES else None
-        dims = tuple(int(d) for d in shape)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise RemoteProtocolError(f"snapshot array header: {exc}") from None
     body = data[1 + size :]
-    if dt is None or any(d < 0 for d in dims) or len(body) != int(np.prod(dims)) * dt.itemsize:
+    if (
+        not isinstance(dtype, str)
+        or dtype not in _DTYPES
+        or not isinstance(shape, list)
+        or len(shape) > _MAX_DIMS
+        or not all(type(d) is int and d >= 0 for d in shape)
+        or len(body) != math.prod(shape) * np.dtype(dtype).itemsize
+    ):
         raise RemoteProtocolError(f"snapshot array of {dtype!r} {shape!r} in {len(body)} B")
+    dt, dims = np.dtype(dtype), tuple(shape)
     return np.frombuffer(body, dt).reshape(dims).copy()
 
 
@@ -70,7 +79,24 @@ def decode(data: bytes | bytearray | memoryview) -> dict[str, Any]:
         raise RemoteProtocolError(f"malformed snapshot: {exc}") from None
     if not isinstance(state, dict):
         raise RemoteProtocolError("a snapshot is a map")
+    _check_values(state)
     return state
+
+
+def _check_values(value: object) -> None:
+    """Refuse a value of a type no engine's state holds (msgpack's own extensions, such as
+    its timestamp, decode to other objects).  Iterative: nesting cannot exhaust the stack
+    (msgpack bounds its depth anyway)."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+        elif item is not None and not isinstance(item, bool | int | float | str | np.ndarray):
+            raise RemoteProtocolError(f"a snapshot holds no {type(item).__name__}")
 
 
 def field(state: dict[Any, Any], name: str, kind: type | tuple[type, ...]) -> Any:

@@ -399,8 +399,9 @@ class TimedStore:
         pulls = snap.field(state, "pulls", list)
         if len(pulls) != len(Encoding) or not all(type(n) is int and n >= 0 for n in pulls):
             raise RemoteProtocolError("snapshot pull counters of another shape")
-        self._chunks_published = snap.count(state, "chunks_published")
-        self._pulled_bytes = snap.count(state, "pulled_bytes")
+        chunks_published = snap.count(state, "chunks_published")
+        pulled_bytes = snap.count(state, "pulled_bytes")
+        self._chunks_published, self._pulled_bytes = chunks_published, pulled_bytes
         self._model, self._versions, self._version = model, versions, version
         self._pulls = dict(zip(Encoding, pulls, strict=True))
 
