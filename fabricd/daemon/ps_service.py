@@ -793,14 +793,27 @@ class PSService(BaseService):
             self.host.send(entry.node, frame)
 
     def _flush(self) -> None:
-        """Hand over the frames between local ranks, in order, until none is left."""
+        """Hand over the frames between local ranks, in order, until none is left (and the
+        peers' frames held for a model that opened since).  One refused as malformed is
+        dropped and counted: its error must not go up from whatever call flushes (a client's
+        request, or another peer's frame), whose connection the node would close."""
         if self._flushing:
             return
         self._flushing = True
         try:
             while self._local:
                 node, frame, payload = self._local.popleft()
-                self._dispatch(node, frame, payload, self.host.now())
+                try:
+                    self._dispatch(node, frame, payload, self.host.now())
+                except RemoteProtocolError as exc:
+                    self._counters["ps_frames_dropped"] += 1
+                    remote_log.warning(
+                        "handed over",
+                        "a %s from node %d was refused: %s",
+                        frame.KIND.name,
+                        node,
+                        exc,
+                    )
         finally:
             self._flushing = False
 

@@ -445,3 +445,25 @@ def test_a_failover_to_a_partner_that_is_gone_is_not_counted() -> None:
     fabric.leave(0)
     assert fabric.deliver(100)
     assert fabric.services[0].statistics()["counters"]["ps_failovers"] == 0
+
+
+def test_a_malformed_frame_held_for_a_server_does_not_fail_its_open() -> None:
+    """A peer's push held until its server opened was read only then, in the server's
+    ps_open: its protocol error went up from that request, and the node closed the server
+    process's connection (the peer that sent it went on).  It is dropped and counted."""
+    fabric = Fabric()
+    for rank in NODES:
+        fabric.join(rank)
+    fabric.open(3, "worker", replicas=[], consistency="async")
+    spec = fabric.services[1].models[JOB, NAME].spec
+    push = frames.Push(
+        job=JOB, name=NAME, shard=0, server=0, worker=3, iteration=0, base=0, epoch=0, spec=spec
+    )
+    fabric.wire.frames.append((1, 0, push, b"not a push"))
+    assert fabric.deliver(100)
+    dropped = fabric.services[0].statistics()["counters"]["ps_frames_dropped"]
+    assert fabric.open(0, "server", replicas=[], consistency="async") is not None
+    assert fabric.services[0].statistics()["counters"]["ps_frames_dropped"] == dropped + 1
+    fabric.call(3, 10, "ps_push")  # the worker's own push is taken
+    assert fabric.deliver(100)
+    assert fabric.hosts[1].answered.pop(10)["dropped"] == []
