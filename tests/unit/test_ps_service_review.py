@@ -1,5 +1,6 @@
-"""Review of the parameter-server service: frames between daemons that never stop, and what
-its stall rows say.
+"""Review of the parameter-server service: frames between daemons that never stop, pushes
+held for a server that opens late, flushes, failovers to a partner that is away or has no
+state, stall rows, a local client's bad fields, and a malformed frame held for a server.
 
 Each daemon's service runs on a fake host whose sends land in one shared queue that the test
 delivers in order (a data frame's payload into the buffer the receiving service gives), and
