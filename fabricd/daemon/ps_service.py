@@ -109,6 +109,8 @@ Key = tuple[str, str]  #: (job, model name)
 ROLES: Final = ("worker", "server", "replica")
 #: frames held for models not opened here yet, at most
 _MAX_EARLY: Final = 1024
+#: ... holding at most this many max_payloads of payload bytes in all (each table)
+_HELD_PAYLOADS: Final = 4
 _MAX_SERVERS: Final = 4096
 _FILTER_FIELDS: Final = tuple(FilterSettings.__dataclass_fields__)
 
@@ -779,7 +781,8 @@ class PSService(BaseService):
         if entry is None or (
             entry.node != self.host.config.node_id and self.host.data_link(entry.node) is None
         ):
-            if sum(map(len, self._held.values())) < _MAX_EARLY:
+            held = [p for frames_ in self._held.values() for _, p in frames_]
+            if len(held) < _MAX_EARLY and self._room(sum(map(len, held)), len(payload)):
                 self._held.setdefault((job, rank), []).append((frame, payload))
             else:
                 self._counters["ps_frames_dropped"] += 1
@@ -1045,18 +1048,24 @@ class PSService(BaseService):
             self._worker(key, side, side.engine.move(shard, epoch))
 
     # -- early frames -----------------------------------------------------------------------
+    def _room(self, held: int, more: int) -> bool:
+        """Whether ``more`` payload bytes fit beside ``held`` in a table of held frames."""
+        return held + more <= _HELD_PAYLOADS * self.host.config.max_payload
+
     def _hold(
         self, node: int, frame: frames.Push | frames.Pull, payload: bytes, now: float
     ) -> None:
         if any(e.node == node and e.frame == frame for e in self._early):
             return  # sent again after a reset: the one held is taken (or refused) in its place
-        if len(self._early) >= _MAX_EARLY:
+        held = sum(len(e.payload) for e in self._early)
+        if len(self._early) >= _MAX_EARLY or not self._room(held, len(payload)):
             self._counters["ps_frames_dropped"] += 1
             self._refuse(
                 (frame.job, frame.name),
                 frame,
                 f"rank {frame.server} has not opened {frame.name!r} and this daemon "
-                f"holds {_MAX_EARLY} frames for models not open yet",
+                f"holds {len(self._early)} frames ({held} B) for models not open yet, the "
+                f"most it keeps ({_MAX_EARLY}, or {_HELD_PAYLOADS} x max_payload)",
             )
             return
         spec, shard = frame.spec, frame.shard
@@ -1099,10 +1108,18 @@ class PSService(BaseService):
                 if partner is None or self._node_of(key[0], partner) != node:
                     continue
                 if server.primary:
-                    self._server(key, shard, list(server.unconfirmed()))
+                    self._server(key, shard, self._resync(server))
                 elif not server.has_state:
                     self._join(key, shard)  # the JOIN may have gone with the old links
         self._flush()
+
+    @staticmethod
+    def _resync(server: ShardServer) -> list[ServerAction]:
+        """What a primary sends its partner back from a reset or a partition: the entries it
+        has not confirmed, or, if the primary gave it up meanwhile (went on alone), its whole
+        state: a partner that kept its own (its process lived on) would otherwise stay behind
+        for good, and be promoted so if the primary then died."""
+        return list(server.unconfirmed()) if server.synced else server.joined()
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
         for queue in self._queues.values():
@@ -1136,7 +1153,7 @@ class PSService(BaseService):
                         if model.partner(shard, model.rank_of(shard)) != rank:
                             continue
                         if server.primary:
-                            self._server(key, shard, list(server.unconfirmed()))
+                            self._server(key, shard, self._resync(server))
                         elif not server.has_state:
                             self._join(key, shard)  # the JOIN may have gone with the old links
             self._flush()
@@ -1248,7 +1265,10 @@ class PSService(BaseService):
             reason,
         )
         for worker in model.workers:
-            if self.membership.lookup(key[0], worker) is None:
+            # a suspect (its node's links reset, down_after not over) is lost by _gone in time
+            if self.membership.lookup(key[0], worker) is None and (
+                (key[0], worker) not in self._suspects
+            ):
                 self._server(key, shard, server.lose(worker, "gone at the failover", now))
         return True
 

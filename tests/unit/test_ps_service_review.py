@@ -468,3 +468,45 @@ def test_a_malformed_frame_held_for_a_server_does_not_fail_its_open() -> None:
     fabric.call(3, 10, "ps_push")  # the worker's own push is taken
     assert fabric.deliver(100)
     assert fabric.hosts[1].answered.pop(10)["dropped"] == []
+
+
+def test_a_partner_back_after_the_primary_gave_it_up_gets_the_state_again() -> None:
+    """The replica's node was away longer than down_after: the primary gave its replica up
+    and went on alone.  The replica's process lived on and came back with the state it had,
+    so it never asks to JOIN; it used to stay behind for good, and a failover then served a
+    model without what the primary acknowledged meanwhile (versions back)."""
+    fabric = Fabric()
+    for rank in NODES:
+        fabric.join(rank)
+    fabric.open(0, "server", consistency="async")
+    fabric.open(1, "replica", consistency="async")
+    fabric.open(2, "worker", consistency="async")
+    fabric.open(3, "worker", consistency="async")
+    assert fabric.deliver(100)
+    node0, node1 = fabric.services
+    lost = [fabric.table.entries.pop((JOB, rank)) for rank in (1, 3)]
+    for entry in lost:  # node 0 loses node 1 for longer than down_after
+        node0.on_rank_event(RankLeft(entry=entry, reason="links reset", lost=True), 0.0)
+    fabric.tick(node0.host.config.down_after + 1)
+    fabric.wire.frames.clear()
+    fabric.array(2)[:] = 1.0
+    fabric.call(2, 20, "ps_push")  # acknowledged by the primary alone
+    assert fabric.deliver(100)
+    assert fabric.hosts[0].answered.pop(20)["versions"] == [1]
+    (primary,) = node0.models[JOB, NAME].servers.values()
+    (replica,) = node1.models[JOB, NAME].servers.values()
+    assert (primary.version, replica.version) == (1, 0)
+    for entry in lost:  # node 1 is back: the replica kept its state and does not JOIN
+        fabric.table.entries[JOB, entry.rank] = entry
+        node0.on_rank_event(RankJoined(entry=entry), 2.0)
+    assert fabric.deliver(100)
+    assert replica.version == 1  # the primary sent it the state it missed
+    fabric.leave(0)  # and a failover now loses nothing
+    assert fabric.deliver(100)
+    fabric.array(2)[:] = 0.0  # (worker 3 was lost with node 1: rank 2 pulls, afresh)
+    fabric.call(2, 21, "ps_pull")
+    assert fabric.deliver(100)
+    answer = fabric.hosts[0].answered.pop(21)
+    assert not isinstance(answer, Failure), answer
+    assert (answer["version"], answer["epochs"]) == (1, [1])
+    np.testing.assert_array_equal(fabric.array(2), 1.0)
