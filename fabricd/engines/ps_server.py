@@ -234,6 +234,7 @@ class ShardServer:
         #: whether this shard holds the model: a fresh replica has none until a snapshot
         self.has_state = not replica
         self._join_pending = False  #: a replica asked to join while a step was out
+        self._confirm: int | None = None  #: replica: the entry to confirm once processed
         self.epoch = 0
         self._index = 0  #: the last entry taken (primary) or logged (replica)
         self._unreplicated: deque[Entry] = deque()  #: forwarded, not yet confirmed
@@ -408,8 +409,10 @@ class ShardServer:
         elif entry.kind not in (LOSE, FLUSH):
             raise RemoteProtocolError(f"replication entry of kind {entry.kind!r}")
         self._index = entry.index
-        steps = self._process(entry, now)  # only Step actions: a replica answers nobody
-        return [Logged(index=entry.index), *steps]
+        # confirmed once processed: a replica whose process is slow to run the update callback
+        # holds its primary back, rather than queueing an update per entry without bound
+        self._confirm = entry.index
+        return self._process(entry, now)  # Steps and the confirmation: a replica answers nobody
 
     def restore(self, index: int, data: bytes | bytearray) -> bool:
         """The primary's :class:`Snapshot` of its state as of entry ``index``: take it and
@@ -436,6 +439,7 @@ class ShardServer:
         self._index = index
         self._unreplicated.clear()
         self._actions.clear()
+        self._confirm = None
         self._stepping = None
         return True
 
@@ -447,6 +451,7 @@ class ShardServer:
             return True
         if not self.has_state:
             return False
+        self._confirm = None
         self.primary = True
         self.replicated = self.synced = False
         self.epoch += 1
@@ -532,9 +537,8 @@ class ShardServer:
         if not np.isfinite(model).all():
             raise UsageError("the callback's model holds a NaN or an infinity")
         self._stepping = None
-        out = self._publish(apply, model.reshape(-1).copy())
-        out = out if self.primary else []
-        return out + self._perform([], now)
+        acks = self._publish(apply, model.reshape(-1).copy())
+        return (acks if self.primary else []) + self._perform([], now)
 
     # -- reading --------------------------------------------------------------------------
     @property
@@ -664,11 +668,17 @@ class ShardServer:
             else:
                 assert isinstance(action, Refused)
                 out.append(Refuse(worker=action.worker, clock=action.clock, reason=action.reason))
-        if self._join_pending and not self._actions and self._stepping is None:
+        quiet = not self._actions and self._stepping is None
+        if self._join_pending and quiet:
             out += self._snapshot()
+        if self.primary:
+            return out
+        if self._confirm is not None and quiet:
+            out.append(Logged(index=self._confirm))
+            self._confirm = None
         # a replica answers nobody (its acknowledgements are kept for after a promotion), but
         # its own process runs the update callback too
-        return out if self.primary else [a for a in out if isinstance(a, Step)]
+        return [a for a in out if isinstance(a, Step | Logged)]
 
     def _publish(self, apply: Apply, model: Array) -> list[Action]:
         """``model`` is the update rule's step of ``apply``: filter it, publish it, and

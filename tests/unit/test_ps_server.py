@@ -599,10 +599,11 @@ def test_a_second_snapshot_takes_back_nothing_the_replica_confirmed() -> None:
     assert replica.log(forward.entry, 5.0) == [Logged(index=2)]
 
 
-def test_promoted_replica_with_a_step_out_takes_the_next_push() -> None:
-    """With the update callback, a replica promoted while its process steps an entry the
-    old primary acknowledged: the worker's next push is taken (queued behind the step), not
-    refused as one pushed before its last was acknowledged; the last sent again waits."""
+def test_a_replica_confirms_an_entry_once_its_callback_stepped_it() -> None:
+    """With the update callback, a replica confirms an entry only once its process stepped
+    it: a process slow to run the callback holds the primary back instead of queueing an
+    update per entry without bound.  Promoted with a step out, it acknowledges the push once
+    stepped, and takes the worker's next push then."""
 
     def callback_shard(**kw: Any) -> ShardServer:
         return ShardServer(
@@ -615,21 +616,19 @@ def test_promoted_replica_with_a_step_out_takes_the_next_push() -> None:
     assert replica.restore(snapshot.index, snapshot.data)
     [forward] = primary.push(0, 0, 0, ones(), 1.0)
     assert isinstance(forward, Forward)
-    logged, replica_step = replica.log(forward.entry, 2.0)
-    assert logged == Logged(index=1)
+    [replica_step] = replica.log(forward.entry, 2.0)  # no confirmation while it steps
     assert isinstance(replica_step, Step)
-    [step] = primary.replicated_upto(1, 3.0)
+    assert replica.stepped(1, replica_step.model + replica_step.update, 3.0) == [Logged(index=1)]
+    [step] = primary.replicated_upto(1, 4.0)
     assert isinstance(step, Step)
     acked = Acked(worker=0, iteration=0, version=1, dropped=None)
-    assert primary.stepped(1, step.model + step.update, 4.0) == [acked]
-    assert replica.promote()  # the primary died; the replica's process still steps
-    assert replica.push(0, 0, 0, ones(), 5.0) == []  # sent again: acknowledged after the step
-    assert replica.push(0, 1, 1, ones(2.0), 6.0) == []  # queued behind the step
-    out = replica.stepped(1, replica_step.model + replica_step.update, 7.0)
-    assert out[0] == acked
-    assert isinstance(out[1], Step)
-    assert out[1].version == 2
-    assert replica.stepped(2, out[1].model + out[1].update, 8.0) == [
-        Acked(worker=0, iteration=1, version=2, dropped=None)
-    ]
+    assert primary.stepped(1, step.model + step.update, 5.0) == [acked]
+    # the next entry: the primary dies before the replica's process stepped it
+    [forward] = primary.push(0, 1, 1, ones(2.0), 6.0)
+    [replica_step] = replica.log(forward.entry, 7.0)
+    assert replica.promote()
+    assert replica.push(0, 1, 1, ones(2.0), 8.0) == []  # sent again: answered after the step
+    out = replica.stepped(2, replica_step.model + replica_step.update, 9.0)
+    assert out == [Acked(worker=0, iteration=1, version=2, dropped=None)]
+    assert replica.push(0, 2, 2, ones(), 10.0)  # and the next one is taken
     np.testing.assert_array_equal(replica.store.model, np.full(SIZE, 3.0))
