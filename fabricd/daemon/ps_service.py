@@ -628,6 +628,14 @@ class PSService(BaseService):
         spec = model.spec
         me = model.rank_of(shard)
         partner = model.partner(shard, me)
+        #: what every answer to a worker says of where it comes from
+        to_worker: dict[str, Any] = {
+            "job": job,
+            "name": name,
+            "shard": shard,
+            "server": me,
+            "epoch": server.epoch,
+        }
         for action in actions:
             if isinstance(action, Forward | Snapshot):
                 assert partner is not None
@@ -690,55 +698,33 @@ class PSService(BaseService):
                     ),
                 )
             elif isinstance(action, Acked):
-                self._send(
-                    job,
-                    action.worker,
-                    frames.Pushed(
-                        job=job,
-                        name=name,
-                        shard=shard,
-                        server=me,
-                        worker=action.worker,
-                        iteration=action.iteration,
-                        version=action.version,
-                        epoch=server.epoch,
-                        dropped=_text(action.dropped),
-                    ),
+                answer: frames.PeerFrame = frames.Pushed(
+                    **to_worker,
+                    worker=action.worker,
+                    iteration=action.iteration,
+                    version=action.version,
+                    dropped=_text(action.dropped),
                 )
+                self._send(job, action.worker, answer)
             elif isinstance(action, Answer):
-                self._send(
-                    job,
-                    action.worker,
-                    frames.Pulled(
-                        job=job,
-                        name=name,
-                        shard=shard,
-                        server=me,
-                        worker=action.worker,
-                        clock=action.clock,
-                        version=action.version,
-                        epoch=server.epoch,
-                        error=None,
-                    ),
-                    bytes(action.data),
+                answer = frames.Pulled(
+                    **to_worker,
+                    worker=action.worker,
+                    clock=action.clock,
+                    version=action.version,
+                    error=None,
                 )
+                self._send(job, action.worker, answer, bytes(action.data))
             else:
                 assert isinstance(action, Refuse)
-                self._send(
-                    job,
-                    action.worker,
-                    frames.Pulled(
-                        job=job,
-                        name=name,
-                        shard=shard,
-                        server=me,
-                        worker=action.worker,
-                        clock=action.clock,
-                        version=server.version,
-                        epoch=server.epoch,
-                        error=_text(action.reason),
-                    ),
+                answer = frames.Pulled(
+                    **to_worker,
+                    worker=action.worker,
+                    clock=action.clock,
+                    version=server.version,
+                    error=_text(action.reason),
                 )
+                self._send(job, action.worker, answer)
         if model.flushes:
             self._flushed(model)
 
@@ -1154,8 +1140,13 @@ class PSService(BaseService):
                             continue
                         if server.primary:
                             self._server(key, shard, self._resync(server))
-                        elif not server.has_state:
-                            self._join(key, shard)  # the JOIN may have gone with the old links
+                        else:
+                            # the JOIN may have gone with the old links; and what the primary
+                            # sent again when it learned of this rank may have overtaken the
+                            # primary's announcement here and been dropped (_sent_by): with
+                            # the state, its snapshot is ignored (restore) and its entries
+                            # after it are taken or confirmed again
+                            self._join(key, shard)
             self._flush()
             return
         assert isinstance(event, RankLeft)

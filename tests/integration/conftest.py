@@ -8,10 +8,13 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from fabricd.daemon.launcher import FAST_LIVENESS, LocalCluster
+from tests.integration.tcp_proxy import ProxiedPairs
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
+
+    from tests.integration.tcp_proxy import Proxy
 
 
 @pytest.fixture
@@ -62,3 +65,12 @@ def spawn() -> Iterator[Callable[..., multiprocessing.process.BaseProcess]]:
 @pytest.fixture
 def queue() -> Any:
     return multiprocessing.get_context("spawn").Queue()
+
+
+@pytest.fixture
+def proxied(tmp_path: Path) -> Iterator[Callable[..., tuple[LocalCluster, Proxy]]]:
+    """Two daemon processes whose links pass through a fault proxy
+    (:class:`~tests.integration.tcp_proxy.Proxy`), stopped at teardown."""
+    pairs = ProxiedPairs(tmp_path)
+    yield pairs.make
+    pairs.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -250,3 +251,32 @@ def meta_of(frame: bytes) -> dict[str, Any]:
 def seq_of(frame: bytes) -> int:
     seq: int = struct.unpack_from(">Q", frame, len(frame) - TRAILER_SIZE)[0]
     return seq
+
+
+class Nemesis:
+    """Resets a :class:`Proxy`'s connections every 0.3 to ``longest`` s, in one of four ways
+    (both links, the control or the data link, or one of them in the middle of a frame), from
+    a seeded schedule, until stopped."""
+
+    def __init__(self, proxy: Proxy, seed: int, *, longest: float) -> None:
+        self.proxy = proxy
+        self.longest = longest
+        self.rng = random.Random(seed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nemesis", daemon=True)
+
+    def __enter__(self) -> Nemesis:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(GUARD)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.rng.uniform(0.3, self.longest)):
+            how = self.rng.choice(["both", "control", "data", "cut"])
+            if how == "cut":
+                self.proxy.reset(self.rng.choice(["control", "data"]), cut=True)
+            else:
+                self.proxy.reset(None if how == "both" else how)

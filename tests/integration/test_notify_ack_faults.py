@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Final
 
@@ -47,12 +46,11 @@ import pytest
 import fabricd
 from fabricd.engines import graphs
 from fabricd.wire import Kind
-from tests.integration.tcp_proxy import GUARD, ProxiedPairs
+from tests.integration.tcp_proxy import GUARD, Nemesis
 from tests.integration.test_collectives import ranks
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
-    from pathlib import Path
+    from collections.abc import Callable
 
     from fabricd.client import Client, ReduceResult
     from fabricd.daemon.launcher import LocalCluster
@@ -76,41 +74,6 @@ ROUNDS: Final = {
 }
 #: resets at least, by the proxy and by node 0 (the run goes on past ROUNDS until then)
 MIN_RESETS: Final = 10
-
-
-@pytest.fixture
-def proxied(tmp_path: Path) -> Iterator[MakeProxied]:
-    """Two daemon processes whose links pass through a :class:`Proxy` (stopped at teardown)."""
-    pairs = ProxiedPairs(tmp_path)
-    yield pairs.make
-    pairs.close()
-
-
-class Nemesis:
-    """Resets the proxy's connections every 0.3 to 1.5 s, in one of four ways (module
-    docstring), from a seeded schedule, until stopped."""
-
-    def __init__(self, proxy: Proxy, seed: int) -> None:
-        self.proxy = proxy
-        self.rng = random.Random(seed)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nemesis", daemon=True)
-
-    def __enter__(self) -> Nemesis:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(GUARD)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.rng.uniform(0.3, 1.5)):
-            how = self.rng.choice(["both", "control", "data", "cut"])
-            if how == "cut":
-                self.proxy.reset(self.rng.choice(["control", "data"]), cut=True)
-            else:
-                self.proxy.reset(None if how == "both" else how)
 
 
 def model(rank: int, round: int) -> np.ndarray[Any, Any]:
@@ -188,7 +151,7 @@ def test_each_notify_and_ack_is_taken_once_in_order_across_resets(
     rounds = 0
     with ranks(cluster, placement, f"f7-{kind}-{size}") as fabs:
         arrays = [f.array("w", (COUNT,), "float64") for f in fabs]
-        with Nemesis(proxy, SEED):
+        with Nemesis(proxy, SEED, longest=1.5):
             # on until the proxy reset the links MIN_RESETS times, and node 0 the peer (not
             # one for one: a reset in a handshake fails a dial, and the proxy's two upstream
             # dials race, so node 1 may refuse a data link that came before its control link)

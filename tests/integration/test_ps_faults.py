@@ -58,12 +58,11 @@ import pytest
 
 import fabricd
 from fabricd.wire import Kind
-from tests.integration.tcp_proxy import GUARD, ProxiedPairs
+from tests.integration.tcp_proxy import GUARD, Nemesis
 from tests.integration.test_collectives import ranks
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
-    from pathlib import Path
+    from collections.abc import Callable
 
     from fabricd.client import Client, ParameterServer
     from fabricd.daemon.launcher import LocalCluster
@@ -91,41 +90,6 @@ MAX_BATCHES: Final = 30
 MIN_RESETS: Final = 10
 #: the frames of the parameter server on the data link, one of which must be cut
 PS_DATA: Final = frozenset({Kind.PUSH, Kind.PULLED, Kind.REPLICATE})
-
-
-@pytest.fixture
-def proxied(tmp_path: Path) -> Iterator[MakeProxied]:
-    """Two daemon processes whose links pass through a :class:`Proxy` (stopped at teardown)."""
-    pairs = ProxiedPairs(tmp_path)
-    yield pairs.make
-    pairs.close()
-
-
-class Nemesis:
-    """Resets the proxy's connections every 0.3 to 2 s, in one of four ways (module
-    docstring), from a seeded schedule, until stopped."""
-
-    def __init__(self, proxy: Proxy, seed: int) -> None:
-        self.proxy = proxy
-        self.rng = random.Random(seed)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="nemesis", daemon=True)
-
-    def __enter__(self) -> Nemesis:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(GUARD)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.rng.uniform(0.3, 2.0)):
-            how = self.rng.choice(["both", "control", "data", "cut"])
-            if how == "cut":
-                self.proxy.reset(self.rng.choice(["control", "data"]), cut=True)
-            else:
-                self.proxy.reset(None if how == "both" else how)
 
 
 def update(rank: int, iteration: int) -> np.ndarray[Any, Any]:
@@ -291,7 +255,7 @@ def run_f5(
             )
             for r in range(first, first + WORKERS)
         ]
-        with Nemesis(proxy, SEED):
+        with Nemesis(proxy, SEED, longest=2.0):
             batches = run_batches(runs, cluster, proxy)
         per_version = 1 if consistency == "async" else WORKERS
         models = check_versions(runs, per_version)
