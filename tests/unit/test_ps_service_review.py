@@ -510,3 +510,45 @@ def test_a_partner_back_after_the_primary_gave_it_up_gets_the_state_again() -> N
     assert not isinstance(answer, Failure), answer
     assert (answer["version"], answer["epochs"]) == (1, [1])
     np.testing.assert_array_equal(fabric.array(2), 1.0)
+
+
+def test_an_entry_that_overtook_its_primarys_announcement_is_sent_again() -> None:
+    """After a reset, node 0 learned the replica's rank again first and sent it the entry it
+    had not confirmed; the entry overtook rank 0's own announcement at node 1, which dropped
+    it (a server's frame counts only from the node its rank is known on).  A replica with the
+    state asked for nothing when rank 0 joined, so the primary waited for a confirmation
+    that never came, and the push for it (async: no other push moves the shard on)."""
+    fabric = Fabric()
+    for rank in NODES:
+        fabric.join(rank)
+    for rank, role in ((0, "server"), (1, "replica"), (2, "worker"), (3, "worker")):
+        fabric.open(rank, role, consistency="async")
+    assert fabric.deliver(100)
+    node0, node1 = fabric.services
+    fabric.array(2)[:] = 1.0
+    fabric.call(2, 20, "ps_push")  # entry 1, forwarded to the replica ...
+    fabric.wire.frames.clear()  # ... and lost with the links
+    for rank in (0, 2):  # node 1 forgets node 0's ranks, node 0 forgets node 1's
+        node1.on_rank_event(
+            RankLeft(entry=fabric.table.entries[JOB, rank], reason="reset", lost=True), 0.0
+        )
+    for rank in (1, 3):
+        node0.on_rank_event(
+            RankLeft(entry=fabric.table.entries[JOB, rank], reason="reset", lost=True), 0.0
+        )
+    node0.peer_up(1, 0.0)
+    node1.peer_up(0, 0.0)
+    for rank in (1, 3):  # node 1's ranks are announced at node 0 first: entry 1 goes again
+        node0.on_rank_event(RankJoined(entry=fabric.table.entries[JOB, rank]), 0.0)
+    announced = {rank: fabric.table.entries.pop((JOB, rank)) for rank in (0, 2)}
+    assert fabric.deliver(100)  # and reaches node 1 before rank 0's announcement
+    assert node1.statistics()["counters"]["ps_frames_dropped"] >= 1
+    fabric.table.entries.update({(JOB, r): e for r, e in announced.items()})
+    for entry in announced.values():
+        node1.on_rank_event(RankJoined(entry=entry), 0.0)
+    assert fabric.deliver(100)
+    answer = fabric.hosts[0].answered.pop(20, None)
+    assert answer is not None, "the primary waits for a confirmation for ever"
+    assert answer["versions"] == [1]
+    (replica,) = node1.models[JOB, NAME].servers.values()
+    assert replica.version == 1
