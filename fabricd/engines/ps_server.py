@@ -387,7 +387,7 @@ class ShardServer:
     # -- the replica's inputs -------------------------------------------------------------
     def log(self, entry: Entry, now: float) -> list[Action]:
         """Replica: the primary's entry ``entry.index``: process it, in order, and confirm.
-        One logged already (sent again after a reset) is confirmed again.
+        One logged already (sent again after a reset) is confirmed again, once processed.
 
         Raises:
             RemoteProtocolError: this is not a replica, or the entry skips one, or is
@@ -398,7 +398,9 @@ class ShardServer:
         if not self.has_state:
             return []  # sent before the snapshot this replica asked for: it comes again
         if entry.index <= self._index:
-            return [Logged(index=self._index)]
+            # confirmed again, unless its confirmation waits for the process's step (then
+            # it goes once stepped: not before the entry is processed)
+            return [] if self._confirm is not None else [Logged(index=self._index)]
         if entry.index != self._index + 1:
             raise RemoteProtocolError(f"replication entry {entry.index} after {self._index}")
         if entry.kind == PUSH:

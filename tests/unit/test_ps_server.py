@@ -632,3 +632,34 @@ def test_a_replica_confirms_an_entry_once_its_callback_stepped_it() -> None:
     assert out == [Acked(worker=0, iteration=1, version=2, dropped=None)]
     assert replica.push(0, 2, 2, ones(), 10.0)  # and the next one is taken
     np.testing.assert_array_equal(replica.store.model, np.full(SIZE, 3.0))
+
+
+def test_an_entry_sent_again_while_the_replica_steps_it_is_confirmed_once_stepped() -> None:
+    """The primary sends its unconfirmed entries again after a reset: a replica whose process
+    had not stepped the entry yet used to confirm it at once, as if processed (the primary
+    then went on, and a slow process queued an update per entry again)."""
+    primary = ShardServer(
+        initial=np.zeros(SIZE),
+        workers=range(2),
+        consistency=Consistency.ASYNC,
+        rule=None,
+        replicated=True,
+    )
+    replica = ShardServer(
+        initial=np.zeros(SIZE),
+        workers=range(2),
+        consistency=Consistency.ASYNC,
+        rule=None,
+        replica=True,
+    )
+    [snapshot] = primary.joined()
+    assert isinstance(snapshot, Snapshot)
+    assert replica.restore(snapshot.index, snapshot.data)
+    [forward] = primary.push(0, 0, 0, ones(), 1.0)
+    assert isinstance(forward, Forward)
+    [replica_step] = replica.log(forward.entry, 2.0)
+    assert isinstance(replica_step, Step)
+    assert primary.unconfirmed() == [forward]
+    assert replica.log(forward.entry, 3.0) == []  # its confirmation follows the step
+    assert replica.stepped(1, replica_step.model + replica_step.update, 4.0) == [Logged(index=1)]
+    assert replica.log(forward.entry, 5.0) == [Logged(index=1)]  # and is sent again now
