@@ -1043,19 +1043,24 @@ class PSService(BaseService):
     ) -> None:
         if any(e.node == node and e.frame == frame for e in self._early):
             return  # sent again after a reset: the one held is taken (or refused) in its place
+        spec, shard = frame.spec, frame.shard
+        pair = (*spec["servers"][shard : shard + 1], *spec["replicas"][shard : shard + 1])
         held = sum(len(e.payload) for e in self._early)
         if len(self._early) >= _MAX_EARLY or not self._room(held, len(payload)):
             self._counters["ps_frames_dropped"] += 1
-            self._refuse(
-                (frame.job, frame.name),
-                frame,
-                f"rank {frame.server} has not opened {frame.name!r} and this daemon "
-                f"holds {len(self._early)} frames ({held} B) for models not open yet, the "
-                f"most it keeps ({_MAX_EARLY}, or {_HELD_PAYLOADS} x max_payload)",
+            why = (
+                f"rank {frame.server} has not opened {frame.name!r} and this daemon holds "
+                f"{len(self._early)} frames ({held} B) for models not open yet, the most it "
+                f"keeps ({_MAX_EARLY}, or {_HELD_PAYLOADS} x max_payload)"
             )
+            if isinstance(frame, frames.Push) and frame.server in pair:
+                # not answered: a push answered as dropped counts as processed, and the
+                # worker's next one would skip an iteration its server never saw; it waits
+                # (its stall row says for whom) and is sent again after its links' next reset
+                remote_log.warning("early", "a push from node %d not held: %s", node, why)
+            else:
+                self._refuse((frame.job, frame.name), frame, why)
             return
-        spec, shard = frame.spec, frame.shard
-        pair = (*spec["servers"][shard : shard + 1], *spec["replicas"][shard : shard + 1])
         if isinstance(frame, frames.Push) and frame.server in pair:
             deadline = None  # it waits for its server (_Early)
         else:  # a pull, or a push for a shard or rank its spec does not have: refused in time

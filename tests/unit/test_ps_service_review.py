@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from fabricd import frames
+from fabricd.daemon import ps_service
 from fabricd.daemon.config import Config
 from fabricd.daemon.ps_service import PSService
 from fabricd.daemon.service import Request
@@ -552,3 +553,28 @@ def test_an_entry_that_overtook_its_primarys_announcement_is_sent_again() -> Non
     assert answer["versions"] == [1]
     (replica,) = node1.models[JOB, NAME].servers.values()
     assert replica.version == 1
+
+
+def test_a_push_past_the_bound_on_held_frames_is_not_answered_as_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The daemon holds frames for models not open yet only so far.  A push past that used to
+    be answered as dropped, which the worker took as processed: its next push skipped an
+    iteration its server never saw (a protocol error, the worker's node's links closed).  Now
+    it is not answered (counted and logged); the worker's push waits, and a pull past the
+    bound is refused."""
+    monkeypatch.setattr(ps_service, "_MAX_EARLY", 0)
+    fabric = Fabric()
+    for rank in NODES:
+        fabric.join(rank)
+    fabric.open(1, "replica")
+    fabric.open(3, "worker")
+    fabric.array(3)[:] = 1.0
+    assert fabric.deliver(100)
+    dropped = fabric.services[0].statistics()["counters"]["ps_frames_dropped"]
+    fabric.call(3, 10, "ps_push")
+    assert fabric.deliver(100)
+    assert 10 not in fabric.hosts[1].answered  # not answered: the push is still in flight
+    assert fabric.services[0].statistics()["counters"]["ps_frames_dropped"] == dropped + 1
+    with pytest.raises(UsageError, match="still open"):
+        fabric.call(3, 11, "ps_push")
