@@ -162,6 +162,10 @@ class _Model:
     #: shards whose local rank, without state, answered its partner's JOIN with its own since
     #: it last asked of itself: it answers one, so two partners without state stop there
     answered: set[int] = field(default_factory=set)
+    #: shards opened here as primary at epoch 0 while their partner was there: served only
+    #: once the partner answered (with a later epoch's state, this rank came back after a
+    #: failover, and serving the initial model would take the workers' versions back)
+    tentative: set[int] = field(default_factory=set)
     flushes: list[_Flush] = field(default_factory=list)  #: answered once processed
 
     def target(self, shard: int) -> int:
@@ -174,6 +178,13 @@ class _Model:
     def rank_of(self, shard: int) -> int:
         """The local rank that opened ``shard`` (server or replica)."""
         return self.ranks[shard]
+
+    def pair(self, shard: int) -> tuple[int, ...]:
+        """The ranks that may serve ``shard``: its server, and its replica if it has one."""
+        return (
+            int(self.spec["servers"][shard]),
+            *(int(r) for r in self.spec["replicas"][shard : shard + 1]),
+        )
 
     def partner(self, shard: int, rank: int) -> int | None:
         """The other rank of ``shard``'s pair, if it has a replica."""
@@ -362,6 +373,13 @@ class PSService(BaseService):
         if step is not None:
             model.steps[shard] = step
         self.models[key] = model
+        partner = model.partner(shard, rank)
+        if (
+            model.servers[shard].primary
+            and partner is not None
+            and self.membership.lookup(job, partner) is not None
+        ):
+            model.tentative.add(shard)
         self._join(key, shard)
         self._take_early(key, now)
         return {"shards": len(servers), "bounds": [list(b) for b in model.bounds], "shard": shard}
@@ -552,11 +570,12 @@ class PSService(BaseService):
         for action in actions:
             if isinstance(action, SendPush | SendPull):
                 shard = action.shard
+                to = self._serving(job, model, shard)
                 fields: dict[str, Any] = {
                     "job": job,
                     "name": name,
                     "shard": shard,
-                    "server": model.target(shard),
+                    "server": to,
                     "worker": rank,
                     "epoch": side.engine.epochs[shard],
                     "spec": model.spec,
@@ -565,10 +584,10 @@ class PSService(BaseService):
                     frame: frames.PeerFrame = frames.Push(
                         **fields, iteration=action.iteration, base=action.base
                     )
-                    self._send(job, model.target(shard), frame, bytes(action.payload))
+                    self._send(job, to, frame, bytes(action.payload))
                 else:
                     frame = frames.Pull(**fields, clock=action.clock, since=action.since)
-                    self._send(job, model.target(shard), frame)
+                    self._send(job, to, frame)
             elif isinstance(action, PushDone):
                 self._answer(
                     side,
@@ -602,6 +621,20 @@ class PSService(BaseService):
                     ),
                     None,
                 )
+
+    def _serving(self, job: str, model: _Model, shard: int) -> int:
+        """Where a worker here sends ``shard``'s frames: the rank serving it at the epoch
+        this daemon knows; if that rank is not known at all (gone before this daemon heard of
+        the model, or not started yet) and its partner is, the partner, which either serves
+        at a later epoch and says so, or follows and drops it (the frames go to the rank
+        when it joins)."""
+        target = model.target(shard)
+        if self.membership.lookup(job, target) is not None or (job, target) in self._suspects:
+            return target
+        partner = model.partner(shard, target)
+        if partner is not None and self.membership.lookup(job, partner) is not None:
+            return partner
+        return target
 
     def _answer(self, side: _WorkerSide, failure: Failure | None, result: Meta | None) -> None:
         call, side.call = side.call, None
@@ -847,7 +880,7 @@ class PSService(BaseService):
         elif isinstance(frame, frames.Replicate):
             self._at_replica(node, frame, payload, now)
         elif isinstance(frame, frames.Join):
-            self._at_partner(frame)
+            self._at_partner(frame, now)
         else:
             assert isinstance(frame, frames.Replicated)
             key = (frame.job, frame.name)
@@ -902,11 +935,27 @@ class PSService(BaseService):
             return
         if frame.worker not in model.workers:
             raise RemoteProtocolError(f"rank {frame.worker} is not a worker of {frame.name!r}")
+        if frame.shard in model.tentative:
+            self._hold(node, frame, payload, now)  # until the partner answered
+            return
+        partner = model.partner(frame.shard, model.rank_of(frame.shard))
+        if (
+            not server.has_state
+            and partner is not None
+            and self.membership.lookup(frame.job, partner) is not None
+        ):
+            # this rank waits for its partner's state: the frame is answered once it came
+            # (with the shard's epoch, which moves a worker's daemon that did not know it)
+            self._hold(node, frame, payload, now)
+            return
         if not server.primary and frame.epoch > server.epoch:
             # the worker's daemon saw the primary go before this one did
             self._promote(key, frame.shard, "a worker failed over to it", now)
         if not server.primary or frame.epoch != server.epoch:
-            self._refuse(key, frame, self._why_not_serving(server, frame.epoch))
+            # a worker's daemon behind this rank's epoch (it opened the model after a
+            # failover it never heard of) is told the epoch: it moves to the rank serving it
+            later = server.epoch if server.has_state and server.epoch > frame.epoch else None
+            self._refuse(key, frame, self._why_not_serving(server, frame.epoch), epoch=later)
             return
         if isinstance(frame, frames.Push):
             actions = server.push(frame.worker, frame.iteration, frame.base, payload, now)
@@ -932,7 +981,11 @@ class PSService(BaseService):
             f"epoch {epoch}"
         )
 
-    def _refuse(self, key: Key, frame: frames.Push | frames.Pull, why: str) -> None:
+    def _refuse(
+        self, key: Key, frame: frames.Push | frames.Pull, why: str, *, epoch: int | None = None
+    ) -> None:
+        """Answer ``frame`` with ``why`` (a push as not applied, a pull as failed); ``epoch``:
+        the shard's later epoch, which moves the worker's daemon to the rank serving it."""
         job, name = key
         common: dict[str, Any] = {
             "job": job,
@@ -940,7 +993,7 @@ class PSService(BaseService):
             "shard": frame.shard,
             "server": frame.server,
             "worker": frame.worker,
-            "epoch": frame.epoch,
+            "epoch": frame.epoch if epoch is None else epoch,
         }
         if isinstance(frame, frames.Push):
             reply: frames.PeerFrame = frames.Pushed(
@@ -958,6 +1011,13 @@ class PSService(BaseService):
             self._counters["ps_frames_dropped"] += 1
             return
         side.engine.check_frame(frame.shard)
+        if frame.epoch > model.epochs.get(frame.shard, 0) and frame.server in model.pair(
+            frame.shard
+        ):
+            # the shard's pair is at a later epoch than this daemon knew: what was refused is
+            # sent again to the rank serving it
+            self._adopt(key, frame.shard, frame.epoch, "its pair said so")
+            return
         if frame.server != model.target(frame.shard):
             self._counters["ps_frames_dropped"] += 1  # from the server before a failover
             return
@@ -987,7 +1047,9 @@ class PSService(BaseService):
                     frame.server,
                     server.epoch,
                 )
-                self._adopt(key, frame.shard, server.epoch)
+                self._adopt(key, frame.shard, server.epoch, "its partner's snapshot said so")
+            model.tentative.discard(frame.shard)
+            self._take_early(key, now)  # workers' frames held while the state was away
             return
         if frame.entry not in (PUSH, LOSE, FLUSH):
             raise RemoteProtocolError(f"replication entry of kind {frame.entry!r}")
@@ -1005,7 +1067,7 @@ class PSService(BaseService):
             return
         self._server(key, frame.shard, server.log(entry, now))
 
-    def _at_partner(self, frame: frames.Join) -> None:
+    def _at_partner(self, frame: frames.Join, now: float) -> None:
         """The shard's partner opened it: send it the state if this rank serves the shard;
         if this rank waits for the state itself, the partner has just opened, so ask it."""
         key = (frame.job, frame.name)
@@ -1017,6 +1079,7 @@ class PSService(BaseService):
         if model.partner(frame.shard, model.rank_of(frame.shard)) != frame.replica:
             raise RemoteProtocolError(f"rank {frame.replica} is not shard {frame.shard}'s partner")
         if server.primary:
+            self._settle(key, frame.shard, now)  # the partner asks: this rank serves
             self._server(key, frame.shard, server.joined())
         elif not server.has_state and frame.shard not in model.answered:
             # once: a partner without state answers this JOIN with its own, and two such
@@ -1024,13 +1087,34 @@ class PSService(BaseService):
             self._join(key, frame.shard)
             model.answered.add(frame.shard)
 
-    def _adopt(self, key: Key, shard: int, epoch: int) -> None:
-        """This daemon learned that ``shard`` is at ``epoch``: its workers here move there."""
+    def _settle(self, key: Key, shard: int, now: float) -> None:
+        """``shard`` is no longer tentative here (its partner answered, or is gone): the
+        workers' frames held meanwhile are taken now."""
+        model = self.models[key]
+        if shard in model.tentative:
+            model.tentative.discard(shard)
+            self._take_early(key, now)
+
+    def _adopt(self, key: Key, shard: int, epoch: int, how: str) -> None:
+        """This daemon learned (``how``) that ``shard`` is at ``epoch``: its workers here move
+        there, and their clients hear ``ps_epoch``."""
         model = self.models[key]
         if epoch <= model.epochs.get(shard, 0):
             return
         model.epochs[shard] = epoch
+        serving = model.target(shard)
         for side in model.local_workers.values():
+            self.host.push(
+                side.session,
+                "ps_epoch",
+                {
+                    "name": key[1],
+                    "shard": shard,
+                    "epoch": epoch,
+                    "server": serving,
+                    "reason": f"the shard is at epoch {epoch} ({how})",
+                },
+            )
             self._worker(key, side, side.engine.move(shard, epoch))
 
     # -- early frames -----------------------------------------------------------------------
@@ -1190,6 +1274,7 @@ class PSService(BaseService):
                     continue
                 local = model.servers.get(shard)  # the partner that follows it went
                 if local is not None and local.primary:
+                    self._settle(key, shard, now)  # nobody can answer for a later epoch
                     self._server(key, shard, local.replica_lost(now))
 
     def _failover(self, key: Key, shard: int, reason: str, now: float) -> None:
@@ -1261,9 +1346,12 @@ class PSService(BaseService):
             reason,
         )
         for worker in model.workers:
-            # a suspect (its node's links reset, down_after not over) is lost by _gone in time
-            if self.membership.lookup(key[0], worker) is None and (
-                (key[0], worker) not in self._suspects
+            # a suspect (its node's links reset, down_after not over) is lost by _gone in time,
+            # and a worker that never pushed may not have started yet
+            if (
+                self.membership.lookup(key[0], worker) is None
+                and (key[0], worker) not in self._suspects
+                and server.coordinator.clock(worker) > 0
             ):
                 self._server(key, shard, server.lose(worker, "gone at the failover", now))
         return True

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.timeout(240)
 
 COUNT = 1000
+#: seconds a call may take before the test is stuck (a hang guard)
+WAIT = 60.0
 
 
 def wait(handle: Any, fabs: list[Client]) -> Any:
@@ -304,8 +306,9 @@ def test_a_replica_may_open_after_its_server_started_serving(make_cluster) -> No
         pushed = worker.push_async(update)  # held: nothing is acknowledged on one copy
         with pytest.raises(fabricd.Timeout):
             pushed.wait(timeout=0.5)
-        rows = fabs[0].status()["ps_servers"]
-        assert [(r["role"], r["version"], r["unreplicated"]) for r in rows] == [("primary", 0, 1)]
+        status = fabs[0].status()  # held until the replica answered the server's JOIN
+        assert [(r["role"], r["version"]) for r in status["ps_servers"]] == [("primary", 0)]
+        assert status["counters"]["ps_early_frames"] == 1
         fabs[1].parameter_server(
             "m", (COUNT,), "float64", "replica", servers=[0], replicas=[1], consistency="async"
         )  # joins: takes the state, then the held push
@@ -372,3 +375,51 @@ def test_flush_publishes_what_the_lossless_mode_held_back_on_both_copies(make_cl
         np.testing.assert_allclose(other, 1.3, rtol=1e-12)
         with pytest.raises(fabricd.UsageError, match="for a server or replica"):
             worker.flush()
+
+
+def test_a_worker_that_opens_after_a_failover_finds_the_rank_serving(make_cluster) -> None:
+    """Workers whose daemon held no copy of the model when its server died start at epoch 0:
+    one whose server rank is gone asks the partner, one whose server rank came back (as the
+    replica now, first without the state) is told the epoch; both move to the rank serving
+    the shard and hear ps_epoch."""
+    cluster = make_cluster(4)
+    job = "ps-late-worker"
+    layout: dict[str, Any] = {"servers": [0], "replicas": [1], "consistency": "async"}
+
+    def client(rank: int, node: int) -> Client:
+        return fabricd.connect(
+            job=job, rank=rank, size=5, socket_path=cluster.nodes[node].socket_path
+        )
+
+    first = [client(0, 0), client(1, 1), client(2, 1)]
+    late: list[Client] = []
+    try:
+        first[0].parameter_server("m", (COUNT,), "float64", "server", **layout)
+        first[1].parameter_server("m", (COUNT,), "float64", "replica", **layout)
+        worker = first[2].parameter_server("m", (COUNT,), "float64", **layout)
+        update = first[2].array("u", (COUNT,), "float64")
+        update[:] = 1.0
+        assert worker.push(update).versions == (1,)
+        first[0].close()  # the server dies: rank 1 serves at epoch 1
+        assert worker.push(update).epochs == (1,)
+        for rank in (3, 4):  # on nodes 2 and 3, which never held the model
+            if rank == 4:  # rank 0 comes back on node 0, as the replica now
+                back = client(0, 0)
+                late.append(back)
+                back.parameter_server("m", (COUNT,), "float64", "server", **layout)
+            fab = client(rank, rank - 1)
+            late.append(fab)
+            ps = fab.parameter_server("m", (COUNT,), "float64", **layout)
+            mine = fab.array("u", (COUNT,), "float64")
+            mine[:] = 1.0
+            result = ps.push(mine, timeout=WAIT)
+            assert result.epochs == (1,)
+            assert result.dropped == ()
+            model = fab.array("w", (COUNT,), "float64")
+            assert ps.pull(model, timeout=WAIT) == result.versions[0]
+            epochs = [e.fields for e in fab.poll(1.0) if e.name == "ps_epoch"]
+            assert [(e["epoch"], e["server"]) for e in epochs] == [(1, 1)]
+        np.testing.assert_array_equal(model, 4.0)  # 2 pushes of rank 2, one of 3, one of 4
+    finally:
+        for fab in first + late:
+            fab.close()
