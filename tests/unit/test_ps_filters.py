@@ -46,7 +46,8 @@ def reference_push(
         chosen[rng.choice(n, size=round(s.grp_drop * n), replace=False)] = True
         selections.append(chosen)
     dropped = np.logical_and.reduce(selections) if selections else np.zeros(n, bool)
-    dropped |= total == 0  # an exact zero carries nothing: never pushed
+    if s.gradient_filters:
+        dropped |= total == 0  # an exact zero carries nothing: never pushed once a filter is on
     pushed = np.where(dropped, np.zeros_like(total), total)
     if s.glnp and total.dtype != np.float16:
         pushed = np.clip(pushed, -65504, 65504).astype(np.float16)
