@@ -38,8 +38,6 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from fabricd.client import checks
 from fabricd.client.arrays import SharedArrays
 from fabricd.client.collectives import Collectives, Mode, Op, Result
@@ -57,6 +55,8 @@ from fabricd.ipc import socket_candidates
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
     from types import TracebackType
+
+    import numpy as np
 
     from fabricd.wire import Meta
 
@@ -305,13 +305,13 @@ class Client:
                 ``replicas``, or a spec unlike the one this model was opened with.
             OperationFailed: code ``limit``: a shard larger than ``max_payload``.
         """
-        dims = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
-        if not dims or not all(isinstance(d, int | np.integer) and d > 0 for d in dims):
-            raise UsageError(f"shape is ints > 0, not {shape!r}")
-        dt = np.dtype(dtype)
+        dims = checks.shape(shape)
+        if not dims or 0 in dims:
+            raise UsageError(f"a parameter server's shape has dimensions > 0, not {dims}")
+        dt = checks.dtype(dtype)
         fields = open_request(
             name=name,
-            shape=tuple(int(d) for d in dims),
+            shape=dims,
             dtype=dt,
             role=role,
             servers=servers,
@@ -350,7 +350,7 @@ class Client:
             self._arrays,
             name=name,
             role=role,  # type: ignore[arg-type]
-            shape=tuple(int(d) for d in dims),
+            shape=dims,
             dtype=dt,
             reply=reply,
             callback=update_rule if callable(update_rule) else None,

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import numpy as np
 
+from fabricd.client import checks
 from fabricd.client.handle import Handle
 from fabricd.engines.ps_filters import FilterSettings
 from fabricd.errors import DaemonUnavailable, UsageError
@@ -324,13 +325,20 @@ def open_request(
         )
     if dtype.name not in DTYPES:
         raise UsageError(f"a parameter server holds {', '.join(DTYPES)}, not {dtype}")
-    for what, value, low in (("staleness", staleness, 0), ("chunk", chunk, 1), ("seed", seed, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise UsageError(f"{what} must be an int >= {low}, not {value!r}")
-    if delay_bound is not None and (
-        isinstance(delay_bound, bool) or not isinstance(delay_bound, int) or delay_bound < 0
+    counts: dict[str, int | None] = {}
+    for what, value, low in (
+        ("staleness", staleness, 0),
+        ("chunk", chunk, 1),
+        ("seed", seed, 0),
+        ("delay_bound", delay_bound, 0),
     ):
-        raise UsageError(f"delay_bound (tau_max) must be an int >= 0 or None, not {delay_bound!r}")
+        if value is None and what == "delay_bound":
+            counts[what] = None
+            continue
+        number = checks.integer(value, what, f"an int >= {low}")
+        if number < low:
+            raise UsageError(f"{what} must be an int >= {low}, not {number}")
+        counts[what] = number
     if callable(update_rule):
         if lr is not None or momentum is not None:
             raise UsageError("lr= and momentum= belong to update_rule='sgd', not a callback")
@@ -343,11 +351,9 @@ def open_request(
         raise UsageError("filters must be a fabricd.FilterSettings")
     ranks = []
     for what, seq in (("servers", servers), ("replicas", replicas)):
-        if isinstance(seq, str | bytes) or not all(
-            isinstance(r, int | np.integer) and not isinstance(r, bool) for r in seq
-        ):
+        if isinstance(seq, str | bytes) or not hasattr(seq, "__iter__"):
             raise UsageError(f"{what} must be a sequence of ranks (ints), not {seq!r}")
-        ranks.append([int(r) for r in seq])
+        ranks.append([checks.integer(r, f"each of {what}", "an int rank") for r in seq])
     return {
         "name": name,
         "role": role,
@@ -356,10 +362,7 @@ def open_request(
         "servers": ranks[0],
         "replicas": ranks[1],
         "consistency": consistency,
-        "staleness": staleness,
-        "delay_bound": delay_bound,
-        "chunk": chunk,
-        "seed": seed,
+        **counts,
         "rule": "callback" if callable(update_rule) else update_rule,
         "lr": None if lr is None else float(lr),  # type: ignore[arg-type]
         "momentum": None if momentum is None else float(momentum),  # type: ignore[arg-type]

@@ -1169,22 +1169,32 @@ class PSService(BaseService):
         """Send ``node``'s ranks again what may have been lost with its old links, and what
         was held for them; ranks it has not announced again yet get theirs when it does
         (:meth:`on_rank_event`)."""
-        for job, rank in list(self._held):
-            if self._node_of(job, rank) == node:
-                for frame, payload in self._held.pop((job, rank)):
-                    self._send(job, rank, frame, payload)
+        self._send_again(lambda job, rank: self._node_of(job, rank) == node, rejoin=False)
+
+    def _send_again(self, reached: Callable[[str, int], bool], *, rejoin: bool) -> None:
+        """Send the ranks that ``reached`` says are reachable again what was held for them and
+        what they may have lost: the workers' pushes and pulls in flight to them, a primary's
+        entries to its partner (or its whole state, :meth:`_resync`), a replica's JOIN (if it
+        has no state, or always with ``rejoin``: what its primary sent again when it learned
+        of this rank may have overtaken the primary's announcement here and been dropped by
+        :meth:`_sent_by`; with the state, the snapshot is ignored and the entries after it are
+        taken or confirmed again)."""
+        for job, rank in [k for k in self._held if reached(*k)]:
+            for frame, payload in self._held.pop((job, rank)):
+                self._send(job, rank, frame, payload)
         for key, model in list(self.models.items()):
+            job = key[0]
             for side in model.local_workers.values():
                 for shard in range(len(model.bounds)):
-                    if self._node_of(key[0], model.target(shard)) == node:
+                    if reached(job, model.target(shard)):
                         self._worker(key, side, side.engine.resend(shard))
             for shard, server in model.servers.items():
                 partner = model.partner(shard, model.rank_of(shard))
-                if partner is None or self._node_of(key[0], partner) != node:
+                if partner is None or not reached(job, partner):
                     continue
                 if server.primary:
                     self._server(key, shard, self._resync(server))
-                elif not server.has_state:
+                elif rejoin or not server.has_state:
                     self._join(key, shard)  # the JOIN may have gone with the old links
         self._flush()
 
@@ -1215,28 +1225,7 @@ class PSService(BaseService):
             # there): what waits for it goes now, unless its node's links are not all up yet
             # (then peer_up sends it)
             if node == self.host.config.node_id or self.host.data_link(node) is not None:
-                for frame, payload in self._held.pop((job, rank), []):
-                    self._send(job, rank, frame, payload)
-                for key, model in list(self.models.items()):
-                    if key[0] != job:
-                        continue
-                    for side in model.local_workers.values():
-                        for shard in range(len(model.bounds)):
-                            if model.target(shard) == rank:
-                                self._worker(key, side, side.engine.resend(shard))
-                    for shard, server in model.servers.items():
-                        if model.partner(shard, model.rank_of(shard)) != rank:
-                            continue
-                        if server.primary:
-                            self._server(key, shard, self._resync(server))
-                        else:
-                            # the JOIN may have gone with the old links; and what the primary
-                            # sent again when it learned of this rank may have overtaken the
-                            # primary's announcement here and been dropped (_sent_by): with
-                            # the state, its snapshot is ignored (restore) and its entries
-                            # after it are taken or confirmed again
-                            self._join(key, shard)
-            self._flush()
+                self._send_again(lambda j, r: (j, r) == (job, rank), rejoin=True)
             return
         assert isinstance(event, RankLeft)
         if event.lost and event.entry.node != self.host.config.node_id:

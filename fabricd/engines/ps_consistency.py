@@ -85,6 +85,7 @@ import numpy as np
 
 from fabricd.engines import ps_snapshot as snap
 from fabricd.errors import RemoteProtocolError, UsageError
+from fabricd.wire import get_int
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -594,7 +595,7 @@ class Coordinator:
         if not all(type(v) is int and v >= 0 for v in [*dropped.values(), *delays]):
             raise RemoteProtocolError("snapshot counters must be ints >= 0")
         counts = {
-            name: snap.count(state, name)
+            name: get_int(state, name)
             for name in ("version", "complete", "applied", "delay_sum", "held_total", "refused")
         }
         complete = counts["complete"]

@@ -69,6 +69,7 @@ from fabricd.engines.ps_filters import LOW_MAX, FilterSettings, ParameterFilter
 from fabricd.engines.ps_storage import HEADER as PULL_HEADER
 from fabricd.engines.ps_storage import TimedStore
 from fabricd.errors import RemoteProtocolError, UsageError
+from fabricd.wire import get_int
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -429,7 +430,7 @@ class ShardServer:
                 changed.
         """
         state = ps_snapshot.decode(data)
-        epoch = ps_snapshot.count(state, "epoch")
+        epoch = get_int(state, "epoch")
         if self.primary and epoch <= self.epoch:
             return False
         if self.has_state and epoch == self.epoch and index <= self._index:

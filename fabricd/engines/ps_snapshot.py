@@ -115,11 +115,3 @@ def array(state: dict[Any, Any], name: str, like: np.ndarray[Any, Any]) -> np.nd
             f"snapshot array {name!r} of {value.dtype} {value.shape}, not {like.dtype} {like.shape}"
         )
     return value
-
-
-def count(state: dict[Any, Any], name: str) -> int:
-    """``state[name]``, an int >= 0."""
-    value = field(state, name, int)
-    if value < 0:
-        raise RemoteProtocolError(f"snapshot field {name!r} is {value}")
-    return int(value)

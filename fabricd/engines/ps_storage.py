@@ -92,6 +92,7 @@ import numpy as np
 
 from fabricd.engines import ps_snapshot as snap
 from fabricd.errors import RemoteProtocolError, UsageError
+from fabricd.wire import get_int
 
 Array = np.ndarray[Any, Any]
 
@@ -393,14 +394,14 @@ class TimedStore:
         """
         model = snap.array(state, "model", self._model)
         versions = snap.array(state, "versions", self._versions)
-        version = snap.count(state, "version")
+        version = get_int(state, "version")
         if versions.size and int(versions.max()) > version:
             raise RemoteProtocolError("a snapshot chunk newer than its model's version")
         pulls = snap.field(state, "pulls", list)
         if len(pulls) != len(Encoding) or not all(type(n) is int and n >= 0 for n in pulls):
             raise RemoteProtocolError("snapshot pull counters of another shape")
-        chunks_published = snap.count(state, "chunks_published")
-        pulled_bytes = snap.count(state, "pulled_bytes")
+        chunks_published = get_int(state, "chunks_published")
+        pulled_bytes = get_int(state, "pulled_bytes")
         self._chunks_published, self._pulled_bytes = chunks_published, pulled_bytes
         self._model, self._versions, self._version = model, versions, version
         self._pulls = dict(zip(Encoding, pulls, strict=True))

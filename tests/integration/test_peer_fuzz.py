@@ -13,6 +13,7 @@ import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -93,6 +94,29 @@ def _real_peer_untouched(cluster: LocalCluster, before: dict) -> None:
 
 
 # -- stray payloads ----------------------------------------------------------------------------
+def _closed_saying(
+    cluster: LocalCluster,
+    peer: PeerSession,
+    send: Callable[[], object],
+    why: str,
+    what: str = "the target",
+) -> None:
+    """``send`` makes the target close both of ``peer``'s links, logging ``why``."""
+    said = _log_says(cluster, why)
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        send()
+    guard = time.monotonic() + 20  # a hang guard
+    while _log_says(cluster, why) == said:
+        assert time.monotonic() < guard, f"{what}: the log never said {why!r}"
+        time.sleep(0.02)
+    for sock in (peer.control.sock, peer.data.sock):  # the reset takes both links
+        sock.settimeout(20)
+        with contextlib.suppress(ConnectionResetError):
+            while sock.recv(65536):  # (heartbeats sent before the reset)
+                pass
+    peer.close()
+
+
 def test_data_nobody_asked_for_closes_the_link_before_its_payload_is_read(make_cluster):
     cluster, secret, real = _pretend_node_zero(make_cluster)
     pid = cluster.nodes[TARGET].pid
@@ -328,21 +352,10 @@ def test_malformed_eager_and_rtr_frames_close_only_that_peers_links_and_say_why(
     pid = cluster.nodes[TARGET].pid
     before = _rss(pid)
     for what, channel, make, reason in _MALFORMED:
-        said = _log_says(cluster, reason)
         peer = _session(cluster, secret)
         link = peer.data if channel == "data" else peer.control
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            link.sock.sendall(make(link))
-        guard = time.monotonic() + 20  # a hang guard: past a burst, the line comes as a summary
-        while _log_says(cluster, reason) == said:
-            assert time.monotonic() < guard, f"{what}: the log never said {reason!r}"
-            time.sleep(0.02)
-        for sock in (peer.control.sock, peer.data.sock):  # the reset takes both links
-            sock.settimeout(20)
-            with contextlib.suppress(ConnectionResetError):
-                while sock.recv(65536):  # (heartbeats sent before the reset)
-                    pass
-        peer.close()
+        # past a burst, the line comes as a summary
+        _closed_saying(cluster, peer, partial(link.sock.sendall, make(link)), reason, what)
     assert cluster.nodes[TARGET].process.poll() is None
     assert _rss(pid) - before < 16 * MiB  # nothing declared was allocated
     _real_peer_untouched(cluster, real)

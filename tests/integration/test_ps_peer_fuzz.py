@@ -38,6 +38,7 @@ from fabricd.wire import Kind
 from .test_peer_fuzz import (
     TARGET,
     MiB,
+    _closed_saying,
     _log_says,
     _pretend_node_zero,
     _real_peer_untouched,
@@ -148,25 +149,6 @@ def _rogue(cluster: LocalCluster, secret: bytes) -> PeerSession:
         assert time.monotonic() < guard, "the target never took the rogue's announcement"
         time.sleep(0.02)
     return peer
-
-
-def _closed_saying(
-    cluster: LocalCluster, peer: PeerSession, send: Callable[[], object], why: str
-) -> None:
-    """``send`` makes the target close both of ``peer``'s links, logging ``why``."""
-    said = _log_says(cluster, why)
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        send()
-    guard = time.monotonic() + 20  # a hang guard
-    while _log_says(cluster, why) == said:
-        assert time.monotonic() < guard, f"the log never said {why!r}"
-        time.sleep(0.02)
-    for sock in (peer.control.sock, peer.data.sock):  # the reset takes both links
-        sock.settimeout(20)
-        with contextlib.suppress(ConnectionResetError):
-            while sock.recv(65536):  # (heartbeats sent before the reset)
-                pass
-    peer.close()
 
 
 def _counters(cluster: LocalCluster) -> dict[str, int]:

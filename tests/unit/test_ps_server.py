@@ -161,6 +161,20 @@ CONSISTENCIES = st.sampled_from(
 )
 
 
+def replicated(consistency: Consistency, staleness: int, **kw: Any) -> Fabric:
+    """Three workers over two shards of five parameters, each shard with a replica."""
+    return Fabric(
+        workers=3,
+        shards=2,
+        size=5,
+        rounds=3,
+        consistency=consistency,
+        staleness=staleness,
+        replicas=True,
+        **kw,
+    )
+
+
 @settings(max_examples=120)
 @given(CONSISTENCIES, st.data())
 def test_exactly_once_with_replica_under_any_interleaving(
@@ -170,15 +184,7 @@ def test_exactly_once_with_replica_under_any_interleaving(
     every push applied exactly once, the model the sum of every acknowledged push, versions
     a worker sees never go back, the replica equal to its primary."""
     consistency, staleness = mode
-    fabric = Fabric(
-        workers=3,
-        shards=2,
-        size=5,
-        rounds=3,
-        consistency=consistency,
-        staleness=staleness,
-        replicas=True,
-    )
+    fabric = replicated(consistency, staleness)
     play(fabric, data.draw(moves(3, 2, failover=False)))
     if consistency is Consistency.BSP:
         assert all(fabric.serving(s).version == 3 for s in range(2))
@@ -193,15 +199,7 @@ def test_failover_loses_nothing_acknowledged(
     promoted and the workers fail over: nothing acknowledged is lost, nothing applied twice,
     the replica serves on and versions never go back."""
     consistency, staleness = mode
-    fabric = Fabric(
-        workers=3,
-        shards=2,
-        size=5,
-        rounds=3,
-        consistency=consistency,
-        staleness=staleness,
-        replicas=True,
-    )
+    fabric = replicated(consistency, staleness)
     run(fabric, data.draw(moves(3, 2, failover=True)))
     replica = fabric.replicas[0]
     assert replica is not None
@@ -250,7 +248,7 @@ def test_async_delay_bound(bound: int, replicas: bool, data: st.DataObject) -> N
 def test_lost_worker_with_interleavings(consistency: Consistency, data: st.DataObject) -> None:
     """A worker lost at any point: the others finish (BSP goes on without it), and what it
     pushed before is applied once or acknowledged as dropped."""
-    fabric = Fabric(workers=3, shards=2, size=5, rounds=3, consistency=consistency, replicas=True)
+    fabric = replicated(consistency, 0)
     run(fabric, data.draw(moves(3, 2, failover=True)))
     fabric.lose(2)
     play(fabric, data.draw(moves(3, 2, failover=True)))
@@ -269,17 +267,8 @@ def test_callback_flush_and_joins_at_any_point(
     a replica that joins late, primaries killed and fresh replicas joining the promoted one
     (a snapshot with entries unconfirmed or a Step out): the same guarantees as ever."""
     consistency, staleness = mode
-    fabric = Fabric(
-        workers=3,
-        shards=2,
-        size=5,
-        rounds=3,
-        consistency=consistency,
-        staleness=staleness,
-        replicas=True,
-        callback=callback,
-        lossless=lossless,
-        late_join=True,
+    fabric = replicated(
+        consistency, staleness, callback=callback, lossless=lossless, late_join=True
     )
     for _ in range(3):  # kill and rejoin more than once: the epochs go on
         run(fabric, data.draw(moves(3, 2, failover=True, joins=True, flushes=True)))

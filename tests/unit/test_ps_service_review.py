@@ -173,6 +173,18 @@ class Fabric:
         } | spec
         return self.request(rank, rid, "ps_open", **meta)
 
+    def join_all(self) -> None:
+        for rank in NODES:
+            self.join(rank)
+
+    def start(self, **spec: Any) -> None:
+        """Every rank joins; rank 0 opens the model as its server, 1 as its replica, 2 and 3
+        as workers; every frame that causes is delivered."""
+        self.join_all()
+        for rank, role in enumerate(("server", "replica", "worker", "worker")):
+            self.open(rank, role, **spec)
+        assert self.deliver(100)
+
     def array(self, rank: int) -> np.ndarray[Any, Any]:
         return self.sessions[rank].segments[1].array  # type: ignore[attr-defined,no-any-return]
 
@@ -211,13 +223,7 @@ def test_two_partners_without_the_shards_state_do_not_ask_each_other_for_ever() 
     partner to JOIN.  A rank without state used to answer every JOIN with one of its own, so
     the two daemons sent each other JOINs for ever."""
     fabric = Fabric()
-    for rank in NODES:
-        fabric.join(rank)
-    fabric.open(0, "server")
-    fabric.open(1, "replica")
-    fabric.open(2, "worker")
-    fabric.open(3, "worker")
-    assert fabric.deliver(100)
+    fabric.start()
     fabric.leave(0)  # the replica takes over at epoch 1
     assert fabric.deliver(100)
     fabric.leave(1)  # nobody is left to serve the shard
@@ -240,8 +246,7 @@ def test_a_push_sent_before_its_server_opened_waits_for_it_past_route_timeout() 
     reset.  Now the push waits for the server, is applied, and the next one too; a pull still
     fails after route_timeout (a pull changes nothing)."""
     fabric = Fabric(route_timeout=5.0)
-    for rank in NODES:
-        fabric.join(rank)
+    fabric.join_all()
     fabric.open(1, "replica")
     fabric.open(2, "worker")
     fabric.open(3, "worker")
@@ -273,8 +278,7 @@ def test_a_push_sent_before_its_server_opened_waits_for_it_past_route_timeout() 
 def test_a_push_waiting_for_its_server_is_dropped_when_its_worker_leaves() -> None:
     """A push that waits for its server holds its payload: it goes when its worker does."""
     fabric = Fabric()
-    for rank in NODES:
-        fabric.join(rank)
+    fabric.join_all()
     fabric.open(3, "worker")
     fabric.call(3, 10, "ps_push")
     assert fabric.deliver(100)
@@ -289,8 +293,7 @@ def test_a_flush_is_answered_once_it_is_published() -> None:
     right after (the bench's final pull) could be answered before the flush was published,
     without the changes it held back."""
     fabric = Fabric()
-    for rank in NODES:
-        fabric.join(rank)
+    fabric.join_all()
     lossless = {"psmp_threshold": 0.5, "lossless_publish": True}
     fabric.array(0)[:] = 100.0
     fabric.open(0, "server", filters=lossless, seg=1, off=0, nbytes=SIZE * 8)
@@ -324,13 +327,7 @@ def test_a_failover_to_a_replica_whose_node_is_briefly_unreachable_waits_for_it(
     the shard for good ('its partner rank 1 is gone too') although the replica came back a
     moment later and served the shard; its workers' calls failed for ever."""
     fabric = Fabric()
-    for rank in NODES:
-        fabric.join(rank)
-    fabric.open(0, "server")
-    fabric.open(1, "replica")
-    fabric.open(2, "worker")
-    fabric.open(3, "worker")
-    assert fabric.deliver(100)
+    fabric.start()
     node0, node1 = fabric.services
     # node 0 loses its links to node 1: ranks 1 and 3 are suspects there
     lost = [fabric.table.entries.pop((JOB, rank)) for rank in (1, 3)]
@@ -360,8 +357,7 @@ def test_a_stall_row_names_the_shards_the_call_waits_for() -> None:
     to say it waited for every shard, the one that answered too.  A shard served on the
     row's node says what it waits for itself."""
     fabric = Fabric(stall_after=10.0)
-    for rank in NODES:
-        fabric.join(rank)
+    fabric.join_all()
     spec: dict[str, Any] = {"servers": [0, 1], "replicas": [], "consistency": "async"}
     fabric.open(0, "server", **spec)
     fabric.open(1, "server", **spec)
@@ -373,8 +369,7 @@ def test_a_stall_row_names_the_shards_the_call_waits_for() -> None:
     assert row["detail"] == "push at clock 1 waits for shard 1 (rank 1)"
     assert row["peer_joined"] is True
     bsp = Fabric(stall_after=10.0)
-    for rank in NODES:
-        bsp.join(rank)
+    bsp.join_all()
     bsp.open(0, "server", replicas=[])
     bsp.open(2, "worker", replicas=[])
     bsp.call(2, 10, "ps_push")
@@ -389,8 +384,7 @@ def test_a_learning_rate_that_is_not_a_number_is_a_usage_error() -> None:
     """A local client's lr or momentum of another type reached float(): a ValueError or
     TypeError, which the node takes for a bug in the daemon ('internal', a traceback)."""
     fabric = Fabric()
-    for rank in NODES:
-        fabric.join(rank)
+    fabric.join_all()
     for lr, momentum in (("fast", None), ([0.1], None), (0.1, "none"), (True, None)):
         with pytest.raises(UsageError, match="lr and momentum are numbers"):
             fabric.open(0, "server", rule="sgd", lr=lr, momentum=momentum)
@@ -401,8 +395,7 @@ def test_a_push_sent_again_while_it_waits_for_its_server_is_held_once() -> None:
     """Each reset of the links sends the push again: a copy held per reset would fill the
     bound on held frames, past which pushes are refused."""
     fabric = Fabric()
-    for rank in NODES:
-        fabric.join(rank)
+    fabric.join_all()
     fabric.open(3, "worker", replicas=[], consistency="async")
     fabric.call(3, 10, "ps_push")
     for _ in range(3):
@@ -420,8 +413,7 @@ def test_a_failover_to_a_replica_without_the_state_fails_the_shard() -> None:
     where a push came back 'dropped' (the state is lost) as if it had been processed; now the
     shard has no server, said once and clearly."""
     fabric = Fabric()
-    for rank in NODES:
-        fabric.join(rank)
+    fabric.join_all()
     fabric.open(1, "replica")  # its JOIN finds no server: rank 0 never opens
     fabric.open(3, "worker")
     assert fabric.deliver(100)
@@ -437,8 +429,7 @@ def test_a_failover_to_a_replica_without_the_state_fails_the_shard() -> None:
 
 def test_a_failover_to_a_partner_that_is_gone_is_not_counted() -> None:
     fabric = Fabric()
-    for rank in NODES:
-        fabric.join(rank)
+    fabric.join_all()
     fabric.open(0, "server")
     fabric.open(1, "replica")
     fabric.open(2, "worker")
@@ -454,8 +445,7 @@ def test_a_malformed_frame_held_for_a_server_does_not_fail_its_open() -> None:
     ps_open: its protocol error went up from that request, and the node closed the server
     process's connection (the peer that sent it went on).  It is dropped and counted."""
     fabric = Fabric()
-    for rank in NODES:
-        fabric.join(rank)
+    fabric.join_all()
     fabric.open(3, "worker", replicas=[], consistency="async")
     spec = fabric.services[1].models[JOB, NAME].spec
     push = frames.Push(
@@ -477,13 +467,7 @@ def test_a_partner_back_after_the_primary_gave_it_up_gets_the_state_again() -> N
     so it never asks to JOIN; it used to stay behind for good, and a failover then served a
     model without what the primary acknowledged meanwhile (versions back)."""
     fabric = Fabric()
-    for rank in NODES:
-        fabric.join(rank)
-    fabric.open(0, "server", consistency="async")
-    fabric.open(1, "replica", consistency="async")
-    fabric.open(2, "worker", consistency="async")
-    fabric.open(3, "worker", consistency="async")
-    assert fabric.deliver(100)
+    fabric.start(consistency="async")
     node0, node1 = fabric.services
     lost = [fabric.table.entries.pop((JOB, rank)) for rank in (1, 3)]
     for entry in lost:  # node 0 loses node 1 for longer than down_after
@@ -520,8 +504,7 @@ def test_an_entry_that_overtook_its_primarys_announcement_is_sent_again() -> Non
     state asked for nothing when rank 0 joined, so the primary waited for a confirmation
     that never came, and the push for it (async: no other push moves the shard on)."""
     fabric = Fabric()
-    for rank in NODES:
-        fabric.join(rank)
+    fabric.join_all()
     for rank, role in ((0, "server"), (1, "replica"), (2, "worker"), (3, "worker")):
         fabric.open(rank, role, consistency="async")
     assert fabric.deliver(100)
@@ -565,8 +548,7 @@ def test_a_push_past_the_bound_on_held_frames_is_not_answered_as_dropped(
     bound is refused."""
     monkeypatch.setattr(ps_service, "_MAX_EARLY", 0)
     fabric = Fabric()
-    for rank in NODES:
-        fabric.join(rank)
+    fabric.join_all()
     fabric.open(1, "replica")
     fabric.open(3, "worker")
     fabric.array(3)[:] = 1.0
