@@ -2,7 +2,8 @@
 
 Two daemons' engines in this process, wired by hand: node 0 hosts rank 0, node 1 hosts rank 1,
 and each has its :class:`~fabricd.engines.membership.Membership` and
-:class:`~fabricd.engines.p2p.Messaging` engine, as the daemon does.  One rendezvous is what the
+:class:`~fabricd.engines.p2p.matching.Messaging` engine, as the daemon does.  One rendezvous is
+what the
 daemons' engines do for one 64-byte message from rank 0 to rank 1: node 1 posts the receive,
 node 0 posts the send (RTS), node 1 takes the RTS (CTS), node 0 takes the CTS (stream), node 1
 lands the one DATA chunk (DONE), node 0 takes the DONE -- and after every input the daemon's
@@ -32,8 +33,9 @@ from bench.report import Column, Progress, Table, fmt_number, median, per_call, 
 from fabricd.engines.actions import Broadcast, Complete, SendFrame
 from fabricd.engines.membership import Membership, RankJoined
 from fabricd.engines.ownership import User
-from fabricd.engines.p2p import Message, Messaging, StreamData
-from fabricd.frames import Announce, Cts, Data, Done, Rts
+from fabricd.engines.p2p.matching import Message, Messaging, StreamData
+from fabricd.frames.membership import Announce
+from fabricd.frames.p2p import Cts, Data, Done, Rts
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

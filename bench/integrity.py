@@ -47,7 +47,8 @@ from bench.report import (
     spawn,
     stderr_progress,
 )
-from fabricd.frames import Data, Heartbeat, Rts
+from fabricd.frames.link import Heartbeat
+from fabricd.frames.p2p import Data, Rts
 from fabricd.integrity import KEY_SIZE, Opener, Sealer
 from fabricd.wire import NEED_DATA, Decoder, Frame, encode_head
 

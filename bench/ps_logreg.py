@@ -35,7 +35,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Final
 
 from bench.report import Column, Extra, Progress, Table, fmt_number, quiet, run_alone
-from fabricd.engines.ps_filters import FilterSettings
+from fabricd.engines.ps.filters import FilterSettings
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -1,13 +1,13 @@
 """(n) Timed parameter storage (TDF §III.B): a version per parameter against one per chunk.
 
-One :class:`~fabricd.engines.ps_storage.TimedStore` of 10^6 float32 parameters per chunk size
+One :class:`~fabricd.engines.ps.storage.TimedStore` of 10^6 float32 parameters per chunk size
 (1, 16, 256, 4096), all in this process: no daemon, no socket.  Each store takes the same five
 publishes, each changing 1% or 10% of the parameters, scattered at random or in runs of 256
 consecutive ones (a chunk is published whole when any of its parameters changed, as the ``ps``
-service publishes what :mod:`~fabricd.engines.ps_filters` kept).  Then, for a worker one round
+service publishes what :mod:`~fabricd.engines.ps.filters` kept).  Then, for a worker one round
 behind and one four rounds behind: the bytes of the reply (:meth:`TimedStore.pull`, the
 smallest encoding), its encoding, and the median time to build it; the median time to apply
-the one-round reply to a worker's cache (:func:`~fabricd.engines.ps_storage.apply_delta`); and
+the one-round reply to a worker's cache (:func:`~fabricd.engines.ps.storage.apply_delta`); and
 the versions' memory.  Both replies are checked: applied to the model as it was one and four
 rounds before, they must give the published model bitwise (the benchmark raises otherwise).
 
@@ -17,7 +17,7 @@ reply smaller; below 1: they send unchanged neighbours along).  The bytes are ex
 :data:`SEED` (one generator drawn in a fixed order: each case's masks, then each store's initial
 and published values, so docs/performance.md's byte counts come back exactly); the times are
 one process's on a shared machine and only compare within a run.  The apply time is
-:func:`~fabricd.engines.ps_storage.apply_delta` alone, into the same cache each time (it writes
+:func:`~fabricd.engines.ps.storage.apply_delta` alone, into the same cache each time (it writes
 the same values again), not a copy of the cache.
 
 Run alone: ``python -m bench.ps_storage [--quick]``.
@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 
 from bench.report import Column, Progress, Table, fmt_number, median, per_call, quiet, run_alone
-from fabricd.engines import ps_storage
+from fabricd.engines.ps import storage as ps_storage
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from fabricd.engines.ps_storage import Array
+    from fabricd.engines.ps.storage import Array
 
 #: parameters per version: the baseline first
 CHUNKS: Final = (1, 16, 256, 4096)

@@ -15,7 +15,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from fabricd.engines import graphs
+from fabricd.engines.stochastic import graphs
 from fabricd.errors import UsageError
 
 console = Console(emoji=False)

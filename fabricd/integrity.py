@@ -5,7 +5,7 @@ Rules: this module holds every byte of the per-frame integrity check and nothing
 no I/O, reads no clock and keeps no state beyond its keys and counters.  Transports seal in
 their send path and open in their receive path (:mod:`fabricd.wire`'s decoder calls the
 opener); the peering service makes the pair from the keys the handshake derived
-(:meth:`fabricd.engines.handshake.Handshake.session_keys`).
+(:meth:`fabricd.engines.link.handshake.Handshake.session_keys`).
 
 Theory of operation.  Once a link is authenticated, every frame on it, both ways, is sealed::
 

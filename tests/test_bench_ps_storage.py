@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bench import ps_storage
-from fabricd.engines.ps_storage import Encoding
+from fabricd.engines.ps.storage import Encoding
 from tests.test_bench_smoke import assert_ratios, run_bench, the_table
 
 

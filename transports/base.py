@@ -65,7 +65,7 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
-from fabricd.frames import Write
+from fabricd.frames.p2p import Write
 from fabricd.wire import Kind
 
 if TYPE_CHECKING:

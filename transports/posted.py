@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from fabricd.dtypes import ITEMSIZE
-from fabricd.frames import MAX_SLOT, Write
+from fabricd.frames.p2p import MAX_SLOT, Write
 from fabricd.wire import DISCARD, Discard
 
 if TYPE_CHECKING:

@@ -47,8 +47,8 @@ from fabricd.client.p2p import Completion, PointToPoint, Wait
 from fabricd.client.protocol import Event
 from fabricd.client.ps import ParameterServer, PushResult, open_request
 from fabricd.client.stochastic import ReduceResult, StochasticReduce, Sync
-from fabricd.engines.ps_filters import FilterSettings
-from fabricd.engines.ps_worker import shard_bounds
+from fabricd.engines.ps.filters import FilterSettings
+from fabricd.engines.ps.worker import shard_bounds
 from fabricd.errors import DaemonUnavailable, Timeout, UsageError
 from fabricd.ipc import socket_candidates
 

@@ -1,7 +1,7 @@
 """The collectives facet: allreduce (sync, solo, majority), broadcast, barrier, sync_model.
 
 ``fab.allreduce`` and the others come here; the daemon's collective service
-(:mod:`fabricd.daemon.collective_service`) runs each as a *persistent schedule* per
+(:mod:`fabricd.daemon.services.collectives`) runs each as a *persistent schedule* per
 (job, collective name): the first call builds it on every node, later calls reuse it round
 after round (eager-SGD §4.1, §4.3).  Only (segment, offset, length, dtype) travels over the
 socket; the daemon reads the contribution from the array's shared memory and writes the result

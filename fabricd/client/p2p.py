@@ -1,7 +1,7 @@
 """The point-to-point facet: MPI-like sends and receives between the ranks of a job.
 
 ``fab.send``/``fab.recv`` (and their ``_async`` forms) come here; the daemon's p2p engine
-(:mod:`fabricd.engines.p2p`) matches them by (source, destination, tag) and moves the bytes
+(:mod:`fabricd.engines.p2p.matching`) matches them by (source, destination, tag) and moves the bytes
 between the two arrays' segments (docs/protocol.md §3.4).  Every argument is checked before
 the request goes out (:mod:`fabricd.client.checks`).
 """

@@ -12,13 +12,13 @@ ranks in ``servers`` (one per key-range shard) open it with ``role="server"``, t
 A server's or replica's state lives in its daemon for as long as its process keeps the
 connection: the process opens the model and stays (:meth:`ParameterServer.serve`).
 
-Consistency (:mod:`fabricd.engines.ps_consistency`): ``"bsp"`` (an iteration is applied once
+Consistency (:mod:`fabricd.engines.ps.consistency`): ``"bsp"`` (an iteration is applied once
 every worker pushed it; a push returns once applied), ``"ssp"`` with ``staleness=s`` (a pull
 waits until the model lacks at most the last ``s`` iterations of any worker), ``"async"``
 (applied on arrival; with ``delay_bound=tau_max`` an update more than ``tau_max`` versions
 stale is dropped, at the worker when it can tell, and counted).
 
-Filters (:class:`~fabricd.engines.ps_filters.FilterSettings`, all off by default): G-SMP, G-RP
+Filters (:class:`~fabricd.engines.ps.filters.FilterSettings`, all off by default): G-SMP, G-RP
 and G-LNP on the workers' pushes, P-SMP (TDF's, or the lossless publish mode) and P-LNP on the
 servers' pulls.  ``update_rule``: ``"sum"`` (``w += u``) or ``"sgd"`` with ``lr`` and
 ``momentum`` (the pushed update is a gradient; MLfabric eq. 2).
@@ -40,16 +40,16 @@ import numpy as np
 
 from fabricd.client import checks
 from fabricd.client.handle import Handle
-from fabricd.engines.ps_filters import FilterSettings
+from fabricd.engines.ps.filters import FilterSettings
 from fabricd.errors import DaemonUnavailable, UsageError
-from fabricd.frames import MAX_COLLECTIVE_NAME
+from fabricd.frames.fields import MAX_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from fabricd.client.arrays import SharedArrays
     from fabricd.client.connection import Connection
-    from fabricd.engines.ps_consistency import UpdateCallback
+    from fabricd.engines.ps.consistency import UpdateCallback
     from fabricd.wire import Meta
 
 Role = Literal["worker", "server", "replica"]
@@ -315,8 +315,8 @@ def open_request(
     seed: object,
 ) -> Meta:
     """The ``ps_open`` request's fields, every argument checked first."""
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_COLLECTIVE_NAME:
-        raise UsageError(f"a parameter server name is a str of 1 to {MAX_COLLECTIVE_NAME} chars")
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+        raise UsageError(f"a parameter server name is a str of 1 to {MAX_NAME} chars")
     if role not in ROLES:
         raise UsageError(f"role must be one of {', '.join(map(repr, ROLES))}, not {role!r}")
     if consistency not in CONSISTENCIES:

@@ -6,7 +6,7 @@ array made by ``fab.array()``, float16/32/64) in place with the models its in-ne
 updates it used.  The graph is over the job's ranks: a kind of ``fabricctl graph``
 (``all-to-all``, ``star``, ``chain``, ``ring``, ``expander``, ``regular`` with ``degree=`` and
 ``seed=``, or ``edges=[(src, dst), ...]``).  The daemon's graph service
-(:mod:`fabricd.daemon.graph_service`) runs it as a persistent schedule per (job, name): every
+(:mod:`fabricd.daemon.services.stochastic`) runs it as a persistent schedule per (job, name): every
 rank must call a reduce of one name with the same graph, sync, dtype and size, one call at a
 time, and its ``k``-th call is round ``k``.
 
@@ -34,7 +34,8 @@ import numpy as np
 
 from fabricd.client.handle import Handle
 from fabricd.errors import UsageError
-from fabricd.frames import MAX_COLLECTIVE_NAME, MAX_SPEC_EDGES
+from fabricd.frames.fields import MAX_NAME
+from fabricd.frames.stochastic import MAX_SPEC_EDGES
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -49,7 +50,6 @@ SYNCS: Final = ("notify-ack", "barrier", "async")
 #: the graph kinds (as ``fabricctl graph --kind`` names them)
 GRAPHS: Final = ("all-to-all", "star", "chain", "ring", "expander", "regular", "edges")
 DTYPES: Final = ("float16", "float32", "float64")
-MAX_NAME: Final = MAX_COLLECTIVE_NAME
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

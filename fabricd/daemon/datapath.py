@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from fabricd.errors import ErrorCode, OperationFailed
-from fabricd.frames import Data
+from fabricd.frames.p2p import Data
 from fabricd.wire import Kind
 
 if TYPE_CHECKING:

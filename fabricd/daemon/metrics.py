@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
-    from fabricd.engines.handshake import Channel
+    from fabricd.engines.link.handshake import Channel
 
 #: upper bounds (seconds) of the operation latency buckets: a 4 KiB message on loopback takes
 #: about 100 µs, a 256 MiB one about a second

@@ -33,22 +33,22 @@ from typing import TYPE_CHECKING, Any, Final
 
 from fabricd import frames
 from fabricd.daemon import access
-from fabricd.daemon.collective_service import CollectiveService
-from fabricd.daemon.graph_service import GraphService
 from fabricd.daemon.logs import RateLimitedLog, flush_all
-from fabricd.daemon.membership_service import MembershipService
 from fabricd.daemon.metrics import MetricsRegistry, NodeStats
 from fabricd.daemon.metrics_http import MetricsServer
 from fabricd.daemon.node_metrics import DaemonCollector
-from fabricd.daemon.p2p_service import P2PService
-from fabricd.daemon.peering_service import HandshakeSettings, PeeringService
-from fabricd.daemon.ps_service import PSService
 from fabricd.daemon.sdnotify import Notifier
 from fabricd.daemon.segments import SegmentLimits, SegmentTable
 from fabricd.daemon.service import BaseService, Request, check_claims
+from fabricd.daemon.services.collectives import CollectiveService
+from fabricd.daemon.services.membership import MembershipService
+from fabricd.daemon.services.p2p import P2PService
+from fabricd.daemon.services.peering import HandshakeSettings, PeeringService
+from fabricd.daemon.services.ps import PSService
+from fabricd.daemon.services.stochastic import StochasticService
 from fabricd.daemon.sessions import ClientSession, request_id
 from fabricd.engines.actions import Failure
-from fabricd.engines.handshake import Channel
+from fabricd.engines.link.handshake import Channel
 from fabricd.errors import (
     ErrorCode,
     FabricError,
@@ -59,6 +59,7 @@ from fabricd.errors import (
     UsageError,
     code_of,
 )
+from fabricd.frames import link as link_frames
 from fabricd.ipc import IpcConnection, IpcServer
 from fabricd.transports import batch
 from fabricd.transports.tcp import TcpTransport
@@ -127,9 +128,11 @@ def default_services(daemon: Daemon) -> list[Service]:
     collectives = CollectiveService(
         daemon, membership=membership.engine, peers=daemon.peering.engine.peers
     )
-    reduces = GraphService(daemon, membership=membership.engine, peers=daemon.peering.engine.peers)
+    stochastic = StochasticService(
+        daemon, membership=membership.engine, peers=daemon.peering.engine.peers
+    )
     servers = PSService(daemon, membership=membership.engine)
-    return [membership, p2p, collectives, reduces, servers]
+    return [membership, p2p, collectives, stochastic, servers]
 
 
 class Daemon:
@@ -540,7 +543,7 @@ class Daemon:
                 service.shutdown(failure)
         for task in list(self._spawned):  # what is still moving was just failed: stop it
             task.cancel()
-        self.broadcast(frames.Bye())
+        self.broadcast(link_frames.Bye())
         await self.peering.aclose()
 
     def _close_everything(self) -> None:

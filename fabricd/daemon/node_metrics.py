@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from fabricd.daemon.metrics import counter, gauge, histogram
-from fabricd.engines.peers import PeerState
+from fabricd.engines.link.peers import PeerState
 from fabricd.frames import PEER_KINDS
 
 #: the peer frame kinds, in wire order

@@ -300,7 +300,7 @@ class SegmentTable:
 
 def _fds_besides_segments(cfg: Config) -> int:
     """fds the daemon must keep for what is not a segment: every client, per node two links
-    and two dials plus its host's handshake slots (:mod:`fabricd.engines.gate`), the rest."""
+    and two dials plus its host's handshake slots (:mod:`fabricd.engines.link.gate`), the rest."""
     per_node = 4 + 1 + cfg.handshake_spare_slots
     return cfg.max_clients + per_node * len(cfg.nodes) + FD_RESERVE
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from fabricd.engines.peers import PeerInfo
+    from fabricd.engines.link.peers import PeerInfo
     from fabricd.engines.stalls import Stalled
     from fabricd.wire import Meta
 

@@ -42,8 +42,8 @@ from fabricd.client import connect
 from fabricd.daemon.launcher import LocalCluster
 from fabricd.demo import logreg
 from fabricd.demo.training import DemoFailed, run_ranks
-from fabricd.engines.ps_consistency import DELAY_BUCKETS
-from fabricd.engines.ps_filters import FilterSettings
+from fabricd.engines.ps.consistency import DELAY_BUCKETS
+from fabricd.engines.ps.filters import FilterSettings
 from fabricd.errors import PeerFailed
 
 if TYPE_CHECKING:

@@ -3,25 +3,25 @@ TDF's filters save on :mod:`fabricd.demo.logreg` before (and beside) the daemon 
 
 Not a fake of the daemon: a measurement tool.  :class:`InProcessServer` wires the sans-IO
 engines together the way the ``ps`` service does: per worker a
-:class:`~fabricd.engines.ps_filters.GradientFilter` (its own seeded G-RP generator) and a
-:class:`~fabricd.engines.ps_consistency.DelayGate`; on the server one
-:class:`~fabricd.engines.ps_consistency.Coordinator` (BSP or SSP(s)), the ``sgd`` rule
-(:class:`~fabricd.engines.ps_consistency.SGD`), a
-:class:`~fabricd.engines.ps_filters.ParameterFilter` and a
-:class:`~fabricd.engines.ps_storage.TimedStore`.  :meth:`InProcessServer.handle` gives each
+:class:`~fabricd.engines.ps.filters.GradientFilter` (its own seeded G-RP generator) and a
+:class:`~fabricd.engines.ps.consistency.DelayGate`; on the server one
+:class:`~fabricd.engines.ps.consistency.Coordinator` (BSP or SSP(s)), the ``sgd`` rule
+(:class:`~fabricd.engines.ps.consistency.SGD`), a
+:class:`~fabricd.engines.ps.filters.ParameterFilter` and a
+:class:`~fabricd.engines.ps.storage.TimedStore`.  :meth:`InProcessServer.handle` gives each
 worker an object with the client's ``push(update)`` and ``pull(out=w) -> version``, which keeps
 the worker's cached model and brings it up to date with
-:func:`~fabricd.engines.ps_storage.apply_delta` from the store's reply since its version.
+:func:`~fabricd.engines.ps.storage.apply_delta` from the store's reply since its version.
 
 Bytes, exactly as the engines report them: a push costs :attr:`Push.nbytes
-<fabricd.engines.ps_filters.Push.nbytes>` (values, and indices when sparse), a pull the length
-of :meth:`TimedStore.pull <fabricd.engines.ps_storage.TimedStore.pull>`'s reply (header
+<fabricd.engines.ps.filters.Push.nbytes>` (values, and indices when sparse), a pull the length
+of :meth:`TimedStore.pull <fabricd.engines.ps.storage.TimedStore.pull>`'s reply (header
 included).  Frame headers of the wire are not counted, with or without filters.  Under P-LNP
 the store holds float16 (the published values are float16, so the replies carry 2 bytes a
 value); the server keeps its model in float32 either way.
 
-Each model update is one :class:`~fabricd.engines.ps_consistency.Apply`: the rule steps a copy
-of :attr:`ParameterFilter.model <fabricd.engines.ps_filters.ParameterFilter.model>` by the
+Each model update is one :class:`~fabricd.engines.ps.consistency.Apply`: the rule steps a copy
+of :attr:`ParameterFilter.model <fabricd.engines.ps.filters.ParameterFilter.model>` by the
 combined gradient, the filter decides what to publish (TDF's ``t`` is the applied iteration
 plus 1), and the store publishes it.  At the end :meth:`InProcessServer.finish` flushes the
 filter (lossless mode: every remaining difference is published; TDF mode: nothing) and returns
@@ -48,9 +48,11 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from fabricd.demo import logreg
-from fabricd.engines import ps_consistency, ps_filters, ps_storage
-from fabricd.engines.ps_consistency import Apply, Consistency, Coordinator, DelayGate, Reply
-from fabricd.engines.ps_filters import FilterSettings, GradientFilter, ParameterFilter
+from fabricd.engines.ps import consistency as ps_consistency
+from fabricd.engines.ps import filters as ps_filters
+from fabricd.engines.ps import storage as ps_storage
+from fabricd.engines.ps.consistency import Apply, Consistency, Coordinator, DelayGate, Reply
+from fabricd.engines.ps.filters import FilterSettings, GradientFilter, ParameterFilter
 
 if TYPE_CHECKING:
     from fabricd.demo.logreg import Dataset

@@ -10,7 +10,7 @@ each rank averages its model with its in-neighbours' of the same round (eq. A.2,
 ``w_i <- (w_i + sum_{j in N_in(i)} w_j) / (1 + |N_in(i)|)``).  numpy only; nothing here talks
 to a fabric: :func:`train` is one rank's loop around an injected ``reduce(w) -> inputs`` (the
 real call in :mod:`fabricd.demo.svm_fabric`), and :func:`simulate` runs every rank in lockstep
-in this process, averaging with the graph's matrix ``P`` (:mod:`fabricd.engines.graphs`).
+in this process, averaging with the graph's matrix ``P`` (:mod:`fabricd.engines.stochastic.graphs`).
 
 Data: ``x ~ N(0, I_dim / dim)`` (norm about 1, as Bottou normalises RCV1's rows), dense
 float32; the label is the side of a hidden hyperplane through the origin, ``y = sign(a . x)``
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fabricd.engines import graphs
+from fabricd.engines.stochastic import graphs
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -333,7 +333,7 @@ def simulate(
     clock: Callable[[], float] = time.perf_counter,
 ) -> History:
     """Every rank of the job in lockstep in this process, averaged with ``P`` of the graph
-    ``graph_kind`` over ``settings.ranks`` (:func:`fabricd.engines.graphs.build`): what
+    ``graph_kind`` over ``settings.ranks`` (:func:`fabricd.engines.stochastic.graphs.build`): what
     :func:`train` does on every rank with a notify-ack reduce, which averages every
     in-neighbour's update of the round.
 

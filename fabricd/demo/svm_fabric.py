@@ -24,7 +24,7 @@ from fabricd.client import connect
 from fabricd.daemon.launcher import LocalCluster
 from fabricd.demo.svm import DTYPE, History, Point, RankHistory, Settings, train
 from fabricd.demo.training import DemoFailed, run_ranks
-from fabricd.engines import graphs
+from fabricd.engines.stochastic import graphs
 from fabricd.errors import PeerFailed
 
 if TYPE_CHECKING:

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fabricd.errors import ErrorCode
-    from fabricd.frames import HandshakeFrame, PeerFrame
+    from fabricd.frames import PeerFrame
+    from fabricd.frames.link import HandshakeFrame
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

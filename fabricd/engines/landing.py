@@ -28,7 +28,8 @@ takes effect once that chunk is in: answering the receive earlier let its client
 region while the rest of the chunk still landed there.
 
 Ids: a message is known by the sender's id when a CTS asked for it, and by the *negative* of
-the receiver's RTR number when an RTR did (:mod:`fabricd.engines.p2p`): its DATA carries that
+the receiver's RTR number when an RTR did (:mod:`fabricd.engines.p2p.matching`): its DATA carries
+that
 number, and may arrive before the RTS that names the message.  Such an entry is registered
 *unarmed* when the RTR leaves, and is not counted among the transfers under way
 (:meth:`Landing.__len__`, which a drain waits on) until the sender's answer arms it: an RTR the

@@ -46,7 +46,7 @@ from typing import Final, Protocol
 from fabricd.engines.actions import Broadcast, Notice, SendFrame
 from fabricd.engines.ownership import Ownership, User
 from fabricd.errors import PermissionDenied, RemoteProtocolError, UsageError
-from fabricd.frames import Announce
+from fabricd.frames.membership import Announce
 
 RankKey = tuple[str, int]  #: (job, rank)
 #: claims (known and ignored) one peer may hold in the table

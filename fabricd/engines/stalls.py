@@ -1,7 +1,8 @@
 """Stall reports: what an operation pending longer than ``stall_after`` is waiting for.
 
 Rules: data and words only.  The point-to-point engine decides which operations are stalled
-and gathers the facts (:meth:`fabricd.engines.p2p.Messaging.stalls`); this module names what
+and gathers the facts (:meth:`fabricd.engines.p2p.matching.Messaging.stalls`); this module names
+what
 each one waits for and says it in one sentence.  Whether the peer's *node* is alive is the
 peers engine's knowledge: the daemon adds it (engines do not call each other).
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from fabricd.engines.p2p import Message
+    from fabricd.engines.p2p.matching import Message
 
 #: at most this many other tags are named in a report
 MAX_OTHER_TAGS: Final = 8
@@ -63,9 +64,9 @@ _PEER_POSTED: Final = frozenset({Waits.DONE, Waits.DATA, Waits.COPY})
 class Stalled:
     """Operation ``op`` has been pending for ``pending_for`` seconds, at least ``stall_after``.
 
-    Returned once per operation by :meth:`~fabricd.engines.p2p.Messaging.on_timer` (the
+    Returned once per operation by :meth:`~fabricd.engines.p2p.matching.Messaging.on_timer` (the
     daemon logs it) and for every such operation by
-    :meth:`~fabricd.engines.p2p.Messaging.stalls` (``fabricctl stalls``).
+    :meth:`~fabricd.engines.p2p.matching.Messaging.stalls` (``fabricctl stalls``).
     """
 
     op: int

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
-from fabricd import frames
-from fabricd.engines.handshake import HANDSHAKE_LIMITS, Channel, Handshake, Role
+from fabricd.engines.link.handshake import HANDSHAKE_LIMITS, Channel, Handshake, Role
+from fabricd.frames import link as link_frames
 from fabricd.integrity import Opener, Sealer
 from fabricd.transports.base import split_address
 from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, encode, encode_head
@@ -121,7 +121,7 @@ def authenticate(
         answers = []
         while (event := decoder.next_event()) is not NEED_DATA:
             if isinstance(event, Frame):
-                answers += handshake.on_frame(frames.parse_handshake(event.kind, event.meta))
+                answers += handshake.on_frame(link_frames.parse_handshake(event.kind, event.meta))
 
 
 def read_secret(path: str | os.PathLike[str]) -> bytes:

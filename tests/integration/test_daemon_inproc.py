@@ -332,7 +332,7 @@ async def test_clients_that_come_and_go_leave_no_operation_behind(tmp_path):
             assert daemon.service("membership").engine.entries() == []
             assert engine.statistics().unexpected == 0
             # no route or stall deadline is left (the lazy stall check may still wake the
-            # timer once, up to stall_after later: that is by design, see engines/p2p.py)
+            # timer once, up to stall_after later: that is by design, see engines/p2p/matching.py)
             assert len(engine._deadlines) == len(engine._stall_at) == 0
             tables = [engine._posted._queues, engine._arrived._queues, engine._unrouted]
             tables += [engine._recvs_from, engine._offers_to, engine._out_to, engine._out]

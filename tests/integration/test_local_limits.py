@@ -37,8 +37,9 @@ import pytest
 
 import fabricd
 from fabricd import shm
-from fabricd.daemon import datapath, p2p_service
+from fabricd.daemon import datapath
 from fabricd.daemon.segments import FD_RESERVE
+from fabricd.daemon.services import p2p as p2p_service
 from fabricd.shm import SEALS, Layout
 
 from .inproc import fabric

@@ -10,7 +10,7 @@ link: the same as a reset, so resets are the faults that matter, with delays: on
 and their updates on the data link arrive in either order.  Liveness is the test configuration
 (``FAST_LIVENESS``: heartbeat 100 ms, down after 1 s); the daemon redials 50 ms after a reset,
 so the pair is back, the same daemons, well within ``down_after``: every reset is a resume
-(:meth:`~fabricd.engines.notify_ack.Reducer.resume`), never a loss.
+(:meth:`~fabricd.engines.stochastic.notify_ack.Reducer.resume`), never a loss.
 
 Round ``i`` of rank ``r`` reduces the model ``r * 1e6 + i + k * 1e8`` (element ``k``), set
 afresh before each call: every average is then exactly the one over the in-neighbours' round
@@ -44,7 +44,7 @@ import numpy as np
 import pytest
 
 import fabricd
-from fabricd.engines import graphs
+from fabricd.engines.stochastic import graphs
 from fabricd.wire import Kind
 from tests.integration.tcp_proxy import GUARD, Nemesis
 from tests.integration.test_collectives import ranks

@@ -14,9 +14,9 @@ import socket
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from fabricd.daemon import peering_service
 from fabricd.daemon.config import load
 from fabricd.daemon.node import Daemon
+from fabricd.daemon.services import peering as peering_service
 from fabricd.transports.tcp import TcpTransport
 
 from .inproc import write_secret

@@ -19,7 +19,7 @@ import fabricd
 from fabricd.daemon.config import load
 from fabricd.daemon.node import Daemon, default_services
 from fabricd.daemon.service import BaseService
-from fabricd.engines.handshake import HANDSHAKE_LIMITS, Channel
+from fabricd.engines.link.handshake import HANDSHAKE_LIMITS, Channel
 from fabricd.transports.inproc import InprocLink, InprocTransport
 from fabricd.transports.tcp import TcpTransport
 

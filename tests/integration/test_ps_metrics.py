@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import fabricd
-from fabricd.engines import ps_push, ps_storage
+from fabricd.engines.ps import push as ps_push
+from fabricd.engines.ps import storage as ps_storage
 from tests.integration.scrape import Samples, scrape
 from tests.integration.test_cli import _ctl, _tables
 from tests.integration.test_collectives import ranks

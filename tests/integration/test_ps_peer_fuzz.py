@@ -29,10 +29,11 @@ import numpy as np
 import pytest
 
 import fabricd
-from fabricd import frames
-from fabricd.engines import ps_push, ps_snapshot
-from fabricd.engines.ps_consistency import Consistency, update_rule
-from fabricd.engines.ps_server import Entry, ShardServer
+from fabricd.engines.ps import push as ps_push
+from fabricd.engines.ps import snapshot as ps_snapshot
+from fabricd.engines.ps.consistency import Consistency, update_rule
+from fabricd.engines.ps.server import Entry, ShardServer
+from fabricd.frames import ps as ps_frames
 from fabricd.wire import Kind
 
 from .test_peer_fuzz import (
@@ -174,12 +175,12 @@ def _frame_meta(kind: type, **fields: Any) -> dict[str, Any]:
 def _push_meta(shard: int = 0, worker: int = 0, **fields: Any) -> dict[str, Any]:
     server = SPEC["servers"][shard] if shard < 2 else 1
     base = {"shard": shard, "server": server, "worker": worker, "iteration": 0, "base": 0}
-    return _frame_meta(frames.Push, **{**base, "epoch": 0, **fields})
+    return _frame_meta(ps_frames.Push, **{**base, "epoch": 0, **fields})
 
 
 def _pull_meta(shard: int = 0, **fields: Any) -> dict[str, Any]:
     base = {"shard": shard, "server": 1, "worker": 0, "clock": 0, "since": 0, "epoch": 0}
-    return _frame_meta(frames.Pull, **{**base, **fields})
+    return _frame_meta(ps_frames.Pull, **{**base, **fields})
 
 
 def _dense(values: np.ndarray[Any, Any], size: int = SHARD) -> bytes:
@@ -289,7 +290,7 @@ def test_pushes_and_pulls_a_server_must_not_take_are_refused_or_dropped_on_a_liv
         huge = {**SPEC, "size": 2**62, "servers": list(range(1000)), "replicas": []}
         for spec in ({**SPEC, "dtype": "float32"}, huge):
             peer.send(Kind.PUSH, {**_push_meta(), "spec": spec}, update, data=True)
-            pushed = frames.Pushed.from_meta(peer.receive(Kind.PUSHED).meta)
+            pushed = ps_frames.Pushed.from_meta(peer.receive(Kind.PUSHED).meta)
             assert (pushed.worker, pushed.iteration, pushed.version) == (0, 0, 0)
             assert pushed.dropped is not None
             assert pushed.dropped.startswith(f"the worker opened it as {spec['size']} x ")
@@ -298,17 +299,17 @@ def test_pushes_and_pulls_a_server_must_not_take_are_refused_or_dropped_on_a_liv
                     "the server as 1000 x float64 on servers [1, 3] (replicas [2, 4]), async"
                 )
             peer.send(Kind.PULL, {**_pull_meta(), "spec": spec})
-            pulled = frames.Pulled.from_meta(peer.receive(Kind.PULLED, data=True).meta)
+            pulled = ps_frames.Pulled.from_meta(peer.receive(Kind.PULLED, data=True).meta)
             assert pulled.error == pushed.dropped
             fabric.step()
         # a shard past the spec's: held as if its server had not opened yet, then refused
         early = _counters(cluster)["ps_early_expired"]
         peer.send(Kind.PUSH, _push_meta(shard=9), update, data=True)
-        pushed = frames.Pushed.from_meta(peer.receive(Kind.PUSHED).meta)
+        pushed = ps_frames.Pushed.from_meta(peer.receive(Kind.PUSHED).meta)
         assert (pushed.shard, pushed.version) == (9, 0)
         assert "did not open parameter server 'm' within route_timeout" in str(pushed.dropped)
         peer.send(Kind.PULL, _pull_meta(shard=9))
-        pulled = frames.Pulled.from_meta(peer.receive(Kind.PULLED, data=True).meta)
+        pulled = ps_frames.Pulled.from_meta(peer.receive(Kind.PULLED, data=True).meta)
         assert "within route_timeout" in str(pulled.error)
         assert _counters(cluster)["ps_early_expired"] == early + 2
         # replication frames for a shard past the spec's: dropped and counted
@@ -316,14 +317,14 @@ def test_pushes_and_pulls_a_server_must_not_take_are_refused_or_dropped_on_a_liv
         replicate = {"index": 1, "entry": "lose", "worker": 0, "iteration": 0, "base": 0}
         peer.send(
             Kind.REPLICATE,
-            _frame_meta(frames.Replicate, shard=9, server=3, replica=4, **replicate),
+            _frame_meta(ps_frames.Replicate, shard=9, server=3, replica=4, **replicate),
             data=True,
         )
         peer.send(
             Kind.REPLICATED,
             {"job": JOB, "name": "m", "sh": 9, "srv": 1, "rep": 2, "ix": 1},
         )
-        peer.send(Kind.JOIN, _frame_meta(frames.Join, shard=9, server=1, replica=2, epoch=0))
+        peer.send(Kind.JOIN, _frame_meta(ps_frames.Join, shard=9, server=1, replica=2, epoch=0))
         guard = time.monotonic() + 20  # a hang guard
         while _counters(cluster)["ps_frames_dropped"] < dropped + 3:
             assert time.monotonic() < guard, "the frames for shard 9 were not dropped"
@@ -443,16 +444,16 @@ def test_replication_frames_from_a_node_their_rank_is_not_on_are_dropped(
         fields = {"shard": 1, "server": 3, "replica": 4, "index": 0}
         fields |= {"worker": 0, "iteration": 0, "base": 0}
         for _, change, payload, _ in _BAD_REPLICATION:
-            meta = _frame_meta(frames.Replicate, **{**fields, **change})
+            meta = _frame_meta(ps_frames.Replicate, **{**fields, **change})
             peer.data.send(Kind.REPLICATE, meta, payload)
         # the next entry the replica awaits, a well-formed push it would have applied
         index = rows[1, "replica"][1] + 1
-        meta = _frame_meta(frames.Replicate, **{**fields, "entry": "push", "index": index})
+        meta = _frame_meta(ps_frames.Replicate, **{**fields, "entry": "push", "index": index})
         peer.data.send(Kind.REPLICATE, meta, _dense(np.full(SHARD, 1e6)))
         # a confirmation of an entry shard 0's primary (rank 1, here) never sent, as rank 2
         peer.send(Kind.REPLICATED, {"job": JOB, "name": "m", "sh": 0, "srv": 1, "rep": 2, "ix": 9})
         # a JOIN of shard 0 as its partner, rank 2, which lives on node 1
-        peer.send(Kind.JOIN, _frame_meta(frames.Join, shard=0, server=1, replica=2, epoch=0))
+        peer.send(Kind.JOIN, _frame_meta(ps_frames.Join, shard=0, server=1, replica=2, epoch=0))
         sent = len(_BAD_REPLICATION) + 3
         guard = time.monotonic() + 20  # a hang guard
         while _counters(cluster)["ps_frames_dropped"] < dropped + sent:

@@ -20,9 +20,10 @@ import pytest
 import fabricd
 from fabricd import frames
 from fabricd.daemon.config import load
-from fabricd.daemon.membership_service import MembershipService
 from fabricd.daemon.node import Daemon, default_services
 from fabricd.daemon.service import BaseService
+from fabricd.daemon.services.membership import MembershipService
+from fabricd.frames import p2p as p2p_frames
 from fabricd.wire import Kind
 
 from .inproc import NODES, fabric, write_secret
@@ -51,7 +52,7 @@ class Echo(BaseService):
 
     def on_request(self, request: Request, now: float) -> Meta:
         self.requests.append(request.meta)
-        self.host.send(request.meta["to"], frames.Cancel(msg=request.meta["msg"]))
+        self.host.send(request.meta["to"], p2p_frames.Cancel(msg=request.meta["msg"]))
         self.host.push(request.session, "echoed", {"msg": request.meta["msg"]})
         return {"sent": True}
 
@@ -84,7 +85,7 @@ async def test_a_new_service_gets_its_frames_requests_and_timer_ticks(tmp_path: 
         assert reply["sent"] is True
         assert [(e.name, e.fields) for e in events] == [("echoed", {"msg": 42})]
         await fab.until(lambda: bool(echoes[1].frames))
-        assert echoes[1].frames == [(0, frames.Cancel(msg=42))]
+        assert echoes[1].frames == [(0, p2p_frames.Cancel(msg=42))]
         assert echoes[0].requests[0]["op"] == "echo"
         assert [len(e.ticks) for e in echoes] == [1, 1]  # ticked once each, then no deadline
         status = fab.daemons[0].status()

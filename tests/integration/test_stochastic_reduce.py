@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import fabricd
-from fabricd.engines import graphs
+from fabricd.engines.stochastic import graphs
 from tests.integration.test_collectives import ranks
 from tests.integration.test_collectives import wait_or_explain as collectives_wait
 

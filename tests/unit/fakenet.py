@@ -1,6 +1,7 @@
 """A fake network of point-to-point engines, one pair per node, that plays every daemon's part.
 
-:class:`FakeNet` holds N real :class:`~fabricd.engines.p2p.Messaging` engines, each reading its
+:class:`FakeNet` holds N real :class:`~fabricd.engines.p2p.matching.Messaging` engines, each
+reading its
 own :class:`~fabricd.engines.membership.Membership`, and performs their actions the way the
 daemon does, minus the I/O:
 
@@ -49,7 +50,7 @@ import numpy as np
 from fabricd.engines.actions import Broadcast, Complete, Failure, Notice, SendFrame
 from fabricd.engines.membership import Membership, RankJoined, RankLeft
 from fabricd.engines.ownership import User
-from fabricd.engines.p2p import (
+from fabricd.engines.p2p.matching import (
     FRAME_KINDS,
     CopyLocal,
     Message,
@@ -59,14 +60,17 @@ from fabricd.engines.p2p import (
     StreamData,
 )
 from fabricd.errors import ErrorCode, RemoteProtocolError
-from fabricd.frames import Announce, Cancel, Cts, Data, Done, Eager, PeerFrame, Rtr, Rts, parse
+from fabricd.frames import PeerFrame, parse
+from fabricd.frames.membership import Announce
+from fabricd.frames.p2p import Cancel, Cts, Data, Done, Eager, Rtr, Rts
 from fabricd.wire import DEFAULT_LIMITS, Decoder, Frame, Kind, Meta, encode
 
 if TYPE_CHECKING:
     import random
     from collections.abc import Callable, Iterable
 
-    from fabricd.engines import membership, p2p
+    from fabricd.engines import membership
+    from fabricd.engines.p2p import matching as p2p
 
     Action = p2p.Action | membership.Action
 

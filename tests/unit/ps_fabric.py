@@ -34,11 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from fabricd.engines import ps_server, ps_worker
-from fabricd.engines.ps_consistency import Consistency, Sum
-from fabricd.engines.ps_filters import FilterSettings
-from fabricd.engines.ps_server import ShardServer
-from fabricd.engines.ps_worker import Worker
+from fabricd.engines.ps import server as ps_server
+from fabricd.engines.ps import worker as ps_worker
+from fabricd.engines.ps.consistency import Consistency, Sum
+from fabricd.engines.ps.filters import FilterSettings
+from fabricd.engines.ps.server import ShardServer
+from fabricd.engines.ps.worker import Worker
 
 Array = np.ndarray[Any, Any]
 Frame = Any

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fabricd.daemon.collective_service import CollectiveService
 from fabricd.daemon.config import Config
-from fabricd.engines.handshake import Channel
-from fabricd.engines.peers import PeerInfo, PeerState
+from fabricd.daemon.services.collectives import CollectiveService
+from fabricd.engines.link.handshake import Channel
+from fabricd.engines.link.peers import PeerInfo, PeerState
 from tests.unit.test_collective_service_review import (
     FakeHost,
     Link,
@@ -22,7 +22,7 @@ from tests.unit.test_collective_service_review import (
 )
 
 if TYPE_CHECKING:
-    from fabricd.engines.persistent import Collective
+    from fabricd.engines.collectives.persistent import Collective
 
 THREE = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
 

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 
-from fabricd import frames
-from fabricd.daemon.collective_service import MAX_HELD_FRAMES, CollectiveService
 from fabricd.daemon.config import Config
 from fabricd.daemon.service import Request
+from fabricd.daemon.services.collectives import MAX_HELD_FRAMES, CollectiveService
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.membership import RankEntry, RankJoined, RankLeft
 from fabricd.errors import OperationFailed, RemoteProtocolError, TransportError, UsageError
+from fabricd.frames import collectives as collectives_frames
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -164,8 +164,10 @@ def leave(svc: CollectiveService, table: Table) -> None:
         svc.on_rank_event(RankLeft(entry=entry, reason=reason, lost=False), 0.0)
 
 
-def coll_frame(spec: dict[str, Any], job: str = JOB, name: str = NAME) -> frames.Coll:
-    return frames.Coll(job=job, name=name, round=0, tag=0, off=0, lost=(), base=0, spec=spec)
+def coll_frame(spec: dict[str, Any], job: str = JOB, name: str = NAME) -> collectives_frames.Coll:
+    return collectives_frames.Coll(
+        job=job, name=name, round=0, tag=0, off=0, lost=(), base=0, spec=spec
+    )
 
 
 # -- collectives of jobs that are gone --------------------------------------------------------
@@ -306,7 +308,7 @@ def test_frames_held_for_a_job_that_left_are_dropped() -> None:
     svc.on_data(1, coll_frame(spec, job="other"), 0, 0.0)
 
 
-def peer_frame(count: int) -> tuple[frames.Coll, bytes]:
+def peer_frame(count: int) -> tuple[collectives_frames.Coll, bytes]:
     """The first frame node 1 sends node 0 for a sync allreduce of ``count`` float64 of job
     ``j`` (rank 0 on node 0, rank 1 on node 1), made by node 1's own service."""
     table = Table()
@@ -323,11 +325,11 @@ def peer_frame(count: int) -> tuple[frames.Coll, bytes]:
     link.send_now = send_now  # type: ignore[method-assign]
     call(svc, client(1, 2, [1.0] * count), 1)
     meta, payload = out[0]
-    frame = frames.Coll.from_meta(meta)
+    frame = collectives_frames.Coll.from_meta(meta)
     return frame, payload
 
 
-def land(svc: CollectiveService, frame: frames.Coll, payload: bytes) -> None:
+def land(svc: CollectiveService, frame: collectives_frames.Coll, payload: bytes) -> None:
     """Node 1's frame arrives at ``svc`` as the node hands it over: buffer, bytes, data."""
     view = svc.payload_buffer(1, frame, len(payload))
     if view is not None:  # None: read and dropped
@@ -426,21 +428,23 @@ def test_frames_queued_on_a_new_link_survive_the_old_senders_failure() -> None:
 THREE = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
 
 
-def solo_frames_after_losing_node_1() -> list[tuple[frames.Coll, bytes]]:
+def solo_frames_after_losing_node_1() -> list[tuple[collectives_frames.Coll, bytes]]:
     """What node 2 sends node 0 for a solo allreduce of 4 float64 of job ``j`` (rank r on
     node r) once it lost node 1: its view says ``lost=[1]``."""
     table = Table()
     host = FakeHost(Config(node_id=2, nodes=THREE))
     svc = CollectiveService(host, membership=table)  # type: ignore[arg-type]
     join(svc, table, 3, (0, 1, 2))
-    out: list[tuple[frames.Coll, bytes]] = []
+    out: list[tuple[collectives_frames.Coll, bytes]] = []
     for node in (0, 1):
         link = host.links[node] = Link()
         link.writable = True
 
         def send_now(kind: Kind, meta: Meta, payload: list[memoryview], to: int = node) -> bool:
             if to == 0:
-                out.append((frames.Coll.from_meta(meta), b"".join(bytes(p) for p in payload)))
+                out.append(
+                    (collectives_frames.Coll.from_meta(meta), b"".join(bytes(p) for p in payload))
+                )
             return True
 
         link.send_now = send_now  # type: ignore[method-assign]
@@ -527,12 +531,12 @@ def test_a_call_unlike_a_collective_built_from_a_peer_fails_there_too() -> None:
     link.send_now = send_now  # type: ignore[method-assign]
     call(there, client(1, 2, [1.0] * 4), 7)  # rank 1, 4 elements: its frame reaches node 0
     meta, payload = sent[0]
-    land(here, frames.Coll.from_meta(meta), payload)
+    land(here, collectives_frames.Coll.from_meta(meta), payload)
     back = host.links[1] = Link()
     back.writable = True
     with pytest.raises(UsageError, match="every rank must call it alike"):
         call(here, client(0, 2, [1.0] * 8), 8)
-    notices = [frames.Coll.from_meta(m) for m in back.sent]
+    notices = [collectives_frames.Coll.from_meta(m) for m in back.sent]
     assert notices
     assert notices[0].spec["count"] == 8
     for notice in notices:

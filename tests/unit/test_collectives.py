@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines.collectives import (
+from fabricd.engines.collectives.algorithms import (
     DATA,
     EMPTY,
     REDUCTIONS,

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fabricd.daemon.config import Config
-from fabricd.daemon.p2p_service import P2PService
 from fabricd.daemon.service import Request
+from fabricd.daemon.services.p2p import P2PService
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.membership import RankEntry, RankJoined
 from fabricd.errors import RemoteProtocolError
-from fabricd.frames import Cancel, Eager, PeerFrame
+from fabricd.frames.p2p import Cancel, Eager
 from fabricd.transports import batch
 from fabricd.transports.inproc import InprocTransport
 from fabricd.wire import DEFAULT_LIMITS, Kind
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     import pytest
 
+    from fabricd.frames import PeerFrame
     from fabricd.transports.base import Buffer, Link
     from fabricd.wire import Frame, FrameHead
 

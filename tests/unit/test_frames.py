@@ -9,8 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fabricd import frames
-from fabricd.engines.handshake import HANDSHAKE_LIMITS
+from fabricd.engines.link.handshake import HANDSHAKE_LIMITS
 from fabricd.errors import RemoteProtocolError
+from fabricd.frames import fields as fields_frames
+from fabricd.frames import link as link_frames
+from fabricd.frames import membership as membership_frames
+from fabricd.frames import p2p as p2p_frames
+from fabricd.frames import ps as ps_frames
 from fabricd.wire import (
     BULK_KINDS,
     DEFAULT_LIMITS,
@@ -38,18 +43,18 @@ PS_SPEC: Meta = {
 SHARD: Meta = {"job": "j", "name": "ps", "shard": 1, "server": 1}
 
 EXAMPLES: list[frames.PeerFrame] = [
-    frames.Heartbeat(),
-    frames.Bye(),
-    frames.Announce(job="j", rank=3, size=4, present=True, owner=1000),
-    frames.Announce(job="j", rank=3, size=4, present=False, owner=0),
-    frames.Rts(msg=1, job="j", src=0, dst=3, tag=7, nbytes=64, dtype="float32"),
-    frames.Cts(msg=1),
-    frames.Data(msg=1, off=4096),
-    frames.Done(msg=1),
-    frames.Done(msg=1, code="mismatch", error="sizes differ"),
-    frames.Cancel(msg=9),
-    frames.Push(**SHARD, worker=3, iteration=7, base=6, epoch=0, spec=PS_SPEC),
-    frames.Push(
+    link_frames.Heartbeat(),
+    link_frames.Bye(),
+    membership_frames.Announce(job="j", rank=3, size=4, present=True, owner=1000),
+    membership_frames.Announce(job="j", rank=3, size=4, present=False, owner=0),
+    p2p_frames.Rts(msg=1, job="j", src=0, dst=3, tag=7, nbytes=64, dtype="float32"),
+    p2p_frames.Cts(msg=1),
+    p2p_frames.Data(msg=1, off=4096),
+    p2p_frames.Done(msg=1),
+    p2p_frames.Done(msg=1, code="mismatch", error="sizes differ"),
+    p2p_frames.Cancel(msg=9),
+    ps_frames.Push(**SHARD, worker=3, iteration=7, base=6, epoch=0, spec=PS_SPEC),
+    ps_frames.Push(
         **SHARD,
         worker=0,
         iteration=0,
@@ -57,15 +62,17 @@ EXAMPLES: list[frames.PeerFrame] = [
         epoch=2,
         spec={**PS_SPEC, "replicas": [1, 0], "consistency": "async", "delay_bound": None},
     ),
-    frames.Pull(**SHARD, worker=3, clock=8, since=6, epoch=0, spec=PS_SPEC),
-    frames.Pushed(**SHARD, worker=3, iteration=7, version=9, epoch=0),
-    frames.Pushed(**SHARD, worker=3, iteration=7, version=9, epoch=0, dropped="delay 9 > 8"),
-    frames.Pulled(**SHARD, worker=3, clock=8, version=9, epoch=0),
-    frames.Pulled(**SHARD, worker=3, clock=8, version=9, epoch=1, error="not this epoch's server"),
-    frames.Replicate(
+    ps_frames.Pull(**SHARD, worker=3, clock=8, since=6, epoch=0, spec=PS_SPEC),
+    ps_frames.Pushed(**SHARD, worker=3, iteration=7, version=9, epoch=0),
+    ps_frames.Pushed(**SHARD, worker=3, iteration=7, version=9, epoch=0, dropped="delay 9 > 8"),
+    ps_frames.Pulled(**SHARD, worker=3, clock=8, version=9, epoch=0),
+    ps_frames.Pulled(
+        **SHARD, worker=3, clock=8, version=9, epoch=1, error="not this epoch's server"
+    ),
+    ps_frames.Replicate(
         **SHARD, replica=0, index=1, entry="push", worker=3, iteration=7, base=6, spec=PS_SPEC
     ),
-    frames.Replicate(
+    ps_frames.Replicate(
         **{**SHARD, "server": 0},
         replica=1,
         index=2**40,
@@ -76,9 +83,9 @@ EXAMPLES: list[frames.PeerFrame] = [
         reason="worker lost",
         spec=PS_SPEC,
     ),
-    frames.Replicated(**SHARD, replica=0, index=1),
-    frames.Join(**SHARD, replica=0, epoch=3, spec=PS_SPEC),
-    frames.Replicate(
+    ps_frames.Replicated(**SHARD, replica=0, index=1),
+    ps_frames.Join(**SHARD, replica=0, epoch=3, spec=PS_SPEC),
+    ps_frames.Replicate(
         **SHARD,
         replica=1,
         index=0,
@@ -91,11 +98,11 @@ EXAMPLES: list[frames.PeerFrame] = [
 ]
 
 
-NONCE = b"n" * frames.NONCE_SIZE
-HANDSHAKE_EXAMPLES: list[frames.HandshakeFrame] = [
-    frames.Hello(node=0, incarnation=7, nonce=NONCE, channel="control"),  # the initiator's
-    frames.Hello(node=1, incarnation=9, nonce=NONCE, mac=b"m" * 32),  # the acceptor's
-    frames.Auth(mac=b"m" * 32),
+NONCE = b"n" * link_frames.NONCE_SIZE
+HANDSHAKE_EXAMPLES: list[link_frames.HandshakeFrame] = [
+    link_frames.Hello(node=0, incarnation=7, nonce=NONCE, channel="control"),  # the initiator's
+    link_frames.Hello(node=1, incarnation=9, nonce=NONCE, mac=b"m" * 32),  # the acceptor's
+    link_frames.Auth(mac=b"m" * 32),
 ]
 #: a well-formed HELLO's metadata, for the malformed ones below
 HELLO_META: Meta = {"v": PROTOCOL_VERSION, "node": 0, "inc": 1, "nonce": NONCE}
@@ -119,18 +126,18 @@ def test_every_view_survives_the_wire(frame: frames.PeerFrame) -> None:
     assert over_the_wire(frame) == frame
 
 
-def handshake_over_the_wire(frame: frames.HandshakeFrame) -> frames.HandshakeFrame:
+def handshake_over_the_wire(frame: link_frames.HandshakeFrame) -> link_frames.HandshakeFrame:
     """Through the codec under the limits of a link not yet authenticated, then parsed."""
     decoder = Decoder(HANDSHAKE_LIMITS)
     decoder.feed(encode(frame.KIND, frame.to_meta()))
     decoder.next_event()
     decoded = decoder.next_event()
     assert isinstance(decoded, Frame)
-    return frames.parse_handshake(decoded.kind, decoded.meta)
+    return link_frames.parse_handshake(decoded.kind, decoded.meta)
 
 
 @pytest.mark.parametrize("frame", HANDSHAKE_EXAMPLES, ids=["hello-i", "hello-a", "auth"])
-def test_every_handshake_view_survives_the_wire(frame: frames.HandshakeFrame) -> None:
+def test_every_handshake_view_survives_the_wire(frame: link_frames.HandshakeFrame) -> None:
     assert handshake_over_the_wire(frame) == frame
 
 
@@ -140,20 +147,22 @@ def test_every_peer_kind_but_the_handshake_has_a_view() -> None:
 
 
 def test_handshake_kinds_are_read_apart_from_the_peer_kinds() -> None:
-    assert {Kind.HELLO, Kind.AUTH} == frames.HANDSHAKE_KINDS
-    assert not frames.HANDSHAKE_KINDS & frames.PEER_KINDS
+    assert {Kind.HELLO, Kind.AUTH} == link_frames.HANDSHAKE_KINDS
+    assert not link_frames.HANDSHAKE_KINDS & frames.PEER_KINDS
 
 
 @pytest.mark.parametrize("kind", sorted(frames.PEER_KINDS | {Kind.REQUEST, Kind.REPLY}))
 def test_parse_handshake_refuses_every_other_kind(kind: Kind) -> None:
     with pytest.raises(RemoteProtocolError, match="not a handshake frame"):
-        frames.parse_handshake(kind, {})
+        link_frames.parse_handshake(kind, {})
 
 
 def test_a_hello_of_another_protocol_version_names_both() -> None:
-    meta = frames.Hello(version=PROTOCOL_VERSION + 1, node=0, incarnation=1, nonce=NONCE).to_meta()
+    meta = link_frames.Hello(
+        version=PROTOCOL_VERSION + 1, node=0, incarnation=1, nonce=NONCE
+    ).to_meta()
     with pytest.raises(RemoteProtocolError, match=f"protocol {PROTOCOL_VERSION + 1}, this daemon"):
-        frames.parse_handshake(Kind.HELLO, meta)
+        link_frames.parse_handshake(Kind.HELLO, meta)
 
 
 @pytest.mark.parametrize(
@@ -174,7 +183,7 @@ def test_a_bad_handshake_field_is_a_remote_protocol_error_naming_it(
     kind: Kind, meta: Meta, message: str
 ) -> None:
     with pytest.raises(RemoteProtocolError, match=message):
-        frames.parse_handshake(kind, meta)
+        link_frames.parse_handshake(kind, meta)
 
 
 @pytest.mark.parametrize("kind", [Kind.HELLO, Kind.AUTH, Kind.REQUEST, Kind.REPLY, Kind.EVENT])
@@ -205,7 +214,7 @@ def test_a_bad_field_is_a_remote_protocol_error_naming_it(
 
 def test_a_done_carries_code_and_error_together() -> None:
     with pytest.raises(ValueError, match="both"):
-        frames.Done(msg=1, code="mismatch")
+        p2p_frames.Done(msg=1, code="mismatch")
 
 
 @given(st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=8))
@@ -260,7 +269,7 @@ PS_META: dict[Kind, Meta] = {
     Kind.REPLICATED: {"job": "j", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ix": 1},
     Kind.JOIN: {"job": "j", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ep": 0, "spec": PS_SPEC},
 }
-LONG = "x" * (frames.MAX_PS_REASON + 1)
+LONG = "x" * (ps_frames.MAX_PS_REASON + 1)
 #: a spec whose ``n`` is keyed by bytes (msgpack allows such keys in a nested map)
 BYTES_KEYED_SPEC: dict[Any, Any] = {**without(PS_SPEC, "n"), b"n": 4}
 
@@ -293,14 +302,14 @@ def spec_with(**fields: object) -> Meta:
         (Kind.PULLED, changed(Kind.PULLED, name="n" * 201), "name of 201 characters"),
         (Kind.REPLICATE, changed(Kind.REPLICATE, sh=-1), "'sh'"),
         (Kind.REPLICATED, changed(Kind.REPLICATED, sh="1"), "'sh'"),
-        (Kind.PUSH, changed(Kind.PUSH, srv=frames.MAX_RANK + 1), "'srv'"),
+        (Kind.PUSH, changed(Kind.PUSH, srv=fields_frames.MAX_RANK + 1), "'srv'"),
         (Kind.PULL, changed(Kind.PULL, srv=True), "'srv'"),
         # each kind's own fields: wrong type, out of range, missing
         (Kind.PUSH, changed(Kind.PUSH, w=-1), "'w'"),
         (Kind.PUSH, changed(Kind.PUSH, it="7"), "'it'"),
         (Kind.PUSH, changed(Kind.PUSH, b=-1), "'b'"),
         (Kind.PUSH, changed(Kind.PUSH, ep=1.0), "'ep'"),
-        (Kind.PULL, changed(Kind.PULL, w=frames.MAX_RANK + 1), "'w'"),
+        (Kind.PULL, changed(Kind.PULL, w=fields_frames.MAX_RANK + 1), "'w'"),
         (Kind.PULL, changed(Kind.PULL, c=-1), "'c'"),
         (Kind.PULL, changed(Kind.PULL, since=None), "'since'"),
         (Kind.PULL, changed(Kind.PULL, ep=False), "'ep'"),
@@ -346,7 +355,7 @@ def spec_with(**fields: object) -> Meta:
             "'spec' must be a map",
         ),
         (Kind.PUSH, spec_with(n=0), "'n'"),
-        (Kind.PUSH, spec_with(n=frames.MAX_RANK + 1), "'n'"),
+        (Kind.PUSH, spec_with(n=fields_frames.MAX_RANK + 1), "'n'"),
         (Kind.PUSH, spec_with(size=0), "'size'"),
         (Kind.PUSH, spec_with(size=1.5), "'size'"),
         (Kind.PUSH, spec_with(dtype=""), "'dtype'"),
@@ -355,7 +364,7 @@ def spec_with(**fields: object) -> Meta:
         (Kind.PUSH, spec_with(servers=[0] * 4097), "servers must be a list"),
         (Kind.PUSH, spec_with(servers=[0, -1]), "servers must be a list"),
         (Kind.PUSH, spec_with(servers=[0, True]), "servers must be a list"),
-        (Kind.PUSH, spec_with(servers=[frames.MAX_RANK + 1]), "servers must be a list"),
+        (Kind.PUSH, spec_with(servers=[fields_frames.MAX_RANK + 1]), "servers must be a list"),
         (Kind.PUSH, spec_with(servers=3), "servers must be a list"),
         (Kind.PUSH, spec_with(servers=None), "servers must be a list"),
         (Kind.PUSH, spec_with(replicas=[1]), "replicas must be a list of ranks, none or one"),
@@ -380,15 +389,15 @@ def test_a_bad_parameter_server_field_is_a_remote_protocol_error(
 
 def test_the_parameter_server_bounds_are_inclusive() -> None:
     """The longest reason, the most servers, the largest ranks: accepted."""
-    most = list(range(frames.MAX_PS_SERVERS))
-    spec = {**PS_SPEC, "n": frames.MAX_RANK, "servers": most, "replicas": most[::-1]}
-    push = frames.parse(Kind.PUSH, changed(Kind.PUSH, w=frames.MAX_RANK, spec=spec))
-    assert isinstance(push, frames.Push)
-    assert push.worker == frames.MAX_RANK
+    most = list(range(ps_frames.MAX_PS_SERVERS))
+    spec = {**PS_SPEC, "n": fields_frames.MAX_RANK, "servers": most, "replicas": most[::-1]}
+    push = frames.parse(Kind.PUSH, changed(Kind.PUSH, w=fields_frames.MAX_RANK, spec=spec))
+    assert isinstance(push, ps_frames.Push)
+    assert push.worker == fields_frames.MAX_RANK
     assert push.spec == spec
-    reason = "x" * frames.MAX_PS_REASON
+    reason = "x" * ps_frames.MAX_PS_REASON
     pushed = frames.parse(Kind.PUSHED, {**PS_META[Kind.PUSHED], "drop": reason})
-    assert isinstance(pushed, frames.Pushed)
+    assert isinstance(pushed, ps_frames.Pushed)
     assert pushed.dropped == reason
 
 
@@ -396,17 +405,17 @@ def test_a_parsed_spec_is_a_copy_of_its_fields() -> None:
     """The view's spec holds the checked fields only, in a map of its own."""
     meta = changed(Kind.PULL)
     view = frames.parse(Kind.PULL, meta)
-    assert isinstance(view, frames.Pull)
+    assert isinstance(view, ps_frames.Pull)
     assert view.spec == PS_SPEC
     assert view.spec is not meta["spec"]
-    assert tuple(view.spec) == frames.PS_SPEC_FIELDS
+    assert tuple(view.spec) == ps_frames.PS_SPEC_FIELDS
 
 
 def test_payload_frames_are_routed_by_the_node_on_their_channel() -> None:
     """Every frame whose payload a service places has a channel at the node, every bulk kind
     but WRITE (which the transport handles) goes on the data link, and nothing else does."""
     from fabricd.daemon import node
-    from fabricd.engines.handshake import Channel
+    from fabricd.engines.link.handshake import Channel
 
     payload_kinds = {view.KIND for view in get_args(frames.PayloadFrame)}
     assert payload_kinds == set(node._PAYLOAD_CHANNEL)

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from fabricd.cli.ctl import main as fabricctl
-from fabricd.engines import graphs
+from fabricd.engines.stochastic import graphs
 
 
 def invoke(*args: str):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines import graphs
+from fabricd.engines.stochastic import graphs
 from fabricd.errors import UsageError
 
 FIXED = ("all-to-all", "star", "chain", "ring", "expander")

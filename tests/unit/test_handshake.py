@@ -18,8 +18,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from fabricd import frames
-from fabricd.engines.handshake import (
+from fabricd.engines.link.handshake import (
     HANDSHAKE_LIMITS,
     AuthenticationFailed,
     Channel,
@@ -28,7 +27,8 @@ from fabricd.engines.handshake import (
     Role,
 )
 from fabricd.errors import RemoteProtocolError
-from fabricd.frames import NONCE_SIZE
+from fabricd.frames import link as link_frames
+from fabricd.frames.link import NONCE_SIZE
 from fabricd.wire import PROTOCOL_VERSION, Decoder, Frame, FrameHead, Kind, Meta, encode
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ def transmit(out: Answer) -> tuple[Kind, Meta]:
 
 def receive(shake: Handshake, kind: Kind, meta: Meta) -> list[Answer]:
     """Hand one received frame to ``shake`` as the peering service does: parsed first."""
-    return shake.on_frame(frames.parse_handshake(kind, meta))
+    return shake.on_frame(link_frames.parse_handshake(kind, meta))
 
 
 @dataclass
@@ -121,9 +121,9 @@ def run(init: Handshake, acc: Handshake) -> Transcript:
 def assert_dead(shake: Handshake) -> None:
     """After a refusal the machine accepts nothing more, well-formed or not, and names no peer."""
     assert shake.peer is None
-    well_formed: list[frames.HandshakeFrame] = [
-        frames.Hello(node=2, incarnation=1, nonce=b"n" * NONCE_SIZE, channel="control"),
-        frames.Auth(mac=b"m" * 32),
+    well_formed: list[link_frames.HandshakeFrame] = [
+        link_frames.Hello(node=2, incarnation=1, nonce=b"n" * NONCE_SIZE, channel="control"),
+        link_frames.Auth(mac=b"m" * 32),
     ]
     for frame in well_formed:
         with pytest.raises(RemoteProtocolError, match="unexpected"):
@@ -152,8 +152,8 @@ def test_frames_keep_their_wire_layout() -> None:
     sent = [encode(a.frame.KIND, a.frame.to_meta()) for a in (hello, answer, auth)]
 
     i_nonce, a_nonce = b"i" * NONCE_SIZE, b"a" * NONCE_SIZE
-    assert isinstance(answer.frame, frames.Hello)
-    assert isinstance(auth.frame, frames.Auth)
+    assert isinstance(answer.frame, link_frames.Hello)
+    assert isinstance(auth.frame, link_frames.Auth)
     ids = {"v": 6, "node": 0, "inc": 7, "nonce": i_nonce, "sealed_data": False}
     assert sent == [
         encode(Kind.HELLO, {**ids, "channel": "control"}),
@@ -184,7 +184,7 @@ def test_nodes_that_disagree_on_data_integrity_are_told_so_in_the_handshake(
 def test_an_initiator_checks_the_acceptors_data_integrity_too() -> None:
     init = initiator(sealed_data=False)
     init.start()
-    answer = frames.Hello(
+    answer = link_frames.Hello(
         node=1, incarnation=9, nonce=b"a" * NONCE_SIZE, mac=b"m" * 32, sealed_data=True
     )
     with pytest.raises(RemoteProtocolError, match="node 1 has data_integrity = 'mac', this node"):
@@ -193,10 +193,10 @@ def test_an_initiator_checks_the_acceptors_data_integrity_too() -> None:
 
 
 def test_a_hello_whose_sealed_data_is_no_bool_is_refused() -> None:
-    meta = frames.Hello(node=0, incarnation=1, nonce=b"n" * NONCE_SIZE).to_meta()
+    meta = link_frames.Hello(node=0, incarnation=1, nonce=b"n" * NONCE_SIZE).to_meta()
     meta["sealed_data"] = 1
     with pytest.raises(RemoteProtocolError, match="'sealed_data' must be true or false"):
-        frames.Hello.from_meta(meta)
+        link_frames.Hello.from_meta(meta)
 
 
 def test_peer_is_unknown_until_the_handshake_is_done() -> None:
@@ -353,7 +353,7 @@ def test_acceptor_node_id_outside_the_fabric_is_refused_by_the_initiator() -> No
 
 # -- malformed or out-of-order frames ---------------------------------------------------------
 # A frame that is malformed (a field missing, of the wrong type or size, another protocol
-# version) is refused by frames.parse_handshake before any engine sees it, and the peering
+# version) is refused by link_frames.parse_handshake before any engine sees it, and the peering
 # service closes the link; what a well-formed frame may still get wrong, the engine refuses.
 @pytest.mark.parametrize("role", list(Role))
 def test_protocol_version_mismatch_names_both_versions(role: Role) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from fabricd.demo import logreg
 from fabricd.demo.logreg_inproc import RunSettings, simulate
-from fabricd.engines.ps_filters import FilterSettings
+from fabricd.engines.ps.filters import FilterSettings
 
 SMALL = {"features": 500, "samples": 3_000, "test": 500, "nnz_min": 5, "nnz_max": 15}
 

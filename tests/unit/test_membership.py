@@ -15,7 +15,7 @@ from fabricd.engines.membership import (
 )
 from fabricd.engines.ownership import JobGrant, Ownership, User
 from fabricd.errors import FabricError, PermissionDenied, RemoteProtocolError, UsageError
-from fabricd.frames import Announce
+from fabricd.frames.membership import Announce
 
 HERE = 0
 ALICE = User(uid=1000, gids=frozenset({1000}))  #: owns "demo" in most tests

@@ -21,7 +21,7 @@ from fabricd.daemon.metrics import (
     size_class,
 )
 from fabricd.daemon.metrics_http import MAX_CONNECTIONS, MetricsServer
-from fabricd.engines.handshake import Channel
+from fabricd.engines.link.handshake import Channel
 from fabricd.errors import ConfigError
 from fabricd.transports.base import LinkStatistics
 

@@ -1,4 +1,5 @@
-"""The NOTIFY-ACK engine (fabricd/engines/notify_ack.py) without sockets: a fake fabric whose
+"""The NOTIFY-ACK engine (fabricd/engines/stochastic/notify_ack.py) without sockets: a fake fabric
+whose
 delivery order hypothesis draws.
 
 The fabric keeps, per ordered pair of ranks, a FIFO data channel (updates) and a FIFO control
@@ -20,8 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines import graphs
-from fabricd.engines.notify_ack import (
+from fabricd.engines.stochastic import graphs
+from fabricd.engines.stochastic.notify_ack import (
     ACK,
     BARRIER,
     UPDATE,

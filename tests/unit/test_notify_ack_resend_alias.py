@@ -1,5 +1,6 @@
 """A finding of F7 (tests/integration/test_notify_ack_faults.py), reduced to the engine and
-fixed: the update :meth:`~fabricd.engines.notify_ack.Reducer.resume` sends again was a view of
+fixed: the update :meth:`~fabricd.engines.stochastic.notify_ack.Reducer.resume` sends again was a
+view of
 the one outgoing buffer, which the next round stages into as soon as the ACK comes; the frame
 then said round r, carried round r + 1 and failed its MAC.  It is a copy now."""
 
@@ -7,8 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from fabricd.engines import graphs
-from fabricd.engines.notify_ack import ACK, UPDATE, VERSION, Reducer, SendSignal, SendUpdate, Sync
+from fabricd.engines.stochastic import graphs
+from fabricd.engines.stochastic.notify_ack import (
+    ACK,
+    UPDATE,
+    VERSION,
+    Reducer,
+    SendSignal,
+    SendUpdate,
+    Sync,
+)
 
 
 def reducer(rank: int) -> Reducer:

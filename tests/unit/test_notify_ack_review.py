@@ -1,4 +1,5 @@
-"""Review findings on the NOTIFY-ACK engine (fabricd/engines/notify_ack.py): each test is the
+"""Review findings on the NOTIFY-ACK engine (fabricd/engines/stochastic/notify_ack.py): each test
+is the
 smallest case of one bug, driving the reducers by hand (no fabric)."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fabricd.engines import graphs
-from fabricd.engines.notify_ack import UPDATE, Action, Reduced, Reducer, SendUpdate, Sync
+from fabricd.engines.stochastic import graphs
+from fabricd.engines.stochastic.notify_ack import UPDATE, Action, Reduced, Reducer, SendUpdate, Sync
 from fabricd.errors import UsageError
 
 
@@ -82,7 +83,7 @@ def test_async_forgets_a_lost_ranks_last_update_when_it_comes_back_restarted() -
 
 
 def test_async_rejoined_of_a_rank_never_lost_uses_nothing_twice() -> None:
-    # the graph service calls rejoined() on every RankJoined, also when a rank's node came back
+    # the stochastic service calls rejoined() on every RankJoined, also when a rank's node came back
     # the same daemon (resume): its versions go on, so what was used stays used
     sender, receiver = reducer(0, Sync.ASYNC), reducer(1, Sync.ASYNC)
     deliver(receiver, update_of(sender.call(np.full(1, 2.0), 0.0)))

@@ -18,7 +18,14 @@ from hypothesis import strategies as st
 
 from fabricd.engines.actions import Broadcast, Complete, Failure, SendFrame
 from fabricd.engines.membership import Membership, RankJoined, RankLeft
-from fabricd.engines.operations import (
+from fabricd.engines.p2p.matching import (
+    CopyLocal,
+    Message,
+    Messaging,
+    MessagingStatistics,
+    StreamData,
+)
+from fabricd.engines.p2p.operations import (
     RECV_TRANSITIONS,
     SEND_TRANSITIONS,
     RecvInput,
@@ -26,9 +33,9 @@ from fabricd.engines.operations import (
     SendInput,
     SendState,
 )
-from fabricd.engines.p2p import CopyLocal, Message, Messaging, MessagingStatistics, StreamData
 from fabricd.errors import ErrorCode, LocalProtocolError, RemoteProtocolError, UsageError
-from fabricd.frames import Announce, Cancel, Cts, Data, Done, Rts
+from fabricd.frames.membership import Announce
+from fabricd.frames.p2p import Cancel, Cts, Data, Done, Rts
 from fabricd.wire import Kind
 
 if TYPE_CHECKING:

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from test_p2p import leftovers
 
 from fabricd.engines.actions import SendFrame
-from fabricd.engines.operations import RecvState, SendState
-from fabricd.engines.p2p import Messaging, StreamData
+from fabricd.engines.p2p.matching import Messaging, StreamData
+from fabricd.engines.p2p.operations import RecvState, SendState
 from fabricd.errors import RemoteProtocolError
-from fabricd.frames import Data, Done, Eager, Rtr, Rts
+from fabricd.frames.p2p import Data, Done, Eager, Rtr, Rts
 from fabricd.wire import Kind
 
 if TYPE_CHECKING:

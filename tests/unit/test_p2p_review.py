@@ -9,7 +9,7 @@ import pytest
 from test_p2p_eager import BIG, check_idle, code, deliver_all, layout, payload
 
 from fabricd.engines.landing import CANCELLED_KEPT
-from fabricd.frames import Rtr
+from fabricd.frames.p2p import Rtr
 
 
 def test_data_of_an_answered_rtr_is_dropped_after_many_receives_are_abandoned() -> None:

@@ -17,16 +17,17 @@ import pytest
 from workcount import WorkCounter
 
 from fabricd.daemon.config import Config
-from fabricd.daemon.p2p_service import P2PService
 from fabricd.daemon.service import Request
+from fabricd.daemon.services.p2p import P2PService
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.membership import RankEntry
 from fabricd.errors import OperationFailed
-from fabricd.frames import Cancel, Data, Done, Eager, PeerFrame, Rts
+from fabricd.frames.p2p import Cancel, Data, Done, Eager, Rts
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from fabricd.frames import PeerFrame
     from fabricd.transports.base import Buffer
 
 JOB = "j"

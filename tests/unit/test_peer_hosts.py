@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fabricd.daemon.peering_service import node_hosts, peer_host
-from fabricd.engines.gate import host_slots
+from fabricd.daemon.services.peering import node_hosts, peer_host
+from fabricd.engines.link.gate import host_slots
 
 
 @pytest.mark.parametrize(

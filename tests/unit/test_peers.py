@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabricd.engines.actions import Notice, SendFrame
-from fabricd.engines.gate import CloseHandshake, RefuseHandshake
-from fabricd.engines.handshake import Channel
-from fabricd.engines.peers import (
+from fabricd.engines.link.gate import CloseHandshake, RefuseHandshake
+from fabricd.engines.link.handshake import Channel
+from fabricd.engines.link.peers import (
     FIRST_BACKOFF,
     Action,
     AdmitLink,
@@ -37,7 +37,7 @@ from fabricd.engines.peers import (
     StateChanged,
     Timeouts,
 )
-from fabricd.frames import Heartbeat
+from fabricd.frames.link import Heartbeat
 
 CONTROL, DATA = Channel.CONTROL, Channel.DATA
 TIMEOUTS = Timeouts(heartbeat_interval=0.1, suspect_after=0.3, down_after=1.0)

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines.persistent import (
+from fabricd.engines.collectives.persistent import (
     Action,
     Collective,
     Deliver,

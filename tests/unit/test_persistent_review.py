@@ -11,7 +11,7 @@ from random import Random
 
 import numpy as np
 
-from fabricd.engines.persistent import Spec, Transmit, initiator
+from fabricd.engines.collectives.persistent import Spec, Transmit, initiator
 from tests.unit.test_persistent import GRACE, JOB, NAME, Fabric, Recording
 
 

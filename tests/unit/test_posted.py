@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fabricd.errors import RemoteProtocolError
-from fabricd.frames import Write
+from fabricd.frames.p2p import Write
 from fabricd.integrity import KEY_SIZE, IntegrityError, Opener, Sealer
 from fabricd.transports.inproc import InprocLink, InprocTransport
 from fabricd.transports.posted import (

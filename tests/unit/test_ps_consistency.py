@@ -1,4 +1,4 @@
-"""Parameter-server consistency (fabricd/engines/ps_consistency.py) without sockets: honest
+"""Parameter-server consistency (fabricd/engines/ps/consistency.py) without sockets: honest
 workers whose messages hypothesis delivers in any order, and the update rules.
 
 Each simulated worker loops: push the update of its iteration ``t`` (computed from the version
@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines.ps_consistency import (
+from fabricd.engines.ps.consistency import (
     DELAY_BUCKETS,
     SGD,
     Action,

@@ -1,4 +1,4 @@
-"""TDF's gradient and parameter filters (fabricd/engines/ps_filters.py) against direct numpy
+"""TDF's gradient and parameter filters (fabricd/engines/ps/filters.py) against direct numpy
 computations of eq. 1-3: G-SMP, G-RP (dropped only when both select), G-LNP, eq. 2's
 accumulation with nothing lost, P-SMP, P-LNP, and the lossless publish mode."""
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines import ps_filters as pf
+from fabricd.engines.ps import filters as pf
 from fabricd.errors import UsageError
 
 FLOATS = ("float16", "float32", "float64")

@@ -1,4 +1,4 @@
-"""The wire form of a push (fabricd/engines/ps_push.py): what :func:`encode` writes,
+"""The wire form of a push (fabricd/engines/ps/push.py): what :func:`encode` writes,
 :func:`decode` reads back exactly, and every malformed form is refused with
 :class:`RemoteProtocolError` (the worker's daemon broke the protocol)."""
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines import ps_push
-from fabricd.engines.ps_filters import Push
+from fabricd.engines.ps import push as ps_push
+from fabricd.engines.ps.filters import Push
 from fabricd.errors import RemoteProtocolError
 
 Array = np.ndarray[Any, Any]

@@ -1,4 +1,4 @@
-"""One shard's server state (fabricd/engines/ps_server.py) without sockets: ShardServer and
+"""One shard's server state (fabricd/engines/ps/server.py) without sockets: ShardServer and
 Worker engines wired by the in-process fabric of ``ps_fabric`` under arbitrary interleavings,
 resends, duplicates, link resets and failovers, and the shard's own rules one call at a time."""
 
@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines import ps_push
-from fabricd.engines.ps_consistency import Consistency, Sum
-from fabricd.engines.ps_filters import Push
-from fabricd.engines.ps_server import (
+from fabricd.engines.ps import push as ps_push
+from fabricd.engines.ps.consistency import Consistency, Sum
+from fabricd.engines.ps.filters import Push
+from fabricd.engines.ps.server import (
     LOSE,
     PUSH,
     Acked,

@@ -13,29 +13,32 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 
-from fabricd import frames
-from fabricd.daemon import ps_service
 from fabricd.daemon.config import Config
-from fabricd.daemon.ps_service import PSService
 from fabricd.daemon.service import Request
+from fabricd.daemon.services import ps as ps_service
+from fabricd.daemon.services.ps import PSService
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankEntry, RankJoined, RankLeft
 from fabricd.errors import UsageError
+from fabricd.frames import ps as ps_frames
 from fabricd.wire import Kind, Meta
+
+if TYPE_CHECKING:
+    from fabricd import frames
 
 JOB, NAME, SIZE = "j", "w", 8
 #: rank -> node: server 0 and replica 1 on nodes 0 and 1, a worker beside each
 NODES = {0: 0, 1: 1, 2: 0, 3: 1}
-DATA_FRAMES: dict[Kind, type[frames.Push | frames.Pulled | frames.Replicate]] = {
-    Kind.PUSH: frames.Push,
-    Kind.PULLED: frames.Pulled,
-    Kind.REPLICATE: frames.Replicate,
+DATA_FRAMES: dict[Kind, type[ps_frames.Push | ps_frames.Pulled | ps_frames.Replicate]] = {
+    Kind.PUSH: ps_frames.Push,
+    Kind.PULLED: ps_frames.Pulled,
+    Kind.REPLICATE: ps_frames.Replicate,
 }
 
 
@@ -448,7 +451,7 @@ def test_a_malformed_frame_held_for_a_server_does_not_fail_its_open() -> None:
     fabric.join_all()
     fabric.open(3, "worker", replicas=[], consistency="async")
     spec = fabric.services[1].models[JOB, NAME].spec
-    push = frames.Push(
+    push = ps_frames.Push(
         job=JOB, name=NAME, shard=0, server=0, worker=3, iteration=0, base=0, epoch=0, spec=spec
     )
     fabric.wire.frames.append((1, 0, push, b"not a push"))

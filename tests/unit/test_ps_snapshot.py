@@ -1,4 +1,4 @@
-"""A shard's snapshot (fabricd/engines/ps_snapshot.py) and the restores that read one: hostile
+"""A shard's snapshot (fabricd/engines/ps/snapshot.py) and the restores that read one: hostile
 bytes are refused with RemoteProtocolError and nothing else, and a state that could not have
 come from a shard (versions that disagree, clocks below what is complete, pushes held where
 none can be) is refused before anything is taken."""
@@ -14,11 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines import ps_push, ps_snapshot
-from fabricd.engines.ps_consistency import Consistency, Coordinator, Sum
-from fabricd.engines.ps_filters import Push
-from fabricd.engines.ps_server import ShardServer
-from fabricd.engines.ps_storage import TimedStore
+from fabricd.engines.ps import push as ps_push
+from fabricd.engines.ps import snapshot as ps_snapshot
+from fabricd.engines.ps.consistency import Consistency, Coordinator, Sum
+from fabricd.engines.ps.filters import Push
+from fabricd.engines.ps.server import ShardServer
+from fabricd.engines.ps.storage import TimedStore
 from fabricd.errors import RemoteProtocolError
 
 SIZE = 8

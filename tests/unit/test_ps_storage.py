@@ -1,4 +1,4 @@
-"""Timed parameter storage (fabricd/engines/ps_storage.py): a worker that applies the reply to
+"""Timed parameter storage (fabricd/engines/ps/storage.py): a worker that applies the reply to
 a pull from any version it may hold ends bitwise equal to the server's published model; every
 encoding round-trips; the reply is the smallest encoding; malformed replies are refused with
 RemoteProtocolError and leave the cache untouched."""
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines import ps_storage as ps
+from fabricd.engines.ps import storage as ps
 from fabricd.errors import RemoteProtocolError, UsageError
 
 FLOATS = ("float16", "float32", "float64")

@@ -1,4 +1,4 @@
-"""One worker's side of a parameter-server model (fabricd/engines/ps_worker.py) without
+"""One worker's side of a parameter-server model (fabricd/engines/ps/worker.py) without
 sockets: key-range shards, one push and one pull in flight, acknowledgements and answers that
 come late, twice or never, the delay gate, resends and failover."""
 
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines import ps_push
-from fabricd.engines.ps_storage import TimedStore
-from fabricd.engines.ps_worker import (
+from fabricd.engines.ps import push as ps_push
+from fabricd.engines.ps.storage import TimedStore
+from fabricd.engines.ps.worker import (
     PullDone,
     PullFailed,
     PushDone,

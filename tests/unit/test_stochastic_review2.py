@@ -1,8 +1,8 @@
-"""Second review of stochastic reduce: how the graph service's suspicion of ranks whose node's
+"""Second review of stochastic reduce: how the stochastic service's suspicion of ranks whose node's
 links reset meets the job's end.
 
 The service runs on the first review's fake host and rank table
-(:mod:`tests.unit.test_graph_service_review`).  Every test here shows a bug the review found,
+(:mod:`tests.unit.test_stochastic_service_review`).  Every test here shows a bug the review found,
 since fixed: they stay as regression tests.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fabricd.engines.membership import RankJoined, RankLeft
 from tests.unit.test_collective_service_review import Table
-from tests.unit.test_graph_service_review import JOB, call, client, service
+from tests.unit.test_stochastic_service_review import JOB, call, client, service
 
 
 def test_a_forgotten_jobs_other_suspects_do_not_fail_the_next_job_of_its_name() -> None:

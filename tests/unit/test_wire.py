@@ -15,7 +15,7 @@ import tracemalloc
 import msgpack
 import pytest
 
-from fabricd.engines.handshake import HANDSHAKE_LIMITS
+from fabricd.engines.link.handshake import HANDSHAKE_LIMITS
 from fabricd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from fabricd.ipc import REPLY_LIMITS, REQUEST_LIMITS
 from fabricd.wire import (

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fabricd.errors import RemoteProtocolError
-from fabricd.frames import Write
+from fabricd.frames.p2p import Write
 from fabricd.transports.inproc import InprocLink, InprocTransport
 from fabricd.transports.posted import PostKey, WriteLanded
 from fabricd.wire import (

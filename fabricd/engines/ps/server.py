@@ -2,7 +2,7 @@
 
 Rules: this module decides, for one shard, what each push, pull, lost worker and replication
 acknowledgement leads to, and keeps the shard's whole state: the consistency
-(:class:`~fabricd.engines.ps_consistency.Coordinator`), the update rule, the parameter filter
+(:class:`~fabricd.engines.ps.consistency.Coordinator`), the update rule, the parameter filter
 (TDF §III.D) and the timed storage (TDF §III.B).  It never touches a socket: the ``ps`` service
 moves the frames its actions name and says which worker was lost and when the replica
 answered.  A malformed push or pull, or a replication entry out of order, raises
@@ -10,10 +10,10 @@ answered.  A malformed push or pull, or a replication entry out of order, raises
 
 Theory of operation.
 
-* A push (one worker's filtered update of one iteration, :mod:`fabricd.engines.ps_push`) is
+* A push (one worker's filtered update of one iteration, :mod:`fabricd.engines.ps.push`) is
   checked, decoded, and becomes a log *entry*; so does a lost worker.  Entries are *processed*
   in log order: the coordinator decides, the update rule steps the model for each
-  :class:`~fabricd.engines.ps_consistency.Apply`, the parameter filter says what to publish,
+  :class:`~fabricd.engines.ps.consistency.Apply`, the parameter filter says what to publish,
   and the store makes it the next version.  Every worker's push is acknowledged
   (:class:`Acked`) once processed: applied (with the version it made), or dropped (why).  A
   pull is answered (:class:`Answer`: the store's reply since the worker's version) when the
@@ -34,7 +34,7 @@ Theory of operation.
   every push not yet acknowledged: one it logged is acknowledged again, one it never saw is
   applied now.  Versions never go back: a version a worker saw was logged by the replica first.
 * The update callback (MLfabric Table 1, ``registerUpdateCallback``): with ``rule=None`` the
-  server's own process steps the model.  Each :class:`~fabricd.engines.ps_consistency.Apply`
+  server's own process steps the model.  Each :class:`~fabricd.engines.ps.consistency.Apply`
   becomes a :class:`Step` for the service to hand to the process, and the shard carries out
   nothing after it (acknowledgements, answers, later applies) until :meth:`ShardServer.stepped`
   brings the new model: the coordinator's decisions never depend on the model, so they are
@@ -52,8 +52,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from fabricd.engines import ps_push, ps_snapshot
-from fabricd.engines.ps_consistency import (
+from fabricd.engines.ps import push as ps_push
+from fabricd.engines.ps import snapshot as ps_snapshot
+from fabricd.engines.ps.consistency import (
     Apply,
     Consistency,
     Coordinator,
@@ -65,9 +66,9 @@ from fabricd.engines.ps_consistency import (
     restore_rule,
     rule_state,
 )
-from fabricd.engines.ps_filters import LOW_MAX, FilterSettings, ParameterFilter
-from fabricd.engines.ps_storage import HEADER as PULL_HEADER
-from fabricd.engines.ps_storage import TimedStore
+from fabricd.engines.ps.filters import LOW_MAX, FilterSettings, ParameterFilter
+from fabricd.engines.ps.storage import HEADER as PULL_HEADER
+from fabricd.engines.ps.storage import TimedStore
 from fabricd.errors import RemoteProtocolError, UsageError
 from fabricd.wire import get_int
 
@@ -147,7 +148,7 @@ class Refuse:
 class Step:
     """Run the update callback in the server's own process (MLfabric Table 1's
     registerUpdateCallback): step ``model`` (a copy of the values the next version starts
-    from) by ``update`` (the :class:`~fabricd.engines.ps_consistency.Apply`'s combined update)
+    from) by ``update`` (the :class:`~fabricd.engines.ps.consistency.Apply`'s combined update)
     and hand the result to :meth:`ShardServer.stepped`.  The shard waits for it: pushes and
     pulls that come meanwhile are queued behind it, in order."""
 
@@ -159,7 +160,7 @@ class Step:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Snapshot:
     """Send the replica that joined the shard's state as of entry ``index`` (``data``,
-    :mod:`fabricd.engines.ps_snapshot`); the entries after it follow as :class:`Forward`."""
+    :mod:`fabricd.engines.ps.snapshot`); the entries after it follow as :class:`Forward`."""
 
     index: int
     data: bytes
@@ -314,7 +315,7 @@ class ShardServer:
 
     def flush(self, now: float) -> list[Action]:
         """Publish every parameter whose exact value the lossless publish mode held back
-        (:meth:`~fabricd.engines.ps_filters.ParameterFilter.flush`: the end of training, a
+        (:meth:`~fabricd.engines.ps.filters.ParameterFilter.flush`: the end of training, a
         checkpoint), as the next version; through the log, so the replica does the same.
 
         Raises:
@@ -463,7 +464,7 @@ class ShardServer:
     # -- snapshots ------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Everything a replica needs to go on from the processed entries
-        (:mod:`fabricd.engines.ps_snapshot`)."""
+        (:mod:`fabricd.engines.ps.snapshot`)."""
         return {
             "epoch": self.epoch,
             "last": {w: list(record) for w, record in self._last.items()},

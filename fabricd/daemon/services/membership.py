@@ -19,7 +19,6 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from fabricd import frames
 from fabricd.daemon import access
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.service import BaseService
@@ -27,11 +26,13 @@ from fabricd.daemon.sessions import parse_hello
 from fabricd.engines.actions import Broadcast, Notice, SendFrame
 from fabricd.engines.membership import Membership, RankJoined, RankLeft
 from fabricd.errors import ErrorCode, OperationFailed, PermissionDenied, UsageError
+from fabricd.frames import membership as membership_frames
 from fabricd.wire import PROTOCOL_VERSION, Kind, Meta
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.membership import Action
@@ -100,7 +101,7 @@ class MembershipService(BaseService):
         }
 
     def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
-        assert isinstance(frame, frames.Announce)
+        assert isinstance(frame, membership_frames.Announce)
         self._perform(self.engine.on_announce(node, frame))
 
     def peer_up(self, node: int, now: float) -> None:

@@ -1,4 +1,4 @@
-"""The wire form of one push: a :class:`~fabricd.engines.ps_filters.Push` as the bytes a PUSH
+"""The wire form of one push: a :class:`~fabricd.engines.ps.filters.Push` as the bytes a PUSH
 frame carries, and back.
 
 Rules: the worker's daemon encodes what its gradient filter let through; the server's daemon
@@ -30,7 +30,7 @@ import numpy as np
 from fabricd.errors import RemoteProtocolError
 
 if TYPE_CHECKING:
-    from fabricd.engines.ps_filters import Push
+    from fabricd.engines.ps.filters import Push
 
 Array = np.ndarray[Any, Any]
 

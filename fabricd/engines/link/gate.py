@@ -3,8 +3,8 @@
 Rules: this module decides whether a new link may begin its handshake and when one has taken
 too long.  It never touches a link: the daemon names each link with an id, reports when its
 handshake starts and ends (with the host it came from), and performs the returned actions.
-The handshake itself is :mod:`fabricd.engines.handshake`'s; which authenticated link to keep is
-:mod:`fabricd.engines.peers`'; which hosts are configured nodes is the daemon's configuration.
+The handshake itself is :mod:`fabricd.engines.link.handshake`'s; which authenticated link to keep is
+:mod:`fabricd.engines.link.peers`'; which hosts are configured nodes is the daemon's configuration.
 
 Theory of operation: membership is static, so only the hosts of configured nodes that dial this
 one can have a reason to connect.  An accepted link from any other host is refused on arrival,

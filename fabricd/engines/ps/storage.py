@@ -6,9 +6,9 @@ values and one version per chunk of ``chunk`` parameters (:class:`TimedStore`); 
 reply to a pull, what changed since the worker's version encoded in whichever layout is
 smallest (:meth:`TimedStore.pull`), and applies such a reply to a worker's cached copy in place
 (:func:`apply_delta`).  numpy only: no socket, no clock, no thread.  The ``ps`` service decides
-when to publish (what a :class:`~fabricd.engines.ps_filters.Publish` names, once per
-:class:`~fabricd.engines.ps_consistency.Apply`) and when to answer a pull (a
-:class:`~fabricd.engines.ps_consistency.Reply`), moves the bytes, and gives
+when to publish (what a :class:`~fabricd.engines.ps.filters.Publish` names, once per
+:class:`~fabricd.engines.ps.consistency.Apply`) and when to answer a pull (a
+:class:`~fabricd.engines.ps.consistency.Reply`), moves the bytes, and gives
 :func:`apply_delta` a view of the worker's shared-memory segment as the cache.  Malformed reply
 bytes raise :class:`~fabricd.errors.RemoteProtocolError` and nothing else, before anything is
 written; a wrong argument raises :class:`~fabricd.errors.UsageError`.
@@ -17,7 +17,7 @@ Theory of operation.  TDF stores each parameter as ``<theta_j, v_j>``, ``v_j`` t
 that last updated it, and a worker's pull returns only the parameters whose version is not less
 than the iteration of its previous pull.  Here the model has a *version*, the number of
 publishes so far (0: the initial model; the service publishes once per ``Apply``, an empty
-publish included, so it equals :mod:`~fabricd.engines.ps_consistency`'s version), and chunk
+publish included, so it equals :mod:`~fabricd.engines.ps.consistency`'s version), and chunk
 ``c``'s version is the model version that last published it (0: never).  A worker whose cache
 is the model at version ``w`` lacks exactly the chunks whose version is greater than ``w``
 (TDF's "not less than", its ``w`` being one less than ours).  Version 0 is also a fresh
@@ -90,7 +90,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from fabricd.engines import ps_snapshot as snap
+from fabricd.engines.ps import snapshot as snap
 from fabricd.errors import RemoteProtocolError, UsageError
 from fabricd.wire import get_int
 
@@ -253,7 +253,7 @@ class TimedStore:
 
         Args:
             chunks: a boolean mask over the model's chunks, or their indices, strictly
-                ascending (a :class:`~fabricd.engines.ps_filters.Publish`'s ``mask``).
+                ascending (a :class:`~fabricd.engines.ps.filters.Publish`'s ``mask``).
             values: the chunks' values concatenated in ascending chunk order, of the model's
                 dtype or one it holds exactly (float16 into a float32 model).  Nothing
                 published still makes a new version (module docstring).
@@ -375,7 +375,7 @@ class TimedStore:
         return out
 
     def state(self) -> dict[str, Any]:
-        """What a replica needs to go on from here (:mod:`fabricd.engines.ps_snapshot`)."""
+        """What a replica needs to go on from here (:mod:`fabricd.engines.ps.snapshot`)."""
         return {
             "model": self._model,
             "versions": self._versions,

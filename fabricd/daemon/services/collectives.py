@@ -1,6 +1,7 @@
 """The collective service: ``collective`` requests and COLL frames, for persistent schedules.
 
-Drives :mod:`fabricd.engines.persistent`: one :class:`~fabricd.engines.persistent.Collective`
+Drives :mod:`fabricd.engines.collectives.persistent`: one
+:class:`~fabricd.engines.collectives.persistent.Collective`
 per (job, name) on this node, built by the first call or the first peer frame of that name,
 and kept round after round (eager-SGD §4.1, §4.3: persistent schedules).  A request names the
 collective, its kind (allreduce, broadcast, barrier), the caller's array (a view of its
@@ -31,24 +32,24 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from fabricd import frames
-from fabricd.daemon.data_queues import DataQueues
-from fabricd.daemon.job_ranks import admitted_incarnation, waited_too_long
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
+from fabricd.daemon.services.data_queues import DataQueues
+from fabricd.daemon.services.jobs import admitted_incarnation, waited_too_long
 from fabricd.dtypes import ITEMSIZE
 from fabricd.engines.actions import Failure
-from fabricd.engines.collectives import Algorithm, choose_allreduce
+from fabricd.engines.collectives.algorithms import Algorithm, choose_allreduce
+from fabricd.engines.collectives.persistent import NOTICE, Collective, Deliver, Fail, Spec, Transmit
 from fabricd.engines.membership import RankJoined, RankLeft
-from fabricd.engines.persistent import NOTICE, Collective, Deliver, Fail, Spec, Transmit
 from fabricd.errors import (
     ErrorCode,
     OperationFailed,
     RemoteProtocolError,
     UsageError,
 )
-from fabricd.frames import MAX_COLLECTIVE_NAME
+from fabricd.frames import collectives as collectives_frames
+from fabricd.frames.fields import MAX_NAME
 from fabricd.wire import Kind, Meta, get_int, get_str
 
 if TYPE_CHECKING:
@@ -56,11 +57,12 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
+    from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.collectives.persistent import Action
+    from fabricd.engines.link.peers import PeerInfo
     from fabricd.engines.membership import Membership, RankEvent
-    from fabricd.engines.peers import PeerInfo
-    from fabricd.engines.persistent import Action
 
 log = logging.getLogger("fabricd.collectives")
 remote_log = RateLimitedLog(log)
@@ -100,7 +102,7 @@ class _Held:
     """A peer's frame for a collective not built here yet."""
 
     node: int
-    frame: frames.Coll
+    frame: collectives_frames.Coll
     payload: bytearray
     complete: bool  #: its payload is all in (a frame still landing is not replayed yet)
     expires: float  #: dropped then if its collective still cannot be built (route_timeout)
@@ -178,8 +180,8 @@ class CollectiveService(BaseService):
     def _parse(self, request: Request) -> tuple[Spec, np.ndarray[Any, Any] | None, str]:
         meta, session = request.meta, request.session
         kind, name = get_str(meta, "kind"), get_str(meta, "name")
-        if not 0 < len(name) <= MAX_COLLECTIVE_NAME:
-            raise UsageError(f"a collective name has 1 to {MAX_COLLECTIVE_NAME} characters")
+        if not 0 < len(name) <= MAX_NAME:
+            raise UsageError(f"a collective name has 1 to {MAX_NAME} characters")
         if kind == "barrier":
             return Spec(kind="barrier"), None, name
         dtype = get_str(meta, "dtype")
@@ -315,7 +317,7 @@ class CollectiveService(BaseService):
     def payload_buffer(
         self, node: int, frame: frames.PayloadFrame, length: int
     ) -> memoryview | None:
-        assert isinstance(frame, frames.Coll)
+        assert isinstance(frame, collectives_frames.Coll)
         coll = self._collective(frame, node)
         if coll is None:
             return memoryview(self._hold(node, frame, length).payload)
@@ -334,7 +336,7 @@ class CollectiveService(BaseService):
         return view
 
     def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
-        assert isinstance(frame, frames.Coll)
+        assert isinstance(frame, collectives_frames.Coll)
         key = (frame.job, frame.name)
         for item in self._held.get(key, ()):
             if item.frame is frame and not item.complete:  # its payload landed in the hold
@@ -351,7 +353,7 @@ class CollectiveService(BaseService):
             coll.arrived(node, frame.tag, frame.round, length, frame.lost, frame.base, now),
         )
 
-    def _collective(self, frame: frames.Coll, node: int) -> Collective | None:
+    def _collective(self, frame: collectives_frames.Coll, node: int) -> Collective | None:
         """The collective a peer's frame is for, built from its spec if every rank of its job
         is known here; ``None``: not yet.
 
@@ -389,7 +391,7 @@ class CollectiveService(BaseService):
         except (MemoryError, ValueError) as exc:  # its buffers do not fit in this process
             raise RemoteProtocolError(f"cannot build {frame.name!r} here: {exc!r}") from None
 
-    def _hold(self, node: int, frame: frames.Coll, length: int) -> _Held:
+    def _hold(self, node: int, frame: collectives_frames.Coll, length: int) -> _Held:
         """Keep a frame (and its payload) until its collective can be built here.
 
         Raises:
@@ -576,7 +578,7 @@ class CollectiveService(BaseService):
         payload = memoryview(t.payload)  # slices of it copy nothing
         offsets = range(0, len(payload), chunk) if payload else range(1)
         for off in offsets:
-            frame = frames.Coll(
+            frame = collectives_frames.Coll(
                 job=key[0],
                 name=key[1],
                 round=t.round,

@@ -13,8 +13,8 @@ from fabricd.errors import ErrorCode
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
+    from fabricd.engines.link.peers import PeerInfo
     from fabricd.engines.membership import Membership
-    from fabricd.engines.peers import PeerInfo
 
 #: missing ranks a failure names (the rest is "...")
 _SHOWN: int = 10

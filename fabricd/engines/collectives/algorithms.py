@@ -163,7 +163,8 @@ def choose_allreduce(size: int, nbytes: int, *, ring_from_bytes: int) -> Algorit
     measured (``bench/``), never guessed here.  With two ranks both move the same bytes,
     recursive doubling in one step, the ring in two of half the size: the ring still wins on
     large tensors, as one half is reduced while the other travels and it sends straight from
-    the tensor (see fabricd/engines/persistent.py: recursive doubling's sends are copies).
+    the tensor (see fabricd/engines/collectives/persistent.py: recursive doubling's sends are
+    copies).
     """
     if ring_from_bytes < 0 or nbytes < 0:
         raise UsageError("sizes in bytes must be >= 0")

@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from fabricd.engines import ps_snapshot as snap
+from fabricd.engines.ps import snapshot as snap
 from fabricd.errors import RemoteProtocolError, UsageError
 
 if TYPE_CHECKING:
@@ -538,7 +538,7 @@ class ParameterFilter:
         return Publish(mask=mask, values=values)
 
     def state(self) -> dict[str, Any]:
-        """What a replica needs to go on from here (:mod:`fabricd.engines.ps_snapshot`)."""
+        """What a replica needs to go on from here (:mod:`fabricd.engines.ps.snapshot`)."""
         return {
             "model": self._model,
             "published": self._published if self.settings.lossless_publish else None,

@@ -1,9 +1,11 @@
-"""The graph service: ``stochastic_reduce`` requests and UPDATE, NOTIFY and ACK frames.
+"""The stochastic service: ``stochastic_reduce`` requests and UPDATE, NOTIFY and ACK frames.
 
-Drives :mod:`fabricd.engines.notify_ack`: one :class:`~fabricd.engines.notify_ack.Reducer`
+Drives :mod:`fabricd.engines.stochastic.notify_ack`: one
+:class:`~fabricd.engines.stochastic.notify_ack.Reducer`
 per (job, name, local rank), built by the rank's first call or by the first peer frame for it,
 and kept round after round.  A request names the reduce, its graph (a kind of
-:mod:`fabricd.engines.graphs` over the job's ranks, with its degree, seed or edge list), its
+:mod:`fabricd.engines.stochastic.graphs` over the job's ranks, with its degree, seed or edge list),
+its
 sync mode and the caller's array (a view of its segment); the engine reads the model from the
 array and writes the average into it, and the service answers ``{round, inputs, in_degree,
 torn, stale}``.
@@ -39,16 +41,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fabricd import frames
-from fabricd.daemon.data_queues import DataQueues
-from fabricd.daemon.job_ranks import admitted_incarnation, waited_too_long
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
-from fabricd.engines import graphs
+from fabricd.daemon.services.data_queues import DataQueues
+from fabricd.daemon.services.jobs import admitted_incarnation, waited_too_long
 from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankJoined, RankLeft
-from fabricd.engines.notify_ack import (
+from fabricd.engines.stochastic import graphs
+from fabricd.engines.stochastic.notify_ack import (
     ACK,
     DTYPES,
     OVERHEAD,
@@ -69,7 +70,9 @@ from fabricd.errors import (
     UsageError,
     code_of,
 )
-from fabricd.frames import MAX_COLLECTIVE_NAME, MAX_SPEC_EDGES
+from fabricd.frames import stochastic as stochastic_frames
+from fabricd.frames.fields import MAX_NAME
+from fabricd.frames.stochastic import MAX_SPEC_EDGES
 from fabricd.wire import Kind, Meta, get_int, get_str
 
 if TYPE_CHECKING:
@@ -77,13 +80,14 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
+    from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.link.peers import PeerInfo
     from fabricd.engines.membership import Membership, RankEvent
-    from fabricd.engines.notify_ack import Action
-    from fabricd.engines.peers import PeerInfo
+    from fabricd.engines.stochastic.notify_ack import Action
 
-log = logging.getLogger("fabricd.graphs")
+log = logging.getLogger("fabricd.stochastic")
 remote_log = RateLimitedLog(log)
 
 Key = tuple[str, str]  #: (job, reduce name)
@@ -111,10 +115,10 @@ class _Waiting:
     deadline: float
 
 
-class GraphService(BaseService):
+class StochasticService(BaseService):
     """Stochastic reduce over communication graphs, with NOTIFY-ACK, barrier or async sync."""
 
-    name = "graphs"
+    name = "stochastic"
     kinds = frozenset({Kind.UPDATE, Kind.NOTIFY, Kind.ACK})
     ops = frozenset({"stochastic_reduce"})
 
@@ -193,8 +197,8 @@ class GraphService(BaseService):
     def _parse(self, request: Request) -> tuple[Meta, np.ndarray[Any, Any], str]:
         meta, session = request.meta, request.session
         name = get_str(meta, "name")
-        if not 0 < len(name) <= MAX_COLLECTIVE_NAME:
-            raise UsageError(f"a stochastic reduce name has 1 to {MAX_COLLECTIVE_NAME} characters")
+        if not 0 < len(name) <= MAX_NAME:
+            raise UsageError(f"a stochastic reduce name has 1 to {MAX_NAME} characters")
         dtype, sync = get_str(meta, "dtype"), get_str(meta, "sync")
         if dtype not in DTYPES:
             raise UsageError(f"dtype {dtype!r}: a stochastic reduce averages {', '.join(DTYPES)}")
@@ -323,7 +327,7 @@ class GraphService(BaseService):
     def payload_buffer(
         self, node: int, frame: frames.PayloadFrame, length: int
     ) -> memoryview | None:
-        assert isinstance(frame, frames.Update)
+        assert isinstance(frame, stochastic_frames.Update)
         reducer = self._for_frame(node, frame, frame.spec) if self._from(node, frame) else None
         if reducer is None:
             return None
@@ -333,7 +337,7 @@ class GraphService(BaseService):
         return view
 
     def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
-        assert isinstance(frame, frames.Update)
+        assert isinstance(frame, stochastic_frames.Update)
         reducer = self._landing.pop(_landing_key(node, frame), None)
         if reducer is None:  # dropped (its bytes were read and discarded)
             return
@@ -342,23 +346,27 @@ class GraphService(BaseService):
             self._perform(key, frame.dst, reducer.landed(frame.src, frame.round, now))
 
     def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
-        assert isinstance(frame, frames.Notify | frames.Ack)
+        assert isinstance(frame, stochastic_frames.Notify | stochastic_frames.Ack)
         if not self._from(node, frame):
             return
-        if isinstance(frame, frames.Notify):
+        if isinstance(frame, stochastic_frames.Notify):
             if frame.tag == ACK:
                 raise RemoteProtocolError("a NOTIFY with the ACK's tag")
             reducer = self._for_frame(node, frame, frame.spec)
             tag = frame.tag
         else:
-            assert isinstance(frame, frames.Ack)
+            assert isinstance(frame, stochastic_frames.Ack)
             reducer = self.reducers.get((frame.job, frame.name, frame.dst))
             tag = ACK
         if reducer is not None:
             actions = reducer.message(frame.src, tag, frame.round, now)
             self._perform((frame.job, frame.name), frame.dst, actions)
 
-    def _from(self, node: int, frame: frames.Update | frames.Notify | frames.Ack) -> bool:
+    def _from(
+        self,
+        node: int,
+        frame: stochastic_frames.Update | stochastic_frames.Notify | stochastic_frames.Ack,
+    ) -> bool:
         """Whether ``frame``'s sender rank may live on ``node``, the peer that sent it: a frame
         naming a rank of another node is dropped and counted, never taken as that rank's.  A
         rank not known here yet passes: after a reset, an UPDATE sent again on the data link
@@ -373,7 +381,7 @@ class GraphService(BaseService):
         return False
 
     def _for_frame(
-        self, node: int, frame: frames.Update | frames.Notify, spec: Meta
+        self, node: int, frame: stochastic_frames.Update | stochastic_frames.Notify, spec: Meta
     ) -> Reducer | None:
         """The reducer a peer's frame is for, built from its spec if its rank has not called
         yet; ``None`` (the frame is dropped and counted): its rank is not here, or the reduce
@@ -420,7 +428,7 @@ class GraphService(BaseService):
         """A rank that left is lost to its job's reducers at once if its trainer went; if its
         node's links were reset (``lost``), only once ``down_after`` passed without the same
         daemon coming back: then each reducer sends it again what the reset may have lost
-        (:meth:`~fabricd.engines.notify_ack.Reducer.resume`)."""
+        (:meth:`~fabricd.engines.stochastic.notify_ack.Reducer.resume`)."""
         job, rank = event.entry.job, event.entry.rank
         if isinstance(event, RankLeft):
             node = event.entry.node
@@ -563,9 +571,9 @@ class GraphService(BaseService):
         }
         if isinstance(action, SendSignal):
             frame: frames.PeerFrame = (
-                frames.Ack(**fields)
+                stochastic_frames.Ack(**fields)
                 if action.tag == ACK
-                else frames.Notify(**fields, tag=action.tag, spec=spec)
+                else stochastic_frames.Notify(**fields, tag=action.tag, spec=spec)
             )
             self.host.send(entry.node, frame)
             return []
@@ -573,12 +581,12 @@ class GraphService(BaseService):
         if not action.notify and self._queued.get(edge):
             self._counters["updates_skipped"] += 1
             return []
-        meta = frames.Update(**fields, spec=spec).to_meta()
+        meta = stochastic_frames.Update(**fields, spec=spec).to_meta()
         self._queued[edge] = self._queued.get(edge, 0) + 1
         if self._frames.send(entry.node, meta, action.payload, self._left(edge)):
             self._left(edge)(True)
         if action.notify:
-            self.host.send(entry.node, frames.Notify(**fields, tag=UPDATE, spec=spec))
+            self.host.send(entry.node, stochastic_frames.Notify(**fields, tag=UPDATE, spec=spec))
         return []
 
     def _left(self, edge: tuple[str, str, int, int]) -> Callable[[bool], None]:
@@ -805,7 +813,7 @@ def _graph(spec: Meta) -> graphs.Graph:
     return graph
 
 
-def _landing_key(node: int, frame: frames.Update) -> tuple[int, str, str, int, int, int]:
+def _landing_key(node: int, frame: stochastic_frames.Update) -> tuple[int, str, str, int, int, int]:
     return (node, frame.job, frame.name, frame.src, frame.dst, frame.round)
 
 

@@ -6,13 +6,14 @@ rank's call contributes, which round's result it gets, what the node sends to wh
 and when a call completes.  It holds the collective's buffers (numpy arrays) and performs the
 schedule's computes on them in place; it never touches a socket or a clock (``now`` comes in,
 :class:`Transmit` and :class:`Deliver` go out).  The daemon's collective service
-(``daemon/collective_service.py``) lands peers' messages where :meth:`Collective.landing` says
+(``daemon/services/collectives.py``) lands peers' messages where :meth:`Collective.landing` says
 and sends what :class:`Transmit` says, one frame per message into a slot the receiving node
 allocated when it built the same schedule: no rendezvous.
 
 Theory of operation.
 
-* **Hierarchical.**  The schedule (:mod:`fabricd.engines.collectives`) runs over the job's
+* **Hierarchical.**  The schedule (:mod:`fabricd.engines.collectives.algorithms`) runs over the
+job's
   *nodes*, not its ranks: the ranks on one node reduce into the node's contribution through
   shared memory first, and only the daemon talks to the network for them, as NCCL and Horovod
   do within a machine.  The node's index in the sorted member nodes is its schedule rank.
@@ -91,8 +92,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from fabricd.engines import collectives
-from fabricd.engines.collectives import Region, chunk_bounds
+from fabricd.engines.collectives import algorithms as collectives
+from fabricd.engines.collectives.algorithms import Region, chunk_bounds
 from fabricd.engines.schedule import (
     Discard,
     Executor,

@@ -3,7 +3,7 @@
 Rules: this module makes every decision about the links to other daemons — which node to dial
 and when to dial it again, which authenticated link to admit, refuse or reset, when a peer is
 up, suspect or down, and when to send a heartbeat — and is the daemon's one entry point for
-them, the handshake limits of :mod:`fabricd.engines.gate` included.  It never touches a link
+them, the handshake limits of :mod:`fabricd.engines.link.gate` included.  It never touches a link
 and never reads a clock: the daemon reports what happened (with ``now``) and performs the
 returned actions in order.
 
@@ -12,7 +12,8 @@ node with the lower id dials both, control first, so the peer knows the dialler'
 before a data link of it arrives, and a pair never races to open duplicate connections.
 
 *Handshakes.*  A new link is unauthenticated until the handshake engine
-(:mod:`fabricd.engines.handshake`) accepts it; :class:`~fabricd.engines.gate.HandshakeGate`
+(:mod:`fabricd.engines.link.handshake`) accepts it;
+:class:`~fabricd.engines.link.gate.HandshakeGate`
 caps how many accepted links may wait for that and closes any that takes longer than
 ``handshake_timeout``; only the hosts of configured nodes that dial this one get its slots.
 
@@ -79,7 +80,7 @@ from typing import TYPE_CHECKING, Final
 
 from fabricd.engines.actions import Notice, SendFrame
 from fabricd.engines.deadlines import Deadlines
-from fabricd.engines.gate import (
+from fabricd.engines.link.gate import (
     SPARE_SLOTS,
     CloseHandshake,
     GateStatistics,
@@ -87,8 +88,8 @@ from fabricd.engines.gate import (
     RefuseHandshake,
     host_slots,
 )
-from fabricd.engines.handshake import Channel
-from fabricd.frames import Heartbeat
+from fabricd.engines.link.handshake import Channel
+from fabricd.frames.link import Heartbeat
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -372,7 +373,7 @@ class PeerTable:
         handshake_timeout: seconds a link may stay unauthenticated.
         max_backoff: the longest wait between two dials of one node.
         hosts: every node's addresses (the hosts its links may come from); only the hosts of
-            nodes that dial this one may begin a handshake here (:mod:`fabricd.engines.gate`).
+            nodes that dial this one may begin a handshake here (:mod:`fabricd.engines.link.gate`).
         spare_slots: handshake slots per such host beyond one per node on it.
     """
 

@@ -1,16 +1,16 @@
 """The parameter-server service: ``ps_open``, ``ps_push`` and ``ps_pull`` requests, and the
 PUSH, PULL, PUSHED, PULLED, REPLICATE and REPLICATED frames.
 
-Drives :mod:`fabricd.engines.ps_worker` (one :class:`~fabricd.engines.ps_worker.Worker` per
-local worker rank of a model) and :mod:`fabricd.engines.ps_server` (one
-:class:`~fabricd.engines.ps_server.ShardServer` per local server or replica rank).  A model is
+Drives :mod:`fabricd.engines.ps.worker` (one :class:`~fabricd.engines.ps.worker.Worker` per
+local worker rank of a model) and :mod:`fabricd.engines.ps.server` (one
+:class:`~fabricd.engines.ps.server.ShardServer` per local server or replica rank).  A model is
 named by (job, name); every rank of the job opens it with the same *spec* (size, dtype, the
 server ranks, one per key-range shard, and their replica ranks, consistency, staleness, delay
 bound, chunk); the job's other ranks are its workers.
 
 The data plane: a push travels to each shard's server as one PUSH frame on the data link (the
-filtered update, :mod:`fabricd.engines.ps_push`), a pull as a PULL on the control link, its
-answer as a PULLED on the data link (the changed parameters, :mod:`fabricd.engines.ps_storage`),
+filtered update, :mod:`fabricd.engines.ps.push`), a pull as a PULL on the control link, its
+answer as a PULLED on the data link (the changed parameters, :mod:`fabricd.engines.ps.storage`),
 applied by the worker's daemon straight into the worker's array (its cache); the ack of a
 processed push is a PUSHED on the control link.  A primary forwards each entry to its replica
 as a REPLICATE (data) and processes it once the replica's REPLICATED says it is logged.
@@ -18,7 +18,7 @@ Between ranks of one node the frames are handed over in memory, in the same orde
 
 Faults: after a reset of a peer's links every unacknowledged push, unanswered pull and
 unconfirmed replication entry to it is sent again, and the servers recognise what they took
-already (exactly once: ``fabricd.engines.ps_server``).  A server rank that leaves (its process
+already (exactly once: ``fabricd.engines.ps.server``).  A server rank that leaves (its process
 ended, or its node was down longer than ``down_after``) is replaced by its replica, one epoch
 later: local workers send the replica what is in flight, their clients hear ``ps_epoch``; a
 shard with no replica fails its workers' calls with ``peer_failed``.  A worker that leaves is
@@ -40,23 +40,22 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from fabricd import frames
-from fabricd.daemon.data_queues import DataQueues
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import Histogram, OperationStats, counter, gauge, histogram
 from fabricd.daemon.service import BaseService
-from fabricd.engines import ps_push
+from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankJoined, RankLeft
-from fabricd.engines.ps_consistency import (
+from fabricd.engines.ps import push as ps_push
+from fabricd.engines.ps.consistency import (
     CONSISTENCIES,
     DELAY_BUCKETS,
     Consistency,
     UpdateRule,
     update_rule,
 )
-from fabricd.engines.ps_filters import DTYPES, FilterSettings
-from fabricd.engines.ps_server import (
+from fabricd.engines.ps.filters import DTYPES, FilterSettings
+from fabricd.engines.ps.server import (
     FLUSH,
     LOSE,
     PUSH,
@@ -71,8 +70,8 @@ from fabricd.engines.ps_server import (
     Snapshot,
     Step,
 )
-from fabricd.engines.ps_storage import HEADER as PULL_HEADER
-from fabricd.engines.ps_worker import (
+from fabricd.engines.ps.storage import HEADER as PULL_HEADER
+from fabricd.engines.ps.worker import (
     PullDone,
     PullFailed,
     PushDone,
@@ -88,7 +87,9 @@ from fabricd.errors import (
     RemoteProtocolError,
     UsageError,
 )
-from fabricd.frames import MAX_COLLECTIVE_NAME, MAX_PS_REASON, MAX_RANK
+from fabricd.frames import ps as ps_frames
+from fabricd.frames.fields import MAX_NAME, MAX_RANK
+from fabricd.frames.ps import MAX_PS_REASON
 from fabricd.wire import Kind, Meta, get_int, get_str
 
 if TYPE_CHECKING:
@@ -96,11 +97,12 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
+    from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.membership import Membership, RankEvent
-    from fabricd.engines.ps_server import Action as ServerAction
-    from fabricd.engines.ps_worker import Action as WorkerAction
+    from fabricd.engines.ps.server import Action as ServerAction
+    from fabricd.engines.ps.worker import Action as WorkerAction
 
 log = logging.getLogger("fabricd.ps")
 remote_log = RateLimitedLog(log)
@@ -202,7 +204,7 @@ class _Early:
     the coordinator's, and BSP and SSP refuse a push that skips an iteration)."""
 
     node: int
-    frame: frames.Push | frames.Pull
+    frame: ps_frames.Push | ps_frames.Pull
     payload: bytes
     deadline: float | None
 
@@ -284,8 +286,8 @@ class PSService(BaseService):
         meta, session = request.meta, request.session
         job, rank = str(session.job), session.rank
         name = get_str(meta, "name")
-        if not 0 < len(name) <= MAX_COLLECTIVE_NAME:
-            raise UsageError(f"a parameter server name has 1 to {MAX_COLLECTIVE_NAME} characters")
+        if not 0 < len(name) <= MAX_NAME:
+            raise UsageError(f"a parameter server name has 1 to {MAX_NAME} characters")
         role = get_str(meta, "role")
         if role not in ROLES:
             raise UsageError(f"role {role!r}: one of {', '.join(ROLES)}")
@@ -395,7 +397,7 @@ class PSService(BaseService):
         self._send(
             key[0],
             partner,
-            frames.Join(
+            ps_frames.Join(
                 job=key[0],
                 name=key[1],
                 shard=shard,
@@ -581,12 +583,12 @@ class PSService(BaseService):
                     "spec": model.spec,
                 }
                 if isinstance(action, SendPush):
-                    frame: frames.PeerFrame = frames.Push(
+                    frame: frames.PeerFrame = ps_frames.Push(
                         **fields, iteration=action.iteration, base=action.base
                     )
                     self._send(job, to, frame, bytes(action.payload))
                 else:
-                    frame = frames.Pull(**fields, clock=action.clock, since=action.since)
+                    frame = ps_frames.Pull(**fields, clock=action.clock, since=action.since)
                     self._send(job, to, frame)
             elif isinstance(action, PushDone):
                 self._answer(
@@ -692,7 +694,7 @@ class PSService(BaseService):
                         )
                         self._server(key, shard, server.replica_lost(self.host.now()))
                         return  # the entries that followed were processed just now
-                frame: frames.PeerFrame = frames.Replicate(
+                frame: frames.PeerFrame = ps_frames.Replicate(
                     job=job,
                     name=name,
                     shard=shard,
@@ -721,7 +723,7 @@ class PSService(BaseService):
                 self._send(
                     job,
                     partner,
-                    frames.Replicated(
+                    ps_frames.Replicated(
                         job=job,
                         name=name,
                         shard=shard,
@@ -731,7 +733,7 @@ class PSService(BaseService):
                     ),
                 )
             elif isinstance(action, Acked):
-                answer: frames.PeerFrame = frames.Pushed(
+                answer: frames.PeerFrame = ps_frames.Pushed(
                     **to_worker,
                     worker=action.worker,
                     iteration=action.iteration,
@@ -740,7 +742,7 @@ class PSService(BaseService):
                 )
                 self._send(job, action.worker, answer)
             elif isinstance(action, Answer):
-                answer = frames.Pulled(
+                answer = ps_frames.Pulled(
                     **to_worker,
                     worker=action.worker,
                     clock=action.clock,
@@ -750,7 +752,7 @@ class PSService(BaseService):
                 self._send(job, action.worker, answer, bytes(action.data))
             else:
                 assert isinstance(action, Refuse)
-                answer = frames.Pulled(
+                answer = ps_frames.Pulled(
                     **to_worker,
                     worker=action.worker,
                     clock=action.clock,
@@ -842,7 +844,7 @@ class PSService(BaseService):
     def payload_buffer(
         self, node: int, frame: frames.PayloadFrame, length: int
     ) -> memoryview | None:
-        assert isinstance(frame, frames.Push | frames.Pulled | frames.Replicate)
+        assert isinstance(frame, ps_frames.Push | ps_frames.Pulled | ps_frames.Replicate)
         if length > self.host.config.max_payload:
             raise RemoteProtocolError(f"a {frame.KIND.name} of {length} B")
         buffer = bytearray(length)
@@ -850,7 +852,7 @@ class PSService(BaseService):
         return memoryview(buffer)
 
     def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
-        assert isinstance(frame, frames.Push | frames.Pulled | frames.Replicate)
+        assert isinstance(frame, ps_frames.Push | ps_frames.Pulled | ps_frames.Replicate)
         payload = self._landing.pop(_landing_key(node, frame), None)
         data = bytes(payload) if payload is not None else b""
         self._dispatch(node, frame, data, now)
@@ -861,28 +863,34 @@ class PSService(BaseService):
         self._flush()
 
     def _dispatch(self, node: int, frame: frames.PeerFrame, payload: bytes, now: float) -> None:
-        if isinstance(frame, frames.Push | frames.Pull):
+        if isinstance(frame, ps_frames.Push | ps_frames.Pull):
             self._at_server(node, frame, payload, now)
             return
         # a server's, replica's or partner's frame counts only from the node its rank lives
         # on: anything else could forge an entry, a confirmation or an acknowledgement
         assert isinstance(
             frame,
-            frames.Pushed | frames.Pulled | frames.Replicate | frames.Replicated | frames.Join,
+            ps_frames.Pushed
+            | ps_frames.Pulled
+            | ps_frames.Replicate
+            | ps_frames.Replicated
+            | ps_frames.Join,
         )
         sender = (
-            frame.replica if isinstance(frame, frames.Replicated | frames.Join) else frame.server
+            frame.replica
+            if isinstance(frame, ps_frames.Replicated | ps_frames.Join)
+            else frame.server
         )
         if not self._sent_by(node, frame.job, sender):
             return
-        if isinstance(frame, frames.Pushed | frames.Pulled):
+        if isinstance(frame, ps_frames.Pushed | ps_frames.Pulled):
             self._at_worker(node, frame, payload)
-        elif isinstance(frame, frames.Replicate):
+        elif isinstance(frame, ps_frames.Replicate):
             self._at_replica(node, frame, payload, now)
-        elif isinstance(frame, frames.Join):
+        elif isinstance(frame, ps_frames.Join):
             self._at_partner(frame, now)
         else:
-            assert isinstance(frame, frames.Replicated)
+            assert isinstance(frame, ps_frames.Replicated)
             key = (frame.job, frame.name)
             model = self.models.get(key)
             server = None if model is None else model.servers.get(frame.shard)
@@ -915,7 +923,7 @@ class PSService(BaseService):
         return False
 
     def _at_server(
-        self, node: int, frame: frames.Push | frames.Pull, payload: bytes, now: float
+        self, node: int, frame: ps_frames.Push | ps_frames.Pull, payload: bytes, now: float
     ) -> None:
         if not self._from(node, frame.job, frame.worker):
             return
@@ -957,7 +965,7 @@ class PSService(BaseService):
             later = server.epoch if server.has_state and server.epoch > frame.epoch else None
             self._refuse(key, frame, self._why_not_serving(server, frame.epoch), epoch=later)
             return
-        if isinstance(frame, frames.Push):
+        if isinstance(frame, ps_frames.Push):
             actions = server.push(frame.worker, frame.iteration, frame.base, payload, now)
         else:
             actions = server.pull(frame.worker, frame.clock, frame.since, now)
@@ -982,7 +990,12 @@ class PSService(BaseService):
         )
 
     def _refuse(
-        self, key: Key, frame: frames.Push | frames.Pull, why: str, *, epoch: int | None = None
+        self,
+        key: Key,
+        frame: ps_frames.Push | ps_frames.Pull,
+        why: str,
+        *,
+        epoch: int | None = None,
     ) -> None:
         """Answer ``frame`` with ``why`` (a push as not applied, a pull as failed); ``epoch``:
         the shard's later epoch, which moves the worker's daemon to the rank serving it."""
@@ -995,15 +1008,17 @@ class PSService(BaseService):
             "worker": frame.worker,
             "epoch": frame.epoch if epoch is None else epoch,
         }
-        if isinstance(frame, frames.Push):
-            reply: frames.PeerFrame = frames.Pushed(
+        if isinstance(frame, ps_frames.Push):
+            reply: frames.PeerFrame = ps_frames.Pushed(
                 **common, iteration=frame.iteration, version=0, dropped=_text(why)
             )
         else:
-            reply = frames.Pulled(**common, clock=frame.clock, version=0, error=_text(why))
+            reply = ps_frames.Pulled(**common, clock=frame.clock, version=0, error=_text(why))
         self._send(job, frame.worker, reply)
 
-    def _at_worker(self, node: int, frame: frames.Pushed | frames.Pulled, payload: bytes) -> None:
+    def _at_worker(
+        self, node: int, frame: ps_frames.Pushed | ps_frames.Pulled, payload: bytes
+    ) -> None:
         key = (frame.job, frame.name)
         model = self.models.get(key)
         side = None if model is None else model.local_workers.get(frame.worker)
@@ -1021,7 +1036,7 @@ class PSService(BaseService):
         if frame.server != model.target(frame.shard):
             self._counters["ps_frames_dropped"] += 1  # from the server before a failover
             return
-        if isinstance(frame, frames.Pushed):
+        if isinstance(frame, ps_frames.Pushed):
             actions = side.engine.pushed(frame.shard, frame.iteration, frame.version, frame.dropped)
         elif frame.error is not None:
             actions = side.engine.refused(frame.shard, frame.clock, frame.error)
@@ -1031,7 +1046,9 @@ class PSService(BaseService):
             actions = side.engine.pulled(frame.shard, frame.clock, payload, side.out)
         self._worker(key, side, actions)
 
-    def _at_replica(self, node: int, frame: frames.Replicate, payload: bytes, now: float) -> None:
+    def _at_replica(
+        self, node: int, frame: ps_frames.Replicate, payload: bytes, now: float
+    ) -> None:
         key = (frame.job, frame.name)
         model = self.models.get(key)
         server = None if model is None else model.servers.get(frame.shard)
@@ -1067,7 +1084,7 @@ class PSService(BaseService):
             return
         self._server(key, frame.shard, server.log(entry, now))
 
-    def _at_partner(self, frame: frames.Join, now: float) -> None:
+    def _at_partner(self, frame: ps_frames.Join, now: float) -> None:
         """The shard's partner opened it: send it the state if this rank serves the shard;
         if this rank waits for the state itself, the partner has just opened, so ask it."""
         key = (frame.job, frame.name)
@@ -1123,7 +1140,7 @@ class PSService(BaseService):
         return held + more <= _HELD_PAYLOADS * self.host.config.max_payload
 
     def _hold(
-        self, node: int, frame: frames.Push | frames.Pull, payload: bytes, now: float
+        self, node: int, frame: ps_frames.Push | ps_frames.Pull, payload: bytes, now: float
     ) -> None:
         if any(e.node == node and e.frame == frame for e in self._early):
             return  # sent again after a reset: the one held is taken (or refused) in its place
@@ -1137,7 +1154,7 @@ class PSService(BaseService):
                 f"{len(self._early)} frames ({held} B) for models not open yet, the most it "
                 f"keeps ({_MAX_EARLY}, or {_HELD_PAYLOADS} x max_payload)"
             )
-            if isinstance(frame, frames.Push) and frame.server in pair:
+            if isinstance(frame, ps_frames.Push) and frame.server in pair:
                 # not answered: a push answered as dropped counts as processed, and the
                 # worker's next one would skip an iteration its server never saw; it waits
                 # (its stall row says for whom) and is sent again after its links' next reset
@@ -1145,7 +1162,7 @@ class PSService(BaseService):
             else:
                 self._refuse((frame.job, frame.name), frame, why)
             return
-        if isinstance(frame, frames.Push) and frame.server in pair:
+        if isinstance(frame, ps_frames.Push) and frame.server in pair:
             deadline = None  # it waits for its server (_Early)
         else:  # a pull, or a push for a shard or rank its spec does not have: refused in time
             deadline = now + self.host.config.route_timeout
@@ -1705,10 +1722,10 @@ def _describe(spec: Meta) -> str:
 
 
 def _landing_key(
-    node: int, frame: frames.Push | frames.Pulled | frames.Replicate
+    node: int, frame: ps_frames.Push | ps_frames.Pulled | ps_frames.Replicate
 ) -> tuple[Any, ...]:
-    if isinstance(frame, frames.Push):
+    if isinstance(frame, ps_frames.Push):
         return (node, frame.KIND, frame.job, frame.name, frame.shard, frame.worker, frame.iteration)
-    if isinstance(frame, frames.Pulled):
+    if isinstance(frame, ps_frames.Pulled):
         return (node, frame.KIND, frame.job, frame.name, frame.shard, frame.worker, frame.clock)
     return (node, frame.KIND, frame.job, frame.name, frame.shard, frame.index, 0)

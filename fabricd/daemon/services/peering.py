@@ -1,12 +1,12 @@
 """The peering service: links to the other daemons, from the first byte to the last.
 
-Drives :mod:`fabricd.engines.peers`, which decides everything: when to dial and redial (with
+Drives :mod:`fabricd.engines.link.peers`, which decides everything: when to dial and redial (with
 backoff), how long a link may take to authenticate and how many may try at once, which
 authenticated link is admitted, refused, or resets its peer, and when a peer is up, suspect or
 down.  This module performs those decisions on real links:
 
 * it listens and dials through the transport, runs each new link's handshake
-  (:mod:`fabricd.engines.handshake`) under handshake limits (a few KiB, HELLO and AUTH only),
+  (:mod:`fabricd.engines.link.handshake`) under handshake limits (a few KiB, HELLO and AUTH only),
   and closes links the engine refuses or whose handshake deadline passes;
 * it hands admitted links to the node (:meth:`LinkOwner.adopt_link`), which keeps the table of
   current links and routes their frames; a reset goes through :meth:`LinkOwner.reset_peer`;
@@ -28,15 +28,15 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from fabricd import frames
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.service import BaseService, Host
-from fabricd.engines import peers
 from fabricd.engines.actions import Notice, SendFrame
-from fabricd.engines.gate import CloseHandshake, RefuseHandshake
-from fabricd.engines.handshake import HANDSHAKE_LIMITS, Channel, Handshake, Role
-from fabricd.engines.peers import PeerState, PeerTable, Timeouts
+from fabricd.engines.link import peers
+from fabricd.engines.link.gate import CloseHandshake, RefuseHandshake
+from fabricd.engines.link.handshake import HANDSHAKE_LIMITS, Channel, Handshake, Role
+from fabricd.engines.link.peers import PeerState, PeerTable, Timeouts
 from fabricd.errors import ProtocolError, TransportError
+from fabricd.frames import link as link_frames
 from fabricd.integrity import FAILURE, Opener, Sealer
 from fabricd.transports.base import split_address
 from fabricd.wire import Kind, Meta
@@ -44,8 +44,9 @@ from fabricd.wire import Kind, Meta
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
+    from fabricd import frames
     from fabricd.engines.actions import Answer
-    from fabricd.engines.handshake import PeerIdentity
+    from fabricd.engines.link.handshake import PeerIdentity
     from fabricd.transports.base import Link, Listener, Transport
     from fabricd.wire import Discard, Frame, FrameHead, Limits
 
@@ -113,7 +114,7 @@ class _PendingSink:
 
     def frame_received(self, link: Link, frame: Frame) -> None:
         try:
-            view = frames.parse_handshake(frame.kind, frame.meta)
+            view = link_frames.parse_handshake(frame.kind, frame.meta)
             self._send(link, self.handshake.on_frame(view))
         except ProtocolError as exc:
             remote_log.warning("refused link", "refused link from %s: %s", link.peer_address, exc)
@@ -259,7 +260,7 @@ class PeeringService(BaseService):
         self._perform(actions)
 
     def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
-        if isinstance(frame, frames.Bye):
+        if isinstance(frame, link_frames.Bye):
             log.info("node %d is stopping", node)
             self.engine.on_bye(node)
 

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from fabricd.engines import ps_push
-from fabricd.engines.ps_consistency import DelayGate
-from fabricd.engines.ps_filters import FilterSettings, GradientFilter, Push
-from fabricd.engines.ps_storage import HEADER as PULL_HEADER
-from fabricd.engines.ps_storage import apply_delta
+from fabricd.engines.ps import push as ps_push
+from fabricd.engines.ps.consistency import DelayGate
+from fabricd.engines.ps.filters import FilterSettings, GradientFilter, Push
+from fabricd.engines.ps.storage import HEADER as PULL_HEADER
+from fabricd.engines.ps.storage import apply_delta
 from fabricd.errors import RemoteProtocolError, UsageError
 
 Array = np.ndarray[Any, Any]

@@ -1,6 +1,6 @@
 """The point-to-point service: ``send`` and ``recv`` requests, rendezvous frames, and bytes.
 
-Drives :mod:`fabricd.engines.p2p`.  Each request becomes an operation of the engine; the
+Drives :mod:`fabricd.engines.p2p.matching`.  Each request becomes an operation of the engine; the
 service keeps, per operation, the client region its bytes come from or land in and the request
 to answer, and performs what the engine decides: control frames to peers, a small message
 whole as an EAGER frame on the control link (its bytes copied out of the segment), streaming a
@@ -33,7 +33,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fabricd import frames
 from fabricd.daemon.datapath import copy, stream
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
@@ -41,7 +40,7 @@ from fabricd.daemon.service import BaseService
 from fabricd.daemon.sessions import parse_transfer
 from fabricd.daemon.stalls import line, report
 from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
-from fabricd.engines.p2p import CopyLocal, Messaging, Place, SendEager, StreamData
+from fabricd.engines.p2p.matching import CopyLocal, Messaging, Place, SendEager, StreamData
 from fabricd.engines.stalls import Stalled
 from fabricd.errors import (
     ErrorCode,
@@ -50,6 +49,7 @@ from fabricd.errors import (
     TransportError,
     UsageError,
 )
+from fabricd.frames import p2p as p2p_frames
 from fabricd.wire import Kind, Meta
 
 if TYPE_CHECKING:
@@ -57,11 +57,12 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
+    from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.link.peers import PeerInfo
     from fabricd.engines.membership import RankEvent, Routes
-    from fabricd.engines.p2p import Action, Message
-    from fabricd.engines.peers import PeerInfo
+    from fabricd.engines.p2p.matching import Action, Message
 
 log = logging.getLogger("fabricd.p2p")
 #: transfers that failed for want of memory, fds or threads: a client that keeps asking while
@@ -225,17 +226,22 @@ class P2PService(BaseService):
 
     # -- peers ------------------------------------------------------------------------------
     def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
-        assert isinstance(frame, frames.Rts | frames.Cts | frames.Done | frames.Cancel | frames.Rtr)
+        assert isinstance(
+            frame,
+            p2p_frames.Rts | p2p_frames.Cts | p2p_frames.Done | p2p_frames.Cancel | p2p_frames.Rtr,
+        )
         self._perform(self.engine.on_frame(node, frame, now))
 
     def payload_buffer(
         self, node: int, frame: frames.PayloadFrame, length: int
     ) -> memoryview | None:
-        assert isinstance(frame, frames.Data | frames.Eager)  # the kinds this service claims
+        assert isinstance(
+            frame, p2p_frames.Data | p2p_frames.Eager
+        )  # the kinds this service claims
         return self.engine.payload_buffer(node, frame, length)
 
     def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
-        assert isinstance(frame, frames.Data | frames.Eager)
+        assert isinstance(frame, p2p_frames.Data | p2p_frames.Eager)
         self._perform(self.engine.data_arrived(node, frame, length, now))
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
@@ -407,7 +413,7 @@ class P2PService(BaseService):
         if link is None or len(region) > self.host.config.chunk_size:
             return False
         try:
-            chunk = frames.Data(msg=msg, off=0, rtr=rtr)
+            chunk = p2p_frames.Data(msg=msg, off=0, rtr=rtr)
             if not link.send_now(Kind.DATA, chunk.to_meta(), [region]):
                 return False
         except (TransportError, LocalProtocolError) as exc:

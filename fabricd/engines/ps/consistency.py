@@ -83,7 +83,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
 
-from fabricd.engines import ps_snapshot as snap
+from fabricd.engines.ps import snapshot as snap
 from fabricd.errors import RemoteProtocolError, UsageError
 from fabricd.wire import get_int
 
@@ -538,7 +538,7 @@ class Coordinator:
     # -- snapshots ------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """What a replica needs to go on from here (held pulls excepted: their workers send
-        them again to whoever serves next); see :mod:`fabricd.engines.ps_snapshot`."""
+        them again to whoever serves next); see :mod:`fabricd.engines.ps.snapshot`."""
         return {
             "live": sorted(self._live),
             "next": dict(self._next),

@@ -5,13 +5,13 @@ Rules: this module decides, for one rank of one stochastic reduce (a job and a n
 rank sends to which rank and when, which received updates a round may average, and when the
 rank's call completes.  It holds the rank's receive slots and its outgoing update (bytes) and
 performs the averaging on them; it never touches a socket or a clock (``now`` only stamps
-rounds).  The daemon's graph service (``daemon/graph_service.py``) sends what
+rounds).  The daemon's graph service (``daemon/services/stochastic.py``) sends what
 :class:`SendUpdate` and :class:`SendSignal` say (an update as one UPDATE frame on the data
 channel into the slot :meth:`Reducer.landing` gives; NOTIFY and ACK as control frames) and
 answers the call when :class:`Reduced` comes.
 
 Theory of operation.  Each rank ``i`` holds a model ``w_i``; a round averages it with the
-updates of its in-neighbours in the graph (:mod:`fabricd.engines.graphs`):
+updates of its in-neighbours in the graph (:mod:`fabricd.engines.stochastic.graphs`):
 
     w_i <- (w_i + sum of the in-neighbours' round-r updates it may use) / (1 + how many),
 
@@ -78,7 +78,7 @@ from fabricd.engines import schedule as sched
 from fabricd.errors import LocalProtocolError, RemoteProtocolError, UsageError
 
 if TYPE_CHECKING:
-    from fabricd.engines.graphs import Graph
+    from fabricd.engines.stochastic.graphs import Graph
 
 
 class Sync(enum.Enum):

@@ -47,7 +47,7 @@ import msgpack
 
 from fabricd.engines.actions import Answer
 from fabricd.errors import RemoteProtocolError
-from fabricd.frames import HANDSHAKE_KINDS, NONCE_SIZE, Auth, HandshakeFrame, Hello
+from fabricd.frames.link import HANDSHAKE_KINDS, NONCE_SIZE, Auth, HandshakeFrame, Hello
 from fabricd.wire import Limits
 
 #: decoder limits while a link is unauthenticated: a few KiB at most, handshake frames only

@@ -36,7 +36,7 @@ an error when sizes or dtypes differ; both sides then fail with the same message
 the same node meet inside one daemon, which copies segment to segment (:class:`CopyLocal`).
 
 Every operation is a small state machine whose transitions are data
-(:mod:`fabricd.engines.operations`); an input its state does not accept is a bug in fabricd:
+(:mod:`fabricd.engines.p2p.operations`); an input its state does not accept is a bug in fabricd:
 the operation moves to ``BROKEN``, leaves the engine, and
 :class:`~fabricd.errors.LocalProtocolError` is raised.  Each state files the operation in the
 indexes that state needs, and a move takes it out of them, so no input scans the operations
@@ -102,7 +102,7 @@ from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
 from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.landing import Landing
 from fabricd.engines.membership import RankJoined, RankKey, RankLeft
-from fabricd.engines.operations import (
+from fabricd.engines.p2p.operations import (
     RECV_TRANSITIONS,
     SEND_TRANSITIONS,
     TERMINAL,
@@ -119,7 +119,7 @@ from fabricd.engines.operations import (
 from fabricd.engines.queues import KeyedQueues
 from fabricd.engines.stalls import Stalled, Waits, other_tags
 from fabricd.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
-from fabricd.frames import Cancel, Cts, Done, Eager, Rtr, Rts
+from fabricd.frames.p2p import Cancel, Cts, Done, Eager, Rtr, Rts
 from fabricd.wire import Kind
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Review of the graph service (stochastic reduce): peers' specs, bounds, a trainer that comes
+"""Review of the stochastic service (stochastic reduce): peers' specs, bounds, a trainer that comes
 back, and the shared data-link sender.
 
 The service runs on the collective review's fake host (with control frames recorded too) and
@@ -16,14 +16,15 @@ import pytest
 
 from fabricd import frames
 from fabricd.daemon.config import Config
-from fabricd.daemon.data_queues import DataQueues
-from fabricd.daemon.graph_service import GraphService
 from fabricd.daemon.service import Request
+from fabricd.daemon.services.data_queues import DataQueues
+from fabricd.daemon.services.stochastic import StochasticService
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankJoined, RankLeft
-from fabricd.engines.notify_ack import OVERHEAD
+from fabricd.engines.stochastic.notify_ack import OVERHEAD
 from fabricd.errors import OperationFailed, RemoteProtocolError
+from fabricd.frames import stochastic as stochastic_frames
 from fabricd.wire import Kind
 from tests.unit.test_collective_service_review import FakeHost, Link, Segment, Table
 
@@ -41,13 +42,13 @@ class Host(FakeHost):
         self.control.append((node, frame))
 
 
-def service(table: Table, node: int = 0, **settings: Any) -> tuple[GraphService, Host]:
+def service(table: Table, node: int = 0, **settings: Any) -> tuple[StochasticService, Host]:
     config = Config(node_id=node, nodes=("127.0.0.1:1", "127.0.0.1:2"), **settings)
     host = Host(config)
-    return GraphService(host, membership=table), host  # type: ignore[arg-type]
+    return StochasticService(host, membership=table), host  # type: ignore[arg-type]
 
 
-def join(svc: GraphService, table: Table, nodes: tuple[int, ...]) -> None:
+def join(svc: StochasticService, table: Table, nodes: tuple[int, ...]) -> None:
     for entry in table.join(JOB, len(nodes), nodes, owner=1000):
         svc.on_rank_event(RankJoined(entry=entry), 0.0)
 
@@ -58,7 +59,7 @@ def client(rank: int, size: int, count: int = 4) -> ClientSession:
     return session
 
 
-def call(svc: GraphService, session: ClientSession, rid: int, **fields: Any) -> None:
+def call(svc: StochasticService, session: ClientSession, rid: int, **fields: Any) -> None:
     nbytes = session.segments[1].array.nbytes  # type: ignore[attr-defined]
     meta = {"name": NAME, "seg": 1, "off": 0, "nbytes": nbytes, "dtype": "float64"}
     meta |= {"graph": "ring", "degree": None, "seed": 0, "edges": None, "sync": "notify-ack"}
@@ -72,8 +73,8 @@ def spec(**fields: Any) -> dict[str, Any]:
     return good | {"sync": "notify-ack", "dtype": "float64", "nbytes": 32} | fields
 
 
-def notify(spec: dict[str, Any], name: str = NAME) -> frames.Notify:
-    return frames.Notify(job=JOB, name=name, src=1, dst=0, round=0, tag=0, spec=spec)
+def notify(spec: dict[str, Any], name: str = NAME) -> stochastic_frames.Notify:
+    return stochastic_frames.Notify(job=JOB, name=name, src=1, dst=0, round=0, tag=0, spec=spec)
 
 
 # -- a peer's spec ----------------------------------------------------------------------------
@@ -177,7 +178,7 @@ def test_a_rank_whose_trainer_left_between_calls_fails_its_next_call_not_hangs()
 def test_a_frame_sent_while_its_queue_is_dropped_is_told_once() -> None:
     """A link reset drops the queue (``left(False)`` for each frame) while the first frame's
     send is still being awaited; when that send then returns, the frame must not be told
-    again (``left(True)``): the graph service counts its queued updates per edge with it."""
+    again (``left(True)``): the stochastic service counts its queued updates per edge with it."""
 
     async def scenario() -> list[bool]:
         host = Host(Config(node_id=0, nodes=("127.0.0.1:1", "127.0.0.1:2")))
@@ -204,7 +205,7 @@ def test_a_notify_with_the_acks_tag_is_a_protocol_error() -> None:
     table = Table()
     svc, _ = service(table)
     join(svc, table, (0, 1))
-    frame = frames.Notify(job=JOB, name=NAME, src=1, dst=0, round=0, tag=1, spec=spec())
+    frame = stochastic_frames.Notify(job=JOB, name=NAME, src=1, dst=0, round=0, tag=1, spec=spec())
     with pytest.raises(RemoteProtocolError, match="ACK's tag"):
         svc.on_frame(1, frame, 0.0)
 
@@ -217,6 +218,6 @@ def test_a_frame_as_a_rank_of_another_node_is_dropped() -> None:
     join(svc, table, (0, 0))
     call(svc, client(0, 2), 1)
     svc.on_frame(1, notify(spec()), 0.0)
-    svc.on_frame(1, frames.Ack(job=JOB, name=NAME, src=1, dst=0, round=0), 0.0)
+    svc.on_frame(1, stochastic_frames.Ack(job=JOB, name=NAME, src=1, dst=0, round=0), 0.0)
     assert 1 not in host.answered  # still waits for the real rank 1
     assert svc.statistics()["counters"]["graph_frames_dropped"] == 2

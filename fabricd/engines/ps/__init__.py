@@ -1,0 +1,2 @@
+"""The parameter server (TDF, MLfabric): timed storage, filters, consistency, the push's wire
+form, one shard's server, one worker's side, snapshots."""

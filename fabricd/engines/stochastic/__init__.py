@@ -1,0 +1,1 @@
+"""Stochastic reduce (ASAP): communication graphs and the NOTIFY-ACK rounds over them."""

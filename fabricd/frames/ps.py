@@ -1,0 +1,361 @@
+"""The parameter server's frames: PUSH, PULL, PUSHED, PULLED, REPLICATE, REPLICATED, JOIN."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Final
+
+from fabricd.errors import RemoteProtocolError
+from fabricd.frames.fields import MAX_NAME, MAX_RANK
+from fabricd.wire import Kind, Meta, get_int, get_str
+
+if TYPE_CHECKING:
+    from collections.abc import Container
+
+
+#: the most servers (shards) a parameter server's spec lists
+MAX_PS_SERVERS: Final = 4096
+#: the longest reason or error text a parameter-server frame carries
+MAX_PS_REASON: Final = 1024
+#: the fields of a parameter server's spec, every one always present: what every worker and
+#: server of the model agrees on (fabricd/daemon/services/ps.py checks what they mean)
+PS_SPEC_FIELDS: Final = (
+    "n",
+    "size",
+    "dtype",
+    "servers",
+    "replicas",
+    "consistency",
+    "staleness",
+    "delay_bound",
+    "chunk",
+)
+#: the kinds of entry a shard's replication log holds: a worker's push, or a lost worker
+PS_ENTRIES: Final = ("push", "lose", "flush", "snapshot")
+
+
+def _ranks(spec: dict[str, Any], key: str, lengths: Container[int], what: str) -> list[int]:
+    """``spec[key]`` as a list of ranks whose length is in ``lengths`` (``what`` says which)."""
+    value = spec[key]
+    if (
+        not isinstance(value, list)
+        or len(value) not in lengths
+        or not all(type(rank) is int and 0 <= rank <= MAX_RANK for rank in value)
+    ):
+        raise RemoteProtocolError(f"a spec's {key} must be a list of {what}")
+    return value
+
+
+def _ps_spec(meta: Meta) -> dict[str, Any]:
+    """A parameter server's spec, each field of its type and range (a peer's spec sizes the
+    service's allocations, which must never see another type); what the values mean, a job
+    size or a consistency model the service takes, is the service's to check."""
+    spec = meta.get("spec")
+    # str(): a bytes key (msgpack allows them) never equals a field's name, nor sorts with one
+    if not isinstance(spec, dict) or sorted(map(str, spec)) != sorted(PS_SPEC_FIELDS):
+        raise RemoteProtocolError(f"field 'spec' must be a map of {', '.join(PS_SPEC_FIELDS)}")
+    servers = _ranks(spec, "servers", range(1, MAX_PS_SERVERS + 1), f"1 to {MAX_PS_SERVERS} ranks")
+    delay_bound = spec["delay_bound"]
+    return {
+        "n": get_int(spec, "n", lo=1, hi=MAX_RANK),
+        "size": get_int(spec, "size", lo=1),
+        "dtype": get_str(spec, "dtype"),
+        "servers": servers,
+        "replicas": _ranks(spec, "replicas", (0, len(servers)), "ranks, none or one per server"),
+        "consistency": get_str(spec, "consistency"),
+        "staleness": get_int(spec, "staleness"),
+        "delay_bound": None if delay_bound is None else get_int(spec, "delay_bound"),
+        "chunk": get_int(spec, "chunk", lo=1),
+    }
+
+
+def _ps_name(meta: Meta) -> str:
+    """The parameter server's name, checked."""
+    name = get_str(meta, "name")
+    if not 0 < len(name) <= MAX_NAME:
+        raise RemoteProtocolError(f"parameter server name of {len(name)} characters")
+    return name
+
+
+def _rank(meta: Meta, key: str) -> int:
+    """``meta[key]`` as a rank."""
+    return get_int(meta, key, hi=MAX_RANK)
+
+
+def _reason(meta: Meta, key: str) -> str | None:
+    """``meta[key]``, a text of at most :data:`MAX_PS_REASON` characters, or None when the field
+    is absent (it is written only when set: a nil is refused)."""
+    if key not in meta:
+        return None
+    text = get_str(meta, key)
+    if len(text) > MAX_PS_REASON:
+        raise RemoteProtocolError(f"field {key!r} of {len(text)} characters")
+    return text
+
+
+def _with_reason(meta: Meta, key: str, text: str | None) -> Meta:
+    """``meta``, with ``text`` under ``key`` if it is set."""
+    if text is not None:
+        meta[key] = text
+    return meta
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _ShardFrame:
+    """The fields every parameter-server frame has: whose model (``job``, ``name``), which shard
+    of it, and its server's rank (its primary for REPLICATE and REPLICATED)."""
+
+    job: str
+    name: str
+    shard: int
+    server: int
+
+    def _meta(self) -> Meta:
+        return {"job": self.job, "name": self.name, "sh": self.shard, "srv": self.server}
+
+    @staticmethod
+    def _fields(meta: Meta) -> dict[str, Any]:
+        return {
+            "job": get_str(meta, "job"),
+            "name": _ps_name(meta),
+            "shard": _rank(meta, "sh"),
+            "server": _rank(meta, "srv"),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Push(_ShardFrame):
+    """Rank ``worker``'s update of ``iteration``, computed from model version ``base``, for the
+    shard ``server`` keeps (data channel): the payload is the shard's filtered update (a
+    :class:`fabricd.engines.ps.filters.Push`) as the service encodes it.  ``epoch`` is the
+    shard's epoch as the worker knows it; ``spec`` says what every rank of the model agrees
+    on, so a server that has not been called yet can build its side."""
+
+    KIND: ClassVar[Kind] = Kind.PUSH
+    worker: int
+    iteration: int
+    base: int
+    epoch: int
+    spec: dict[str, Any]
+
+    def to_meta(self) -> Meta:
+        return {
+            **self._meta(),
+            "w": self.worker,
+            "it": self.iteration,
+            "b": self.base,
+            "ep": self.epoch,
+            "spec": self.spec,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Push:
+        return cls(
+            **cls._fields(meta),
+            worker=_rank(meta, "w"),
+            iteration=get_int(meta, "it"),
+            base=get_int(meta, "b"),
+            epoch=get_int(meta, "ep"),
+            spec=_ps_spec(meta),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pull(_ShardFrame):
+    """Rank ``worker``, at ``clock``, asks ``server`` for the shard's parameters published
+    since model version ``since``, the version its cache holds (control channel, no
+    payload); answered by a PULLED once the consistency model allows."""
+
+    KIND: ClassVar[Kind] = Kind.PULL
+    worker: int
+    clock: int
+    since: int
+    epoch: int
+    spec: dict[str, Any]
+
+    def to_meta(self) -> Meta:
+        return {
+            **self._meta(),
+            "w": self.worker,
+            "c": self.clock,
+            "since": self.since,
+            "ep": self.epoch,
+            "spec": self.spec,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Pull:
+        return cls(
+            **cls._fields(meta),
+            worker=_rank(meta, "w"),
+            clock=get_int(meta, "c"),
+            since=get_int(meta, "since"),
+            epoch=get_int(meta, "ep"),
+            spec=_ps_spec(meta),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pushed(_ShardFrame):
+    """``server`` processed rank ``worker``'s push of ``iteration``: applied it, the model
+    reaching ``version``, or dropped it, ``dropped`` saying why and ``version`` the model's
+    then (control channel, no payload)."""
+
+    KIND: ClassVar[Kind] = Kind.PUSHED
+    worker: int
+    iteration: int
+    version: int
+    epoch: int
+    dropped: str | None = None
+
+    def to_meta(self) -> Meta:
+        meta = {
+            **self._meta(),
+            "w": self.worker,
+            "it": self.iteration,
+            "ver": self.version,
+            "ep": self.epoch,
+        }
+        return _with_reason(meta, "drop", self.dropped)
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Pushed:
+        return cls(
+            **cls._fields(meta),
+            worker=_rank(meta, "w"),
+            iteration=get_int(meta, "it"),
+            version=get_int(meta, "ver"),
+            epoch=get_int(meta, "ep"),
+            dropped=_reason(meta, "drop"),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pulled(_ShardFrame):
+    """``server``'s answer to rank ``worker``'s pull at ``clock`` (data channel): the payload
+    is the shard's parameters changed since the pull's version, the model at ``version``, as
+    an index list, a bitmap or dense (fabricd/engines/ps/storage.py); none when ``error``
+    says why the pull will never be answered."""
+
+    KIND: ClassVar[Kind] = Kind.PULLED
+    worker: int
+    clock: int
+    version: int
+    epoch: int
+    error: str | None = None
+
+    def to_meta(self) -> Meta:
+        meta = {
+            **self._meta(),
+            "w": self.worker,
+            "c": self.clock,
+            "ver": self.version,
+            "ep": self.epoch,
+        }
+        return _with_reason(meta, "error", self.error)
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Pulled:
+        return cls(
+            **cls._fields(meta),
+            worker=_rank(meta, "w"),
+            clock=get_int(meta, "c"),
+            version=get_int(meta, "ver"),
+            epoch=get_int(meta, "ep"),
+            error=_reason(meta, "error"),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Replicate(_ShardFrame):
+    """Entry ``index`` (from 1) of primary ``server``'s log for the shard, for its ``replica``
+    (data channel): rank ``worker``'s push of ``iteration`` from version ``base`` (``entry``
+    "push", the payload the push's bytes), or rank ``worker`` lost (``entry`` "lose", no
+    payload, ``reason`` why), or a flush of the lossless publish mode (``entry`` "flush", no
+    payload), or the primary's whole state as of entry ``index`` (``entry``
+    "snapshot", from index 0, the payload fabricd/engines/ps/snapshot.py's bytes; ``worker``,
+    ``iteration`` and ``base`` are 0) for a replica that joined.  The primary sends its
+    entries in log order, so the replica processes them as the primary does
+    (fabricd/engines/ps/server.py)."""
+
+    KIND: ClassVar[Kind] = Kind.REPLICATE
+    replica: int
+    index: int
+    entry: str
+    worker: int
+    iteration: int
+    base: int
+    reason: str | None = None
+    spec: dict[str, Any]
+
+    def to_meta(self) -> Meta:
+        meta = {
+            **self._meta(),
+            "rep": self.replica,
+            "ix": self.index,
+            "entry": self.entry,
+            "w": self.worker,
+            "it": self.iteration,
+            "b": self.base,
+            "spec": self.spec,
+        }
+        return _with_reason(meta, "why", self.reason)
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Replicate:
+        entry = meta.get("entry")
+        if entry not in PS_ENTRIES:
+            raise RemoteProtocolError(f"field 'entry' must be one of {', '.join(PS_ENTRIES)}")
+        return cls(
+            **cls._fields(meta),
+            replica=_rank(meta, "rep"),
+            index=get_int(meta, "ix", lo=0 if entry == "snapshot" else 1),
+            entry=entry,
+            worker=_rank(meta, "w"),
+            iteration=get_int(meta, "it"),
+            base=get_int(meta, "b"),
+            reason=_reason(meta, "why"),
+            spec=_ps_spec(meta),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Replicated(_ShardFrame):
+    """``replica`` logged and processed entries 1 .. ``index`` of primary ``server``'s log for
+    the shard: the primary may process them too (control channel, no payload)."""
+
+    KIND: ClassVar[Kind] = Kind.REPLICATED
+    replica: int
+    index: int
+
+    def to_meta(self) -> Meta:
+        return {**self._meta(), "rep": self.replica, "ix": self.index}
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Replicated:
+        return cls(**cls._fields(meta), replica=_rank(meta, "rep"), index=get_int(meta, "ix", lo=1))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Join(_ShardFrame):
+    """Rank ``replica`` opened the shard (as its server or its replica, at ``epoch`` as far
+    as it knows) and asks its partner ``server`` for the shard's state: a partner that serves
+    the shard answers with a REPLICATE snapshot and forwards its log from there (control
+    channel, no payload; fabricd/engines/ps/server.py)."""
+
+    KIND: ClassVar[Kind] = Kind.JOIN
+    replica: int
+    epoch: int
+    spec: dict[str, Any]
+
+    def to_meta(self) -> Meta:
+        return {**self._meta(), "rep": self.replica, "ep": self.epoch, "spec": self.spec}
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Join:
+        return cls(
+            **cls._fields(meta),
+            replica=_rank(meta, "rep"),
+            epoch=get_int(meta, "ep"),
+            spec=_ps_spec(meta),
+        )
