@@ -86,6 +86,13 @@ class Config:
 
     def validate(self) -> None:
         """Raise ConfigError naming the key when a value cannot work."""
+        self._validate_fabric()
+        self._validate_timers()
+        self._validate_limits()
+        self._validate_service()
+
+    def _validate_fabric(self) -> None:
+        """The node list, the addresses, the secret, liveness and framing."""
         if not self.nodes:
             raise ConfigError("nodes: list at least this node's host:port")
         if not 0 <= self.node_id < len(self.nodes):
@@ -103,6 +110,9 @@ class Config:
             raise ConfigError("need 0 < heartbeat_interval < suspect_after <= down_after")
         if not 4096 <= self.chunk_size <= self.max_payload:
             raise ConfigError("chunk_size must be between 4096 and max_payload")
+
+    def _validate_timers(self) -> None:
+        """Every timeout is positive, and those the loop arms are at most a day."""
         for key in (
             "handshake_timeout",
             "reconnect_max_backoff",
@@ -118,17 +128,9 @@ class Config:
                 raise ConfigError(f"{key} must be at most 86400 seconds (a day)")
         if self.drain_timeout < 0:
             raise ConfigError("drain_timeout must be 0 seconds or more")
-        if self.max_meta < 1024:
-            raise ConfigError("max_meta must be at least 1024 bytes")
-        if self.data_integrity not in ("mac", "none"):
-            raise ConfigError("data_integrity must be 'mac' or 'none'")
-        for text in self.job_groups:
-            try:
-                JobGrant.parse(text)
-            except ValueError as exc:
-                raise ConfigError(f"job_groups: {exc}") from None
-        if any(gid < 0 for gid in self.admin_gids):
-            raise ConfigError("admin_gids must list group ids >= 0")
+
+    def _validate_limits(self) -> None:
+        """The caps on clients, segments, operations, eager messages and peers."""
         if min(self.max_clients, self.max_segments_per_client, self.max_clients_per_uid) < 1:
             raise ConfigError(
                 "max_clients, max_clients_per_uid and max_segments_per_client must be at least 1"
@@ -165,6 +167,20 @@ class Config:
                 "max_ranks_per_peer must be at least max_clients: a peer hosts a rank per client, "
                 "and one past the bound is reset"
             )
+
+    def _validate_service(self) -> None:
+        """Metadata, integrity, access rules, logs, the loop, metrics and the socket."""
+        if self.max_meta < 1024:
+            raise ConfigError("max_meta must be at least 1024 bytes")
+        if self.data_integrity not in ("mac", "none"):
+            raise ConfigError("data_integrity must be 'mac' or 'none'")
+        for text in self.job_groups:
+            try:
+                JobGrant.parse(text)
+            except ValueError as exc:
+                raise ConfigError(f"job_groups: {exc}") from None
+        if any(gid < 0 for gid in self.admin_gids):
+            raise ConfigError("admin_gids must list group ids >= 0")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level must be one of debug, info, warning, error")
         if self.log_format not in ("text", "json"):
