@@ -33,7 +33,8 @@ from bench.report import Column, Progress, Table, fmt_number, median, per_call, 
 from fabricd.engines.actions import Broadcast, Complete, SendFrame
 from fabricd.engines.membership import Membership, RankJoined
 from fabricd.engines.ownership import User
-from fabricd.engines.p2p.matching import Message, Messaging, StreamData
+from fabricd.engines.p2p.matching import Messaging
+from fabricd.engines.p2p.messages import Message, StreamData
 from fabricd.frames.membership import Announce
 from fabricd.frames.p2p import Cts, Data, Done, Rts
 

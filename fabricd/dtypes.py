@@ -24,3 +24,7 @@ ITEMSIZE: Final[dict[str, int]] = {
     "complex64": 8,
     "complex128": 16,
 }
+#: the floating-point types: what a stochastic reduce averages and a parameter server holds
+FLOAT_DTYPES: Final = ("float16", "float32", "float64")
+#: the types a collective reduces (a client may name these; sums of the integers are exact)
+REDUCE_DTYPES: Final = (*FLOAT_DTYPES, "int32", "int64")

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from fabricd.client.handle import Handle
 from fabricd.errors import UsageError
+from fabricd.frames.fields import MAX_NAME
 
 if TYPE_CHECKING:
     import numpy as np
@@ -46,8 +47,6 @@ OPS: Final = ("sum", "avg", "max", "min")
 #: the ops a partial (solo, majority) allreduce takes: a passive rank's zeros must not change
 #: the result, which rules out max and min
 PARTIAL_OPS: Final = ("sum", "avg")
-#: the longest collective name
-MAX_NAME: Final = 200
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

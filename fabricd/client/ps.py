@@ -40,6 +40,7 @@ import numpy as np
 
 from fabricd.client import checks
 from fabricd.client.handle import Handle
+from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.ps.filters import FilterSettings
 from fabricd.errors import DaemonUnavailable, UsageError
 from fabricd.frames.fields import MAX_NAME
@@ -56,7 +57,6 @@ Role = Literal["worker", "server", "replica"]
 Consistency = Literal["async", "bsp", "ssp"]
 ROLES: Final = ("worker", "server", "replica")
 CONSISTENCIES: Final = ("async", "bsp", "ssp")
-DTYPES: Final = ("float16", "float32", "float64")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import numpy as np
 
 from fabricd.client.handle import Handle
+from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.errors import UsageError
 from fabricd.frames.fields import MAX_NAME
 from fabricd.frames.stochastic import MAX_SPEC_EDGES
@@ -49,7 +50,6 @@ Sync = Literal["notify-ack", "barrier", "async"]
 SYNCS: Final = ("notify-ack", "barrier", "async")
 #: the graph kinds (as ``fabricctl graph --kind`` names them)
 GRAPHS: Final = ("all-to-all", "star", "chain", "ring", "expander", "regular", "edges")
-DTYPES: Final = ("float16", "float32", "float64")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

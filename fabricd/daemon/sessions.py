@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fabricd.dtypes import ITEMSIZE
-from fabricd.engines.p2p.matching import Message
+from fabricd.engines.p2p.messages import Message
 from fabricd.errors import UsageError
 from fabricd.ipc import MAX_JOB_NAME
 from fabricd.wire import MAX_TAG, Meta, get_int, get_str

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from fabricd.engines.p2p.matching import Message
+    from fabricd.engines.p2p.messages import Message
 
 #: at most this many other tags are named in a report
 MAX_OTHER_TAGS: Final = 8

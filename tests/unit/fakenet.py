@@ -50,11 +50,11 @@ import numpy as np
 from fabricd.engines.actions import Broadcast, Complete, Failure, Notice, SendFrame
 from fabricd.engines.membership import Membership, RankJoined, RankLeft
 from fabricd.engines.ownership import User
-from fabricd.engines.p2p.matching import (
+from fabricd.engines.p2p.matching import Messaging
+from fabricd.engines.p2p.messages import (
     FRAME_KINDS,
     CopyLocal,
     Message,
-    Messaging,
     Place,
     SendEager,
     StreamData,
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from fabricd.engines import membership
-    from fabricd.engines.p2p import matching as p2p
+    from fabricd.engines.p2p import messages as p2p
 
     Action = p2p.Action | membership.Action
 

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from fabricd.cli import ctl
-from fabricd.cli.ctl import _exit_description, _figure
+from fabricd.cli import common
+from fabricd.cli.common import figure
 from fabricd.cli.ctl import main as fabricctl
+from fabricd.cli.local_cluster import _exit_description
 from fabricd.demo import ring
 
 
@@ -28,7 +29,7 @@ from fabricd.demo import ring
     ],
 )
 def test_figures_keep_three_significant_digits_without_an_exponent(value, shown):
-    assert _figure(value) == shown
+    assert figure(value) == shown
 
 
 @pytest.mark.parametrize(
@@ -117,7 +118,7 @@ def test_status_shows_the_eager_pool_against_its_bound_and_the_eager_and_rtr_cou
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     status = _status_with_eager_use()
-    monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(status))
+    monkeypatch.setattr(common, "connect", lambda socket_path=None: _FakeClient(status))
     result = CliRunner().invoke(fabricctl, ["status"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "messages: 1 waiting for their receive; eager pool 3.0 KiB held of 4.0 MiB" in (
@@ -133,7 +134,7 @@ def test_status_json_carries_the_eager_pool_and_its_counters(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     status = _status_with_eager_use()
-    monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(status))
+    monkeypatch.setattr(common, "connect", lambda socket_path=None: _FakeClient(status))
     result = CliRunner().invoke(fabricctl, ["status", "--json"])
     assert result.exit_code == 0, result.output
     shown = json.loads(result.output)
@@ -147,7 +148,7 @@ def test_status_of_a_daemon_without_the_eager_path_has_no_messages_line(
 ) -> None:
     older = _status_with_eager_use()
     del older["eager_pool_bytes"], older["eager_pool_limit"]
-    monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(older))
+    monkeypatch.setattr(common, "connect", lambda socket_path=None: _FakeClient(older))
     result = CliRunner().invoke(fabricctl, ["status"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "eager pool" not in result.output
@@ -170,7 +171,7 @@ def test_status_lists_the_collectives_with_their_round_and_participation(
             "mean_active": 5.5,
         }
     ]
-    monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(status))
+    monkeypatch.setattr(common, "connect", lambda socket_path=None: _FakeClient(status))
     result = CliRunner().invoke(fabricctl, ["status"], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     assert "collectives (1)" in result.output
@@ -178,7 +179,7 @@ def test_status_lists_the_collectives_with_their_round_and_participation(
     assert "[0, 1, 2]" in result.output
     assert "5.5" in result.output
     quiet = _status_with_eager_use()  # none: no table
-    monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(quiet))
+    monkeypatch.setattr(common, "connect", lambda socket_path=None: _FakeClient(quiet))
     assert "collectives" not in CliRunner().invoke(fabricctl, ["status"]).output
 
 
@@ -207,7 +208,7 @@ def test_status_shows_the_parameter_server_tables_with_bytes_saved_and_filter_sh
         # a worker that pushed nothing yet, from a daemon that leaves out the byte fields
         {"job": "train", "owner": 1000, "name": "model", "rank": 2, "considered": 0},
     ]
-    monkeypatch.setattr(ctl, "connect", lambda socket_path=None: _FakeClient(status))
+    monkeypatch.setattr(common, "connect", lambda socket_path=None: _FakeClient(status))
     result = CliRunner().invoke(fabricctl, ["status"], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     assert "ps workers (2)" in result.output

@@ -18,13 +18,7 @@ from hypothesis import strategies as st
 
 from fabricd.engines.actions import Broadcast, Complete, Failure, SendFrame
 from fabricd.engines.membership import Membership, RankJoined, RankLeft
-from fabricd.engines.p2p.matching import (
-    CopyLocal,
-    Message,
-    Messaging,
-    MessagingStatistics,
-    StreamData,
-)
+from fabricd.engines.p2p.messages import CopyLocal, Message, MessagingStatistics, StreamData
 from fabricd.engines.p2p.operations import (
     RECV_TRANSITIONS,
     SEND_TRANSITIONS,
@@ -40,6 +34,8 @@ from fabricd.wire import Kind
 
 if TYPE_CHECKING:
     import random
+
+    from fabricd.engines.p2p.matching import Messaging
 
 #: rank -> node of the standard layout
 HOME = {0: 0, 1: 0, 2: 1, 3: 2}

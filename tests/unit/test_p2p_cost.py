@@ -22,7 +22,8 @@ from workcount import WorkCounter
 
 from fabricd.engines.actions import Complete, SendFrame
 from fabricd.engines.membership import RankEntry, RankLeft
-from fabricd.engines.p2p.matching import Message, Messaging
+from fabricd.engines.p2p.matching import Messaging
+from fabricd.engines.p2p.messages import Message
 from fabricd.frames.p2p import Cancel, Done, Rts
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_p2p import leftovers
 
 from fabricd.engines.actions import SendFrame
-from fabricd.engines.p2p.matching import Messaging, StreamData
+from fabricd.engines.p2p.messages import StreamData
 from fabricd.engines.p2p.operations import RecvState, SendState
 from fabricd.errors import RemoteProtocolError
 from fabricd.frames.p2p import Data, Done, Eager, Rtr, Rts
@@ -27,6 +27,7 @@ from fabricd.wire import Kind
 
 if TYPE_CHECKING:
     from fabricd.engines.actions import Failure
+    from fabricd.engines.p2p.matching import Messaging
 
 HOME = {0: 0, 1: 0, 2: 1, 3: 1}
 LIMIT = 16  #: the engines' eager_limit

@@ -7,7 +7,7 @@ from fabricd.daemon.stalls import line, report
 from fabricd.engines.link.handshake import Channel
 from fabricd.engines.link.peers import PeerInfo, PeerState
 from fabricd.engines.ownership import Ownership, User
-from fabricd.engines.p2p.matching import Message
+from fabricd.engines.p2p.messages import Message
 from fabricd.engines.stalls import Stalled, Waits
 
 MSG = Message(job="train", src=1, dst=0, tag=7, nbytes=1024, dtype="float32")

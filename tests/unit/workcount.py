@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import fabricd
-from fabricd.engines.p2p import matching as p2p
+from fabricd.engines.p2p import messages as p2p
 from fabricd.engines.p2p import operations
 
 if TYPE_CHECKING:

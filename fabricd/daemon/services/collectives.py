@@ -37,7 +37,7 @@ from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.jobs import admitted_incarnation, waited_too_long
-from fabricd.dtypes import ITEMSIZE
+from fabricd.dtypes import ITEMSIZE, REDUCE_DTYPES
 from fabricd.engines.actions import Failure
 from fabricd.engines.collectives.algorithms import Algorithm, choose_allreduce
 from fabricd.engines.collectives.persistent import NOTICE, Collective, Deliver, Fail, Spec, Transmit
@@ -186,9 +186,7 @@ class CollectiveService(BaseService):
             return Spec(kind="barrier"), None, name
         dtype = get_str(meta, "dtype")
         if dtype not in ITEMSIZE or dtype == "uint8":
-            raise UsageError(
-                f"dtype {dtype!r}: collectives reduce float16, float32, float64, int32, int64"
-            )
+            raise UsageError(f"dtype {dtype!r}: collectives reduce {', '.join(REDUCE_DTYPES)}")
         nbytes = get_int(meta, "nbytes")
         if nbytes % ITEMSIZE[dtype]:
             raise UsageError(f"{nbytes} B is not a whole number of {dtype} elements")

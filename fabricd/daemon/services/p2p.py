@@ -40,7 +40,8 @@ from fabricd.daemon.service import BaseService
 from fabricd.daemon.sessions import parse_transfer
 from fabricd.daemon.stalls import line, report
 from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
-from fabricd.engines.p2p.matching import CopyLocal, Messaging, Place, SendEager, StreamData
+from fabricd.engines.p2p.matching import Messaging
+from fabricd.engines.p2p.messages import CopyLocal, Place, SendEager, StreamData
 from fabricd.engines.stalls import Stalled
 from fabricd.errors import (
     ErrorCode,
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.link.peers import PeerInfo
     from fabricd.engines.membership import RankEvent, Routes
-    from fabricd.engines.p2p.matching import Action, Message
+    from fabricd.engines.p2p.messages import Action, Message
 
 log = logging.getLogger("fabricd.p2p")
 #: transfers that failed for want of memory, fds or threads: a client that keeps asking while

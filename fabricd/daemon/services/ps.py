@@ -44,6 +44,7 @@ from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import Histogram, OperationStats, counter, gauge, histogram
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
+from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankJoined, RankLeft
 from fabricd.engines.ps import push as ps_push
@@ -54,7 +55,7 @@ from fabricd.engines.ps.consistency import (
     UpdateRule,
     update_rule,
 )
-from fabricd.engines.ps.filters import DTYPES, FilterSettings
+from fabricd.engines.ps.filters import FilterSettings
 from fabricd.engines.ps.server import (
     FLUSH,
     LOSE,

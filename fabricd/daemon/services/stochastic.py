@@ -46,12 +46,12 @@ from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.jobs import admitted_incarnation, waited_too_long
+from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankJoined, RankLeft
 from fabricd.engines.stochastic import graphs
 from fabricd.engines.stochastic.notify_ack import (
     ACK,
-    DTYPES,
     OVERHEAD,
     SYNCS,
     UPDATE,

@@ -92,6 +92,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from fabricd.dtypes import REDUCE_DTYPES
 from fabricd.engines.collectives import algorithms as collectives
 from fabricd.engines.collectives.algorithms import Region, chunk_bounds
 from fabricd.engines.schedule import (
@@ -178,7 +179,7 @@ class Spec:
             raise UsageError("solo and majority are allreduce modes, with op sum or avg")
 
 
-_DTYPES: Final = ("float16", "float32", "float64", "int32", "int64", "uint8")
+_DTYPES: Final = (*REDUCE_DTYPES, "uint8")
 
 
 def _fields(spec: Spec) -> dict[str, Any]:

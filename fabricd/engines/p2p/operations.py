@@ -3,7 +3,7 @@
 Rules: data only.  What states a send and a receive pass through and which input takes each
 state to which (transitions are data, as in the peers engine), and the record the engine keeps
 of each operation.  Where an operation is filed in each state, and what a move causes, is
-:mod:`fabricd.engines.p2p.matching`'s business.
+:mod:`fabricd.engines.p2p.tables`' business.
 
 Theory of operation (besides the arrows below, FAILED takes every live state but COPY to
 CLOSED, and ABANDONED every live state -- except that a transfer whose bytes are moving, STREAM
@@ -24,8 +24,8 @@ whose segment a worker thread may still be writing::
                              one whose RTR was answered and whose bytes are all in)--> CLOSED
 
 A receive POSTED with an RTR out is still POSTED: any RTS or EAGER that arrives first takes it
-(the crossing rule, :mod:`fabricd.engines.p2p.matching`); the RTS that answers its RTR moves it to
-LANDING (or straight to CLOSED when its DATA all came first).
+(the crossing rule, :mod:`fabricd.engines.p2p.rendezvous`); the RTS that answers its RTR moves it
+to LANDING (or straight to CLOSED when its DATA all came first).
 
 An input missing from a table is a bug in fabricd, never a peer's doing (the engine checks a
 peer's frames before it moves anything): the operation goes to BROKEN and leaves the engine, and
@@ -39,10 +39,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from fabricd.engines.p2p.matching import Message
+    from fabricd.engines.p2p.messages import Key, Message
     from fabricd.engines.queues import Slot
-
-Key = tuple[str, int, int, int]  #: (job, src, dst, tag): what matches
 
 
 class _Member(enum.Enum):

@@ -88,6 +88,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.ps import snapshot as snap
 from fabricd.errors import RemoteProtocolError, UsageError
 
@@ -96,8 +97,6 @@ if TYPE_CHECKING:
 
 Array = np.ndarray[Any, Any]
 
-#: the dtypes gradients and parameters may have
-DTYPES: Final = ("float16", "float32", "float64")
 #: G-LNP's and P-LNP's format (TDF Table I, half precision)
 LOW: Final = np.dtype(np.float16)
 #: float16's largest value: G-LNP and P-LNP clip to +- this

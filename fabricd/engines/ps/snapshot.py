@@ -17,6 +17,7 @@ from typing import Any, Final
 import msgpack
 import numpy as np
 
+from fabricd.dtypes import FLOAT_DTYPES
 from fabricd.errors import RemoteProtocolError
 
 #: the msgpack extension type of an array
@@ -24,7 +25,7 @@ _ARRAY: Final = 1
 #: the most dimensions a snapshot's array may have
 _MAX_DIMS: Final = 4
 #: dtypes a snapshot's arrays may have
-_DTYPES: Final = frozenset({"float16", "float32", "float64", "uint64", "int64", "bool"})
+_DTYPES: Final = frozenset({*FLOAT_DTYPES, "uint64", "int64", "bool"})
 _HEAD: Final = struct.Struct("<B")
 
 

@@ -90,14 +90,13 @@ from typing import Any, Final
 
 import numpy as np
 
+from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.ps import snapshot as snap
 from fabricd.errors import RemoteProtocolError, UsageError
 from fabricd.wire import get_int
 
 Array = np.ndarray[Any, Any]
 
-#: the dtypes a timed store may hold
-DTYPES: Final = ("float16", "float32", "float64")
 #: parameters per version unless the caller says otherwise (module docstring: the measurement)
 DEFAULT_CHUNK: Final = 1
 #: chunk indices travel as uint32: a model has at most this many chunks

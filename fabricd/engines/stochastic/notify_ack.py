@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from fabricd.dtypes import FLOAT_DTYPES
 from fabricd.engines import schedule as sched
 from fabricd.errors import LocalProtocolError, RemoteProtocolError, UsageError
 
@@ -90,8 +91,6 @@ class Sync(enum.Enum):
 
 
 SYNCS: Final = tuple(s.value for s in Sync)
-#: the dtypes a stochastic reduce averages (an average of integers is not one)
-DTYPES: Final = ("float16", "float32", "float64")
 
 #: schedule tags: an update (with its NOTIFY under notify-ack), an ACK, barrier step k at
 #: BARRIER + k
@@ -226,8 +225,8 @@ class Reducer:
     docstring).  The ``k``-th :meth:`call` is round ``k``."""
 
     def __init__(self, *, rank: int, graph: Graph, sync: Sync, dtype: str, nbytes: int) -> None:
-        if dtype not in DTYPES:
-            raise UsageError(f"a stochastic reduce averages {', '.join(DTYPES)}, not {dtype}")
+        if dtype not in FLOAT_DTYPES:
+            raise UsageError(f"a stochastic reduce averages {', '.join(FLOAT_DTYPES)}, not {dtype}")
         itemsize = np.dtype(dtype).itemsize
         if nbytes <= 0 or nbytes % itemsize:
             raise UsageError(f"{nbytes} bytes is not a whole number of {dtype} (> 0)")
