@@ -48,7 +48,6 @@ from fabricd.client.protocol import Event
 from fabricd.client.ps import ParameterServer, PushResult, open_request
 from fabricd.client.stochastic import ReduceResult, StochasticReduce, Sync
 from fabricd.engines.ps.filters import FilterSettings
-from fabricd.engines.ps.worker import shard_bounds
 from fabricd.errors import DaemonUnavailable, Timeout, UsageError
 from fabricd.ipc import socket_candidates
 
@@ -335,6 +334,10 @@ class Client:
             fields.update(seg=seg, off=offset, nbytes=initial.nbytes)
         step = None
         if callable(update_rule):
+            # imported here, where a callback needs it: the worker engine (consistency, storage,
+            # push) added some 6 ms to every `import fabricd` (docs/performance.md)
+            from fabricd.engines.ps.worker import shard_bounds
+
             if role == "worker":
                 raise UsageError("an update callback belongs to servers and replicas")
             ranks = list(servers if role == "server" else replicas)
