@@ -236,12 +236,20 @@ class ParameterServer:
         Raises:
             UsageError: called on a worker.
         """
+        return self.flush_async().wait(timeout)
+
+    def flush_async(self) -> Handle[bool]:
+        """Start a :meth:`flush`; the handle's ``wait()`` returns what ``flush`` returns.
+
+        Raises:
+            UsageError: called on a worker.
+        """
         if self.role == "worker":
             raise UsageError("flush() is for a server or replica; workers push and pull")
         call = self._connection.submit(
             "ps_flush", {"name": self.name}, what=f"flush of parameter server {self.name!r}"
         )
-        return bool(self._connection.wait(call, timeout).result("ps_flush")["flushed"])
+        return Handle(self._connection, call, _flushed)
 
     # -- internals ------------------------------------------------------------------------
     def _worker_only(self, what: str) -> None:
@@ -293,6 +301,10 @@ class ParameterServer:
     def _pulled(self, reply: Meta) -> int:
         self.epochs = tuple(int(e) for e in reply["epochs"])
         return int(reply["version"])
+
+
+def _flushed(reply: Meta) -> bool:
+    return bool(reply["flushed"])
 
 
 def open_request(
