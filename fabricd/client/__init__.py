@@ -21,6 +21,8 @@ Layers, one module each:
   ``fab.barrier`` and ``fab.sync_model`` are its shortcuts) and
   :mod:`~fabricd.client.stochastic` (``fab.graphs``; ``fab.stochastic_reduce`` is its
   shortcut) and :mod:`~fabricd.client.ps` (``fab.parameter_server()`` opens a model);
+  every shortcut has the signature of the facet's method, and every call that waits has an
+  ``_async`` form that returns a :class:`Handle` instead;
 * :mod:`~fabricd.client.checks`: every argument is checked before anything is sent.
 
 The client is synchronous and thread-safe, with no thread of its own: one waiting thread at a
@@ -48,7 +50,6 @@ from fabricd.client.protocol import Event
 from fabricd.client.ps import ParameterServer, PushResult, open_request
 from fabricd.client.stochastic import ReduceResult, StochasticReduce, Sync
 from fabricd.engines.ps.filters import FilterSettings
-from fabricd.engines.ps.worker import shard_bounds
 from fabricd.errors import DaemonUnavailable, Timeout, UsageError
 from fabricd.ipc import socket_candidates
 
@@ -82,8 +83,10 @@ class Client:
         job: the job it joined, or ``None`` for a control client (status, config only).
         node, nodes: this daemon's node id and the number of nodes of the fabric.
         p2p: the point-to-point facet (send, recv and their ``_async`` forms).
-        collectives: the collectives facet (allreduce, broadcast, barrier, sync_model).
-        graphs: the stochastic-reduce facet (stochastic_reduce over a communication graph).
+        collectives: the collectives facet (allreduce, broadcast, barrier, sync_model and
+            their ``_async`` forms).
+        graphs: the stochastic-reduce facet (stochastic_reduce over a communication graph, and
+            its ``_async`` form).
     """
 
     def __init__(
@@ -221,9 +224,20 @@ class Client:
         """Copy rank ``root``'s ``array`` into every rank's (:meth:`Collectives.broadcast`)."""
         return self.collectives.broadcast(array, root, name=name, timeout=timeout)
 
+    def broadcast_async(
+        self, array: np.ndarray[Any, Any], root: int = 0, *, name: str | None = None
+    ) -> Handle[Result]:
+        """Start a broadcast; leave ``array`` alone until ``.wait(timeout=)`` returns its
+        :class:`Result`."""
+        return self.collectives.broadcast_async(array, root, name=name)
+
     def barrier(self, *, name: str = "barrier", timeout: float | None = None) -> Result:
         """Wait until every rank of the job reached this barrier."""
         return self.collectives.barrier(name=name, timeout=timeout)
+
+    def barrier_async(self, *, name: str = "barrier") -> Handle[Result]:
+        """Enter the barrier; ``.wait(timeout=)`` returns once every rank entered it."""
+        return self.collectives.barrier_async(name=name)
 
     def sync_model(
         self,
@@ -239,6 +253,18 @@ class Client:
         return self.collectives.sync_model(
             array, every=every, root=root, name=name, timeout=timeout
         )
+
+    def sync_model_async(
+        self,
+        array: np.ndarray[Any, Any],
+        *,
+        every: int = 1,
+        root: int | None = None,
+        name: str | None = None,
+    ) -> Handle[Result] | None:
+        """Count a :meth:`sync_model` call and start the synchronisation on every
+        ``every``-th: ``None`` on the others (:meth:`Collectives.sync_model_async`)."""
+        return self.collectives.sync_model_async(array, every=every, root=root, name=name)
 
     # -- stochastic reduce (shortcut to the graphs facet) -----------------------------------
     def stochastic_reduce(
@@ -264,6 +290,23 @@ class Client:
             edges=edges,
             name=name,
             timeout=timeout,
+        )
+
+    def stochastic_reduce_async(
+        self,
+        array: np.ndarray[Any, Any],
+        graph: str = "expander",
+        sync: Sync = "notify-ack",
+        *,
+        degree: int | None = None,
+        seed: int = 0,
+        edges: Iterable[tuple[int, int]] | None = None,
+        name: str | None = None,
+    ) -> Handle[ReduceResult]:
+        """Start a stochastic reduce; leave ``array`` alone until ``.wait(timeout=)`` returns
+        its :class:`ReduceResult`."""
+        return self.graphs.stochastic_reduce_async(
+            array, graph, sync, degree=degree, seed=seed, edges=edges, name=name
         )
 
     # -- parameter server -------------------------------------------------------------------
@@ -335,6 +378,10 @@ class Client:
             fields.update(seg=seg, off=offset, nbytes=initial.nbytes)
         step = None
         if callable(update_rule):
+            # imported here, where a callback needs it: the worker engine (consistency, storage,
+            # push) added some 6 ms to every `import fabricd` (docs/performance.md)
+            from fabricd.engines.ps.worker import shard_bounds
+
             if role == "worker":
                 raise UsageError("an update callback belongs to servers and replicas")
             ranks = list(servers if role == "server" else replicas)

@@ -174,6 +174,20 @@ class Collectives:
         the current model before it contributes again.  Every rank must make the same sequence
         of calls; returns ``None`` on the calls that do not synchronise.
         """
+        handle = self.sync_model_async(array, every=every, root=root, name=name)
+        return None if handle is None else handle.wait(timeout)
+
+    def sync_model_async(
+        self,
+        array: np.ndarray[Any, Any],
+        *,
+        every: int = 1,
+        root: int | None = None,
+        name: str | None = None,
+    ) -> Handle[Result] | None:
+        """Count a :meth:`sync_model` call and, on every ``every``-th, start the
+        synchronisation: ``None`` on the calls that do not synchronise, else a handle whose
+        ``wait()`` returns its :class:`Result`; leave ``array`` alone until then."""
         if type(every) is not int or every < 1:
             raise UsageError(f"every must be an int >= 1, not {every!r}")
         key = name or self._arrays.find(array)[2]
@@ -183,8 +197,8 @@ class Collectives:
             return None
         label = f"sync_model:{key}"
         if root is None:
-            return self.allreduce(array, "avg", "sync", name=label, timeout=timeout)
-        return self.broadcast(array, root, name=label, timeout=timeout)
+            return self.allreduce_async(array, "avg", "sync", name=label)
+        return self.broadcast_async(array, root, name=label)
 
     # -- helpers ----------------------------------------------------------------------------
     def _joined(self) -> checks.Membership:

@@ -43,7 +43,6 @@ from fabricd.client.handle import Handle
 from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.ps.filters import FilterSettings
 from fabricd.errors import DaemonUnavailable, UsageError
-from fabricd.frames.fields import MAX_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -237,12 +236,20 @@ class ParameterServer:
         Raises:
             UsageError: called on a worker.
         """
+        return self.flush_async().wait(timeout)
+
+    def flush_async(self) -> Handle[bool]:
+        """Start a :meth:`flush`; the handle's ``wait()`` returns what ``flush`` returns.
+
+        Raises:
+            UsageError: called on a worker.
+        """
         if self.role == "worker":
             raise UsageError("flush() is for a server or replica; workers push and pull")
         call = self._connection.submit(
             "ps_flush", {"name": self.name}, what=f"flush of parameter server {self.name!r}"
         )
-        return bool(self._connection.wait(call, timeout).result("ps_flush")["flushed"])
+        return Handle(self._connection, call, _flushed)
 
     # -- internals ------------------------------------------------------------------------
     def _worker_only(self, what: str) -> None:
@@ -296,6 +303,10 @@ class ParameterServer:
         return int(reply["version"])
 
 
+def _flushed(reply: Meta) -> bool:
+    return bool(reply["flushed"])
+
+
 def open_request(
     *,
     name: object,
@@ -315,6 +326,9 @@ def open_request(
     seed: object,
 ) -> Meta:
     """The ``ps_open`` request's fields, every argument checked first."""
+    # imported when first needed: fabricd.frames loads every frame kind (docs/performance.md)
+    from fabricd.frames.fields import MAX_NAME
+
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
         raise UsageError(f"a parameter server name is a str of 1 to {MAX_NAME} chars")
     if role not in ROLES:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from fabricd import frames
 from fabricd.daemon import access
+from fabricd.daemon.ipc_server import IpcConnection, IpcServer
 from fabricd.daemon.logs import RateLimitedLog, flush_all
 from fabricd.daemon.metrics import MetricsRegistry, NodeStats
 from fabricd.daemon.metrics_http import MetricsServer
@@ -60,7 +61,6 @@ from fabricd.errors import (
     code_of,
 )
 from fabricd.frames import link as link_frames
-from fabricd.ipc import IpcConnection, IpcServer
 from fabricd.transports import batch
 from fabricd.transports.tcp import TcpTransport
 from fabricd.transports.verbs import device as verbs_device

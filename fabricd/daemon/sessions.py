@@ -20,7 +20,7 @@ from fabricd.ipc import MAX_JOB_NAME
 from fabricd.wire import MAX_TAG, Meta, get_int, get_str
 
 if TYPE_CHECKING:
-    from fabricd.ipc import IpcConnection
+    from fabricd.daemon.ipc_server import IpcConnection
     from fabricd.shm import Segment
 
 

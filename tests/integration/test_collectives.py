@@ -184,12 +184,41 @@ def test_broadcast_from_every_root_and_barrier(make_cluster, size: int) -> None:
                 a[:] = r * 10 + root
             together(
                 [
-                    lambda f=f, a=a, root=root: f.collectives.broadcast_async(a, root)
+                    lambda f=f, a=a, root=root: f.broadcast_async(a, root)
                     for f, a in zip(fabs, arrays, strict=True)
                 ]
             )
             assert all((a == root * 10 + root).all() for a in arrays)
-        together([lambda f=f: f.collectives.barrier_async() for f in fabs])
+        together([lambda f=f: f.barrier_async() for f in fabs])
+
+
+def test_sync_model_averages_or_copies_the_root_every_every_th_call(make_cluster) -> None:
+    cluster = make_cluster(2)
+    with ranks(cluster, PLACEMENTS[3], "sync-model") as fabs:
+        models = [f.array("model", (1000,), "float64") for f in fabs]
+        for r, model in enumerate(models):
+            model[:] = r
+        skipped = [f.sync_model_async(m, every=2) for f, m in zip(fabs, models, strict=True)]
+        assert skipped == [None, None, None]  # every=2: the first call synchronises nothing
+        assert all((m == r).all() for r, m in enumerate(models))
+        handles = [f.sync_model_async(m, every=2) for f, m in zip(fabs, models, strict=True)]
+        results = [wait_or_explain(h, fabs) for h in handles]
+        assert {(r.round, r.included, r.active) for r in results} == {(0, True, 3)}
+        assert all((m == 1.0).all() for m in models)  # the mean of 0, 1 and 2
+        models[2][:] = 7.0
+        together(
+            [
+                lambda f=f, m=m: f.sync_model_async(m, root=2, name="restart")
+                for f, m in zip(fabs, models, strict=True)
+            ]
+        )
+        assert all((m == 7.0).all() for m in models)  # rank 2's model replaced the others
+    with ranks(cluster, PLACEMENTS[1], "sync-model-alone") as (alone,):
+        model = alone.array("model", (10,), "float32")
+        assert alone.sync_model(model, every=2, timeout=WAIT) is None
+        assert alone.sync_model(model, every=2, timeout=WAIT) == fabricd.Result(
+            round=0, included=True, active=1
+        )
 
 
 def test_a_call_that_disagrees_is_refused_with_both_shapes(make_cluster) -> None:

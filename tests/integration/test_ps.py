@@ -366,7 +366,7 @@ def test_flush_publishes_what_the_lossless_mode_held_back_on_both_copies(make_cl
         assert worker.pull(model) == 3
         np.testing.assert_array_equal(model, 1.0)  # nothing published yet
         assert servers[1].flush() is False  # the replica follows: flush where it is served
-        assert servers[0].flush() is True
+        assert servers[0].flush_async().wait(timeout=WAIT) is True
         assert worker.pull(model) == 4  # the flush is a version of its own
         np.testing.assert_allclose(model, 1.3, rtol=1e-12)
         fabs[0].close()  # the replica flushed the same: it serves the exact model
@@ -375,6 +375,8 @@ def test_flush_publishes_what_the_lossless_mode_held_back_on_both_copies(make_cl
         np.testing.assert_allclose(other, 1.3, rtol=1e-12)
         with pytest.raises(fabricd.UsageError, match="for a server or replica"):
             worker.flush()
+        with pytest.raises(fabricd.UsageError, match="for a server or replica"):
+            worker.flush_async()
 
 
 def test_a_worker_that_opens_after_a_failover_finds_the_rank_serving(make_cluster) -> None:

@@ -39,7 +39,7 @@ def round_of(
     fabs: list[Client], arrays: list[np.ndarray[Any, Any]], graph: str, sync: str, **kw: Any
 ) -> list[ReduceResult]:
     handles = [
-        f.graphs.stochastic_reduce_async(a, graph, sync, **kw)  # type: ignore[arg-type]
+        f.stochastic_reduce_async(a, graph, sync, **kw)  # type: ignore[arg-type]
         for f, a in zip(fabs, arrays, strict=True)
     ]
     return [wait_or_explain(h, fabs) for h in handles]

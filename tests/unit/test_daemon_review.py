@@ -49,7 +49,8 @@ class Table:
 @dataclass
 class LeavingHost:
     """Records what the service sends and answers; a reply to a client that ``leaves`` closes
-    its connection, and the daemon then hears of it within that reply (ipc.py ``_flush``)."""
+    its connection, and the daemon then hears of it within that reply
+    (daemon/ipc_server.py ``_flush``)."""
 
     config: Config
     draining: bool = False

@@ -14,7 +14,7 @@ from fabricd.shm import Segment
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from fabricd.ipc import IpcConnection
+    from fabricd.daemon.ipc_server import IpcConnection
     from fabricd.wire import Meta
 
 

@@ -1,8 +1,8 @@
 """The daemon's side of the client socket, with a stand-in handler instead of the daemon.
 
-An :class:`~fabricd.ipc.IpcServer` runs on the test's event loop; real client connections
-(:class:`fabricd.client.connection.Connection`) talk to it from a worker thread, as a training
-process would from outside.
+An :class:`~fabricd.daemon.ipc_server.IpcServer` runs on the test's event loop; real client
+connections (:class:`fabricd.client.connection.Connection`) talk to it from a worker thread, as
+a training process would from outside.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ import fabricd
 from fabricd import ipc
 from fabricd.client.connection import Connection
 from fabricd.client.protocol import Event
+from fabricd.daemon import ipc_server
+from fabricd.daemon.ipc_server import IpcConnection, IpcServer
 from fabricd.errors import ConfigError, LocalProtocolError
-from fabricd.ipc import REPLY_LIMITS, IpcConnection, IpcServer
+from fabricd.ipc import REPLY_LIMITS
 from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, encode_head
 
 if TYPE_CHECKING:
@@ -312,7 +314,7 @@ async def test_accept_backs_off_when_out_of_resources_and_serves_once_they_retur
         assert counters["accept_pauses"] == 4
         gaps = [b - a for a, b in zip(listening.attempts, listening.attempts[1:], strict=False)]
         for i, gap in enumerate(gaps):  # each pause at least as long as announced, growing
-            assert gap >= ipc.ACCEPT_PAUSE_MIN * 2**i * 0.99, gaps
+            assert gap >= ipc_server.ACCEPT_PAUSE_MIN * 2**i * 0.99, gaps
 
 
 async def test_at_the_fd_limit_a_queued_client_is_told_why_with_the_spare_fd(tmp_path):
