@@ -19,7 +19,7 @@ Layers, one module each:
   :mod:`~fabricd.client.p2p` (``fab.p2p``; ``fab.send`` and ``fab.recv`` are its shortcuts) and
   :mod:`~fabricd.client.collectives` (``fab.collectives``; ``fab.allreduce``, ``fab.broadcast``,
   ``fab.barrier`` and ``fab.sync_model`` are its shortcuts) and
-  :mod:`~fabricd.client.stochastic` (``fab.graphs``; ``fab.stochastic_reduce`` is its
+  :mod:`~fabricd.client.stochastic` (``fab.stochastic``; ``fab.stochastic_reduce`` is its
   shortcut) and :mod:`~fabricd.client.ps` (``fab.parameter_server()`` opens a model);
   every shortcut has the signature of the facet's method, and every call that waits has an
   ``_async`` form that returns a :class:`Handle` instead;
@@ -85,7 +85,7 @@ class Client:
         p2p: the point-to-point facet (send, recv and their ``_async`` forms).
         collectives: the collectives facet (allreduce, broadcast, barrier, sync_model and
             their ``_async`` forms).
-        graphs: the stochastic-reduce facet (stochastic_reduce over a communication graph, and
+        stochastic: the stochastic-reduce facet (stochastic_reduce over a communication graph, and
             its ``_async`` form).
     """
 
@@ -120,7 +120,7 @@ class Client:
         self._arrays = SharedArrays(connection)
         self.p2p = PointToPoint(connection, self._arrays, job)
         self.collectives = Collectives(connection, self._arrays, job)
-        self.graphs = StochasticReduce(connection, self._arrays, job)
+        self.stochastic = StochasticReduce(connection, self._arrays, job)
         self._servers: dict[str, ParameterServer] = {}  #: models with an update callback
 
     # -- identity ---------------------------------------------------------------------------
@@ -266,7 +266,7 @@ class Client:
         ``every``-th: ``None`` on the others (:meth:`Collectives.sync_model_async`)."""
         return self.collectives.sync_model_async(array, every=every, root=root, name=name)
 
-    # -- stochastic reduce (shortcut to the graphs facet) -----------------------------------
+    # -- stochastic reduce (shortcut to the stochastic facet) -----------------------------------
     def stochastic_reduce(
         self,
         array: np.ndarray[Any, Any],
@@ -281,7 +281,7 @@ class Client:
     ) -> ReduceResult:
         """Average ``array`` in place with its in-neighbours' models in ``graph``
         (:meth:`StochasticReduce.stochastic_reduce`, ASAP §3-§4)."""
-        return self.graphs.stochastic_reduce(
+        return self.stochastic.stochastic_reduce(
             array,
             graph,
             sync,
@@ -305,7 +305,7 @@ class Client:
     ) -> Handle[ReduceResult]:
         """Start a stochastic reduce; leave ``array`` alone until ``.wait(timeout=)`` returns
         its :class:`ReduceResult`."""
-        return self.graphs.stochastic_reduce_async(
+        return self.stochastic.stochastic_reduce_async(
             array, graph, sync, degree=degree, seed=seed, edges=edges, name=name
         )
 

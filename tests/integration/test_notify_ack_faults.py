@@ -109,7 +109,7 @@ def one_round(
     """Every rank's call of the round, started before any is waited for (send-before-wait
     across ranks: one thread plays them all)."""
     handles = [
-        f.graphs.stochastic_reduce_async(a, graph, "notify-ack", name="f7")
+        f.stochastic.stochastic_reduce_async(a, graph, "notify-ack", name="f7")
         for f, a in zip(fabs, arrays, strict=True)
     ]
     results = []

@@ -124,7 +124,7 @@ def test_a_call_unlike_the_first_is_refused_and_bad_graphs_are_named(make_cluste
         i = fabs[0].array("i", (8,), "int32")
         with pytest.raises(fabricd.UsageError, match="averages float16"):
             fabs[0].stochastic_reduce(i, "ring", timeout=WAIT)
-        first = fabs[0].graphs.stochastic_reduce_async(a, "ring", name="r")
+        first = fabs[0].stochastic.stochastic_reduce_async(a, "ring", name="r")
         b = fabs[1].array("w", (8,), "float32")
         with pytest.raises(fabricd.UsageError, match="called in two ways"):
             fabs[1].stochastic_reduce(b, "chain", name="r", timeout=WAIT)
@@ -142,14 +142,14 @@ def test_a_killed_node_fails_notify_ack_neighbours_and_async_goes_on(make_cluste
         round_of(fabs, arrays, "ring", "notify-ack")
         round_of(fabs, arrays, "ring", "async")
         # ring: 2 -> 3; rank 3 (node 0) waits for rank 2's update of round 1
-        waiting = fabs[3].graphs.stochastic_reduce_async(arrays[3], "ring")
+        waiting = fabs[3].stochastic.stochastic_reduce_async(arrays[3], "ring")
         cluster.kill(2)
         with pytest.raises(fabricd.PeerFailed, match="rank 2"):
             waiting.wait(timeout=WAIT)
         survivors = [r for r, n in enumerate(PLACEMENT) if n != 2]
         for _ in range(3):
             handles = [
-                fabs[r].graphs.stochastic_reduce_async(arrays[r], "ring", "async")
+                fabs[r].stochastic.stochastic_reduce_async(arrays[r], "ring", "async")
                 for r in survivors
             ]
             for h in handles:
@@ -163,7 +163,7 @@ def test_a_trainer_that_leaves_fails_its_barrier_partners(make_cluster) -> None:
         arrays = [f.array("w", (16,), "float64") for f in fabs]
         round_of(fabs, arrays, "all-to-all", "barrier")
         waiting = [
-            fabs[r].graphs.stochastic_reduce_async(arrays[r], "all-to-all", "barrier")
+            fabs[r].stochastic.stochastic_reduce_async(arrays[r], "all-to-all", "barrier")
             for r in (0, 1)
         ]
         fabs[2].close()

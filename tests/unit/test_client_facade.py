@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 FACETS: dict[str, type] = {
     "p2p": PointToPoint,
     "collectives": Collectives,
-    "graphs": StochasticReduce,
+    "stochastic": StochasticReduce,
 }
 #: the client's methods that are its own, not shortcuts to a facet
 OWN = {"array", "parameter_server", "status", "stalls", "config", "poll", "close"}
