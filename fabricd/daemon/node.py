@@ -125,12 +125,8 @@ def default_services(daemon: Daemon) -> list[Service]:
         peers=daemon.peering.engine.peers,  # stall reports say whether a peer's node is up
         owners=membership.engine.owner,
     )
-    collectives = CollectiveService(
-        daemon, membership=membership.engine, peers=daemon.peering.engine.peers
-    )
-    stochastic = StochasticService(
-        daemon, membership=membership.engine, peers=daemon.peering.engine.peers
-    )
+    collectives = CollectiveService(daemon, membership=membership.engine)
+    stochastic = StochasticService(daemon, membership=membership.engine)
     servers = PSService(daemon, membership=membership.engine)
     return [membership, p2p, collectives, stochastic, servers]
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from fabricd.daemon import access
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.service import BaseService
+from fabricd.daemon.services.jobs import refuse_while_draining
 from fabricd.daemon.sessions import parse_hello
 from fabricd.engines.actions import Broadcast, Notice, SendFrame
 from fabricd.engines.membership import (
@@ -38,7 +39,7 @@ from fabricd.engines.membership import (
     RankLeft,
     RankSuspected,
 )
-from fabricd.errors import ErrorCode, OperationFailed, PermissionDenied, UsageError
+from fabricd.errors import PermissionDenied, UsageError
 from fabricd.frames import membership as membership_frames
 from fabricd.wire import PROTOCOL_VERSION, Kind, Meta
 
@@ -84,10 +85,7 @@ class MembershipService(BaseService):
             raise UsageError("this connection already joined a job")
         claim = parse_hello(request.meta)
         if claim is not None:
-            if self.host.draining:
-                raise OperationFailed(
-                    "the daemon is stopping; retry later", code=ErrorCode.DAEMON_STOPPING
-                )
+            refuse_while_draining(self.host)
             job, rank, size = claim
             creds = session.conn.credentials
             try:
