@@ -562,7 +562,7 @@ class CollectiveService(BaseService):
         for key, coll in list(self.collectives.items()):
             due = coll.next_deadline()
             if due is not None and due <= now:
-                self._perform(key, coll.tick(now))
+                self._perform(key, coll.on_timer(now))
         for key, held in list(self._held.items()):
             kept = [h for h in held if h.expires > now or not h.complete]  # landing: wait
             if len(kept) < len(held):  # its job never completed here: nothing can use them
