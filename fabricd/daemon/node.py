@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 
     from fabricd.daemon.config import Config, Loaded
     from fabricd.daemon.service import Service
-    from fabricd.engines.membership import RankEvent
+    from fabricd.engines.membership import RankEvent, Suspicion
     from fabricd.transports.base import Buffer, Link, Transport
 
 log = logging.getLogger("fabricd.daemon")
@@ -118,19 +118,15 @@ _LAG_PROBE_INTERVAL: Final = 1.0
 def default_services(daemon: Daemon) -> list[Service]:
     """Membership, point-to-point messaging, collectives, stochastic reduce and parameter
     servers: the services every daemon runs."""
-    membership = MembershipService(daemon)
+    membership = MembershipService(daemon, peers=daemon.peering.engine.peers)
     p2p = P2PService(
         daemon,
         routes=membership.engine,
         peers=daemon.peering.engine.peers,  # stall reports say whether a peer's node is up
         owners=membership.engine.owner,
     )
-    collectives = CollectiveService(
-        daemon, membership=membership.engine, peers=daemon.peering.engine.peers
-    )
-    stochastic = StochasticService(
-        daemon, membership=membership.engine, peers=daemon.peering.engine.peers
-    )
+    collectives = CollectiveService(daemon, membership=membership.engine)
+    stochastic = StochasticService(daemon, membership=membership.engine)
     servers = PSService(daemon, membership=membership.engine)
     return [membership, p2p, collectives, stochastic, servers]
 
@@ -294,6 +290,12 @@ class Daemon:
         for service in self.services:
             with _bug_in(service, "on_rank_event"):
                 service.on_rank_event(event, now)
+
+    def suspicion(self, event: Suspicion) -> None:
+        now = self.now()
+        for service in self.services:
+            with _bug_in(service, "on_suspicion"):
+                service.on_suspicion(event, now)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         assert self._tasks is not None, "spawn before run()"

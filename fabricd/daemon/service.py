@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from fabricd.daemon.config import Config
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.actions import Failure
-    from fabricd.engines.membership import RankEvent
+    from fabricd.engines.membership import RankEvent, Suspicion
     from fabricd.frames import PayloadFrame, PeerFrame
     from fabricd.transports.base import Buffer, Link
     from fabricd.wire import Kind, Meta
@@ -101,6 +101,10 @@ class Host(Protocol):
     def rank_event(self, event: RankEvent) -> None:
         """Tell every service that a rank joined or left (membership's news)."""
 
+    def suspicion(self, event: Suspicion) -> None:
+        """Tell every service membership's verdict on a node whose links were reset, or on
+        one of its ranks (suspected, back, gone)."""
+
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run ``coro`` in the daemon's task group; the drain cancels what is left of it."""
 
@@ -152,6 +156,10 @@ class Service(Protocol):
 
     def on_rank_event(self, event: RankEvent, now: float) -> None:
         """A rank joined or left the fabric."""
+
+    def on_suspicion(self, event: Suspicion, now: float) -> None:
+        """A rank lost with its node's links is suspected, back or gone; or such a node is back
+        or gone (:mod:`fabricd.engines.membership`, "Suspicion")."""
 
     def client_gone(self, session: ClientSession, now: float) -> None:
         """A client disconnected; release what it held in this service."""
@@ -232,6 +240,9 @@ class BaseService:
         return None
 
     def on_rank_event(self, event: RankEvent, now: float) -> None:
+        return None
+
+    def on_suspicion(self, event: Suspicion, now: float) -> None:
         return None
 
     def client_gone(self, session: ClientSession, now: float) -> None:

@@ -1,9 +1,11 @@
 """Membership: which node hosts which rank of which job, and the news when that changes.
 
 Rules: this module keeps the fabric-wide rank table as this daemon knows it, says what to
-ANNOUNCE and to whom, and reports every change as a :class:`RankJoined` or :class:`RankLeft`
-event.  What a change means for messages is not its business: the service hands the events to
-every engine that cares (the point-to-point engine fails what waited for a rank that left).
+ANNOUNCE and to whom, reports every change as a :class:`RankJoined` or :class:`RankLeft`
+event, and decides what became of the ranks of a node whose links were reset (the
+:data:`Suspicion` events).  What a change means for messages is not its business: the service
+hands the events to every engine that cares (the point-to-point engine fails what waited for a
+rank that left).
 
 Theory of operation: a client that connects to its daemon claims ``(job, rank)`` for the job's
 ``size`` (:meth:`Membership.attach`); the daemon records the claim and broadcasts an ANNOUNCE,
@@ -34,6 +36,27 @@ so at most that many jobs): an ANNOUNCE of a new rank beyond it raises
 peer, whose ranks are then forgotten.  A daemon hosts one rank per client, so a peer within its
 ``max_clients`` never reaches a bound at least that large.
 
+Suspicion.  A reset of a node's links loses what was in flight, but not necessarily the node:
+a link that flaps under load comes back, the same daemon, within ``down_after``.  So the ranks
+of a reset node leave the table at once (:class:`RankLeft`, ``lost``: nothing can be routed to
+them, what was on its way is lost) and are *suspected* (:class:`RankSuspected`) until the
+verdict: :class:`RankBack` when the rank is announced again from the same node by the same
+daemon (the incarnation the peers engine admitted, which the service passes in), or
+:class:`RankGone` when ``down_after`` passes first, or the rank comes back from a new
+incarnation or another node.  The node itself gets a verdict too, when its links come back
+(:meth:`Membership.peer_up`): :class:`NodeBack` from the same daemon within ``down_after``,
+else :class:`NodeGone` (also when ``down_after`` passes with its links still down); a node
+back as a new daemon takes its suspected ranks with it at once.  Services
+that run over a job's nodes (collectives) act on the node's verdict, those that run over its
+ranks on the rank's: a rank's verdict comes with its announcement, after the node's links are
+up, and a rank that never comes back (its trainer left during the reset) is gone at its
+deadline although its node came back.  A node's suspicion starts with its first reset and is
+not prolonged by another before its links come back.  When a rank's suspicion runs out and its
+job has no known rank left, the job is over here: the job's other suspicions end with it
+(:class:`RankGone` each), so that a later job of that name never loses ranks it does not have.
+Deadlines live in one :class:`~fabricd.engines.deadlines.Deadlines` heap
+(:meth:`Membership.next_deadline`, :meth:`Membership.on_timer`).
+
 Every lookup, claim and release is O(1) while no claim is ignored, and O(ignored claims of the
 job) otherwise; :meth:`Membership.peer_down` is O(ranks of that node + ignored claims).
 """
@@ -44,6 +67,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from fabricd.engines.actions import Broadcast, Notice, SendFrame
+from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.ownership import Ownership, User
 from fabricd.errors import PermissionDenied, RemoteProtocolError, UsageError
 from fabricd.frames.membership import Announce
@@ -51,6 +75,8 @@ from fabricd.frames.membership import Announce
 RankKey = tuple[str, int]  #: (job, rank)
 #: claims (known and ignored) one peer may hold in the table
 MAX_RANKS_PER_PEER: Final = 4096
+#: seconds a reset node may take to come back the same daemon (the config's default)
+DOWN_AFTER: Final = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,8 +111,58 @@ class RankLeft:
     lost: bool
 
 
-#: what other engines hear from membership (through the service)
+#: what other engines hear from membership of the rank table (through the service)
 RankEvent = RankJoined | RankLeft
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSuspected:
+    """``entry``'s node's links were reset (``reason`` names the node and says how): the
+    :class:`RankLeft` just before this took the rank out of the table, but the same daemon may
+    bring it back within ``down_after``; :class:`RankBack` or :class:`RankGone` follows."""
+
+    entry: RankEntry
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankBack:
+    """A suspected rank was announced again by the same daemon on the same node (``entry``):
+    only what was in flight at the reset was lost; send it again.  Comes just before the
+    :class:`RankJoined` that puts it back in the table."""
+
+    entry: RankEntry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankGone:
+    """A suspected rank (``entry``, where it was) is gone for good: ``down_after`` passed, its
+    job ended here, or it came back from a new incarnation or another node (``reason`` says
+    which).  In the last case it comes just before the :class:`RankJoined` of the new rank."""
+
+    entry: RankEntry
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeBack:
+    """``node``'s links are up again, the same daemon, within ``down_after`` of their reset."""
+
+    node: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeGone:
+    """``node`` is gone for good: its links were reset (``reason``) and did not come back
+    within ``down_after``, or came back from a new incarnation (``reason`` ends "it
+    restarted")."""
+
+    node: int
+    reason: str
+
+
+#: what other engines hear from membership about ranks and nodes whose links were reset
+Suspicion = RankSuspected | RankBack | RankGone | NodeBack | NodeGone
 
 
 class Routes(Protocol):
@@ -95,7 +171,16 @@ class Routes(Protocol):
     def lookup(self, job: str, rank: int, /) -> RankEntry | None: ...
 
 
-Action = SendFrame | Broadcast | Notice | RankJoined | RankLeft
+Action = SendFrame | Broadcast | Notice | RankJoined | RankLeft | Suspicion
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Suspect:
+    """A rank lost with its node's links: where it was, and who it was."""
+
+    entry: RankEntry
+    incarnation: int | None  #: its daemon's, when its links were reset
+    reason: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,7 +195,11 @@ class MembershipStatistics:
 
 
 class Membership:
-    """The fabric-wide view of (job, rank) -> node, as daemon ``node`` knows it."""
+    """The fabric-wide view of (job, rank) -> node, as daemon ``node`` knows it.
+
+    ``down_after``: seconds a node whose links were reset may take to come back, the same
+    daemon, before it and its ranks are gone for good.
+    """
 
     def __init__(
         self,
@@ -118,12 +207,24 @@ class Membership:
         ownership: Ownership | None = None,
         *,
         max_ranks_per_peer: int = MAX_RANKS_PER_PEER,
+        down_after: float = DOWN_AFTER,
     ) -> None:
         if max_ranks_per_peer < 1:
             raise ValueError("max_ranks_per_peer must be at least 1")
+        if not down_after > 0:
+            raise ValueError("down_after must be more than 0 seconds")
         self.node = node
         self.ownership = ownership or Ownership()
         self.max_ranks_per_peer = max_ranks_per_peer
+        self.down_after = down_after
+        #: nodes whose links were reset and are not back: (incarnation then, why)
+        self._reset: dict[int, tuple[int | None, str]] = {}
+        self._suspects: dict[RankKey, _Suspect] = {}
+        self._suspects_per_job: dict[str, int] = {}
+        #: a node (its verdict) or a suspected rank is due then
+        self._deadlines: Deadlines[int | RankKey] = Deadlines()
+        #: the incarnation each peer last announced from, for claims retried later
+        self._incarnations: dict[int, int | None] = {}
         self._entries: dict[RankKey, RankEntry] = {}
         self._by_node: dict[int, dict[RankKey, RankEntry]] = {}
         self._sizes: dict[str, int] = {}  #: job -> its size, while it has a known rank
@@ -157,7 +258,7 @@ class Membership:
             self._refused_joins += 1
             raise PermissionDenied(self.ownership.refusal(user, job, owner))
         entry = self._claim(job, rank, size, self.node, owner)
-        return [Broadcast(frame=_announce(entry, owner, present=True)), RankJoined(entry=entry)]
+        return [Broadcast(frame=_announce(entry, owner, present=True)), *self._joined(entry)]
 
     def detach(self, job: str, rank: int, reason: str) -> list[Action]:
         """The local client of ``rank`` of ``job`` left.
@@ -179,14 +280,19 @@ class Membership:
         ]
 
     # -- peers ------------------------------------------------------------------------------
-    def on_announce(self, node: int, frame: Announce) -> list[Action]:
-        """Peer ``node`` announced that one of its ranks arrived or left.
+    def on_announce(
+        self, node: int, frame: Announce, incarnation: int | None = None
+    ) -> list[Action]:
+        """Peer ``node`` (of ``incarnation``, the one its links were admitted with) announced
+        that one of its ranks arrived or left.
 
-        Returns: :class:`RankJoined` or :class:`RankLeft` when the table changed, nothing for a
-        repeated announcement, a :class:`Notice` for a claim that conflicts with the table (its
-        size or its owner disagrees with the job's, or the rank is hosted elsewhere; it is kept,
-        and takes effect once what it conflicts with is released).
+        Returns: :class:`RankJoined` or :class:`RankLeft` when the table changed (a suspected
+        rank's verdict before its :class:`RankJoined`), nothing for a repeated announcement, a
+        :class:`Notice` for a claim that conflicts with the table (its size or its owner
+        disagrees with the job's, or the rank is hosted elsewhere; it is kept, and takes effect
+        once what it conflicts with is released).
         """
+        self._incarnations[node] = incarnation
         key = (frame.job, frame.rank)
         self._unignore(key, node)
         if not frame.present:
@@ -206,27 +312,121 @@ class Membership:
                 self._ignored.setdefault(key, {})[node] = (claim, frame.owner)
                 self._ignored_by_node[node] = self._ignored_by_node.get(node, 0) + 1
             return [Notice(message=f"ignored announcement from node {node}: {exc}")]
-        return [RankJoined(entry=entry)]
+        return self._joined(entry, incarnation)
 
-    def peer_up(self, node: int) -> list[Action]:
-        """``node``'s control link is up: it must hear about every local rank."""
-        return [
+    def peer_up(self, node: int, incarnation: int | None = None) -> list[Action]:
+        """``node``'s links are up (admitted for ``incarnation``): it must hear about every
+        local rank, and if its links were reset, it is back (:class:`NodeBack`, the same
+        daemon) or gone (:class:`NodeGone`, a new one)."""
+        actions: list[Action] = [
             SendFrame(node=node, frame=_announce(e, self._owners[e.job], present=True))
             for e in self.local()
         ]
+        reset = self._reset.pop(node, None)
+        if reset is not None:
+            self._deadlines.cancel(node)
+            known, reason = reset
+            if incarnation != known:  # a new daemon: the old one died, with its ranks
+                actions.append(NodeGone(node=node, reason=f"{reason}; it restarted"))
+                ranks = [key for key, s in self._suspects.items() if s.entry.node == node]
+                for suspect in map(self._end, ranks):
+                    why = f"{suspect.reason}; it restarted"
+                    actions.append(RankGone(entry=suspect.entry, reason=why))
+            else:
+                actions.append(NodeBack(node=node))
+        return actions
 
-    def peer_down(self, node: int, reason: str) -> list[Action]:
-        """``node`` is down or restarted (``reason`` says which): its ranks are lost."""
+    def peer_down(
+        self, node: int, reason: str, now: float, incarnation: int | None = None
+    ) -> list[Action]:
+        """``node``'s links were reset (``reason`` says why; ``incarnation``: its daemon's, as
+        admitted): its ranks are lost, and suspected until ``down_after`` from ``now``."""
+        if node not in self._reset:  # a flapping link does not prolong the first reset's time
+            self._reset[node] = (incarnation, reason)
+            self._deadlines.set(node, now + self.down_after)
         gone = sorted(self._by_node.pop(node, {}).values(), key=_order)
         for entry in gone:
             self._forget(entry)
         for key in [key for key, claims in self._ignored.items() if node in claims]:
             self._unignore(key, node)
         text = f"node {node} is {reason}"
-        actions: list[Action] = [RankLeft(entry=entry, reason=text, lost=True) for entry in gone]
+        for entry in gone:  # all of them suspected before anyone hears of the first
+            self._suspect(entry, incarnation, text, now)
+        actions: list[Action] = []
+        for entry in gone:
+            actions += [
+                RankLeft(entry=entry, reason=text, lost=True),
+                RankSuspected(entry=entry, reason=text),
+            ]
         for entry in gone:
             actions += self._retry(entry)
         return actions
+
+    # -- suspicion --------------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        """When :meth:`on_timer` must next run: a reset node's or a suspected rank's time."""
+        return self._deadlines.next()
+
+    def on_timer(self, now: float) -> list[Action]:
+        """Nodes and ranks not back within ``down_after`` of their reset are gone."""
+        actions: list[Action] = []
+        for key in self._deadlines.pop_due(now):
+            if isinstance(key, int):
+                _, reason = self._reset.pop(key)
+                actions.append(NodeGone(node=key, reason=reason))
+            elif key in self._suspects:  # (not ended with its job earlier in this loop)
+                suspect = self._end(key)
+                actions.append(RankGone(entry=suspect.entry, reason=suspect.reason))
+                if key[0] not in self._sizes:  # no rank of its job is known: the job is over
+                    actions += self._end_job(key[0])
+        return actions
+
+    def suspected(self, job: str, rank: int) -> bool:
+        """Whether ``rank`` of ``job`` was lost with its node's links and may come back."""
+        return (job, rank) in self._suspects
+
+    def has_suspects(self, job: str) -> bool:
+        """Whether any rank of ``job`` is suspected."""
+        return job in self._suspects_per_job
+
+    def _suspect(self, entry: RankEntry, incarnation: int | None, reason: str, now: float) -> None:
+        key = (entry.job, entry.rank)
+        self._suspects[key] = _Suspect(entry=entry, incarnation=incarnation, reason=reason)
+        self._suspects_per_job[entry.job] = self._suspects_per_job.get(entry.job, 0) + 1
+        self._deadlines.set(key, now + self.down_after)
+
+    def _end(self, key: RankKey) -> _Suspect:
+        """The suspicion of ``key`` ends (the caller says how)."""
+        suspect = self._suspects.pop(key)
+        self._deadlines.cancel(key)
+        left = self._suspects_per_job[key[0]] - 1
+        if left:
+            self._suspects_per_job[key[0]] = left
+        else:
+            del self._suspects_per_job[key[0]]
+        return suspect
+
+    def _end_job(self, job: str) -> list[Action]:
+        """``job`` is over here: its ranks' suspicions end."""
+        keys = [key for key in self._suspects if key[0] == job]
+        return [RankGone(entry=s.entry, reason=s.reason) for s in map(self._end, keys)]
+
+    def _joined(self, entry: RankEntry, incarnation: int | None = None) -> list[Action]:
+        """``entry`` is in the table: :class:`RankJoined`, after its verdict if it was
+        suspected (back only from the same node and daemon; a rank claimed here, or from a
+        new incarnation, is a new one)."""
+        key = (entry.job, entry.rank)
+        if key not in self._suspects:
+            return [RankJoined(entry=entry)]
+        suspect = self._end(key)
+        verdict: Action
+        if entry.node == suspect.entry.node and incarnation == suspect.incarnation:
+            verdict = RankBack(entry=entry)
+        else:
+            verdict = RankGone(
+                entry=suspect.entry, reason=f"{suspect.reason}; it came back restarted"
+            )
+        return [verdict, RankJoined(entry=entry)]
 
     # -- queries ----------------------------------------------------------------------------
     def lookup(self, job: str, rank: int) -> RankEntry | None:
@@ -322,7 +522,7 @@ class Membership:
                 except UsageError:
                     continue
                 self._unignore(key, node)
-                joined.append(RankJoined(entry=entry))
+                joined += self._joined(entry, self._incarnations.get(node))
         return joined
 
     def _unignore(self, key: RankKey, node: int) -> None:

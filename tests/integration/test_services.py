@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from fabricd.daemon.service import Host, Request
+    from fabricd.engines.membership import RankEvent, Suspicion
     from fabricd.wire import Meta
 
 
@@ -232,3 +233,49 @@ async def test_a_service_failing_in_peer_down_does_not_keep_the_others_from_hear
             del d1.send
             await holder
     assert not escaped, f"reached the event loop: {escaped}"
+
+
+class Hears(BaseService):
+    """Records membership's news as the last service hears it: the rank table's changes and
+    the verdicts on a node whose links were reset."""
+
+    name = "hears"
+
+    def __init__(self) -> None:
+        self.news: list[str] = []
+
+    def on_rank_event(self, event: RankEvent, now: float) -> None:
+        self.news.append(type(event).__name__)
+
+    def on_suspicion(self, event: Suspicion, now: float) -> None:
+        self.news.append(type(event).__name__)
+
+
+async def test_membership_news_of_a_reset_node_reaches_every_service(tmp_path: Path) -> None:
+    """Rank 1's node loses its data link: the rank is suspected, then back with its node (the
+    same daemon), and each service, in order up to the last, hears every step of it."""
+
+    def hears_last(daemon: Daemon) -> list[BaseService]:
+        return [*default_services(daemon), Hears()]
+
+    async with fabric(tmp_path, {0: hears_last}) as fab:
+        d0 = fab.daemons[0]
+        hears = d0.service("hears")
+        assert isinstance(hears, Hears)
+        ready = asyncio.Event()
+        holder = asyncio.create_task(
+            asyncio.to_thread(_hold_rank1, fab.socket(1), ready, asyncio.get_running_loop())
+        )
+        await asyncio.wait_for(ready.wait(), 10)
+        await fab.until(lambda: hears.news == ["RankJoined"])
+        d0.data_link(1).close("cut for the test")
+        await fab.until(lambda: len(hears.news) == 6)
+        assert hears.news == [
+            "RankJoined",
+            "RankLeft",
+            "RankSuspected",
+            "NodeBack",
+            "RankBack",
+            "RankJoined",
+        ]
+        await holder

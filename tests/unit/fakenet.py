@@ -483,7 +483,7 @@ class FakeNet:
         self.fenced.add((survivor, node))
         self.links[node, survivor].clear()
         self.data_links[node, survivor].clear()
-        self.perform(survivor, self.members[survivor].peer_down(node, reason))
+        self.perform(survivor, self.members[survivor].peer_down(node, reason, self.now))
         self.perform(survivor, self.engines[survivor].peer_down(node, reason))
 
     # -- time ---------------------------------------------------------------------------------

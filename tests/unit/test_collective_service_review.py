@@ -22,7 +22,7 @@ from fabricd.daemon.config import Config
 from fabricd.daemon.service import Request
 from fabricd.daemon.services.collectives import MAX_HELD_FRAMES, CollectiveService
 from fabricd.daemon.sessions import ClientSession
-from fabricd.engines.membership import RankEntry, RankJoined, RankLeft
+from fabricd.engines.membership import NodeGone, RankEntry, RankJoined, RankLeft
 from fabricd.errors import OperationFailed, RemoteProtocolError, TransportError, UsageError
 from fabricd.frames import collectives as collectives_frames
 
@@ -451,7 +451,8 @@ def solo_frames_after_losing_node_1() -> list[tuple[collectives_frames.Coll, byt
     call(svc, client(2, 3, [1.0] * 4), 1, mode="solo")
     out.clear()
     svc.peer_down(1, "node 1 went down", 0.0)
-    svc.on_timer(host.config.down_after)  # not back within down_after: counted down
+    # not back within down_after: membership counts it gone
+    svc.on_suspicion(NodeGone(node=1, reason="node 1 went down"), host.config.down_after)
     return out
 
 

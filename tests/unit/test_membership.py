@@ -10,8 +10,10 @@ from fabricd.engines.membership import (
     Membership,
     MembershipStatistics,
     RankEntry,
+    RankGone,
     RankJoined,
     RankLeft,
+    RankSuspected,
 )
 from fabricd.engines.ownership import JobGrant, Ownership, User
 from fabricd.errors import FabricError, PermissionDenied, RemoteProtocolError, UsageError
@@ -126,14 +128,18 @@ def test_peer_down_loses_every_rank_the_node_hosted(members: Membership) -> None
     for e in gone:
         announce(members, 1, e.rank, e.size, job=e.job)
     announce(members, 2, 1)
-    actions = members.peer_down(1, "restarted")
+    actions = members.peer_down(1, "restarted", 0.0)
     assert actions == [
-        RankLeft(entry=e, reason="node 1 is restarted", lost=True)
+        event
         for e in sorted(gone, key=lambda e: (e.job, e.rank))
+        for event in (
+            RankLeft(entry=e, reason="node 1 is restarted", lost=True),
+            RankSuspected(entry=e, reason="node 1 is restarted"),
+        )
     ]
     assert members.entries() == [entry(1, 2)]
     assert members.job_size("other") is None
-    assert members.peer_down(1, "down") == []
+    assert members.peer_down(1, "down", 0.0) == []
 
 
 def test_local_and_entries_are_sorted_by_job_then_rank(members: Membership) -> None:
@@ -162,7 +168,7 @@ def test_statistics_count_ranks_local_ranks_and_jobs(members: Membership) -> Non
     assert members.statistics() == MembershipStatistics(
         ranks=3, local_ranks=1, jobs=2, refused_joins=0, refused_announcements=0
     )
-    members.peer_down(1, "down")
+    members.peer_down(1, "down", 0.0)
     assert members.statistics() == MembershipStatistics(
         ranks=1, local_ranks=1, jobs=1, refused_joins=0, refused_announcements=0
     )
@@ -252,8 +258,11 @@ def test_an_ignored_claim_takes_effect_when_the_winners_node_goes_down(
 ) -> None:
     announce(members, 1, 2)
     announce(members, 2, 2)
-    assert members.peer_down(1, "down") == [
+    assert members.peer_down(1, "down", 0.0) == [
         RankLeft(entry=entry(2, 1), reason="node 1 is down", lost=True),
+        RankSuspected(entry=entry(2, 1), reason="node 1 is down"),
+        # the rank is taken elsewhere: the one node 1 had is gone
+        RankGone(entry=entry(2, 1), reason="node 1 is down; it came back restarted"),
         RankJoined(entry=entry(2, 2)),
     ]
 
@@ -286,7 +295,7 @@ def test_an_ignored_claim_is_dropped_when_its_node_retracts_it_or_goes_down(
     announce(members, 2, 2)
     announce(members, 3, 2)
     assert announce(members, 2, 2, present=False) == []  # node 2's client left meanwhile
-    assert members.peer_down(3, "down") == []  # and node 3 went down
+    assert members.peer_down(3, "down", 0.0) == []  # and node 3 went down
     [left] = announce(members, 1, 2, present=False)
     assert isinstance(left, RankLeft)
     assert members.entries() == []
@@ -389,7 +398,7 @@ def test_a_job_with_ranks_left_on_another_node_is_not_released(members: Membersh
     members.detach("demo", 0, "left")  # the last local rank
     with pytest.raises(PermissionDenied):
         members.attach("demo", 0, 4, user=BOB)
-    members.peer_down(2, "down")  # its node's ranks are lost: the job is gone
+    members.peer_down(2, "down", 0.0)  # its node's ranks are lost: the job is gone
     members.attach("demo", 0, 4, user=BOB)
 
 
@@ -449,7 +458,7 @@ def test_a_reset_peer_gets_its_room_back() -> None:
     members = Membership(node=HERE, max_ranks_per_peer=2)
     announce(members, 1, 0)
     announce(members, 1, 1)
-    members.peer_down(1, "reset")
+    members.peer_down(1, "reset", 0.0)
     assert announce(members, 1, 2)
     assert announce(members, 1, 3)
 

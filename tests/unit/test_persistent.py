@@ -466,9 +466,9 @@ def test_a_rank_that_leaves_before_giving_fails_the_round_after_the_grace() -> N
     coll = fab.colls[0]
     fab.perform(0, coll.rank_gone(1, frozenset({0}), 10.0, grace=GRACE))
     assert coll.next_deadline() == 10.0 + GRACE
-    fab.perform(0, coll.tick(12.0))
+    fab.perform(0, coll.on_timer(12.0))
     assert not fab.failed  # its trainer may still come back and call
-    fab.perform(0, coll.tick(10.0 + GRACE))
+    fab.perform(0, coll.on_timer(10.0 + GRACE))
     assert fab.failed[1].code == "peer_failed"
     assert "rank 1" in fab.failed[1].message
 

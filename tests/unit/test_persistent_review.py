@@ -142,7 +142,7 @@ def test_a_sync_call_made_after_a_remote_rank_left_fails_after_the_grace() -> No
     fab.drain()
     deadline = coll.next_deadline()
     assert deadline is not None
-    fab.perform(0, coll.tick(deadline))
+    fab.perform(0, coll.on_timer(deadline))
     assert 1 in fab.failed
 
 

@@ -20,7 +20,10 @@ once every rank of the job is known here.  A call made earlier waits (up to ``ro
 then fails with code ``no_such_rank``); a peer's frame that comes earlier is held, within
 ``max_held_bytes``, until it can be placed.  A member node that goes down fails a sync
 collective's calls and breaks it; solo and majority go on among the survivors (the engine's
-docstring says how).  A rank that leaves fails the open calls of sync collectives; its clients
+docstring says how).  A member whose links were reset is counted down only once membership
+says it is gone (:class:`~fabricd.engines.membership.NodeGone`: not back, the same daemon,
+within ``down_after``); back in time (:class:`~fabricd.engines.membership.NodeBack`), the
+collective runs on.  A rank that leaves fails the open calls of sync collectives; its clients
 hear ``rank_left`` events.
 """
 
@@ -36,12 +39,17 @@ from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
-from fabricd.daemon.services.jobs import admitted_incarnation, waited_too_long
+from fabricd.daemon.services.jobs import (
+    OpenCall,
+    OpenCalls,
+    WaitingForRanks,
+    refuse_while_draining,
+)
 from fabricd.dtypes import ITEMSIZE, REDUCE_DTYPES
 from fabricd.engines.actions import Failure
 from fabricd.engines.collectives.algorithms import Algorithm, choose_allreduce
 from fabricd.engines.collectives.persistent import NOTICE, Collective, Deliver, Fail, Spec, Transmit
-from fabricd.engines.membership import RankJoined, RankLeft
+from fabricd.engines.membership import NodeBack, NodeGone, RankJoined, RankLeft
 from fabricd.errors import (
     ErrorCode,
     OperationFailed,
@@ -61,8 +69,7 @@ if TYPE_CHECKING:
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.collectives.persistent import Action
-    from fabricd.engines.link.peers import PeerInfo
-    from fabricd.engines.membership import Membership, RankEvent
+    from fabricd.engines.membership import Membership, RankEvent, Suspicion
 
 log = logging.getLogger("fabricd.collectives")
 remote_log = RateLimitedLog(log)
@@ -72,18 +79,6 @@ MAX_HELD_BYTES: Final = 64 * 1024 * 1024
 MAX_HELD_FRAMES: Final = 4096
 
 Key = tuple[str, str]  #: (job, collective name)
-
-
-@dataclass(slots=True, kw_only=True)
-class _Open:
-    """A call the engine holds: whom to answer."""
-
-    session: ClientSession
-    request: int
-    key: Key
-    kind: str
-    started: float
-    nbytes: int
 
 
 @dataclass(slots=True, kw_only=True)
@@ -115,31 +110,21 @@ class CollectiveService(BaseService):
     kinds = frozenset({Kind.COLL})
     ops = frozenset({"collective"})
 
-    def __init__(
-        self,
-        host: Host,
-        *,
-        membership: Membership,
-        peers: Callable[[float], Iterable[PeerInfo]] | None = None,
-    ) -> None:
-        """``peers``: the peers engine's view of the other nodes (a peer that comes back after
-        a reset is the same daemon only with the same incarnation)."""
+    def __init__(self, host: Host, *, membership: Membership) -> None:
         self.host = host
         self.membership = membership
-        self._peers = peers
-        #: nodes whose links were reset: (when they count as down, their incarnation, why)
-        self._resets: dict[int, tuple[float, int | None, str]] = {}
         self.collectives: dict[Key, Collective] = {}
         self._specs: dict[Key, Meta] = {}  #: each collective's spec as its frames carry it
-        self._open: dict[int, _Open] = {}  #: by token
-        self._by_session: dict[ClientSession, set[int]] = {}
+        self.operations = OperationStats(self.name, kinds=["allreduce", "broadcast", "barrier"])
+        self._open: OpenCalls[int] = OpenCalls(host, self.operations)  #: by token
         self._sessions: dict[str, set[ClientSession]] = {}  #: clients that called, per job
-        self._waiting: list[_Waiting] = []
+        self._waiting: WaitingForRanks[_Waiting] = WaitingForRanks(
+            host, membership, "collective calls", lambda w: f"{w.spec.describe()} {w.name!r}"
+        )
         self._held: dict[Key, list[_Held]] = {}
         self._held_bytes = 0
         self._tokens = 0
         self._frames = DataQueues(host, Kind.COLL, sent=self._count_sent)
-        self.operations = OperationStats(self.name, kinds=["allreduce", "broadcast", "barrier"])
         self._counters = {
             "bytes_sent": 0,
             "frames_held": 0,
@@ -152,10 +137,7 @@ class CollectiveService(BaseService):
 
     # -- requests ---------------------------------------------------------------------------
     def on_request(self, request: Request, now: float) -> None:
-        if self.host.draining:
-            raise OperationFailed(
-                "the daemon is stopping; retry later", code=ErrorCode.DAEMON_STOPPING
-            )
+        refuse_while_draining(self.host)
         session = request.session
         if session.job is None:
             raise UsageError("connect with a job (fabricd.connect(job=...)) before collectives")
@@ -168,14 +150,7 @@ class CollectiveService(BaseService):
             deadline=now + self.host.config.route_timeout,
         )
         if not self._try(waiting, now):
-            held = sum(1 for w in self._waiting if w.request.session is session)
-            if held >= self.host.config.max_ops_per_client:
-                raise OperationFailed(
-                    f"this client has {held} collective calls waiting for their job's ranks, "
-                    "the most max_ops_per_client allows; start the missing ranks first",
-                    code=ErrorCode.LIMIT,
-                )
-            self._waiting.append(waiting)
+            self._waiting.add(waiting)
 
     def _parse(self, request: Request) -> tuple[Spec, np.ndarray[Any, Any] | None, str]:
         meta, session = request.meta, request.session
@@ -231,17 +206,16 @@ class CollectiveService(BaseService):
         token = self._tokens
         actions = coll.call(session.rank, token, waiting.array, now)
         nbytes = 0 if waiting.array is None else waiting.array.nbytes
-        self._open[token] = _Open(
+        call = OpenCall(
             session=session,
             request=request.id,
-            key=key,
             kind=waiting.spec.kind,
+            name=waiting.name,
             started=now,
             nbytes=nbytes,
         )
-        self._by_session.setdefault(session, set()).add(token)
+        self._open.open(token, call)
         self._sessions.setdefault(session.job, set()).add(session)
-        self.operations.started(waiting.spec.kind)
         self._perform(key, actions)
         return True
 
@@ -449,15 +423,9 @@ class CollectiveService(BaseService):
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
         """``node``'s links were reset: frames in flight are lost.  It is counted down (a view
-        change, or a broken sync collective) only if it has not come back, the same daemon,
-        within ``down_after``: a link that flaps under load must not split a collective."""
+        change, or a broken sync collective) only once membership says it is gone
+        (:meth:`on_suspicion`): a link that flaps under load must not split a collective."""
         self._frames.drop(node)  # the old link's frames go with it
-        if node not in self._resets:
-            self._resets[node] = (
-                now + self.host.config.down_after,
-                self._incarnation(node),
-                reason,
-            )
         for key, coll in list(self.collectives.items()):
             self._perform(key, coll.interrupted(node, reason))
         for key, held in list(self._held.items()):
@@ -470,23 +438,16 @@ class CollectiveService(BaseService):
             if kept and key in self.collectives:  # the frames behind a dead node's, still landing
                 self._replay(key, now)
 
-    def peer_up(self, node: int, now: float) -> None:
-        reset = self._resets.pop(node, None)
-        if reset is None:
-            return
-        _, incarnation, reason = reset
-        if incarnation is not None and incarnation != self._incarnation(node):
-            self._lose(node, f"{reason}; it restarted", now)  # a new daemon: the old one died
-            return
-        for key, coll in list(self.collectives.items()):
-            self._perform(key, coll.resume(node, now))
-
-    def _incarnation(self, node: int) -> int | None:
-        return admitted_incarnation(self._peers, node, self.host.now())
-
-    def _lose(self, node: int, reason: str, now: float) -> None:
-        for key, coll in list(self.collectives.items()):
-            self._perform(key, coll.lose(node, reason, now))
+    def on_suspicion(self, event: Suspicion, now: float) -> None:
+        """A member node whose links were reset is back, the same daemon (the collective runs
+        on from the next round), or gone (a view change, or a broken sync collective)."""
+        match event:
+            case NodeBack(node=node):
+                for key, coll in list(self.collectives.items()):
+                    self._perform(key, coll.resume(node, now))
+            case NodeGone(node=node, reason=reason):
+                for key, coll in list(self.collectives.items()):
+                    self._perform(key, coll.lose(node, reason, now))
 
     def on_rank_event(self, event: RankEvent, now: float) -> None:
         job = event.entry.job
@@ -504,11 +465,7 @@ class CollectiveService(BaseService):
         for key, coll in self.collectives.items():
             if key[0] == job:
                 coll.rank_back(self._live(job, coll.size))
-        waiting = [w for w in self._waiting if w.request.session.job == job]
-        if waiting:  # only this job's calls can have become ready
-            self._waiting = [w for w in self._waiting if w.request.session.job != job]
-            for item in waiting:
-                self._retry(item, now)
+        self._waiting.retry(job, lambda item: self._try(item, now))
         for key in [k for k in self._held if k[0] == job]:
             if self._held.get(key):
                 first = self._held[key][0]
@@ -525,8 +482,8 @@ class CollectiveService(BaseService):
             coll = self.collectives.pop(key)
             del self._specs[key]
             failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
-            for token in [t for t, c in self._open.items() if c.key == key]:
-                self._answer(token, failure, None)
+            for token in [t for t, c in self._open.items() if (job, c.name) == key]:
+                self._open.fail(token, failure)
             log.info(
                 "collective %r of job %r: the job ended after %d rounds",
                 key[1],
@@ -547,26 +504,17 @@ class CollectiveService(BaseService):
         for session in self._sessions.get(job, ()):
             self.host.push(session, event, {"job": job, **fields})
 
-    def _retry(self, item: _Waiting, now: float) -> None:
-        request = item.request
-        try:
-            if not self._try(item, now):
-                self._waiting.append(item)
-        except (UsageError, OperationFailed) as exc:
-            code = ErrorCode.USAGE if isinstance(exc, UsageError) else exc.code
-            self.host.fail(request.session, request.id, Failure(code=code, message=str(exc)))
-
     # -- sending ----------------------------------------------------------------------------
     def _perform(self, key: Key, actions: Iterable[Action]) -> None:
         for action in actions:
             match action:
                 case Transmit():
                     self._transmit(key, action)
-                case Deliver():
-                    self._answer(action.token, None, action)
-                case Fail():
-                    failure = Failure(code=action.code, message=action.message)
-                    self._answer(action.token, failure, None)
+                case Deliver(token=token, round=round, included=included, active=active):
+                    result = {"round": round, "included": included, "active": active}
+                    self._open.reply(token, result)
+                case Fail(token=token, code=code, message=message):
+                    self._open.fail(token, Failure(code=code, message=message))
 
     def _transmit(self, key: Key, t: Transmit, *, spec: Meta | None = None) -> None:
         """Send ``t`` as COLL frames (one, or ``chunk_size`` pieces), saying the collective's
@@ -588,56 +536,31 @@ class CollectiveService(BaseService):
             )
             self._frames.send(t.node, frame.to_meta(), payload[off : off + chunk])
 
-    def _answer(self, token: int, failure: Failure | None, done: Deliver | None) -> None:
-        call = self._open.pop(token, None)
-        if call is None:
-            return
-        tokens = self._by_session.get(call.session)
-        if tokens is not None:
-            tokens.discard(token)
-            if not tokens:
-                del self._by_session[call.session]
-        seconds = self.host.now() - call.started
-        if failure is not None:
-            self.operations.ended(call.kind, 0, seconds, str(failure.code))
-            self.host.fail(call.session, call.request, failure)
-            return
-        assert done is not None
-        self.operations.ended(call.kind, call.nbytes, seconds, None)
-        self.host.reply(
-            call.session,
-            call.request,
-            {"round": done.round, "included": done.included, "active": done.active},
-        )
-
     # -- clients, time, the drain -----------------------------------------------------------
     def client_gone(self, session: ClientSession, now: float) -> None:
-        self._waiting = [w for w in self._waiting if w.request.session is not session]
+        self._waiting.client_gone(session)
         if session.job is not None and session.job in self._sessions:
             self._sessions[session.job].discard(session)
             if not self._sessions[session.job]:
                 del self._sessions[session.job]
-        for token in self._by_session.pop(session, set()):
-            call = self._open.pop(token)
-            self.operations.abandoned(call.kind)
-            coll = self.collectives.get(call.key)
+        for token, call in self._open.abandon(session):
+            key = (str(session.job), call.name)
+            coll = self.collectives.get(key)
             if coll is not None:
-                self._perform(call.key, coll.abandon(token))
+                self._perform(key, coll.abandon(token))
 
     def next_deadline(self) -> float | None:
-        deadlines = [w.deadline for w in self._waiting]
-        deadlines += [deadline for deadline, _, _ in self._resets.values()]
-        deadlines += [h.expires for held in self._held.values() for h in held]
+        deadlines = [h.expires for held in self._held.values() for h in held]
         deadlines += [d for c in self.collectives.values() if (d := c.next_deadline()) is not None]
+        if (waiting := self._waiting.next_deadline()) is not None:
+            deadlines.append(waiting)
         return min(deadlines, default=None)
 
     def on_timer(self, now: float) -> None:
-        for node, (deadline, _, reason) in list(self._resets.items()):
-            if deadline <= now:  # not back within down_after: down
-                del self._resets[node]
-                self._lose(node, reason, now)
         for key, coll in list(self.collectives.items()):
-            self._perform(key, coll.tick(now))
+            due = coll.next_deadline()
+            if due is not None and due <= now:
+                self._perform(key, coll.on_timer(now))
         for key, held in list(self._held.items()):
             kept = [h for h in held if h.expires > now or not h.complete]  # landing: wait
             if len(kept) < len(held):  # its job never completed here: nothing can use them
@@ -650,25 +573,12 @@ class CollectiveService(BaseService):
                     self._held[key] = kept
                 else:
                     del self._held[key]
-        late = [w for w in self._waiting if w.deadline <= now]
-        self._waiting = [w for w in self._waiting if w.deadline > now]
-        for item in late:
-            session = item.request.session
-            failure = waited_too_long(
-                f"{item.spec.describe()} {item.name!r}",
-                str(session.job),
-                session.size,
-                self.membership,
-                self.host.config.route_timeout,
-            )
-            self.host.fail(session, item.request.id, failure)
+        self._waiting.expire(now)
 
     def shutdown(self, failure: Failure) -> None:
-        for token in list(self._open):
-            self._answer(token, failure, None)
-        for item in self._waiting:
-            self.host.fail(item.request.session, item.request.id, failure)
-        self._waiting = []
+        for token in [token for token, _ in self._open.items()]:
+            self._open.fail(token, failure)
+        self._waiting.shutdown(failure)
 
     def stalls(
         self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
@@ -684,11 +594,12 @@ class CollectiveService(BaseService):
         for started, token in late:
             if limit is not None and len(rows) >= limit:
                 break
-            call = self._open[token]
-            coll = self.collectives.get(call.key)
+            call = self._open.get(token)
+            assert call is not None
+            job, name = str(call.session.job), call.name
+            coll = self.collectives.get((job, name))
             if coll is None:
                 continue
-            job, name = call.key
             whose = {
                 "job": job,
                 "owner": self.membership.owner(job),
@@ -755,7 +666,7 @@ class CollectiveService(BaseService):
         }
 
     def client_statistics(self, session: ClientSession) -> Meta:
-        return {"collective_calls": len(self._by_session.get(session, ()))}
+        return {"collective_calls": self._open.count(session)}
 
     def metrics(self) -> Iterable[Metric]:
         """Totals over this node's collectives: no label names a job or a collective (their

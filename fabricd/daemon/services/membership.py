@@ -5,6 +5,10 @@ engine records it and ANNOUNCEs it to every peer, greets a peer that comes up wi
 rank, and forgets the ranks of a client that leaves or a node that goes down.  Each change is
 passed on to every service as a :data:`~fabricd.engines.membership.RankEvent` (a send waiting
 for its destination rank dispatches when the rank joins; operations with a rank that left fail).
+The ranks of a node whose links were reset are suspected for ``down_after``; the engine's
+verdicts on them and on their node (back from the same daemon, or gone) reach every service as
+:data:`~fabricd.engines.membership.Suspicion` events: the service tells the engine which
+incarnation the peers engine admitted for a node whenever the node's links or ranks change.
 
 Jobs belong to the uid that opened them (:mod:`fabricd.engines.ownership`): a ``hello`` that
 claims a rank of another user's job is refused with code ``permission`` unless a
@@ -22,19 +26,30 @@ from typing import TYPE_CHECKING
 from fabricd.daemon import access
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.service import BaseService
+from fabricd.daemon.services.jobs import refuse_while_draining
 from fabricd.daemon.sessions import parse_hello
 from fabricd.engines.actions import Broadcast, Notice, SendFrame
-from fabricd.engines.membership import Membership, RankJoined, RankLeft
-from fabricd.errors import ErrorCode, OperationFailed, PermissionDenied, UsageError
+from fabricd.engines.membership import (
+    Membership,
+    NodeBack,
+    NodeGone,
+    RankBack,
+    RankGone,
+    RankJoined,
+    RankLeft,
+    RankSuspected,
+)
+from fabricd.errors import PermissionDenied, UsageError
 from fabricd.frames import membership as membership_frames
 from fabricd.wire import PROTOCOL_VERSION, Kind, Meta
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.link.peers import PeerInfo
     from fabricd.engines.membership import Action
 
 log = logging.getLogger("fabricd.membership")
@@ -49,12 +64,19 @@ class MembershipService(BaseService):
     kinds = frozenset({Kind.ANNOUNCE})
     ops = frozenset({"hello"})
 
-    def __init__(self, host: Host) -> None:
+    def __init__(
+        self, host: Host, *, peers: Callable[[float], Iterable[PeerInfo]] | None = None
+    ) -> None:
+        """``peers``: the peers engine's view of the other nodes, whose incarnations tell a
+        node back after a reset from a new daemon (without it, every node counts as the same
+        daemon)."""
         self.host = host
+        self._peers = peers
         self.engine = Membership(
             node=host.config.node_id,
             ownership=access.ownership(host.config),
             max_ranks_per_peer=host.config.max_ranks_per_peer,
+            down_after=host.config.down_after,
         )
 
     def on_request(self, request: Request, now: float) -> Meta:
@@ -63,10 +85,7 @@ class MembershipService(BaseService):
             raise UsageError("this connection already joined a job")
         claim = parse_hello(request.meta)
         if claim is not None:
-            if self.host.draining:
-                raise OperationFailed(
-                    "the daemon is stopping; retry later", code=ErrorCode.DAEMON_STOPPING
-                )
+            refuse_while_draining(self.host)
             job, rank, size = claim
             creds = session.conn.credentials
             try:
@@ -102,13 +121,26 @@ class MembershipService(BaseService):
 
     def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
         assert isinstance(frame, membership_frames.Announce)
-        self._perform(self.engine.on_announce(node, frame))
+        self._perform(self.engine.on_announce(node, frame, self._incarnation(node, now)))
 
     def peer_up(self, node: int, now: float) -> None:
-        self._perform(self.engine.peer_up(node))  # the peer forgot our ranks in its reset
+        # the peer forgot our ranks in its reset
+        self._perform(self.engine.peer_up(node, self._incarnation(node, now)))
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
-        self._perform(self.engine.peer_down(node, reason))
+        self._perform(self.engine.peer_down(node, reason, now, self._incarnation(node, now)))
+
+    def next_deadline(self) -> float | None:
+        return self.engine.next_deadline()
+
+    def on_timer(self, now: float) -> None:
+        self._perform(self.engine.on_timer(now))
+
+    def _incarnation(self, node: int, now: float) -> int | None:
+        """The incarnation the peers engine last admitted for ``node``, if it knows one."""
+        if self._peers is None:
+            return None
+        return next((p.incarnation for p in self._peers(now) if p.node == node), None)
 
     def client_gone(self, session: ClientSession, now: float) -> None:
         if session.job is None:
@@ -147,5 +179,7 @@ class MembershipService(BaseService):
                     self.host.broadcast(frame)
                 case RankJoined() | RankLeft():
                     self.host.rank_event(action)
+                case RankSuspected() | RankBack() | RankGone() | NodeBack() | NodeGone():
+                    self.host.suspicion(action)
                 case Notice(message=message):  # ignored announcements: a peer's doing
                     remote_log.warning("ignored announcement", "%s", message)

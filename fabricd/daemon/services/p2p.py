@@ -37,6 +37,7 @@ from fabricd.daemon.datapath import copy, stream
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
+from fabricd.daemon.services.jobs import refuse_while_draining
 from fabricd.daemon.sessions import parse_transfer
 from fabricd.daemon.stalls import line, report
 from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
@@ -137,10 +138,7 @@ class P2PService(BaseService):
 
     # -- requests ---------------------------------------------------------------------------
     def on_request(self, request: Request, now: float) -> None:
-        if self.host.draining:
-            raise OperationFailed(
-                "the daemon is stopping; retry later", code=ErrorCode.DAEMON_STOPPING
-            )
+        refuse_while_draining(self.host)
         is_send = request.op == "send"
         message, region = parse_transfer(request.session, request.meta, is_send=is_send)
         early = _early(request.meta, is_send)

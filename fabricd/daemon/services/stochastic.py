@@ -20,7 +20,8 @@ while it does (``updates_skipped``), so a slow link cannot pile models up.
 
 Membership: a call waits (up to ``route_timeout``, then fails with ``no_such_rank``) until
 every rank of its job is known, so that its frames can be routed.  A rank that leaves (or
-whose node goes down) is lost to every reducer of its job here: under ``notify-ack`` its
+that membership says is gone after its node's links were reset: ``RankGone``) is lost to
+every reducer of its job here: under ``notify-ack`` its
 neighbours' calls fail with ``peer_failed``, under ``barrier`` everybody's, under ``async``
 nobody's (the engine's docstring); a local rank that leaves ends its own reducers too (a
 trainer that takes its place calls them under another name, or under ``async`` afresh).  The
@@ -45,10 +46,15 @@ from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
-from fabricd.daemon.services.jobs import admitted_incarnation, waited_too_long
+from fabricd.daemon.services.jobs import (
+    OpenCall,
+    OpenCalls,
+    WaitingForRanks,
+    refuse_while_draining,
+)
 from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.actions import Failure
-from fabricd.engines.membership import RankJoined, RankLeft
+from fabricd.engines.membership import RankBack, RankGone, RankJoined, RankLeft, RankSuspected
 from fabricd.engines.stochastic import graphs
 from fabricd.engines.stochastic.notify_ack import (
     ACK,
@@ -62,14 +68,7 @@ from fabricd.engines.stochastic.notify_ack import (
     SendUpdate,
     Sync,
 )
-from fabricd.errors import (
-    ErrorCode,
-    FabricError,
-    OperationFailed,
-    RemoteProtocolError,
-    UsageError,
-    code_of,
-)
+from fabricd.errors import ErrorCode, OperationFailed, RemoteProtocolError, UsageError
 from fabricd.frames import stochastic as stochastic_frames
 from fabricd.frames.fields import MAX_NAME
 from fabricd.frames.stochastic import MAX_SPEC_EDGES
@@ -83,8 +82,7 @@ if TYPE_CHECKING:
     from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
-    from fabricd.engines.link.peers import PeerInfo
-    from fabricd.engines.membership import Membership, RankEvent
+    from fabricd.engines.membership import Membership, RankEvent, Suspicion
     from fabricd.engines.stochastic.notify_ack import Action
 
 log = logging.getLogger("fabricd.stochastic")
@@ -92,16 +90,6 @@ remote_log = RateLimitedLog(log)
 
 Key = tuple[str, str]  #: (job, reduce name)
 RankKey = tuple[str, str, int]  #: (job, reduce name, rank)
-
-
-@dataclass(slots=True, kw_only=True)
-class _Open:
-    """A call the engine holds: whom to answer."""
-
-    session: ClientSession
-    request: int
-    started: float
-    nbytes: int
 
 
 @dataclass(slots=True, kw_only=True)
@@ -122,34 +110,24 @@ class StochasticService(BaseService):
     kinds = frozenset({Kind.UPDATE, Kind.NOTIFY, Kind.ACK})
     ops = frozenset({"stochastic_reduce"})
 
-    def __init__(
-        self,
-        host: Host,
-        *,
-        membership: Membership,
-        peers: Callable[[float], Iterable[PeerInfo]] | None = None,
-    ) -> None:
-        """``peers``: the peers engine's view of the other nodes (a node that comes back
-        after a reset is the same daemon only with the same incarnation)."""
+    def __init__(self, host: Host, *, membership: Membership) -> None:
         self.host = host
         self.membership = membership
-        self._peers = peers
-        #: ranks whose node's links were reset: (job, rank) -> (lost at, node, incarnation,
-        #: why); lost if not back from the same daemon by then
-        self._suspects: dict[tuple[str, int], tuple[float, int, int | None, str]] = {}
         self.reducers: dict[RankKey, Reducer] = {}
         self._specs: dict[Key, Meta] = {}  #: each reduce's spec, as calls and frames carry it
         self._graphs: dict[Key, graphs.Graph] = {}
         self._broken: dict[Key, str] = {}  #: reduces whose ranks called them unlike each other
-        self._open: dict[RankKey, _Open] = {}
-        self._waiting: list[_Waiting] = []
+        self.operations = OperationStats(self.name, kinds=list(SYNCS))
+        self._open: OpenCalls[RankKey] = OpenCalls(host, self.operations)
+        self._waiting: WaitingForRanks[_Waiting] = WaitingForRanks(
+            host, membership, "stochastic reduce calls", lambda w: f"stochastic reduce {w.name!r}"
+        )
         self._sessions: dict[str, set[ClientSession]] = {}  #: clients that called, per job
         self._queued: dict[tuple[str, str, int, int], int] = {}  #: updates queued per edge
         #: UPDATE frames whose payload is landing, by (node, job, name, src, dst, round), and
         #: the reducer whose slot takes it
         self._landing: dict[tuple[int, str, str, int, int, int], Reducer] = {}
         self._frames = DataQueues(host, Kind.UPDATE, sent=self._count_sent)
-        self.operations = OperationStats(self.name, kinds=list(SYNCS))
         self._counters = {
             "update_bytes_sent": 0,
             "updates_skipped": 0,  #: barrier, async: the edge's last update was still queued
@@ -161,10 +139,7 @@ class StochasticService(BaseService):
 
     # -- requests ---------------------------------------------------------------------------
     def on_request(self, request: Request, now: float) -> None:
-        if self.host.draining:
-            raise OperationFailed(
-                "the daemon is stopping; retry later", code=ErrorCode.DAEMON_STOPPING
-            )
+        refuse_while_draining(self.host)
         session = request.session
         if session.job is None:
             raise UsageError("connect with a job (fabricd.connect(job=...)) before reducing")
@@ -185,14 +160,7 @@ class StochasticService(BaseService):
             deadline=now + self.host.config.route_timeout,
         )
         if not self._try(waiting, now):
-            held = sum(1 for w in self._waiting if w.request.session is session)
-            if held >= self.host.config.max_ops_per_client:
-                raise OperationFailed(
-                    f"this client has {held} stochastic reduce calls waiting for their job's "
-                    "ranks, the most max_ops_per_client allows; start the missing ranks first",
-                    code=ErrorCode.LIMIT,
-                )
-            self._waiting.append(waiting)
+            self._waiting.add(waiting)
 
     def _parse(self, request: Request) -> tuple[Meta, np.ndarray[Any, Any], str]:
         meta, session = request.meta, request.session
@@ -241,11 +209,16 @@ class StochasticService(BaseService):
         reducer = self._reducer(key, session.rank, waiting.spec)
         if reducer is None:
             raise UsageError(self._broken[key])
-        self._open[(*key, session.rank)] = _Open(
-            session=session, request=request.id, started=now, nbytes=waiting.array.nbytes
+        call = OpenCall(
+            session=session,
+            request=request.id,
+            kind=reducer.sync.value,
+            name=waiting.name,
+            started=now,
+            nbytes=waiting.array.nbytes,
         )
+        self._open.open((*key, session.rank), call)
         self._sessions.setdefault(job, set()).add(session)
-        self.operations.started(reducer.sync.value)
         self._perform(key, session.rank, reducer.call(waiting.array, now))
         return True
 
@@ -321,7 +294,7 @@ class StochasticService(BaseService):
         self._broken[key] = message
         for rank_key in [k for k in self.reducers if k[:2] == key]:
             self.reducers.pop(rank_key).close(message)
-            self._answer(rank_key, Failure(code=ErrorCode.USAGE, message=message), None)
+            self._open.fail(rank_key, Failure(code=ErrorCode.USAGE, message=message))
 
     # -- peers ------------------------------------------------------------------------------
     def payload_buffer(
@@ -425,60 +398,45 @@ class StochasticService(BaseService):
         self._landing = {k: r for k, r in self._landing.items() if k[0] != node}
 
     def on_rank_event(self, event: RankEvent, now: float) -> None:
-        """A rank that left is lost to its job's reducers at once if its trainer went; if its
-        node's links were reset (``lost``), only once ``down_after`` passed without the same
-        daemon coming back: then each reducer sends it again what the reset may have lost
-        (:meth:`~fabricd.engines.stochastic.notify_ack.Reducer.resume`)."""
+        """A rank that left is lost to its job's reducers at once if its trainer went; one lost
+        with its node's links only once membership says it is gone (:meth:`on_suspicion`).
+        The job's clients hear ``rank_left`` either way."""
         job, rank = event.entry.job, event.entry.rank
         if isinstance(event, RankLeft):
-            node = event.entry.node
-            if event.lost and node != self.host.config.node_id:
-                deadline = now + self.host.config.down_after
-                self._suspects[(job, rank)] = (
-                    deadline,
-                    node,
-                    self._incarnation(node),
-                    event.reason,
-                )
-                for rank_key, reducer in self.reducers.items():
-                    if rank_key[0] == job:
-                        reducer.interrupted(rank)
-            else:
+            if not event.lost:
                 self._lose(job, rank, event.reason, now)
-                if node == self.host.config.node_id:
+                if event.entry.node == self.host.config.node_id:
                     self._left_here(job, rank, event.reason)
             for session in self._sessions.get(job, ()):
                 self.host.push(
                     session, "rank_left", {"job": job, "rank": rank, "reason": event.reason}
                 )
-            if self.membership.job_size(job) is None and not any(
-                key[0] == job for key in self._suspects
-            ):
+            if self.membership.job_size(job) is None and not self.membership.has_suspects(job):
                 self._forget_job(job)
             return
         assert isinstance(event, RankJoined)
-        suspect = self._suspects.pop((job, rank), None)
-        if suspect is not None:
-            _, node, incarnation, reason = suspect
-            if event.entry.node != node or incarnation != self._incarnation(node):
-                self._lose(job, rank, f"{reason}; it came back restarted", now)
-            else:
-                for rank_key, reducer in list(self.reducers.items()):
-                    if rank_key[0] == job:
-                        self._perform(rank_key[:2], rank_key[2], reducer.resume(rank))
         for rank_key, reducer in self.reducers.items():
             if rank_key[0] == job:
                 reducer.rejoined(rank)
-        waiting = [w for w in self._waiting if w.request.session.job == job]
-        if waiting:
-            self._waiting = [w for w in self._waiting if w.request.session.job != job]
-            for item in waiting:
-                try:
-                    if not self._try(item, now):
-                        self._waiting.append(item)
-                except FabricError as exc:  # a bad graph, the names' bound
-                    failure = Failure(code=code_of(exc), message=str(exc))
-                    self.host.fail(item.request.session, item.request.id, failure)
+        self._waiting.retry(job, lambda item: self._try(item, now))
+
+    def on_suspicion(self, event: Suspicion, now: float) -> None:
+        """A rank lost with its node's links: its reducers' partners wait for it
+        (suspected), send it again what the reset may have lost (back, the same daemon:
+        :meth:`~fabricd.engines.stochastic.notify_ack.Reducer.resume`), or lose it (gone)."""
+        match event:
+            case RankSuspected(entry=entry):
+                for rank_key, reducer in self.reducers.items():
+                    if rank_key[0] == entry.job:
+                        reducer.interrupted(entry.rank)
+            case RankBack(entry=entry):
+                for rank_key, reducer in list(self.reducers.items()):
+                    if rank_key[0] == entry.job:
+                        self._perform(rank_key[:2], rank_key[2], reducer.resume(entry.rank))
+            case RankGone(entry=entry, reason=reason):
+                self._lose(entry.job, entry.rank, reason, now)
+                if self.membership.job_size(entry.job) is None:
+                    self._forget_job(entry.job)
 
     def _left_here(self, job: str, rank: int, reason: str) -> None:
         """Local rank ``rank`` left: its neighbours dropped it for good, so its reducers end
@@ -502,21 +460,16 @@ class StochasticService(BaseService):
             if rank_key[0] == job:
                 self._perform(rank_key[:2], rank_key[2], reducer.lose(rank, reason, now))
 
-    def _incarnation(self, node: int) -> int | None:
-        return admitted_incarnation(self._peers, node, self.host.now())
-
     def _forget_job(self, job: str) -> None:
-        """No rank of ``job`` is known any more: its reducers go, and its ranks' suspicions
-        (one that ran out later would lose its rank to the reducers of a later job of that
-        name), so that job starts afresh."""
+        """No rank of ``job`` is known or suspected any more: its reducers go, so that a later
+        job of that name starts afresh."""
         failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
         for rank_key in [k for k in self.reducers if k[0] == job]:
             self.reducers.pop(rank_key).close(failure.message)
-            self._answer(rank_key, failure, None)
+            self._open.fail(rank_key, failure)
         for table in (self._specs, self._graphs, self._broken):
             for key in [k for k in table if k[0] == job]:
                 del table[key]
-        self._suspects = {k: s for k, s in self._suspects.items() if k[0] != job}
         self._sessions.pop(job, None)
 
     # -- sending ----------------------------------------------------------------------------
@@ -527,12 +480,12 @@ class StochasticService(BaseService):
             src, todo = work.popleft()
             for action in todo:
                 if isinstance(action, Reduced):
-                    self._answer((*key, src), None, action)
+                    self._reply((*key, src), action)
                 elif isinstance(action, Failed):
                     failure = Failure(
                         code=ErrorCode.PEER_FAILED, message=action.message, rank=action.rank
                     )
-                    self._answer((*key, src), failure, None)
+                    self._open.fail((*key, src), failure)
                 else:
                     work.extend(self._send(key, src, action))
 
@@ -599,81 +552,42 @@ class StochasticService(BaseService):
 
         return left
 
-    def _answer(self, rank_key: RankKey, failure: Failure | None, done: Reduced | None) -> None:
-        call = self._open.pop(rank_key, None)
-        if call is None:
-            return
-        reducer = self.reducers.get(rank_key)
-        sync = reducer.sync.value if reducer is not None else SYNCS[0]
-        seconds = self.host.now() - call.started
-        if failure is not None:
-            self.operations.ended(sync, 0, seconds, str(failure.code))
-            self.host.fail(call.session, call.request, failure)
-            return
-        assert done is not None
-        assert reducer is not None
-        self.operations.ended(sync, call.nbytes, seconds, None)
-        self.host.reply(
-            call.session,
-            call.request,
-            {
-                "round": done.round,
-                "inputs": done.inputs,
-                "in_degree": len(reducer.sources),
-                "torn": done.torn,
-                "stale": done.stale,
-            },
-        )
+    def _reply(self, rank_key: RankKey, done: Reduced) -> None:
+        reducer = self.reducers[rank_key]
+        result = {
+            "round": done.round,
+            "inputs": done.inputs,
+            "in_degree": len(reducer.sources),
+            "torn": done.torn,
+            "stale": done.stale,
+        }
+        self._open.reply(rank_key, result)
 
     # -- clients, time, the drain -----------------------------------------------------------
     def client_gone(self, session: ClientSession, now: float) -> None:
         """A trainer that left abandons its open call (its rank's departure, membership's
         news, tells its neighbours)."""
-        self._waiting = [w for w in self._waiting if w.request.session is not session]
+        self._waiting.client_gone(session)
         if session.job is not None and session.job in self._sessions:
             self._sessions[session.job].discard(session)
             if not self._sessions[session.job]:
                 del self._sessions[session.job]
-        for rank_key in [k for k, c in self._open.items() if c.session is session]:
-            del self._open[rank_key]
+        for rank_key, _ in self._open.abandon(session):
             reducer = self.reducers[rank_key]
-            self.operations.abandoned(reducer.sync.value)
             # its array goes with the client: the round cannot finish; a new trainer of the
             # rank must use another name (its neighbours' rounds wait for it, or failed)
             reducer.close(f"rank {rank_key[2]}'s trainer left during a call")
 
     def next_deadline(self) -> float | None:
-        deadlines = [w.deadline for w in self._waiting]
-        deadlines += [suspect[0] for suspect in self._suspects.values()]
-        return min(deadlines, default=None)
+        return self._waiting.next_deadline()
 
     def on_timer(self, now: float) -> None:
-        for (job, rank), (deadline, _, _, reason) in list(self._suspects.items()):
-            # its node did not come back within down_after (and its job was not forgotten by
-            # an earlier one in this loop)
-            if deadline <= now and self._suspects.pop((job, rank), None) is not None:
-                self._lose(job, rank, reason, now)
-                if self.membership.job_size(job) is None:
-                    self._forget_job(job)
-        late = [w for w in self._waiting if w.deadline <= now]
-        self._waiting = [w for w in self._waiting if w.deadline > now]
-        for item in late:
-            session = item.request.session
-            failure = waited_too_long(
-                f"stochastic reduce {item.name!r}",
-                str(session.job),
-                session.size,
-                self.membership,
-                self.host.config.route_timeout,
-            )
-            self.host.fail(session, item.request.id, failure)
+        self._waiting.expire(now)
 
     def shutdown(self, failure: Failure) -> None:
-        for rank_key in list(self._open):
-            self._answer(rank_key, failure, None)
-        for item in self._waiting:
-            self.host.fail(item.request.session, item.request.id, failure)
-        self._waiting = []
+        for rank_key in [rank_key for rank_key, _ in self._open.items()]:
+            self._open.fail(rank_key, failure)
+        self._waiting.shutdown(failure)
 
     def stalls(
         self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
@@ -687,8 +601,8 @@ class StochasticService(BaseService):
             if limit is not None and len(rows) >= limit:
                 break
             reducer = self.reducers.get(rank_key)
-            call = self._open[rank_key]
-            if reducer is None:
+            call = self._open.get(rank_key)
+            if reducer is None or call is None:
                 continue
             job, name, rank = rank_key
             whose = {
@@ -762,7 +676,7 @@ class StochasticService(BaseService):
         }
 
     def client_statistics(self, session: ClientSession) -> Meta:
-        return {"reduce_calls": sum(1 for c in self._open.values() if c.session is session)}
+        return {"reduce_calls": self._open.count(session)}
 
     def metrics(self) -> Iterable[Metric]:
         """Totals over this node's reducers (no job or name labels: their number has no

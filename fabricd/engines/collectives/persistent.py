@@ -508,7 +508,7 @@ class Collective:
         Partial modes go on.  A sync round may still complete: the rank may have given before
         it left (here, or on its node, which this node cannot see), or its trainer may restart
         and call.  So calls here fail only if the round has not ended ``grace`` seconds later
-        (:meth:`tick`).  A local rank that comes back starts at the current round.
+        (:meth:`on_timer`).  A local rank that comes back starts at the current round.
         """
         self.live = live
         self._grace = grace
@@ -519,7 +519,7 @@ class Collective:
 
     def _watch(self, now: float) -> None:
         """Sync: while a rank of the job is gone, the current round gets a deadline once a
-        call waits for it (:meth:`tick` fails it if the round has not ended by then)."""
+        call waits for it (:meth:`on_timer` fails it if the round has not ended by then)."""
         if self.spec.partial or self._doom is not None or len(self.live) == self.size:
             return
         if any(c.round == self.round for c in self._calls.values()):
@@ -538,10 +538,10 @@ class Collective:
             self._given.clear()
 
     def next_deadline(self) -> float | None:
-        """When :meth:`tick` must run: a rank of another node left during a sync round."""
+        """When :meth:`on_timer` must run: a rank of another node left during a sync round."""
         return self._doom[1] if self._doom is not None else None
 
-    def tick(self, now: float) -> list[Action]:
+    def on_timer(self, now: float) -> list[Action]:
         """A sync round still open ``grace`` seconds after a rank of another node left will
         not complete: its calls fail."""
         if self._doom is not None and now >= self._doom[1]:
