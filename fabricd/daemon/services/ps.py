@@ -50,15 +50,15 @@ from fabricd.engines.membership import RankJoined, RankLeft
 from fabricd.engines.ps import push as ps_push
 from fabricd.engines.ps.consistency import CONSISTENCIES, UpdateRule, update_rule
 from fabricd.engines.ps.filters import DTYPES, FilterSettings
-from fabricd.engines.ps.node import (
+from fabricd.engines.ps.messages import describe
+from fabricd.engines.ps.models import (
     CallDone,
     EpochMoved,
     Log,
-    PSNode,
     SendData,
     StepShard,
-    describe,
 )
+from fabricd.engines.ps.node import PSNode
 from fabricd.engines.ps.storage import HEADER as PULL_HEADER
 from fabricd.engines.ps.worker import shard_bounds
 from fabricd.errors import ErrorCode, OperationFailed, RemoteProtocolError, UsageError
@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.membership import Membership, RankEntry, RankEvent
-    from fabricd.engines.ps.node import Action, Key
+    from fabricd.engines.ps.models import Action, Key
 
 log = logging.getLogger("fabricd.ps")
 remote_log = RateLimitedLog(log)

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from fabricd.daemon.service import Host
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.membership import Membership
-    from fabricd.engines.ps.node import Key, Model, PSNode
+    from fabricd.engines.ps.models import Key, Model
+    from fabricd.engines.ps.node import PSNode
     from fabricd.engines.ps.server import ShardServer, ShardStatistics
     from fabricd.engines.ps.worker import Worker, WorkerStatistics
     from fabricd.wire import Meta

@@ -39,38 +39,38 @@ shard server's):
 Suspicion is an input: :meth:`PSNode.rank_suspected`, :meth:`PSNode.rank_joined` (back) and
 :meth:`PSNode.rank_gone`; the engine keeps no timer of its own for it.
 
-Actions: :class:`~fabricd.engines.actions.SendFrame` (control link) and
-:class:`~fabricd.engines.actions.Complete` (a flush) are the shared ones.  The rest are this
-engine's, because the shared vocabulary has no payload, no result and no client event:
-:class:`SendData` (a frame and its payload on the data link), :class:`CallDone` (a worker's
-call answered with a result or failed), :class:`EpochMoved` (a worker's client hears
-``ps_epoch``), :class:`StepShard` (the update callback's buffer and event) and :class:`Log`
-(a line at a given level, optionally rate limited: a peer's stray frames must not flood it).
+Actions: the shared :class:`~fabricd.engines.actions.SendFrame` (control link) and
+:class:`~fabricd.engines.actions.Complete` (a flush), and this engine's own
+(:mod:`fabricd.engines.ps.models` says why each is needed); the frames are built by
+:mod:`fabricd.engines.ps.messages`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import Complete, Failure, SendFrame
-from fabricd.engines.ps import routing
+from fabricd.engines.ps import messages, routing
 from fabricd.engines.ps.consistency import Consistency
-from fabricd.engines.ps.routing import Early, EarlyFrames, HeldFrames, pair, partner, serving
+from fabricd.engines.ps.models import (
+    CallDone,
+    EpochMoved,
+    Log,
+    Model,
+    SendData,
+    StepShard,
+    WorkerSide,
+)
+from fabricd.engines.ps.routing import Early, EarlyFrames, HeldFrames, pair
 from fabricd.engines.ps.server import (
     FLUSH,
     LOSE,
     PUSH,
-    Acked,
-    Answer,
     Entry,
     Forward,
     Logged,
-    Refuse,
     ShardServer,
     Snapshot,
     Step,
@@ -78,7 +78,6 @@ from fabricd.engines.ps.server import (
 from fabricd.engines.ps.worker import PullDone, PullFailed, PushDone, SendPull, SendPush, Worker
 from fabricd.errors import ErrorCode, RemoteProtocolError, UsageError
 from fabricd.frames import ps as ps_frames
-from fabricd.frames.ps import MAX_PS_REASON
 from fabricd.wire import Kind
 
 if TYPE_CHECKING:
@@ -87,109 +86,14 @@ if TYPE_CHECKING:
     from fabricd import frames
     from fabricd.engines.ps.consistency import UpdateRule
     from fabricd.engines.ps.filters import FilterSettings
+    from fabricd.engines.ps.models import Action, Array, Key
     from fabricd.engines.ps.routing import Ranks
     from fabricd.engines.ps.server import Action as ServerAction
     from fabricd.engines.ps.worker import Action as WorkerAction
     from fabricd.wire import Meta
 
-Array = np.ndarray[Any, Any]
-Key = tuple[str, str]  #: (job, model name)
 #: the kinds that travel on the data link, with their payload
 DATA_KINDS = frozenset({Kind.PUSH, Kind.PULLED, Kind.REPLICATE})
-
-
-# -- actions ------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendData:
-    """Send ``frame`` and ``payload`` to ``node`` on the data link."""
-
-    node: int
-    frame: frames.PeerFrame
-    payload: bytes
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CallDone:
-    """Local worker ``rank``'s push or pull of ``key`` is answered: ``result``, or
-    ``failure`` (the service answers the call if one is open)."""
-
-    key: Key
-    rank: int
-    result: Meta | None = None
-    failure: Failure | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EpochMoved:
-    """Tell local worker ``rank``'s client that ``shard`` is served by ``server`` at
-    ``epoch`` (``ps_epoch``)."""
-
-    key: Key
-    rank: int
-    shard: int
-    epoch: int
-    server: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StepShard:
-    """Hand the shard's process the update callback's ``step`` (its buffer, then ``ps_step``)."""
-
-    key: Key
-    shard: int
-    step: Step
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Log:
-    """A line for the operator at ``level``; with ``topic``, rate limited by it."""
-
-    level: int
-    message: str
-    topic: str | None = None
-
-
-Action = SendFrame | SendData | Complete | CallDone | EpochMoved | StepShard | Log
-
-
-# -- state --------------------------------------------------------------------------------
-@dataclass(slots=True, kw_only=True)
-class WorkerSide:
-    """A local worker rank of a model, and the array its pull lands in."""
-
-    engine: Worker
-    out: Array | None = None
-
-
-@dataclass(slots=True, kw_only=True)
-class Model:
-    """One model as this daemon knows it."""
-
-    spec: Meta
-    bounds: list[tuple[int, int]]
-    workers: tuple[int, ...]
-    servers: dict[int, ShardServer] = field(default_factory=dict)  #: local shards
-    ranks: dict[int, int] = field(default_factory=dict)  #: their ranks
-    local_workers: dict[int, WorkerSide] = field(default_factory=dict)
-    epochs: dict[int, int] = field(default_factory=dict)  #: shard -> epoch, as workers see it
-    failed: dict[int, str] = field(default_factory=dict)  #: shards nobody serves any more
-    #: shards whose local rank, without state, answered its partner's JOIN with its own since
-    #: it last asked of itself: it answers one, so two partners without state stop there
-    answered: set[int] = field(default_factory=set)
-    #: shards opened here as primary at epoch 0 while their partner was there: served only
-    #: once the partner answered (with a later epoch's state, this rank came back after a
-    #: failover, and serving the initial model would take the workers' versions back)
-    tentative: set[int] = field(default_factory=set)
-    #: flushes answered once processed: op -> shard -> (its flush's log index, the epoch then)
-    flushes: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
-
-    def target(self, shard: int) -> int:
-        """The rank serving ``shard`` at the epoch this daemon knows."""
-        return serving(self.spec, shard, self.epochs.get(shard, 0))
-
-    def partner(self, shard: int, rank: int) -> int | None:
-        return partner(self.spec, shard, rank)
 
 
 class PSNode:
@@ -389,25 +293,10 @@ class PSNode:
         epochs = side.engine.epochs
         for action in actions:
             if isinstance(action, SendPush | SendPull):
-                shard = action.shard
-                to = self._serving(job, model, shard)
-                fields: dict[str, Any] = {
-                    "job": job,
-                    "name": name,
-                    "shard": shard,
-                    "server": to,
-                    "worker": rank,
-                    "epoch": epochs[shard],
-                    "spec": model.spec,
-                }
-                if isinstance(action, SendPush):
-                    frame: frames.PeerFrame = ps_frames.Push(
-                        **fields, iteration=action.iteration, base=action.base
-                    )
-                    self._send(job, to, frame, bytes(action.payload))
-                else:
-                    frame = ps_frames.Pull(**fields, clock=action.clock, since=action.since)
-                    self._send(job, to, frame)
+                to = self._serving(job, model, action.shard)
+                epoch = epochs[action.shard]
+                frame, payload = messages.to_server(key, model.spec, rank, to, epoch, action)
+                self._send(job, to, frame, payload)
             elif isinstance(action, PushDone | PullDone):
                 if isinstance(action, PullDone):
                     side.out = None
@@ -499,12 +388,9 @@ class PSNode:
         server = None if model is None else model.servers.get(shard)
         if model is None or server is None:
             return
-        job, name = key
+        job = key[0]
         me = model.ranks[shard]
         other = model.partner(shard, me)
-        #: what every answer to a worker says of where it comes from
-        to_worker: Meta = {"job": job, "name": name, "shard": shard, "server": me}
-        to_worker["epoch"] = server.epoch
         for action in actions:
             if isinstance(action, Forward | Snapshot):
                 assert other is not None
@@ -514,38 +400,10 @@ class PSNode:
                 self._out.append(StepShard(key=key, shard=shard, step=action))
             elif isinstance(action, Logged):
                 assert other is not None
-                replicated = ps_frames.Replicated(
-                    job=job, name=name, shard=shard, server=other, replica=me, index=action.index
-                )
-                self._send(job, other, replicated)
-            elif isinstance(action, Acked):
-                pushed = ps_frames.Pushed(
-                    **to_worker,
-                    worker=action.worker,
-                    iteration=action.iteration,
-                    version=action.version,
-                    dropped=_text(action.dropped),
-                )
-                self._send(job, action.worker, pushed)
-            elif isinstance(action, Answer):
-                answer = ps_frames.Pulled(
-                    **to_worker,
-                    worker=action.worker,
-                    clock=action.clock,
-                    version=action.version,
-                    error=None,
-                )
-                self._send(job, action.worker, answer, bytes(action.data))
+                self._send(job, other, messages.confirmation(key, shard, me, other, action))
             else:
-                assert isinstance(action, Refuse)
-                refusal = ps_frames.Pulled(
-                    **to_worker,
-                    worker=action.worker,
-                    clock=action.clock,
-                    version=server.version,
-                    error=_text(action.reason),
-                )
-                self._send(job, action.worker, refusal)
+                frame, payload = messages.to_worker(key, shard, me, server, action)
+                self._send(job, action.worker, frame, payload)
         if model.flushes:
             self._flushed(model)
 
@@ -554,39 +412,19 @@ class PSNode:
     ) -> bool:
         """Send the partner an entry or the snapshot; ``False``: a snapshot too large for a
         frame, and the shard goes on unreplicated."""
-        if isinstance(action, Forward):
-            entry = action.entry
-            index, kind, payload = entry.index, entry.kind, entry.payload
-            fields = (entry.worker, entry.iteration, entry.base, _text(entry.reason))
-        else:
-            index, kind, payload = action.index, "snapshot", action.data
-            fields = (0, 0, 0, None)
-            if len(payload) > self.max_payload:
-                self._log(
-                    logging.ERROR,
-                    f"parameter server {key[1]!r} shard {shard}: a snapshot of {len(payload)} B "
-                    f"is more than max_payload ({self.max_payload} B) allows: rank {other} "
-                    "cannot follow this shard, which goes on unreplicated (raise max_payload, "
-                    "or use more servers)",
-                )
-                server = self.models[key].servers[shard]
-                self._server(key, shard, server.replica_lost(self._now))
-                return False
-        frame = ps_frames.Replicate(
-            job=key[0],
-            name=key[1],
-            shard=shard,
-            server=me,
-            replica=other,
-            index=index,
-            entry=kind,
-            worker=fields[0],
-            iteration=fields[1],
-            base=fields[2],
-            reason=fields[3],
-            spec=self.models[key].spec,
-        )
-        self._send(key[0], other, frame, bytes(payload))
+        if isinstance(action, Snapshot) and len(action.data) > self.max_payload:
+            self._log(
+                logging.ERROR,
+                f"parameter server {key[1]!r} shard {shard}: a snapshot of {len(action.data)} B "
+                f"is more than max_payload ({self.max_payload} B) allows: rank {other} "
+                "cannot follow this shard, which goes on unreplicated (raise max_payload, "
+                "or use more servers)",
+            )
+            server = self.models[key].servers[shard]
+            self._server(key, shard, server.replica_lost(self._now))
+            return False
+        frame, payload = messages.to_partner(key, self.models[key].spec, shard, me, other, action)
+        self._send(key[0], other, frame, payload)
         return True
 
     def _join(self, key: Key, shard: int) -> None:
@@ -597,15 +435,8 @@ class PSNode:
         other = model.partner(shard, rank)
         if other is None:
             return
-        join = ps_frames.Join(
-            job=key[0],
-            name=key[1],
-            shard=shard,
-            server=other,
-            replica=rank,
-            epoch=model.servers[shard].epoch,
-            spec=model.spec,
-        )
+        epoch = model.servers[shard].epoch
+        join = messages.join(key, model.spec, shard, rank, other, epoch)
         self._send(key[0], other, join)
 
     # -- moving frames -----------------------------------------------------------------------
@@ -714,8 +545,8 @@ class PSNode:
             return
         if model.spec != frame.spec:
             why = (
-                f"the worker opened it as {describe(frame.spec)}, the server as "
-                f"{describe(model.spec)}"
+                f"the worker opened it as {messages.describe(frame.spec)}, the server as "
+                f"{messages.describe(model.spec)}"
             )
             self._refuse(key, frame, why)
             return
@@ -733,7 +564,7 @@ class PSNode:
             # a worker's daemon behind this rank's epoch (it opened the model after a
             # failover it never heard of) is told the epoch: it moves to the rank serving it
             later = server.epoch if server.has_state and server.epoch > frame.epoch else None
-            self._refuse(key, frame, _why_not_serving(server, frame.epoch), epoch=later)
+            self._refuse(key, frame, messages.why_not_serving(server, frame.epoch), epoch=later)
             return
         if isinstance(frame, ps_frames.Push):
             actions = server.push(frame.worker, frame.iteration, frame.base, payload, now)
@@ -759,23 +590,9 @@ class PSNode:
         *,
         epoch: int | None = None,
     ) -> None:
-        """Answer ``frame`` with ``why`` (a push as not applied, a pull as failed); ``epoch``:
-        the shard's later epoch, which moves the worker's daemon to the rank serving it."""
-        common: Meta = {
-            "job": key[0],
-            "name": key[1],
-            "shard": frame.shard,
-            "server": frame.server,
-            "worker": frame.worker,
-            "epoch": frame.epoch if epoch is None else epoch,
-        }
-        if isinstance(frame, ps_frames.Push):
-            reply: frames.PeerFrame = ps_frames.Pushed(
-                **common, iteration=frame.iteration, version=0, dropped=_text(why)
-            )
-        else:
-            reply = ps_frames.Pulled(**common, clock=frame.clock, version=0, error=_text(why))
-        self._send(key[0], frame.worker, reply)
+        """Answer ``frame`` with ``why``; ``epoch``: the shard's later epoch, which moves the
+        worker's daemon to the rank serving it."""
+        self._send(key[0], frame.worker, messages.refusal(key, frame, why, epoch))
 
     def _at_worker(self, frame: ps_frames.Pushed | ps_frames.Pulled, payload: bytes) -> None:
         key = (frame.job, frame.name)
@@ -1108,40 +925,3 @@ def _resync(server: ShardServer) -> list[ServerAction]:
     partner that kept its own (its process lived on) would otherwise stay behind for good, and
     be promoted so if the primary then died."""
     return list(server.unconfirmed()) if server.synced else server.joined()
-
-
-def _why_not_serving(server: ShardServer, epoch: int) -> str:
-    if not server.has_state:
-        return (
-            "the shard's state is lost: this rank came back (or opened) after its partner "
-            "served the shard, and the partner went before sending it the state"
-        )
-    if epoch > server.epoch:
-        return (
-            f"the shard's state is lost: its workers are at epoch {epoch}, but this rank "
-            f"holds epoch {server.epoch} (it restarted after every copy of the shard went)"
-        )
-    role = "serves" if server.primary else "follows its partner"
-    return (
-        f"this rank {role} the shard at epoch {server.epoch}; the worker's daemon is at "
-        f"epoch {epoch}"
-    )
-
-
-def _text(why: str | None) -> str | None:
-    """A reason as a frame carries it: 1 to ``MAX_PS_REASON`` characters (or none)."""
-    if why is None:
-        return None
-    return (why or "no reason given")[:MAX_PS_REASON]
-
-
-def describe(spec: Meta) -> str:
-    """A model's spec in words."""
-    return (
-        f"{spec['size']} x {spec['dtype']} on servers {spec['servers']}"
-        + (f" (replicas {spec['replicas']})" if spec["replicas"] else "")
-        + f", {spec['consistency']}"
-        + (f"({spec['staleness']})" if spec["consistency"] == "ssp" else "")
-        + (f", tau_max {spec['delay_bound']}" if spec["delay_bound"] is not None else "")
-        + (f", chunks of {spec['chunk']}" if spec["chunk"] != 1 else "")
-    )
