@@ -114,6 +114,9 @@ class Model:
     #: once the partner answered (with a later epoch's state, this rank came back after a
     #: failover, and serving the initial model would take the workers' versions back)
     tentative: set[int] = field(default_factory=set)
+    #: workers this daemon heard are gone while it followed a shard's primary: lost to the
+    #: shard if it is promoted (the primary's LOSE entry may have died with it)
+    gone: set[int] = field(default_factory=set)
     #: flushes answered once processed: op -> shard -> (its flush's log index, the epoch then)
     flushes: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
 

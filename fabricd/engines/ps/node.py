@@ -763,6 +763,9 @@ class PSNode:
         :meth:`peer_up` could not tell it was there."""
         self._begin(now)
         self.suspects.discard((job, rank))
+        for key, model in self.models.items():
+            if key[0] == job:
+                model.gone.discard(rank)
         entry = self.ranks.lookup(job, rank)
         if entry is not None and (entry.node == self.node or self.ranks.reachable(entry.node)):
             self._send_again(lambda j, r: (j, r) == (job, rank), rejoin=True)
@@ -793,10 +796,12 @@ class PSNode:
                 other = model.partner(shard, model.ranks[shard])
                 if other is None or not reached(job, other):
                     continue
-                if server.primary:
+                if server.primary and shard not in model.tentative:
                     self._server(key, shard, _resync(server))
-                elif rejoin or not server.has_state:
-                    self._join(key, shard)  # the JOIN may have gone with the old links
+                elif rejoin or not server.has_state or shard in model.tentative:
+                    # the JOIN may have gone with the old links (a tentative primary still
+                    # waits for its partner's answer: it has nothing to send it)
+                    self._join(key, shard)
 
     def rank_gone(self, job: str, rank: int, reason: str, now: float) -> list[Action]:
         """Rank ``rank`` of ``job`` is gone for good: lose it as a worker, replace it as a
@@ -816,6 +821,7 @@ class PSNode:
 
     def _lose(self, key: Key, model: Model, rank: int, reason: str, now: float) -> None:
         if rank in model.workers:
+            model.gone.add(rank)
             for shard, server in model.servers.items():
                 if server.primary:
                     self._server(key, shard, server.lose(rank, reason, now))
@@ -880,9 +886,10 @@ class PSNode:
             f"{server.epoch} ({reason})",
         )
         for worker in model.workers:
-            # a suspect is lost by rank_gone in time, and a worker that never pushed may not
-            # have started yet
-            if (
+            # one this daemon heard is gone is lost (its primary's LOSE entry may have gone
+            # with it); a suspect is lost by rank_gone in time, and a worker not known that
+            # never pushed may not have started yet
+            if worker in model.gone or (
                 self.ranks.lookup(key[0], worker) is None
                 and (key[0], worker) not in self.suspects
                 and server.coordinator.clock(worker) > 0
