@@ -213,7 +213,7 @@ class Fabric:
             table.nodes[rank] = rank
         for r, node in list(self.nodes.items()):
             if r != rank:
-                self._perform(r, node.rank_joined(JOB, rank, self.now))
+                self._perform(r, node.rank_joined(JOB, rank, rank, self.now))
 
     def _gone(self, rank: int, reason: str) -> None:
         """Rank ``rank`` is gone: every other node forgets it and hears so."""
@@ -323,7 +323,7 @@ class Fabric:
             self._perform(here, self.nodes[here].peer_up(there, self.now))
         for here, there in ((a, b), (b, a)):
             self.nodes[here].ranks.nodes[there] = there  # type: ignore[attr-defined]
-            self._perform(here, self.nodes[here].rank_joined(JOB, there, self.now))
+            self._perform(here, self.nodes[here].rank_joined(JOB, there, there, self.now))
 
     def join(self, s: int) -> None:
         """Shard ``s``'s late replica opens it (and joins its primary)."""

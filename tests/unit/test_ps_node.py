@@ -131,7 +131,7 @@ def test_a_frame_for_a_suspected_rank_is_held_until_it_is_back() -> None:
     daemon.rank_suspected(JOB, SERVER)
     assert sent(push(daemon)) == []  # held: the suspect may come back
     table.nodes[SERVER] = SERVER
-    again = sent(daemon.rank_joined(JOB, SERVER, 1.0))
+    again = sent(daemon.rank_joined(JOB, SERVER, SERVER, 1.0))
     # the held push and the one in flight sent again: the server recognises the second
     assert [(to, f.KIND, f.iteration) for to, f in again] == [(SERVER, Kind.PUSH, 0)] * 2
 
@@ -294,9 +294,9 @@ def test_a_rank_back_from_a_reset_is_sent_what_is_in_flight_to_it() -> None:
     daemon = worker(table)
     push(daemon)
     daemon.pull(KEY, WORKER, np.zeros(SIZE), fresh=True, now=0.0)
-    kinds = [f.KIND for _, f in sent(daemon.rank_joined(JOB, SERVER, 1.0))]
+    kinds = [f.KIND for _, f in sent(daemon.rank_joined(JOB, SERVER, SERVER, 1.0))]
     assert kinds == [Kind.PUSH, Kind.PULL]
-    assert sent(daemon.rank_joined(JOB, REPLICA, 1.0)) == []  # nothing in flight to it
+    assert sent(daemon.rank_joined(JOB, REPLICA, REPLICA, 1.0)) == []  # nothing in flight to it
 
 
 def test_a_late_workers_daemon_is_told_the_shards_epoch_and_moves_there() -> None:

@@ -513,7 +513,7 @@ class PSService(BaseService):
         job, rank = event.entry.job, event.entry.rank
         if isinstance(event, RankJoined):
             self._suspicions.cancel((job, rank))
-            self._perform(self.engine.rank_joined(job, rank, now))
+            self._perform(self.engine.rank_joined(job, rank, event.entry.node, now))
             return
         assert isinstance(event, RankLeft)
         if event.lost and event.entry.node != self.host.config.node_id:

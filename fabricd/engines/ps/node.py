@@ -756,8 +756,9 @@ class PSNode:
         self._send_again(on_node, rejoin=False)
         return self._done()
 
-    def rank_joined(self, job: str, rank: int, now: float) -> list[Action]:
-        """Rank ``rank`` of ``job`` is known (first seen, or back): it is no longer suspected,
+    def rank_joined(self, job: str, rank: int, node: int, now: float) -> list[Action]:
+        """Rank ``rank`` of ``job`` is known on ``node`` (first seen, or back): it is no
+        longer suspected,
         and what waits for it goes now, unless its node's links are not all up yet (then
         :meth:`peer_up` sends it).  A peer forgets the ranks of a node it reset, so
         :meth:`peer_up` could not tell it was there."""
@@ -766,8 +767,7 @@ class PSNode:
         for key, model in self.models.items():
             if key[0] == job:
                 model.gone.discard(rank)
-        entry = self.ranks.lookup(job, rank)
-        if entry is not None and (entry.node == self.node or self.ranks.reachable(entry.node)):
+        if node == self.node or self.ranks.reachable(node):
             self._send_again(lambda j, r: (j, r) == (job, rank), rejoin=True)
         return self._done()
 
