@@ -247,15 +247,20 @@ def test_the_serving_rank_gone_moves_the_workers_to_its_partner_one_epoch_later(
     assert daemon.counters["ps_failovers"] == 1
 
 
-def test_a_replica_with_the_state_is_promoted_when_its_primary_is_gone() -> None:
-    table = Table()
-    primary, replica = node(SERVER, table), node(REPLICA, table)
+def synced(primary: PSNode, replica: PSNode) -> None:
+    """Open the shard on both, and deliver the JOINs, the snapshot and the confirmations."""
     daemons = {SERVER: primary, REPLICA: replica}
     pending = [(SERVER, *f) for f in wire(shard(primary, SERVER))]
     pending += [(REPLICA, *f) for f in wire(shard(replica, REPLICA))]
-    while pending:  # deliver the JOINs, the snapshot and the confirmations, in order
+    while pending:
         src, dst, frame, payload = pending.pop(0)
         pending += [(dst, *f) for f in wire(daemons[dst].on_frame(src, frame, payload, 0.0))]
+
+
+def test_a_replica_with_the_state_is_promoted_when_its_primary_is_gone() -> None:
+    table = Table()
+    primary, replica = node(SERVER, table), node(REPLICA, table)
+    synced(primary, replica)
     follower = replica.models[KEY].servers[0]
     assert follower.has_state
     assert not follower.primary
@@ -263,6 +268,33 @@ def test_a_replica_with_the_state_is_promoted_when_its_primary_is_gone() -> None
     actions = replica.rank_gone(JOB, SERVER, "it left", 1.0)
     assert (follower.primary, follower.epoch) == (True, 1)
     assert any(isinstance(a, Log) and "promoted" in a.message for a in actions)
+
+
+def test_a_promoted_replica_loses_a_worker_its_daemon_heard_was_gone() -> None:
+    """Even one that never pushed: the primary's LOSE entry died with it, and BSP would wait
+    for the worker for ever."""
+    table = Table()
+    primary, replica = node(SERVER, table), node(REPLICA, table)
+    synced(primary, replica)
+    follower = replica.models[KEY].servers[0]
+    del table.nodes[WORKER]
+    replica.rank_gone(JOB, WORKER, "it left", 1.0)  # a follower loses nobody itself
+    assert WORKER in follower.coordinator.live
+    del table.nodes[SERVER]
+    replica.rank_gone(JOB, SERVER, "it left", 2.0)
+    assert follower.primary
+    assert WORKER not in follower.coordinator.live
+
+
+def test_a_tentative_primary_joins_its_partner_again_when_the_partner_is_back() -> None:
+    """A rank back after a failover opens as a tentative primary and JOINs its partner; if
+    the JOIN went with a reset, it asks again, rather than send its initial state."""
+    table = Table()
+    primary = node(SERVER, table)
+    [(to, join)] = sent(shard(primary, SERVER))  # its JOIN, lost
+    assert (to, join.KIND) == (REPLICA, Kind.JOIN)
+    again = sent(primary.rank_joined(JOB, REPLICA, REPLICA, 1.0))
+    assert [(to, f.KIND) for to, f in again] == [(REPLICA, Kind.JOIN)]
 
 
 def test_a_shard_without_a_replica_fails_its_workers_calls_when_its_server_is_gone() -> None:
