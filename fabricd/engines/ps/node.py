@@ -1,6 +1,6 @@
-"""One daemon's parameter-server models: every decision the ``ps`` service used to take
-itself -- where a frame goes, which frame waits, which epoch a shard is at, who serves it after
-a rank left, and what is sent again after a reset or a rank's return.
+"""One daemon's parameter-server models and every decision about them: where a frame goes,
+which frame waits, which epoch a shard is at, who serves it after a rank left, and what is sent
+again after a reset or a rank's return.
 
 Rules: :class:`PSNode` owns the models opened on one daemon: per model its spec, the shards
 served here (:class:`~fabricd.engines.ps.server.ShardServer`), the local workers
@@ -26,18 +26,27 @@ shard server's):
   refused with the later epoch and moves there (:class:`EpochMoved`, resending what is in
   flight); a rank that opens with no state of its own joins its partner (JOIN), which sends it
   the shard's state (a snapshot), and one that opened as primary at epoch 0 while its partner
-  was there is *tentative* until the partner answered.
+  was there is *tentative* until the partner answered (it asks again after a reset: it has
+  nothing of its own to send).
 * *Failover and promotion.*  When the rank serving a shard is gone, its partner serves from the
   next epoch: if it is here, it is promoted (:meth:`ShardServer.promote`), and workers gone
-  meanwhile are lost to it; a shard with no partner, or whose partner is gone or has no state,
-  fails its workers' calls (``peer_failed``).
+  meanwhile are lost to it (those this daemon heard are gone, whose LOSE entry may have died
+  with the primary, and those not known that pushed); a shard with no partner, or whose
+  partner is gone or has no state, fails its workers' calls (``peer_failed``).
 * *Sending again.*  After a reset TCP cannot say what the peer processed: once a rank is
   reachable again it is sent what was held for it, the pushes and pulls in flight to it, a
   primary's unconfirmed entries (or its whole state, if it went on without the partner), and a
   replica's JOIN.
+* *Senders.*  A server's, replica's or partner's frame counts only from the node its rank
+  lives on, and a worker's frame naming a rank of another node is never taken as that rank's:
+  both are dropped and counted (a rogue node could otherwise forge entries, confirmations or
+  acknowledgements).
 
 Suspicion is an input: :meth:`PSNode.rank_suspected`, :meth:`PSNode.rank_joined` (back) and
-:meth:`PSNode.rank_gone`; the engine keeps no timer of its own for it.
+:meth:`PSNode.rank_gone`; the engine keeps no timer of its own for it (the service decides
+when a suspect is gone).  Its only deadlines are the early frames', in the routing module's
+:class:`~fabricd.engines.deadlines.Deadlines` heap (:meth:`PSNode.next_deadline`,
+:meth:`PSNode.on_timer`).
 
 Actions: the shared :class:`~fabricd.engines.actions.SendFrame` (control link) and
 :class:`~fabricd.engines.actions.Complete` (a flush), and this engine's own
