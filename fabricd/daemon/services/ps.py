@@ -1,34 +1,23 @@
-"""The parameter-server service: ``ps_open``, ``ps_push`` and ``ps_pull`` requests, and the
-PUSH, PULL, PUSHED, PULLED, REPLICATE and REPLICATED frames.
+"""The parameter-server service: ``ps_open``, ``ps_push``, ``ps_pull``, ``ps_stepped`` and
+``ps_flush`` requests, and the PUSH, PULL, PUSHED, PULLED, REPLICATE, REPLICATED and JOIN frames.
 
-Drives :mod:`fabricd.engines.ps.worker` (one :class:`~fabricd.engines.ps.worker.Worker` per
-local worker rank of a model) and :mod:`fabricd.engines.ps.server` (one
-:class:`~fabricd.engines.ps.server.ShardServer` per local server or replica rank).  A model is
-named by (job, name); every rank of the job opens it with the same *spec* (size, dtype, the
-server ranks, one per key-range shard, and their replica ranks, consistency, staleness, delay
-bound, chunk); the job's other ranks are its workers.
+Drives :class:`~fabricd.engines.ps.node.PSNode`, which takes every decision (routing to the
+serving rank, held and early frames, epochs, failover and promotion, what is sent again): this
+service parses and checks requests (the spec, the initial model, the arrays and the update
+callback's step buffer in the client's segments, the update rule), lands payloads, and performs
+what the engine returns -- data frames through :mod:`~fabricd.daemon.services.data_queues`,
+control frames on the control link, replies, ``ps_epoch`` and ``ps_step`` events, log lines.
+Status rows, stall rows and metrics are :mod:`~fabricd.daemon.services.ps_status`'s.
 
-The data plane: a push travels to each shard's server as one PUSH frame on the data link (the
-filtered update, :mod:`fabricd.engines.ps.push`), a pull as a PULL on the control link, its
-answer as a PULLED on the data link (the changed parameters, :mod:`fabricd.engines.ps.storage`),
-applied by the worker's daemon straight into the worker's array (its cache); the ack of a
-processed push is a PUSHED on the control link.  A primary forwards each entry to its replica
-as a REPLICATE (data) and processes it once the replica's REPLICATED says it is logged.
-Between ranks of one node the frames are handed over in memory, in the same order.
+A model is named by (job, name); every rank of the job opens it with the same *spec* (size,
+dtype, the server ranks, one per key-range shard, and their replica ranks, consistency,
+staleness, delay bound, chunk); the job's other ranks are its workers.  A server's state lives
+as long as its process: the shard's process is its owner, and its leaving closes the shard.
 
-Faults: after a reset of a peer's links every unacknowledged push, unanswered pull and
-unconfirmed replication entry to it is sent again, and the servers recognise what they took
-already (exactly once: ``fabricd.engines.ps.server``).  A server rank that leaves (its process
-ended, or its node was down longer than ``down_after``) is replaced by its replica, one epoch
-later: local workers send the replica what is in flight, their clients hear ``ps_epoch``; a
-shard with no replica fails its workers' calls with ``peer_failed``.  A worker that leaves is
-lost to the model's coordinators (BSP and SSP stop waiting for it).  A server's state lives as
-long as its process: the shard's process is its owner.
-
-Frames for a model whose server has not opened it yet are held (at most ``_MAX_EARLY``): a
-pull for ``route_timeout``, then answered with an error; a push until the server opens it, or
-its worker or that server rank is gone (answered as dropped, its worker's clock would run
-ahead of the server's).
+Suspicion: membership says a rank left; one lost with its remote node's links is *suspected*
+(:meth:`PSNode.rank_suspected`) and counts as gone once ``down_after`` passed without it
+coming back (:meth:`PSService.on_timer`).  That one source lives in :meth:`on_rank_event` and
+:meth:`on_timer` (``_suspicions``), so it can be replaced by membership's own news.
 """
 
 from __future__ import annotations
