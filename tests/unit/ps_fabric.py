@@ -1,23 +1,25 @@
-"""An in-process parameter-server fabric for the ps engine tests: :class:`Worker` engines and
-:class:`ShardServer` engines (a primary per shard, and a replica if asked) wired together by
-FIFO links that the test drives one frame at a time, without sockets.
+"""An in-process parameter-server fabric for the ps engine tests: one
+:class:`~fabricd.engines.ps.node.PSNode` engine per rank, each on its own simulated daemon,
+wired by FIFO links that the test drives one frame at a time, without sockets.
 
-The links are the ``ps`` service's: per worker and shard, pushes on a data link and pulls on a
-control link to the server, acknowledgements on a control link and pull answers (and refusals)
-on a data link back; per shard, the replica's snapshot (it joins at the start) and entries on a
-data link to the replica and confirmations on a control link back; and, with ``callback``, each
-server's :class:`~ps_server.Step` events to its own process, which adds the update to the model
-(the sum rule, run outside the engine) and answers :meth:`ShardServer.stepped` in order. A test
-may deliver any link's next frame (once or twice), reset the links between a worker and a shard
-(what is in flight is lost, and :meth:`Worker.resend` sends what it must again, as the service
-does on ``peer_up``), reset the links to a replica (the primary sends
-:meth:`ShardServer.unconfirmed` again), make a worker resend at any time, kill a primary (its
-links and unconfirmed entries are lost, the replica is promoted, every worker fails over;
-workers lost before are lost to the promoted replica too, as the service does), bring a fresh
-replica to the promoted one (it joins: a snapshot of whatever is processed then), make a late
-replica join (``late_join``: the primary holds every entry until then), flush a shard
-(``lossless``: the lossless publish mode, so a flush publishes what it held back), and lose a
-worker.
+Ranks: workers ``0..workers-1``, then one server per shard, then (``replicas``) one replica per
+shard; rank ``r`` lives on node ``r``.  Between each pair of nodes there is a control and a data
+link each way, as between daemons; each node's process has a link of its own for the update
+callback's steps (``callback``: it adds the update to the model, the sum rule run outside the
+engine, and answers :meth:`PSNode.stepped` in order).  Every decision -- where a frame goes,
+what is sent again, who serves after a failover -- is the engine's; the fabric only moves
+frames and says what the daemon would: a peer's links are back (:meth:`PSNode.peer_up`), a
+rank joined or is gone (membership's news).
+
+A test may deliver any link's next frame (once or twice), reset the links between a worker
+and the rank serving a shard, or between a shard's two ranks (what is in flight is lost; each
+side's rank is suspected by the other, then its links are up and it is announced again), make
+a worker's daemon send again at any time, kill the rank serving a shard (its node and links
+go; every other node hears the rank is gone, and the engines fail over), bring the killed rank
+back empty (it opens the shard again and joins the rank serving it), make a late replica open
+(``late_join``: the primary holds every entry until then), flush a shard (``lossless``: the
+lossless publish mode, so a flush publishes what it held back), and lose a worker (its node
+is cut off: the others hear it is gone).
 
 Each simulated worker runs a training loop, one call at a time as the client does: pull, push
 its update of that iteration, pull, ..., ending with a pull.  Updates are small integers, so
@@ -30,26 +32,28 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fabricd.engines.ps import server as ps_server
+from fabricd.engines.actions import SendFrame
+from fabricd.engines.membership import RankEntry
 from fabricd.engines.ps import worker as ps_worker
 from fabricd.engines.ps.consistency import Consistency, Sum
 from fabricd.engines.ps.filters import FilterSettings
-from fabricd.engines.ps.server import ShardServer
-from fabricd.engines.ps.worker import Worker
+from fabricd.engines.ps.models import CallDone, SendData, StepShard
+from fabricd.engines.ps.node import PSNode
+from fabricd.engines.ps.worker import Worker, shard_bounds
+from fabricd.frames import ps as ps_frames
+
+if TYPE_CHECKING:
+    from fabricd.engines.ps.server import ShardServer
 
 Array = np.ndarray[Any, Any]
-Frame = Any
-
-#: link names; a link is (name, worker, shard) or, for replication, (name, -1, shard)
-PUSH, PULL, ACK, ANSWER, FORWARD, LOGGED = "push", "pull", "ack", "answer", "forward", "logged"
-#: a server's Step events to its process: (STEP, 0, shard) the primary's, (STEP, 1, shard) the
-#: replica's
-STEP = "step"
-WORKER_LINKS = (PUSH, PULL, ACK, ANSWER)
+JOB, NAME = "job", "m"
+KEY = (JOB, NAME)
+#: link kinds: (kind, from node, to node)
+CONTROL, DATA, STEP = "control", "data", "step"
 
 
 def gradient(worker: int, iteration: int, size: int) -> Array:
@@ -57,11 +61,28 @@ def gradient(worker: int, iteration: int, size: int) -> Array:
     return np.arange(1, size + 1, dtype=np.float64) + 100.0 * worker + 10.0 * iteration
 
 
+class Table:
+    """One daemon's rank table (every node reachable: the fabric drops what a reset loses)."""
+
+    def __init__(self, ranks: dict[int, int]) -> None:
+        self.nodes = dict(ranks)  #: rank -> node
+
+    def lookup(self, job: str, rank: int, /) -> RankEntry | None:
+        node = self.nodes.get(rank)
+        if job != JOB or node is None:
+            return None
+        return RankEntry(job=job, rank=rank, size=0, node=node)
+
+    def reachable(self, node: int, /) -> bool:
+        return True
+
+
 @dataclass
 class SimWorker:
     """A worker's training loop and what it saw."""
 
-    engine: Worker
+    node: PSNode
+    rank: int
     rounds: int
     cache: Array
     ops: deque[str] = field(default_factory=deque)  #: calls still to make
@@ -69,7 +90,7 @@ class SimWorker:
     lost: bool = False
     pushes: list[ps_worker.PushDone] = field(default_factory=list)
     pulls: list[ps_worker.PullDone] = field(default_factory=list)
-    failed: list[ps_worker.PullFailed] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
     fresh_next: bool = False  #: the next pull goes to a new array
 
     def __post_init__(self) -> None:
@@ -78,12 +99,16 @@ class SimWorker:
         self.ops.append("pull")
 
     @property
+    def engine(self) -> Worker:
+        return self.node.models[KEY].local_workers[self.rank].engine
+
+    @property
     def done(self) -> bool:
-        return not self.ops and self.call is None
+        return self.lost or (not self.ops and self.call is None)
 
 
 class Fabric:
-    """Workers and shards wired by FIFO links (module docstring)."""
+    """One PS node engine per rank, wired by FIFO links (module docstring)."""
 
     def __init__(
         self,
@@ -103,65 +128,45 @@ class Fabric:
     ) -> None:
         self.consistency = consistency
         self.callback = callback
-        self.lossless = lossless
         self.flushes = 0  #: flushes asked for (BSP versions are iteration + 1 without any)
+        self.lossless = lossless
         self.staleness = staleness
         self.delay_bound = delay_bound
         self.size = size
         self.now = 0.0
+        self.servers = [workers + s for s in range(shards)]
+        self.replica_ranks = [workers + shards + s for s in range(shards)] if replicas else []
+        self.spec: dict[str, Any] = {
+            "n": workers + shards + len(self.replica_ranks),
+            "size": size,
+            "dtype": "float64",
+            "servers": self.servers,
+            "replicas": self.replica_ranks,
+            "consistency": consistency.value,
+            "staleness": staleness,
+            "delay_bound": delay_bound if consistency is Consistency.ASYNC else None,
+            "chunk": chunk,
+        }
+        self.bounds = shard_bounds(size, shards)
+        # lossless publish with P-SMP: small changes are held back until a flush publishes them
+        self.settings = (
+            FilterSettings(psmp_threshold=0.3, lossless_publish=True) if lossless else None
+        )
+        #: replicas that have not opened yet (``late_join``)
+        self.unjoined: set[int] = set(range(shards)) if replicas and late_join else set()
+        late = {self.replica_ranks[s] for s in self.unjoined}
+        self.known = {r: r for r in range(self.spec["n"]) if r not in late}  #: rank -> node
+        self.nodes: dict[int, PSNode] = {}
+        self.links: dict[tuple[str, int, int], deque[tuple[Any, bytes]]] = {}
         self.workers = [
-            SimWorker(
-                engine=Worker(
-                    worker=w, size=size, dtype="float64", shards=shards, delay_bound=delay_bound
-                ),
-                rounds=rounds,
-                cache=np.zeros(size),
-            )
+            SimWorker(node=self._node(w), rank=w, rounds=rounds, cache=np.zeros(size))
             for w in range(workers)
         ]
-        self.bounds = self.workers[0].engine.bounds
-
-        # lossless publish with P-SMP: small changes are held back until a flush publishes them
-        settings = FilterSettings(psmp_threshold=0.3, lossless_publish=True) if lossless else None
-
-        def server(
-            lo: int, hi: int, *, replica: bool = False, replicated: bool = False
-        ) -> ShardServer:
-            return ShardServer(
-                initial=np.zeros(hi - lo),
-                workers=range(workers),
-                consistency=consistency,
-                staleness=staleness,
-                delay_bound=delay_bound if consistency is Consistency.ASYNC else None,
-                rule=None if callback else Sum(),
-                settings=settings,
-                chunk=chunk,
-                replica=replica,
-                replicated=replicated,
+        for sim in self.workers:
+            settings = FilterSettings() if self.settings is None else self.settings
+            sim.node.open_worker(
+                KEY, self.spec, self.bounds, rank=sim.rank, settings=settings, seed=0
             )
-
-        self._server_of = server
-        self.primaries: list[ShardServer | None] = [
-            server(lo, hi, replicated=replicas) for lo, hi in self.bounds
-        ]
-        self.replicas: list[ShardServer | None] = [
-            server(lo, hi, replica=True) if replicas else None for lo, hi in self.bounds
-        ]
-        #: shards whose replica has not asked to join yet (``late_join``)
-        self.unjoined: set[int] = set(range(shards)) if replicas and late_join else set()
-        #: id of a server -> (it, the version of the last Step it gave its process since it
-        #: last took a snapshot)
-        self.stepped_to: dict[int, tuple[ShardServer, int]] = {}
-        self.links: dict[tuple[str, int, int], deque[Frame]] = {}
-        for s in range(shards):
-            for w in range(workers):
-                for name in WORKER_LINKS:
-                    self.links[(name, w, s)] = deque()
-            if replicas:
-                self.links[(FORWARD, -1, s)] = deque()
-                self.links[(LOGGED, -1, s)] = deque()
-            self.links[(STEP, 0, s)] = deque()
-            self.links[(STEP, 1, s)] = deque()
         #: (worker, iteration, shard) -> (version, dropped) of its acknowledgement
         self.acked: dict[tuple[int, int, int], tuple[int, str | None]] = {}
         #: (worker, iteration, shard) -> the base it was pushed with
@@ -169,34 +174,112 @@ class Fabric:
         self.answers = 0  #: pull answers delivered
         #: (shard, iteration) -> the version BSP applied it as
         self.bsp_versions: dict[tuple[int, int], int] = {}
-        for s in range(shards):  # each replica joins: a snapshot, then entries
+        #: id of a server -> (it, the version of the last Step it gave its process)
+        self.stepped_to: dict[int, tuple[ShardServer, int]] = {}
+        for s in range(shards):
+            self._open(self.servers[s], s)
             if replicas and s not in self.unjoined:
-                self.join(s)
+                self._open(self.replica_ranks[s], s)
 
-    # -- who serves ------------------------------------------------------------------------
+    # -- ranks and nodes --------------------------------------------------------------------
+    def _node(self, rank: int) -> PSNode:
+        node = PSNode(node=rank, ranks=Table(self.known), max_payload=1 << 20, route_timeout=1.0)
+        self.nodes[rank] = node
+        return node
+
+    def _open(self, rank: int, s: int) -> None:
+        node = self.nodes.get(rank) or self._node(rank)
+        lo, hi = self.bounds[s]
+        actions = node.open_shard(
+            KEY,
+            self.spec,
+            self.bounds,
+            rank=rank,
+            shard=s,
+            initial=np.zeros(hi - lo),
+            rule=None if self.callback else Sum(),
+            settings=self.settings or FilterSettings(),
+            now=self.now,
+        )
+        self._perform(rank, actions)
+
+    def _tables(self) -> list[Table]:
+        return [n.ranks for n in self.nodes.values()]  # type: ignore[misc]
+
+    def _announce(self, rank: int) -> None:
+        """Rank ``rank`` is known to every node now, and every other node hears it joined."""
+        self.known[rank] = rank
+        for table in self._tables():
+            table.nodes[rank] = rank
+        for r, node in list(self.nodes.items()):
+            if r != rank:
+                self._perform(r, node.rank_joined(JOB, rank, rank, self.now))
+
+    def _gone(self, rank: int, reason: str) -> None:
+        """Rank ``rank`` is gone: every other node forgets it and hears so."""
+        self.known.pop(rank, None)
+        for r, node in list(self.nodes.items()):
+            if r != rank:
+                node.ranks.nodes.pop(rank, None)  # type: ignore[attr-defined]
+                self._perform(r, node.rank_gone(JOB, rank, reason, self.now))
+
+    def _cut(self, a: int, b: int | None = None) -> None:
+        """Drop what is in flight between nodes ``a`` and ``b`` (or to and from ``a`` at all)."""
+        for key, frames in self.links.items():
+            ends = {key[1], key[2]}
+            if a in ends and (b is None or b in ends):
+                frames.clear()
+
+    def _pair(self, s: int) -> list[ShardServer]:
+        """Shard ``s``'s live servers, the serving one first."""
+        found = [
+            n.models[KEY].servers.get(s)
+            for r, n in self.nodes.items()
+            if r in (self.servers[s], *self.replica_ranks[s : s + 1]) and KEY in n.models
+        ]
+        servers = [x for x in found if x is not None]
+        return sorted(servers, key=lambda x: (not x.primary, -x.epoch))
+
     def serving(self, shard: int) -> ShardServer:
-        server = self.primaries[shard] or self.replicas[shard]
-        assert server is not None
-        return server
+        return self._pair(shard)[0]
+
+    def follower(self, shard: int) -> ShardServer | None:
+        pair = self._pair(shard)
+        return pair[1] if len(pair) > 1 else None
+
+    @property
+    def replicas(self) -> list[ShardServer | None]:
+        """Each shard's rank that follows the serving one (its replica before any failover),
+        or the one serving alone since its partner died (``None`` without replicas)."""
+        if not self.replica_ranks:
+            return [None] * len(self.bounds)
+        return [self.follower(s) or self.serving(s) for s in range(len(self.bounds))]
+
+    def _rank_of(self, server: ShardServer) -> int:
+        for r, node in self.nodes.items():
+            model = node.models.get(KEY)
+            if model is not None and server in model.servers.values():
+                return r
+        raise AssertionError("a server on no node")
 
     # -- the test's moves -----------------------------------------------------------------
     def step(self, w: int) -> None:
         """Worker ``w`` makes its next call, if none is in flight."""
         sim = self.workers[w]
-        if sim.call is not None or not sim.ops:
+        if sim.lost or sim.call is not None or not sim.ops:
             return
         op = sim.ops.popleft()
         sim.call = op
         if op == "push":
-            iteration = sim.engine.iteration
-            actions = sim.engine.push(gradient(w, iteration, self.size))
+            update = gradient(w, sim.engine.iteration, self.size)
+            actions = sim.node.push(KEY, w, update, self.now)
         else:
             fresh = sim.fresh_next
             if fresh:
                 sim.cache = np.zeros(self.size)
                 sim.fresh_next = False
-            actions = sim.engine.pull(fresh=fresh)
-        self._worker(w, actions)
+            actions = sim.node.pull(KEY, w, sim.cache, fresh=fresh, now=self.now)
+        self._perform(w, actions)
 
     def deliver(self, pick: int, *, twice: bool = False) -> bool:
         """Deliver the next frame of the ``pick``-th (modulo) non-empty link, twice if asked
@@ -205,96 +288,99 @@ class Fabric:
         if not busy:
             return False
         key = busy[pick % len(busy)]
-        frame = self.links[key].popleft()
+        frame, payload = self.links[key].popleft()
         for _ in range(2 if twice and key[0] != STEP else 1):  # a process answers once
-            self._arrive(key, frame)
+            self._arrive(key, frame, payload)
         return True
 
     def resend(self, w: int, s: int) -> None:
-        """Worker ``w`` sends shard ``s`` what is in flight again (nothing is lost)."""
-        self._worker(w, self.workers[w].engine.resend(s))
+        """Worker ``w``'s daemon sends the rank serving shard ``s`` what is in flight again
+        (as when that peer's links came back; nothing is lost)."""
+        if not self.workers[w].lost:
+            to = self._rank_of(self.serving(s))
+            self._perform(w, self.nodes[w].peer_up(to, self.now))
 
     def reset(self, w: int, s: int) -> None:
-        """The links between worker ``w`` and shard ``s`` are reset: frames lost, resent."""
-        for name in WORKER_LINKS:
-            self.links[(name, w, s)].clear()
-        self.resend(w, s)
+        """The links between worker ``w`` and the rank serving ``s`` are reset."""
+        if not self.workers[w].lost:
+            self._reset(w, self._rank_of(self.serving(s)))
 
     def reset_replica(self, s: int) -> None:
-        """The links between shard ``s``'s primary and replica are reset."""
-        primary, replica = self.primaries[s], self.replicas[s]
-        if primary is None or replica is None:
-            return
-        self.links[(FORWARD, -1, s)].clear()
-        self.links[(LOGGED, -1, s)].clear()
-        if replica.has_state:
-            self._server(s, list(primary.unconfirmed()))
-        else:  # its snapshot was lost: it asks to join again
-            self._server(s, primary.joined())
+        """The links between shard ``s``'s two ranks are reset."""
+        follower = self.follower(s)
+        if follower is not None:
+            self._reset(self._rank_of(self.serving(s)), self._rank_of(follower))
+
+    def _reset(self, a: int, b: int) -> None:
+        """The links between nodes ``a`` and ``b`` are reset, as the daemons see it: what was
+        in flight is lost, each forgets the other's rank (membership's news: suspected), the
+        links come back (peer up) and the rank is announced again (it joined)."""
+        self._cut(a, b)
+        for here, there in ((a, b), (b, a)):
+            del self.nodes[here].ranks.nodes[there]  # type: ignore[attr-defined]
+            self.nodes[here].rank_suspected(JOB, there)
+        for here, there in ((a, b), (b, a)):
+            self._perform(here, self.nodes[here].peer_up(there, self.now))
+        for here, there in ((a, b), (b, a)):
+            self.nodes[here].ranks.nodes[there] = there  # type: ignore[attr-defined]
+            self._perform(here, self.nodes[here].rank_joined(JOB, there, there, self.now))
 
     def join(self, s: int) -> None:
-        """Shard ``s``'s replica (late, or fresh after a failover) asks to join."""
+        """Shard ``s``'s late replica opens it (and joins its primary)."""
+        if s not in self.unjoined:
+            return
         self.unjoined.discard(s)
-        primary = self.primaries[s]
-        if primary is not None and self.replicas[s] is not None:
-            self._server(s, primary.joined())
+        rank = self.replica_ranks[s]
+        self._node(rank)
+        self._announce(rank)
+        self._open(rank, s)
 
     def rejoin(self, s: int) -> None:
-        """A fresh replica comes to shard ``s``'s promoted replica (the dead primary's rank
-        back, empty) and joins it: the two swap roles."""
-        if self.primaries[s] is not None:
+        """The rank of shard ``s`` killed last comes back empty: it opens the shard again and
+        joins the rank serving it."""
+        dead = [r for r in (self.servers[s], *self.replica_ranks[s : s + 1]) if r not in self.nodes]
+        if not dead or s in self.unjoined:
             return
-        promoted = self.replicas[s]
-        assert promoted is not None
-        assert promoted.primary
-        lo, hi = self.bounds[s]
-        self.primaries[s], self.replicas[s] = promoted, self._server_of(lo, hi, replica=True)
-        for key in ((FORWARD, -1, s), (LOGGED, -1, s), (STEP, 1, s)):
-            self.links[key].clear()
-        self.links[(STEP, 0, s)].extend(self.links[(STEP, 1, s)])  # the promoted's process
-        self.join(s)
+        rank = dead[0]
+        self._node(rank)
+        self._announce(rank)
+        self._open(rank, s)
 
     def flush(self, s: int) -> None:
         """Shard ``s``'s serving process flushes (publishes what the lossless mode held)."""
         self.flushes += 1
-        self._server(s, self.serving(s).flush(self.now))
+        rank = self._rank_of(self.serving(s))
+        _, actions = self.nodes[rank].flush(KEY, [s], self.flushes, self.now)
+        self._perform(rank, actions)
 
     def kill(self, s: int) -> None:
-        """Shard ``s``'s primary dies: its links go, its replica serves, workers fail over."""
-        replica = self.replicas[s]
-        if self.primaries[s] is None or replica is None or not replica.has_state:
-            return  # no replica that could take over (the service fails the shard then)
-        primary = self.primaries[s]
-        assert primary is not None
+        """The rank serving shard ``s`` dies: its node and links go, the others hear it is
+        gone, and the engines fail the shard over to its partner."""
+        replica = self.follower(s)
+        if replica is None or replica.primary or not replica.has_state:
+            return  # no partner that could take over (the engine fails the shard then)
+        primary = self.serving(s)
         # it logged (and applied, or its process steps it now) first
         decided = replica.coordinator.version
         assert decided >= primary.version
         seen = [d.versions[s] for sim in self.workers for d in sim.pushes]
         seen += [d.versions[s] for sim in self.workers for d in sim.pulls]
         assert decided >= max(seen, default=0)  # no version a worker saw is lost
-        self.primaries[s] = None
-        for key in self.links:
-            if key[2] == s and key != (STEP, 1, s):  # the replica's process goes on
-                self.links[key].clear()
-        epoch = replica.epoch
-        assert replica.promote()
-        assert replica.primary
-        assert replica.epoch == epoch + 1
-        self.links[(STEP, 0, s)] = self.links[(STEP, 1, s)]  # its process serves on
-        self.links[(STEP, 1, s)] = deque()
-        for w, sim in enumerate(self.workers):  # the service loses the ranks gone (_promote)
-            if sim.lost:
-                self._server(s, replica.lose(w, "gone at the failover", self.now))
-        for w, sim in enumerate(self.workers):
-            self._worker(w, sim.engine.failover(s))
+        rank, epoch = self._rank_of(primary), replica.epoch
+        self._cut(rank)
+        del self.nodes[rank]
+        self._gone(rank, "killed")
+        assert (replica.primary, replica.epoch) == (True, epoch + 1)
 
     def lose(self, w: int) -> None:
-        """Worker ``w`` is lost to every serving shard.  Its daemon does not know (a node cut
-        off longer than ``down_after``): it goes on resending, pushes once more at most and
-        stops when its next pull is refused, as its client would."""
+        """Worker ``w``'s node is cut off for good: every other node hears it is gone.  They
+        keep its rank table entry, so that what they still answer it is seen (and checked)
+        before the cut link drops it."""
         self.workers[w].lost = True
-        for s in range(len(self.bounds)):
-            self._server(s, self.serving(s).lose(w, "gone", self.now))
+        self._cut(w)
+        for r, node in list(self.nodes.items()):
+            if r != w:
+                self._perform(r, node.rank_gone(JOB, w, "gone", self.now))
 
     def drain(self, limit: int = 20000) -> None:
         """Run every worker to the end of its loop, delivering in a fixed order (a late
@@ -316,123 +402,101 @@ class Fabric:
         raise AssertionError("the fabric did not settle")
 
     # -- frames ---------------------------------------------------------------------------
-    def _arrive(self, key: tuple[str, int, int], frame: Frame) -> None:
-        name, w, s = key
+    def _arrive(self, key: tuple[str, int, int], frame: Any, payload: bytes) -> None:
+        kind, src, dst = key
+        node = self.nodes[dst]
         self.now += 1.0
-        if name == PUSH:
-            self._server(
-                s, self.serving(s).push(w, frame.iteration, frame.base, frame.payload, self.now)
-            )
-        elif name == PULL:
-            self._server(s, self.serving(s).pull(w, frame.clock, frame.since, self.now))
-        elif name == FORWARD:
-            replica = self.replicas[s]
-            assert replica is not None
-            if isinstance(frame, ps_server.Snapshot):
-                # a second snapshot (its JOIN came twice) is ignored by a replica that has
-                # the state up to it already
-                if replica.restore(frame.index, frame.data):
-                    self.stepped_to.pop(id(replica), None)
-                else:
-                    assert replica.has_state
-                    assert replica.statistics().logged >= frame.index
-            else:
-                self._server(s, replica.log(frame.entry, self.now), replica=True)
-        elif name == STEP:
-            server = self.serving(s) if w == 0 else self.replicas[s]
-            assert server is not None
-            model = frame.model + frame.update  # the process's callback: the sum rule
-            self._server(s, server.stepped(frame.version, model, self.now), replica=w == 1)
-        elif name == LOGGED:
-            primary = self.primaries[s]
-            assert primary is not None
-            self._server(s, primary.replicated_upto(frame.index, self.now))
+        if kind == STEP:
+            assert isinstance(frame, StepShard)
+            model = frame.step.model + frame.step.update  # the process's callback: the sum rule
+            actions = node.stepped(KEY, frame.shard, frame.step.version, model, self.now)
         else:
-            sim = self.workers[w]
-            if isinstance(frame, ps_server.Acked):
-                actions = sim.engine.pushed(s, frame.iteration, frame.version, frame.dropped)
-            elif isinstance(frame, ps_server.Refuse):
-                actions = sim.engine.refused(s, frame.clock, frame.reason)
-            else:
-                assert isinstance(frame, ps_server.Answer)
-                if sim.call != "pull":
-                    return  # nobody waits for it: the service drops it too
+            if isinstance(frame, ps_frames.Pulled) and frame.error is None:
                 self.answers += 1
-                actions = sim.engine.pulled(s, frame.clock, frame.data, sim.cache)
-            self._worker(w, actions)
+            actions = node.on_frame(src, frame, payload, self.now)
+        self._perform(dst, actions)
 
-    def _worker(self, w: int, actions: list[ps_worker.Action]) -> None:
-        sim = self.workers[w]
+    def _perform(self, at: int, actions: list[Any]) -> None:
         for action in actions:
-            if isinstance(action, ps_worker.SendPush):
-                self.bases[(w, action.iteration, action.shard)] = action.base
-                self.links[(PUSH, w, action.shard)].append(action)
-            elif isinstance(action, ps_worker.SendPull):
-                self.links[(PULL, w, action.shard)].append(action)
-            elif isinstance(action, ps_worker.PushDone):
-                assert sim.call == "push", action
-                if sim.pushes:
-                    assert all(
-                        a >= b
-                        for a, b in zip(action.versions, sim.pushes[-1].versions, strict=True)
-                    ), (sim.pushes[-1], action)
-                sim.pushes.append(action)
-                sim.call = None
-            elif isinstance(action, ps_worker.PullDone):
-                assert sim.call == "pull", action
-                assert action.versions == tuple(sim.engine.versions)
-                if sim.pulls:
-                    assert all(
-                        a >= b for a, b in zip(action.versions, sim.pulls[-1].versions, strict=True)
-                    ), (sim.pulls[-1], action)
-                sim.pulls.append(action)
-                sim.call = None
-            else:
-                assert isinstance(action, ps_worker.PullFailed)
-                assert sim.call == "pull", action
-                assert sim.lost, action
-                assert "lost" in action.reason, action
-                sim.failed.append(action)
-                sim.call = None
-                sim.ops.clear()
+            if isinstance(action, SendFrame | SendData):
+                payload = action.payload if isinstance(action, SendData) else b""
+                self._check_frame(at, action.frame)
+                if action.node < len(self.workers) and self.workers[action.node].lost:
+                    continue  # cut off
+                kind = DATA if isinstance(action, SendData) else CONTROL
+                self.links.setdefault((kind, at, action.node), deque()).append(
+                    (action.frame, payload)
+                )
+            elif isinstance(action, StepShard):
+                self._check_step(at, action)
+                self.links.setdefault((STEP, at, at), deque()).append((action, b""))
+            elif isinstance(action, CallDone):
+                self._done(self.workers[action.rank], action)
 
-    def _server(self, s: int, actions: list[ps_server.Action], *, replica: bool = False) -> None:
-        server = self.replicas[s] if replica else self.serving(s)
-        assert server is not None
-        for action in actions:
-            if isinstance(action, ps_server.Step):
-                assert self.callback, action
-                # one step at a time, in version order, from the published model (a flush
-                # makes a version without one)
-                last = self.stepped_to.get(id(server), (server, 0))[1]
-                assert action.version > last, (last, action)
-                assert action.version == server.store.version + 1, action
-                self.stepped_to[id(server)] = (server, action.version)
-                self.links[(STEP, 0 if server.primary else 1, s)].append(action)
-            elif isinstance(action, ps_server.Forward | ps_server.Snapshot):
-                self.links[(FORWARD, -1, s)].append(action)
-            elif isinstance(action, ps_server.Logged):
-                self.links[(LOGGED, -1, s)].append(action)
-            elif isinstance(action, ps_server.Acked):
-                self._record_ack(s, action)
-                self.links[(ACK, action.worker, s)].append(action)
-            elif isinstance(action, ps_server.Answer):
-                if self.consistency is not Consistency.ASYNC:  # SSP's read rule (BSP: s = 0)
-                    need = action.clock - self.staleness
-                    assert server.coordinator.complete >= need, (action, need)
-                self.links[(ANSWER, action.worker, s)].append(action)
-            else:
-                assert isinstance(action, ps_server.Refuse)
-                self.links[(ANSWER, action.worker, s)].append(action)
+    def _done(self, sim: SimWorker, done: CallDone) -> None:
+        if done.failure is not None:
+            assert sim.call == "pull", done
+            assert sim.lost, done
+            sim.failed.append(done.failure.message)
+            sim.call = None
+            sim.ops.clear()
+            return
+        assert done.result is not None
+        versions = tuple(done.result["versions"])
+        if sim.call == "push":
+            result = ps_worker.PushDone(
+                iteration=done.result["iteration"],
+                versions=versions,
+                dropped=tuple(done.result["dropped"]),
+            )
+            if sim.pushes:
+                previous = sim.pushes[-1].versions
+                assert all(a >= b for a, b in zip(versions, previous, strict=True)), done
+            sim.pushes.append(result)
+        else:
+            assert sim.call == "pull", done
+            assert versions == tuple(sim.engine.versions)
+            if sim.pulls:
+                previous = sim.pulls[-1].versions
+                assert all(a >= b for a, b in zip(versions, previous, strict=True)), done
+            sim.pulls.append(ps_worker.PullDone(versions=versions))
+        sim.call = None
 
-    def _record_ack(self, s: int, ack: ps_server.Acked) -> None:
-        key = (ack.worker, ack.iteration, s)
+    def _check_step(self, at: int, action: StepShard) -> None:
+        """One step at a time, in version order, from the published model (a flush makes a
+        version without one)."""
+        assert self.callback, action
+        server = self.nodes[at].models[KEY].servers[action.shard]
+        last = self.stepped_to.get(id(server), (server, 0))[1]
+        assert action.step.version > last, (last, action)
+        assert action.step.version == server.store.version + 1, action
+        self.stepped_to[id(server)] = (server, action.step.version)
+
+    def _check_frame(self, at: int, frame: Any) -> None:
+        """A worker's push remembers its base; a shard's acknowledgement and answer are
+        checked (refusals, from a rank not serving at the frame's epoch, are not)."""
+        if isinstance(frame, ps_frames.Push):
+            self.bases[(frame.worker, frame.iteration, frame.shard)] = frame.base
+            return
+        if not isinstance(frame, ps_frames.Pushed | ps_frames.Pulled):
+            return
+        server = self.nodes[at].models[KEY].servers.get(frame.shard)
+        if server is None or not server.primary or frame.epoch != server.epoch:
+            return
+        if isinstance(frame, ps_frames.Pushed):
+            self._record_ack(frame)
+        elif frame.error is None and self.consistency is not Consistency.ASYNC:
+            need = frame.clock - self.staleness  # SSP's read rule (BSP: s = 0)
+            assert server.coordinator.complete >= need, (frame, need)
+
+    def _record_ack(self, ack: ps_frames.Pushed) -> None:
+        key = (ack.worker, ack.iteration, ack.shard)
         seen = self.acked.setdefault(key, (ack.version, ack.dropped))
         assert seen == (ack.version, ack.dropped), f"{key} acknowledged as {seen} and {ack}"
         if ack.dropped is None:
             if self.consistency is Consistency.BSP:
                 # one version per iteration, every shard's pushes of it in one; a flush adds one
-                same = self.bsp_versions.setdefault((s, ack.iteration), ack.version)
+                same = self.bsp_versions.setdefault((ack.shard, ack.iteration), ack.version)
                 assert same == ack.version, (same, ack)
                 assert ack.version == ack.iteration + 1 or self.flushes, ack
                 assert ack.version >= ack.iteration + 1, ack
@@ -442,10 +506,16 @@ class Fabric:
 
     # -- checks at the end ----------------------------------------------------------------
     def applied(self, s: int) -> list[tuple[int, int]]:
-        """The (worker, iteration) pushes shard ``s`` acknowledged as applied."""
-        return sorted(
+        """The (worker, iteration) pushes shard ``s`` acknowledged as applied, and a lost
+        worker's last one the shard applied: its acknowledgement may never have been sent (the
+        primary died before the replica confirmed it, and the worker never sent it again)."""
+        applied = {
             (w, it) for (w, it, sh), (_, why) in self.acked.items() if sh == s and why is None
-        )
+        }
+        for w, (it, _, why) in self.serving(s).state()["last"].items():
+            if self.workers[w].lost and why is None:
+                applied.add((w, it))
+        return sorted(applied)
 
     def expected(self, s: int) -> Array:
         lo, hi = self.bounds[s]
@@ -464,33 +534,16 @@ class Fabric:
                 self.flush(s)
             self.drain()
         for w, sim in enumerate(self.workers):
-            for it in range(sim.engine.iteration):
+            for it in range(sim.engine.iteration if not sim.lost else 0):
                 for s in range(len(self.bounds)):
                     gate_dropped = (w, it, s) not in self.bases
                     assert gate_dropped or (w, it, s) in self.acked, (w, it, s)
         for s in range(len(self.bounds)):
-            server = self.serving(s)
-            expected = self.expected(s)
-            np.testing.assert_array_equal(server.filter.model, expected)
-            np.testing.assert_array_equal(server.store.model, expected)
-            applied = server.coordinator.statistics().applied
-            assert applied == len(self.applied(s)), (applied, self.applied(s))
-            replica = self.replicas[s]
-            if self.primaries[s] is not None and replica is not None:
-                primary = self.primaries[s]
-                assert primary is not None
-                assert not primary.statistics().unreplicated
-                assert replica.version == primary.version
-                np.testing.assert_array_equal(replica.store.model, primary.store.model)
-                np.testing.assert_array_equal(replica.store.versions, primary.store.versions)
-                np.testing.assert_array_equal(replica.filter.model, primary.filter.model)
-                np.testing.assert_array_equal(replica.filter.published, primary.filter.published)
-                assert replica.coordinator.complete == primary.coordinator.complete
+            self._check_shard(s)
         for sim in self.workers:
-            if sim.lost:
-                continue
-            sim.ops.append("pull")
-            sim.fresh_next = True
+            if not sim.lost:
+                sim.ops.append("pull")
+                sim.fresh_next = True
         self.drain()
         for sim in self.workers:
             if sim.lost:
@@ -500,3 +553,20 @@ class Fabric:
             )
             for s, (lo, hi) in enumerate(self.bounds):
                 np.testing.assert_array_equal(sim.cache[lo:hi], self.serving(s).store.model)
+
+    def _check_shard(self, s: int) -> None:
+        server = self.serving(s)
+        expected = self.expected(s)
+        np.testing.assert_array_equal(server.filter.model, expected)
+        np.testing.assert_array_equal(server.store.model, expected)
+        applied = server.coordinator.statistics().applied
+        assert applied == len(self.applied(s)), (applied, self.applied(s))
+        replica = self.follower(s)
+        if replica is not None and replica.has_state:
+            assert not server.statistics().unreplicated
+            assert replica.version == server.version
+            np.testing.assert_array_equal(replica.store.model, server.store.model)
+            np.testing.assert_array_equal(replica.store.versions, server.store.versions)
+            np.testing.assert_array_equal(replica.filter.model, server.filter.model)
+            np.testing.assert_array_equal(replica.filter.published, server.filter.published)
+            assert replica.coordinator.complete == server.coordinator.complete

@@ -1,6 +1,7 @@
-"""One shard's server state (fabricd/engines/ps/server.py) without sockets: ShardServer and
-Worker engines wired by the in-process fabric of ``ps_fabric`` under arbitrary interleavings,
-resends, duplicates, link resets and failovers, and the shard's own rules one call at a time."""
+"""One shard's server state (fabricd/engines/ps/server.py) without sockets: the PS node
+engines of the in-process fabric of ``ps_fabric`` (their ShardServer and Worker engines inside)
+under arbitrary interleavings, resends, duplicates, link resets and failovers, and the shard's
+own rules one call at a time."""
 
 from __future__ import annotations
 

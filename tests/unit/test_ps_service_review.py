@@ -20,11 +20,11 @@ import pytest
 
 from fabricd.daemon.config import Config
 from fabricd.daemon.service import Request
-from fabricd.daemon.services import ps as ps_service
 from fabricd.daemon.services.ps import PSService
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankEntry, RankJoined, RankLeft
+from fabricd.engines.ps import routing
 from fabricd.errors import UsageError
 from fabricd.frames import ps as ps_frames
 from fabricd.wire import Kind, Meta
@@ -237,7 +237,7 @@ def test_two_partners_without_the_shards_state_do_not_ask_each_other_for_ever() 
     fabric.open(1, "replica")
     assert fabric.deliver(100), "the JOINs never stop"
     for service in fabric.services:
-        (model,) = service.models.values()
+        (model,) = service.engine.models.values()
         assert not model.servers[0].has_state
 
 
@@ -450,7 +450,7 @@ def test_a_malformed_frame_held_for_a_server_does_not_fail_its_open() -> None:
     fabric = Fabric()
     fabric.join_all()
     fabric.open(3, "worker", replicas=[], consistency="async")
-    spec = fabric.services[1].models[JOB, NAME].spec
+    spec = fabric.services[1].engine.models[JOB, NAME].spec
     push = ps_frames.Push(
         job=JOB, name=NAME, shard=0, server=0, worker=3, iteration=0, base=0, epoch=0, spec=spec
     )
@@ -481,8 +481,8 @@ def test_a_partner_back_after_the_primary_gave_it_up_gets_the_state_again() -> N
     fabric.call(2, 20, "ps_push")  # acknowledged by the primary alone
     assert fabric.deliver(100)
     assert fabric.hosts[0].answered.pop(20)["versions"] == [1]
-    (primary,) = node0.models[JOB, NAME].servers.values()
-    (replica,) = node1.models[JOB, NAME].servers.values()
+    (primary,) = node0.engine.models[JOB, NAME].servers.values()
+    (replica,) = node1.engine.models[JOB, NAME].servers.values()
     assert (primary.version, replica.version) == (1, 0)
     for entry in lost:  # node 1 is back: the replica kept its state and does not JOIN
         fabric.table.entries[JOB, entry.rank] = entry
@@ -537,7 +537,7 @@ def test_an_entry_that_overtook_its_primarys_announcement_is_sent_again() -> Non
     answer = fabric.hosts[0].answered.pop(20, None)
     assert answer is not None, "the primary waits for a confirmation for ever"
     assert answer["versions"] == [1]
-    (replica,) = node1.models[JOB, NAME].servers.values()
+    (replica,) = node1.engine.models[JOB, NAME].servers.values()
     assert replica.version == 1
 
 
@@ -549,7 +549,7 @@ def test_a_push_past_the_bound_on_held_frames_is_not_answered_as_dropped(
     iteration its server never saw (a protocol error, the worker's node's links closed).  Now
     it is not answered (counted and logged); the worker's push waits, and a pull past the
     bound is refused."""
-    monkeypatch.setattr(ps_service, "_MAX_EARLY", 0)
+    monkeypatch.setattr(routing, "MAX_HELD", 0)
     fabric = Fabric()
     fabric.join_all()
     fabric.open(1, "replica")

@@ -1,0 +1,147 @@
+"""The frames the parameter-server node engine sends, built from its engines' actions.
+
+Rules: pure functions from what a :class:`~fabricd.engines.ps.worker.Worker` or a
+:class:`~fabricd.engines.ps.server.ShardServer` decided to the PS frame that carries it
+(:mod:`fabricd.frames.ps`), with the reasons in words a frame can carry; whom a frame goes to
+and when is :mod:`fabricd.engines.ps.node`'s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fabricd.engines.ps.server import Acked, Answer, Forward, Logged, Refuse, Snapshot
+from fabricd.engines.ps.worker import SendPush
+from fabricd.frames import ps as ps_frames
+from fabricd.frames.ps import MAX_PS_REASON
+
+if TYPE_CHECKING:
+    from fabricd import frames
+    from fabricd.engines.ps.models import Key
+    from fabricd.engines.ps.server import ShardServer
+    from fabricd.engines.ps.worker import SendPull
+    from fabricd.wire import Meta
+
+
+def to_server(
+    key: Key, spec: Meta, worker: int, to: int, epoch: int, action: SendPush | SendPull
+) -> tuple[frames.PeerFrame, bytes]:
+    """A worker's push (PUSH, with its payload) or pull (PULL) of one shard, for rank ``to``."""
+    fields: Meta = {"job": key[0], "name": key[1], "shard": action.shard, "server": to}
+    fields |= {"worker": worker, "epoch": epoch, "spec": spec}
+    if isinstance(action, SendPush):
+        push = ps_frames.Push(**fields, iteration=action.iteration, base=action.base)
+        return push, bytes(action.payload)
+    return ps_frames.Pull(**fields, clock=action.clock, since=action.since), b""
+
+
+def to_worker(
+    key: Key, shard: int, me: int, server: ShardServer, action: Acked | Answer | Refuse
+) -> tuple[frames.PeerFrame, bytes]:
+    """A shard's answer to a worker: PUSHED, PULLED (with the changed parameters) or a
+    refused pull (PULLED with an error)."""
+    fields: Meta = {"job": key[0], "name": key[1], "shard": shard, "server": me}
+    fields |= {"epoch": server.epoch, "worker": action.worker}
+    if isinstance(action, Acked):
+        dropped = text(action.dropped)
+        pushed = ps_frames.Pushed(
+            **fields, iteration=action.iteration, version=action.version, dropped=dropped
+        )
+        return pushed, b""
+    if isinstance(action, Answer):
+        answer = ps_frames.Pulled(**fields, clock=action.clock, version=action.version, error=None)
+        return answer, bytes(action.data)
+    error = text(action.reason)
+    return ps_frames.Pulled(**fields, clock=action.clock, version=server.version, error=error), b""
+
+
+def refusal(
+    key: Key, frame: ps_frames.Push | ps_frames.Pull, why: str, epoch: int | None
+) -> ps_frames.Pushed | ps_frames.Pulled:
+    """``frame`` answered with ``why`` (a push as not applied, a pull as failed); ``epoch``:
+    the shard's later epoch, which moves the worker's daemon to the rank serving it."""
+    common: Meta = {"job": key[0], "name": key[1], "shard": frame.shard, "server": frame.server}
+    common |= {"worker": frame.worker, "epoch": frame.epoch if epoch is None else epoch}
+    if isinstance(frame, ps_frames.Push):
+        return ps_frames.Pushed(**common, iteration=frame.iteration, version=0, dropped=text(why))
+    return ps_frames.Pulled(**common, clock=frame.clock, version=0, error=text(why))
+
+
+def to_partner(
+    key: Key, spec: Meta, shard: int, me: int, other: int, action: Forward | Snapshot
+) -> tuple[ps_frames.Replicate, bytes]:
+    """A primary's entry or snapshot for its partner (REPLICATE, with its payload)."""
+    if isinstance(action, Forward):
+        entry = action.entry
+        index, kind, payload = entry.index, entry.kind, entry.payload
+        fields = (entry.worker, entry.iteration, entry.base, text(entry.reason))
+    else:
+        index, kind, payload = action.index, "snapshot", action.data
+        fields = (0, 0, 0, None)
+    frame = ps_frames.Replicate(
+        job=key[0],
+        name=key[1],
+        shard=shard,
+        server=me,
+        replica=other,
+        index=index,
+        entry=kind,
+        worker=fields[0],
+        iteration=fields[1],
+        base=fields[2],
+        reason=fields[3],
+        spec=spec,
+    )
+    return frame, bytes(payload)
+
+
+def confirmation(key: Key, shard: int, me: int, other: int, action: Logged) -> frames.PeerFrame:
+    """A replica's REPLICATED: every entry up to the action's index is logged."""
+    return ps_frames.Replicated(
+        job=key[0], name=key[1], shard=shard, server=other, replica=me, index=action.index
+    )
+
+
+def join(key: Key, spec: Meta, shard: int, me: int, other: int, epoch: int) -> frames.PeerFrame:
+    """A JOIN asking the shard's partner for its state."""
+    return ps_frames.Join(
+        job=key[0], name=key[1], shard=shard, server=other, replica=me, epoch=epoch, spec=spec
+    )
+
+
+def why_not_serving(server: ShardServer, epoch: int) -> str:
+    """Why this rank refuses a worker's frame at ``epoch``."""
+    if not server.has_state:
+        return (
+            "the shard's state is lost: this rank came back (or opened) after its partner "
+            "served the shard, and the partner went before sending it the state"
+        )
+    if epoch > server.epoch:
+        return (
+            f"the shard's state is lost: its workers are at epoch {epoch}, but this rank "
+            f"holds epoch {server.epoch} (it restarted after every copy of the shard went)"
+        )
+    role = "serves" if server.primary else "follows its partner"
+    return (
+        f"this rank {role} the shard at epoch {server.epoch}; the worker's daemon is at "
+        f"epoch {epoch}"
+    )
+
+
+def text(why: str | None) -> str | None:
+    """A reason as a frame carries it: 1 to ``MAX_PS_REASON`` characters (or none)."""
+    if why is None:
+        return None
+    return (why or "no reason given")[:MAX_PS_REASON]
+
+
+def describe(spec: Meta) -> str:
+    """A model's spec in words."""
+    return (
+        f"{spec['size']} x {spec['dtype']} on servers {spec['servers']}"
+        + (f" (replicas {spec['replicas']})" if spec["replicas"] else "")
+        + f", {spec['consistency']}"
+        + (f"({spec['staleness']})" if spec["consistency"] == "ssp" else "")
+        + (f", tau_max {spec['delay_bound']}" if spec["delay_bound"] is not None else "")
+        + (f", chunks of {spec['chunk']}" if spec["chunk"] != 1 else "")
+    )

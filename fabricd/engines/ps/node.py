@@ -1,0 +1,943 @@
+"""One daemon's parameter-server models and every decision about them: where a frame goes,
+which frame waits, which epoch a shard is at, who serves it after a rank left, and what is sent
+again after a reset or a rank's return.
+
+Rules: :class:`PSNode` owns the models opened on one daemon: per model its spec, the shards
+served here (:class:`~fabricd.engines.ps.server.ShardServer`), the local workers
+(:class:`~fabricd.engines.ps.worker.Worker`), the epoch of each shard as this daemon knows it,
+and the frames held for ranks and models (:mod:`fabricd.engines.ps.routing`).  It takes the
+service's inputs (a client's call, a frame from a peer, a rank joined, suspected or gone, a
+peer's links back, the clock) with ``now``, and returns actions; it never touches a socket, a
+segment's file or a client, and reads the rank table only through
+:class:`~fabricd.engines.ps.routing.Ranks`.  Frames between two ranks of this daemon never
+leave it: they are handed over inside the engine, in order, before an input returns.
+
+Theory of operation (MLfabric §3.3's hot-standby replication; the exactly-once rules are the
+shard server's):
+
+* *Routing.*  A worker's frame for a shard goes to the rank serving it at the epoch this
+  daemon knows (:func:`~fabricd.engines.ps.routing.serving`); if that rank is not known at all
+  and its partner is, to the partner, which either serves at a later epoch and says so, or
+  follows and refuses (the frame goes to the rank when it joins).
+* *Holds.*  A frame for a rank that is suspected (its node's links were reset), or on a node
+  whose links are not all up, is held until the rank is known and reachable; a worker's frame
+  for a model not opened here is held as an early frame (the routing module's bounds).
+* *Epochs.*  A shard's epoch grows by one at each failover.  A worker's daemon behind it is
+  refused with the later epoch and moves there (:class:`EpochMoved`, resending what is in
+  flight); a rank that opens with no state of its own joins its partner (JOIN), which sends it
+  the shard's state (a snapshot), and one that opened as primary at epoch 0 while its partner
+  was there is *tentative* until the partner answered (it asks again after a reset: it has
+  nothing of its own to send).
+* *Failover and promotion.*  When the rank serving a shard is gone, its partner serves from the
+  next epoch: if it is here, it is promoted (:meth:`ShardServer.promote`), and workers gone
+  meanwhile are lost to it (those this daemon heard are gone, whose LOSE entry may have died
+  with the primary, and those not known that pushed); a shard with no partner, or whose
+  partner is gone or has no state, fails its workers' calls (``peer_failed``).
+* *Sending again.*  After a reset TCP cannot say what the peer processed: once a rank is
+  reachable again it is sent what was held for it, the pushes and pulls in flight to it, a
+  primary's unconfirmed entries (or its whole state, if it went on without the partner), and a
+  replica's JOIN.
+* *Senders.*  A server's, replica's or partner's frame counts only from the node its rank
+  lives on, and a worker's frame naming a rank of another node is never taken as that rank's:
+  both are dropped and counted (a rogue node could otherwise forge entries, confirmations or
+  acknowledgements).
+
+Suspicion is an input: :meth:`PSNode.rank_suspected`, :meth:`PSNode.rank_joined` (back) and
+:meth:`PSNode.rank_gone`; the engine keeps no timer of its own for it (the service decides
+when a suspect is gone).  Its only deadlines are the early frames', in the routing module's
+:class:`~fabricd.engines.deadlines.Deadlines` heap (:meth:`PSNode.next_deadline`,
+:meth:`PSNode.on_timer`).
+
+Actions: the shared :class:`~fabricd.engines.actions.SendFrame` (control link) and
+:class:`~fabricd.engines.actions.Complete` (a flush), and this engine's own
+(:mod:`fabricd.engines.ps.models` says why each is needed); the frames are built by
+:mod:`fabricd.engines.ps.messages`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+from fabricd.engines.actions import Complete, Failure, SendFrame
+from fabricd.engines.ps import messages, routing
+from fabricd.engines.ps.consistency import Consistency
+from fabricd.engines.ps.models import (
+    CallDone,
+    EpochMoved,
+    Log,
+    Model,
+    SendData,
+    StepShard,
+    WorkerSide,
+)
+from fabricd.engines.ps.routing import Early, EarlyFrames, HeldFrames, pair
+from fabricd.engines.ps.server import (
+    FLUSH,
+    LOSE,
+    PUSH,
+    Entry,
+    Forward,
+    Logged,
+    ShardServer,
+    Snapshot,
+    Step,
+)
+from fabricd.engines.ps.worker import PullDone, PullFailed, PushDone, SendPull, SendPush, Worker
+from fabricd.errors import ErrorCode, RemoteProtocolError, UsageError
+from fabricd.frames import ps as ps_frames
+from fabricd.wire import Kind
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from fabricd import frames
+    from fabricd.engines.ps.consistency import UpdateRule
+    from fabricd.engines.ps.filters import FilterSettings
+    from fabricd.engines.ps.models import Action, Array, Key
+    from fabricd.engines.ps.routing import Ranks
+    from fabricd.engines.ps.server import Action as ServerAction
+    from fabricd.engines.ps.worker import Action as WorkerAction
+    from fabricd.wire import Meta
+
+#: the kinds that travel on the data link, with their payload
+DATA_KINDS = frozenset({Kind.PUSH, Kind.PULLED, Kind.REPLICATE})
+
+
+class PSNode:
+    """The parameter-server models of the daemon of node ``node`` (module docstring).
+
+    Args:
+        node: this daemon's node id.
+        ranks: the rank table and the links' state (read only).
+        max_payload: the largest payload a frame may carry (bounds the held frames).
+        route_timeout: seconds a pull waits for its model's server to open it.
+    """
+
+    def __init__(self, *, node: int, ranks: Ranks, max_payload: int, route_timeout: float) -> None:
+        self.node = node
+        self.ranks = ranks
+        self.max_payload = max_payload
+        self.route_timeout = route_timeout
+        self.models: dict[Key, Model] = {}
+        #: ranks lost with their node's links, not gone yet: what is sent them is held
+        self.suspects: set[tuple[str, int]] = set()
+        self._early = EarlyFrames(max_payload)
+        self._held = HeldFrames(max_payload)
+        self._local: deque[tuple[int, frames.PeerFrame, bytes]] = deque()
+        self._out: list[Action] = []
+        self._now = 0.0  #: the current input's time
+        self.counters = {
+            "ps_frames_dropped": 0,  #: for a model, shard or worker not here
+            "ps_early_expired": 0,
+            "ps_failovers": 0,
+        }
+
+    @property
+    def early_frames(self) -> int:
+        return len(self._early)
+
+    def _begin(self, now: float) -> None:
+        self._out, self._now = [], now
+
+    def _done(self) -> list[Action]:
+        """Hand over the frames between local ranks, in order, until none is left; then
+        return what the input decided.  One refused as malformed is dropped and counted: its
+        error must not go up from whatever input flushes, whose peer would be closed."""
+        while self._local:
+            node, frame, payload = self._local.popleft()
+            try:
+                self._dispatch(node, frame, payload, self._now)
+            except RemoteProtocolError as exc:
+                self.counters["ps_frames_dropped"] += 1
+                self._log(
+                    logging.WARNING,
+                    f"a {frame.KIND.name} from node {node} was refused: {exc}",
+                    topic="handed over",
+                )
+        out, self._out = self._out, []
+        return out
+
+    def _log(self, level: int, message: str, *, topic: str | None = None) -> None:
+        self._out.append(Log(level=level, message=message, topic=topic))
+
+    # -- opening ---------------------------------------------------------------------------
+    def model(self, key: Key) -> Model | None:
+        return self.models.get(key)
+
+    def _model_for(self, key: Key, spec: Meta, bounds: list[tuple[int, int]]) -> Model:
+        model = self.models.get(key)
+        if model is None:
+            servers, replicas = spec["servers"], spec["replicas"]
+            workers = tuple(r for r in range(spec["n"]) if r not in servers and r not in replicas)
+            model = Model(spec=spec, bounds=bounds, workers=workers)
+        return model
+
+    def open_worker(
+        self,
+        key: Key,
+        spec: Meta,
+        bounds: list[tuple[int, int]],
+        *,
+        rank: int,
+        settings: FilterSettings,
+        seed: int,
+    ) -> None:
+        """Local worker ``rank`` opens the model (the caller checked ``spec``)."""
+        model = self._model_for(key, spec, bounds)
+        if rank in model.local_workers:
+            raise UsageError(f"rank {rank} opened parameter server {key[1]!r} already")
+        worker = Worker(
+            worker=rank,
+            size=spec["size"],
+            dtype=spec["dtype"],
+            shards=len(bounds),
+            settings=settings,
+            delay_bound=spec["delay_bound"],
+            seed=seed,
+        )
+        worker.epochs = [model.epochs.get(shard, 0) for shard in range(len(bounds))]
+        model.local_workers[rank] = WorkerSide(engine=worker)
+        self.models[key] = model
+
+    def open_shard(
+        self,
+        key: Key,
+        spec: Meta,
+        bounds: list[tuple[int, int]],
+        *,
+        rank: int,
+        shard: int,
+        initial: Array,
+        rule: UpdateRule | None,
+        settings: FilterSettings,
+        now: float,
+    ) -> list[Action]:
+        """Local rank ``rank`` opens ``shard`` as its server or replica (the caller checked
+        ``spec`` and the role): it joins its partner, and frames held for it are taken."""
+        self._begin(now)
+        model = self._model_for(key, spec, bounds)
+        if shard in model.servers:
+            raise UsageError(f"shard {shard} of {key[1]!r} is open here already")
+        model.servers[shard] = ShardServer(
+            initial=initial,
+            workers=model.workers,
+            consistency=Consistency(spec["consistency"]),
+            staleness=spec["staleness"],
+            delay_bound=spec["delay_bound"],
+            rule=rule,
+            settings=settings,
+            chunk=spec["chunk"],
+            # a rank that opens its shard after a failover (or not as its server) has no state
+            # of its own: it joins its partner, which sends it the shard's
+            replica=rank != int(spec["servers"][shard]) or model.epochs.get(shard, 0) > 0,
+            replicated=bool(spec["replicas"]),
+        )
+        model.ranks[shard] = rank
+        self.models[key] = model
+        other = model.partner(shard, rank)
+        if (
+            model.servers[shard].primary
+            and other is not None
+            and self.ranks.lookup(key[0], other) is not None
+        ):
+            model.tentative.add(shard)
+        self._join(key, shard)
+        self._take_early(key)
+        return self._done()
+
+    def close_worker(self, key: Key, rank: int) -> Worker | None:
+        """Local worker ``rank``'s process left: its side is forgotten (returned)."""
+        model = self.models.get(key)
+        side = None if model is None else model.local_workers.pop(rank, None)
+        self._forget_if_empty(key)
+        return None if side is None else side.engine
+
+    def close_shard(self, key: Key, shard: int) -> ShardServer | None:
+        """The process serving ``shard`` here left: the shard is forgotten (returned)."""
+        model = self.models.get(key)
+        if model is None:
+            return None
+        model.ranks.pop(shard, None)
+        server = model.servers.pop(shard, None)
+        self._forget_if_empty(key)
+        return server
+
+    def _forget_if_empty(self, key: Key) -> None:
+        model = self.models.get(key)
+        if model is not None and not model.local_workers and not model.servers:
+            del self.models[key]
+
+    def failed(self, key: Key) -> tuple[int, str] | None:
+        """A shard of ``key`` nobody serves any more, and why."""
+        model = self.models.get(key)
+        if model is None or not model.failed:
+            return None
+        return next(iter(model.failed.items()))
+
+    # -- a worker's calls --------------------------------------------------------------------
+    def push(self, key: Key, rank: int, update: Array, now: float) -> list[Action]:
+        """Local worker ``rank`` pushes ``update`` (refused with ``UsageError`` first)."""
+        self._begin(now)
+        side = self.models[key].local_workers[rank]
+        self._worker(key, side, side.engine.push(update))
+        return self._done()
+
+    def pull(self, key: Key, rank: int, out: Array, *, fresh: bool, now: float) -> list[Action]:
+        """Local worker ``rank`` pulls into ``out`` (``fresh``: a new array, pulled whole)."""
+        self._begin(now)
+        side = self.models[key].local_workers[rank]
+        actions = side.engine.pull(fresh=fresh)
+        side.out = out
+        self._worker(key, side, actions)
+        return self._done()
+
+    def _worker(self, key: Key, side: WorkerSide, actions: list[WorkerAction]) -> None:
+        model = self.models.get(key)
+        if model is None:
+            return
+        job, name = key
+        rank = side.engine.worker
+        epochs = side.engine.epochs
+        for action in actions:
+            if isinstance(action, SendPush | SendPull):
+                to = self._serving(job, model, action.shard)
+                epoch = epochs[action.shard]
+                frame, payload = messages.to_server(key, model.spec, rank, to, epoch, action)
+                self._send(job, to, frame, payload)
+            elif isinstance(action, PushDone | PullDone):
+                if isinstance(action, PullDone):
+                    side.out = None
+                    result: Meta = {"version": action.version}
+                else:
+                    result = {"iteration": action.iteration, "dropped": list(action.dropped)}
+                result["versions"] = list(action.versions)
+                result["epochs"] = [epochs[s] for s in range(len(model.bounds))]
+                self._out.append(CallDone(key=key, rank=rank, result=result))
+            else:
+                assert isinstance(action, PullFailed)
+                side.out = None
+                failure = Failure(
+                    code=ErrorCode.PEER_FAILED,
+                    message=f"shard {action.shard} of {name!r}: {action.reason}",
+                )
+                self._out.append(CallDone(key=key, rank=rank, failure=failure))
+
+    def _serving(self, job: str, model: Model, shard: int) -> int:
+        """Where a worker here sends ``shard``'s frames (module docstring, *Routing*)."""
+        target = model.target(shard)
+        if self.ranks.lookup(job, target) is not None or (job, target) in self.suspects:
+            return target
+        other = model.partner(shard, target)
+        if other is not None and self.ranks.lookup(job, other) is not None:
+            return other
+        return target
+
+    # -- a shard's process -----------------------------------------------------------------
+    def stepped(self, key: Key, shard: int, version: int, model: Array, now: float) -> list[Action]:
+        """The process serving ``shard`` ran its update callback: ``model`` is the new one."""
+        self._begin(now)
+        server = self.models[key].servers[shard]
+        self._server(key, shard, server.stepped(version, model, now))
+        return self._done()
+
+    def flush(self, key: Key, shards: list[int], op: int, now: float) -> tuple[bool, list[Action]]:
+        """The process serving ``shards`` flushes them (publishes what the lossless mode held
+        back); a replica's follow its primary's.  ``False``: none is primary here, nothing to
+        wait for; else :class:`Complete` of ``op`` comes once every flush is processed (with
+        a replica, confirmed), or failed if a shard was taken over by its partner first."""
+        self._begin(now)
+        model = self.models[key]
+        waits: dict[int, tuple[int, int]] = {}
+        for shard in shards:
+            server = model.servers[shard]
+            if server.primary:
+                waits[shard] = (server.statistics().logged + 1, server.epoch)
+                self._server(key, shard, server.flush(now))
+        if waits:
+            model.flushes[op] = waits
+            self._flushed(model)
+        return bool(waits), self._done()
+
+    def drop_flush(self, key: Key, op: int) -> None:
+        """Forget flush ``op`` (its process left, or the daemon stops)."""
+        model = self.models.get(key)
+        if model is not None:
+            model.flushes.pop(op, None)
+
+    def _flushed(self, model: Model) -> None:
+        """Complete the flushes whose shards processed them; fail those whose shard was taken
+        over by its partner before (its log went with the state it took)."""
+        for op, waits in list(model.flushes.items()):
+            for shard, (index, epoch) in list(waits.items()):
+                server = model.servers.get(shard)
+                if server is None:
+                    continue  # closed: its process, the flush's, left
+                if server.epoch != epoch or not server.primary:
+                    del model.flushes[op]
+                    failure = Failure(
+                        code=ErrorCode.PEER_FAILED,
+                        message=f"shard {shard} was taken over by its partner before the flush "
+                        "was published: flush where it is served",
+                    )
+                    self._out.append(Complete(op=op, failure=failure))
+                    break
+                stats = server.statistics()
+                if stats.logged - stats.unreplicated >= index:
+                    del waits[shard]
+            else:
+                if not waits:
+                    del model.flushes[op]
+                    self._out.append(Complete(op=op))
+
+    # -- a shard's actions -------------------------------------------------------------------
+    def _server(self, key: Key, shard: int, actions: list[ServerAction]) -> None:
+        model = self.models.get(key)
+        server = None if model is None else model.servers.get(shard)
+        if model is None or server is None:
+            return
+        job = key[0]
+        me = model.ranks[shard]
+        other = model.partner(shard, me)
+        for action in actions:
+            if isinstance(action, Forward | Snapshot):
+                assert other is not None
+                if not self._replicate(key, shard, me, other, action):
+                    return  # the entries that followed were processed just now
+            elif isinstance(action, Step):
+                self._out.append(StepShard(key=key, shard=shard, step=action))
+            elif isinstance(action, Logged):
+                assert other is not None
+                self._send(job, other, messages.confirmation(key, shard, me, other, action))
+            else:
+                frame, payload = messages.to_worker(key, shard, me, server, action)
+                self._send(job, action.worker, frame, payload)
+        if model.flushes:
+            self._flushed(model)
+
+    def _replicate(
+        self, key: Key, shard: int, me: int, other: int, action: Forward | Snapshot
+    ) -> bool:
+        """Send the partner an entry or the snapshot; ``False``: a snapshot too large for a
+        frame, and the shard goes on unreplicated."""
+        if isinstance(action, Snapshot) and len(action.data) > self.max_payload:
+            self._log(
+                logging.ERROR,
+                f"parameter server {key[1]!r} shard {shard}: a snapshot of {len(action.data)} B "
+                f"is more than max_payload ({self.max_payload} B) allows: rank {other} "
+                "cannot follow this shard, which goes on unreplicated (raise max_payload, "
+                "or use more servers)",
+            )
+            server = self.models[key].servers[shard]
+            self._server(key, shard, server.replica_lost(self._now))
+            return False
+        frame, payload = messages.to_partner(key, self.models[key].spec, shard, me, other, action)
+        self._send(key[0], other, frame, payload)
+        return True
+
+    def _join(self, key: Key, shard: int) -> None:
+        """Ask the shard's partner for its state (it ignores this if it has none to give)."""
+        model = self.models[key]
+        model.answered.discard(shard)
+        rank = model.ranks[shard]
+        other = model.partner(shard, rank)
+        if other is None:
+            return
+        epoch = model.servers[shard].epoch
+        join = messages.join(key, model.spec, shard, rank, other, epoch)
+        self._send(key[0], other, join)
+
+    # -- moving frames -----------------------------------------------------------------------
+    def _send(self, job: str, rank: int, frame: frames.PeerFrame, payload: bytes = b"") -> None:
+        """Send ``frame`` to rank ``rank``'s node, or hand it over here if the rank is local.
+        A rank not known (yet, or any more) gets nothing: what waits for it is sent again
+        when it joins, or fails when it is gone.  One suspected, or on a node whose links are
+        not all up, gets the frame once it is known and they are: an acknowledgement or an
+        answer is sent once, to a worker that will not ask again."""
+        entry = self.ranks.lookup(job, rank)
+        if entry is None and (job, rank) not in self.suspects:
+            return
+        if entry is None or (entry.node != self.node and not self.ranks.reachable(entry.node)):
+            if not self._held.hold((job, rank), frame, payload):
+                self.counters["ps_frames_dropped"] += 1
+            return
+        if entry.node == self.node:
+            self._local.append((entry.node, frame, payload))
+        elif frame.KIND in DATA_KINDS:
+            self._out.append(SendData(node=entry.node, frame=frame, payload=payload))
+        else:
+            self._out.append(SendFrame(node=entry.node, frame=frame))
+
+    def on_frame(
+        self, node: int, frame: frames.PeerFrame, payload: bytes, now: float
+    ) -> list[Action]:
+        """A PS frame (with its payload, if it has one) from ``node``.
+
+        Raises:
+            RemoteProtocolError: the frame is malformed (the peer is closed).
+        """
+        self._begin(now)
+        self._dispatch(node, frame, payload, now)
+        return self._done()
+
+    def _dispatch(self, node: int, frame: frames.PeerFrame, payload: bytes, now: float) -> None:
+        if isinstance(frame, ps_frames.Push | ps_frames.Pull):
+            self._at_server(node, frame, payload, now)
+            return
+        # a server's, replica's or partner's frame counts only from the node its rank lives
+        # on: anything else could forge an entry, a confirmation or an acknowledgement
+        assert isinstance(
+            frame,
+            ps_frames.Pushed
+            | ps_frames.Pulled
+            | ps_frames.Replicate
+            | ps_frames.Replicated
+            | ps_frames.Join,
+        )
+        sender = (
+            frame.replica
+            if isinstance(frame, ps_frames.Replicated | ps_frames.Join)
+            else frame.server
+        )
+        if not self._sent_by(node, frame.job, sender):
+            return
+        if isinstance(frame, ps_frames.Pushed | ps_frames.Pulled):
+            self._at_worker(frame, payload)
+        elif isinstance(frame, ps_frames.Replicate):
+            self._at_replica(frame, payload, now)
+        elif isinstance(frame, ps_frames.Join):
+            self._at_partner(frame)
+        else:
+            key = (frame.job, frame.name)
+            model = self.models.get(key)
+            server = None if model is None else model.servers.get(frame.shard)
+            if server is None or not server.primary:
+                self.counters["ps_frames_dropped"] += 1
+                return
+            self._server(key, frame.shard, server.replicated_upto(frame.index, now))
+
+    def _sent_by(self, node: int, job: str, rank: int) -> bool:
+        """Whether rank ``rank`` lives on ``node``, known there: a server's or replica's
+        frame from anywhere else is dropped and counted.  One that overtook its rank's
+        announcement after a reset is sent again when the rank joins."""
+        entry = self.ranks.lookup(job, rank)
+        if entry is not None and entry.node == node:
+            return True
+        self.counters["ps_frames_dropped"] += 1
+        message = f"node {node} sent a frame as server rank {rank}, which is not on it"
+        self._log(logging.WARNING, message, topic="stray")
+        return False
+
+    def _from(self, node: int, job: str, rank: int) -> bool:
+        """Whether rank ``rank`` may live on ``node`` (a frame naming a rank of another node
+        is dropped and counted, never taken as that rank's)."""
+        entry = self.ranks.lookup(job, rank)
+        if entry is None or entry.node == node:
+            return True
+        self.counters["ps_frames_dropped"] += 1
+        self._log(
+            logging.WARNING, f"node {node} sent a frame as rank {rank}, not on it", topic="stray"
+        )
+        return False
+
+    def _at_server(
+        self, node: int, frame: ps_frames.Push | ps_frames.Pull, payload: bytes, now: float
+    ) -> None:
+        if not self._from(node, frame.job, frame.worker):
+            return
+        key = (frame.job, frame.name)
+        model = self.models.get(key)
+        server = None if model is None else model.servers.get(frame.shard)
+        if model is None or server is None:
+            self._hold(node, frame, payload, now)
+            return
+        if model.spec != frame.spec:
+            why = (
+                f"the worker opened it as {messages.describe(frame.spec)}, the server as "
+                f"{messages.describe(model.spec)}"
+            )
+            self._refuse(key, frame, why)
+            return
+        if frame.worker not in model.workers:
+            raise RemoteProtocolError(f"rank {frame.worker} is not a worker of {frame.name!r}")
+        if frame.shard in model.tentative or self._awaits_state(model, frame):
+            # this rank waits for its partner's answer or state: the frame is taken once it
+            # came (with the shard's epoch, which moves a worker's daemon that did not know it)
+            self._hold(node, frame, payload, now)
+            return
+        if not server.primary and frame.epoch > server.epoch:
+            # the worker's daemon saw the primary go before this one did
+            self._promote(key, frame.shard, "a worker failed over to it", now)
+        if not server.primary or frame.epoch != server.epoch:
+            # a worker's daemon behind this rank's epoch (it opened the model after a
+            # failover it never heard of) is told the epoch: it moves to the rank serving it
+            later = server.epoch if server.has_state and server.epoch > frame.epoch else None
+            self._refuse(key, frame, messages.why_not_serving(server, frame.epoch), epoch=later)
+            return
+        if isinstance(frame, ps_frames.Push):
+            actions = server.push(frame.worker, frame.iteration, frame.base, payload, now)
+        else:
+            actions = server.pull(frame.worker, frame.clock, frame.since, now)
+        self._server(key, frame.shard, actions)
+
+    def _awaits_state(self, model: Model, frame: ps_frames.Push | ps_frames.Pull) -> bool:
+        """Whether the local rank of ``frame``'s shard has no state and its partner, known,
+        will send it."""
+        other = model.partner(frame.shard, model.ranks[frame.shard])
+        return (
+            not model.servers[frame.shard].has_state
+            and other is not None
+            and self.ranks.lookup(frame.job, other) is not None
+        )
+
+    def _refuse(
+        self,
+        key: Key,
+        frame: ps_frames.Push | ps_frames.Pull,
+        why: str,
+        *,
+        epoch: int | None = None,
+    ) -> None:
+        """Answer ``frame`` with ``why``; ``epoch``: the shard's later epoch, which moves the
+        worker's daemon to the rank serving it."""
+        self._send(key[0], frame.worker, messages.refusal(key, frame, why, epoch))
+
+    def _at_worker(self, frame: ps_frames.Pushed | ps_frames.Pulled, payload: bytes) -> None:
+        key = (frame.job, frame.name)
+        model = self.models.get(key)
+        side = None if model is None else model.local_workers.get(frame.worker)
+        if model is None or side is None:
+            self.counters["ps_frames_dropped"] += 1
+            return
+        side.engine.check_frame(frame.shard)
+        if frame.epoch > model.epochs.get(frame.shard, 0) and frame.server in pair(
+            model.spec, frame.shard
+        ):
+            # the shard's pair is at a later epoch than this daemon knew: what was refused is
+            # sent again to the rank serving it
+            self._adopt(key, frame.shard, frame.epoch, "its pair said so")
+            return
+        if frame.server != model.target(frame.shard):
+            self.counters["ps_frames_dropped"] += 1  # from the server before a failover
+            return
+        if isinstance(frame, ps_frames.Pushed):
+            actions = side.engine.pushed(frame.shard, frame.iteration, frame.version, frame.dropped)
+        elif frame.error is not None:
+            actions = side.engine.refused(frame.shard, frame.clock, frame.error)
+        elif side.out is None:
+            actions = []  # an answer nobody waits for (the client left, or sent again)
+        else:
+            actions = side.engine.pulled(frame.shard, frame.clock, payload, side.out)
+        self._worker(key, side, actions)
+
+    def _at_replica(self, frame: ps_frames.Replicate, payload: bytes, now: float) -> None:
+        key = (frame.job, frame.name)
+        model = self.models.get(key)
+        server = None if model is None else model.servers.get(frame.shard)
+        if model is None or server is None or model.spec != frame.spec:
+            self.counters["ps_frames_dropped"] += 1
+            return
+        if frame.entry == "snapshot":
+            if server.restore(frame.index, payload):
+                self._log(
+                    logging.INFO,
+                    f"parameter server {key[1]!r} shard {frame.shard}: took the state of rank "
+                    f"{frame.server} at epoch {server.epoch}",
+                )
+                self._adopt(key, frame.shard, server.epoch, "its partner's snapshot said so")
+            model.tentative.discard(frame.shard)
+            self._take_early(key)  # workers' frames held while the state was away
+            return
+        if frame.entry not in (PUSH, LOSE, FLUSH):
+            raise RemoteProtocolError(f"replication entry of kind {frame.entry!r}")
+        entry = Entry(
+            index=frame.index,
+            kind=frame.entry,
+            worker=frame.worker,
+            iteration=frame.iteration,
+            base=frame.base,
+            payload=payload,
+            reason=frame.reason,
+        )
+        if server.primary:
+            self.counters["ps_frames_dropped"] += 1  # promoted: the old primary is gone
+            return
+        self._server(key, frame.shard, server.log(entry, now))
+
+    def _at_partner(self, frame: ps_frames.Join) -> None:
+        """The shard's partner opened it: send it the state if this rank serves the shard;
+        if this rank waits for the state itself, the partner has just opened, so ask it."""
+        key = (frame.job, frame.name)
+        model = self.models.get(key)
+        server = None if model is None else model.servers.get(frame.shard)
+        if model is None or server is None or model.spec != frame.spec:
+            self.counters["ps_frames_dropped"] += 1
+            return
+        if model.partner(frame.shard, model.ranks[frame.shard]) != frame.replica:
+            raise RemoteProtocolError(f"rank {frame.replica} is not shard {frame.shard}'s partner")
+        if server.primary:
+            self._settle(key, frame.shard)  # the partner asks: this rank serves
+            self._server(key, frame.shard, server.joined())
+        elif not server.has_state and frame.shard not in model.answered:
+            # once: a partner without state answers this JOIN with its own, and two such
+            # partners would otherwise ask each other for ever (the shard is lost)
+            self._join(key, frame.shard)
+            model.answered.add(frame.shard)
+
+    def _settle(self, key: Key, shard: int) -> None:
+        """``shard`` is no longer tentative here (its partner answered, or is gone): the
+        workers' frames held meanwhile are taken now."""
+        model = self.models[key]
+        if shard in model.tentative:
+            model.tentative.discard(shard)
+            self._take_early(key)
+
+    def _adopt(self, key: Key, shard: int, epoch: int, how: str) -> None:
+        """This daemon learned (``how``) that ``shard`` is at ``epoch``: its workers here move
+        there, and their clients hear ``ps_epoch``."""
+        model = self.models[key]
+        if epoch <= model.epochs.get(shard, 0):
+            return
+        model.epochs[shard] = epoch
+        self._move_workers(key, shard, f"the shard is at epoch {epoch} ({how})")
+
+    def _move_workers(self, key: Key, shard: int, reason: str) -> None:
+        """Tell every local worker of ``key`` that ``shard`` is at its epoch now, and send
+        what each has in flight to the rank serving it."""
+        model = self.models[key]
+        epoch, server = model.epochs[shard], model.target(shard)
+        for rank, side in model.local_workers.items():
+            self._out.append(
+                EpochMoved(
+                    key=key, rank=rank, shard=shard, epoch=epoch, server=server, reason=reason
+                )
+            )
+            self._worker(key, side, side.engine.move(shard, epoch))
+
+    # -- early frames ------------------------------------------------------------------------
+    def _hold(
+        self, node: int, frame: ps_frames.Push | ps_frames.Pull, payload: bytes, now: float
+    ) -> None:
+        if self._early.holds(node, frame):
+            return  # sent again after a reset: the one held is taken (or refused) in its place
+        waits = isinstance(frame, ps_frames.Push) and frame.server in pair(frame.spec, frame.shard)
+        if not self._early.has_room(len(payload)):
+            self.counters["ps_frames_dropped"] += 1
+            why = (
+                f"rank {frame.server} has not opened {frame.name!r} and this daemon holds "
+                f"{len(self._early)} frames ({self._early.nbytes} B) for models not open yet, "
+                f"the most it keeps ({routing.MAX_HELD}, or {routing.HELD_PAYLOADS} x "
+                "max_payload)"
+            )
+            if waits:
+                # not answered: a push answered as dropped counts as processed, and the
+                # worker's next one would skip an iteration its server never saw; it waits
+                # (its stall row says for whom) and is sent again after its links' next reset
+                self._log(
+                    logging.WARNING, f"a push from node {node} not held: {why}", topic="early"
+                )
+            else:
+                self._refuse((frame.job, frame.name), frame, why)
+            return
+        # a pull, or a push for a shard or rank its spec does not have, is refused in time
+        deadline = None if waits else now + self.route_timeout
+        self._early.hold(Early(node=node, frame=frame, payload=payload, deadline=deadline))
+
+    def _take_early(self, key: Key) -> None:
+        model = self.models[key]
+        for early in self._early.take(
+            lambda e: (e.frame.job, e.frame.name) == key and e.frame.shard in model.servers
+        ):
+            self._local.append((early.node, early.frame, early.payload))
+
+    # -- peers and ranks ---------------------------------------------------------------------
+    def peer_up(self, node: int, now: float) -> list[Action]:
+        """``node``'s links are up again: send its ranks what may have been lost with the old
+        links, and what was held for them; ranks it has not announced again yet get theirs
+        when it does (:meth:`rank_joined`)."""
+        self._begin(now)
+
+        def on_node(job: str, rank: int) -> bool:
+            entry = self.ranks.lookup(job, rank)
+            return entry is not None and entry.node == node
+
+        self._send_again(on_node, rejoin=False)
+        return self._done()
+
+    def rank_joined(self, job: str, rank: int, node: int, now: float) -> list[Action]:
+        """Rank ``rank`` of ``job`` is known on ``node`` (first seen, or back): it is no
+        longer suspected,
+        and what waits for it goes now, unless its node's links are not all up yet (then
+        :meth:`peer_up` sends it).  A peer forgets the ranks of a node it reset, so
+        :meth:`peer_up` could not tell it was there."""
+        self._begin(now)
+        self.suspects.discard((job, rank))
+        for key, model in self.models.items():
+            if key[0] == job:
+                model.gone.discard(rank)
+        if node == self.node or self.ranks.reachable(node):
+            self._send_again(lambda j, r: (j, r) == (job, rank), rejoin=True)
+        return self._done()
+
+    def rank_suspected(self, job: str, rank: int) -> None:
+        """Rank ``rank`` of ``job`` was lost with its node's links: what is sent it is held
+        until it is back (:meth:`rank_joined`) or gone (:meth:`rank_gone`)."""
+        self.suspects.add((job, rank))
+
+    def _send_again(self, reached: Callable[[str, int], bool], *, rejoin: bool) -> None:
+        """Send the ranks that ``reached`` says are reachable again what was held for them and
+        what they may have lost: the workers' pushes and pulls in flight to them, a primary's
+        entries to its partner (or its whole state, :meth:`_resync`), a replica's JOIN (if it
+        has no state, or always with ``rejoin``: what its primary sent again when it learned
+        of this rank may have overtaken the primary's announcement here and been dropped by
+        :meth:`_sent_by`; with the state, the snapshot is ignored and the entries after it are
+        taken or confirmed again)."""
+        for (job, rank), frame, payload in self._held.take(reached):
+            self._send(job, rank, frame, payload)
+        for key, model in list(self.models.items()):
+            job = key[0]
+            for side in model.local_workers.values():
+                for shard in range(len(model.bounds)):
+                    if reached(job, model.target(shard)):
+                        self._worker(key, side, side.engine.resend(shard))
+            for shard, server in model.servers.items():
+                other = model.partner(shard, model.ranks[shard])
+                if other is None or not reached(job, other):
+                    continue
+                if server.primary and shard not in model.tentative:
+                    self._server(key, shard, _resync(server))
+                elif rejoin or not server.has_state or shard in model.tentative:
+                    # the JOIN may have gone with the old links (a tentative primary still
+                    # waits for its partner's answer: it has nothing to send it)
+                    self._join(key, shard)
+
+    def rank_gone(self, job: str, rank: int, reason: str, now: float) -> list[Action]:
+        """Rank ``rank`` of ``job`` is gone for good: lose it as a worker, replace it as a
+        server, go on without it as a replica."""
+        self._begin(now)
+        self.suspects.discard((job, rank))
+        self._held.drop((job, rank))
+        # a push for a server that left is sent again to its successor, if any
+        gone = self._early.take(
+            lambda e: e.frame.job == job and rank in (e.frame.worker, e.frame.server)
+        )
+        self.counters["ps_frames_dropped"] += len(gone)
+        for key, model in list(self.models.items()):
+            if key[0] == job:
+                self._lose(key, model, rank, reason, now)
+        return self._done()
+
+    def _lose(self, key: Key, model: Model, rank: int, reason: str, now: float) -> None:
+        if rank in model.workers:
+            model.gone.add(rank)
+            for shard, server in model.servers.items():
+                if server.primary:
+                    self._server(key, shard, server.lose(rank, reason, now))
+        for shard in range(len(model.bounds)):
+            if rank not in pair(model.spec, shard):
+                continue
+            if rank == model.target(shard):
+                self._failover(key, shard, f"rank {rank} serving it left ({reason})", now)
+                continue
+            local = model.servers.get(shard)  # the partner that follows it went
+            if local is not None and local.primary:
+                self._settle(key, shard)  # nobody can answer for a later epoch
+                self._server(key, shard, local.replica_lost(now))
+
+    def _failover(self, key: Key, shard: int, reason: str, now: float) -> None:
+        """The rank serving ``shard`` is gone: its partner serves it from the next epoch (if
+        the shard has one; else the shard has no server any more)."""
+        model = self.models[key]
+        if not model.spec["replicas"]:
+            self._fail_shard(key, shard, reason)
+            return
+        epoch = model.epochs.get(shard, 0) + 1
+        model.epochs[shard] = epoch
+        successor = model.target(shard)
+        # a suspect (its node unreachable) may come back: what is sent it waits for it
+        # (_send), and if it is gone for good, rank_gone fails the shard over again
+        if (
+            self.ranks.lookup(key[0], successor) is None
+            and (key[0], successor) not in self.suspects
+        ):
+            self._fail_shard(key, shard, f"{reason}, and its partner rank {successor} is gone too")
+            return
+        server = model.servers.get(shard)
+        if server is not None and not self._promote(key, shard, reason, now):
+            self._fail_shard(key, shard, f"{reason}, and its partner never got the shard's state")
+            return
+        self.counters["ps_failovers"] += 1
+        self._log(
+            logging.WARNING,
+            f"parameter server {key[1]!r} shard {shard}: {reason}; rank {successor} serves it "
+            f"from epoch {epoch}",
+        )
+        self._move_workers(key, shard, reason)
+
+    def _promote(self, key: Key, shard: int, reason: str, now: float) -> bool:
+        """The local partner of ``shard`` takes over, if it holds the shard's state; workers
+        already gone are lost to it.  ``False``: it has none, and the shard is lost."""
+        model = self.models[key]
+        server = model.servers[shard]
+        if server.primary:
+            return True
+        if not server.promote():
+            self._log(
+                logging.ERROR,
+                f"parameter server {key[1]!r} shard {shard}: {reason}, and this rank never got "
+                "the shard's state: the shard is lost",
+            )
+            return False
+        self._log(
+            logging.WARNING,
+            f"parameter server {key[1]!r} shard {shard}: promoted to primary at epoch "
+            f"{server.epoch} ({reason})",
+        )
+        for worker in model.workers:
+            # one this daemon heard is gone is lost (its primary's LOSE entry may have gone
+            # with it); a suspect is lost by rank_gone in time, and a worker not known that
+            # never pushed may not have started yet
+            if worker in model.gone or (
+                self.ranks.lookup(key[0], worker) is None
+                and (key[0], worker) not in self.suspects
+                and server.coordinator.clock(worker) > 0
+            ):
+                self._server(key, shard, server.lose(worker, "gone at the failover", now))
+        return True
+
+    def _fail_shard(self, key: Key, shard: int, reason: str) -> None:
+        model = self.models[key]
+        model.failed[shard] = reason
+        failure = Failure(
+            code=ErrorCode.PEER_FAILED,
+            message=f"shard {shard} of {key[1]!r} has no server: {reason}",
+        )
+        for rank in model.local_workers:
+            self._out.append(CallDone(key=key, rank=rank, failure=failure))
+
+    # -- time --------------------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        return self._early.next_deadline()
+
+    def on_timer(self, now: float) -> list[Action]:
+        """Refuse the early frames whose model did not open within ``route_timeout``."""
+        self._begin(now)
+        for early in self._early.expired(now):
+            self.counters["ps_early_expired"] += 1
+            frame = early.frame
+            self._refuse(
+                (frame.job, frame.name),
+                frame,
+                f"rank {frame.server} did not open parameter server {frame.name!r} "
+                f"within route_timeout ({self.route_timeout} s)",
+            )
+        return self._done()
+
+
+def _resync(server: ShardServer) -> list[ServerAction]:
+    """What a primary sends its partner back from a reset or a partition: the entries it has
+    not confirmed, or, if the primary gave it up meanwhile (went on alone), its whole state: a
+    partner that kept its own (its process lived on) would otherwise stay behind for good, and
+    be promoted so if the primary then died."""
+    return list(server.unconfirmed()) if server.synced else server.joined()
