@@ -131,13 +131,22 @@ def read_secret(path: str | os.PathLike[str]) -> bytes:
 
 
 class PeerSession:
-    """Both links of a pretend node ``node`` to node ``dialled``, one incarnation: what a real
-    peer that dials would open."""
+    """Both links of a pretend node ``node`` to node ``dialled``, one incarnation (a new one
+    unless ``incarnation`` is given: the same daemon reconnecting): what a real peer that dials
+    would open."""
 
     def __init__(
-        self, address: str, *, secret: bytes, node: int, dialled: int, fabric_size: int
+        self,
+        address: str,
+        *,
+        secret: bytes,
+        node: int,
+        dialled: int,
+        fabric_size: int,
+        incarnation: int | None = None,
     ) -> None:
-        incarnation = next(_incarnations)
+        if incarnation is None:
+            incarnation = next(_incarnations)
         self.control = authenticate(
             address,
             secret=secret,

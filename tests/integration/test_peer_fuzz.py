@@ -67,9 +67,15 @@ def _pretend_node_zero(make_cluster: Callable[..., LocalCluster], **settings: ob
     return cluster, secret, real
 
 
-def _session(cluster: LocalCluster, secret: bytes) -> PeerSession:
+def _session(cluster: LocalCluster, secret: bytes, incarnation: int | None = None) -> PeerSession:
+    """A session of pretend node 0; a new incarnation unless ``incarnation`` is given."""
     return PeerSession(
-        cluster.nodes[TARGET].address, secret=secret, node=0, dialled=TARGET, fabric_size=3
+        cluster.nodes[TARGET].address,
+        secret=secret,
+        node=0,
+        dialled=TARGET,
+        fabric_size=3,
+        incarnation=incarnation,
     )
 
 

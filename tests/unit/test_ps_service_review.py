@@ -23,7 +23,14 @@ from fabricd.daemon.service import Request
 from fabricd.daemon.services.ps import PSService
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.actions import Failure
-from fabricd.engines.membership import RankEntry, RankJoined, RankLeft
+from fabricd.engines.membership import (
+    RankBack,
+    RankEntry,
+    RankGone,
+    RankJoined,
+    RankLeft,
+    RankSuspected,
+)
 from fabricd.engines.ps import routing
 from fabricd.errors import UsageError
 from fabricd.frames import ps as ps_frames
@@ -47,12 +54,38 @@ class Table:
 
     def __init__(self) -> None:
         self.entries: dict[tuple[str, int], RankEntry] = {}
+        #: ranks lost with their node's links, not back or gone yet (one set for the test's
+        #: two nodes: each suspects only the other's ranks)
+        self.suspects: set[tuple[str, int]] = set()
 
     def lookup(self, job: str, rank: int) -> RankEntry | None:
         return self.entries.get((job, rank))
 
+    def suspected(self, job: str, rank: int) -> bool:
+        return (job, rank) in self.suspects
+
     def owner(self, job: str) -> int | None:
         return 1000
+
+
+def lose_links(service: PSService, table: Table, entry: RankEntry, now: float) -> None:
+    """What membership tells a service of a rank whose node's links were reset."""
+    table.suspects.add((entry.job, entry.rank))
+    service.on_rank_event(RankLeft(entry=entry, reason="links reset", lost=True), now)
+    service.on_suspicion(RankSuspected(entry=entry, reason="links reset"), now)
+
+
+def back(service: PSService, table: Table, entry: RankEntry, now: float) -> None:
+    """What membership tells a service of a suspected rank its same daemon announced again."""
+    table.suspects.discard((entry.job, entry.rank))
+    service.on_suspicion(RankBack(entry=entry), now)
+    service.on_rank_event(RankJoined(entry=entry), now)
+
+
+def gone(service: PSService, table: Table, entry: RankEntry, now: float) -> None:
+    """What membership tells a service of a suspected rank not back within down_after."""
+    table.suspects.discard((entry.job, entry.rank))
+    service.on_suspicion(RankGone(entry=entry, reason="unreachable past down_after"), now)
 
 
 @dataclass
@@ -335,7 +368,7 @@ def test_a_failover_to_a_replica_whose_node_is_briefly_unreachable_waits_for_it(
     # node 0 loses its links to node 1: ranks 1 and 3 are suspects there
     lost = [fabric.table.entries.pop((JOB, rank)) for rank in (1, 3)]
     for entry in lost:
-        node0.on_rank_event(RankLeft(entry=entry, reason="links reset", lost=True), 0.0)
+        lose_links(node0, fabric.table, entry, 0.0)
     fabric.call(2, 10, "ps_push")  # BSP: it waits for rank 3's
     # the server's process ends
     server = fabric.table.entries.pop((JOB, 0))
@@ -348,7 +381,7 @@ def test_a_failover_to_a_replica_whose_node_is_briefly_unreachable_waits_for_it(
         fabric.table.entries[JOB, entry.rank] = entry
     node1.on_rank_event(RankLeft(entry=server, reason="it left", lost=False), 0.0)
     for entry in lost:
-        node0.on_rank_event(RankJoined(entry=entry), 1.0)
+        back(node0, fabric.table, entry, 1.0)
     fabric.call(3, 10, "ps_push")
     assert fabric.deliver(100)
     assert fabric.hosts[0].answered.pop(10)["epochs"] == [1]
@@ -474,8 +507,10 @@ def test_a_partner_back_after_the_primary_gave_it_up_gets_the_state_again() -> N
     node0, node1 = fabric.services
     lost = [fabric.table.entries.pop((JOB, rank)) for rank in (1, 3)]
     for entry in lost:  # node 0 loses node 1 for longer than down_after
-        node0.on_rank_event(RankLeft(entry=entry, reason="links reset", lost=True), 0.0)
+        lose_links(node0, fabric.table, entry, 0.0)
     fabric.tick(node0.host.config.down_after + 1)
+    for entry in lost:
+        gone(node0, fabric.table, entry, node0.host.config.down_after + 1)
     fabric.wire.frames.clear()
     fabric.array(2)[:] = 1.0
     fabric.call(2, 20, "ps_push")  # acknowledged by the primary alone
@@ -516,23 +551,19 @@ def test_an_entry_that_overtook_its_primarys_announcement_is_sent_again() -> Non
     fabric.call(2, 20, "ps_push")  # entry 1, forwarded to the replica ...
     fabric.wire.frames.clear()  # ... and lost with the links
     for rank in (0, 2):  # node 1 forgets node 0's ranks, node 0 forgets node 1's
-        node1.on_rank_event(
-            RankLeft(entry=fabric.table.entries[JOB, rank], reason="reset", lost=True), 0.0
-        )
+        lose_links(node1, fabric.table, fabric.table.entries[JOB, rank], 0.0)
     for rank in (1, 3):
-        node0.on_rank_event(
-            RankLeft(entry=fabric.table.entries[JOB, rank], reason="reset", lost=True), 0.0
-        )
+        lose_links(node0, fabric.table, fabric.table.entries[JOB, rank], 0.0)
     node0.peer_up(1, 0.0)
     node1.peer_up(0, 0.0)
     for rank in (1, 3):  # node 1's ranks are announced at node 0 first: entry 1 goes again
-        node0.on_rank_event(RankJoined(entry=fabric.table.entries[JOB, rank]), 0.0)
+        back(node0, fabric.table, fabric.table.entries[JOB, rank], 0.0)
     announced = {rank: fabric.table.entries.pop((JOB, rank)) for rank in (0, 2)}
     assert fabric.deliver(100)  # and reaches node 1 before rank 0's announcement
     assert node1.statistics()["counters"]["ps_frames_dropped"] >= 1
     fabric.table.entries.update({(JOB, r): e for r, e in announced.items()})
     for entry in announced.values():
-        node1.on_rank_event(RankJoined(entry=entry), 0.0)
+        back(node1, fabric.table, entry, 0.0)
     assert fabric.deliver(100)
     answer = fabric.hosts[0].answered.pop(20, None)
     assert answer is not None, "the primary waits for a confirmation for ever"

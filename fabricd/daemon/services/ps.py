@@ -14,10 +14,11 @@ dtype, the server ranks, one per key-range shard, and their replica ranks, consi
 staleness, delay bound, chunk); the job's other ranks are its workers.  A server's state lives
 as long as its process: the shard's process is its owner, and its leaving closes the shard.
 
-Suspicion: membership says a rank left; one lost with its remote node's links is *suspected*
-(:meth:`PSNode.rank_suspected`) and counts as gone once ``down_after`` passed without it
-coming back (:meth:`PSService.on_timer`).  That one source lives in :meth:`on_rank_event` and
-:meth:`on_timer` (``_suspicions``), so it can be replaced by membership's own news.
+Suspicion is membership's (:meth:`on_suspicion`): a rank lost with its node's links is
+*suspected* (:meth:`PSNode.rank_suspected`: what is sent it waits), then back (its
+:class:`RankJoined` follows, and :meth:`PSNode.rank_joined` sends what it may have lost) or gone
+(:meth:`PSNode.rank_gone`: lost as a worker, replaced as a server).  A rank that left any other
+way is gone at once (:meth:`on_rank_event`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.ps_status import Call, PSStatus
 from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.actions import Complete, Failure, SendFrame
-from fabricd.engines.deadlines import Deadlines
-from fabricd.engines.membership import RankJoined, RankLeft
+from fabricd.engines.membership import RankGone, RankJoined, RankSuspected
 from fabricd.engines.ps import push as ps_push
 from fabricd.engines.ps.consistency import CONSISTENCIES, UpdateRule, update_rule
 from fabricd.engines.ps.filters import FilterSettings
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
-    from fabricd.engines.membership import Membership, RankEntry, RankEvent
+    from fabricd.engines.membership import Membership, RankEntry, RankEvent, Suspicion
     from fabricd.engines.ps.models import Action, Key
 
 log = logging.getLogger("fabricd.ps")
@@ -135,9 +135,6 @@ class PSService(BaseService):
         self._steps: dict[tuple[Key, int], np.ndarray[Any, Any]] = {}  #: callback buffers
         self._flushes: dict[int, _Flush] = {}
         self._flush_ids = itertools.count(1)
-        #: the source of suspicion, for now: a rank lost with its node's links is gone once
-        #: down_after passed without it coming back (:meth:`on_rank_event`, :meth:`on_timer`)
-        self._suspicions: Deadlines[tuple[str, int]] = Deadlines()
         #: payloads landing: (node, kind, job, name, shard, worker, n) -> buffer
         self._landing: dict[tuple[Any, ...], bytearray] = {}
         self._queues = {
@@ -502,16 +499,18 @@ class PSService(BaseService):
     def on_rank_event(self, event: RankEvent, now: float) -> None:
         job, rank = event.entry.job, event.entry.rank
         if isinstance(event, RankJoined):
-            self._suspicions.cancel((job, rank))
             self._perform(self.engine.rank_joined(job, rank, event.entry.node, now))
-            return
-        assert isinstance(event, RankLeft)
-        if event.lost and event.entry.node != self.host.config.node_id:
-            self._suspicions.set((job, rank), now + self.host.config.down_after)
-            self.engine.rank_suspected(job, rank)
-            return
-        self._suspicions.cancel((job, rank))
-        self._perform(self.engine.rank_gone(job, rank, event.reason, now))
+        elif not self.membership.suspected(job, rank):  # else on_suspicion decides
+            self._perform(self.engine.rank_gone(job, rank, event.reason, now))
+
+    def on_suspicion(self, event: Suspicion, now: float) -> None:
+        """A rank lost with its node's links waits (suspected) or is gone; one back is
+        sent what it may have lost by the :class:`RankJoined` that follows."""
+        match event:
+            case RankSuspected(entry=entry):
+                self.engine.rank_suspected(entry.job, entry.rank)
+            case RankGone(entry=entry, reason=reason):
+                self._perform(self.engine.rank_gone(entry.job, entry.rank, reason, now))
 
     def client_gone(self, session: ClientSession, now: float) -> None:
         for place in [p for p, s in self._sessions.items() if s is session]:
@@ -530,13 +529,9 @@ class PSService(BaseService):
 
     # -- time, the drain --------------------------------------------------------------------
     def next_deadline(self) -> float | None:
-        deadlines = [self.engine.next_deadline(), self._suspicions.next()]
-        return min((d for d in deadlines if d is not None), default=None)
+        return self.engine.next_deadline()
 
     def on_timer(self, now: float) -> None:
-        for job, rank in self._suspicions.pop_due(now):
-            reason = "its node was unreachable longer than down_after"
-            self._perform(self.engine.rank_gone(job, rank, reason, now))
         self._perform(self.engine.on_timer(now))
 
     def shutdown(self, failure: Failure) -> None:
