@@ -43,6 +43,7 @@ from fabricd.client.handle import Handle
 from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.ps.filters import FilterSettings
 from fabricd.errors import DaemonUnavailable, UsageError
+from fabricd.frames.fields import MAX_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -326,9 +327,6 @@ def open_request(
     seed: object,
 ) -> Meta:
     """The ``ps_open`` request's fields, every argument checked first."""
-    # imported when first needed: fabricd.frames loads every frame kind (docs/performance.md)
-    from fabricd.frames.fields import MAX_NAME
-
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
         raise UsageError(f"a parameter server name is a str of 1 to {MAX_NAME} chars")
     if role not in ROLES:

@@ -35,6 +35,8 @@ import numpy as np
 from fabricd.client.handle import Handle
 from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.errors import UsageError
+from fabricd.frames.fields import MAX_NAME
+from fabricd.frames.stochastic import MAX_SPEC_EDGES
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -122,10 +124,6 @@ class StochasticReduce:
         name: str | None = None,
     ) -> Handle[ReduceResult]:
         """Start a stochastic reduce; leave ``array`` alone until ``handle.wait()`` returns."""
-        # the frames' limits are imported when first needed: fabricd.frames loads every frame kind
-        # (its registry), which added some 25 ms to every `import fabricd` (docs/performance.md)
-        from fabricd.frames.fields import MAX_NAME
-
         if self._job is None:
             raise UsageError("this client joined no job; pass job= to fabricd.connect()")
         if sync not in SYNCS:
@@ -165,8 +163,6 @@ class StochasticReduce:
 
 def _edges(edges: Iterable[tuple[int, int]]) -> list[list[int]]:
     """``edges`` as the request carries them, or a UsageError naming the first bad one."""
-    from fabricd.frames.stochastic import MAX_SPEC_EDGES  # when needed: see stochastic_reduce_async
-
     pairs: list[list[int]] = []
     for edge in edges:
         if (

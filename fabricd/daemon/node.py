@@ -31,7 +31,6 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Final
 
-from fabricd import frames
 from fabricd.daemon import access
 from fabricd.daemon.ipc_server import IpcConnection, IpcServer
 from fabricd.daemon.logs import RateLimitedLog, flush_all
@@ -61,6 +60,7 @@ from fabricd.errors import (
     code_of,
 )
 from fabricd.frames import link as link_frames
+from fabricd.frames import registry
 from fabricd.transports import batch
 from fabricd.transports.tcp import TcpTransport
 from fabricd.transports.verbs import device as verbs_device
@@ -92,7 +92,7 @@ remote_log = RateLimitedLog(log)
 #: what an authenticated peer may send: the peer frame kinds, no handshake or client frames.
 #: WRITE included: a service posts regions on a peer's link (``Host.data_link(node).post``), and
 #: a WRITE to a key nobody posted is refused and counted by the link, never placed
-_PEER_LIMIT_KINDS: Final = frames.PEER_KINDS
+_PEER_LIMIT_KINDS: Final = registry.PEER_KINDS
 #: the kinds that carry a payload a service places, and the channel each travels on
 _PAYLOAD_CHANNEL: Final = {
     Kind.DATA: Channel.DATA,
@@ -213,7 +213,7 @@ class Daemon:
         #: frame is in (its payload may have been dropped: the length is only known here).  Per
         #: link: reads of several links interleave, and a control link's EAGER may be under
         #: way while a data link's DATA begins
-        self._chunks: dict[Link, tuple[Meta, frames.PayloadFrame, int]] = {}
+        self._chunks: dict[Link, tuple[Meta, registry.PayloadFrame, int]] = {}
         #: what the node counts as it happens; the registry reads it and everything else
         #: when scraped (fabricd/daemon/metrics.py)
         self.stats = NodeStats()
@@ -253,7 +253,7 @@ class Daemon:
         """Every current link by (node, channel) (a snapshot, for status and tests)."""
         return {key: link for link, key in self._current.items()}
 
-    def send(self, node: int, frame: frames.PeerFrame, payload: Sequence[Buffer] = ()) -> None:
+    def send(self, node: int, frame: registry.PeerFrame, payload: Sequence[Buffer] = ()) -> None:
         link = self._control.get(node)
         if link is None:
             log.debug("no control link to node %d: dropped %s", node, frame.KIND.name)
@@ -265,7 +265,7 @@ class Daemon:
         except LocalProtocolError as exc:  # over this node's own limits: a config mismatch
             log.error("cannot send %s to node %d: %s", frame.KIND.name, node, exc)
 
-    def broadcast(self, frame: frames.PeerFrame) -> None:
+    def broadcast(self, frame: registry.PeerFrame) -> None:
         # only to peers that are up, both links admitted: one still opening its data link has
         # not been greeted, and hears what it missed in its greeting (PeerUp)
         for node in list(self._data):
@@ -401,8 +401,8 @@ class Daemon:
                 "unhandled kind", "node %d sent %s, which no service handles", node, head.kind.name
             )
             raise RemoteProtocolError(f"no service handles {head.kind.name} frames")
-        chunk = frames.parse(head.kind, head.meta)
-        assert isinstance(chunk, frames.PayloadFrame)
+        chunk = registry.parse(head.kind, head.meta)
+        assert isinstance(chunk, registry.PayloadFrame)
         # the whole frame comes next, with this same metadata (and, if dropped, no payload)
         self._chunks[link] = (head.meta, chunk, head.payload_len)
         buffer = service.payload_buffer(node, chunk, head.payload_len)
@@ -425,12 +425,12 @@ class Daemon:
             )
             raise RemoteProtocolError(f"no service handles {frame.kind.name} frames")
         cached = self._chunks.pop(link, None) if self._chunks else None
-        view: frames.PeerFrame
+        view: registry.PeerFrame
         if cached is not None and frame.meta is cached[0]:
             view, length = cached[1], cached[2]
         else:  # a frame with no payload: nothing was cached for it
-            view, length = frames.parse(frame.kind, frame.meta), len(frame.payload)
-        if isinstance(view, frames.PayloadFrame):
+            view, length = registry.parse(frame.kind, frame.meta), len(frame.payload)
+        if isinstance(view, registry.PayloadFrame):
             service.on_data(node, view, length, now)
         else:
             service.on_frame(node, view, now)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.daemon.metrics import counter, gauge, histogram
 from fabricd.engines.link.peers import PeerState
-from fabricd.frames import PEER_KINDS
+from fabricd.frames.registry import PEER_KINDS
 
 #: the peer frame kinds, in wire order
 PEER_KINDS_SORTED = sorted(PEER_KINDS)

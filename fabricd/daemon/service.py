@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.actions import Failure
     from fabricd.engines.membership import RankEvent, Suspicion
-    from fabricd.frames import PayloadFrame, PeerFrame
+    from fabricd.frames.registry import PayloadFrame, PeerFrame
     from fabricd.transports.base import Buffer, Link
     from fabricd.wire import Kind, Meta
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fabricd.errors import ErrorCode
-    from fabricd.frames import PeerFrame
     from fabricd.frames.link import HandshakeFrame
+    from fabricd.frames.registry import PeerFrame
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import fabricd
-from fabricd import frames
 from fabricd.daemon.config import load
 from fabricd.daemon.node import Daemon, default_services
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.membership import MembershipService
 from fabricd.frames import p2p as p2p_frames
+from fabricd.frames import registry
 from fabricd.wire import Kind
 
 from .inproc import NODES, fabric, write_secret
@@ -46,7 +46,7 @@ class Echo(BaseService):
 
     def __init__(self, host: Host) -> None:
         self.host = host
-        self.frames: list[tuple[int, frames.PeerFrame]] = []
+        self.frames: list[tuple[int, registry.PeerFrame]] = []
         self.requests: list[Meta] = []
         self.ticks: list[float] = []
         self.due: float | None = host.now() + 0.05
@@ -57,7 +57,7 @@ class Echo(BaseService):
         self.host.push(request.session, "echoed", {"msg": request.meta["msg"]})
         return {"sent": True}
 
-    def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+    def on_frame(self, node: int, frame: registry.PeerFrame, now: float) -> None:
         self.frames.append((node, frame))
 
     def next_deadline(self) -> float | None:

@@ -6,7 +6,8 @@ own :class:`~fabricd.engines.membership.Membership`, and performs their actions 
 daemon does, minus the I/O:
 
 * ``SendFrame``/``Broadcast`` become control frames, encoded and decoded with the real wire codec
-  and parsed with :func:`fabricd.frames.parse`, queued per (sender, receiver) pair.  Each pair is
+  and parsed with :func:`fabricd.frames.registry.parse`, queued per (sender, receiver) pair.
+  Each pair is
   FIFO, like the control link it stands for; :meth:`deliver_one` picks which pair goes next, so
   frames between *different* pairs can be reordered (``rng``), held back (:meth:`hold`) or
   dropped (``drop``).  ANNOUNCE goes to membership, the rest to messaging.
@@ -60,9 +61,9 @@ from fabricd.engines.p2p.messages import (
     StreamData,
 )
 from fabricd.errors import ErrorCode, RemoteProtocolError
-from fabricd.frames import PeerFrame, parse
 from fabricd.frames.membership import Announce
 from fabricd.frames.p2p import Cancel, Cts, Data, Done, Eager, Rtr, Rts
+from fabricd.frames.registry import PeerFrame, parse
 from fabricd.wire import DEFAULT_LIMITS, Decoder, Frame, Kind, Meta, encode
 
 if TYPE_CHECKING:

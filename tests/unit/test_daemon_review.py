@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     import pytest
 
-    from fabricd.frames import PeerFrame
+    from fabricd.frames.registry import PeerFrame
     from fabricd.transports.base import Buffer, Link
     from fabricd.wire import Frame, FrameHead
 

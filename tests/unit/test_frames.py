@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fabricd import frames
 from fabricd.engines.link.handshake import HANDSHAKE_LIMITS
 from fabricd.errors import RemoteProtocolError
 from fabricd.frames import fields as fields_frames
@@ -16,6 +15,7 @@ from fabricd.frames import link as link_frames
 from fabricd.frames import membership as membership_frames
 from fabricd.frames import p2p as p2p_frames
 from fabricd.frames import ps as ps_frames
+from fabricd.frames import registry
 from fabricd.wire import (
     BULK_KINDS,
     DEFAULT_LIMITS,
@@ -42,7 +42,7 @@ PS_SPEC: Meta = {
 #: the fields every parameter-server frame has
 SHARD: Meta = {"job": "j", "name": "ps", "shard": 1, "server": 1}
 
-EXAMPLES: list[frames.PeerFrame] = [
+EXAMPLES: list[registry.PeerFrame] = [
     link_frames.Heartbeat(),
     link_frames.Bye(),
     membership_frames.Announce(job="j", rank=3, size=4, present=True, owner=1000),
@@ -112,17 +112,17 @@ def without(meta: Meta, key: str) -> Meta:
     return {k: v for k, v in meta.items() if k != key}
 
 
-def over_the_wire(frame: frames.PeerFrame) -> frames.PeerFrame:
+def over_the_wire(frame: registry.PeerFrame) -> registry.PeerFrame:
     decoder = Decoder(DEFAULT_LIMITS)
     decoder.feed(encode(frame.KIND, frame.to_meta()))
     decoder.next_event()
     decoded = decoder.next_event()
     assert isinstance(decoded, Frame)
-    return frames.parse(decoded.kind, decoded.meta)
+    return registry.parse(decoded.kind, decoded.meta)
 
 
 @pytest.mark.parametrize("frame", EXAMPLES, ids=lambda f: type(f).__name__)
-def test_every_view_survives_the_wire(frame: frames.PeerFrame) -> None:
+def test_every_view_survives_the_wire(frame: registry.PeerFrame) -> None:
     assert over_the_wire(frame) == frame
 
 
@@ -143,15 +143,15 @@ def test_every_handshake_view_survives_the_wire(frame: link_frames.HandshakeFram
 
 def test_every_peer_kind_but_the_handshake_has_a_view() -> None:
     peer_kinds = {k for k in Kind if k < Kind.REQUEST} - {Kind.HELLO, Kind.AUTH}
-    assert peer_kinds == frames.PEER_KINDS
+    assert peer_kinds == registry.PEER_KINDS
 
 
 def test_handshake_kinds_are_read_apart_from_the_peer_kinds() -> None:
     assert {Kind.HELLO, Kind.AUTH} == link_frames.HANDSHAKE_KINDS
-    assert not link_frames.HANDSHAKE_KINDS & frames.PEER_KINDS
+    assert not link_frames.HANDSHAKE_KINDS & registry.PEER_KINDS
 
 
-@pytest.mark.parametrize("kind", sorted(frames.PEER_KINDS | {Kind.REQUEST, Kind.REPLY}))
+@pytest.mark.parametrize("kind", sorted(registry.PEER_KINDS | {Kind.REQUEST, Kind.REPLY}))
 def test_parse_handshake_refuses_every_other_kind(kind: Kind) -> None:
     with pytest.raises(RemoteProtocolError, match="not a handshake frame"):
         link_frames.parse_handshake(kind, {})
@@ -189,7 +189,7 @@ def test_a_bad_handshake_field_is_a_remote_protocol_error_naming_it(
 @pytest.mark.parametrize("kind", [Kind.HELLO, Kind.AUTH, Kind.REQUEST, Kind.REPLY, Kind.EVENT])
 def test_kinds_a_peer_may_not_send_are_refused(kind: Kind) -> None:
     with pytest.raises(RemoteProtocolError, match="not a frame a peer may send"):
-        frames.parse(kind, {})
+        registry.parse(kind, {})
 
 
 @pytest.mark.parametrize(
@@ -209,7 +209,7 @@ def test_a_bad_field_is_a_remote_protocol_error_naming_it(
     kind: Kind, meta: dict, field: str
 ) -> None:
     with pytest.raises(RemoteProtocolError, match=field):
-        frames.parse(kind, meta)
+        registry.parse(kind, meta)
 
 
 def test_a_done_carries_code_and_error_together() -> None:
@@ -219,9 +219,9 @@ def test_a_done_carries_code_and_error_together() -> None:
 
 @given(st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=8))
 def test_parse_gives_a_view_of_its_kind_or_a_remote_protocol_error(meta: dict) -> None:
-    for kind in frames.PEER_KINDS:
+    for kind in registry.PEER_KINDS:
         try:
-            view: frames.PeerFrame | None = frames.parse(kind, meta)
+            view: registry.PeerFrame | None = registry.parse(kind, meta)
         except RemoteProtocolError:
             view = None
         assert view is None or view.KIND is kind
@@ -276,7 +276,7 @@ BYTES_KEYED_SPEC: dict[Any, Any] = {**without(PS_SPEC, "n"), b"n": 4}
 
 @pytest.mark.parametrize("kind", sorted(PS_META))
 def test_the_parameter_server_examples_are_well_formed(kind: Kind) -> None:
-    view = frames.parse(kind, PS_META[kind])
+    view = registry.parse(kind, PS_META[kind])
     assert view.KIND is kind
     assert view.to_meta() == PS_META[kind]
 
@@ -384,19 +384,19 @@ def test_a_bad_parameter_server_field_is_a_remote_protocol_error(
     kind: Kind, meta: Meta, message: str
 ) -> None:
     with pytest.raises(RemoteProtocolError, match=message):
-        frames.parse(kind, meta)
+        registry.parse(kind, meta)
 
 
 def test_the_parameter_server_bounds_are_inclusive() -> None:
     """The longest reason, the most servers, the largest ranks: accepted."""
     most = list(range(ps_frames.MAX_PS_SERVERS))
     spec = {**PS_SPEC, "n": fields_frames.MAX_RANK, "servers": most, "replicas": most[::-1]}
-    push = frames.parse(Kind.PUSH, changed(Kind.PUSH, w=fields_frames.MAX_RANK, spec=spec))
+    push = registry.parse(Kind.PUSH, changed(Kind.PUSH, w=fields_frames.MAX_RANK, spec=spec))
     assert isinstance(push, ps_frames.Push)
     assert push.worker == fields_frames.MAX_RANK
     assert push.spec == spec
     reason = "x" * ps_frames.MAX_PS_REASON
-    pushed = frames.parse(Kind.PUSHED, {**PS_META[Kind.PUSHED], "drop": reason})
+    pushed = registry.parse(Kind.PUSHED, {**PS_META[Kind.PUSHED], "drop": reason})
     assert isinstance(pushed, ps_frames.Pushed)
     assert pushed.dropped == reason
 
@@ -404,7 +404,7 @@ def test_the_parameter_server_bounds_are_inclusive() -> None:
 def test_a_parsed_spec_is_a_copy_of_its_fields() -> None:
     """The view's spec holds the checked fields only, in a map of its own."""
     meta = changed(Kind.PULL)
-    view = frames.parse(Kind.PULL, meta)
+    view = registry.parse(Kind.PULL, meta)
     assert isinstance(view, ps_frames.Pull)
     assert view.spec == PS_SPEC
     assert view.spec is not meta["spec"]
@@ -417,7 +417,7 @@ def test_payload_frames_are_routed_by_the_node_on_their_channel() -> None:
     from fabricd.daemon import node
     from fabricd.engines.link.handshake import Channel
 
-    payload_kinds = {view.KIND for view in get_args(frames.PayloadFrame)}
+    payload_kinds = {view.KIND for view in get_args(registry.PayloadFrame)}
     assert payload_kinds == set(node._PAYLOAD_CHANNEL)
     data = {kind for kind, channel in node._PAYLOAD_CHANNEL.items() if channel is Channel.DATA}
     assert data == node._DATA_KINDS == BULK_KINDS - {Kind.WRITE}

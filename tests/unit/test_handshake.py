@@ -3,7 +3,8 @@
 Every frame goes through :func:`fabricd.wire.encode` and a :class:`~fabricd.wire.Decoder` under
 :data:`HANDSHAKE_LIMITS`, exactly as a link does before it is authenticated, so these tests also
 show that the handshake fits the limits an unauthenticated peer is held to.  Frames reach an
-engine as the peering service hands them over: parsed by :func:`fabricd.frames.parse_handshake`.
+engine as the peering service hands them over: parsed by
+:func:`fabricd.frames.link.parse_handshake`.
 """
 
 from __future__ import annotations

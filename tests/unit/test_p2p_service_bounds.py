@@ -27,7 +27,7 @@ from fabricd.frames.p2p import Cancel, Data, Done, Eager, Rts
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from fabricd.frames import PeerFrame
+    from fabricd.frames.registry import PeerFrame
     from fabricd.transports.base import Buffer
 
 JOB = "j"

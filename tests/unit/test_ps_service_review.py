@@ -37,8 +37,7 @@ from fabricd.frames import ps as ps_frames
 from fabricd.wire import Kind, Meta
 
 if TYPE_CHECKING:
-    from fabricd import frames
-
+    from fabricd.frames import registry
 JOB, NAME, SIZE = "j", "w", 8
 #: rank -> node: server 0 and replica 1 on nodes 0 and 1, a worker beside each
 NODES = {0: 0, 1: 1, 2: 0, 3: 1}
@@ -92,7 +91,7 @@ def gone(service: PSService, table: Table, entry: RankEntry, now: float) -> None
 class Wire:
     """Frames on their way, in the order they were sent: (from, to, frame, payload)."""
 
-    frames: deque[tuple[int, int, frames.PeerFrame, bytes]] = field(default_factory=deque)
+    frames: deque[tuple[int, int, registry.PeerFrame, bytes]] = field(default_factory=deque)
 
 
 class Link:
@@ -121,7 +120,7 @@ class FakeHost:
     def now(self) -> float:
         return self.clock
 
-    def send(self, node: int, frame: frames.PeerFrame, payload: Any = ()) -> None:
+    def send(self, node: int, frame: registry.PeerFrame, payload: Any = ()) -> None:
         self.wire.frames.append((self.config.node_id, node, frame, b""))
 
     def data_link(self, node: int) -> Link | None:

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from fabricd import frames
 from fabricd.daemon.config import Config
 from fabricd.daemon.service import Request
 from fabricd.daemon.services.data_queues import DataQueues
@@ -24,6 +23,7 @@ from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankJoined, RankLeft
 from fabricd.engines.stochastic.notify_ack import OVERHEAD
 from fabricd.errors import OperationFailed, RemoteProtocolError
+from fabricd.frames import registry
 from fabricd.frames import stochastic as stochastic_frames
 from fabricd.wire import Kind
 from tests.unit.test_collective_service_review import FakeHost, Link, Segment, Table
@@ -35,10 +35,10 @@ JOB, NAME = "j", "model"
 class Host(FakeHost):
     """The fake host, with control frames recorded."""
 
-    control: list[tuple[int, frames.PeerFrame]] = field(default_factory=list)
+    control: list[tuple[int, registry.PeerFrame]] = field(default_factory=list)
     incarnation: int = 1
 
-    def send(self, node: int, frame: frames.PeerFrame, payload: Any = ()) -> None:
+    def send(self, node: int, frame: registry.PeerFrame, payload: Any = ()) -> None:
         self.control.append((node, frame))
 
 
@@ -106,7 +106,7 @@ def test_a_hostile_spec_closes_only_the_peers_link_and_leaves_the_reduce_alone(
     join(svc, table, (0, 1))
     meta = notify(spec(**fields)).to_meta()
     with pytest.raises(RemoteProtocolError):  # from the frame layer or the service
-        svc.on_frame(1, frames.parse(Kind.NOTIFY, meta), 0.0)
+        svc.on_frame(1, registry.parse(Kind.NOTIFY, meta), 0.0)
     assert not svc.reducers
     call(svc, client(0, 2), 1)
     assert 1 not in host.answered  # open: waits for rank 1's NOTIFY, not refused as broken
@@ -119,7 +119,7 @@ def test_a_spec_with_other_keys_in_it_is_a_protocol_error() -> None:
     join(svc, table, (0, 1))
     odd: dict[Any, Any] = {**spec(), b"graph": 1}
     with pytest.raises(RemoteProtocolError):
-        svc.on_frame(1, frames.parse(Kind.NOTIFY, notify(odd).to_meta()), 0.0)
+        svc.on_frame(1, registry.parse(Kind.NOTIFY, notify(odd).to_meta()), 0.0)
 
 
 # -- bounds on a local client -----------------------------------------------------------------

@@ -65,11 +65,11 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
-    from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.collectives.persistent import Action
     from fabricd.engines.membership import Membership, RankEvent, Suspicion
+    from fabricd.frames import registry
 
 log = logging.getLogger("fabricd.collectives")
 remote_log = RateLimitedLog(log)
@@ -287,7 +287,7 @@ class CollectiveService(BaseService):
 
     # -- peers ------------------------------------------------------------------------------
     def payload_buffer(
-        self, node: int, frame: frames.PayloadFrame, length: int
+        self, node: int, frame: registry.PayloadFrame, length: int
     ) -> memoryview | None:
         assert isinstance(frame, collectives_frames.Coll)
         coll = self._collective(frame, node)
@@ -307,7 +307,7 @@ class CollectiveService(BaseService):
             self._counters["frames_dropped"] += 1
         return view
 
-    def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
+    def on_data(self, node: int, frame: registry.PayloadFrame, length: int, now: float) -> None:
         assert isinstance(frame, collectives_frames.Coll)
         key = (frame.job, frame.name)
         for item in self._held.get(key, ()):

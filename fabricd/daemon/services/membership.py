@@ -46,11 +46,11 @@ from fabricd.wire import PROTOCOL_VERSION, Kind, Meta
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.link.peers import PeerInfo
     from fabricd.engines.membership import Action
+    from fabricd.frames import registry
 
 log = logging.getLogger("fabricd.membership")
 #: peers' announcements cause these lines: rate-limited
@@ -119,7 +119,7 @@ class MembershipService(BaseService):
             "version": PROTOCOL_VERSION,
         }
 
-    def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+    def on_frame(self, node: int, frame: registry.PeerFrame, now: float) -> None:
         assert isinstance(frame, membership_frames.Announce)
         self._perform(self.engine.on_announce(node, frame, self._incarnation(node, now)))
 

@@ -59,12 +59,12 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
-    from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.link.peers import PeerInfo
     from fabricd.engines.membership import RankEvent, Routes
     from fabricd.engines.p2p.messages import Action, Message
+    from fabricd.frames import registry
 
 log = logging.getLogger("fabricd.p2p")
 #: transfers that failed for want of memory, fds or threads: a client that keeps asking while
@@ -224,7 +224,7 @@ class P2PService(BaseService):
         return transfer
 
     # -- peers ------------------------------------------------------------------------------
-    def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+    def on_frame(self, node: int, frame: registry.PeerFrame, now: float) -> None:
         assert isinstance(
             frame,
             p2p_frames.Rts | p2p_frames.Cts | p2p_frames.Done | p2p_frames.Cancel | p2p_frames.Rtr,
@@ -232,14 +232,14 @@ class P2PService(BaseService):
         self._perform(self.engine.on_frame(node, frame, now))
 
     def payload_buffer(
-        self, node: int, frame: frames.PayloadFrame, length: int
+        self, node: int, frame: registry.PayloadFrame, length: int
     ) -> memoryview | None:
         assert isinstance(
             frame, p2p_frames.Data | p2p_frames.Eager
         )  # the kinds this service claims
         return self.engine.payload_buffer(node, frame, length)
 
-    def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
+    def on_data(self, node: int, frame: registry.PayloadFrame, length: int, now: float) -> None:
         assert isinstance(frame, p2p_frames.Data | p2p_frames.Eager)
         self._perform(self.engine.data_arrived(node, frame, length, now))
 

@@ -44,9 +44,9 @@ from fabricd.wire import Kind, Meta
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-    from fabricd import frames
     from fabricd.engines.actions import Answer
     from fabricd.engines.link.handshake import PeerIdentity
+    from fabricd.frames import registry
     from fabricd.transports.base import Link, Listener, Transport
     from fabricd.wire import Discard, Frame, FrameHead, Limits
 
@@ -259,7 +259,7 @@ class PeeringService(BaseService):
         )
         self._perform(actions)
 
-    def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+    def on_frame(self, node: int, frame: registry.PeerFrame, now: float) -> None:
         if isinstance(frame, link_frames.Bye):
             log.info("node %d is stopping", node)
             self.engine.on_bye(node)

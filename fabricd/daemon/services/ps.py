@@ -61,11 +61,11 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
-    from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.membership import Membership, RankEntry, RankEvent, Suspicion
     from fabricd.engines.ps.models import Action, Key
+    from fabricd.frames import registry
 
 log = logging.getLogger("fabricd.ps")
 remote_log = RateLimitedLog(log)
@@ -469,7 +469,7 @@ class PSService(BaseService):
 
     # -- frames -----------------------------------------------------------------------------
     def payload_buffer(
-        self, node: int, frame: frames.PayloadFrame, length: int
+        self, node: int, frame: registry.PayloadFrame, length: int
     ) -> memoryview | None:
         assert isinstance(frame, ps_frames.Push | ps_frames.Pulled | ps_frames.Replicate)
         if length > self.host.config.max_payload:
@@ -478,13 +478,13 @@ class PSService(BaseService):
         self._landing[_landing_key(node, frame)] = buffer
         return memoryview(buffer)
 
-    def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
+    def on_data(self, node: int, frame: registry.PayloadFrame, length: int, now: float) -> None:
         assert isinstance(frame, ps_frames.Push | ps_frames.Pulled | ps_frames.Replicate)
         payload = self._landing.pop(_landing_key(node, frame), None)
         data = bytes(payload) if payload is not None else b""
         self._perform(self.engine.on_frame(node, frame, data, now))
 
-    def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+    def on_frame(self, node: int, frame: registry.PeerFrame, now: float) -> None:
         self._perform(self.engine.on_frame(node, frame, b"", now))
 
     # -- peers, ranks, clients ----------------------------------------------------------------

@@ -79,11 +79,11 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
-    from fabricd import frames
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.membership import Membership, RankEvent, Suspicion
     from fabricd.engines.stochastic.notify_ack import Action
+    from fabricd.frames import registry
 
 log = logging.getLogger("fabricd.stochastic")
 remote_log = RateLimitedLog(log)
@@ -298,7 +298,7 @@ class StochasticService(BaseService):
 
     # -- peers ------------------------------------------------------------------------------
     def payload_buffer(
-        self, node: int, frame: frames.PayloadFrame, length: int
+        self, node: int, frame: registry.PayloadFrame, length: int
     ) -> memoryview | None:
         assert isinstance(frame, stochastic_frames.Update)
         reducer = self._for_frame(node, frame, frame.spec) if self._from(node, frame) else None
@@ -309,7 +309,7 @@ class StochasticService(BaseService):
             self._landing[_landing_key(node, frame)] = reducer
         return view
 
-    def on_data(self, node: int, frame: frames.PayloadFrame, length: int, now: float) -> None:
+    def on_data(self, node: int, frame: registry.PayloadFrame, length: int, now: float) -> None:
         assert isinstance(frame, stochastic_frames.Update)
         reducer = self._landing.pop(_landing_key(node, frame), None)
         if reducer is None:  # dropped (its bytes were read and discarded)
@@ -318,7 +318,7 @@ class StochasticService(BaseService):
             key = (frame.job, frame.name)
             self._perform(key, frame.dst, reducer.landed(frame.src, frame.round, now))
 
-    def on_frame(self, node: int, frame: frames.PeerFrame, now: float) -> None:
+    def on_frame(self, node: int, frame: registry.PeerFrame, now: float) -> None:
         assert isinstance(frame, stochastic_frames.Notify | stochastic_frames.Ack)
         if not self._from(node, frame):
             return
@@ -523,7 +523,7 @@ class StochasticService(BaseService):
             "round": action.round,
         }
         if isinstance(action, SendSignal):
-            frame: frames.PeerFrame = (
+            frame: registry.PeerFrame = (
                 stochastic_frames.Ack(**fields)
                 if action.tag == ACK
                 else stochastic_frames.Notify(**fields, tag=action.tag, spec=spec)

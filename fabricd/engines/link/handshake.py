@@ -3,10 +3,10 @@
 Rules: this module decides whether a new connection speaks for a node of this fabric; it sends
 nothing itself and reads no clock.  The daemon feeds it the first frames of a link (under tight
 decoder limits, so an unauthenticated peer can make us hold at most a few KiB), parsed into
-:class:`~fabricd.frames.Hello` and :class:`~fabricd.frames.Auth` views by
-:func:`~fabricd.frames.parse_handshake`, which also refuses a peer of another protocol version
-and a nonce of the wrong size; it sends what this module answers back on that link and enforces
-the time limit.
+:class:`~fabricd.frames.link.Hello` and :class:`~fabricd.frames.link.Auth` views by
+:func:`~fabricd.frames.link.parse_handshake`, which also refuses a peer of another protocol
+version and a nonce of the wrong size; it sends what this module answers back on that link and
+enforces the time limit.
 
 Theory of operation (three frames; K is the shared secret, T the transcript)::
 

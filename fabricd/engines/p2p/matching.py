@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 
     from fabricd.engines.membership import RankEntry, RankEvent
     from fabricd.engines.p2p.messages import Action
-    from fabricd.frames import MessageFrame
+    from fabricd.frames.registry import MessageFrame
 
 
 class Messaging(EagerMessages, Pending):

@@ -16,16 +16,16 @@ from fabricd.frames import ps as ps_frames
 from fabricd.frames.ps import MAX_PS_REASON
 
 if TYPE_CHECKING:
-    from fabricd import frames
     from fabricd.engines.ps.models import Key
     from fabricd.engines.ps.server import ShardServer
     from fabricd.engines.ps.worker import SendPull
+    from fabricd.frames import registry
     from fabricd.wire import Meta
 
 
 def to_server(
     key: Key, spec: Meta, worker: int, to: int, epoch: int, action: SendPush | SendPull
-) -> tuple[frames.PeerFrame, bytes]:
+) -> tuple[registry.PeerFrame, bytes]:
     """A worker's push (PUSH, with its payload) or pull (PULL) of one shard, for rank ``to``."""
     fields: Meta = {"job": key[0], "name": key[1], "shard": action.shard, "server": to}
     fields |= {"worker": worker, "epoch": epoch, "spec": spec}
@@ -37,7 +37,7 @@ def to_server(
 
 def to_worker(
     key: Key, shard: int, me: int, server: ShardServer, action: Acked | Answer | Refuse
-) -> tuple[frames.PeerFrame, bytes]:
+) -> tuple[registry.PeerFrame, bytes]:
     """A shard's answer to a worker: PUSHED, PULLED (with the changed parameters) or a
     refused pull (PULLED with an error)."""
     fields: Meta = {"job": key[0], "name": key[1], "shard": shard, "server": me}
@@ -95,14 +95,14 @@ def to_partner(
     return frame, bytes(payload)
 
 
-def confirmation(key: Key, shard: int, me: int, other: int, action: Logged) -> frames.PeerFrame:
+def confirmation(key: Key, shard: int, me: int, other: int, action: Logged) -> registry.PeerFrame:
     """A replica's REPLICATED: every entry up to the action's index is logged."""
     return ps_frames.Replicated(
         job=key[0], name=key[1], shard=shard, server=other, replica=me, index=action.index
     )
 
 
-def join(key: Key, spec: Meta, shard: int, me: int, other: int, epoch: int) -> frames.PeerFrame:
+def join(key: Key, spec: Meta, shard: int, me: int, other: int, epoch: int) -> registry.PeerFrame:
     """A JOIN asking the shard's partner for its state."""
     return ps_frames.Join(
         job=key[0], name=key[1], shard=shard, server=other, replica=me, epoch=epoch, spec=spec

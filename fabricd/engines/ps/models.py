@@ -21,10 +21,10 @@ from fabricd.engines.actions import Complete, SendFrame
 from fabricd.engines.ps.routing import partner, serving
 
 if TYPE_CHECKING:
-    from fabricd import frames
     from fabricd.engines.actions import Failure
     from fabricd.engines.ps.server import ShardServer, Step
     from fabricd.engines.ps.worker import Worker
+    from fabricd.frames import registry
     from fabricd.wire import Meta
 
 Array = np.ndarray[Any, Any]
@@ -37,7 +37,7 @@ class SendData:
     """Send ``frame`` and ``payload`` to ``node`` on the data link."""
 
     node: int
-    frame: frames.PeerFrame
+    frame: registry.PeerFrame
     payload: bytes
 
 

@@ -92,13 +92,13 @@ from fabricd.wire import Kind
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from fabricd import frames
     from fabricd.engines.ps.consistency import UpdateRule
     from fabricd.engines.ps.filters import FilterSettings
     from fabricd.engines.ps.models import Action, Array, Key
     from fabricd.engines.ps.routing import Ranks
     from fabricd.engines.ps.server import Action as ServerAction
     from fabricd.engines.ps.worker import Action as WorkerAction
+    from fabricd.frames import registry
     from fabricd.wire import Meta
 
 #: the kinds that travel on the data link, with their payload
@@ -125,7 +125,7 @@ class PSNode:
         self.suspects: set[tuple[str, int]] = set()
         self._early = EarlyFrames(max_payload)
         self._held = HeldFrames(max_payload)
-        self._local: deque[tuple[int, frames.PeerFrame, bytes]] = deque()
+        self._local: deque[tuple[int, registry.PeerFrame, bytes]] = deque()
         self._out: list[Action] = []
         self._now = 0.0  #: the current input's time
         self.counters = {
@@ -449,7 +449,7 @@ class PSNode:
         self._send(key[0], other, join)
 
     # -- moving frames -----------------------------------------------------------------------
-    def _send(self, job: str, rank: int, frame: frames.PeerFrame, payload: bytes = b"") -> None:
+    def _send(self, job: str, rank: int, frame: registry.PeerFrame, payload: bytes = b"") -> None:
         """Send ``frame`` to rank ``rank``'s node, or hand it over here if the rank is local.
         A rank not known (yet, or any more) gets nothing: what waits for it is sent again
         when it joins, or fails when it is gone.  One suspected, or on a node whose links are
@@ -470,7 +470,7 @@ class PSNode:
             self._out.append(SendFrame(node=entry.node, frame=frame))
 
     def on_frame(
-        self, node: int, frame: frames.PeerFrame, payload: bytes, now: float
+        self, node: int, frame: registry.PeerFrame, payload: bytes, now: float
     ) -> list[Action]:
         """A PS frame (with its payload, if it has one) from ``node``.
 
@@ -481,7 +481,7 @@ class PSNode:
         self._dispatch(node, frame, payload, now)
         return self._done()
 
-    def _dispatch(self, node: int, frame: frames.PeerFrame, payload: bytes, now: float) -> None:
+    def _dispatch(self, node: int, frame: registry.PeerFrame, payload: bytes, now: float) -> None:
         if isinstance(frame, ps_frames.Push | ps_frames.Pull):
             self._at_server(node, frame, payload, now)
             return

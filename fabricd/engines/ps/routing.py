@@ -33,9 +33,9 @@ from fabricd.engines.deadlines import Deadlines
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from fabricd import frames
     from fabricd.engines.membership import RankEntry
     from fabricd.frames import ps as ps_frames
+    from fabricd.frames import registry
     from fabricd.wire import Meta
 
 #: frames held for ranks, and for models not opened here yet, at most (each table)
@@ -88,14 +88,14 @@ class HeldFrames:
 
     def __init__(self, max_payload: int) -> None:
         self.max_payload = max_payload
-        self._frames: dict[RankKey, list[tuple[frames.PeerFrame, bytes]]] = {}
+        self._frames: dict[RankKey, list[tuple[registry.PeerFrame, bytes]]] = {}
         self._count = 0
         self._bytes = 0
 
     def __len__(self) -> int:
         return self._count
 
-    def hold(self, rank: RankKey, frame: frames.PeerFrame, payload: bytes) -> bool:
+    def hold(self, rank: RankKey, frame: registry.PeerFrame, payload: bytes) -> bool:
         """Keep ``frame`` for ``rank``; ``False``: the table is full (the frame is dropped)."""
         if self._count >= MAX_HELD or not room(self._bytes, len(payload), self.max_payload):
             return False
@@ -106,14 +106,14 @@ class HeldFrames:
 
     def take(
         self, reached: Callable[[str, int], bool]
-    ) -> list[tuple[RankKey, frames.PeerFrame, bytes]]:
+    ) -> list[tuple[RankKey, registry.PeerFrame, bytes]]:
         """Remove and return the frames of every rank ``reached`` says is reachable again."""
         taken = []
         for rank in [k for k in self._frames if reached(*k)]:
             taken += [(rank, frame, payload) for frame, payload in self.drop(rank)]
         return taken
 
-    def drop(self, rank: RankKey) -> list[tuple[frames.PeerFrame, bytes]]:
+    def drop(self, rank: RankKey) -> list[tuple[registry.PeerFrame, bytes]]:
         """Remove and return ``rank``'s frames."""
         held = self._frames.pop(rank, [])
         self._count -= len(held)
