@@ -118,7 +118,7 @@ _LAG_PROBE_INTERVAL: Final = 1.0
 def default_services(daemon: Daemon) -> list[Service]:
     """Membership, point-to-point messaging, collectives, stochastic reduce and parameter
     servers: the services every daemon runs."""
-    membership = MembershipService(daemon, peers=daemon.peering.engine.peers)
+    membership = MembershipService(daemon, incarnation=daemon.peering.engine.incarnation)
     p2p = P2PService(
         daemon,
         routes=membership.engine,

@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
-    from fabricd.engines.link.peers import PeerInfo
     from fabricd.engines.membership import Action
     from fabricd.frames import registry
 
@@ -65,13 +64,14 @@ class MembershipService(BaseService):
     ops = frozenset({"hello"})
 
     def __init__(
-        self, host: Host, *, peers: Callable[[float], Iterable[PeerInfo]] | None = None
+        self, host: Host, *, incarnation: Callable[[int], int | None] | None = None
     ) -> None:
-        """``peers``: the peers engine's view of the other nodes, whose incarnations tell a
-        node back after a reset from a new daemon (without it, every node counts as the same
+        """``incarnation``: the peers engine's newest admitted incarnation of a node
+        (:meth:`~fabricd.engines.link.peers.PeerTable.incarnation`, O(1)), which tells a node
+        back after a reset from a new daemon (without it, every node counts as the same
         daemon)."""
         self.host = host
-        self._peers = peers
+        self._incarnation_of = incarnation
         self.engine = Membership(
             node=host.config.node_id,
             ownership=access.ownership(host.config),
@@ -121,14 +121,16 @@ class MembershipService(BaseService):
 
     def on_frame(self, node: int, frame: registry.PeerFrame, now: float) -> None:
         assert isinstance(frame, membership_frames.Announce)
-        self._perform(self.engine.on_announce(node, frame, self._incarnation(node, now)))
+        # (a frame comes on a current link: the newest incarnation is the announcer's)
+        self._perform(self.engine.on_announce(node, frame, self._incarnation(node)))
 
     def peer_up(self, node: int, now: float) -> None:
         # the peer forgot our ranks in its reset
-        self._perform(self.engine.peer_up(node, self._incarnation(node, now)))
+        self._perform(self.engine.peer_up(node, self._incarnation(node)))
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
-        self._perform(self.engine.peer_down(node, reason, now, self._incarnation(node, now)))
+        incarnation = self._incarnation(node)
+        self._perform(self.engine.peer_down(node, reason, now, incarnation))
 
     def next_deadline(self) -> float | None:
         return self.engine.next_deadline()
@@ -136,11 +138,9 @@ class MembershipService(BaseService):
     def on_timer(self, now: float) -> None:
         self._perform(self.engine.on_timer(now))
 
-    def _incarnation(self, node: int, now: float) -> int | None:
+    def _incarnation(self, node: int) -> int | None:
         """The incarnation the peers engine last admitted for ``node``, if it knows one."""
-        if self._peers is None:
-            return None
-        return next((p.incarnation for p in self._peers(now) if p.node == node), None)
+        return None if self._incarnation_of is None else self._incarnation_of(node)
 
     def client_gone(self, session: ClientSession, now: float) -> None:
         if session.job is None:

@@ -409,6 +409,12 @@ class PeerTable:
     def state(self, node: int) -> PeerState:
         return self._peers[node].state
 
+    def incarnation(self, node: int) -> int | None:
+        """The newest incarnation admitted for ``node`` (None before its first link, or for a
+        node that is no peer), in O(1): :meth:`peers` builds a row for every peer."""
+        peer = self._peers.get(node)
+        return None if peer is None else peer.incarnation
+
     def dial_targets(self) -> list[int]:
         """The nodes this node dials: every node with a higher id."""
         return sorted(self._diallers)
