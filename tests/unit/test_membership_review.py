@@ -13,6 +13,7 @@ from fabricd.daemon.services.membership import MembershipService
 from fabricd.engines.link import peers
 from fabricd.engines.link.handshake import Channel
 from fabricd.engines.link.peers import PeerTable, Timeouts
+from fabricd.engines.membership import NodeBack, NodeGone, RankBack, RankGone, RankSuspected
 from fabricd.frames.membership import Announce
 
 ANNOUNCE = Announce(job="j", rank=1, size=2, present=True, owner=1000)
@@ -49,6 +50,44 @@ def perform(svc: MembershipService, actions: list[Any], now: float) -> None:
             svc.peer_down(action.node, action.reason, now)
         elif isinstance(action, peers.PeerUp):
             svc.peer_up(action.node, now)
+
+
+# -- a restart seen by the new daemon's control link ------------------------------------------
+def test_restart_detected_by_new_control_link_is_gone_not_back() -> None:
+    """A node that restarts while its links still look up is gone, not back.
+
+    The peers engine sees the restart when the new daemon's control link is admitted: it
+    resets the old links (ResetPeer "restarted") but has taken the new incarnation by the time
+    the service hears of the reset.  The service asked the engine, so membership recorded
+    the new incarnation as the reset one and called the new daemon the same (NodeBack, and
+    RankBack on its announcement: the reducers resent into a daemon that never had them)."""
+    peer_table, host = table(), Host()
+    svc = MembershipService(host, incarnation=peer_table.incarnation)  # type: ignore[arg-type]
+    perform(svc, peer_table.on_link_authenticated(1, Channel.CONTROL, 7, 0.0), 0.0)
+    perform(svc, peer_table.on_link_authenticated(1, Channel.DATA, 7, 0.0), 0.0)
+    svc.on_frame(1, ANNOUNCE, 0.0)
+    perform(svc, peer_table.on_link_authenticated(1, Channel.CONTROL, 8, 0.5), 0.5)
+    perform(svc, peer_table.on_link_authenticated(1, Channel.DATA, 8, 0.5), 0.5)
+    svc.on_frame(1, ANNOUNCE, 0.5)
+    kinds = [type(e) for e in host.events]
+    assert NodeBack not in kinds, host.events
+    assert RankBack not in kinds, host.events
+    assert NodeGone in kinds
+    assert RankGone in kinds
+
+
+def test_a_reconnect_of_the_same_daemon_is_still_back() -> None:
+    """The other side of the fix above: links of the same daemon that reconnect (the control
+    link SAME, ResetPeer "reconnected") leave the node and its rank back, not gone."""
+    peer_table, host = table(), Host()
+    svc = MembershipService(host, incarnation=peer_table.incarnation)  # type: ignore[arg-type]
+    perform(svc, peer_table.on_link_authenticated(1, Channel.CONTROL, 7, 0.0), 0.0)
+    perform(svc, peer_table.on_link_authenticated(1, Channel.DATA, 7, 0.0), 0.0)
+    svc.on_frame(1, ANNOUNCE, 0.0)
+    perform(svc, peer_table.on_link_authenticated(1, Channel.CONTROL, 7, 0.5), 0.5)
+    perform(svc, peer_table.on_link_authenticated(1, Channel.DATA, 7, 0.5), 0.5)
+    svc.on_frame(1, ANNOUNCE, 0.5)
+    assert [type(e) for e in host.events] == [RankSuspected, NodeBack, RankBack]
 
 
 # -- the cost of an ANNOUNCE ------------------------------------------------------------------

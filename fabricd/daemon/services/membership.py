@@ -8,7 +8,9 @@ for its destination rank dispatches when the rank joins; operations with a rank 
 The ranks of a node whose links were reset are suspected for ``down_after``; the engine's
 verdicts on them and on their node (back from the same daemon, or gone) reach every service as
 :data:`~fabricd.engines.membership.Suspicion` events: the service tells the engine which
-incarnation the peers engine admitted for a node whenever the node's links or ranks change.
+incarnation the peers engine admitted for a node whenever the node's links or ranks change
+(for a reset, the incarnation its links came up with: a restart is seen when the new daemon's
+control link is admitted, before the old links are reset).
 
 Jobs belong to the uid that opened them (:mod:`fabricd.engines.ownership`): a ``hello`` that
 claims a rank of another user's job is refused with code ``permission`` unless a
@@ -72,6 +74,11 @@ class MembershipService(BaseService):
         daemon)."""
         self.host = host
         self._incarnation_of = incarnation
+        #: the incarnation each node's links came up with (:meth:`peer_up`), until they are
+        #: reset: the one a reset loses.  A restart is seen when the new daemon's control link
+        #: is admitted, so by the time :meth:`peer_down` hears of the reset the peers engine
+        #: already holds the new incarnation.
+        self._up: dict[int, int | None] = {}
         self.engine = Membership(
             node=host.config.node_id,
             ownership=access.ownership(host.config),
@@ -126,10 +133,14 @@ class MembershipService(BaseService):
 
     def peer_up(self, node: int, now: float) -> None:
         # the peer forgot our ranks in its reset
-        self._perform(self.engine.peer_up(node, self._incarnation(node)))
+        incarnation = self._up[node] = self._incarnation(node)
+        self._perform(self.engine.peer_up(node, incarnation))
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
-        incarnation = self._incarnation(node)
+        # the links' own incarnation, not the peers engine's: a restart resets them after
+        # admitting the new daemon's control link (a node never up: the engine's, as nothing
+        # of it can have been lost but what its links were admitted with)
+        incarnation = self._up.pop(node) if node in self._up else self._incarnation(node)
         self._perform(self.engine.peer_down(node, reason, now, incarnation))
 
     def next_deadline(self) -> float | None:
