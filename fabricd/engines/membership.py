@@ -53,12 +53,16 @@ up, and a rank that never comes back (its trainer left during the reset) is gone
 deadline although its node came back.  A node's suspicion starts with its first reset and is
 not prolonged by another before its links come back.  When a rank's suspicion runs out and its
 job has no known rank left, the job is over here: the job's other suspicions end with it
-(:class:`RankGone` each), so that a later job of that name never loses ranks it does not have.
+(:class:`RankGone` each), so that a later job of that name never loses ranks it does not have;
+so do they when a claim brings the job back into the table before then (a local client, an
+announcement, a claim retried), unless the claim is one of its suspected ranks back: every
+service sees the old job end before the new one's :class:`RankJoined`.
 Deadlines live in one :class:`~fabricd.engines.deadlines.Deadlines` heap
 (:meth:`Membership.next_deadline`, :meth:`Membership.on_timer`).
 
 Every lookup, claim and release is O(1) while no claim is ignored, and O(ignored claims of the
-job) otherwise; :meth:`Membership.peer_down` is O(ranks of that node + ignored claims).
+job) otherwise; :meth:`Membership.peer_down` is O(ranks of that node + ignored claims), and a
+claim or deadline that ends a job's suspicions O(suspected ranks).
 """
 
 from __future__ import annotations
@@ -257,8 +261,10 @@ class Membership:
         if not self.ownership.may_join(user, job, owner):
             self._refused_joins += 1
             raise PermissionDenied(self.ownership.refusal(user, job, owner))
+        new_job = job not in self._sizes
         entry = self._claim(job, rank, size, self.node, owner)
-        return [Broadcast(frame=_announce(entry, owner, present=True)), *self._joined(entry)]
+        joined = self._joined(entry, new_job=new_job)
+        return [Broadcast(frame=_announce(entry, owner, present=True)), *joined]
 
     def detach(self, job: str, rank: int, reason: str) -> list[Action]:
         """The local client of ``rank`` of ``job`` left.
@@ -305,6 +311,7 @@ class Membership:
         if self._entries.get(key) == claim and self._owners.get(frame.job) == frame.owner:
             return []
         self._check_room(node, key)
+        new_job = frame.job not in self._sizes
         try:
             entry = self._claim(frame.job, frame.rank, frame.size, node, frame.owner)
         except UsageError as exc:
@@ -312,7 +319,7 @@ class Membership:
                 self._ignored.setdefault(key, {})[node] = (claim, frame.owner)
                 self._ignored_by_node[node] = self._ignored_by_node.get(node, 0) + 1
             return [Notice(message=f"ignored announcement from node {node}: {exc}")]
-        return self._joined(entry, incarnation)
+        return self._joined(entry, incarnation, new_job=new_job)
 
     def peer_up(self, node: int, incarnation: int | None = None) -> list[Action]:
         """``node``'s links are up (admitted for ``incarnation``): it must hear about every
@@ -406,27 +413,44 @@ class Membership:
             del self._suspects_per_job[key[0]]
         return suspect
 
-    def _end_job(self, job: str) -> list[Action]:
-        """``job`` is over here: its ranks' suspicions end."""
+    def _end_job(self, job: str, why: str = "") -> list[Action]:
+        """``job`` is over here: its ranks' suspicions end (``why`` is added to their reason)."""
+        if job not in self._suspects_per_job:
+            return []
         keys = [key for key in self._suspects if key[0] == job]
-        return [RankGone(entry=s.entry, reason=s.reason) for s in map(self._end, keys)]
+        return [RankGone(entry=s.entry, reason=s.reason + why) for s in map(self._end, keys)]
 
-    def _joined(self, entry: RankEntry, incarnation: int | None = None) -> list[Action]:
+    def _joined(
+        self, entry: RankEntry, incarnation: int | None = None, *, new_job: bool = False
+    ) -> list[Action]:
         """``entry`` is in the table: :class:`RankJoined`, after its verdict if it was
         suspected (back only from the same node and daemon; a rank claimed here, or from a
-        new incarnation, is a new one)."""
+        new incarnation, is a new one).
+
+        ``new_job``: the claim brought its job back into the table (no rank of it was known).
+        Unless it is a suspected rank back, the job that had the name is over here: its
+        lingering suspicions end first (:class:`RankGone` each), so that every service sees
+        the old job end before the new one starts, and the new job never loses ranks it does
+        not have when their deadlines come.
+        """
         key = (entry.job, entry.rank)
-        if key not in self._suspects:
-            return [RankJoined(entry=entry)]
-        suspect = self._end(key)
-        verdict: Action
-        if entry.node == suspect.entry.node and incarnation == suspect.incarnation:
-            verdict = RankBack(entry=entry)
-        else:
-            verdict = RankGone(
-                entry=suspect.entry, reason=f"{suspect.reason}; it came back restarted"
+        suspect = self._suspects.get(key)
+        back = (
+            suspect is not None
+            and entry.node == suspect.entry.node
+            and incarnation == suspect.incarnation
+        )
+        actions: list[Action] = []
+        if suspect is not None:
+            self._end(key)
+            why = f"{suspect.reason}; it came back restarted"
+            actions.append(
+                RankBack(entry=entry) if back else RankGone(entry=suspect.entry, reason=why)
             )
-        return [verdict, RankJoined(entry=entry)]
+        if new_job and not back:
+            actions += self._end_job(entry.job, f"; job {entry.job!r} ended here and began again")
+        actions.append(RankJoined(entry=entry))
+        return actions
 
     # -- queries ----------------------------------------------------------------------------
     def lookup(self, job: str, rank: int) -> RankEntry | None:
@@ -517,12 +541,13 @@ class Membership:
         joined: list[Action] = []
         for key in keys:
             for node, (claim, owner) in list(self._ignored.get(key, {}).items()):
+                new_job = claim.job not in self._sizes
                 try:
                     entry = self._claim(claim.job, claim.rank, claim.size, node, owner)
                 except UsageError:
                     continue
                 self._unignore(key, node)
-                joined += self._joined(entry, self._incarnations.get(node))
+                joined += self._joined(entry, self._incarnations.get(node), new_job=new_job)
         return joined
 
     def _unignore(self, key: RankKey, node: int) -> None:

@@ -411,7 +411,7 @@ class StochasticService(BaseService):
                 self.host.push(
                     session, "rank_left", {"job": job, "rank": rank, "reason": event.reason}
                 )
-            if self.membership.job_size(job) is None and not self.membership.has_suspects(job):
+            if self.membership.job_size(job) is None:  # (its suspects cannot use them)
                 self._forget_job(job)
             return
         assert isinstance(event, RankJoined)
@@ -461,8 +461,10 @@ class StochasticService(BaseService):
                 self._perform(rank_key[:2], rank_key[2], reducer.lose(rank, reason, now))
 
     def _forget_job(self, job: str) -> None:
-        """No rank of ``job`` is known or suspected any more: its reducers go, so that a later
-        job of that name starts afresh."""
+        """No rank of ``job`` is known any more: its reducers go, so that a later job of that
+        name starts afresh.  A reducer is a local rank's, and no local rank of the job is left,
+        so none is of use even while a remote rank of it is suspected: membership ends those
+        suspicions (``RankGone``) at the latest when a claim brings the name back."""
         failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
         for rank_key in [k for k in self.reducers if k[0] == job]:
             self.reducers.pop(rank_key).close(failure.message)
