@@ -110,3 +110,24 @@ def test_a_read_only_model_is_refused_by_the_call(sync: Sync) -> None:
     model.setflags(write=False)
     with pytest.raises(UsageError, match="writeable"):
         reducer(1, sync).call(model, 0.0)
+
+
+def test_an_update_sent_again_counts_its_notify_as_resent_too() -> None:
+    """``resent`` counted an update sent again after a reset as one, but it goes out with its
+    NOTIFY (two frames: UPDATE on the data link, NOTIFY on the control link), and a receiver
+    that had both drops both, counting two ``duplicates``.  So duplicates could pass resent
+    (the fault test's invariant, duplicates <= resent, failed now and then: 147 > 136) though
+    every copy was one a resume sent.  Each frame sent again counts now."""
+    sender, receiver = reducer(0, Sync.NOTIFY_ACK), reducer(1, Sync.NOTIFY_ACK)
+    receiver.call(np.zeros(1), 0.0)
+    update = update_of(sender.call(np.full(1, 2.0), 0.0))
+    assert update.notify
+    deliver(receiver, update)  # reduced; its ACK is lost with the links
+    receiver.interrupted(0)
+    sender.interrupted(1)
+    again = update_of(sender.resume(1))
+    assert again.notify
+    assert receiver.landing(0, again.round, len(again.payload)) is None  # had it: dropped
+    assert receiver.message(0, UPDATE, again.round, 0.0) == []  # and its NOTIFY
+    assert receiver.statistics().duplicates == 2
+    assert sender.statistics().resent == 2

@@ -216,7 +216,7 @@ class ReducerStatistics:
     notifies: int  #: NOTIFYs taken (each once)
     acks: int  #: ACKs taken (each once)
     duplicates: int  #: messages and updates dropped because they came a second time
-    resent: int  #: messages and updates sent again after a link reset
+    resent: int  #: messages and updates sent again after a link reset (an update's NOTIFY too)
     waiting: tuple[str, ...] = field(default=())
 
 
@@ -408,7 +408,8 @@ class Reducer:
         if self.sync is Sync.NOTIFY_ACK and rank in self._slots and self._reduced >= 0:
             out.append(SendSignal(dst=rank, round=self._reduced, tag=ACK))
         out += [s for s in self._barrier_sent if s.dst == rank]
-        self._resent += len(out)
+        # frames, as the receiver counts its duplicates: an update goes with its NOTIFY
+        self._resent += len(out) + (unacked is not None)
         return out
 
     def lose(self, rank: int, reason: str, now: float) -> list[Action]:
