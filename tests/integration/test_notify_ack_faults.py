@@ -191,8 +191,9 @@ def test_each_notify_and_ack_is_taken_once_in_order_across_resets(
         # each NOTIFY and ACK taken exactly once
         assert row["notifies"] == rounds * row["in_degree"]
         assert row["acks"] == rounds * row["out_degree"]
-    # resumes sent updates and ACKs again; the receivers dropped those they had (each
-    # duplicate is one of them: the proxy never sends a frame twice)
+    # resumes sent updates (each with its NOTIFY) and ACKs again, resent counting frames; the
+    # receivers dropped those they had (each duplicate is one of them: the proxy never sends
+    # a frame twice)
     resent = sum(row["resent"] for row in found)
     duplicates = sum(row["duplicates"] for row in found)
     assert resent > 0
