@@ -76,6 +76,33 @@ async def test_a_restarted_peer_learns_the_ranks_of_those_who_stayed(tmp_path):
         assert await stayed == "ok"
 
 
+async def test_a_peer_that_restarts_while_its_links_look_up_is_gone_not_back(tmp_path):
+    """Node 0 dies without its links closing (a crash: node 1 hears nothing) and starts
+    again before node 1's liveness notices.  Node 1 learns of the restart when the new
+    daemon's control link arrives: the peers engine admits the new incarnation and resets the
+    old links, and membership must record the reset with the old links' incarnation, or it
+    takes the new daemon for the old one back (NodeBack: partial collectives resume into a
+    daemon that never had their round; review finding 1, on the daemon's real path)."""
+    async with fabric(tmp_path, suspect_after=3.0, down_after=10.0) as fab:
+        heard: list[Any] = []
+        d1 = fab.daemons[1]
+        tell = d1.suspicion
+
+        def suspicion(event: Any) -> None:
+            heard.append(event)
+            tell(event)
+
+        d1.suspicion = suspicion  # type: ignore[method-assign]
+        for link in fab.daemons[0].links.values():
+            link.peer = None  # type: ignore[attr-defined]  # its close never reaches node 1
+        await fab.stop(0)
+        await fab.start(0)  # node 0 dials: node 1 sees the new control link first
+        await fab.until(fab.up)
+        await fab.until(lambda: bool(heard))
+        assert [type(e).__name__ for e in heard] == ["NodeGone"], heard
+        assert heard[0].reason.endswith("it restarted")
+
+
 def _exchange_as_rank0(socket_path: str) -> str:
     with fabricd.connect(job="j", rank=0, size=2, socket_path=socket_path) as fab:
         array = fab.array("x", (8,), "int32")
