@@ -297,6 +297,25 @@ def test_a_tentative_primary_joins_its_partner_again_when_the_partner_is_back() 
     assert [(to, f.KIND) for to, f in again] == [(REPLICA, Kind.JOIN)]
 
 
+def test_a_shard_closed_while_tentative_leaves_no_mark_for_the_next_server() -> None:
+    """A server rank that opened as a tentative primary (its partner known) and left before
+    the partner answered, on a daemon whose local worker keeps the model, used to leave the
+    shard marked tentative: the rank opening it again found its frames held as if it waited
+    for that old answer (review finding)."""
+    table = Table()
+    table.nodes[3] = SERVER  # a worker on the server's node keeps the model open there
+    daemon = node(SERVER, table)
+    daemon.open_worker(
+        KEY, spec(), shard_bounds(SIZE, 1), rank=3, settings=FilterSettings(), seed=0
+    )
+    shard(daemon, SERVER)
+    model = daemon.models[KEY]
+    assert 0 in model.tentative
+    assert daemon.close_shard(KEY, 0) is not None
+    assert KEY in daemon.models
+    assert (model.tentative, model.answered) == (set(), set())
+
+
 def test_a_shard_without_a_replica_fails_its_workers_calls_when_its_server_is_gone() -> None:
     table = Table()
     daemon = worker(table, replicas=False)

@@ -260,6 +260,8 @@ class PSNode:
         if model is None:
             return None
         model.ranks.pop(shard, None)
+        model.tentative.discard(shard)  # a rank that opens it again starts afresh
+        model.answered.discard(shard)
         server = model.servers.pop(shard, None)
         self._forget_if_empty(key)
         return server
