@@ -4,7 +4,7 @@
   is stopping;
 * :class:`WaitingForRanks`: calls that wait for every rank of their job to be known (their
   frames cannot be routed before), up to ``route_timeout`` each, then fail with
-  ``no_such_rank`` naming the missing ranks (:func:`waited_too_long`); a client holds at most
+  ``no_such_rank`` naming the missing ranks (:func:`_waited_too_long`); a client holds at most
   ``max_ops_per_client`` of them;
 * :class:`OpenCalls`: the calls an engine holds, by the service's key, and whom to answer: each
   answered once, its latency and outcome counted in the service's
@@ -43,7 +43,7 @@ def refuse_while_draining(host: Host) -> None:
         raise OperationFailed("the daemon is stopping; retry later", code=ErrorCode.DAEMON_STOPPING)
 
 
-def waited_too_long(
+def _waited_too_long(
     what: str, job: str, size: int, membership: Membership, route_timeout: float
 ) -> Failure:
     """``no_such_rank`` for a call (``what``: "allreduce 'grad'") that waited
@@ -146,7 +146,7 @@ class WaitingForRanks(Generic[W]):
         self._items = [w for w in self._items if w.deadline > now]
         for item in late:
             session = item.request.session
-            failure = waited_too_long(
+            failure = _waited_too_long(
                 self.describe(item),
                 str(session.job),
                 session.size,

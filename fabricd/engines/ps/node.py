@@ -633,13 +633,24 @@ class PSNode:
             actions = side.engine.pulled(frame.shard, frame.clock, payload, side.out)
         self._worker(key, side, actions)
 
-    def _at_replica(self, frame: ps_frames.Replicate, payload: bytes, now: float) -> None:
+    def _partner_shard(
+        self, frame: ps_frames.Replicate | ps_frames.Join
+    ) -> tuple[Key, Model, ShardServer] | None:
+        """The shard here that a partner's frame names, or ``None`` (counted as dropped)
+        when it is not open here, or open with another spec."""
         key = (frame.job, frame.name)
         model = self.models.get(key)
         server = None if model is None else model.servers.get(frame.shard)
         if model is None or server is None or model.spec != frame.spec:
             self.counters["ps_frames_dropped"] += 1
+            return None
+        return key, model, server
+
+    def _at_replica(self, frame: ps_frames.Replicate, payload: bytes, now: float) -> None:
+        found = self._partner_shard(frame)
+        if found is None:
             return
+        key, model, server = found
         if frame.entry == "snapshot":
             if server.restore(frame.index, payload):
                 self._log(
@@ -670,12 +681,10 @@ class PSNode:
     def _at_partner(self, frame: ps_frames.Join) -> None:
         """The shard's partner opened it: send it the state if this rank serves the shard;
         if this rank waits for the state itself, the partner has just opened, so ask it."""
-        key = (frame.job, frame.name)
-        model = self.models.get(key)
-        server = None if model is None else model.servers.get(frame.shard)
-        if model is None or server is None or model.spec != frame.spec:
-            self.counters["ps_frames_dropped"] += 1
+        found = self._partner_shard(frame)
+        if found is None:
             return
+        key, model, server = found
         if model.partner(frame.shard, model.ranks[frame.shard]) != frame.replica:
             raise RemoteProtocolError(f"rank {frame.replica} is not shard {frame.shard}'s partner")
         if server.primary:
