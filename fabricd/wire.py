@@ -94,6 +94,9 @@ BULK_KINDS: Final = frozenset(
     {Kind.DATA, Kind.WRITE, Kind.COLL, Kind.UPDATE, Kind.PUSH, Kind.PULLED, Kind.REPLICATE}
 )
 
+#: every kind by its code, for the decoder (``Kind(code)`` costs an exception when unknown)
+_KIND_OF: Final[dict[int, Kind]] = {int(kind): kind for kind in Kind}
+
 #: the largest message tag (and rank) the protocol carries
 MAX_TAG: Final = 2**31 - 1
 
@@ -357,11 +360,42 @@ class Decoder:
             raise RemoteProtocolError("decoder already failed; the connection must be closed")
 
     def _parse_header(self) -> bool:
-        if len(self._buf) < HEADER_SIZE:
-            if self._buf[: len(MAGIC)] != MAGIC[: len(self._buf)]:
+        buf = self._buf
+        if len(buf) < HEADER_SIZE:
+            if buf[: len(MAGIC)] != MAGIC[: len(buf)]:
                 raise RemoteProtocolError("bad magic: not a fabricd frame")
             return False
-        magic, version, kind, flags, meta_len, payload_len = _HEADER.unpack_from(self._buf)
+        magic, version, code, flags, meta_len, payload_len = _HEADER.unpack_from(buf)
+        limits = self.limits
+        kind = _KIND_OF.get(code)
+        # one test for the frame every well-behaved peer sends; the checks below name the fault
+        if (
+            magic != MAGIC
+            or version != PROTOCOL_VERSION
+            or kind not in limits.kinds
+            or flags & ~KNOWN_FLAGS
+            or (flags and self.opener is None)
+            or meta_len > limits.max_meta
+            or payload_len > limits.max_payload
+        ):
+            self._reject_header(magic, version, code, flags, meta_len, payload_len)
+        assert kind is not None  # (_reject_header raised otherwise)
+        self._kind, self._flags, self._meta_len, self._payload_len = (
+            kind,
+            flags,
+            meta_len,
+            payload_len,
+        )
+        if self.opener is not None:
+            self._header_raw = bytes(buf[:HEADER_SIZE])
+        del buf[:HEADER_SIZE]
+        self._state = _State.META
+        return True
+
+    def _reject_header(
+        self, magic: bytes, version: int, code: int, flags: int, meta_len: int, payload_len: int
+    ) -> None:
+        """Raise the error that says what is wrong with a header :meth:`_parse_header` refused."""
         if magic != MAGIC:
             raise RemoteProtocolError("bad magic: not a fabricd frame")
         if version != PROTOCOL_VERSION:
@@ -369,28 +403,18 @@ class Decoder:
                 f"protocol version {version} is not supported (this side speaks "
                 f"{PROTOCOL_VERSION}); run the same fabricd release on every node"
             )
-        try:
-            self._kind = Kind(kind)
-        except ValueError:
-            raise RemoteProtocolError(f"unknown frame kind {kind}") from None
-        if self._kind not in self.limits.kinds:
-            raise RemoteProtocolError(f"frame kind {self._kind.name} is not allowed here")
+        kind = _KIND_OF.get(code)
+        if kind is None:
+            raise RemoteProtocolError(f"unknown frame kind {code}")
+        if kind not in self.limits.kinds:
+            raise RemoteProtocolError(f"frame kind {kind.name} is not allowed here")
         if flags & ~KNOWN_FLAGS:
             raise RemoteProtocolError(f"undefined flag bits {flags:#x}")
         if flags and self.opener is None:
             raise RemoteProtocolError("a sealed frame on a link that has no session keys")
         if meta_len > self.limits.max_meta:
             raise RemoteProtocolError(f"metadata of {meta_len} B exceeds {self.limits.max_meta} B")
-        if payload_len > self.limits.max_payload:
-            raise RemoteProtocolError(
-                f"payload of {payload_len} B exceeds {self.limits.max_payload} B"
-            )
-        self._flags, self._meta_len, self._payload_len = flags, meta_len, payload_len
-        if self.opener is not None:
-            self._header_raw = bytes(self._buf[:HEADER_SIZE])
-        del self._buf[:HEADER_SIZE]
-        self._state = _State.META
-        return True
+        raise RemoteProtocolError(f"payload of {payload_len} B exceeds {self.limits.max_payload} B")
 
     def _parse_meta(self) -> FrameHead | Frame | NeedData:
         if len(self._buf) < self._meta_len:
@@ -469,7 +493,8 @@ def _unpack_meta(raw: bytes, limits: Limits) -> Meta:
     except Exception as exc:  # msgpack raises several unrelated types; all mean "malformed"
         reason = str(exc) or type(exc).__name__  # StackError (nesting too deep) has no text
         raise RemoteProtocolError(f"malformed metadata: {reason}") from exc
-    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+    # strict_map_key lets only str and (msgpack bin) bytes keys through: refuse the bytes
+    if type(meta) is not dict or bytes in map(type, meta):
         raise RemoteProtocolError("metadata must be a map with string keys")
     return meta
 

@@ -13,7 +13,7 @@ import math
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
@@ -111,8 +111,17 @@ class SharedArrays:
             UsageError: not a numpy array, an unsupported dtype, not contiguous, or not in
                 fabricd shared memory.
         """
-        seg, offset, _ = self.find(array)
-        return seg, offset
+        entry, start, _ = self._place(array)
+        return entry.seg, start - entry.base
+
+    def where(self, array: object) -> tuple[int, int, str]:
+        """:meth:`locate`, and the name of ``array``'s dtype (what a request carries).
+
+        Raises:
+            UsageError: as for :meth:`locate`.
+        """
+        entry, start, dtype = self._place(array)
+        return entry.seg, start - entry.base, dtype
 
     def find(self, array: object) -> tuple[int, int, str]:
         """:meth:`locate`, and the name of the array: its ``fab.array()`` name, with
@@ -121,22 +130,36 @@ class SharedArrays:
         Raises:
             UsageError: as for :meth:`locate`.
         """
+        entry, start, _ = self._place(array)
+        into = start - _address(entry.array)
+        label = next(n for n, e in self._entries.items() if e is entry)
+        return entry.seg, start - entry.base, f"{label}@{into}" if into else label
+
+    def _place(self, array: object) -> tuple[_Entry, int, str]:
+        """The entry whose segment holds ``array``, the array's address, and its dtype's name.
+
+        Raises:
+            UsageError: as for :meth:`locate`.
+        """
         if not isinstance(array, np.ndarray):
             raise UsageError("send and recv take numpy arrays made by fab.array()")
-        if array.dtype.name not in ITEMSIZE or not array.dtype.isnative:
+        dtype = _NATIVE_NAMES.get(array.dtype)
+        if dtype is None:
             raise UsageError(f"dtype {array.dtype} is not supported")
         if not array.flags.c_contiguous:
             raise UsageError("array must be C-contiguous (use a contiguous slice of a fab.array())")
         start = _address(array)
         for entry in self._entries.values():
-            end = entry.base + entry.root.nbytes
-            if entry.base <= start and start + array.nbytes <= end:
-                into = start - _address(entry.array)
-                label = next(n for n, e in self._entries.items() if e is entry)
-                return entry.seg, start - entry.base, f"{label}@{into}" if into else label
+            if entry.base <= start and start + array.nbytes <= entry.base + entry.root.nbytes:
+                return entry, start, dtype
         raise UsageError(
             "array is not in fabricd shared memory; create it with fab.array(name, shape, dtype)"
         )
+
+
+#: the name of each supported dtype in this machine's byte order (numpy's ``dtype.name`` is a
+#: property computed on every read; a non-native dtype equals none of these, so it is refused)
+_NATIVE_NAMES: Final[dict[np.dtype[Any], str]] = {np.dtype(name): name for name in ITEMSIZE}
 
 
 def _label(name: str) -> str:

@@ -114,14 +114,14 @@ class PointToPoint:
         if self._job is None:
             raise UsageError("this client joined no job; pass job= to fabricd.connect()")
         rank, number = checks.peer(peer, name, self._job), checks.tag(tag)
-        seg, offset = self._arrays.locate(array)
+        seg, offset, dtype = self._arrays.where(array)
         if op == "recv" and not array.flags.writeable:
             raise UsageError("cannot receive into a read-only array")
         fields = {
             "seg": seg,
             "off": offset,
             "nbytes": array.nbytes,
-            "dtype": array.dtype.name,
+            "dtype": dtype,
             "peer": rank,
             "tag": number,
         }

@@ -550,6 +550,8 @@ class CollectiveService(BaseService):
                 self._perform(key, coll.abandon(token))
 
     def next_deadline(self) -> float | None:
+        if not self._held and not self.collectives:  # asked after every frame and request
+            return self._waiting.next_deadline()
         deadlines = [h.expires for held in self._held.values() for h in held]
         deadlines += [d for c in self.collectives.values() if (d := c.next_deadline()) is not None]
         if (waiting := self._waiting.next_deadline()) is not None:

@@ -135,7 +135,9 @@ class WaitingForRanks(Generic[W]):
         self._items = [w for w in self._items if w.request.session is not session]
 
     def next_deadline(self) -> float | None:
-        return min((w.deadline for w in self._items), default=None)
+        if not self._items:  # the usual case, asked after every frame and request
+            return None
+        return min(w.deadline for w in self._items)
 
     def expire(self, now: float) -> None:
         """Fail the calls that waited ``route_timeout`` (``no_such_rank``, naming the ranks
