@@ -172,6 +172,7 @@ class Discard(enum.Enum):
 
 DISCARD: Final = Discard.DISCARD
 _NO_PAYLOAD: Final = memoryview(b"")
+_NO_META: Final[Meta] = {}  #: the decoder's metadata between frames (never changed)
 #: bytes of a covered payload read at a time into the decoder's own buffer (payload_target)
 BOUNCE: Final = 1 << 20
 
@@ -231,20 +232,24 @@ class Decoder:
     Feed bytes with :meth:`feed` (or write them straight into :meth:`payload_target` and report
     them with :meth:`payload_written`), then call :meth:`next_event` until it returns
     :data:`NEED_DATA`.  Each frame yields a ``FrameHead`` and then a ``Frame``; between the two
-    the caller may supply the payload's destination with :meth:`set_payload_buffer`.
+    the caller may supply the payload's destination with :meth:`set_payload_buffer`.  With
+    ``heads=False`` a frame without payload yields its ``Frame`` alone (for a stream whose frames
+    carry none, like the client socket's, the head is one event and one object per frame for
+    nothing).
 
     Raises (from every method): :class:`RemoteProtocolError` on malformed input.  The decoder
     is then dead; close the connection.
     """
 
-    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, limits: Limits = DEFAULT_LIMITS, *, heads: bool = True) -> None:
         self.limits = limits
+        self._heads = heads
         self._buf = bytearray()
         self._state = _State.HEADER
         self._kind = Kind.HELLO
         self._flags = 0
         self._meta_len = 0
-        self._meta: Meta = {}
+        self._meta: Meta = _NO_META
         self._payload: memoryview | None = None
         self._payload_len = 0
         self._filled = 0
@@ -354,15 +359,28 @@ class Decoder:
 
     def next_event(self) -> FrameHead | Frame | NeedData:
         """Return the next event, or :data:`NEED_DATA`."""
-        self._check_alive()
+        state = self._state
         try:
-            if self._state is _State.HEADER and not self._parse_header():
-                return NEED_DATA
-            if self._state is _State.META:
-                return self._parse_meta()
-            if self._state is _State.TRAILER:
+            if state is _State.HEADER:
+                if not self._parse_header():
+                    return NEED_DATA
+                state = _State.META
+            if state is _State.META:
+                if not self._parse_meta():
+                    return NEED_DATA
+                if self._payload_len or self._heads:
+                    return FrameHead(
+                        kind=self._kind,
+                        flags=self._flags,
+                        meta=self._meta,
+                        payload_len=self._payload_len,
+                    )
+                state = _State.PAYLOAD  # nothing to place: the frame follows at once
+            if state is _State.PAYLOAD:
+                return self._finish_payload()
+            if state is _State.TRAILER:
                 return self._finish_trailer()
-            return self._finish_payload()
+            raise RemoteProtocolError("decoder already failed; the connection must be closed")
         except RemoteProtocolError:
             self._state = _State.DEAD
             raise
@@ -372,9 +390,10 @@ class Decoder:
             raise RemoteProtocolError("decoder already failed; the connection must be closed")
 
     def _parse_header(self) -> bool:
+        """Decode the fixed header if it is all here (then the metadata comes next)."""
         buf = self._buf
         if len(buf) < HEADER_SIZE:
-            if buf[: len(MAGIC)] != MAGIC[: len(buf)]:
+            if buf and buf[: len(MAGIC)] != MAGIC[: len(buf)]:
                 raise RemoteProtocolError("bad magic: not a fabricd frame")
             return False
         magic, version, code, flags, meta_len, payload_len = _HEADER.unpack_from(buf)
@@ -428,9 +447,10 @@ class Decoder:
             raise RemoteProtocolError(f"metadata of {meta_len} B exceeds {self.limits.max_meta} B")
         raise RemoteProtocolError(f"payload of {payload_len} B exceeds {self.limits.max_payload} B")
 
-    def _parse_meta(self) -> FrameHead | Frame | NeedData:
+    def _parse_meta(self) -> bool:
+        """Decode the metadata if it is all here (then the payload comes next)."""
         if len(self._buf) < self._meta_len:
-            return NEED_DATA
+            return False
         raw = bytes(self._buf[: self._meta_len])
         del self._buf[: self._meta_len]
         self._meta = _unpack_meta(raw, self.limits)
@@ -438,9 +458,7 @@ class Decoder:
             self._covered = self.opener.begin(self._kind, self._flags, self._header_raw, raw)
         self._state = _State.PAYLOAD
         self._payload, self._filled, self._discard = None, 0, False
-        return FrameHead(
-            kind=self._kind, flags=self._flags, meta=self._meta, payload_len=self._payload_len
-        )
+        return True
 
     def _finish_payload(self) -> Frame | NeedData:
         if self._buf and self._filled < self._payload_len:
@@ -464,7 +482,7 @@ class Decoder:
     def _frame(self) -> Frame:
         payload = _NO_PAYLOAD if self._discard else self._ensure_payload()
         frame = Frame(kind=self._kind, flags=self._flags, meta=self._meta, payload=payload)
-        self._state, self._payload, self._meta = _State.HEADER, None, {}
+        self._state, self._payload, self._meta = _State.HEADER, None, _NO_META
         return frame
 
     def _ensure_payload(self) -> memoryview:

@@ -154,7 +154,7 @@ class IpcConnection:
         self._sock = sock
         self._server = server
         self._loop = asyncio.get_running_loop()
-        self._decoder = Decoder(REQUEST_LIMITS)
+        self._decoder = Decoder(REQUEST_LIMITS, heads=False)  # requests carry no payload
         self._fds: collections.deque[int] = collections.deque()
         self._out = bytearray()
         self._writing = False

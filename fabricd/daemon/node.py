@@ -572,7 +572,9 @@ class Daemon:
 
     # -- clients (RequestHandler) -----------------------------------------------------------
     def client_request(self, conn: IpcConnection, meta: Meta, fds: list[int]) -> None:
-        session = self.sessions.setdefault(conn.id, ClientSession(conn))
+        session = self.sessions.get(conn.id)
+        if session is None:  # (not setdefault: that builds a session for every request)
+            session = self.sessions[conn.id] = ClientSession(conn)
         rid = 0
         try:
             rid = request_id(meta)
