@@ -16,8 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from bench import disconnect, framecost, handoff, integrity, latency, rate, roundtrip, throughput
-from bench.report import Column, Table, fmt_size, median, percentile
+from bench import (
+    disconnect,
+    framecost,
+    handoff,
+    hopfloor,
+    integrity,
+    latency,
+    rate,
+    roundtrip,
+    throughput,
+)
+from bench.report import Column, Table, batch_figures, fmt_size, median, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,6 +155,9 @@ def test_statistics() -> None:
     assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
     assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
     assert percentile([5.0], 99) == 5.0
+    assert batch_figures("x", [[1e-6, 3e-6], [2e-6, 4e-6, 6e-6]]) == pytest.approx(
+        {"x_median": 3.0, "x_p99": 6.0, "x_low": 2.0, "x_high": 4.0}
+    )
 
 
 @pytest.mark.slow
@@ -206,3 +219,36 @@ def test_rate_reports_messages_per_second_and_time_per_message_for_every_window(
     assert table["target_met"] in (True, False)
     for label in labels:  # one progress line per case
         assert f"[rate] {label}: " in progress
+
+
+def test_hopfloor_reports_the_floor_against_the_direct_pair_for_every_case() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "hopfloor")
+    table = the_table(result, "hopfloor")
+    assert [row["label"] for row in table["rows"]] == [case.label for case in hopfloor.CASES]
+    assert_ratios(table)
+    for row, case in zip(table["rows"], hopfloor.CASES, strict=True):
+        figures = row["figures"]
+        assert row["nbytes"] == case.nbytes
+        assert row["ratio"] == pytest.approx(figures["floor_median"] / figures["direct_median"])
+        assert 0 < figures["floor_low"] <= figures["floor_high"]
+        assert ("floor_p99" in figures) == case.round_trip
+        assert 0 < figures["cpu_relay"] < figures["cpu_all"]
+        assert f"[hopfloor] {case.label}: " in progress
+    assert table["target"] is None
+
+
+def test_hopfloor_runs_alone() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.hopfloor", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("the hop floor: ")
+    for case in hopfloor.CASES:
+        [line] = [line for line in lines if line.strip().startswith(case.label)]
+        assert line.endswith("x")
