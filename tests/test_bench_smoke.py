@@ -180,24 +180,35 @@ def test_integrity_frame_reports_sealed_against_unsealed_per_kind() -> None:
     assert set(extra["figures"]) == {"BLAKE2b-128 keyed", "HMAC-SHA256"}
 
 
-def test_roundtrip_reports_both_medians_the_ratio_and_the_pinned_raw_figures() -> None:
+def test_roundtrip_reports_every_side_the_ratio_to_the_floor_and_the_cpu_per_hop() -> None:
     result, progress = run_bench("--quick", "--json", "--only", "roundtrip")
     table = the_table(result, "roundtrip")
     [row] = table["rows"]
     assert row["nbytes"] == roundtrip.NBYTES == 1
     assert_ratios(table)
-    for side in ("raw", "fabricd"):
-        low, high = row["figures"][f"{side}_low"], row["figures"][f"{side}_high"]
+    figures = row["figures"]
+    for side in roundtrip.SIDES:
+        low, high = figures[f"{side}_low"], figures[f"{side}_high"]
         assert 0 < low <= high
-        assert row["figures"][f"{side}_p99"] > 0
-    assert row["ratio"] == pytest.approx(
-        row["figures"]["fabricd_median"] / row["figures"]["raw_median"]
-    )
+        assert figures[f"{side}_p99"] > 0
+    assert row["ratio"] == pytest.approx(figures["fabricd_median"] / figures["floor_median"])
+    assert figures["vs_raw"] == pytest.approx(figures["fabricd_median"] / figures["raw_median"])
     assert table["target"] == "ratio <= 4"
     assert table["target_met"] in (True, False)
-    [extra] = table["extras"]
-    assert list(extra["figures"]) == [label for label, _ in roundtrip.pinnings()]
-    assert all(value > 0 for value in extra["figures"].values())
+    pinned, *cpu = table["extras"]
+    assert list(pinned["figures"]) == [label for label, _ in roundtrip.pinnings()]
+    assert all(value > 0 for value in pinned["figures"].values())
+    processes = {
+        "raw": ["pinger", "echo"],
+        "floor": ["client 0", "relay A", "relay B", "client 1"],
+        "fabricd": ["rank 0", "daemon 0", "daemon 1", "rank 1"],
+    }
+    assert len(cpu) == len(processes)
+    for extra, (side, names) in zip(cpu, processes.items(), strict=True):
+        assert side in extra["label"]
+        assert list(extra["figures"]) == [*names, "all"]
+        assert all(value > 0 for value in extra["figures"].values())
+        assert extra["figures"]["all"] == pytest.approx(sum(extra["figures"][n] for n in names))
     assert progress.count("[roundtrip] batch ") == table["settings"]["batches"]
 
 
