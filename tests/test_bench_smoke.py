@@ -25,6 +25,7 @@ from bench import (
     latency,
     rate,
     roundtrip,
+    skew,
     throughput,
 )
 from bench.report import Column, Table, batch_figures, fmt_size, median, percentile
@@ -264,3 +265,14 @@ def test_hopfloor_runs_alone() -> None:
     for case in hopfloor.CASES:
         [line] = [line for line in lines if line.strip().startswith(case.label)]
         assert line.endswith("x")
+
+
+@pytest.mark.slow
+def test_skew_puts_the_hop_floor_of_its_message_beside_its_figures() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "skew")
+    table = the_table(result, "skew")
+    [extra] = table["extras"]
+    assert extra["label"].startswith("hop floor: 4 KiB round trip")
+    assert set(extra["figures"]) == {"median", "p99"}
+    assert 0 < extra["figures"]["median"] <= extra["figures"]["p99"]
+    assert progress.count("hop floor") == len(skew.QUICK_RANKS)
