@@ -76,6 +76,31 @@ def per_call(fn: Callable[[], object], calls: int, samples: int) -> list[float]:
     return out
 
 
+def each_call(fn: Callable[[], object], calls: int) -> list[float]:
+    """Seconds of each of ``calls`` back-to-back calls of ``fn`` (for medians and percentiles of
+    single operations, where :func:`per_call` gives means)."""
+    out = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def batch_figures(side: str, batches: Sequence[Sequence[float]]) -> dict[str, float]:
+    """One side's figures in microseconds from its batches of per-operation seconds: the median
+    and 99th percentile of every operation (``{side}_median``, ``{side}_p99``) and the lowest and
+    highest batch median (``{side}_low``, ``{side}_high``)."""
+    every = [t for batch in batches for t in batch]
+    medians = [median(batch) for batch in batches]
+    return {
+        f"{side}_median": median(every) * 1e6,
+        f"{side}_p99": percentile(every, 99) * 1e6,
+        f"{side}_low": min(medians) * 1e6,
+        f"{side}_high": max(medians) * 1e6,
+    }
+
+
 def messages_per_sample(nbytes: int, budget: int, cap: int) -> int:
     """Messages of ``nbytes`` per timing sample: ``budget`` bytes' worth, at most ``cap``."""
     return max(1, min(cap, budget // max(nbytes, 1)))
@@ -314,6 +339,46 @@ def pinned_helper(
         reap(helper)
     finally:
         os.sched_setaffinity(0, saved)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of every thread of ``pid`` so far, in ns precision (``/proc/PID/task/*/schedstat``).
+
+    ``/proc/PID/stat``'s utime and stime count the same time in ticks of 10 ms, too coarse for a
+    batch of round trips that a process spends a few milliseconds of CPU on.  A thread that ends
+    takes its time with it; the benchmarks' processes keep theirs.
+    """
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        path = f"/proc/{pid}/task/{task}/schedstat"
+        with contextlib.suppress(FileNotFoundError), open(path) as fh:
+            total += int(fh.read().split()[0])
+    return total / 1e9
+
+
+class CpuMeter:
+    """The CPU time named processes spend inside chosen stretches of a benchmark.
+
+    Each ``with meter.counting():`` adds what every process ran meanwhile, so interleaved batches
+    of two sides can each be charged to their own side's processes.
+    """
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self._pids = dict(pids)
+        self.seconds = dict.fromkeys(self._pids, 0.0)
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        before = {name: cpu_seconds(pid) for name, pid in self._pids.items()}
+        yield
+        for name, pid in self._pids.items():
+            self.seconds[name] += cpu_seconds(pid) - before[name]
+
+    def per(self, operations: int) -> dict[str, float]:
+        """Microseconds of CPU per operation: each process's, and all of them together."""
+        figures = {name: seconds / operations * 1e6 for name, seconds in self.seconds.items()}
+        figures["all"] = sum(figures.values())
+        return figures
 
 
 def run_alone(

@@ -1,4 +1,4 @@
-"""(g) 1-byte rank-to-rank round trip across two daemons, against a raw two-process ping-pong.
+"""(g) 1-byte rank-to-rank round trip across two daemons, against the hop floor and a raw pair.
 
 fabricd: ``LocalCluster(2)`` on loopback.  Rank 0 (this process, a client of node 0) sends a
 1-byte array to rank 1 (another process, a client of node 1) with ``fab.send`` and then
@@ -6,41 +6,51 @@ fabricd: ``LocalCluster(2)`` on loopback.  Rank 0 (this process, a client of nod
 A round trip crosses three process hops each way (rank 0 -> daemon 0 -> daemon 1 -> rank 1 and
 back), plus whatever control frames the protocol needs; four processes share the two CPUs.
 
-Baseline: the simplest thing that moves one byte between two processes and back -- two
-processes, one TCP connection on 127.0.0.1 with ``TCP_NODELAY``, *blocking* sockets (no event
-loop on either side): this process ``sendall``\\ s the byte and ``recv``\\ s the echo; the other
-(:func:`bench.ranks.tcp_echo`) ``recv_into``\\ s it and ``sendall``\\ s it back.  No process is
-pinned: like the fabricd processes, the two go where the scheduler puts them.  On a virtual
-machine that matters: waking a process on another, idle CPU costs far more than on the same one,
-so an extra figure gives the raw ping-pong pinned to two CPUs and to one.
+Baseline, the hop floor (:mod:`bench.hopfloor`, issue 22): the same three hops each way with
+the daemons replaced by two do-nothing uvloop relays -- this process's blocking Unix socket,
+relay A, TCP on 127.0.0.1 with ``TCP_NODELAY``, relay B, a Unix socket to an echoing client --
+so the ratio is what fabricd's work costs on top of the hops any daemon per node pays.
 
-Batches alternate -- a raw batch, then a fabricd batch -- so both see the same background load;
-each side gets a warm-up batch first.  Reported: the median and 99th percentile of the single
-round trips, and the spread of the batch medians (lowest and highest); ratio = fabricd median /
-raw median.  Target (issue 8): at most 4x.
+Second baseline, kept so earlier runs stay comparable: the simplest thing that moves one byte
+between two processes and back -- two processes, one TCP connection on 127.0.0.1 with
+``TCP_NODELAY``, *blocking* sockets (no event loop on either side): this process ``sendall``\\ s
+the byte and ``recv``\\ s the echo; the other (:func:`bench.ranks.tcp_echo`) ``recv_into``\\ s it
+and ``sendall``\\ s it back.  No process is pinned: like the fabricd processes, the two go where
+the scheduler puts them.  On a virtual machine that matters: waking a process on another, idle
+CPU costs far more than on the same one, so an extra figure gives the raw ping-pong pinned to
+two CPUs and to one.
+
+Batches alternate -- raw, hop floor, fabricd -- so all three see the same background load; each
+side gets a warm-up batch first.  Reported: the median and 99th percentile of the single round
+trips, and the spread of the batch medians (lowest and highest); ratio = fabricd median / hop
+floor median, with fabricd median / raw median beside it.  Target (issue 22, item 5): at most
+4x the hop floor.  Extra figures: the CPU time each of the four processes spends per round trip,
+on the floor and through fabricd (what each hop costs, beside what it takes in wall time).
 
 Run alone: ``python -m bench.roundtrip [--quick]``.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import socket
 import sys
-import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from bench import ranks
+from bench import hopfloor, ranks
 from bench.report import (
     Column,
+    CpuMeter,
     Extra,
     Progress,
     Table,
+    batch_figures,
+    each_call,
     fmt_number,
     median,
-    percentile,
     pinned_helper,
     quiet,
     reap,
@@ -51,19 +61,13 @@ from bench.report import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from fabricd.daemon.launcher import LocalCluster
+
 #: bytes per message, both ways
 NBYTES = 1
 TARGET_RATIO = 4.0
-
-
-def _batch(one: Callable[[], None], n: int) -> list[float]:
-    """Seconds of each of ``n`` round trips made by ``one``."""
-    out = []
-    for _ in range(n):
-        start = time.perf_counter()
-        one()
-        out.append(time.perf_counter() - start)
-    return out
+#: the three sides and their headings, in the order their batches alternate
+SIDES = {"raw": "raw", "floor": "hop floor", "fabricd": "fabricd"}
 
 
 def _raw_round_trip(sock: socket.socket, payload: bytes) -> Callable[[], None]:
@@ -104,49 +108,88 @@ def _pinned_raw(cpus: tuple[int, int], rounds: int) -> float:
     ):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         one = _raw_round_trip(sock, b"\x5a" * NBYTES)
-        _batch(one, rounds)  # warm-up
-        times = _batch(one, rounds)
+        each_call(one, rounds)  # warm-up
+        times = each_call(one, rounds)
     return median(times)
 
 
+def _fabric_pids(cluster: LocalCluster, echo: int) -> dict[str, int]:
+    return {
+        "rank 0": os.getpid(),
+        "daemon 0": cluster.nodes[0].pid,
+        "daemon 1": cluster.nodes[1].pid,
+        "rank 1": echo,
+    }
+
+
+def _alternate(
+    sides: dict[str, tuple[Callable[[], None], CpuMeter]],
+    batches: int,
+    per_batch: int,
+    progress: Progress,
+) -> dict[str, list[list[float]]]:
+    """A warm-up batch of each side, then ``batches`` rounds of one batch per side, in turn;
+    each side's CPU meter counts its own batches only."""
+    for one, _ in sides.values():
+        each_call(one, per_batch // 5 + 1)
+    timed: dict[str, list[list[float]]] = {side: [] for side in sides}
+    for i in range(batches):
+        for side, (one, meter) in sides.items():
+            with meter.counting():
+                timed[side].append(each_call(one, per_batch))
+        progress(
+            f"batch {i + 1} of {batches}: "
+            + ", ".join(
+                f"{SIDES[side]} {fmt_number(median(t[-1]) * 1e6)} us" for side, t in timed.items()
+            )
+        )
+    return timed
+
+
+def _table(batches: int, per_batch: int) -> Table:
+    return Table(
+        name="roundtrip",
+        title=f"(g) {NBYTES}-byte rank-to-rank round trip across two daemons, against the hop "
+        "floor (two do-nothing uvloop relays) and a raw two-process TCP ping-pong (blocking "
+        "sockets), microseconds",
+        columns=[
+            *(
+                Column(f"{side}_{figure}", f"{side_heading} {heading}")
+                for side, side_heading in SIDES.items()
+                for figure, heading in (
+                    ("median", "median"),
+                    ("p99", "p99"),
+                    ("low", "batch low"),
+                    ("high", "batch high"),
+                )
+            ),
+            Column("vs_raw", "fabricd / raw"),
+        ],
+        ratio="fabricd median / hop floor median (lower is better)",
+        target=f"ratio <= {TARGET_RATIO:g}",
+        settings={"batches": batches, "round_trips_per_batch": per_batch, "nbytes": NBYTES},
+    )
+
+
 def run(quick: bool = False, progress: Progress = quiet) -> Table:
-    """Alternate batches of raw and fabricd round trips; one row."""
+    """Alternate batches of raw, hop-floor and fabricd round trips; one row."""
     from fabricd.client import connect
     from fabricd.daemon.launcher import LocalCluster
 
     batches, per_batch = (3, 100) if quick else (10, 500)
-    warm = per_batch // 5 + 1
-    rounds = warm + batches * per_batch
-    table = Table(
-        name="roundtrip",
-        title=f"(g) {NBYTES}-byte rank-to-rank round trip across two daemons, against a raw "
-        "two-process TCP ping-pong (blocking sockets), microseconds",
-        columns=[
-            Column("raw_median", "raw median"),
-            Column("raw_p99", "raw p99"),
-            Column("raw_low", "raw batch low"),
-            Column("raw_high", "raw batch high"),
-            Column("fabricd_median", "fabricd median"),
-            Column("fabricd_p99", "fabricd p99"),
-            Column("fabricd_low", "fabricd batch low"),
-            Column("fabricd_high", "fabricd batch high"),
-        ],
-        ratio="fabricd median / raw median (lower is better)",
-        target=f"ratio <= {TARGET_RATIO:g}",
-        settings={"batches": batches, "round_trips_per_batch": per_batch, "nbytes": NBYTES},
-    )
+    rounds = per_batch // 5 + 1 + batches * per_batch
+    table = _table(batches, per_batch)
     job = f"bench-{uuid.uuid4().hex[:8]}"
     parent, child = multiprocessing.get_context("spawn").Pipe()
-    progress("starting the raw echo, 2 daemons and rank 1")
+    progress("starting the raw echo, the hop floor, 2 daemons and rank 1")
     raw_peer = spawn(ranks.tcp_echo, child, rounds, NBYTES)
-    raw_batches: list[list[float]] = []
-    fab_batches: list[list[float]] = []
     try:
         if not parent.poll(60):
             raise RuntimeError("the raw echo did not start")
         port = parent.recv()
         with (
             socket.create_connection(("127.0.0.1", port), timeout=ranks.CALL_TIMEOUT) as sock,
+            hopfloor.hop_floor([(NBYTES, NBYTES, rounds)]) as floor,
             LocalCluster(2) as cluster,
         ):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -155,18 +198,23 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
             with connect(job=job, rank=0, size=2, socket_path=cluster.nodes[0].socket_path) as fab:
                 message = fab.array("bench-ping", (NBYTES,), "uint8")
                 message[:] = 0x5A
-                raw_one = _raw_round_trip(sock, bytes(message))
-                fab_one = _fabric_round_trip(fab, message)
-                _batch(raw_one, warm)
-                _batch(fab_one, warm)
-                for i in range(batches):
-                    raw_batches.append(_batch(raw_one, per_batch))
-                    fab_batches.append(_batch(fab_one, per_batch))
-                    progress(
-                        f"batch {i + 1} of {batches}: raw "
-                        f"{fmt_number(median(raw_batches[-1]) * 1e6)} us, fabricd "
-                        f"{fmt_number(median(fab_batches[-1]) * 1e6)} us"
-                    )
+                assert raw_peer.pid is not None
+                assert fab_peer.pid is not None
+                sides: dict[str, tuple[Callable[[], None], CpuMeter]] = {
+                    "raw": (
+                        _raw_round_trip(sock, bytes(message)),
+                        CpuMeter({"pinger": os.getpid(), "echo": raw_peer.pid}),
+                    ),
+                    "floor": (
+                        functools.partial(floor.end.round_trip, bytes(message)),
+                        CpuMeter(floor.pids),
+                    ),
+                    "fabricd": (
+                        _fabric_round_trip(fab, message),
+                        CpuMeter(_fabric_pids(cluster, fab_peer.pid)),
+                    ),
+                }
+                timed = _alternate(sides, batches, per_batch, progress)
                 if int(message[0]) != 0x5A:
                     raise RuntimeError("the fabricd echo returned other bytes than it was sent")
             reap(fab_peer)
@@ -175,18 +223,15 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
         raise
     reap(raw_peer)
     figures: dict[str, float] = {}
-    for side, per in (("raw", raw_batches), ("fabricd", fab_batches)):
-        every = [t for batch in per for t in batch]
-        medians = [median(batch) for batch in per]
-        figures[f"{side}_median"] = median(every) * 1e6
-        figures[f"{side}_p99"] = percentile(every, 99) * 1e6
-        figures[f"{side}_low"] = min(medians) * 1e6
-        figures[f"{side}_high"] = max(medians) * 1e6
-    ratio = figures["fabricd_median"] / figures["raw_median"]
+    for side in SIDES:
+        figures.update(batch_figures(side, timed[side]))
+    figures["vs_raw"] = figures["fabricd_median"] / figures["raw_median"]
+    ratio = figures["fabricd_median"] / figures["floor_median"]
     table.add(f"{NBYTES} B", NBYTES, ratio, **figures)
     table.target_met = ratio <= TARGET_RATIO
     progress(
-        f"{NBYTES} B: raw {fmt_number(figures['raw_median'])} us, fabricd "
+        f"{NBYTES} B: raw {fmt_number(figures['raw_median'])} us, hop floor "
+        f"{fmt_number(figures['floor_median'])} us, fabricd "
         f"{fmt_number(figures['fabricd_median'])} us, ratio {fmt_number(ratio)}x"
     )
     pinned = {label: _pinned_raw(cpus, per_batch) * 1e6 for label, cpus in pinnings()}
@@ -199,11 +244,20 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
         )
     )
     progress("raw pinned: " + ", ".join(f"{k} {fmt_number(v)} us" for k, v in pinned.items()))
+    for side, (_, meter) in sides.items():
+        table.extras.append(
+            Extra(
+                label=f"CPU time per round trip by process, {side} (over its own batches)",
+                figures=meter.per(batches * per_batch),
+                unit="us",
+            )
+        )
     table.notes += [
-        f"{batches} batches of {per_batch} round trips each side, alternating; batch low/high: "
-        "the lowest and highest batch median",
-        "the raw ping-pong is one process hop each way; fabricd's is three each way (rank 0, "
-        "daemon 0, daemon 1, rank 1), four processes on the same CPUs",
+        f"{batches} batches of {per_batch} round trips each side, alternating raw, hop floor, "
+        "fabricd; batch low/high: the lowest and highest batch median",
+        "the raw ping-pong is one process hop each way; the hop floor's and fabricd's are three "
+        "each way (client or rank 0, relay or daemon 0, relay or daemon 1, client or rank 1), "
+        "four processes on the same CPUs",
     ]
     return table
 

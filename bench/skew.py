@@ -20,7 +20,12 @@ when MPI is not installed).  The paper, at 32 processes on Piz Daint: solo 53.32
 A baseline rank makes ``--iterations`` calls (64, as the paper).  A fabricd rank runs for that
 many *rounds*: in solo mode rounds go at the fastest rank's pace and a slow rank's call returns
 the latest round's result, so slow ranks make fewer calls
-(:func:`bench.collective_ranks.skew_body`).  Run alone:
+(:func:`bench.collective_ranks.skew_body`).
+
+Extra figure: the hop floor (:mod:`bench.hopfloor`, issue 22) of one message of the same size --
+a round trip client -> relay -> relay -> client through two do-nothing uvloop relays, on the
+same sockets as a daemon's -- measured before each rank count's fabricd runs, so the
+small-message latencies have what the hops alone cost beside them.  Run alone:
 ``python -m bench.skew [--quick] [--ranks 8,16,32] [--nodes 4] [--iterations 64]``.
 """
 
@@ -32,15 +37,19 @@ import uuid
 from statistics import fmean
 from typing import TYPE_CHECKING, Any
 
-from bench import collective_ranks
+from bench import collective_ranks, hopfloor
 from bench.allreduce import free_port, missing
 from bench.report import (
     Column,
+    Extra,
     KiB,
     Progress,
     Table,
     fmt_number,
+    fmt_size,
+    median,
     parse_size,
+    percentile,
     quiet,
     stderr_progress,
 )
@@ -57,6 +66,10 @@ ITERATIONS = 64
 QUICK_ITERATIONS = 6
 SKEW_MS = 1.0
 NBYTES = 4 * KiB
+
+#: round trips of the hop floor's extra figure, per rank count
+FLOOR_ROUNDS = 500
+QUICK_FLOOR_ROUNDS = 100
 
 TARGET_RANKS = 8
 TARGETS = {"solo": 10.0, "majority": 2.0}  #: times lower latency than MPI_Allreduce
@@ -165,11 +178,15 @@ def run(
         settings={**spec, "nodes": nodes, "modes": list(MODES)},
     )
     judged: list[bool] = []
+    floor: list[float] = []
     for size in counts:
         measured: dict[str, tuple[float, float, float]] = {}
         for baseline in available:
             progress(f"{size} ranks: {baseline}")
             measured[baseline] = measure(baseline, size, 1, {**spec, "modes": ["sync"]})["sync"]
+        times = hopfloor.round_trips(nbytes, QUICK_FLOOR_ROUNDS if quick else FLOOR_ROUNDS)
+        floor += times
+        progress(f"{size} ranks: hop floor {fmt_number(median(times) * 1e6)} us per round trip")
         progress(f"{size} ranks: fabricd on {min(nodes, size)} daemon(s), {', '.join(MODES)}")
         for mode, figures in measure(
             "fabricd", size, nodes, {**spec, "modes": list(MODES)}
@@ -193,6 +210,14 @@ def run(
             if judge and what in TARGETS and "mpi" in available:
                 judged.append(row["vs_mpi"] >= TARGETS[what])
     table.target_met = all(judged) if judged else None
+    table.extras.append(
+        Extra(
+            label=f"hop floor: {fmt_size(nbytes)} round trip through two do-nothing uvloop relays "
+            "(client, relay, TCP, relay, client), measured before each rank count's fabricd runs",
+            figures={"median": median(floor) * 1e6, "p99": percentile(floor, 99) * 1e6},
+            unit="us",
+        )
+    )
     if skew_ms != SKEW_MS:
         table.notes.append(f"the target is judged at the paper's {SKEW_MS:g} ms skew unit only")
     return table

@@ -16,8 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from bench import disconnect, framecost, handoff, integrity, latency, rate, roundtrip, throughput
-from bench.report import Column, Table, fmt_size, median, percentile
+from bench import (
+    disconnect,
+    framecost,
+    handoff,
+    hopfloor,
+    integrity,
+    latency,
+    rate,
+    roundtrip,
+    skew,
+    throughput,
+)
+from bench.report import Column, Table, batch_figures, fmt_size, median, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,6 +156,9 @@ def test_statistics() -> None:
     assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
     assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
     assert percentile([5.0], 99) == 5.0
+    assert batch_figures("x", [[1e-6, 3e-6], [2e-6, 4e-6, 6e-6]]) == pytest.approx(
+        {"x_median": 3.0, "x_p99": 6.0, "x_low": 2.0, "x_high": 4.0}
+    )
 
 
 @pytest.mark.slow
@@ -167,28 +181,39 @@ def test_integrity_frame_reports_sealed_against_unsealed_per_kind() -> None:
     assert set(extra["figures"]) == {"BLAKE2b-128 keyed", "HMAC-SHA256"}
 
 
-def test_roundtrip_reports_both_medians_the_ratio_and_the_pinned_raw_figures() -> None:
+def test_roundtrip_reports_every_side_the_ratio_to_the_floor_and_the_cpu_per_hop() -> None:
     result, progress = run_bench("--quick", "--json", "--only", "roundtrip")
     table = the_table(result, "roundtrip")
     [row] = table["rows"]
     assert row["nbytes"] == roundtrip.NBYTES == 1
     assert_ratios(table)
-    for side in ("raw", "fabricd"):
-        low, high = row["figures"][f"{side}_low"], row["figures"][f"{side}_high"]
+    figures = row["figures"]
+    for side in roundtrip.SIDES:
+        low, high = figures[f"{side}_low"], figures[f"{side}_high"]
         assert 0 < low <= high
-        assert row["figures"][f"{side}_p99"] > 0
-    assert row["ratio"] == pytest.approx(
-        row["figures"]["fabricd_median"] / row["figures"]["raw_median"]
-    )
+        assert figures[f"{side}_p99"] > 0
+    assert row["ratio"] == pytest.approx(figures["fabricd_median"] / figures["floor_median"])
+    assert figures["vs_raw"] == pytest.approx(figures["fabricd_median"] / figures["raw_median"])
     assert table["target"] == "ratio <= 4"
     assert table["target_met"] in (True, False)
-    [extra] = table["extras"]
-    assert list(extra["figures"]) == [label for label, _ in roundtrip.pinnings()]
-    assert all(value > 0 for value in extra["figures"].values())
+    pinned, *cpu = table["extras"]
+    assert list(pinned["figures"]) == [label for label, _ in roundtrip.pinnings()]
+    assert all(value > 0 for value in pinned["figures"].values())
+    processes = {
+        "raw": ["pinger", "echo"],
+        "floor": ["client 0", "relay A", "relay B", "client 1"],
+        "fabricd": ["rank 0", "daemon 0", "daemon 1", "rank 1"],
+    }
+    assert len(cpu) == len(processes)
+    for extra, (side, names) in zip(cpu, processes.items(), strict=True):
+        assert side in extra["label"]
+        assert list(extra["figures"]) == [*names, "all"]
+        assert all(value > 0 for value in extra["figures"].values())
+        assert extra["figures"]["all"] == pytest.approx(sum(extra["figures"][n] for n in names))
     assert progress.count("[roundtrip] batch ") == table["settings"]["batches"]
 
 
-def test_rate_reports_messages_per_second_and_time_per_message_for_every_window() -> None:
+def test_rate_reports_every_side_and_the_ratio_to_the_floor_for_every_window() -> None:
     result, progress = run_bench("--quick", "--json", "--only", "rate")
     table = the_table(result, "rate")
     labels = [f"4 KiB, window {w}" + (", sent" if wait == "sent" else "") for w, wait in rate.MODES]
@@ -197,12 +222,57 @@ def test_rate_reports_messages_per_second_and_time_per_message_for_every_window(
     for row in table["rows"]:
         figures = row["figures"]
         assert row["nbytes"] == rate.NBYTES
-        for side in ("raw", "fabricd"):
+        for side in rate.SIDES:
             assert figures[f"{side}_rate"] == pytest.approx(1e6 / figures[f"{side}_us"])
             assert figures[f"{side}_spread"] >= 0
-        assert row["ratio"] == pytest.approx(figures["fabricd_us"] / figures["raw_us"])
+        assert row["ratio"] == pytest.approx(figures["fabricd_us"] / figures["floor_us"])
+        assert figures["vs_raw"] == pytest.approx(figures["fabricd_us"] / figures["raw_us"])
         assert figures["messages"] == table["settings"]["messages"]
-    assert table["target"] == "ratio <= 5 (every row)"
+    assert table["target"] == "ratio <= 3 (every row)"
     assert table["target_met"] in (True, False)
     for label in labels:  # one progress line per case
         assert f"[rate] {label}: " in progress
+
+
+def test_hopfloor_reports_the_floor_against_the_direct_pair_for_every_case() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "hopfloor")
+    table = the_table(result, "hopfloor")
+    assert [row["label"] for row in table["rows"]] == [case.label for case in hopfloor.CASES]
+    assert_ratios(table)
+    for row, case in zip(table["rows"], hopfloor.CASES, strict=True):
+        figures = row["figures"]
+        assert row["nbytes"] == case.nbytes
+        assert row["ratio"] == pytest.approx(figures["floor_median"] / figures["direct_median"])
+        assert 0 < figures["floor_low"] <= figures["floor_high"]
+        assert ("floor_p99" in figures) == case.round_trip
+        assert 0 < figures["cpu_relay"] < figures["cpu_all"]
+        assert f"[hopfloor] {case.label}: " in progress
+    assert table["target"] is None
+
+
+def test_hopfloor_runs_alone() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.hopfloor", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("the hop floor: ")
+    for case in hopfloor.CASES:
+        [line] = [line for line in lines if line.strip().startswith(case.label)]
+        assert line.endswith("x")
+
+
+@pytest.mark.slow
+def test_skew_puts_the_hop_floor_of_its_message_beside_its_figures() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "skew")
+    table = the_table(result, "skew")
+    [extra] = table["extras"]
+    assert extra["label"].startswith("hop floor: 4 KiB round trip")
+    assert set(extra["figures"]) == {"median", "p99"}
+    assert 0 < extra["figures"]["median"] <= extra["figures"]["p99"]
+    assert progress.count("hop floor") == len(skew.QUICK_RANKS)
