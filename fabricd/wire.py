@@ -362,7 +362,7 @@ class Decoder:
         state = self._state
         try:
             if state is _State.HEADER:
-                if not self._parse_header():
+                if not self._buf or not self._parse_header():  # (the usual end of a read)
                     return NEED_DATA
                 state = _State.META
             if state is _State.META:
@@ -480,7 +480,7 @@ class Decoder:
         return self._frame()
 
     def _frame(self) -> Frame:
-        payload = _NO_PAYLOAD if self._discard else self._ensure_payload()
+        payload = _NO_PAYLOAD if self._discard or not self._payload_len else self._ensure_payload()
         frame = Frame(kind=self._kind, flags=self._flags, meta=self._meta, payload=payload)
         self._state, self._payload, self._meta = _State.HEADER, None, _NO_META
         return frame
