@@ -21,6 +21,7 @@ from fabricd.wire import MAX_TAG, Meta, get_int, get_str
 
 if TYPE_CHECKING:
     from fabricd.daemon.ipc_server import IpcConnection
+    from fabricd.engines.p2p.messages import Messages
     from fabricd.shm import Segment
 
 
@@ -61,9 +62,10 @@ def request_id(meta: Meta) -> int:
 
 
 def parse_transfer(
-    session: ClientSession, meta: Meta, *, is_send: bool
+    session: ClientSession, meta: Meta, *, is_send: bool, messages: Messages | None = None
 ) -> tuple[Message, memoryview]:
-    """Check a ``send``/``recv`` request against the session: its message and its region.
+    """Check a ``send``/``recv`` request against the session: its message (one of
+    ``messages``, the engine's shared ones, if given) and its region.
 
     Raises:
         UsageError: the request names something wrong (message says what).
@@ -83,8 +85,10 @@ def parse_transfer(
     tag = _bounded(meta, "tag", MAX_TAG, f"outside 0..{MAX_TAG}")
     region = session.segment(get_int(meta, "seg")).view(offset, nbytes)
     src, dst = (session.rank, peer) if is_send else (peer, session.rank)
-    message = Message(job=session.job, src=src, dst=dst, tag=tag, nbytes=nbytes, dtype=dtype)
-    return message, region
+    if messages is None:
+        message = Message(job=session.job, src=src, dst=dst, tag=tag, nbytes=nbytes, dtype=dtype)
+        return message, region
+    return messages.get(session.job, src, dst, tag, nbytes, dtype), region
 
 
 def _bounded(meta: Meta, key: str, hi: int, what: str) -> int:

@@ -151,7 +151,9 @@ class P2PService(BaseService):
         refuse_while_draining(self.host)
         session, kind = request.session, request.op
         is_send = kind == "send"
-        message, region = parse_transfer(session, request.meta, is_send=is_send)
+        message, region = parse_transfer(
+            session, request.meta, is_send=is_send, messages=self.engine.messages
+        )
         early = _early(request.meta, is_send)
         job = message.job
         held = self._by_session.get(session)
