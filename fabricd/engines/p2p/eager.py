@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import SendFrame
 from fabricd.engines.p2p.indexes import bump
-from fabricd.engines.p2p.messages import SendEager, announced, mismatch, rts
+from fabricd.engines.p2p.messages import SendEager, mismatch, rts
 from fabricd.engines.p2p.operations import SendInput
 from fabricd.engines.p2p.rendezvous import Rendezvous
 from fabricd.errors import RemoteProtocolError
@@ -48,7 +48,15 @@ class EagerMessages(Rendezvous):
                 bump(self._credit_used, node, msg.nbytes)
                 self._announce(send, SendInput.SENT_EAGER)
                 self._counts["eager_sent"] += 1
-                eager = Eager(**announced(send.msg_id, msg))
+                eager = Eager(
+                    msg=send.msg_id,
+                    job=msg.job,
+                    src=msg.src,
+                    dst=msg.dst,
+                    tag=msg.tag,
+                    nbytes=msg.nbytes,
+                    dtype=msg.dtype,
+                )
                 return [SendEager(node=node, op=send.op, frame=eager)]
             self._counts["eager_no_credit"] += 1
         self._announce(send, SendInput.ROUTED_AWAY)

@@ -534,7 +534,7 @@ class Messaging(EagerMessages, Pending):
 
     # -- helpers ------------------------------------------------------------------------------
     def _check_new(self, op: int) -> None:
-        if self.holds(op):
+        if op in self._sends or op in self._recvs:  # (``holds``, without its call)
             raise LocalProtocolError(f"operation {op} is already in the engine")
 
     def _waited(self) -> str:

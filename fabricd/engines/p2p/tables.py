@@ -195,7 +195,11 @@ class Tables:
         """Move ``send`` to the state ``event`` names, and file it by its message id."""
         self._move_send(send, event)
         self._out[send.msg_id] = send
-        self._out_by.setdefault(send.node, {})[send.msg_id] = send
+        by_node = self._out_by.get(send.node)
+        if by_node is None:
+            self._out_by[send.node] = {send.msg_id: send}
+        else:
+            by_node[send.msg_id] = send
         add(self._out_to, (send.msg.job, send.msg.dst), send)
 
     def _move_send(self, send: Send, event: SendInput) -> None:
@@ -210,8 +214,11 @@ class Tables:
             return
         msg = send.msg
         if old is SendState.ROUTE:
-            self._deadlines.cancel(send.op)
-            discard(self._unrouted, (msg.job, msg.dst), send)
+            rank = (msg.job, msg.dst)
+            unrouted = self._unrouted.get(rank)
+            if unrouted is not None and send in unrouted:  # only these have a route deadline
+                self._deadlines.cancel(send.op)
+                discard(self._unrouted, rank, send)
         elif old is SendState.QUEUED:
             if send.slot is not None:
                 self._arrived.remove(send.slot)
