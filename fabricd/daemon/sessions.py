@@ -11,7 +11,7 @@ refused with a message that says what was wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final, NoReturn
 
 from fabricd.dtypes import ITEMSIZE
 from fabricd.engines.p2p.messages import Message
@@ -19,8 +19,12 @@ from fabricd.errors import UsageError
 from fabricd.ipc import MAX_JOB_NAME
 from fabricd.wire import MAX_TAG, Meta, get_int, get_str
 
+#: the largest integer a request's field may carry (as :func:`fabricd.wire.get_int` allows)
+_MAX_INT: Final = 2**63 - 1
+
 if TYPE_CHECKING:
     from fabricd.daemon.ipc_server import IpcConnection
+    from fabricd.engines.p2p.messages import Messages
     from fabricd.shm import Segment
 
 
@@ -61,40 +65,60 @@ def request_id(meta: Meta) -> int:
 
 
 def parse_transfer(
-    session: ClientSession, meta: Meta, *, is_send: bool
+    session: ClientSession, meta: Meta, *, is_send: bool, messages: Messages | None = None
 ) -> tuple[Message, memoryview]:
-    """Check a ``send``/``recv`` request against the session: its message and its region.
+    """Check a ``send``/``recv`` request against the session: its message (one of
+    ``messages``, the engine's shared ones, if given) and its region.
+
+    Every field is tested inline, and the reader that names the fault (``get_int``,
+    ``get_str``, :func:`_refuse`) is called only when a test fails: on every request of the
+    point-to-point path, the calls and the messages formatted ahead cost about 1 us.
 
     Raises:
         UsageError: the request names something wrong (message says what).
         ProtocolError: a field is missing or of the wrong type.
     """
-    if session.job is None:
+    job = session.job
+    if job is None:
         raise UsageError("connect with a job (fabricd.connect(job=...)) before sending")
-    dtype = get_str(meta, "dtype")
-    if dtype not in ITEMSIZE:
+    dtype = meta.get("dtype")
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        dtype = get_str(meta, "dtype")
         raise UsageError(f"dtype {dtype!r} is not supported; use one of {', '.join(ITEMSIZE)}")
-    nbytes, offset = get_int(meta, "nbytes"), get_int(meta, "off")
+    nbytes, offset = meta.get("nbytes"), meta.get("off")
+    if type(nbytes) is not int or not 0 <= nbytes <= _MAX_INT:
+        nbytes = get_int(meta, "nbytes")
+    if type(offset) is not int or not 0 <= offset <= _MAX_INT:
+        offset = get_int(meta, "off")
     if nbytes % ITEMSIZE[dtype]:
         raise UsageError(f"{nbytes} B is not a whole number of {dtype} elements")
-    peer = _bounded(
-        meta, "peer", session.size - 1, f"outside job {session.job!r} of size {session.size}"
-    )
-    tag = _bounded(meta, "tag", MAX_TAG, f"outside 0..{MAX_TAG}")
-    region = session.segment(get_int(meta, "seg")).view(offset, nbytes)
+    peer, tag = meta.get("peer"), meta.get("tag")
+    if type(peer) is not int or not 0 <= peer < session.size:
+        _refuse(meta, "peer", f"outside job {job!r} of size {session.size}")
+    if type(tag) is not int or not 0 <= tag <= MAX_TAG:
+        _refuse(meta, "tag", f"outside 0..{MAX_TAG}")
+    seg = meta.get("seg")
+    if type(seg) is not int or not 0 <= seg <= _MAX_INT:
+        seg = get_int(meta, "seg")
+    region = session.segment(seg).view(offset, nbytes)
     src, dst = (session.rank, peer) if is_send else (peer, session.rank)
-    message = Message(job=session.job, src=src, dst=dst, tag=tag, nbytes=nbytes, dtype=dtype)
-    return message, region
+    if messages is None:
+        message = Message(job=job, src=src, dst=dst, tag=tag, nbytes=nbytes, dtype=dtype)
+        return message, region
+    return messages.get(job, src, dst, tag, nbytes, dtype), region
 
 
-def _bounded(meta: Meta, key: str, hi: int, what: str) -> int:
-    """An integer field; out of range is the caller's mistake, not a protocol violation."""
+def _refuse(meta: Meta, key: str, what: str) -> NoReturn:
+    """An integer field is out of range (``what`` says of which), or no integer: the caller's
+    mistake, not a protocol violation.
+
+    Raises:
+        UsageError: always, naming the field and its value.
+    """
     value = meta.get(key)
     if type(value) is not int:
         raise UsageError(f"{key} must be an integer, not {type(value).__name__}")
-    if not 0 <= value <= hi:
-        raise UsageError(f"{key} {value} is {what}")
-    return value
+    raise UsageError(f"{key} {value} is {what}")
 
 
 def parse_hello(meta: Meta) -> tuple[str, int, int] | None:

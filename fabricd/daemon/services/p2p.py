@@ -31,7 +31,7 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from fabricd.daemon.datapath import copy, stream
 from fabricd.daemon.logs import RateLimitedLog
@@ -55,7 +55,7 @@ from fabricd.frames import p2p as p2p_frames
 from fabricd.wire import Kind, Meta
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
 
     from prometheus_client.metrics_core import Metric
 
@@ -72,6 +72,16 @@ log = logging.getLogger("fabricd.p2p")
 short_log = RateLimitedLog(log)
 #: stalled operations: each is reported once, but a whole job can stall at once
 stall_log = RateLimitedLog(log)
+#: the frames this service claims, as tuples: ``isinstance`` with a ``X | Y`` union built in the
+#: call cost 0.35 us on every frame, against 0.09 us with a tuple built once
+_CONTROL_FRAMES: Final = (
+    p2p_frames.Rts,
+    p2p_frames.Cts,
+    p2p_frames.Done,
+    p2p_frames.Cancel,
+    p2p_frames.Rtr,
+)
+_PAYLOAD_FRAMES: Final = (p2p_frames.Data, p2p_frames.Eager)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -139,23 +149,32 @@ class P2PService(BaseService):
     # -- requests ---------------------------------------------------------------------------
     def on_request(self, request: Request, now: float) -> None:
         refuse_while_draining(self.host)
-        is_send = request.op == "send"
-        message, region = parse_transfer(request.session, request.meta, is_send=is_send)
+        session, kind = request.session, request.op
+        is_send = kind == "send"
+        message, region = parse_transfer(
+            session, request.meta, is_send=is_send, messages=self.engine.messages
+        )
         early = _early(request.meta, is_send)
-        self._admit(request.session, message.job)
+        job = message.job
+        held = self._by_session.get(session)
+        self._admit(0 if held is None else len(held), job)
         op = next(self._op_ids)
         self._ops[op] = _Transfer(
             request=request.id,
             message=message,
             region=region,
-            session=request.session,
-            kind=request.op,
+            session=session,
+            kind=kind,
             started=now,
             early=early,
         )
-        self.operations.started(request.op)
-        self._by_session.setdefault(request.session, set()).add(op)
-        self._by_job[message.job] = self._by_job.get(message.job, 0) + 1
+        self.operations.started(kind)
+        if held is None:
+            self._by_session[session] = {op}
+        else:
+            held.add(op)
+        by_job = self._by_job
+        by_job[job] = by_job.get(job, 0) + 1
         if is_send:
             self._perform(self.engine.post_send(op, message, now))
         else:
@@ -174,14 +193,14 @@ class P2PService(BaseService):
             else:
                 self._forget(op)
 
-    def _admit(self, session: ClientSession, job: str) -> None:
-        """Refuse a new operation beyond ``max_ops_per_client`` or ``max_ops_per_job``.
+    def _admit(self, held: int, job: str) -> None:
+        """Refuse a new operation of a client with ``held`` pending beyond
+        ``max_ops_per_client``, or of ``job`` beyond ``max_ops_per_job``.
 
         Raises:
             OperationFailed: code ``limit``, naming the limit and its setting (counted).
         """
         cfg = self.host.config
-        held = len(self._by_session.get(session, ()))
         if held >= cfg.max_ops_per_client:
             self._refused["ops_refused_client_limit"] += 1
             raise OperationFailed(
@@ -225,22 +244,17 @@ class P2PService(BaseService):
 
     # -- peers ------------------------------------------------------------------------------
     def on_frame(self, node: int, frame: registry.PeerFrame, now: float) -> None:
-        assert isinstance(
-            frame,
-            p2p_frames.Rts | p2p_frames.Cts | p2p_frames.Done | p2p_frames.Cancel | p2p_frames.Rtr,
-        )
+        assert isinstance(frame, _CONTROL_FRAMES)
         self._perform(self.engine.on_frame(node, frame, now))
 
     def payload_buffer(
         self, node: int, frame: registry.PayloadFrame, length: int
     ) -> memoryview | None:
-        assert isinstance(
-            frame, p2p_frames.Data | p2p_frames.Eager
-        )  # the kinds this service claims
+        assert isinstance(frame, _PAYLOAD_FRAMES)  # the kinds this service claims
         return self.engine.payload_buffer(node, frame, length)
 
     def on_data(self, node: int, frame: registry.PayloadFrame, length: int, now: float) -> None:
-        assert isinstance(frame, p2p_frames.Data | p2p_frames.Eager)
+        assert isinstance(frame, _PAYLOAD_FRAMES)
         self._perform(self.engine.data_arrived(node, frame, length, now))
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
@@ -353,21 +367,28 @@ class P2PService(BaseService):
         # wait="sent" replies go after every action: a reply may find its client gone (a failed
         # write closes the connection) and the client's other operations abandoned within it,
         # while an action of one of them (an EAGER the engine already counts as sent) is still
-        # to be performed here
-        early: list[tuple[ClientSession, _Transfer]] = []
+        # to be performed here.  The list and the try/finally that keep them are built only once
+        # such a send turns up: most batches have none.
+        todo = iter(actions)
+        parted = self._perform_each(todo)
+        if parted is None:
+            return
+        early = [parted]
         try:
-            self._perform_each(actions, early)
+            while (parted := self._perform_each(todo)) is not None:
+                early.append(parted)
         finally:  # a send parted from its client is answered whatever came after it
             for session, transfer in early:
                 self._answered(session, transfer, None)
 
-    def _perform_each(
-        self, actions: Iterable[Action], early: list[tuple[ClientSession, _Transfer]]
-    ) -> None:
-        """Perform ``actions`` in order; the ``wait="sent"`` sends they part from their clients
-        go in ``early``, for the caller to answer."""
-        for action in actions:
+    def _perform_each(self, todo: Iterator[Action]) -> tuple[ClientSession, _Transfer] | None:
+        """Perform the actions of ``todo`` in order, up to one that parts a ``wait="sent"`` send
+        from its client: return that client and send, for the caller to answer once the rest
+        are performed (``None``: ``todo`` is done).  The cases go most frequent first."""
+        for action in todo:
             match action:
+                case Complete(op=op, failure=failure):
+                    self._complete(op, failure)
                 case SendFrame(node=node, frame=frame):
                     self.host.send(node, frame)
                 case SendEager(node=node, op=op, frame=frame):
@@ -380,7 +401,7 @@ class P2PService(BaseService):
                         transfer.region = memoryview(payload)  # what a fallback (CTS) streams
                         session = self._answer_early(op, transfer)
                         if session is not None:
-                            early.append((session, transfer))
+                            return session, transfer
                 case Place(op=op, payload=payload):
                     _bytes_of(self._ops[op].region)[:] = payload
                 case StreamData(node=node, msg=msg, op=op, rtr=rtr):
@@ -392,13 +413,12 @@ class P2PService(BaseService):
                     task = self.host.spawn(self._copy(src, dst, source, target))
                     self._copies.add(task)
                     task.add_done_callback(self._copies.discard)
-                case Complete(op=op, failure=failure):
-                    self._complete(op, failure)
                 case Notice(message=message):
                     log.warning("%s", message)
                 case Stalled():
                     row = self._report(action, self._peer_table(self.host.now()))
                     stall_log.warning("stalled operation", "%s", line(row))
+        return None
 
     def _send_at_once(self, node: int, msg: int, region: memoryview, rtr: int) -> bool:
         """Send a one-chunk message's DATA now if its link can take it without a wait.
@@ -481,19 +501,23 @@ class P2PService(BaseService):
         if session is None:
             return None
         transfer.session = None  # its end, later, answers nobody
-        self._by_session.get(session, set()).discard(op)
+        held = self._by_session.get(session)
+        if held is not None:
+            held.discard(op)
         return session
 
     def _complete(self, op: int, failure: Failure | None) -> None:
         transfer = self._forget(op)
         if transfer is None:
             return
-        if transfer.session is None:
+        session = transfer.session
+        if session is None:
             if transfer.early and failure is not None:  # only the receiver hears of it
                 self._counters["sent_then_failed"] += 1
             return
-        session = transfer.session
-        self._by_session.get(session, set()).discard(op)
+        held = self._by_session.get(session)
+        if held is not None:
+            held.discard(op)
         self._answered(session, transfer, failure)
 
     def _answered(

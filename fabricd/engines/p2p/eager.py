@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import SendFrame
 from fabricd.engines.p2p.indexes import bump
-from fabricd.engines.p2p.messages import Message, SendEager, announced, mismatch, rts
+from fabricd.engines.p2p.messages import SendEager, mismatch, rts
 from fabricd.engines.p2p.operations import SendInput
 from fabricd.engines.p2p.rendezvous import Rendezvous
 from fabricd.errors import RemoteProtocolError
@@ -48,7 +48,15 @@ class EagerMessages(Rendezvous):
                 bump(self._credit_used, node, msg.nbytes)
                 self._announce(send, SendInput.SENT_EAGER)
                 self._counts["eager_sent"] += 1
-                eager = Eager(**announced(send.msg_id, msg))
+                eager = Eager(
+                    msg=send.msg_id,
+                    job=msg.job,
+                    src=msg.src,
+                    dst=msg.dst,
+                    tag=msg.tag,
+                    nbytes=msg.nbytes,
+                    dtype=msg.dtype,
+                )
                 return [SendEager(node=node, op=send.op, frame=eager)]
             self._counts["eager_no_credit"] += 1
         self._announce(send, SendInput.ROUTED_AWAY)
@@ -62,15 +70,15 @@ class EagerMessages(Rendezvous):
             raise RemoteProtocolError(
                 f"EAGER {frame.msg} from node {node} says {frame.nbytes} B and carries {length}"
             )
-        if frame.msg in self._remote.get(node, {}) or self._landing.expects(node, frame.msg):
+        if frame.msg in self._remote.get(node, ()) or self._landing.expects(node, frame.msg):
             raise RemoteProtocolError(f"node {node} reused the id of message {frame.msg}")
-        msg = Message.from_rts(frame)
+        msg = self.messages.of(frame)
         recv = self._posted.first(msg.key)
         if recv is not None:
             if mismatch(msg, recv.msg) is not None:
                 return None  # both fail when the frame ends
             self._land(recv, node, frame.msg)
-            self._arriving[node] = (frame.msg, None)
+            self._arriving[node] = (frame.msg, msg, None)
             return self._landing.payload_buffer(node, frame.msg, 0, length)
         entry = self.routes.lookup(msg.job, msg.dst)
         limit = self.max_unmatched_rts_per_peer
@@ -84,5 +92,5 @@ class EagerMessages(Rendezvous):
             return None
         payload = bytearray(length)
         bump(self._pool_used, node, length)
-        self._arriving[node] = (frame.msg, payload)
+        self._arriving[node] = (frame.msg, msg, payload)
         return memoryview(payload)

@@ -28,7 +28,11 @@ def bump(counts: dict[K, int], key: K, by: int) -> None:
 
 def add(index: dict[K, dict[V, None]], key: K, item: V) -> None:
     """File ``item`` under ``key`` in an index of insertion-ordered sets."""
-    index.setdefault(key, {})[item] = None
+    group = index.get(key)
+    if group is None:
+        index[key] = {item: None}
+    else:  # (``setdefault(key, {})`` built an empty dict on every call)
+        group[item] = None
 
 
 def rebuilt(index: dict[K, dict[V, W]]) -> dict[K, dict[V, W]]:

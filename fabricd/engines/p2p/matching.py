@@ -199,11 +199,12 @@ class Messaging(EagerMessages, Pending):
                     f"EAGER {frame.msg} from node {node} says {frame.nbytes} B and carries {length}"
                 )
             arriving = self._arriving.pop(node, None)
-            if arriving is None or arriving[0] != frame.msg:
-                return self._on_rts(node, frame.rts())  # no bytes, or dropped: as an RTS
-            if arriving[1] is None:  # straight into its receive
+            if arriving is None or arriving[0] != frame.msg:  # no bytes, or dropped: as an RTS
+                return self._offered(node, frame.msg, self.messages.of(frame))
+            _, msg, payload = arriving
+            if payload is None:  # straight into its receive
                 return self._landed(node, frame.msg, frame.msg, length)
-            return self._on_rts(node, frame.rts(), arriving[1])
+            return self._offered(node, frame.msg, msg, payload)
         lid = -frame.rtr if frame.rtr else frame.msg
         after = self._cancel_after_chunk
         if after and after.get(node) == (frame.msg, frame.rtr):
@@ -289,7 +290,7 @@ class Messaging(EagerMessages, Pending):
         self._cancel_after_chunk.pop(node, None)  # its receive fails here, with the others
         arriving = self._arriving.pop(node, None)
         if arriving is not None:
-            self._release(node, arriving[1])
+            self._release(node, arriving[2])
         for queued in list(self._rtrs_in_by.get(node, ())):
             self._unqueue_rtr(queued)
         self._rtrs_lost.pop(node, None)
@@ -447,19 +448,29 @@ class Messaging(EagerMessages, Pending):
         self._land(recv, node, msg_id)
         return [SendFrame(node=node, frame=Cts(msg=msg_id))]
 
-    def _on_rts(self, node: int, frame: Rts, payload: bytearray | None = None) -> list[Action]:
-        """An RTS, or an EAGER as one (``payload``: its bytes, if the pool holds them)."""
+    def _on_rts(self, node: int, frame: Rts) -> list[Action]:
+        """An RTS: one that answers this node's RTR, or one to match."""
         if frame.rtr:
             return self._on_answer(node, frame)
-        if frame.msg in self._remote.get(node, {}) or self._landing.expects(node, frame.msg):
-            raise RemoteProtocolError(f"node {node} reused the id of message {frame.msg}")
-        msg = Message.from_rts(frame)
+        return self._offered(node, frame.msg, self.messages.of(frame))
+
+    def _offered(
+        self, node: int, msg_id: int, msg: Message, payload: bytearray | None = None
+    ) -> list[Action]:
+        """Message ``msg_id`` of ``node``, announced by an RTS or an EAGER that answers no RTR
+        (``payload``: an EAGER's bytes, if the pool holds them), meets its receive or waits.
+
+        Raises:
+            RemoteProtocolError: ``node`` reused the id of a message still under way here.
+        """
+        if msg_id in self._remote.get(node, ()) or self._landing.expects(node, msg_id):
+            raise RemoteProtocolError(f"node {node} reused the id of message {msg_id}")
         entry = self.routes.lookup(msg.job, msg.dst)
         if entry is None or entry.node != self.node:
             self._release(node, payload)
             text = f"rank {msg.dst} of job {msg.job!r} is not connected to node {self.node}"
-            return [refuse(node, frame.msg, ErrorCode.NO_SUCH_RANK, text)]
-        offer = Remote(node=node, msg_id=frame.msg, msg=msg, payload=payload)
+            return [refuse(node, msg_id, ErrorCode.NO_SUCH_RANK, text)]
+        offer = Remote(node=node, msg_id=msg_id, msg=msg, payload=payload)
         recv = self._posted.first(msg.key)
         if recv is not None:
             return self._match(offer, recv)
@@ -472,10 +483,10 @@ class Messaging(EagerMessages, Pending):
                 f"receive, the most max_unmatched_rts_per_peer allows there; post the receives "
                 f"first, or raise max_unmatched_rts_per_peer on node {self.node}"
             )
-            return [refuse(node, frame.msg, ErrorCode.LIMIT, text)]
+            return [refuse(node, msg_id, ErrorCode.LIMIT, text)]
         offer.slot = self._arrived.push(msg.key, offer)
         add(self._offers_to, (msg.job, msg.dst), offer)
-        self._remote.setdefault(node, {})[frame.msg] = offer
+        self._remote.setdefault(node, {})[msg_id] = offer
         return []
 
     def _on_cancel(self, node: int, msg_id: int, rtr: int = 0) -> list[Action]:
@@ -523,7 +534,7 @@ class Messaging(EagerMessages, Pending):
 
     # -- helpers ------------------------------------------------------------------------------
     def _check_new(self, op: int) -> None:
-        if self.holds(op):
+        if op in self._sends or op in self._recvs:  # (``holds``, without its call)
             raise LocalProtocolError(f"operation {op} is already in the engine")
 
     def _waited(self) -> str:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import Complete, SendFrame
 from fabricd.engines.p2p.indexes import add, bump, discard
-from fabricd.engines.p2p.messages import Message, StreamData, mismatch, refuse, rts
+from fabricd.engines.p2p.messages import StreamData, mismatch, refuse, rts
 from fabricd.engines.p2p.operations import QueuedRtr, RecvInput, SendInput
 from fabricd.engines.p2p.tables import Tables
 from fabricd.errors import ErrorCode, RemoteProtocolError
@@ -73,7 +73,7 @@ class Rendezvous(Tables):
             return [refuse(node, frame.msg, ErrorCode.RECEIVER_LEFT, text)]
         if self._posted.first(recv.msg.key) is not recv:
             raise RemoteProtocolError(f"node {node} answered RTR {frame.rtr} out of turn")
-        problem = mismatch(Message.from_rts(frame), recv.msg)
+        problem = mismatch(self.messages.of(frame), recv.msg)
         if problem is not None:
             failed = self._fail_recv(recv, ErrorCode.MISMATCH, problem, None, recv.msg.src)
             return [refuse(node, frame.msg, ErrorCode.MISMATCH, problem), *failed]
@@ -88,7 +88,7 @@ class Rendezvous(Tables):
         """``node``'s receive is ready: keep its RTR for the next send of the key, unless a
         send of the key is unanswered here (the crossing rule: that send's RTS or EAGER will
         take the receive, and the receiver drops its RTRs of the key when it does)."""
-        msg = Message.from_rts(frame)
+        msg = self.messages.of(frame)
         source = self.routes.lookup(msg.job, msg.src)
         limit = self.max_unmatched_rts_per_peer
         if source is None or source.node != self.node or self._unanswered.get(msg.key):

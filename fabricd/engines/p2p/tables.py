@@ -61,6 +61,7 @@ from fabricd.engines.actions import Complete, Failure
 from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.landing import Landing
 from fabricd.engines.p2p.indexes import add, bump, discard, rebuilt
+from fabricd.engines.p2p.messages import Messages
 from fabricd.engines.p2p.operations import (
     RECV_TRANSITIONS,
     SEND_TRANSITIONS,
@@ -79,7 +80,7 @@ from fabricd.errors import ErrorCode, LocalProtocolError
 
 if TYPE_CHECKING:
     from fabricd.engines.membership import RankKey, Routes
-    from fabricd.engines.p2p.messages import Action, Key
+    from fabricd.engines.p2p.messages import Action, Key, Message
 
 ANNOUNCED: Final = (SendState.RTS, SendState.EAGER, SendState.STREAM)  #: filed in ``_out``
 #: sent, but not yet matched as far as this node knows: an RTR of the key is dropped (crossing)
@@ -130,6 +131,8 @@ class Tables:
         self.eager_limit = eager_limit
         self.eager_credit = eager_credit
         self.receiver_initiated = receiver_initiated
+        #: equal messages shared: the engine's own (RTS, EAGER, RTR) and its service's requests'
+        self.messages = Messages()
         self._sends: dict[int, Send] = {}
         self._recvs: dict[int, Recv] = {}
         self._posted: KeyedQueues[Key, Recv] = KeyedQueues()
@@ -158,9 +161,10 @@ class Tables:
         self._unanswered: dict[Key, int] = {}  #: sends in RTS or EAGER state, by key
         self._credit_used: dict[int, int] = {}  #: bytes of EAGER sends unanswered, by node
         self._pool_used: dict[int, int] = {}  #: bytes the pool holds (or reserved), by node
-        #: per node, the EAGER whose payload is arriving now: (msg, its pool buffer or ``None``
-        #: when it lands straight in its receive); control frames arrive one at a time
-        self._arriving: dict[int, tuple[int, bytearray | None]] = {}
+        #: per node, the EAGER whose payload is arriving now: (msg, what it says, its pool
+        #: buffer or ``None`` when it lands straight in its receive); control frames arrive one
+        #: at a time
+        self._arriving: dict[int, tuple[int, Message, bytearray | None]] = {}
         # -- receiver-initiated rendezvous (receiver: RTRs out; sender: RTRs waiting)
         self._rtr_ids = itertools.count(1)
         self._rtrs: dict[int, Recv] = {}  #: POSTED receives with an RTR out, by its number
@@ -191,7 +195,11 @@ class Tables:
         """Move ``send`` to the state ``event`` names, and file it by its message id."""
         self._move_send(send, event)
         self._out[send.msg_id] = send
-        self._out_by.setdefault(send.node, {})[send.msg_id] = send
+        by_node = self._out_by.get(send.node)
+        if by_node is None:
+            self._out_by[send.node] = {send.msg_id: send}
+        else:
+            by_node[send.msg_id] = send
         add(self._out_to, (send.msg.job, send.msg.dst), send)
 
     def _move_send(self, send: Send, event: SendInput) -> None:
@@ -206,8 +214,11 @@ class Tables:
             return
         msg = send.msg
         if old is SendState.ROUTE:
-            self._deadlines.cancel(send.op)
-            discard(self._unrouted, (msg.job, msg.dst), send)
+            rank = (msg.job, msg.dst)
+            unrouted = self._unrouted.get(rank)
+            if unrouted is not None and send in unrouted:  # only these have a route deadline
+                self._deadlines.cancel(send.op)
+                discard(self._unrouted, rank, send)
         elif old is SendState.QUEUED:
             if send.slot is not None:
                 self._arrived.remove(send.slot)
