@@ -280,8 +280,33 @@ def test_a_send_looks_its_array_up_while_another_thread_makes_one(fake):
             return 0
 
     arrays._entries = {"made-meanwhile": Made(), **arrays._entries}  # type: ignore[dict-item]
-    assert fab.send(array, to=1, timeout=5).nbytes == 16
+    # a slice: a whole fab.array() is found by its identity, without the scan
+    assert fab.send(array[1:], to=1, timeout=5).nbytes == 12
     assert fab.send(fab.array("other2", 2), to=1, timeout=5).nbytes == 8
+
+
+def test_a_whole_array_is_placed_as_the_scan_would_place_it(fake):
+    daemon, fab = fake
+    arrays = fab._arrays
+    for dtype in ITEMSIZE:
+        array = fab.array(f"whole-{dtype}", (2, 3), dtype)
+        # array[:] is another object, so the scan of the segments places it
+        assert arrays.where(array) == arrays.where(array[:])
+        assert arrays.locate(array) == arrays.locate(array[:])
+        assert arrays.find(array) == (
+            arrays.where(array)[0],
+            arrays.where(array)[1],
+            f"whole-{dtype}",
+        )
+    array = fab.array("changed", (2, 4), "int16")
+    array.shape = (8,)  # numpy changes shape and dtype in place, never the address
+    array.dtype = np.dtype("uint8")
+    assert arrays.where(array) == arrays.where(array[:])
+    assert fab.send(array, to=1, timeout=5).nbytes == 16
+    assert daemon.requests[-1]["dtype"] == "uint8"
+    array.dtype = np.dtype(">u2")
+    with pytest.raises(fabricd.UsageError, match=re.escape("dtype >u2 is not supported")):
+        fab.send(array, to=1)
 
 
 @pytest.mark.parametrize(
