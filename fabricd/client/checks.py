@@ -67,6 +67,8 @@ def membership(job: object, rank: object, size: object) -> Membership:
 
 def peer(value: object, name: str, job: Membership) -> int:
     """Check the other rank of a send (``to``) or receive (``src``)."""
+    if type(value) is int and 0 <= value < job.size:  # the usual case, in one test
+        return value
     rank = integer(value, name, f"an int rank in 0..{job.size - 1}")
     if not 0 <= rank < job.size:
         raise UsageError(f"rank {rank} is outside job {job.job!r} of size {job.size}")
@@ -75,6 +77,8 @@ def peer(value: object, name: str, job: Membership) -> int:
 
 def tag(value: object) -> int:
     """Check a message tag: an int in 0..2**31-1."""
+    if type(value) is int and 0 <= value <= MAX_TAG:  # the usual case, in one test
+        return value
     number = integer(value, "tag", f"an int in 0..{MAX_TAG}")
     if not 0 <= number <= MAX_TAG:
         raise UsageError(f"tag {number} is outside 0..{MAX_TAG}")

@@ -165,6 +165,8 @@ def test_numpy_integers_are_taken_where_ints_are(fake):
         (lambda fab, a: fab.send(a, to=np.bool_(True)), "to must be an int rank"),
         (lambda fab, a: fab.send(a, to="1"), "to must be an int rank in 0..1, not str '1'"),
         (lambda fab, a: fab.send(a, to=2), "rank 2 is outside job 'j' of size 2"),
+        (lambda fab, a: fab.send(a, to=-1), "rank -1 is outside job 'j' of size 2"),
+        (lambda fab, a: fab.recv(a, src=1, tag=-1), "tag -1 is outside 0..2147483647"),
         (lambda fab, a: fab.recv(a, src=np.float64(1)), "src must be an int rank"),
         (lambda fab, a: fab.send_async(a, 1, tag="x"), "tag must be an int in 0..2147483647"),
         (lambda fab, a: fab.recv_async(a, 1, tag=2**31), "tag 2147483648 is outside"),
