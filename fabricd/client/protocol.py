@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.errors import ErrorCode, FabricError, RemoteProtocolError, error_for
 from fabricd.ipc import CLOSING_EVENT, REPLY_LIMITS, REQUEST_LIMITS
-from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, Meta, encode_head
+from fabricd.wire import NEED_DATA, Decoder, Frame, HeadEncoder, Kind, Meta
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -98,6 +98,7 @@ class ClientProtocol:
         self.closing: Event | None = None  #: the daemon's closing event, once it came
         self._peer = peer
         self._decoder = Decoder(REPLY_LIMITS)
+        self._encoder = HeadEncoder(REQUEST_LIMITS)
         self._ids = itertools.count(1)
         self._pending: set[int] = set()
         self._end: tuple[str, str] = (ErrorCode.DAEMON_GONE, "")  #: code and reason, once CLOSED
@@ -121,7 +122,7 @@ class ClientProtocol:
             raise self.failure(op)
         rid = next(self._ids)
         meta = {"id": rid, "op": op, "fds": fds, **fields}
-        frame = encode_head(Kind.REQUEST, meta, limits=REQUEST_LIMITS)
+        frame = self._encoder.head(Kind.REQUEST, meta)
         self._pending.add(rid)
         return rid, frame
 

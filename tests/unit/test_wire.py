@@ -27,6 +27,7 @@ from fabricd.wire import (
     Decoder,
     Frame,
     FrameHead,
+    HeadEncoder,
     Kind,
     Limits,
     encode,
@@ -805,6 +806,30 @@ def test_encode_head_refuses_oversize_payload() -> None:
 def test_encode_head_refuses_undefined_flags(flags: int) -> None:
     with pytest.raises(LocalProtocolError, match="undefined flag bits"):
         encode_head(Kind.HEARTBEAT, {}, flags=flags)
+
+
+def test_a_head_encoder_encodes_as_encode_head_and_survives_a_refusal() -> None:
+    encoder = HeadEncoder(REQUEST_LIMITS)
+    metas: list[dict[str, object]] = [
+        {"id": 1, "op": "send", "fds": 0, "seg": 1, "off": 64, "dtype": "float32", "tag": 0},
+        {"id": 2, "op": "status", "fds": 0, "nested": {"a": [1, 2, b"x"]}},
+        {},
+    ]
+    for meta in metas:
+        assert encoder.head(Kind.REQUEST, meta) == encode_head(
+            Kind.REQUEST, meta, limits=REQUEST_LIMITS
+        )
+    with pytest.raises(LocalProtocolError, match="metadata of"):
+        encoder.head(Kind.REQUEST, {"b": bytes(REQUEST_LIMITS.max_meta)})
+    with pytest.raises(LocalProtocolError, match="payload of 1 B exceeds 0 B"):
+        encoder.head(Kind.REQUEST, {}, 1)
+    with pytest.raises(LocalProtocolError, match="undefined flag bits"):
+        encoder.head(Kind.REQUEST, {}, flags=4)
+    with pytest.raises(TypeError):
+        encoder.head(Kind.REQUEST, {"x": [1, object()]})  # fails halfway through packing
+    assert encoder.head(Kind.REQUEST, metas[0]) == encode_head(
+        Kind.REQUEST, metas[0], limits=REQUEST_LIMITS
+    )
 
 
 def test_limits_must_be_sane() -> None:
