@@ -92,10 +92,13 @@ def timeout(value: object) -> float | None:
     """
     if value is None:
         return None
-    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+    if type(value) is float or type(value) is int:  # the usual cases: no ABC check (0.3 us)
+        seconds = float(value)
+    elif isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
         shown = f"a bool ({value})" if isinstance(value, bool | np.bool_) else _show(value)
         raise UsageError(f"timeout must be None or a number of seconds, not {shown}")
-    seconds = float(value)
+    else:
+        seconds = float(value)
     if math.isnan(seconds):
         raise UsageError("timeout must be None or a number of seconds, not nan")
     return None if seconds == math.inf else seconds

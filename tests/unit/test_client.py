@@ -287,6 +287,32 @@ def test_a_send_looks_its_array_up_while_another_thread_makes_one(fake):
     assert fab.send(fab.array("other2", 2), to=1, timeout=5).nbytes == 8
 
 
+@pytest.mark.parametrize(
+    ("given", "taken"),
+    [
+        (None, None),
+        (5, 5.0),
+        (2.5, 2.5),
+        (-1, -1.0),
+        (0, 0.0),
+        (float("inf"), None),
+        (np.float64(2), 2.0),
+        (np.int64(3), 3.0),
+        (np.float32(float("inf")), None),
+    ],
+)
+def test_a_timeout_is_a_float_of_seconds_or_none(given, taken):
+    got = checks.timeout(given)
+    assert got == taken
+    assert got is None or type(got) is float
+
+
+@pytest.mark.parametrize("given", [float("nan"), np.float64("nan"), True, np.bool_(False), "1"])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused(given):
+    with pytest.raises(fabricd.UsageError, match="timeout must be None or a number of seconds"):
+        checks.timeout(given)
+
+
 def test_a_whole_array_is_placed_as_the_scan_would_place_it(fake):
     daemon, fab = fake
     arrays = fab._arrays
