@@ -33,14 +33,16 @@ class _Entry:
     root: np.ndarray[Any, Any]  #: the whole segment as bytes
     array: np.ndarray[Any, Any]  #: what fab.array() returned
     base: int  #: address of the mapping in this process
+    start: int  #: address of ``array``'s first byte (it never moves)
 
 
 class SharedArrays:
     """This client's named arrays and the segments under them; any thread may use them.
 
     One thread creates at a time (``_creating``), so a name asked for by two threads at once
-    is made once.  ``_entries`` is replaced, never changed, so a thread looking an array up
-    reads one whole table while another thread adds to it.
+    is made once.  ``_entries`` and ``_made`` are replaced, never changed, so a thread looking an
+    array up reads whole tables while another thread adds to them (an array not in ``_made``
+    yet is found by the scan of ``_entries``, like any slice).
     """
 
     def __init__(self, connection: Connection) -> None:
@@ -48,6 +50,8 @@ class SharedArrays:
         self._ids = itertools.count(1)
         self._creating = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        #: each fab.array() by its id(): an entry holds its array, so no other object has the id
+        self._made: dict[int, _Entry] = {}
 
     def create(self, name: object, shape: object, dtype: object) -> np.ndarray[Any, Any]:
         """The array called ``name``: made (zero-filled) and attached the first time.
@@ -100,8 +104,9 @@ class SharedArrays:
         root = np.frombuffer(segment.buffer, dtype=np.uint8)
         start = segment.layout.data_offset
         array: np.ndarray[Any, Any] = root[start : start + nbytes].view(dt).reshape(dims)
-        entry = _Entry(seg, segment, root, array, _address(root))
+        entry = _Entry(seg, segment, root, array, _address(root), _address(array))
         self._entries = {**self._entries, name: entry}
+        self._made = {**self._made, id(array): entry}
         return array
 
     def locate(self, array: object) -> tuple[int, int]:
@@ -131,7 +136,7 @@ class SharedArrays:
             UsageError: as for :meth:`locate`.
         """
         entry, start, _ = self._place(array)
-        into = start - _address(entry.array)
+        into = start - entry.start
         label = next(n for n, e in self._entries.items() if e is entry)
         return entry.seg, start - entry.base, f"{label}@{into}" if into else label
 
@@ -148,6 +153,12 @@ class SharedArrays:
             raise UsageError(f"dtype {array.dtype} is not supported")
         if not array.flags.c_contiguous:
             raise UsageError("array must be C-contiguous (use a contiguous slice of a fab.array())")
+        made = self._made.get(id(array))
+        if made is not None and made.array is array:
+            # a whole fab.array(): its address and byte size never change (numpy moves or
+            # resizes no array that does not own its memory), and asking numpy for an address
+            # builds __array_interface__'s dict (1.1 us of a 17 us send)
+            return made, made.start, dtype
         start = _address(array)
         for entry in self._entries.values():
             if entry.base <= start and start + array.nbytes <= entry.base + entry.root.nbytes:

@@ -9,18 +9,27 @@ Threads and locks:
 * one thread reads at a time (``_read_lock``): whichever thread is waiting (for a reply, or
   for an event in :meth:`Connection.poll`) and finds the lock free reads, and delivers
   everything it reads, replies to every waiting thread and events to the queue;
-* the others wait on ``_state`` (a condition) until the reader has read, then look again.  The
-  reader notifies under ``_state`` *after* releasing ``_read_lock``, and a waiter checks both
-  under ``_state``, so it cannot miss the last wake-up: if the reader already left, the waiter
-  goes back and reads itself;
+* the others wait on ``_state`` (a condition) until the reader has read, then look again.  A
+  waiter counts itself in ``_waiting`` and then checks ``_read_lock``, both under ``_state``;
+  the reader releases ``_read_lock`` and *then* looks at ``_waiting``, and notifies under
+  ``_state`` if anyone counted itself.  So no waiter misses the last wake-up: either the reader
+  sees it counted (and its notify, under ``_state``, comes once the waiter sleeps), or the
+  waiter sees the read lock free (or taken by a later reader, who looks in turn) and goes back
+  to read itself (two plain attribute accesses each, which the GIL runs in program order).
+  A reader with nobody waiting (one thread, the common case) takes no lock but its own;
 * ``_state`` also guards the protocol, the calls and the event queue; it is never held during
-  I/O.
+  I/O.  The hot paths take its lock (``_state_lock``) directly: ``Condition``'s own ``with``
+  is Python code.
 
-The socket stays blocking with no timeout: reads wait in ``poll()`` (not ``select()``, which
-fails for fds above 1024), so a read timeout never leaks into a send.  :meth:`close` shuts the
-socket down first, which wakes a reader in ``poll()`` and a sender stuck in ``sendall``, and
-releases the fd only while holding both locks, so no thread ever polls or writes an fd that
-was closed (and maybe reused) under it.
+The socket stays blocking with no timeout (set so here, whatever ``socket.setdefaulttimeout``
+says).  A read with a time limit waits in ``poll()`` (not ``select()``, which fails for fds
+above 1024) and then takes what is there, so a read timeout never leaks into a send; a read
+with none (a plain ``wait()``) goes straight into a blocking ``recv()``, which returns at the
+same moment ``poll()`` would and saves its system call.  Either way only the thread holding
+``_read_lock`` reads.  :meth:`close` shuts the socket down first, which wakes a reader in
+``poll()`` or ``recv()`` and a sender stuck in ``sendall``, and releases the fd only while
+holding both locks, so no thread ever polls, reads or writes an fd that was closed (and maybe
+reused) under it.
 
 A send that fails does not end the connection by itself: the daemon may have written why it
 hung up (a closing event) before it did, so the socket is shut and the next read takes what is
@@ -44,7 +53,7 @@ from fabricd.client.protocol import ClientProtocol, Event, Reply, State
 from fabricd.errors import DaemonUnavailable, Timeout
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Mapping, Sequence
 
 _RECV_SIZE: Final = 256 * 1024
 _MAX_POLL_MS: Final = 2**31 - 1  #: poll() takes a C int; longer waits just poll again
@@ -67,11 +76,14 @@ class Connection:
     def __init__(self, sock: socket.socket, path: str) -> None:
         self.path = path
         self.events_dropped = 0  #: events dropped because the queue was full
+        sock.settimeout(None)
         self._sock = sock
         self._protocol = ClientProtocol(peer=f"the daemon on {path}")
         self._send_lock = threading.Lock()
         self._read_lock = threading.Lock()
-        self._state = threading.Condition()
+        self._state_lock = threading.RLock()
+        self._state = threading.Condition(self._state_lock)
+        self._waiting = 0  #: threads asleep (or about to be) on _state
         self._calls: dict[int, Call] = {}
         self._events: collections.deque[Event] = collections.deque()
         self._broken: str | None = None  #: why sending failed, if it did
@@ -131,7 +143,7 @@ class Connection:
                 reason); connect again.
         """
         with self._send_lock:
-            with self._state:
+            with self._state_lock:
                 rid, frame = self._protocol.request(op, fields, fds=len(fds))
                 call = Call(rid, what or op)
                 self._calls[rid] = call
@@ -157,13 +169,13 @@ class Connection:
                 raise Timeout(
                     f"{call.what} did not finish within {timeout}s; it is still under way"
                 )
-            self._pump(remaining, lambda: call.reply is not None)
+            self._pump(remaining, call)
         return reply
 
     def ready(self, call: Call) -> bool:
         """Whether ``call`` has its reply, after reading what is already there (never blocks)."""
         if call.reply is None:
-            self._pump(0.0, lambda: call.reply is not None)
+            self._pump(0.0, call)
         return call.reply is not None
 
     # -- events -----------------------------------------------------------------------------
@@ -183,14 +195,11 @@ class Connection:
         taken = self._take_events()
         while not taken:
             remaining = None if deadline is None else deadline - time.monotonic()
-            self._pump(None if remaining is None else max(remaining, 0.0), self._has_events)
+            self._pump(None if remaining is None else max(remaining, 0.0), None)
             taken = self._take_events()
             if remaining is not None and remaining <= 0:
                 break
         return taken
-
-    def _has_events(self) -> bool:
-        return bool(self._events)
 
     def _take_events(self) -> list[Event]:
         with self._state:
@@ -234,29 +243,41 @@ class Connection:
             self._sock.shutdown(socket.SHUT_RDWR)
 
     # -- reading ----------------------------------------------------------------------------
-    def _pump(self, timeout: float | None, until: Callable[[], bool]) -> None:
-        """Read once for everybody, or wait for the thread that reads, unless ``until()``."""
+    def _pump(self, timeout: float | None, until: Call | None) -> None:
+        """Read once for everybody, or wait for the thread that reads, unless ``until`` has its
+        reply (``None``: unless an event is queued)."""
         if self._read_lock.acquire(blocking=False):
             try:
                 # no _state needed to look: whoever read before us delivered under the read
                 # lock we now hold
-                if not until():
+                if not self._done(until):
                     self._read(timeout)
             finally:
                 self._read_lock.release()
-                with self._state:
-                    self._state.notify_all()
+                if self._waiting:  # looked at after the release: see the module's docstring
+                    with self._state_lock:
+                        self._state.notify_all()
             return
-        with self._state:  # another thread reads: it delivers for us too
-            if not until() and self._read_lock.locked():
-                self._state.wait(timeout)
+        with self._state_lock:  # another thread reads: it delivers for us too
+            self._waiting += 1
+            try:
+                if not self._done(until) and self._read_lock.locked():
+                    self._state.wait(timeout)
+            finally:
+                self._waiting -= 1
+
+    def _done(self, until: Call | None) -> bool:
+        return bool(self._events) if until is None else until.reply is not None
 
     def _read(self, timeout: float | None) -> None:
         if self._protocol.state is State.CLOSED:  # a close() racing this shuts the socket,
-            return  # so the poll below returns at once
-        ms = None if timeout is None else min(math.ceil(timeout * 1000), _MAX_POLL_MS)
+            return  # so the poll or recv below returns at once
         try:
-            data = self._sock.recv(_RECV_SIZE) if self._poller.poll(ms) else None
+            if timeout is None:
+                data: bytes | None = self._sock.recv(_RECV_SIZE)
+            else:
+                ms = min(math.ceil(timeout * 1000), _MAX_POLL_MS)
+                data = self._sock.recv(_RECV_SIZE) if self._poller.poll(ms) else None
         except OSError as exc:
             self._lost(f"reading from the daemon failed: {exc.strerror or exc}")
             return
@@ -265,7 +286,7 @@ class Connection:
         if not data:
             self._lost("the daemon closed the connection")
             return
-        with self._state:
+        with self._state_lock:
             self._deliver(self._protocol.receive_data(data))
         if self.closed:  # the daemon sent something unreadable
             self._shut()

@@ -97,7 +97,7 @@ class ClientProtocol:
         self.state = State.OPEN
         self.closing: Event | None = None  #: the daemon's closing event, once it came
         self._peer = peer
-        self._decoder = Decoder(REPLY_LIMITS)
+        self._decoder = Decoder(REPLY_LIMITS, heads=False)  # replies and events carry no payload
         self._ids = itertools.count(1)
         self._pending: set[int] = set()
         self._end: tuple[str, str] = (ErrorCode.DAEMON_GONE, "")  #: code and reason, once CLOSED
@@ -135,11 +135,14 @@ class ClientProtocol:
         if self.state is State.CLOSED:
             return []
         out: list[Reply | Event] = []
+        decoder = self._decoder
         try:
-            self._decoder.feed(data)
-            while (item := self._decoder.next_event()) is not NEED_DATA:
+            decoder.feed(data)
+            while (item := decoder.next_event()) is not NEED_DATA:
                 if isinstance(item, Frame):
                     out.append(self._frame(item))
+                    if not decoder.buffered:  # between frames with nothing left: NEED_DATA next
+                        break
         except RemoteProtocolError as exc:
             out += self.connection_lost(f"{self._peer} sent something unreadable: {exc}")
         return out

@@ -165,6 +165,8 @@ def test_numpy_integers_are_taken_where_ints_are(fake):
         (lambda fab, a: fab.send(a, to=np.bool_(True)), "to must be an int rank"),
         (lambda fab, a: fab.send(a, to="1"), "to must be an int rank in 0..1, not str '1'"),
         (lambda fab, a: fab.send(a, to=2), "rank 2 is outside job 'j' of size 2"),
+        (lambda fab, a: fab.send(a, to=-1), "rank -1 is outside job 'j' of size 2"),
+        (lambda fab, a: fab.recv(a, src=1, tag=-1), "tag -1 is outside 0..2147483647"),
         (lambda fab, a: fab.recv(a, src=np.float64(1)), "src must be an int rank"),
         (lambda fab, a: fab.send_async(a, 1, tag="x"), "tag must be an int in 0..2147483647"),
         (lambda fab, a: fab.recv_async(a, 1, tag=2**31), "tag 2147483648 is outside"),
@@ -280,8 +282,59 @@ def test_a_send_looks_its_array_up_while_another_thread_makes_one(fake):
             return 0
 
     arrays._entries = {"made-meanwhile": Made(), **arrays._entries}  # type: ignore[dict-item]
-    assert fab.send(array, to=1, timeout=5).nbytes == 16
+    # a slice: a whole fab.array() is found by its identity, without the scan
+    assert fab.send(array[1:], to=1, timeout=5).nbytes == 12
     assert fab.send(fab.array("other2", 2), to=1, timeout=5).nbytes == 8
+
+
+@pytest.mark.parametrize(
+    ("given", "taken"),
+    [
+        (None, None),
+        (5, 5.0),
+        (2.5, 2.5),
+        (-1, -1.0),
+        (0, 0.0),
+        (float("inf"), None),
+        (np.float64(2), 2.0),
+        (np.int64(3), 3.0),
+        (np.float32(float("inf")), None),
+    ],
+)
+def test_a_timeout_is_a_float_of_seconds_or_none(given, taken):
+    got = checks.timeout(given)
+    assert got == taken
+    assert got is None or type(got) is float
+
+
+@pytest.mark.parametrize("given", [float("nan"), np.float64("nan"), True, np.bool_(False), "1"])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused(given):
+    with pytest.raises(fabricd.UsageError, match="timeout must be None or a number of seconds"):
+        checks.timeout(given)
+
+
+def test_a_whole_array_is_placed_as_the_scan_would_place_it(fake):
+    daemon, fab = fake
+    arrays = fab._arrays
+    for dtype in ITEMSIZE:
+        array = fab.array(f"whole-{dtype}", (2, 3), dtype)
+        # array[:] is another object, so the scan of the segments places it
+        assert arrays.where(array) == arrays.where(array[:])
+        assert arrays.locate(array) == arrays.locate(array[:])
+        assert arrays.find(array) == (
+            arrays.where(array)[0],
+            arrays.where(array)[1],
+            f"whole-{dtype}",
+        )
+    array = fab.array("changed", (2, 4), "int16")
+    array.shape = (8,)  # numpy changes shape and dtype in place, never the address
+    array.dtype = np.dtype("uint8")
+    assert arrays.where(array) == arrays.where(array[:])
+    assert fab.send(array, to=1, timeout=5).nbytes == 16
+    assert daemon.requests[-1]["dtype"] == "uint8"
+    array.dtype = np.dtype(">u2")
+    with pytest.raises(fabricd.UsageError, match=re.escape("dtype >u2 is not supported")):
+        fab.send(array, to=1)
 
 
 @pytest.mark.parametrize(

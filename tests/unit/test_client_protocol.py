@@ -11,6 +11,7 @@ import ast
 import itertools
 import math
 import re
+import socket
 import threading
 import time
 from pathlib import Path
@@ -305,6 +306,75 @@ def test_every_thread_gets_its_own_reply_in_any_order(daemons):
     assert got == {n: n for n in range(threads)}
     events = conn.poll()
     assert [e.fields["n"] for e in events] == [r["n"] for r in reversed(arrived)]
+
+
+def test_threads_that_wait_without_a_time_limit_each_get_their_reply(daemons):
+    # the reader sits in recv() with no timeout; the others sleep on the condition, counted,
+    # and each reply the reader takes must wake them
+    threads = 4
+    arrived: list[dict[str, Any]] = []
+
+    def script(daemon: FakeDaemon, request: dict[str, Any]) -> None:
+        arrived.append(request)
+        if len(arrived) == threads:  # one reply at a time, last first
+            for waiting in reversed(arrived):
+                time.sleep(0.01)
+                daemon.reply(waiting, n=waiting["n"])
+
+    conn = daemons(script).connection()
+    got: dict[int, int] = {}
+
+    def ask(n: int) -> None:
+        got[n] = conn.wait(conn.submit("op", {"n": n}), timeout=None).meta["n"]
+
+    for _ in range(5):
+        arrived.clear()
+        got.clear()
+        workers = [threading.Thread(target=ask, args=(n,)) for n in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(10)
+        assert got == {n: n for n in range(threads)}
+    assert conn._waiting == 0
+
+
+def test_a_thread_with_a_time_limit_is_not_held_by_a_reader_without_one(daemons):
+    held: list[dict[str, Any]] = []
+    daemon = daemons(lambda daemon, request: held.append(request))
+    conn = daemon.connection()
+    forever = conn.submit("forever", {})
+    reader = threading.Thread(target=conn.wait, args=(forever, None))
+    reader.start()
+    deadline = time.monotonic() + 10
+    while not conn._read_lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.001)  # the reader is in recv() now (or about to be)
+    short = conn.submit("short", {})
+    start = time.monotonic()
+    with pytest.raises(fabricd.Timeout, match=re.escape("short did not finish within 0.1s")):
+        conn.wait(short, timeout=0.1)
+    assert 0.09 <= time.monotonic() - start < 5
+    while len(held) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    daemon.reply(held[1], n=2)
+    assert conn.wait(short, timeout=10).meta["n"] == 2  # taken by the reader, or by this wait
+    daemon.reply(held[0], n=1)
+    reader.join(10)
+    assert not reader.is_alive()
+    assert forever.reply is not None
+    assert forever.reply.meta["n"] == 1
+
+
+def test_a_default_socket_timeout_does_not_limit_a_wait_without_one(daemons):
+    def script(daemon: FakeDaemon, request: dict[str, Any]) -> None:
+        threading.Timer(0.2, daemon.reply, args=(request,), kwargs={"late": True}).start()
+
+    socket.setdefaulttimeout(0.05)  # the socket below is made with it
+    try:
+        conn = daemons(script).connection()
+    finally:
+        socket.setdefaulttimeout(None)
+    assert conn.wait(conn.submit("slow", {}), timeout=None).meta["late"] is True
 
 
 def test_the_closing_event_is_what_every_pending_call_and_poll_raise(daemons):

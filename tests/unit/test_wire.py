@@ -807,6 +807,21 @@ def test_encode_head_refuses_undefined_flags(flags: int) -> None:
         encode_head(Kind.HEARTBEAT, {}, flags=flags)
 
 
+def test_encode_head_packs_as_msgpack_does_and_survives_a_failed_pack() -> None:
+    # encode_head keeps one msgpack Packer per thread: a pack that fails halfway must leave
+    # nothing behind for the next frame
+    metas: list[dict[str, object]] = [
+        {"id": 1, "op": "send", "fds": 0, "seg": 1, "off": 64, "dtype": "float32", "tag": 0},
+        {"id": 2, "op": "status", "fds": 0, "nested": {"a": [1, 2, b"x"]}},
+        {},
+    ]
+    for meta in metas:
+        assert encode_head(Kind.REQUEST, meta)[HEADER_SIZE:] == msgpack.packb(meta)
+    with pytest.raises(TypeError):
+        encode_head(Kind.REQUEST, {"x": [1, object()]})  # fails halfway through packing
+    assert encode_head(Kind.REQUEST, metas[0])[HEADER_SIZE:] == msgpack.packb(metas[0])
+
+
 def test_limits_must_be_sane() -> None:
     with pytest.raises(ValueError, match="positive"):
         Limits(max_meta=0)
