@@ -31,6 +31,12 @@ same moment ``poll()`` would and saves its system call.  Either way only the thr
 holding both locks, so no thread ever polls, reads or writes an fd that was closed (and maybe
 reused) under it.
 
+Spinning (``spin``, off by default): a reader first asks the socket without blocking, over and
+over, for up to ``spin`` seconds, and only then sleeps in ``poll()`` or ``recv()``.  A reply
+that comes within the spin is taken without the sleep and the wake-up, which on a virtual
+machine cost tens of microseconds each; the price is a core kept busy meanwhile, so it pays
+only where the node has cores to spare (docs/performance.md, "The fast path").
+
 A send that fails does not end the connection by itself: the daemon may have written why it
 hung up (a closing event) before it did, so the socket is shut and the next read takes what is
 left, the reason included, before the end.
@@ -76,6 +82,8 @@ class Connection:
     def __init__(self, sock: socket.socket, path: str) -> None:
         self.path = path
         self.events_dropped = 0  #: events dropped because the queue was full
+        #: seconds a reader asks the socket without blocking before it sleeps (0: never)
+        self.spin = 0.0
         sock.settimeout(None)
         self._sock = sock
         self._protocol = ClientProtocol(peer=f"the daemon on {path}")
@@ -273,10 +281,11 @@ class Connection:
         if self._protocol.state is State.CLOSED:  # a close() racing this shuts the socket,
             return  # so the poll or recv below returns at once
         try:
-            if timeout is None:
-                data: bytes | None = self._sock.recv(_RECV_SIZE)
-            else:
-                ms = min(math.ceil(timeout * 1000), _MAX_POLL_MS)
+            data, left = self._spin(timeout) if self.spin and timeout != 0 else (None, timeout)
+            if data is None and left is None:
+                data = self._sock.recv(_RECV_SIZE)
+            elif data is None and left is not None:
+                ms = min(math.ceil(left * 1000), _MAX_POLL_MS)
                 data = self._sock.recv(_RECV_SIZE) if self._poller.poll(ms) else None
         except OSError as exc:
             self._lost(f"reading from the daemon failed: {exc.strerror or exc}")
@@ -290,6 +299,24 @@ class Connection:
             self._deliver(self._protocol.receive_data(data))
         if self.closed:  # the daemon sent something unreadable
             self._shut()
+
+    def _spin(self, timeout: float | None) -> tuple[bytes | None, float | None]:
+        """Ask the socket without blocking until something comes or ``spin`` (at most
+        ``timeout``) has passed; returns what came, if anything, and the time left to wait.
+
+        Raises:
+            OSError: the read failed.
+        """
+        start = time.monotonic()
+        until = start + (self.spin if timeout is None else min(self.spin, timeout))
+        while True:
+            try:
+                return self._sock.recv(_RECV_SIZE, socket.MSG_DONTWAIT), timeout
+            except (BlockingIOError, InterruptedError):
+                pass
+            now = time.monotonic()
+            if now >= until:
+                return None, None if timeout is None else max(timeout - (now - start), 0.0)
 
     def _deliver(self, items: Sequence[Reply | Event]) -> None:
         """Hand replies to their calls and queue events (called under ``_state``)."""
