@@ -323,8 +323,11 @@ class Daemon:
             self._idle.set()
         if self._stopped:
             return
-        deadlines = [d for s in self._timed if (d := s.next_deadline()) is not None]
-        due = min(deadlines, default=None)
+        due: float | None = None  # (a loop: a list and min() cost as much as the questions)
+        for service in self._timed:
+            deadline = service.next_deadline()
+            if deadline is not None and (due is None or deadline < due):
+                due = deadline
         if self._timer is not None:
             if self._timer_due == due:  # the usual case after a frame: nothing moved
                 return
