@@ -58,7 +58,7 @@ _HIGH_WATER = 8 * 1024 * 1024
 _LOW_WATER = 2 * 1024 * 1024
 #: seconds a closed link may spend flushing what is queued before it is aborted
 CLOSE_GRACE = 1.0
-#: a frame whose last payload part is this large goes out before its trailer is computed
+#: a frame this large (header, metadata and payload) goes out before its trailer is computed
 _SPLIT_SEAL = 64 * 1024
 #: bytes of small frames a link holds in one read callback before it writes them anyway
 _HOLD_MAX = 256 * 1024
@@ -213,7 +213,7 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
             raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
         sent = self._bytes_sent
         parts = self._encode(kind, meta, payload)
-        if len(parts) == 1 or memoryview(parts[-1]).nbytes < _SPLIT_SEAL:
+        if self._bytes_sent - sent < _SPLIT_SEAL:  # (what _encode counted: head and payload)
             trailer = self._trailer(kind, parts[1:])  # now: trailers are chained in wire order
             if trailer:
                 parts.append(trailer)

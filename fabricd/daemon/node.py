@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 from fabricd.daemon import access
 from fabricd.daemon.ipc_server import IpcConnection, IpcServer
@@ -107,6 +107,8 @@ _PAYLOAD_CHANNEL: Final = {
 _DATA_KINDS: Final = frozenset(
     {Kind.DATA, Kind.COLL, Kind.UPDATE, Kind.PUSH, Kind.PULLED, Kind.REPLICATE}
 )
+#: read on every frame: a module constant is cheaper than the enum attribute
+_DATA: Final = Channel.DATA
 #: requests the node answers itself: they concern the session, not an engine
 _NODE_OPS: Final = frozenset({"attach", "detach", "status", "config", "stalls"})
 #: the most rows a ``stalls`` reply carries (the oldest; ~300 B each, a reply may be 4 MiB)
@@ -217,6 +219,7 @@ class Daemon:
         #: what the node counts as it happens; the registry reads it and everything else
         #: when scraped (fabricd/daemon/metrics.py)
         self.stats = NodeStats()
+        self._frames_received = self.stats.frames_received  #: (counted on every frame)
         self.metrics = MetricsRegistry([DaemonCollector(self)])
         self.metrics_server = MetricsServer(self.metrics.exposition)
         self._metrics_error = ""
@@ -320,8 +323,11 @@ class Daemon:
             self._idle.set()
         if self._stopped:
             return
-        deadlines = [d for s in self._timed if (d := s.next_deadline()) is not None]
-        due = min(deadlines, default=None)
+        due: float | None = None  # (a loop: a list and min() cost as much as the questions)
+        for service in self._timed:
+            deadline = service.next_deadline()
+            if deadline is not None and (due is None or deadline < due):
+                due = deadline
         if self._timer is not None:
             if self._timer_due == due:  # the usual case after a frame: nothing moved
                 return
@@ -390,17 +396,15 @@ class Daemon:
     def payload_buffer(self, node: int, link: Link, head: FrameHead) -> memoryview | Discard:
         # checked before a byte lands in a client's region: DATA on the data link, EAGER (a
         # small message whole) on the control link, nothing else carries a payload
-        channel = self.current_channel(node, link)
+        key = self._current.get(link)  # (current_channel, inline: read for every payload)
+        channel = key[1] if key is not None and key[0] == node else None
         if _PAYLOAD_CHANNEL.get(head.kind) is not channel or channel is None:
             raise RemoteProtocolError(
                 f"{head.kind.name} payload on a link of node {node} that does not carry it"
             )
         service = self._by_kind.get(head.kind)
         if service is None:
-            remote_log.warning(
-                "unhandled kind", "node %d sent %s, which no service handles", node, head.kind.name
-            )
-            raise RemoteProtocolError(f"no service handles {head.kind.name} frames")
+            self._unhandled(node, head.kind)
         chunk = registry.parse(head.kind, head.meta)
         assert isinstance(chunk, registry.PayloadFrame)
         # the whole frame comes next, with this same metadata (and, if dropped, no payload)
@@ -409,32 +413,38 @@ class Daemon:
         return DISCARD if buffer is None else buffer
 
     def frame_received(self, node: int, link: Link, frame: Frame) -> None:
-        channel = self.current_channel(node, link)
-        if channel is None:
+        # runs for every frame a peer sends: the lookups are inline, not helper calls (each
+        # costs ~0.1 us, a tenth of what the node does here per frame)
+        key = self._current.get(link)
+        if key is None or key[0] != node:
             link.close("frame on a link that is no longer current")  # fenced: a dead incarnation
             return
-        if (frame.kind in _DATA_KINDS) != (channel is Channel.DATA):
-            raise RemoteProtocolError(f"{frame.kind.name} on the wrong channel from node {node}")
-        now = self.now()
+        kind = frame.kind
+        if (kind in _DATA_KINDS) != (key[1] is _DATA):
+            raise RemoteProtocolError(f"{kind.name} on the wrong channel from node {node}")
+        now = self.loop.time()
         self.peering.heard(node, now)
-        self.stats.frames_received[frame.kind] += 1
-        service = self._by_kind.get(frame.kind)
+        self._frames_received[kind] += 1
+        service = self._by_kind.get(kind)
         if service is None:
-            remote_log.warning(
-                "unhandled kind", "node %d sent %s, which no service handles", node, frame.kind.name
-            )
-            raise RemoteProtocolError(f"no service handles {frame.kind.name} frames")
+            self._unhandled(node, kind)
         cached = self._chunks.pop(link, None) if self._chunks else None
-        view: registry.PeerFrame
         if cached is not None and frame.meta is cached[0]:
-            view, length = cached[1], cached[2]
+            service.on_data(node, cached[1], cached[2], now)
         else:  # a frame with no payload: nothing was cached for it
-            view, length = registry.parse(frame.kind, frame.meta), len(frame.payload)
-        if isinstance(view, registry.PayloadFrame):
-            service.on_data(node, view, length, now)
-        else:
-            service.on_frame(node, view, now)
+            view = registry.parse(kind, frame.meta)
+            if isinstance(view, registry.PayloadFrame):
+                service.on_data(node, view, len(frame.payload), now)
+            else:
+                service.on_frame(node, view, now)
         self.rearm()
+
+    def _unhandled(self, node: int, kind: Kind) -> NoReturn:
+        """Refuse a frame of a kind no service claimed (the link that sent it closes)."""
+        remote_log.warning(
+            "unhandled kind", "node %d sent %s, which no service handles", node, kind.name
+        )
+        raise RemoteProtocolError(f"no service handles {kind.name} frames")
 
     def link_down(self, node: int, link: Link) -> None:
         self._chunks.pop(link, None)  # a frame cut off mid-payload

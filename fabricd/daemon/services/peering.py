@@ -245,7 +245,8 @@ class PeeringService(BaseService):
     # -- the node's reports -----------------------------------------------------------------
     def heard(self, node: int, now: float) -> None:
         """Any authenticated frame from ``node`` arrived."""
-        self._perform(self.engine.on_heard(node, now))
+        if actions := self.engine.on_heard(node, now):  # (none for nearly every frame)
+            self._perform(actions)
 
     def link_lost(self, node: int, channel: Channel, link: Link, now: float) -> None:
         """``node``'s current ``channel`` link closed."""

@@ -115,6 +115,9 @@ class _Input(enum.Enum):
     DEAD = enum.auto()  #: nothing heard for down_after
 
 
+#: read on every frame heard: a module constant is cheaper than the enum attribute
+_UP: Final = PeerState.UP
+
 _TRANSITIONS: dict[tuple[PeerState, _Input], PeerState] = {
     (PeerState.CONNECTING, _Input.ESTABLISHED): PeerState.UP,
     (PeerState.UP, _Input.ESTABLISHED): PeerState.UP,
@@ -516,7 +519,11 @@ class PeerTable:
     def on_heard(self, node: int, now: float) -> list[Action]:
         """Any authenticated frame from ``node`` arrived."""
         peer = self._peers[node]
-        if peer.state is PeerState.CONNECTING or peer.state is PeerState.DOWN:
+        state = peer.state
+        if state is _UP:  # the usual case, on every frame: (UP, HEARD) keeps the state, and
+            peer.last_heard = now  # the silence deadline re-arms itself from this lazily
+            return []
+        if state is PeerState.CONNECTING or state is PeerState.DOWN:
             return []
         peer.last_heard = now
         return self._move(node, _Input.HEARD, now, "heard from it again")
