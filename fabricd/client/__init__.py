@@ -486,6 +486,17 @@ def _env_int(value: object, name: str) -> object:
         raise UsageError(f"${name}={raw!r} is not an integer") from None
 
 
+def _env_spin() -> float:
+    """``$FABRICD_SPIN_US`` in seconds (0 when unset)."""
+    raw = os.environ.get("FABRICD_SPIN_US")
+    if raw is None:
+        return 0.0
+    try:
+        return float(raw) / 1e6
+    except ValueError:
+        raise UsageError(f"$FABRICD_SPIN_US={raw!r} is not a number of microseconds") from None
+
+
 def _socket_paths(socket_path: str | os.PathLike[str] | None = None) -> tuple[str, ...]:
     """Where :func:`connect` looks for the daemon, in order.
 
@@ -503,6 +514,7 @@ def connect(
     *,
     socket_path: str | os.PathLike[str] | None = None,
     timeout: float = 10.0,
+    spin: float | None = None,
 ) -> Client:
     """Connect to the local daemon and, with ``job``, join it as ``rank`` of ``size``.
 
@@ -512,13 +524,20 @@ def connect(
     ``/run/fabricd/fabricd.sock``.  Without a job the client can only query the daemon
     (status, config).
 
+    ``spin`` (seconds, at most 0.01; default ``$FABRICD_SPIN_US`` microseconds, else 0): how
+    long a call that waits for the daemon keeps asking before it sleeps.  A reply within the
+    spin saves the sleep and the wake-up (tens of microseconds on a virtual machine) at the
+    price of a busy core: worth it only on a node with cores to spare (docs/performance.md).
+
     Raises:
         DaemonUnavailable: no daemon answers (the message lists every socket tried and says
             how to start one), or the daemon refused this process (its reason).
         UsageError: a job name that is not a str of 1..200 characters, rank or size missing or
-            not ints, the rank outside ``0..size-1``, or the rank is taken.
+            not ints, the rank outside ``0..size-1``, the rank is taken, or a spin outside
+            0..0.01 s.
     """
     job = job if job is not None else os.environ.get("FABRICD_JOB")
+    spun = checks.spin(_env_spin() if spin is None else spin)
     given_rank, given_size = _env_int(rank, "RANK"), _env_int(size, "WORLD_SIZE")
     membership = None
     if job is not None:
@@ -526,6 +545,7 @@ def connect(
             raise UsageError(f"joining job {job!r} needs rank and size (or $RANK and $WORLD_SIZE)")
         membership = checks.membership(job, given_rank, given_size)
     connection = Connection.open(_socket_paths(socket_path))
+    connection.spin = spun
     try:
         return Client(connection, membership, timeout)
     except Timeout:

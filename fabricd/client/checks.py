@@ -104,6 +104,20 @@ def timeout(value: object) -> float | None:
     return None if seconds == math.inf else seconds
 
 
+#: the longest spin a client may ask for: past this a sleep costs less than the core it keeps
+MAX_SPIN: Final = 0.01
+
+
+def spin(value: object) -> float:
+    """Check a spin (:func:`fabricd.connect`): seconds in ``0..MAX_SPIN`` (0: never spin)."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+        raise UsageError(f"spin must be a number of seconds in 0..{MAX_SPIN:g}, not {_show(value)}")
+    seconds = float(value)
+    if not 0 <= seconds <= MAX_SPIN:  # (NaN fails this too)
+        raise UsageError(f"spin must be a number of seconds in 0..{MAX_SPIN:g}, not {seconds!r}")
+    return seconds
+
+
 def socket_path(value: object) -> str | None:
     """Check a socket path: ``None``, a str, or a path object (``pathlib.Path``, bytes)."""
     if value is None or isinstance(value, str):

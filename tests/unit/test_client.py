@@ -313,6 +313,67 @@ def test_a_timeout_that_is_no_number_of_seconds_is_refused(given):
         checks.timeout(given)
 
 
+@pytest.mark.parametrize("given", [0, 0.0, 0.01, np.float64(0.002), 5e-5])
+def test_a_spin_is_a_float_of_seconds_up_to_max_spin(given):
+    got = checks.spin(given)
+    assert got == float(given)
+    assert type(got) is float
+
+
+@pytest.mark.parametrize("given", [-1e-6, 0.0100001, 1, float("nan"), True, "5", None])
+def test_a_spin_outside_its_range_is_refused(given):
+    with pytest.raises(fabricd.UsageError, match=r"spin must be a number of seconds in 0\.\.0\.01"):
+        checks.spin(given)
+
+
+def test_a_bad_spin_is_refused_before_any_socket_is_tried(tmp_path, monkeypatch):
+    absent = str(tmp_path / "absent.sock")
+    with pytest.raises(fabricd.UsageError, match="spin must be"):
+        connect(socket_path=absent, spin=-1)
+    monkeypatch.setenv("FABRICD_SPIN_US", "fast")
+    with pytest.raises(fabricd.UsageError, match=r"\$FABRICD_SPIN_US='fast' is not a number"):
+        connect(socket_path=absent)
+    monkeypatch.setenv("FABRICD_SPIN_US", "20000")  # 20 ms: over MAX_SPIN
+    with pytest.raises(fabricd.UsageError, match="spin must be"):
+        connect(socket_path=absent)
+    monkeypatch.setenv("FABRICD_SPIN_US", "50")  # fine: then no daemon answers
+    with pytest.raises(fabricd.DaemonUnavailable):
+        connect(socket_path=absent)
+
+
+@pytest.mark.timeout(30)  # a spin that ignored a call's time limit would spin past it
+@pytest.mark.parametrize("spin", [0.0, 0.002, checks.MAX_SPIN])
+def test_a_spinning_client_gets_every_reply_and_keeps_its_time_limits(spin):
+    answered = threading.Event()
+
+    def script(daemon: FakeDaemon, request: dict[str, Any]) -> None:
+        if request["op"] == "stalls":  # never answered: the call must time out
+            return
+        if request["op"] == "send" and answered.is_set():  # answered late, after the spin
+            threading.Timer(0.05, answer_like_a_daemon, (daemon, request)).start()
+            return
+        answer_like_a_daemon(daemon, request)
+
+    daemon = FakeDaemon(script)
+    fab = daemon.client(checks.membership("j", 0, 2))
+    try:
+        fab._connection.spin = spin
+        array = fab.array("a", (4,), "float32")
+        for i in range(20):  # answered at once: within any spin
+            assert fab.send(array, to=1, tag=i, timeout=5).tag == i
+            assert fab.recv(array, src=1, tag=i).nbytes == 16
+        answered.set()
+        assert fab.send(array, to=1, tag=99).tag == 99  # slower than the spin: it sleeps
+        assert fab.send(array, to=1, tag=98, timeout=5).tag == 98
+        with pytest.raises(fabricd.Timeout):
+            fab.stalls(timeout=0.001)  # a limit shorter than the spin ends the wait
+        with pytest.raises(fabricd.Timeout):
+            fab.stalls(timeout=0)
+    finally:
+        fab.close()
+        daemon.stop()
+
+
 def test_a_whole_array_is_placed_as_the_scan_would_place_it(fake):
     daemon, fab = fake
     arrays = fab._arrays
