@@ -177,12 +177,30 @@ _NO_META: Final[Meta] = {}  #: the decoder's metadata between frames (never chan
 BOUNCE: Final = 1 << 20
 
 
+#: metadata larger than this is packed by a packer made for it alone: a kept packer's buffer
+#: grows to the largest thing it ever packed and never shrinks (a 4 MiB status reply would stay
+#: resident in the daemon for good)
+_PACKER_KEEPS: Final = 64 * 1024
+
+
 class _Packers(threading.local):
     """One msgpack packer per thread: ``msgpack.packb`` makes (and configures) a new one on
     every call, which costs twice what packing a frame's metadata does."""
 
     def __init__(self) -> None:
         self.packer = msgpack.Packer(use_bin_type=True)  # (a failed pack leaves it empty)
+
+    def pack(self, meta: Mapping[str, object]) -> bytes:
+        """``meta`` packed; a packer whose buffer grew past :data:`_PACKER_KEEPS` (or that
+        failed, having grown) is replaced by a fresh one."""
+        try:
+            packed: bytes = self.packer.pack(meta if type(meta) is dict else dict(meta))
+        except BaseException:
+            self.packer = msgpack.Packer(use_bin_type=True)
+            raise
+        if len(packed) > _PACKER_KEEPS:
+            self.packer = msgpack.Packer(use_bin_type=True)
+        return packed
 
 
 _packers = _Packers()
@@ -202,7 +220,7 @@ def encode_head(
         LocalProtocolError: the metadata or payload would exceed ``limits`` (a caller bug:
             split the payload into chunks of at most ``limits.max_payload``).
     """
-    packed = _packers.packer.pack(meta if type(meta) is dict else dict(meta))
+    packed = _packers.pack(meta)
     if len(packed) > limits.max_meta:
         raise LocalProtocolError(f"metadata of {len(packed)} B exceeds {limits.max_meta} B")
     if not 0 <= payload_len <= limits.max_payload:

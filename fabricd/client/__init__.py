@@ -37,6 +37,7 @@ is also what every pending call then raises.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -492,9 +493,15 @@ def _env_spin() -> float:
     if raw is None:
         return 0.0
     try:
-        return float(raw) / 1e6
+        micros = float(raw)
     except ValueError:
-        raise UsageError(f"$FABRICD_SPIN_US={raw!r} is not a number of microseconds") from None
+        micros = math.nan
+    if not 0 <= micros <= checks.MAX_SPIN * 1e6:  # (NaN fails this too)
+        raise UsageError(
+            f"$FABRICD_SPIN_US={raw!r} is not a number of microseconds in "
+            f"0..{checks.MAX_SPIN * 1e6:.0f}"
+        )
+    return micros / 1e6
 
 
 def _socket_paths(socket_path: str | os.PathLike[str] | None = None) -> tuple[str, ...]:

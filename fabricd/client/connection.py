@@ -15,8 +15,9 @@ Threads and locks:
   ``_state`` if anyone counted itself.  So no waiter misses the last wake-up: either the reader
   sees it counted (and its notify, under ``_state``, comes once the waiter sleeps), or the
   waiter sees the read lock free (or taken by a later reader, who looks in turn) and goes back
-  to read itself (two plain attribute accesses each, which the GIL runs in program order).
-  A reader with nobody waiting (one thread, the common case) takes no lock but its own;
+  to read itself (two plain attribute accesses each, which the GIL runs in program order;
+  an interpreter without a GIL gives no such order, so there the reader always notifies).
+  A reader with nobody waiting (one thread, the common case) wakes nobody;
 * ``_state`` also guards the protocol, the calls and the event queue; it is never held during
   I/O.  The hot paths take its lock (``_state_lock``) directly: ``Condition``'s own ``with``
   is Python code.
@@ -49,6 +50,7 @@ import contextlib
 import math
 import select
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -63,6 +65,8 @@ if TYPE_CHECKING:
 
 _RECV_SIZE: Final = 256 * 1024
 _MAX_POLL_MS: Final = 2**31 - 1  #: poll() takes a C int; longer waits just poll again
+#: whether the interpreter has a GIL (the wake-up hand-off's ordering relies on it, see above)
+_GIL: Final = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
 #: events kept for :meth:`Connection.poll`; past this the oldest are dropped (and counted)
 MAX_QUEUED_EVENTS: Final = 10_000
 
@@ -262,7 +266,7 @@ class Connection:
                     self._read(timeout)
             finally:
                 self._read_lock.release()
-                if self._waiting:  # looked at after the release: see the module's docstring
+                if self._waiting or not _GIL:  # after the release: see the module's docstring
                     with self._state_lock:
                         self._state.notify_all()
             return

@@ -97,10 +97,6 @@ class Eager(_Described):
     def from_meta(cls, meta: Meta) -> Eager:
         return cls(**_message_fields(meta))
 
-    def rts(self) -> Rts:
-        """The RTS this frame stands for once its payload is dropped."""
-        return Rts(msg=self.msg, **self._described())
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rtr(_Described):

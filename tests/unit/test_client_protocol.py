@@ -308,9 +308,11 @@ def test_every_thread_gets_its_own_reply_in_any_order(daemons):
     assert [e.fields["n"] for e in events] == [r["n"] for r in reversed(arrived)]
 
 
-def test_threads_that_wait_without_a_time_limit_each_get_their_reply(daemons):
+@pytest.mark.parametrize("gil", [True, False], ids=["gil", "no-gil"])
+def test_threads_that_wait_without_a_time_limit_each_get_their_reply(daemons, monkeypatch, gil):
     # the reader sits in recv() with no timeout; the others sleep on the condition, counted,
-    # and each reply the reader takes must wake them
+    # and each reply the reader takes must wake them (without a GIL it always notifies)
+    monkeypatch.setattr(connection_module, "_GIL", gil)
     threads = 4
     arrived: list[dict[str, Any]] = []
 

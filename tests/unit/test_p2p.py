@@ -7,6 +7,7 @@ rank 3 on node 2.  Time stands still unless a test moves it.
 from __future__ import annotations
 
 import itertools
+import tracemalloc
 from collections import defaultdict
 from random import Random
 from typing import TYPE_CHECKING
@@ -18,7 +19,14 @@ from hypothesis import strategies as st
 
 from fabricd.engines.actions import Broadcast, Complete, Failure, SendFrame
 from fabricd.engines.membership import Membership, RankJoined, RankLeft
-from fabricd.engines.p2p.messages import CopyLocal, Message, MessagingStatistics, StreamData
+from fabricd.engines.p2p.messages import (
+    MESSAGES_KEPT,
+    CopyLocal,
+    Message,
+    Messages,
+    MessagingStatistics,
+    StreamData,
+)
 from fabricd.engines.p2p.operations import (
     RECV_TRANSITIONS,
     SEND_TRANSITIONS,
@@ -711,9 +719,30 @@ def test_a_lost_done_is_recovered_only_by_the_link_reset() -> None:
     assert failed(net, 0, send).code == "peer_failed"
 
 
-def test_a_message_is_what_an_rts_carries() -> None:
-    rts = Rts(msg=4, job="j", src=1, dst=2, tag=3, nbytes=40, dtype="f4")
-    assert Message.from_rts(rts) == Message(job="j", src=1, dst=2, tag=3, nbytes=40, dtype="f4")
+def test_equal_messages_are_shared_and_the_table_stays_bounded() -> None:
+    table = Messages()
+    first = table.get("j", 1, 2, 3, 40, "f4")
+    assert first == Message(job="j", src=1, dst=2, tag=3, nbytes=40, dtype="f4")
+    assert first.key == ("j", 1, 2, 3)
+    assert table.get("j", 1, 2, 3, 40, "f4") is first  # built once
+    assert table.get("j", 1, 2, 3, 41, "f4") is not first  # another size is another message
+    for tag in range(10 * MESSAGES_KEPT):  # tags as step numbers: the table starts afresh
+        assert table.get("j", 1, 2, tag, 8, "f4").tag == tag
+        assert len(table._known) <= MESSAGES_KEPT
+    assert table.get("j", 1, 2, 3, 40, "f4") == first  # equal, whatever was forgotten
+
+
+def test_the_message_table_holds_little_memory_when_full() -> None:
+    tracemalloc.start()
+    try:
+        table = Messages()
+        before = tracemalloc.get_traced_memory()[0]
+        for tag in range(MESSAGES_KEPT - 1):  # job names decoded afresh each time, 200 chars
+            table.get("".join(["j"] * 200), 1, 2, tag, 8, "float32")
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 100 * 1024, held
 
 
 # -- property: random traffic, random delivery orders, one random crash -----------------------

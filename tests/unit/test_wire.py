@@ -9,6 +9,7 @@ so a change to the layout fails these tests.
 from __future__ import annotations
 
 import array
+import gc
 import struct
 import tracemalloc
 
@@ -820,6 +821,24 @@ def test_encode_head_packs_as_msgpack_does_and_survives_a_failed_pack() -> None:
     with pytest.raises(TypeError):
         encode_head(Kind.REQUEST, {"x": [1, object()]})  # fails halfway through packing
     assert encode_head(Kind.REQUEST, metas[0])[HEADER_SIZE:] == msgpack.packb(metas[0])
+
+
+def test_encode_head_keeps_no_large_buffer_after_large_or_refused_metadata() -> None:
+    tracemalloc.start()
+    try:
+        encode_head(Kind.REPLY, {"x": 1})
+        before = tracemalloc.get_traced_memory()[0]
+        encode_head(Kind.REPLY, {"big": b"x" * (4 << 20)}, limits=Limits(max_meta=8 << 20))
+        with pytest.raises(LocalProtocolError, match="metadata of"):
+            encode_head(Kind.REPLY, {"big": b"x" * (16 << 20)})  # refused after packing
+        with pytest.raises(TypeError):
+            encode_head(Kind.REPLY, {"big": b"x" * (4 << 20), "then": object()})  # fails late
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1 << 20, f"{held} B still held after packing large metadata"
+    assert encode_head(Kind.REPLY, {"x": 1})[HEADER_SIZE:] == msgpack.packb({"x": 1})
 
 
 def test_limits_must_be_sane() -> None:

@@ -45,20 +45,9 @@ class Message:
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", (self.job, self.src, self.dst, self.tag))
 
-    @classmethod
-    def from_rts(cls, frame: Rts | Eager | Rtr) -> Message:
-        return cls(
-            job=frame.job,
-            src=frame.src,
-            dst=frame.dst,
-            tag=frame.tag,
-            nbytes=frame.nbytes,
-            dtype=frame.dtype,
-        )
-
 
 #: the most distinct messages :class:`Messages` keeps (it starts afresh beyond that)
-MESSAGES_KEPT: Final = 256
+MESSAGES_KEPT: Final = 128
 
 
 class Messages:
@@ -69,8 +58,9 @@ class Messages:
     to find an equal one here, and the point-to-point path built one per request and per EAGER.
     A message is an immutable value, so sharing an equal one changes nothing a caller can see.
     Bounded: beyond :data:`MESSAGES_KEPT` distinct messages (tags may be step numbers) the cache
-    starts afresh, so each call is O(1) amortised and it never holds more than about 50 KB
-    (operations that ended must leave no memory behind: ``tests/unit/test_p2p_cost.py``).
+    starts afresh, so each call is O(1) amortised and it holds at most about 45 KB, about 80 KB
+    with job names of 200 characters each decoded afresh (operations that ended must leave no
+    memory behind: ``tests/unit/test_p2p_cost.py``).
     """
 
     __slots__ = ("_known",)
