@@ -213,6 +213,10 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
             raise TransportError(f"link to {self.peer_address} is closed ({self.close_reason})")
         sent = self._bytes_sent
         parts = self._encode(kind, meta, payload)
+        # A large frame leaves before its trailer is computed, which is safe because the trailer
+        # never reads memory a client may still write: an EAGER's payload is the daemon's own
+        # copy, a bulk payload the MAC covers was joined into one copy by _encode, and a bulk
+        # payload it does not cover is not hashed at all (the MAC is over the head alone).
         if self._bytes_sent - sent < _SPLIT_SEAL:  # (what _encode counted: head and payload)
             trailer = self._trailer(kind, parts[1:])  # now: trailers are chained in wire order
             if trailer:
