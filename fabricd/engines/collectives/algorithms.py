@@ -97,9 +97,9 @@ DATA: Final = "data"
 EMPTY: Final = "empty"
 
 
-def chunk(index: int) -> str:
-    """The name of chunk ``index`` of :data:`DATA`."""
-    return f"{DATA}:{index}"
+def chunk(index: int, parts: int = 0) -> str:
+    """The name of chunk ``index`` of :data:`DATA` cut in ``parts`` (0: as many as ranks)."""
+    return f"{DATA}:{index}/{parts}" if parts else f"{DATA}:{index}"
 
 
 def slot(peer: int, tag: int) -> str:
@@ -128,9 +128,10 @@ class Buffer:
     index: int = -1
     peer: int = -1
     tag: int = -1
+    parts: int = 0  #: a chunk: how many the tensor is cut in (0: as many as ranks)
 
 
-_CHUNK = re.compile(r"data:(\d+)")
+_CHUNK = re.compile(r"data:(\d+)(?:/(\d+))?")
 _SLOT = re.compile(r"slot:(\d+):(\d+)")
 
 
@@ -145,10 +146,10 @@ def parse(name: str) -> Buffer:
     if name == EMPTY:
         return Buffer(Region.EMPTY)
     if m := _CHUNK.fullmatch(name):
-        return Buffer(Region.CHUNK, index=int(m[1]))
+        return Buffer(Region.CHUNK, index=int(m[1]), parts=int(m[2] or 0))
     if m := _SLOT.fullmatch(name):
         return Buffer(Region.SLOT, peer=int(m[1]), tag=int(m[2]))
-    raise UsageError(f"{name!r} is not a collective buffer (data, data:I, slot:P:T, empty)")
+    raise UsageError(f"{name!r} is not a collective buffer (data, data:I[/N], slot:P:T, empty)")
 
 
 class Algorithm(enum.Enum):
@@ -210,37 +211,71 @@ def _reduce_fn(op: str) -> str:
     return "sum" if op == "avg" else op
 
 
-def allreduce_ring(rank: int, size: int, op: str) -> Schedule:
+def allreduce_ring(
+    rank: int, size: int, op: str, *, acknowledge: bool = False, pieces: int = 1
+) -> Schedule:
     """Ring allreduce (reduce-scatter, then allgather) of ``"data"`` in ``size`` chunks.
 
     Tags: reduce-scatter step ``s`` is tag ``s``, allgather step ``s`` tag ``size - 1 + s``.
     Besides the data flow, allgather step ``s``'s copy into chunk ``rank - s`` waits for the
     reduce-scatter send that read that chunk (a write after a read in flight).
+
+    ``pieces`` (pipelining, as in the segmented ring of Patarasuk and Yuan 2009 §4 and of
+    NCCL): each chunk is cut in ``pieces`` and every piece runs its own chain of steps, so a
+    piece is reduced and sent on while the next piece of the same step is still arriving:
+    the steps overlap instead of each waiting for a whole chunk.  The chunks are the same
+    elements as without pieces (piece ``k`` of chunk ``c`` is part ``c * pieces + k`` of
+    ``size * pieces``, see :func:`chunk_bounds`), reduced in the same order: the result has
+    the same bits.  With pieces, step ``s``'s message of piece ``k`` has tag
+    ``s * pieces + k`` (allgather steps following the reduce-scatter's).
+
+    ``acknowledge``: the round also ends with an empty message to the left once every
+    message from it is in, and the round here ends only with the right
+    neighbour's.  Every message a rank sends in a ring goes to its right neighbour, so that
+    acknowledgement says, over a FIFO link, that the right one *received* all of them:
+    nothing of the round is still queued in this node's transport reading ``"data"``.  The
+    in-place allreduce needs it (its ``"data"`` is the caller's array, written by the caller
+    as soon as the round's result is delivered; gloo's allreduce, likewise, returns only once
+    its sends completed).  Every rank of a ring must agree on both options.
     """
     _check(rank, size, op)
+    if pieces < 1:
+        raise UsageError(f"pieces {pieces}: must be >= 1")
     b = _Builder()
     right, left = (rank + 1) % size, (rank - 1) % size
     fn = _reduce_fn(op)
-    last = _CALL  #: the op after which the next send's chunk is ready
-    scattered: list[int] = []  #: the reduce-scatter sends, by step
-    for step in range(size - 1):
-        mine, theirs = (rank - step) % size, (rank - step - 1) % size
-        scattered.append(b.add(Op.send(right, chunk(mine), tag=step, after=(last,))))
-        got = b.add(Op.recv(left, slot(left, step), tag=step))
-        last = b.add(
-            Op.compute(fn, chunk(theirs), (chunk(theirs), slot(left, step)), after=(_CALL, got))
-        )
-    owned = chunk((rank + 1) % size)  # complete here after the reduce-scatter
-    if op == "avg" and size > 1:
-        last = b.add(Op.compute("div", owned, (owned,), after=(last,)))
-    for step in range(size - 1):
-        tag = size - 1 + step
-        mine, theirs = (rank + 1 - step) % size, (rank - step) % size
-        b.add(Op.send(right, chunk(mine), tag=tag, after=(last,)))
-        got = b.add(Op.recv(left, slot(left, tag), tag=tag))
-        last = b.add(
-            Op.compute("copy", chunk(theirs), (slot(left, tag),), after=(got, scattered[step]))
-        )
+    parts = size * pieces if pieces > 1 else 0
+
+    def part(index: int, piece: int) -> str:
+        return chunk(index * pieces + piece, parts) if parts else chunk(index)
+
+    recvs: list[int] = []
+    for piece in range(pieces):
+        last = _CALL  #: the op after which this piece's next send is ready
+        scattered: list[int] = []  #: the reduce-scatter sends, by step
+        for step in range(size - 1):
+            mine, theirs = part((rank - step) % size, piece), part((rank - step - 1) % size, piece)
+            tag = step * pieces + piece
+            scattered.append(b.add(Op.send(right, mine, tag=tag, after=(last,))))
+            got = b.add(Op.recv(left, slot(left, tag), tag=tag))
+            recvs.append(got)
+            last = b.add(Op.compute(fn, theirs, (theirs, slot(left, tag)), after=(_CALL, got)))
+        owned = part((rank + 1) % size, piece)  # complete here after the reduce-scatter
+        if op == "avg" and size > 1:
+            last = b.add(Op.compute("div", owned, (owned,), after=(last,)))
+        for step in range(size - 1):
+            tag = (size - 1 + step) * pieces + piece
+            mine, theirs = part((rank + 1 - step) % size, piece), part((rank - step) % size, piece)
+            b.add(Op.send(right, mine, tag=tag, after=(last,)))
+            got = b.add(Op.recv(left, slot(left, tag), tag=tag))
+            recvs.append(got)
+            last = b.add(
+                Op.compute("copy", theirs, (slot(left, tag),), after=(got, scattered[step]))
+            )
+    if acknowledge and size > 1:
+        tag = 2 * (size - 1) * pieces
+        b.add(Op.send(left, EMPTY, tag=tag, after=tuple(recvs)))
+        b.add(Op.recv(right, EMPTY, tag=tag))
     return b.build()
 
 
