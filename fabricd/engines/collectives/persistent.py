@@ -101,6 +101,7 @@ from fabricd.engines.collectives.spec import (
     Action,
     Deliver,
     Fail,
+    Settle,
     Spec,
     Transmit,
     initiator,
@@ -134,6 +135,7 @@ __all__ = [
     "Collective",
     "Deliver",
     "Fail",
+    "Settle",
     "Spec",
     "Transmit",
     "initiator",
@@ -158,6 +160,7 @@ class _Counters:
     views: int = 0  #: schedule rebuilds after a member node was lost
     frames_dropped: int = 0  #: peers' messages of an older view, dropped
     sum_active: int = 0  #: sum over rounds of ``active`` (its mean is what the demo shows)
+    settled: int = 0  #: in place: calls completed before their round's acknowledgements
 
 
 @dataclass(slots=True, kw_only=True)
@@ -282,9 +285,12 @@ class Collective:
                 fn = "sum" if spec.partial else spec.op
                 if spec.ring:
                     ack = not spec.partial and any(self.ranks.count(m) == 1 for m in members)
-                    schedule = collectives.allreduce_ring(
-                        me, n, fn, acknowledge=ack, pieces=RING_PIECES
-                    )
+                    if spec.direct:
+                        schedule = collectives.allreduce_direct(me, n, fn, acknowledge=ack)
+                    else:
+                        schedule = collectives.allreduce_ring(
+                            me, n, fn, acknowledge=ack, pieces=RING_PIECES
+                        )
                 else:
                     schedule = collectives.allreduce_recursive_doubling(me, n, fn)
                 if spec.partial:
@@ -300,6 +306,12 @@ class Collective:
                 self._recv_of[op.peer, op.tag] = i
                 self._place_recv(schedule, i)
         self._landings.clear()
+        #: in place: the allgather's copies a round runs, and how many ran in this one
+        ops = schedule.ops
+        self._copies = sum(op.kind is Kind.COMPUTE and op.fn == "copy" for op in ops)
+        self._copied = 0
+        sends = [op for op in ops if op.kind is Kind.SEND and op.buffer != collectives.EMPTY]
+        self._sent_to = tuple(sorted({members[op.peer] for op in sends}))
         self._perform(self.executor.post(0.0), 0.0)
 
     def _place_recv(self, schedule: Schedule, recv: int) -> None:
@@ -753,6 +765,7 @@ class Collective:
                     more = self.executor.completed(op, round, now)
                 case StartCompute(op=op, round=round):
                     self._compute(op, round)
+                    self._count_copy(op, round)
                     more = self.executor.completed(op, round, now)
                 case RoundStarted():
                     if self.spec.partial:
@@ -804,6 +817,25 @@ class Collective:
             case fn:
                 REDUCE[fn](inputs[0], inputs[1], out=out)
 
+    def _count_copy(self, op: int, round: int) -> None:
+        """In place, the last of a round's allgather copies makes its result whole: the call
+        may complete before the acknowledgements if the service finds nothing of the round
+        still queued (:class:`Settle`): one message's latency less a round."""
+        if not self.inplace or self.executor.schedule.ops[op].fn != "copy":
+            return
+        self._copied += 1
+        if self._copied == self._copies:
+            self._out.append(Settle(round=round, nodes=self._sent_to))
+
+    def sent(self, round: int, now: float) -> list[Action]:
+        """Nothing this node sent in ``round`` is held in this process any more (the answer to
+        :class:`Settle`): its call completes now, the round ends with the acknowledgements."""
+        if round == self.round and self._copies and self._copied == self._copies:
+            for call in [c for c in self._calls.values() if c.round <= round]:
+                self.counters.settled += 1
+                self._deliver(call, round, self.size, copy=False)
+        return self._flush()
+
     def _take_snapshot(self) -> None:
         count = self.spec.count
         self.accumulator[count] = len(self._fresh)
@@ -820,6 +852,7 @@ class Collective:
         if self.inplace:  # the result is where the caller wants it; the next call brings data
             self.data, self.result = self._idle, self.data
             self._landed.clear()
+            self._copied = 0
         else:
             self.data, self.result = self.result, self.data
         count = self.spec.count
@@ -848,11 +881,13 @@ class Collective:
         self._watch(now)
         self._ready = bool(self._given) and self._given >= self.local
 
-    def _deliver(self, call: _Call, round: int, active: int | None = None) -> None:
+    def _deliver(
+        self, call: _Call, round: int, active: int | None = None, *, copy: bool = True
+    ) -> None:
         result = self.result[: self.spec.count]
-        # in place, the result is in the array already
-        if call.array is not None and self.spec.kind != "barrier" and not _same(call.array, result):
-            np.copyto(call.array, result)
+        array = call.array if copy and self.spec.kind != "barrier" else None
+        if array is not None and not _same(array, result):  # in place, it is there already
+            np.copyto(array, result)
         if active is None:
             active = int(self.result[self.spec.count]) if self.spec.partial else self.size
         self._due[call.rank] = round + 1

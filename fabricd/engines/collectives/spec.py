@@ -39,6 +39,9 @@ class Spec:
     mode: str = "sync"  #: allreduce: sync, solo, majority
     root: int = 0  #: broadcast: the rank whose array everyone gets
     ring: bool = False  #: allreduce: ring (else recursive doubling), chosen by the first call
+    #: allreduce, with ``ring``: its reduce-scatter and allgather by direct exchange with every
+    #: node instead of round the ring (the same bytes in fewer steps), chosen likewise
+    direct: bool = False
 
     @property
     def partial(self) -> bool:
@@ -56,7 +59,7 @@ class Spec:
     def same_call(self, other: Spec) -> bool:
         """Whether ``other`` (a call's spec) agrees with this one (the algorithm is not the
         caller's: it was chosen once, by the first call)."""
-        return self == Spec(**{**_fields(other), "ring": self.ring})
+        return self == Spec(**{**_fields(other), "ring": self.ring, "direct": self.direct})
 
     def to_meta(self) -> dict[str, Any]:
         return _fields(self)
@@ -82,7 +85,11 @@ class Spec:
             raise UsageError(f"kind must be one of {KINDS} and mode one of {MODES}")
         if type(self.count) is not int or self.count < 0 or type(self.root) is not int:
             raise UsageError("count and root must be ints, count >= 0")
-        if self.dtype not in _DTYPES or type(self.ring) is not bool:
+        if (
+            self.dtype not in _DTYPES
+            or type(self.ring) is not bool
+            or type(self.direct) is not bool
+        ):
             raise UsageError(f"dtype must be one of {', '.join(_DTYPES)}")
         if self.op not in collectives.REDUCTIONS:
             raise UsageError(f"op must be one of {', '.join(collectives.REDUCTIONS)}")
@@ -102,6 +109,7 @@ def _fields(spec: Spec) -> dict[str, Any]:
         "mode": spec.mode,
         "root": spec.root,
         "ring": spec.ring,
+        "direct": spec.direct,
     }
 
 
@@ -160,4 +168,15 @@ class Fail:
     node: int | None = None
 
 
-Action = Transmit | Deliver | Fail
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settle:
+    """In place: round ``round``'s result is whole in its caller's array.  If nothing this node
+    sent to ``nodes`` is still held in this process (the transport's queue included), say so
+    with :meth:`~fabricd.engines.collectives.persistent.Collective.sent` and the call completes
+    now; else it completes with the round's acknowledgements, which prove the same."""
+
+    round: int
+    nodes: tuple[int, ...]
+
+
+Action = Transmit | Deliver | Fail | Settle
