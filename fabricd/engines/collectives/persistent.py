@@ -318,13 +318,14 @@ class Collective:
         """Where recv op ``recv``'s messages land.  A slot holds what the compute that reads
         it writes: a chunk or the whole tensor; none where the messages are empty by design.
         Two slots, one per round parity (the engine's one-round overlap), but in place, where
-        every slot is a reduce-scatter's: its round ``r + 1`` message comes only once round
-        ``r``'s reduce-scatter ended here (the ring's last message to the left neighbour
-        carries the chunk this node completed), so one slot serves both parities.  In place,
-        an allgather's message lands straight in its chunk of ``data`` (the ``copy`` that
-        would read its slot is then no copy): its round ``r`` message comes only after this
-        node's round ``r`` reduce-scatter send of that very chunk was received on the right
-        (the chunk went round the ring and came back complete), so nothing still reads it.
+        every slot is a reduce-scatter's: its round ``r + 1`` message comes only once its
+        sender ended round ``r``, which took a chunk this node completed after every one of its
+        round ``r`` reductions (the ring's allgather, or the direct exchange's), so one slot
+        serves both parities.  In place, an allgather's message lands straight in its chunk of
+        ``data`` (the ``copy`` that would read its slot is then no copy): its round ``r``
+        message comes only after this node's round ``r`` reduce-scatter send of that very
+        chunk was received where the chunk is completed (round the ring, or at its owner), so
+        nothing still reads it.
         """
         name = schedule.ops[recv].buffer
         if collectives.parse(name).region is Region.EMPTY:
