@@ -239,6 +239,12 @@ class Link(abc.ABC):
     def statistics(self) -> LinkStatistics:
         """Counters since the link opened."""
 
+    def unsent(self) -> int | None:
+        """Bytes of queued frames this link still holds, payload views included (``0``: the
+        kernel, or the peer, has every byte queued so far, and the link keeps no view of a
+        caller's buffer); ``None``: this transport cannot tell."""
+        return None
+
 
 class Listener(abc.ABC):
     """An open listening endpoint."""

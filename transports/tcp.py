@@ -235,6 +235,11 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
             transport.write(self._trailer(kind, parts[1:]))
         return transport
 
+    def unsent(self) -> int | None:
+        transport = self._transport
+        buffered = transport.get_write_buffer_size() if transport is not None else 0
+        return buffered + self._held_bytes
+
     def _flush_held(self) -> None:
         """Write the frames held in this read callback, in order, as one ``writelines``."""
         self._holding = False

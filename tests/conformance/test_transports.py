@@ -1048,3 +1048,35 @@ async def check_write_checks(kind: str) -> None:
 
 def test_write_and_post_refuse_bad_arguments_locally(case: tuple[str, str]) -> None:
     run(case, check_write_checks)
+
+
+async def check_unsent(kind: str) -> None:
+    # unsent() is what an in-place allreduce trusts to complete a call before its
+    # acknowledgements: 0 must mean no byte (no view of a caller's buffer) is held any more
+    chunk = bytes(MiB)
+    async with network(kind) as net:
+        pair = await net.pair()
+        if kind != "tcp":  # a transport that cannot tell says so, never 0
+            assert pair.client.unsent() is None
+            return
+        assert pair.client.send_now(Kind.DATA, {"i": 0}, [b"small"])
+        assert pair.client.unsent() == 0  # an idle socket took it whole, at once
+        stall_reader(pair)
+        for i in range(1, 1025):
+            task = asyncio.ensure_future(pair.client.send(Kind.DATA, {"i": i}, [chunk]))
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if not done:
+                break
+        held = pair.client.unsent()
+        assert held is not None
+        assert held >= MiB  # what the kernel would not take waits in the link, views and all
+        resume_reader(pair)
+        async with asyncio.timeout(PATIENCE):
+            await task
+            while pair.client.unsent():
+                await asyncio.sleep(0.01)
+        await pair.server_sink.frames_count(i + 1)
+
+
+def test_unsent_says_when_the_link_holds_nothing(case: tuple[str, str]) -> None:
+    run(case, check_unsent)

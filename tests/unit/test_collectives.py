@@ -34,6 +34,7 @@ from fabricd.engines.collectives.algorithms import (
     Region,
     activation_broadcast,
     allreduce,
+    allreduce_direct,
     allreduce_recursive_doubling,
     allreduce_ring,
     barrier,
@@ -66,6 +67,7 @@ DTYPES = ("float16", "float32", "float64", "int32", "int64")
 SIZES = (1, 2, 3, 5, 8)
 BUILDERS: dict[Algorithm, Callable[[int, int, str], Schedule]] = {
     Algorithm.RING: allreduce_ring,
+    Algorithm.DIRECT: allreduce_direct,
     Algorithm.RECURSIVE_DOUBLING: allreduce_recursive_doubling,
 }
 FNS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
@@ -317,7 +319,7 @@ def run_allreduce(
             assert sim.ended[rank, q].activated
             want = (
                 2 * (size - 1)
-                if algorithm is Algorithm.RING
+                if algorithm is not Algorithm.RECURSIVE_DOUBLING
                 else recursive_doubling_sends(rank, size)
             )
             assert sim.sends[rank, q] == want
@@ -356,13 +358,15 @@ def test_allreduce_any_size_any_order(
 
 def test_the_choice_rule_takes_the_switch_point_as_given() -> None:
     assert choose_allreduce(8, 4095, ring_from_bytes=4096) is Algorithm.RECURSIVE_DOUBLING
-    assert choose_allreduce(8, 4096, ring_from_bytes=4096) is Algorithm.RING
-    assert choose_allreduce(3, 4096, ring_from_bytes=4096) is Algorithm.RING
+    assert choose_allreduce(8, 4096, ring_from_bytes=4096) is Algorithm.DIRECT
+    assert choose_allreduce(3, 4096, ring_from_bytes=4096) is Algorithm.DIRECT
+    assert choose_allreduce(9, 4096, ring_from_bytes=4096) is Algorithm.RING
     # two ranks: the same bytes either way; the ring's halves pipeline on large tensors
     assert choose_allreduce(2, 1 << 30, ring_from_bytes=4096) is Algorithm.RING
     assert choose_allreduce(2, 4095, ring_from_bytes=4096) is Algorithm.RECURSIVE_DOUBLING
     assert choose_allreduce(1, 1 << 30, ring_from_bytes=0) is Algorithm.RECURSIVE_DOUBLING
-    assert allreduce(0, 4, "sum", 10, ring_from_bytes=10) == allreduce_ring(0, 4, "sum")
+    assert allreduce(0, 9, "sum", 10, ring_from_bytes=10) == allreduce_ring(0, 9, "sum")
+    assert allreduce(0, 4, "sum", 10, ring_from_bytes=10) == allreduce_direct(0, 4, "sum")
     assert allreduce(0, 4, "sum", 9, ring_from_bytes=10) == allreduce_recursive_doubling(
         0, 4, "sum"
     )
@@ -488,7 +492,7 @@ def test_any_initiators_run_the_allreduce_once_per_round_at_every_rank(
             np.testing.assert_array_equal(sim.results[rank, q], expected)
             collective = (
                 2 * (size - 1)
-                if algorithm is Algorithm.RING
+                if algorithm is not Algorithm.RECURSIVE_DOUBLING
                 else recursive_doubling_sends(rank, size)
             )
             assert collective <= sim.sends[rank, q] <= collective + channels

@@ -48,7 +48,15 @@ from fabricd.daemon.services.jobs import (
 from fabricd.dtypes import ITEMSIZE, REDUCE_DTYPES
 from fabricd.engines.actions import Failure
 from fabricd.engines.collectives.algorithms import Algorithm, choose_allreduce
-from fabricd.engines.collectives.persistent import NOTICE, Collective, Deliver, Fail, Spec, Transmit
+from fabricd.engines.collectives.persistent import (
+    NOTICE,
+    Collective,
+    Deliver,
+    Fail,
+    Settle,
+    Spec,
+    Transmit,
+)
 from fabricd.engines.membership import NodeBack, NodeGone, RankJoined, RankLeft
 from fabricd.errors import (
     ErrorCode,
@@ -227,7 +235,7 @@ class CollectiveService(BaseService):
         if coll.broken is not None:
             return
         self._perform(key, coll.break_with(ErrorCode.USAGE, message))
-        disagreeing = {**spec.to_meta(), "ring": coll.spec.ring}
+        disagreeing = {**spec.to_meta(), "ring": coll.spec.ring, "direct": coll.spec.direct}
         lost = tuple(sorted(coll.lost))
         notice = Transmit(
             node=-1, round=0, tag=NOTICE, payload=memoryview(b""), lost=lost, base=coll.base
@@ -267,8 +275,10 @@ class CollectiveService(BaseService):
             nodes = len(set(ranks))
             nbytes = spec.count * ITEMSIZE[spec.dtype]
             ring_from = self.host.config.ring_from_bytes
-            ring = choose_allreduce(nodes, nbytes, ring_from_bytes=ring_from) is Algorithm.RING
-            spec = Spec(**{**spec.to_meta(), "ring": ring})
+            chosen = choose_allreduce(nodes, nbytes, ring_from_bytes=ring_from)
+            direct = chosen is Algorithm.DIRECT
+            ring = direct or chosen is Algorithm.RING
+            spec = Spec(**{**spec.to_meta(), "ring": ring, "direct": direct})
         coll = Collective(
             spec,
             job=job,
@@ -515,6 +525,15 @@ class CollectiveService(BaseService):
                     self._open.reply(token, result)
                 case Fail(token=token, code=code, message=message):
                     self._open.fail(token, Failure(code=code, message=message))
+                case Settle(round=round, nodes=nodes) if all(map(self._flushed, nodes)):
+                    self._perform(key, self.collectives[key].sent(round, self.host.now()))
+
+    def _flushed(self, node: int) -> bool:
+        """Whether nothing of this service's frames to ``node`` is held in this process: none
+        queued here, and the link's transport holds no bytes (so no view of a rank's array
+        that an in-place round sent from); unknown counts as held."""
+        link = self.host.data_link(node)
+        return not self._frames.pending(node) and link is not None and link.unsent() == 0
 
     def _transmit(self, key: Key, t: Transmit, *, spec: Meta | None = None) -> None:
         """Send ``t`` as COLL frames (one, or ``chunk_size`` pieces), saying the collective's
@@ -644,7 +663,7 @@ class CollectiveService(BaseService):
                     "owner": owner(job),
                     "name": name,
                     "what": coll.spec.describe(),
-                    "algorithm": "ring" if coll.spec.ring else "recursive doubling",
+                    "algorithm": _algorithm(coll.spec),
                     "round": coll.round,
                     "nodes": list(coll.members),
                     "lost": sorted(coll.lost),
@@ -653,6 +672,7 @@ class CollectiveService(BaseService):
                     "calls": c.calls,
                     "included": c.included,
                     "late": c.late,
+                    "settled": c.settled,
                     "mean_active": round(c.sum_active / c.rounds, 2) if c.rounds else None,
                     "broken": coll.broken[1] if coll.broken else None,
                 }
@@ -702,3 +722,10 @@ class CollectiveService(BaseService):
             "Bytes of peers' frames held for collectives not built here yet",
             [(labels, self._held_bytes)],
         )
+
+
+def _algorithm(spec: Spec) -> str:
+    """The allreduce algorithm ``spec`` runs, as status names it."""
+    chosen = Algorithm.RING if spec.ring else Algorithm.RECURSIVE_DOUBLING
+    name: str = (Algorithm.DIRECT if spec.direct else chosen).value
+    return name

@@ -81,6 +81,10 @@ class DataQueues:
             if left is not None:
                 left(False)
 
+    def pending(self, node: int) -> int:
+        """Frames waiting in ``node``'s queue (not yet handed to its link)."""
+        return len(self._queues.get(node, ()))
+
     def queued(self) -> int:
         """Frames waiting in all queues."""
         return sum(len(q) for q in self._queues.values())

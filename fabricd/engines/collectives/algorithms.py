@@ -97,9 +97,9 @@ DATA: Final = "data"
 EMPTY: Final = "empty"
 
 
-def chunk(index: int) -> str:
-    """The name of chunk ``index`` of :data:`DATA`."""
-    return f"{DATA}:{index}"
+def chunk(index: int, parts: int = 0) -> str:
+    """The name of chunk ``index`` of :data:`DATA` cut in ``parts`` (0: as many as ranks)."""
+    return f"{DATA}:{index}/{parts}" if parts else f"{DATA}:{index}"
 
 
 def slot(peer: int, tag: int) -> str:
@@ -128,9 +128,10 @@ class Buffer:
     index: int = -1
     peer: int = -1
     tag: int = -1
+    parts: int = 0  #: a chunk: how many the tensor is cut in (0: as many as ranks)
 
 
-_CHUNK = re.compile(r"data:(\d+)")
+_CHUNK = re.compile(r"data:(\d+)(?:/(\d+))?")
 _SLOT = re.compile(r"slot:(\d+):(\d+)")
 
 
@@ -145,19 +146,28 @@ def parse(name: str) -> Buffer:
     if name == EMPTY:
         return Buffer(Region.EMPTY)
     if m := _CHUNK.fullmatch(name):
-        return Buffer(Region.CHUNK, index=int(m[1]))
+        return Buffer(Region.CHUNK, index=int(m[1]), parts=int(m[2] or 0))
     if m := _SLOT.fullmatch(name):
         return Buffer(Region.SLOT, peer=int(m[1]), tag=int(m[2]))
-    raise UsageError(f"{name!r} is not a collective buffer (data, data:I, slot:P:T, empty)")
+    raise UsageError(f"{name!r} is not a collective buffer (data, data:I[/N], slot:P:T, empty)")
 
 
 class Algorithm(enum.Enum):
     RING = "ring"
+    DIRECT = "direct exchange"
     RECURSIVE_DOUBLING = "recursive doubling"
 
 
+#: the most nodes the direct exchange is chosen for (measured to 8: docs/performance.md (i));
+#: beyond, the ring, whose messages per step do not grow with the nodes
+DIRECT_MAX_NODES: Final = 8
+
+
 def choose_allreduce(size: int, nbytes: int, *, ring_from_bytes: int) -> Algorithm:
-    """Ring for tensors of ``ring_from_bytes`` or more, recursive doubling below.
+    """Ring for tensors of ``ring_from_bytes`` or more, recursive doubling below; from 3 to
+    :data:`DIRECT_MAX_NODES` ranks the ring's direct-exchange form
+    (:func:`allreduce_direct`), the same bytes in two steps instead of ``2 (size - 1)``: on
+    the measured machine 8-30% faster at 4 and 8 nodes, 4 and 64 MiB.
 
     The switch point is the caller's: it depends on the fabric's alpha and beta and is to be
     measured (``bench/``), never guessed here.  With two ranks both move the same bytes,
@@ -168,6 +178,8 @@ def choose_allreduce(size: int, nbytes: int, *, ring_from_bytes: int) -> Algorit
     """
     if ring_from_bytes < 0 or nbytes < 0:
         raise UsageError("sizes in bytes must be >= 0")
+    if 3 <= size <= DIRECT_MAX_NODES and nbytes >= ring_from_bytes:
+        return Algorithm.DIRECT
     if size > 1 and nbytes >= ring_from_bytes:
         return Algorithm.RING
     return Algorithm.RECURSIVE_DOUBLING
@@ -178,6 +190,8 @@ def allreduce(rank: int, size: int, op: str, nbytes: int, *, ring_from_bytes: in
     match choose_allreduce(size, nbytes, ring_from_bytes=ring_from_bytes):
         case Algorithm.RING:
             return allreduce_ring(rank, size, op)
+        case Algorithm.DIRECT:
+            return allreduce_direct(rank, size, op)
         case Algorithm.RECURSIVE_DOUBLING:
             return allreduce_recursive_doubling(rank, size, op)
 
@@ -210,37 +224,117 @@ def _reduce_fn(op: str) -> str:
     return "sum" if op == "avg" else op
 
 
-def allreduce_ring(rank: int, size: int, op: str) -> Schedule:
+def allreduce_ring(
+    rank: int, size: int, op: str, *, acknowledge: bool = False, pieces: int = 1
+) -> Schedule:
     """Ring allreduce (reduce-scatter, then allgather) of ``"data"`` in ``size`` chunks.
 
     Tags: reduce-scatter step ``s`` is tag ``s``, allgather step ``s`` tag ``size - 1 + s``.
     Besides the data flow, allgather step ``s``'s copy into chunk ``rank - s`` waits for the
     reduce-scatter send that read that chunk (a write after a read in flight).
+
+    ``pieces`` (pipelining, as in the segmented ring of Patarasuk and Yuan 2009 §4 and of
+    NCCL): each chunk is cut in ``pieces`` and every piece runs its own chain of steps, so a
+    piece is reduced and sent on while the next piece of the same step is still arriving:
+    the steps overlap instead of each waiting for a whole chunk.  The chunks are the same
+    elements as without pieces (piece ``k`` of chunk ``c`` is part ``c * pieces + k`` of
+    ``size * pieces``, see :func:`chunk_bounds`), reduced in the same order: the result has
+    the same bits.  With pieces, step ``s``'s message of piece ``k`` has tag
+    ``s * pieces + k`` (allgather steps following the reduce-scatter's).
+
+    ``acknowledge``: the round also ends with an empty message to the left once every
+    message from it is in, and the round here ends only with the right
+    neighbour's.  Every message a rank sends in a ring goes to its right neighbour, so that
+    acknowledgement says, over a FIFO link, that the right one *received* all of them:
+    nothing of the round is still queued in this node's transport reading ``"data"``.  The
+    in-place allreduce needs it (its ``"data"`` is the caller's array, written by the caller
+    as soon as the round's result is delivered; gloo's allreduce, likewise, returns only once
+    its sends completed).  Every rank of a ring must agree on both options.
     """
     _check(rank, size, op)
+    if pieces < 1:
+        raise UsageError(f"pieces {pieces}: must be >= 1")
     b = _Builder()
     right, left = (rank + 1) % size, (rank - 1) % size
     fn = _reduce_fn(op)
-    last = _CALL  #: the op after which the next send's chunk is ready
-    scattered: list[int] = []  #: the reduce-scatter sends, by step
-    for step in range(size - 1):
-        mine, theirs = (rank - step) % size, (rank - step - 1) % size
-        scattered.append(b.add(Op.send(right, chunk(mine), tag=step, after=(last,))))
-        got = b.add(Op.recv(left, slot(left, step), tag=step))
+    parts = size * pieces if pieces > 1 else 0
+
+    def part(index: int, piece: int) -> str:
+        return chunk(index * pieces + piece, parts) if parts else chunk(index)
+
+    recvs: list[int] = []
+    for piece in range(pieces):
+        last = _CALL  #: the op after which this piece's next send is ready
+        scattered: list[int] = []  #: the reduce-scatter sends, by step
+        for step in range(size - 1):
+            mine, theirs = part((rank - step) % size, piece), part((rank - step - 1) % size, piece)
+            tag = step * pieces + piece
+            scattered.append(b.add(Op.send(right, mine, tag=tag, after=(last,))))
+            got = b.add(Op.recv(left, slot(left, tag), tag=tag))
+            recvs.append(got)
+            last = b.add(Op.compute(fn, theirs, (theirs, slot(left, tag)), after=(_CALL, got)))
+        owned = part((rank + 1) % size, piece)  # complete here after the reduce-scatter
+        if op == "avg" and size > 1:
+            last = b.add(Op.compute("div", owned, (owned,), after=(last,)))
+        for step in range(size - 1):
+            tag = (size - 1 + step) * pieces + piece
+            mine, theirs = part((rank + 1 - step) % size, piece), part((rank - step) % size, piece)
+            b.add(Op.send(right, mine, tag=tag, after=(last,)))
+            got = b.add(Op.recv(left, slot(left, tag), tag=tag))
+            recvs.append(got)
+            last = b.add(
+                Op.compute("copy", theirs, (slot(left, tag),), after=(got, scattered[step]))
+            )
+    if acknowledge and size > 1:
+        tag = 2 * (size - 1) * pieces
+        b.add(Op.send(left, EMPTY, tag=tag, after=tuple(recvs)))
+        b.add(Op.recv(right, EMPTY, tag=tag))
+    return b.build()
+
+
+def allreduce_direct(rank: int, size: int, op: str, *, acknowledge: bool = False) -> Schedule:
+    """Reduce-scatter then allgather of ``"data"`` in ``size`` chunks, each by pairwise
+    exchange with every other rank at once (Thakur, Rabenseifner and Gropp 2005: the
+    pairwise-exchange reduce-scatter of long messages, its steps here not one after another
+    but all posted together, and the allgather likewise).  Rank ``i`` owns chunk ``i``: it
+    gets every other rank's chunk ``i`` (tag 0), reduces them into its own in rank order
+    from its left (``rank - 1``, ``rank - 2``, ...: a fixed order whatever the arrivals, so
+    every run gives the same bits), then sends the result to every other rank (tag 1), which
+    lands it in its chunk ``i``.  The same bytes as the ring, ``2 (size - 1) / size * m``
+    per rank, in two steps of latency instead of ``2 (size - 1)``: what counts where a
+    message's wake-ups cost more than its bytes (docs/performance.md (i)).  It asks of the
+    network every pair at once, which a switch gives and a ring of links would not.
+
+    Each allgather copy into chunk ``j`` waits for the reduce-scatter send that read it.
+    ``acknowledge``: as the ring's, but to and from every other rank (tag 2), each sent once
+    every message from that rank is in: a rank's messages to a peer all travel on their one
+    FIFO link.
+    """
+    _check(rank, size, op)
+    b = _Builder()
+    fn = _reduce_fn(op)
+    others = [(rank - k) % size for k in range(1, size)]  #: the reduction's fixed order
+    sent = {peer: b.add(Op.send(peer, chunk(peer), tag=0, after=(_CALL,))) for peer in others}
+    last = _CALL
+    got: dict[int, list[int]] = {peer: [] for peer in others}
+    mine = chunk(rank)
+    for peer in others:
+        got[peer].append(b.add(Op.recv(peer, slot(peer, 0), tag=0)))
         last = b.add(
-            Op.compute(fn, chunk(theirs), (chunk(theirs), slot(left, step)), after=(_CALL, got))
+            Op.compute(
+                fn, mine, (mine, slot(peer, 0)), after=tuple(sorted({_CALL, last, got[peer][0]}))
+            )
         )
-    owned = chunk((rank + 1) % size)  # complete here after the reduce-scatter
     if op == "avg" and size > 1:
-        last = b.add(Op.compute("div", owned, (owned,), after=(last,)))
-    for step in range(size - 1):
-        tag = size - 1 + step
-        mine, theirs = (rank + 1 - step) % size, (rank - step) % size
-        b.add(Op.send(right, chunk(mine), tag=tag, after=(last,)))
-        got = b.add(Op.recv(left, slot(left, tag), tag=tag))
-        last = b.add(
-            Op.compute("copy", chunk(theirs), (slot(left, tag),), after=(got, scattered[step]))
-        )
+        last = b.add(Op.compute("div", mine, (mine,), after=(last,)))
+    for peer in others:
+        b.add(Op.send(peer, mine, tag=1, after=(last,)))
+        got[peer].append(b.add(Op.recv(peer, slot(peer, 1), tag=1)))
+        b.add(Op.compute("copy", chunk(peer), (slot(peer, 1),), after=(got[peer][1], sent[peer])))
+    if acknowledge:
+        for peer in others:
+            b.add(Op.send(peer, EMPTY, tag=2, after=tuple(got[peer])))
+            b.add(Op.recv(peer, EMPTY, tag=2))
     return b.build()
 
 

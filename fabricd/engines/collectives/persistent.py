@@ -85,16 +85,27 @@ still be queued reading the old ones.
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 
-from fabricd.dtypes import REDUCE_DTYPES
 from fabricd.engines.collectives import algorithms as collectives
 from fabricd.engines.collectives.algorithms import Region, chunk_bounds
+from fabricd.engines.collectives.spec import (
+    KINDS,
+    MODES,
+    NOTICE,
+    REDUCE,
+    Action,
+    Deliver,
+    Fail,
+    Settle,
+    Spec,
+    Transmit,
+    initiator,
+)
 from fabricd.engines.schedule import (
     Discard,
     Executor,
@@ -109,147 +120,26 @@ from fabricd.engines.schedule import (
 )
 from fabricd.errors import ErrorCode, LocalProtocolError, RemoteProtocolError, UsageError
 
-KINDS: Final = ("allreduce", "broadcast", "barrier")
-MODES: Final = ("sync", "solo", "majority")
-#: the tag of a frame that carries only its sender's view (no schedule uses it)
-NOTICE: Final = 2**31 - 1
-#: how a sync allreduce folds the local ranks' arrays into the node's contribution
-REDUCE: Final = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
+#: pieces per chunk of the ring (its pipelining, ``allreduce_ring``): one, because on the
+#: measured two-core machine every extra message costs more wake-ups than the overlap saves
+#: (4 nodes, 64 MiB: 143-157 ms a round in one piece, 174-179 ms in 1 MiB pieces; 4 MiB in
+#: 256 KiB pieces: 28-30 ms against 21 ms; docs/performance.md (i)).  Every node must agree.
+RING_PIECES: Final = 1
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Spec:
-    """What every call of one collective must agree on (its first call fixes it)."""
-
-    kind: str  #: allreduce, broadcast, barrier
-    count: int = 0  #: elements of each rank's array
-    dtype: str = "uint8"
-    op: str = "sum"  #: allreduce
-    mode: str = "sync"  #: allreduce: sync, solo, majority
-    root: int = 0  #: broadcast: the rank whose array everyone gets
-    ring: bool = False  #: allreduce: ring (else recursive doubling), chosen by the first call
-
-    @property
-    def partial(self) -> bool:
-        return self.mode != "sync"
-
-    def describe(self) -> str:
-        match self.kind:
-            case "allreduce":
-                return f"{self.mode} allreduce {self.op} of {self.count} {self.dtype}"
-            case "broadcast":
-                return f"broadcast of {self.count} {self.dtype} from rank {self.root}"
-            case _:
-                return "barrier"
-
-    def same_call(self, other: Spec) -> bool:
-        """Whether ``other`` (a call's spec) agrees with this one (the algorithm is not the
-        caller's: it was chosen once, by the first call)."""
-        return self == Spec(**{**_fields(other), "ring": self.ring})
-
-    def to_meta(self) -> dict[str, Any]:
-        return _fields(self)
-
-    @classmethod
-    def from_meta(cls, meta: object) -> Spec:
-        """Raises RemoteProtocolError: not a spec a daemon of this release sends."""
-        if not isinstance(meta, dict):
-            raise RemoteProtocolError("a collective frame's spec must be a map")
-        try:
-            spec = cls(**meta)
-        except TypeError as exc:
-            raise RemoteProtocolError(f"a collective frame's spec is malformed: {exc}") from None
-        try:
-            spec.check()
-        except UsageError as exc:
-            raise RemoteProtocolError(f"a collective frame's spec is invalid: {exc}") from None
-        return spec
-
-    def check(self) -> None:
-        """Raises UsageError: a field out of its range."""
-        if self.kind not in KINDS or self.mode not in MODES:
-            raise UsageError(f"kind must be one of {KINDS} and mode one of {MODES}")
-        if type(self.count) is not int or self.count < 0 or type(self.root) is not int:
-            raise UsageError("count and root must be ints, count >= 0")
-        if self.dtype not in _DTYPES or type(self.ring) is not bool:
-            raise UsageError(f"dtype must be one of {', '.join(_DTYPES)}")
-        if self.op not in collectives.REDUCTIONS:
-            raise UsageError(f"op must be one of {', '.join(collectives.REDUCTIONS)}")
-        if self.partial and (self.kind != "allreduce" or self.op not in ("sum", "avg")):
-            raise UsageError("solo and majority are allreduce modes, with op sum or avg")
-
-
-_DTYPES: Final = (*REDUCE_DTYPES, "uint8")
-
-
-def _fields(spec: Spec) -> dict[str, Any]:
-    return {
-        "kind": spec.kind,
-        "count": spec.count,
-        "dtype": spec.dtype,
-        "op": spec.op,
-        "mode": spec.mode,
-        "root": spec.root,
-        "ring": spec.ring,
-    }
-
-
-def initiator(job: str, name: str, round: int, size: int, live: frozenset[int]) -> int:
-    """The rank that starts round ``round`` of a majority allreduce (eager-SGD §4.2).
-
-    Drawn uniformly from ``0 .. size - 1`` by a hash of (job, name, round): every node computes
-    the same rank with no message, and over many rounds each rank initiates equally often.  A
-    drawn rank that is not ``live`` (its trainer left or its node went down) passes the turn to
-    the next live rank above it (cyclically), so a round always has an initiator while any rank
-    lives; nodes that briefly disagree on who lives may start a round twice (absorbed, like any
-    simultaneous initiators) but never leave it without one once they agree.
-    """
-    digest = hashlib.blake2b(f"{job}\0{name}\0{round}".encode(), digest_size=8).digest()
-    drawn = int.from_bytes(digest, "little") % size
-    for step in range(size):
-        rank = (drawn + step) % size
-        if rank in live:
-            return rank
-    return drawn
-
-
-# -- actions --------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Transmit:
-    """Send message ``tag`` of round ``round`` (``payload``: may be empty) to ``node``, saying
-    the sender's view (``lost``, ``base``).  ``payload`` is a view of the collective's buffers
-    that stays unchanged until the frame has surely left (the module docstring says why), or
-    a copy where the schedule overwrites it sooner."""
-
-    node: int
-    round: int
-    tag: int
-    payload: memoryview
-    lost: tuple[int, ...]
-    base: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Deliver:
-    """Call ``token`` is complete: its array holds round ``round``'s result."""
-
-    token: int
-    round: int
-    included: bool
-    active: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Fail:
-    """Call ``token`` failed (``code``, ``message``); its array is undefined."""
-
-    token: int
-    code: str
-    message: str
-    node: int | None = None
-
-
-Action = Transmit | Deliver | Fail
+__all__ = [
+    "KINDS",
+    "MODES",
+    "NOTICE",
+    "REDUCE",
+    "Action",
+    "Collective",
+    "Deliver",
+    "Fail",
+    "Settle",
+    "Spec",
+    "Transmit",
+    "initiator",
+]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -270,15 +160,22 @@ class _Counters:
     views: int = 0  #: schedule rebuilds after a member node was lost
     frames_dropped: int = 0  #: peers' messages of an older view, dropped
     sum_active: int = 0  #: sum over rounds of ``active`` (its mean is what the demo shows)
+    settled: int = 0  #: in place: calls completed before their round's acknowledgements
 
 
 @dataclass(slots=True, kw_only=True)
 class _Landing:
-    """A message being received in pieces: which recv, which round, how many bytes are in."""
+    """A message being received in pieces: which recv, where, how many bytes are in."""
 
     op: int
     view: memoryview
+    array: np.ndarray[Any, Any]  #: the same bytes as ``view``, as the collective's dtype
     got: int = 0
+
+
+def _same(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
+    """Whether ``a`` and ``b`` are the very same elements (a copy between them is none)."""
+    return a.shape == b.shape and (not a.size or a.ctypes.data == b.ctypes.data)
 
 
 class Collective:
@@ -291,6 +188,10 @@ class Collective:
         ranks: the node of every rank of the job (index: rank), from membership.
         live: the ranks alive now (majority's initiator skips the others).
     """
+
+    #: whether a node's only rank's sync ring allreduce may run in place (tests compare the
+    #: two paths by turning it off)
+    IN_PLACE: bool = True
 
     def __init__(
         self,
@@ -320,9 +221,20 @@ class Collective:
         self.broken: tuple[str, str] | None = None  #: (code, message) once nothing can run
         self.counters = _Counters()
         elements = spec.count + (1 if spec.partial else 0)  #: partial: the active count too
+        self._elements = elements
         dtype = np.dtype(spec.dtype)
-        self.data = np.zeros(elements, dtype)
-        self.result = np.zeros(elements, dtype)
+        #: the node's only rank's sync ring allreduce runs in that rank's array ("In place")
+        self.inplace = (
+            self.IN_PLACE
+            and spec.kind == "allreduce"
+            and not spec.partial
+            and spec.ring
+            and len(self.local) == 1
+        )
+        #: in place, ``data`` is the round's caller's array and ``result`` the last one's
+        self._idle = np.zeros(0, dtype)
+        self.data = self._idle if self.inplace else np.zeros(elements, dtype)
+        self.result = self._idle if self.inplace else np.zeros(elements, dtype)
         #: partial modes: what local ranks gave since the last snapshot (sync gives into data)
         self.accumulator = np.zeros(elements if spec.partial else 0, dtype)
         self.snapshot = np.zeros(elements if spec.partial else 0, dtype)
@@ -342,6 +254,10 @@ class Collective:
         self._due: dict[int, int] = dict.fromkeys(self.local, 0)
         self._later: deque[_Call] = deque()  #: sync calls for the round after the current one
         self._landings: dict[tuple[int, int], _Landing] = {}  #: (recv op, round) -> in progress
+        #: in place: the allgather recvs that land straight in ``data`` (op -> chunk name),
+        #: and where each one's message of the current round landed
+        self._direct: dict[int, str] = {}
+        self._landed: dict[int, np.ndarray[Any, Any]] = {}
         self._out: list[Action] = []
         self._build(first_round=0)
 
@@ -368,7 +284,13 @@ class Collective:
             case _:
                 fn = "sum" if spec.partial else spec.op
                 if spec.ring:
-                    schedule = collectives.allreduce_ring(me, n, fn)
+                    ack = not spec.partial and any(self.ranks.count(m) == 1 for m in members)
+                    if spec.direct:
+                        schedule = collectives.allreduce_direct(me, n, fn, acknowledge=ack)
+                    else:
+                        schedule = collectives.allreduce_ring(
+                            me, n, fn, acknowledge=ack, pieces=RING_PIECES
+                        )
                 else:
                     schedule = collectives.allreduce_recursive_doubling(me, n, fn)
                 if spec.partial:
@@ -378,27 +300,56 @@ class Collective:
         self.executor = Executor(schedule, first_round=first_round)
         self._recv_of: dict[tuple[int, int], int] = {}
         self._slots: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
+        self._direct.clear()
         for i, op in enumerate(schedule.ops):
             if op.kind is Kind.RECV:
                 self._recv_of[op.peer, op.tag] = i
-                elements = self._slot_elements(schedule, op.buffer)
-                if elements is not None:  # a slot of 0 elements: an empty chunk's messages
-                    self._slots[i] = (
-                        np.zeros(elements, self.data.dtype),
-                        np.zeros(elements, self.data.dtype),
-                    )
+                self._place_recv(schedule, i)
         self._landings.clear()
+        #: in place: the allgather's copies a round runs, and how many ran in this one
+        ops = schedule.ops
+        self._copies = sum(op.kind is Kind.COMPUTE and op.fn == "copy" for op in ops)
+        self._copied = 0
+        sends = [op for op in ops if op.kind is Kind.SEND and op.buffer != collectives.EMPTY]
+        self._sent_to = tuple(sorted({members[op.peer] for op in sends}))
         self._perform(self.executor.post(0.0), 0.0)
 
-    def _slot_elements(self, schedule: Schedule, name: str) -> int | None:
-        """A slot holds what the compute that reads it writes: a chunk or the whole tensor
-        (``None``: no slot, the recv's messages are empty by design)."""
+    def _place_recv(self, schedule: Schedule, recv: int) -> None:
+        """Where recv op ``recv``'s messages land.  A slot holds what the compute that reads
+        it writes: a chunk or the whole tensor; none where the messages are empty by design.
+        Two slots, one per round parity (the engine's one-round overlap), but in place, where
+        every slot is a reduce-scatter's: its round ``r + 1`` message comes only once its
+        sender ended round ``r``, which took a chunk this node completed after every one of its
+        round ``r`` reductions (the ring's allgather, or the direct exchange's), so one slot
+        serves both parities.  In place, an allgather's message lands straight in its chunk of
+        ``data`` (the ``copy`` that would read its slot is then no copy): its round ``r``
+        message comes only after this node's round ``r`` reduce-scatter send of that very
+        chunk was received where the chunk is completed (round the ring, or at its owner), so
+        nothing still reads it.
+        """
+        name = schedule.ops[recv].buffer
         if collectives.parse(name).region is Region.EMPTY:
-            return None
-        for op in schedule.ops:
-            if op.kind is Kind.COMPUTE and name in op.inputs:
-                return len(self._buffer(op.buffer))
-        raise LocalProtocolError(f"no compute reads {name!r}: its size is unknown")
+            return
+        reader = next(
+            (op for op in schedule.ops if op.kind is Kind.COMPUTE and name in op.inputs), None
+        )
+        if reader is None:
+            raise LocalProtocolError(f"no compute reads {name!r}: its size is unknown")
+        elements = self._elements_of(reader.buffer)
+        if self.inplace and reader.fn == "copy" and elements:
+            self._direct[recv] = reader.buffer
+            return
+        first = np.zeros(elements, self.data.dtype)
+        self._slots[recv] = (first, first if self.inplace else np.zeros_like(first))
+
+    def _elements_of(self, name: str) -> int:
+        """How many elements buffer ``name`` (the tensor or one of its chunks) has."""
+        buffer = collectives.parse(name)
+        if buffer.region is Region.CHUNK:
+            parts = buffer.parts or len(self.members)
+            start, stop = chunk_bounds(self._elements, parts, buffer.index)
+            return stop - start
+        return self._elements if buffer.region is Region.DATA else 0
 
     # -- calls ------------------------------------------------------------------------------
     def call(
@@ -471,9 +422,12 @@ class Collective:
     def _give(self, call: _Call) -> None:
         """Fold a sync call's array into ``data`` (the first one is copied): a sync round
         reads ``data`` only once every local rank gave, and a call made while it runs waits
-        for its end (``_later``), so nothing else touches ``data`` meanwhile."""
+        for its end (``_later``), so nothing else touches ``data`` meanwhile.  In place, the
+        call's array *is* ``data`` for the round: nothing is copied."""
         data, array = self.data, call.array
-        if array is not None and self.spec.kind == "allreduce":
+        if array is not None and self.inplace:
+            self.data = array
+        elif array is not None and self.spec.kind == "allreduce":
             if self._given:
                 REDUCE[self.spec.op](data, array, out=data)
             else:
@@ -580,8 +534,7 @@ class Collective:
         if not self._adopt(node, lost, base, now) or self.broken is not None:
             return None
         op = self._recv_op(node, tag)
-        slots = self._slots.get(op)
-        if slots is None or not slots[0].nbytes:
+        if not self._lands(op):
             if nbytes:
                 raise RemoteProtocolError(f"message tag {tag} from node {node} carries no bytes")
             return None
@@ -589,14 +542,33 @@ class Collective:
             raise RemoteProtocolError(
                 f"message of round {round} from node {node}: this node is in round {self.round}"
             )
-        view = slots[round % 2].data.cast("B")
-        if offset + nbytes > len(view):
+        landing = self._landings.get((op, round))
+        if landing is None:
+            target = self._target(op, round, node)
+            landing = _Landing(op=op, view=target.data.cast("B"), array=target)
+            self._landings[op, round] = landing
+        if offset + nbytes > len(landing.view):
             raise RemoteProtocolError(
                 f"{nbytes} B at {offset} of message tag {tag} from node {node}: its slot holds "
-                f"{len(view)} B"
+                f"{len(landing.view)} B"
             )
-        landing = self._landings.setdefault((op, round), _Landing(op=op, view=view))
         return landing.view[offset : offset + nbytes]
+
+    def _lands(self, op: int) -> bool:
+        """Whether recv ``op``'s messages carry bytes that land somewhere."""
+        return op in self._direct or (op in self._slots and bool(self._slots[op][0].nbytes))
+
+    def _target(self, op: int, round: int, node: int) -> np.ndarray[Any, Any]:
+        """Where recv ``op``'s message of ``round`` lands: its slot, or (in place) its chunk
+        of the round's ``data``, which a message can reach only once the round runs here."""
+        if op not in self._direct:
+            return self._slots[op][round % 2]
+        if round != self._activated or len(self.data) != self._elements:
+            raise RemoteProtocolError(
+                f"allgather message of round {round} from node {node} came before this node "
+                "sent its reduce-scatter share of that round"
+            )
+        return self._buffer(self._direct[op], round)
 
     def arrived(
         self,
@@ -614,7 +586,7 @@ class Collective:
         if not self._adopt(node, lost, base, now) or self.broken is not None or tag == NOTICE:
             return self._flush()
         op = self._recv_op(node, tag)
-        if op in self._slots and self._slots[op][0].nbytes:
+        if self._lands(op):
             landing = self._landings.get((op, round))
             if landing is None:  # landing() dropped it, or our view changed since it landed
                 self.counters.frames_dropped += 1
@@ -623,6 +595,8 @@ class Collective:
             if landing.got < len(landing.view):
                 return self._flush()
             del self._landings[op, round]
+            if op in self._direct:  # what its "copy" reads: (still) the chunk it landed in
+                self._landed[op] = landing.array
         peer = self.index[node]
         self._perform(self.executor.arrived(peer, tag, round, now), now)
         return self._flush()
@@ -792,6 +766,7 @@ class Collective:
                     more = self.executor.completed(op, round, now)
                 case StartCompute(op=op, round=round):
                     self._compute(op, round)
+                    self._count_copy(op, round)
                     more = self.executor.completed(op, round, now)
                 case RoundStarted():
                     if self.spec.partial:
@@ -816,10 +791,13 @@ class Collective:
             case Region.DATA:
                 return self.data
             case Region.CHUNK:
-                start, stop = chunk_bounds(len(self.data), len(self.members), buffer.index)
+                parts = buffer.parts or len(self.members)
+                start, stop = chunk_bounds(len(self.data), parts, buffer.index)
                 return self.data[start:stop]
             case Region.SLOT:
                 op = self._recv_of[buffer.peer, buffer.tag]
+                if op in self._direct:
+                    return self._landed[op]
                 return self._slots[op][round % 2]
             case Region.EMPTY:
                 return self.data[:0]
@@ -830,7 +808,8 @@ class Collective:
         inputs = [self._buffer(name, round) for name in sched.inputs]
         match sched.fn:
             case "copy":
-                np.copyto(out, inputs[0])
+                if not _same(out, inputs[0]):  # in place, an allgather landed where it goes
+                    np.copyto(out, inputs[0])
             case "div":
                 if out.dtype.kind == "f":
                     np.divide(inputs[0], self.size, out=out)
@@ -838,6 +817,25 @@ class Collective:
                     np.floor_divide(inputs[0], self.size, out=out)
             case fn:
                 REDUCE[fn](inputs[0], inputs[1], out=out)
+
+    def _count_copy(self, op: int, round: int) -> None:
+        """In place, the last of a round's allgather copies makes its result whole: the call
+        may complete before the acknowledgements if the service finds nothing of the round
+        still queued (:class:`Settle`): one message's latency less a round."""
+        if not self.inplace or self.executor.schedule.ops[op].fn != "copy":
+            return
+        self._copied += 1
+        if self._copied == self._copies:
+            self._out.append(Settle(round=round, nodes=self._sent_to))
+
+    def sent(self, round: int, now: float) -> list[Action]:
+        """Nothing this node sent in ``round`` is held in this process any more (the answer to
+        :class:`Settle`): its call completes now, the round ends with the acknowledgements."""
+        if round == self.round and self._copies and self._copied == self._copies:
+            for call in [c for c in self._calls.values() if c.round <= round]:
+                self.counters.settled += 1
+                self._deliver(call, round, self.size, copy=False)
+        return self._flush()
 
     def _take_snapshot(self) -> None:
         count = self.spec.count
@@ -852,7 +850,12 @@ class Collective:
         self._taken = True
 
     def _ended(self, round: int, now: float) -> None:
-        self.data, self.result = self.result, self.data
+        if self.inplace:  # the result is where the caller wants it; the next call brings data
+            self.data, self.result = self._idle, self.data
+            self._landed.clear()
+            self._copied = 0
+        else:
+            self.data, self.result = self.result, self.data
         count = self.spec.count
         active = int(self.result[count]) if self.spec.partial else self.size
         # avg: a sync schedule over several nodes divides once, on the way (its builder's
@@ -879,9 +882,13 @@ class Collective:
         self._watch(now)
         self._ready = bool(self._given) and self._given >= self.local
 
-    def _deliver(self, call: _Call, round: int, active: int | None = None) -> None:
-        if call.array is not None and self.spec.kind != "barrier":
-            np.copyto(call.array, self.result[: self.spec.count])
+    def _deliver(
+        self, call: _Call, round: int, active: int | None = None, *, copy: bool = True
+    ) -> None:
+        result = self.result[: self.spec.count]
+        array = call.array if copy and self.spec.kind != "barrier" else None
+        if array is not None and not _same(array, result):  # in place, it is there already
+            np.copyto(array, result)
         if active is None:
             active = int(self.result[self.spec.count]) if self.spec.partial else self.size
         self._due[call.rank] = round + 1
@@ -895,8 +902,20 @@ class Collective:
         call = self._calls.get(token)
         if call is None:
             return
+        if call.array is not None and call.array is self.data:
+            self._detach()
         self._forget(call)
         self._out.append(Fail(token=token, code=code, message=message, node=node))
+
+    def _detach(self) -> None:
+        """In place, the round's caller fails while the round runs (a rank of the job left,
+        a member node went down): the round goes on in a copy of ``data`` as it stands (its
+        peers still need this node's messages, and they stay the same bytes), so nothing of
+        it touches the caller's array once the failure is delivered.  The array holds what
+        the round had reduced into it so far -- undefined, as a failed sync round's result
+        is (``PeerFailed``: resynchronise the model) -- except that a frame the transport is
+        landing at this very moment still completes where it was told to."""
+        self.data = self.data.copy()
 
     def _forget(self, call: _Call) -> None:
         self._calls.pop(call.token, None)

@@ -1,0 +1,182 @@
+"""What every call and every node of one persistent collective agree on, and what the
+collective engine (:mod:`fabricd.engines.collectives.persistent`) tells its service to do.
+
+Rules: the collective's :class:`Spec` (checked here, carried in every COLL frame), the
+initiator draw of majority mode (eager-SGD §4.2), and the engine's actions
+(:class:`Transmit`, :class:`Deliver`, :class:`Fail`).  Kept apart from the engine so that the
+service and the tests name them without the engine's internals, and so the engine module stays
+within its size budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from fabricd.dtypes import REDUCE_DTYPES
+from fabricd.engines.collectives import algorithms as collectives
+from fabricd.errors import RemoteProtocolError, UsageError
+
+KINDS: Final = ("allreduce", "broadcast", "barrier")
+MODES: Final = ("sync", "solo", "majority")
+#: the tag of a frame that carries only its sender's view (no schedule uses it)
+NOTICE: Final = 2**31 - 1
+#: how a sync allreduce folds the local ranks' arrays into the node's contribution
+REDUCE: Final = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Spec:
+    """What every call of one collective must agree on (its first call fixes it)."""
+
+    kind: str  #: allreduce, broadcast, barrier
+    count: int = 0  #: elements of each rank's array
+    dtype: str = "uint8"
+    op: str = "sum"  #: allreduce
+    mode: str = "sync"  #: allreduce: sync, solo, majority
+    root: int = 0  #: broadcast: the rank whose array everyone gets
+    ring: bool = False  #: allreduce: ring (else recursive doubling), chosen by the first call
+    #: allreduce, with ``ring``: its reduce-scatter and allgather by direct exchange with every
+    #: node instead of round the ring (the same bytes in fewer steps), chosen likewise
+    direct: bool = False
+
+    @property
+    def partial(self) -> bool:
+        return self.mode != "sync"
+
+    def describe(self) -> str:
+        match self.kind:
+            case "allreduce":
+                return f"{self.mode} allreduce {self.op} of {self.count} {self.dtype}"
+            case "broadcast":
+                return f"broadcast of {self.count} {self.dtype} from rank {self.root}"
+            case _:
+                return "barrier"
+
+    def same_call(self, other: Spec) -> bool:
+        """Whether ``other`` (a call's spec) agrees with this one (the algorithm is not the
+        caller's: it was chosen once, by the first call)."""
+        return self == Spec(**{**_fields(other), "ring": self.ring, "direct": self.direct})
+
+    def to_meta(self) -> dict[str, Any]:
+        return _fields(self)
+
+    @classmethod
+    def from_meta(cls, meta: object) -> Spec:
+        """Raises RemoteProtocolError: not a spec a daemon of this release sends."""
+        if not isinstance(meta, dict):
+            raise RemoteProtocolError("a collective frame's spec must be a map")
+        try:
+            spec = cls(**meta)
+        except TypeError as exc:
+            raise RemoteProtocolError(f"a collective frame's spec is malformed: {exc}") from None
+        try:
+            spec.check()
+        except UsageError as exc:
+            raise RemoteProtocolError(f"a collective frame's spec is invalid: {exc}") from None
+        return spec
+
+    def check(self) -> None:
+        """Raises UsageError: a field out of its range."""
+        if self.kind not in KINDS or self.mode not in MODES:
+            raise UsageError(f"kind must be one of {KINDS} and mode one of {MODES}")
+        if type(self.count) is not int or self.count < 0 or type(self.root) is not int:
+            raise UsageError("count and root must be ints, count >= 0")
+        if (
+            self.dtype not in _DTYPES
+            or type(self.ring) is not bool
+            or type(self.direct) is not bool
+        ):
+            raise UsageError(f"dtype must be one of {', '.join(_DTYPES)}")
+        if self.op not in collectives.REDUCTIONS:
+            raise UsageError(f"op must be one of {', '.join(collectives.REDUCTIONS)}")
+        if self.partial and (self.kind != "allreduce" or self.op not in ("sum", "avg")):
+            raise UsageError("solo and majority are allreduce modes, with op sum or avg")
+
+
+_DTYPES: Final = (*REDUCE_DTYPES, "uint8")
+
+
+def _fields(spec: Spec) -> dict[str, Any]:
+    return {
+        "kind": spec.kind,
+        "count": spec.count,
+        "dtype": spec.dtype,
+        "op": spec.op,
+        "mode": spec.mode,
+        "root": spec.root,
+        "ring": spec.ring,
+        "direct": spec.direct,
+    }
+
+
+def initiator(job: str, name: str, round: int, size: int, live: frozenset[int]) -> int:
+    """The rank that starts round ``round`` of a majority allreduce (eager-SGD §4.2).
+
+    Drawn uniformly from ``0 .. size - 1`` by a hash of (job, name, round): every node computes
+    the same rank with no message, and over many rounds each rank initiates equally often.  A
+    drawn rank that is not ``live`` (its trainer left or its node went down) passes the turn to
+    the next live rank above it (cyclically), so a round always has an initiator while any rank
+    lives; nodes that briefly disagree on who lives may start a round twice (absorbed, like any
+    simultaneous initiators) but never leave it without one once they agree.
+    """
+    digest = hashlib.blake2b(f"{job}\0{name}\0{round}".encode(), digest_size=8).digest()
+    drawn = int.from_bytes(digest, "little") % size
+    for step in range(size):
+        rank = (drawn + step) % size
+        if rank in live:
+            return rank
+    return drawn
+
+
+# -- actions --------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Transmit:
+    """Send message ``tag`` of round ``round`` (``payload``: may be empty) to ``node``, saying
+    the sender's view (``lost``, ``base``).  ``payload`` is a view of the collective's buffers
+    that stays unchanged until the frame has surely left (the module docstring says why), or
+    a copy where the schedule overwrites it sooner."""
+
+    node: int
+    round: int
+    tag: int
+    payload: memoryview
+    lost: tuple[int, ...]
+    base: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Deliver:
+    """Call ``token`` is complete: its array holds round ``round``'s result."""
+
+    token: int
+    round: int
+    included: bool
+    active: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fail:
+    """Call ``token`` failed (``code``, ``message``); its array is undefined."""
+
+    token: int
+    code: str
+    message: str
+    node: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settle:
+    """In place: round ``round``'s result is whole in its caller's array.  If nothing this node
+    sent to ``nodes`` is still held in this process (the transport's queue included), say so
+    with :meth:`~fabricd.engines.collectives.persistent.Collective.sent` and the call completes
+    now; else it completes with the round's acknowledgements, which prove the same."""
+
+    round: int
+    nodes: tuple[int, ...]
+
+
+Action = Transmit | Deliver | Fail | Settle
