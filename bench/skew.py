@@ -14,8 +14,9 @@ Measured through fabricd in each mode (sync, solo, majority), all ranks of one j
 torch.distributed's gloo when installed.  Every row's ``vs X`` column is X's latency over the
 row's: how many times lower than X it is.  The ratio column is the MPI one (fabricd sync's
 when MPI is not installed).  The paper, at 32 processes on Piz Daint: solo 53.32x and majority
-2.46x lower latency than MPI_Allreduce, about 1 and 16 active processes.  Issue 10's target, at
-8 ranks in the same run: solo >= 10x, majority >= 2x lower than MPI_Allreduce.
+2.46x lower latency than MPI_Allreduce, about 1 and 16 active processes.  The targets (issue
+22, in the same run): solo >= 5x and majority >= 2x lower than MPI_Allreduce at 8 ranks, solo
+>= 20x at 32 (issue 10 had asked for solo >= 10x at 8).
 
 A baseline rank makes ``--iterations`` calls (64, as the paper).  A fabricd rank runs for that
 many *rounds*: in solo mode rounds go at the fastest rank's pace and a slow rank's call returns
@@ -71,8 +72,9 @@ NBYTES = 4 * KiB
 FLOOR_ROUNDS = 500
 QUICK_FLOOR_ROUNDS = 100
 
-TARGET_RANKS = 8
-TARGETS = {"solo": 10.0, "majority": 2.0}  #: times lower latency than MPI_Allreduce
+#: (ranks, mode): times lower latency than MPI_Allreduce -- issue 22's targets (issue 10 had
+#: solo >= 10x at 8 ranks; issue 22 set 5x there and added 32 ranks, the paper's size)
+TARGETS = {(8, "solo"): 5.0, (8, "majority"): 2.0, (32, "solo"): 20.0}
 
 #: (rounds seen, active ranks) of each call, per mode
 Calls = dict[str, Any]
@@ -168,11 +170,9 @@ def run(
             if reference == "mpi"
             else "fabricd sync latency / this row's (MPI not installed)"
         ),
-        target=(
-            f"at {TARGET_RANKS} ranks, "
-            + ", ".join(
-                f"{m} >= {t:g}x lower latency than MPI_Allreduce" for m, t in TARGETS.items()
-            )
+        target=", ".join(
+            f"{mode} >= {times:g}x lower latency than MPI_Allreduce at {ranks} ranks"
+            for (ranks, mode), times in TARGETS.items()
         ),
         notes=notes,
         settings={**spec, "nodes": nodes, "modes": list(MODES)},
@@ -206,9 +206,9 @@ def run(
                 f"{label}: {fmt_number(seconds * 1e3)} ms, {fmt_number(active)} active, "
                 f"ratio {fmt_number(base / seconds)}x"
             )
-            judge = size == TARGET_RANKS and skew_ms == SKEW_MS  # the paper's setting only
-            if judge and what in TARGETS and "mpi" in available:
-                judged.append(row["vs_mpi"] >= TARGETS[what])
+            goal = TARGETS.get((size, what)) if skew_ms == SKEW_MS else None  # paper's unit only
+            if goal is not None and "mpi" in available:
+                judged.append(row["vs_mpi"] >= goal)
     table.target_met = all(judged) if judged else None
     table.extras.append(
         Extra(
