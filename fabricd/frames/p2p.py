@@ -55,15 +55,7 @@ class Rts(_Described):
     rtr: int = 0
 
     def to_meta(self) -> Meta:
-        meta = {
-            "msg": self.msg,
-            "job": self.job,
-            "src": self.src,
-            "dst": self.dst,
-            "tag": self.tag,
-            "nbytes": self.nbytes,
-            "dtype": self.dtype,
-        }
+        meta = _offer_meta(self.msg, self)
         if self.rtr:
             meta["rtr"] = self.rtr
         return meta
@@ -83,15 +75,7 @@ class Eager(_Described):
     msg: int
 
     def to_meta(self) -> Meta:
-        return {
-            "msg": self.msg,
-            "job": self.job,
-            "src": self.src,
-            "dst": self.dst,
-            "tag": self.tag,
-            "nbytes": self.nbytes,
-            "dtype": self.dtype,
-        }
+        return _offer_meta(self.msg, self)
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Eager:
@@ -117,6 +101,20 @@ class Rtr(_Described):
         if not fields["rtr"]:
             raise RemoteProtocolError("an RTR numbered 0")
         return cls(**fields)
+
+
+def _offer_meta(msg: int, described: _Described) -> Meta:
+    """The metadata of an RTS or EAGER offering message ``msg``: built in one literal (this runs
+    for every message sent)."""
+    return {
+        "msg": msg,
+        "job": described.job,
+        "src": described.src,
+        "dst": described.dst,
+        "tag": described.tag,
+        "nbytes": described.nbytes,
+        "dtype": described.dtype,
+    }
 
 
 def _message_fields(meta: Meta, id_field: str = "msg") -> dict[str, Any]:
