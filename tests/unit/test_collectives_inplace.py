@@ -11,6 +11,7 @@ wrong result somewhere.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from random import Random
 from typing import Any
 
@@ -313,3 +314,71 @@ def test_the_acknowledged_ring_ends_with_an_empty_message_each_way(size: int, pi
 def test_a_ring_of_no_pieces_is_refused() -> None:
     with pytest.raises(UsageError, match="pieces"):
         allreduce_ring(0, 2, "sum", pieces=0)
+
+
+class _KernelCopied(Fabric):
+    """The kernel took every sent byte at once: nothing still queued reads an array."""
+
+    def perform(self, node: int, actions: list[Any]) -> None:
+        copied = [
+            replace(a, payload=memoryview(bytes(a.payload)))
+            if isinstance(a, persistent.Transmit)
+            else a
+            for a in actions
+        ]
+        super().perform(node, copied)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["ring", "direct"])
+def test_a_message_half_landed_when_its_call_fails_lands_the_rest_in_the_copy(direct):
+    # review of issue 22: a message in several frames, its first half landed in the caller's
+    # array, then the call fails (a rank of another node left, its grace ran out).  The second
+    # half must not land in the caller's array (the rank may write it at once), and the round's
+    # peers must still get the exact sum
+    spec = Spec(kind="allreduce", count=12, dtype="float64", ring=True, direct=direct)
+    fab = _KernelCopied(spec, (0, 1, 2), Random(0))
+    arrays = {r: np.full(12, float(r + 1)) for r in range(3)}
+    for r in range(3):
+        fab.call(r, r, arrays[r])
+    c0 = fab.colls[0]
+    split = False
+    for _ in range(10_000):
+        target = None
+        for (src, dst), queue in fab.links.items():
+            if dst == 0 and queue and not split:
+                head = queue[0]
+                op = c0._recv_of.get((c0.index[src], head.tag))
+                if op in c0._direct and len(head.payload):  # lands in place: an allgather
+                    target = (src, head)
+        if target is None:
+            if not fab.deliver_one():
+                break
+            continue
+        src, m = target
+        fab.links[src, 0].popleft()
+        half = len(m.payload) // 2
+        now = fab.tick()
+        c0.landing(src, m.tag, m.round, 0, half, m.lost, m.base, now)[:] = m.payload[:half]
+        fab.perform(0, c0.arrived(src, m.tag, m.round, half, m.lost, m.base, now))
+        fab.perform(0, c0.rank_gone(2, frozenset({0, 1}), fab.tick(), grace=GRACE))
+        fab.perform(0, c0.on_timer(fab.now + GRACE + 1))
+        assert 0 in fab.failed
+        arrays[0][:] = -99.0  # the rank writes its next step's data once its call failed
+        now = fab.tick()
+        rest = c0.landing(src, m.tag, m.round, half, len(m.payload) - half, m.lost, m.base, now)
+        rest[:] = m.payload[half:]
+        fab.perform(0, c0.arrived(src, m.tag, m.round, len(m.payload) - half, m.lost, m.base, now))
+        assert (arrays[0] == -99.0).all(), "a frame landed in a failed call's array"
+        split = True
+    fab.drain()
+    assert split
+    for rank in (1, 2):
+        assert rank in fab.delivered
+        assert (arrays[rank] == 6.0).all(), arrays[rank]
+
+
+def test_a_spec_asking_for_direct_exchange_without_the_ring_is_refused():
+    # a peer could send one: the node would run recursive doubling while status said direct
+    with pytest.raises(UsageError, match="direct needs ring"):
+        Spec(kind="allreduce", count=4, dtype="float32", ring=False, direct=True).check()
+    Spec(kind="allreduce", count=4, dtype="float32", ring=True, direct=True).check()

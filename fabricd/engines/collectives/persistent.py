@@ -171,6 +171,9 @@ class _Landing:
     view: memoryview
     array: np.ndarray[Any, Any]  #: the same bytes as ``view``, as the collective's dtype
     got: int = 0
+    handed: int = 0  #: where the bytes handed out for landing end
+    #: a frame in flight when the landing moved (Collective._detach): the old place and offset
+    torn: tuple[memoryview, int] | None = None
 
 
 def _same(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
@@ -552,6 +555,7 @@ class Collective:
                 f"{nbytes} B at {offset} of message tag {tag} from node {node}: its slot holds "
                 f"{len(landing.view)} B"
             )
+        landing.handed = max(landing.handed, offset + nbytes)
         return landing.view[offset : offset + nbytes]
 
     def _lands(self, op: int) -> bool:
@@ -591,6 +595,10 @@ class Collective:
             if landing is None:  # landing() dropped it, or our view changed since it landed
                 self.counters.frames_dropped += 1
                 return self._flush()
+            if landing.torn is not None:  # landed where the failed caller's array is
+                place, start = landing.torn
+                landing.view[start : start + nbytes] = place[start : start + nbytes]
+                landing.torn = None
             landing.got += nbytes
             if landing.got < len(landing.view):
                 return self._flush()
@@ -913,9 +921,27 @@ class Collective:
         peers still need this node's messages, and they stay the same bytes), so nothing of
         it touches the caller's array once the failure is delivered.  The array holds what
         the round had reduced into it so far -- undefined, as a failed sync round's result
-        is (``PeerFailed``: resynchronise the model) -- except that a frame the transport is
-        landing at this very moment still completes where it was told to."""
-        self.data = self.data.copy()
+        is (``PeerFailed``: resynchronise the model).
+
+        A message that arrives in several frames and has begun to land in the array lands the
+        rest of it in the copy: its landing is pointed at the same place there (what landed
+        so far was copied with the array).  The one exception is a frame the transport is
+        filling at this very moment (its view was handed out before the failure): its bytes
+        still go to the caller's array, and are copied from there into the copy when it
+        arrives.  A rank that writes its array within that frame's transfer time after its
+        call failed could so change what this node sends on for that round (the review of
+        issue 22 found this window; closing it means holding the failure until the frame is
+        in, docs/architecture.md)."""
+        old = self.data
+        self.data = old.copy()
+        for landing in self._landings.values():
+            if not np.shares_memory(landing.array, old):
+                continue  # a slot of the daemon's own
+            start = (landing.array.ctypes.data - old.ctypes.data) // old.itemsize
+            moved = self.data[start : start + len(landing.array)]
+            if landing.handed > landing.got:  # a frame in flight into the old place
+                landing.torn = (landing.view, landing.got)
+            landing.array, landing.view = moved, moved.data.cast("B")
 
     def _forget(self, call: _Call) -> None:
         self._calls.pop(call.token, None)

@@ -91,6 +91,8 @@ class Spec:
             or type(self.direct) is not bool
         ):
             raise UsageError(f"dtype must be one of {', '.join(_DTYPES)}")
+        if self.direct and not self.ring:  # (direct exchange replaces the ring: no ring, no it)
+            raise UsageError("direct exchange is a form of the ring allreduce: direct needs ring")
         if self.op not in collectives.REDUCTIONS:
             raise UsageError(f"op must be one of {', '.join(collectives.REDUCTIONS)}")
         if self.partial and (self.kind != "allreduce" or self.op not in ("sum", "avg")):
