@@ -93,6 +93,7 @@ import numpy as np
 
 from fabricd.engines.collectives import algorithms as collectives
 from fabricd.engines.collectives.algorithms import Region, chunk_bounds
+from fabricd.engines.collectives.landing import Landing, moved, same
 from fabricd.engines.collectives.spec import (
     KINDS,
     MODES,
@@ -161,24 +162,6 @@ class _Counters:
     frames_dropped: int = 0  #: peers' messages of an older view, dropped
     sum_active: int = 0  #: sum over rounds of ``active`` (its mean is what the demo shows)
     settled: int = 0  #: in place: calls completed before their round's acknowledgements
-
-
-@dataclass(slots=True, kw_only=True)
-class _Landing:
-    """A message being received in pieces: which recv, where, how many bytes are in."""
-
-    op: int
-    view: memoryview
-    array: np.ndarray[Any, Any]  #: the same bytes as ``view``, as the collective's dtype
-    got: int = 0
-    handed: int = 0  #: where the bytes handed out for landing end
-    #: a frame in flight when the landing moved (Collective._detach): the old place and offset
-    torn: tuple[memoryview, int] | None = None
-
-
-def _same(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
-    """Whether ``a`` and ``b`` are the very same elements (a copy between them is none)."""
-    return a.shape == b.shape and (not a.size or a.ctypes.data == b.ctypes.data)
 
 
 class Collective:
@@ -256,7 +239,9 @@ class Collective:
         #: paper's rounds), until it leaves; a rank that comes back starts at the current one
         self._due: dict[int, int] = dict.fromkeys(self.local, 0)
         self._later: deque[_Call] = deque()  #: sync calls for the round after the current one
-        self._landings: dict[tuple[int, int], _Landing] = {}  #: (recv op, round) -> in progress
+        self._landings: dict[tuple[int, int], Landing] = {}  #: (recv op, round) -> in progress
+        #: in place: failures held until a frame landing in the failed call's array is in
+        self._withheld: list[Fail] = []
         #: in place: the allgather recvs that land straight in ``data`` (op -> chunk name),
         #: and where each one's message of the current round landed
         self._direct: dict[int, str] = {}
@@ -448,10 +433,14 @@ class Collective:
         """The client of call ``token`` left: forget the call.  Partial modes keep what it
         gave (no contribution is lost).  A sync round it gave to and that has not started
         cannot complete without it (its trainer is gone), and its gift cannot be taken back
-        out of a reduction: the round's gifts here are void and its other calls fail now."""
+        out of a reduction: the round's gifts here are void and its other calls fail now.
+        In place, the round lets go of the client's array (its segment is unmapped once no
+        view of it is left): one under way goes on in a copy (:meth:`_let_go`)."""
         call = self._calls.get(token)
         if call is None:
             return []
+        if call.array is not None and call.array is self.data:
+            self._let_go()  # (a frame landing in it meanwhile is copied over when it is in)
         self._forget(call)
         if not self.spec.partial and call.rank in self._given and self._activated != self.round:
             self._void(f"rank {call.rank} left during {self.spec.describe()} {self.name!r}")
@@ -548,15 +537,14 @@ class Collective:
         landing = self._landings.get((op, round))
         if landing is None:
             target = self._target(op, round, node)
-            landing = _Landing(op=op, view=target.data.cast("B"), array=target)
+            landing = Landing(op=op, node=node, view=target.data.cast("B"), array=target)
             self._landings[op, round] = landing
         if offset + nbytes > len(landing.view):
             raise RemoteProtocolError(
                 f"{nbytes} B at {offset} of message tag {tag} from node {node}: its slot holds "
                 f"{len(landing.view)} B"
             )
-        landing.handed = max(landing.handed, offset + nbytes)
-        return landing.view[offset : offset + nbytes]
+        return landing.hand(offset, nbytes)
 
     def _lands(self, op: int) -> bool:
         """Whether recv ``op``'s messages carry bytes that land somewhere."""
@@ -587,6 +575,7 @@ class Collective:
         """``nbytes`` of message ``tag`` of ``round`` from ``node`` landed where
         :meth:`landing` said (or, a message of no bytes, came); the recv is done once all of
         its slot is in."""
+        self._mend(node, tag, round)
         if not self._adopt(node, lost, base, now) or self.broken is not None or tag == NOTICE:
             return self._flush()
         op = self._recv_op(node, tag)
@@ -595,10 +584,6 @@ class Collective:
             if landing is None:  # landing() dropped it, or our view changed since it landed
                 self.counters.frames_dropped += 1
                 return self._flush()
-            if landing.torn is not None:  # landed where the failed caller's array is
-                place, start = landing.torn
-                landing.view[start : start + nbytes] = place[start : start + nbytes]
-                landing.torn = None
             landing.got += nbytes
             if landing.got < len(landing.view):
                 return self._flush()
@@ -667,11 +652,15 @@ class Collective:
         it may come back (:meth:`resume`) before it is counted down (:meth:`lose`).  A sync
         round under way cannot be run again (its gifts were reduced in place), so a sync
         collective with a round under way breaks now; one between rounds, and a partial one,
-        wait."""
-        if node not in self.members or self.broken is not None or self.spec.partial:
-            return self._flush()
-        if self._calls or self.executor.phase is Phase.RUNNING:
-            return self.lose(node, reason, 0.0)
+        wait.  A frame from ``node`` torn by :meth:`_detach` will not arrive: the failures it
+        held are delivered (nothing lands from a link once it is lost)."""
+        busy = self._calls or self.executor.phase is Phase.RUNNING
+        if node in self.members and self.broken is None and not self.spec.partial and busy:
+            self._out += self.lose(node, reason, 0.0)
+        for landing in self._landings.values():
+            if landing.node == node:
+                landing.torn = None
+        self._release()
         return self._flush()
 
     def resume(self, node: int, now: float) -> list[Action]:
@@ -781,6 +770,8 @@ class Collective:
                         self._take_snapshot()
                 case RoundEnded(round=round):
                     self._ended(round, now)
+                    if self.inplace:  # delivered: keep no view of the caller's array, nor a
+                        self.result = self._idle  # copy of it (a round run on after a failure)
                 case StartRecv() | Discard():
                     pass
             work.extendleft(reversed(more))
@@ -816,7 +807,7 @@ class Collective:
         inputs = [self._buffer(name, round) for name in sched.inputs]
         match sched.fn:
             case "copy":
-                if not _same(out, inputs[0]):  # in place, an allgather landed where it goes
+                if not same(out, inputs[0]):  # in place, an allgather landed where it goes
                     np.copyto(out, inputs[0])
             case "div":
                 if out.dtype.kind == "f":
@@ -895,7 +886,7 @@ class Collective:
     ) -> None:
         result = self.result[: self.spec.count]
         array = call.array if copy and self.spec.kind != "barrier" else None
-        if array is not None and not _same(array, result):  # in place, it is there already
+        if array is not None and not same(array, result):  # in place, it is there already
             np.copyto(array, result)
         if active is None:
             active = int(self.result[self.spec.count]) if self.spec.partial else self.size
@@ -910,38 +901,55 @@ class Collective:
         call = self._calls.get(token)
         if call is None:
             return
-        if call.array is not None and call.array is self.data:
-            self._detach()
+        held = call.array is not None and call.array is self.data and self._let_go()
         self._forget(call)
-        self._out.append(Fail(token=token, code=code, message=message, node=node))
+        fail = Fail(token=token, code=code, message=message, node=node)
+        (self._withheld if held else self._out).append(fail)
 
-    def _detach(self) -> None:
+    def _let_go(self) -> bool:
+        """In place, the round's caller is gone (its call failed, or its client left): the
+        round no longer holds its array.  One that has not started drops it; one under way
+        detaches (:meth:`_detach`).  Returns whether a frame is still landing in the array
+        (the caller's failure waits for it: :meth:`_mend`)."""
+        if self._activated != self.round:  # nothing of the round has run: nothing to keep
+            self.data = self._idle
+            return False
+        return self._detach()
+
+    def _detach(self) -> bool:
         """In place, the round's caller fails while the round runs (a rank of the job left,
         a member node went down): the round goes on in a copy of ``data`` as it stands (its
         peers still need this node's messages, and they stay the same bytes), so nothing of
         it touches the caller's array once the failure is delivered.  The array holds what
         the round had reduced into it so far -- undefined, as a failed sync round's result
-        is (``PeerFailed``: resynchronise the model).
-
-        A message that arrives in several frames and has begun to land in the array lands the
-        rest of it in the copy: its landing is pointed at the same place there (what landed
-        so far was copied with the array).  The one exception is a frame the transport is
-        filling at this very moment (its view was handed out before the failure): its bytes
-        still go to the caller's array, and are copied from there into the copy when it
-        arrives.  A rank that writes its array within that frame's transfer time after its
-        call failed could so change what this node sends on for that round (the review of
-        issue 22 found this window; closing it means holding the failure until the frame is
-        in, docs/architecture.md)."""
+        is (``PeerFailed``: resynchronise the model).  Messages landing in the array land the
+        rest in the copy, and one landed whole there is read from the copy; a frame the
+        transport is filling now is torn (:mod:`~fabricd.engines.collectives.landing`): the
+        failure waits for it (:meth:`_mend`, or its link's reset, :meth:`interrupted`).
+        Returns whether a frame is torn."""
         old = self.data
         self.data = old.copy()
         for landing in self._landings.values():
-            if not np.shares_memory(landing.array, old):
-                continue  # a slot of the daemon's own
-            start = (landing.array.ctypes.data - old.ctypes.data) // old.itemsize
-            moved = self.data[start : start + len(landing.array)]
-            if landing.handed > landing.got:  # a frame in flight into the old place
-                landing.torn = (landing.view, landing.got)
-            landing.array, landing.view = moved, moved.data.cast("B")
+            landing.move(old, self.data)
+        for op, chunk in self._landed.items():
+            if (there := moved(chunk, old, self.data)) is not None:
+                self._landed[op] = there
+        return any(landing.torn is not None for landing in self._landings.values())
+
+    def _mend(self, node: int, tag: int, round: int) -> None:
+        """A frame of ``node``'s message ``tag`` of ``round`` arrived: if :meth:`_detach` tore
+        it, copy its bytes to where its message lands now, and deliver the failures held for
+        it once no frame is torn."""
+        op = self._recv_of.get((self.index.get(node, -1), tag))
+        landing = self._landings.get((op, round)) if op is not None else None
+        if landing is not None and landing.torn is not None:
+            landing.mend()
+            self._release()
+
+    def _release(self) -> None:
+        if not any(landing.torn is not None for landing in self._landings.values()):
+            self._out += self._withheld
+            self._withheld.clear()
 
     def _forget(self, call: _Call) -> None:
         self._calls.pop(call.token, None)

@@ -1,0 +1,83 @@
+"""Where one peer's message to a persistent collective lands, frame by frame.
+
+Rules: this module keeps the bookkeeping of one message being received in pieces (the service
+splits a message into frames of ``chunk_size``; :meth:`Collective.landing` hands out a view per
+frame and :meth:`Collective.arrived` counts it in) and what happens to it when an in-place
+round's array is taken from under it (:meth:`Landing.move`).  It decides nothing about the
+schedule; :mod:`fabricd.engines.collectives.persistent` owns the landings and decides when
+they move.
+
+Theory of operation.  In place (docs/architecture.md, "In place for a node's only rank"), an
+allgather message lands straight in its chunk of the caller's array.  When the caller's call
+fails mid-round, the round goes on in a copy of the array (``Collective._detach``): every
+landing that points into the array is pointed at the same place in the copy (what landed so
+far was copied with the array).  One frame may be in flight at that instant -- its view was
+handed to the transport, which fills it over several reads -- and nothing can take that view
+back: its bytes still go to the caller's array.  That frame is *torn*: when it arrives its
+bytes are copied from the array into the copy (:meth:`Landing.mend`), and the collective holds
+the failure until then, so no byte lands in the array after the caller hears of the failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+def same(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
+    """Whether ``a`` and ``b`` are the very same elements (a copy between them is none)."""
+    return a.shape == b.shape and (not a.size or a.ctypes.data == b.ctypes.data)
+
+
+def moved(
+    part: np.ndarray[Any, Any], old: np.ndarray[Any, Any], new: np.ndarray[Any, Any]
+) -> np.ndarray[Any, Any] | None:
+    """``part`` of ``old`` as the same elements of ``new`` (a copy of ``old``); ``None``:
+    ``part`` is not in ``old`` (a buffer of the daemon's own)."""
+    if not part.size or not np.shares_memory(part, old):
+        return None
+    start = (part.ctypes.data - old.ctypes.data) // old.itemsize
+    return new[start : start + len(part)]
+
+
+@dataclass(slots=True, kw_only=True)
+class Landing:
+    """A message being received in frames: which recv, from which node, where, how much is in.
+
+    Frames of one message come in order on one link, so at most one is in flight: the bytes
+    ``[got, handed)`` of ``view``.
+    """
+
+    op: int
+    node: int  #: the sender (a torn frame from it never arrives once its links are reset)
+    view: memoryview
+    array: np.ndarray[Any, Any]  #: the same bytes as ``view``, as the collective's dtype
+    got: int = 0  #: bytes arrived
+    handed: int = 0  #: where the bytes handed out for landing end
+    #: the frame in flight when the landing moved (:meth:`move`): where it lands instead
+    torn: memoryview | None = None
+
+    def hand(self, offset: int, nbytes: int) -> memoryview:
+        """The view ``nbytes`` at ``offset`` land in (checked against ``view`` by the caller)."""
+        self.handed = max(self.handed, offset + nbytes)
+        return self.view[offset : offset + nbytes]
+
+    def move(self, old: np.ndarray[Any, Any], new: np.ndarray[Any, Any]) -> None:
+        """Point this landing at the same place in ``new``, a copy of ``old`` just taken, if
+        it lands in ``old``; a frame handed out and not yet arrived is torn (see the module
+        docstring)."""
+        array = moved(self.array, old, new)
+        if array is None:
+            return
+        if self.handed > self.got:
+            self.torn = self.view[self.got : self.handed]
+        self.array, self.view = array, array.data.cast("B")
+
+    def mend(self) -> None:
+        """The torn frame arrived (in the old place): copy its bytes to where the landing is
+        now."""
+        if self.torn is not None:
+            self.view[self.got : self.got + len(self.torn)] = self.torn
+            self.torn = None
