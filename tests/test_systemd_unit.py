@@ -221,6 +221,7 @@ def exposure(output: str) -> float:
         ("LockPersonality", "yes"),
         ("SystemCallArchitectures", "native"),
         ("MemoryDenyWriteExecute", "yes"),
+        ("OOMScoreAdjust", "-500"),
         ("ProtectKernelModules", "yes"),
         ("ProtectKernelTunables", "yes"),
         ("ProtectKernelLogs", "yes"),

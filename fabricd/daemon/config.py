@@ -73,6 +73,8 @@ class Config:
     receiver_initiated: bool = True
     ring_from_bytes: int = 2 * 1024 * 1024
     max_collectives_per_job: int = 1024
+    max_held_bytes_per_uid: int = 0
+    max_held_bytes_per_job: int = 0
     drain_timeout: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -155,6 +157,9 @@ class Config:
             raise ConfigError("ring_from_bytes must be >= 0 (0: ring allreduce at every size)")
         if self.max_collectives_per_job < 1:
             raise ConfigError("max_collectives_per_job must be at least 1")
+        for key in ("max_held_bytes_per_uid", "max_held_bytes_per_job"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0 bytes (0: a quarter of this node's memory)")
         if self.eager_credit > MAX_EAGER_CREDIT:
             raise ConfigError(
                 f"eager_credit must be at most {MAX_EAGER_CREDIT} bytes: eager messages travel "
@@ -320,3 +325,27 @@ def load(
     config = Config(**values)
     config.validate()
     return Loaded(config=config, sources=sources)
+
+
+def held_bytes_limits(cfg: Config) -> tuple[int, int]:
+    """The byte budgets in force: ``(per uid, per job)`` (:mod:`fabricd.engines.budget`).
+
+    A setting of 0 (the default) is a quarter of this node's physical memory: the daemon holds
+    what its tenants make it hold on behalf of every job on the node, and one uid (or job) left
+    to take more would make the kernel's OOM killer choose among processes -- likely the
+    daemon, whose memory then looks largest, which would end every tenant's jobs.  A quarter
+    leaves room for the training processes themselves and for a second tenant.
+    """
+    quarter = _physical_memory() // 4
+    return (
+        cfg.max_held_bytes_per_uid or quarter,
+        cfg.max_held_bytes_per_job or quarter,
+    )
+
+
+def _physical_memory() -> int:
+    """This node's RAM in bytes (1 GiB when the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 1 << 30

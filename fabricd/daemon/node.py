@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 from fabricd.daemon import access
+from fabricd.daemon.config import held_bytes_limits
 from fabricd.daemon.ipc_server import IpcConnection, IpcServer
 from fabricd.daemon.logs import RateLimitedLog, flush_all
 from fabricd.daemon.metrics import MetricsRegistry, NodeStats
@@ -48,6 +49,7 @@ from fabricd.daemon.services.ps import PSService
 from fabricd.daemon.services.stochastic import StochasticService
 from fabricd.daemon.sessions import ClientSession, request_id
 from fabricd.engines.actions import Failure
+from fabricd.engines.budget import ByteBudget
 from fabricd.engines.link.handshake import Channel
 from fabricd.errors import (
     ErrorCode,
@@ -165,21 +167,11 @@ class Daemon:
         self.sessions: dict[int, ClientSession] = {}
         #: every segment clients attached, with the caps on their count and mapped bytes
         self.segments = SegmentTable(SegmentLimits.from_config(cfg))
+        per_uid, per_job = held_bytes_limits(cfg)
+        #: what the daemon holds on each tenant's behalf, against its byte budgets
+        self.budget = ByteBudget(per_uid=per_uid, per_job=per_job, node=cfg.node_id)
         self.address = cfg.listen_address
-        self.peering = PeeringService(
-            self,
-            self.transport,
-            HandshakeSettings(
-                node=cfg.node_id,
-                incarnation=self._incarnation,
-                secret=cfg.read_secret(),
-                fabric_size=len(cfg.nodes),
-                data_integrity=cfg.data_integrity == "mac",
-                limits=Limits(
-                    max_meta=cfg.max_meta, max_payload=cfg.max_payload, kinds=_PEER_LIMIT_KINDS
-                ),
-            ),
-        )
+        self.peering = PeeringService(self, self.transport, self._handshake_settings(cfg))
         self.services: list[Service] = [self.peering, *services(self)]
         check_claims(self.services)
         self._by_kind = {kind: s for s in self.services for kind in s.kinds}
@@ -223,6 +215,19 @@ class Daemon:
         self.metrics = MetricsRegistry([DaemonCollector(self)])
         self.metrics_server = MetricsServer(self.metrics.exposition)
         self._metrics_error = ""
+
+    def _handshake_settings(self, cfg: Config) -> HandshakeSettings:
+        """What the peering service proves and checks in every handshake."""
+        return HandshakeSettings(
+            node=cfg.node_id,
+            incarnation=self._incarnation,
+            secret=cfg.read_secret(),
+            fabric_size=len(cfg.nodes),
+            data_integrity=cfg.data_integrity == "mac",
+            limits=Limits(
+                max_meta=cfg.max_meta, max_payload=cfg.max_payload, kinds=_PEER_LIMIT_KINDS
+            ),
+        )
 
     def service(self, name: str) -> Service:
         """The service called ``name`` (for status tools and tests).
@@ -707,7 +712,13 @@ class Daemon:
             status["metrics_error"] = self._metrics_error
         counters: dict[str, int] = self.ipc.counters()
         counters.update(self.segments.counters())
+        counters.update(self.budget_counters())
         status.update(self.segments.gauges())
+        status["held_bytes"] = [
+            {"uid": uid, "bytes": n} for uid, n in sorted(self.budget.held_by_uid().items())
+        ]
+        status["max_held_bytes_per_uid"] = self.budget.per_uid
+        status["max_held_bytes_per_job"] = self.budget.per_job
         for service in self.services:
             stats = dict(service.statistics())
             counters.update(stats.pop("counters", {}))
@@ -717,6 +728,10 @@ class Daemon:
         if asking is not None:
             access.redact(status, access.user_of(asking), self._ownership)
         return status
+
+    def budget_counters(self) -> dict[str, int]:
+        """Charges the byte budgets refused, by the setting that refused them."""
+        return {f"refused_{setting}": n for setting, n in self.budget.refused.items()}
 
     def _client_row(self, session: ClientSession) -> Meta:
         row = session.describe()

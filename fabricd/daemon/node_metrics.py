@@ -42,6 +42,7 @@ class DaemonCollector:
         yield from self._links()
         yield from self._refusals()
         yield from self._clients()
+        yield from self._budget()
         yield from self._services()
 
     def _identity(self) -> Iterator[Metric]:
@@ -189,10 +190,27 @@ class DaemonCollector:
             ),
         )
 
+    def _budget(self) -> Iterator[Metric]:
+        budget = self.daemon.budget
+        yield gauge(
+            "fabricd_held_bytes",
+            "Bytes the daemon holds on behalf of each uid's jobs, now.",
+            (({"uid": str(uid)}, n) for uid, n in sorted(budget.held_by_uid().items())),
+        )
+        yield gauge(
+            "fabricd_held_bytes_limit",
+            "The byte budgets: max_held_bytes_per_uid and max_held_bytes_per_job in force.",
+            [({"per": "uid"}, budget.per_uid), ({"per": "job"}, budget.per_job)],
+        )
+
     def _services(self) -> Iterator[Metric]:
         """Each service's own families, and every counter of ``status`` under one family."""
         d = self.daemon
-        every: dict[str, int] = {**d.ipc.counters(), **d.segments.counters()}
+        every: dict[str, int] = {
+            **d.ipc.counters(),
+            **d.segments.counters(),
+            **d.budget_counters(),
+        }
         families: dict[str, Metric] = {}  # two services may add samples to one family
         for service in d.services:
             try:

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from fabricd.daemon.logs import RateLimitedLog
+from fabricd.engines.budget import size_text as _size
 from fabricd.errors import ErrorCode, OperationFailed, UsageError
 from fabricd.shm import Segment
 
@@ -345,12 +346,3 @@ def _address_space() -> int:
             if line.rstrip().endswith(b"[stack]"):
                 top = int(line.split(b"-", 1)[1].split(b" ", 1)[0], 16)
     return 1 << top.bit_length() if top else 1 << 47
-
-
-def _size(n: int) -> str:
-    """``n`` bytes for a person: exact, in the largest binary unit that keeps it short."""
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            value = n / (1 << shift)
-            return f"{value:.4g} {unit}" if value != int(value) else f"{int(value)} {unit}"
-    return f"{n} B"

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from fabricd.daemon.config import Config
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.actions import Failure
+    from fabricd.engines.budget import ByteBudget
     from fabricd.engines.membership import RankEvent, Suspicion
     from fabricd.frames.registry import PayloadFrame, PeerFrame
     from fabricd.transports.base import Buffer, Link
@@ -67,6 +68,10 @@ class Host(Protocol):
     @property
     def config(self) -> Config:
         """The daemon's effective configuration."""
+
+    @property
+    def budget(self) -> ByteBudget:
+        """The byte budgets: charge what is held on a job's behalf before making it."""
 
     @property
     def draining(self) -> bool:

@@ -22,6 +22,7 @@ from fabricd.daemon.config import Config
 from fabricd.daemon.service import Request
 from fabricd.daemon.services.collectives import MAX_HELD_FRAMES, CollectiveService
 from fabricd.daemon.sessions import ClientSession
+from fabricd.engines.budget import ByteBudget
 from fabricd.engines.membership import NodeGone, RankEntry, RankJoined, RankLeft
 from fabricd.errors import OperationFailed, RemoteProtocolError, TransportError, UsageError
 from fabricd.frames import collectives as collectives_frames
@@ -90,6 +91,7 @@ class FakeHost:
     """What the service asks of the node, recorded."""
 
     config: Config
+    budget: ByteBudget = field(default_factory=lambda: ByteBudget(per_uid=1 << 62, per_job=1 << 62))
     draining: bool = False
     links: dict[int, Link] = field(default_factory=dict)
     answered: dict[int, Any] = field(default_factory=dict)

@@ -23,6 +23,7 @@ from fabricd.daemon.service import Request
 from fabricd.daemon.services.ps import PSService
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.actions import Failure
+from fabricd.engines.budget import ByteBudget
 from fabricd.engines.membership import (
     RankBack,
     RankEntry,
@@ -112,6 +113,7 @@ class FakeHost:
 
     config: Config
     wire: Wire
+    budget: ByteBudget = field(default_factory=lambda: ByteBudget(per_uid=1 << 62, per_job=1 << 62))
     draining: bool = False
     answered: dict[int, Any] = field(default_factory=dict)
     pushed: list[tuple[str, Meta]] = field(default_factory=list)

@@ -57,6 +57,7 @@ from fabricd.engines.collectives.persistent import (
     Spec,
     Transmit,
 )
+from fabricd.engines.collectives.spec import held_bytes, in_place
 from fabricd.engines.membership import NodeBack, NodeGone, RankJoined, RankLeft
 from fabricd.errors import (
     ErrorCode,
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
 
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.budget import Charge
     from fabricd.engines.collectives.persistent import Action
     from fabricd.engines.membership import Membership, RankEvent, Suspicion
     from fabricd.frames import registry
@@ -123,6 +125,7 @@ class CollectiveService(BaseService):
         self.membership = membership
         self.collectives: dict[Key, Collective] = {}
         self._specs: dict[Key, Meta] = {}  #: each collective's spec as its frames carry it
+        self._charges: dict[Key, Charge] = {}  #: what each collective holds, on the budget
         self.operations = OperationStats(self.name, kinds=["allreduce", "broadcast", "barrier"])
         self._open: OpenCalls[int] = OpenCalls(host, self.operations)  #: by token
         self._sessions: dict[str, set[ClientSession]] = {}  #: clients that called, per job
@@ -279,14 +282,20 @@ class CollectiveService(BaseService):
             direct = chosen is Algorithm.DIRECT
             ring = direct or chosen is Algorithm.RING
             spec = Spec(**{**spec.to_meta(), "ring": ring, "direct": direct})
-        coll = Collective(
-            spec,
-            job=job,
-            name=name,
-            node=self.host.config.node_id,
-            ranks=ranks,
-            live=self._live(job, len(ranks)),
-        )
+        charge = self._charge(key, spec, ranks)
+        try:
+            coll = Collective(
+                spec,
+                job=job,
+                name=name,
+                node=self.host.config.node_id,
+                ranks=ranks,
+                live=self._live(job, len(ranks)),
+            )
+        except BaseException:
+            charge.release()
+            raise
+        self._charges[key] = charge
         self.collectives[key] = coll
         self._specs[key] = coll.spec.to_meta()
         for node in coll.initial:  # a member already lost to this daemon
@@ -294,6 +303,21 @@ class CollectiveService(BaseService):
                 log.info("collective %r of job %r: node %d is not up", name, job, node)
         self._replay(key, now)
         return coll
+
+    def _charge(self, key: Key, spec: Spec, ranks: tuple[int, ...]) -> Charge:
+        """Charge the most ``key``'s collective will hold to its job's byte budget, before it
+        is built (:func:`~fabricd.engines.collectives.spec.held_bytes`).
+
+        Raises:
+            OperationFailed: code ``limit``: the job or its owner's uid would go over its budget.
+        """
+        job, name = key
+        node = self.host.config.node_id
+        inplace = Collective.IN_PLACE and in_place(spec, ranks.count(node))
+        nbytes = held_bytes(spec, len(set(ranks)), inplace=inplace)
+        owner = self.membership.owner(job)
+        what = f"{spec.describe()} {name!r} of job {job!r}"
+        return self.host.budget.charge(-1 if owner is None else owner, job, nbytes, what)
 
     # -- peers ------------------------------------------------------------------------------
     def payload_buffer(
@@ -491,6 +515,7 @@ class CollectiveService(BaseService):
         for key in [k for k in self.collectives if k[0] == job]:
             coll = self.collectives.pop(key)
             del self._specs[key]
+            self._charges.pop(key).release()
             failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
             for token in [t for t, c in self._open.items() if (job, c.name) == key]:
                 self._open.fail(token, failure)

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.budget import Charge
     from fabricd.engines.membership import Membership, RankEntry, RankEvent, Suspicion
     from fabricd.engines.ps.models import Action, Key
     from fabricd.frames import registry
@@ -96,6 +97,14 @@ class _Ranks:
 
     def reachable(self, node: int, /) -> bool:
         return node == self.host.config.node_id or self.host.data_link(node) is not None
+
+
+#: arrays of the model's size a worker holds (its pulled model, a filter's residual), and of
+#: its shard's size a server or replica holds (parameters, versions, the last published copy
+#: and a snapshot for a partner; lossless publishing one more), charged on the byte budget:
+#: bounds measured on the engine (tests/unit/test_budget.py)
+WORKER_COPIES: Final = 2
+SHARD_COPIES: Final = 5
 
 
 class PSService(BaseService):
@@ -133,6 +142,8 @@ class PSService(BaseService):
         self._caches: dict[tuple[Key, int], tuple[int, int, int]] = {}
         self._owners: dict[tuple[Key, int], ClientSession] = {}  #: local shards' processes
         self._steps: dict[tuple[Key, int], np.ndarray[Any, Any]] = {}  #: callback buffers
+        #: what each local worker and shard holds, on the byte budget
+        self._charges: dict[tuple[str, Key, int], Charge] = {}
         self._flushes: dict[int, _Flush] = {}
         self._flush_ids = itertools.count(1)
         #: payloads landing: (node, kind, job, name, shard, worker, n) -> buffer
@@ -203,8 +214,14 @@ class PSService(BaseService):
         settings = _settings(meta.get("filters"))
         if role == "worker":
             seed = get_int(meta, "seed")
-            self.engine.open_worker(key, spec, bounds, rank=rank, settings=settings, seed=seed)
+            charge = self._charge(key, spec, spec["size"], WORKER_COPIES, f"rank {rank}'s worker")
+            try:
+                self.engine.open_worker(key, spec, bounds, rank=rank, settings=settings, seed=seed)
+            except BaseException:
+                charge.release()
+                raise
             self._sessions[key, rank] = session
+            self._charges["worker", key, rank] = charge
             return opened
         shard = (servers if role == "server" else replicas).index(rank)
         if model is not None and shard in model.servers:
@@ -212,7 +229,9 @@ class PSService(BaseService):
         lo, hi = bounds[shard]
         initial = self._initial(request, spec, lo, hi)
         rule, step = self._rule(request, spec, hi - lo)
+        charge = self._charge(key, spec, hi - lo, SHARD_COPIES, f"shard {shard}")
         self._owners[key, shard] = session
+        self._charges["shard", key, shard] = charge
         if step is not None:
             self._steps[key, shard] = step
         actions = self.engine.open_shard(
@@ -228,6 +247,19 @@ class PSService(BaseService):
         )
         self._perform(actions)
         return {**opened, "shard": shard}
+
+    def _charge(self, key: Key, spec: Meta, count: int, copies: int, what: str) -> Charge:
+        """Charge ``copies`` arrays of ``count`` elements to the job's byte budget, before the
+        engine makes them.
+
+        Raises:
+            OperationFailed: code ``limit``: the job or its owner's uid would go over its budget.
+        """
+        job, name = key
+        owner = self.membership.owner(job)
+        nbytes = copies * count * np.dtype(spec["dtype"]).itemsize
+        what = f"{what} of parameter server {name!r} of job {job!r}"
+        return self.host.budget.charge(-1 if owner is None else owner, job, nbytes, what)
 
     def _rule(
         self, request: Request, spec: Meta, count: int
@@ -520,12 +552,14 @@ class PSService(BaseService):
             if call is not None:
                 self.operations.abandoned(call.op)
             self.status.retire(self.engine.close_worker(*place), None)
+            self._charges.pop(("worker", *place)).release()
         for op in [op for op, f in self._flushes.items() if f.session is session]:
             self.engine.drop_flush(self._flushes.pop(op).key, op)
         for place in [p for p, owner in self._owners.items() if owner is session]:
             del self._owners[place]
             self._steps.pop(place, None)
             self.status.retire(None, self.engine.close_shard(*place))
+            self._charges.pop(("shard", *place)).release()
 
     # -- time, the drain --------------------------------------------------------------------
     def next_deadline(self) -> float | None:

@@ -67,6 +67,7 @@ from fabricd.engines.stochastic.notify_ack import (
     SendSignal,
     SendUpdate,
     Sync,
+    update_size,
 )
 from fabricd.errors import ErrorCode, OperationFailed, RemoteProtocolError, UsageError
 from fabricd.frames import stochastic as stochastic_frames
@@ -81,6 +82,7 @@ if TYPE_CHECKING:
 
     from fabricd.daemon.service import Host, Request
     from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.budget import Charge
     from fabricd.engines.membership import Membership, RankEvent, Suspicion
     from fabricd.engines.stochastic.notify_ack import Action
     from fabricd.frames import registry
@@ -114,6 +116,7 @@ class StochasticService(BaseService):
         self.host = host
         self.membership = membership
         self.reducers: dict[RankKey, Reducer] = {}
+        self._charges: dict[RankKey, Charge] = {}  #: what each reducer holds, on the budget
         self._specs: dict[Key, Meta] = {}  #: each reduce's spec, as calls and frames carry it
         self._graphs: dict[Key, graphs.Graph] = {}
         self._broken: dict[Key, str] = {}  #: reduces whose ranks called them unlike each other
@@ -251,6 +254,7 @@ class StochasticService(BaseService):
                     code=ErrorCode.LIMIT,
                 )
         graph = self._graphs[key] if known is not None else _graph(spec)  # refused saying why
+        charge = self._charge(key, rank, spec, len(graph.in_neighbours[rank]))
         try:
             reducer = Reducer(
                 rank=rank,
@@ -260,6 +264,7 @@ class StochasticService(BaseService):
                 nbytes=spec["nbytes"],
             )
         except MemoryError:  # a slot per in-neighbour, each the model's size
+            charge.release()
             raise OperationFailed(
                 f"no memory for the {len(graph.in_neighbours[rank])} slots of "
                 f"{spec['nbytes']} B of rank {rank}'s stochastic reduce {key[1]!r}",
@@ -268,7 +273,26 @@ class StochasticService(BaseService):
         # kept only now: a spec refused above leaves nothing behind to break the reduce later
         self._specs[key], self._graphs[key] = spec, graph
         self.reducers[(*key, rank)] = reducer
+        self._charges[(*key, rank)] = charge
         return reducer
+
+    def _charge(self, key: Key, rank: int, spec: Meta, sources: int) -> Charge:
+        """Charge a reducer's slots (one update per in-neighbour, and its own) to the job's
+        byte budget before they are made.
+
+        Raises:
+            OperationFailed: code ``limit``: the job or its owner's uid would go over its budget.
+        """
+        job, name = key
+        owner = self.membership.owner(job)
+        nbytes = (sources + 1) * update_size(spec["nbytes"])
+        what = f"rank {rank}'s stochastic reduce {name!r} of job {job!r}"
+        return self.host.budget.charge(-1 if owner is None else owner, job, nbytes, what)
+
+    def _drop(self, rank_key: RankKey) -> Reducer:
+        """Take a reducer out, giving its bytes back to the budget."""
+        self._charges.pop(rank_key).release()
+        return self.reducers.pop(rank_key)
 
     def _too_big(self, nbytes: int) -> str | None:
         """Why a model of ``nbytes`` is refused, if it is: an UPDATE is never chunked, and one
@@ -293,7 +317,7 @@ class StochasticService(BaseService):
         log.warning("%s", message)
         self._broken[key] = message
         for rank_key in [k for k in self.reducers if k[:2] == key]:
-            self.reducers.pop(rank_key).close(message)
+            self._drop(rank_key).close(message)
             self._open.fail(rank_key, Failure(code=ErrorCode.USAGE, message=message))
 
     # -- peers ------------------------------------------------------------------------------
@@ -447,7 +471,7 @@ class StochasticService(BaseService):
         for rank_key in [k for k in self.reducers if k[0] == job and k[2] == rank]:
             reducer = self.reducers[rank_key]
             if reducer.sync is Sync.ASYNC:
-                del self.reducers[rank_key]
+                self._drop(rank_key)
             else:
                 reducer.close(
                     f"rank {rank} left job {job!r} ({reason}) after calling stochastic reduce "
@@ -467,7 +491,7 @@ class StochasticService(BaseService):
         suspicions (``RankGone``) at the latest when a claim brings the name back."""
         failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
         for rank_key in [k for k in self.reducers if k[0] == job]:
-            self.reducers.pop(rank_key).close(failure.message)
+            self._drop(rank_key).close(failure.message)
             self._open.fail(rank_key, failure)
         for table in (self._specs, self._graphs, self._broken):
             for key in [k for k in table if k[0] == job]:

@@ -105,6 +105,7 @@ from fabricd.engines.collectives.spec import (
     Settle,
     Spec,
     Transmit,
+    in_place,
     initiator,
 )
 from fabricd.engines.schedule import (
@@ -210,13 +211,7 @@ class Collective:
         self._elements = elements
         dtype = np.dtype(spec.dtype)
         #: the node's only rank's sync ring allreduce runs in that rank's array ("In place")
-        self.inplace = (
-            self.IN_PLACE
-            and spec.kind == "allreduce"
-            and not spec.partial
-            and spec.ring
-            and len(self.local) == 1
-        )
+        self.inplace = self.IN_PLACE and in_place(spec, len(self.local))
         #: in place, ``data`` is the round's caller's array and ``result`` the last one's
         self._idle = np.zeros(0, dtype)
         self.data = self._idle if self.inplace else np.zeros(elements, dtype)

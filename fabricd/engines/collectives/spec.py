@@ -102,6 +102,42 @@ class Spec:
 _DTYPES: Final = (*REDUCE_DTYPES, "uint8")
 
 
+def in_place(spec: Spec, local_ranks: int) -> bool:
+    """Whether a node with ``local_ranks`` ranks runs ``spec`` in its only rank's array: a sync
+    ring allreduce of a node's only rank (the engine's "In place")."""
+    return spec.kind == "allreduce" and not spec.partial and spec.ring and local_ranks == 1
+
+
+def held_bytes(spec: Spec, nodes: int, *, inplace: bool) -> int:
+    """The most bytes a node's collective of ``spec`` among ``nodes`` member nodes ever holds:
+    what the daemon's byte budget charges before building it (:mod:`fabricd.engines.budget`).
+
+    A bound, not the exact figure, so that it holds for every later view too (a node lost
+    makes the ring's chunks larger, never the sum of its slots).  With ``T`` the tensor's bytes
+    (partial modes carry one more element, the active count): ``data`` and ``result`` (none
+    in place, where they are the callers' arrays), partial modes' accumulator and snapshot,
+    and the landing slots, one per receive and per round parity: the ring's and the direct
+    exchange's receives of one round add up to under ``2T`` (in place only the
+    reduce-scatter's, under ``T``, one slot for both parities), recursive doubling's to at
+    most ``T`` per step (``ceil(log2 nodes)`` steps and two more for a size that is no power
+    of two), a broadcast's one message of ``T``; a barrier's messages are empty.
+    """
+    tensor = (spec.count + (1 if spec.partial else 0)) * np.dtype(spec.dtype).itemsize
+    own = (0 if inplace else 2) + (2 if spec.partial else 0)
+    match spec.kind:
+        case "barrier":
+            slots = 0
+        case "broadcast":
+            slots = 2
+        case _ if inplace:
+            slots = 1
+        case _ if spec.ring:
+            slots = 4
+        case _:
+            slots = 2 * ((nodes - 1).bit_length() + 2)
+    return tensor * (own + slots)
+
+
 def _fields(spec: Spec) -> dict[str, Any]:
     return {
         "kind": spec.kind,
