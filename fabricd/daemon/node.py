@@ -707,6 +707,7 @@ class Daemon:
             status["metrics_error"] = self._metrics_error
         counters: dict[str, int] = self.ipc.counters()
         counters.update(self.segments.counters())
+        counters.update(self.metrics_server.counters())
         status.update(self.segments.gauges())
         for service in self.services:
             stats = dict(service.statistics())

@@ -192,7 +192,11 @@ class DaemonCollector:
     def _services(self) -> Iterator[Metric]:
         """Each service's own families, and every counter of ``status`` under one family."""
         d = self.daemon
-        every: dict[str, int] = {**d.ipc.counters(), **d.segments.counters()}
+        every: dict[str, int] = {
+            **d.ipc.counters(),
+            **d.segments.counters(),
+            **d.metrics_server.counters(),
+        }
         families: dict[str, Metric] = {}  # two services may add samples to one family
         for service in d.services:
             try:
