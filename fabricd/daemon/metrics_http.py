@@ -6,17 +6,46 @@ is an asyncio protocol on the loop instead: a scrape reads the counters between 
 way ``status`` does, and costs the loop about a millisecond.
 
 What a scraper may do is bounded, since anyone who can reach the port can connect: a request
-head of at most 8 KiB, read within 5 s; 16 connections at once (more are closed at once);
-``Connection: close`` after each answer, which must be taken within another 5 s (a scraper
-that never reads it would otherwise hold its connection, its copy of the answer and one of the
-16 places for ever: closing a transport waits until what was written is sent).  Only
-``GET``/``HEAD`` of ``/metrics`` (and ``/``) are answered.  The address is
-``metrics_address``: 127.0.0.1 by default, never every interface unless the config says so.
+head of at most 8 KiB, read within 5 s; ``Connection: close`` after each answer, which must be
+taken within another 5 s (a scraper that never reads it would otherwise hold its connection,
+its copy of the answer and its place for ever: closing a transport waits until what was written
+is sent); and 16 connections at once.  Only ``GET``/``HEAD`` of ``/metrics`` (and ``/``) are
+answered.  The address is ``metrics_address``: 127.0.0.1 by default, never every interface
+unless the config says so.
+
+**When the 16 places are taken, the newcomer evicts someone** rather than being turned away.
+Turning newcomers away let any local user blind monitoring: 40 sockets that each send a byte a
+second and never finish their head kept the 16 places busy, and 2 of 50 scrapes got through.
+A scrape sends its whole head as soon as it connects (every Prometheus does), so the
+connections worth keeping are the ones that are already answering or that just arrived; a
+connection still dribbling its head after others came is the one to drop.  The victim is
+chosen by, in order:
+
+1. *the source address holding the most connections* (the newcomer counted): one address
+   churning through the places evicts its own, never a scraper from another address -- a
+   Prometheus elsewhere is safe from any single host, the node itself included;
+2. *no complete head yet* before answering: an answer being taken is kept while any
+   dribbling connection of that address remains;
+3. *the oldest* (by arrival): a prompt scraper is evicted only if 16 connections arrive
+   after it before its head is read, that is, a connect flood, not a slow client.
+
+Why not the others.  *Shorter deadlines* alone do not help: a slowloris reconnects when cut,
+and every deadline short enough to matter also cuts an honest scraper on a slow link (the
+5 s stay).  *Places per source address* alone do not help on the default address: every local
+user connects from 127.0.0.1, the local scraper too, so they share one quota; as the first
+rule above they cost nothing there and protect a scraper on another host.  *A Unix-socket
+endpoint* would keep other users out by file mode, but Prometheus cannot scrape one without a
+proxy; an operator who wants other local users off the TCP port entirely can match the owner
+uid in the firewall (docs/operations.md, "Metrics").  What eviction cannot stop is a connect
+flood fast enough to push 16 connections past a scrape in the moment before its head is read;
+that costs the daemon's loop its CPU on any port, and is a matter for the firewall.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import logging
 from typing import TYPE_CHECKING, Final, cast
 
@@ -30,7 +59,7 @@ log = logging.getLogger("fabricd.metrics")
 #: the most a request head may be, and how long it may take to arrive
 MAX_REQUEST: Final = 8192
 REQUEST_TIMEOUT: Final = 5.0
-#: scrapes served at once; more connections are closed on arrival
+#: connections held at once; a newcomer past it evicts one (:meth:`MetricsServer.victim`)
 MAX_CONNECTIONS: Final = 16
 #: the classic text format, which prometheus-client's ``generate_latest`` writes and every
 #: Prometheus reads
@@ -50,7 +79,10 @@ class MetricsServer:
         self._render = render
         self._server: asyncio.Server | None = None
         self._open: set[_Scrape] = set()
+        self._arrivals = itertools.count()
         self.address = ""  #: the bound ``host:port`` (the real port when 0 was asked for)
+        self.evicted = 0  #: connections closed to make room for a newcomer
+        self.timed_out = 0  #: connections closed at a deadline (head not sent, answer not taken)
 
     @property
     def connections(self) -> int:
@@ -89,12 +121,31 @@ class MetricsServer:
             scrape.cut()
         self.address = ""
 
-    def admit(self, scrape: _Scrape) -> bool:
-        """Take a new connection, unless ``MAX_CONNECTIONS`` are open."""
-        if len(self._open) >= MAX_CONNECTIONS:
-            return False
+    def counters(self) -> dict[str, int]:
+        """The endpoint's status counters (the node merges them into ``status``)."""
+        return {"metrics_evicted": self.evicted, "metrics_timed_out": self.timed_out}
+
+    def arrival(self) -> int:
+        """The next arrival's number: connections are ordered by it, oldest first."""
+        return next(self._arrivals)
+
+    def admit(self, scrape: _Scrape) -> None:
+        """Take a new connection, evicting :meth:`victim` first when ``MAX_CONNECTIONS`` are
+        open: a newcomer is never turned away (the module's docstring says why)."""
+        while len(self._open) >= MAX_CONNECTIONS:
+            victim = self.victim(scrape.source)
+            self._open.discard(victim)  # now: its connection_lost comes a turn later
+            victim.cut()
+            self.evicted += 1
         self._open.add(scrape)
-        return True
+
+    def victim(self, newcomer: str) -> _Scrape:
+        """The connection a newcomer from address ``newcomer`` evicts: of the address that
+        holds the most (the newcomer counted), one with no complete head before one answering,
+        the oldest first."""
+        held = collections.Counter(scrape.source for scrape in self._open)
+        held[newcomer] += 1
+        return min(self._open, key=lambda s: (-held[s.source], s.answering, s.arrival))
 
     def forget(self, scrape: _Scrape) -> None:
         self._open.discard(scrape)
@@ -128,14 +179,17 @@ class _Scrape(asyncio.Protocol):
         self._head = bytearray()
         self._transport: asyncio.Transport | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self.source = ""  #: the client's address (its host, without the port)
+        self.arrival = server.arrival()
+        self.answering = False  #: its head is complete and its answer written
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (uvloop's transports are not subclasses of asyncio.Transport, only alike)
         self._transport = cast("asyncio.Transport", transport)
-        if not self._server.admit(self):
-            transport.close()
-            return
-        self._deadline = asyncio.get_running_loop().call_later(REQUEST_TIMEOUT, self.cut)
+        peer = transport.get_extra_info("peername")
+        self.source = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        self._server.admit(self)
+        self._deadline = asyncio.get_running_loop().call_later(REQUEST_TIMEOUT, self.expire)
 
     def data_received(self, data: bytes) -> None:
         if self._transport is None or self._transport.is_closing():
@@ -150,15 +204,21 @@ class _Scrape(asyncio.Protocol):
             self.hang_up()
             return
         self._transport.write(self._server.answer(bytes(self._head[:end])))
+        self.answering = True
         if self._deadline is not None:  # the scraper must take the answer in time
             self._deadline.cancel()
-            self._deadline = asyncio.get_running_loop().call_later(REQUEST_TIMEOUT, self.cut)
+            self._deadline = asyncio.get_running_loop().call_later(REQUEST_TIMEOUT, self.expire)
         self.hang_up()  # close() sends what was written first
 
     def hang_up(self) -> None:
         """Close once what was written is sent."""
         if self._transport is not None:
             self._transport.close()
+
+    def expire(self) -> None:
+        """A deadline passed: the head was not sent, or the answer not taken, in time."""
+        self._server.timed_out += 1
+        self.cut()
 
     def cut(self) -> None:
         """Close now, dropping what was written and not sent."""

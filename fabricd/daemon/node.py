@@ -713,6 +713,7 @@ class Daemon:
         counters: dict[str, int] = self.ipc.counters()
         counters.update(self.segments.counters())
         counters.update(self.budget_counters())
+        counters.update(self.metrics_server.counters())
         status.update(self.segments.gauges())
         status["held_bytes"] = [
             {"uid": uid, "bytes": n} for uid, n in sorted(self.budget.held_by_uid().items())

@@ -210,6 +210,7 @@ class DaemonCollector:
             **d.ipc.counters(),
             **d.segments.counters(),
             **d.budget_counters(),
+            **d.metrics_server.counters(),
         }
         families: dict[str, Metric] = {}  # two services may add samples to one family
         for service in d.services:
