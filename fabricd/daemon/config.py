@@ -330,13 +330,15 @@ def load(
 def held_bytes_limits(cfg: Config) -> tuple[int, int]:
     """The byte budgets in force: ``(per uid, per job)`` (:mod:`fabricd.engines.budget`).
 
-    A setting of 0 (the default) is a quarter of this node's physical memory: the daemon holds
+    A setting of 0 (the default) is a quarter of the memory the daemon may use -- the node's
+    physical memory, or its cgroup's limit where that is lower (cgroup v2 ``memory.max``, or
+    v1 ``memory.limit_in_bytes``, of the cgroup it runs in): the daemon holds
     what its tenants make it hold on behalf of every job on the node, and one uid (or job) left
     to take more would make the kernel's OOM killer choose among processes -- likely the
     daemon, whose memory then looks largest, which would end every tenant's jobs.  A quarter
     leaves room for the training processes themselves and for a second tenant.
     """
-    quarter = _physical_memory() // 4
+    quarter = min(_physical_memory(), _cgroup_memory_limit()) // 4
     return (
         cfg.max_held_bytes_per_uid or quarter,
         cfg.max_held_bytes_per_job or quarter,
@@ -349,3 +351,33 @@ def _physical_memory() -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return 1 << 30
+
+
+def _cgroup_memory_limit(
+    proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> int:
+    """The memory limit of the cgroup this process runs in; a huge number when there is none
+    or it cannot be read (so the physical memory decides)."""
+    unlimited = 1 << 62
+    try:
+        with open(proc_cgroup) as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return unlimited
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: one hierarchy
+            candidates = [f"{root}{path.rstrip('/')}/memory.max"]
+        elif "memory" in controllers.split(","):  # cgroup v1: the memory controller's
+            candidates = [f"{root}/memory{path.rstrip('/')}/memory.limit_in_bytes"]
+        else:
+            continue
+        for candidate in candidates:
+            try:
+                with open(candidate) as fh:
+                    text = fh.read().strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                return min(unlimited, int(text))
+    return unlimited

@@ -10,13 +10,14 @@ its engine keeps after rounds of pushes and pulls.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabricd.daemon import config
 from fabricd.daemon.config import Config, held_bytes_limits
 from fabricd.daemon.services.ps import SHARD_COPIES, WORKER_COPIES
 from fabricd.engines.budget import PER_JOB, PER_UID, ByteBudget, size_text
@@ -25,6 +26,9 @@ from fabricd.engines.collectives.spec import Spec, held_bytes
 from fabricd.engines.ps.consistency import Consistency
 from fabricd.errors import ConfigError, ErrorCode, OperationFailed
 from tests.unit.ps_fabric import KEY, Fabric
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 MiB = 1 << 20
 
@@ -101,13 +105,30 @@ def test_sizes_read_for_a_person() -> None:
 
 
 # -- the settings --------------------------------------------------------------------------------
-def test_the_default_budgets_are_a_quarter_of_the_nodes_memory() -> None:
-    import os
-
-    quarter = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
-    assert held_bytes_limits(Config()) == (quarter, quarter)
+def test_the_default_budgets_are_a_quarter_of_the_memory_the_daemon_may_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(config, "_physical_memory", lambda: 64 << 30)
+    monkeypatch.setattr(config, "_cgroup_memory_limit", lambda: 1 << 62)
+    assert held_bytes_limits(Config()) == (16 << 30, 16 << 30)
+    monkeypatch.setattr(config, "_cgroup_memory_limit", lambda: 8 << 30)  # a tighter cgroup
+    assert held_bytes_limits(Config()) == (2 << 30, 2 << 30)
     set_here = Config(max_held_bytes_per_uid=5 * MiB, max_held_bytes_per_job=3 * MiB)
     assert held_bytes_limits(set_here) == (5 * MiB, 3 * MiB)
+
+
+def test_the_cgroup_limit_is_read_from_v2_and_v1(tmp_path: Path) -> None:
+    (tmp_path / "sys/svc").mkdir(parents=True)
+    (tmp_path / "sys/svc/memory.max").write_text("1073741824\n")
+    (tmp_path / "v2").write_text("0::/svc\n")
+    assert config._cgroup_memory_limit(str(tmp_path / "v2"), str(tmp_path / "sys")) == 1 << 30
+    (tmp_path / "sys/svc/memory.max").write_text("max\n")  # no limit
+    assert config._cgroup_memory_limit(str(tmp_path / "v2"), str(tmp_path / "sys")) == 1 << 62
+    (tmp_path / "sys/memory/job").mkdir(parents=True)
+    (tmp_path / "sys/memory/job/memory.limit_in_bytes").write_text("536870912\n")
+    (tmp_path / "v1").write_text("5:cpu,cpuacct:/\n4:memory:/job\n")
+    assert config._cgroup_memory_limit(str(tmp_path / "v1"), str(tmp_path / "sys")) == 1 << 29
+    assert config._cgroup_memory_limit(str(tmp_path / "none"), str(tmp_path)) == 1 << 62
 
 
 def test_a_negative_budget_is_refused_at_start() -> None:
@@ -204,8 +225,8 @@ def test_a_parameter_servers_charges_bound_what_its_engine_keeps(
         lossless=lossless,
     )
     for _ in range(4):
-        for worker in range(2):
-            fabric.step(worker)
+        for rank in range(2):
+            fabric.step(rank)
         fabric.drain()
     itemsize = 8  # the fabric's models are float64
     for node in fabric.nodes.values():
