@@ -99,12 +99,21 @@ class _Ranks:
         return node == self.host.config.node_id or self.host.data_link(node) is not None
 
 
-#: arrays of the model's size a worker holds (its pulled model, a filter's residual), and of
+#: arrays of the model's size a worker holds (its pulled model, a filter's residual, a push in
+#: flight, with its few per-shard versions), and of
 #: its shard's size a server or replica holds (parameters, versions, the last published copy
 #: and a snapshot for a partner; lossless publishing one more), charged on the byte budget:
 #: bounds measured on the engine (tests/unit/test_budget.py)
-WORKER_COPIES: Final = 2
+WORKER_COPIES: Final = 3
 SHARD_COPIES: Final = 5
+
+
+def shard_copies(spec: Meta) -> int:
+    """Shard-sized arrays a server or replica of ``spec`` may hold: :data:`SHARD_COPIES`, and
+    under BSP the pushes it holds until every worker pushed the iteration: at most two per
+    worker (a worker may push one iteration past the one not complete yet)."""
+    workers = spec["n"] - len(spec["servers"]) - len(spec["replicas"])
+    return SHARD_COPIES + (2 * workers if spec["consistency"] == "bsp" else 0)
 
 
 class PSService(BaseService):
@@ -229,7 +238,7 @@ class PSService(BaseService):
         lo, hi = bounds[shard]
         initial = self._initial(request, spec, lo, hi)
         rule, step = self._rule(request, spec, hi - lo)
-        charge = self._charge(key, spec, hi - lo, SHARD_COPIES, f"shard {shard}")
+        charge = self._charge(key, spec, hi - lo, shard_copies(spec), f"shard {shard}")
         self._owners[key, shard] = session
         self._charges["shard", key, shard] = charge
         if step is not None:
