@@ -137,3 +137,23 @@ def test_reduces_and_models_are_charged_too(make_cluster: Callable[..., LocalClu
             status = control.status()
         assert status["held_bytes"] == [{"uid": 0, "bytes": 5 * (COUNT // 8) * 4}]
         assert status["counters"]["refused_max_held_bytes_per_job"] == 2
+    with (  # a reduce that fits is charged, and given back with its job
+        fabricd.connect(job="fits", rank=0, size=2, socket_path=path) as a,
+        fabricd.connect(job="fits", rank=1, size=2, socket_path=path) as b,
+    ):
+        arrays = [fab.array("r", (COUNT // 8,), "float32") for fab in (a, b)]
+        calls = [
+            fab.stochastic_reduce_async(array, graph="ring", name="r")
+            for fab, array in zip((a, b), arrays, strict=True)
+        ]
+        for call in calls:
+            call.wait(30)
+        with fabricd.connect(socket_path=path) as control:
+            held = control.status()["held_bytes"]
+        assert held == [{"uid": 0, "bytes": 2 * 2 * ((COUNT // 8) * 4 + 16)}]  # 2 ranks x 2
+    with fabricd.connect(socket_path=path) as control:
+        for _ in range(100):
+            if not control.status()["held_bytes"]:
+                break
+            time.sleep(0.05)
+        assert control.status()["held_bytes"] == []

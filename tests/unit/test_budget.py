@@ -259,3 +259,43 @@ def _check_charges(fabric: Fabric, size: int) -> None:
             held = _arrays(server, set())
             assert 2 * (hi - lo) * itemsize <= held
             assert held <= shard_copies(fabric.spec) * (hi - lo) * itemsize
+
+
+# -- the services give back what they charged ------------------------------------------------
+def test_a_parameter_servers_shards_and_workers_give_their_bytes_back_when_they_close() -> None:
+    from tests.unit.test_ps_service_review import Fabric as Services
+
+    services = Services()
+    services.start()  # server and replica of one shard, two workers, on two nodes
+    held = [host.budget.held_by_uid() for host in services.hosts]
+    shard = 8 * 8  # SIZE float64, one shard
+    workers = 2
+    bsp = shard_copies({"n": 4, "servers": [0], "replicas": [1], "consistency": "bsp"}) * shard
+    assert held == [{1000: bsp + WORKER_COPIES * shard}] * 2  # each node: a shard and a worker
+    assert shard_copies({"n": 4, "servers": [0], "replicas": [1], "consistency": "async"}) == 5
+    assert bsp == (5 + 2 * workers) * shard
+    for rank in (2, 3, 0, 1):
+        services.leave(rank)
+    assert [host.budget.held_by_uid() for host in services.hosts] == [{}, {}]
+
+
+def test_a_shard_whose_open_fails_holds_nothing_and_may_open_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.unit.test_ps_service_review import Fabric as Services
+
+    services = Services()
+    services.join_all()
+    service, host = services.services[0], services.hosts[0]
+    real = service.engine.open_shard
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("no room for the shard")
+
+    monkeypatch.setattr(service.engine, "open_shard", failing)
+    with pytest.raises(MemoryError):
+        services.open(0, "server")
+    assert host.budget.held_by_uid() == {}
+    monkeypatch.setattr(service.engine, "open_shard", real)
+    assert services.open(0, "server") is not None  # not "open here already"
+    assert len(host.budget.held_by_uid()) == 1

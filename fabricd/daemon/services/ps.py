@@ -243,17 +243,23 @@ class PSService(BaseService):
         self._charges["shard", key, shard] = charge
         if step is not None:
             self._steps[key, shard] = step
-        actions = self.engine.open_shard(
-            key,
-            spec,
-            bounds,
-            rank=rank,
-            shard=shard,
-            initial=initial,
-            rule=rule,
-            settings=settings,
-            now=now,
-        )
+        try:
+            actions = self.engine.open_shard(
+                key,
+                spec,
+                bounds,
+                rank=rank,
+                shard=shard,
+                initial=initial,
+                rule=rule,
+                settings=settings,
+                now=now,
+            )
+        except BaseException:  # not open: nothing of it stays, its bytes included
+            del self._owners[key, shard]
+            self._steps.pop((key, shard), None)
+            self._charges.pop(("shard", key, shard)).release()
+            raise
         self._perform(actions)
         return {**opened, "shard": shard}
 
