@@ -31,7 +31,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
-from fabricd.daemon import access
+from fabricd.daemon import access, status_counters
 from fabricd.daemon.config import held_bytes_limits
 from fabricd.daemon.ipc_server import IpcConnection, IpcServer
 from fabricd.daemon.logs import RateLimitedLog, flush_all
@@ -710,10 +710,7 @@ class Daemon:
         }
         if self._metrics_error:
             status["metrics_error"] = self._metrics_error
-        counters: dict[str, int] = self.ipc.counters()
-        counters.update(self.segments.counters())
-        counters.update(self.budget_counters())
-        counters.update(self.metrics_server.counters())
+        parts = self.own_counters()
         status.update(self.segments.gauges())
         status["held_bytes"] = [
             {"uid": uid, "bytes": n} for uid, n in sorted(self.budget.held_by_uid().items())
@@ -722,13 +719,24 @@ class Daemon:
         status["max_held_bytes_per_job"] = self.budget.per_job
         for service in self.services:
             stats = dict(service.statistics())
-            counters.update(stats.pop("counters", {}))
+            parts.append(status_counters.service_counters(service, stats))
+            stats.pop("counters", None)
             status.update(stats)
-        status["counters"] = counters
+        status["counters"] = status_counters.merge(parts)  # summed by name: see its module
         status["metrics"] = self.metrics.snapshot()  # what the endpoint serves, as JSON
         if asking is not None:
             access.redact(status, access.user_of(asking), self._ownership)
         return status
+
+    def own_counters(self) -> list[dict[str, int]]:
+        """The node's own parts of the status counters (the services add theirs; merged by
+        :mod:`~fabricd.daemon.status_counters`, for ``status`` and the metrics alike)."""
+        return [
+            self.ipc.counters(),
+            self.segments.counters(),
+            self.budget_counters(),
+            self.metrics_server.counters(),
+        ]
 
     def budget_counters(self) -> dict[str, int]:
         """Charges the byte budgets refused, by the setting that refused them."""

@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from fabricd.daemon import status_counters
 from fabricd.daemon.metrics import counter, gauge, histogram
 from fabricd.engines.link.peers import PeerState
 from fabricd.frames.registry import PEER_KINDS
+from fabricd.wire import PROTOCOL_VERSION
 
 #: the peer frame kinds, in wire order
 PEER_KINDS_SORTED = sorted(PEER_KINDS)
@@ -47,8 +49,16 @@ class DaemonCollector:
 
     def _identity(self) -> Iterator[Metric]:
         d = self.daemon
-        labels = {"node": str(d.config.node_id), "transport": d.transport.name}
-        yield gauge("fabricd_info", "This daemon: its node id and transport.", [(labels, 1)])
+        labels = {
+            "node": str(d.config.node_id),
+            "transport": d.transport.name,
+            "version": str(PROTOCOL_VERSION),
+        }
+        yield gauge(
+            "fabricd_info",
+            "This daemon: its node id, transport and protocol version.",
+            [(labels, 1)],
+        )
         yield gauge(
             "fabricd_incarnation", "This daemon's incarnation (start, ns).", [({}, d.incarnation)]
         )
@@ -92,6 +102,17 @@ class DaemonCollector:
             "fabricd_peer_silent_seconds",
             "Seconds since the peer was last heard from.",
             (({"peer": str(p.node)}, p.silent_for) for p in infos if p.silent_for is not None),
+        )
+        yield gauge(
+            "fabricd_peer_state_seconds",
+            "Seconds the peer has been in its current state.",
+            (({"peer": str(p.node)}, p.state_for) for p in infos),
+        )
+        dials = self.daemon.peering.engine.statistics().dial_attempts
+        yield gauge(
+            "fabricd_peer_dial_failures",
+            "Dials of the peer that failed since the last one that succeeded.",
+            (({"peer": str(node)}, n) for node, n in sorted(dials.items())),
         )
 
     def _links(self) -> Iterator[Metric]:
@@ -206,12 +227,7 @@ class DaemonCollector:
     def _services(self) -> Iterator[Metric]:
         """Each service's own families, and every counter of ``status`` under one family."""
         d = self.daemon
-        every: dict[str, int] = {
-            **d.ipc.counters(),
-            **d.segments.counters(),
-            **d.budget_counters(),
-            **d.metrics_server.counters(),
-        }
+        parts = d.own_counters()
         families: dict[str, Metric] = {}  # two services may add samples to one family
         for service in d.services:
             try:
@@ -219,10 +235,11 @@ class DaemonCollector:
                     known = families.setdefault(family.name, family)
                     if known is not family:
                         known.samples.extend(family.samples)
-                every.update(service.statistics().get("counters", {}))
+                parts.append(status_counters.service_counters(service, service.statistics()))
             except Exception:  # a bug in one service must not cost the scrape the rest
                 log.exception("service %r failed in metrics (a bug); scrape goes on", service.name)
         yield from families.values()
+        every = status_counters.merge(parts)  # summed by name, as status does
         yield counter(
             "fabricd_status_counters",
             "Every counter fabricctl status shows, by its name there (the same numbers).",

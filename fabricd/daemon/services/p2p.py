@@ -361,6 +361,11 @@ class P2PService(BaseService):
             "The most the eager pool may hold: eager_credit for each peer.",
             [(labels, pool["eager_pool_limit"])],
         )
+        yield gauge(
+            "fabricd_unexpected_messages",
+            "Messages from peers (sends, RTS, EAGER) waiting for their receive, now.",
+            [(labels, pool["unexpected_messages"])],
+        )
 
     # -- performing the engine's actions ----------------------------------------------------
     def _perform(self, actions: Iterable[Action]) -> None:
