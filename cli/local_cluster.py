@@ -162,11 +162,15 @@ def local_cluster(
 
 
 def _announce_cluster(cluster: Any, as_json: bool) -> None:
+    from fabricd.daemon.launcher import cluster_name
+
+    name = cluster_name(cluster.directory)
     if as_json:
         for node in cluster.nodes:
             emit_json(
                 {
                     "node": node.node,
+                    "cluster": name,
                     "socket": node.socket_path,
                     "address": node.address,
                     "pid": node.pid,
@@ -176,8 +180,9 @@ def _announce_cluster(cluster: Any, as_json: bool) -> None:
             )
         sys.stdout.flush()
         return
+    size = len(cluster.nodes)
     table = folding_table(
-        f"local fabric of {len(cluster.nodes)} nodes (config {escape(str(cluster.config_path))})",
+        f"local cluster {name}: {size} nodes (config {escape(str(cluster.config_path))})",
         ("node", "address", "pid", "socket", "metrics"),
     )
     for node in cluster.nodes:
@@ -189,12 +194,20 @@ def _announce_cluster(cluster: Any, as_json: bool) -> None:
             Text(node.metrics_url or "-"),
         )
     console.print(table)
+    # every node's line, whole: a path folded onto two lines cannot be pasted
     console.print(
         "watch them with:  [bold]fabricctl top --all[/]\n"
-        "connect a client to node N with:  "
-        f"[bold]FABRICD_SOCKET={escape(cluster.nodes[0].socket_path)} RANK=0 WORLD_SIZE=…[/] "
-        "[bold]python train.py[/]\n"
+        "connect a client to a node with its socket; one rank per node:",
+        soft_wrap=True,
+    )
+    for node in cluster.nodes:
+        console.print(
+            f"  [bold]FABRICD_SOCKET={escape(node.socket_path)} RANK={node.node} "
+            f"WORLD_SIZE={size} python train.py[/]",
+            soft_wrap=True,
+        )
+    console.print(
         "Ctrl-C (or SIGTERM, or closing the terminal) stops every daemon and removes the "
         "temporary files.",
-        soft_wrap=True,  # a path folded onto two lines cannot be pasted
+        soft_wrap=True,
     )

@@ -83,7 +83,7 @@ def top(
     with _clients(paths, optional=len(socket_paths)) as clients:
         try:
             if once:
-                views = _sample_views(clients, interval, view, required)
+                views = _with_clusters(_sample_views(clients, interval, view, required))
                 if as_json:
                     emit_json({"daemons": views})
                 else:
@@ -97,7 +97,7 @@ def top(
                     if all(status is None for status in current):
                         raise FabricError("no daemon answers any more")
                     pairs = zip(previous, current, strict=True)
-                    views = [view(b, a, interval) for b, a in pairs if a is not None]
+                    views = _with_clusters([view(b, a, interval) for b, a in pairs if a])
                     live.update(_top_table(views), refresh=True)
                     previous = current
         except KeyboardInterrupt:
@@ -161,6 +161,15 @@ def _sample_views(
     return views
 
 
+def _with_clusters(views: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``views``, each with the local cluster its daemon belongs to (``cluster``: the name
+    ``local-cluster`` printed, None for a daemon of no local cluster): ``--all`` shows every
+    local cluster of the user, and each numbers its nodes from 0."""
+    from fabricd.daemon.launcher import cluster_name
+
+    return [{**v, "cluster": cluster_name(v["socket"]) if v.get("socket") else None} for v in views]
+
+
 def _seconds(value: float | None) -> str:
     if value is None:
         return "-"
@@ -168,17 +177,24 @@ def _seconds(value: float | None) -> str:
 
 
 def _top_table(views: list[dict[str, Any]]) -> Table:
-    columns = ("node", "clients", "pending", "ops/s", "p50", "p99", "peer", "sent/s", "recv/s")
-    table = folding_table("fabricd top", columns, right=columns[1:6] + columns[7:])
+    columns: tuple[str, ...] = ("node", "clients", "pending", "ops/s", "p50", "p99", "peer")
+    columns += ("sent/s", "recv/s")
+    clustered = any(v.get("cluster") for v in views)
+    if clustered:  # which local cluster a row is of: each numbers its nodes from 0
+        columns = ("cluster", *columns)
+    right = {"clients", "pending", "ops/s", "p50", "p99", "sent/s", "recv/s"}
+    table = folding_table("fabricd top", columns, right=right)
     fabric = None
     for v in views:
-        # daemons of one fabric share their socket's directory (local clusters); a line
-        # between fabrics, since each numbers its nodes from 0
+        # daemons of one fabric share their socket's directory (local clusters): a line
+        # between fabrics
         if fabric is not None and os.path.dirname(v.get("socket", "")) != fabric:
             table.add_section()
         fabric = os.path.dirname(v.get("socket", ""))
         node = str(v["node"]) if v["state"] == "serving" else f"{v['node']} {v['state']}"
         cells = [node, str(v["clients"]), str(v["pending_ops"]), figure(v["ops_per_second"])]
+        if clustered:
+            cells.insert(0, v.get("cluster") or "-")
         cells += [_seconds(v["latency_p50"]), _seconds(v["latency_p99"])]
         for i, peer in enumerate(v["peers"] or [None]):
             row = cells if i == 0 else [""] * len(cells)

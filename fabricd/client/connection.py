@@ -48,6 +48,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import os
 import select
 import socket
 import sys
@@ -59,6 +60,7 @@ from typing import TYPE_CHECKING, Final
 from fabricd.client import checks
 from fabricd.client.protocol import ClientProtocol, Event, Reply, State
 from fabricd.errors import DaemonUnavailable, Timeout
+from fabricd.ipc import socket_candidates
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -126,7 +128,7 @@ class Connection:
         raise DaemonUnavailable(
             f"no fabricd daemon answers on {' or '.join(tried)}. Start one with "
             f"`fabricd --config /etc/fabricd/fabricd.toml` (or `systemctl start fabricd`), or "
-            f"for development `fabricctl local-cluster 1`; set FABRICD_SOCKET to use another socket"
+            f"for development `fabricctl local-cluster 1`; {_where_else(paths)}"
         )
 
     @property
@@ -332,3 +334,24 @@ class Connection:
                 self._events.popleft()
                 self.events_dropped += 1
             self._events.append(item)
+
+
+def _where_else(paths: Sequence[str]) -> str:
+    """How to point the client at another socket, told by where ``paths`` came from.
+
+    Advice to set ``FABRICD_SOCKET`` is only right when nothing named a socket: when the
+    variable named it, it is set already (and names a socket where nothing answers); when
+    ``socket_path=`` (``--socket``) named it, the variable would not be read.
+    """
+    if tuple(paths) == socket_candidates():
+        return "set FABRICD_SOCKET (or --socket) to use another socket"
+    named = os.environ.get("FABRICD_SOCKET")
+    if named and list(paths) == [named]:
+        return (
+            "FABRICD_SOCKET names this socket: point it at a running daemon's socket, or unset "
+            f"it to try {' and '.join(socket_candidates())}"
+        )
+    return (
+        "this socket was named explicitly (socket_path=, --socket), which FABRICD_SOCKET does "
+        "not change: name a running daemon's socket"
+    )

@@ -324,7 +324,7 @@ class LocalCluster:
 #: what the name of every cluster's directory starts with, followed by
 #: ``<pid>-<start>-<pid namespace>-``
 DIRECTORY_PREFIX = "fabricd-cluster-"
-_DIRECTORY_NAME = re.compile(re.escape(DIRECTORY_PREFIX) + r"(\d+)-(\d+)-(\d+)-[^/]+")
+_DIRECTORY_NAME = re.compile(re.escape(DIRECTORY_PREFIX) + r"(\d+)-(\d+)-(\d+)-([^/]+)")
 
 
 def _directory_prefix() -> str:
@@ -431,6 +431,22 @@ def running_clusters(root: Path | None = None) -> list[list[str]]:
         if numbered:
             found.append([str(path) for _, path in sorted(numbered)])
     return found
+
+
+def cluster_name(path: str | os.PathLike[str]) -> str | None:
+    """The short name of the local cluster whose directory is ``path`` or holds it (a socket),
+    or None for a path of no local cluster.
+
+    The name is ``<launcher pid>-<suffix>``: the pid of the process that started the cluster
+    (``fabricctl local-cluster``: what stops it) and the directory's random suffix, which tells
+    apart clusters one process started.  ``fabricctl top --all`` shows it in its ``cluster``
+    column, and ``local-cluster`` says it when it starts.
+    """
+    for part in (Path(path), *Path(path).parents):
+        match = _DIRECTORY_NAME.fullmatch(part.name)
+        if match is not None:
+            return f"{match[1]}-{match[4]}"
+    return None
 
 
 def spawn_tied(command: list[str], **popen: Any) -> subprocess.Popen[bytes]:

@@ -22,6 +22,7 @@ from fabricd.daemon.launcher import (
     DIRECTORY_PREFIX,
     _directory_prefix,
     _pid_namespace,
+    cluster_name,
     remove_leftovers,
     running_clusters,
 )
@@ -166,3 +167,12 @@ def test_top_all_finds_the_sockets_of_running_clusters_only(tmp_path):
     elsewhere = _leftover(tmp_path, os.getpid(), 1, namespace=_pid_namespace() + 1)
     (elsewhere / "node0.sock").write_text("")
     assert running_clusters(tmp_path) == [[str(mine / f"node{i}.sock") for i in (0, 2, 10)]]
+
+
+def test_a_cluster_is_named_by_its_launcher_and_its_directory(tmp_path):
+    directory = tmp_path / (_directory_prefix() + "abc_12")
+    name = f"{os.getpid()}-abc_12"
+    assert cluster_name(directory) == name
+    assert cluster_name(str(directory / "node3.sock")) == name  # a socket of it
+    assert cluster_name(tmp_path / "node0.sock") is None  # a socket of no local cluster
+    assert cluster_name("/run/fabricd/fabricd.sock") is None
