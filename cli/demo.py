@@ -174,7 +174,14 @@ def demo(
 
 
 def _train_with_progress(settings: Settings, modes: list[Mode]) -> DemoResult:
-    """Run the demo with a progress bar per mode: steps, and rank 0's validation loss."""
+    """Run the demo with a progress bar per mode: steps, rank 0's validation loss, and the
+    mode's own time.
+
+    The time is the one rank 0 reports, counted from the mode's start barrier: the clock the
+    table's steps/s and time to target read.  (A bar's elapsed time counted from when the bar
+    was drawn, and every bar is drawn at the start: a later mode's time included the modes
+    before it.)
+    """
     from fabricd.demo import training
 
     columns = (
@@ -182,16 +189,22 @@ def _train_with_progress(settings: Settings, modes: list[Mode]) -> DemoResult:
         BarColumn(),
         TextColumn("{task.completed}/{task.total} steps"),
         TextColumn("validation loss {task.fields[loss]}"),
-        TimeElapsedColumn(),
+        TextColumn("{task.fields[seconds]}"),
     )
     with Progress(*columns, console=console) as progress:
-        tasks = {m: progress.add_task(m, total=settings.steps, loss="-") for m in modes}
+        tasks = {
+            m: progress.add_task(m, total=settings.steps, loss="-", seconds="waiting")
+            for m in modes
+        }
 
         def update(mode: Mode, report: Report) -> None:
-            step, _, value, _ = report
+            step, seconds, value, _ = report
             # a call that was behind may get a round past the last
             progress.update(
-                tasks[mode], completed=min(step + 1, settings.steps), loss=figure(value)
+                tasks[mode],
+                completed=min(step + 1, settings.steps),
+                loss=figure(value),
+                seconds=f"{seconds:.1f} s",
             )
 
         return training.run(settings, modes, progress=update)
@@ -224,6 +237,9 @@ def _print_training(result: DemoResult) -> None:
         "speedup: steps/s over sync's; active ranks: those whose fresh gradient was in the "
         "round, averaged over rank 0's allreduce calls"
     )
+    for mode in result.modes:
+        if mode.missed is not None:
+            console.print(f"[yellow]{mode.mode} did not reach the target:[/] {escape(mode.missed)}")
 
 
 def _ring_demo(nodes: int, size_mib: int, laps: int, as_json: bool) -> None:

@@ -4,24 +4,13 @@ waits for (the daemon's stall rows, joined with the peer node's liveness).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
+from rich.padding import Padding
 from rich.text import Text
 
-from fabricd.cli.common import (
-    ago,
-    connected,
-    console,
-    emit_json,
-    folding_table,
-    json_option,
-    size,
-    socket_option,
-)
-
-if TYPE_CHECKING:
-    from rich.table import Table
+from fabricd.cli.common import ago, connected, console, emit_json, json_option, size, socket_option
 
 
 @click.command()
@@ -39,29 +28,39 @@ def stalls(socket_path: str | None, as_json: bool) -> None:
     if not rows and not hidden:
         console.print(f"node {info['node']}: no operation pending longer than {after}")
         return
-    console.print(_stall_table(rows, f"stalled on node {info['node']} ({after})", hidden))
+    count = f"{len(rows)}, {hidden} hidden" if hidden else f"{len(rows)}"
+    console.print(f"stalled on node {info['node']} ({after}): {count}")
+    for row in rows:
+        for line in _stall_lines(row):
+            console.print(line)
     if left_out := info.get("left_out", 0):
         console.print(f"and {left_out} more, pending for less long: not listed")
 
 
-def _stall_table(rows: list[dict[str, Any]], title: str, hidden: int = 0) -> Table:
-    count = f"{len(rows)}, {hidden} hidden" if hidden else f"{len(rows)}"
-    columns = ("job", "rank", "op", "peer", "tag", "size", "pending", "waits", "peer node")
-    table = folding_table(f"{title}: {count}", (*columns, "what it waits for"), right=("size",))
-    for row in rows:
-        table.add_row(
-            Text(row["job"]),
-            str(row["rank"]),
-            row["kind"],
-            str(row["peer"]),
-            str(row["tag"]),
-            size(row["nbytes"]),
-            ago(row["pending_for"]),
-            row["waits"],
-            Text(_peer_node(row)),
-            Text(row["detail"]),
-        )
-    return table
+def _stall_lines(row: dict[str, Any]) -> list[Text | Padding]:
+    """One stalled operation for people: a line saying what is pending, whose and for how
+    long, then, indented, what it waits for and how the peer's node is.
+
+    The choice: lines, not a table.  As a table of ten columns, one operation folded into about
+    twenty lines at 80 columns, the explanation a few characters a line; as lines, it takes
+    three or four, and each folds between words.
+    """
+    what = Text(f"{row['kind']} of rank {row['rank']}")
+    if row["peer"] == "-":  # a collective or a reduce: named by its tag, no one peer rank
+        what.append(f", {row['tag']!r}")
+    else:
+        way = "to" if row["kind"] == "send" else "from"
+        what.append(f" {way} rank {row['peer']}, tag {row['tag']}")
+    what.append(f", job {row['job']!r}, {size(row['nbytes'])}, pending {ago(row['pending_for'])}")
+    if row.get("client_left"):
+        what.append(" (its client left)")
+    lines: list[Text | Padding] = [what]
+    lines.append(
+        Padding(Text(f"waits for {row['waits']}: {row['detail']}"), (0, 0, 0, 2), expand=False)
+    )
+    if row["peer"] != "-" or row.get("peer_node") is not None:
+        lines.append(Padding(Text(f"peer node: {_peer_node(row)}"), (0, 0, 0, 2), expand=False))
+    return lines
 
 
 def _peer_node(row: dict[str, Any]) -> str:

@@ -123,6 +123,8 @@ class ModeResult:
     mean_active: float  #: ``Result.active`` averaged over rank 0's allreduce calls
     #: ``(seconds, validation loss)``: before the first step, then after each of rank 0's calls
     history: list[tuple[float, float]] = field(default_factory=list)
+    #: why the validation loss did not reach the target (:func:`why_missed`); None if it did
+    missed: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -239,6 +241,7 @@ def summarize(mode: str, settings: Settings, reports: Sequence[Report]) -> ModeR
     history = [(seconds, value) for _, seconds, value, _ in reports]
     reached = next((s for s, value in history if value <= settings.target_loss), None)
     active = {seen: count for seen, _, _, count in reports[1:]}
+    mean_active = sum(active.values()) / len(active)
     seconds = reports[-1][1]
     return ModeResult(
         mode=mode,
@@ -248,9 +251,45 @@ def summarize(mode: str, settings: Settings, reports: Sequence[Report]) -> ModeR
         time_to_target=reached,
         initial_loss=history[0][1],
         final_loss=history[-1][1],
-        mean_active=sum(active.values()) / len(active),
+        mean_active=mean_active,
         history=history,
+        missed=None if reached is not None else why_missed(history, settings, mean_active),
     )
+
+
+#: a loss that changed less than this share over the last quarter of a run levelled off
+_LEVEL: Final = 0.05
+
+
+def why_missed(
+    history: Sequence[tuple[float, float]], settings: Settings, mean_active: float
+) -> str:
+    """Why a run's validation loss (``history``: (seconds, loss), the first before any step)
+    stayed above the target, as the curve shows it, and what to change.
+
+    The curve's last quarter tells the cases apart: still falling (the run was too short),
+    risen from its lowest (the step, or replicas that drifted, pushed it back up), or level (a
+    floor above the target: the learning rate and the fresh gradients per round set it).
+    """
+    target = settings.target_loss
+    final = history[-1][1]
+    if not math.isfinite(final):
+        return f"the loss diverged ({final}): a smaller learning rate"
+    quarter = history[max(0, len(history) - 1 - max(1, (len(history) - 1) // 4))][1]
+    lowest, when = min((value, seconds) for seconds, value in history)
+    above = f"{final:.3g}, above the target {target:.3g}"
+    if final < quarter * (1 - _LEVEL):
+        return (
+            f"still falling at the last step ({quarter:.3g} -> {final:.3g} over the last "
+            f"quarter of the steps): more --steps, or a larger --target"
+        )
+    if final > lowest * (1 + _LEVEL):
+        cause = "the step is too large"
+        if settings.ranks > mean_active:
+            cause += f", or the replicas drifted apart (--sync-every {settings.sync_every})"
+        return f"rose from its lowest, {lowest:.3g} at {when:.1f} s, to {above}: {cause}"
+    fresh = f"{mean_active:.3g} of {settings.ranks} ranks' gradients fresh per round"
+    return f"levelled off at {above}, with this learning rate and {fresh}"
 
 
 def _rank_main(
