@@ -45,6 +45,7 @@ def figures(backend: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)  # two runs of up to 100 s each (about 7 s each on a quiet machine)
 def test_both_backends_train_the_same_model_and_the_loss_falls():
     fabricd, gloo = figures("fabricd"), figures("gloo")
     for run in (fabricd, gloo):
