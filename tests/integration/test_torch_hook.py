@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-torch = pytest.importorskip(
-    "torch", reason="torch is not installed (the optional extra: pip install 'fabricd[torch]')"
-)
+# no importorskip: torch is in the test extra, so a missing torch is a broken test environment
+# that must fail, not a reason to pass with the hook untested
+import torch
 
-import fabricd  # noqa: E402  (after the skip: fabricd.torch needs torch)
-import fabricd.torch as fabtorch  # noqa: E402
+import fabricd
+import fabricd.torch as fabtorch
 
 RANKS = 2
 STEPS = 4
