@@ -113,6 +113,16 @@ class _Held:
     expires: float  #: dropped then if its collective still cannot be built (route_timeout)
 
 
+class _Stranger(Exception):
+    """A peer's frame for a collective of a job that peer hosts no rank of."""
+
+    def __init__(self, node: int, frame: collectives_frames.Coll) -> None:
+        super().__init__(
+            f"node {node} sent a frame of collective {frame.name!r} of job {frame.job!r}, "
+            "whose ranks it hosts none of: refused"
+        )
+
+
 class CollectiveService(BaseService):
     """Persistent collectives: sync, solo and majority allreduce, broadcast, barrier."""
 
@@ -140,6 +150,7 @@ class CollectiveService(BaseService):
             "bytes_sent": 0,
             "frames_held": 0,
             "frames_dropped": 0,  #: held past the bound, or for a collective that cannot be built
+            "frames_refused_not_member": 0,  #: from a node that hosts no rank of the job
             "rounds": 0,
         }
 
@@ -231,10 +242,16 @@ class CollectiveService(BaseService):
         return True
 
     def _disagree(self, key: Key, coll: Collective, spec: Spec, message: str) -> None:
-        """A local rank called ``key`` unlike the collective here: its rounds cannot complete
-        (that rank gives nothing), so it breaks here, and every member hears the call's spec in
-        a NOTICE frame, which disagrees with theirs and breaks it there too (else the ranks
-        that called it right would wait for this node for ever)."""
+        """``key`` was called (here, or by a peer whose frame says so) as ``spec``, unlike the
+        collective here: its rounds cannot complete, so it breaks here, and every member hears
+        of it, or the ranks on nodes that have not seen the other spec would wait for ever.
+
+        Each member gets two NOTICE frames, one with each spec: whichever side of the
+        difference a member is on, one of the two disagrees with its own and breaks it there
+        too, naming both (a single NOTICE with the other spec would leave the nodes that run
+        that spec waiting).  A broken collective sends no more, so the news spreads once per
+        node, never in a loop.
+        """
         if coll.broken is not None:
             return
         self._perform(key, coll.break_with(ErrorCode.USAGE, message))
@@ -246,6 +263,7 @@ class CollectiveService(BaseService):
         for node in coll.members:
             if node != coll.node:
                 self._transmit(key, replace(notice, node=node), spec=disagreeing)
+                self._transmit(key, replace(notice, node=node))
 
     def _ranks(self, job: str, size: int) -> tuple[int, ...] | None:
         """The node of every rank of ``job``, or ``None`` while one is unknown."""
@@ -324,7 +342,10 @@ class CollectiveService(BaseService):
         self, node: int, frame: registry.PayloadFrame, length: int
     ) -> memoryview | None:
         assert isinstance(frame, collectives_frames.Coll)
-        coll = self._collective(frame, node)
+        try:
+            coll = self._collective(frame, node)
+        except _Stranger:
+            return None  # read and dropped; on_data refuses the frame and counts it
         if coll is None:
             return memoryview(self._hold(node, frame, length).payload)
         view = coll.landing(
@@ -350,7 +371,12 @@ class CollectiveService(BaseService):
                 if key in self.collectives:  # built meanwhile: place it now
                     self._replay(key, now)
                 return
-        coll = self._collective(frame, node)
+        try:
+            coll = self._collective(frame, node)
+        except _Stranger as exc:
+            self._counters["frames_refused_not_member"] += 1
+            remote_log.warning("stranger", "%s", exc)
+            return
         if coll is None:
             self._hold(node, frame, 0).complete = True
             return
@@ -361,13 +387,17 @@ class CollectiveService(BaseService):
 
     def _collective(self, frame: collectives_frames.Coll, node: int) -> Collective | None:
         """The collective a peer's frame is for, built from its spec if every rank of its job
-        is known here; ``None``: not yet.
+        is known here; ``None``: not yet (the frame is held).
 
         Raises:
-            RemoteProtocolError: its spec is malformed, or disagrees with ours.
+            _Stranger: ``node`` hosts no rank of the job (as far as every rank of it is known
+                here): the frame is refused before anything is built or allocated for it.
+            RemoteProtocolError: its spec is malformed.
         """
         key = (frame.job, frame.name)
         coll = self.collectives.get(key)
+        if coll is not None and node not in coll.initial:
+            raise _Stranger(node, frame)
         if coll is not None and frame.spec == self._specs[key]:
             return coll  # every frame of a round: no need to parse the spec again
         spec = Spec.from_meta(frame.spec)
@@ -378,10 +408,12 @@ class CollectiveService(BaseService):
                     f"{spec.describe()}, this node as a {coll.spec.describe()}: every rank "
                     "must call a collective alike (and every daemon have one ring_from_bytes)"
                 )
-                self._perform(key, coll.break_with(ErrorCode.USAGE, message))
+                self._disagree(key, coll, spec, message)
             return coll
         size = self.membership.job_size(frame.job)
         ranks = self._ranks(frame.job, size) if size is not None else None
+        if ranks is not None and node not in ranks:
+            raise _Stranger(node, frame)
         if ranks is None or self.host.config.node_id not in ranks:
             return None
         nbytes = spec.count * ITEMSIZE[spec.dtype]
@@ -445,6 +477,10 @@ class CollectiveService(BaseService):
                 actions = coll.arrived(
                     item.node, frame.tag, frame.round, n, frame.lost, frame.base, now
                 )
+            except _Stranger as exc:
+                self._counters["frames_refused_not_member"] += 1
+                remote_log.warning("stranger", "%s", exc)
+                continue
             except RemoteProtocolError as exc:
                 self._counters["frames_dropped"] += 1
                 remote_log.warning(

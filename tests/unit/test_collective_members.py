@@ -1,0 +1,132 @@
+"""Any single hostile or disagreeing frame leaves no member's call hanging (issue 28, item 2).
+
+Real :class:`CollectiveService` instances, one per node, joined by a fake wire that delivers
+their COLL frames in an order hypothesis draws.  Into that traffic goes one frame a member would
+not send: from a node that hosts no rank of the job (refused, counted, nothing built: the calls
+complete as if it never came), or from a member with another spec (every member breaks, and
+every call not already complete fails with ``usage``, naming both specs).  Either way, once the
+wire is quiet every call of every rank is answered.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fabricd.daemon.config import Config
+from fabricd.daemon.services.collectives import CollectiveService
+from fabricd.engines.actions import Failure
+from fabricd.engines.membership import RankJoined
+from fabricd.frames import collectives as collectives_frames
+from tests.unit.test_collective_service_review import (
+    JOB,
+    NAME,
+    FakeHost,
+    Link,
+    Table,
+    array,
+    call,
+    client,
+)
+
+if TYPE_CHECKING:
+    from fabricd.wire import Kind, Meta
+
+NODES = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4")
+STRANGER = 3  #: a node of the fabric that hosts no rank of the job
+
+
+class Wire:
+    """Every frame sent, as (from, to, metadata, payload), until delivered."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[int, int, Meta, bytes]] = []
+
+    def link(self, src: int, dst: int) -> Link:
+        link = Link()
+        link.writable = True
+
+        def send_now(kind: Kind, meta: Meta, payload: list[memoryview]) -> bool:
+            self.frames.append((src, dst, meta, b"".join(bytes(p) for p in payload)))
+            return True
+
+        link.send_now = send_now  # type: ignore[method-assign]
+        return link
+
+
+def deliver(services: list[CollectiveService], src: int, dst: int, meta: Meta, data: bytes) -> None:
+    """A frame arrives as the node hands it over: its buffer, its bytes, then the frame."""
+    frame = collectives_frames.Coll.from_meta(meta)
+    svc = services[dst]
+    view = svc.payload_buffer(src, frame, len(data)) if data else None  # (as the framing does)
+    if view is not None:  # None: read and dropped
+        view[:] = data
+    svc.on_data(src, frame, len(data), 0.0)
+
+
+def spec(count: int) -> dict[str, Any]:
+    fields = {"kind": "allreduce", "count": count, "dtype": "float64", "op": "sum"}
+    return fields | {"mode": "sync", "root": 0, "ring": False, "direct": False}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    members=st.integers(2, 3),
+    hostile=st.sampled_from(["stranger", "disagreeing", "none"]),
+    count=st.integers(1, 9),
+    at=st.integers(0, 20),
+    order=st.lists(st.integers(0, 1000), max_size=200),
+)
+def test_one_bad_frame_leaves_no_call_hanging(
+    members: int, hostile: str, count: int, at: int, order: list[int]
+) -> None:
+    table = Table()
+    wire = Wire()
+    nodes = tuple(range(members))
+    services, hosts = [], []
+    for node in range(len(NODES)):
+        host = FakeHost(Config(node_id=node, nodes=NODES))
+        host.links = {peer: wire.link(node, peer) for peer in range(len(NODES)) if peer != node}
+        services.append(CollectiveService(host, membership=table))  # type: ignore[arg-type]
+        hosts.append(host)
+    for entry in table.join(JOB, members, nodes, owner=1000):  # every node hears the ranks
+        for svc in services:
+            svc.on_rank_event(RankJoined(entry=entry), 0.0)
+    sessions = [client(rank, members, [float(rank + 1)] * 4) for rank in nodes]
+    for rank in nodes:
+        call(services[rank], sessions[rank], 100 + rank)
+    if hostile != "none":
+        src = STRANGER if hostile == "stranger" else 1
+        dst = 0
+        bad_count = count if hostile == "stranger" or count != 4 else 5  # a member's differs
+        meta = collectives_frames.Coll(
+            job=JOB, name=NAME, round=0, tag=0, off=0, lost=(), base=0, spec=spec(bad_count)
+        ).to_meta()
+        wire.frames.insert(min(at, len(wire.frames)), (src, dst, meta, b"\0" * 8 * bad_count))
+    picks = iter(order)
+    for _ in range(10_000):
+        if not wire.frames:
+            break
+        src, dst, meta, data = wire.frames.pop(next(picks, 0) % len(wire.frames))
+        deliver(services, src, dst, meta, data)
+    assert not wire.frames, "the wire never went quiet"
+    answers = {rank: hosts[rank].answered.get(100 + rank) for rank in nodes}
+    assert all(answer is not None for answer in answers.values()), answers  # none hangs
+    if hostile == "disagreeing":  # (a round already complete where it ended stays so)
+        for answer in answers.values():
+            if isinstance(answer, Failure):
+                assert answer.code == "usage", answer
+                assert "of 4 float64" in answer.message, answer
+                assert f"of {bad_count} float64" in answer.message, answer
+        for rank in nodes:  # and every member knows: no later call waits for the others
+            (coll,) = services[rank].collectives.values()
+            assert coll.broken is not None, rank
+    else:  # a stranger's frame changes nothing: every call has the exact sum
+        total = sum(range(1, members + 1))
+        for rank in nodes:
+            assert all(array(sessions[rank]) == total), answers
+        if hostile == "stranger":
+            assert services[0]._counters["frames_refused_not_member"] == 1
+            assert [k for k in services[STRANGER].collectives] == []
