@@ -244,8 +244,8 @@ class Fabric:
             self.delivered += 1
             if frame.KIND in DATA_FRAMES and payload:
                 buffer = service.payload_buffer(src, frame, len(payload))  # type: ignore[arg-type]
-                assert buffer is not None
-                buffer[:] = payload
+                if buffer is not None:  # None: refused, read and dropped (as the node does)
+                    buffer[:] = payload
                 service.on_data(src, frame, len(payload), 0.0)  # type: ignore[arg-type]
             elif frame.KIND in DATA_FRAMES:
                 service.on_data(src, frame, 0, 0.0)  # type: ignore[arg-type]

@@ -521,6 +521,8 @@ class PSService(BaseService):
         assert isinstance(frame, ps_frames.Push | ps_frames.Pulled | ps_frames.Replicate)
         if length > self.host.config.max_payload:
             raise RemoteProtocolError(f"a {frame.KIND.name} of {length} B")
+        if not self.engine.may_send(node, frame):  # read and dropped; on_data counts it
+            return None
         buffer = bytearray(length)
         self._landing[_landing_key(node, frame)] = buffer
         return memoryview(buffer)

@@ -519,6 +519,19 @@ class PSNode:
                 return
             self._server(key, frame.shard, server.replicated_upto(frame.index, now))
 
+    def may_send(
+        self, node: int, frame: ps_frames.Push | ps_frames.Pulled | ps_frames.Replicate
+    ) -> bool:
+        """Whether ``node`` may be the sender of ``frame`` (the rule :meth:`on_frame` applies,
+        changing and counting nothing): asked before a payload is given a buffer, so that a
+        frame from a node its sender rank does not live on costs nothing; its :meth:`on_frame`
+        then drops it and counts it once."""
+        rank = frame.worker if isinstance(frame, ps_frames.Push) else frame.server
+        entry = self.ranks.lookup(frame.job, rank)
+        if isinstance(frame, ps_frames.Push):
+            return entry is None or entry.node == node
+        return entry is not None and entry.node == node
+
     def _sent_by(self, node: int, job: str, rank: int) -> bool:
         """Whether rank ``rank`` lives on ``node``, known there: a server's or replica's
         frame from anywhere else is dropped and counted.  One that overtook its rank's

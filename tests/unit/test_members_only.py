@@ -1,4 +1,5 @@
-"""Any single hostile or disagreeing frame leaves no member's call hanging (issue 28, item 2).
+"""Frames of a job only from its member nodes; any single hostile or disagreeing frame leaves
+no member's call hanging (issue 28, item 2).
 
 Real :class:`CollectiveService` instances, one per node, joined by a fake wire that delivers
 their COLL frames in an order hypothesis draws.  Into that traffic goes one frame a member would
@@ -130,3 +131,26 @@ def test_one_bad_frame_leaves_no_call_hanging(
         if hostile == "stranger":
             assert services[0]._counters["frames_refused_not_member"] == 1
             assert [k for k in services[STRANGER].collectives] == []
+
+
+def test_a_parameter_server_frame_from_a_node_its_sender_is_not_on_gets_no_buffer() -> None:
+    """A PUSH naming a worker of another node, and a PULLED naming a server of another node,
+    are read and dropped without a buffer, and counted once each."""
+    from fabricd.frames import ps as ps_frames
+    from tests.unit.test_ps_service_review import Fabric as PSFabric
+
+    fabric = PSFabric()
+    fabric.start()  # ranks 0 and 2 on node 0, 1 and 3 on node 1
+    svc = fabric.services[0]
+    before = svc.engine.counters["ps_frames_dropped"]
+    common = {"job": "j", "name": "w", "shard": 0, "worker": 2}
+    push = ps_frames.Push(
+        **common, server=0, iteration=0, base=0, epoch=0, spec={}
+    )  # worker 2 lives on node 0, not node 1
+    assert svc.payload_buffer(1, push, 64) is None
+    svc.on_data(1, push, 64, 0.0)
+    pulled = ps_frames.Pulled(**common, server=0, clock=0, version=0, epoch=0)
+    # (server 0 lives on node 0: node 1 cannot send as it)
+    assert svc.payload_buffer(1, pulled, 64) is None
+    svc.on_data(1, pulled, 64, 0.0)
+    assert svc.engine.counters["ps_frames_dropped"] == before + 2
