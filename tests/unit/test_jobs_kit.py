@@ -30,6 +30,7 @@ class Call:
 
     request: Request
     deadline: float
+    name: str = "n"
 
 
 def host(**settings: object) -> FakeHost:
@@ -90,8 +91,9 @@ def test_a_client_waits_at_most_max_ops_per_client_calls() -> None:
 
 
 def test_a_retry_takes_the_jobs_ready_calls_keeps_the_rest_and_fails_the_refused() -> None:
-    fake = host()
-    calls = kit(fake)
+    fake, table = host(), Table()
+    table.join("j", 3, (0, 0, 1), owner=1000)  # every rank of the job is known
+    calls = kit(fake, table)
     for rid, job in ((1, "j"), (2, "j"), (3, "k"), (4, "j")):
         calls.add(waiting(session(job=job), rid))
     tried: list[int] = []

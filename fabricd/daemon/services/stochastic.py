@@ -47,6 +47,7 @@ from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.jobs import (
+    ByJob,
     OpenCall,
     OpenCalls,
     WaitingForRanks,
@@ -116,6 +117,8 @@ class StochasticService(BaseService):
         self.host = host
         self.membership = membership
         self.reducers: dict[RankKey, Reducer] = {}
+        self._reducers_of: ByJob[RankKey] = ByJob()  #: so a rank's news touches its job's only
+        self._names: ByJob[Key] = ByJob()  #: the reduces (keys of ``_specs``) of each job
         self._charges: dict[RankKey, Charge] = {}  #: what each reducer holds, on the budget
         self._specs: dict[Key, Meta] = {}  #: each reduce's spec, as calls and frames carry it
         self._graphs: dict[Key, graphs.Graph] = {}
@@ -148,9 +151,7 @@ class StochasticService(BaseService):
             raise UsageError("connect with a job (fabricd.connect(job=...)) before reducing")
         spec, array, name = self._parse(request)
         key = (session.job, name, session.rank)
-        if key in self._open or any(
-            w.request.session is session and w.name == name for w in self._waiting
-        ):
+        if key in self._open or self._waiting.has(session, name):
             raise UsageError(
                 f"rank {session.rank} already has a call of stochastic reduce {name!r} open: "
                 "wait for it before the next"
@@ -244,7 +245,7 @@ class StochasticService(BaseService):
         if reducer is not None:
             return reducer
         if known is None:
-            names = sum(1 for k in self._specs if k[0] == key[0])
+            names = self._names.count(key[0])
             if names >= self.host.config.max_collectives_per_job:
                 raise OperationFailed(
                     f"job {key[0]!r} has {names} stochastic reduces on node "
@@ -272,7 +273,9 @@ class StochasticService(BaseService):
             ) from None
         # kept only now: a spec refused above leaves nothing behind to break the reduce later
         self._specs[key], self._graphs[key] = spec, graph
+        self._names.add(key[0], key)
         self.reducers[(*key, rank)] = reducer
+        self._reducers_of.add(key[0], (*key, rank))
         self._charges[(*key, rank)] = charge
         return reducer
 
@@ -292,6 +295,7 @@ class StochasticService(BaseService):
     def _drop(self, rank_key: RankKey) -> Reducer:
         """Take a reducer out, giving its bytes back to the budget."""
         self._charges.pop(rank_key).release()
+        self._reducers_of.discard(rank_key[0], rank_key)
         return self.reducers.pop(rank_key)
 
     def _too_big(self, nbytes: int) -> str | None:
@@ -316,7 +320,7 @@ class StochasticService(BaseService):
         )
         log.warning("%s", message)
         self._broken[key] = message
-        for rank_key in [k for k in self.reducers if k[:2] == key]:
+        for rank_key in [k for k in self._reducers_of.of(key[0]) if k[1] == key[1]]:
             self._drop(rank_key).close(message)
             self._open.fail(rank_key, Failure(code=ErrorCode.USAGE, message=message))
 
@@ -439,9 +443,8 @@ class StochasticService(BaseService):
                 self._forget_job(job)
             return
         assert isinstance(event, RankJoined)
-        for rank_key, reducer in self.reducers.items():
-            if rank_key[0] == job:
-                reducer.rejoined(rank)
+        for rank_key in self._reducers_of.of(job):
+            self.reducers[rank_key].rejoined(rank)
         self._waiting.retry(job, lambda item: self._try(item, now))
 
     def on_suspicion(self, event: Suspicion, now: float) -> None:
@@ -450,12 +453,12 @@ class StochasticService(BaseService):
         :meth:`~fabricd.engines.stochastic.notify_ack.Reducer.resume`), or lose it (gone)."""
         match event:
             case RankSuspected(entry=entry):
-                for rank_key, reducer in self.reducers.items():
-                    if rank_key[0] == entry.job:
-                        reducer.interrupted(entry.rank)
+                for rank_key in self._reducers_of.of(entry.job):
+                    self.reducers[rank_key].interrupted(entry.rank)
             case RankBack(entry=entry):
-                for rank_key, reducer in list(self.reducers.items()):
-                    if rank_key[0] == entry.job:
+                for rank_key in self._reducers_of.of(entry.job):
+                    reducer = self.reducers.get(rank_key)
+                    if reducer is not None:
                         self._perform(rank_key[:2], rank_key[2], reducer.resume(entry.rank))
             case RankGone(entry=entry, reason=reason):
                 self._lose(entry.job, entry.rank, reason, now)
@@ -468,7 +471,7 @@ class StochasticService(BaseService):
         ``async`` the reducer goes (nobody dropped it: a new trainer starts it afresh, its
         versions from 1 again, as the neighbours expect); otherwise every later call fails,
         saying why."""
-        for rank_key in [k for k in self.reducers if k[0] == job and k[2] == rank]:
+        for rank_key in [k for k in self._reducers_of.of(job) if k[2] == rank]:
             reducer = self.reducers[rank_key]
             if reducer.sync is Sync.ASYNC:
                 self._drop(rank_key)
@@ -480,8 +483,9 @@ class StochasticService(BaseService):
                 )
 
     def _lose(self, job: str, rank: int, reason: str, now: float) -> None:
-        for rank_key, reducer in list(self.reducers.items()):
-            if rank_key[0] == job:
+        for rank_key in self._reducers_of.of(job):
+            reducer = self.reducers.get(rank_key)
+            if reducer is not None:
                 self._perform(rank_key[:2], rank_key[2], reducer.lose(rank, reason, now))
 
     def _forget_job(self, job: str) -> None:
@@ -490,12 +494,13 @@ class StochasticService(BaseService):
         so none is of use even while a remote rank of it is suspected: membership ends those
         suspicions (``RankGone``) at the latest when a claim brings the name back."""
         failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
-        for rank_key in [k for k in self.reducers if k[0] == job]:
+        for rank_key in self._reducers_of.of(job):
             self._drop(rank_key).close(failure.message)
             self._open.fail(rank_key, failure)
-        for table in (self._specs, self._graphs, self._broken):
-            for key in [k for k in table if k[0] == job]:
-                del table[key]
+        for key in self._names.of(job):  # a broken reduce was called: its spec is kept too
+            self._names.discard(job, key)
+            for table in (self._specs, self._graphs, self._broken):
+                table.pop(key, None)
         self._sessions.pop(job, None)
 
     # -- sending ----------------------------------------------------------------------------
