@@ -91,17 +91,22 @@ remote_log = RateLimitedLog(log)
 #: peers' frames held for collectives not built here yet (their job's ranks not all known)
 MAX_HELD_BYTES: Final = 64 * 1024 * 1024
 MAX_HELD_FRAMES: Final = 4096
+#: distinct specs shared by waiting calls (one object for the 30 calls of a name, not 30: see
+#: :class:`~fabricd.daemon.services.jobs.Waits`); past it the pool starts afresh
+_SPECS_SHARED: Final = 1024
 
 Key = tuple[str, str]  #: (job, collective name)
 
 
 @dataclass(slots=True, kw_only=True)
 class _Waiting:
-    """A call that waits for every rank of its job to be known."""
+    """A call that waits for every rank of its job to be known (plain fields: see
+    :class:`~fabricd.daemon.services.jobs.Waits`)."""
 
-    request: Request
+    session: ClientSession
+    request_id: int
     spec: Spec
-    array: np.ndarray[Any, Any] | None
+    region: tuple[int, int, int] | None  #: its array's (seg, off, nbytes); ``None``: a barrier
     name: str
     deadline: float
 
@@ -138,6 +143,7 @@ class CollectiveService(BaseService):
         self._by_job: ByJob[Key] = ByJob()  #: the collectives of each job
         self._due: Deadlines[Key] = Deadlines()  #: the collectives' deadlines (a sync round's)
         self._held = HeldFrames()  #: peers' frames for collectives not built yet
+        self._shared: dict[Spec, Spec] = {}  #: the specs waiting calls share
         self._tokens = 0
         self._frames = DataQueues(host, Kind.COLL, sent=self._count_sent)
         self._counters = {
@@ -159,14 +165,21 @@ class CollectiveService(BaseService):
             raise UsageError("connect with a job (fabricd.connect(job=...)) before collectives")
         spec, array, name = self._parse(request)
         waiting = _Waiting(
-            request=request,
-            spec=spec,
-            array=array,
+            session=session,
+            request_id=request.id,
+            spec=self._share(spec),
+            region=None if array is None else _region(request.meta),
             name=name,
             deadline=now + self.host.config.route_timeout,
         )
-        if not self._try(waiting, now):
-            self._waiting.add(waiting)
+        if not self._try(waiting, now, array):
+            self._waiting.add(waiting)  # its array is viewed again when it runs
+
+    def _share(self, spec: Spec) -> Spec:
+        """One object for equal specs: a waiting call holds no object of its own but itself."""
+        if len(self._shared) >= _SPECS_SHARED and spec not in self._shared:
+            self._shared.clear()
+        return self._shared.setdefault(spec, spec)
 
     def _parse(self, request: Request) -> tuple[Spec, np.ndarray[Any, Any] | None, str]:
         meta, session = request.meta, request.session
@@ -198,17 +211,27 @@ class CollectiveService(BaseService):
         spec.check()
         return spec, array, name
 
-    def _try(self, waiting: _Waiting, now: float) -> bool:
+    def _try(
+        self, waiting: _Waiting, now: float, array: np.ndarray[Any, Any] | None = None
+    ) -> bool:
         """Hand the call to its collective, building it if every rank is known; ``False``:
-        it must wait for the job's ranks."""
-        request, session = waiting.request, waiting.request.session
+        it must wait for the job's ranks.  ``array``: the call's, if viewed already.
+
+        Raises:
+            UsageError: its segment is gone (detached while the call waited).
+        """
+        session = waiting.session
         assert session.job is not None
         key = (session.job, waiting.name)
         coll = self.collectives.get(key)
+        ranks = self._ranks(session.job, session.size) if coll is None else None
+        if coll is None and ranks is None:
+            return False
+        if array is None and waiting.region is not None:
+            seg, off, nbytes = waiting.region
+            array = np.frombuffer(session.segment(seg).view(off, nbytes), waiting.spec.dtype)
         if coll is None:
-            ranks = self._ranks(session.job, session.size)
-            if ranks is None:
-                return False
+            assert ranks is not None
             coll = self._build(key, waiting.spec, ranks, now, choose=True)
         elif not coll.spec.same_call(waiting.spec):
             message = (
@@ -220,11 +243,11 @@ class CollectiveService(BaseService):
             raise UsageError(message)
         self._tokens += 1
         token = self._tokens
-        actions = coll.call(session.rank, token, waiting.array, now)
-        nbytes = 0 if waiting.array is None else waiting.array.nbytes
+        actions = coll.call(session.rank, token, array, now)
+        nbytes = 0 if array is None else array.nbytes
         call = OpenCall(
             session=session,
-            request=request.id,
+            request=waiting.request_id,
             kind=waiting.spec.kind,
             name=waiting.name,
             started=now,
@@ -765,6 +788,11 @@ class CollectiveService(BaseService):
             "Bytes of peers' frames held for collectives not built here yet",
             [(labels, self._held.bytes)],
         )
+
+
+def _region(meta: Meta) -> tuple[int, int, int]:
+    """A request's array, as (segment, offset, bytes): checked by its parse already."""
+    return get_int(meta, "seg"), get_int(meta, "off"), get_int(meta, "nbytes")
 
 
 def _algorithm(spec: Spec) -> str:

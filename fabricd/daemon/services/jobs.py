@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, ItemsView, Iterator
 
     from fabricd.daemon.metrics import OperationStats
-    from fabricd.daemon.service import Host, Request
+    from fabricd.daemon.service import Host
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.membership import Membership
     from fabricd.wire import Meta
@@ -65,11 +65,17 @@ def _waited_too_long(
 
 
 class Waits(Protocol):
-    """A call that waits for its job's ranks: its request, its name, and when it stops
-    waiting."""
+    """A call that waits for its job's ranks: whose, which request, its name, and when it stops
+    waiting.  Services keep it in a few plain fields (no request object, no view of a segment:
+    its array is viewed again when the call runs), so that 10^5 of them add few objects for the
+    garbage collector to walk: each full collection walks every one, and the review measured
+    pauses of 70 ms with six objects per waiting call."""
 
     @property
-    def request(self) -> Request: ...
+    def session(self) -> ClientSession: ...
+
+    @property
+    def request_id(self) -> int: ...
 
     @property
     def name(self) -> str: ...
@@ -155,7 +161,7 @@ class WaitingForRanks(Generic[W]):
             OperationFailed: its client already has ``max_ops_per_client`` calls waiting, or
                 the uid that owns its job ``max_waiting_calls_per_uid`` (``limit``).
         """
-        session = item.request.session
+        session = item.session
         config = self.host.config
         held = self.count(session)
         if held >= config.max_ops_per_client:
@@ -181,7 +187,7 @@ class WaitingForRanks(Generic[W]):
 
     def _put(self, item: W, uid: int) -> None:
         number = next(self._numbers)
-        session = item.request.session
+        session = item.session
         self._items[number] = item
         self._deadlines.set(number, item.deadline)
         self._by_job.setdefault(str(session.job), {})[number] = None
@@ -195,7 +201,7 @@ class WaitingForRanks(Generic[W]):
         """Remove call ``number`` from every table."""
         item = self._items.pop(number)
         self._deadlines.cancel(number)
-        session = item.request.session
+        session = item.session
         job = str(session.job)
         numbers = self._by_job[job]
         del numbers[number]
@@ -266,7 +272,7 @@ class WaitingForRanks(Generic[W]):
         timer runs again at once, after reading what came meanwhile)."""
         for number in self._deadlines.pop_due(now, EXPIRE_PER_TICK):
             item = self._take(number)
-            session = item.request.session
+            session = item.session
             failure = _waited_too_long(
                 self.describe(item),
                 str(session.job),
@@ -282,7 +288,7 @@ class WaitingForRanks(Generic[W]):
             self._fail(self._take(number), failure)
 
     def _fail(self, item: W, failure: Failure) -> None:
-        self.host.fail(item.request.session, item.request.id, failure)
+        self.host.fail(item.session, item.request_id, failure)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -97,11 +97,13 @@ RankKey = tuple[str, str, int]  #: (job, reduce name, rank)
 
 @dataclass(slots=True, kw_only=True)
 class _Waiting:
-    """A call that waits for every rank of its job to be known."""
+    """A call that waits for every rank of its job to be known (plain fields: see
+    :class:`~fabricd.daemon.services.jobs.Waits`)."""
 
-    request: Request
+    session: ClientSession
+    request_id: int
     spec: Meta
-    array: np.ndarray[Any, Any]
+    region: tuple[int, int]  #: its array's (seg, off); its bytes are the spec's
     name: str
     deadline: float
 
@@ -157,14 +159,15 @@ class StochasticService(BaseService):
                 "wait for it before the next"
             )
         waiting = _Waiting(
-            request=request,
+            session=session,
+            request_id=request.id,
             spec=spec,
-            array=array,
+            region=(get_int(request.meta, "seg"), get_int(request.meta, "off")),
             name=name,
             deadline=now + self.host.config.route_timeout,
         )
-        if not self._try(waiting, now):
-            self._waiting.add(waiting)
+        if not self._try(waiting, now, array):
+            self._waiting.add(waiting)  # its array is viewed again when it runs
 
     def _parse(self, request: Request) -> tuple[Meta, np.ndarray[Any, Any], str]:
         meta, session = request.meta, request.session
@@ -199,31 +202,41 @@ class StochasticService(BaseService):
         region = session.segment(get_int(meta, "seg")).view(get_int(meta, "off"), nbytes)
         return spec, np.frombuffer(region, dtype=dtype), name
 
-    def _try(self, waiting: _Waiting, now: float) -> bool:
+    def _try(
+        self, waiting: _Waiting, now: float, array: np.ndarray[Any, Any] | None = None
+    ) -> bool:
         """Hand the call to its reducer, once every rank of its job is known if the reducer is
-        new; ``False``: it must wait for them."""
-        request, session = waiting.request, waiting.request.session
+        new; ``False``: it must wait for them.  ``array``: the call's, if viewed already.
+
+        Raises:
+            UsageError: its segment is gone (detached while the call waited).
+        """
+        session = waiting.session
         job = str(session.job)
         key = (job, waiting.name)
         reducer = self.reducers.get((*key, session.rank))
         # after its first call a rank gone is lost to the reducer; before, it may be late
         known = reducer is not None and reducer.calls > 0
-        if not known and any(self.membership.lookup(job, r) is None for r in range(session.size)):
+        if not known and self.membership.known(job) < session.size:
             return False
+        if array is None:
+            seg, off = waiting.region
+            region = session.segment(seg).view(off, waiting.spec["nbytes"])
+            array = np.frombuffer(region, dtype=waiting.spec["dtype"])
         reducer = self._reducer(key, session.rank, waiting.spec)
         if reducer is None:
             raise UsageError(self._broken[key])
         call = OpenCall(
             session=session,
-            request=request.id,
+            request=waiting.request_id,
             kind=reducer.sync.value,
             name=waiting.name,
             started=now,
-            nbytes=waiting.array.nbytes,
+            nbytes=array.nbytes,
         )
         self._open.open((*key, session.rank), call)
         self._sessions.setdefault(job, set()).add(session)
-        self._perform(key, session.rank, reducer.call(waiting.array, now))
+        self._perform(key, session.rank, reducer.call(array, now))
         return True
 
     def _reducer(self, key: Key, rank: int, spec: Meta) -> Reducer | None:
