@@ -41,7 +41,7 @@ from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.held_frames import HeldFrames
 from fabricd.daemon.services.jobs import (
-    ByJob,
+    Groups,
     OpenCall,
     OpenCalls,
     WaitingForRanks,
@@ -140,7 +140,7 @@ class CollectiveService(BaseService):
         self._waiting: WaitingForRanks[_Waiting] = WaitingForRanks(
             host, membership, "collective calls", lambda w: f"{w.spec.describe()} {w.name!r}"
         )
-        self._by_job: ByJob[Key] = ByJob()  #: the collectives of each job
+        self._by_job: Groups[str, Key] = Groups()  #: the collectives of each job
         self._due: Deadlines[Key] = Deadlines()  #: the collectives' deadlines (a sync round's)
         self._held = HeldFrames()  #: peers' frames for collectives not built yet
         self._shared: dict[Spec, Spec] = {}  #: the specs waiting calls share

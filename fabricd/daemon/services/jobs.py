@@ -384,30 +384,38 @@ class OpenCalls(Generic[K]):
             del self._by_job[job]
 
 
-class ByJob(Generic[K]):
-    """A service's keys (collectives, reducers) by job, so that a rank's news, or a job's end,
-    touches only that job's: the review found rank events that walked every collective of
-    every job."""
+G = TypeVar("G", bound=Hashable)
+
+
+class Groups(Generic[G, K]):
+    """A service's keys by group -- by job (collectives, reducers), or by client session (a
+    parameter server's places) -- so that a rank's news, a job's end, a client's request or its
+    departure touches only its own keys: the review found rank events that walked every
+    collective of every job, and requests that walked every shard of every process."""
 
     def __init__(self) -> None:
-        self._keys: dict[str, dict[K, None]] = {}  #: oldest first
+        self._keys: dict[G, dict[K, None]] = {}  #: oldest first
 
-    def add(self, job: str, key: K) -> None:
-        self._keys.setdefault(job, {})[key] = None
+    def add(self, group: G, key: K) -> None:
+        self._keys.setdefault(group, {})[key] = None
 
-    def discard(self, job: str, key: K) -> None:
-        keys = self._keys.get(job)
+    def discard(self, group: G, key: K) -> None:
+        keys = self._keys.get(group)
         if keys is not None:
             keys.pop(key, None)
             if not keys:
-                del self._keys[job]
+                del self._keys[group]
 
-    def of(self, job: str) -> list[K]:
-        """``job``'s keys, oldest first (a copy: the caller may remove them meanwhile)."""
-        return list(self._keys.get(job, ()))
+    def of(self, group: G) -> list[K]:
+        """``group``'s keys, oldest first (a copy: the caller may remove them meanwhile)."""
+        return list(self._keys.get(group, ()))
 
-    def count(self, job: str) -> int:
-        return len(self._keys.get(job, ()))
+    def count(self, group: G) -> int:
+        return len(self._keys.get(group, ()))
+
+    def pop(self, group: G) -> list[K]:
+        """Remove and return ``group``'s keys."""
+        return list(self._keys.pop(group, ()))
 
     def __bool__(self) -> bool:
         return bool(self._keys)

@@ -47,7 +47,7 @@ from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.jobs import (
-    ByJob,
+    Groups,
     OpenCall,
     OpenCalls,
     WaitingForRanks,
@@ -119,8 +119,10 @@ class StochasticService(BaseService):
         self.host = host
         self.membership = membership
         self.reducers: dict[RankKey, Reducer] = {}
-        self._reducers_of: ByJob[RankKey] = ByJob()  #: so a rank's news touches its job's only
-        self._names: ByJob[Key] = ByJob()  #: the reduces (keys of ``_specs``) of each job
+        self._reducers_of: Groups[str, RankKey] = (
+            Groups()
+        )  #: so a rank's news touches its job's only
+        self._names: Groups[str, Key] = Groups()  #: the reduces (keys of ``_specs``) of each job
         self._charges: dict[RankKey, Charge] = {}  #: what each reducer holds, on the budget
         self._specs: dict[Key, Meta] = {}  #: each reduce's spec, as calls and frames carry it
         self._graphs: dict[Key, graphs.Graph] = {}
