@@ -20,7 +20,8 @@ from fabricd.daemon.services.jobs import EXPIRE_PER_TICK, OpenCall, OpenCalls, W
 from fabricd.daemon.services.stochastic import StochasticService
 from fabricd.engines.actions import Failure
 from fabricd.engines.deadlines import Deadlines
-from fabricd.engines.membership import RankJoined, RankLeft
+from fabricd.engines.membership import RankEntry, RankJoined, RankLeft
+from fabricd.engines.ps.models import Model
 from fabricd.errors import ErrorCode, OperationFailed, UsageError
 from tests.unit.test_collective_service_review import (
     FakeHost,
@@ -32,7 +33,7 @@ from tests.unit.test_collective_service_review import (
     service,
 )
 from tests.unit.test_jobs_kit import Call, session
-from tests.unit.test_ps_service_review import NAME, Fabric
+from tests.unit.test_ps_service_review import JOB, NAME, Fabric
 
 if TYPE_CHECKING:
     from fabricd.daemon.services.collectives import CollectiveService
@@ -380,3 +381,22 @@ def test_the_parameter_server_service_forgets_a_client_everywhere() -> None:
     assert not here._served
     assert not here._flushing
     assert here._flushes == {}
+    assert here.engine.models == {}
+    assert here.engine._jobs == {}
+
+
+def test_a_rank_of_another_job_touches_no_parameter_server_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fabric = Fabric()
+    fabric.start()
+    looked: list[int] = []
+    target = Model.target
+    monkeypatch.setattr(Model, "target", lambda m, shard: looked.append(shard) or target(m, shard))
+    here = fabric.services[0]
+    other = RankEntry(job="other", rank=0, size=2, node=0)
+    here.on_rank_event(RankJoined(entry=other), 0.0)
+    assert looked == []  # job j's models and their shards are not looked at
+    entry = fabric.table.entries[JOB, 3]  # a worker of j on node 1 comes back
+    here.on_rank_event(RankJoined(entry=entry), 0.0)
+    assert looked  # its own job's are
