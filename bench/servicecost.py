@@ -13,10 +13,13 @@ after every input, as the node asks after every read batch.
 On node 0 each service holds N calls that wait, as a hostile tenant's would: collective and
 stochastic-reduce calls of a job whose rank 1 never joins (each waits for it, with a deadline;
 the collective calls over 1,000 names as the finding's, the reduces one per name); parameter-
-server pushes of N workers of one model whose server is on node 1, which never answers them
-(each open, waiting for its PUSHED); point-to-point sends and receives of a rank that never
-joins (with route deadlines) and receives on tags nobody sends.  Then, for another job:
+server pushes of one worker on N models whose server is on node 1, which never answers them
+(each open, waiting for its PUSHED: a worker has one call open per model); point-to-point
+sends to a rank that never joins (with route deadlines) and receives on tags nobody sends.
+Then, for another job:
 
+* **request that waits** (the hostile tenant's own): one more call of the kind that waits,
+  from a client of its own that leaves after each batch (not timed);
 * **request**: collectives, rank 0 calls a sync allreduce of a job over both nodes (answered
   by the frame below); stochastic, rank 0 calls an async reduce of such a job (answered at
   once, its update sent to rank 1); parameter server, a worker of another model pushes (sent
@@ -620,7 +623,7 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
     table.notes.append(
         "request, frame, tick: the node's next_deadline() after each is included; waiting: "
         "collective calls over 1,000 names and reduces of a job whose rank 1 never joins, "
-        "pushes of as many workers of one model its server never answers, p2p sends to a "
+        "pushes of a worker on as many models whose server never answers, p2p sends to a "
         "rank that never joins and receives on tags nobody sends"
     )
     return table
