@@ -44,8 +44,10 @@ from fabricd.daemon.services.jobs import (
     Groups,
     OpenCall,
     OpenCalls,
+    Shared,
     WaitingForRanks,
     refuse_while_draining,
+    region,
 )
 from fabricd.dtypes import ITEMSIZE, REDUCE_DTYPES
 from fabricd.engines.actions import Failure
@@ -91,9 +93,6 @@ remote_log = RateLimitedLog(log)
 #: peers' frames held for collectives not built here yet (their job's ranks not all known)
 MAX_HELD_BYTES: Final = 64 * 1024 * 1024
 MAX_HELD_FRAMES: Final = 4096
-#: distinct specs shared by waiting calls (one object for the 30 calls of a name, not 30: see
-#: :class:`~fabricd.daemon.services.jobs.Waits`); past it the pool starts afresh
-_SPECS_SHARED: Final = 1024
 
 Key = tuple[str, str]  #: (job, collective name)
 
@@ -143,7 +142,7 @@ class CollectiveService(BaseService):
         self._by_job: Groups[str, Key] = Groups()  #: the collectives of each job
         self._due: Deadlines[Key] = Deadlines()  #: the collectives' deadlines (a sync round's)
         self._held = HeldFrames()  #: peers' frames for collectives not built yet
-        self._shared: dict[Spec, Spec] = {}  #: the specs waiting calls share
+        self._shared: Shared[Spec] = Shared()  #: the specs waiting calls share
         self._tokens = 0
         self._frames = DataQueues(host, Kind.COLL, sent=self._count_sent)
         self._counters = {
@@ -167,19 +166,13 @@ class CollectiveService(BaseService):
         waiting = _Waiting(
             session=session,
             request_id=request.id,
-            spec=self._share(spec),
-            region=None if array is None else _region(request.meta),
+            spec=self._shared.one(spec),
+            region=None if array is None else region(request.meta),
             name=name,
             deadline=now + self.host.config.route_timeout,
         )
         if not self._try(waiting, now, array):
             self._waiting.add(waiting)  # its array is viewed again when it runs
-
-    def _share(self, spec: Spec) -> Spec:
-        """One object for equal specs: a waiting call holds no object of its own but itself."""
-        if len(self._shared) >= _SPECS_SHARED and spec not in self._shared:
-            self._shared.clear()
-        return self._shared.setdefault(spec, spec)
 
     def _parse(self, request: Request) -> tuple[Spec, np.ndarray[Any, Any] | None, str]:
         meta, session = request.meta, request.session
@@ -788,11 +781,6 @@ class CollectiveService(BaseService):
             "Bytes of peers' frames held for collectives not built here yet",
             [(labels, self._held.bytes)],
         )
-
-
-def _region(meta: Meta) -> tuple[int, int, int]:
-    """A request's array, as (segment, offset, bytes): checked by its parse already."""
-    return get_int(meta, "seg"), get_int(meta, "off"), get_int(meta, "nbytes")
 
 
 def _algorithm(spec: Spec) -> str:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar
 from fabricd.engines.actions import Failure
 from fabricd.engines.deadlines import Deadlines
 from fabricd.errors import ErrorCode, FabricError, OperationFailed, code_of
+from fabricd.wire import get_int
 
 if TYPE_CHECKING:
     from collections.abc import Callable, ItemsView, Iterator
@@ -94,6 +95,8 @@ EXPIRE_PER_TICK: Final = 256
 #: removals tolerated beyond twice the calls left before the tables are rebuilt (a dict never
 #: gives back the memory of its deleted entries)
 _SLACK: Final = 64
+#: distinct values a :class:`Shared` pool keeps
+_SHARED: Final = 1024
 
 
 class WaitingForRanks(Generic[W]):
@@ -382,6 +385,26 @@ class OpenCalls(Generic[K]):
         keys.discard(key)
         if not keys:
             del self._by_job[job]
+
+
+def region(meta: Meta) -> tuple[int, int, int]:
+    """A request's array as (segment, offset, bytes), for a call that waits (checked by its
+    parse already; see :class:`Waits`)."""
+    return get_int(meta, "seg"), get_int(meta, "off"), get_int(meta, "nbytes")
+
+
+class Shared(Generic[K]):
+    """One object for equal values (a collective's spec): 30,000 waiting calls of 1,000 names
+    hold 1,000 specs, not 30,000 (see :class:`Waits`).  At most :data:`_SHARED` values; past
+    it the pool starts afresh (a value is only shared, never lost)."""
+
+    def __init__(self) -> None:
+        self._values: dict[K, K] = {}
+
+    def one(self, value: K) -> K:
+        if len(self._values) >= _SHARED and value not in self._values:
+            self._values.clear()
+        return self._values.setdefault(value, value)
 
 
 G = TypeVar("G", bound=Hashable)
