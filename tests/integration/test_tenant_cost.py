@@ -16,11 +16,12 @@ just before, in the same test, while a process of the tenant's priority spins on
 cost.  The bound is a ratio, never a wall-clock threshold: the worst loaded round trip within
 10x the worst baseline one, and the same for ``status``.
 
-Measured on a shared 2-core machine: the old code's worst round trip was 242x its baseline's
-(422 ms; its 30,000 submissions took 12 s); with counts and heaps, 4 KiB client reads and the
-daemon's start-up objects frozen out of the garbage collector, 1.6x to 5.6x (submissions 1 s).
-Each of the three is needed: with 64 KiB reads a tenant's read batch was 560 calls, 11 ms
-(10x to 14x); garbage collections that walked six objects per waiting call paused 20-70 ms.
+Measured on a shared 2-core machine: the old code's worst round trip was 80x to 242x its
+baseline's (0.4-1.1 s; its 30,000 submissions took 12 s); with counts and heaps, 4 KiB client
+reads and the daemon's start-up objects frozen out of the garbage collector, 1.6x to 5.6x
+(submissions 1 s).  Each of the three is needed: with 64 KiB reads a tenant's read batch was
+560 calls, 11 ms (10x to 14x); garbage collections that walked six objects per waiting call
+paused 20-70 ms.
 """
 
 from __future__ import annotations
