@@ -25,6 +25,7 @@ from bench import (
     latency,
     rate,
     roundtrip,
+    servicecost,
     skew,
     throughput,
 )
@@ -118,6 +119,41 @@ def test_framecost_waits_in_every_index_a_frame_could_scan() -> None:
         assert stats.unrouted >= 10  # route deadlines
         assert stats.unexpected >= 10  # the peer's announced sends, waiting for a receive
     pair.check()  # and a rendezvous still goes through untouched by them
+
+
+def test_servicecost_reports_every_services_inputs_against_the_fewest_waiting() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "servicecost")
+    table = the_table(result, "servicecost")
+    labels = [row["label"] for row in table["rows"]]
+    for kind in servicecost.CASES:
+        for what in ("request", "frame", "tick"):
+            assert f"{kind.name}: {what}" in labels
+    assert "collectives: request that waits" in labels  # the finding's own request
+    assert_ratios(table)
+    for row in table["rows"]:
+        assert row["figures"]["few"] > 0
+        assert row["figures"]["many"] > 0
+    assert table["settings"]["waiting"] == list(servicecost.QUICK_WAITING)
+    assert progress.count("[servicecost] ") >= len(table["rows"])
+
+
+def test_servicecost_makes_the_calls_it_says_wait() -> None:
+    """A ratio of 1x proves nothing about calls that do not wait: each service holds them."""
+    collectives = servicecost.Collectives(40)
+    counters = collectives.pair.services[0].statistics()["counters"]
+    assert counters["collective_calls_waiting_for_ranks"] == 40
+    stochastic = servicecost.Stochastic(40)
+    counters = stochastic.pair.services[0].statistics()["counters"]
+    assert counters["reduce_calls_waiting_for_ranks"] == 40
+    ps = servicecost.ParameterServer(40)
+    assert len(ps.pair.services[0]._calls) == 40 + 0  # type: ignore[attr-defined]
+    p2p = servicecost.PointToPoint(40)
+    assert p2p.pair.services[0].statistics()["pending_ops"] == 40
+    for case in (collectives, stochastic, ps, p2p):  # and the measured inputs go through
+        case.request()
+        case.frame()
+        case.tick_at(case.prepare_tick())
+        case.check()
 
 
 def test_disconnect_reports_the_stall_and_cleanup_for_every_size_and_case() -> None:

@@ -67,6 +67,7 @@ class Config:
     max_mapped_bytes: int = 64 << 40
     max_ops_per_client: int = 65536
     max_ops_per_job: int = 262144
+    max_waiting_calls_per_uid: int = 65536
     max_unmatched_rts_per_peer: int = 65536
     eager_limit: int = 64 * 1024
     eager_credit: int = 4 * 1024 * 1024
@@ -145,7 +146,12 @@ class Config:
                 f"max_mapped_bytes must be at most {MAX_MAPPED_BYTES} (64 TiB): half of the "
                 "128 TiB a process can address, so the daemon's own memory always fits"
             )
-        for key in ("max_ops_per_client", "max_ops_per_job", "max_unmatched_rts_per_peer"):
+        for key in (
+            "max_ops_per_client",
+            "max_ops_per_job",
+            "max_waiting_calls_per_uid",
+            "max_unmatched_rts_per_peer",
+        ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be at least 1")
         if not 0 <= self.eager_limit <= min(self.eager_credit, self.max_payload):

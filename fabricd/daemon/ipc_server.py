@@ -76,7 +76,12 @@ MAX_PENDING_FDS: Final = 16
 MAX_OUTBOUND: Final = 8 * 1024 * 1024
 #: the listen backlog, and the most queued clients told "stopping" when the daemon stops
 _MAX_QUEUED: Final = 128
-_RECV_SIZE: Final = 64 * 1024
+#: bytes read from one client per read callback: what one client may make the loop handle
+#: before the others are read again.  4 KiB is 20 to 40 requests, about 1 ms of work; 64 KiB
+#: was 560 waiting collective calls, 11 ms, and another tenant's round trip waited for several
+#: such batches (issue 28, item 1: tests/integration/test_tenant_cost.py).  A request is a few
+#: hundred bytes and its data travels in shared memory, so the extra reads cost little
+_RECV_SIZE: Final = 4 * 1024
 _FD_SPACE: Final = socket.CMSG_SPACE(MAX_FDS_PER_REQUEST * struct.calcsize("i"))
 #: SO_PEERGROUPS from <asm-generic/socket.h>; the socket module does not name it
 _SO_PEERGROUPS: Final = getattr(socket, "SO_PEERGROUPS", 59)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from typing import TYPE_CHECKING
@@ -36,8 +37,17 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def serve(loaded: Loaded) -> None:
-    """Run one daemon until SIGTERM or SIGINT, then drain and return."""
+    """Run one daemon until SIGTERM or SIGINT, then drain and return.
+
+    What the daemon made to start (its modules, classes, tables) lives as long as it does, so
+    it is moved out of the garbage collector's sight (:func:`gc.freeze`): every full
+    collection would walk it again, about 6 ms of 40,000 objects on a small machine, a pause
+    every client pays (issue 28, item 1).  Garbage it holds that forms cycles is collected
+    no more; there is none worth the pause.
+    """
     daemon = Daemon(loaded)
+    gc.collect()
+    gc.freeze()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stop)

@@ -72,10 +72,12 @@ class Deadlines(Generic[K]):
             heapq.heappop(heap)
         return None
 
-    def pop_due(self, now: float) -> list[K]:
-        """Remove and return every key due at or before ``now``, earliest first."""
+    def pop_due(self, now: float, limit: int | None = None) -> list[K]:
+        """Remove and return every key due at or before ``now``, earliest first; at most
+        ``limit`` of them (the rest stay due: :meth:`next` says so), so that a caller can
+        spread a burst of expiries over several timer ticks."""
         due: list[K] = []
-        while (at := self.next()) is not None and at <= now:
+        while (limit is None or len(due) < limit) and (at := self.next()) is not None and at <= now:
             _, _, key = heapq.heappop(self._heap)
             del self._at[key]
             due.append(key)

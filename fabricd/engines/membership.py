@@ -464,6 +464,11 @@ class Membership:
         """The uid that owns ``job``, while any of its ranks is known."""
         return self._owners.get(job)
 
+    def known(self, job: str) -> int:
+        """How many ranks of ``job`` are known (all of them once this is its size): O(1), so
+        a rank's arrival can say whether its job is whole without looking at every rank."""
+        return self._counts.get(job, 0)
+
     def local(self) -> list[RankEntry]:
         """The ranks this node hosts, by job then rank."""
         return sorted(self._by_node.get(self.node, {}).values(), key=_order)

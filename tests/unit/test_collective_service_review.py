@@ -66,6 +66,9 @@ class Table:
     def owner(self, job: str) -> int | None:
         return self.owners.get(job)
 
+    def known(self, job: str) -> int:
+        return sum(1 for j, _ in self.entries if j == job)
+
 
 class Link:
     """A data link whose sends a test completes or fails by hand."""
@@ -371,8 +374,9 @@ def test_held_frames_dropped_at_replay_are_uncounted() -> None:
         land(svc, frame, payload)
     table.entries[JOB, 0] = entries[0]
     svc.on_rank_event(RankJoined(entry=entries[0]), 0.0)  # builds from the first frame
-    assert svc._held == {}
-    assert svc._held_bytes == 0  # 32: the third frame's, held by nothing
+    assert not svc._held
+    assert svc._held.bytes == 0  # 32: the third frame's, held by nothing
+    assert svc._held.count == 0
     assert svc.statistics()["counters"]["frames_dropped"] == 2
 
 

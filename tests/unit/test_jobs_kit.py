@@ -9,7 +9,6 @@ import pytest
 
 from fabricd.daemon.config import Config
 from fabricd.daemon.metrics import OperationStats
-from fabricd.daemon.service import Request
 from fabricd.daemon.services.jobs import (
     OpenCall,
     OpenCalls,
@@ -28,8 +27,10 @@ NODES = ("127.0.0.1:1", "127.0.0.1:2")
 class Call:
     """A call that waits for its job's ranks."""
 
-    request: Request
+    session: ClientSession
+    request_id: int
     deadline: float
+    name: str = "n"
 
 
 def host(**settings: object) -> FakeHost:
@@ -41,12 +42,12 @@ def session(rank: int = 0, job: str = "j") -> ClientSession:
 
 
 def waiting(who: ClientSession, rid: int, deadline: float = 5.0) -> Call:
-    return Call(request=Request(session=who, id=rid, op="x", meta={}, fds=[]), deadline=deadline)
+    return Call(session=who, request_id=rid, deadline=deadline)
 
 
 def kit(fake: FakeHost, table: Table | None = None) -> WaitingForRanks[Call]:
     table = table or Table()
-    return WaitingForRanks(fake, table, "x calls", lambda c: f"x {c.request.id}")  # type: ignore[arg-type]
+    return WaitingForRanks(fake, table, "x calls", lambda c: f"x {c.request_id}")  # type: ignore[arg-type]
 
 
 def test_a_draining_daemon_refuses_new_work() -> None:
@@ -86,25 +87,26 @@ def test_a_client_waits_at_most_max_ops_per_client_calls() -> None:
     assert refused.value.code == ErrorCode.LIMIT
     calls.add(waiting(other, 4))  # another client's room is its own
     calls.client_gone(mine)
-    assert [c.request.id for c in calls] == [4]
+    assert [c.request_id for c in calls] == [4]
 
 
 def test_a_retry_takes_the_jobs_ready_calls_keeps_the_rest_and_fails_the_refused() -> None:
-    fake = host()
-    calls = kit(fake)
+    fake, table = host(), Table()
+    table.join("j", 3, (0, 0, 1), owner=1000)  # every rank of the job is known
+    calls = kit(fake, table)
     for rid, job in ((1, "j"), (2, "j"), (3, "k"), (4, "j")):
         calls.add(waiting(session(job=job), rid))
     tried: list[int] = []
 
     def attempt(call: Call) -> bool:
-        tried.append(call.request.id)
-        if call.request.id == 4:
+        tried.append(call.request_id)
+        if call.request_id == 4:
             raise UsageError("called otherwise")
-        return call.request.id == 1
+        return call.request_id == 1
 
     calls.retry("j", attempt)
     assert tried == [1, 2, 4]  # only the job's, in order
-    assert [c.request.id for c in calls] == [3, 2]
+    assert [c.request_id for c in calls] == [3, 2]
     assert fake.answered[4] == Failure(code=ErrorCode.USAGE, message="called otherwise")
 
 

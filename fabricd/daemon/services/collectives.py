@@ -39,11 +39,15 @@ from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
+from fabricd.daemon.services.held_frames import HeldFrames
 from fabricd.daemon.services.jobs import (
+    Groups,
     OpenCall,
     OpenCalls,
+    Shared,
     WaitingForRanks,
     refuse_while_draining,
+    region,
 )
 from fabricd.dtypes import ITEMSIZE, REDUCE_DTYPES
 from fabricd.engines.actions import Failure
@@ -58,6 +62,7 @@ from fabricd.engines.collectives.persistent import (
     Transmit,
 )
 from fabricd.engines.collectives.spec import held_bytes, in_place
+from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.membership import NodeBack, NodeGone, RankJoined, RankLeft
 from fabricd.errors import (
     ErrorCode,
@@ -75,6 +80,7 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from fabricd.daemon.service import Host, Request
+    from fabricd.daemon.services.held_frames import Held
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.budget import Charge
     from fabricd.engines.collectives.persistent import Action
@@ -93,24 +99,15 @@ Key = tuple[str, str]  #: (job, collective name)
 
 @dataclass(slots=True, kw_only=True)
 class _Waiting:
-    """A call that waits for every rank of its job to be known."""
+    """A call that waits for every rank of its job to be known (plain fields: see
+    :class:`~fabricd.daemon.services.jobs.Waits`)."""
 
-    request: Request
+    session: ClientSession
+    request_id: int
     spec: Spec
-    array: np.ndarray[Any, Any] | None
+    region: tuple[int, int, int] | None  #: its array's (seg, off, nbytes); ``None``: a barrier
     name: str
     deadline: float
-
-
-@dataclass(slots=True, kw_only=True)
-class _Held:
-    """A peer's frame for a collective not built here yet."""
-
-    node: int
-    frame: collectives_frames.Coll
-    payload: bytearray
-    complete: bool  #: its payload is all in (a frame still landing is not replayed yet)
-    expires: float  #: dropped then if its collective still cannot be built (route_timeout)
 
 
 class _Stranger(Exception):
@@ -142,8 +139,10 @@ class CollectiveService(BaseService):
         self._waiting: WaitingForRanks[_Waiting] = WaitingForRanks(
             host, membership, "collective calls", lambda w: f"{w.spec.describe()} {w.name!r}"
         )
-        self._held: dict[Key, list[_Held]] = {}
-        self._held_bytes = 0
+        self._by_job: Groups[str, Key] = Groups()  #: the collectives of each job
+        self._due: Deadlines[Key] = Deadlines()  #: the collectives' deadlines (a sync round's)
+        self._held = HeldFrames()  #: peers' frames for collectives not built yet
+        self._shared: Shared[Spec] = Shared()  #: the specs waiting calls share
         self._tokens = 0
         self._frames = DataQueues(host, Kind.COLL, sent=self._count_sent)
         self._counters = {
@@ -165,14 +164,15 @@ class CollectiveService(BaseService):
             raise UsageError("connect with a job (fabricd.connect(job=...)) before collectives")
         spec, array, name = self._parse(request)
         waiting = _Waiting(
-            request=request,
-            spec=spec,
-            array=array,
+            session=session,
+            request_id=request.id,
+            spec=self._shared.one(spec),
+            region=None if array is None else region(request.meta),
             name=name,
             deadline=now + self.host.config.route_timeout,
         )
-        if not self._try(waiting, now):
-            self._waiting.add(waiting)
+        if not self._try(waiting, now, array):
+            self._waiting.add(waiting)  # its array is viewed again when it runs
 
     def _parse(self, request: Request) -> tuple[Spec, np.ndarray[Any, Any] | None, str]:
         meta, session = request.meta, request.session
@@ -204,17 +204,27 @@ class CollectiveService(BaseService):
         spec.check()
         return spec, array, name
 
-    def _try(self, waiting: _Waiting, now: float) -> bool:
+    def _try(
+        self, waiting: _Waiting, now: float, array: np.ndarray[Any, Any] | None = None
+    ) -> bool:
         """Hand the call to its collective, building it if every rank is known; ``False``:
-        it must wait for the job's ranks."""
-        request, session = waiting.request, waiting.request.session
+        it must wait for the job's ranks.  ``array``: the call's, if viewed already.
+
+        Raises:
+            UsageError: its segment is gone (detached while the call waited).
+        """
+        session = waiting.session
         assert session.job is not None
         key = (session.job, waiting.name)
         coll = self.collectives.get(key)
+        ranks = self._ranks(session.job, session.size) if coll is None else None
+        if coll is None and ranks is None:
+            return False
+        if array is None and waiting.region is not None:
+            seg, off, nbytes = waiting.region
+            array = np.frombuffer(session.segment(seg).view(off, nbytes), waiting.spec.dtype)
         if coll is None:
-            ranks = self._ranks(session.job, session.size)
-            if ranks is None:
-                return False
+            assert ranks is not None
             coll = self._build(key, waiting.spec, ranks, now, choose=True)
         elif not coll.spec.same_call(waiting.spec):
             message = (
@@ -226,11 +236,11 @@ class CollectiveService(BaseService):
             raise UsageError(message)
         self._tokens += 1
         token = self._tokens
-        actions = coll.call(session.rank, token, waiting.array, now)
-        nbytes = 0 if waiting.array is None else waiting.array.nbytes
+        actions = coll.call(session.rank, token, array, now)
+        nbytes = 0 if array is None else array.nbytes
         call = OpenCall(
             session=session,
-            request=request.id,
+            request=waiting.request_id,
             kind=waiting.spec.kind,
             name=waiting.name,
             started=now,
@@ -284,7 +294,7 @@ class CollectiveService(BaseService):
         """Build ``key``'s collective (``choose``: pick its algorithm here, for a local call;
         else it is the peer's, from its frame) and place what was held for it."""
         job, name = key
-        held = sum(1 for k in self.collectives if k[0] == job)
+        held = self._by_job.count(job)
         if held >= self.host.config.max_collectives_per_job:
             raise OperationFailed(
                 f"job {job!r} has {held} collectives on node {self.host.config.node_id}, the "
@@ -315,6 +325,7 @@ class CollectiveService(BaseService):
             raise
         self._charges[key] = charge
         self.collectives[key] = coll
+        self._by_job.add(job, key)
         self._specs[key] = coll.spec.to_meta()
         for node in coll.initial:  # a member already lost to this daemon
             if node != coll.node and self.host.data_link(node) is None:
@@ -348,6 +359,7 @@ class CollectiveService(BaseService):
             return None  # read and dropped; on_data refuses the frame and counts it
         if coll is None:
             return memoryview(self._hold(node, frame, length).payload)
+        key = (frame.job, frame.name)
         view = coll.landing(
             node,
             frame.tag,
@@ -358,6 +370,7 @@ class CollectiveService(BaseService):
             frame.base,
             self.host.now(),
         )
+        self._track(key)  # a newer view adopted may have moved its deadline
         if view is None:  # an older view's, or a broken collective's: read and dropped
             self._counters["frames_dropped"] += 1
         return view
@@ -365,12 +378,10 @@ class CollectiveService(BaseService):
     def on_data(self, node: int, frame: registry.PayloadFrame, length: int, now: float) -> None:
         assert isinstance(frame, collectives_frames.Coll)
         key = (frame.job, frame.name)
-        for item in self._held.get(key, ()):
-            if item.frame is frame and not item.complete:  # its payload landed in the hold
-                item.complete = True
-                if key in self.collectives:  # built meanwhile: place it now
-                    self._replay(key, now)
-                return
+        if self._held.landed(frame) is not None:  # its payload landed in the hold
+            if key in self.collectives:  # built meanwhile: place it now
+                self._replay(key, now)
+            return
         try:
             coll = self._collective(frame, node)
         except _Stranger as exc:
@@ -378,7 +389,7 @@ class CollectiveService(BaseService):
             remote_log.warning("stranger", "%s", exc)
             return
         if coll is None:
-            self._hold(node, frame, 0).complete = True
+            self._hold(node, frame, 0, whole=True)
             return
         self._perform(
             key,
@@ -429,39 +440,31 @@ class CollectiveService(BaseService):
         except (MemoryError, ValueError) as exc:  # its buffers do not fit in this process
             raise RemoteProtocolError(f"cannot build {frame.name!r} here: {exc!r}") from None
 
-    def _hold(self, node: int, frame: collectives_frames.Coll, length: int) -> _Held:
+    def _hold(
+        self, node: int, frame: collectives_frames.Coll, length: int, *, whole: bool = False
+    ) -> Held:
         """Keep a frame (and its payload) until its collective can be built here.
 
         Raises:
             RemoteProtocolError: the hold is full: the peer sends far ahead of this node's
                 membership (its link is closed, which the peer sees as this node's failure).
         """
-        if self._held_bytes + length > MAX_HELD_BYTES or self._held_frames() >= MAX_HELD_FRAMES:
+        held = self._held
+        if held.bytes + length > MAX_HELD_BYTES or held.count >= MAX_HELD_FRAMES:
             self._counters["frames_dropped"] += 1
             raise RemoteProtocolError(
                 f"node {node} sent more collective frames for unknown jobs than this node holds"
             )
-        expires = self.host.now() + self.host.config.route_timeout
-        held = _Held(
-            node=node, frame=frame, payload=bytearray(length), complete=False, expires=expires
-        )
-        self._held.setdefault((frame.job, frame.name), []).append(held)
-        self._held_bytes += length
         self._counters["frames_held"] += 1
-        return held
-
-    def _held_frames(self) -> int:
-        return sum(len(h) for h in self._held.values())
+        expires = self.host.now() + self.host.config.route_timeout
+        return held.hold(node, frame, length, expires, whole=whole)
 
     def _replay(self, key: Key, now: float) -> None:
         """Place the frames held for ``key`` whose payload is in, now that it is built, in
         the order they came; a frame still landing waits for its on_data.  A frame that does
         not fit (its spec disagrees: the collective breaks here, naming both) is dropped and
         counted; the others are still placed."""
-        held = self._held.pop(key, [])
-        while held and held[0].complete:
-            item = held.pop(0)
-            self._held_bytes -= len(item.payload)
+        for item in self._held.ready(key):
             frame, n = item.frame, len(item.payload)
             try:
                 coll = self._collective(frame, item.node)  # checks its spec against ours
@@ -488,8 +491,7 @@ class CollectiveService(BaseService):
                 )
                 continue
             self._perform(key, actions)
-        if held:
-            self._held[key] = held
+        self._track(key)
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
         """``node``'s links were reset: frames in flight are lost.  It is counted down (a view
@@ -498,14 +500,8 @@ class CollectiveService(BaseService):
         self._frames.drop(node)  # the old link's frames go with it
         for key, coll in list(self.collectives.items()):
             self._perform(key, coll.interrupted(node, reason))
-        for key, held in list(self._held.items()):
-            kept = [h for h in held if h.node != node]
-            self._held_bytes -= sum(len(h.payload) for h in held if h.node == node)
-            if kept:
-                self._held[key] = kept
-            else:
-                del self._held[key]
-            if kept and key in self.collectives:  # the frames behind a dead node's, still landing
+        for key in self._held.drop_node(node):
+            if key in self.collectives:  # the frames behind a dead node's, still landing
                 self._replay(key, now)
 
     def on_suspicion(self, event: Suspicion, now: float) -> None:
@@ -523,22 +519,21 @@ class CollectiveService(BaseService):
         job = event.entry.job
         if isinstance(event, RankLeft):
             grace = self.host.config.suspect_after
-            for key, coll in list(self.collectives.items()):
-                if key[0] == job:
-                    live = self._live(job, coll.size)
-                    self._perform(key, coll.rank_gone(event.entry.rank, live, now, grace=grace))
+            for key in self._by_job.of(job):
+                coll = self.collectives[key]
+                live = self._live(job, coll.size)
+                self._perform(key, coll.rank_gone(event.entry.rank, live, now, grace=grace))
             self._tell(job, "rank_left", {"rank": event.entry.rank, "reason": event.reason})
             if self.membership.job_size(job) is None:
                 self._forget_job(job)
             return
         assert isinstance(event, RankJoined)
-        for key, coll in self.collectives.items():
-            if key[0] == job:
-                coll.rank_back(self._live(job, coll.size))
+        for key in self._by_job.of(job):
+            self.collectives[key].rank_back(self._live(job, self.collectives[key].size))
+            self._track(key)
         self._waiting.retry(job, lambda item: self._try(item, now))
-        for key in [k for k in self._held if k[0] == job]:
-            if self._held.get(key):
-                first = self._held[key][0]
+        for key in self._held.keys_of(job):
+            if (first := self._held.first(key)) is not None:
                 try:
                     self._collective(first.frame, first.node)  # builds and replays if it can
                 except RemoteProtocolError as exc:
@@ -548,27 +543,27 @@ class CollectiveService(BaseService):
     def _forget_job(self, job: str) -> None:
         """``job`` is gone from the fabric (no rank of it is known any more): its collectives,
         held frames and sessions go, so a later job of that name starts afresh."""
-        for key in [k for k in self.collectives if k[0] == job]:
+        failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
+        for token in self._open.of_job(job):
+            self._open.fail(token, failure)
+        for key in self._by_job.of(job):
             coll = self.collectives.pop(key)
+            self._by_job.discard(job, key)
+            self._due.cancel(key)
             del self._specs[key]
             self._charges.pop(key).release()
-            failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
-            for token in [t for t, c in self._open.items() if (job, c.name) == key]:
-                self._open.fail(token, failure)
             log.info(
                 "collective %r of job %r: the job ended after %d rounds",
                 key[1],
                 job,
                 coll.counters.rounds,
             )
-        for key in [k for k in self._held if k[0] == job]:
+        for key in self._held.keys_of(job):
             self._drop_held(key)
         self._sessions.pop(job, None)
 
     def _drop_held(self, key: Key) -> None:
-        held = self._held.pop(key, [])
-        self._held_bytes -= sum(len(h.payload) for h in held)
-        self._counters["frames_dropped"] += len(held)
+        self._counters["frames_dropped"] += self._held.drop(key)
 
     def _tell(self, job: str, event: str, fields: Meta) -> None:
         """Push ``event`` to every client of ``job`` here that made a collective call."""
@@ -588,6 +583,17 @@ class CollectiveService(BaseService):
                     self._open.fail(token, Failure(code=code, message=message))
                 case Settle(round=round, nodes=nodes) if all(map(self._flushed, nodes)):
                     self._perform(key, self.collectives[key].sent(round, self.host.now()))
+        self._track(key)
+
+    def _track(self, key: Key) -> None:
+        """Keep ``key``'s deadline in the heap as its collective's says (after every input to
+        it), so the timer asks only the collectives that are due."""
+        coll = self.collectives.get(key)
+        due = None if coll is None else coll.next_deadline()
+        if due is None:
+            self._due.cancel(key)
+        elif self._due.get(key) != due:
+            self._due.set(key, due)
 
     def _flushed(self, node: int) -> bool:
         """Whether nothing of this service's frames to ``node`` is held in this process: none
@@ -630,31 +636,23 @@ class CollectiveService(BaseService):
                 self._perform(key, coll.abandon(token))
 
     def next_deadline(self) -> float | None:
-        if not self._held and not self.collectives:  # asked after every frame and request
-            return self._waiting.next_deadline()
-        deadlines = [h.expires for held in self._held.values() for h in held]
-        deadlines += [d for c in self.collectives.values() if (d := c.next_deadline()) is not None]
-        if (waiting := self._waiting.next_deadline()) is not None:
-            deadlines.append(waiting)
-        return min(deadlines, default=None)
+        """The earliest of three heaps' (asked after every read batch: O(1) amortised)."""
+        due = self._waiting.next_deadline()
+        for other in (self._due.next(), self._held.next_deadline()):
+            if other is not None and (due is None or other < due):
+                due = other
+        return due
 
     def on_timer(self, now: float) -> None:
-        for key, coll in list(self.collectives.items()):
-            due = coll.next_deadline()
-            if due is not None and due <= now:
+        for key in self._due.pop_due(now):  # only the collectives that are due
+            coll = self.collectives.get(key)
+            if coll is not None:
                 self._perform(key, coll.on_timer(now))
-        for key, held in list(self._held.items()):
-            kept = [h for h in held if h.expires > now or not h.complete]  # landing: wait
-            if len(kept) < len(held):  # its job never completed here: nothing can use them
-                self._counters["frames_dropped"] += len(held) - len(kept)
-                self._held_bytes -= sum(len(h.payload) for h in held if h not in kept)
-                remote_log.warning(
-                    "held", "dropping frames held route_timeout for %r: its job is incomplete", key
-                )
-                if kept:
-                    self._held[key] = kept
-                else:
-                    del self._held[key]
+        for key, dropped in self._held.expire(now):  # its job never completed here
+            self._counters["frames_dropped"] += dropped
+            remote_log.warning(
+                "held", "dropping frames held route_timeout for %r: its job is incomplete", key
+            )
         self._waiting.expire(now)
 
     def shutdown(self, failure: Failure) -> None:
@@ -781,7 +779,7 @@ class CollectiveService(BaseService):
         yield gauge(
             "fabricd_collective_held_bytes",
             "Bytes of peers' frames held for collectives not built here yet",
-            [(labels, self._held_bytes)],
+            [(labels, self._held.bytes)],
         )
 
 

@@ -33,6 +33,7 @@ import numpy as np
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
+from fabricd.daemon.services.jobs import Groups
 from fabricd.daemon.services.ps_status import Call, PSStatus
 from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.actions import Complete, Failure, SendFrame
@@ -154,6 +155,11 @@ class PSService(BaseService):
         #: what each local worker and shard holds, on the byte budget
         self._charges: dict[tuple[str, Key, int], Charge] = {}
         self._flushes: dict[int, _Flush] = {}
+        #: each client's places (worker, shard) and flushes, so that its requests and its
+        #: departure touch only its own, however many the daemon holds
+        self._worked: Groups[ClientSession, tuple[Key, int]] = Groups()
+        self._served: Groups[ClientSession, tuple[Key, int]] = Groups()
+        self._flushing: Groups[ClientSession, int] = Groups()
         self._flush_ids = itertools.count(1)
         #: payloads landing: (node, kind, job, name, shard, worker, n) -> buffer
         self._landing: dict[tuple[Any, ...], bytearray] = {}
@@ -230,6 +236,7 @@ class PSService(BaseService):
                 charge.release()
                 raise
             self._sessions[key, rank] = session
+            self._worked.add(session, (key, rank))
             self._charges["worker", key, rank] = charge
             return opened
         shard = (servers if role == "server" else replicas).index(rank)
@@ -240,6 +247,7 @@ class PSService(BaseService):
         rule, step = self._rule(request, spec, hi - lo)
         charge = self._charge(key, spec, hi - lo, shard_copies(spec), f"shard {shard}")
         self._owners[key, shard] = session
+        self._served.add(session, (key, shard))
         self._charges["shard", key, shard] = charge
         if step is not None:
             self._steps[key, shard] = step
@@ -257,6 +265,7 @@ class PSService(BaseService):
             )
         except BaseException:  # not open: nothing of it stays, its bytes included
             del self._owners[key, shard]
+            self._served.discard(session, (key, shard))
             self._steps.pop((key, shard), None)
             self._charges.pop(("shard", key, shard)).release()
             raise
@@ -331,13 +340,15 @@ class PSService(BaseService):
         published once it has (the process runs it after this call)."""
         session = request.session
         key = (str(session.job), get_str(request.meta, "name"))
-        shards = [s for (k, s), owner in self._owners.items() if k == key and owner is session]
+        shards = [s for k, s in self._served.of(session) if k == key]
         if not shards:
             raise UsageError(f"this process serves no shard of {key[1]!r}")
         op = next(self._flush_ids)
         self._flushes[op] = _Flush(session=session, request=request.id, key=key)
         waits, actions = self.engine.flush(key, shards, op, now)
-        if not waits:
+        if waits:
+            self._flushing.add(session, op)
+        else:
             del self._flushes[op]
         self._perform(actions)
         return None if waits else {"flushed": False}
@@ -480,6 +491,7 @@ class PSService(BaseService):
                 flush = self._flushes.pop(action.op, None)
                 if flush is None:
                     continue
+                self._flushing.discard(flush.session, action.op)
                 if action.failure is not None:
                     self.host.fail(flush.session, flush.request, action.failure)
                 else:
@@ -562,7 +574,7 @@ class PSService(BaseService):
                 self._perform(self.engine.rank_gone(entry.job, entry.rank, reason, now))
 
     def client_gone(self, session: ClientSession, now: float) -> None:
-        for place in [p for p, s in self._sessions.items() if s is session]:
+        for place in self._worked.pop(session):
             del self._sessions[place]
             self._caches.pop(place, None)
             call = self._calls.pop(place, None)
@@ -570,9 +582,9 @@ class PSService(BaseService):
                 self.operations.abandoned(call.op)
             self.status.retire(self.engine.close_worker(*place), None)
             self._charges.pop(("worker", *place)).release()
-        for op in [op for op, f in self._flushes.items() if f.session is session]:
+        for op in self._flushing.pop(session):
             self.engine.drop_flush(self._flushes.pop(op).key, op)
-        for place in [p for p, owner in self._owners.items() if owner is session]:
+        for place in self._served.pop(session):
             del self._owners[place]
             self._steps.pop(place, None)
             self.status.retire(None, self.engine.close_shard(*place))
@@ -591,6 +603,7 @@ class PSService(BaseService):
         for op, flush in list(self._flushes.items()):
             self.engine.drop_flush(flush.key, op)
             self.host.fail(flush.session, flush.request, failure)
+            self._flushing.discard(flush.session, op)
         self._flushes.clear()
 
     # -- status and metrics -----------------------------------------------------------------
@@ -606,7 +619,9 @@ class PSService(BaseService):
         return self.status.statistics(counters)
 
     def client_statistics(self, session: ClientSession) -> Meta:
-        return self.status.client_statistics(session)
+        """Its open pushes and pulls, from its own places (a status row must not walk every
+        client's calls)."""
+        return {"ps_calls": sum(1 for place in self._worked.of(session) if place in self._calls)}
 
     def metrics(self) -> Iterable[Metric]:
         return self.status.metrics()

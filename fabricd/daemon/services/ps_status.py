@@ -202,9 +202,6 @@ class PSStatus:
             "counters": {**counters, "ps_early_frames": self.engine.early_frames},
         }
 
-    def client_statistics(self, session: ClientSession) -> Meta:
-        return {"ps_calls": sum(1 for c in self.calls.values() if c.session is session)}
-
     def metrics(self) -> Iterable[Metric]:
         """Totals over this node's models (no job or model labels: their number has no
         bound); per-model figures are in the status rows."""

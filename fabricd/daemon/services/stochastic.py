@@ -47,6 +47,7 @@ from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.jobs import (
+    Groups,
     OpenCall,
     OpenCalls,
     WaitingForRanks,
@@ -96,11 +97,13 @@ RankKey = tuple[str, str, int]  #: (job, reduce name, rank)
 
 @dataclass(slots=True, kw_only=True)
 class _Waiting:
-    """A call that waits for every rank of its job to be known."""
+    """A call that waits for every rank of its job to be known (plain fields: see
+    :class:`~fabricd.daemon.services.jobs.Waits`)."""
 
-    request: Request
+    session: ClientSession
+    request_id: int
     spec: Meta
-    array: np.ndarray[Any, Any]
+    region: tuple[int, int]  #: its array's (seg, off); its bytes are the spec's
     name: str
     deadline: float
 
@@ -116,6 +119,10 @@ class StochasticService(BaseService):
         self.host = host
         self.membership = membership
         self.reducers: dict[RankKey, Reducer] = {}
+        self._reducers_of: Groups[str, RankKey] = (
+            Groups()
+        )  #: so a rank's news touches its job's only
+        self._names: Groups[str, Key] = Groups()  #: the reduces (keys of ``_specs``) of each job
         self._charges: dict[RankKey, Charge] = {}  #: what each reducer holds, on the budget
         self._specs: dict[Key, Meta] = {}  #: each reduce's spec, as calls and frames carry it
         self._graphs: dict[Key, graphs.Graph] = {}
@@ -148,22 +155,21 @@ class StochasticService(BaseService):
             raise UsageError("connect with a job (fabricd.connect(job=...)) before reducing")
         spec, array, name = self._parse(request)
         key = (session.job, name, session.rank)
-        if key in self._open or any(
-            w.request.session is session and w.name == name for w in self._waiting
-        ):
+        if key in self._open or self._waiting.has(session, name):
             raise UsageError(
                 f"rank {session.rank} already has a call of stochastic reduce {name!r} open: "
                 "wait for it before the next"
             )
         waiting = _Waiting(
-            request=request,
+            session=session,
+            request_id=request.id,
             spec=spec,
-            array=array,
+            region=(get_int(request.meta, "seg"), get_int(request.meta, "off")),
             name=name,
             deadline=now + self.host.config.route_timeout,
         )
-        if not self._try(waiting, now):
-            self._waiting.add(waiting)
+        if not self._try(waiting, now, array):
+            self._waiting.add(waiting)  # its array is viewed again when it runs
 
     def _parse(self, request: Request) -> tuple[Meta, np.ndarray[Any, Any], str]:
         meta, session = request.meta, request.session
@@ -198,31 +204,41 @@ class StochasticService(BaseService):
         region = session.segment(get_int(meta, "seg")).view(get_int(meta, "off"), nbytes)
         return spec, np.frombuffer(region, dtype=dtype), name
 
-    def _try(self, waiting: _Waiting, now: float) -> bool:
+    def _try(
+        self, waiting: _Waiting, now: float, array: np.ndarray[Any, Any] | None = None
+    ) -> bool:
         """Hand the call to its reducer, once every rank of its job is known if the reducer is
-        new; ``False``: it must wait for them."""
-        request, session = waiting.request, waiting.request.session
+        new; ``False``: it must wait for them.  ``array``: the call's, if viewed already.
+
+        Raises:
+            UsageError: its segment is gone (detached while the call waited).
+        """
+        session = waiting.session
         job = str(session.job)
         key = (job, waiting.name)
         reducer = self.reducers.get((*key, session.rank))
         # after its first call a rank gone is lost to the reducer; before, it may be late
         known = reducer is not None and reducer.calls > 0
-        if not known and any(self.membership.lookup(job, r) is None for r in range(session.size)):
+        if not known and self.membership.known(job) < session.size:
             return False
+        if array is None:
+            seg, off = waiting.region
+            region = session.segment(seg).view(off, waiting.spec["nbytes"])
+            array = np.frombuffer(region, dtype=waiting.spec["dtype"])
         reducer = self._reducer(key, session.rank, waiting.spec)
         if reducer is None:
             raise UsageError(self._broken[key])
         call = OpenCall(
             session=session,
-            request=request.id,
+            request=waiting.request_id,
             kind=reducer.sync.value,
             name=waiting.name,
             started=now,
-            nbytes=waiting.array.nbytes,
+            nbytes=array.nbytes,
         )
         self._open.open((*key, session.rank), call)
         self._sessions.setdefault(job, set()).add(session)
-        self._perform(key, session.rank, reducer.call(waiting.array, now))
+        self._perform(key, session.rank, reducer.call(array, now))
         return True
 
     def _reducer(self, key: Key, rank: int, spec: Meta) -> Reducer | None:
@@ -244,7 +260,7 @@ class StochasticService(BaseService):
         if reducer is not None:
             return reducer
         if known is None:
-            names = sum(1 for k in self._specs if k[0] == key[0])
+            names = self._names.count(key[0])
             if names >= self.host.config.max_collectives_per_job:
                 raise OperationFailed(
                     f"job {key[0]!r} has {names} stochastic reduces on node "
@@ -272,7 +288,9 @@ class StochasticService(BaseService):
             ) from None
         # kept only now: a spec refused above leaves nothing behind to break the reduce later
         self._specs[key], self._graphs[key] = spec, graph
+        self._names.add(key[0], key)
         self.reducers[(*key, rank)] = reducer
+        self._reducers_of.add(key[0], (*key, rank))
         self._charges[(*key, rank)] = charge
         return reducer
 
@@ -292,6 +310,7 @@ class StochasticService(BaseService):
     def _drop(self, rank_key: RankKey) -> Reducer:
         """Take a reducer out, giving its bytes back to the budget."""
         self._charges.pop(rank_key).release()
+        self._reducers_of.discard(rank_key[0], rank_key)
         return self.reducers.pop(rank_key)
 
     def _too_big(self, nbytes: int) -> str | None:
@@ -316,7 +335,7 @@ class StochasticService(BaseService):
         )
         log.warning("%s", message)
         self._broken[key] = message
-        for rank_key in [k for k in self.reducers if k[:2] == key]:
+        for rank_key in [k for k in self._reducers_of.of(key[0]) if k[1] == key[1]]:
             self._drop(rank_key).close(message)
             self._open.fail(rank_key, Failure(code=ErrorCode.USAGE, message=message))
 
@@ -439,9 +458,8 @@ class StochasticService(BaseService):
                 self._forget_job(job)
             return
         assert isinstance(event, RankJoined)
-        for rank_key, reducer in self.reducers.items():
-            if rank_key[0] == job:
-                reducer.rejoined(rank)
+        for rank_key in self._reducers_of.of(job):
+            self.reducers[rank_key].rejoined(rank)
         self._waiting.retry(job, lambda item: self._try(item, now))
 
     def on_suspicion(self, event: Suspicion, now: float) -> None:
@@ -450,12 +468,12 @@ class StochasticService(BaseService):
         :meth:`~fabricd.engines.stochastic.notify_ack.Reducer.resume`), or lose it (gone)."""
         match event:
             case RankSuspected(entry=entry):
-                for rank_key, reducer in self.reducers.items():
-                    if rank_key[0] == entry.job:
-                        reducer.interrupted(entry.rank)
+                for rank_key in self._reducers_of.of(entry.job):
+                    self.reducers[rank_key].interrupted(entry.rank)
             case RankBack(entry=entry):
-                for rank_key, reducer in list(self.reducers.items()):
-                    if rank_key[0] == entry.job:
+                for rank_key in self._reducers_of.of(entry.job):
+                    reducer = self.reducers.get(rank_key)
+                    if reducer is not None:
                         self._perform(rank_key[:2], rank_key[2], reducer.resume(entry.rank))
             case RankGone(entry=entry, reason=reason):
                 self._lose(entry.job, entry.rank, reason, now)
@@ -468,7 +486,7 @@ class StochasticService(BaseService):
         ``async`` the reducer goes (nobody dropped it: a new trainer starts it afresh, its
         versions from 1 again, as the neighbours expect); otherwise every later call fails,
         saying why."""
-        for rank_key in [k for k in self.reducers if k[0] == job and k[2] == rank]:
+        for rank_key in [k for k in self._reducers_of.of(job) if k[2] == rank]:
             reducer = self.reducers[rank_key]
             if reducer.sync is Sync.ASYNC:
                 self._drop(rank_key)
@@ -480,8 +498,9 @@ class StochasticService(BaseService):
                 )
 
     def _lose(self, job: str, rank: int, reason: str, now: float) -> None:
-        for rank_key, reducer in list(self.reducers.items()):
-            if rank_key[0] == job:
+        for rank_key in self._reducers_of.of(job):
+            reducer = self.reducers.get(rank_key)
+            if reducer is not None:
                 self._perform(rank_key[:2], rank_key[2], reducer.lose(rank, reason, now))
 
     def _forget_job(self, job: str) -> None:
@@ -490,12 +509,13 @@ class StochasticService(BaseService):
         so none is of use even while a remote rank of it is suspected: membership ends those
         suspicions (``RankGone``) at the latest when a claim brings the name back."""
         failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
-        for rank_key in [k for k in self.reducers if k[0] == job]:
+        for rank_key in self._reducers_of.of(job):
             self._drop(rank_key).close(failure.message)
             self._open.fail(rank_key, failure)
-        for table in (self._specs, self._graphs, self._broken):
-            for key in [k for k in table if k[0] == job]:
-                del table[key]
+        for key in self._names.of(job):  # a broken reduce was called: its spec is kept too
+            self._names.discard(job, key)
+            for table in (self._specs, self._graphs, self._broken):
+                table.pop(key, None)
         self._sessions.pop(job, None)
 
     # -- sending ----------------------------------------------------------------------------
