@@ -1,10 +1,10 @@
 """The byte budget: what the daemon holds on a tenant's behalf, charged before it is held.
 
 Rules: every buffer the daemon keeps because of a job -- a collective's arrays and landing
-slots, frames held for a collective not built yet, a stochastic reduce's slots, a
-parameter-server shard and its copies -- is charged here to the job and to its owner's uid
-*before* it is made, refused with ``limit`` naming the setting when either would go over
-(``max_held_bytes_per_uid``, ``max_held_bytes_per_job``), and released when freed.  Counting
+slots, a stochastic reduce's slots, a parameter-server shard and its copies -- is charged
+here to the job and to its owner's uid *before* it is made, refused with ``limit`` naming the
+setting when either would go over (``max_held_bytes_per_uid``, ``max_held_bytes_per_job``),
+and released when freed.  Counting
 alone (``max_collectives_per_job``) bounds how many things a tenant holds, not how large:
 one 64 MiB solo allreduce name pinned 192 MiB, an all-to-all reduce name 512 MiB, and a
 tenant whose arrays are sparse memfds paid nothing for what the daemon then held.

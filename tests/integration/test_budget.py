@@ -124,18 +124,18 @@ def test_reduces_and_models_are_charged_too(make_cluster: Callable[..., LocalClu
         fabricd.connect(job="big", rank=1, size=2, socket_path=path),
     ):
         with pytest.raises(OperationFailed, match="max_held_bytes_per_job") as refused:
-            server.parameter_server("m", COUNT, role="server", servers=(0,))  # 5 x 4 MiB
+            server.parameter_server("m", COUNT, role="server", servers=(0,))  # 6 x 4 MiB
         assert refused.value.code == "limit"
         assert "shard 0 of parameter server 'm'" in str(refused.value)
         small = server.parameter_server("s", COUNT // 8, role="server", servers=(0,))
-        assert small is not None  # 5 x 0.5 MiB fits
+        assert small is not None  # 6 x 0.5 MiB fits
         array = server.array("r", (COUNT,), "float32")
         with pytest.raises(OperationFailed, match="max_held_bytes_per_job") as refused:
             server.stochastic_reduce(array, graph="ring", name="r", timeout=30)
         assert "stochastic reduce 'r'" in str(refused.value)
         with fabricd.connect(socket_path=path) as control:
             status = control.status()
-        assert status["held_bytes"] == [{"uid": 0, "bytes": 5 * (COUNT // 8) * 4}]
+        assert status["held_bytes"] == [{"uid": 0, "bytes": 6 * (COUNT // 8) * 4}]
         assert status["counters"]["refused_max_held_bytes_per_job"] == 2
     with (  # a reduce that fits is charged, and given back with its job
         fabricd.connect(job="fits", rank=0, size=2, socket_path=path) as a,
@@ -150,7 +150,7 @@ def test_reduces_and_models_are_charged_too(make_cluster: Callable[..., LocalClu
             call.wait(30)
         with fabricd.connect(socket_path=path) as control:
             held = control.status()["held_bytes"]
-        assert held == [{"uid": 0, "bytes": 2 * 2 * ((COUNT // 8) * 4 + 16)}]  # 2 ranks x 2
+        assert held == [{"uid": 0, "bytes": 2 * 3 * ((COUNT // 8) * 4 + 16)}]  # 2 ranks x 3
     with fabricd.connect(socket_path=path) as control:
         for _ in range(100):
             if not control.status()["held_bytes"]:

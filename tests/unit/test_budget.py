@@ -10,6 +10,7 @@ its engine keeps after rounds of pushes and pulls.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -168,7 +169,7 @@ def _specs() -> list[tuple[Spec, int, int]]:
 def test_a_collectives_charge_bounds_what_it_holds_and_is_not_far_above_it() -> None:
     """Every kind, mode, algorithm, size and number of nodes and local ranks: the charge made
     before building (:func:`held_bytes`) is at least what the collective then holds, also after
-    views with fewer nodes, and (with a peer to hear from) at most 4x it."""
+    views with fewer nodes, and (with a peer to hear from) at most 5x it."""
     for spec, nodes, local in _specs():
         ranks = tuple(r // local for r in range(nodes * local))
         coll = Collective(
@@ -177,7 +178,7 @@ def test_a_collectives_charge_bounds_what_it_holds_and_is_not_far_above_it() -> 
         bound = held_bytes(spec, nodes, inplace=coll.inplace)
         assert _held_by(coll) <= bound, (spec, nodes, local)
         if nodes > 1 and spec.count >= 1000 and spec.kind != "barrier":  # (else chunks of 0)
-            assert bound <= 4 * _held_by(coll), (spec, nodes, local)
+            assert bound <= 5 * _held_by(coll), (spec, nodes, local)
         for fewer in range(1, nodes):  # a view that lost nodes holds no more than the charge
             smaller = tuple(r // local for r in range(fewer * local))
             after = Collective(
@@ -197,7 +198,7 @@ def _arrays(obj: object, seen: set[int]) -> int:
         return len(obj)
     if isinstance(obj, dict):
         return sum(_arrays(v, seen) for v in obj.values())
-    if isinstance(obj, list | tuple | set | frozenset):
+    if isinstance(obj, list | tuple | set | frozenset | deque):
         return sum(_arrays(v, seen) for v in obj)
     total = _arrays(getattr(obj, "__dict__", {}), seen)
     for klass in type(obj).__mro__:
@@ -272,8 +273,9 @@ def test_a_parameter_servers_shards_and_workers_give_their_bytes_back_when_they_
     workers = 2
     bsp = shard_copies({"n": 4, "servers": [0], "replicas": [1], "consistency": "bsp"}) * shard
     assert held == [{1000: bsp + WORKER_COPIES * shard}] * 2  # each node: a shard and a worker
-    assert shard_copies({"n": 4, "servers": [0], "replicas": [1], "consistency": "async"}) == 5
-    assert bsp == (5 + 2 * workers) * shard
+    async_ = {"n": 4, "servers": [0], "replicas": [1], "consistency": "async"}
+    assert shard_copies(async_) == 6 + workers  # a log entry per worker for the replica
+    assert bsp == (6 + 2 * workers + workers) * shard
     for rank in (2, 3, 0, 1):
         services.leave(rank)
     assert [host.budget.held_by_uid() for host in services.hosts] == [{}, {}]

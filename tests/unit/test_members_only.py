@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabricd.daemon.config import Config
 from fabricd.daemon.services.collectives import CollectiveService
 from fabricd.engines.actions import Failure
+from fabricd.engines.budget import ByteBudget
 from fabricd.engines.membership import RankJoined
+from fabricd.errors import OperationFailed
 from fabricd.frames import collectives as collectives_frames
 from tests.unit.test_collective_service_review import (
     JOB,
@@ -154,3 +157,75 @@ def test_a_parameter_server_frame_from_a_node_its_sender_is_not_on_gets_no_buffe
     assert svc.payload_buffer(1, pulled, 64) is None
     svc.on_data(1, pulled, 64, 0.0)
     assert svc.engine.counters["ps_frames_dropped"] == before + 2
+
+
+# -- a limit here is this tenant's, never a reason to reset a peer's links (review) -----------
+def _two_nodes(per_uid: int) -> tuple[list[Table], Wire, list[CollectiveService], list[FakeHost]]:
+    """Node 0 and node 1, each with its own rank table; node 1's budget is ``per_uid``."""
+    wire = Wire()
+    tables, services, hosts = [Table(), Table()], [], []
+    for node in range(2):
+        host = FakeHost(Config(node_id=node, nodes=NODES))
+        if node == 1:
+            host.budget = ByteBudget(per_uid=per_uid, per_job=1 << 40)
+        host.links = {peer: wire.link(node, peer) for peer in range(len(NODES)) if peer != node}
+        services.append(CollectiveService(host, membership=tables[node]))  # type: ignore[arg-type]
+        hosts.append(host)
+    return tables, wire, services, hosts
+
+
+def _joined(table: Table, svc: CollectiveService) -> None:
+    for entry in table.join(JOB, 2, (0, 1), owner=1000):
+        svc.on_rank_event(RankJoined(entry=entry), 0.0)
+
+
+def test_a_peer_frame_refused_by_the_budget_fails_both_sides_and_keeps_the_link() -> None:
+    tables, wire, services, hosts = _two_nodes(per_uid=64)  # below any collective's charge
+    for table, svc in zip(tables, services, strict=True):
+        _joined(table, svc)
+    call(services[0], client(0, 2, [1.0] * 4), 100)  # node 0's rank calls first
+    for _ in range(100):  # no RemoteProtocolError: that would reset every tenant's link
+        if not wire.frames:
+            break
+        deliver(services, *wire.frames.pop(0))
+    assert services[1]._counters["frames_refused_limit"] >= 1
+    failed = hosts[0].answered[100]
+    assert isinstance(failed, Failure)
+    assert failed.code == "peer_failed", failed  # node 1 told node 0: no wait for ever
+    with pytest.raises(OperationFailed, match="max_held_bytes_per_uid") as refused:
+        call(services[1], client(1, 2, [2.0] * 4), 101)
+    assert refused.value.code == "limit"
+
+
+def test_frames_held_then_refused_leave_no_call_waiting_once_the_budget_frees() -> None:
+    tables, wire, services, hosts = _two_nodes(per_uid=1 << 40)
+    blocker = hosts[1].budget.charge(1000, "other", (1 << 40) - 64, "another job of uid 1000")
+    _joined(tables[0], services[0])  # node 0 knows the ranks, node 1 not yet
+    call(services[0], client(0, 2, [1.0] * 4), 100)
+    while wire.frames:  # node 0's frames reach node 1 early: held there
+        deliver(services, *wire.frames.pop(0))
+    _joined(tables[1], services[1])  # building is refused: the held frames go, node 0 is told
+    blocker.release()
+    with pytest.raises(OperationFailed):  # the name stays refused here until the job ends
+        call(services[1], client(1, 2, [2.0] * 4), 101)
+    while wire.frames:
+        deliver(services, *wire.frames.pop(0))
+    assert isinstance(hosts[0].answered.get(100), Failure)  # answered, not waiting
+
+
+def test_a_strangers_frame_held_before_the_ranks_are_known_does_not_block_a_members() -> None:
+    table, wire = Table(), Wire()
+    services = []
+    for node in range(len(NODES)):
+        host = FakeHost(Config(node_id=node, nodes=NODES))
+        host.links = {peer: wire.link(node, peer) for peer in range(len(NODES)) if peer != node}
+        services.append(CollectiveService(host, membership=table))  # type: ignore[arg-type]
+    meta = collectives_frames.Coll(
+        job=JOB, name=NAME, round=0, tag=0, off=0, lost=(), base=0, spec=spec(4)
+    ).to_meta()
+    deliver(services, STRANGER, 0, meta, b"\0" * 32)  # held: the job's ranks are not known yet
+    deliver(services, 1, 0, meta, b"\0" * 32)  # the member's, held behind it
+    for entry in table.join(JOB, 2, (0, 1), owner=1000):
+        services[0].on_rank_event(RankJoined(entry=entry), 0.0)
+    assert (JOB, NAME) in services[0].collectives  # built from the member's held frame
+    assert services[0]._counters["frames_refused_not_member"] == 1

@@ -1,30 +1,22 @@
 """The collective service: ``collective`` requests and COLL frames, for persistent schedules.
 
-Drives :mod:`fabricd.engines.collectives.persistent`: one
-:class:`~fabricd.engines.collectives.persistent.Collective`
-per (job, name) on this node, built by the first call or the first peer frame of that name,
-and kept round after round (eager-SGD §4.1, §4.3: persistent schedules).  A request names the
-collective, its kind (allreduce, broadcast, barrier), the caller's array (a view of its
+Drives one :class:`~fabricd.engines.collectives.persistent.Collective` per (job, name) on this
+node, built by the first call or peer frame of that name and kept round after round (eager-SGD
+§4.1, §4.3).  A request names the collective, its kind, the caller's array (a view of its
 segment), op and mode; the engine reads the contribution from the array and writes the result
-into it, and the service answers ``{round, included, active}``.
+into it; the service answers ``{round, included, active}``.
 
-The data plane: every message of a round is one COLL frame on the data link (more only past
-``chunk_size``), landing in the slot the receiving node allocated when it built the same
-schedule: the posted-buffer path, with no RTS, CTS or RTR (``docs/architecture.md``).  The
-frame names the slot by (job, name, round, tag); both ends derive the same slots from the same
-schedule, so no key needs to be exchanged.  Frames to one peer leave in order: at once while the
-link takes them, else from a queue one task drains.
+Every message of a round is one COLL frame on the data link (more only past ``chunk_size``),
+landing in the slot the receiving node allocated for the same schedule: the posted-buffer path,
+no RTS, CTS or RTR.  Frames to one peer leave in order: at once while the link takes them, else
+from a queue one task drains.  Frames a node refuses (``refusals.py``) never reset its links.
 
-Membership: a collective runs over the nodes that host the job's ranks, so it is built only
-once every rank of the job is known here.  A call made earlier waits (up to ``route_timeout``,
-then fails with code ``no_such_rank``); a peer's frame that comes earlier is held, within
-``max_held_bytes``, until it can be placed.  A member node that goes down fails a sync
-collective's calls and breaks it; solo and majority go on among the survivors (the engine's
-docstring says how).  A member whose links were reset is counted down only once membership
-says it is gone (:class:`~fabricd.engines.membership.NodeGone`: not back, the same daemon,
-within ``down_after``); back in time (:class:`~fabricd.engines.membership.NodeBack`), the
-collective runs on.  A rank that leaves fails the open calls of sync collectives; its clients
-hear ``rank_left`` events.
+Membership: a collective runs over the nodes that host the job's ranks, built once every rank
+is known here.  A call made earlier waits (up to ``route_timeout``, then ``no_such_rank``); a
+peer's frame that comes earlier is held, within bounds, until it can be placed.  A member node
+that goes down fails a sync collective's calls and breaks it; solo and majority go on among the
+survivors.  A member whose links were reset is down only once membership says so (``NodeGone``;
+back in time, ``NodeBack``, it runs on).  A rank that leaves fails sync calls (``rank_left``).
 """
 
 from __future__ import annotations
@@ -49,6 +41,7 @@ from fabricd.daemon.services.jobs import (
     refuse_while_draining,
     region,
 )
+from fabricd.daemon.services.refusals import OverLimit, Refused, Stranger
 from fabricd.dtypes import ITEMSIZE, REDUCE_DTYPES
 from fabricd.engines.actions import Failure
 from fabricd.engines.collectives.algorithms import Algorithm, choose_allreduce
@@ -110,16 +103,6 @@ class _Waiting:
     deadline: float
 
 
-class _Stranger(Exception):
-    """A peer's frame for a collective of a job that peer hosts no rank of."""
-
-    def __init__(self, node: int, frame: collectives_frames.Coll) -> None:
-        super().__init__(
-            f"node {node} sent a frame of collective {frame.name!r} of job {frame.job!r}, "
-            "whose ranks it hosts none of: refused"
-        )
-
-
 class CollectiveService(BaseService):
     """Persistent collectives: sync, solo and majority allreduce, broadcast, barrier."""
 
@@ -133,6 +116,8 @@ class CollectiveService(BaseService):
         self.collectives: dict[Key, Collective] = {}
         self._specs: dict[Key, Meta] = {}  #: each collective's spec as its frames carry it
         self._charges: dict[Key, Charge] = {}  #: what each collective holds, on the budget
+        #: collectives a peer's frame could not build here (a limit), and why, until the job ends
+        self._over_limit: dict[Key, str] = {}
         self.operations = OperationStats(self.name, kinds=["allreduce", "broadcast", "barrier"])
         self._open: OpenCalls[int] = OpenCalls(host, self.operations)  #: by token
         self._sessions: dict[str, set[ClientSession]] = {}  #: clients that called, per job
@@ -150,6 +135,7 @@ class CollectiveService(BaseService):
             "frames_held": 0,
             "frames_dropped": 0,  #: held past the bound, or for a collective that cannot be built
             "frames_refused_not_member": 0,  #: from a node that hosts no rank of the job
+            "frames_refused_limit": 0,  #: for a collective a limit kept from being built here
             "rounds": 0,
         }
 
@@ -217,6 +203,8 @@ class CollectiveService(BaseService):
         assert session.job is not None
         key = (session.job, waiting.name)
         coll = self.collectives.get(key)
+        if coll is None and key in self._over_limit:
+            raise OperationFailed(self._over_limit[key], code=ErrorCode.LIMIT)
         ranks = self._ranks(session.job, session.size) if coll is None else None
         if coll is None and ranks is None:
             return False
@@ -253,15 +241,10 @@ class CollectiveService(BaseService):
 
     def _disagree(self, key: Key, coll: Collective, spec: Spec, message: str) -> None:
         """``key`` was called (here, or by a peer whose frame says so) as ``spec``, unlike the
-        collective here: its rounds cannot complete, so it breaks here, and every member hears
-        of it, or the ranks on nodes that have not seen the other spec would wait for ever.
-
-        Each member gets two NOTICE frames, one with each spec: whichever side of the
-        difference a member is on, one of the two disagrees with its own and breaks it there
-        too, naming both (a single NOTICE with the other spec would leave the nodes that run
-        that spec waiting).  A broken collective sends no more, so the news spreads once per
-        node, never in a loop.
-        """
+        collective here: it breaks here, and every member gets two NOTICE frames, one with each
+        spec, so whichever side a member is on one disagrees with its own and breaks it there
+        too, naming both (one NOTICE would leave the nodes that run the other spec waiting).
+        A broken collective sends no more: the news spreads once per node, never in a loop."""
         if coll.broken is not None:
             return
         self._perform(key, coll.break_with(ErrorCode.USAGE, message))
@@ -355,7 +338,7 @@ class CollectiveService(BaseService):
         assert isinstance(frame, collectives_frames.Coll)
         try:
             coll = self._collective(frame, node)
-        except _Stranger:
+        except Refused:
             return None  # read and dropped; on_data refuses the frame and counts it
         if coll is None:
             return memoryview(self._hold(node, frame, length).payload)
@@ -384,9 +367,9 @@ class CollectiveService(BaseService):
             return
         try:
             coll = self._collective(frame, node)
-        except _Stranger as exc:
-            self._counters["frames_refused_not_member"] += 1
-            remote_log.warning("stranger", "%s", exc)
+        except Refused as exc:
+            self._counters[exc.counter] += 1
+            remote_log.warning("refused", "%s", exc)
             return
         if coll is None:
             self._hold(node, frame, 0, whole=True)
@@ -401,14 +384,16 @@ class CollectiveService(BaseService):
         is known here; ``None``: not yet (the frame is held).
 
         Raises:
-            _Stranger: ``node`` hosts no rank of the job (as far as every rank of it is known
+            Stranger: ``node`` hosts no rank of the job (as far as every rank of it is known
                 here): the frame is refused before anything is built or allocated for it.
             RemoteProtocolError: its spec is malformed.
         """
         key = (frame.job, frame.name)
         coll = self.collectives.get(key)
         if coll is not None and node not in coll.initial:
-            raise _Stranger(node, frame)
+            raise Stranger(node, frame)
+        if coll is None and key in self._over_limit:
+            raise OverLimit(self._over_limit[key])
         if coll is not None and frame.spec == self._specs[key]:
             return coll  # every frame of a round: no need to parse the spec again
         spec = Spec.from_meta(frame.spec)
@@ -424,7 +409,7 @@ class CollectiveService(BaseService):
         size = self.membership.job_size(frame.job)
         ranks = self._ranks(frame.job, size) if size is not None else None
         if ranks is not None and node not in ranks:
-            raise _Stranger(node, frame)
+            raise Stranger(node, frame)
         if ranks is None or self.host.config.node_id not in ranks:
             return None
         nbytes = spec.count * ITEMSIZE[spec.dtype]
@@ -435,10 +420,27 @@ class CollectiveService(BaseService):
             )
         try:
             return self._build(key, spec, ranks, self.host.now(), choose=False)
-        except (OperationFailed, UsageError) as exc:  # at its bound here, or a bad root
+        except OperationFailed as exc:  # at a limit here: this tenant's, not the link's fault
+            self._refuse_to_build(key, frame, ranks, str(exc))
+            raise OverLimit(str(exc)) from None
+        except UsageError as exc:  # a bad root
             raise RemoteProtocolError(str(exc)) from None
         except (MemoryError, ValueError) as exc:  # its buffers do not fit in this process
             raise RemoteProtocolError(f"cannot build {frame.name!r} here: {exc!r}") from None
+
+    def _refuse_to_build(
+        self, key: Key, frame: collectives_frames.Coll, ranks: tuple[int, ...], why: str
+    ) -> None:
+        """A peer's frame would build ``key`` past a limit here: remember it until the job ends
+        (later frames are dropped, local calls fail with ``limit``) and send every other member
+        a NOTICE naming it lost, which breaks the collective there (its calls fail with
+        ``peer_failed``; this node's log says why) instead of waiting for this node for ever."""
+        log.warning("collective %r of job %r cannot be built here: %s", key[1], key[0], why)
+        self._over_limit[key] = why
+        for node in sorted(set(ranks) - {self.host.config.node_id}):
+            empty = memoryview(b"")
+            notice = Transmit(node=node, round=0, tag=NOTICE, payload=empty, lost=(node,), base=0)
+            self._transmit(key, notice, spec=frame.spec)
 
     def _hold(
         self, node: int, frame: collectives_frames.Coll, length: int, *, whole: bool = False
@@ -480,9 +482,9 @@ class CollectiveService(BaseService):
                 actions = coll.arrived(
                     item.node, frame.tag, frame.round, n, frame.lost, frame.base, now
                 )
-            except _Stranger as exc:
-                self._counters["frames_refused_not_member"] += 1
-                remote_log.warning("stranger", "%s", exc)
+            except Refused as exc:
+                self._counters[exc.counter] += 1
+                remote_log.warning("refused", "%s", exc)
                 continue
             except RemoteProtocolError as exc:
                 self._counters["frames_dropped"] += 1
@@ -533,12 +535,17 @@ class CollectiveService(BaseService):
             self._track(key)
         self._waiting.retry(job, lambda item: self._try(item, now))
         for key in self._held.keys_of(job):
-            if (first := self._held.first(key)) is not None:
+            while (first := self._held.first(key)) is not None:
                 try:
                     self._collective(first.frame, first.node)  # builds and replays if it can
-                except RemoteProtocolError as exc:
+                except Stranger as exc:  # its frames go; a member's behind them may build
+                    self._counters[exc.counter] += self._held.drop_from(key, first.node)
+                    remote_log.warning("refused", "%s", exc)
+                    continue
+                except (Refused, RemoteProtocolError) as exc:
                     remote_log.warning("held", "dropping held frames of %r: %s", key, exc)
                     self._drop_held(key)
+                break
 
     def _forget_job(self, job: str) -> None:
         """``job`` is gone from the fabric (no rank of it is known any more): its collectives,
@@ -560,6 +567,8 @@ class CollectiveService(BaseService):
             )
         for key in self._held.keys_of(job):
             self._drop_held(key)
+        for key in [k for k in self._over_limit if k[0] == job]:
+            del self._over_limit[key]
         self._sessions.pop(job, None)
 
     def _drop_held(self, key: Key) -> None:

@@ -120,6 +120,21 @@ class HeldFrames:
         self._settle(key)
         return count
 
+    def drop_from(self, key: Key, node: int) -> int:
+        """Forget ``key``'s frames from ``node`` (a node that hosts no rank of the job);
+        returns how many there were."""
+        frames = self._frames.get(key)
+        if not frames:
+            return 0
+        kept = deque(h for h in frames if h.node != node)
+        for held in frames:
+            if held.node == node:
+                self._forget(held)
+        dropped = len(frames) - len(kept)
+        self._frames[key] = kept
+        self._settle(key)
+        return dropped
+
     def drop_node(self, node: int) -> list[Key]:
         """Forget the frames ``node`` sent (its links were reset); returns the names that still
         hold frames of other nodes.  A rare event: it looks at every held frame (at most

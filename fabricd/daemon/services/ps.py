@@ -106,15 +106,17 @@ class _Ranks:
 #: and a snapshot for a partner; lossless publishing one more), charged on the byte budget:
 #: bounds measured on the engine (tests/unit/test_budget.py)
 WORKER_COPIES: Final = 3
-SHARD_COPIES: Final = 5
+SHARD_COPIES: Final = 6
 
 
 def shard_copies(spec: Meta) -> int:
-    """Shard-sized arrays a server or replica of ``spec`` may hold: :data:`SHARD_COPIES`, and
-    under BSP the pushes it holds until every worker pushed the iteration: at most two per
-    worker (a worker may push one iteration past the one not complete yet)."""
+    """Shard-sized arrays a server or replica of ``spec`` may hold: :data:`SHARD_COPIES`;
+    under BSP the pushes it holds until every worker pushed the iteration (at most two per
+    worker: a worker may push one iteration past the one not complete yet); with a replica,
+    the log entries a primary keeps until its replica confirms them (one per worker)."""
     workers = spec["n"] - len(spec["servers"]) - len(spec["replicas"])
-    return SHARD_COPIES + (2 * workers if spec["consistency"] == "bsp" else 0)
+    bsp = 2 * workers if spec["consistency"] == "bsp" else 0
+    return SHARD_COPIES + bsp + (workers if spec["replicas"] else 0)
 
 
 class PSService(BaseService):

@@ -270,7 +270,9 @@ class StochasticService(BaseService):
                     code=ErrorCode.LIMIT,
                 )
         graph = self._graphs[key] if known is not None else _graph(spec)  # refused saying why
-        charge = self._charge(key, rank, spec, len(graph.in_neighbours[rank]))
+        charge = self._charge(
+            key, rank, spec, len(graph.in_neighbours[rank]) + len(graph.out_neighbours[rank])
+        )
         try:
             reducer = Reducer(
                 rank=rank,
@@ -294,16 +296,17 @@ class StochasticService(BaseService):
         self._charges[(*key, rank)] = charge
         return reducer
 
-    def _charge(self, key: Key, rank: int, spec: Meta, sources: int) -> Charge:
-        """Charge a reducer's slots (one update per in-neighbour, and its own) to the job's
-        byte budget before they are made.
+    def _charge(self, key: Key, rank: int, spec: Meta, edges: int) -> Charge:
+        """Charge a reducer's slots to the job's byte budget before they are made: one update
+        per in-neighbour, its own, and one per out-neighbour (async and barrier rounds stage a
+        fresh update while frames queued to a slow neighbour still hold the last one).
 
         Raises:
             OperationFailed: code ``limit``: the job or its owner's uid would go over its budget.
         """
         job, name = key
         owner = self.membership.owner(job)
-        nbytes = (sources + 1) * update_size(spec["nbytes"])
+        nbytes = (edges + 1) * update_size(spec["nbytes"])
         what = f"rank {rank}'s stochastic reduce {name!r} of job {job!r}"
         return self.host.budget.charge(-1 if owner is None else owner, job, nbytes, what)
 

@@ -114,8 +114,9 @@ def held_bytes(spec: Spec, nodes: int, *, inplace: bool) -> int:
 
     A bound, not the exact figure, so that it holds for every later view too (a node lost
     makes the ring's chunks larger, never the sum of its slots).  With ``T`` the tensor's bytes
-    (partial modes carry one more element, the active count): ``data`` and ``result`` (none
-    in place, where they are the callers' arrays), partial modes' accumulator and snapshot,
+    (partial modes carry one more element, the active count): ``data`` and ``result`` (in
+    place they are the callers' arrays, but a call that fails or leaves mid-round leaves the
+    round a copy of its array: one ``T``), partial modes' accumulator and snapshot,
     and the landing slots, one per receive and per round parity: the ring's and the direct
     exchange's receives of one round add up to under ``2T`` (in place only the
     reduce-scatter's, under ``T``, one slot for both parities), recursive doubling's to at
@@ -123,7 +124,7 @@ def held_bytes(spec: Spec, nodes: int, *, inplace: bool) -> int:
     of two), a broadcast's one message of ``T``; a barrier's messages are empty.
     """
     tensor = (spec.count + (1 if spec.partial else 0)) * np.dtype(spec.dtype).itemsize
-    own = (0 if inplace else 2) + (2 if spec.partial else 0)
+    own = (1 if inplace else 2) + (2 if spec.partial else 0)
     match spec.kind:
         case "barrier":
             slots = 0
