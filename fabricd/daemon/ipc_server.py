@@ -60,7 +60,7 @@ from fabricd.dirs import make_dirs, unsafe_directory
 from fabricd.errors import ConfigError, ErrorCode, LocalProtocolError, ProtocolError
 from fabricd.ipc import CLOSING_EVENT, REPLY_LIMITS, REQUEST_LIMITS, closing_frame
 from fabricd.transports import batch
-from fabricd.wire import NEED_DATA, Decoder, Frame, Kind, Meta, encode_head
+from fabricd.wire import HEADER_SIZE, NEED_DATA, Decoder, Frame, Kind, Meta, encode_head
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -82,6 +82,8 @@ _MAX_QUEUED: Final = 128
 #: such batches (issue 28, item 1: tests/integration/test_tenant_cost.py).  A request is a few
 #: hundred bytes and its data travels in shared memory, so the extra reads cost little
 _RECV_SIZE: Final = 4 * 1024
+#: reads that cover the largest request a client may send (``REQUEST_LIMITS``), and its header
+_RESCUE_READS: Final = -(-(REQUEST_LIMITS.max_meta + HEADER_SIZE) // _RECV_SIZE) + 1
 _FD_SPACE: Final = socket.CMSG_SPACE(MAX_FDS_PER_REQUEST * struct.calcsize("i"))
 #: SO_PEERGROUPS from <asm-generic/socket.h>; the socket module does not name it
 _SO_PEERGROUPS: Final = getattr(socket, "SO_PEERGROUPS", 59)
@@ -315,9 +317,12 @@ class IpcConnection:
         self._timer = None
         # A loop that was busy elsewhere for as long as the deadline may run it before it
         # reads what came meanwhile (libuv, so uvloop, runs due timers before it polls): the
-        # client is cut only if what it owed has not arrived, and one read gives it no more time
-        if self._on_readable() or self.closed:
-            return
+        # client is cut only if what it owed has not arrived.  Reads are _RECV_SIZE at a time,
+        # and a request's metadata may be up to 64 KiB: read as many as the largest needs (one
+        # that finds nothing costs a system call), never more, so this gives it no more time
+        for _ in range(_RESCUE_READS):
+            if self._on_readable() or self.closed:
+                return
         self.timed_out = True
         self._server.timed_out(self, reason)
         self.close(reason)

@@ -12,10 +12,12 @@ import contextlib
 import os
 import resource
 import select
+import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -181,3 +183,31 @@ def test_a_local_cluster_under_umask_000_keeps_its_directories_private(make_clus
     assert stat.S_IMODE(cluster.directory.stat().st_mode) == 0o700
     assert stat.S_IMODE(log_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE(os.stat(cluster.nodes[0].socket_path).st_mode) == 0o660
+
+
+def test_a_large_request_that_came_while_the_daemon_was_stopped_is_not_cut(make_cluster) -> None:
+    """The client socket is read 4 KiB at a time: a request of 12 KiB whose end arrived while the
+    daemon's loop was stopped past client_frame_timeout is read whole when the deadline runs,
+    not cut as unfinished (review of issue 28: one read at the deadline was not enough)."""
+    from fabricd.client.connection import Call
+
+    cluster = make_cluster(1, client_frame_timeout=1.0)
+    node = cluster.nodes[0]
+    assert node.process is not None
+    with fabricd.connect(socket_path=node.socket_path) as fab:
+        conn = fab._connection
+        fields = {"seg": 1, **{f"p{k}": "x" * 3000 for k in range(4)}}
+        rid, frame = conn._protocol.request("detach", fields)
+        assert len(frame) > 12_000
+        call = Call(rid, "detach")
+        conn._calls[rid] = call
+        conn._sock.sendall(frame[:100])  # the daemon reads a frame's start: its timer runs
+        time.sleep(0.3)
+        os.kill(node.process.pid, signal.SIGSTOP)
+        try:
+            conn._sock.sendall(frame[100:])  # the rest arrives while the daemon is stopped
+            time.sleep(2.0)  # past client_frame_timeout
+        finally:
+            os.kill(node.process.pid, signal.SIGCONT)
+        reply = conn.wait(call, 10)
+    assert reply.meta.get("code") != "protocol", reply.meta  # answered, not cut

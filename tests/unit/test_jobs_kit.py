@@ -154,3 +154,31 @@ def test_a_client_that_leaves_abandons_its_open_calls() -> None:
     assert stats.abandoned_by_kind["sync"] == 1
     assert [key for key, _ in calls.items()] == [11]
     assert fake.answered == {}
+
+
+def test_an_expired_call_of_a_huge_job_looks_up_only_the_ranks_it_names() -> None:
+    """A job's size is the client's to say (up to 2**31): naming the missing ranks of an expired
+    call must not walk, or list, all of them (review: seconds of loop, or the daemon's memory)."""
+
+    class Counting(Table):
+        lookups = 0
+
+        def lookup(self, job: str, rank: int) -> object:
+            Counting.lookups += 1
+            return super().lookup(job, rank)
+
+    table = Counting()
+    size = 2**31 - 1
+    table.join("big", size, (0,), owner=1000)  # rank 0 only is known
+    fake = FakeHost(Config(node_id=0, nodes=("127.0.0.1:1", "127.0.0.1:2")))
+    calls = WaitingForRanks(fake, table, "x calls", lambda c: "x")  # type: ignore[arg-type]
+    who = ClientSession(conn=None, job="big", rank=0, size=size)  # type: ignore[arg-type]
+    calls.add(Call(session=who, request_id=1, deadline=1.0))
+    Counting.lookups = 0
+    calls.expire(1.0)
+    assert Counting.lookups < 100
+    failure = fake.answered[1]
+    assert isinstance(failure, Failure)
+    assert failure.code == ErrorCode.NO_SUCH_RANK
+    assert "ranks 1, 2, 3" in failure.message
+    assert "..." in failure.message

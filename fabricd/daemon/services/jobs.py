@@ -54,7 +54,11 @@ def _waited_too_long(
 ) -> Failure:
     """``no_such_rank`` for a call (``what``: "allreduce 'grad'") that waited
     ``route_timeout`` for the ranks of ``job`` not known yet, naming them."""
-    missing = [r for r in range(size) if membership.lookup(job, r) is None]
+    # the first few missing ranks only: a job's size is the client's to say (up to 2**31), and
+    # a list of every missing rank cost the loop seconds, or its memory, per expired call
+    missing = list(
+        itertools.islice((r for r in range(size) if membership.lookup(job, r) is None), _SHOWN + 1)
+    )
     shown = ", ".join(map(str, missing[:_SHOWN])) + (" ..." if len(missing) > _SHOWN else "")
     return Failure(
         code=ErrorCode.NO_SUCH_RANK,

@@ -431,7 +431,11 @@ class StochasticService(BaseService):
             raise RemoteProtocolError(too_big)
         try:
             reducer = self._reducer(key, frame.dst, spec)
-        except (UsageError, OperationFailed) as exc:  # a graph that cannot be, or the bound
+        except OperationFailed as exc:  # a limit here: this tenant's, not the link's fault
+            self._counters["graph_frames_dropped"] += 1
+            remote_log.warning("limit", "a peer's frame cannot build %r here: %s", key, exc)
+            return None
+        except UsageError as exc:  # a graph that cannot be
             raise RemoteProtocolError(f"stochastic reduce spec: {exc}") from exc
         if reducer is None:
             self._counters["graph_frames_dropped"] += 1
