@@ -21,9 +21,10 @@ connections worth keeping are the ones that are already answering or that just a
 connection still dribbling its head after others came is the one to drop.  The victim is
 chosen by, in order:
 
-1. *the source address holding the most connections* (the newcomer counted): one address
-   churning through the places evicts its own, never a scraper from another address -- a
-   Prometheus elsewhere is safe from any single host, the node itself included;
+1. *the source holding the most connections* (the newcomer counted): one source churning
+   through the places evicts its own, never a scraper from another.  A source is an address
+   group a host can fill without privilege (:func:`source_group`): the whole loopback range
+   (any local user may bind 127.0.0.2 ... 127.255.255.254), an IPv4 /24, an IPv6 /64;
 2. *no complete head yet* before answering: an answer being taken is kept while any
    dribbling connection of that address remains;
 3. *the oldest* (by arrival): a prompt scraper is evicted only if 16 connections arrive
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import itertools
 import logging
 from typing import TYPE_CHECKING, Final, cast
@@ -187,7 +189,7 @@ class _Scrape(asyncio.Protocol):
         # (uvloop's transports are not subclasses of asyncio.Transport, only alike)
         self._transport = cast("asyncio.Transport", transport)
         peer = transport.get_extra_info("peername")
-        self.source = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        self.source = source_group(str(peer[0])) if isinstance(peer, tuple) and peer else ""
         self._server.admit(self)
         self._deadline = asyncio.get_running_loop().call_later(REQUEST_TIMEOUT, self.expire)
 
@@ -241,3 +243,19 @@ def _response(
         "Connection: close\r\n\r\n"
     ).encode()
     return header + body
+
+
+def source_group(host: str) -> str:
+    """The group of addresses ``host`` belongs to for eviction: loopback as one (any local user
+    may bind any 127/8 address, or ::1), an IPv4 /24, an IPv6 /64 (a host is commonly given a
+    whole /64); an IPv4-mapped IPv6 address as its IPv4 one.  Anything unparsable as itself."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return "loopback"
+    prefix = 24 if address.version == 4 else 64
+    return str(ipaddress.ip_network(f"{address}/{prefix}", strict=False))

@@ -165,9 +165,11 @@ async def test_a_slow_honest_scraper_gets_its_answer(server):
     assert server.timed_out == 0
 
 
-async def test_a_slow_scraper_from_another_address_outlasts_a_slowloris(server):
+async def test_a_slow_scraper_from_another_address_outlasts_a_slowloris(server, monkeypatch):
     """The slowloris from 127.0.0.1 turns every place over while the scraper from 127.0.0.2
-    dribbles its head: evictions fall on the address that holds the most."""
+    dribbles its head: evictions fall on the address that holds the most.  (Loopback is one
+    source group; here each address stands for a host of its own.)"""
+    monkeypatch.setattr(metrics_http, "source_group", lambda host: host)
     port = _port(server)
     async with Slowloris(port, SOCKETS, BYTE_EVERY):
         await _until(lambda: server.connections == MAX_CONNECTIONS)
@@ -213,7 +215,8 @@ async def test_a_newcomer_past_the_bound_evicts_the_oldest_idle_connection(serve
         writer.close()
 
 
-async def test_the_address_holding_the_most_loses_a_place_first(server):
+async def test_the_address_holding_the_most_loses_a_place_first(server, monkeypatch):
+    monkeypatch.setattr(metrics_http, "source_group", lambda host: host)  # (as above)
     port = _port(server)
     reader, writer = await _idle(port, source="127.0.0.2")  # the oldest of all
     await _until(lambda: server.connections == 1)
@@ -278,3 +281,15 @@ async def test_answers_being_taken_are_evicted_after_idle_connections(monkeypatc
         endpoint.close()
         for sock in stuck:
             sock.close()
+
+
+def test_sources_are_the_address_groups_a_host_can_fill_without_privilege() -> None:
+    """Any local user may bind any 127/8 address: spreading a slowloris over them must not
+    make every connection a source of its own (review of issue 28)."""
+    group = metrics_http.source_group
+    assert group("127.0.0.1") == group("127.3.2.1") == group("::1") == "loopback"
+    assert group("10.1.2.3") == group("10.1.2.200") == "10.1.2.0/24"
+    assert group("10.1.3.3") != group("10.1.2.3")
+    assert group("::ffff:10.1.2.3") == "10.1.2.0/24"
+    assert group("2001:db8::1") == group("2001:db8::ffff") == "2001:db8::/64"
+    assert group("not an address") == "not an address"
