@@ -534,7 +534,8 @@ class CollectiveService(BaseService):
             self.collectives[key].rank_back(self._live(job, self.collectives[key].size))
             self._track(key)
         self._waiting.retry(job, lambda item: self._try(item, now))
-        for key in self._held.keys_of(job):
+        whole = self.membership.known(job) >= (self.membership.job_size(job) or 2**62)  # O(1)
+        for key in self._held.keys_of(job) if whole else ():
             while (first := self._held.first(key)) is not None:
                 try:
                     self._collective(first.frame, first.node)  # builds and replays if it can
