@@ -41,6 +41,16 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def _nothing_held(path: str) -> None:
+    """Wait until the daemon holds nothing for anyone (the jobs that held it ended)."""
+    with fabricd.connect(socket_path=path) as control:
+        for _ in range(100):
+            if not control.status()["held_bytes"]:
+                break
+            time.sleep(0.05)
+        assert control.status()["held_bytes"] == []
+
+
 def _names_until_refused(fab: fabricd.Fabric, prefix: str, limit: int) -> tuple[int, str]:
     """Solo allreduces under new names until one is refused; returns how many ran and why the
     last was refused."""
@@ -103,12 +113,7 @@ def test_a_tenant_past_its_budget_is_refused_and_others_go_on(
         limit = ("fabricd_held_bytes_limit", frozenset({("per", "uid")}))
         assert samples[limit] == 3 * SOLO + MiB
     # both jobs ended: what they held is given back, and a new job may hold it again
-    with fabricd.connect(socket_path=path) as control:
-        for _ in range(100):
-            if not control.status()["held_bytes"]:
-                break
-            time.sleep(0.05)
-        assert control.status()["held_bytes"] == []
+    _nothing_held(path)
     with fabricd.connect(job="greedy", rank=0, size=1, socket_path=path) as again:
         ran, why = _names_until_refused(again, "g", 2)
         assert ran == 2, why
@@ -151,9 +156,4 @@ def test_reduces_and_models_are_charged_too(make_cluster: Callable[..., LocalClu
         with fabricd.connect(socket_path=path) as control:
             held = control.status()["held_bytes"]
         assert held == [{"uid": 0, "bytes": 2 * 3 * ((COUNT // 8) * 4 + 16)}]  # 2 ranks x 3
-    with fabricd.connect(socket_path=path) as control:
-        for _ in range(100):
-            if not control.status()["held_bytes"]:
-                break
-            time.sleep(0.05)
-        assert control.status()["held_bytes"] == []
+    _nothing_held(path)
