@@ -373,17 +373,16 @@ def _cgroup_memory_limit(
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # cgroup v2: one hierarchy
-            candidates = [f"{root}{path.rstrip('/')}/memory.max"]
+            limit_file = f"{root}{path.rstrip('/')}/memory.max"
         elif "memory" in controllers.split(","):  # cgroup v1: the memory controller's
-            candidates = [f"{root}/memory{path.rstrip('/')}/memory.limit_in_bytes"]
+            limit_file = f"{root}/memory{path.rstrip('/')}/memory.limit_in_bytes"
         else:
             continue
-        for candidate in candidates:
-            try:
-                with open(candidate) as fh:
-                    text = fh.read().strip()
-            except OSError:
-                continue
-            if text.isdigit():
-                return min(unlimited, int(text))
+        try:
+            with open(limit_file) as fh:
+                text = fh.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return min(unlimited, int(text))
     return unlimited

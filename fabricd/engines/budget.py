@@ -23,15 +23,14 @@ Sans-IO: no clock and no I/O; the daemon derives the defaults from the node's me
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import Final
 
+from fabricd.engines.counts import count_down
 from fabricd.errors import ErrorCode, OperationFailed
 
 #: the settings a refusal names (docs/operations.md, "Limits")
 PER_UID: Final = "max_held_bytes_per_uid"
 PER_JOB: Final = "max_held_bytes_per_job"
-
-_K = TypeVar("_K", int, str)
 
 
 @dataclass(slots=True, eq=False)
@@ -108,8 +107,8 @@ class ByteBudget:
     def _give_back(self, charge: Charge) -> None:
         if not charge.nbytes:
             return
-        _take(self._by_uid, charge.uid, charge.nbytes)
-        _take(self._by_job, charge.job, charge.nbytes)
+        count_down(self._by_uid, charge.uid, charge.nbytes)
+        count_down(self._by_job, charge.job, charge.nbytes)
 
     def _refuse(self, setting: str, held: str, what: str, nbytes: int) -> None:
         self.refused[setting] += 1
@@ -120,14 +119,6 @@ class ByteBudget:
             f"reduces or models) or ask the operator to raise {setting}",
             code=ErrorCode.LIMIT,
         )
-
-
-def _take(totals: dict[_K, int], key: _K, nbytes: int) -> None:
-    left = totals[key] - nbytes
-    if left:
-        totals[key] = left
-    else:
-        del totals[key]
 
 
 def size_text(n: int) -> str:

@@ -71,6 +71,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from fabricd.engines.actions import Broadcast, Notice, SendFrame
+from fabricd.engines.counts import count_down
 from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.ownership import Ownership, User
 from fabricd.errors import PermissionDenied, RemoteProtocolError, UsageError
@@ -406,11 +407,7 @@ class Membership:
         """The suspicion of ``key`` ends (the caller says how)."""
         suspect = self._suspects.pop(key)
         self._deadlines.cancel(key)
-        left = self._suspects_per_job[key[0]] - 1
-        if left:
-            self._suspects_per_job[key[0]] = left
-        else:
-            del self._suspects_per_job[key[0]]
+        count_down(self._suspects_per_job, key[0])
         return suspect
 
     def _end_job(self, job: str, why: str = "") -> list[Action]:
@@ -559,11 +556,7 @@ class Membership:
         claims = self._ignored.get(key)
         if claims is not None:
             if claims.pop(node, None) is not None:
-                left = self._ignored_by_node[node] - 1
-                if left:
-                    self._ignored_by_node[node] = left
-                else:
-                    del self._ignored_by_node[node]
+                count_down(self._ignored_by_node, node)
             if not claims:
                 del self._ignored[key]
 

@@ -437,8 +437,8 @@ class CollectiveService(BaseService):
         ``peer_failed``; this node's log says why) instead of waiting for this node for ever."""
         log.warning("collective %r of job %r cannot be built here: %s", key[1], key[0], why)
         self._over_limit[key] = why
+        empty = memoryview(b"")
         for node in sorted(set(ranks) - {self.host.config.node_id}):
-            empty = memoryview(b"")
             notice = Transmit(node=node, round=0, tag=NOTICE, payload=empty, lost=(node,), base=0)
             self._transmit(key, notice, spec=frame.spec)
 

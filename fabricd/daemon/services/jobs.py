@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar
 
 from fabricd.engines.actions import Failure
+from fabricd.engines.counts import count_down
 from fabricd.engines.deadlines import Deadlines
 from fabricd.errors import ErrorCode, FabricError, OperationFailed, code_of
 from fabricd.wire import get_int
@@ -219,17 +220,8 @@ class WaitingForRanks(Generic[W]):
         if not mine:
             del self._by_session[session]
         named = (session, item.name)
-        left = self._named[named] - 1
-        if left:
-            self._named[named] = left
-        else:
-            del self._named[named]
-        uid = self._uids.pop(number)
-        left = self._per_uid[uid] - 1
-        if left:
-            self._per_uid[uid] = left
-        else:
-            del self._per_uid[uid]
+        count_down(self._named, named)
+        count_down(self._per_uid, self._uids.pop(number))
         self._removed += 1
         if self._removed > 2 * len(self._items) + _SLACK:
             self._rebuild()

@@ -41,6 +41,7 @@ from fabricd.daemon.services.jobs import refuse_while_draining
 from fabricd.daemon.sessions import parse_transfer
 from fabricd.daemon.stalls import line, report
 from fabricd.engines.actions import Complete, Failure, Notice, SendFrame
+from fabricd.engines.counts import count_down
 from fabricd.engines.p2p.matching import Messaging
 from fabricd.engines.p2p.messages import CopyLocal, Place, SendEager, StreamData
 from fabricd.engines.stalls import Stalled
@@ -229,12 +230,7 @@ class P2PService(BaseService):
         transfer = self._ops.pop(op, None)
         if transfer is None:
             return None
-        job = transfer.message.job
-        left = self._by_job[job] - 1
-        if left:
-            self._by_job[job] = left
-        else:
-            del self._by_job[job]
+        count_down(self._by_job, transfer.message.job)
         self._ended += 1
         if self._ended > 2 * len(self._ops) + 1024:
             self._ops = dict(self._ops)
