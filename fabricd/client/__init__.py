@@ -267,6 +267,12 @@ class Client:
         ``every``-th: ``None`` on the others (:meth:`Collectives.sync_model_async`)."""
         return self.collectives.sync_model_async(array, every=every, root=root, name=name)
 
+    def interrupted_collectives(self) -> dict[str, Handle[Result]]:
+        """Collective calls a blocking method stopped waiting for (Ctrl-C, a timeout) that are
+        still under way, by name: kept, not withdrawn
+        (:meth:`Collectives.interrupted_collectives`)."""
+        return self.collectives.interrupted_collectives()
+
     # -- stochastic reduce (shortcut to the stochastic facet) -----------------------------------
     def stochastic_reduce(
         self,

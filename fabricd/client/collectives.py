@@ -21,23 +21,41 @@ round's initiator, drawn from a seed all ranks share, starts it.  Nothing a rank
 a call that comes after its round started gets that round's result (``included`` false) and
 its data is added to its next contribution.  A rank more than one round behind gets the latest
 result only.
+
+A call that stops being waited for -- Ctrl-C (``KeyboardInterrupt``) or a timeout in
+``allreduce()``, or its client closed or its process gone -- is not withdrawn once its data may
+have left its node: a sync round's contribution leaves when every rank of the node gave, and
+peers reduce it into theirs as it lands, where nothing can take it back out.  So the daemon
+keeps it: its round counts this rank's data at every rank, and the rank's next call of that
+collective says so in :attr:`Result.kept` -- a restarted trainer's first call is then for the
+next round (a failure's message says why).  A sync call whose node had not started the round
+(another rank of the node had not called) is withdrawn when its client goes: nothing of it
+left the node; the rank's next call gives to that round again, and ``kept`` is ``None``.  In a
+process that goes on after the interrupt, the call is still under way (nothing is withdrawn
+while the client is open) and its array is still the call's:
+:meth:`Collectives.interrupted_collectives` has its handle; the exception's note says so.
+docs/architecture.md, "Collectives", has the reasons.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from fabricd.client.handle import Handle
-from fabricd.errors import UsageError
+from fabricd.errors import FabricError, Timeout, UsageError
 from fabricd.frames.fields import MAX_NAME
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import numpy as np
 
     from fabricd.client import checks
     from fabricd.client.arrays import SharedArrays
-    from fabricd.client.connection import Connection
+    from fabricd.client.connection import Call, Connection
     from fabricd.wire import Meta
 
 Mode = Literal["sync", "solo", "majority"]
@@ -58,11 +76,17 @@ class Result:
     without it (solo, majority), in which case its data goes into the rank's next contribution.
     ``active``: how many ranks contributed data they gave since their last contribution (for
     sync: every rank).
+    ``kept``: the round of this rank's previous call of this collective if that call stopped
+    being waited for (Ctrl-C, a timeout, its client closed or its process gone) and was kept:
+    that round counted its data (solo and majority: that round, or if it had started without
+    the data, a later one, as for ``included`` false), so this call is for a later round.
+    ``None``: no such call, or it was withdrawn (module docstring).
     """
 
     round: int
     included: bool
     active: int
+    kept: int | None = None
 
 
 class Collectives:
@@ -79,6 +103,8 @@ class Collectives:
         self._arrays = arrays
         self._job = job
         self._syncs: dict[str, int] = {}  #: sync_model calls per collective name
+        #: calls of the blocking methods that stopped waiting and went on (by collective name)
+        self._interrupted: dict[str, Handle[Result]] = {}
 
     def allreduce(
         self,
@@ -99,10 +125,10 @@ class Collectives:
                 (shape, dtype, op, mode).
             PeerFailed: sync only: a node of the job went down or a rank left during the round;
                 the round's result is undefined (resynchronise the model before going on).
-            Timeout: ``timeout`` passed; the call goes on (:meth:`allreduce_async` to wait
-                again).
+            Timeout: ``timeout`` passed; the call goes on (:meth:`interrupted_collectives`
+                has its handle), as after Ctrl-C (the module docstring).
         """
-        return self.allreduce_async(array, op, mode, name=name).wait(timeout)
+        return self._wait(self.allreduce_async(array, op, mode, name=name), timeout)
 
     def allreduce_async(
         self,
@@ -133,7 +159,7 @@ class Collectives:
         timeout: float | None = None,
     ) -> Result:
         """Copy rank ``root``'s ``array`` into every rank's, in place (a sync collective)."""
-        return self.broadcast_async(array, root, name=name).wait(timeout)
+        return self._wait(self.broadcast_async(array, root, name=name), timeout)
 
     def broadcast_async(
         self, array: np.ndarray[Any, Any], root: int = 0, *, name: str | None = None
@@ -146,15 +172,12 @@ class Collectives:
 
     def barrier(self, *, name: str = "barrier", timeout: float | None = None) -> Result:
         """Return once every rank of the job called ``barrier`` of this name."""
-        return self.barrier_async(name=name).wait(timeout)
+        return self._wait(self.barrier_async(name=name), timeout)
 
     def barrier_async(self, *, name: str = "barrier") -> Handle[Result]:
         """Enter the barrier; ``handle.wait()`` returns once every rank entered it."""
         self._joined()
-        call = self._connection.submit(
-            "collective", {"kind": "barrier", "name": _name(name)}, what=f"barrier {name!r}"
-        )
-        return Handle(self._connection, call, _result)
+        return self._submit({"kind": "barrier", "name": _name(name)})
 
     def sync_model(
         self,
@@ -175,7 +198,7 @@ class Collectives:
         of calls; returns ``None`` on the calls that do not synchronise.
         """
         handle = self.sync_model_async(array, every=every, root=root, name=name)
-        return None if handle is None else handle.wait(timeout)
+        return None if handle is None else self._wait(handle, timeout)
 
     def sync_model_async(
         self,
@@ -200,7 +223,61 @@ class Collectives:
             return self.allreduce_async(array, "avg", "sync", name=label)
         return self.broadcast_async(array, root, name=label)
 
+    def interrupted_collectives(self) -> dict[str, Handle[Result]]:
+        """The calls of the blocking methods (``allreduce()``, ``broadcast()``, ``barrier()``,
+        ``sync_model()``) that stopped waiting -- Ctrl-C, a timeout -- and are still under way,
+        by collective name.  Each is kept by the daemon: its round counts this rank's data and
+        writes its result into its array, which stays the call's until then.  ``wait()`` on
+        one takes its result; the next call of that name refuses to start while one is under
+        way (the rank would have two calls open), and once it has ended says its round in
+        :attr:`Result.kept`."""
+        return {n: h for n, h in self._interrupted.items() if not h.done()}
+
     # -- helpers ----------------------------------------------------------------------------
+    def _wait(self, handle: Handle[Result], timeout: float | None) -> Result:
+        """Wait for a blocking method's call.  One that stops waiting while the call goes on
+        (Ctrl-C, a timeout) keeps its handle, and the exception says what became of the
+        call: it is not withdrawn (the module docstring)."""
+        try:
+            return handle.wait(timeout)
+        except BaseException as exc:
+            if isinstance(exc, FabricError) and not isinstance(exc, Timeout):
+                raise  # the call ended (it failed): nothing goes on
+            assert isinstance(handle, _Named)  # (every facet's call makes one)
+            self._interrupted[handle.collective] = handle
+            exc.add_note(
+                f"fabricd: {handle.what} goes on: it was not withdrawn, so its round counts "
+                "this rank's data and its result will be written into its array (leave the "
+                "array alone until then); fab.interrupted_collectives() has its handle, and "
+                "the next call of this collective says the round in Result.kept"
+            )
+            raise
+
+    def _submit(self, request: dict[str, Any]) -> _Named:
+        """Send a collective request, once no call of its collective that a blocking method
+        stopped waiting for is under way.
+
+        Raises:
+            UsageError: one is (the rank would have two calls of the collective open).
+        """
+        collective = request["name"]
+        kept = None
+        earlier = self._interrupted.get(collective)
+        if earlier is not None:
+            if not earlier.done():
+                raise UsageError(
+                    f"{earlier.what} stopped waiting and is still under way (kept: its round "
+                    "counts this rank's data and writes its result into its array): wait for "
+                    f"it, fab.interrupted_collectives()[{collective!r}].wait(), before calling "
+                    "it again"
+                )
+            del self._interrupted[collective]
+            with contextlib.suppress(FabricError):  # failed: nothing of it was kept
+                kept = earlier.wait(0).round
+        what = f"{request['kind']} {collective!r}"
+        call = self._connection.submit("collective", request, what=what)
+        return _Named(self._connection, call, partial(_result, kept=kept), collective)
+
     def _joined(self) -> checks.Membership:
         if self._job is None:
             raise UsageError("this client joined no job; pass job= to fabricd.connect()")
@@ -216,19 +293,30 @@ class Collectives:
         seg, offset, label = self._arrays.find(array)
         if not array.flags.writeable:
             raise UsageError(f"a {what} writes its result into the array: it cannot be read-only")
-        collective = _name(name if name is not None else f"{what}:{label}")
-        kind = what.partition(":")[0]
         request = {
-            "kind": kind,
-            "name": collective,
+            "kind": what.partition(":")[0],
+            "name": _name(name if name is not None else f"{what}:{label}"),
             "seg": seg,
             "off": offset,
             "nbytes": array.nbytes,
             "dtype": array.dtype.name,
             **fields,
         }
-        call = self._connection.submit("collective", request, what=f"{kind} {collective!r}")
-        return Handle(self._connection, call, _result)
+        return self._submit(request)
+
+
+class _Named(Handle[Result]):
+    """A collective call's handle, which knows its collective's name."""
+
+    def __init__(
+        self,
+        connection: Connection,
+        call: Call,
+        result: Callable[[Meta], Result],
+        collective: str,
+    ) -> None:
+        super().__init__(connection, call, result)
+        self.collective = collective
 
 
 def _name(name: object) -> str:
@@ -237,7 +325,13 @@ def _name(name: object) -> str:
     return name
 
 
-def _result(reply: Meta) -> Result:
+def _result(reply: Meta, kept: int | None = None) -> Result:
+    """``kept``: the round of an earlier call of this client that a blocking method stopped
+    waiting for (the daemon says it of a call abandoned by an earlier client of the rank)."""
+    said = reply.get("kept")
     return Result(
-        round=int(reply["round"]), included=bool(reply["included"]), active=int(reply["active"])
+        round=int(reply["round"]),
+        included=bool(reply["included"]),
+        active=int(reply["active"]),
+        kept=kept if said is None else int(said),
     )

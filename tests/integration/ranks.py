@@ -80,3 +80,21 @@ def send_forever(
         started.put(True)
         handle.wait(timeout=60)
         time.sleep(60)
+
+
+def allreduce_until_interrupted(
+    socket_path: str, job: str, rank: int, size: int, value: float, result: Any
+) -> None:
+    """Call a sync ``fab.allreduce`` of 4 float32 ``value`` and wait in it until the test
+    interrupts this process (SIGINT: Ctrl-C), then leave the ``with`` block as a trainer
+    does; report ("calling",) before the call, then how it ended and the exception's notes."""
+    with fabricd.connect(job=job, rank=rank, size=size, socket_path=socket_path) as fab:
+        array = fab.array("g", (4,), "float32")
+        array[:] = value
+        result.put(("calling",))
+        try:
+            got = fab.allreduce(array, "sum", timeout=60)
+        except KeyboardInterrupt as exc:
+            result.put(("interrupted", getattr(exc, "__notes__", [])))
+            return
+        result.put(("completed", got))

@@ -473,23 +473,6 @@ def test_a_rank_that_leaves_before_giving_fails_the_round_after_the_grace() -> N
     assert "rank 1" in fab.failed[1].message
 
 
-def test_a_dead_trainers_sync_gift_is_void_and_its_restart_joins_the_round() -> None:
-    """Rank 0 gave to a round that had not started and died: its gift cannot be taken out of
-    the reduction, so the round's gifts here are void (rank 1's call fails now); the restarted
-    rank 0 and rank 1 then run that round afresh."""
-    fab = Fabric(Spec(kind="allreduce", count=2, dtype="float32"), (0, 0, 0, 1), Random(0))
-    fab.call(0, 1, np.ones(2, "float32"))
-    fab.call(1, 2, np.ones(2, "float32"))  # rank 2 has not called: round 0 has not started
-    fab.perform(0, fab.colls[0].abandon(1))  # rank 0's client left: the node voids round 0
-    assert fab.failed[2].code == "peer_failed"
-    arrays = [np.full(2, float(r + 1), "float32") for r in range(4)]
-    for rank in range(4):
-        fab.call(rank, 10 + rank, arrays[rank])
-    fab.drain()
-    assert all(fab.delivered[10 + r].round == 0 for r in range(4))
-    assert all((a == 10.0).all() for a in arrays)
-
-
 @pytest.mark.parametrize("seed", range(20))
 def test_a_link_reset_that_heals_restarts_the_round_and_loses_no_gift(seed: int) -> None:
     """Nodes 0 and 1 lose what was in flight between them (their links were reset) and come

@@ -586,9 +586,8 @@ class CollectiveService(BaseService):
             match action:
                 case Transmit():
                     self._transmit(key, action)
-                case Deliver(token=token, round=round, included=included, active=active):
-                    result = {"round": round, "included": included, "active": active}
-                    self._open.reply(token, result)
+                case Deliver():  # round, included, active, and kept (an abandoned call's)
+                    self._open.reply(action.token, action.reply())
                 case Fail(token=token, code=code, message=message):
                     self._open.fail(token, Failure(code=code, message=message))
                 case Settle(round=round, nodes=nodes) if all(map(self._flushed, nodes)):

@@ -9,7 +9,7 @@ they move.
 
 Theory of operation.  In place (docs/architecture.md, "In place for a node's only rank"), an
 allgather message lands straight in its chunk of the caller's array.  When the caller's call
-fails mid-round, the round goes on in a copy of the array (``Collective._detach``): every
+fails mid-round, the round goes on in a copy of the array (:func:`detach`): every
 landing that points into the array is pointed at the same place in the copy (what landed so
 far was copied with the array).  One frame may be in flight at that instant -- its view was
 handed to the transport, which fills it over several reads -- and nothing can take that view
@@ -21,9 +21,12 @@ the failure until then, so no byte lands in the array after the caller hears of 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Collection
 
 
 def same(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
@@ -81,3 +84,26 @@ class Landing:
         if self.torn is not None:
             self.view[self.got : self.got + len(self.torn)] = self.torn
             self.torn = None
+
+
+def detach(
+    old: np.ndarray[Any, Any],
+    new: np.ndarray[Any, Any],
+    landings: Collection[Landing],
+    landed: dict[int, np.ndarray[Any, Any]],
+) -> bool:
+    """An in-place round whose caller fails (a rank of the job left, a member node went down,
+    its client stopped waiting) while the round runs goes on in ``new``, a copy of the caller's
+    array ``old`` as it stands: its peers still need this node's messages, and they stay the
+    same bytes, so nothing of the round touches the caller's array once the failure is
+    delivered.  That array holds what the round had reduced into it so far -- undefined, as a
+    failed sync round's result is (``PeerFailed``: resynchronise the model).  ``landings``
+    into ``old`` land the rest in ``new``, and an allgather chunk landed whole in ``old``
+    (``landed``: recv op -> chunk) is read from ``new``; a frame the transport is filling now
+    is torn (the module docstring).  Returns whether one is."""
+    for landing in landings:
+        landing.move(old, new)
+    for op, chunk in landed.items():
+        if (there := moved(chunk, old, new)) is not None:
+            landed[op] = there
+    return any(landing.torn is not None for landing in landings)

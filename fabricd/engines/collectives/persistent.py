@@ -40,6 +40,19 @@ job's
   contributed fresh data (``active``): the count travels with the data as one extra element,
   reduced with it.  ``avg`` divides the sum by the job's size after the round (the paper's
   update), partial modes take ``sum`` and ``avg`` only.
+* **A call whose client stops waiting** (Ctrl-C, an exit, a close: :meth:`Collective.abandon`)
+  is *kept* once its data may have left this node, and *withdrawn* while it cannot have.  A
+  sync round's contribution leaves when the node activates the round (every local rank gave),
+  and peers reduce it into theirs as it lands: it cannot be taken back out of their reductions
+  (max and min have no inverse, float sums do not subtract exactly), and withdrawing it would
+  need every peer's consent every round.  So a call whose round this node activated is kept:
+  the round completes with its data everywhere, and its rank's next call (a restarted
+  trainer's first) is for the next round and is told which round kept the data (``kept``, in
+  its result and in a failure's message).  Before that nothing of it left: the round's
+  contribution here is rebuilt from the other local calls, which wait on (for a rank that
+  left, up to the grace), and the rank's next call gives to that round again.  Partial modes
+  keep every call's data (nothing given is lost): its round's snapshot took it, or the next
+  one will; ``kept`` names its round.  Peers count exactly what the rank is told was kept.
 * **A reset of a member's links** (:meth:`Collective.interrupted`, then
   :meth:`Collective.resume` if the same daemon comes back): frames in flight are lost; a partial
   collective runs on from the next round number, the round in flight run again with what it
@@ -86,14 +99,14 @@ still be queued reading the old ones.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 
 from fabricd.engines.collectives import algorithms as collectives
 from fabricd.engines.collectives.algorithms import Region, chunk_bounds
-from fabricd.engines.collectives.landing import Landing, moved, same
+from fabricd.engines.collectives.calls import Call, Counters, Departures
+from fabricd.engines.collectives.landing import Landing, detach, same
 from fabricd.engines.collectives.spec import (
     KINDS,
     MODES,
@@ -144,27 +157,6 @@ __all__ = [
 ]
 
 
-@dataclass(slots=True, kw_only=True)
-class _Call:
-    token: int
-    rank: int
-    array: np.ndarray[Any, Any] | None  #: the rank's array (a view of its segment)
-    round: int  #: the round whose result it gets
-    included: bool = False  #: a snapshot took its data (cleared if that round is abandoned)
-
-
-@dataclass(slots=True)
-class _Counters:
-    rounds: int = 0  #: rounds ended here
-    calls: int = 0
-    included: int = 0  #: calls whose data was in the result they got
-    late: int = 0  #: calls answered at once with the latest result (their rank was behind)
-    views: int = 0  #: schedule rebuilds after a member node was lost
-    frames_dropped: int = 0  #: peers' messages of an older view, dropped
-    sum_active: int = 0  #: sum over rounds of ``active`` (its mean is what the demo shows)
-    settled: int = 0  #: in place: calls completed before their round's acknowledgements
-
-
 class Collective:
     """One collective (job, name) on node ``node``; see the module docstring.
 
@@ -206,7 +198,7 @@ class Collective:
         self._told: set[int] = set()  #: lost nodes whose frames were answered with our view
         self.base = 0  #: the round this view began with
         self.broken: tuple[str, str] | None = None  #: (code, message) once nothing can run
-        self.counters = _Counters()
+        self.counters = Counters()
         elements = spec.count + (1 if spec.partial else 0)  #: partial: the active count too
         self._elements = elements
         dtype = np.dtype(spec.dtype)
@@ -224,16 +216,14 @@ class Collective:
         self._snapped: set[int] = set()  #: the ranks the current round's snapshot took
         self._given: set[int] = set()  #: sync: ranks whose call is in ``data``
         self._activated: int | None = None  #: sync: the round activated here, until it ends
-        #: sync: (round, deadline, rank): a rank of another node left during this round
-        self._doom: tuple[int, float, int] | None = None
-        self._grace = 0.0  #: seconds a sync round may take to end once a rank left
+        self._left = Departures()  #: a sync round's deadline once a rank left; calls kept
         self._ready = False  #: sync: every local rank gave to the new round: activate it
-        self._calls: dict[int, _Call] = {}  #: by token
-        self._by_rank: dict[int, _Call] = {}
+        self._calls: dict[int, Call] = {}  #: by token
+        self._by_rank: dict[int, Call] = {}
         #: the round each local rank's next call is for: its k-th call is for round k (the
         #: paper's rounds), until it leaves; a rank that comes back starts at the current one
         self._due: dict[int, int] = dict.fromkeys(self.local, 0)
-        self._later: deque[_Call] = deque()  #: sync calls for the round after the current one
+        self._later: deque[Call] = deque()  #: sync calls for the round after the current one
         self._landings: dict[tuple[int, int], Landing] = {}  #: (recv op, round) -> in progress
         #: in place: failures held until a frame landing in the failed call's array is in
         self._withheld: list[Fail] = []
@@ -318,21 +308,12 @@ class Collective:
         )
         if reader is None:
             raise LocalProtocolError(f"no compute reads {name!r}: its size is unknown")
-        elements = self._elements_of(reader.buffer)
+        elements = collectives.elements_of(reader.buffer, self._elements, len(self.members))
         if self.inplace and reader.fn == "copy" and elements:
             self._direct[recv] = reader.buffer
             return
         first = np.zeros(elements, self.data.dtype)
         self._slots[recv] = (first, first if self.inplace else np.zeros_like(first))
-
-    def _elements_of(self, name: str) -> int:
-        """How many elements buffer ``name`` (the tensor or one of its chunks) has."""
-        buffer = collectives.parse(name)
-        if buffer.region is Region.CHUNK:
-            parts = buffer.parts or len(self.members)
-            start, stop = chunk_bounds(self._elements, parts, buffer.index)
-            return stop - start
-        return self._elements if buffer.region is Region.DATA else 0
 
     # -- calls ------------------------------------------------------------------------------
     def call(
@@ -354,7 +335,8 @@ class Collective:
         if self.broken is not None:
             raise UsageError(self.broken[1])
         self.counters.calls += 1
-        call = _Call(token=token, rank=rank, array=array, round=self.round)
+        kept = self._left.kept.pop(rank, None)
+        call = Call(token=token, rank=rank, array=array, round=self.round, kept=kept)
         self._calls[token] = call
         self._by_rank[rank] = call
         if self.spec.partial:
@@ -363,7 +345,7 @@ class Collective:
             self._call_sync(call, now)
         return self._flush()
 
-    def _call_partial(self, call: _Call, now: float) -> None:
+    def _call_partial(self, call: Call, now: float) -> None:
         assert call.array is not None
         due = self._due.get(call.rank, self.round)
         self.accumulator[: self.spec.count] += call.array
@@ -392,7 +374,7 @@ class Collective:
         live = frozenset(r for r in self.live if self.ranks[r] in members)
         return initiator(self.job, self.name, self.round, self.size, live)
 
-    def _call_sync(self, call: _Call, now: float) -> None:
+    def _call_sync(self, call: Call, now: float) -> None:
         if call.rank in self._given or self._activated == self.round:
             call.round = self.round + 1  # after a failure: this rank is a round ahead
             self._later.append(call)
@@ -402,7 +384,7 @@ class Collective:
         if self._given >= self.local:
             self._activate_sync(now)
 
-    def _give(self, call: _Call) -> None:
+    def _give(self, call: Call) -> None:
         """Fold a sync call's array into ``data`` (the first one is copied): a sync round
         reads ``data`` only once every local rank gave, and a call made while it runs waits
         for its end (``_later``), so nothing else touches ``data`` meanwhile.  In place, the
@@ -425,21 +407,34 @@ class Collective:
         self._perform(self.executor.activate(self.round, now), now)
 
     def abandon(self, token: int) -> list[Action]:
-        """The client of call ``token`` left: forget the call.  Partial modes keep what it
-        gave (no contribution is lost).  A sync round it gave to and that has not started
-        cannot complete without it (its trainer is gone), and its gift cannot be taken back
-        out of a reduction: the round's gifts here are void and its other calls fail now.
-        In place, the round lets go of the client's array (its segment is unmapped once no
-        view of it is left): one under way goes on in a copy (:meth:`_let_go`)."""
+        """The client of call ``token`` stopped waiting for it (interrupted, exited, closed):
+        forget the call, and keep or withdraw its data (the module docstring says which and
+        why).  Kept: the round it was for goes on with it, and the rank's next call is told
+        (``kept``).  Withdrawn (a sync round not activated here): the round's contribution is
+        rebuilt from the other local calls, which wait on.  In place, the round lets go of the
+        client's array (its segment is unmapped once no view of it is left): one under way
+        goes on in a copy (:meth:`_let_go`)."""
         call = self._calls.get(token)
         if call is None:
             return []
         if call.array is not None and call.array is self.data:
             self._let_go()  # (a frame landing in it meanwhile is copied over when it is in)
         self._forget(call)
-        if not self.spec.partial and call.rank in self._given and self._activated != self.round:
-            self._void(f"rank {call.rank} left during {self.spec.describe()} {self.name!r}")
+        gave = call.rank in self._given and call.round == self.round
+        if self.spec.partial or (gave and self._activated == self.round):
+            self._left.kept[call.rank] = call.round  # its data is in the round, or waits
+        elif gave:
+            self._withdraw()
         return self._flush()
+
+    def _withdraw(self) -> None:
+        """A sync gift leaves a round not activated here: none of it left this node, so the
+        round's contribution is rebuilt from the calls that still gave to it (their arrays are
+        theirs until they complete), as if the abandoned call had never come."""
+        gave = [c for c in self._calls.values() if c.round == self.round and c.rank in self._given]
+        self._given.clear()
+        for call in gave:
+            self._give(call)
 
     def rank_gone(
         self, rank: int, live: frozenset[int], now: float, *, grace: float
@@ -452,7 +447,7 @@ class Collective:
         (:meth:`on_timer`).  A local rank that comes back starts at the current round.
         """
         self.live = live
-        self._grace = grace
+        self._left.grace = grace
         self._due.pop(rank, None)
         self._watch(now)
         self._kick(now)
@@ -461,11 +456,10 @@ class Collective:
     def _watch(self, now: float) -> None:
         """Sync: while a rank of the job is gone, the current round gets a deadline once a
         call waits for it (:meth:`on_timer` fails it if the round has not ended by then)."""
-        if self.spec.partial or self._doom is not None or len(self.live) == self.size:
+        if self.spec.partial or self._left.doom is not None or len(self.live) == self.size:
             return
         if any(c.round == self.round for c in self._calls.values()):
-            gone = min(set(range(self.size)) - self.live)
-            self._doom = (self.round, now + self._grace, gone)
+            self._left.watch(self.round, now, self.live, self.size)
 
     def _void(self, why: str) -> None:
         """The current sync round cannot complete: its gifts here are void, its calls fail."""
@@ -479,17 +473,15 @@ class Collective:
             self._given.clear()
 
     def next_deadline(self) -> float | None:
-        """When :meth:`on_timer` must run: a rank of another node left during a sync round."""
-        return self._doom[1] if self._doom is not None else None
+        """When :meth:`on_timer` must run: a rank left during a sync round."""
+        return self._left.deadline()
 
     def on_timer(self, now: float) -> list[Action]:
-        """A sync round still open ``grace`` seconds after a rank of another node left will
-        not complete: its calls fail."""
-        if self._doom is not None and now >= self._doom[1]:
-            round, _, rank = self._doom
-            self._doom = None
-            if round == self.round and self.broken is None:
-                self._void(f"rank {rank} of job {self.job!r} left during {self.name!r}")
+        """A sync round still open ``grace`` seconds after a rank left (of another node, or
+        of this one, its call withdrawn) will not complete: its calls fail."""
+        due = self._left.due(now)
+        if due is not None and due[0] == self.round and self.broken is None:
+            self._void(f"rank {due[1]} of job {self.job!r} left during {self.name!r}")
         return self._flush()
 
     def rank_back(self, live: frozenset[int]) -> None:
@@ -497,7 +489,7 @@ class Collective:
         is back, a sync round has no deadline (its trainers can all call it)."""
         self.live = live
         if len(live) == self.size:
-            self._doom = None
+            self._left.doom = None
 
     # -- peers ------------------------------------------------------------------------------
     def landing(
@@ -647,7 +639,7 @@ class Collective:
         it may come back (:meth:`resume`) before it is counted down (:meth:`lose`).  A sync
         round under way cannot be run again (its gifts were reduced in place), so a sync
         collective with a round under way breaks now; one between rounds, and a partial one,
-        wait.  A frame from ``node`` torn by :meth:`_detach` will not arrive: the failures it
+        wait.  A frame from ``node`` torn by :meth:`_let_go` will not arrive: the failures it
         held are delivered (nothing lands from a link once it is lost)."""
         busy = self._calls or self.executor.phase is Phase.RUNNING
         if node in self.members and self.broken is None and not self.spec.partial and busy:
@@ -863,8 +855,7 @@ class Collective:
         self._taken = False
         self._given.clear()
         self._activated = None
-        if self._doom is not None and self._doom[0] <= round:
-            self._doom = None  # it ended all the same
+        self._left.ended(round)  # it ended all the same
         self.counters.rounds += 1
         self.counters.sum_active += active
         for call in [c for c in self._calls.values() if c.round <= round]:
@@ -877,7 +868,7 @@ class Collective:
         self._ready = bool(self._given) and self._given >= self.local
 
     def _deliver(
-        self, call: _Call, round: int, active: int | None = None, *, copy: bool = True
+        self, call: Call, round: int, active: int | None = None, *, copy: bool = True
     ) -> None:
         result = self.result[: self.spec.count]
         array = call.array if copy and self.spec.kind != "barrier" else None
@@ -889,7 +880,13 @@ class Collective:
         self.counters.included += call.included
         self._forget(call)
         self._out.append(
-            Deliver(token=call.token, round=round, included=call.included, active=active)
+            Deliver(
+                token=call.token,
+                round=round,
+                included=call.included,
+                active=active,
+                kept=call.kept,
+            )
         )
 
     def _fail(self, token: int, code: str, message: str, node: int | None = None) -> None:
@@ -898,41 +895,24 @@ class Collective:
             return
         held = call.array is not None and call.array is self.data and self._let_go()
         self._forget(call)
-        fail = Fail(token=token, code=code, message=message, node=node)
+        fail = Fail(token=token, code=code, message=call.failed(message), node=node)
         (self._withheld if held else self._out).append(fail)
 
     def _let_go(self) -> bool:
         """In place, the round's caller is gone (its call failed, or its client left): the
         round no longer holds its array.  One that has not started drops it; one under way
-        detaches (:meth:`_detach`).  Returns whether a frame is still landing in the array
-        (the caller's failure waits for it: :meth:`_mend`)."""
+        goes on in a copy of ``data`` (:func:`~fabricd.engines.collectives.landing.detach`
+        says how and why).  Returns whether a frame is still landing in the array (the
+        caller's failure waits for it: :meth:`_mend`, or its link's reset,
+        :meth:`interrupted`)."""
         if self._activated != self.round:  # nothing of the round has run: nothing to keep
             self.data = self._idle
             return False
-        return self._detach()
-
-    def _detach(self) -> bool:
-        """In place, the round's caller fails while the round runs (a rank of the job left,
-        a member node went down): the round goes on in a copy of ``data`` as it stands (its
-        peers still need this node's messages, and they stay the same bytes), so nothing of
-        it touches the caller's array once the failure is delivered.  The array holds what
-        the round had reduced into it so far -- undefined, as a failed sync round's result
-        is (``PeerFailed``: resynchronise the model).  Messages landing in the array land the
-        rest in the copy, and one landed whole there is read from the copy; a frame the
-        transport is filling now is torn (:mod:`~fabricd.engines.collectives.landing`): the
-        failure waits for it (:meth:`_mend`, or its link's reset, :meth:`interrupted`).
-        Returns whether a frame is torn."""
-        old = self.data
-        self.data = old.copy()
-        for landing in self._landings.values():
-            landing.move(old, self.data)
-        for op, chunk in self._landed.items():
-            if (there := moved(chunk, old, self.data)) is not None:
-                self._landed[op] = there
-        return any(landing.torn is not None for landing in self._landings.values())
+        old, self.data = self.data, self.data.copy()
+        return detach(old, self.data, self._landings.values(), self._landed)
 
     def _mend(self, node: int, tag: int, round: int) -> None:
-        """A frame of ``node``'s message ``tag`` of ``round`` arrived: if :meth:`_detach` tore
+        """A frame of ``node``'s message ``tag`` of ``round`` arrived: if :meth:`_let_go` tore
         it, copy its bytes to where its message lands now, and deliver the failures held for
         it once no frame is torn."""
         op = self._recv_of.get((self.index.get(node, -1), tag))
@@ -946,7 +926,7 @@ class Collective:
             self._out += self._withheld
             self._withheld.clear()
 
-    def _forget(self, call: _Call) -> None:
+    def _forget(self, call: Call) -> None:
         self._calls.pop(call.token, None)
         if self._by_rank.get(call.rank) is call:
             del self._by_rank[call.rank]

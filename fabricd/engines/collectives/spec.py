@@ -189,12 +189,26 @@ class Transmit:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Deliver:
-    """Call ``token`` is complete: its array holds round ``round``'s result."""
+    """Call ``token`` is complete: its array holds round ``round``'s result.  ``kept``: the
+    round of its rank's previous call, if that call's client stopped waiting for it and the
+    round kept its data (:meth:`~fabricd.engines.collectives.persistent.Collective.abandon`)."""
 
     token: int
     round: int
     included: bool
     active: int
+    kept: int | None = None
+
+    def reply(self) -> dict[str, int | bool]:
+        """The client's answer: ``round``, ``included``, ``active``, and ``kept`` if set."""
+        reply: dict[str, int | bool] = {
+            "round": self.round,
+            "included": self.included,
+            "active": self.active,
+        }
+        if self.kept is not None:
+            reply["kept"] = self.kept
+        return reply
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
