@@ -6,7 +6,9 @@
 >>> ps.push(grad)                     # the server applies it with its update rule
 
 Every rank of the job opens the model with the same ``name``, ``shape``, ``dtype``,
-``servers``, ``replicas``, ``consistency``, ``staleness``, ``delay_bound`` and ``chunk``; the
+``servers``, ``replicas``, ``consistency``, ``staleness``, ``delay_bound`` and ``chunk`` (an
+open unlike a rank's open elsewhere is refused, or, if the two crossed, every rank's next call
+fails: ``UsageError`` naming both); the
 ranks in ``servers`` (one per key-range shard) open it with ``role="server"``, those in
 ``replicas`` (one per server, optional) with ``role="replica"``, every other rank is a worker.
 A server's or replica's state lives in its daemon for as long as its process keeps the
@@ -132,7 +134,7 @@ class ParameterServer:
 
         Raises:
             UsageError: not a worker, a wrong shape or dtype, a NaN or an infinity, a push
-                or pull still open.
+                or pull still open; a rank opened the model with another spec (both named).
             PeerFailed: a shard has no server any more.
         """
         return self.push_async(update, norm).wait(timeout)
@@ -162,7 +164,8 @@ class ParameterServer:
         a shared copy.
 
         Raises:
-            UsageError: not a worker, a wrong shape or dtype, a push or pull still open.
+            UsageError: not a worker, a wrong shape or dtype, a push or pull still open; a
+                rank opened the model with another spec (both named).
             PeerFailed: a shard has no server any more, or refused this worker.
         """
         target = self._shared(out, "out", copy_in=False)
@@ -197,6 +200,9 @@ class ParameterServer:
         and dropped.
 
         Raises:
+            UsageError: a rank opened one of this client's models with another spec than
+                this process (the daemon's ``ps_disagreed`` event names both): every rank of
+                it must open it alike, and the workers' calls fail too.
             DaemonUnavailable: the daemon went away (the shard's state went with it); not
                 when this process closed the client, which ends serving.
         """
@@ -214,6 +220,8 @@ class ParameterServer:
             for event in events:
                 if event.name == "ps_step":
                     self._servers[str(event.fields["name"])]._run_step(event.fields)
+                elif event.name == "ps_disagreed":
+                    raise UsageError(str(event.fields["message"]))
 
     def _run_step(self, fields: Meta) -> None:
         """Run the update callback on the daemon's step: the model and the update are in the
@@ -235,7 +243,7 @@ class ParameterServer:
         partner, which serves the shard (flush there).
 
         Raises:
-            UsageError: called on a worker.
+            UsageError: called on a worker; a rank opened the model with another spec.
         """
         return self.flush_async().wait(timeout)
 

@@ -1,4 +1,5 @@
-"""The parameter server's frames: PUSH, PULL, PUSHED, PULLED, REPLICATE, REPLICATED, JOIN."""
+"""The parameter server's frames: PUSH, PULL, PUSHED, PULLED, REPLICATE, REPLICATED, JOIN,
+OPENED."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from fabricd.errors import RemoteProtocolError
-from fabricd.frames.fields import MAX_NAME, MAX_RANK
+from fabricd.frames.fields import MAX_NAME, MAX_RANK, get_bool
 from fabricd.wire import Kind, Meta, get_int, get_str
 
 if TYPE_CHECKING:
@@ -358,4 +359,37 @@ class Join(_ShardFrame):
             replica=_rank(meta, "rep"),
             epoch=get_int(meta, "ep"),
             spec=_ps_spec(meta),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Opened:
+    """Rank ``rank`` of ``job`` opened parameter server ``name`` with ``spec`` on the sending
+    daemon (control channel, no payload): each daemon of the job compares it with the spec its
+    own ranks opened the model with, and a difference fails their calls
+    (fabricd/engines/ps/agreement.py).  ``answer``: sent back to a daemon whose OPENED was
+    unlike the sender's spec, or by a daemon that refused ``rank``'s open for a spec unlike a
+    peer's (``rank`` did not open it): never answered in turn, nor kept as a peer's spec."""
+
+    KIND: ClassVar[Kind] = Kind.OPENED
+    job: str
+    name: str
+    rank: int
+    spec: dict[str, Any]
+    answer: bool = False
+
+    def to_meta(self) -> Meta:
+        meta = {"job": self.job, "name": self.name, "r": self.rank, "spec": self.spec}
+        if self.answer:  # written only when set
+            meta["ans"] = True
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Opened:
+        return cls(
+            job=get_str(meta, "job"),
+            name=_ps_name(meta),
+            rank=_rank(meta, "r"),
+            spec=_ps_spec(meta),
+            answer=get_bool(meta, "ans") if "ans" in meta else False,
         )

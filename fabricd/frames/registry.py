@@ -15,7 +15,7 @@ from fabricd.frames.collectives import Coll
 from fabricd.frames.link import Bye, Heartbeat
 from fabricd.frames.membership import Announce
 from fabricd.frames.p2p import Cancel, Cts, Data, Done, Eager, Rtr, Rts, Write
-from fabricd.frames.ps import Join, Pull, Pulled, Push, Pushed, Replicate, Replicated
+from fabricd.frames.ps import Join, Opened, Pull, Pulled, Push, Pushed, Replicate, Replicated
 from fabricd.frames.stochastic import Ack, Notify, Update
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ PeerFrame = (
     | Replicate
     | Replicated
     | Join
+    | Opened
 )
 #: the frames whose payload is a point-to-point message's bytes (DATA, and EAGER on control)
 MessageFrame = Data | Eager
@@ -77,6 +78,7 @@ _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
         Replicate,
         Replicated,
         Join,
+        Opened,
     )
 }
 #: the kinds :func:`parse` reads

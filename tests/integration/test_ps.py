@@ -425,3 +425,40 @@ def test_a_worker_that_opens_after_a_failover_finds_the_rank_serving(make_cluste
     finally:
         for fab in first + late:
             fab.close()
+
+
+@pytest.mark.parametrize(
+    ("differ", "worker_spec"),
+    [("size", {"shape": (2 * COUNT,)}), ("consistency", {"consistency": "async"})],
+)
+def test_a_worker_that_opens_the_model_another_way_fails_and_so_does_its_server(
+    make_cluster, differ: str, worker_spec: dict[str, Any]
+) -> None:
+    """Issue 27, item 6: a worker on node 1 opening with another size (or consistency) than
+    the server on node 0 opened fine, and its first pull failed as ``PeerFailed``; the
+    server never heard of it.  Now the worker's open fails, or (when the two daemons had not
+    heard of each other's open yet) its first call, and so does the server's ``serve()``,
+    each with ``usage`` naming both specs and what differs."""
+    cluster = make_cluster(2)
+    with ranks(cluster, (0, 1), f"ps-unlike-{differ}") as fabs:
+        server = fabs[0].parameter_server(
+            "m", (COUNT,), "float64", "server", servers=[0], consistency="bsp"
+        )
+        spec: dict[str, Any] = {"shape": (COUNT,), "consistency": "bsp", **worker_spec}
+
+        def open_and_pull() -> None:
+            ps = fabs[1].parameter_server(
+                "m", spec["shape"], "float64", servers=[0], consistency=spec["consistency"]
+            )
+            ps.pull(fabs[1].array("w", spec["shape"], "float64"), timeout=WAIT)
+
+        with pytest.raises(fabricd.UsageError) as worker_failed:
+            open_and_pull()
+        with pytest.raises(fabricd.UsageError) as server_failed:
+            server.serve(duration=WAIT)  # the daemon's ps_disagreed ends it
+        worker_says = f"as {spec['shape'][0]} x float64 on servers [0], {spec['consistency']}"
+        for failed in (worker_failed, server_failed):
+            message = str(failed.value)
+            assert "as 1000 x float64 on servers [0], bsp by rank 0 (node 0)" in message
+            assert f"{worker_says} by rank 1 (node 1)" in message
+            assert f"they differ in {differ}: every rank must open it alike" in message

@@ -165,7 +165,7 @@ class Fabric:
         for sim in self.workers:
             settings = FilterSettings() if self.settings is None else self.settings
             sim.node.open_worker(
-                KEY, self.spec, self.bounds, rank=sim.rank, settings=settings, seed=0
+                KEY, self.spec, self.bounds, rank=sim.rank, settings=settings, seed=0, now=0.0
             )
         #: (worker, iteration, shard) -> (version, dropped) of its acknowledgement
         self.acked: dict[tuple[int, int, int], tuple[int, str | None]] = {}

@@ -85,6 +85,8 @@ EXAMPLES: list[registry.PeerFrame] = [
     ),
     ps_frames.Replicated(**SHARD, replica=0, index=1),
     ps_frames.Join(**SHARD, replica=0, epoch=3, spec=PS_SPEC),
+    ps_frames.Opened(job="j", name="ps", rank=3, spec=PS_SPEC),
+    ps_frames.Opened(job="j", name="ps", rank=0, spec=PS_SPEC, answer=True),
     ps_frames.Replicate(
         **SHARD,
         replica=1,
@@ -268,6 +270,7 @@ PS_META: dict[Kind, Meta] = {
     },
     Kind.REPLICATED: {"job": "j", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ix": 1},
     Kind.JOIN: {"job": "j", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ep": 0, "spec": PS_SPEC},
+    Kind.OPENED: {"job": "j", "name": "ps", "r": 3, "spec": PS_SPEC},
 }
 LONG = "x" * (ps_frames.MAX_PS_REASON + 1)
 #: a spec whose ``n`` is keyed by bytes (msgpack allows such keys in a nested map)
@@ -329,6 +332,12 @@ def spec_with(**fields: object) -> Meta:
         (Kind.JOIN, changed(Kind.JOIN, ep=-1), "'ep'"),
         (Kind.JOIN, changed(Kind.JOIN, rep="0"), "'rep'"),
         (Kind.JOIN, changed(Kind.JOIN, spec=None), "'spec'"),
+        (Kind.OPENED, changed(Kind.OPENED, r=-1), "'r'"),
+        (Kind.OPENED, changed(Kind.OPENED, r=None), "'r'"),
+        (Kind.OPENED, changed(Kind.OPENED, name=""), "'name'"),
+        (Kind.OPENED, changed(Kind.OPENED, spec=None), "'spec'"),
+        (Kind.OPENED, changed(Kind.OPENED, ans=1), "'ans'"),
+        (Kind.OPENED, {**PS_META[Kind.OPENED], "ans": None}, "'ans'"),
         # a log entry of a kind the log does not hold
         (Kind.REPLICATE, changed(Kind.REPLICATE, entry="apply"), "'entry'"),
         (Kind.REPLICATE, changed(Kind.REPLICATE, entry=b"push"), "'entry'"),

@@ -1,5 +1,6 @@
 """The parameter-server service: ``ps_open``, ``ps_push``, ``ps_pull``, ``ps_stepped`` and
-``ps_flush`` requests, and the PUSH, PULL, PUSHED, PULLED, REPLICATE, REPLICATED and JOIN frames.
+``ps_flush`` requests, and the PUSH, PULL, PUSHED, PULLED, REPLICATE, REPLICATED, JOIN and
+OPENED frames.
 
 Drives :class:`~fabricd.engines.ps.node.PSNode`, which takes every decision (routing to the
 serving rank, held and early frames, epochs, failover and promotion, what is sent again): this
@@ -11,7 +12,11 @@ Status rows, stall rows and metrics are :mod:`~fabricd.daemon.services.ps_status
 
 A model is named by (job, name); every rank of the job opens it with the same *spec* (size,
 dtype, the server ranks, one per key-range shard, and their replica ranks, consistency,
-staleness, delay bound, chunk); the job's other ranks are its workers.  A server's state lives
+staleness, delay bound, chunk); the job's other ranks are its workers.  An open unlike the
+model's open here, or unlike a peer's (:mod:`~fabricd.engines.ps.agreement`: the daemons tell
+each other, an open never waits for it), is refused with ``usage`` naming both; one found
+later fails every call of the model's ranks here, and its shards' processes hear
+``ps_disagreed``.  A server's state lives
 as long as its process: the shard's process is its owner, and its leaving closes the shard.
 
 Suspicion is membership's (:meth:`on_suspicion`): a rank lost with its node's links is
@@ -44,6 +49,7 @@ from fabricd.engines.ps.filters import FilterSettings
 from fabricd.engines.ps.messages import describe
 from fabricd.engines.ps.models import (
     CallDone,
+    Disagreed,
     EpochMoved,
     Log,
     SendData,
@@ -134,6 +140,7 @@ class PSService(BaseService):
             Kind.REPLICATE,
             Kind.REPLICATED,
             Kind.JOIN,
+            Kind.OPENED,
         }
     )
     ops = frozenset({"ps_open", "ps_push", "ps_pull", "ps_stepped", "ps_flush"})
@@ -219,6 +226,10 @@ class PSService(BaseService):
                 f"{describe(model.spec)}; this call says {describe(spec)}: every rank must "
                 "open it alike"
             )
+        refused, actions = self.engine.agreement.refusal(key, spec, rank, model)
+        if refused is not None:  # unlike a peer's open: the job's other daemons are told
+            self._perform(actions)
+            raise UsageError(refused)
         servers, replicas = spec["servers"], spec["replicas"]
         if role == "worker" and (rank in servers or rank in replicas):
             raise UsageError(f"rank {rank} is a server or replica of {name!r}, not a worker")
@@ -233,13 +244,16 @@ class PSService(BaseService):
             seed = get_int(meta, "seed")
             charge = self._charge(key, spec, spec["size"], WORKER_COPIES, f"rank {rank}'s worker")
             try:
-                self.engine.open_worker(key, spec, bounds, rank=rank, settings=settings, seed=seed)
+                actions = self.engine.open_worker(
+                    key, spec, bounds, rank=rank, settings=settings, seed=seed, now=now
+                )
             except BaseException:
                 charge.release()
                 raise
             self._sessions[key, rank] = session
             self._worked.add(session, (key, rank))
             self._charges["worker", key, rank] = charge
+            self._perform(actions)
             return opened
         shard = (servers if role == "server" else replicas).index(rank)
         if model is not None and shard in model.servers:
@@ -345,6 +359,7 @@ class PSService(BaseService):
         shards = [s for k, s in self._served.of(session) if k == key]
         if not shards:
             raise UsageError(f"this process serves no shard of {key[1]!r}")
+        self._agreed(key)
         op = next(self._flush_ids)
         self._flushes[op] = _Flush(session=session, request=request.id, key=key)
         waits, actions = self.engine.flush(key, shards, op, now)
@@ -413,6 +428,7 @@ class PSService(BaseService):
         call = self._calls.get((key, session.rank))
         if call is not None:
             raise UsageError(f"a {call.op} of {name!r} is still open: wait for it first")
+        self._agreed(key)
         failed = self.engine.failed(key)
         if failed is not None:
             shard, why = failed
@@ -420,6 +436,12 @@ class PSService(BaseService):
                 f"shard {shard} of {name!r} has no server: {why}", code=ErrorCode.PEER_FAILED
             )
         return key
+
+    def _agreed(self, key: Key) -> None:
+        """Raises UsageError: ``key`` was opened two ways (both named)."""
+        model = self.engine.model(key)
+        if model is not None and model.disagreed is not None:
+            raise UsageError(model.disagreed)
 
     def _array(self, request: Request, spec: Meta, writable: bool) -> np.ndarray[Any, Any]:
         meta = request.meta
@@ -489,6 +511,8 @@ class PSService(BaseService):
                     self.host.push(session, "ps_epoch", fields)
             elif isinstance(action, StepShard):
                 self._step(action)
+            elif isinstance(action, Disagreed):
+                self._disagreed(action)
             elif isinstance(action, Complete):
                 flush = self._flushes.pop(action.op, None)
                 if flush is None:
@@ -504,6 +528,17 @@ class PSService(BaseService):
                     remote_log.warning(action.topic, "%s", action.message)
                 else:
                     log.log(action.level, "%s", action.message)
+
+    def _disagreed(self, action: Disagreed) -> None:
+        """The model was opened two ways: said in the log, and to the processes of its shards
+        here (``ps_disagreed``: their ``serve()`` raises it; the workers' calls fail)."""
+        log.warning("%s", action.message)
+        model = self.engine.model(action.key)
+        for shard in [] if model is None else model.servers:
+            owner = self._owners.get((action.key, shard))
+            if owner is not None:
+                fields = {"name": action.key[1], "message": action.message}
+                self.host.push(owner, "ps_disagreed", fields)
 
     def _step(self, action: StepShard) -> None:
         """Hand the shard's process the update callback's step: its buffer, then an event."""

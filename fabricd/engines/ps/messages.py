@@ -109,6 +109,11 @@ def join(key: Key, spec: Meta, shard: int, me: int, other: int, epoch: int) -> r
     )
 
 
+def unlike(worker: Meta, server: Meta) -> str:
+    """Why a server refuses a worker's frame whose spec is unlike its own."""
+    return f"the worker opened it as {describe(worker)}, the server as {describe(server)}"
+
+
 def why_not_serving(server: ShardServer, epoch: int) -> str:
     """Why this rank refuses a worker's frame at ``epoch``."""
     if not server.has_state:

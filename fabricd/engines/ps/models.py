@@ -6,8 +6,9 @@ served there, the local workers, each shard's epoch) and the actions of
 :mod:`fabricd.engines.actions` has no payload, no result and no client event, so the engine
 adds :class:`SendData` (a frame and its payload on the data link), :class:`CallDone` (a
 worker's call answered or failed), :class:`EpochMoved` (``ps_epoch``), :class:`StepShard` (the
-update callback's buffer and event) and :class:`Log` (a line at a level, optionally rate
-limited: a peer's stray frames must not flood the log).
+update callback's buffer and event), :class:`Disagreed` (the model was opened two ways: its
+shards' processes hear it) and :class:`Log` (a line at a level, optionally rate limited: a
+peer's stray frames must not flood the log).
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ class StepShard:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Disagreed:
+    """``key`` was opened two ways (``message`` names both specs): the processes serving its
+    shards here hear it (``ps_disagreed``; their workers' calls fail by :class:`CallDone`)."""
+
+    key: Key
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Log:
     """A line for the operator at ``level``; with ``topic``, rate limited by it."""
 
@@ -83,7 +93,7 @@ class Log:
     topic: str | None = None
 
 
-Action = SendFrame | SendData | Complete | CallDone | EpochMoved | StepShard | Log
+Action = SendFrame | SendData | Complete | CallDone | EpochMoved | StepShard | Disagreed | Log
 
 
 # -- state --------------------------------------------------------------------------------
@@ -119,6 +129,11 @@ class Model:
     gone: set[int] = field(default_factory=set)
     #: flushes answered once processed: op -> shard -> (its flush's log index, the epoch then)
     flushes: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    #: the other nodes known to host a rank of the job: told the spec (OPENED) when the model
+    #: opened here, when one first hosts a rank of the job, and when its links are back
+    peers: set[int] = field(default_factory=set)
+    #: why the model is refused here: a peer opened it with another spec (both named)
+    disagreed: str | None = None
 
     def target(self, shard: int) -> int:
         """The rank serving ``shard`` at the epoch this daemon knows."""

@@ -41,6 +41,9 @@ shard server's):
   lives on, and a worker's frame naming a rank of another node is never taken as that rank's:
   both are dropped and counted (a rogue node could otherwise forge entries, confirmations or
   acknowledgements).
+* *Agreement.*  Every rank opens a model alike: the job's daemons tell each other the spec
+  their ranks opened it with (OPENED), and a difference refuses the open or fails the calls
+  of every rank that opened it, naming both (:mod:`~fabricd.engines.ps.agreement`).
 
 Suspicion is an input: :meth:`PSNode.rank_suspected`, :meth:`PSNode.rank_joined` (back) and
 :meth:`PSNode.rank_gone`; the engine keeps no timer of its own for it (the service decides
@@ -62,6 +65,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import Complete, Failure, SendFrame
 from fabricd.engines.ps import messages, routing
+from fabricd.engines.ps.agreement import Agreement
 from fabricd.engines.ps.consistency import Consistency
 from fabricd.engines.ps.models import (
     CallDone,
@@ -136,6 +140,7 @@ class PSNode:
             "ps_early_expired": 0,
             "ps_failovers": 0,
         }
+        self.agreement = Agreement(node, ranks, self.counters)
 
     @property
     def early_frames(self) -> int:
@@ -186,8 +191,10 @@ class PSNode:
         rank: int,
         settings: FilterSettings,
         seed: int,
-    ) -> None:
+        now: float,
+    ) -> list[Action]:
         """Local worker ``rank`` opens the model (the caller checked ``spec``)."""
+        self._begin(now)
         model = self._model_for(key, spec, bounds)
         if rank in model.local_workers:
             raise UsageError(f"rank {rank} opened parameter server {key[1]!r} already")
@@ -203,6 +210,7 @@ class PSNode:
         worker.epochs = [model.epochs.get(shard, 0) for shard in range(len(bounds))]
         model.local_workers[rank] = WorkerSide(engine=worker)
         self._keep(key, model)
+        return self._done()
 
     def open_shard(
         self,
@@ -270,6 +278,8 @@ class PSNode:
         return server
 
     def _keep(self, key: Key, model: Model) -> None:
+        if key not in self.models:  # opened here first: the job's other daemons are told
+            self._out += self.agreement.opened_here(key, model)
         self.models[key] = model
         self._jobs.setdefault(key[0], set()).add(key)
 
@@ -501,6 +511,9 @@ class PSNode:
         return self._done()
 
     def _dispatch(self, node: int, frame: registry.PeerFrame, payload: bytes, now: float) -> None:
+        if isinstance(frame, ps_frames.Opened):
+            self._out += self.agreement.on_opened(node, frame, self.models)
+            return
         if isinstance(frame, ps_frames.Push | ps_frames.Pull):
             self._at_server(node, frame, payload, now)
             return
@@ -584,12 +597,11 @@ class PSNode:
         if model is None or server is None:
             self._hold(node, frame, payload, now)
             return
-        if model.spec != frame.spec:
-            why = (
-                f"the worker opened it as {messages.describe(frame.spec)}, the server as "
-                f"{messages.describe(model.spec)}"
-            )
-            self._refuse(key, frame, why)
+        if model.spec != frame.spec:  # the backstop of the agreement (agreement.py)
+            if model.disagreed is None:
+                self._refuse(key, frame, messages.unlike(frame.spec, model.spec))
+            else:  # its daemon hears why from an OPENED (a refusal could overtake it)
+                self._out.append(self.agreement.answer(node, key, model))
             return
         if frame.worker not in model.workers:
             raise RemoteProtocolError(f"rank {frame.worker} is not a worker of {frame.name!r}")
@@ -798,6 +810,7 @@ class PSNode:
         links, and what was held for them; ranks it has not announced again yet get theirs
         when it does (:meth:`rank_joined`)."""
         self._begin(now)
+        self._out += self.agreement.peer_up(node, self.models.items())
 
         def on_node(job: str, rank: int) -> bool:
             entry = self.ranks.lookup(job, rank)
@@ -816,6 +829,7 @@ class PSNode:
         self.suspects.discard((job, rank))
         for _, model in self._of_job(job):
             model.gone.discard(rank)
+        self._out += self.agreement.rank_joined(node, self._of_job(job))
         if node == self.node or self.ranks.reachable(node):
             self._send_again(lambda j, r: (j, r) == (job, rank), rejoin=True, job=job)
         return self._done()
@@ -859,6 +873,7 @@ class PSNode:
         self._begin(now)
         self.suspects.discard((job, rank))
         self._held.drop((job, rank))
+        self.agreement.forget(job, rank)
         # a push for a server that left is sent again to its successor, if any
         gone = self._early.take(
             lambda e: e.frame.job == job and rank in (e.frame.worker, e.frame.server)
