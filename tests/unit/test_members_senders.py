@@ -303,3 +303,39 @@ def test_a_push_before_its_workers_announcement_waits_and_is_applied() -> None:
     assert fabric.deliver(100)
     assert fabric.hosts[1].answered[10]["versions"] == [1]  # applied
     assert svc.statistics()["counters"]["frames_refused_not_member"] == 0
+
+
+def test_a_member_known_only_after_the_break_hears_of_it() -> None:
+    """Node 0 breaks the reduce (node 1 sent two specs as rank 1) while rank 2's node is not
+    known to it: node 1 is told at once, node 2 when rank 2 is announced, and a rank that only
+    ACKs is answered with the news too."""
+    table = Table()
+    svc, host = service(table)
+    rank0, rank1, rank2 = table.join(JOB, 3, (0, 1, 2), owner=1000)
+    del table.entries[JOB, 2]
+    for entry in (rank0, rank1):
+        svc.on_rank_event(RankJoined(entry=entry), 0.0)
+    fields = {"job": JOB, "name": NAME, "src": 1, "dst": 0, "round": 0}
+    svc.on_frame(
+        1, stochastic_frames.Notify(**fields, tag=0, spec=spec(n=3, graph="all-to-all")), 0.0
+    )
+    svc.on_frame(
+        1,
+        stochastic_frames.Notify(**fields, tag=0, spec=spec(n=3, graph="all-to-all", nbytes=8)),
+        0.0,
+    )
+
+    def told() -> list[tuple[int, int]]:
+        return [
+            (node, f.dst)
+            for node, f in host.control
+            if isinstance(f, stochastic_frames.Notify) and f.tag == stochastic_frames.BROKEN
+        ]
+
+    assert told() == [(1, 1)]
+    table.entries[JOB, 2] = rank2
+    svc.on_rank_event(RankJoined(entry=rank2), 0.0)
+    assert (2, 2) in told()
+    host.control.clear()
+    svc.on_frame(1, stochastic_frames.Ack(job=JOB, name=NAME, src=1, dst=0, round=0), 0.0)
+    assert told() == [(1, 1)]

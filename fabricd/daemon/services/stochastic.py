@@ -442,6 +442,8 @@ class StochasticService(BaseService):
             assert isinstance(frame, stochastic_frames.Ack)
             reducer = self.reducers.get((frame.job, frame.name, frame.dst))
             tag = ACK
+            if (frame.job, frame.name) in self._split:  # (a rank that only ACKs hears it too)
+                self._tell((frame.job, frame.name), (node, frame.dst, frame.src))
         if reducer is not None:
             actions = reducer.message(frame.src, tag, frame.round, now)
             self._perform((frame.job, frame.name), frame.dst, actions)
@@ -488,6 +490,7 @@ class StochasticService(BaseService):
         too_big = self._too_big(spec["nbytes"])
         if too_big is not None:
             raise RemoteProtocolError(too_big)
+        broken = key in self._split
         try:
             reducer = self._reducer(key, frame.dst, spec)
         except OperationFailed as exc:  # a limit here: this tenant's, not the link's fault
@@ -496,9 +499,10 @@ class StochasticService(BaseService):
             return None
         except UsageError as exc:  # a graph that cannot be
             raise RemoteProtocolError(f"stochastic reduce spec: {exc}") from exc
-        if reducer is None:  # broken: the sender's node hears it, if it has not yet
+        if reducer is None:
             self._counters["graph_frames_dropped"] += 1
-            self._tell(key, (node, frame.dst, frame.src))
+            if broken:  # before: the sender's node hears it (if it broke now, it was told)
+                self._tell(key, (node, frame.dst, frame.src))
         return reducer
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
@@ -530,6 +534,9 @@ class StochasticService(BaseService):
             self.reducers[rank_key].rejoined(rank)
         self._waiting.retry(job, lambda item: self._try(item, now))
         self._gate.release(job, rank, now)
+        if self._split and event.entry.node != self.host.config.node_id:
+            for key in [k for k in self._names.of(job) if k in self._split]:
+                self._tell(key)  # its node may not know yet (it was not known when it broke)
 
     def on_suspicion(self, event: Suspicion, now: float) -> None:
         """A rank lost with its node's links: its reducers' partners wait for it
