@@ -33,7 +33,8 @@ frames of a job it has no rank in cannot crowd out a member's; past that the sen
 is closed (``RemoteProtocolError``): it sends again after the reset, as it does what any
 reset may have lost.  A frame waits ``route_timeout`` at most, and frames from a node whose
 links were reset go with them (what its engine sends again replaces them).  Holding,
-landing, releasing a rank's frames and a timer tick cost O(log n) or O(frames released).
+landing, releasing a rank's frames and a timer tick cost O(log n) or O(frames released); a
+peer's reset, rare, looks at every frame held (at most :data:`MAX_FRAMES`).
 """
 
 from __future__ import annotations
