@@ -393,6 +393,12 @@ class Membership:
         """Whether ``rank`` of ``job`` was lost with its node's links and may come back."""
         return (job, rank) in self._suspects
 
+    def suspected_on(self, job: str, rank: int) -> int | None:
+        """The node ``rank`` of ``job`` was on when it was lost with that node's links, while
+        it is suspected: its frames sent again after the reset may overtake its announcement."""
+        suspect = self._suspects.get((job, rank))
+        return None if suspect is None else suspect.entry.node
+
     def has_suspects(self, job: str) -> bool:
         """Whether any rank of ``job`` is suspected."""
         return job in self._suspects_per_job

@@ -9,6 +9,10 @@ from fabricd.errors import RemoteProtocolError
 from fabricd.frames.fields import MAX_NAME, MAX_RANK
 from fabricd.wire import MAX_TAG, Kind, Meta, get_int, get_str
 
+#: a NOTIFY's tag saying the reduce is broken (ranks called it two ways): the highest, far
+#: from any barrier step's
+BROKEN: Final = MAX_TAG
+
 #: the longest edge list a stochastic reduce's spec may carry (``graph = "edges"``)
 MAX_SPEC_EDGES: Final = 4096
 #: the fields of a stochastic reduce's spec, every one always present: what every call of the
@@ -16,13 +20,14 @@ MAX_SPEC_EDGES: Final = 4096
 GRAPH_SPEC_FIELDS: Final = ("graph", "n", "degree", "seed", "edges", "sync", "dtype", "nbytes")
 
 
-def _graph_spec(meta: Meta) -> dict[str, Any]:
-    """A stochastic reduce's spec, each field of its type and range: a peer's spec reaches
-    the graph generators and the reducer's allocations, which must never see another type."""
-    spec = meta.get("spec")
+def _graph_spec(meta: Meta, key: str = "spec") -> dict[str, Any]:
+    """A stochastic reduce's spec (field ``key``), each field of its type and range: a peer's
+    spec reaches the graph generators and the reducer's allocations, which must never see
+    another type."""
+    spec = meta.get(key)
     # str(): a bytes key (msgpack allows them) never equals a field's name, nor sorts with one
     if not isinstance(spec, dict) or sorted(map(str, spec)) != sorted(GRAPH_SPEC_FIELDS):
-        raise RemoteProtocolError(f"field 'spec' must be a map of {', '.join(GRAPH_SPEC_FIELDS)}")
+        raise RemoteProtocolError(f"field {key!r} must be a map of {', '.join(GRAPH_SPEC_FIELDS)}")
     degree, edges = spec["degree"], spec["edges"]
     if edges is not None and (
         not isinstance(edges, list)
@@ -47,6 +52,15 @@ def _graph_spec(meta: Meta) -> dict[str, Any]:
         "dtype": get_str(spec, "dtype"),
         "nbytes": get_int(spec, "nbytes", lo=1),
     }
+
+
+def describe(spec: dict[str, Any]) -> str:
+    """A spec in words, as a failure names it."""
+    return (
+        f"{spec['sync']} over a {spec['graph']} graph, {spec['nbytes']} B of {spec['dtype']}"
+        + (f", degree {spec['degree']}" if spec["degree"] is not None else "")
+        + (f", seed {spec['seed']}" if spec["seed"] else "")
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,18 +118,26 @@ class Update(_GraphFrame):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Notify(_GraphFrame):
     """Rank ``src``'s update of ``round`` for ``dst`` is out (``tag`` 0), or ``src`` reached
-    step ``tag - 2`` of round ``round``'s barrier (control channel, no payload)."""
+    step ``tag - 2`` of round ``round``'s barrier (control channel, no payload); or, with
+    ``tag`` :data:`BROKEN`, the reduce was called two ways, ``spec`` and ``other``: it is
+    broken on every member node (a node that saw the difference tells each of the others)."""
 
     KIND: ClassVar[Kind] = Kind.NOTIFY
     tag: int
     spec: dict[str, Any]
+    other: dict[str, Any] | None = None  #: the second spec, with ``tag`` BROKEN only
 
     def to_meta(self) -> Meta:
-        return {**self._meta(), "t": self.tag, "spec": self.spec}
+        meta = {**self._meta(), "t": self.tag, "spec": self.spec}
+        return meta if self.other is None else {**meta, "o": self.other}
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Notify:
-        return cls(**cls._fields(meta), tag=get_int(meta, "t", hi=MAX_TAG), spec=_graph_spec(meta))
+        tag = get_int(meta, "t", hi=MAX_TAG)
+        if (tag == BROKEN) != ("o" in meta):
+            raise RemoteProtocolError("a NOTIFY has a second spec if and only if it is BROKEN")
+        other = _graph_spec(meta, "o") if tag == BROKEN else None
+        return cls(**cls._fields(meta), tag=tag, spec=_graph_spec(meta), other=other)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -69,6 +69,9 @@ class Table:
     def known(self, job: str) -> int:
         return sum(1 for j, _ in self.entries if j == job)
 
+    def suspected_on(self, job: str, rank: int) -> int | None:
+        return None  # (no test here resets a node's links)
+
 
 class Link:
     """A data link whose sends a test completes or fails by hand."""

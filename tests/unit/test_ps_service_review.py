@@ -64,6 +64,12 @@ class Table:
     def suspected(self, job: str, rank: int) -> bool:
         return (job, rank) in self.suspects
 
+    def suspected_on(self, job: str, rank: int) -> int | None:
+        return NODES[rank] if (job, rank) in self.suspects else None
+
+    def job_size(self, job: str) -> int | None:
+        return len(NODES) if any(j == job for j, _ in self.entries) else None
+
     def owner(self, job: str) -> int | None:
         return 1000
 

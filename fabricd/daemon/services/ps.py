@@ -40,6 +40,7 @@ from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.jobs import Groups
 from fabricd.daemon.services.ps_status import Call, PSStatus
+from fabricd.daemon.services.senders import Gate, Sender, earliest, sender
 from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.actions import Complete, Failure, SendFrame
 from fabricd.engines.membership import RankGone, RankJoined, RankSuspected
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from fabricd.daemon.service import Host, Request
+    from fabricd.daemon.services.senders import Waiting
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.budget import Charge
     from fabricd.engines.membership import Membership, RankEntry, RankEvent, Suspicion
@@ -177,6 +179,10 @@ class PSService(BaseService):
             for kind in (Kind.PUSH, Kind.PULLED, Kind.REPLICATE)
         }
         self._bytes_sent = 0
+        #: workers' frames only from the node their rank is on: refused, or waiting for it
+        self._gate = Gate(
+            host, membership, remote_log, self.engine.counters, "ps_frames_dropped", self._replay
+        )
         self.status = PSStatus(
             name=self.name, host=host, membership=membership, engine=self.engine, calls=self._calls
         )
@@ -570,6 +576,12 @@ class PSService(BaseService):
         assert isinstance(frame, ps_frames.Push | ps_frames.Pulled | ps_frames.Replicate)
         if length > self.host.config.max_payload:
             raise RemoteProtocolError(f"a {frame.KIND.name} of {length} B")
+        if isinstance(frame, ps_frames.Push):  # (on_data counts what is refused)
+            verdict = sender(self.membership, node, frame.job, frame.worker)
+            if verdict is Sender.NOT_YET:
+                return self._gate.hold(node, frame.job, frame.worker, frame, length)
+            if verdict is not Sender.MEMBER:
+                return None
         if not self.engine.may_send(node, frame):  # read and dropped; on_data counts it
             return None
         buffer = bytearray(length)
@@ -579,11 +591,63 @@ class PSService(BaseService):
     def on_data(self, node: int, frame: registry.PayloadFrame, length: int, now: float) -> None:
         assert isinstance(frame, ps_frames.Push | ps_frames.Pulled | ps_frames.Replicate)
         payload = self._landing.pop(_landing_key(node, frame), None)
-        data = bytes(payload) if payload is not None else b""
+        if payload is None and self._gate.landed(node, frame, now):
+            return  # waits for its worker's announcement
+        self.on_frame(node, frame, now, b"" if payload is None else bytes(payload))
+
+    def on_frame(self, node: int, frame: registry.PeerFrame, now: float, data: bytes = b"") -> None:
+        """A peer's frame (``data``: its payload), for the engine if its sender is a member.
+
+        A worker's PUSH or PULL counts only from the node its worker rank lives on; one from
+        anywhere else, or of a job none of whose ranks is known here, is refused and counted
+        before anything is allocated or held for it (issue 28, item 2: such pushes were held
+        as early frames, for ever, for any job name), and one whose worker is not announced
+        yet waits for it (:mod:`~fabricd.daemon.services.senders`).  A server's or
+        replica's frame the engine judges by its own stricter rule (its rank must be known
+        on that node; one that overtook its announcement is sent again): a stranger's is
+        counted here too."""
+        if isinstance(frame, ps_frames.Push | ps_frames.Pull):
+            verdict = self._gate.judge(node, frame.job, frame.worker)
+            if verdict is Sender.NOT_YET:  # (a push whose rank left while it landed, too)
+                view = self._gate.hold(node, frame.job, frame.worker, frame, len(data))
+                if view is not None:
+                    view[:] = data
+                    self._gate.landed(node, frame, now)
+                return
+            if verdict is Sender.NO_JOB:  # nothing here serves it (and a stranger's job
+                self.engine.counters["ps_frames_dropped"] += 1  # names must hold nothing)
+            if verdict is not Sender.MEMBER:
+                return
+        else:
+            assert isinstance(
+                frame,
+                ps_frames.Pushed
+                | ps_frames.Pulled
+                | ps_frames.Replicate
+                | ps_frames.Replicated
+                | ps_frames.Join
+                | ps_frames.Opened,
+            )
+            if isinstance(frame, ps_frames.Opened):
+                rank = frame.rank
+            elif isinstance(frame, ps_frames.Replicated | ps_frames.Join):
+                rank = frame.replica
+            else:
+                rank = frame.server
+            if sender(self.membership, node, frame.job, rank) is Sender.STRANGER:
+                self.engine.counters["frames_refused_not_member"] += 1
         self._perform(self.engine.on_frame(node, frame, data, now))
 
-    def on_frame(self, node: int, frame: registry.PeerFrame, now: float) -> None:
-        self._perform(self.engine.on_frame(node, frame, b"", now))
+    def _replay(self, held: Waiting, now: float) -> None:
+        """A worker's frame that waited for its rank's announcement, as if it came now."""
+        frame = held.frame
+        if isinstance(frame, ps_frames.Push) and held.payload is not None:
+            view = self.payload_buffer(held.node, frame, len(held.payload))
+            if view is not None:
+                view[:] = held.payload
+            self.on_data(held.node, frame, len(held.payload), now)
+        else:
+            self.on_frame(held.node, frame, now)
 
     # -- peers, ranks, clients ----------------------------------------------------------------
     def peer_up(self, node: int, now: float) -> None:
@@ -593,11 +657,13 @@ class PSService(BaseService):
         for queue in self._queues.values():
             queue.drop(node)
         self._landing = {k: b for k, b in self._landing.items() if k[0] != node}
+        self._gate.drop_node(node)
 
     def on_rank_event(self, event: RankEvent, now: float) -> None:
         job, rank = event.entry.job, event.entry.rank
         if isinstance(event, RankJoined):
             self._perform(self.engine.rank_joined(job, rank, event.entry.node, now))
+            self._gate.release(job, rank, now)
         elif not self.membership.suspected(job, rank):  # else on_suspicion decides
             self._perform(self.engine.rank_gone(job, rank, event.reason, now))
 
@@ -629,10 +695,11 @@ class PSService(BaseService):
 
     # -- time, the drain --------------------------------------------------------------------
     def next_deadline(self) -> float | None:
-        return self.engine.next_deadline()
+        return earliest(self.engine.next_deadline(), self._gate.next_deadline())
 
     def on_timer(self, now: float) -> None:
         self._perform(self.engine.on_timer(now))
+        self._gate.expire(now)
 
     def shutdown(self, failure: Failure) -> None:
         for key, rank in list(self._calls):

@@ -53,6 +53,8 @@ from fabricd.daemon.services.jobs import (
     WaitingForRanks,
     refuse_while_draining,
 )
+from fabricd.daemon.services.senders import Gate, Sender, earliest
+from fabricd.daemon.services.stochastic_status import reducer_row, stall_row
 from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankBack, RankGone, RankJoined, RankLeft, RankSuspected
@@ -73,7 +75,7 @@ from fabricd.engines.stochastic.notify_ack import (
 from fabricd.errors import ErrorCode, OperationFailed, RemoteProtocolError, UsageError
 from fabricd.frames import stochastic as stochastic_frames
 from fabricd.frames.fields import MAX_NAME
-from fabricd.frames.stochastic import MAX_SPEC_EDGES
+from fabricd.frames.stochastic import BROKEN, MAX_SPEC_EDGES, describe
 from fabricd.wire import Kind, Meta, get_int, get_str
 
 if TYPE_CHECKING:
@@ -82,6 +84,7 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from fabricd.daemon.service import Host, Request
+    from fabricd.daemon.services.senders import Waiting
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.budget import Charge
     from fabricd.engines.membership import Membership, RankEvent, Suspicion
@@ -127,6 +130,7 @@ class StochasticService(BaseService):
         self._specs: dict[Key, Meta] = {}  #: each reduce's spec, as calls and frames carry it
         self._graphs: dict[Key, graphs.Graph] = {}
         self._broken: dict[Key, str] = {}  #: reduces whose ranks called them unlike each other
+        self._split: dict[Key, tuple[Meta, Meta]] = {}  #: ... and the two ways they called them
         self.operations = OperationStats(self.name, kinds=list(SYNCS))
         self._open: OpenCalls[RankKey] = OpenCalls(host, self.operations)
         self._waiting: WaitingForRanks[_Waiting] = WaitingForRanks(
@@ -141,8 +145,14 @@ class StochasticService(BaseService):
         self._counters = {
             "update_bytes_sent": 0,
             "updates_skipped": 0,  #: barrier, async: the edge's last update was still queued
-            "graph_frames_dropped": 0,  #: for a rank not here, or a reduce called otherwise
+            #: for a rank not here, a reduce called otherwise, or from a node its sender rank
+            #: is not on (those also count in frames_refused_not_member: see self._gate)
+            "graph_frames_dropped": 0,
         }
+        #: frames only from the node their sender rank is on: refused, or waiting for it
+        self._gate = Gate(
+            host, membership, remote_log, self._counters, "graph_frames_dropped", self._replay
+        )
 
     def _count_sent(self, nbytes: int) -> None:
         self._counters["update_bytes_sent"] += nbytes
@@ -254,7 +264,7 @@ class StochasticService(BaseService):
             return None
         known = self._specs.get(key)
         if known is not None and known != spec:
-            self._break(key, f"one call said {_describe(known)}, another {_describe(spec)}")
+            self._break(key, known, spec)
             return None
         reducer = self.reducers.get((*key, rank))
         if reducer is not None:
@@ -269,7 +279,7 @@ class StochasticService(BaseService):
                     "the setting",
                     code=ErrorCode.LIMIT,
                 )
-        graph = self._graphs[key] if known is not None else _graph(spec)  # refused saying why
+        graph = self._graphs[key] if known is not None else graphs.from_spec(spec)  # (says why)
         charge = self._charge(
             key, rank, spec, len(graph.in_neighbours[rank]) + len(graph.out_neighbours[rank])
         )
@@ -328,26 +338,71 @@ class StochasticService(BaseService):
             "smaller array, or several under names of their own"
         )
 
-    def _break(self, key: Key, why: str) -> None:
-        """The ranks of ``key`` called it unlike each other: it can never run; every open and
-        later call here fails, naming the difference."""
+    def _break(self, key: Key, first: Meta, second: Meta) -> None:
+        """The ranks of ``key`` called it two ways, ``first`` and ``second`` (here, or as a
+        member's BROKEN NOTIFY says): it can never run; every open and later call here fails,
+        naming both, and every member node hears it (:meth:`_tell`), or the ranks of nodes
+        that never saw the other spec would wait for ever (issue 28, item 2).  A broken
+        reduce is told once per node: a node that hears it breaks it and tells the others,
+        but one already broken does nothing, so the news never loops."""
+        if key in self._broken:
+            return
+        if (
+            key not in self._specs
+            and self._names.count(key[0]) >= self.host.config.max_collectives_per_job
+        ):
+            return  # (a name never called here past the bound: nothing here waits for it)
         message = (
-            f"stochastic reduce {key[1]!r} of job {key[0]!r} was called in two ways ({why}): "
-            "every rank must call it with the same graph, sync, dtype and size (or use "
-            "another name)"
+            f"stochastic reduce {key[1]!r} of job {key[0]!r} was called in two ways (one call "
+            f"said {describe(first)}, another {describe(second)}): every rank must call it "
+            "with the same graph, sync, dtype and size (or use another name)"
         )
         log.warning("%s", message)
-        self._broken[key] = message
+        self._broken[key], self._split[key] = message, (first, second)
+        self._names.add(key[0], key)  # (forgotten with the job)
         for rank_key in [k for k in self._reducers_of.of(key[0]) if k[1] == key[1]]:
             self._drop(rank_key).close(message)
             self._open.fail(rank_key, Failure(code=ErrorCode.USAGE, message=message))
+        self._tell(key)
+
+    def _tell(self, key: Key, pair: tuple[int, int, int] | None = None) -> None:
+        """Send a BROKEN NOTIFY with both specs of broken ``key`` as ``pair`` says (to node,
+        from local rank, to rank), or from a local rank to a rank on every other member node
+        (each of the job's ranks known here: O(ranks), once per reduce).  It comes from a
+        local rank of the job, so that the receiver takes it as a member's."""
+        job, name = key
+        me = self.host.config.node_id
+        pairs = [] if pair is None else [pair]
+        if pair is None:
+            size = self.membership.job_size(job) or 0
+            known = [e for r in range(size) if (e := self.membership.lookup(job, r)) is not None]
+            src = next((e.rank for e in known if e.node == me), None)
+            pairs = [] if src is None else [(e.node, src, e.rank) for e in known if e.node != me]
+        first, second = self._split[key]
+        for node, src, dst in {p[0]: p for p in pairs}.values():  # (one per node)
+            self.host.send(
+                node,
+                stochastic_frames.Notify(
+                    job=job,
+                    name=name,
+                    src=src,
+                    dst=dst,
+                    round=0,
+                    tag=BROKEN,
+                    spec=first,
+                    other=second,
+                ),
+            )
 
     # -- peers ------------------------------------------------------------------------------
     def payload_buffer(
         self, node: int, frame: registry.PayloadFrame, length: int
     ) -> memoryview | None:
         assert isinstance(frame, stochastic_frames.Update)
-        reducer = self._for_frame(node, frame, frame.spec) if self._from(node, frame) else None
+        verdict = self._gate.judge(node, frame.job, frame.src)
+        if verdict is Sender.NOT_YET:
+            return self._gate.hold(node, frame.job, frame.src, frame, length)
+        reducer = None if verdict is Sender.STRANGER else self._for_frame(node, frame, frame.spec)
         if reducer is None:
             return None
         view = reducer.landing(frame.src, frame.round, length)
@@ -358,7 +413,8 @@ class StochasticService(BaseService):
     def on_data(self, node: int, frame: registry.PayloadFrame, length: int, now: float) -> None:
         assert isinstance(frame, stochastic_frames.Update)
         reducer = self._landing.pop(_landing_key(node, frame), None)
-        if reducer is None:  # dropped (its bytes were read and discarded)
+        if reducer is None:  # dropped (its bytes were read and discarded), or held
+            self._gate.landed(node, frame, now)
             return
         if self.reducers.get((frame.job, frame.name, frame.dst)) is reducer:
             key = (frame.job, frame.name)
@@ -366,38 +422,43 @@ class StochasticService(BaseService):
 
     def on_frame(self, node: int, frame: registry.PeerFrame, now: float) -> None:
         assert isinstance(frame, stochastic_frames.Notify | stochastic_frames.Ack)
-        if not self._from(node, frame):
+        verdict = self._gate.judge(node, frame.job, frame.src)
+        if verdict is Sender.NOT_YET:
+            self._gate.hold(node, frame.job, frame.src, frame, 0)
+            return
+        if verdict is Sender.STRANGER:
             return
         if isinstance(frame, stochastic_frames.Notify):
             if frame.tag == ACK:
                 raise RemoteProtocolError("a NOTIFY with the ACK's tag")
+            if frame.tag == BROKEN:
+                assert frame.other is not None  # (the frame layer checked it)
+                if verdict is Sender.MEMBER:  # else no rank of the job is here to tell
+                    self._break((frame.job, frame.name), frame.spec, frame.other)
+                return
             reducer = self._for_frame(node, frame, frame.spec)
             tag = frame.tag
         else:
             assert isinstance(frame, stochastic_frames.Ack)
             reducer = self.reducers.get((frame.job, frame.name, frame.dst))
             tag = ACK
+            if (frame.job, frame.name) in self._split:  # (a rank that only ACKs hears it too)
+                self._tell((frame.job, frame.name), (node, frame.dst, frame.src))
         if reducer is not None:
             actions = reducer.message(frame.src, tag, frame.round, now)
             self._perform((frame.job, frame.name), frame.dst, actions)
 
-    def _from(
-        self,
-        node: int,
-        frame: stochastic_frames.Update | stochastic_frames.Notify | stochastic_frames.Ack,
-    ) -> bool:
-        """Whether ``frame``'s sender rank may live on ``node``, the peer that sent it: a frame
-        naming a rank of another node is dropped and counted, never taken as that rank's.  A
-        rank not known here yet passes: after a reset, an UPDATE sent again on the data link
-        may overtake the ANNOUNCE of its rank on the control link."""
-        entry = self.membership.lookup(frame.job, frame.src)
-        if entry is None or entry.node == node:
-            return True
-        self._counters["graph_frames_dropped"] += 1
-        remote_log.warning(
-            "stray", "node %d sent a frame as rank %d, which is not on it", node, frame.src
-        )
-        return False
+    def _replay(self, held: Waiting, now: float) -> None:
+        """A frame that waited for its sender rank's announcement, as if it came now."""
+        frame = held.frame
+        if isinstance(frame, stochastic_frames.Update):
+            assert held.payload is not None
+            view = self.payload_buffer(held.node, frame, len(held.payload))
+            if view is not None:
+                view[:] = held.payload
+            self.on_data(held.node, frame, len(held.payload), now)
+        else:
+            self.on_frame(held.node, frame, now)
 
     def _for_frame(
         self, node: int, frame: stochastic_frames.Update | stochastic_frames.Notify, spec: Meta
@@ -429,6 +490,7 @@ class StochasticService(BaseService):
         too_big = self._too_big(spec["nbytes"])
         if too_big is not None:
             raise RemoteProtocolError(too_big)
+        broken = key in self._split
         try:
             reducer = self._reducer(key, frame.dst, spec)
         except OperationFailed as exc:  # a limit here: this tenant's, not the link's fault
@@ -439,6 +501,8 @@ class StochasticService(BaseService):
             raise RemoteProtocolError(f"stochastic reduce spec: {exc}") from exc
         if reducer is None:
             self._counters["graph_frames_dropped"] += 1
+            if broken:  # before: the sender's node hears it (if it broke now, it was told)
+                self._tell(key, (node, frame.dst, frame.src))
         return reducer
 
     def peer_down(self, node: int, reason: str, now: float) -> None:
@@ -446,6 +510,7 @@ class StochasticService(BaseService):
         news, :meth:`on_rank_event`) is what fails the reduces that need them."""
         self._frames.drop(node)
         self._landing = {k: r for k, r in self._landing.items() if k[0] != node}
+        self._gate.drop_node(node)
 
     def on_rank_event(self, event: RankEvent, now: float) -> None:
         """A rank that left is lost to its job's reducers at once if its trainer went; one lost
@@ -468,6 +533,10 @@ class StochasticService(BaseService):
         for rank_key in self._reducers_of.of(job):
             self.reducers[rank_key].rejoined(rank)
         self._waiting.retry(job, lambda item: self._try(item, now))
+        self._gate.release(job, rank, now)
+        if self._split and event.entry.node != self.host.config.node_id:
+            for key in [k for k in self._names.of(job) if k in self._split]:
+                self._tell(key)  # its node may not know yet (it was not known when it broke)
 
     def on_suspicion(self, event: Suspicion, now: float) -> None:
         """A rank lost with its node's links: its reducers' partners wait for it
@@ -521,7 +590,7 @@ class StochasticService(BaseService):
             self._open.fail(rank_key, failure)
         for key in self._names.of(job):  # a broken reduce was called: its spec is kept too
             self._names.discard(job, key)
-            for table in (self._specs, self._graphs, self._broken):
+            for table in (self._specs, self._graphs, self._broken, self._split):
                 table.pop(key, None)
         self._sessions.pop(job, None)
 
@@ -632,10 +701,11 @@ class StochasticService(BaseService):
             reducer.close(f"rank {rank_key[2]}'s trainer left during a call")
 
     def next_deadline(self) -> float | None:
-        return self._waiting.next_deadline()
+        return earliest(self._waiting.next_deadline(), self._gate.next_deadline())
 
     def on_timer(self, now: float) -> None:
         self._waiting.expire(now)
+        self._gate.expire(now)
 
     def shutdown(self, failure: Failure) -> None:
         for rank_key in [rank_key for rank_key, _ in self._open.items()]:
@@ -665,60 +735,15 @@ class StochasticService(BaseService):
             }
             if keep is not None and not keep(whose):
                 continue
-            waiting = reducer.waiting_for()
-            rows.append(
-                {
-                    **whose,
-                    "node": self.host.config.node_id,
-                    "op": f"{name}@{rank}",
-                    "kind": f"stochastic_reduce ({reducer.sync.value})",
-                    "rank": rank,
-                    "peer": "-",
-                    "tag": name,
-                    "nbytes": call.nbytes,
-                    "dtype": str(reducer.dtype),
-                    "pending_for": now - started,
-                    "waits": "peer" if waiting else "round",
-                    "detail": (
-                        f"round {reducer.executor.round} of {reducer.graph.kind} graph waits "
-                        f"for {', '.join(waiting[:8]) or 'the round before to end'}"
-                    ),
-                    "peer_joined": True,
-                    "peer_node": None,
-                    "peer_node_state": None,
-                    "client_left": False,
-                }
-            )
+            node = self.host.config.node_id
+            rows.append(stall_row(whose, node, name, rank, reducer, call.nbytes, now - started))
         return rows
 
     # -- status and metrics -----------------------------------------------------------------
     def statistics(self) -> Meta:
         rows = []
         for (job, name, rank), reducer in sorted(self.reducers.items()):
-            s = reducer.statistics()
-            rows.append(
-                {
-                    "job": job,
-                    "owner": self.membership.owner(job),
-                    "name": name,
-                    "rank": rank,
-                    "graph": reducer.graph.kind,
-                    "sync": reducer.sync.value,
-                    "in_degree": len(reducer.sources),
-                    "out_degree": len(reducer.targets),
-                    "round": s.round,
-                    "reduces": s.reduces,
-                    "used": list(s.used),
-                    "torn": s.torn,
-                    "stale": s.stale,
-                    "notifies": s.notifies,
-                    "acks": s.acks,
-                    "duplicates": s.duplicates,
-                    "resent": s.resent,
-                    "waiting": list(s.waiting),
-                    "broken": s.broken,
-                }
-            )
+            rows.append(reducer_row(job, self.membership.owner(job), name, rank, reducer))
         return {
             "stochastic_reduces": rows,
             "counters": {
@@ -759,34 +784,5 @@ class StochasticService(BaseService):
         )
 
 
-def _graph(spec: Meta) -> graphs.Graph:
-    """The graph a spec names, over the job's ranks."""
-    edges = spec["edges"]
-    pairs = None
-    if edges is not None:
-        if not all(
-            isinstance(e, list | tuple) and len(e) == 2 and all(type(x) is int for x in e)
-            for e in edges
-        ):
-            raise UsageError("edges: a list of [src, dst] pairs of ranks")
-        pairs = [(int(a), int(b)) for a, b in edges]
-        if any(not 0 <= x < spec["n"] for pair in pairs for x in pair):
-            raise UsageError(f"edges name ranks outside the job's 0..{spec['n'] - 1}")
-    graph = graphs.build(
-        spec["graph"], spec["n"], degree=spec["degree"], seed=spec["seed"], edges=pairs
-    )
-    if graph.n != spec["n"]:
-        raise UsageError(f"a graph of {graph.n} ranks for a job of {spec['n']}")
-    return graph
-
-
 def _landing_key(node: int, frame: stochastic_frames.Update) -> tuple[int, str, str, int, int, int]:
     return (node, frame.job, frame.name, frame.src, frame.dst, frame.round)
-
-
-def _describe(spec: Meta) -> str:
-    return (
-        f"{spec['sync']} over a {spec['graph']} graph, {spec['nbytes']} B of {spec['dtype']}"
-        + (f", degree {spec['degree']}" if spec["degree"] is not None else "")
-        + (f", seed {spec['seed']}" if spec["seed"] else "")
-    )

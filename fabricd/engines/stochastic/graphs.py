@@ -49,14 +49,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from fabricd.errors import UsageError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Iterable, Mapping, Sequence
 
 #: the generators' names, as ``fabricctl graph --kind`` and the client spell them
 KINDS: Final = ("all-to-all", "star", "chain", "ring", "expander", "regular", "edges")
@@ -153,6 +153,30 @@ def build(
         "expander": expander,
     }
     return generators[kind](n)
+
+
+def from_spec(spec: Mapping[str, Any]) -> Graph:
+    """The graph a stochastic reduce's spec names (``graph``, ``n``, ``degree``, ``seed``,
+    ``edges``: a call's or a peer's frame's), over the job's ``n`` ranks.
+
+    Raises:
+        UsageError: as :func:`build`, or edges that are not pairs of the job's ranks.
+    """
+    edges = spec["edges"]
+    pairs = None
+    if edges is not None:
+        if not all(
+            isinstance(e, list | tuple) and len(e) == 2 and all(type(x) is int for x in e)
+            for e in edges
+        ):
+            raise UsageError("edges: a list of [src, dst] pairs of ranks")
+        pairs = [(int(a), int(b)) for a, b in edges]
+        if any(not 0 <= x < spec["n"] for pair in pairs for x in pair):
+            raise UsageError(f"edges name ranks outside the job's 0..{spec['n'] - 1}")
+    graph = build(spec["graph"], spec["n"], degree=spec["degree"], seed=spec["seed"], edges=pairs)
+    if graph.n != spec["n"]:
+        raise UsageError(f"a graph of {graph.n} ranks for a job of {spec['n']}")
+    return graph
 
 
 def all_to_all(n: int) -> Graph:
