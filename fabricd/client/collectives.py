@@ -60,6 +60,10 @@ if TYPE_CHECKING:
 
 Mode = Literal["sync", "solo", "majority"]
 Op = Literal["sum", "avg", "max", "min"]
+#: what a rank of a partial allreduce gets when it missed rounds (the :class:`Result`'s
+#: ``results``): the sum of every result it missed, or only the latest (eager-SGD §4.2)
+Late = Literal["sum", "latest"]
+LATES: Final = ("sum", "latest")
 MODES: Final = ("sync", "solo", "majority")
 OPS: Final = ("sum", "avg", "max", "min")
 #: the ops a partial (solo, majority) allreduce takes: a passive rank's zeros must not change
@@ -81,12 +85,16 @@ class Result:
     that round counted its data (solo and majority: that round, or if it had started without
     the data, a later one, as for ``included`` false), so this call is for a later round.
     ``None``: no such call, or it was withdrawn (module docstring).
+    ``results``: how many rounds' results the array holds: more than 1 when a solo or
+    majority rank had missed rounds and ``late="sum"`` handed it the sum of all it missed
+    (``round`` is then the last of them).
     """
 
     round: int
     included: bool
     active: int
     kept: int | None = None
+    results: int = 1
 
 
 class Collectives:
@@ -114,11 +122,17 @@ class Collectives:
         *,
         name: str | None = None,
         timeout: float | None = None,
+        late: Late = "sum",
     ) -> Result:
         """Reduce ``array`` over every rank of the job, in place; see :class:`Result`.
 
         ``op``: ``"sum"``, ``"avg"`` (the sum divided by the job's size; integers floor),
-        ``"max"``, ``"min"``; partial modes take ``"sum"`` and ``"avg"`` only.
+        ``"max"``, ``"min"``; partial modes take ``"sum"`` and ``"avg"`` only.  ``late``
+        (solo and majority): what a call gets when its rank missed rounds (it was behind, or
+        started late): ``"sum"``, the sum of every result it missed, so that each replica
+        applies every round's result once and the replicas stay alike; ``"latest"``, only
+        the latest result, as eager-SGD's receive buffer (the replicas drift until
+        :meth:`sync_model`).  Every rank must pass the same.
 
         Raises:
             UsageError: a bad argument, or a call that disagrees with the collective's first
@@ -128,7 +142,7 @@ class Collectives:
             Timeout: ``timeout`` passed; the call goes on (:meth:`interrupted_collectives`
                 has its handle), as after Ctrl-C (the module docstring).
         """
-        return self._wait(self.allreduce_async(array, op, mode, name=name), timeout)
+        return self._wait(self.allreduce_async(array, op, mode, name=name, late=late), timeout)
 
     def allreduce_async(
         self,
@@ -137,8 +151,11 @@ class Collectives:
         mode: Mode = "sync",
         *,
         name: str | None = None,
+        late: Late = "sum",
     ) -> Handle[Result]:
         """Start an allreduce; leave ``array`` alone until ``handle.wait()`` returns."""
+        if late not in LATES:
+            raise UsageError(f"late must be one of {', '.join(map(repr, LATES))}, not {late!r}")
         if mode not in MODES:
             raise UsageError(f"mode must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
         if op not in OPS:
@@ -148,7 +165,8 @@ class Collectives:
                 f"a {mode} allreduce takes op 'sum' or 'avg': ranks that take part passively "
                 f"contribute zeros, which {op!r} would count"
             )
-        return self._start(f"allreduce:{mode}:{op}", array, name, reduce=op, mode=mode)
+        partial = {} if mode == "sync" else {"late": late}
+        return self._start(f"allreduce:{mode}:{op}", array, name, reduce=op, mode=mode, **partial)
 
     def broadcast(
         self,
@@ -334,4 +352,5 @@ def _result(reply: Meta, kept: int | None = None) -> Result:
         included=bool(reply["included"]),
         active=int(reply["active"]),
         kept=kept if said is None else int(said),
+        results=int(reply.get("results", 1)),
     )

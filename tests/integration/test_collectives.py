@@ -121,25 +121,37 @@ def test_sync_allreduce_every_op_and_dtype_equals_numpy(make_cluster, size: int)
                     assert all(np.array_equal(arrays[0], a) for a in arrays)  # the same bits
 
 
-@pytest.mark.parametrize(("mode", "op"), [("solo", "sum"), ("majority", "sum"), ("solo", "avg")])
+@pytest.mark.parametrize(
+    ("mode", "op", "late"),
+    [
+        ("solo", "sum", "sum"),
+        ("majority", "sum", "sum"),
+        ("solo", "avg", "sum"),
+        ("majority", "sum", "latest"),
+        ("solo", "sum", "latest"),
+    ],
+)
 @pytest.mark.parametrize("size", [2, 5, 8])
 def test_partial_allreduce_loses_no_contribution(
-    make_cluster, mode: str, op: str, size: int
+    make_cluster, mode: str, op: str, late: str, size: int
 ) -> None:
     """Ranks call in a random order with random skew, then rounds of zeros drain what waited.
     Each call gives one gift, a one-hot element of its own, so a result says which gifts it
-    counted: every rank sees a round alike, an ``included`` call's gift is in the round it
-    got, no gift is counted twice, and every gift is in a round.  A round every rank was too
-    late for is seen by nobody (eager-SGD: a rank behind gets the latest result only), so a
-    gift may be missing from the rounds seen only if such a round exists."""
+    counted: an ``included`` call's gift is in the round it got, and no gift is counted
+    twice.  ``late="latest"``: every rank sees a round alike, and every gift is in a round
+    seen (a round every rank was too late for is seen by nobody: eager-SGD's receive buffer).
+    ``late="sum"``: what each rank applied holds every gift of the rounds it got at most
+    once, and the rank that got the last round applied every gift exactly once."""
     placement = PLACEMENTS[size]
     cluster = make_cluster(max(placement) + 1)
     rng = Random(size)
     steps, drain = 6, 6
     given = np.zeros(size * steps, "int64")
     seen: dict[int, np.ndarray[Any, Any]] = {}
+    applied = [np.zeros_like(given) for _ in range(size)]
+    last = [-1] * size  #: the last round each rank got
     scale = size if op == "avg" else 1  # avg: the sum over the job's size, as eager-SGD does
-    with ranks(cluster, placement, f"{mode}{op}{size}") as fabs:
+    with ranks(cluster, placement, f"{mode}{op}{late}{size}") as fabs:
         arrays = [f.array("g", (size * steps,), "float64") for f in fabs]
         for step in range(steps + drain):
             order = list(range(size))
@@ -150,23 +162,35 @@ def test_partial_allreduce_loses_no_contribution(
                 if step < steps:
                     arrays[r][r * steps + step] = 1
                     given += arrays[r].astype("int64")
-                handles.append((r, step, fabs[r].allreduce_async(arrays[r], op, mode)))
+                handle = fabs[r].allreduce_async(arrays[r], op, mode, late=late)
+                handles.append((r, step, handle))
                 time.sleep(rng.random() * 0.003)
             for r, step_, handle in handles:
                 res = wait_or_explain(handle, fabs)
                 assert 0 <= res.active <= size
                 got = np.rint(arrays[r] * scale).astype("int64")
+                applied[r] += got
+                last[r] = res.round
                 if res.included and step_ < steps:
                     assert got[r * steps + step_] == 1, "an included gift is missing"
-                if res.round in seen:
+                if res.results > 1:
+                    assert late == "sum"
+                elif res.round in seen:
                     np.testing.assert_array_equal(seen[res.round], got)
                 else:
                     seen[res.round] = got
         status = fabs[0].status()
-    counted = sum(seen.values(), np.zeros_like(given))
-    assert counted.max() <= 1, "a gift counted twice"
     rows = [row for row in status["collectives"] if row["name"] == f"allreduce:{mode}:{op}:g"]
     assert rows
+    if late == "sum":
+        assert max(a.max() for a in applied) <= 1, "a rank applied a gift twice"
+        ahead = [r for r in range(size) if last[r] == max(last)]
+        if rows[0]["rounds"] == max(last) + 1:  # (else a round ended after every last call)
+            for r in ahead:
+                np.testing.assert_array_equal(applied[r], given)
+        return
+    counted = sum(seen.values(), np.zeros_like(given))
+    assert counted.max() <= 1, "a gift counted twice"
     unseen = rows[0]["rounds"] - len(seen)
     assert unseen >= 0
     if unseen == 0:

@@ -52,14 +52,20 @@ def test_a_later_job_of_the_same_name_sees_none_of_the_old_data(make_cluster: An
     cluster = make_cluster(1)
     with ranks(cluster, (0, 0), "shared") as fabs:
         arrays = [f.array("g", (4,), "float64") for f in fabs]
+        first = [f.allreduce_async(a, "sum", "solo") for f, a in zip(fabs, arrays, strict=True)]
+        for handle in first:  # the first round is every rank's
+            handle.wait(timeout=WAIT)
         arrays[0][:], arrays[1][:] = 0.0, 7.0
-        fabs[0].allreduce(arrays[0], "sum", "solo")  # one node: round 0 ends in this call
-        fabs[1].allreduce(arrays[1], "sum", "solo")  # behind: [7] waits for round 1
+        fabs[0].allreduce(arrays[0], "sum", "solo")  # one node: round 1 ends in this call
+        fabs[1].allreduce(arrays[1], "sum", "solo")  # behind: [7] waits for round 2
     wait_gone(cluster, "shared")
     with ranks(cluster, (0, 0), "shared") as fabs:
-        mine = fabs[0].array("g", (4,), "float64")
-        mine[:] = 1.0
-        fabs[0].allreduce(mine, "sum", "solo")
+        mine, other = (f.array("g", (4,), "float64") for f in fabs)
+        mine[:], other[:] = 1.0, 0.0
+        calls = [fabs[0].allreduce_async(mine, "sum", "solo")]
+        calls.append(fabs[1].allreduce_async(other, "sum", "solo"))
+        for handle in calls:
+            handle.wait(timeout=WAIT)
         assert np.array_equal(mine, np.full(4, 1.0)), "the old job's 7s are in this result"
 
 

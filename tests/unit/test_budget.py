@@ -140,11 +140,10 @@ def test_a_negative_budget_is_refused_at_start() -> None:
 # -- the charges against what the engines hold ---------------------------------------------------
 def _held_by(coll: Collective) -> int:
     """Bytes of the arrays a collective made (not a caller's array, in place)."""
-    arrays = [coll.accumulator, coll.snapshot] + ([] if coll.inplace else [coll.data, coll.result])
-    held = sum(a.nbytes for a in arrays)
-    for first, second in coll._slots.values():
-        held += first.nbytes + (0 if second is first else second.nbytes)
-    return held
+    arrays = [*coll.given.arrays(), *coll.owed.arrays(), *coll.layout.arrays()]
+    if not coll.inplace:
+        arrays += [coll.data, coll.result]
+    return sum(a.nbytes for a in arrays)
 
 
 def _specs() -> list[tuple[Spec, int, int]]:

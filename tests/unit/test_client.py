@@ -521,3 +521,25 @@ def test_a_user_finds_a_daemon_at_the_system_socket(open_dir, monkeypatch):
     conn.close()
     assert hello.meta["op"] == "hello"
     assert answer == f"{system} node 3"
+
+
+def test_late_is_checked_sent_for_partial_modes_only_and_results_read():
+    def script(daemon: FakeDaemon, request: dict[str, Any]) -> None:
+        if request["op"] == "collective":
+            daemon.reply(request, round=3, included=False, active=1, results=2)
+        else:
+            answer_like_a_daemon(daemon, request)
+
+    daemon = FakeDaemon(script)
+    fab = daemon.client(checks.membership("j", 0, 2))
+    array = fab.array("late", (4,), "float32")
+    with pytest.raises(fabricd.UsageError, match="late must be one of 'sum', 'latest', not 'all'"):
+        fab.allreduce_async(array, "sum", "solo", late="all")  # type: ignore[arg-type]
+    assert "collective" not in daemon.ops()
+    result = fab.allreduce(array, "sum", "solo", late="sum", timeout=5)
+    assert daemon.requests[-1]["late"] == "sum"
+    assert result == fabricd.Result(round=3, included=False, active=1, results=2)
+    fab.allreduce(array, "sum", "sync", timeout=5)
+    assert "late" not in daemon.requests[-1]
+    fab.close()
+    daemon.stop()

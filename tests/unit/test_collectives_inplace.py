@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.engines.collectives import persistent
+from fabricd.engines.collectives import layout, persistent
 from fabricd.engines.collectives.algorithms import EMPTY, allreduce_ring
 from fabricd.engines.collectives.persistent import Action, Deliver, Fail, Settle, Spec
 from fabricd.engines.schedule import Kind
@@ -153,7 +153,7 @@ def test_in_place_gives_the_general_paths_bytes(
     placement = tuple(range(nodes))
     spec = Spec(kind="allreduce", count=count, dtype=dtype, op=op, ring=True, direct=direct)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(persistent, "RING_PIECES", pieces)
+        mp.setattr(layout, "RING_PIECES", pieces)
         fast = run_rounds(placement, spec, seed, general=False, settle=settle, framed=framed)
         slow = run_rounds(placement, spec, seed, general=True, framed=framed)
     assert all(c.inplace for c in fast.colls.values())
@@ -223,7 +223,7 @@ def test_in_place_holds_less_than_one_array_beside_the_ranks(nodes: int) -> None
     not one per round parity, and nothing else: less than the rank's array."""
     spec = Spec(kind="allreduce", count=1000, dtype="float32", ring=True)
     coll = Fabric(spec, tuple(range(nodes)), Random(0)).colls[0]
-    held = {id(a): a.nbytes for pair in coll._slots.values() for a in pair}
+    held = {id(a): a.nbytes for pair in coll.layout.slots.values() for a in pair}
     held |= {id(coll.data): coll.data.nbytes, id(coll.result): coll.result.nbytes}
     assert sum(held.values()) <= 4000 * (nodes - 1) // nodes + 4 * nodes
 
@@ -387,8 +387,8 @@ def _split_next(fab: Framed, phase: str) -> tuple[int, Any] | None:
     c0 = fab.colls[0]
     for (src, dst), queue in fab.links.items():
         if dst == 0 and queue and len(queue[0].payload):
-            op = c0._recv_of.get((c0.index[src], queue[0].tag))
-            if (op in c0._direct) == (phase == "allgather"):
+            op = c0.layout.recv_of.get((c0.index[src], queue[0].tag))
+            if (op in c0.layout.direct) == (phase == "allgather"):
                 return src, queue[0]
     return None
 
@@ -477,7 +477,7 @@ def test_a_call_failing_at_any_step_of_any_frame_leaves_its_array_and_the_sum_ri
 
 def _held(coll: persistent.Collective) -> list[np.ndarray[Any, Any]]:
     """Every buffer the collective keeps between rounds."""
-    slots = [a for pair in coll._slots.values() for a in pair]
+    slots = [a for pair in coll.layout.slots.values() for a in pair]
     return [coll.data, coll.result, *slots, *coll._landed.values()]
 
 

@@ -56,18 +56,23 @@ def test_majority_round_whose_initiator_is_on_an_excluded_node_still_starts() ->
 
 
 def test_included_and_active_are_right_for_a_round_restarted_by_a_view_change() -> None:
-    """Rank 0's solo call starts round 0 (the snapshot takes its gift); node 2 dies before
-    the round ends; the round restarts among nodes 0 and 1 with the snapshot back in the
-    accumulator, and its result holds rank 0's gift.  ``_restart`` cleared ``included`` and
-    ``_take_snapshot`` overwrote the restored active count with ``len(_fresh)`` (empty)."""
+    """After the first round (every rank's), rank 0's solo call starts round 1 (the snapshot
+    takes its gift); node 2 dies before the round ends; the round restarts among nodes 0 and 1
+    with the snapshot back in the accumulator, and its result holds rank 0's gift.
+    ``_restart`` cleared ``included`` and ``_take_snapshot`` overwrote the restored active
+    count with ``len(_fresh)`` (empty)."""
     spec = Spec(kind="allreduce", count=3, dtype="int64", mode="solo")
     fab = Fab(spec, (0, 1, 2), Random(0))
+    for rank in range(3):
+        fab.call(rank, 10 + rank, np.zeros(3, "int64"))
+    fab.drain()
+    assert len(fab.delivered) == 3
     mine = np.array([1, 0, 0], "int64")
     fab.call(0, 1, mine)
     fab.kill(2)
     fab.drain()
     done = fab.delivered[1]
-    assert done.round == 0
+    assert done.round == 1
     np.testing.assert_array_equal(mine, [1, 0, 0])  # its gift is in the result it got ...
     assert (done.included, done.active) == (True, 1)  # ... so it is included, and active
 

@@ -178,7 +178,8 @@ class CollectiveService(BaseService):
         count = len(array)
         fields: dict[str, Any] = {"kind": kind, "count": count, "dtype": dtype}
         if kind == "allreduce":
-            fields.update(op=get_str(meta, "reduce"), mode=get_str(meta, "mode"))
+            late = meta.get("late", "sum")  # (partial modes; Spec.check checks it)
+            fields.update(op=get_str(meta, "reduce"), mode=get_str(meta, "mode"), late=late)
         elif kind == "broadcast":
             root = get_int(meta, "root")
             if root >= session.size:
@@ -286,10 +287,9 @@ class CollectiveService(BaseService):
                 code=ErrorCode.LIMIT,
             )
         if spec.kind == "allreduce" and choose:
-            nodes = len(set(ranks))
             nbytes = spec.count * ITEMSIZE[spec.dtype]
             ring_from = self.host.config.ring_from_bytes
-            chosen = choose_allreduce(nodes, nbytes, ring_from_bytes=ring_from)
+            chosen = choose_allreduce(len(set(ranks)), nbytes, ring_from_bytes=ring_from)
             direct = chosen is Algorithm.DIRECT
             ring = direct or chosen is Algorithm.RING
             spec = Spec(**{**spec.to_meta(), "ring": ring, "direct": direct})
@@ -302,6 +302,7 @@ class CollectiveService(BaseService):
                 node=self.host.config.node_id,
                 ranks=ranks,
                 live=self._live(job, len(ranks)),
+                majority_wait=self.host.config.majority_wait,
             )
         except BaseException:
             charge.release()
@@ -326,7 +327,7 @@ class CollectiveService(BaseService):
         job, name = key
         node = self.host.config.node_id
         inplace = Collective.IN_PLACE and in_place(spec, ranks.count(node))
-        nbytes = held_bytes(spec, len(set(ranks)), inplace=inplace)
+        nbytes = held_bytes(spec, len(set(ranks)), inplace=inplace, local=ranks.count(node))
         owner = self.membership.owner(job)
         what = f"{spec.describe()} {name!r} of job {job!r}"
         return self.host.budget.charge(-1 if owner is None else owner, job, nbytes, what)

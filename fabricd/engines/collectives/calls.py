@@ -49,6 +49,7 @@ class Counters:
     frames_dropped: int = 0  #: peers' messages of an older view, dropped
     sum_active: int = 0  #: sum over rounds of ``active`` (its mean is what the demo shows)
     settled: int = 0  #: in place: calls completed before their round's acknowledgements
+    unled: int = 0  #: majority rounds started here without their initiator (its wait ended)
 
 
 @dataclass(slots=True)

@@ -31,12 +31,18 @@ job's
   data the snapshot took are ``included``; a call that comes after the snapshot still gets
   round ``r``'s result, and its data waits in the accumulator for round ``r + 1``: no
   contribution is ever lost (:meth:`Collective.conservation` checks it).  A rank that comes
-  back after rounds ended without it gets the latest result at once (eager-SGD §4.2: a rank
-  more than one round behind sees the latest result only); under majority, if it is the
+  back after rounds ended without it gets what it missed at once: under ``late="sum"`` the
+  sum of those results (each replica applies every result once), under ``"latest"`` the
+  latest only (eager-SGD §4.2's receive buffer); under majority, if it is the
   current round's initiator, its call also starts that round (else a training loop whose
-  initiator answered late would wait a whole step for its next call).  A rank's ``k``-th call
-  is for round ``k``; a trainer that restarts (its rank left and came back) starts at the
-  current round, joining where the job is.  The result says how many ranks
+  initiator answered late would wait a whole step for its next call).  The *first round*
+  is every rank's: a node takes part in it (starts it, or follows a peer's start; their
+  messages wait) only once each of its live ranks called, so a call unlike another rank's
+  fails every rank's before any result (a solo rank alone would have had one).  *Liveness*:
+  a majority round also starts at a node whose call waited ``patience`` for the initiator
+  (:mod:`~fabricd.engines.collectives.partial` gives the rule and the argument).  A rank's
+  ``k``-th call is for round ``k``; a trainer that restarts (its rank left and came back)
+  starts at the current round, joining where the job is.  The result says how many ranks
   contributed fresh data (``active``): the count travels with the data as one extra element,
   reduced with it.  ``avg`` divides the sum by the job's size after the round (the paper's
   update), partial modes take ``sum`` and ``avg`` only.
@@ -99,14 +105,14 @@ still be queued reading the old ones.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
-from fabricd.engines.collectives import algorithms as collectives
-from fabricd.engines.collectives.algorithms import Region, chunk_bounds
 from fabricd.engines.collectives.calls import Call, Counters, Departures
 from fabricd.engines.collectives.landing import Landing, detach, same
+from fabricd.engines.collectives.layout import Layout, schedule_for
+from fabricd.engines.collectives.partial import Contributions, Owed, Patience
 from fabricd.engines.collectives.spec import (
     KINDS,
     MODES,
@@ -124,22 +130,14 @@ from fabricd.engines.collectives.spec import (
 from fabricd.engines.schedule import (
     Discard,
     Executor,
-    Kind,
     Phase,
     RoundEnded,
     RoundStarted,
-    Schedule,
     StartCompute,
     StartRecv,
     StartSend,
 )
-from fabricd.errors import ErrorCode, LocalProtocolError, RemoteProtocolError, UsageError
-
-#: pieces per chunk of the ring (its pipelining, ``allreduce_ring``): one, because on the
-#: measured two-core machine every extra message costs more wake-ups than the overlap saves
-#: (4 nodes, 64 MiB: 143-157 ms a round in one piece, 174-179 ms in 1 MiB pieces; 4 MiB in
-#: 256 KiB pieces: 28-30 ms against 21 ms; docs/performance.md (i)).  Every node must agree.
-RING_PIECES: Final = 1
+from fabricd.errors import ErrorCode, RemoteProtocolError, UsageError
 
 __all__ = [
     "KINDS",
@@ -166,6 +164,8 @@ class Collective:
         node: this node.
         ranks: the node of every rank of the job (index: rank), from membership.
         live: the ranks alive now (majority's initiator skips the others).
+        majority_wait: the longest a majority round waits for its initiator once a call
+            here waits for it (:class:`~fabricd.engines.collectives.partial.Patience`).
     """
 
     #: whether a node's only rank's sync ring allreduce may run in place (tests compare the
@@ -181,6 +181,7 @@ class Collective:
         node: int,
         ranks: tuple[int, ...],
         live: frozenset[int],
+        majority_wait: float = 2.0,
     ) -> None:
         spec.check()
         if spec.kind == "broadcast" and not 0 <= spec.root < len(ranks):
@@ -208,12 +209,16 @@ class Collective:
         self._idle = np.zeros(0, dtype)
         self.data = self._idle if self.inplace else np.zeros(elements, dtype)
         self.result = self._idle if self.inplace else np.zeros(elements, dtype)
-        #: partial modes: what local ranks gave since the last snapshot (sync gives into data)
-        self.accumulator = np.zeros(elements if spec.partial else 0, dtype)
-        self.snapshot = np.zeros(elements if spec.partial else 0, dtype)
-        self._taken = False  #: partial: the current round's snapshot is taken
-        self._fresh: set[int] = set()  #: ranks whose data waits in the accumulator
-        self._snapped: set[int] = set()  #: the ranks the current round's snapshot took
+        #: partial modes: what local ranks gave since the last snapshot (sync gives into
+        #: data), what late ranks are owed, how long a majority round waits for its initiator
+        self.given = Contributions(spec.count, dtype, partial=spec.partial)
+        self.owed = Owed(spec.count, dtype)
+        self.patience = Patience(majority_wait)
+        #: partial: until every live local rank called once, the node takes no part in a
+        #: round (its peers' messages wait here): "The first round"
+        self._agreed = not spec.partial
+        self._called: set[int] = set()
+        self._held: list[tuple[int, int, int]] = []  #: (peer, tag, round) arrived meanwhile
         self._given: set[int] = set()  #: sync: ranks whose call is in ``data``
         self._activated: int | None = None  #: sync: the round activated here, until it ends
         self._left = Departures()  #: a sync round's deadline once a rank left; calls kept
@@ -227,9 +232,7 @@ class Collective:
         self._landings: dict[tuple[int, int], Landing] = {}  #: (recv op, round) -> in progress
         #: in place: failures held until a frame landing in the failed call's array is in
         self._withheld: list[Fail] = []
-        #: in place: the allgather recvs that land straight in ``data`` (op -> chunk name),
-        #: and where each one's message of the current round landed
-        self._direct: dict[int, str] = {}
+        #: in place: where each direct recv's message of the current round landed
         self._landed: dict[int, np.ndarray[Any, Any]] = {}
         self._out: list[Action] = []
         self._build(first_round=0)
@@ -246,74 +249,21 @@ class Collective:
 
     def _build(self, first_round: int) -> None:
         members = self.members
-        me, n = members.index(self.node), len(members)
-        spec = self.spec
-        schedule: Schedule
-        match spec.kind:
-            case "barrier":
-                schedule = collectives.barrier(me, n)
-            case "broadcast":
-                schedule = collectives.broadcast(me, n, members.index(self.ranks[spec.root]))
-            case _:
-                fn = "sum" if spec.partial else spec.op
-                if spec.ring:
-                    ack = not spec.partial and any(self.ranks.count(m) == 1 for m in members)
-                    if spec.direct:
-                        schedule = collectives.allreduce_direct(me, n, fn, acknowledge=ack)
-                    else:
-                        schedule = collectives.allreduce_ring(
-                            me, n, fn, acknowledge=ack, pieces=RING_PIECES
-                        )
-                else:
-                    schedule = collectives.allreduce_recursive_doubling(me, n, fn)
-                if spec.partial:
-                    schedule = collectives.activation_broadcast(me, n, schedule)
+        schedule = schedule_for(self.spec, self.ranks, members, self.node)
         self.members_now = members
         self.index = {node: i for i, node in enumerate(members)}
         self.executor = Executor(schedule, first_round=first_round)
-        self._recv_of: dict[tuple[int, int], int] = {}
-        self._slots: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
-        self._direct.clear()
-        for i, op in enumerate(schedule.ops):
-            if op.kind is Kind.RECV:
-                self._recv_of[op.peer, op.tag] = i
-                self._place_recv(schedule, i)
-        self._landings.clear()
-        #: in place: the allgather's copies a round runs, and how many ran in this one
-        ops = schedule.ops
-        self._copies = sum(op.kind is Kind.COMPUTE and op.fn == "copy" for op in ops)
-        self._copied = 0
-        sends = [op for op in ops if op.kind is Kind.SEND and op.buffer != collectives.EMPTY]
-        self._sent_to = tuple(sorted({members[op.peer] for op in sends}))
-        self._perform(self.executor.post(0.0), 0.0)
-
-    def _place_recv(self, schedule: Schedule, recv: int) -> None:
-        """Where recv op ``recv``'s messages land.  A slot holds what the compute that reads
-        it writes: a chunk or the whole tensor; none where the messages are empty by design.
-        Two slots, one per round parity (the engine's one-round overlap), but in place, where
-        every slot is a reduce-scatter's: its round ``r + 1`` message comes only once its
-        sender ended round ``r``, which took a chunk this node completed after every one of its
-        round ``r`` reductions (the ring's allgather, or the direct exchange's), so one slot
-        serves both parities.  In place, an allgather's message lands straight in its chunk of
-        ``data`` (the ``copy`` that would read its slot is then no copy): its round ``r``
-        message comes only after this node's round ``r`` reduce-scatter send of that very
-        chunk was received where the chunk is completed (round the ring, or at its owner), so
-        nothing still reads it.
-        """
-        name = schedule.ops[recv].buffer
-        if collectives.parse(name).region is Region.EMPTY:
-            return
-        reader = next(
-            (op for op in schedule.ops if op.kind is Kind.COMPUTE and name in op.inputs), None
+        self.layout = Layout(
+            schedule,
+            elements=self._elements,
+            dtype=self.data.dtype,
+            members=members,
+            inplace=self.inplace,
         )
-        if reader is None:
-            raise LocalProtocolError(f"no compute reads {name!r}: its size is unknown")
-        elements = collectives.elements_of(reader.buffer, self._elements, len(self.members))
-        if self.inplace and reader.fn == "copy" and elements:
-            self._direct[recv] = reader.buffer
-            return
-        first = np.zeros(elements, self.data.dtype)
-        self._slots[recv] = (first, first if self.inplace else np.zeros_like(first))
+        self._landings.clear()
+        self._held.clear()  # messages of the first round in the old view: void
+        self._copied = 0  #: in place: the allgather's copies that ran in this round
+        self._perform(self.executor.post(0.0), 0.0)
 
     # -- calls ------------------------------------------------------------------------------
     def call(
@@ -348,21 +298,43 @@ class Collective:
     def _call_partial(self, call: Call, now: float) -> None:
         assert call.array is not None
         due = self._due.get(call.rank, self.round)
-        self.accumulator[: self.spec.count] += call.array
-        self._fresh.add(call.rank)
-        if due < self.round:  # rounds ended without it: the latest result, at once
+        self.given.give(call.rank, call.array)
+        if due < self.round:  # rounds ended without it: what it missed, at once
             self.counters.late += 1
-            self._deliver(call, self.round - 1)
+            owed, results = self.owed.take(call.rank)
+            self._deliver(call, self.round - 1, owed=owed, results=results)
             if self.spec.mode != "majority":
                 return
             # majority: the current round waits for its initiator, who may be this rank; it
             # has arrived, so the round starts (its data, just given, is in it)
         else:
-            call.included = not self._taken  # the snapshot is taken when the round starts
-        if self.executor.phase is Phase.ARMED and self._starts(call.rank):
+            call.included = not self.given.taken  # the snapshot is taken when the round starts
+        if not self._agreed:
+            self._called.add(call.rank)
+            self._agree(now)
+        elif self.executor.phase is Phase.ARMED and self._starts(call.rank):
             self._perform(self.executor.activate(self.round, now), now)
+        elif self.executor.phase is Phase.ARMED and call.round == self.round:
+            self.patience.waits(now)  # majority: the round waits for its initiator
+
+    def _agree(self, now: float) -> None:
+        """The first round: once every live local rank called (each call checked against the
+        collective's spec), this node starts it if a call waits, and takes part in what its
+        peers started meanwhile (their messages waited here)."""
+        if self._agreed or not (self.local & self.live) <= self._called:
+            return
+        self._agreed = True
+        if self.executor.phase is Phase.ARMED and any(
+            c.round == self.round for c in self._calls.values()
+        ):
+            self._perform(self.executor.activate(self.round, now), now)
+        held, self._held = self._held, []
+        for peer, tag, round in held:
+            self._perform(self.executor.arrived(peer, tag, round, now), now)
 
     def _starts(self, rank: int) -> bool:
+        if not self._agreed:
+            return False
         if self.spec.mode == "solo":
             return True
         return self._initiator() == rank
@@ -449,7 +421,9 @@ class Collective:
         self.live = live
         self._left.grace = grace
         self._due.pop(rank, None)
+        self.owed.forget(rank)
         self._watch(now)
+        self._agree(now)
         self._kick(now)
         return self._flush()
 
@@ -473,12 +447,36 @@ class Collective:
             self._given.clear()
 
     def next_deadline(self) -> float | None:
-        """When :meth:`on_timer` must run: a rank left during a sync round."""
+        """When :meth:`on_timer` must run: a rank left during a sync round, or a majority
+        round's patience with its initiator ends."""
+        if self._unled():
+            return self.patience.deadline()
         return self._left.deadline()
 
+    def _unled(self) -> bool:
+        """Whether a majority round that has not started has a call here waiting for it."""
+        return (
+            self.spec.mode == "majority"
+            and self._agreed
+            and self.broken is None
+            and self.patience.since is not None
+            and self.executor.phase is Phase.ARMED
+        )
+
     def on_timer(self, now: float) -> list[Action]:
-        """A sync round still open ``grace`` seconds after a rank left (of another node, or
-        of this one, its call withdrawn) will not complete: its calls fail."""
+        """A majority round whose initiator a call here waited for as long as
+        :attr:`patience` says starts here, as solo would ("Liveness").  A sync round still
+        open ``grace`` seconds after a rank left (of another node, or of this one, its call
+        withdrawn) will not complete: its calls fail."""
+        if self._unled():
+            deadline = self.patience.deadline()
+            assert deadline is not None
+            if now >= deadline:
+                self.patience.since = None
+                if any(c.round == self.round for c in self._calls.values()):
+                    self.counters.unled += 1  # its initiator is not coming (soon): "Liveness"
+                    self._perform(self.executor.activate(self.round, now), now)
+            return self._flush()
         due = self._left.due(now)
         if due is not None and due[0] == self.round and self.broken is None:
             self._void(f"rank {due[1]} of job {self.job!r} left during {self.name!r}")
@@ -513,7 +511,7 @@ class Collective:
         if not self._adopt(node, lost, base, now) or self.broken is not None:
             return None
         op = self._recv_op(node, tag)
-        if not self._lands(op):
+        if not self.layout.lands(op):
             if nbytes:
                 raise RemoteProtocolError(f"message tag {tag} from node {node} carries no bytes")
             return None
@@ -533,21 +531,17 @@ class Collective:
             )
         return landing.hand(offset, nbytes)
 
-    def _lands(self, op: int) -> bool:
-        """Whether recv ``op``'s messages carry bytes that land somewhere."""
-        return op in self._direct or (op in self._slots and bool(self._slots[op][0].nbytes))
-
     def _target(self, op: int, round: int, node: int) -> np.ndarray[Any, Any]:
         """Where recv ``op``'s message of ``round`` lands: its slot, or (in place) its chunk
         of the round's ``data``, which a message can reach only once the round runs here."""
-        if op not in self._direct:
-            return self._slots[op][round % 2]
+        if op not in self.layout.direct:
+            return self.layout.slots[op][round % 2]
         if round != self._activated or len(self.data) != self._elements:
             raise RemoteProtocolError(
                 f"allgather message of round {round} from node {node} came before this node "
                 "sent its reduce-scatter share of that round"
             )
-        return self._buffer(self._direct[op], round)
+        return self._buffer(self.layout.direct[op], round)
 
     def arrived(
         self,
@@ -566,7 +560,7 @@ class Collective:
         if not self._adopt(node, lost, base, now) or self.broken is not None or tag == NOTICE:
             return self._flush()
         op = self._recv_op(node, tag)
-        if self._lands(op):
+        if self.layout.lands(op):
             landing = self._landings.get((op, round))
             if landing is None:  # landing() dropped it, or our view changed since it landed
                 self.counters.frames_dropped += 1
@@ -575,15 +569,18 @@ class Collective:
             if landing.got < len(landing.view):
                 return self._flush()
             del self._landings[op, round]
-            if op in self._direct:  # what its "copy" reads: (still) the chunk it landed in
+            if op in self.layout.direct:  # what its "copy" reads: (still) the chunk it landed in
                 self._landed[op] = landing.array
         peer = self.index[node]
-        self._perform(self.executor.arrived(peer, tag, round, now), now)
+        if self._agreed:
+            self._perform(self.executor.arrived(peer, tag, round, now), now)
+        else:  # the first round: this node takes part once its ranks all called
+            self._held.append((peer, tag, round))
         return self._flush()
 
     def _recv_op(self, node: int, tag: int) -> int:
         peer = self.index.get(node)
-        op = self._recv_of.get((peer, tag)) if peer is not None else None
+        op = self.layout.recv_of.get((peer, tag)) if peer is not None else None
         if op is None:
             raise RemoteProtocolError(f"no recv of {self.name!r} takes tag {tag} from node {node}")
         return op
@@ -672,12 +669,10 @@ class Collective:
     def _restart(self, base: int, now: float) -> None:
         """Abandon the current round (its contribution back into the accumulator) and run the
         view from round ``base``."""
-        if self._taken:
-            self.accumulator += self.snapshot
-            self._fresh |= self._snapped
+        if self.given.taken:
+            self.given.restore()
             for call in self._calls.values():
                 call.included = False
-            self._taken = False
         self.base = base
         # frames of the abandoned round, and of the round before to a node this view lost
         # (nothing waits for it any more), may still be queued reading these: take others
@@ -709,6 +704,8 @@ class Collective:
             return
         if any(c.round == self.round and self._starts(c.rank) for c in self._calls.values()):
             self._perform(self.executor.activate(self.round, now), now)
+        elif self._agreed and any(c.round == self.round for c in self._calls.values()):
+            self.patience.waits(now)
 
     def break_with(self, code: str, message: str) -> list[Action]:
         """Nothing of this collective can run any more (``message`` says why): fail its calls,
@@ -755,6 +752,7 @@ class Collective:
                 case RoundStarted():
                     if self.spec.partial:
                         self._take_snapshot()
+                        self.patience.started(now)
                 case RoundEnded(round=round):
                     self._ended(round, now)
                     if self.inplace:  # delivered: keep no view of the caller's array, nor a
@@ -772,21 +770,7 @@ class Collective:
         return source.data.cast("B")
 
     def _buffer(self, name: str, round: int = 0) -> np.ndarray[Any, Any]:
-        buffer = collectives.parse(name)
-        match buffer.region:
-            case Region.DATA:
-                return self.data
-            case Region.CHUNK:
-                parts = buffer.parts or len(self.members)
-                start, stop = chunk_bounds(len(self.data), parts, buffer.index)
-                return self.data[start:stop]
-            case Region.SLOT:
-                op = self._recv_of[buffer.peer, buffer.tag]
-                if op in self._direct:
-                    return self._landed[op]
-                return self._slots[op][round % 2]
-            case Region.EMPTY:
-                return self.data[:0]
+        return self.layout.buffer(name, round, self.data, self._landed)
 
     def _compute(self, op: int, round: int) -> None:
         sched = self.executor.schedule.ops[op]
@@ -811,29 +795,23 @@ class Collective:
         if not self.inplace or self.executor.schedule.ops[op].fn != "copy":
             return
         self._copied += 1
-        if self._copied == self._copies:
-            self._out.append(Settle(round=round, nodes=self._sent_to))
+        if self._copied == self.layout.copies:
+            self._out.append(Settle(round=round, nodes=self.layout.sent_to))
 
     def sent(self, round: int, now: float) -> list[Action]:
         """Nothing this node sent in ``round`` is held in this process any more (the answer to
         :class:`Settle`): its call completes now, the round ends with the acknowledgements."""
-        if round == self.round and self._copies and self._copied == self._copies:
+        if round == self.round and self.layout.copies and self._copied == self.layout.copies:
             for call in [c for c in self._calls.values() if c.round <= round]:
                 self.counters.settled += 1
                 self._deliver(call, round, self.size, copy=False)
         return self._flush()
 
     def _take_snapshot(self) -> None:
-        count = self.spec.count
-        self.accumulator[count] = len(self._fresh)
-        np.copyto(self.data, self.accumulator)
-        np.copyto(self.snapshot, self.accumulator)
-        self.accumulator[:] = 0
-        self._snapped, self._fresh = self._fresh, set()
+        self.given.take(self.data)
         for call in self._calls.values():  # their data is in it (again, after a restart)
             if call.round == self.round:
                 call.included = True
-        self._taken = True
 
     def _ended(self, round: int, now: float) -> None:
         if self.inplace:  # the result is where the caller wants it; the next call brings data
@@ -852,7 +830,7 @@ class Collective:
                 np.divide(part, self.size, out=part)
             else:
                 np.floor_divide(part, self.size, out=part)
-        self._taken = False
+        self.given.ended()
         self._given.clear()
         self._activated = None
         self._left.ended(round)  # it ended all the same
@@ -860,6 +838,10 @@ class Collective:
         self.counters.sum_active += active
         for call in [c for c in self._calls.values() if c.round <= round]:
             self._deliver(call, round, active)
+        if self.spec.partial and self.spec.late == "sum":
+            for rank, due in self._due.items():  # no call of it waited: it missed this one
+                if due <= round:
+                    self.owed.missed(rank, self.result[:count])
         later, self._later = self._later, deque()
         for call in later:  # sync calls made while this round ran: the next one's
             call.round = self.round
@@ -868,9 +850,18 @@ class Collective:
         self._ready = bool(self._given) and self._given >= self.local
 
     def _deliver(
-        self, call: Call, round: int, active: int | None = None, *, copy: bool = True
+        self,
+        call: Call,
+        round: int,
+        active: int | None = None,
+        *,
+        copy: bool = True,
+        owed: np.ndarray[Any, Any] | None = None,
+        results: int = 1,
     ) -> None:
-        result = self.result[: self.spec.count]
+        """Complete ``call`` with round ``round``'s result, or with ``owed``: the sum of the
+        ``results`` results its rank missed (``late="sum"``)."""
+        result = self.result[: self.spec.count] if owed is None else owed
         array = call.array if copy and self.spec.kind != "barrier" else None
         if array is not None and not same(array, result):  # in place, it is there already
             np.copyto(array, result)
@@ -886,6 +877,7 @@ class Collective:
                 included=call.included,
                 active=active,
                 kept=call.kept,
+                results=max(results, 1),
             )
         )
 
@@ -915,7 +907,7 @@ class Collective:
         """A frame of ``node``'s message ``tag`` of ``round`` arrived: if :meth:`_let_go` tore
         it, copy its bytes to where its message lands now, and deliver the failures held for
         it once no frame is torn."""
-        op = self._recv_of.get((self.index.get(node, -1), tag))
+        op = self.layout.recv_of.get((self.index.get(node, -1), tag))
         landing = self._landings.get((op, round)) if op is not None else None
         if landing is not None and landing.torn is not None:
             landing.mend()
@@ -951,10 +943,21 @@ class Collective:
         if not self.spec.partial and self._activated != round:
             missing = sorted(self.local - self._given)
             return "ranks", f"round {round} starts once local ranks {missing} call it", None
+        if not self._agreed:
+            missing = sorted((self.local & self.live) - self._called)
+            return (
+                "ranks",
+                f"round {round} is this node's first: it takes part once local ranks {missing} "
+                "called it (every rank's first call is checked against the others')",
+                None,
+            )
         if self.spec.mode == "majority" and self.executor.phase is Phase.ARMED:
             rank = self._initiator()
             node = self.ranks[rank]
-            return "initiator", f"round {round} starts when rank {rank} calls it", node
+            detail = f"round {round} starts when rank {rank} calls it"
+            if self.patience.since is not None:
+                detail += f", or {self.patience.wait():.3g} s after a call here began waiting"
+            return "initiator", detail, node
         ops = self.executor.schedule.ops
         nodes = sorted({self.members_now[ops[i].peer] for i in self.executor.waiting_recvs()})
         if not nodes:
@@ -965,7 +968,9 @@ class Collective:
         """What local ranks gave that no result has yet counted: the accumulator, plus the
         snapshot of a round in progress (partial modes; the engine tests check that everything
         ever given equals what results counted plus this)."""
-        waiting = self.accumulator[: self.spec.count].copy()
-        if self._taken:
-            waiting += self.snapshot[: self.spec.count]
-        return waiting
+        return self.given.waiting()
+
+    def arrays(self) -> tuple[np.ndarray[Any, Any], ...]:
+        """Every array the collective holds now (what the byte budget bounds)."""
+        held = (self.data, self.result, *self.given.arrays(), *self.owed.arrays())
+        return held + self.layout.arrays()

@@ -18,6 +18,7 @@ import numpy as np
 
 from fabricd.dtypes import REDUCE_DTYPES
 from fabricd.engines.collectives import algorithms as collectives
+from fabricd.engines.collectives.partial import LATE
 from fabricd.errors import RemoteProtocolError, UsageError
 
 KINDS: Final = ("allreduce", "broadcast", "barrier")
@@ -42,6 +43,9 @@ class Spec:
     #: allreduce, with ``ring``: its reduce-scatter and allgather by direct exchange with every
     #: node instead of round the ring (the same bytes in fewer steps), chosen likewise
     direct: bool = False
+    #: partial modes: what a rank that missed rounds gets: ``"sum"``, the sum of the results
+    #: it missed, or ``"latest"``, the latest one (eager-SGD §4.2's receive buffer)
+    late: str = "sum"
 
     @property
     def partial(self) -> bool:
@@ -49,6 +53,11 @@ class Spec:
 
     def describe(self) -> str:
         match self.kind:
+            case "allreduce" if self.partial:
+                return (
+                    f"{self.mode} allreduce {self.op} of {self.count} {self.dtype} "
+                    f"(late {self.late})"
+                )
             case "allreduce":
                 return f"{self.mode} allreduce {self.op} of {self.count} {self.dtype}"
             case "broadcast":
@@ -97,6 +106,8 @@ class Spec:
             raise UsageError(f"op must be one of {', '.join(collectives.REDUCTIONS)}")
         if self.partial and (self.kind != "allreduce" or self.op not in ("sum", "avg")):
             raise UsageError("solo and majority are allreduce modes, with op sum or avg")
+        if self.late not in LATE:
+            raise UsageError(f"late must be one of {', '.join(map(repr, LATE))}")
 
 
 _DTYPES: Final = (*REDUCE_DTYPES, "uint8")
@@ -108,16 +119,18 @@ def in_place(spec: Spec, local_ranks: int) -> bool:
     return spec.kind == "allreduce" and not spec.partial and spec.ring and local_ranks == 1
 
 
-def held_bytes(spec: Spec, nodes: int, *, inplace: bool) -> int:
-    """The most bytes a node's collective of ``spec`` among ``nodes`` member nodes ever holds:
+def held_bytes(spec: Spec, nodes: int, *, inplace: bool, local: int = 1) -> int:
+    """The most bytes a node's collective of ``spec`` among ``nodes`` member nodes, ``local``
+    of the job's ranks on it, ever holds:
     what the daemon's byte budget charges before building it (:mod:`fabricd.engines.budget`).
 
     A bound, not the exact figure, so that it holds for every later view too (a node lost
     makes the ring's chunks larger, never the sum of its slots).  With ``T`` the tensor's bytes
     (partial modes carry one more element, the active count): ``data`` and ``result`` (in
     place they are the callers' arrays, but a call that fails or leaves mid-round leaves the
-    round a copy of its array: one ``T``), partial modes' accumulator and snapshot,
-    and the landing slots, one per receive and per round parity: the ring's and the direct
+    round a copy of its array: one ``T``), partial modes' accumulator and snapshot, and under
+    ``late="sum"`` what each local rank missed (one ``T`` a rank, while it is behind), and the
+    landing slots, one per receive and per round parity: the ring's and the direct
     exchange's receives of one round add up to under ``2T`` (in place only the
     reduce-scatter's, under ``T``, one slot for both parities), recursive doubling's to at
     most ``T`` per step (``ceil(log2 nodes)`` steps and two more for a size that is no power
@@ -125,6 +138,8 @@ def held_bytes(spec: Spec, nodes: int, *, inplace: bool) -> int:
     """
     tensor = (spec.count + (1 if spec.partial else 0)) * np.dtype(spec.dtype).itemsize
     own = (1 if inplace else 2) + (2 if spec.partial else 0)
+    if spec.partial and spec.late == "sum":
+        own += local
     match spec.kind:
         case "barrier":
             slots = 0
@@ -149,6 +164,7 @@ def _fields(spec: Spec) -> dict[str, Any]:
         "root": spec.root,
         "ring": spec.ring,
         "direct": spec.direct,
+        "late": spec.late,
     }
 
 
@@ -189,18 +205,22 @@ class Transmit:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Deliver:
-    """Call ``token`` is complete: its array holds round ``round``'s result.  ``kept``: the
-    round of its rank's previous call, if that call's client stopped waiting for it and the
-    round kept its data (:meth:`~fabricd.engines.collectives.persistent.Collective.abandon`)."""
+    """Call ``token`` is complete: its array holds round ``round``'s result, or (``results``
+    > 1, ``late="sum"``) the sum of the ``results`` results its rank missed, up to round
+    ``round``'s.  ``kept``: the round of its rank's previous call, if that call's client
+    stopped waiting for it and the round kept its data
+    (:meth:`~fabricd.engines.collectives.persistent.Collective.abandon`)."""
 
     token: int
     round: int
     included: bool
     active: int
     kept: int | None = None
+    results: int = 1
 
     def reply(self) -> dict[str, int | bool]:
-        """The client's answer: ``round``, ``included``, ``active``, and ``kept`` if set."""
+        """The client's answer: ``round``, ``included``, ``active``, ``kept`` if set, and
+        ``results`` if not 1."""
         reply: dict[str, int | bool] = {
             "round": self.round,
             "included": self.included,
@@ -208,6 +228,8 @@ class Deliver:
         }
         if self.kept is not None:
             reply["kept"] = self.kept
+        if self.results != 1:
+            reply["results"] = self.results
         return reply
 
 

@@ -1,0 +1,151 @@
+"""A persistent collective's schedule over its member nodes, and where each of its buffers
+lives: which recv takes a peer's message, the landing slots, and (in place) the allgather
+messages that land straight in the caller's array.
+
+Split from :mod:`~fabricd.engines.collectives.persistent`, whose module docstring gives the
+buffers' rules ("Buffers"); it rebuilds a :class:`Layout` at each view change.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from fabricd.engines.collectives import algorithms as collectives
+from fabricd.engines.collectives.algorithms import Region, chunk_bounds
+from fabricd.engines.schedule import Kind, Schedule
+from fabricd.errors import LocalProtocolError
+
+if TYPE_CHECKING:
+    from fabricd.engines.collectives.spec import Spec
+
+#: pieces per chunk of the ring (its pipelining, ``allreduce_ring``): one, because on the
+#: measured two-core machine every extra message costs more wake-ups than the overlap saves
+#: (4 nodes, 64 MiB: 143-157 ms a round in one piece, 174-179 ms in 1 MiB pieces; 4 MiB in
+#: 256 KiB pieces: 28-30 ms against 21 ms; docs/performance.md (i)).  Every node must agree.
+RING_PIECES: Final = 1
+
+
+def schedule_for(
+    spec: Spec, ranks: tuple[int, ...], members: tuple[int, ...], node: int
+) -> Schedule:
+    """The schedule node ``node`` runs among ``members`` (sorted node ids) for ``spec``;
+    ``ranks``: the node of every rank of the job."""
+    me, n = members.index(node), len(members)
+    match spec.kind:
+        case "barrier":
+            return collectives.barrier(me, n)
+        case "broadcast":
+            return collectives.broadcast(me, n, members.index(ranks[spec.root]))
+    fn = "sum" if spec.partial else spec.op
+    schedule: Schedule
+    if spec.ring:
+        ack = not spec.partial and any(ranks.count(m) == 1 for m in members)
+        if spec.direct:
+            schedule = collectives.allreduce_direct(me, n, fn, acknowledge=ack)
+        else:
+            schedule = collectives.allreduce_ring(me, n, fn, acknowledge=ack, pieces=RING_PIECES)
+    else:
+        schedule = collectives.allreduce_recursive_doubling(me, n, fn)
+    if spec.partial:
+        schedule = collectives.activation_broadcast(me, n, schedule)
+    return schedule
+
+
+class Layout:
+    """Where ``schedule``'s buffers are, for a tensor of ``elements`` of ``dtype`` among
+    ``members`` nodes (``inplace``: the sync ring of a node's only rank, in its array)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        *,
+        elements: int,
+        dtype: np.dtype[Any],
+        members: tuple[int, ...],
+        inplace: bool,
+    ) -> None:
+        self.schedule = schedule
+        self.elements, self.dtype, self.parts, self.inplace = (
+            elements,
+            dtype,
+            len(members),
+            inplace,
+        )
+        self.recv_of: dict[tuple[int, int], int] = {}  #: (peer, tag) -> recv op
+        self.slots: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
+        #: in place: the allgather recvs that land straight in ``data`` (op -> chunk name)
+        self.direct: dict[int, str] = {}
+        for i, op in enumerate(schedule.ops):
+            if op.kind is Kind.RECV:
+                self.recv_of[op.peer, op.tag] = i
+                self._place_recv(i)
+        ops = schedule.ops
+        #: in place: the allgather's copies a round runs
+        self.copies = sum(op.kind is Kind.COMPUTE and op.fn == "copy" for op in ops)
+        sends = [op for op in ops if op.kind is Kind.SEND and op.buffer != collectives.EMPTY]
+        #: the nodes this node sends bytes to each round
+        self.sent_to = tuple(sorted({members[op.peer] for op in sends}))
+
+    def _place_recv(self, recv: int) -> None:
+        """Where recv op ``recv``'s messages land.  A slot holds what the compute that reads
+        it writes: a chunk or the whole tensor; none where the messages are empty by design.
+        Two slots, one per round parity (the engine's one-round overlap), but in place, where
+        every slot is a reduce-scatter's: its round ``r + 1`` message comes only once its
+        sender ended round ``r``, which took a chunk this node completed after every one of its
+        round ``r`` reductions (the ring's allgather, or the direct exchange's), so one slot
+        serves both parities.  In place, an allgather's message lands straight in its chunk of
+        ``data`` (the ``copy`` that would read its slot is then no copy): its round ``r``
+        message comes only after this node's round ``r`` reduce-scatter send of that very
+        chunk was received where the chunk is completed (round the ring, or at its owner), so
+        nothing still reads it.
+        """
+        schedule = self.schedule
+        name = schedule.ops[recv].buffer
+        if collectives.parse(name).region is Region.EMPTY:
+            return
+        reader = next(
+            (op for op in schedule.ops if op.kind is Kind.COMPUTE and name in op.inputs), None
+        )
+        if reader is None:
+            raise LocalProtocolError(f"no compute reads {name!r}: its size is unknown")
+        elements = collectives.elements_of(reader.buffer, self.elements, self.parts)
+        if self.inplace and reader.fn == "copy" and elements:
+            self.direct[recv] = reader.buffer
+            return
+        first = np.zeros(elements, self.dtype)
+        self.slots[recv] = (first, first if self.inplace else np.zeros_like(first))
+
+    def lands(self, op: int) -> bool:
+        """Whether recv ``op``'s messages carry bytes that land somewhere."""
+        return op in self.direct or (op in self.slots and bool(self.slots[op][0].nbytes))
+
+    def buffer(
+        self,
+        name: str,
+        round: int,
+        data: np.ndarray[Any, Any],
+        landed: dict[int, np.ndarray[Any, Any]],
+    ) -> np.ndarray[Any, Any]:
+        """The array buffer ``name`` of round ``round`` is, with ``data`` the round's tensor
+        and ``landed`` where each direct recv's message of the round landed."""
+        buffer = collectives.parse(name)
+        match buffer.region:
+            case Region.DATA:
+                return data
+            case Region.CHUNK:
+                parts = buffer.parts or self.parts
+                start, stop = chunk_bounds(len(data), parts, buffer.index)
+                return data[start:stop]
+            case Region.SLOT:
+                op = self.recv_of[buffer.peer, buffer.tag]
+                if op in self.direct:
+                    return landed[op]
+                return self.slots[op][round % 2]
+            case Region.EMPTY:
+                return data[:0]
+
+    def arrays(self) -> tuple[np.ndarray[Any, Any], ...]:
+        """Every landing slot (once each: in place, both parities share one)."""
+        return tuple({id(a): a for pair in self.slots.values() for a in pair}.values())
