@@ -172,3 +172,26 @@ def test_a_rank_that_never_called_is_owed_every_result_under_late_sum() -> None:
     assert fab.delivered[9].results == 5
     np.testing.assert_array_equal(behind, [5.0, 0.0])
     assert fab.colls[1].owed.owed(1) is None
+
+
+def test_a_late_call_answered_at_once_leaves_no_timer_behind() -> None:
+    """A majority call of a rank behind is answered at once; unless it is the initiator's, it
+    starts nothing, and nothing waits, so its node arms no patience."""
+    spec = Spec(kind="allreduce", count=2, dtype="int64", mode="majority")
+    fab = Fabric(spec, (0, 1), Random(0))
+    fab.call(0, 1, np.zeros(2, "int64"))
+    fab.call(1, 2, np.zeros(2, "int64"))
+    fab.drain()
+    live = frozenset({0, 1})
+    leader = initiator(JOB, NAME, 1, 2, live)
+    other = 1 - leader
+    fab.call(leader, 3, np.array([1, 0], "int64"))  # round 1, the other rank passive
+    fab.drain()
+    assert 3 in fab.delivered
+    fab.call(other, 4, np.array([0, 1], "int64"))  # behind: round 1's result at once
+    assert fab.delivered[4].round == 1
+    if initiator(JOB, NAME, 2, 2, live) == other:  # it also starts round 2
+        fab.drain()
+        assert fab.colls[other].round == 3
+    else:
+        assert fab.colls[other].next_deadline() is None

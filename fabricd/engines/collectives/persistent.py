@@ -314,7 +314,7 @@ class Collective:
             self._agree(now)
         elif self.executor.phase is Phase.ARMED and self._starts(call.rank):
             self._perform(self.executor.activate(self.round, now), now)
-        elif self.executor.phase is Phase.ARMED and call.round == self.round:
+        elif self.executor.phase is Phase.ARMED and call.token in self._calls:
             self.patience.waits(now)  # majority: the round waits for its initiator
 
     def _agree(self, now: float) -> None:
