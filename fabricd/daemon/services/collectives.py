@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from fabricd.daemon.logs import RateLimitedLog
-from fabricd.daemon.metrics import OperationStats, counter, gauge
+from fabricd.daemon.metrics import OperationStats
 from fabricd.daemon.service import BaseService
+from fabricd.daemon.services.collectives_status import collective_row, families, stall_row
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.held_frames import HeldFrames
 from fabricd.daemon.services.jobs import (
@@ -697,55 +698,17 @@ class CollectiveService(BaseService):
             }
             if keep is not None and not keep(whose):
                 continue
-            waits, detail, node = coll.waits()
-            rows.append(
-                {
-                    **whose,
-                    "node": self.host.config.node_id,
-                    "op": token,
-                    "kind": call.kind,
-                    "rank": call.session.rank,
-                    "peer": "-",
-                    "tag": name,
-                    "nbytes": call.nbytes,
-                    "dtype": coll.spec.dtype,
-                    "pending_for": now - started,
-                    "waits": waits,
-                    "detail": f"{coll.spec.describe()} {name!r}: {detail}",
-                    "peer_joined": True,
-                    "peer_node": node,
-                    "peer_node_state": None,
-                    "client_left": False,
-                }
-            )
+            node = self.host.config.node_id
+            rows.append(stall_row(whose, node, token, call, coll, now - started))
         return rows
 
     # -- status and metrics -----------------------------------------------------------------
     def statistics(self) -> Meta:
-        rows = []
         owner: Callable[[str], int | None] = self.membership.owner
-        for (job, name), coll in sorted(self.collectives.items()):
-            c = coll.counters
-            rows.append(
-                {
-                    "job": job,
-                    "owner": owner(job),
-                    "name": name,
-                    "what": coll.spec.describe(),
-                    "algorithm": _algorithm(coll.spec),
-                    "round": coll.round,
-                    "nodes": list(coll.members),
-                    "lost": sorted(coll.lost),
-                    "waiting": coll.waiting(),
-                    "rounds": c.rounds,
-                    "calls": c.calls,
-                    "included": c.included,
-                    "late": c.late,
-                    "settled": c.settled,
-                    "mean_active": round(c.sum_active / c.rounds, 2) if c.rounds else None,
-                    "broken": coll.broken[1] if coll.broken else None,
-                }
-            )
+        rows = [
+            collective_row(job, owner(job), name, coll)
+            for (job, name), coll in sorted(self.collectives.items())
+        ]
         rounds = sum(c.counters.rounds for c in self.collectives.values())
         return {
             "collectives": rows,
@@ -760,41 +723,7 @@ class CollectiveService(BaseService):
         return {"collective_calls": self._open.count(session)}
 
     def metrics(self) -> Iterable[Metric]:
-        """Totals over this node's collectives: no label names a job or a collective (their
-        number has no bound, and the endpoint is not access-controlled); per-collective
-        figures are in the status rows, withheld from clients that may not see the job."""
-        yield from self.operations.families(pending=len(self._open))
-        labels = {"service": self.name}
-        counters = [c.counters for c in self.collectives.values()]
-        yield counter(
-            "fabricd_collective_rounds",
-            "Rounds of persistent collectives ended on this node",
-            [(labels, sum(c.rounds for c in counters))],
-        )
-        yield counter(
-            "fabricd_collective_active_ranks",
-            "Sum over rounds of the ranks that contributed fresh data (divide by rounds)",
-            [(labels, sum(c.sum_active for c in counters))],
-        )
-        yield gauge(
-            "fabricd_collectives",
-            "Persistent collectives on this node",
-            [(labels, len(counters))],
-        )
-        yield gauge(
-            "fabricd_collective_calls_open",
-            "Collective calls waiting for their round",
-            [(labels, len(self._open))],
-        )
-        yield gauge(
-            "fabricd_collective_held_bytes",
-            "Bytes of peers' frames held for collectives not built here yet",
-            [(labels, self._held.bytes)],
-        )
-
-
-def _algorithm(spec: Spec) -> str:
-    """The allreduce algorithm ``spec`` runs, as status names it."""
-    chosen = Algorithm.RING if spec.ring else Algorithm.RECURSIVE_DOUBLING
-    name: str = (Algorithm.DIRECT if spec.direct else chosen).value
-    return name
+        """Totals over this node's collectives (:func:`~fabricd.daemon.services.
+        collectives_status.families`)."""
+        open_calls, held = len(self._open), self._held.bytes
+        return families(self.operations, self.collectives.values(), open_calls, held)
