@@ -1,5 +1,8 @@
 """Stall reports as the operator reads them: one row per stalled operation, and its log line.
 
+A send or receive's row is built here (:func:`report`); a collective, stochastic-reduce or
+parameter-server call's row by its service, and its log line here too (:func:`call_line`).
+
 The point-to-point engine says what a stalled operation waits for
 (:class:`~fabricd.engines.stalls.Stalled`); the peers engine knows whether the peer rank's node
 is up and when it was last heard from.  Engines never call each other, so the service joins the
@@ -77,6 +80,19 @@ def line(row: Meta) -> str:
     if row["client_left"]:
         head += " (its client left)"
     return f"{head}; waits for {row['waits']}: {row['detail']}; {peer_words(row)}"
+
+
+def call_line(row: Meta) -> str:
+    """The one log line of a stalled collective, stochastic-reduce or parameter-server call,
+    from its service's stall row: the words ``fabricctl stalls`` shows (what is pending, whose
+    and for how long; what its round waits for)."""
+    head = (
+        f"stalled: {row['kind']} of rank {row['rank']}, {row['tag']!r}, job {row['job']!r}, "
+        f"{row['nbytes']} B {row['dtype']}, pending {row['pending_for']:.1f}s"
+    )
+    if row["client_left"]:
+        head += " (its client left)"
+    return f"{head}; waits for {row['waits']}: {row['detail']}"
 
 
 def peer_words(row: Meta) -> str:

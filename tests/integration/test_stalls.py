@@ -153,3 +153,91 @@ def test_many_stalls_are_answered_oldest_first_up_to_a_bound(make_cluster):
     assert len(rows) == MAX_STALL_ROWS
     assert [row["tag"] for row in rows] == list(range(MAX_STALL_ROWS))  # the oldest first
     assert answer["hidden"] == {}
+
+
+def _stall_lines(cluster: Any, node: int) -> list[str]:
+    log = cluster.nodes[node].log_path.read_text()
+    return [line for line in log.splitlines() if "stalled: allreduce" in line]
+
+
+def _long_stalls(client: Any, count: int) -> list[dict[str, Any]]:
+    """``client``'s daemon's ``count`` stall rows once each is pending four ``stall_after``
+    (the timer that logs a stalled call has had three ``stall_after`` to log it again)."""
+    return _until(
+        lambda: (
+            len(rows := client.stalls()["stalls"]) == count
+            and all(row["pending_for"] >= 4 * STALL_AFTER for row in rows)
+            and rows
+        ),
+        f"{count} calls pending four stall_after",
+    )
+
+
+def test_two_ranks_on_one_node_calling_different_names_each_log_one_line_naming_the_other(
+    make_cluster,
+):
+    """Issue 23, item 4: a name mismatch made both ranks wait with no log line at all."""
+    cluster = make_cluster(1, stall_after=STALL_AFTER)
+    socket = cluster.nodes[0].socket_path
+    with (
+        connect(job="names", rank=0, size=2, socket_path=socket) as first,
+        connect(job="names", rank=1, size=2, socket_path=socket) as second,
+    ):
+        calls = [
+            first.allreduce_async(first.array("a", (4,), "float32"), name="grad"),
+            second.allreduce_async(second.array("b", (4,), "float32"), name="grads"),
+        ]
+        rows = _long_stalls(first, 2)
+        lines = _stall_lines(cluster, 0)
+        assert not any(call.done() for call in calls)
+    by_name = {row["tag"]: row for row in rows}
+    grad, grads = by_name["grad"], by_name["grads"]
+    assert (grad["rank"], grad["waits"], grad["not_called"], grad["other_names"]) == (
+        0,
+        "ranks",
+        [1],
+        ["grads"],
+    )
+    assert (grads["rank"], grads["not_called"], grads["other_names"]) == (1, [0], ["grad"])
+    assert "rank 1 has not called 'grad'; it waits in 'grads'" in grad["detail"]
+    assert "rank 0 has not called 'grads'; it waits in 'grad'" in grads["detail"]
+    assert len(lines) == 2, lines  # one each, however long they wait
+    [line0] = [line for line in lines if "of rank 0, 'grad', job 'names'" in line]
+    [line1] = [line for line in lines if "of rank 1, 'grads', job 'names'" in line]
+    assert "WARNING" in line0
+    assert line0.endswith(grad["detail"])  # the row's words
+    assert line1.endswith(grads["detail"])
+
+
+def test_two_ranks_on_two_nodes_calling_different_names_each_log_what_their_node_knows(
+    make_cluster,
+):
+    """Each node sees only its own rank's call; what it knows of the other is where that rank
+    is and the name whose frames came from there with no call here."""
+    cluster = make_cluster(2, stall_after=STALL_AFTER)
+    sockets = [node.socket_path for node in cluster.nodes]
+    with (
+        connect(job="apart", rank=0, size=2, socket_path=sockets[0]) as first,
+        connect(job="apart", rank=1, size=2, socket_path=sockets[1]) as second,
+    ):
+        calls = [
+            first.allreduce_async(first.array("a", (4,), "float32"), name="grad"),
+            second.allreduce_async(second.array("b", (4,), "float32"), name="grads"),
+        ]
+        [grad] = _long_stalls(first, 1)
+        [grads] = _long_stalls(second, 1)
+        lines = [_stall_lines(cluster, 0), _stall_lines(cluster, 1)]
+        assert not any(call.done() for call in calls)
+    assert (grad["tag"], grad["waits"], grad["peer_node"], grad["other_names"]) == (
+        "grad",
+        "messages",
+        1,
+        ["grads"],
+    )
+    assert (grads["tag"], grads["peer_node"], grads["other_names"]) == ("grads", 0, ["grad"])
+    assert "rank 1 is on node 1, whose calls this node cannot see" in grad["detail"]
+    assert "no rank on this node has called 'grads', which peer nodes run" in grad["detail"]
+    assert "no rank on this node has called 'grad', which peer nodes run" in grads["detail"]
+    [line0], [line1] = lines  # one on each node, however long they wait
+    assert line0.endswith(grad["detail"])
+    assert line1.endswith(grads["detail"])

@@ -1,5 +1,5 @@
 """The jobs kit the collective and stochastic services share: the drain's refusal, calls that
-wait for their job's ranks, and the calls an engine holds."""
+wait for their job's ranks, and the calls an engine holds (and when each counts as stalled)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pytest
 from fabricd.daemon.config import Config
 from fabricd.daemon.metrics import OperationStats
 from fabricd.daemon.services.jobs import (
+    STALLS_PER_TICK,
     OpenCall,
     OpenCalls,
+    StallWatch,
     WaitingForRanks,
     refuse_while_draining,
 )
@@ -182,3 +184,40 @@ def test_an_expired_call_of_a_huge_job_looks_up_only_the_ranks_it_names() -> Non
     assert failure.code == ErrorCode.NO_SUCH_RANK
     assert "ranks 1, 2, 3" in failure.message
     assert "..." in failure.message
+
+
+def test_each_open_call_is_found_stalled_once_a_bounded_number_a_tick() -> None:
+    """Issue 23, item 4: a call pending past stall_after is logged once; a whole job stalling
+    at once is told over several ticks, never all in one."""
+    fake, stats = host(stall_after=2.0), OperationStats("x", kinds=["barrier"])
+    calls: OpenCalls[int] = OpenCalls(fake, stats)  # type: ignore[arg-type]
+    mine = session()
+    many = STALLS_PER_TICK + 10
+    for key in range(many):
+        calls.open(key, open_call(mine, key))
+    calls.reply(0, {"round": 0})  # answered in time: never stalled
+    calls.abandon(session(1))  # (another client's leaving touches none of these)
+    assert calls.next_stall() == 2.0
+    assert calls.stalled(1.9) == []
+    first = calls.stalled(2.0)
+    assert [key for key, _ in first] == list(range(1, STALLS_PER_TICK + 1))  # oldest first
+    assert calls.next_stall() == 2.0  # the rest are still due: the timer runs again at once
+    rest = calls.stalled(2.0)
+    assert [key for key, _ in rest] == list(range(STALLS_PER_TICK + 1, many))
+    assert calls.stalled(100.0) == []  # found once, however long they stay open
+    assert calls.next_stall() is None  # nothing left to find: no timer
+    assert len(calls) == many - 1
+
+
+def test_a_stall_check_fires_for_nothing_at_most_once_after_its_call_ended() -> None:
+    """The check is lazy (it moves only earlier): an ended call never moves the timer; it is
+    cleared once no call is watched."""
+    watch: StallWatch[str] = StallWatch(5.0)
+    watch.watch("a", 0.0)
+    watch.watch("b", 1.0)
+    watch.forget("a")
+    assert watch.next_deadline() == 5.0  # a's, stale: not recomputed when it ended
+    assert watch.due(5.0) == []  # fires, finds nothing
+    assert watch.next_deadline() == 6.0  # b's
+    watch.forget("b")
+    assert watch.next_deadline() is None

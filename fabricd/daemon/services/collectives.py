@@ -28,8 +28,14 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from fabricd.daemon.logs import RateLimitedLog
-from fabricd.daemon.metrics import OperationStats, counter, gauge
+from fabricd.daemon.metrics import OperationStats
 from fabricd.daemon.service import BaseService
+from fabricd.daemon.services.collectives_status import (
+    SCANNED,
+    collective_row,
+    families,
+    stall_row,
+)
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.held_frames import HeldFrames
 from fabricd.daemon.services.jobs import (
@@ -42,6 +48,7 @@ from fabricd.daemon.services.jobs import (
     region,
 )
 from fabricd.daemon.services.refusals import OverLimit, Refused, Stranger
+from fabricd.daemon.stalls import call_line
 from fabricd.dtypes import ITEMSIZE, REDUCE_DTYPES
 from fabricd.engines.actions import Failure
 from fabricd.engines.collectives.algorithms import Algorithm, choose_allreduce
@@ -82,6 +89,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fabricd.collectives")
 remote_log = RateLimitedLog(log)
+#: stalled calls: each is logged once, but a whole job's can stall at once
+stall_log = RateLimitedLog(log)
 
 #: peers' frames held for collectives not built here yet (their job's ranks not all known)
 MAX_HELD_BYTES: Final = 64 * 1024 * 1024
@@ -137,6 +146,7 @@ class CollectiveService(BaseService):
             "frames_refused_not_member": 0,  #: from a node that hosts no rank of the job
             "frames_refused_limit": 0,  #: for a collective a limit kept from being built here
             "rounds": 0,
+            "stalls_reported": 0,  #: calls logged once as open past stall_after
         }
 
     def _count_sent(self, nbytes: int) -> None:
@@ -646,9 +656,9 @@ class CollectiveService(BaseService):
                 self._perform(key, coll.abandon(token))
 
     def next_deadline(self) -> float | None:
-        """The earliest of three heaps' (asked after every read batch: O(1) amortised)."""
+        """The earliest of four heaps' (asked after every read batch: O(1) amortised)."""
         due = self._waiting.next_deadline()
-        for other in (self._due.next(), self._held.next_deadline()):
+        for other in (self._due.next(), self._held.next_deadline(), self._open.next_stall()):
             if other is not None and (due is None or other < due):
                 due = other
         return due
@@ -664,6 +674,7 @@ class CollectiveService(BaseService):
                 "held", "dropping frames held route_timeout for %r: its job is incomplete", key
             )
         self._waiting.expire(now)
+        self._log_stalls(now)
 
     def shutdown(self, failure: Failure) -> None:
         for token in [token for token, _ in self._open.items()]:
@@ -675,77 +686,60 @@ class CollectiveService(BaseService):
     ) -> list[Meta]:
         """Collective calls open longer than ``stall_after``, oldest first, saying what their
         round waits for: local ranks that have not called (sync), majority's initiator, or
-        messages from which nodes."""
+        messages from which nodes; and which ranks have not called the name, and what else
+        they call (:func:`~fabricd.daemon.services.collectives_status.absent`)."""
         after = self.host.config.stall_after
         late = sorted(
             (c.started, token) for token, c in self._open.items() if now - c.started >= after
         )
         rows: list[Meta] = []
-        for started, token in late:
+        for _, token in late:
             if limit is not None and len(rows) >= limit:
                 break
             call = self._open.get(token)
             assert call is not None
-            job, name = str(call.session.job), call.name
-            coll = self.collectives.get((job, name))
-            if coll is None:
-                continue
-            whose = {
-                "job": job,
-                "owner": self.membership.owner(job),
-                "uid": call.session.conn.credentials.uid,
-            }
+            whose = self._whose(call)
             if keep is not None and not keep(whose):
                 continue
-            waits, detail, node = coll.waits()
-            rows.append(
-                {
-                    **whose,
-                    "node": self.host.config.node_id,
-                    "op": token,
-                    "kind": call.kind,
-                    "rank": call.session.rank,
-                    "peer": "-",
-                    "tag": name,
-                    "nbytes": call.nbytes,
-                    "dtype": coll.spec.dtype,
-                    "pending_for": now - started,
-                    "waits": waits,
-                    "detail": f"{coll.spec.describe()} {name!r}: {detail}",
-                    "peer_joined": True,
-                    "peer_node": node,
-                    "peer_node_state": None,
-                    "client_left": False,
-                }
-            )
+            row = self._stall_row(token, call, whose, now)
+            if row is not None:
+                rows.append(row)
         return rows
+
+    def _whose(self, call: OpenCall) -> Meta:
+        """Whose call it is: the fields of its row that access reads."""
+        job = str(call.session.job)
+        uid = call.session.conn.credentials.uid
+        return {"job": job, "owner": self.membership.owner(job), "uid": uid}
+
+    def _stall_row(self, token: int, call: OpenCall, whose: Meta, now: float) -> Meta | None:
+        """The stall row of open call ``token`` (``None``: its collective is gone)."""
+        job = str(whose["job"])
+        coll = self.collectives.get((job, call.name))
+        if coll is None:
+            return None
+        calls = self._open.some_of_job(job, SCANNED)
+        newest = self._by_job.newest(job, SCANNED)
+        peers_only = [key[1] for key in newest if self.collectives[key].counters.calls == 0]
+        node = self.host.config.node_id
+        return stall_row(whose, node, token, call, coll, now - call.started, calls, peers_only)
+
+    def _log_stalls(self, now: float) -> None:
+        """One log line for each call that became stalled (at most a tick's worth: the rest
+        stay due), from its stall row, so the log and ``fabricctl stalls`` say the same."""
+        for token, call in self._open.stalled(now):
+            row = self._stall_row(token, call, self._whose(call), now)
+            if row is not None:
+                self._counters["stalls_reported"] += 1
+                stall_log.warning("stalled call", "%s", call_line(row))
 
     # -- status and metrics -----------------------------------------------------------------
     def statistics(self) -> Meta:
-        rows = []
         owner: Callable[[str], int | None] = self.membership.owner
-        for (job, name), coll in sorted(self.collectives.items()):
-            c = coll.counters
-            rows.append(
-                {
-                    "job": job,
-                    "owner": owner(job),
-                    "name": name,
-                    "what": coll.spec.describe(),
-                    "algorithm": _algorithm(coll.spec),
-                    "round": coll.round,
-                    "nodes": list(coll.members),
-                    "lost": sorted(coll.lost),
-                    "waiting": coll.waiting(),
-                    "rounds": c.rounds,
-                    "calls": c.calls,
-                    "included": c.included,
-                    "late": c.late,
-                    "settled": c.settled,
-                    "mean_active": round(c.sum_active / c.rounds, 2) if c.rounds else None,
-                    "broken": coll.broken[1] if coll.broken else None,
-                }
-            )
+        rows = [
+            collective_row(job, owner(job), name, coll)
+            for (job, name), coll in sorted(self.collectives.items())
+        ]
         rounds = sum(c.counters.rounds for c in self.collectives.values())
         return {
             "collectives": rows,
@@ -760,41 +754,7 @@ class CollectiveService(BaseService):
         return {"collective_calls": self._open.count(session)}
 
     def metrics(self) -> Iterable[Metric]:
-        """Totals over this node's collectives: no label names a job or a collective (their
-        number has no bound, and the endpoint is not access-controlled); per-collective
-        figures are in the status rows, withheld from clients that may not see the job."""
-        yield from self.operations.families(pending=len(self._open))
-        labels = {"service": self.name}
-        counters = [c.counters for c in self.collectives.values()]
-        yield counter(
-            "fabricd_collective_rounds",
-            "Rounds of persistent collectives ended on this node",
-            [(labels, sum(c.rounds for c in counters))],
-        )
-        yield counter(
-            "fabricd_collective_active_ranks",
-            "Sum over rounds of the ranks that contributed fresh data (divide by rounds)",
-            [(labels, sum(c.sum_active for c in counters))],
-        )
-        yield gauge(
-            "fabricd_collectives",
-            "Persistent collectives on this node",
-            [(labels, len(counters))],
-        )
-        yield gauge(
-            "fabricd_collective_calls_open",
-            "Collective calls waiting for their round",
-            [(labels, len(self._open))],
-        )
-        yield gauge(
-            "fabricd_collective_held_bytes",
-            "Bytes of peers' frames held for collectives not built here yet",
-            [(labels, self._held.bytes)],
-        )
-
-
-def _algorithm(spec: Spec) -> str:
-    """The allreduce algorithm ``spec`` runs, as status names it."""
-    chosen = Algorithm.RING if spec.ring else Algorithm.RECURSIVE_DOUBLING
-    name: str = (Algorithm.DIRECT if spec.direct else chosen).value
-    return name
+        """Totals over this node's collectives (:func:`~fabricd.daemon.services.
+        collectives_status.families`)."""
+        open_calls, held = len(self._open), self._held.bytes
+        return families(self.operations, self.collectives.values(), open_calls, held)

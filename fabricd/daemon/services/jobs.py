@@ -8,7 +8,9 @@
   ``max_ops_per_client`` of them, the jobs of one uid ``max_waiting_calls_per_uid``;
 * :class:`OpenCalls`: the calls an engine holds, by the service's key, and whom to answer: each
   answered once, its latency and outcome counted in the service's
-  :class:`~fabricd.daemon.metrics.OperationStats`.
+  :class:`~fabricd.daemon.metrics.OperationStats`; each found stalled once, ``stall_after``
+  after it opened, for the service to log (:class:`StallWatch`, which the parameter server's
+  calls use too).
 
 Both keep counts and indexes, never scans: the cost of a request, a frame or a timer tick
 does not grow with the number of calls that wait or are open (issue 28, item 1).
@@ -102,6 +104,10 @@ EXPIRE_PER_TICK: Final = 256
 _SLACK: Final = 64
 #: distinct values a :class:`Shared` pool keeps
 _SHARED: Final = 1024
+#: stalled calls a service is told of (and describes, and logs) in one timer tick at most: a
+#: whole job's calls stall together, and each description costs tens of microseconds; the
+#: rest stay due, so the node's timer runs again at once, after reading what came meanwhile
+STALLS_PER_TICK: Final = 64
 
 
 class WaitingForRanks(Generic[W]):
@@ -290,6 +296,50 @@ class WaitingForRanks(Generic[W]):
         self.host.fail(item.session, item.request_id, failure)
 
 
+class StallWatch(Generic[K]):
+    """When each open call of a service counts as stalled: ``stall_after`` seconds after it
+    opened.  Each call is found stalled once (the service logs it then), if it is still open.
+
+    Theory of operation: as the point-to-point engine's (``engines/p2p/pending.py``), one
+    deadline per call in a :class:`~fabricd.engines.deadlines.Deadlines` heap: one push when it
+    opens (its deadlines only grow, so the push sifts up one level), an O(1) cancel when it
+    ends, stale entries dropped lazily.  The timer is told lazily too (``_check``): the check
+    only moves earlier when a call opens and is recomputed when it fires, so calls that end
+    never move the daemon's timer, and a busy service wakes for stall checks about once per
+    ``stall_after``.  With no call watched it asks for no timer at all.
+    """
+
+    def __init__(self, after: float) -> None:
+        self.after = after
+        self._at: Deadlines[K] = Deadlines()
+        self._check: float | None = None  #: at or before the earliest live deadline
+
+    def watch(self, key: K, started: float) -> None:
+        """The call under ``key`` opened at ``started`` (replacing any earlier one of it)."""
+        at = started + self.after
+        self._at.set(key, at)
+        if self._check is None or at < self._check:
+            self._check = at
+
+    def forget(self, key: K) -> None:
+        """The call under ``key`` ended (or its client left)."""
+        self._at.cancel(key)
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`due` may next find a call: ``None`` once no call is watched (so a
+        service whose calls all ended asks for no timer)."""
+        return self._check if len(self._at) else None
+
+    def due(self, now: float) -> list[K]:
+        """The calls stalled by ``now`` not found before, oldest first: at most
+        :data:`STALLS_PER_TICK` (the rest stay due, and :meth:`next_deadline` says so)."""
+        if self._check is None or self._check > now:
+            return []
+        keys = self._at.pop_due(now, STALLS_PER_TICK)
+        self._check = self._at.next()
+        return keys
+
+
 @dataclass(slots=True, kw_only=True)
 class OpenCall:
     """A call an engine holds: whom to answer, and what its statistics count."""
@@ -303,12 +353,14 @@ class OpenCall:
 
 
 class OpenCalls(Generic[K]):
-    """The calls a service's engine holds, by the service's key; each answered once."""
+    """The calls a service's engine holds, by the service's key; each answered once, and each
+    one still open ``stall_after`` after it opened found stalled once (:meth:`stalled`)."""
 
     def __init__(self, host: Host, operations: OperationStats) -> None:
         self.host = host
         self.operations = operations
         self._calls: dict[K, OpenCall] = {}
+        self._stalls: StallWatch[K] = StallWatch(host.config.stall_after)
         self._by_session: dict[ClientSession, set[K]] = {}
         self._by_job: dict[str, set[K]] = {}  #: so that a job's end touches only its calls
 
@@ -332,12 +384,27 @@ class OpenCalls(Generic[K]):
         """The keys of the calls of ``job``'s clients."""
         return list(self._by_job.get(job, ()))
 
+    def some_of_job(self, job: str, limit: int) -> list[OpenCall]:
+        """At most ``limit`` of the calls of ``job``'s clients, in no particular order (a stall
+        row's look at what else a job's ranks wait in: bounded, however many are open)."""
+        return [self._calls[key] for key in itertools.islice(self._by_job.get(job, ()), limit)]
+
     def open(self, key: K, call: OpenCall) -> None:
         """``call`` is open under ``key`` (counted as started)."""
         self._calls[key] = call
         self._by_session.setdefault(call.session, set()).add(key)
         self._by_job.setdefault(str(call.session.job), set()).add(key)
+        self._stalls.watch(key, call.started)
         self.operations.started(call.kind)
+
+    def next_stall(self) -> float | None:
+        """When :meth:`stalled` may next find a call (the service's timer asks)."""
+        return self._stalls.next_deadline()
+
+    def stalled(self, now: float) -> list[tuple[K, OpenCall]]:
+        """The calls open ``stall_after`` or longer by ``now`` that were not found before,
+        oldest first, at most :data:`STALLS_PER_TICK`: each call is found once."""
+        return [(key, self._calls[key]) for key in self._stalls.due(now)]
 
     def reply(self, key: K, result: Meta) -> None:
         """Answer ``key``'s call with ``result``, if it is still open."""
@@ -362,6 +429,7 @@ class OpenCalls(Generic[K]):
         gone = [(key, self._calls.pop(key)) for key in keys]
         for key, call in gone:
             self._unjob(key, call)
+            self._stalls.forget(key)
             self.operations.abandoned(call.kind)
         return gone
 
@@ -373,6 +441,7 @@ class OpenCalls(Generic[K]):
             if not keys:
                 del self._by_session[call.session]
             self._unjob(key, call)
+            self._stalls.forget(key)
         return call
 
     def _unjob(self, key: K, call: OpenCall) -> None:
@@ -428,6 +497,10 @@ class Groups(Generic[G, K]):
     def of(self, group: G) -> list[K]:
         """``group``'s keys, oldest first (a copy: the caller may remove them meanwhile)."""
         return list(self._keys.get(group, ()))
+
+    def newest(self, group: G, limit: int) -> list[K]:
+        """``group``'s ``limit`` newest keys, newest first."""
+        return list(itertools.islice(reversed(self._keys.get(group, {})), limit))
 
     def count(self, group: G) -> int:
         return len(self._keys.get(group, ()))

@@ -8,7 +8,8 @@ service parses and checks requests (the spec, the initial model, the arrays and 
 callback's step buffer in the client's segments, the update rule), lands payloads, and performs
 what the engine returns -- data frames through :mod:`~fabricd.daemon.services.data_queues`,
 control frames on the control link, replies, ``ps_epoch`` and ``ps_step`` events, log lines.
-Status rows, stall rows and metrics are :mod:`~fabricd.daemon.services.ps_status`'s.
+Status rows, stall rows (and each stalled call's log line) and metrics are
+:mod:`~fabricd.daemon.services.ps_status`'s.
 
 A model is named by (job, name); every rank of the job opens it with the same *spec* (size,
 dtype, the server ranks, one per key-range shard, and their replica ranks, consistency,
@@ -472,6 +473,7 @@ class PSService(BaseService):
         self._calls[key, rank] = Call(
             session=request.session, request=request.id, started=now, op="push"
         )
+        self.status.opened((key, rank), now)
         self.operations.started("push")
         self._perform(actions)
 
@@ -490,6 +492,7 @@ class PSService(BaseService):
         self._calls[key, rank] = Call(
             session=request.session, request=request.id, started=now, op="pull"
         )
+        self.status.opened((key, rank), now)
         self.operations.started("pull")
         self._perform(actions)
 
@@ -559,6 +562,7 @@ class PSService(BaseService):
         call = self._calls.pop((key, rank), None)
         if call is None:
             return
+        self.status.closed((key, rank))
         seconds = self.host.now() - call.started
         if failure is not None:
             self.operations.ended(call.op, 0, seconds, str(failure.code))
@@ -682,6 +686,7 @@ class PSService(BaseService):
             self._caches.pop(place, None)
             call = self._calls.pop(place, None)
             if call is not None:
+                self.status.closed(place)
                 self.operations.abandoned(call.op)
             self.status.retire(self.engine.close_worker(*place), None)
             self._charges.pop(("worker", *place)).release()
@@ -695,11 +700,13 @@ class PSService(BaseService):
 
     # -- time, the drain --------------------------------------------------------------------
     def next_deadline(self) -> float | None:
-        return earliest(self.engine.next_deadline(), self._gate.next_deadline())
+        engine, gate = self.engine.next_deadline(), self._gate.next_deadline()
+        return earliest(engine, gate, self.status.next_stall())
 
     def on_timer(self, now: float) -> None:
         self._perform(self.engine.on_timer(now))
         self._gate.expire(now)
+        self.status.log_stalls(now)
 
     def shutdown(self, failure: Failure) -> None:
         for key, rank in list(self._calls):

@@ -1,16 +1,23 @@
-"""What the ``ps`` service shows of its models: status rows, stall rows and metrics.
+"""What the ``ps`` service shows of its models: status rows, stall rows (and the log line of
+each call that stalls, written once) and metrics.
 
 Reads the :class:`~fabricd.engines.ps.node.PSNode` engine's models and the service's calls;
-changes nothing but the totals kept of models gone from this node (counters never go back).
+changes nothing but the totals kept of models gone from this node (counters never go back) and
+the calls' stall deadlines (:class:`~fabricd.daemon.services.jobs.StallWatch`, which the
+service tells when a call opens and ends).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import Histogram, OperationStats, counter, gauge, histogram
+from fabricd.daemon.services.jobs import StallWatch
+from fabricd.daemon.stalls import call_line
 from fabricd.engines.ps.consistency import DELAY_BUCKETS
 
 if TYPE_CHECKING:
@@ -21,11 +28,14 @@ if TYPE_CHECKING:
     from fabricd.daemon.service import Host
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.membership import Membership
-    from fabricd.engines.ps.models import Key, Model
+    from fabricd.engines.ps.models import Key, Model, WorkerSide
     from fabricd.engines.ps.node import PSNode
     from fabricd.engines.ps.server import ShardServer, ShardStatistics
     from fabricd.engines.ps.worker import Worker, WorkerStatistics
     from fabricd.wire import Meta
+
+#: stalled calls: each is logged once, but a job's workers may stall at once
+stall_log = RateLimitedLog(logging.getLogger("fabricd.ps"))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -58,6 +68,8 @@ class PSStatus:
         self.operations = OperationStats(name, kinds=["push", "pull"])
         #: what models gone from this node counted, kept so that counters never go back
         self._retired: Counter[str] = Counter()
+        self._stalls: StallWatch[tuple[Key, int]] = StallWatch(host.config.stall_after)
+        self._stalls_reported = 0  #: calls logged once as open past stall_after
 
     def retire(self, worker: Worker | None, server: ShardServer | None) -> None:
         """A local worker or shard closed: what it counted stays counted."""
@@ -66,6 +78,29 @@ class PSStatus:
         if server is not None and server.primary:
             self._retired += _totals([], [server.statistics()])
 
+    def opened(self, place: tuple[Key, int], now: float) -> None:
+        """A push or pull of local worker ``place`` opened: it counts as stalled (logged
+        once) if it is still open ``stall_after`` later."""
+        self._stalls.watch(place, now)
+
+    def closed(self, place: tuple[Key, int]) -> None:
+        """``place``'s call was answered, or its client left."""
+        self._stalls.forget(place)
+
+    def next_stall(self) -> float | None:
+        return self._stalls.next_deadline()
+
+    def log_stalls(self, now: float) -> None:
+        """One log line for each call that became stalled (at most a tick's worth: the rest
+        stay due), from its stall row, so the log and ``fabricctl stalls`` say the same."""
+        for key, rank in self._stalls.due(now):
+            model, call = self.engine.models.get(key), self.calls.get((key, rank))
+            side = None if model is None else model.local_workers.get(rank)
+            if model is not None and side is not None and call is not None:
+                self._stalls_reported += 1
+                row = self._row(key, model, rank, side, call, now)
+                stall_log.warning("stalled call", "%s", call_line(row))
+
     def stalls(
         self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
     ) -> list[Meta]:
@@ -73,53 +108,53 @@ class PSStatus:
         for."""
         after = self.host.config.stall_after
         rows: list[Meta] = []
-        for (job, name), model in sorted(self.engine.models.items()):
+        for key, model in sorted(self.engine.models.items()):
             for rank, side in sorted(model.local_workers.items()):
-                call = self.calls.get(((job, name), rank))
+                call = self.calls.get((key, rank))
                 if call is None or now - call.started < after:
                     continue
                 if limit is not None and len(rows) >= limit:
                     return rows
-                whose = {
-                    "job": job,
-                    "owner": self.membership.owner(job),
-                    "uid": call.session.conn.credentials.uid,
-                }
-                if keep is not None and not keep(whose):
-                    continue
-                waiting = side.engine.waiting()
-                targets = [model.target(s) for s in waiting]
-                # a shard served here says what it waits for itself (its BSP iteration, the
-                # replica's confirmation, the update callback of a process not in serve())
-                shards = ", ".join(
-                    f"shard {s} (rank {t}"
-                    + "".join(f"; {why}" for why in self._local_waits(model, s, t))
-                    + ")"
-                    for s, t in zip(waiting, targets, strict=True)
-                )
-                rows.append(
-                    {
-                        **whose,
-                        "node": self.host.config.node_id,
-                        "op": f"{name}@{rank}",
-                        "kind": f"ps_{call.op} ({model.spec['consistency']})",
-                        "rank": rank,
-                        "peer": "-",
-                        "tag": name,
-                        "nbytes": side.engine.bounds[-1][1] * side.engine.dtype.itemsize,
-                        "dtype": str(side.engine.dtype),
-                        "pending_for": now - call.started,
-                        "waits": "peer",
-                        "detail": f"{call.op} at clock {side.engine.iteration} waits for {shards}",
-                        "peer_joined": all(
-                            self.membership.lookup(job, t) is not None for t in targets
-                        ),
-                        "peer_node": None,
-                        "peer_node_state": None,
-                        "client_left": False,
-                    }
-                )
+                row = self._row(key, model, rank, side, call, now)
+                if keep is None or keep(row):  # (keep reads whose it is)
+                    rows.append(row)
         return rows
+
+    def _row(
+        self, key: Key, model: Model, rank: int, side: WorkerSide, call: Call, now: float
+    ) -> Meta:
+        """The stall row of local worker ``rank``'s open ``call``: which shards it waits for."""
+        job, name = key
+        waiting = side.engine.waiting()
+        targets = [model.target(s) for s in waiting]
+        # a shard served here says what it waits for itself (its BSP iteration, the
+        # replica's confirmation, the update callback of a process not in serve())
+        shards = ", ".join(
+            f"shard {s} (rank {t}"
+            + "".join(f"; {why}" for why in self._local_waits(model, s, t))
+            + ")"
+            for s, t in zip(waiting, targets, strict=True)
+        )
+        return {
+            "job": job,
+            "owner": self.membership.owner(job),
+            "uid": call.session.conn.credentials.uid,
+            "node": self.host.config.node_id,
+            "op": f"{name}@{rank}",
+            "kind": f"ps_{call.op} ({model.spec['consistency']})",
+            "rank": rank,
+            "peer": "-",
+            "tag": name,
+            "nbytes": side.engine.bounds[-1][1] * side.engine.dtype.itemsize,
+            "dtype": str(side.engine.dtype),
+            "pending_for": now - call.started,
+            "waits": "peer",
+            "detail": f"{call.op} at clock {side.engine.iteration} waits for {shards}",
+            "peer_joined": all(self.membership.lookup(job, t) is not None for t in targets),
+            "peer_node": None,
+            "peer_node_state": None,
+            "client_left": False,
+        }
 
     @staticmethod
     def _local_waits(model: Model, shard: int, rank: int) -> list[str]:
@@ -199,7 +234,11 @@ class PSStatus:
         return {
             "ps_servers": servers,
             "ps_workers": workers,
-            "counters": {**counters, "ps_early_frames": self.engine.early_frames},
+            "counters": {
+                **counters,
+                "ps_early_frames": self.engine.early_frames,
+                "stalls_reported": self._stalls_reported,
+            },
         }
 
     def metrics(self) -> Iterable[Metric]:

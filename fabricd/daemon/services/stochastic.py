@@ -55,6 +55,7 @@ from fabricd.daemon.services.jobs import (
 )
 from fabricd.daemon.services.senders import Gate, Sender, earliest
 from fabricd.daemon.services.stochastic_status import reducer_row, stall_row
+from fabricd.daemon.stalls import call_line
 from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankBack, RankGone, RankJoined, RankLeft, RankSuspected
@@ -93,6 +94,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fabricd.stochastic")
 remote_log = RateLimitedLog(log)
+stall_log = RateLimitedLog(log)  #: stalled calls: each once, but a job's may stall at once
 
 Key = tuple[str, str]  #: (job, reduce name)
 RankKey = tuple[str, str, int]  #: (job, reduce name, rank)
@@ -148,6 +150,7 @@ class StochasticService(BaseService):
             #: for a rank not here, a reduce called otherwise, or from a node its sender rank
             #: is not on (those also count in frames_refused_not_member: see self._gate)
             "graph_frames_dropped": 0,
+            "stalls_reported": 0,  #: calls logged once as open past stall_after
         }
         #: frames only from the node their sender rank is on: refused, or waiting for it
         self._gate = Gate(
@@ -701,11 +704,13 @@ class StochasticService(BaseService):
             reducer.close(f"rank {rank_key[2]}'s trainer left during a call")
 
     def next_deadline(self) -> float | None:
-        return earliest(self._waiting.next_deadline(), self._gate.next_deadline())
+        waiting, gate = self._waiting.next_deadline(), self._gate.next_deadline()
+        return earliest(waiting, gate, self._open.next_stall())
 
     def on_timer(self, now: float) -> None:
         self._waiting.expire(now)
         self._gate.expire(now)
+        self._log_stalls(now)
 
     def shutdown(self, failure: Failure) -> None:
         for rank_key in [rank_key for rank_key, _ in self._open.items()]:
@@ -720,24 +725,27 @@ class StochasticService(BaseService):
         after = self.host.config.stall_after
         late = sorted((c.started, k) for k, c in self._open.items() if now - c.started >= after)
         rows: list[Meta] = []
-        for started, rank_key in late:
+        for _, rank_key in late:
             if limit is not None and len(rows) >= limit:
                 break
-            reducer = self.reducers.get(rank_key)
-            call = self._open.get(rank_key)
-            if reducer is None or call is None:
-                continue
-            job, name, rank = rank_key
-            whose = {
-                "job": job,
-                "owner": self.membership.owner(job),
-                "uid": call.session.conn.credentials.uid,
-            }
-            if keep is not None and not keep(whose):
-                continue
-            node = self.host.config.node_id
-            rows.append(stall_row(whose, node, name, rank, reducer, call.nbytes, now - started))
+            row = self._stall_row(rank_key, now)
+            if row is not None and (keep is None or keep(row)):  # (keep reads whose it is)
+                rows.append(row)
         return rows
+
+    def _stall_row(self, rank_key: RankKey, now: float) -> Meta | None:
+        reducer, call = self.reducers.get(rank_key), self._open.get(rank_key)
+        if reducer is None or call is None:
+            return None
+        owner, node = self.membership.owner(rank_key[0]), self.host.config.node_id
+        return stall_row(rank_key, owner, node, reducer, call, now)
+
+    def _log_stalls(self, now: float) -> None:
+        """One log line for each call that became stalled, from its stall row."""
+        for rank_key, _ in self._open.stalled(now):
+            if (row := self._stall_row(rank_key, now)) is not None:
+                self._counters["stalls_reported"] += 1
+                stall_log.warning("stalled call", "%s", call_line(row))
 
     # -- status and metrics -----------------------------------------------------------------
     def statistics(self) -> Meta:

@@ -1,11 +1,13 @@
 """The rows the stochastic service shows: one per reducer in ``status``, one per late call in
-``fabricctl stalls`` (the service picks which; these say what a row holds)."""
+``fabricctl stalls`` and in the log line it writes once for each (the service picks which;
+these say what a row holds)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from fabricd.daemon.services.jobs import OpenCall
     from fabricd.engines.stochastic.notify_ack import Reducer
     from fabricd.wire import Meta
 
@@ -37,21 +39,30 @@ def reducer_row(job: str, owner: int | None, name: str, rank: int, reducer: Redu
 
 
 def stall_row(
-    whose: Meta, node: int, name: str, rank: int, reducer: Reducer, nbytes: int, late: float
+    rank_key: tuple[str, str, int],
+    owner: int | None,
+    node: int,
+    reducer: Reducer,
+    call: OpenCall,
+    now: float,
 ) -> Meta:
-    """A call open ``late`` seconds: whose NOTIFY, ACK or barrier step its round waits for."""
+    """Rank ``rank_key``'s open ``call`` (of a reduce of a job ``owner`` owns): whose NOTIFY,
+    ACK or barrier step its round waits for."""
+    job, name, rank = rank_key
     waiting = reducer.waiting_for()
     return {
-        **whose,
+        "job": job,
+        "owner": owner,
+        "uid": call.session.conn.credentials.uid,
         "node": node,
         "op": f"{name}@{rank}",
         "kind": f"stochastic_reduce ({reducer.sync.value})",
         "rank": rank,
         "peer": "-",
         "tag": name,
-        "nbytes": nbytes,
+        "nbytes": call.nbytes,
         "dtype": str(reducer.dtype),
-        "pending_for": late,
+        "pending_for": now - call.started,
         "waits": "peer" if waiting else "round",
         "detail": (
             f"round {reducer.executor.round} of {reducer.graph.kind} graph waits "
