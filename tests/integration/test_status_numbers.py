@@ -59,7 +59,7 @@ NOT_EXPORTED: dict[str, str] = {
                 f"collectives[].{k}"
                 for k in ("owner", "round", "nodes[]", "lost[]", "calls", "included", "late")
             ),
-            *(f"collectives[].{k}" for k in ("settled", "waiting", "mean_active")),
+            *(f"collectives[].{k}" for k in ("settled", "unled", "waiting", "mean_active")),
             *(
                 f"stochastic_reduces[].{k}"
                 for k in ("owner", "rank", "round", "in_degree", "out_degree", "notifies")
