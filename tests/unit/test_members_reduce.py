@@ -30,6 +30,7 @@ from fabricd.daemon.services.stochastic import StochasticService
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.actions import Failure
 from fabricd.engines.membership import RankEntry, RankJoined
+from fabricd.engines.stochastic.notify_ack import BARRIER, UPDATE
 from fabricd.errors import FabricError
 from fabricd.frames import stochastic as stochastic_frames
 from tests.unit.test_collective_service_review import FakeHost, Link, Segment, Table
@@ -217,7 +218,13 @@ def test_one_bad_frame_leaves_no_call_hanging(
     fields = {"job": JOB, "name": NAME, "src": src_rank, "dst": 0, "round": 0}
     bad_spec = spec(members, sync, bad_count)
     if kind == "NOTIFY":
-        bad: tuple[str, Any] = ("control", stochastic_frames.Notify(**fields, tag=0, spec=bad_spec))
+        # a NOTIFY the schedule takes (an update's, or the barrier's first step): only its
+        # spec is bad (one no schedule takes is a protocol error, which resets the link)
+        tag = UPDATE if sync == "notify-ack" else BARRIER
+        bad: tuple[str, Any] = (
+            "control",
+            stochastic_frames.Notify(**fields, tag=tag, spec=bad_spec),
+        )
     else:
         update = stochastic_frames.Update(**fields, spec=bad_spec)
         bad = ("data", (update.to_meta(), b"\0" * (8 * bad_count + 16)))
