@@ -59,7 +59,10 @@ NOT_EXPORTED: dict[str, str] = {
                 f"collectives[].{k}"
                 for k in ("owner", "round", "nodes[]", "lost[]", "calls", "included", "late")
             ),
-            *(f"collectives[].{k}" for k in ("settled", "unled", "waiting", "mean_active")),
+            *(
+                f"collectives[].{k}"
+                for k in ("settled", "unled", "counted_elsewhere", "waiting", "mean_active")
+            ),
             *(
                 f"stochastic_reduces[].{k}"
                 for k in ("owner", "rank", "round", "in_degree", "out_degree", "notifies")

@@ -23,6 +23,7 @@ from fabricd.daemon.service import Request
 from fabricd.daemon.services.collectives import MAX_HELD_FRAMES, CollectiveService
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.budget import ByteBudget
+from fabricd.engines.collectives.spec import NOTICE
 from fabricd.engines.membership import NodeGone, RankEntry, RankJoined, RankLeft
 from fabricd.errors import OperationFailed, RemoteProtocolError, TransportError, UsageError
 from fabricd.frames import collectives as collectives_frames
@@ -462,7 +463,22 @@ def solo_frames_after_losing_node_1() -> list[tuple[collectives_frames.Coll, byt
     svc.peer_down(1, "node 1 went down", 0.0)
     # not back within down_after: membership counts it gone
     svc.on_suspicion(NodeGone(node=1, reason="node 1 went down"), host.config.down_after)
-    return out
+    # its abandoned round is held until node 0 says it ended no round of the old view (its
+    # NOTICE, once it changed view too: ledger.py); then node 2 runs the round again
+    assert not [frame for frame, payload in out if payload]
+    notice = collectives_frames.Coll(
+        job=JOB,
+        name=NAME,
+        round=0,
+        tag=NOTICE,
+        off=0,
+        lost=(1,),
+        base=0,
+        spec=svc._specs[JOB, NAME],
+        notes=(((), 0, -1),),
+    )
+    svc.on_data(0, notice, 0, host.config.down_after)
+    return [(frame, payload) for frame, payload in out if frame.tag != NOTICE]
 
 
 def test_frames_held_behind_a_dead_nodes_landing_frame_are_placed() -> None:

@@ -40,12 +40,14 @@ class Recording(Collective):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.history: dict[int, np.ndarray[Any, Any]] = {}
+        self.views: dict[int, Any] = {}  #: the view each round ended in
         super().__init__(*args, **kwargs)
 
     def _ended(self, round: int, now: float) -> None:
         super()._ended(round, now)
         assert round not in self.history, "a round ended twice"
         self.history[round] = self.result[: self.spec.count].copy()
+        self.views[round] = self.view
 
 
 @dataclass
@@ -112,7 +114,10 @@ class Fabric:
             else:
                 view[:] = message.payload
         self.perform(
-            dst, coll.arrived(src, message.tag, message.round, n, message.lost, message.base, now)
+            dst,
+            coll.arrived(
+                src, message.tag, message.round, n, message.lost, message.base, now, message.notes
+            ),
         )
 
     def expire(self) -> bool:
@@ -382,16 +387,26 @@ def test_partial_modes_go_on_among_the_survivors_and_lose_no_gift(
     for token, (rank, k) in who.items():
         if placement[rank] != victim:  # liveness: nothing waits for ever, nothing fails
             assert token in fab.delivered, f"call {k} of rank {rank} never completed"
-    # every survivor gift is in some result or still waits (a failure may count one twice)
-    seen = np.zeros_like(gifts.given, dtype=bool)
+    # exactly once (ledger.py): over the survivors' distinct results (a round of a view is
+    # one allreduce, the same wherever it ended) and what still waits at them, every survivor
+    # gift once; the victim's at most once (a result it was in may have died with it)
+    results: dict[tuple[int, Any], np.ndarray[Any, Any]] = {}
     for node in survivors:
-        seen |= fab.colls[node].conservation() > 0
-        for result in fab.colls[node].history.values():
-            seen |= result > 0
+        coll = fab.colls[node]
+        assert not coll.ledger.held, "a held snapshot was never settled"
+        for round, result in coll.history.items():
+            key = (round, coll.views[round])
+            if key in results:
+                np.testing.assert_array_equal(results[key], result)
+            results[key] = result
+    counted = sum(results.values(), np.zeros_like(gifts.given))
+    counted += sum(fab.colls[n].conservation() for n in survivors)
     for rank, node in enumerate(placement):
         mine = slice(rank * rounds, (rank + 1) * rounds)
         if node != victim:
-            assert seen[mine][gifts.given[mine] > 0].all(), f"a gift of rank {rank} is lost"
+            np.testing.assert_array_equal(counted[mine], gifts.given[mine], f"rank {rank}")
+        else:
+            assert (counted[mine] <= gifts.given[mine]).all(), f"rank {rank} counted twice"
     assert all(fab.colls[n].lost == {victim} for n in survivors)
 
 
@@ -512,7 +527,7 @@ def test_a_rank_that_leaves_before_giving_fails_the_round_after_the_grace() -> N
 def test_a_link_reset_that_heals_restarts_the_round_and_loses_no_gift(seed: int) -> None:
     """Nodes 0 and 1 lose what was in flight between them (their links were reset) and come
     back, the same daemons: they run on from the next round number, the third node adopts it
-    from their frames, every call completes, and no gift is lost (one may count twice)."""
+    from their frames, every call completes, and every gift counts exactly once (ledger.py)."""
     rng = Random(seed)
     spec = Spec(kind="allreduce", count=3, dtype="int64", mode="solo")
     fab = Fabric(spec, (0, 1, 2), rng)
@@ -530,9 +545,10 @@ def test_a_link_reset_that_heals_restarts_the_round_and_loses_no_gift(seed: int)
     fab.drain()
     assert sorted(fab.delivered) == [0, 1, 2]
     assert all(not c.lost for c in fab.colls.values())
-    seen = sum((r for c in fab.colls.values() for r in c.history.values()), np.zeros(3, "int64"))
+    results = {(r, c.views[r]): v for c in fab.colls.values() for r, v in c.history.items()}
+    seen = sum(results.values(), np.zeros(3, "int64"))
     waiting = sum((c.conservation() for c in fab.colls.values()), np.zeros(3, "int64"))
-    assert ((seen + waiting) >= 1).all()  # every gift is in a result or still waits
+    np.testing.assert_array_equal(seen + waiting, np.ones(3, "int64"))
 
 
 def test_a_sync_collective_between_rounds_survives_a_link_reset() -> None:

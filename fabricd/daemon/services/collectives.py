@@ -387,7 +387,9 @@ class CollectiveService(BaseService):
             return
         self._perform(
             key,
-            coll.arrived(node, frame.tag, frame.round, length, frame.lost, frame.base, now),
+            coll.arrived(
+                node, frame.tag, frame.round, length, frame.lost, frame.base, now, frame.notes
+            ),
         )
 
     def _collective(self, frame: collectives_frames.Coll, node: int) -> Collective | None:
@@ -491,7 +493,7 @@ class CollectiveService(BaseService):
                         continue
                     view[:] = item.payload
                 actions = coll.arrived(
-                    item.node, frame.tag, frame.round, n, frame.lost, frame.base, now
+                    item.node, frame.tag, frame.round, n, frame.lost, frame.base, now, frame.notes
                 )
             except Refused as exc:
                 self._counters[exc.counter] += 1
@@ -639,6 +641,7 @@ class CollectiveService(BaseService):
                 lost=t.lost,
                 base=t.base,
                 spec=spec,
+                notes=t.notes,
             )
             self._frames.send(t.node, frame.to_meta(), payload[off : off + chunk])
 

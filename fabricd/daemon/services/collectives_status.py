@@ -130,6 +130,7 @@ def collective_row(job: str, owner: int | None, name: str, coll: Collective) -> 
         "late": c.late,
         "settled": c.settled,
         "unled": c.unled,
+        "counted_elsewhere": c.counted_elsewhere,
         "mean_active": round(c.sum_active / c.rounds, 2) if c.rounds else None,
         "broken": coll.broken[1] if coll.broken else None,
     }

@@ -50,6 +50,7 @@ class Counters:
     sum_active: int = 0  #: sum over rounds of ``active`` (its mean is what the demo shows)
     settled: int = 0  #: in place: calls completed before their round's acknowledgements
     unled: int = 0  #: majority rounds started here without their initiator (its wait ended)
+    counted_elsewhere: int = 0  #: abandoned snapshots a survivor's ended round had counted
 
 
 @dataclass(slots=True)

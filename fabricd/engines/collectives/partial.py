@@ -31,18 +31,22 @@ first call holds up the first round as it would a sync one; ``fabricctl stalls``
 
 **Every result applied once** (``late="sum"``, the default).  A rank behind gets the sum of
 the results it missed (:class:`Owed`), so every replica applies every round's result exactly
-once and the replicas stay alike without ``sync_model``.  Measured on the demo's regression
-(issue 23): the paper's ``"latest"`` left replicas 1.4-1.5 apart and took 89 rounds to the
-target loss at a 200 ms straggler against 73 with the sum.  Across a node failure the
+once and the replicas stay alike without ``sync_model``.  The review that filed issue 23
+found, on the demo's regression with a 200 ms straggler, the paper's ``"latest"`` leaving the
+replicas 1.4-1.5 apart and taking 89 rounds to the target loss against 73 with the sum;
+bench (k) measures both (docs/performance.md).  Across a node failure the
 survivors that were a round behind jump to the others' base and never see the round they
 ended (its result was never computed here): there the replicas differ by that round.
 """
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 #: what a rank that missed rounds gets: the sum of every result it missed (each replica
 #: applies every round's result once, so the replicas stay alike), or the latest only (the
@@ -96,11 +100,14 @@ class Contributions:
     def ended(self) -> None:
         self.taken = False
 
-    def waiting(self) -> np.ndarray[Any, Any]:
-        """What local ranks gave that no result has counted yet (the engine tests' check)."""
+    def waiting(self, held: Iterable[np.ndarray[Any, Any]] = ()) -> np.ndarray[Any, Any]:
+        """What local ranks gave that no result has counted yet: the accumulator, a round in
+        progress's snapshot, and ``held`` (snapshots of abandoned rounds: ledger.py)."""
         waiting = self.accumulator[: self.count].copy()
         if self.taken:
             waiting += self.snapshot[: self.count]
+        for snapshot in held:
+            waiting += snapshot[: self.count]
         return waiting
 
     def arrays(self) -> tuple[np.ndarray[Any, Any], ...]:

@@ -59,33 +59,28 @@ job's
   left, up to the grace), and the rank's next call gives to that round again.  Partial modes
   keep every call's data (nothing given is lost): its round's snapshot took it, or the next
   one will; ``kept`` names its round.  Peers count exactly what the rank is told was kept.
-* **A reset of a member's links** (:meth:`Collective.interrupted`, then
-  :meth:`Collective.resume` if the same daemon comes back): frames in flight are lost; a partial
-  collective runs on from the next round number, the round in flight run again with what it
-  held (a survivor that ended it meanwhile adopts the new base, so a contribution may count
-  twice); a sync one survives only between rounds.
+* **A reset of a member's links** (:meth:`Collective.interrupted`, then :meth:`Collective.resume`
+  if the same daemon comes back): frames in flight are lost; a partial collective runs on from
+  the next round number (a view change, below); a sync one survives only between rounds.
 * **Failures of a member node** (the service reports them, :meth:`Collective.lose`): a sync
-  collective fails its waiting calls and is *broken* (every later call fails: the job lost
-  ranks a sync collective needs).  A partial one goes on among the survivors: the round in
-  progress is abandoned here (its snapshot goes back into the accumulator, so nothing is lost),
-  and the schedule is rebuilt over the surviving nodes.  Survivors may stand one round apart
-  when they notice; each frame says which nodes its sender has lost and the round its view
-  began with (its *base*); a node that changes view tells every member at once with a
-  :data:`NOTICE` frame (no bytes), so one a round behind hears it even when nothing else would
-  come its way; and a node adopts a larger loss set or a higher base from any frame
-  (restarting its round, which cannot have ended: it needed the sender's messages of the lower
-  base, which the sender drops).  Views converge on the union of losses and the highest base.
-  A contribution that a survivor's abandoned round had taken may already be in another
-  survivor's result of that round: across a failure a result may count it twice, never lose
-  it.  And a survivor a round behind, which jumps to the others' base, never gets the round
-  they ended before the failure: its ranks skip that result, as a rank behind does (a periodic
-  ``sync_model`` realigns the replicas).  A node that finds itself among a frame's lost nodes
-  is excluded: its calls fail.
+  collective fails its waiting calls and is *broken* (the job lost ranks it needs).  A partial
+  one goes on among the survivors, over a schedule rebuilt for them, from a new *view* (the
+  lost nodes, and the round it begins with: its *base*).  Each frame says its sender's view; a
+  node that changes view tells every member at once (a :data:`NOTICE`, no bytes), and adopts
+  a larger loss set or a higher base from any frame (restarting its round, which cannot have
+  ended: it needed the sender's messages of the old view).  Views converge on the union of
+  losses and the highest base.  The abandoned round's snapshot is held until the survivors
+  say whether one of them ended that round (then its result counted it) or none did (then it
+  waits for a later round): each contribution counts exactly once in the survivors' results
+  (:mod:`~fabricd.engines.collectives.ledger`).  A survivor a round behind, which jumps to the
+  others' base, never gets the round they ended: its ranks skip that result (under
+  ``late="sum"`` too: this node never had it).  A node that finds itself among a frame's lost
+  nodes is excluded: its calls fail.
 
 Buffers: ``data`` (the round's working tensor, the result ends there; sync calls reduce into
 it as they come), ``result`` (the last result, for late callers), ``accumulator`` and
 ``snapshot`` (partial modes: what ranks gave since the last round, and the round's
-contribution, restored if the round is abandoned), and two landing slots per required recv
+contribution, held if the round is abandoned), and two landing slots per required recv
 with bytes (one per round parity: the engine's one-round overlap).  A send is complete once
 handed to the service; the transport may keep a view of a queued payload until the kernel
 took it, so a send hands over a view only where nothing writes those bytes before the peer
@@ -112,6 +107,7 @@ import numpy as np
 from fabricd.engines.collectives.calls import Call, Counters, Departures
 from fabricd.engines.collectives.landing import Landing, detach, same
 from fabricd.engines.collectives.layout import Layout, schedule_for
+from fabricd.engines.collectives.ledger import Held, Ledger, Note
 from fabricd.engines.collectives.partial import Contributions, Owed, Patience
 from fabricd.engines.collectives.spec import (
     KINDS,
@@ -139,20 +135,8 @@ from fabricd.engines.schedule import (
 )
 from fabricd.errors import ErrorCode, RemoteProtocolError, UsageError
 
-__all__ = [
-    "KINDS",
-    "MODES",
-    "NOTICE",
-    "REDUCE",
-    "Action",
-    "Collective",
-    "Deliver",
-    "Fail",
-    "Settle",
-    "Spec",
-    "Transmit",
-    "initiator",
-]
+__all__ = ["KINDS", "MODES", "NOTICE", "REDUCE", "Action", "Collective", "Deliver"]
+__all__ += ["Fail", "Settle", "Spec", "Transmit", "initiator"]
 
 
 class Collective:
@@ -214,6 +198,7 @@ class Collective:
         self.given = Contributions(spec.count, dtype, partial=spec.partial)
         self.owed = Owed(spec.count, dtype)
         self.patience = Patience(majority_wait)
+        self.ledger = Ledger()  #: abandoned rounds' snapshots, until counted or not: ledger.py
         #: partial: until every live local rank called once, the node takes no part in a
         #: round (its peers' messages wait here): "The first round"
         self._agreed = not spec.partial
@@ -251,6 +236,7 @@ class Collective:
         members = self.members
         schedule = schedule_for(self.spec, self.ranks, members, self.node)
         self.members_now = members
+        self.view = (tuple(sorted(self.lost)), first_round)  #: (lost, base) as it began
         self.index = {node: i for i, node in enumerate(members)}
         self.executor = Executor(schedule, first_round=first_round)
         self.layout = Layout(
@@ -262,6 +248,7 @@ class Collective:
         )
         self._landings.clear()
         self._held.clear()  # messages of the first round in the old view: void
+        self._answered: set[int] = set()  #: members whose older-view frame was answered
         self._copied = 0  #: in place: the allgather's copies that ran in this round
         self._perform(self.executor.post(0.0), 0.0)
 
@@ -333,11 +320,11 @@ class Collective:
             self._perform(self.executor.arrived(peer, tag, round, now), now)
 
     def _starts(self, rank: int) -> bool:
-        if not self._agreed:
-            return False
-        if self.spec.mode == "solo":
-            return True
-        return self._initiator() == rank
+        return self._open() and (self.spec.mode == "solo" or self._initiator() == rank)
+
+    def _open(self) -> bool:
+        """Whether a round may start here: the first round agreed, no abandoned one held."""
+        return self._agreed and not self.ledger.held
 
     def _initiator(self) -> int:
         """The current round's majority initiator, among the live ranks of the member nodes
@@ -457,7 +444,7 @@ class Collective:
         """Whether a majority round that has not started has a call here waiting for it."""
         return (
             self.spec.mode == "majority"
-            and self._agreed
+            and self._open()
             and self.broken is None
             and self.patience.since is not None
             and self.executor.phase is Phase.ARMED
@@ -552,12 +539,18 @@ class Collective:
         lost: tuple[int, ...],
         base: int,
         now: float,
+        notes: tuple[Note, ...] = (),
     ) -> list[Action]:
         """``nbytes`` of message ``tag`` of ``round`` from ``node`` landed where
         :meth:`landing` said (or, a message of no bytes, came); the recv is done once all of
-        its slot is in."""
+        its slot is in.  ``notes``: a NOTICE's word on the views its sender left."""
         self._mend(node, tag, round)
-        if not self._adopt(node, lost, base, now) or self.broken is not None or tag == NOTICE:
+        if self.spec.partial:
+            self.ledger.heard(node, (tuple(sorted(lost)), base), notes)
+        adopted = self._adopt(node, lost, base, now)
+        if self.ledger.held and self.broken is None:
+            self._settle(now)
+        if not adopted or self.broken is not None or tag == NOTICE:
             return self._flush()
         op = self._recv_op(node, tag)
         if self.layout.lands(op):
@@ -611,7 +604,11 @@ class Collective:
             self._lose(theirs | self.lost, now, base=max(base, self.base))
         elif base > self.base and theirs == self.lost and self.spec.partial:
             self._restart(base, now)
-        return self._current_view(node, lost, base)
+        current = self._current_view(node, lost, base)
+        if not current and node in self.index and node not in self._answered:
+            self._answered.add(node)  # behind: say our view, once (its NOTICE may be lost)
+            self._out.append(self._notice(node))
+        return current
 
     def lose(self, node: int, reason: str, now: float) -> list[Action]:
         """Member ``node`` went down (``reason``): see the module docstring."""
@@ -649,10 +646,8 @@ class Collective:
 
     def resume(self, node: int, now: float) -> list[Action]:
         """Member ``node`` is back, the same daemon, after a reset of its links: what was in
-        flight is lost, so a partial collective abandons its round (keeping its contribution)
-        and every member runs on from the next round number, told by the view's new base (a
-        survivor that ended the round meanwhile adopts the base too: across the reset a
-        contribution may be counted twice, never lost)."""
+        flight is lost, so a partial collective abandons its round (held, as in any view
+        change) and every member runs on from the next round number (the view's new base)."""
         if node not in self.members or self.broken is not None or not self.spec.partial:
             return self._flush()
         self._restart(self.round + 1, now)
@@ -667,10 +662,17 @@ class Collective:
         self._restart(max(base, self.round), now)
 
     def _restart(self, base: int, now: float) -> None:
-        """Abandon the current round (its contribution back into the accumulator) and run the
-        view from round ``base``."""
+        """Abandon the current round and run the view from round ``base``.  The round's
+        snapshot is held until the survivors say whether one of them ended it
+        (:mod:`~fabricd.engines.collectives.ledger`: counted there, or restored here)."""
+        old = self.view
+        self.ledger.leave(old, self.round - 1 if self.round > old[1] else -1)
         if self.given.taken:
-            self.given.restore()
+            snapshot = self.given.snapshot.copy()
+            held = Held(view=old, round=self.round, data=snapshot, ranks=self.given.snapped)
+            for spilled in self.ledger.hold(held):
+                self._restore(spilled)
+            self.given.ended()
             for call in self._calls.values():
                 call.included = False
         self.base = base
@@ -687,13 +689,30 @@ class Collective:
         for node in self.members:  # a member a round behind may hear nothing else of it
             if node != self.node:
                 self._out.append(self._notice(node))
+        self._settle(now)
+
+    def _settle(self, now: float) -> None:
+        """Restore the held snapshots no survivor ended the round of, drop those one did; then
+        a waiting call may start the round (none does while a snapshot is held, so that it
+        joins the first round it may)."""
+        others = tuple(n for n in self.members if n != self.node)
+        restore, counted = self.ledger.settle(others)
+        self.counters.counted_elsewhere += counted
+        for held in restore:
+            self._restore(held)
         self._kick(now)
+
+    def _restore(self, held: Held) -> None:
+        self.given.accumulator += held.data
+        self.given.fresh |= held.ranks
 
     def _notice(self, node: int) -> Transmit:
         """A frame that carries only this node's view (:data:`NOTICE` tag, no bytes)."""
         lost = tuple(sorted(self.lost))
+        empty = memoryview(b"")
+        notes = self.ledger.notes()
         return Transmit(
-            node=node, round=0, tag=NOTICE, payload=memoryview(b""), lost=lost, base=self.base
+            node=node, round=0, tag=NOTICE, payload=empty, lost=lost, base=self.base, notes=notes
         )
 
     def _kick(self, now: float) -> None:
@@ -704,7 +723,7 @@ class Collective:
             return
         if any(c.round == self.round and self._starts(c.rank) for c in self._calls.values()):
             self._perform(self.executor.activate(self.round, now), now)
-        elif self._agreed and any(c.round == self.round for c in self._calls.values()):
+        elif self._open() and any(c.round == self.round for c in self._calls.values()):
             self.patience.waits(now)
 
     def break_with(self, code: str, message: str) -> list[Action]:
@@ -809,9 +828,9 @@ class Collective:
 
     def _take_snapshot(self) -> None:
         self.given.take(self.data)
-        for call in self._calls.values():  # their data is in it (again, after a restart)
-            if call.round == self.round:
-                call.included = True
+        for call in self._calls.values():  # their data is in it (unless a round abandoned by
+            if call.round == self.round:  # a view change holds it: ledger.py)
+                call.included = call.rank in self.given.snapped
 
     def _ended(self, round: int, now: float) -> None:
         if self.inplace:  # the result is where the caller wants it; the next call brings data
@@ -965,12 +984,11 @@ class Collective:
         return "messages", f"round {round} waits for messages from nodes {nodes}", nodes[0]
 
     def conservation(self) -> np.ndarray[Any, Any]:
-        """What local ranks gave that no result has yet counted: the accumulator, plus the
-        snapshot of a round in progress (partial modes; the engine tests check that everything
-        ever given equals what results counted plus this)."""
-        return self.given.waiting()
+        """What local ranks gave that no result counted yet (partial modes; the engine tests
+        check that all ever given equals what results counted plus this)."""
+        return self.given.waiting(h.data for h in self.ledger.held)
 
     def arrays(self) -> tuple[np.ndarray[Any, Any], ...]:
         """Every array the collective holds now (what the byte budget bounds)."""
-        held = (self.data, self.result, *self.given.arrays(), *self.owed.arrays())
-        return held + self.layout.arrays()
+        mine = (self.data, self.result, *self.given.arrays(), *self.owed.arrays())
+        return mine + tuple(h.data for h in self.ledger.held) + self.layout.arrays()

@@ -18,6 +18,7 @@ import numpy as np
 
 from fabricd.dtypes import REDUCE_DTYPES
 from fabricd.engines.collectives import algorithms as collectives
+from fabricd.engines.collectives.ledger import MAX_HELD
 from fabricd.engines.collectives.partial import LATE
 from fabricd.errors import RemoteProtocolError, UsageError
 
@@ -128,7 +129,9 @@ def held_bytes(spec: Spec, nodes: int, *, inplace: bool, local: int = 1) -> int:
     makes the ring's chunks larger, never the sum of its slots).  With ``T`` the tensor's bytes
     (partial modes carry one more element, the active count): ``data`` and ``result`` (in
     place they are the callers' arrays, but a call that fails or leaves mid-round leaves the
-    round a copy of its array: one ``T``), partial modes' accumulator and snapshot, and under
+    round a copy of its array: one ``T``), partial modes' accumulator and snapshot and the
+    snapshots of abandoned rounds held (:data:`~fabricd.engines.collectives.ledger.MAX_HELD`),
+    and under
     ``late="sum"`` what each local rank missed (one ``T`` a rank, while it is behind), and the
     landing slots, one per receive and per round parity: the ring's and the direct
     exchange's receives of one round add up to under ``2T`` (in place only the
@@ -137,7 +140,7 @@ def held_bytes(spec: Spec, nodes: int, *, inplace: bool, local: int = 1) -> int:
     of two), a broadcast's one message of ``T``; a barrier's messages are empty.
     """
     tensor = (spec.count + (1 if spec.partial else 0)) * np.dtype(spec.dtype).itemsize
-    own = (1 if inplace else 2) + (2 if spec.partial else 0)
+    own = (1 if inplace else 2) + (2 + MAX_HELD if spec.partial else 0)
     if spec.partial and spec.late == "sum":
         own += local
     match spec.kind:
@@ -201,6 +204,8 @@ class Transmit:
     payload: memoryview
     lost: tuple[int, ...]
     base: int
+    #: a NOTICE's word on the views its sender left: (lost, base, last round ended there)
+    notes: tuple[tuple[tuple[int, ...], int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
