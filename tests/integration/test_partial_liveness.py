@@ -1,7 +1,7 @@
 """Issue 23 between real daemons on loopback: partial allreduce jobs whose ranks run different
 step counts end, every result is applied once (``late="sum"``), a call that disagrees with
-another rank's fails both, and a node killed mid majority round (RELIABILITY F1) loses nothing
-of the survivors' and counts at most one round's gifts twice.
+another rank's fails both, and a node killed mid majority round (RELIABILITY F1) leaves each
+of the survivors' contributions counted exactly once.
 
 Every call gives a *gift*: a one-hot element of its own, so a result says which gifts it
 counted.  The engine-level proofs are in ``tests/unit/test_partial_liveness.py``; these tests
@@ -75,13 +75,16 @@ def explain(fabs: list[Client]) -> dict[int, Any]:
     return seen
 
 
-def rounds_ended(fabs: list[Client], name: str) -> set[int]:
-    """The number of rounds of collective ``name`` each node's status counts."""
-    counts = set()
+def rows_of(fabs: list[Client], name: str) -> dict[int, dict[str, Any]]:
+    """Each reachable node's status row of the collective ``name`` (by node)."""
+    rows = {}
     for fab in fabs:
-        rows = [row for row in fab.status()["collectives"] if row["name"] == name]
-        counts |= {row["rounds"] for row in rows}
-    return counts
+        with contextlib.suppress(fabricd.FabricError):
+            status = fab.status()
+            for row in status["collectives"]:
+                if row["name"] == name:
+                    rows[status["node"]] = row
+    return rows
 
 
 # -- 1. uneven step counts, then a barrier -----------------------------------------------------
@@ -117,9 +120,9 @@ def train(
 
 def run_job(
     cluster: LocalCluster, placement: tuple[int, ...], steps: list[int], **how: Any
-) -> tuple[list[Rank], list[list[int]], set[int]]:
+) -> tuple[list[Rank], list[list[int]], dict[int, dict[str, Any]]]:
     """Every rank trains in its own thread; returns what each did, each rank's gifts (one
-    element each), and the rounds every node counted."""
+    element each), and each node's status row of the collective."""
     size = sum(steps)
     starts = np.cumsum([0, *steps])
     gifts = [list(range(starts[r], starts[r + 1])) for r in range(len(placement))]
@@ -144,8 +147,8 @@ def run_job(
             assert not thread.is_alive(), f"rank {me.rank} never ended: {explain(fabs)}"
             if me.error is not None:
                 raise me.error
-        counted = rounds_ended(fabs, "grad")
-    return done, gifts, counted
+        rows = rows_of(fabs, "grad")
+    return done, gifts, rows
 
 
 def missing_are_the_last_calls(me: Rank, gifts: list[int], total: np.ndarray[Any, Any]) -> None:
@@ -179,7 +182,7 @@ def uneven_job(cluster: LocalCluster, mode: Mode, late: Late, seed: int) -> None
     round seen by several ranks is the same everywhere, and no gift is counted twice."""
     placement = SIX_ON_FOUR
     steps = [15 + 2 * r for r in range(len(placement))]
-    done, gifts, counted = run_job(cluster, placement, steps, mode=mode, late=late, seed=seed)
+    done, gifts, rows = run_job(cluster, placement, steps, mode=mode, late=late, seed=seed)
     size = sum(steps)
     seen: dict[int, np.ndarray[Any, Any]] = {}
     for me in done:
@@ -204,12 +207,16 @@ def uneven_job(cluster: LocalCluster, mode: Mode, late: Late, seed: int) -> None
                 else:
                     seen[got.result.round] = got.array
     assert max(a.max() for a in seen.values()) <= 1, "a round counted a gift twice"
+    last = [me.got[-1].result.round for me in done]
+    assert len(rows) == len(set(placement))
+    assert all(row["rounds"] >= max(last) + 1 for row in rows.values())
+    if mode == "majority":
+        liveness_fired(done, rows, last, f"uneven-{mode}-{late}-{seed}")
     if late == "latest":
         assert sum(seen.values(), np.zeros(size, "int64")).max() <= 1, "a gift counted twice"
         return
     applied = [me.applied(size) for me in done]
     assert max(a.max() for a in applied) <= 1, "a rank applied a gift twice"
-    last = [me.got[-1].result.round for me in done]
     ahead = [me for me in done if me.got[-1].result.round == max(last)]
     total = applied[ahead[0].rank]
     for me in ahead:  # every rank that got the last round applied the same
@@ -217,7 +224,23 @@ def uneven_job(cluster: LocalCluster, mode: Mode, late: Late, seed: int) -> None
     for me in done:  # the others applied a part of it
         assert (applied[me.rank] <= total).all()
         missing_are_the_last_calls(me, gifts[me.rank], total)
-    assert min(counted) >= max(last) + 1
+
+
+def liveness_fired(
+    done: list[Rank], rows: dict[int, dict[str, Any]], last: list[int], job: str
+) -> None:
+    """A majority round whose drawn initiator's last call got a round two or more before it
+    was never called by its initiator (a call that starts its round gets the round before it
+    at the latest), so if such a round ended, a node started it unled: the liveness rule
+    fired, and the status rows count it."""
+    live = frozenset(me.rank for me in done)
+    unled = [
+        k for k in range(max(last) + 1) if last[initiator(job, "grad", k, len(done), live)] < k - 1
+    ]
+    if unled:
+        assert sum(row["unled"] for row in rows.values()) >= 1, (
+            f"rounds {unled} ended without their initiator, but no node counts an unled round"
+        )
 
 
 # -- 2. calls that disagree ----------------------------------------------------------------------
@@ -278,12 +301,18 @@ def test_a_call_that_disagrees_fails_every_rank(
 # -- 3. F1: a node killed mid majority round ---------------------------------------------------
 @dataclass
 class F1:
-    """One F1 trial's figures: how many survivor gifts a result counted twice (and in which
-    round they were first counted), and how many survivor gifts there were."""
+    """One F1 trial's figures: how many times the survivors' results counted each gift (the
+    most any survivor rank applied it: one that got the round a node failure interrupted holds
+    every round's result), the survivors' gifts, and the abandoned snapshots the survivors
+    dropped because a survivor had ended their round (status ``counted_elsewhere``: each one a
+    gift set that putting back would have counted twice)."""
 
-    twice: int
-    first_counted: set[int]
-    survivor_gifts: int
+    counts: np.ndarray[Any, Any]
+    survivors: list[int]
+    counted_elsewhere: int
+
+    def twice(self) -> list[int]:
+        return np.flatnonzero(self.counts >= 2).tolist()
 
 
 def f1_trial(
@@ -296,17 +325,12 @@ def f1_trial(
     phase: str = "random",
 ) -> F1:
     """A lockstep loop of ``mode`` allreduce (``late="sum"``): every live rank calls each
-    step in a random order with random skew, then each call is waited for.  At step ``kill``
-    the daemon of node ``victim`` is SIGKILLed at a random point of the calls (before, among
-    or after them, a few ms in; ``phase="initiator"``: within 1 ms of the call of the round's
-    majority initiator, while the round runs); the survivors go on for some steps of gifts,
-    then three steps of zeros drain what waited.  Checks what the engine promises across a
-    node failure (``persistent.py``, "Failures of a member node"); returns the figures:
-
-    * every survivor call completes (a Timeout fails with what the daemons say);
-    * nothing of a survivor is lost: every survivor gift is in some rank's applied results;
-    * no gift is counted more than twice, and those counted twice are survivors' gifts all
-      first counted by one round (the round a survivor ended and another abandoned)."""
+    step in a random order with random skew, then each call is waited for (a Timeout fails
+    with what the daemons say).  At step ``kill`` the daemon of node ``victim`` is SIGKILLed
+    at a random point of the calls (before, among or after them, a few ms in;
+    ``phase="initiator"``: within 1 ms of the call of the round's majority initiator, while
+    the round runs); the survivors go on for some steps of gifts, then three steps of zeros
+    drain what waited.  Returns the figures (:func:`f1_check` says what they must be)."""
     rng = Random(seed)
     size = len(placement)
     kill, after, drain = rng.randint(2, 5), 4, 3
@@ -348,35 +372,21 @@ def f1_trial(
                     continue
                 result = wait_or_explain(handle, fabs)
                 done[r].got.append(Got(step, result, arrays[r].copy()))
-    twice, first_counted = f1_check(done, gift, survivors, kill)
-    return F1(twice, first_counted, len(survivors) * gifting)
-
-
-def f1_check(
-    done: dict[int, Rank], gift: np.ndarray[Any, Any], survivors: list[int], kill: int
-) -> tuple[int, set[int]]:
-    """The assertions of :func:`f1_trial` on what the survivors got; returns how many gifts
-    were counted twice and the rounds that may have first counted them (a call that got the
-    sum of several rounds' results does not say which of them counted a gift)."""
-    counts = np.zeros(gift.size, "int64")  # how many times a result counted each gift
-    rounds: set[int] | None = None  #: the rounds that could have first counted them all
+        rows = rows_of([fabs[r] for r in survivors], name)
+    counts = np.zeros(gift.size, "int64")
     for me in done.values():
-        applied = me.applied(gift.size)
-        counts = np.maximum(counts, applied)
-        for g in np.flatnonzero(applied >= 2):
-            first = next(got.result for got in me.got if got.array[g] >= 1)
-            could = set(range(first.round - first.results + 1, first.round + 1))
-            rounds = could if rounds is None else rounds & could
-    mine = gift[:, survivors].ravel()
-    lost = [int(g) for g in mine if counts[g] == 0]
+        counts = np.maximum(counts, me.applied(gift.size))
+    elsewhere = sum(row["counted_elsewhere"] for row in rows.values())
+    return F1(counts, gift[:, survivors].ravel().tolist(), elsewhere)
+
+
+def f1_check(figures: F1) -> None:
+    """Across a node failure every survivor gift is counted exactly once: none is in no
+    result (the drain steps gave what waited to a round), none is in two (an abandoned
+    round's snapshot is dropped where a survivor ended the round: ``ledger.py``)."""
+    lost = [g for g in figures.survivors if figures.counts[g] == 0]
     assert not lost, f"survivor gifts {lost} are in no result"
-    assert counts.max() <= 2, "a gift counted three times"
-    twice = np.flatnonzero(counts == 2)
-    assert set(twice.tolist()) <= set(mine.tolist()), "a dead node's gift counted twice"
-    steps = {int(g) // gift.shape[1] for g in twice}
-    assert max(steps, default=0) <= kill, f"gifts of steps {steps} after the kill counted twice"
-    assert rounds is None or rounds, "the gifts counted twice were first counted by two rounds"
-    return len(twice), rounds or set()
+    assert not figures.twice(), f"gifts {figures.twice()} counted twice"
 
 
 @pytest.mark.parametrize(
@@ -394,8 +404,9 @@ def test_f1_a_node_killed_mid_majority_round(
     seed: int,
     phase: str,
 ) -> None:
-    """F1 (RELIABILITY.md) at the size of a test: the survivors' calls all complete, none of
-    their gifts is lost, and at most the gifts of one round are counted twice
-    (:func:`f1_trial` checks it; the figures over many seeds are in the issue's report)."""
+    """F1 (RELIABILITY.md) at the size of a test: the survivors' calls all complete, and each
+    of their gifts is counted exactly once (:func:`f1_check`).  Whether a kill lands in the
+    window where one survivor ended the round and another did not is up to timing: over many
+    seeds it does in a few trials out of a hundred (the issue's report has the figures)."""
     cluster = make_cluster(max(placement) + 1)
-    f1_trial(cluster, placement, victim, seed, phase=phase)
+    f1_check(f1_trial(cluster, placement, victim, seed, phase=phase))
