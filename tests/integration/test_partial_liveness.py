@@ -410,3 +410,34 @@ def test_f1_a_node_killed_mid_majority_round(
     seeds it does in a few trials out of a hundred (the issue's report has the figures)."""
     cluster = make_cluster(max(placement) + 1)
     f1_check(f1_trial(cluster, placement, victim, seed, phase=phase))
+
+
+@pytest.mark.parametrize("mode", ["solo", "majority"])
+def test_a_rank_that_leaves_before_its_first_call_holds_up_nothing(make_cluster, mode) -> None:
+    """Rank 2, node 1's only rank, exits before it ever called, while node 0's first round
+    waits for its own rank 1: node 1 (whose job is no longer whole) still builds the
+    collective from node 0's frames, from the placement it knew, and takes part passively.
+    The review of issue 23 found both calls waiting for ever (node 1 held the frames until
+    route_timeout, then dropped them)."""
+    cluster = make_cluster(2, route_timeout=3.0)
+    with ranks(cluster, (0, 0, 1), f"leave-{mode}") as fabs:
+        arrays = [f.array("g", (4,), "int64") for f in fabs]
+        for array in arrays:
+            array[:] = 1
+        first = fabs[0].allreduce_async(arrays[0], "sum", mode)  # node 0 builds it (all known)
+        fabs[2].close()  # rank 2 exits before it ever called
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:  # node 0 hears it left
+            if any(e.name == "rank_left" for e in fabs[0].poll(timeout=0.2)):
+                break
+        second = fabs[1].allreduce_async(arrays[1], "sum", mode)  # node 0's first round starts
+        try:
+            results = [handle.wait(timeout=WAIT) for handle in (first, second)]
+        except fabricd.Timeout:
+            with fabricd.connect(socket_path=cluster.nodes[1].socket_path) as node1:
+                raise AssertionError(
+                    f"{fabs[0].status()['collectives']} {node1.status()['collectives']} "
+                    f"{node1.status()['counters']}"
+                ) from None
+        assert [r.active for r in results] == [2, 2]
+        assert all((array == 2).all() for array in arrays[:2])

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from fabricd.engines.collectives.partial import MIN_WAIT, PATIENCE, Patience
 from fabricd.engines.collectives.persistent import Spec, initiator
-from tests.unit.test_persistent import GRACE, JOB, NAME, PLACEMENTS, Fabric, run_partial
+from tests.unit.test_persistent import GRACE, JOB, NAME, PLACEMENTS, Fabric, Recording, run_partial
 
 SIX_ON_FOUR = (0, 1, 2, 3, 0, 1)  #: 6 ranks on 4 nodes, as the issue's hang had them
 
@@ -195,3 +195,36 @@ def test_a_late_call_answered_at_once_leaves_no_timer_behind() -> None:
         assert fab.colls[other].round == 3
     else:
         assert fab.colls[other].next_deadline() is None
+
+
+def test_a_view_change_keeps_what_a_rank_behind_is_owed() -> None:
+    """Under late="sum", a rank behind when a node dies keeps its due round: its next call is
+    late and gets the rounds that ended here without it (the review of issue 23 found the view
+    change moving it up to the new base, stranding them in the owed sum)."""
+    spec = Spec(kind="allreduce", count=3, dtype="int64", mode="solo", late="sum")
+    fab = Fabric(spec, (0, 1, 2), Random(0))
+    for rank in range(3):
+        fab.call(rank, rank, np.eye(3, dtype="int64")[rank].copy())
+    fab.drain()
+    for token in (10, 11):  # rank 0 alone: rounds 1 and 2; ranks 1 and 2 miss them
+        fab.call(0, token, np.array([1, 0, 0], "int64"))
+        fab.drain()
+    owed = fab.colls[1].owed.owed(1)
+    assert owed is not None
+    assert owed.tolist() == [2, 0, 0]
+    fab.kill(2)
+    fab.drain()
+    behind = np.array([0, 5, 0], "int64")
+    fab.call(1, 20, behind)
+    assert fab.delivered[20].results == 2
+    np.testing.assert_array_equal(behind, [2, 0, 0])
+    assert fab.colls[1].owed.owed(1) is None
+
+
+def test_a_node_built_after_its_only_rank_left_takes_part_at_once() -> None:
+    """Built from a peer's frame once its only rank had left (the placement it knew), a node
+    has no rank to wait for in the first round: it follows its peers' rounds at once."""
+    spec = Spec(kind="allreduce", count=2, dtype="int64", mode="solo")
+    coll = Recording(spec, job=JOB, name=NAME, node=1, ranks=(0, 0, 1), live=frozenset({0, 1}))
+    waits, detail, _ = coll.waits()
+    assert waits == "messages", detail  # not "ranks": no local rank's first call to wait for

@@ -124,6 +124,9 @@ class CollectiveService(BaseService):
         self.membership = membership
         self.collectives: dict[Key, Collective] = {}
         self._specs: dict[Key, Meta] = {}  #: each collective's spec as its frames carry it
+        #: each job's placement once all its ranks were known: a peer's frame builds from it
+        #: after a rank left (a partial first round waits for nothing from such a node)
+        self._placements: dict[str, tuple[int, ...]] = {}
         self._charges: dict[Key, Charge] = {}  #: what each collective holds, on the budget
         #: collectives a peer's frame could not build here (a limit), and why, until the job ends
         self._over_limit: dict[Key, str] = {}
@@ -421,6 +424,7 @@ class CollectiveService(BaseService):
             return coll
         size = self.membership.job_size(frame.job)
         ranks = self._ranks(frame.job, size) if size is not None else None
+        ranks = self._placements.get(frame.job) if ranks is None else ranks
         if ranks is not None and node not in ranks:
             raise Stranger(node, frame)
         if ranks is None or self.host.config.node_id not in ranks:
@@ -548,6 +552,10 @@ class CollectiveService(BaseService):
             self._track(key)
         self._waiting.retry(job, lambda item: self._try(item, now))
         whole = self.membership.known(job) >= (self.membership.job_size(job) or 2**62)  # O(1)
+        if whole and job not in self._placements:  # (once a job: O(size))
+            placement = self._ranks(job, self.membership.job_size(job) or 0)
+            if placement is not None:
+                self._placements[job] = placement
         for key in self._held.keys_of(job) if whole else ():
             while (first := self._held.first(key)) is not None:
                 try:
@@ -565,6 +573,7 @@ class CollectiveService(BaseService):
         """``job`` is gone from the fabric (no rank of it is known any more): its collectives,
         held frames and sessions go, so a later job of that name starts afresh."""
         failure = Failure(code=ErrorCode.PEER_FAILED, message=f"job {job!r} ended")
+        self._placements.pop(job, None)
         for token in self._open.of_job(job):
             self._open.fail(token, failure)
         for key in self._by_job.of(job):

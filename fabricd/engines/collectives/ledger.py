@@ -23,11 +23,20 @@ views only grow: more nodes lost, a higher base -- and said it ended no round ``
 snapshot of it, so one word of "ended" suffices.  A member that dies before it speaks leaves
 the view, and its word is no longer needed (its results died with it: the survivors' results
 count each contribution once).  Liveness: every survivor leaves ``v`` (views converge on the
-union of losses and the highest base) and says so at once.
+union of losses and the highest base) and says so at once, in a NOTICE that precedes any frame
+of its new view on the link (a node's word is taken from its NOTICEs only); a node holding a
+snapshot starts no round until it is settled, so after a failure a call may wait those
+NOTICEs' round trip, or ``down_after`` for a member whose links were reset.
 
-Bounds: :data:`MAX_VIEWS` views remembered per node and :data:`MAX_HELD` snapshots held; past
-them the oldest held snapshot is restored (at least once, as before this rule), which takes
-more than that many view changes of one collective in a row.
+Two failures.  A snapshot dropped on the word of the nodes that ended its round is lost to the
+survivors if all of those nodes die before any survivor got that round's result: exactly once
+for one failure at a time, at most once for such a second failure (the review of issue 23
+built it; keeping dropped snapshots until their enders are safe would cost a tensor each).
+
+Bounds: :data:`MAX_VIEWS` views remembered per node and :data:`MAX_HELD` snapshots held (a
+snapshot of nothing given is not held); past them the oldest held snapshot is restored (at
+least once, as before this rule), which takes that many view changes, each abandoning a round
+that had data, before the first settles.
 """
 
 from __future__ import annotations

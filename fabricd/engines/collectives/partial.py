@@ -14,7 +14,8 @@ a node where a call has waited :class:`Patience` for it -- a deadline learned fr
 rounds' arrival times (four times the running mean interval between round starts at that
 node, at least 10 ms), never longer than the daemon's ``majority_wait`` (2 s by default).
 The argument that every call completes: (1) after the first round (which needs every rank's
-first call, as a sync round does), a call waits for its round to *start* at most ``patience``
+first call, as a sync round does) and outside a view change (which waits for the survivors'
+NOTICEs: ledger.py), a call waits for its round to *start* at most ``patience``
 ≤ ``majority_wait``: its own node's timer starts the round then, as a solo call would, and
 starting a round twice (the initiator came meanwhile, or several nodes' timers ran out) is
 what the activation broadcast absorbs anyway (§4.1.1: any node may activate; the others

@@ -201,7 +201,7 @@ class Collective:
         self.ledger = Ledger()  #: abandoned rounds' snapshots, until counted or not: ledger.py
         #: partial: until every live local rank called once, the node takes no part in a
         #: round (its peers' messages wait here): "The first round"
-        self._agreed = not spec.partial
+        self._agreed = not spec.partial or not self.local & live
         self._called: set[int] = set()
         self._held: list[tuple[int, int, int]] = []  #: (peer, tag, round) arrived meanwhile
         self._given: set[int] = set()  #: sync: ranks whose call is in ``data``
@@ -545,7 +545,7 @@ class Collective:
         :meth:`landing` said (or, a message of no bytes, came); the recv is done once all of
         its slot is in.  ``notes``: a NOTICE's word on the views its sender left."""
         self._mend(node, tag, round)
-        if self.spec.partial:
+        if self.spec.partial and tag == NOTICE:  # (only a NOTICE says all it will)
             self.ledger.heard(node, (tuple(sorted(lost)), base), notes)
         adopted = self._adopt(node, lost, base, now)
         if self.ledger.held and self.broken is None:
@@ -613,6 +613,7 @@ class Collective:
     def lose(self, node: int, reason: str, now: float) -> list[Action]:
         """Member ``node`` went down (``reason``): see the module docstring."""
         self._told.discard(node)  # lost again (it came back and died): tell it again
+        self.ledger.forget(node)
         if node not in self.members or self.broken is not None:
             return self._flush()
         if not self.spec.partial:
@@ -667,6 +668,8 @@ class Collective:
         (:mod:`~fabricd.engines.collectives.ledger`: counted there, or restored here)."""
         old = self.view
         self.ledger.leave(old, self.round - 1 if self.round > old[1] else -1)
+        if self.given.taken and not self.given.snapped:  # nothing given: hold nothing
+            self.given.ended()
         if self.given.taken:
             snapshot = self.given.snapshot.copy()
             held = Held(view=old, round=self.round, data=snapshot, ranks=self.given.snapped)
@@ -682,8 +685,9 @@ class Collective:
         self.result = self.result.copy()
         for call in self._calls.values():
             call.round = max(call.round, base)
-        for rank in self.local:
-            if self._due.get(rank, base) < base:
+        current = self.round  # a rank behind keeps its due round: it is owed rounds
+        for rank in self.local:  # that ended here, which its next (late) call takes
+            if current <= self._due.get(rank, base) < base:
                 self._due[rank] = base
         self._build(first_round=base)
         for node in self.members:  # a member a round behind may hear nothing else of it
