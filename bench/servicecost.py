@@ -46,8 +46,10 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import os
 import sys
 import time
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Final
 
 from bench.report import Column, Progress, Table, fmt_number, median, quiet, run_alone
@@ -497,7 +499,8 @@ class PointToPoint(Case):
 
 def _session(job: str, rank: int, size: int, segment: int = 1 << 12) -> ClientSession:
     """A client of rank ``rank`` of ``job``, with one segment."""
-    session = ClientSession(conn=None, job=job, rank=rank, size=size)  # type: ignore[arg-type]
+    conn = SimpleNamespace(credentials=SimpleNamespace(uid=os.getuid(), pid=0, gid=0))
+    session = ClientSession(conn=conn, job=job, rank=rank, size=size)  # type: ignore[arg-type]
     session.segments[1] = Segment(segment)  # type: ignore[assignment]
     return session
 

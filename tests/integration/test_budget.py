@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 import fabricd
+from fabricd.engines.collectives.spec import Spec, held_bytes
 from fabricd.errors import OperationFailed
 from tests.integration.scrape import scrape
 from tests.integration.test_client_socket import NOBODY, _as_a_user, _open_to_all
@@ -28,9 +29,12 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 COUNT = MiB  #: float32 elements of each tenant array: 4 MiB
-#: what a solo allreduce of COUNT float32 on a one-node job is charged (spec.held_bytes):
-#: data, result, accumulator and snapshot, and the bound's four slots, of 4 MiB + 4 B each
-SOLO = 8 * (COUNT + 1) * 4
+#: what a solo allreduce of COUNT float32 on a one-node job is charged (spec.held_bytes): data,
+#: result, accumulator, snapshot, the held snapshots of abandoned rounds, the owed sum of its one
+#: rank (late="sum"), and the bound's four slots, of 4 MiB + 4 B each
+SOLO = held_bytes(
+    Spec(kind="allreduce", count=COUNT, dtype="float32", mode="solo"), 1, inplace=False
+)
 
 
 def _rss(pid: int) -> int:
