@@ -178,7 +178,7 @@ def demo(
                 f"starting {nodes} daemons on loopback, {ranks_per_node} ranks each; "
                 f"{dim}-dimensional hyperplane regression, batch {settings.local_batch} per rank, "
                 f"{steps} steps per mode of {compute_ms:g} ms emulated compute each; "
-                f"{_lateness(settings)}"
+                f"{settings.lateness}"
             )
         if as_json:
             result = training.run(settings, chosen)
@@ -234,12 +234,6 @@ def _train_with_progress(settings: Settings, modes: list[Mode]) -> DemoResult:
         return training.run(settings, modes, progress=update)
 
 
-def _lateness(settings: Settings) -> str:
-    if settings.imbalance == "severe":
-        return f"every rank late at every step, by up to {settings.delay_ms:g} ms"
-    return f"one rank {settings.delay_ms:g} ms late at every step"
-
-
 def _print_training(result: DemoResult) -> None:
     """The table (time to target first, then gradients and rounds per second) and a headline
     line per partial mode: how much sooner than sync it reached the target loss."""
@@ -249,7 +243,7 @@ def _print_training(result: DemoResult) -> None:
     table = Table(
         title=f"hyperplane regression, {settings.dim} dimensions: {settings.ranks} ranks on "
         f"{settings.nodes} daemons, batch {settings.local_batch * settings.ranks}, "
-        f"{settings.compute_ms:g} ms compute a step, {_lateness(settings)}; target validation "
+        f"{settings.compute_ms:g} ms compute a step, {settings.lateness}; target validation "
         f"loss {figure(result.target_loss)} ({settings.target:g}x the noise variance)"
     )
     headings = ("mode", "time to target", "vs sync", "gradients/s", "rounds/s", "final loss")

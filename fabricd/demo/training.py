@@ -156,6 +156,13 @@ class Settings:
         return self.batch // self.ranks
 
     @property
+    def lateness(self) -> str:
+        """The imbalance in words, e.g. ``one rank 200 ms late at every step``."""
+        if self.imbalance == "severe":
+            return f"every rank late at every step, by up to {self.delay_ms:g} ms"
+        return f"one rank {self.delay_ms:g} ms late at every step"
+
+    @property
     def shard_points(self) -> int:
         """Training points per rank."""
         return self.train_points // self.ranks
