@@ -96,7 +96,8 @@ def run_case(
                     f"{case.label}, {mode} {repeat + 1}/{repeats}: "
                     + (f"target in {reached:.1f} s" if reached is not None else "target missed")
                     + f", {result.gradients_per_s:.3g} gradients/s a rank, "
-                    f"{result.rounds_per_s:.3g} rounds/s, final loss {result.final_loss:.3g}"
+                    f"{result.rounds_per_s:.3g} rounds/s, final loss {result.final_loss:.3g}, "
+                    f"{result.skipped_results:.3g} results skipped a rank"
                 )
     return runs
 
@@ -122,6 +123,7 @@ def figures(runs: dict[Mode, list[ModeResult]], case: Case) -> dict[str, float]:
         out[f"{mode}_gps"] = median([r.gradients_per_s for r in runs[mode]])
         out[f"{mode}_rps"] = median([r.rounds_per_s for r in runs[mode]])
         out[f"{mode}_loss"] = median([r.final_loss for r in runs[mode]])
+        out[f"{mode}_skipped"] = median([r.skipped_results for r in runs[mode]])
     for mode in MODES[1:]:
         out[f"{mode}_x"] = _median(speedups(runs, mode))
     out["paper_solo"] = case.paper_solo
@@ -186,6 +188,8 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
             Column("sync_rps", "sync rounds/s"),
             Column("solo_rps", "solo rounds/s"),
             Column("majority_rps", "majority rounds/s"),
+            Column("solo_skipped", "solo skipped", 2),
+            Column("majority_skipped", "majority skipped", 2),
         ],
         ratio="solo: sync's time to the target loss / solo's, same repetition, median "
         "(higher is better)",
@@ -219,6 +223,9 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
         "median of each repetition's sync seconds / mode seconds (a missed target counts 0)",
         "grad/s: gradients that entered a result, per rank and second (sync: = rounds/s); "
         "rounds/s: allreduce rounds per second; both medians, on rank 0's clock",
+        "skipped: rounds whose result a rank never got (a rank left behind gets the latest "
+        "result only), per rank, median: each is an update missing from that replica until "
+        "the next average",
         f"{settings.steps} rounds a run; the replicas are averaged every {settings.sync_every} "
         "rounds in solo and majority",
         "this machine's ranks share its cores and sleep their device time: the figures hold "

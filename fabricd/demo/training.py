@@ -352,6 +352,7 @@ def summarize(
     own = Tally(rank=0, calls=len(reports) - 1, rounds={r[0]: r[3] for r in reports[1:]})
     rounds = measures.merge_rounds([own, *tallies])
     active = measures.mean_active(rounds, settings.steps)
+    skips = measures.skipped(tallies or [own], settings.steps)
     seconds = reports[-1][1]
     return ModeResult(
         mode=mode,
@@ -366,9 +367,9 @@ def summarize(
         final_loss=history[-1][1],
         mean_active=active,
         unseen_rounds=measures.unseen(rounds, settings.steps),
-        skipped_results=measures.skipped(tallies or [own], settings.steps),
+        skipped_results=skips,
         history=history,
-        missed=None if reached is not None else why_missed(history, settings, active),
+        missed=None if reached is not None else why_missed(history, settings, active, skips),
     )
 
 
@@ -377,14 +378,19 @@ _LEVEL: Final = 0.05
 
 
 def why_missed(
-    history: Sequence[tuple[float, float]], settings: Settings, mean_active: float
+    history: Sequence[tuple[float, float]],
+    settings: Settings,
+    mean_active: float,
+    skipped: float = 0.0,
 ) -> str:
     """Why a run's validation loss (``history``: (seconds, loss), the first before any step)
     stayed above the target, as the curve shows it, and what to change.
 
     The curve's last quarter tells the cases apart: still falling (the run was too short),
     risen from its lowest (the step, or replicas that drifted, pushed it back up), or level (a
-    floor above the target: the learning rate and the fresh gradients per round set it).
+    floor above the target: the learning rate and the fresh gradients per round set it, or
+    the results the ranks skipped, ``skipped`` a rank: each is an update a replica never
+    applied).
     """
     target = settings.target_loss
     final = history[-1][1]
@@ -404,6 +410,12 @@ def why_missed(
             cause += f", or the replicas drifted apart (--sync-every {settings.sync_every})"
         return f"rose from its lowest, {lowest:.3g} at {when:.1f} s, to {above}: {cause}"
     fresh = f"{mean_active:.3g} of {settings.ranks} ranks' gradients fresh per round"
+    if skipped >= 1:
+        return (
+            f"levelled off at {above}: each rank skipped {skipped:.3g} of {settings.steps} "
+            f"rounds' results (a rank left behind gets the latest only), so the replicas "
+            f"drift apart between averages (--sync-every {settings.sync_every}); {fresh}"
+        )
     return f"levelled off at {above}, with this learning rate and {fresh}"
 
 

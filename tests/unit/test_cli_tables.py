@@ -144,6 +144,10 @@ def test_why_a_run_missed_the_target_reads_the_curve() -> None:
 
     assert missed([9.0, 6.0, 4.0, 3.0, 2.0]).startswith("still falling at the last step")
     assert missed([9.0, 3.0, 2.0, 2.0, 2.01]).startswith("levelled off at 2.01")
+    level = [(float(i), v) for i, v in enumerate([9.0, 3.0, 2.0, 2.0, 2.01])]
+    drifted = why_missed(level, SETTINGS, 1.5, skipped=3.0)
+    assert drifted.startswith("levelled off at 2.01, above the target 1: each rank skipped 3")
+    assert "--sync-every 10" in drifted
     risen = missed([9.0, 2.0, 1.5, 3.0, 4.0], active=1.5)
     assert risen.startswith("rose from its lowest, 1.5 at 2.0 s, to 4")
     assert "--sync-every 10" in risen  # fewer than every rank fresh: drift is a suspect
