@@ -137,6 +137,20 @@ def _median(values: Sequence[float]) -> float:
     return median(present) if present else math.nan
 
 
+def add_row(table: Table, case: Case, runs: dict[Mode, list[ModeResult]], nbytes: int) -> None:
+    """The case's row (:func:`figures`; its ratio is solo's speedup), and a note naming the
+    modes that missed the target in some repetition."""
+    row = figures(runs, case)
+    table.add(case.label, nbytes, row["solo_x"], **row)
+    missed = [
+        f"{mode} {sum(r.time_to_target is None for r in results)}/{len(results)}"
+        for mode, results in runs.items()
+        if any(r.time_to_target is None for r in results)
+    ]
+    if missed:
+        table.notes.append(f"{case.label}: target missed by " + ", ".join(missed))
+
+
 def met(table: Table) -> bool | None:
     """Whether the :data:`TARGETS` whose cases the table has are met (``None``: it has none)."""
     rows = {row.label: row.figures for row in table.rows}
@@ -207,16 +221,7 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
     )
     nbytes = settings.dim * 4 + 4  # the gradient, weights and bias, float32
     for case in cases:
-        runs = run_case(settings, case, repeats, progress)
-        row = figures(runs, case)
-        table.add(case.label, nbytes, row.pop("solo_x"), **row)
-        missed = [
-            f"{mode} {sum(r.time_to_target is None for r in runs[mode])}/{repeats}"
-            for mode in MODES
-            if any(r.time_to_target is None for r in runs[mode])
-        ]
-        if missed:
-            table.notes.append(f"{case.label}: target missed by " + ", ".join(missed))
+        add_row(table, case, run_case(settings, case, repeats, progress), nbytes)
     table.target_met = met(table)
     table.notes += [
         "s: seconds to the target, median over the runs that reached it; x: speedup over sync, "

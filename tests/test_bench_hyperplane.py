@@ -84,14 +84,25 @@ def test_a_row_is_the_median_of_each_repetitions_ratio_against_its_own_sync() ->
 
 
 def test_the_targets_are_checked_on_their_cases_only() -> None:
-    def table(rows: dict[str, tuple[float, float]]) -> Table:
+    def table(rows: dict[str, tuple[float, float | None, float | None]]) -> Table:
+        """Rows as the benchmark adds them, from sync's, solo's and majority's times."""
         out = Table(name="hyperplane", title="", columns=[], ratio="")
-        for label, (solo, majority) in rows.items():
-            out.add(label, 0, solo, solo_x=solo, majority_x=majority)
+        for label, (sync, solo, majority) in rows.items():
+            runs = {
+                "sync": [_run("sync", sync)],
+                "solo": [_run("solo", solo)],
+                "majority": [_run("majority", majority)],
+            }
+            hyperplane.add_row(out, hyperplane.Case(label, "one", 1.0), runs, 0)
         return out
 
-    assert hyperplane.met(table({"20 ms": (3.0, 3.0)})) is None
-    assert hyperplane.met(table({"200 ms": (1.4, 0.5), "400 ms": (1.8, 1.01)})) is True
-    assert hyperplane.met(table({"200 ms": (1.39, 0.5), "400 ms": (1.8, 1.01)})) is False
-    # majority must be faster than sync at 400 ms, not as fast
-    assert hyperplane.met(table({"400 ms": (1.8, 1.0)})) is False
+    assert hyperplane.met(table({"20 ms": (30.0, 10.0, 10.0)})) is None
+    good = {"200 ms": (70.0, 50.0, 140.0), "400 ms": (72.0, 40.0, 71.0)}  # 1.4x, 1.8x, 1.01x
+    assert hyperplane.met(table(good)) is True
+    assert hyperplane.met(table({**good, "200 ms": (70.0, 51.0, 10.0)})) is False
+    # majority must be faster than sync at 400 ms, not as fast, and a miss counts 0
+    assert hyperplane.met(table({"400 ms": (72.0, 40.0, 72.0)})) is False
+    missed = table({"400 ms": (72.0, 36.0, None)})
+    assert hyperplane.met(missed) is False
+    assert missed.rows[0].ratio == pytest.approx(2.0)
+    assert missed.notes == ["400 ms: target missed by majority 1/1"]
