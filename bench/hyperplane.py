@@ -181,7 +181,7 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
         )
         cases, repeats = QUICK_CASES, 1
     else:
-        settings = Settings()  # the demo's job: 70 rounds a run, 300 ms steps
+        settings = Settings()  # the demo's job
         cases, repeats = CASES, REPEATS
     table = Table(
         name="hyperplane",
@@ -210,7 +210,7 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
         target="solo >= 1.4x sync at 200 ms and >= 1.8x at 400 ms; majority faster than sync "
         "at 400 ms (medians of 3 interleaved runs)",
         settings={
-            "steps": settings.steps,
+            "rounds": {mode: settings.rounds(mode) for mode in MODES},
             "compute_ms": settings.compute_ms,
             "sync_every": settings.sync_every,
             "target_loss": settings.target_loss,
@@ -231,8 +231,11 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
         "skipped: rounds whose result a rank never got (a rank left behind gets the latest "
         "result only), per rank, median: each is an update missing from that replica until "
         "the next average",
-        f"{settings.steps} rounds a run; the replicas are averaged every {settings.sync_every} "
-        "rounds in solo and majority",
+        "rounds a run: "
+        + ", ".join(f"{mode} {settings.rounds(mode)}" for mode in MODES)
+        + " (a partial round holds fewer fresh gradients; a run goes on long enough to reach "
+        f"the target if its mode can); solo and majority average the replicas every "
+        f"{settings.sync_every} rounds",
         "this machine's ranks share its cores and sleep their device time: the figures hold "
         "while the daemons' work fits in the cores the sleeping ranks leave",
     ]

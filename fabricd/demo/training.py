@@ -57,7 +57,7 @@ import queue
 import time
 import traceback
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from fabricd.client import connect
@@ -94,21 +94,29 @@ class DemoFailed(FabricError):
 class Settings:
     """What one run trains, and how.  The defaults are eager-SGD §6.2.1's job (8 ranks, 8,192
     dimensions, a batch of 2,048, a training set of 32,768 points) with the paper's 300 ms
-    step emulated (the module docstring); a run is 70 rounds, which sync needs about 40 of to
-    reach the default target and solo about 55 (its rounds hold fewer fresh gradients).  The
-    replicas are averaged every 10 rounds in the partial modes, not every 10 epochs (160
-    steps) as the paper does: a rank that partial rounds leave behind gets only the latest
-    result, and here, every rank's step as long as every other's, ranks fall out of step and
-    skip results often enough that solo's loss levelled off near 300 with only the last
-    average, and reached 19 with one every 20 rounds where every 10 gave 4.8 (50 rounds at
-    200 ms; docs/performance.md, (k))."""
+    step emulated (the module docstring).
+
+    A sync run is 50 rounds, which it needs about 40 of to reach the default target; solo runs
+    1.6 and majority 2.8 times as many (:meth:`rounds`), since their rounds hold fewer fresh
+    gradients: measured, solo needed 55-65 rounds and majority 85-105, at 2-3 and 3-4.5 rounds
+    a second.  So each run lasts long enough for its mode to reach the target if it can (time
+    to target does not depend on how long a run goes on after it).
+
+    The partial modes average the replicas every 10 rounds, not every 10 epochs (160 steps) as
+    the paper does: a rank that partial rounds leave behind gets only the latest result, and
+    here, every rank's step as long as every other's, ranks fall out of step and skip results
+    often enough that solo's loss levelled off near 300 with only the last average, and
+    reached 19 with one every 20 rounds where every 10 gave 4.8 (50 rounds at 200 ms;
+    docs/performance.md, (k))."""
 
     nodes: int = 4
     ranks_per_node: int = 2
     dim: int = 8192
     batch: int = 2048  #: in all; each rank trains on ``batch // ranks``
     train_points: int = 32768  #: the training set, in all; each rank holds ``1 / ranks`` of it
-    steps: int = 70  #: allreduce rounds
+    steps: int = 50  #: allreduce rounds of a sync run (:meth:`rounds`)
+    solo_factor: float = 1.6  #: a solo run's rounds, as a multiple of ``steps``
+    majority_factor: float = 2.8  #: a majority run's rounds, as a multiple of ``steps``
     #: a rank's step, from the end of its previous allreduce to its next, in milliseconds of
     #: wall time: its device time, emulated (module docstring); the real math is done within
     compute_ms: float = 300.0
@@ -135,6 +143,8 @@ class Settings:
             )
         if self.dim < 1 or self.validation < 1 or self.delay_ms < 0 or self.noise <= 0:
             raise DemoFailed("need dim >= 1, validation >= 1, delay_ms >= 0 and noise > 0")
+        if self.solo_factor <= 0 or self.majority_factor <= 0:
+            raise DemoFailed("need solo_factor > 0 and majority_factor > 0")
         if self.compute_ms < 0 or self.imbalance not in IMBALANCES:
             raise DemoFailed(
                 f"need compute_ms >= 0 and an imbalance of {', '.join(IMBALANCES)}, "
@@ -154,6 +164,15 @@ class Settings:
     def local_batch(self) -> int:
         """Points per rank and step (the remainder of ``batch / ranks`` is not drawn)."""
         return self.batch // self.ranks
+
+    def rounds(self, mode: Mode) -> int:
+        """How many allreduce rounds a run in ``mode`` trains (at least ``steps``)."""
+        factor = {"solo": self.solo_factor, "majority": self.majority_factor}.get(mode, 1.0)
+        return max(self.steps, math.ceil(self.steps * factor - 1e-9))  # 50 x 1.6 is 80
+
+    def run_of(self, mode: Mode) -> Settings:
+        """The settings of one run in ``mode``: ``steps`` is its :meth:`rounds`."""
+        return replace(self, steps=self.rounds(mode), solo_factor=1.0, majority_factor=1.0)
 
     @property
     def lateness(self) -> str:
@@ -437,11 +456,13 @@ def run_mode(
     mode: Mode,
     progress: Callable[[Mode, Report], None] | None = None,
 ) -> ModeResult:
-    """One run of the job in ``mode`` on a started ``cluster`` (:func:`run_ranks`).
+    """One run of the job in ``mode`` on a started ``cluster`` (:func:`run_ranks`), for
+    ``settings.rounds(mode)`` rounds.
 
     Raises:
         DemoFailed: a rank failed or the run outlived its deadline; every rank is stopped.
     """
+    settings = settings.run_of(mode)
     steps: list[Report] = []
     tallies: list[Tally] = []
 

@@ -344,3 +344,16 @@ def test_settings_refuse_what_cannot_run():
     with pytest.raises(DemoFailed, match="less than its batch of 256"):
         Settings(train_points=2000)
     assert Settings().shard_points == 4096  # the paper's 32,768 points over 8 ranks
+    with pytest.raises(DemoFailed, match="majority_factor > 0"):
+        Settings(majority_factor=0)
+
+
+def test_partial_modes_run_more_rounds_than_sync():
+    settings = Settings(steps=50, solo_factor=1.6, majority_factor=2.8)
+    assert [settings.rounds(m) for m in ("sync", "solo", "majority")] == [50, 80, 140]
+    assert Settings(steps=6).rounds("solo") == 10  # rounded up
+    assert Settings(steps=6, solo_factor=0.5).rounds("solo") == 6  # never fewer than sync's
+    run = settings.run_of("majority")
+    assert run.steps == 140
+    assert run.rounds("majority") == run.rounds("sync") == 140  # a run's settings are final
+    assert settings.run_of("sync") == replace(settings, solo_factor=1.0, majority_factor=1.0)
