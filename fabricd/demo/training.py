@@ -105,9 +105,10 @@ class Settings:
     The partial modes average the replicas every 10 rounds, not every 10 epochs (160 steps) as
     the paper does: a rank that partial rounds leave behind gets only the latest result, and
     here, every rank's step as long as every other's, ranks fall out of step and skip results
-    often enough that solo's loss levelled off near 300 with only the last average, and
-    reached 19 with one every 20 rounds where every 10 gave 4.8 (50 rounds at 200 ms;
-    docs/performance.md, (k))."""
+    often enough that solo's loss levelled off at 300-900 with only the last average (400 ms
+    steps, 40-60 rounds), and reached 19 with one every 20 rounds where every 10 gave 4.8 (50
+    rounds at 200 ms; docs/performance.md, (k)).  With ``late="sum"`` (issue 23, item 2) no
+    rank would skip a result, and the paper's 160 would do."""
 
     nodes: int = 4
     ranks_per_node: int = 2
