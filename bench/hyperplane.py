@@ -154,14 +154,14 @@ def add_row(table: Table, case: Case, runs: dict[Mode, list[ModeResult]], nbytes
 def met(table: Table) -> bool | None:
     """Whether the :data:`TARGETS` whose cases the table has are met (``None``: it has none)."""
     rows = {row.label: row.figures for row in table.rows}
-    speedups = [
+    checks = [
         (rows[label][f"{mode}_x"], least, strict)
         for label, mode, least, strict in TARGETS
         if label in rows
     ]
-    if not speedups:
+    if not checks:
         return None
-    return all(x > least if strict else x >= least for x, least, strict in speedups)
+    return all(x > least if strict else x >= least for x, least, strict in checks)
 
 
 def run(quick: bool = False, progress: Progress = quiet) -> Table:
