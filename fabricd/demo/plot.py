@@ -50,7 +50,7 @@ def write_png(result: DemoResult, path: Path) -> None:
         axes.set_ylabel("validation loss (mean squared error)")
         axes.set_title(
             f"hyperplane regression, {settings.dim} dimensions: {settings.ranks} ranks on "
-            f"{settings.nodes} daemons, one rank {settings.delay_ms:g} ms late per step",
+            f"{settings.nodes} daemons,\n{settings.compute_ms:g} ms steps, {settings.lateness}",
             fontsize=10,
         )
         _finish(figure, path)

@@ -110,7 +110,7 @@ def _fake_run(runs: dict[str, list[tuple[int, float, float, int]]]) -> Callable[
             for report in runs[mode]:
                 if progress is not None:
                     progress(mode, report)
-            results.append(summarize(mode, settings, runs[mode]))
+            results.append(summarize(mode, settings.run_of(mode), runs[mode]))
         return DemoResult(settings=settings, modes=results)
 
     return run
@@ -119,19 +119,24 @@ def _fake_run(runs: dict[str, list[tuple[int, float, float, int]]]) -> Callable[
 def test_the_demo_shows_each_modes_own_time_and_why_one_missed(monkeypatch, tmp_path) -> None:
     runs = {
         "sync": _reports([9.0, 4.0, 2.0, 1.0, 0.5], step_seconds=3.0),  # 12 s, reached
-        "solo": _reports([9.0, 6.0, 4.0, 3.0, 2.0], step_seconds=0.5),  # 2 s, still falling
+        # solo runs 1.6x the rounds (7): 1.75 s, still falling
+        "solo": _reports([9.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.5, 2.0], step_seconds=0.25),
     }
     monkeypatch.setattr(training, "run", _fake_run(runs))
     monkeypatch.setattr(plot, "write_png", lambda result, path: None)
     args = ["demo", "--modes", "sync,solo", "--nodes", "1", "--steps", "4", "--target", "1"]
     result = CliRunner().invoke(fabricctl, [*args, "--plot", str(tmp_path / "p.png")])
     assert result.exit_code == 0, result.output
-    bars = {line.split()[0]: line for line in result.output.splitlines() if "/4 steps" in line}
+    lines = result.output.splitlines()
+    bars = {line.split()[0]: line for line in lines if " steps " in line and "━" in line}
+    assert "4/4 steps" in bars["sync"]
+    assert "7/7 steps" in bars["solo"]
     assert bars["sync"].rstrip().endswith("12.0 s")
-    # solo's own 2 s, counted from its start: not the 14 s since the demo started
-    assert bars["solo"].rstrip().endswith("2.0 s")
+    # solo's own 1.75 s, counted from its start: not the 14 s since the demo started
+    assert bars["solo"].rstrip().endswith("1.8 s")
     text = " ".join(result.output.split())
-    assert "solo did not reach the target: still falling at the last step (3 -> 2" in text
+    assert "solo did not reach the target: still falling at the last step (2.5 -> 2" in text
+    assert "as fast as sync" not in text  # no headline for a mode that missed
     assert "sync did not reach" not in text
 
 
@@ -144,6 +149,10 @@ def test_why_a_run_missed_the_target_reads_the_curve() -> None:
 
     assert missed([9.0, 6.0, 4.0, 3.0, 2.0]).startswith("still falling at the last step")
     assert missed([9.0, 3.0, 2.0, 2.0, 2.01]).startswith("levelled off at 2.01")
+    level = [(float(i), v) for i, v in enumerate([9.0, 3.0, 2.0, 2.0, 2.01])]
+    drifted = why_missed(level, SETTINGS, 1.5, skipped=3.0)
+    assert drifted.startswith("levelled off at 2.01, above the target 1: each rank skipped 3")
+    assert "--sync-every 10" in drifted
     risen = missed([9.0, 2.0, 1.5, 3.0, 4.0], active=1.5)
     assert risen.startswith("rose from its lowest, 1.5 at 2.0 s, to 4")
     assert "--sync-every 10" in risen  # fewer than every rank fresh: drift is a suspect
