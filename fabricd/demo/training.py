@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from multiprocessing.queues import Queue
 
     from fabricd.client import Client
-    from fabricd.client.collectives import Mode
+    from fabricd.client.collectives import Late, Mode
 
 MODES: Final[tuple[Mode, ...]] = ("sync", "solo", "majority")
 #: the injected delays: one rank late per step (§6.2.1), or every rank, by 50-400 ms (§6.2.3)
@@ -131,9 +131,9 @@ class Settings:
     sync_every: int = 10  #: partial modes: average the replicas every this many steps
     validation: int = 1024  #: points in the held-out set
     seed: int = 0
-    #: passed as ``fab.allreduce(..., late=...)`` when set (:func:`allreduce_options`); ``None``
-    #: passes nothing: the client's own behaviour for a rank that missed rounds
-    late: str | None = None
+    #: partial modes: what a rank that missed rounds gets (``fab.allreduce(..., late=...)``):
+    #: ``"sum"`` of the results it missed (the default), or the ``"latest"`` only
+    late: Late = "sum"
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.ranks_per_node < 1 or self.ranks < 2:
@@ -251,13 +251,8 @@ def parse_modes(text: str) -> list[Mode]:
 
 
 def allreduce_options(settings: Settings, mode: Mode) -> dict[str, Any]:
-    """The keyword arguments of every training allreduce, the one place that builds them:
-    ``settings.late`` is passed as ``late=`` only when set (today's client has no such
-    keyword; issue 23 adds it), so that passing it is a change of settings, not of code."""
-    options: dict[str, Any] = {"op": "avg", "mode": mode, "timeout": _WAIT}
-    if settings.late is not None:
-        options["late"] = settings.late
-    return options
+    """The keyword arguments of every training allreduce, the one place that builds them."""
+    return {"op": "avg", "mode": mode, "timeout": _WAIT, "late": settings.late}
 
 
 def injected_delay(settings: Settings, problem: Hyperplane, step: int, rank: int) -> float:

@@ -181,7 +181,7 @@ def test_a_rank_trains_in_steps_and_rank_0_reports_each(mode):
     assert fab.calls[:2] == [("broadcast", 0), ("barrier", "barrier")]
     assert fab.calls[-1] == ("barrier", "end")
     assert fab.calls.count(("allreduce", "avg", mode)) == 12
-    assert fab.options == [{}] * 12  # no late= unless the settings say so
+    assert fab.options == [{"late": "sum"}] * 12  # the settings' late=, the default
     # after rounds 4, 9 and 11: every 5 rounds and after the last, partial modes only
     assert fab.calls.count(("sync_model",)) == (0 if mode == "sync" else 3)
     if mode != "sync":
@@ -209,14 +209,18 @@ def test_a_rank_trains_in_steps_and_rank_0_reports_each(mode):
     assert result.history[0] == (0.0, reports[0][2])
 
 
-def test_late_is_passed_to_the_allreduce_only_when_set():
+def test_late_is_passed_to_every_allreduce():
     settings = Settings(nodes=1, ranks_per_node=2, dim=16, batch=8, steps=2, delay_ms=0)
-    assert allreduce_options(settings, "solo") == {"op": "avg", "mode": "solo", "timeout": 120.0}
-    later = Settings(nodes=1, ranks_per_node=2, dim=16, batch=8, steps=2, late="sum")
-    assert allreduce_options(later, "majority")["late"] == "sum"
+    assert allreduce_options(settings, "solo") == {
+        "op": "avg",
+        "mode": "solo",
+        "timeout": 120.0,
+        "late": "sum",
+    }
+    latest = Settings(nodes=1, ranks_per_node=2, dim=16, batch=8, steps=2, late="latest")
     fab = FakeClient(rank=1, size=2, active=2)
-    train(fab, Hyperplane(16), later, "majority", None, sleep=lambda _: None)
-    assert fab.options == [{"late": "sum"}] * 2
+    train(fab, Hyperplane(16), latest, "majority", None, sleep=lambda _: None)
+    assert fab.options == [{"late": "latest"}] * 2
 
 
 def test_one_rank_is_late_per_step_or_every_rank_by_a_shifting_share():
@@ -271,7 +275,7 @@ def test_a_rank_that_left_after_training_does_not_fail_the_end_barrier():
     fab.barrier = barrier
     train(fab, Hyperplane(16), settings, "sync", None)
 
-    def allreduce(array, op="sum", mode="sync", *, timeout=None):
+    def allreduce(array, op="sum", mode="sync", *, timeout=None, late="sum"):
         raise PeerFailed("rank 0 left during sync allreduce", rank=0)
 
     fab.allreduce = allreduce
