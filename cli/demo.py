@@ -82,9 +82,17 @@ _DEMO = "fabricd-demo.png"
 @click.option(
     "--sync-every",
     type=click.IntRange(1, 100_000),
-    default=10,
+    default=160,
     show_default=True,
-    help="solo, majority: average the replicas every this many steps",
+    help="solo, majority: average the replicas every this many steps (the paper: 160)",
+)
+@click.option(
+    "--late",
+    type=click.Choice(["sum", "latest"]),
+    default="sum",
+    show_default=True,
+    help="solo, majority: a rank that missed rounds gets the sum of their results, or only "
+    "the latest (the paper's receive buffer; try --sync-every 10 with it)",
 )
 @click.option("--dim", type=click.IntRange(1, 1 << 20), default=8192, show_default=True)
 @click.option(
@@ -134,6 +142,7 @@ def demo(
     steps: int,
     modes: str,
     sync_every: int,
+    late: str,
     dim: int,
     batch: int,
     target: float,
@@ -173,6 +182,7 @@ def demo(
             delay_ms=delay_ms,
             target=target,
             sync_every=sync_every,
+            late="latest" if late == "latest" else "sum",
         )
         if not as_json:
             console.print(

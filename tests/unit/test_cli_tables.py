@@ -3,6 +3,7 @@ at 80 columns, the demo's per-mode times, and why a mode missed the target."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from click.testing import CliRunner
@@ -150,12 +151,15 @@ def test_why_a_run_missed_the_target_reads_the_curve() -> None:
     assert missed([9.0, 6.0, 4.0, 3.0, 2.0]).startswith("still falling at the last step")
     assert missed([9.0, 3.0, 2.0, 2.0, 2.01]).startswith("levelled off at 2.01")
     level = [(float(i), v) for i, v in enumerate([9.0, 3.0, 2.0, 2.0, 2.01])]
-    drifted = why_missed(level, SETTINGS, 1.5, skipped=3.0)
+    latest = replace(SETTINGS, late="latest", sync_every=10)
+    drifted = why_missed(level, latest, 1.5, skipped=3.0)
     assert drifted.startswith("levelled off at 2.01, above the target 1: each rank skipped 3")
     assert "--sync-every 10" in drifted
+    summed = why_missed(level, SETTINGS, 1.5, skipped=3.0)  # late="sum": nothing skipped
+    assert summed.startswith("levelled off at 2.01, above the target 1, with this learning rate")
     risen = missed([9.0, 2.0, 1.5, 3.0, 4.0], active=1.5)
     assert risen.startswith("rose from its lowest, 1.5 at 2.0 s, to 4")
-    assert "--sync-every 10" in risen  # fewer than every rank fresh: drift is a suspect
+    assert "--sync-every 160" in risen  # fewer than every rank fresh: drift is a suspect
     assert "--sync-every" not in missed([9.0, 2.0, 1.5, 3.0, 4.0], active=2.0)
     assert missed([9.0, 20.0, 1e30, float("inf"), float("inf")]).startswith("the loss diverged")
     reached = summarize("sync", SETTINGS, _reports([9.0, 4.0, 2.0, 1.0, 0.5], 1.0))
