@@ -213,6 +213,7 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
             "rounds": {mode: settings.rounds(mode) for mode in MODES},
             "compute_ms": settings.compute_ms,
             "sync_every": settings.sync_every,
+            "late": settings.late,
             "target_loss": settings.target_loss,
             "repeats": repeats,
             "cases": [case.label for case in cases],
@@ -228,9 +229,10 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
         "median of each repetition's sync seconds / mode seconds (a missed target counts 0)",
         "grad/s: gradients that entered a result, per rank and second (sync: = rounds/s); "
         "rounds/s: allreduce rounds per second; both medians, on rank 0's clock",
-        "skipped: rounds whose result a rank never got (a rank left behind gets the latest "
-        "result only), per rank, median: each is an update missing from that replica until "
-        "the next average",
+        "skipped: rounds whose result a rank never got, alone or summed, per rank, median "
+        f"(late={settings.late!r}: a rank behind gets "
+        + ("the sum of what it missed" if settings.late == "sum" else "the latest result only")
+        + ")",
         "rounds a run: "
         + ", ".join(f"{mode} {settings.rounds(mode)}" for mode in MODES)
         + " (a partial round holds fewer fresh gradients; a run goes on long enough to reach "

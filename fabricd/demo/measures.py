@@ -23,10 +23,12 @@ every mode the same way:
   the figure can only err low.
 * **Rounds per second**: the job's allreduce rounds over rank 0's seconds (the former
   headline, kept as a secondary figure).
-* **Skipped results**: rounds whose result no call of a rank got, averaged over the ranks.  A
-  partial collective hands a rank that more than one round left behind the latest result only
-  (eager-SGD §4.2's receive buffer): a skipped round's update never reaches that rank's
-  replica, which drifts from the others until the replicas are next averaged.
+* **Skipped results**: rounds whose result no call of a rank got, alone or in a sum, averaged
+  over the ranks.  Under ``late="latest"`` a partial collective hands a rank that more than
+  one round left behind the latest result only (eager-SGD §4.2's receive buffer): a skipped
+  round's update never reaches that rank's replica, which drifts from the others until the
+  replicas are next averaged.  Under ``late="sum"`` (the default) the rounds a rank missed
+  reach it summed in its next call, so it skips none.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class Tally:
     rank: int
     calls: int
     rounds: dict[int, int] = field(default_factory=dict)
+    #: rounds whose result reached the rank inside a later call's sum (``late="sum"``)
+    summed: frozenset[int] = frozenset()
 
 
 def time_to_target(history: Sequence[tuple[float, float]], target: float) -> float | None:
@@ -76,7 +80,10 @@ def skipped(tallies: Sequence[Tally], steps: int) -> float:
     of ``tallies`` (0 for none)."""
     if not tallies:
         return 0.0
-    return sum(unseen(t.rounds, steps) for t in tallies) / len(tallies)
+    missed = (
+        sum(1 for r in range(steps) if r not in t.rounds and r not in t.summed) for t in tallies
+    )
+    return sum(missed) / len(tallies)
 
 
 def gradients_per_second(

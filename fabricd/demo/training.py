@@ -316,6 +316,7 @@ def train(
     seen = -1  # the last round whose result this rank got
     calls = synced = 0
     rounds: dict[int, int] = {}
+    summed: set[int] = set()  #: rounds that reached this rank inside a late call's sum
     while seen < settings.steps - 1:
         gradient(model, *shard.batch(calls), out=grad)
         if compute > 0:  # the rest of the step's device time
@@ -326,6 +327,7 @@ def train(
         result = fab.allreduce(grad, **options)
         calls += 1
         rounds[result.round] = result.active
+        summed.update(range(result.round - result.results + 1, result.round))
         seen = max(seen, result.round)
         model -= lr * grad
         if mode != "sync":
@@ -340,7 +342,7 @@ def train(
     # here that only says everybody is past training.
     with contextlib.suppress(PeerFailed):
         fab.barrier(name="end", timeout=_WAIT)
-    return Tally(rank=rank, calls=calls, rounds=rounds)
+    return Tally(rank=rank, calls=calls, rounds=rounds, summed=frozenset(summed))
 
 
 def _averages(seen: int, settings: Settings) -> int:

@@ -77,3 +77,10 @@ def test_skipped_results_are_the_rounds_a_rank_never_got_averaged_over_the_ranks
     ]
     assert skipped(tallies, steps=4) == pytest.approx((0 + 2 + 2) / 3)
     assert skipped([], steps=4) == 0.0
+
+
+def test_rounds_that_reached_a_rank_in_a_sum_are_not_skipped() -> None:
+    summed = Tally(rank=0, calls=2, rounds={0: 8, 3: 8}, summed=frozenset({1, 2}))
+    latest = Tally(rank=1, calls=2, rounds={0: 8, 3: 8})
+    assert skipped([summed], 4) == 0
+    assert skipped([latest], 4) == 2

@@ -228,3 +228,21 @@ def test_a_node_built_after_its_only_rank_left_takes_part_at_once() -> None:
     coll = Recording(spec, job=JOB, name=NAME, node=1, ranks=(0, 0, 1), live=frozenset({0, 1}))
     waits, detail, _ = coll.waits()
     assert waits == "messages", detail  # not "ranks": no local rank's first call to wait for
+
+
+def test_a_rank_not_live_when_the_collective_was_built_starts_where_the_job_is() -> None:
+    """A local rank whose trainer had left before the collective was built is owed nothing
+    when it comes back: like any restarted trainer, its first call is for the current round
+    (the review found it handed the sum of every result since the build)."""
+    spec = Spec(kind="allreduce", count=2, dtype="int64", mode="solo", late="sum")
+    live = frozenset({0})
+    coll = Recording(spec, job=JOB, name=NAME, node=0, ranks=(0, 0), live=live)
+    for token in range(5):
+        coll.call(0, token, np.array([1, 0], "int64"), float(token))
+    assert coll.owed.owed(1) is None
+    coll.rank_back(frozenset({0, 1}))
+    mine = np.array([0, 1], "int64")
+    coll.call(1, 9, mine, 9.0)
+    assert coll.counters.late == 0
+    coll.call(0, 10, np.array([1, 0], "int64"), 10.0)
+    assert coll.counters.rounds == 6

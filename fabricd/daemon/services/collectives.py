@@ -126,7 +126,7 @@ class CollectiveService(BaseService):
         self._specs: dict[Key, Meta] = {}  #: each collective's spec as its frames carry it
         #: each job's placement once all its ranks were known: a peer's frame builds from it
         #: after a rank left (a partial first round waits for nothing from such a node)
-        self._placements: dict[str, tuple[int, ...]] = {}
+        self._placements: dict[str, list[int]] = {}
         self._charges: dict[Key, Charge] = {}  #: what each collective holds, on the budget
         #: collectives a peer's frame could not build here (a limit), and why, until the job ends
         self._over_limit: dict[Key, str] = {}
@@ -282,6 +282,15 @@ class CollectiveService(BaseService):
             nodes.append(entry.node)
         return tuple(nodes)
 
+    def _remembered(self, job: str, size: int) -> tuple[int, ...] | None:
+        """``job``'s placement with each rank that left on the node it was last known on, if
+        the job was ever whole here with ``size`` ranks (else ``None``)."""
+        known = self._placements.get(job)
+        if known is None or len(known) != size:  # (another job of that name, another size)
+            return None
+        entries = (self.membership.lookup(job, rank) for rank in range(size))
+        return tuple(known[r] if e is None else e.node for r, e in enumerate(entries))
+
     def _live(self, job: str, size: int) -> frozenset[int]:
         return frozenset(r for r in range(size) if self.membership.lookup(job, r) is not None)
 
@@ -424,7 +433,7 @@ class CollectiveService(BaseService):
             return coll
         size = self.membership.job_size(frame.job)
         ranks = self._ranks(frame.job, size) if size is not None else None
-        ranks = self._placements.get(frame.job) if ranks is None else ranks
+        ranks = self._remembered(frame.job, size) if ranks is None and size else ranks
         if ranks is not None and node not in ranks:
             raise Stranger(node, frame)
         if ranks is None or self.host.config.node_id not in ranks:
@@ -552,10 +561,14 @@ class CollectiveService(BaseService):
             self._track(key)
         self._waiting.retry(job, lambda item: self._try(item, now))
         whole = self.membership.known(job) >= (self.membership.job_size(job) or 2**62)  # O(1)
-        if whole and job not in self._placements:  # (once a job: O(size))
+        known = self._placements.get(job)
+        entry = event.entry
+        if known is not None and entry.rank < len(known):  # a rank back, maybe elsewhere
+            known[entry.rank] = entry.node
+        elif whole:  # (once a job: O(size))
             placement = self._ranks(job, self.membership.job_size(job) or 0)
             if placement is not None:
-                self._placements[job] = placement
+                self._placements[job] = list(placement)
         for key in self._held.keys_of(job) if whole else ():
             while (first := self._held.first(key)) is not None:
                 try:

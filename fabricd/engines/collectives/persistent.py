@@ -212,7 +212,7 @@ class Collective:
         self._by_rank: dict[int, Call] = {}
         #: the round each local rank's next call is for: its k-th call is for round k (the
         #: paper's rounds), until it leaves; a rank that comes back starts at the current one
-        self._due: dict[int, int] = dict.fromkeys(self.local, 0)
+        self._due: dict[int, int] = dict.fromkeys(self.local & live, 0)
         self._later: deque[Call] = deque()  #: sync calls for the round after the current one
         self._landings: dict[tuple[int, int], Landing] = {}  #: (recv op, round) -> in progress
         #: in place: failures held until a frame landing in the failed call's array is in
