@@ -17,7 +17,7 @@ failures": at most once), and a dead rank's gifts at most once.
 from __future__ import annotations
 
 from random import Random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -25,6 +25,9 @@ from hypothesis import strategies as st
 
 from fabricd.engines.collectives.persistent import Spec, Transmit
 from tests.unit.test_persistent import GRACE, PLACEMENTS, Fabric, Gifts
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 SIX_ON_FOUR = (0, 1, 2, 3, 0, 1)
 
@@ -342,136 +345,76 @@ def _go(mode, placement, steps, seed, **kw):
     assert not problems, "\n".join(problems)
 
 
-S = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+#: placements over 3 nodes or more, to kill two of
+WIDE = st.sampled_from([(0, 1, 2, 3, 4), SIX_ON_FOUR, (0, 0, 1, 1, 2, 2, 3, 3)])
+#: every placement of 2 ranks or more
+ANY = st.sampled_from([*PLACEMENTS[1:], SIX_ON_FOUR])
 
 
-@S
-@given(
-    mode=MODES,
-    placement=BIG,
-    steps=st.lists(st.integers(1, 5), min_size=8, max_size=8),
-    seed=st.integers(0, 2**32 - 1),
-)
+def harsh(placements: Any = BIG, longest: int = 5) -> Callable[[Any], Any]:
+    """The settings and strategies of every test below: a mode, a placement, each rank's
+    number of calls (1 to ``longest``) and a seed for the fabric's choices."""
+    steps = st.lists(st.integers(1, longest), min_size=8, max_size=8)
+    draw = given(mode=MODES, placement=placements, steps=steps, seed=st.integers(0, 2**32 - 1))
+    keep = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    return lambda test: keep(draw(test))
+
+
+@harsh()
 def test_strict_resets(mode, placement, steps, seed):
     _go(mode, placement, steps, seed, resets=2, strict=True)
 
 
-@S
-@given(
-    mode=MODES,
-    placement=BIG,
-    steps=st.lists(st.integers(1, 5), min_size=8, max_size=8),
-    seed=st.integers(0, 2**32 - 1),
-)
+@harsh()
 def test_relaxed_resets(mode, placement, steps, seed):
     _go(mode, placement, steps, seed, resets=2, strict=False)
 
 
-@S
-@given(
-    mode=MODES,
-    placement=BIG,
-    steps=st.lists(st.integers(1, 5), min_size=8, max_size=8),
-    seed=st.integers(0, 2**32 - 1),
-)
+@harsh()
 def test_slow_kill(mode, placement, steps, seed):
     _go(mode, placement, steps, seed, kills=1)
 
 
-@S
-@given(
-    mode=MODES,
-    placement=st.sampled_from([(0, 1, 2, 3, 4), SIX_ON_FOUR, (0, 0, 1, 1, 2, 2, 3, 3)]),
-    steps=st.lists(st.integers(1, 5), min_size=8, max_size=8),
-    seed=st.integers(0, 2**32 - 1),
-)
+@harsh(WIDE)
 def test_two_kills(mode, placement, steps, seed):
     _go(mode, placement, steps, seed, kills=2)
 
 
-@S
-@given(
-    mode=MODES,
-    placement=BIG,
-    steps=st.lists(st.integers(1, 5), min_size=8, max_size=8),
-    seed=st.integers(0, 2**32 - 1),
-)
+@harsh()
 def test_kill_in_first_round(mode, placement, steps, seed):
     _go(mode, placement, steps, seed, kills=1, kill_early=True)
 
 
-@S
-@given(
-    mode=MODES,
-    placement=st.sampled_from([*PLACEMENTS[1:], SIX_ON_FOUR]),
-    steps=st.lists(st.integers(1, 5), min_size=8, max_size=8),
-    seed=st.integers(0, 2**32 - 1),
-)
+@harsh(ANY)
 def test_leaves(mode, placement, steps, seed):
     _go(mode, placement, steps, seed, leaves=1)
 
 
-@S
-@given(
-    mode=MODES,
-    placement=st.sampled_from([*PLACEMENTS[1:], SIX_ON_FOUR]),
-    steps=st.lists(st.integers(1, 5), min_size=8, max_size=8),
-    seed=st.integers(0, 2**32 - 1),
-)
+@harsh(ANY)
 def test_abandons_exact(mode, placement, steps, seed):
     _go(mode, placement, steps, seed, abandons=3, exact_apply=True)
 
 
-@S
-@given(
-    mode=MODES,
-    placement=st.sampled_from([*PLACEMENTS[1:], SIX_ON_FOUR]),
-    steps=st.lists(st.integers(1, 6), min_size=8, max_size=8),
-    seed=st.integers(0, 2**32 - 1),
-)
+@harsh(ANY, longest=6)
 def test_no_faults_exact_apply(mode, placement, steps, seed):
     _go(mode, placement, steps, seed, exact_apply=True)
 
 
-@S
-@given(
-    mode=MODES,
-    placement=BIG,
-    steps=st.lists(st.integers(1, 5), min_size=8, max_size=8),
-    seed=st.integers(0, 2**32 - 1),
-)
+@harsh()
 def test_everything(mode, placement, steps, seed):
     _go(mode, placement, steps, seed, kills=1, resets=2, strict=True, leaves=1, abandons=1)
 
 
-@S
-@given(
-    mode=MODES,
-    placement=BIG,
-    steps=st.lists(st.integers(1, 5), min_size=8, max_size=8),
-    seed=st.integers(0, 2**32 - 1),
-)
+@harsh()
 def test_no_kill_everything(mode, placement, steps, seed):
     _go(mode, placement, steps, seed, resets=3, strict=True, leaves=1, abandons=2)
 
 
-@S
-@given(
-    mode=MODES,
-    placement=BIG,
-    steps=st.lists(st.integers(1, 5), min_size=8, max_size=8),
-    seed=st.integers(0, 2**32 - 1),
-)
+@harsh()
 def test_resets_then_kill(mode, placement, steps, seed):
     _go(mode, placement, steps, seed, resets=2, kills=1, strict=True)
 
 
-@S
-@given(
-    mode=MODES,
-    placement=st.sampled_from([(0, 1, 2, 3, 4), SIX_ON_FOUR, (0, 0, 1, 1, 2, 2, 3, 3)]),
-    steps=st.lists(st.integers(1, 6), min_size=8, max_size=8),
-    seed=st.integers(0, 2**32 - 1),
-)
+@harsh(WIDE, longest=6)
 def test_storm(mode, placement, steps, seed):
     _go(mode, placement, steps, seed, kills=2, resets=4, strict=True, leaves=1, abandons=1)

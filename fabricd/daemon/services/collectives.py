@@ -282,14 +282,22 @@ class CollectiveService(BaseService):
             nodes.append(entry.node)
         return tuple(nodes)
 
-    def _remembered(self, job: str, size: int) -> tuple[int, ...] | None:
-        """``job``'s placement with each rank that left on the node it was last known on, if
-        the job was ever whole here with ``size`` ranks (else ``None``)."""
+    def _placement(self, job: str, size: int) -> tuple[int, ...] | None:
+        """The node of every rank of ``job``, a rank that left on the node it was last known
+        on if the job was ever whole here with ``size`` ranks; ``None`` while one is unknown."""
         known = self._placements.get(job)
-        if known is None or len(known) != size:  # (another job of that name, another size)
-            return None
-        entries = (self.membership.lookup(job, rank) for rank in range(size))
-        return tuple(known[r] if e is None else e.node for r, e in enumerate(entries))
+        if known is not None and len(known) != size:  # (another job of that name, another size)
+            known = None
+        nodes = []
+        for rank in range(size):
+            entry = self.membership.lookup(job, rank)
+            if entry is not None:
+                nodes.append(entry.node)
+            elif known is not None:
+                nodes.append(known[rank])
+            else:
+                return None
+        return tuple(nodes)
 
     def _live(self, job: str, size: int) -> frozenset[int]:
         return frozenset(r for r in range(size) if self.membership.lookup(job, r) is not None)
@@ -432,8 +440,7 @@ class CollectiveService(BaseService):
                 self._disagree(key, coll, spec, message)
             return coll
         size = self.membership.job_size(frame.job)
-        ranks = self._ranks(frame.job, size) if size is not None else None
-        ranks = self._remembered(frame.job, size) if ranks is None and size else ranks
+        ranks = self._placement(frame.job, size) if size is not None else None
         if ranks is not None and node not in ranks:
             raise Stranger(node, frame)
         if ranks is None or self.host.config.node_id not in ranks:

@@ -91,12 +91,10 @@ class Contributions:
         self.snapped, self.fresh = self.fresh, set()
         self.taken = True
 
-    def restore(self) -> None:
-        """The round in progress is abandoned: its snapshot waits for the next one again."""
-        if self.taken:
-            self.accumulator += self.snapshot
-            self.fresh |= self.snapped
-            self.taken = False
+    def take_back(self, snapshot: np.ndarray[Any, Any], ranks: set[int]) -> None:
+        """An abandoned round's ``snapshot`` (what ``ranks`` gave) waits for a later round."""
+        self.accumulator += snapshot
+        self.fresh |= ranks
 
     def ended(self) -> None:
         self.taken = False

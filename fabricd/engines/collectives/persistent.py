@@ -311,9 +311,7 @@ class Collective:
         if self._agreed or not (self.local & self.live) <= self._called:
             return
         self._agreed = True
-        if self.executor.phase is Phase.ARMED and any(
-            c.round == self.round for c in self._calls.values()
-        ):
+        if self.executor.phase is Phase.ARMED and self._awaited():
             self._perform(self.executor.activate(self.round, now), now)
         held, self._held = self._held, []
         for peer, tag, round in held:
@@ -321,6 +319,10 @@ class Collective:
 
     def _starts(self, rank: int) -> bool:
         return self._open() and (self.spec.mode == "solo" or self._initiator() == rank)
+
+    def _awaited(self) -> bool:
+        """Whether a call here waits for the current round."""
+        return any(c.round == self.round for c in self._calls.values())
 
     def _open(self) -> bool:
         """Whether a round may start here: the first round agreed, no abandoned one held."""
@@ -419,7 +421,7 @@ class Collective:
         call waits for it (:meth:`on_timer` fails it if the round has not ended by then)."""
         if self.spec.partial or self._left.doom is not None or len(self.live) == self.size:
             return
-        if any(c.round == self.round for c in self._calls.values()):
+        if self._awaited():
             self._left.watch(self.round, now, self.live, self.size)
 
     def _void(self, why: str) -> None:
@@ -460,7 +462,7 @@ class Collective:
             assert deadline is not None
             if now >= deadline:
                 self.patience.since = None
-                if any(c.round == self.round for c in self._calls.values()):
+                if self._awaited():
                     self.counters.unled += 1  # its initiator is not coming (soon): "Liveness"
                     self._perform(self.executor.activate(self.round, now), now)
             return self._flush()
@@ -674,7 +676,7 @@ class Collective:
             snapshot = self.given.snapshot.copy()
             held = Held(view=old, round=self.round, data=snapshot, ranks=self.given.snapped)
             for spilled in self.ledger.hold(held):
-                self._restore(spilled)
+                self.given.take_back(spilled.data, spilled.ranks)
             self.given.ended()
             for call in self._calls.values():
                 call.included = False
@@ -703,12 +705,8 @@ class Collective:
         restore, counted = self.ledger.settle(others)
         self.counters.counted_elsewhere += counted
         for held in restore:
-            self._restore(held)
+            self.given.take_back(held.data, held.ranks)
         self._kick(now)
-
-    def _restore(self, held: Held) -> None:
-        self.given.accumulator += held.data
-        self.given.fresh |= held.ranks
 
     def _notice(self, node: int) -> Transmit:
         """A frame that carries only this node's view (:data:`NOTICE` tag, no bytes)."""
@@ -727,7 +725,7 @@ class Collective:
             return
         if any(c.round == self.round and self._starts(c.rank) for c in self._calls.values()):
             self._perform(self.executor.activate(self.round, now), now)
-        elif self._open() and any(c.round == self.round for c in self._calls.values()):
+        elif self._open() and self._awaited():
             self.patience.waits(now)
 
     def break_with(self, code: str, message: str) -> list[Action]:
