@@ -67,6 +67,7 @@ from fabricd.engines.actions import Complete, Failure, SendFrame
 from fabricd.engines.ps import messages, routing
 from fabricd.engines.ps.agreement import Agreement
 from fabricd.engines.ps.consistency import Consistency
+from fabricd.engines.ps.failover import fail_over, promote
 from fabricd.engines.ps.models import (
     CallDone,
     EpochMoved,
@@ -612,7 +613,7 @@ class PSNode:
             return
         if not server.primary and frame.epoch > server.epoch:
             # the worker's daemon saw the primary go before this one did
-            self._promote(key, frame.shard, "a worker failed over to it", now)
+            promote(self, key, frame.shard, "a worker failed over to it", now)
         if not server.primary or frame.epoch != server.epoch:
             # a worker's daemon behind this rank's epoch (it opened the model after a
             # failover it never heard of) is told the epoch: it moves to the rank serving it
@@ -893,83 +894,12 @@ class PSNode:
             if rank not in pair(model.spec, shard):
                 continue
             if rank == model.target(shard):
-                self._failover(key, shard, f"rank {rank} serving it left ({reason})", now)
+                fail_over(self, key, shard, f"rank {rank} serving it left ({reason})", now)
                 continue
             local = model.servers.get(shard)  # the partner that follows it went
             if local is not None and local.primary:
                 self._settle(key, shard)  # nobody can answer for a later epoch
                 self._server(key, shard, local.replica_lost(now))
-
-    def _failover(self, key: Key, shard: int, reason: str, now: float) -> None:
-        """The rank serving ``shard`` is gone: its partner serves it from the next epoch (if
-        the shard has one; else the shard has no server any more)."""
-        model = self.models[key]
-        if not model.spec["replicas"]:
-            self._fail_shard(key, shard, reason)
-            return
-        epoch = model.epochs.get(shard, 0) + 1
-        model.epochs[shard] = epoch
-        successor = model.target(shard)
-        # a suspect (its node unreachable) may come back: what is sent it waits for it
-        # (_send), and if it is gone for good, rank_gone fails the shard over again
-        if (
-            self.ranks.lookup(key[0], successor) is None
-            and (key[0], successor) not in self.suspects
-        ):
-            self._fail_shard(key, shard, f"{reason}, and its partner rank {successor} is gone too")
-            return
-        server = model.servers.get(shard)
-        if server is not None and not self._promote(key, shard, reason, now):
-            self._fail_shard(key, shard, f"{reason}, and its partner never got the shard's state")
-            return
-        self.counters["ps_failovers"] += 1
-        self._log(
-            logging.WARNING,
-            f"parameter server {key[1]!r} shard {shard}: {reason}; rank {successor} serves it "
-            f"from epoch {epoch}",
-        )
-        self._move_workers(key, shard, reason)
-
-    def _promote(self, key: Key, shard: int, reason: str, now: float) -> bool:
-        """The local partner of ``shard`` takes over, if it holds the shard's state; workers
-        already gone are lost to it.  ``False``: it has none, and the shard is lost."""
-        model = self.models[key]
-        server = model.servers[shard]
-        if server.primary:
-            return True
-        if not server.promote():
-            self._log(
-                logging.ERROR,
-                f"parameter server {key[1]!r} shard {shard}: {reason}, and this rank never got "
-                "the shard's state: the shard is lost",
-            )
-            return False
-        self._log(
-            logging.WARNING,
-            f"parameter server {key[1]!r} shard {shard}: promoted to primary at epoch "
-            f"{server.epoch} ({reason})",
-        )
-        for worker in model.workers:
-            # one this daemon heard is gone is lost (its primary's LOSE entry may have gone
-            # with it); a suspect is lost by rank_gone in time, and a worker not known that
-            # never pushed may not have started yet
-            if worker in model.gone or (
-                self.ranks.lookup(key[0], worker) is None
-                and (key[0], worker) not in self.suspects
-                and server.coordinator.clock(worker) > 0
-            ):
-                self._server(key, shard, server.lose(worker, "gone at the failover", now))
-        return True
-
-    def _fail_shard(self, key: Key, shard: int, reason: str) -> None:
-        model = self.models[key]
-        model.failed[shard] = reason
-        failure = Failure(
-            code=ErrorCode.PEER_FAILED,
-            message=f"shard {shard} of {key[1]!r} has no server: {reason}",
-        )
-        for rank in model.local_workers:
-            self._out.append(CallDone(key=key, rank=rank, failure=failure))
 
     # -- time --------------------------------------------------------------------------------
     def next_deadline(self) -> float | None:
