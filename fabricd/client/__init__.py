@@ -340,6 +340,7 @@ class Client:
         seed: int = 0,
         initial: np.ndarray[Any, Any] | None = None,
         timeout: float | None = 30.0,
+        scheduling: str = "arrival",
     ) -> ParameterServer:
         """Open parameter-server model ``name`` as a ``"worker"``, ``"server"`` or
         ``"replica"`` of it (:mod:`fabricd.client.ps`; MLfabric §2, Table 1; TDF §III).
@@ -352,6 +353,10 @@ class Client:
         same one).  ``initial`` (servers and replicas: the
         same on each): the starting model, a ``fab.array()``; zeros if omitted.  ``filters``:
         TDF's filters (:class:`FilterSettings`, all off by default); ``seed`` seeds G-RP.
+        ``scheduling``: ``"arrival"`` (pushes applied as they come) or ``"mlfabric"``
+        (async only: each push waits for the shard's scheduler, which orders a batch of them
+        shortest transfer first with τmax deadlines and drops what cannot make its deadline
+        before it is sent; MLfabric §5.1, docs/mlfabric.md).
 
         Raises:
             UsageError: a bad argument, a rank whose role does not match ``servers`` and
@@ -378,6 +383,7 @@ class Client:
             filters=filters,
             chunk=chunk,
             seed=seed,
+            scheduling=scheduling,
         )
         if initial is not None:
             if role == "worker":

@@ -46,6 +46,7 @@ from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.ps.filters import FilterSettings
 from fabricd.errors import DaemonUnavailable, UsageError
 from fabricd.frames.fields import MAX_NAME
+from fabricd.frames.ps import SCHEDULINGS
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -130,7 +131,8 @@ class ParameterServer:
         returns once every shard processed it (under BSP: once the iteration was applied).
 
         ``norm``: the update's norm (MLfabric's ``push(update, norm)``), checked and carried
-        for the network-aware ordering of a later release; ``None`` is fine.
+        to the shard's scheduler under ``scheduling="mlfabric"`` (the bounded-divergence
+        replication of MLfabric §5.3 reads it); ``None``: the daemon computes each shard's.
 
         Raises:
             UsageError: not a worker, a wrong shape or dtype, a NaN or an infinity, a push
@@ -152,8 +154,11 @@ class ParameterServer:
         ):
             raise UsageError(f"norm is a finite number >= 0 or None, not {norm!r}")
         array = self._shared(update, "update", copy_in=True)
+        fields = self._where(array)
+        if norm is not None:
+            fields["norm"] = float(norm)
         call = self._connection.submit(
-            "ps_push", self._where(array), what=f"push to parameter server {self.name!r}"
+            "ps_push", fields, what=f"push to parameter server {self.name!r}"
         )
         return Handle(self._connection, call, self._pushed)
 
@@ -333,8 +338,13 @@ def open_request(
     filters: FilterSettings | None,
     chunk: object,
     seed: object,
+    scheduling: object = "arrival",
 ) -> Meta:
     """The ``ps_open`` request's fields, every argument checked first."""
+    if scheduling not in SCHEDULINGS:
+        raise UsageError(
+            f"scheduling must be one of {', '.join(map(repr, SCHEDULINGS))}, not {scheduling!r}"
+        )
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
         raise UsageError(f"a parameter server name is a str of 1 to {MAX_NAME} chars")
     if role not in ROLES:
@@ -387,4 +397,5 @@ def open_request(
         "lr": None if lr is None else float(lr),  # type: ignore[arg-type]
         "momentum": None if momentum is None else float(momentum),  # type: ignore[arg-type]
         "filters": None if filters is None else asdict(filters),
+        "scheduling": scheduling,
     }

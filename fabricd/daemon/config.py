@@ -53,6 +53,7 @@ class Config:
     route_timeout: float = 30.0
     stall_after: float = 30.0
     majority_wait: float = 2.0
+    schedule_interval: float = 0.1
     chunk_size: int = 4 * 1024 * 1024
     max_payload: int = 64 * 1024 * 1024
     max_meta: int = 64 * 1024
@@ -123,13 +124,14 @@ class Config:
             "route_timeout",
             "stall_after",
             "majority_wait",
+            "schedule_interval",
             "client_hello_timeout",
             "client_frame_timeout",
         ):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} must be more than 0 seconds")
         loop_timers = ("client_hello_timeout", "client_frame_timeout", "stall_after")
-        for key in (*loop_timers, "majority_wait"):
+        for key in (*loop_timers, "majority_wait", "schedule_interval"):
             if not getattr(self, key) <= 86400:
                 raise ConfigError(f"{key} must be at most 86400 seconds (a day)")
         if self.drain_timeout < 0:

@@ -1,8 +1,9 @@
 """The parameter server's frames: PUSH, PULL, PUSHED, PULLED, REPLICATE, REPLICATED, JOIN,
-OPENED."""
+OPENED, and MLfabric's scheduling frames READY and GRANT."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
@@ -18,6 +19,11 @@ if TYPE_CHECKING:
 MAX_PS_SERVERS: Final = 4096
 #: the longest reason or error text a parameter-server frame carries
 MAX_PS_REASON: Final = 1024
+#: the longest wait a GRANT may ask of a worker, in microseconds (an hour: a plan further out
+#: than that is a broken peer's, not a schedule)
+MAX_GRANT_WAIT_US: Final = 3_600_000_000
+#: the values a spec's ``scheduling`` takes: arrival order, or MLfabric's (§5.1)
+SCHEDULINGS: Final = ("arrival", "mlfabric")
 #: the fields of a parameter server's spec, every one always present: what every worker and
 #: server of the model agrees on (fabricd/daemon/services/ps.py checks what they mean)
 PS_SPEC_FIELDS: Final = (
@@ -30,6 +36,7 @@ PS_SPEC_FIELDS: Final = (
     "staleness",
     "delay_bound",
     "chunk",
+    "scheduling",
 )
 #: the kinds of entry a shard's replication log holds: a worker's push, or a lost worker
 PS_ENTRIES: Final = ("push", "lose", "flush", "snapshot")
@@ -67,6 +74,7 @@ def _ps_spec(meta: Meta) -> dict[str, Any]:
         "staleness": get_int(spec, "staleness"),
         "delay_bound": None if delay_bound is None else get_int(spec, "delay_bound"),
         "chunk": get_int(spec, "chunk", lo=1),
+        "scheduling": get_str(spec, "scheduling"),
     }
 
 
@@ -392,4 +400,82 @@ class Opened:
             rank=_rank(meta, "r"),
             spec=_ps_spec(meta),
             answer=get_bool(meta, "ans") if "ans" in meta else False,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ready(_ShardFrame):
+    """Rank ``worker``'s update of ``iteration`` (computed from version ``base``, ``size``
+    bytes encoded, of norm ``norm``) is ready to go to the shard ``server`` keeps (control
+    channel, no payload): under ``scheduling="mlfabric"`` the server's scheduler answers with a
+    GRANT (send it then) or a PUSHED that says it was dropped (MLfabric §4-§5.1: the worker's
+    daemon hands the push to the scheduler instead of sending it)."""
+
+    KIND: ClassVar[Kind] = Kind.READY
+    worker: int
+    iteration: int
+    base: int
+    epoch: int
+    size: int
+    norm: float
+    spec: dict[str, Any]
+
+    def to_meta(self) -> Meta:
+        return {
+            **self._meta(),
+            "w": self.worker,
+            "it": self.iteration,
+            "b": self.base,
+            "ep": self.epoch,
+            "n": self.size,
+            "norm": self.norm,
+            "spec": self.spec,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Ready:
+        norm = meta.get("norm")
+        if type(norm) is not float or not math.isfinite(norm) or norm < 0:
+            raise RemoteProtocolError("field 'norm' must be a finite float >= 0")
+        return cls(
+            **cls._fields(meta),
+            worker=_rank(meta, "w"),
+            iteration=get_int(meta, "it"),
+            base=get_int(meta, "b"),
+            epoch=get_int(meta, "ep"),
+            size=get_int(meta, "n"),
+            norm=norm,
+            spec=_ps_spec(meta),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Grant(_ShardFrame):
+    """``server``'s scheduler grants rank ``worker``'s update of ``iteration`` its turn: send
+    the PUSH ``wait_us`` microseconds after this frame arrives (control channel, no payload;
+    MLfabric §3.1.1's network time sharing, §5.1's transfer schedule)."""
+
+    KIND: ClassVar[Kind] = Kind.GRANT
+    worker: int
+    iteration: int
+    epoch: int
+    wait_us: int
+
+    def to_meta(self) -> Meta:
+        return {
+            **self._meta(),
+            "w": self.worker,
+            "it": self.iteration,
+            "ep": self.epoch,
+            "wait": self.wait_us,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Grant:
+        return cls(
+            **cls._fields(meta),
+            worker=_rank(meta, "w"),
+            iteration=get_int(meta, "it"),
+            epoch=get_int(meta, "ep"),
+            wait_us=get_int(meta, "wait", hi=MAX_GRANT_WAIT_US),
         )

@@ -15,7 +15,18 @@ from fabricd.frames.collectives import Coll
 from fabricd.frames.link import Bye, Heartbeat
 from fabricd.frames.membership import Announce
 from fabricd.frames.p2p import Cancel, Cts, Data, Done, Eager, Rtr, Rts, Write
-from fabricd.frames.ps import Join, Opened, Pull, Pulled, Push, Pushed, Replicate, Replicated
+from fabricd.frames.ps import (
+    Grant,
+    Join,
+    Opened,
+    Pull,
+    Pulled,
+    Push,
+    Pushed,
+    Ready,
+    Replicate,
+    Replicated,
+)
 from fabricd.frames.stochastic import Ack, Notify, Update
 
 if TYPE_CHECKING:
@@ -46,6 +57,8 @@ PeerFrame = (
     | Replicated
     | Join
     | Opened
+    | Ready
+    | Grant
 )
 #: the frames whose payload is a point-to-point message's bytes (DATA, and EAGER on control)
 MessageFrame = Data | Eager
@@ -79,6 +92,8 @@ _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
         Replicated,
         Join,
         Opened,
+        Ready,
+        Grant,
     )
 }
 #: the kinds :func:`parse` reads

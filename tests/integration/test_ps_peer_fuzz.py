@@ -79,6 +79,7 @@ SPEC: dict[str, Any] = {
     "staleness": 0,
     "delay_bound": None,
     "chunk": 1,
+    "scheduling": "arrival",
 }
 
 

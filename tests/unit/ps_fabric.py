@@ -64,8 +64,12 @@ def gradient(worker: int, iteration: int, size: int) -> Array:
 class Table:
     """One daemon's rank table (every node reachable: the fabric drops what a reset loses)."""
 
-    def __init__(self, ranks: dict[int, int]) -> None:
+    def __init__(
+        self, ranks: dict[int, int], figures: dict[int, tuple[float, float]] | None = None
+    ) -> None:
         self.nodes = dict(ranks)  #: rank -> node
+        #: node -> its (up, down) bytes/s, as the network monitor would say (none: unknown)
+        self.figures = figures if figures is not None else {}
 
     def lookup(self, job: str, rank: int, /) -> RankEntry | None:
         node = self.nodes.get(rank)
@@ -75,6 +79,9 @@ class Table:
 
     def reachable(self, node: int, /) -> bool:
         return True
+
+    def bandwidth(self, node: int, /) -> tuple[float, float] | None:
+        return self.figures.get(node)
 
 
 @dataclass
@@ -125,6 +132,7 @@ class Fabric:
         callback: bool = False,
         lossless: bool = False,
         late_join: bool = False,
+        scheduled: bool = False,
     ) -> None:
         self.consistency = consistency
         self.callback = callback
@@ -132,6 +140,9 @@ class Fabric:
         self.lossless = lossless
         self.staleness = staleness
         self.delay_bound = delay_bound
+        self.scheduled = scheduled
+        #: node -> (up, down) bytes/s for the schedulers (``scheduled``); shared by every table
+        self.figures: dict[int, tuple[float, float]] = {}
         self.size = size
         self.now = 0.0
         self.servers = [workers + s for s in range(shards)]
@@ -146,6 +157,7 @@ class Fabric:
             "staleness": staleness,
             "delay_bound": delay_bound if consistency is Consistency.ASYNC else None,
             "chunk": chunk,
+            "scheduling": "mlfabric" if scheduled else "arrival",
         }
         self.bounds = shard_bounds(size, shards)
         # lossless publish with P-SMP: small changes are held back until a flush publishes them
@@ -183,7 +195,13 @@ class Fabric:
 
     # -- ranks and nodes --------------------------------------------------------------------
     def _node(self, rank: int) -> PSNode:
-        node = PSNode(node=rank, ranks=Table(self.known), max_payload=1 << 20, route_timeout=1.0)
+        node = PSNode(
+            node=rank,
+            ranks=Table(self.known, self.figures),
+            max_payload=1 << 20,
+            route_timeout=1.0,
+            schedule_interval=0.5,
+        )
         self.nodes[rank] = node
         return node
 
@@ -390,7 +408,7 @@ class Fabric:
         for _ in range(limit):
             for w in range(len(self.workers)):
                 self.step(w)
-            if not self.deliver(0):
+            if not self.deliver(0) and not (self.scheduled and self.tick()):
                 if all(sim.done for sim in self.workers):
                     return
                 stuck = [
@@ -401,11 +419,31 @@ class Fabric:
                 raise AssertionError(f"nothing in flight and workers wait: {stuck}")
         raise AssertionError("the fabric did not settle")
 
+    def tick(self) -> bool:
+        """Nothing in flight: the clock moves to the earliest deadline of any node (a
+        scheduler's batch, a granted push's start, an early frame's expiry) and its timers
+        run.  False when no node has one."""
+        due = [d for n in self.nodes.values() if (d := n.next_deadline()) is not None]
+        if not due:
+            return False
+        self.now = max(self.now, min(due))
+        self._timers()
+        return True
+
+    def _timers(self) -> None:
+        """Run the timers of every node whose deadline has come."""
+        for rank, node in list(self.nodes.items()):
+            due = node.next_deadline()
+            if due is not None and due <= self.now:
+                self._perform(rank, node.on_timer(self.now))
+
     # -- frames ---------------------------------------------------------------------------
     def _arrive(self, key: tuple[str, int, int], frame: Any, payload: bytes) -> None:
         kind, src, dst = key
         node = self.nodes[dst]
         self.now += 1.0
+        if self.scheduled:  # (without a scheduler, early frames never expire here)
+            self._timers()
         if kind == STEP:
             assert isinstance(frame, StepShard)
             model = frame.step.model + frame.step.update  # the process's callback: the sum rule

@@ -38,6 +38,7 @@ PS_SPEC: Meta = {
     "staleness": 0,
     "delay_bound": 8,
     "chunk": 16,
+    "scheduling": "arrival",
 }
 #: the fields every parameter-server frame has
 SHARD: Meta = {"job": "j", "name": "ps", "shard": 1, "server": 1}

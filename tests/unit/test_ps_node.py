@@ -57,6 +57,7 @@ def spec(replicas: bool = True) -> dict[str, Any]:
         "staleness": 0,
         "delay_bound": None,
         "chunk": 1,
+        "scheduling": "arrival",
     }
 
 

@@ -211,6 +211,7 @@ class Fabric:
             "consistency": "bsp",
             "staleness": 0,
             "chunk": 1,
+            "scheduling": "arrival",
             "seed": 0,
             "rule": "sum",
         } | spec

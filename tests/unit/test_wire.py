@@ -60,6 +60,7 @@ PS_SPEC = {
     "staleness": 2,
     "delay_bound": None,
     "chunk": 1,
+    "scheduling": "arrival",
 }
 
 #: the documented header: magic, version u8, kind u8, flags u16, meta_len u32, payload_len u64

@@ -63,6 +63,7 @@ from fabricd.engines.ps.worker import shard_bounds
 from fabricd.errors import ErrorCode, OperationFailed, RemoteProtocolError, UsageError
 from fabricd.frames import ps as ps_frames
 from fabricd.frames.fields import MAX_NAME, MAX_RANK
+from fabricd.frames.ps import SCHEDULINGS
 from fabricd.wire import Kind, Meta, get_int, get_str
 
 if TYPE_CHECKING:
@@ -144,6 +145,8 @@ class PSService(BaseService):
             Kind.REPLICATED,
             Kind.JOIN,
             Kind.OPENED,
+            Kind.READY,
+            Kind.GRANT,
         }
     )
     ops = frozenset({"ps_open", "ps_push", "ps_pull", "ps_stepped", "ps_flush"})
@@ -157,6 +160,7 @@ class PSService(BaseService):
             ranks=_Ranks(host, membership),
             max_payload=config.max_payload,
             route_timeout=config.route_timeout,
+            schedule_interval=config.schedule_interval,
         )
         self._sessions: dict[tuple[Key, int], ClientSession] = {}  #: local workers' clients
         self._calls: dict[tuple[Key, int], Call] = {}  #: their open push or pull
@@ -398,6 +402,10 @@ class PSService(BaseService):
             raise UsageError("staleness belongs to consistency='ssp'")
         if spec["delay_bound"] is not None and spec["consistency"] != "async":
             raise UsageError("delay_bound belongs to consistency='async'")
+        if spec["scheduling"] not in SCHEDULINGS:
+            raise UsageError(f"scheduling {spec['scheduling']!r}: one of {', '.join(SCHEDULINGS)}")
+        if spec["scheduling"] == "mlfabric" and spec["consistency"] != "async":
+            raise UsageError("scheduling='mlfabric' orders and drops async updates (MLfabric §5.1)")
         if spec["size"] < len(servers) or spec["chunk"] < 1:
             raise UsageError(f"{spec['size']} elements cannot be split over {len(servers)} servers")
         itemsize = np.dtype(spec["dtype"]).itemsize
@@ -469,7 +477,11 @@ class PSService(BaseService):
         model = self.engine.models[key]
         update = self._array(request, model.spec, writable=False)
         rank = request.session.rank
-        actions = self.engine.push(key, rank, update, now)  # refused before anything is sent
+        norm = request.meta.get("norm")
+        if norm is not None and (type(norm) is not float or not norm >= 0):
+            raise UsageError(f"norm is a finite number >= 0 or None, not {norm!r}")
+        # refused before anything is sent
+        actions = self.engine.push(key, rank, update, now, norm)
         self._calls[key, rank] = Call(
             session=request.session, request=request.id, started=now, op="push"
         )
@@ -610,7 +622,7 @@ class PSService(BaseService):
         replica's frame the engine judges by its own stricter rule (its rank must be known
         on that node; one that overtook its announcement is sent again): a stranger's is
         counted here too."""
-        if isinstance(frame, ps_frames.Push | ps_frames.Pull):
+        if isinstance(frame, ps_frames.Push | ps_frames.Pull | ps_frames.Ready):
             verdict = self._gate.judge(node, frame.job, frame.worker)
             if verdict is Sender.NOT_YET:  # (a push whose rank left while it landed, too)
                 view = self._gate.hold(node, frame.job, frame.worker, frame, len(data))
@@ -630,7 +642,8 @@ class PSService(BaseService):
                 | ps_frames.Replicate
                 | ps_frames.Replicated
                 | ps_frames.Join
-                | ps_frames.Opened,
+                | ps_frames.Opened
+                | ps_frames.Grant,
             )
             if isinstance(frame, ps_frames.Opened):
                 rank = frame.rank
@@ -757,6 +770,7 @@ def _spec(meta: Meta, n: int) -> Meta:
         "staleness": get_int(meta, "staleness"),
         "delay_bound": None if delay_bound is None else get_int(meta, "delay_bound"),
         "chunk": get_int(meta, "chunk", lo=1),
+        "scheduling": get_str(meta, "scheduling") if "scheduling" in meta else "arrival",
     }
 
 

@@ -280,6 +280,7 @@ class DropReason(enum.Enum):
 
     DELAY = "delay"  #: its delay would exceed the bound (async)
     LOST = "lost"  #: its worker was lost before it arrived
+    SCHEDULED = "scheduled"  #: MLfabric's scheduler dropped it before it was sent (§5.1.3)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -293,9 +294,12 @@ class Drop:
     delay: int
     reason: DropReason
     bound: int | None = None  #: the delay bound, for :attr:`DropReason.DELAY`
+    why: str | None = None  #: the scheduler's words, for :attr:`DropReason.SCHEDULED`
 
     @property
     def message(self) -> str:
+        if self.reason is DropReason.SCHEDULED:
+            return f"worker {self.worker}'s update of iteration {self.iteration} was {self.why}"
         if self.reason is DropReason.DELAY:
             return (
                 f"worker {self.worker}'s update of iteration {self.iteration} was dropped: "
@@ -406,6 +410,28 @@ class Coordinator:
             out = [self._apply(iteration, {worker: (base, values)})]
             self._advance()
         return out + self._release()
+
+    def skip(self, worker: int, iteration: int, base: int, why: str) -> list[Action]:
+        """Worker ``worker``'s update of ``iteration`` was dropped by MLfabric's scheduler
+        before it was sent (``why``): the iteration is done, nothing is applied, the drop is
+        counted (async only: the scheduler runs for it).
+
+        Raises:
+            RemoteProtocolError: as :meth:`push`.
+        """
+        self.check_push(worker, iteration, base)
+        self._next[worker] = iteration + 1
+        self._dropped[DropReason.SCHEDULED.value] += 1
+        drop = Drop(
+            worker=worker,
+            iteration=iteration,
+            base=base,
+            delay=self._version - base,
+            reason=DropReason.SCHEDULED,
+            why=why,
+        )
+        self._advance()
+        return [drop, *self._release()]
 
     def check_push(self, worker: int, iteration: int, base: int) -> None:
         """Raise as :meth:`push` would for this push, changing nothing: a server that logs a

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fabricd.engines.ps.scheduler import Granted
 from fabricd.engines.ps.server import Acked, Answer, Forward, Logged, Refuse, Snapshot
-from fabricd.engines.ps.worker import SendPush
+from fabricd.engines.ps.worker import SendPush, SendReady
 from fabricd.frames import ps as ps_frames
 from fabricd.frames.ps import MAX_PS_REASON
 
@@ -24,11 +25,26 @@ if TYPE_CHECKING:
 
 
 def to_server(
-    key: Key, spec: Meta, worker: int, to: int, epoch: int, action: SendPush | SendPull
+    key: Key,
+    spec: Meta,
+    worker: int,
+    to: int,
+    epoch: int,
+    action: SendPush | SendPull | SendReady,
 ) -> tuple[registry.PeerFrame, bytes]:
-    """A worker's push (PUSH, with its payload) or pull (PULL) of one shard, for rank ``to``."""
+    """A worker's push (PUSH, with its payload), pull (PULL) or ready update (READY) of one
+    shard, for rank ``to``."""
     fields: Meta = {"job": key[0], "name": key[1], "shard": action.shard, "server": to}
     fields |= {"worker": worker, "epoch": epoch, "spec": spec}
+    if isinstance(action, SendReady):
+        ready = ps_frames.Ready(
+            **fields,
+            iteration=action.iteration,
+            base=action.base,
+            size=action.size,
+            norm=action.norm,
+        )
+        return ready, b""
     if isinstance(action, SendPush):
         push = ps_frames.Push(**fields, iteration=action.iteration, base=action.base)
         return push, bytes(action.payload)
@@ -36,12 +52,15 @@ def to_server(
 
 
 def to_worker(
-    key: Key, shard: int, me: int, server: ShardServer, action: Acked | Answer | Refuse
+    key: Key, shard: int, me: int, server: ShardServer, action: Acked | Answer | Refuse | Granted
 ) -> tuple[registry.PeerFrame, bytes]:
-    """A shard's answer to a worker: PUSHED, PULLED (with the changed parameters) or a
-    refused pull (PULLED with an error)."""
+    """A shard's answer to a worker: PUSHED, PULLED (with the changed parameters), a
+    refused pull (PULLED with an error) or its scheduler's GRANT."""
     fields: Meta = {"job": key[0], "name": key[1], "shard": shard, "server": me}
     fields |= {"epoch": server.epoch, "worker": action.worker}
+    if isinstance(action, Granted):
+        wait = min(round(action.wait * 1e6), ps_frames.MAX_GRANT_WAIT_US)
+        return ps_frames.Grant(**fields, iteration=action.iteration, wait_us=wait), b""
     if isinstance(action, Acked):
         dropped = text(action.dropped)
         pushed = ps_frames.Pushed(
@@ -56,13 +75,16 @@ def to_worker(
 
 
 def refusal(
-    key: Key, frame: ps_frames.Push | ps_frames.Pull, why: str, epoch: int | None
+    key: Key,
+    frame: ps_frames.Push | ps_frames.Pull | ps_frames.Ready,
+    why: str,
+    epoch: int | None,
 ) -> ps_frames.Pushed | ps_frames.Pulled:
     """``frame`` answered with ``why`` (a push as not applied, a pull as failed); ``epoch``:
     the shard's later epoch, which moves the worker's daemon to the rank serving it."""
     common: Meta = {"job": key[0], "name": key[1], "shard": frame.shard, "server": frame.server}
     common |= {"worker": frame.worker, "epoch": frame.epoch if epoch is None else epoch}
-    if isinstance(frame, ps_frames.Push):
+    if isinstance(frame, ps_frames.Push | ps_frames.Ready):
         return ps_frames.Pushed(**common, iteration=frame.iteration, version=0, dropped=text(why))
     return ps_frames.Pulled(**common, clock=frame.clock, version=0, error=text(why))
 

@@ -64,6 +64,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import Complete, Failure, SendFrame
+from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.ps import messages, routing
 from fabricd.engines.ps.agreement import Agreement
 from fabricd.engines.ps.consistency import Consistency
@@ -78,6 +79,7 @@ from fabricd.engines.ps.models import (
     WorkerSide,
 )
 from fabricd.engines.ps.routing import Early, EarlyFrames, HeldFrames, pair
+from fabricd.engines.ps.scheduler import ShardScheduler
 from fabricd.engines.ps.server import (
     FLUSH,
     LOSE,
@@ -89,7 +91,15 @@ from fabricd.engines.ps.server import (
     Snapshot,
     Step,
 )
-from fabricd.engines.ps.worker import PullDone, PullFailed, PushDone, SendPull, SendPush, Worker
+from fabricd.engines.ps.worker import (
+    PullDone,
+    PullFailed,
+    PushDone,
+    SendPull,
+    SendPush,
+    SendReady,
+    Worker,
+)
 from fabricd.errors import ErrorCode, RemoteProtocolError, UsageError
 from fabricd.frames import ps as ps_frames
 from fabricd.wire import Kind
@@ -106,6 +116,8 @@ if TYPE_CHECKING:
     from fabricd.frames import registry
     from fabricd.wire import Meta
 
+#: a worker's frames for the rank serving a shard
+ToServer = ps_frames.Push | ps_frames.Pull | ps_frames.Ready
 #: the kinds that travel on the data link, with their payload
 DATA_KINDS = frozenset({Kind.PUSH, Kind.PULLED, Kind.REPLICATE})
 
@@ -120,8 +132,17 @@ class PSNode:
         route_timeout: seconds a pull waits for its model's server to open it.
     """
 
-    def __init__(self, *, node: int, ranks: Ranks, max_payload: int, route_timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        node: int,
+        ranks: Ranks,
+        max_payload: int,
+        route_timeout: float,
+        schedule_interval: float = 0.1,
+    ) -> None:
         self.node = node
+        self.schedule_interval = schedule_interval
         self.ranks = ranks
         self.max_payload = max_payload
         self.route_timeout = route_timeout
@@ -132,6 +153,9 @@ class PSNode:
         #: ranks lost with their node's links, not gone yet: what is sent them is held
         self.suspects: set[tuple[str, int]] = set()
         self._early = EarlyFrames(max_payload)
+        #: MLfabric: the scheduled shards' batch deadlines, and the granted pushes' starts
+        self._ticks: Deadlines[tuple[Key, int]] = Deadlines()
+        self._paced: Deadlines[tuple[Key, int, int, int]] = Deadlines()
         self._held = HeldFrames(max_payload)
         self._local: deque[tuple[int, registry.PeerFrame, bytes]] = deque()
         self._out: list[Action] = []
@@ -207,6 +231,7 @@ class PSNode:
             settings=settings,
             delay_bound=spec["delay_bound"],
             seed=seed,
+            scheduled=spec["scheduling"] == "mlfabric",
         )
         worker.epochs = [model.epochs.get(shard, 0) for shard in range(len(bounds))]
         model.local_workers[rank] = WorkerSide(engine=worker)
@@ -245,6 +270,13 @@ class PSNode:
             # of its own: it joins its partner, which sends it the shard's
             replica=rank != int(spec["servers"][shard]) or model.epochs.get(shard, 0) > 0,
             replicated=bool(spec["replicas"]),
+            scheduler=ShardScheduler(
+                server=self.node,
+                delay_bound=spec["delay_bound"],
+                interval=self.schedule_interval,
+            )
+            if spec["scheduling"] == "mlfabric"
+            else None,
         )
         model.ranks[shard] = rank
         self._keep(key, model)
@@ -307,11 +339,14 @@ class PSNode:
         return next(iter(model.failed.items()))
 
     # -- a worker's calls --------------------------------------------------------------------
-    def push(self, key: Key, rank: int, update: Array, now: float) -> list[Action]:
-        """Local worker ``rank`` pushes ``update`` (refused with ``UsageError`` first)."""
+    def push(
+        self, key: Key, rank: int, update: Array, now: float, norm: float | None = None
+    ) -> list[Action]:
+        """Local worker ``rank`` pushes ``update`` (refused with ``UsageError`` first);
+        ``norm``: the client's norm of it, if it gave one."""
         self._begin(now)
         side = self.models[key].local_workers[rank]
-        self._worker(key, side, side.engine.push(update))
+        self._worker(key, side, side.engine.push(update, norm))
         return self._done()
 
     def pull(self, key: Key, rank: int, out: Array, *, fresh: bool, now: float) -> list[Action]:
@@ -331,7 +366,7 @@ class PSNode:
         rank = side.engine.worker
         epochs = side.engine.epochs
         for action in actions:
-            if isinstance(action, SendPush | SendPull):
+            if isinstance(action, SendPush | SendPull | SendReady):
                 to = self._serving(job, model, action.shard)
                 epoch = epochs[action.shard]
                 frame, payload = messages.to_server(key, model.spec, rank, to, epoch, action)
@@ -445,6 +480,12 @@ class PSNode:
                 self._send(job, action.worker, frame, payload)
         if model.flushes:
             self._flushed(model)
+        if server.scheduler is not None:
+            due = server.next_deadline()
+            if due is None:
+                self._ticks.cancel((key, shard))
+            else:
+                self._ticks.set((key, shard), due)
 
     def _replicate(
         self, key: Key, shard: int, me: int, other: int, action: Forward | Snapshot
@@ -515,7 +556,7 @@ class PSNode:
         if isinstance(frame, ps_frames.Opened):
             self._out += self.agreement.on_opened(node, frame, self.models)
             return
-        if isinstance(frame, ps_frames.Push | ps_frames.Pull):
+        if isinstance(frame, ps_frames.Push | ps_frames.Pull | ps_frames.Ready):
             self._at_server(node, frame, payload, now)
             return
         # a server's, replica's or partner's frame counts only from the node its rank lives
@@ -526,7 +567,8 @@ class PSNode:
             | ps_frames.Pulled
             | ps_frames.Replicate
             | ps_frames.Replicated
-            | ps_frames.Join,
+            | ps_frames.Join
+            | ps_frames.Grant,
         )
         sender = (
             frame.replica
@@ -535,8 +577,8 @@ class PSNode:
         )
         if not self._sent_by(node, frame.job, sender):
             return
-        if isinstance(frame, ps_frames.Pushed | ps_frames.Pulled):
-            self._at_worker(frame, payload)
+        if isinstance(frame, ps_frames.Pushed | ps_frames.Pulled | ps_frames.Grant):
+            self._at_worker(frame, payload, now)
         elif isinstance(frame, ps_frames.Replicate):
             self._at_replica(frame, payload, now)
         elif isinstance(frame, ps_frames.Join):
@@ -587,9 +629,7 @@ class PSNode:
         )
         return False
 
-    def _at_server(
-        self, node: int, frame: ps_frames.Push | ps_frames.Pull, payload: bytes, now: float
-    ) -> None:
+    def _at_server(self, node: int, frame: ToServer, payload: bytes, now: float) -> None:
         if not self._from(node, frame.job, frame.worker):
             return
         key = (frame.job, frame.name)
@@ -622,11 +662,15 @@ class PSNode:
             return
         if isinstance(frame, ps_frames.Push):
             actions = server.push(frame.worker, frame.iteration, frame.base, payload, now)
+        elif isinstance(frame, ps_frames.Ready):
+            actions = server.ready(
+                frame.worker, frame.iteration, frame.base, frame.size, frame.norm, node, now
+            )
         else:
             actions = server.pull(frame.worker, frame.clock, frame.since, now)
         self._server(key, frame.shard, actions)
 
-    def _awaits_state(self, model: Model, frame: ps_frames.Push | ps_frames.Pull) -> bool:
+    def _awaits_state(self, model: Model, frame: ToServer) -> bool:
         """Whether the local rank of ``frame``'s shard has no state and its partner, known,
         will send it."""
         other = model.partner(frame.shard, model.ranks[frame.shard])
@@ -639,7 +683,7 @@ class PSNode:
     def _refuse(
         self,
         key: Key,
-        frame: ps_frames.Push | ps_frames.Pull,
+        frame: ToServer,
         why: str,
         *,
         epoch: int | None = None,
@@ -648,7 +692,12 @@ class PSNode:
         worker's daemon to the rank serving it."""
         self._send(key[0], frame.worker, messages.refusal(key, frame, why, epoch))
 
-    def _at_worker(self, frame: ps_frames.Pushed | ps_frames.Pulled, payload: bytes) -> None:
+    def _at_worker(
+        self,
+        frame: ps_frames.Pushed | ps_frames.Pulled | ps_frames.Grant,
+        payload: bytes,
+        now: float,
+    ) -> None:
         key = (frame.job, frame.name)
         model = self.models.get(key)
         side = None if model is None else model.local_workers.get(frame.worker)
@@ -666,7 +715,15 @@ class PSNode:
         if frame.server != model.target(frame.shard):
             self.counters["ps_frames_dropped"] += 1  # from the server before a failover
             return
-        if isinstance(frame, ps_frames.Pushed):
+        if isinstance(frame, ps_frames.Grant) and frame.wait_us:
+            # sent when its planned start comes (on_timer): the server's link is time-shared
+            actions = []
+            self._paced.set(
+                (key, frame.worker, frame.shard, frame.iteration), now + frame.wait_us / 1e6
+            )
+        elif isinstance(frame, ps_frames.Grant):
+            actions = side.engine.granted(frame.shard, frame.iteration)
+        elif isinstance(frame, ps_frames.Pushed):
             actions = side.engine.pushed(frame.shard, frame.iteration, frame.version, frame.dropped)
         elif frame.error is not None:
             actions = side.engine.refused(frame.shard, frame.clock, frame.error)
@@ -770,12 +827,12 @@ class PSNode:
             self._worker(key, side, side.engine.move(shard, epoch))
 
     # -- early frames ------------------------------------------------------------------------
-    def _hold(
-        self, node: int, frame: ps_frames.Push | ps_frames.Pull, payload: bytes, now: float
-    ) -> None:
+    def _hold(self, node: int, frame: ToServer, payload: bytes, now: float) -> None:
         if self._early.holds(node, frame):
             return  # sent again after a reset: the one held is taken (or refused) in its place
-        waits = isinstance(frame, ps_frames.Push) and frame.server in pair(frame.spec, frame.shard)
+        waits = isinstance(frame, ps_frames.Push | ps_frames.Ready) and frame.server in pair(
+            frame.spec, frame.shard
+        )
         if not self._early.has_room(len(payload)):
             self.counters["ps_frames_dropped"] += 1
             why = (
@@ -903,11 +960,24 @@ class PSNode:
 
     # -- time --------------------------------------------------------------------------------
     def next_deadline(self) -> float | None:
-        return self._early.next_deadline()
+        due = (self._early.next_deadline(), self._ticks.next(), self._paced.next())
+        return min((d for d in due if d is not None), default=None)
 
     def on_timer(self, now: float) -> list[Action]:
-        """Refuse the early frames whose model did not open within ``route_timeout``."""
+        """Decide the scheduled shards' batches that are due, send the granted pushes whose
+        start came, and refuse the early frames whose model did not open within
+        ``route_timeout``."""
         self._begin(now)
+        for key, shard in self._ticks.pop_due(now):
+            model = self.models.get(key)
+            server = None if model is None else model.servers.get(shard)
+            if server is not None:
+                self._server(key, shard, server.on_timer(now, self.ranks.bandwidth))
+        for key, rank, shard, iteration in self._paced.pop_due(now):
+            model = self.models.get(key)
+            side = None if model is None else model.local_workers.get(rank)
+            if side is not None:
+                self._worker(key, side, side.engine.granted(shard, iteration))
         for early in self._early.expired(now):
             self.counters["ps_early_expired"] += 1
             frame = early.frame

@@ -54,6 +54,11 @@ class Ranks(Protocol):
 
     def reachable(self, node: int, /) -> bool: ...
 
+    def bandwidth(self, node: int, /) -> tuple[float, float] | None:
+        """``node``'s available (up, down) bytes/s as the network monitor last heard, or
+        ``None``: unknown (MLfabric's scheduler plans with them, §4)."""
+        ...
+
 
 def serving(spec: Meta, shard: int, epoch: int) -> int:
     """The rank serving ``shard`` at ``epoch``: its server at even epochs, its replica at odd
@@ -127,7 +132,7 @@ class Early:
     waits for its shard's rank however long)."""
 
     node: int
-    frame: ps_frames.Push | ps_frames.Pull
+    frame: ps_frames.Push | ps_frames.Pull | ps_frames.Ready
     payload: bytes
     deadline: float | None
 
@@ -152,7 +157,7 @@ class EarlyFrames:
     def has_room(self, more: int) -> bool:
         return len(self._frames) < MAX_HELD and room(self._bytes, more, self.max_payload)
 
-    def holds(self, node: int, frame: ps_frames.Push | ps_frames.Pull) -> bool:
+    def holds(self, node: int, frame: ps_frames.Push | ps_frames.Pull | ps_frames.Ready) -> bool:
         """Whether ``frame`` from ``node`` is held already (sent again after a reset)."""
         return any(e.node == node and e.frame == frame for e in self._frames.values())
 

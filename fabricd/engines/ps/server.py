@@ -67,13 +67,16 @@ from fabricd.engines.ps.consistency import (
     rule_state,
 )
 from fabricd.engines.ps.filters import LOW_MAX, FilterSettings, ParameterFilter
+from fabricd.engines.ps.scheduler import Granted
 from fabricd.engines.ps.storage import HEADER as PULL_HEADER
 from fabricd.engines.ps.storage import TimedStore
 from fabricd.errors import RemoteProtocolError, UsageError
 from fabricd.wire import get_int
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
+
+    from fabricd.engines.ps.scheduler import ShardScheduler
 
 Array = np.ndarray[Any, Any]
 
@@ -166,7 +169,7 @@ class Snapshot:
     data: bytes
 
 
-Action = Forward | Logged | Acked | Answer | Refuse | Step | Snapshot
+Action = Forward | Logged | Acked | Answer | Refuse | Step | Snapshot | Granted
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,6 +215,7 @@ class ShardServer:
         chunk: int = 1,
         replica: bool = False,
         replicated: bool = False,
+        scheduler: ShardScheduler | None = None,
     ) -> None:
         settings = settings or FilterSettings()
         self.coordinator = Coordinator(
@@ -221,6 +225,8 @@ class ShardServer:
             delay_bound=delay_bound,
         )
         self.rule = rule
+        #: MLfabric's scheduler of the shard's pushes (``scheduling="mlfabric"``), or ``None``
+        self.scheduler = scheduler
         self.filter = ParameterFilter(settings, initial, chunk=chunk)
         published = self.filter.published
         if settings.plnp:  # P-LNP: the store holds what pulls carry, float16 (ps_filters)
@@ -260,6 +266,87 @@ class ShardServer:
                 acknowledged.
         """
         self._primary_only("a push")
+        seen = self._seen(worker, iteration)
+        if seen is not None:
+            return seen
+        self.coordinator.check_push(worker, iteration, base)
+        ps_push.decode(payload, self.size, self.dtype)  # refused now, not when processed
+        self._pushes += 1
+        self._push_bytes += len(payload)
+        self._waiting[worker] = iteration
+        return self._take(
+            Entry(
+                index=self._index + 1,
+                kind=PUSH,
+                worker=worker,
+                iteration=iteration,
+                base=base,
+                payload=payload,
+            ),
+            now,
+        )
+
+    def ready(
+        self, worker: int, iteration: int, base: int, size: int, norm: float, host: int, now: float
+    ) -> list[Action]:
+        """Worker ``worker`` (on node ``host``) has its push of ``iteration`` ready (MLfabric
+        scheduling, :mod:`fabricd.engines.ps.scheduler`): its scheduler plans it.
+
+        Raises:
+            RemoteProtocolError: this is a replica or a shard not scheduled, or the push would
+                be refused (:meth:`push`).
+        """
+        self._primary_only("a ready update")
+        if self.scheduler is None:
+            raise RemoteProtocolError("a READY for a shard that is not scheduled (MLfabric)")
+        seen = self._seen(worker, iteration)
+        if seen is not None:
+            return seen
+        self.coordinator.check_push(worker, iteration, base)
+        return list(self.scheduler.ready(worker, iteration, base, size, norm, host, now))
+
+    def next_deadline(self) -> float | None:
+        """When the scheduler decides its batch (``None``: no batch, or not scheduled)."""
+        return (
+            None if self.scheduler is None or not self.primary else self.scheduler.next_deadline()
+        )
+
+    def on_timer(
+        self, now: float, figures: Callable[[int], tuple[float, float] | None]
+    ) -> list[Action]:
+        """The scheduler's batch, decided: grants go to the workers, drops into the log (an
+        entry like a push's, without payload, that says why: replicated and acknowledged like
+        any push, so a promoted replica and a worker's resend see it decided)."""
+        if self.scheduler is None or not self.primary:
+            return []
+        out: list[Action] = []
+        for decision in self.scheduler.on_timer(now, self.coordinator.version, figures):
+            if isinstance(decision, Granted):
+                out.append(decision)
+                continue
+            worker, iteration = decision.worker, decision.iteration
+            last = self._last.get(worker)
+            if worker in self._waiting or (last is not None and last[0] >= iteration):
+                continue  # pushed meanwhile (a resend after a failover): that push decides
+            self._waiting[worker] = iteration
+            entry = Entry(
+                index=self._index + 1,
+                kind=PUSH,
+                worker=worker,
+                iteration=iteration,
+                base=decision.base,
+                reason=decision.reason,
+            )
+            out += self._take(entry, now)
+        return out
+
+    def _seen(self, worker: int, iteration: int) -> list[Action] | None:
+        """What a push (or READY) of ``worker``'s ``iteration`` gets if the shard took it
+        already (its acknowledgement again, or nothing while it waits), or ``None``: a new one.
+
+        Raises:
+            RemoteProtocolError: the worker pushed again before its last push was acknowledged.
+        """
         last = self._last.get(worker)
         waiting = self._waiting.get(worker)
         clock = self.coordinator.clock(worker)
@@ -285,22 +372,7 @@ class ShardServer:
                 f"worker {worker} pushed iteration {iteration} before its iteration {waiting} "
                 "was acknowledged"
             )
-        self.coordinator.check_push(worker, iteration, base)
-        ps_push.decode(payload, self.size, self.dtype)  # refused now, not when processed
-        self._pushes += 1
-        self._push_bytes += len(payload)
-        self._waiting[worker] = iteration
-        return self._take(
-            Entry(
-                index=self._index + 1,
-                kind=PUSH,
-                worker=worker,
-                iteration=iteration,
-                base=base,
-                payload=payload,
-            ),
-            now,
-        )
+        return None
 
     def pull(self, worker: int, clock: int, since: int, now: float) -> list[Action]:
         """Worker ``worker``'s pull at ``clock``; its cache holds version ``since``.
@@ -617,6 +689,10 @@ class ShardServer:
             # the worker's push in waiting, if any, stays so until processed: one taken before
             # this entry is held for its BSP iteration, one taken after it is dropped
             actions = self.coordinator.lose(entry.worker, entry.reason or "lost", now)
+            if self.scheduler is not None:
+                self.scheduler.lose(entry.worker)
+        elif entry.reason is not None:  # dropped by the scheduler before it was sent
+            actions = self.coordinator.skip(entry.worker, entry.iteration, entry.base, entry.reason)
         else:
             values = ps_push.decode(entry.payload, self.size, self.dtype)
             actions = self.coordinator.push(entry.worker, entry.iteration, entry.base, values, now)
@@ -633,6 +709,7 @@ class ShardServer:
                 publish = self.filter.flush()
                 self.store.publish(publish.mask, publish.values)
                 continue
+            self._settle(action)
             if isinstance(action, Apply):
                 if self.rule is None:  # the server's process steps the model: wait for it
                     self._stepping = action
@@ -683,6 +760,16 @@ class ShardServer:
         # a replica answers nobody (its acknowledgements are kept for after a promotion), but
         # its own process runs the update callback too
         return [a for a in out if isinstance(a, Step | Logged)]
+
+    def _settle(self, action: object) -> None:
+        """The scheduler forgets the grants of the pushes ``action`` decided."""
+        if self.scheduler is None:
+            return
+        if isinstance(action, Apply):
+            for update in action.updates:
+                self.scheduler.settled(update.worker, update.iteration)
+        elif isinstance(action, Drop):
+            self.scheduler.settled(action.worker, action.iteration)
 
     def _publish(self, apply: Apply, model: Array) -> list[Action]:
         """``model`` is the update rule's step of ``apply``: filter it, publish it, and

@@ -17,6 +17,12 @@ publishes once on every shard).
 
 A worker has one push and one pull in flight at a time (the client waits for each): a push is
 acknowledged once every shard processed it, a pull complete once every shard answered.
+
+Under ``scheduled`` (``scheduling="mlfabric"``, :mod:`fabricd.engines.ps.scheduler`) a shard's
+push is not sent at once: the shard's scheduler is told it is ready (:class:`SendReady`, with
+its encoded size and its norm), and it is sent once granted (:meth:`Worker.granted`) or
+reported dropped (the scheduler's PUSHED).  The norm is the client's (MLfabric's ``push(update,
+norm)``, the whole update's: a bound on each shard's) or, without one, the shard's own L2 norm.
 """
 
 from __future__ import annotations
@@ -102,7 +108,19 @@ class PullFailed:
     reason: str
 
 
-Action = SendPush | SendPull | PushDone | PullDone | PullFailed
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendReady:
+    """Tell ``shard``'s scheduler the push of ``iteration`` (from ``base``) is ready: ``size``
+    bytes encoded, of norm ``norm``."""
+
+    shard: int
+    iteration: int
+    base: int
+    size: int
+    norm: float
+
+
+Action = SendPush | SendPull | SendReady | PushDone | PullDone | PullFailed
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,6 +159,7 @@ class Worker:
         settings: FilterSettings | None = None,
         delay_bound: int | None = None,
         seed: int = 0,
+        scheduled: bool = False,
     ) -> None:
         settings = settings or FilterSettings()
         self.worker = worker
@@ -159,7 +178,10 @@ class Worker:
         self.iteration = 0  #: the next push's iteration (the worker's clock)
         self.versions = [0] * shards  #: the versions the cache holds
         self.epochs = [0] * shards
+        self.scheduled = scheduled
         self._pushing: dict[int, tuple[int, int, bytearray]] = {}  #: shard -> (it, base, data)
+        #: scheduled: shard -> the norm of its push not granted yet (granted ones are sent)
+        self._unsent: dict[int, float] = {}
         self._push_results: dict[int, tuple[int, str | None]] = {}  #: shard -> (version, why)
         self._pull_clock: int | None = None
         self._pulling: set[int] = set()  #: shards whose answer is awaited
@@ -168,9 +190,9 @@ class Worker:
         self._push_dense = 0
 
     # -- pushes ---------------------------------------------------------------------------
-    def push(self, gradient: Array) -> list[Action]:
+    def push(self, gradient: Array, norm: float | None = None) -> list[Action]:
         """Push ``gradient`` (the whole model's, flat, of the model's dtype) as the next
-        iteration.
+        iteration; ``norm``: the client's norm of it, if it gave one (module docstring).
 
         Raises:
             UsageError: a push is still in flight, or the gradient is not the model's size and
@@ -202,8 +224,27 @@ class Worker:
             self._push_dense += ps_push.HEADER.size + (hi - lo) * self.dtype.itemsize
             base = self.versions[shard]
             self._pushing[shard] = (iteration, base, data)
-            out.append(SendPush(shard=shard, iteration=iteration, base=base, payload=data))
+            if not self.scheduled:
+                out.append(SendPush(shard=shard, iteration=iteration, base=base, payload=data))
+                continue
+            mine = norm if norm is not None else float(np.linalg.norm(flat[lo:hi], ord=2))
+            self._unsent[shard] = mine
+            out.append(self._ready(shard))
         return out + self._push_done()
+
+    def _ready(self, shard: int) -> SendReady:
+        iteration, base, data = self._pushing[shard]
+        norm = self._unsent[shard]
+        return SendReady(shard=shard, iteration=iteration, base=base, size=len(data), norm=norm)
+
+    def granted(self, shard: int, iteration: int) -> list[Action]:
+        """``shard``'s scheduler granted the push of ``iteration`` its turn: send it (the
+        caller waited the grant's wait).  A grant for no push waiting for one is ignored."""
+        pending = self._pushing.get(shard)
+        if pending is None or pending[0] != iteration or shard not in self._unsent:
+            return []
+        del self._unsent[shard]
+        return [SendPush(shard=shard, iteration=iteration, base=pending[1], payload=pending[2])]
 
     def pushed(self, shard: int, iteration: int, version: int, dropped: str | None) -> list[Action]:
         """``shard`` processed the push of ``iteration`` (the model at ``version``).  One for
@@ -212,6 +253,7 @@ class Worker:
         if pending is None or pending[0] != iteration:
             return []
         del self._pushing[shard]
+        self._unsent.pop(shard, None)
         self.gates[shard].heard(version)
         if dropped is not None:
             self._server_dropped += 1
@@ -295,7 +337,9 @@ class Worker:
         answered (after a reset of its server's links, or to the replica that took over)."""
         out: list[Action] = []
         pending = self._pushing.get(shard)
-        if pending is not None:
+        if pending is not None and shard in self._unsent:
+            out.append(self._ready(shard))  # not granted yet: the scheduler is asked again
+        elif pending is not None:
             iteration, base, data = pending
             out.append(SendPush(shard=shard, iteration=iteration, base=base, payload=data))
         if shard in self._pulling and self._pull_clock is not None:

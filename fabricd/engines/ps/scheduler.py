@@ -1,0 +1,244 @@
+"""One shard's MLfabric scheduler: which ready updates are sent to the server, when, and which
+are dropped before they cost the network anything (MLfabric §4, §5.1).
+
+Rules: under ``scheduling="mlfabric"`` a worker's daemon does not send a push: it tells the
+shard's primary that the update is *ready* (READY: worker, iteration, the version it was
+computed from, its encoded size and norm).  The primary's :class:`ShardScheduler` gathers the
+ready updates of one scheduling interval into a batch (§7: "we batch requests at the
+scheduler every 100 ms"; a batch opens with its first update, so a lone update waits at most
+one interval) and orders the batch with Alg. 2 (:func:`fabricd.engines.scheduling.ordering.order`)
+over residual-capacity timelines of the star network the monitor reports: shortest transfer
+first, deadlines ``dl(g) = v(g) + τmax − v_init`` (eq. 9), and look-ahead drops (§5.1.3).  Each
+planned update is *granted*: its worker's daemon sends the push when its transfer's planned
+start comes (GRANT carries the wait), so transfers share the server's link in time instead of
+at once (§3.1.1); each dropped update is *denied*: the shard logs a drop for it (replicated like
+any entry, so a promoted replica knows it too) and its worker's push result says why.
+
+Choices where the paper is silent, and why:
+
+* ``v_init`` (eq. 9: "the version of the model after all updates from previous batches are
+  applied") is the shard's version plus the updates granted and not yet processed: those will
+  be applied first, unless the server drops them, which only makes a deadline looser than
+  planned, never one the server then breaks (the server checks τmax itself on arrival).
+* The timelines of a batch start from the monitor's latest figures with the transfers granted
+  earlier and not yet processed reserved again, from now, at their whole size: the scheduler
+  learns when a push arrived, not how much of it did, so it plans as if nothing of it had
+  (conservative: a later batch never counts on capacity an earlier grant still uses).
+* A grant whose push never arrives (its worker's daemon died, or the frame was lost with a
+  reset and the worker's daemon sends the READY again) stops counting after its planned end
+  plus ``max(1 s, 10 intervals)``; a READY sent again for an update granted already is granted
+  again at once (its planned start is past).
+* A host the monitor has no figures for is planned at :data:`UNKNOWN_BPS` each way (10 Gbit/s,
+  the paper's links), so that an unmeasured fabric is scheduled shortest-first by size alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fabricd.engines.scheduling.ordering import Update, order
+from fabricd.engines.scheduling.timelines import Network
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+#: bytes/s a host is planned at, each way, when the monitor has no figures for it (10 Gbit/s)
+UNKNOWN_BPS = 1.25e9
+#: the longest a grant counts towards ``v_init`` and the timelines past its planned end
+GRANT_GRACE_MIN = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Granted:
+    """Tell ``worker`` to send its push of ``iteration`` in ``wait`` seconds."""
+
+    worker: int
+    iteration: int
+    wait: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Denied:
+    """``worker``'s update of ``iteration`` (computed from ``base``) is dropped: ``reason``."""
+
+    worker: int
+    iteration: int
+    base: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Ready:
+    worker: int
+    iteration: int
+    base: int
+    size: int
+    norm: float
+    host: int
+    at: float  #: when it came
+
+
+@dataclass(slots=True, kw_only=True)
+class _Grant:
+    ready: _Ready
+    end: float  #: the planned end of its transfer
+    expires: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerStatistics:
+    """What ``fabricctl status`` and the metrics show of one shard's scheduler."""
+
+    ready: int  #: READYs taken (not counting ones sent again)
+    granted: int
+    denied: dict[str, int]  #: by reason
+    batches: int
+    waiting: int  #: in the batch being gathered
+    outstanding: int  #: granted, not processed yet
+    latency_sum: float  #: seconds from READY to decision, summed
+    latency_max: float
+
+
+class ShardScheduler:
+    """The scheduler of one shard served at host ``server`` (module docstring).
+
+    Args:
+        server: the node the shard's primary lives on.
+        delay_bound: async's τmax, or ``None`` (shortest transfer first only, Alg. 1).
+        interval: seconds a batch gathers ready updates.
+    """
+
+    def __init__(self, *, server: int, delay_bound: int | None, interval: float) -> None:
+        self.server = server
+        self.delay_bound = delay_bound
+        self.interval = interval
+        self._batch: dict[tuple[int, int], _Ready] = {}
+        self._granted: dict[tuple[int, int], _Grant] = {}
+        self._due: float | None = None
+        self._ready = self._grants = self._batches = 0
+        self._denied: dict[str, int] = {}
+        self._latency_sum = self._latency_max = 0.0
+
+    def ready(
+        self, worker: int, iteration: int, base: int, size: int, norm: float, host: int, now: float
+    ) -> list[Granted]:
+        """``worker`` (on node ``host``) has its update of ``iteration`` ready: it joins the
+        batch, or, granted already (a READY sent again), is granted again at once."""
+        key = (worker, iteration)
+        if key in self._granted:
+            return [Granted(worker=worker, iteration=iteration, wait=0.0)]
+        if key not in self._batch:
+            self._ready += 1
+        self._batch[key] = _Ready(
+            worker=worker, iteration=iteration, base=base, size=size, norm=norm, host=host, at=now
+        )
+        if self._due is None:
+            self._due = now + self.interval
+        return []
+
+    def next_deadline(self) -> float | None:
+        return self._due
+
+    def on_timer(
+        self, now: float, version: int, figures: Callable[[int], tuple[float, float] | None]
+    ) -> list[Granted | Denied]:
+        """Decide the batch if its interval is over: grant what Alg. 2 plans, deny what it
+        drops.  ``version`` is the shard's; ``figures`` the monitor's (up, down) per host."""
+        if self._due is None or now < self._due:
+            return []
+        self._due = None
+        self._expire(now)
+        batch, self._batch = list(self._batch.values()), {}
+        if not batch:
+            return []
+        self._batches += 1
+        network = self._network(now, batch, figures)
+        updates = [
+            Update(
+                key=(r.worker, r.iteration), host=r.host, version=r.base, size=r.size, norm=r.norm
+            )
+            for r in batch
+        ]
+        by_key = {(r.worker, r.iteration): r for r in batch}
+        plan = order(
+            updates,
+            network,
+            server=self.server,
+            delay_bound=self.delay_bound,
+            v_init=version + len(self._granted),
+        )
+        grace = max(GRANT_GRACE_MIN, 10 * self.interval)
+        out: list[Granted | Denied] = []
+        for planned in plan.planned:
+            ready = by_key[planned.update.key]  # type: ignore[index]
+            end = planned.transfer.end
+            self._granted[(ready.worker, ready.iteration)] = _Grant(
+                ready=ready, end=end, expires=end + grace
+            )
+            self._grants += 1
+            wait = max(0.0, planned.transfer.start - now)
+            out.append(Granted(worker=ready.worker, iteration=ready.iteration, wait=wait))
+        for update, reason in plan.dropped:
+            ready = by_key[update.key]  # type: ignore[index]
+            self._denied[reason] = self._denied.get(reason, 0) + 1
+            out.append(
+                Denied(
+                    worker=ready.worker,
+                    iteration=ready.iteration,
+                    base=ready.base,
+                    reason=f"dropped by the scheduler: {reason}",
+                )
+            )
+        for ready in batch:
+            latency = now - ready.at
+            self._latency_sum += latency
+            self._latency_max = max(self._latency_max, latency)
+        return out
+
+    def settled(self, worker: int, iteration: int) -> None:
+        """The shard processed ``worker``'s push of ``iteration`` (applied or dropped)."""
+        self._granted.pop((worker, iteration), None)
+        self._batch.pop((worker, iteration), None)
+
+    def lose(self, worker: int) -> None:
+        """``worker`` is lost to the shard: what it had ready or granted is forgotten."""
+        for table in (self._batch, self._granted):
+            for key in [k for k in table if k[0] == worker]:
+                del table[key]
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, g in self._granted.items() if g.expires <= now]:
+            del self._granted[key]
+
+    def _network(
+        self,
+        now: float,
+        batch: list[_Ready],
+        figures: Callable[[int], tuple[float, float] | None],
+    ) -> Network:
+        """The star network's timelines from ``now``: the monitor's figures for the hosts the
+        batch and the outstanding grants use, the outstanding grants reserved again."""
+        hosts = {self.server, *(r.host for r in batch)}
+        hosts |= {g.ready.host for g in self._granted.values()}
+        up: dict[int, float] = {}
+        down: dict[int, float] = {}
+        for host in hosts:
+            known = figures(host)
+            up[host], down[host] = known if known is not None else (UNKNOWN_BPS, UNKNOWN_BPS)
+        network = Network(up, down, now=now)
+        for grant in sorted(self._granted.values(), key=lambda g: g.end):
+            network.reserve(grant.ready.host, self.server, grant.ready.size)
+        return network
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            ready=self._ready,
+            granted=self._grants,
+            denied=dict(self._denied),
+            batches=self._batches,
+            waiting=len(self._batch),
+            outstanding=len(self._granted),
+            latency_sum=self._latency_sum,
+            latency_max=self._latency_max,
+        )
