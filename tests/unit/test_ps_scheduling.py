@@ -101,7 +101,8 @@ def test_a_push_waits_for_its_grant_and_goes_once_granted() -> None:
         pass
     fabric.step(0)  # push
     sent = [f for (kind, src, _), q in fabric.links.items() if src == 0 for f, _ in q]
-    assert sent and all(isinstance(f, ps_frames.Ready) for f in sent)
+    assert sent
+    assert all(isinstance(f, ps_frames.Ready) for f in sent)
     assert not any(isinstance(f, ps_frames.Push) for f in sent)
     while fabric.deliver(0):
         pass
@@ -113,7 +114,8 @@ def test_a_push_waits_for_its_grant_and_goes_once_granted() -> None:
         if fabric.workers[0].call is None or not (fabric.deliver(0) or fabric.tick()):
             break
     assert fabric.workers[0].call is None
-    assert fabric.workers[0].pushes and not fabric.workers[0].pushes[0].dropped
+    assert fabric.workers[0].pushes
+    assert not fabric.workers[0].pushes[0].dropped
     assert server.coordinator.statistics().applied == 1
 
 

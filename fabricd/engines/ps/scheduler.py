@@ -8,7 +8,7 @@ ready updates of one scheduling interval into a batch (§7: "we batch requests a
 scheduler every 100 ms"; a batch opens with its first update, so a lone update waits at most
 one interval) and orders the batch with Alg. 2 (:func:`fabricd.engines.scheduling.ordering.order`)
 over residual-capacity timelines of the star network the monitor reports: shortest transfer
-first, deadlines ``dl(g) = v(g) + τmax − v_init`` (eq. 9), and look-ahead drops (§5.1.3).  Each
+first, deadlines ``dl(g) = v(g) + τmax - v_init`` (eq. 9), and look-ahead drops (§5.1.3).  Each
 planned update is *granted*: its worker's daemon sends the push when its transfer's planned
 start comes (GRANT carries the wait), so transfers share the server's link in time instead of
 at once (§3.1.1); each dropped update is *denied*: the shard logs a drop for it (replicated like
