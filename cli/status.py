@@ -149,6 +149,15 @@ def _share(part: str, whole: str, *, complement: bool = False) -> Callable[[dict
     return cell
 
 
+def _latency(row: dict[str, Any]) -> str:
+    """A scheduled shard's mean and largest time from a push's READY to its scheduler's
+    decision (MLfabric); "-" for a shard applied in arrival order."""
+    scheduler = row.get("scheduler")
+    if not isinstance(scheduler, dict):
+        return "-"
+    return f"{scheduler['latency_mean'] * 1e3:.1f}/{scheduler['latency_max'] * 1e3:.1f} ms"
+
+
 #: the engine services' status rows ``fabricctl status`` shows as tables, and their columns;
 #: the parameter server's byte columns say how much its filters and deltas saved, and its
 #: workers' filter columns the share of gradient elements each filter selected for dropping
@@ -175,6 +184,8 @@ _ENGINE_TABLES: tuple[tuple[str, tuple[Column, ...]], ...] = (
             ("pull bytes", _saved("pull_bytes", "pull_dense_bytes")),
             ("dropped tau_max", lambda row: _field(row, "dropped_delay")),
             ("dropped lost", lambda row: _field(row, "dropped_lost")),
+            ("dropped sched", lambda row: _field(row, "dropped_scheduled")),
+            ("sched latency", _latency),
             ("held pulls", lambda row: _field(row, "held_pulls")),
         ),
     ),

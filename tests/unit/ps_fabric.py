@@ -199,7 +199,8 @@ class Fabric:
             node=rank,
             ranks=Table(self.known, self.figures),
             max_payload=1 << 20,
-            route_timeout=1.0,
+            # a scheduled fabric runs the nodes' timers: early frames must not expire in it
+            route_timeout=1e9 if self.scheduled else 1.0,
             schedule_interval=0.5,
         )
         self.nodes[rank] = node

@@ -326,7 +326,7 @@ def test_async_drops_past_the_bound_at_the_server_and_counts_by_delay() -> None:
     assert "delay 2 > bound 1" in drop[0].message
     assert isinstance(c.push(1, 6, 2, values(1, 6), now=0.0)[0], Apply)  # delay 1
     stats = c.statistics()
-    assert stats.dropped == {"delay": 1, "lost": 0}
+    assert stats.dropped == {"delay": 1, "lost": 0, "scheduled": 0}
     assert stats.delays[:3] == (3, 1, 0)
     assert stats.delay_sum == 1  # three updates of delay 0, one of 1; the dropped one not
     assert len(stats.delays) == len(DELAY_BUCKETS) + 1

@@ -254,6 +254,29 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
     Kind.REPLICATED: {"job": "demo", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ix": 12},
     Kind.JOIN: {"job": "demo", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ep": 2, "spec": PS_SPEC},
     Kind.OPENED: {"job": "demo", "name": "ps", "r": 3, "spec": PS_SPEC},
+    Kind.READY: {
+        "job": "demo",
+        "name": "ps",
+        "sh": 1,
+        "srv": 0,
+        "w": 1,
+        "it": 4,
+        "b": 2,
+        "ep": 0,
+        "n": 4096,
+        "norm": 1.5,
+        "spec": PS_SPEC,
+    },
+    Kind.GRANT: {
+        "job": "demo",
+        "name": "ps",
+        "sh": 1,
+        "srv": 0,
+        "w": 1,
+        "it": 4,
+        "ep": 0,
+        "wait": 1500,
+    },
     Kind.REQUEST: {
         "id": 1,
         "op": "send",
@@ -302,8 +325,8 @@ def test_header_layout_is_as_documented() -> None:
     data = encode(Kind.RTS, {"a": 1}, b"xyz")
     assert HEADER_SIZE == 20
     assert MAGIC == b"FBRC"
-    assert PROTOCOL_VERSION == 7
-    assert data[:20] == b"FBRC" + bytes([7, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
+    assert PROTOCOL_VERSION == 8
+    assert data[:20] == b"FBRC" + bytes([8, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
         3
     ).to_bytes(8, "big")
     assert data[20:24] == b"\x81\xa1a\x01"
@@ -311,7 +334,7 @@ def test_header_layout_is_as_documented() -> None:
 
 
 def test_the_example_in_protocol_md() -> None:
-    documented = "46 42 52 43 07 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
+    documented = "46 42 52 43 08 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
     assert encode(Kind.CTS, {"msg": 1}) == bytes.fromhex(documented)
 
 
@@ -342,6 +365,8 @@ def test_kind_numbers_are_stable() -> None:
         "REPLICATED": 23,
         "JOIN": 24,
         "OPENED": 25,
+        "READY": 27,
+        "GRANT": 28,
         "REQUEST": 32,
         "REPLY": 33,
         "EVENT": 34,

@@ -109,6 +109,9 @@ class _Ranks:
     def reachable(self, node: int, /) -> bool:
         return node == self.host.config.node_id or self.host.data_link(node) is not None
 
+    def bandwidth(self, node: int, /) -> tuple[float, float] | None:
+        return None
+
 
 #: arrays of the model's size a worker holds (its pulled model, a filter's residual, a push in
 #: flight, with its few per-shard versions), and of

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from fabricd.engines.membership import Membership
     from fabricd.engines.ps.models import Key, Model, WorkerSide
     from fabricd.engines.ps.node import PSNode
+    from fabricd.engines.ps.scheduler import SchedulerStatistics
     from fabricd.engines.ps.server import ShardServer, ShardStatistics
     from fabricd.engines.ps.worker import Worker, WorkerStatistics
     from fabricd.wire import Meta
@@ -186,6 +187,9 @@ class PSStatus:
                         "applied": c.applied,
                         "dropped_delay": c.dropped.get("delay", 0),
                         "dropped_lost": c.dropped.get("lost", 0),
+                        "dropped_scheduled": c.dropped.get("scheduled", 0),
+                        "scheduling": model.spec["scheduling"],
+                        "scheduler": _scheduler_row(s.scheduler),
                         "delays": list(c.delays),
                         "delay_sum": c.delay_sum,
                         "held_pulls": c.held,
@@ -293,12 +297,14 @@ class PSStatus:
         yield counter(
             "fabricd_ps_updates_dropped",
             "Shard pushes not applied: delay above tau_max at this node's workers "
-            "(delay_worker) or its primary servers (delay_server), or their worker lost",
+            "(delay_worker) or its primary servers (delay_server), their worker lost, or "
+            "dropped by MLfabric's scheduler before they were sent (scheduled)",
             [
                 ({**labels, "reason": reason}, t[reason])
-                for reason in ("delay_worker", "delay_server", "lost")
+                for reason in ("delay_worker", "delay_server", "lost", "scheduled")
             ],
         )
+        yield from _scheduler_metrics(labels, t)
         delays = Histogram(DELAY_BUCKETS)
         for i in range(len(delays.counts)):
             delays.counts[i] += t[f"delay{i}"]
@@ -317,6 +323,25 @@ class PSStatus:
                 ({**labels, "role": "replica"}, sum(1 for s in shards if not s.primary)),
             ],
         )
+
+
+def _scheduler_metrics(labels: dict[str, str], t: Counter[str]) -> Iterable[Metric]:
+    """The series of MLfabric's schedulers on this node's primaries, from :func:`_totals`."""
+    yield counter(
+        "fabricd_ps_scheduled_updates",
+        "Shard pushes MLfabric's schedulers on this node's primaries took (ready), "
+        "granted and dropped, and the batches they decided",
+        [
+            ({**labels, "what": what}, t[f"sched_{what}"])
+            for what in ("ready", "granted", "dropped", "batches")
+        ],
+    )
+    yield counter(
+        "fabricd_ps_scheduling_latency_seconds",
+        "Seconds from a push's READY to its scheduler's decision, summed over decisions "
+        "(divide by fabricd_ps_scheduled_updates ready minus waiting for the mean)",
+        [(labels, t["sched_latency_us"] / 1e6)],
+    )
 
 
 def _totals(workers: list[WorkerStatistics], primaries: list[ShardStatistics]) -> Counter[str]:
@@ -344,4 +369,30 @@ def _totals(workers: list[WorkerStatistics], primaries: list[ShardStatistics]) -
             delay_sum=c.delay_sum,
         )
         t.update({f"delay{i}": n for i, n in enumerate(c.delays)})
+        t.update(scheduled=c.dropped.get("scheduled", 0))
+        if s.scheduler is not None:
+            t.update(
+                sched_ready=s.scheduler.ready,
+                sched_granted=s.scheduler.granted,
+                sched_dropped=sum(s.scheduler.denied.values()),
+                sched_batches=s.scheduler.batches,
+            )
+            t.update(sched_latency_us=round(s.scheduler.latency_sum * 1e6))
     return t
+
+
+def _scheduler_row(stats: SchedulerStatistics | None) -> Meta | None:
+    """A scheduled shard's scheduler in a status row (``None``: arrival order)."""
+    if stats is None:
+        return None
+    decided = stats.ready - stats.waiting
+    return {
+        "ready": stats.ready,
+        "granted": stats.granted,
+        "denied": dict(stats.denied),
+        "batches": stats.batches,
+        "waiting": stats.waiting,
+        "outstanding": stats.outstanding,
+        "latency_mean": stats.latency_sum / decided if decided else 0.0,
+        "latency_max": stats.latency_max,
+    }

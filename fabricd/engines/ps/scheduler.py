@@ -165,7 +165,9 @@ class ShardScheduler:
             updates,
             network,
             server=self.server,
-            delay_bound=self.delay_bound,
+            # eq. 9 counts a delay from the version after applying; the shard counts it from
+            # the version before (consistency.py), one less: its bound is tau_max + 1 here
+            delay_bound=None if self.delay_bound is None else self.delay_bound + 1,
             v_init=version + len(self._granted),
         )
         grace = max(GRANT_GRACE_MIN, 10 * self.interval)

@@ -76,7 +76,7 @@ from fabricd.wire import get_int
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from fabricd.engines.ps.scheduler import ShardScheduler
+    from fabricd.engines.ps.scheduler import SchedulerStatistics, ShardScheduler
 
 Array = np.ndarray[Any, Any]
 
@@ -191,6 +191,7 @@ class ShardStatistics:
     considered: int  #: parameters the parameter filter looked at
     published: int  #: parameters it published
     coordinator: CoordinatorStatistics
+    scheduler: SchedulerStatistics | None = None  #: MLfabric's, for a scheduled shard
 
 
 class ShardServer:
@@ -477,7 +478,10 @@ class ShardServer:
             return [] if self._confirm is not None else [Logged(index=self._index)]
         if entry.index != self._index + 1:
             raise RemoteProtocolError(f"replication entry {entry.index} after {self._index}")
-        if entry.kind == PUSH:
+        if entry.kind == PUSH and entry.reason is not None:
+            if entry.payload:  # a scheduler's drop carries none
+                raise RemoteProtocolError("a dropped push entry with a payload")
+        elif entry.kind == PUSH:
             # checked by the primary against the same state; only the bytes are checked here
             ps_push.decode(entry.payload, self.size, self.dtype)
             self._pushes += 1
@@ -652,6 +656,7 @@ class ShardServer:
             considered=filtered.considered,
             published=filtered.published,
             coordinator=self.coordinator.statistics(),
+            scheduler=None if self.scheduler is None else self.scheduler.statistics(),
         )
 
     # -- internals ------------------------------------------------------------------------
