@@ -335,6 +335,8 @@ class Client:
         update_rule: Any = "sum",
         lr: float | None = None,
         momentum: float | None = None,
+        lr_delay: str | None = None,
+        lr_t0: float | None = None,
         filters: FilterSettings | None = None,
         chunk: int = 1,
         seed: int = 0,
@@ -346,10 +348,12 @@ class Client:
 
         ``servers``: the server ranks, one per key-range shard; ``replicas``: none, or one
         rank per server that takes over if it dies.  ``update_rule``: ``"sum"``, ``"sgd"``
-        (with ``lr``, ``momentum``) or a callable ``f(model, update)`` that steps ``model``
-        in place in the server's own process, run while it is in
-        :meth:`ParameterServer.serve` (MLfabric's registerUpdateCallback; replicas pass the
-        same one).  ``initial`` (servers and replicas: the
+        (with ``lr``, ``momentum``; ``lr_delay="adaptive"``: each update steps with
+        ``lr * sqrt(lr_t0 / (lr_t0 + t + tau))`` at model version ``t`` and delay ``tau``,
+        ``lr_t0`` 1 unless given: AdaDelay, MLfabric §3.1, §10.4) or a callable
+        ``f(model, update)`` that steps ``model`` in place in the server's own process, run
+        while it is in :meth:`ParameterServer.serve` (MLfabric's registerUpdateCallback;
+        replicas pass the same one).  ``initial`` (servers and replicas: the
         same on each): the starting model, a ``fab.array()``; zeros if omitted.  ``filters``:
         TDF's filters (:class:`FilterSettings`, all off by default); ``seed`` seeds G-RP.
 
@@ -375,6 +379,8 @@ class Client:
             update_rule=update_rule,
             lr=lr,
             momentum=momentum,
+            lr_delay=lr_delay,
+            lr_t0=lr_t0,
             filters=filters,
             chunk=chunk,
             seed=seed,

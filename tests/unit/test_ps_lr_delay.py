@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fabricd.client.ps import open_request
 from fabricd.engines.ps import push as ps_push
 from fabricd.engines.ps.consistency import (
     SGD,
@@ -86,7 +87,7 @@ def test_alpha_decreases_in_delay_and_version_and_never_exceeds_lr(
     assert rule.rate(t + 1, tau) < rule.rate(t, tau)
 
 
-# -- one Apply's step ---------------------------------------------------------------------------
+# -- one Apply's step --------------------------------------------------------------------------
 def test_a_stale_update_steps_less_than_a_fresh_one() -> None:
     fresh, stale = np.zeros(SIZE), np.zeros(SIZE)
     adaptive(t0=2.0).apply_updates(fresh, apply_of(6, 0))  # applied to version 5, delay 0
@@ -166,7 +167,7 @@ def test_lr_delay_settings_are_checked(rule: Any, kwargs: dict[str, Any], why: s
         update_rule(rule, **kwargs)
 
 
-# -- through a shard server ------------------------------------------------------------------------
+# -- through a shard server --------------------------------------------------------------------
 def payload(value: float) -> bytearray:
     array = np.full(SIZE, value)
     return ps_push.encode(Push(size=SIZE, pushed=SIZE, indices=None, values=array))
@@ -237,3 +238,56 @@ def test_replica_joining_late_and_promoted_steps_exactly_as_the_primary(join_at:
     for worker, iteration, base in SCRIPT[-2:]:
         replica.push(worker, iteration, base, payload(1.0 + worker + iteration), 0.0)
     np.testing.assert_array_equal(replica.store.model, reference())
+
+
+# -- the client's request ----------------------------------------------------------------------
+def request(**kw: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = dict(
+        name="m",
+        shape=(4,),
+        dtype=np.dtype("float32"),
+        role="server",
+        servers=[0],
+        replicas=[],
+        consistency="async",
+        staleness=0,
+        delay_bound=None,
+        update_rule="sgd",
+        lr=0.5,
+        momentum=None,
+        filters=None,
+        chunk=1,
+        seed=0,
+    )
+    return open_request(**(fields | kw))
+
+
+def test_the_client_sends_lr_delay_and_lr_t0_with_the_sgd_rule() -> None:
+    meta = request(lr_delay="adaptive", lr_t0=8)
+    assert (meta["rule"], meta["lr"], meta["lr_delay"], meta["lr_t0"]) == (
+        "sgd",
+        0.5,
+        "adaptive",
+        8.0,
+    )
+    assert isinstance(meta["lr_t0"], float)
+    plain = request()
+    assert (plain["lr_delay"], plain["lr_t0"]) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [
+        ({"update_rule": "sum", "lr": None, "lr_delay": "adaptive"}, "belong to update_rule='sgd'"),
+        ({"update_rule": "sum", "lr": None, "lr_t0": 3}, "belong to update_rule='sgd'"),
+        ({"update_rule": lambda w, u: None, "lr": None, "lr_delay": "adaptive"}, "not a callback"),
+        ({"lr_delay": "fast"}, "lr_delay must be one of"),
+        ({"lr_delay": "adaptive", "lr_t0": "8"}, "lr_t0 must be a number"),
+        ({"lr_delay": "adaptive", "lr_t0": True}, "lr_t0 must be a number"),
+    ],
+)
+def test_the_client_refuses_lr_delay_before_any_daemon_sees_it(
+    kw: dict[str, Any], why: str
+) -> None:
+    with pytest.raises(UsageError, match=why):
+        request(**kw)
