@@ -2,7 +2,8 @@
 §3.1 eq. 3-4, §10.4 eq. 21): ``alpha(t, tau) = lr sqrt(t0 / (t0 + t + tau))``, its values and
 shape, how one :class:`Apply` steps with it, its survival through the rule's state, and through
 a shard server (fabricd/engines/ps/server.py): a stale update moves the model less than a fresh
-one, and a replica, a late-joining replica and a promoted one step exactly as the primary."""
+one, and a replica, a late-joining replica and a promoted one step exactly as the primary; and a
+step size that diverges under delay converges with it (in versions, no clock)."""
 
 from __future__ import annotations
 
@@ -165,6 +166,37 @@ def test_state_round_trip_steps_on_identically() -> None:
 def test_lr_delay_settings_are_checked(rule: Any, kwargs: dict[str, Any], why: str) -> None:
     with pytest.raises(UsageError, match=why):
         update_rule(rule, **kwargs)
+
+
+# -- convergence under delay ----------------------------------------------------------------
+def descend(rule: SGD, *, workers: int = 8, versions: int = 800) -> tuple[float, int]:
+    """Async SGD on ``0.5 |w|^2`` in versions, not seconds: the workers take turns, each
+    pushing the gradient at the model it pulled after its last push (so ``workers - 1``
+    versions stale) and pulling again; ``|w|`` at the end and the largest delay."""
+    coordinator = Coordinator(workers=range(workers), consistency=Consistency.ASYNC)
+    model = np.array([1.0, -2.0])
+    pulled = {w: (model.copy(), 0) for w in range(workers)}
+    delays = []
+    for k in range(versions):
+        worker = k % workers
+        grad, base = pulled[worker]
+        [action] = coordinator.push(worker, k // workers, base, grad, now=0.0)
+        assert isinstance(action, Apply)
+        delays.append(action.updates[0].delay)
+        step_model(rule, model, action)
+        pulled[worker] = (model.copy(), coordinator.version)
+    return float(np.linalg.norm(model)), max(delays)
+
+
+def test_a_step_size_that_diverges_under_delay_converges_when_delay_adaptive() -> None:
+    """lr = 0.5 with delay 7 on a quadratic of curvature 1: constant steps blow up
+    (``w_{t+1} = w_t - lr w_{t-7}`` is stable only for lr below about 0.2); the adaptive step
+    shrinks with ``t + tau`` below that and the model goes to the optimum."""
+    constant, delay = descend(SGD(lr=0.5))
+    adaptive_end, _ = descend(adaptive(lr=0.5, t0=4.0))
+    assert delay == 7
+    assert constant > 1e6
+    assert adaptive_end < 1e-6
 
 
 # -- through a shard server --------------------------------------------------------------------
