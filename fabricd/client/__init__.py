@@ -335,6 +335,8 @@ class Client:
         update_rule: Any = "sum",
         lr: float | None = None,
         momentum: float | None = None,
+        lr_delay: str | None = None,
+        lr_t0: float | None = None,
         filters: FilterSettings | None = None,
         chunk: int = 1,
         seed: int = 0,
@@ -347,12 +349,13 @@ class Client:
 
         ``servers``: the server ranks, one per key-range shard; ``replicas``: none, or one
         rank per server that takes over if it dies.  ``update_rule``: ``"sum"``, ``"sgd"``
-        (with ``lr``, ``momentum``) or a callable ``f(model, update)`` that steps ``model``
-        in place in the server's own process, run while it is in
-        :meth:`ParameterServer.serve` (MLfabric's registerUpdateCallback; replicas pass the
-        same one).  ``initial`` (servers and replicas: the
-        same on each): the starting model, a ``fab.array()``; zeros if omitted.  ``filters``:
-        TDF's filters (:class:`FilterSettings`, all off by default); ``seed`` seeds G-RP.
+        (``lr``, ``momentum``; ``lr_delay="adaptive"``: each update's step size is
+        ``lr sqrt(lr_t0 / (lr_t0 + t + tau))``, AdaDelay, MLfabric §3.1, §10.4) or a callable
+        ``f(model, update)`` that steps ``model`` in place in the server's own process, run
+        while it is in :meth:`ParameterServer.serve` (MLfabric's registerUpdateCallback;
+        replicas pass the same one).  ``initial`` (servers and replicas: the same on each):
+        the starting model, a ``fab.array()``; zeros if omitted.  ``filters``: TDF's filters
+        (:class:`FilterSettings`, all off by default); ``seed`` seeds G-RP.
         ``scheduling``: ``"arrival"`` (pushes applied as they come) or ``"mlfabric"``
         (async only: each push waits for the shard's scheduler, which orders a batch of them
         shortest transfer first with τmax deadlines and drops what cannot make its deadline
@@ -380,6 +383,8 @@ class Client:
             update_rule=update_rule,
             lr=lr,
             momentum=momentum,
+            lr_delay=lr_delay,
+            lr_t0=lr_t0,
             filters=filters,
             chunk=chunk,
             seed=seed,
@@ -394,19 +399,7 @@ class Client:
             fields.update(seg=seg, off=offset, nbytes=initial.nbytes)
         step = None
         if callable(update_rule):
-            # imported here, where a callback needs it: the worker engine (consistency, storage,
-            # push) added some 6 ms to every `import fabricd` (docs/performance.md)
-            from fabricd.engines.ps.worker import shard_bounds
-
-            if role == "worker":
-                raise UsageError("an update callback belongs to servers and replicas")
-            ranks = list(servers if role == "server" else replicas)
-            if self.rank not in ranks:
-                raise UsageError(f"rank {self.rank} is not one of the {role} ranks {ranks}")
-            lo, hi = shard_bounds(fields["size"], len(servers))[ranks.index(self.rank)]
-            step = self._arrays.create(f"ps:{name}:step", (2, hi - lo), dt.name)
-            where, offset = self._arrays.locate(step)
-            fields.update(step_seg=where, step_off=offset, step_nbytes=step.nbytes)
+            step = self._step_buffer(fields, role, ranks=(servers, replicas), dtype=dt)
         reply = self._call("ps_open", timeout=timeout, **fields)
         return ParameterServer(
             self._connection,
@@ -420,6 +413,37 @@ class Client:
             step=step,
             servers=self._servers,
         )
+
+    def _step_buffer(
+        self,
+        fields: Meta,
+        role: str,
+        *,
+        ranks: tuple[Sequence[int], Sequence[int]],
+        dtype: np.dtype[Any],
+    ) -> np.ndarray[Any, Any]:
+        """An update callback's step buffer (the model, then the update: this rank's shard
+        of each) for the ``ps_open`` request ``fields`` of a server or replica, which it
+        names there.
+
+        Raises:
+            UsageError: a worker, or a rank not among its role's ``ranks`` (servers, replicas).
+        """
+        # imported here, where a callback needs it: the worker engine (consistency, storage,
+        # push) added some 6 ms to every `import fabricd` (docs/performance.md)
+        from fabricd.engines.ps.worker import shard_bounds
+
+        if role == "worker":
+            raise UsageError("an update callback belongs to servers and replicas")
+        servers, replicas = ranks
+        mine = list(servers if role == "server" else replicas)
+        if self.rank not in mine:
+            raise UsageError(f"rank {self.rank} is not one of the {role} ranks {mine}")
+        lo, hi = shard_bounds(fields["size"], len(servers))[mine.index(self.rank)]
+        step = self._arrays.create(f"ps:{fields['name']}:step", (2, hi - lo), dtype.name)
+        where, offset = self._arrays.locate(step)
+        fields.update(step_seg=where, step_off=offset, step_nbytes=step.nbytes)
+        return step
 
     # -- control ----------------------------------------------------------------------------
     def status(self, timeout: float = 10.0) -> Meta:

@@ -23,7 +23,10 @@ stale is dropped, at the worker when it can tell, and counted).
 Filters (:class:`~fabricd.engines.ps.filters.FilterSettings`, all off by default): G-SMP, G-RP
 and G-LNP on the workers' pushes, P-SMP (TDF's, or the lossless publish mode) and P-LNP on the
 servers' pulls.  ``update_rule``: ``"sum"`` (``w += u``) or ``"sgd"`` with ``lr`` and
-``momentum`` (the pushed update is a gradient; MLfabric eq. 2).
+``momentum`` (the pushed update is a gradient; MLfabric eq. 2), and optionally
+``lr_delay="adaptive"`` (with ``lr_t0``): each update's step size
+``lr * sqrt(t0 / (t0 + t + tau))`` shrinks with the model's version ``t`` and the update's
+delay ``tau`` (AdaDelay, MLfabric §3.1, §10.4; :class:`fabricd.engines.ps.consistency.SGD`).
 
 Failover: with replicas, a server that dies is replaced by its replica; the calls in flight
 complete there (nothing acknowledged is lost, versions never go back) and the client gets a
@@ -60,6 +63,8 @@ Role = Literal["worker", "server", "replica"]
 Consistency = Literal["async", "bsp", "ssp"]
 ROLES: Final = ("worker", "server", "replica")
 CONSISTENCIES: Final = ("async", "bsp", "ssp")
+#: the sgd rule's step-size schedules (``lr_delay``; the engine's ``LR_DELAYS``)
+LR_DELAYS: Final = ("adaptive",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -338,6 +343,8 @@ def open_request(
     filters: FilterSettings | None,
     chunk: object,
     seed: object,
+    lr_delay: object = None,
+    lr_t0: object = None,
     scheduling: object = "arrival",
 ) -> Meta:
     """The ``ps_open`` request's fields, every argument checked first."""
@@ -369,14 +376,7 @@ def open_request(
         if number < low:
             raise UsageError(f"{what} must be an int >= {low}, not {number}")
         counts[what] = number
-    if callable(update_rule):
-        if lr is not None or momentum is not None:
-            raise UsageError("lr= and momentum= belong to update_rule='sgd', not a callback")
-    elif update_rule not in ("sum", "sgd"):
-        raise UsageError(f"update_rule must be 'sum', 'sgd' or a callable, not {update_rule!r}")
-    for what, value in (("lr", lr), ("momentum", momentum)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise UsageError(f"{what} must be a number, not {value!r}")
+    rule = _rule_fields(update_rule, lr=lr, momentum=momentum, lr_delay=lr_delay, lr_t0=lr_t0)
     if filters is not None and not isinstance(filters, FilterSettings):
         raise UsageError("filters must be a fabricd.FilterSettings")
     ranks = []
@@ -393,9 +393,35 @@ def open_request(
         "replicas": ranks[1],
         "consistency": consistency,
         **counts,
-        "rule": "callback" if callable(update_rule) else update_rule,
-        "lr": None if lr is None else float(lr),  # type: ignore[arg-type]
-        "momentum": None if momentum is None else float(momentum),  # type: ignore[arg-type]
+        **rule,
         "filters": None if filters is None else asdict(filters),
         "scheduling": scheduling,
     }
+
+
+def _rule_fields(update_rule: object, **settings: object) -> Meta:
+    """The ``ps_open`` request's update-rule fields, checked: ``rule``, the numbers ``lr``,
+    ``momentum`` and ``lr_t0``, and ``lr_delay`` (None or ``"adaptive"``).  ``lr_delay`` and
+    ``lr_t0`` are refused with any rule but ``"sgd"`` (on every rank: they are new), ``lr`` and
+    ``momentum`` with a callback; the daemon of a server or replica checks the values
+    (``lr > 0`` ...) where it makes the rule
+    (:func:`fabricd.engines.ps.consistency.update_rule`)."""
+    adaptive = sorted(k for k in ("lr_delay", "lr_t0") if settings[k] is not None)
+    if callable(update_rule):
+        given = sorted(k for k, v in settings.items() if v is not None)
+        if given:
+            raise UsageError(f"{'= and '.join(given)}= belong to update_rule='sgd', not a callback")
+    elif update_rule not in ("sum", "sgd"):
+        raise UsageError(f"update_rule must be 'sum', 'sgd' or a callable, not {update_rule!r}")
+    elif update_rule != "sgd" and adaptive:
+        raise UsageError(f"{'= and '.join(adaptive)}= belong to update_rule='sgd', not 'sum'")
+    lr_delay = settings.pop("lr_delay")
+    if lr_delay not in (None, *LR_DELAYS):
+        raise UsageError(f"lr_delay must be one of {LR_DELAYS} or None, not {lr_delay!r}")
+    numbers = {}
+    for what, value in settings.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise UsageError(f"{what} must be a number, not {value!r}")
+        numbers[what] = None if value is None else float(value)
+    rule = "callback" if callable(update_rule) else update_rule
+    return {"rule": rule, "lr_delay": lr_delay, **numbers}

@@ -1,7 +1,7 @@
 """The parameter server between real daemons on loopback (issue 12): several workers and a
-server under each consistency model, a model sharded over two servers, malformed pushes
-refused while the server keeps serving, and a server that dies replaced by its replica with no
-acknowledged update lost.
+server under each consistency model, a model sharded over two servers, the sgd rule's
+delay-adaptive step size (issue 24), malformed pushes refused while the server keeps serving,
+and a server that dies replaced by its replica with no acknowledged update lost.
 
 Ranks are clients in this process, one connection each; pushes and pulls are started with the
 ``_async`` forms and then waited for, so one thread plays all ranks.
@@ -9,6 +9,7 @@ Ranks are clients in this process, one connection each; pushes and pulls are sta
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -145,6 +146,41 @@ def test_a_model_sharded_over_two_servers_with_sgd(make_cluster) -> None:
             assert all(len(r.versions) == 2 for r in results)
             for w in workers:
                 np.testing.assert_allclose(models[w], model, rtol=1e-12, atol=1e-12)
+
+
+def test_delay_adaptive_sgd_steps_a_stale_push_less_than_a_fresh_one(make_cluster) -> None:
+    """``lr_delay="adaptive"`` (issue 24, item 5): the server sizes each push's step by the
+    version it is applied to and its delay, ``lr sqrt(t0 / (t0 + t + tau))``."""
+    cluster = make_cluster(2)
+    lr, t0 = 0.5, 2.0
+    with ranks(cluster, (0, 1, 1), "ps-adalr") as fabs:
+        pss = open_all(
+            fabs, [0], consistency="async", update_rule="sgd", lr=lr, lr_delay="adaptive", lr_t0=t0
+        )
+        models = {w: fabs[w].array("w", (COUNT,), "float64") for w in (1, 2)}
+        grads = {w: fabs[w].array("g", (COUNT,), "float64") for w in (1, 2)}
+        for w in (1, 2):
+            grads[w][:] = 1.0
+            assert wait(pss[w].pull_async(models[w]), fabs) == 0
+
+        def alpha(t: int, tau: int) -> float:
+            return lr * math.sqrt(t0 / (t0 + t + tau))
+
+        # (worker, pulls first): worker 1 fresh each time, worker 2 never pulls again
+        expected = 0.0
+        for version, (w, fresh) in enumerate([(1, False), (2, False), (1, True), (2, False)]):
+            if fresh:
+                assert wait(pss[w].pull_async(models[w]), fabs) == version
+            delay = 0 if fresh or version == 0 else version
+            result = wait(pss[w].push_async(grads[w]), fabs)
+            assert (result.versions, result.dropped) == ((version + 1,), ())
+            expected -= alpha(version, delay)
+        assert wait(pss[1].pull_async(models[1]), fabs) == 4
+        np.testing.assert_allclose(models[1], expected, rtol=1e-12)
+        as_if_fresh = -sum(alpha(t, 0) for t in range(4))  # worker 2's stale pushes moved less
+        assert as_if_fresh < expected
+        with pytest.raises(fabricd.UsageError, match="belong to update_rule='sgd'"):
+            fabs[1].parameter_server("other", (COUNT,), "float64", lr_delay="adaptive")
 
 
 def test_malformed_pushes_are_refused_and_the_server_keeps_serving(make_cluster) -> None:

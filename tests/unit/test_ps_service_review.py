@@ -33,6 +33,7 @@ from fabricd.engines.membership import (
     RankSuspected,
 )
 from fabricd.engines.ps import routing
+from fabricd.engines.ps.consistency import SGD
 from fabricd.errors import UsageError
 from fabricd.frames import ps as ps_frames
 from fabricd.wire import Kind, Meta
@@ -433,6 +434,28 @@ def test_a_learning_rate_that_is_not_a_number_is_a_usage_error() -> None:
         with pytest.raises(UsageError, match="lr and momentum are numbers"):
             fabric.open(0, "server", rule="sgd", lr=lr, momentum=momentum)
     assert fabric.open(0, "server", rule="sgd", lr=1, momentum=0.5) is not None
+
+
+def test_lr_delay_reaches_the_sgd_rule_and_is_refused_for_another() -> None:
+    """``lr_delay``/``lr_t0`` are the sgd rule's (issue 24, item 5): the shard's rule steps
+    with them, and a server of another rule, or one sent a value of the wrong type, is
+    refused with a UsageError (nothing opened)."""
+    fabric = Fabric()
+    fabric.join_all()
+    for spec, why in (
+        ({"rule": "sum", "lr_delay": "adaptive"}, "belong to"),
+        ({"rule": "sgd", "lr": 0.1, "lr_delay": 1}, "lr_delay is a name"),
+        ({"rule": "sgd", "lr": 0.1, "lr_delay": "fast"}, "one of adaptive"),
+        ({"rule": "sgd", "lr": 0.1, "lr_t0": 4.0}, "belongs to lr_delay"),
+        ({"rule": "sgd", "lr": 0.1, "lr_delay": "adaptive", "lr_t0": "4"}, "are numbers"),
+    ):
+        with pytest.raises(UsageError, match=why):
+            fabric.open(0, "server", **spec)
+    assert fabric.open(0, "server", rule="sgd", lr=0.5, lr_delay="adaptive", lr_t0=4) is not None
+    [(_, model)] = fabric.services[0].engine.models.items()
+    rule = model.servers[0].rule
+    assert isinstance(rule, SGD)
+    assert (rule.lr_delay, rule.lr_t0, rule.rate(12, 0)) == ("adaptive", 4.0, 0.25)
 
 
 def test_a_push_sent_again_while_it_waits_for_its_server_is_held_once() -> None:

@@ -321,20 +321,21 @@ class PSService(BaseService):
         """The shard's update rule, or (a callback) the process's step buffer."""
         meta = request.meta
         rule_name = get_str(meta, "rule")
-        lr, momentum = meta.get("lr"), meta.get("momentum")
+        numbers = {k: meta.get(k) for k in ("lr", "momentum", "lr_t0")}
         if any(
-            isinstance(x, bool) or not isinstance(x, int | float | None) for x in (lr, momentum)
+            isinstance(x, bool) or not isinstance(x, int | float | None) for x in numbers.values()
         ):
-            raise UsageError(f"lr and momentum are numbers (or none), not {lr!r} and {momentum!r}")
+            raise UsageError(f"lr and momentum are numbers (or none), as is lr_t0; not {numbers}")
+        lr_delay = meta.get("lr_delay")
+        if not isinstance(lr_delay, str | None):
+            raise UsageError(f"lr_delay is a name (or none), not {lr_delay!r}")
         if rule_name == "callback":  # the process steps the model in its own step buffer
+            if lr_delay is not None or any(x is not None for x in numbers.values()):
+                raise UsageError("lr=, momentum=, lr_delay= and lr_t0= are not a callback's")
             return None, self._step_buffer(request, spec, count)
-        if rule_name in ("sum", "sgd"):
-            rule = update_rule(
-                rule_name,
-                lr=None if lr is None else float(lr),
-                momentum=None if momentum is None else float(momentum),
-            )
-            return rule, None
+        if rule_name in ("sum", "sgd"):  # update_rule refuses lr_delay= for another than sgd
+            floats = {k: None if x is None else float(x) for k, x in numbers.items()}
+            return update_rule(rule_name, lr_delay=lr_delay, **floats), None
         raise UsageError(f"update_rule {rule_name!r}: 'sum', 'sgd' or a callback")
 
     def _step_buffer(self, request: Request, spec: Meta, count: int) -> np.ndarray[Any, Any]:

@@ -102,6 +102,8 @@ class Consistency(enum.Enum):
 CONSISTENCIES: Final = tuple(c.value for c in Consistency)
 #: the built-in update rules' names (:func:`update_rule`)
 RULES: Final = ("sum", "sgd")
+#: the sgd rule's step-size schedules besides a constant ``lr`` (:class:`SGD`'s ``lr_delay``)
+LR_DELAYS: Final = ("adaptive",)
 #: upper bounds of the delay histogram's buckets (:attr:`CoordinatorStatistics.delays`): bucket
 #: ``i`` counts applied updates with ``DELAY_BUCKETS[i - 1] < delay <= DELAY_BUCKETS[i]``, and
 #: one more bucket those above the last bound
@@ -141,40 +143,112 @@ class Sum:
 class SGD:
     """SGD with momentum, MLfabric eq. 2 with eq. 1's step taken on the server::
 
-        w_{t+1} = w_t + u_t + gamma (w_t - w_{t-1}),    u_t = -lr g_t
+        w_{t+1} = w_t + u_t + gamma (w_t - w_{t-1}),    u_t = -alpha g_t
 
     where ``g_t`` is the pushed update (a gradient: the worker folds any regularisation term of
-    eq. 1 into it), ``lr`` is eq. 1's learning rate (eta) and ``gamma`` is ``momentum``.  The
+    eq. 1 into it), ``alpha`` is eq. 1's learning rate (eta) and ``gamma`` is ``momentum``.  The
     rule keeps the last step ``w_t - w_{t-1}`` (zero before the first: ``w_{-1} = w_0``), the
     server state MLfabric's footnote 2 names "history of updates ... used for momentum based
-    model updates"; each call computes ``step = -lr g + gamma step`` and ``w += step``, which is
-    eq. 2 exactly.
+    model updates"; each call computes ``step = -alpha g + gamma step`` and ``w += step``, which
+    is eq. 2 exactly.
+
+    The step size ``alpha`` is ``lr``, or with ``lr_delay="adaptive"`` AdaDelay's
+    delay-adaptive one (Sra et al., MLfabric's [31], §3.1 eq. 3-4; §10.4 eq. 21:
+    ``1/alpha(t, tau) = c sqrt(t + tau)``), for an update applied to the model's version ``t``
+    with delay ``tau`` (:meth:`rate`)::
+
+        alpha(t, tau) = lr * sqrt(t0 / (t0 + t + tau))
+
+    which is eq. 21's form with ``c = 1 / (lr sqrt(t0))`` and the time counted from ``t0``.
+    **The choice**: [31] and §10.4 count iterations from 1 and leave ``c`` free; counting from
+    ``t0`` (``lr_t0``, 1 by default: the papers' own count) makes ``alpha(0, 0) = lr``, so
+    ``lr`` stays the initial step size, and ``lr_t0`` says how long it stays near it (the step
+    of a fresh update halves after ``3 t0`` versions).  An update ``tau`` versions stale steps as
+    a fresh one ``tau`` versions later would: less.  Each update of an :class:`Apply` gets its
+    own ``alpha`` (:meth:`apply_updates`); under BSP an iteration's pushes all have delay 0, so
+    the iteration's sum steps with ``alpha(t, 0)``.  ``alpha`` depends only on the version and
+    the delays the coordinator gives the :class:`Apply`, so a replica that processes the same
+    log computes the same steps, and the rule keeps no state for it (:func:`rule_state`).
     """
 
-    def __init__(self, *, lr: float, momentum: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        lr: float,
+        momentum: float = 0.0,
+        lr_delay: str | None = None,
+        lr_t0: float | None = None,
+    ) -> None:
         if not (math.isfinite(lr) and lr > 0):
             raise UsageError(f"the sgd rule needs a finite lr > 0, not {lr}")
         if not (math.isfinite(momentum) and 0 <= momentum < 1):
             raise UsageError(f"the sgd rule needs 0 <= momentum < 1, not {momentum}")
+        if lr_delay is not None and lr_delay not in LR_DELAYS:
+            raise UsageError(f"lr_delay is one of {', '.join(LR_DELAYS)} or None, not {lr_delay!r}")
+        if lr_t0 is not None and lr_delay is None:
+            raise UsageError('lr_t0= belongs to lr_delay="adaptive"')
+        if lr_t0 is not None and not (math.isfinite(lr_t0) and lr_t0 > 0):
+            raise UsageError(f"lr_t0 is a finite number > 0, not {lr_t0}")
         self.lr = lr
         self.momentum = momentum
+        self.lr_delay = lr_delay
+        self.lr_t0 = 1.0 if lr_t0 is None else lr_t0
         self.step: np.ndarray[Any, Any] | None = None  #: w_t - w_{t-1}, None before the first
 
+    def rate(self, version: int, delay: int) -> float:
+        """``alpha(t, tau)`` for an update of delay ``delay`` applied to version ``version``:
+        ``lr``, or (``lr_delay="adaptive"``) ``lr * sqrt(t0 / (t0 + t + tau))``."""
+        if self.lr_delay is None:
+            return self.lr
+        return self.lr * math.sqrt(self.lr_t0 / (self.lr_t0 + version + delay))
+
     def apply(self, model: np.ndarray[Any, Any], update: np.ndarray[Any, Any]) -> None:
+        """One step with ``alpha = lr`` (``alpha(0, 0)``: no version or delay known)."""
         _check_shapes(model, update)
+        self._descend(model, self.lr * update)
+
+    def apply_updates(self, model: np.ndarray[Any, Any], action: Apply) -> None:
+        """One step for ``action``, each update with its own :meth:`rate` (the version the
+        model is at before the step, the update's delay); one rate for all steps with their
+        sum, as :meth:`apply` does."""
+        version = action.version - 1
+        rates = [self.rate(version, u.delay) for u in action.updates]
+        for u in action.updates:
+            _check_shapes(model, u.values)
+        if len(set(rates)) == 1:
+            self._descend(model, rates[0] * action.combined())
+            return
+        descent = np.zeros_like(model)
+        for rate, u in zip(rates, action.updates, strict=True):
+            descent += rate * u.values
+        self._descend(model, descent)
+
+    def _descend(self, model: np.ndarray[Any, Any], descent: np.ndarray[Any, Any]) -> None:
+        """``step = gamma step - descent; w += step`` (``descent``: ``alpha g``, summed)."""
         if self.step is None:
             self.step = np.zeros_like(model)
         elif self.step.shape != model.shape:
             raise UsageError(f"this rule steps a model of shape {self.step.shape}")
         step = self.step
         step *= self.momentum
-        step -= self.lr * update
+        step -= descent
         model += step
 
 
+def step_model(rule: UpdateRule, model: np.ndarray[Any, Any], action: Apply) -> None:
+    """Step ``model`` once by ``rule`` for ``action``: the sgd rule sizes each update's step
+    by its version and delay (:meth:`SGD.apply_updates`); the others take the combined update."""
+    if isinstance(rule, SGD):
+        rule.apply_updates(model, action)
+    else:
+        rule.apply(model, action.combined())
+
+
 def rule_state(rule: UpdateRule | None) -> dict[str, Any]:
-    """What a replica needs of ``rule`` (SGD's last step; the other rules keep nothing here:
-    a callback's own state lives in its process)."""
+    """What a replica needs of ``rule`` (SGD's last step; its delay-adaptive step sizes come
+    from each :class:`Apply`'s version and delays, which the coordinator's state and the log
+    give the replica; the other rules keep nothing here: a callback's own state lives in its
+    process)."""
     if isinstance(rule, SGD):
         return {"step": rule.step}
     return {}
@@ -209,22 +283,30 @@ class Callback:
 
 
 def update_rule(
-    rule: str | UpdateCallback, *, lr: float | None = None, momentum: float | None = None
+    rule: str | UpdateCallback,
+    *,
+    lr: float | None = None,
+    momentum: float | None = None,
+    lr_delay: str | None = None,
+    lr_t0: float | None = None,
 ) -> UpdateRule:
     """The rule ``update_rule=`` names: ``"sum"``, ``"sgd"`` (``lr`` required, ``momentum``
-    0 unless given), or a callable (:class:`UpdateCallback`).
+    0 unless given, ``lr_delay``/``lr_t0`` as :class:`SGD` takes them), or a callable
+    (:class:`UpdateCallback`).
 
     Raises:
-        UsageError: an unknown name, or ``lr``/``momentum`` given to a rule that takes none.
+        UsageError: an unknown name, a bad setting, or ``lr``/``momentum``/``lr_delay``/
+            ``lr_t0`` given to a rule that takes none.
     """
     if rule == "sgd":
         if lr is None:
             raise UsageError('update_rule="sgd" needs lr=')
-        return SGD(lr=lr, momentum=0.0 if momentum is None else momentum)
+        momentum = 0.0 if momentum is None else momentum
+        return SGD(lr=lr, momentum=momentum, lr_delay=lr_delay, lr_t0=lr_t0)
     if rule != "sum" and (isinstance(rule, str) or not callable(rule)):
         raise UsageError(f"update_rule is one of {', '.join(RULES)} or a callable, not {rule!r}")
-    if lr is not None or momentum is not None:
-        raise UsageError('lr= and momentum= belong to update_rule="sgd"')
+    if any(x is not None for x in (lr, momentum, lr_delay, lr_t0)):
+        raise UsageError('lr=, momentum=, lr_delay= and lr_t0= belong to update_rule="sgd"')
     return Sum() if isinstance(rule, str) else Callback(rule)
 
 

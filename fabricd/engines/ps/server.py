@@ -65,6 +65,7 @@ from fabricd.engines.ps.consistency import (
     UpdateRule,
     restore_rule,
     rule_state,
+    step_model,
 )
 from fabricd.engines.ps.filters import LOW_MAX, FilterSettings, ParameterFilter
 from fabricd.engines.ps.scheduler import Granted
@@ -727,7 +728,7 @@ class ShardServer:
                     )
                     break
                 model = self.filter.model.copy()
-                self.rule.apply(model, action.combined())
+                step_model(self.rule, model, action)
                 out += self._publish(action, model)
             elif isinstance(action, Drop):
                 self._waiting.pop(action.worker, None)
