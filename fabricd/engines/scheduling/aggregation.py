@@ -37,7 +37,10 @@ where the paper is loose:
 Cost: the first ``n`` bookings are shared between cases (each case starts from a copy of the
 network after them, a dictionary copy), and a case stops as soon as its ``t_max`` passes the
 best so far, as does the enumeration once the first ``n`` direct transfers alone end later
-than the best: the answer is the enumeration's, at a fraction of its ``O(|U|^2)`` bookings.
+than the best, and before the updates left over go direct, a case stops if the server's
+downlink alone could not take their bytes before the best ``t_max``
+(:meth:`~fabricd.engines.scheduling.timelines.Network.inbound`): the answer is the
+enumeration's, at a fraction of its ``O(|U|^2)`` bookings.
 """
 
 from __future__ import annotations
@@ -125,8 +128,10 @@ def aggregate(
         if reached[n] > best.t_max:
             break  # the first n direct transfers alone end later: so do all later cases
         case = batch.case(n, direct[:n], starts[n], reached[n], bound=best.t_max)
-        if case is not None and case.t_max <= best.t_max:
-            best = case  # n ascending, and best is the all-direct case or a later n: a tie
+        if case is not None and (
+            case.t_max < best.t_max or (case.t_max == best.t_max and not best.groups)
+        ):
+            best = case  # a tie goes to the smallest n, the all-direct case counting as |U|
     return best
 
 
@@ -202,6 +207,9 @@ class _Batch:
         if members:
             host = self.aggregators[a]
             t_max = max(t_max, _close(network, host, members, self.server, self.size_of, groups))
+        left = math.fsum(p.update.size for p in self.planned[i:] if p.update.host != self.server)
+        if bound < math.inf and network.inbound(self.server, left) > bound:
+            return None  # the server's downlink alone cannot take the rest in time
         direct = list(direct)
         for p in self.planned[i:]:
             if t_max > bound:

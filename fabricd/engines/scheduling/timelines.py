@@ -146,6 +146,10 @@ def plan(up: Timeline, down: Timeline, size: float, start: float) -> tuple[float
         j += next_down == until
 
 
+#: an uplink that never limits: :meth:`Network.inbound` asks the downlink alone
+_UNLIMITED: Final = Timeline((-math.inf,), (math.inf,), math.inf)
+
+
 class Network:
     """Per-host uplink and downlink residual capacity of a star network, from ``now`` on.
 
@@ -211,6 +215,13 @@ class Network:
             KeyError: an unknown host.
         """
         return self._plan(src, dst, size, start)[1]
+
+    def inbound(self, dst: int, size: float, *, start: float | None = None) -> float:
+        """The earliest instant ``size`` bytes could all have reached ``dst`` from
+        ``max(now, start)``, from whatever sources: a lower bound on the last arrival of
+        transfers of that many bytes in all (:mod:`~fabricd.engines.scheduling.aggregation`
+        cuts a case short with it)."""
+        return plan(_UNLIMITED, self._down[dst], size, self._start(start))[0]
 
     def reserve(self, src: int, dst: int, size: float, *, start: float | None = None) -> Transfer:
         """``NetUp`` (Fig. 4c): book the transfer :meth:`finish` describes on both links.
