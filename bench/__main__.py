@@ -30,6 +30,7 @@ from bench import (
     ps_storage,
     rate,
     roundtrip,
+    scheduler,
     servicecost,
     skew,
     svm,
@@ -62,6 +63,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "consistency": consistency.run,
     "ps-storage": ps_storage.run,
     "ps-logreg": ps_logreg.run,
+    "scheduler": scheduler.run,
 }
 
 
