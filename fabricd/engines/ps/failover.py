@@ -1,4 +1,5 @@
-"""A parameter-server shard's failover, as :class:`~fabricd.engines.ps.node.PSNode` decides it.
+"""A parameter-server shard's failover, a lost rank, and what is sent again to a rank back, as
+:class:`~fabricd.engines.ps.node.PSNode` decides them.
 
 Rules: when the rank serving a shard is gone its partner serves the shard from the next epoch
 (MLfabric §3.3's hot standby): promoted here if it is local and holds the shard's state, with
@@ -14,11 +15,16 @@ from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import Failure
 from fabricd.engines.ps.models import CallDone
+from fabricd.engines.ps.routing import pair
 from fabricd.errors import ErrorCode
 
 if TYPE_CHECKING:
-    from fabricd.engines.ps.models import Key
+    from collections.abc import Callable
+
+    from fabricd.engines.ps.models import Key, Model
     from fabricd.engines.ps.node import PSNode
+    from fabricd.engines.ps.server import Action as ServerAction
+    from fabricd.engines.ps.server import ShardServer
 
 
 def fail_over(node: PSNode, key: Key, shard: int, reason: str, now: float) -> None:
@@ -90,3 +96,58 @@ def fail_shard(node: PSNode, key: Key, shard: int, reason: str) -> None:
     )
     for rank in model.local_workers:
         node._out.append(CallDone(key=key, rank=rank, failure=failure))
+
+
+def lose(node: PSNode, key: Key, model: Model, rank: int, reason: str, now: float) -> None:
+    if rank in model.workers:
+        model.gone.add(rank)
+        for shard, server in model.servers.items():
+            if server.primary:
+                node._server(key, shard, server.lose(rank, reason, now))
+    for shard in range(len(model.bounds)):
+        if rank not in pair(model.spec, shard):
+            continue
+        if rank == model.target(shard):
+            fail_over(node, key, shard, f"rank {rank} serving it left ({reason})", now)
+            continue
+        local = model.servers.get(shard)  # the partner that follows it went
+        if local is not None and local.primary:
+            node._settle(key, shard)  # nobody can answer for a later epoch
+            node._server(key, shard, local.replica_lost(now))
+
+
+def send_again(
+    node: PSNode, reached: Callable[[str, int], bool], *, rejoin: bool, job: str | None = None
+) -> None:
+    """Send the ranks that ``reached`` says are reachable again what was held for them and
+    what they may have lost: the workers' pushes and pulls in flight to them, a primary's
+    entries to its partner (or its whole state, :func:`_resync`), a replica's JOIN (if it
+    has no state, or always with ``rejoin``: what its primary sent again when it learned
+    of this rank may have overtaken the primary's announcement here and been dropped by
+    :meth:`_sent_by`; with the state, the snapshot is ignored and the entries after it are
+    taken or confirmed again)."""
+    for (held_job, rank), frame, payload in node._held.take(reached):
+        node._send(held_job, rank, frame, payload)
+    for key, model in node._of_job(job):  # ``job``: only its ranks can be reached
+        for side in model.local_workers.values():
+            for shard in range(len(model.bounds)):
+                if reached(key[0], model.target(shard)):
+                    node._worker(key, side, side.engine.resend(shard))
+        for shard, server in model.servers.items():
+            other = model.partner(shard, model.ranks[shard])
+            if other is None or not reached(key[0], other):
+                continue
+            if server.primary and shard not in model.tentative:
+                node._server(key, shard, _resync(server))
+            elif rejoin or not server.has_state or shard in model.tentative:
+                # the JOIN may have gone with the old links (a tentative primary still
+                # waits for its partner's answer: it has nothing to send it)
+                node._join(key, shard)
+
+
+def _resync(server: ShardServer) -> list[ServerAction]:
+    """What a primary sends its partner back from a reset or a partition: the entries it has
+    not confirmed, or, if the primary gave it up meanwhile (went on alone), its whole state: a
+    partner that kept its own (its process lived on) would otherwise stay behind for good, and
+    be promoted so if the primary then died."""
+    return list(server.unconfirmed()) if server.synced else server.joined()

@@ -68,7 +68,7 @@ from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.ps import messages, routing
 from fabricd.engines.ps.agreement import Agreement
 from fabricd.engines.ps.consistency import Consistency
-from fabricd.engines.ps.failover import fail_over, promote
+from fabricd.engines.ps.failover import lose, promote, send_again
 from fabricd.engines.ps.models import (
     CallDone,
     EpochMoved,
@@ -105,8 +105,6 @@ from fabricd.frames import ps as ps_frames
 from fabricd.wire import Kind
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from fabricd.engines.ps.consistency import UpdateRule
     from fabricd.engines.ps.filters import FilterSettings
     from fabricd.engines.ps.models import Action, Array, Key
@@ -874,7 +872,7 @@ class PSNode:
             entry = self.ranks.lookup(job, rank)
             return entry is not None and entry.node == node
 
-        self._send_again(on_node, rejoin=False)
+        send_again(self, on_node, rejoin=False)
         return self._done()
 
     def rank_joined(self, job: str, rank: int, node: int, now: float) -> list[Action]:
@@ -889,41 +887,13 @@ class PSNode:
             model.gone.discard(rank)
         self._out += self.agreement.rank_joined(node, self._of_job(job))
         if node == self.node or self.ranks.reachable(node):
-            self._send_again(lambda j, r: (j, r) == (job, rank), rejoin=True, job=job)
+            send_again(self, lambda j, r: (j, r) == (job, rank), rejoin=True, job=job)
         return self._done()
 
     def rank_suspected(self, job: str, rank: int) -> None:
         """Rank ``rank`` of ``job`` was lost with its node's links: what is sent it is held
         until it is back (:meth:`rank_joined`) or gone (:meth:`rank_gone`)."""
         self.suspects.add((job, rank))
-
-    def _send_again(
-        self, reached: Callable[[str, int], bool], *, rejoin: bool, job: str | None = None
-    ) -> None:
-        """Send the ranks that ``reached`` says are reachable again what was held for them and
-        what they may have lost: the workers' pushes and pulls in flight to them, a primary's
-        entries to its partner (or its whole state, :meth:`_resync`), a replica's JOIN (if it
-        has no state, or always with ``rejoin``: what its primary sent again when it learned
-        of this rank may have overtaken the primary's announcement here and been dropped by
-        :meth:`_sent_by`; with the state, the snapshot is ignored and the entries after it are
-        taken or confirmed again)."""
-        for (held_job, rank), frame, payload in self._held.take(reached):
-            self._send(held_job, rank, frame, payload)
-        for key, model in self._of_job(job):  # ``job``: only its ranks can be reached
-            for side in model.local_workers.values():
-                for shard in range(len(model.bounds)):
-                    if reached(key[0], model.target(shard)):
-                        self._worker(key, side, side.engine.resend(shard))
-            for shard, server in model.servers.items():
-                other = model.partner(shard, model.ranks[shard])
-                if other is None or not reached(key[0], other):
-                    continue
-                if server.primary and shard not in model.tentative:
-                    self._server(key, shard, _resync(server))
-                elif rejoin or not server.has_state or shard in model.tentative:
-                    # the JOIN may have gone with the old links (a tentative primary still
-                    # waits for its partner's answer: it has nothing to send it)
-                    self._join(key, shard)
 
     def rank_gone(self, job: str, rank: int, reason: str, now: float) -> list[Action]:
         """Rank ``rank`` of ``job`` is gone for good: lose it as a worker, replace it as a
@@ -938,25 +908,8 @@ class PSNode:
         )
         self.counters["ps_frames_dropped"] += len(gone)
         for key, model in self._of_job(job):
-            self._lose(key, model, rank, reason, now)
+            lose(self, key, model, rank, reason, now)
         return self._done()
-
-    def _lose(self, key: Key, model: Model, rank: int, reason: str, now: float) -> None:
-        if rank in model.workers:
-            model.gone.add(rank)
-            for shard, server in model.servers.items():
-                if server.primary:
-                    self._server(key, shard, server.lose(rank, reason, now))
-        for shard in range(len(model.bounds)):
-            if rank not in pair(model.spec, shard):
-                continue
-            if rank == model.target(shard):
-                fail_over(self, key, shard, f"rank {rank} serving it left ({reason})", now)
-                continue
-            local = model.servers.get(shard)  # the partner that follows it went
-            if local is not None and local.primary:
-                self._settle(key, shard)  # nobody can answer for a later epoch
-                self._server(key, shard, local.replica_lost(now))
 
     # -- time --------------------------------------------------------------------------------
     def next_deadline(self) -> float | None:
@@ -988,11 +941,3 @@ class PSNode:
                 f"within route_timeout ({self.route_timeout} s)",
             )
         return self._done()
-
-
-def _resync(server: ShardServer) -> list[ServerAction]:
-    """What a primary sends its partner back from a reset or a partition: the entries it has
-    not confirmed, or, if the primary gave it up meanwhile (went on alone), its whole state: a
-    partner that kept its own (its process lived on) would otherwise stay behind for good, and
-    be promoted so if the primary then died."""
-    return list(server.unconfirmed()) if server.synced else server.joined()
