@@ -86,6 +86,7 @@ class Kind(enum.IntEnum):
     OPENED = 25  #: a rank opened a parameter-server model: its spec, to compare (control)
     READY = 27  #: a worker's push is ready: the server's scheduler says when to send it (control)
     GRANT = 28  #: a server's scheduler: send that push after a wait (control)
+    GATHER = 29  #: a server's scheduler: sum these pushes here and forward the sum (control)
     REQUEST = 32  #: client -> daemon call
     REPLY = 33  #: daemon -> client answer to a REQUEST
     EVENT = 34  #: daemon -> client news nobody asked for in that moment (a pushed event)

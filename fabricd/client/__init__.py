@@ -343,6 +343,7 @@ class Client:
         initial: np.ndarray[Any, Any] | None = None,
         timeout: float | None = 30.0,
         scheduling: str = "arrival",
+        aggregation: bool = False,
     ) -> ParameterServer:
         """Open parameter-server model ``name`` as a ``"worker"``, ``"server"`` or
         ``"replica"`` of it (:mod:`fabricd.client.ps`; MLfabric §2, Table 1; TDF §III).
@@ -359,7 +360,9 @@ class Client:
         ``scheduling``: ``"arrival"`` (pushes applied as they come) or ``"mlfabric"``
         (async only: each push waits for the shard's scheduler, which orders a batch of them
         shortest transfer first with τmax deadlines and drops what cannot make its deadline
-        before it is sent; MLfabric §5.1, docs/mlfabric.md).
+        before it is sent; MLfabric §5.1, docs/mlfabric.md).  ``aggregation`` (with
+        ``"mlfabric"``): the scheduler may have groups of pushes summed at worker daemons and
+        sent to the server as one (MLfabric §5.2, Alg. 3).
 
         Raises:
             UsageError: a bad argument, a rank whose role does not match ``servers`` and
@@ -389,6 +392,7 @@ class Client:
             chunk=chunk,
             seed=seed,
             scheduling=scheduling,
+            aggregation=aggregation,
         )
         if initial is not None:
             if role == "worker":

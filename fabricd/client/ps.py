@@ -346,8 +346,11 @@ def open_request(
     lr_delay: object = None,
     lr_t0: object = None,
     scheduling: object = "arrival",
+    aggregation: object = False,
 ) -> Meta:
     """The ``ps_open`` request's fields, every argument checked first."""
+    if not isinstance(aggregation, bool):
+        raise UsageError(f"aggregation must be True or False, not {aggregation!r}")
     if scheduling not in SCHEDULINGS:
         raise UsageError(
             f"scheduling must be one of {', '.join(map(repr, SCHEDULINGS))}, not {scheduling!r}"
@@ -396,6 +399,7 @@ def open_request(
         **rule,
         "filters": None if filters is None else asdict(filters),
         "scheduling": scheduling,
+        "aggregation": aggregation,
     }
 
 

@@ -1,5 +1,5 @@
 """The parameter server's frames: PUSH, PULL, PUSHED, PULLED, REPLICATE, REPLICATED, JOIN,
-OPENED, and MLfabric's scheduling frames READY and GRANT."""
+OPENED, and MLfabric's scheduling and aggregation frames READY, GRANT and GATHER."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ PS_SPEC_FIELDS: Final = (
     "delay_bound",
     "chunk",
     "scheduling",
+    "aggregation",
 )
 #: the kinds of entry a shard's replication log holds: a worker's push, or a lost worker
 PS_ENTRIES: Final = ("push", "lose", "flush", "snapshot")
@@ -75,7 +76,45 @@ def _ps_spec(meta: Meta) -> dict[str, Any]:
         "delay_bound": None if delay_bound is None else get_int(spec, "delay_bound"),
         "chunk": get_int(spec, "chunk", lo=1),
         "scheduling": get_str(spec, "scheduling"),
+        "aggregation": get_bool(spec, "aggregation"),
     }
+
+
+#: the most updates one aggregate carries (a batch's, at most one per worker rank)
+MAX_MEMBERS: Final = 4096
+#: one update an aggregate holds: (worker rank, iteration, base version)
+Member = tuple[int, int, int]
+
+
+def _members(meta: Meta, key: str) -> tuple[Member, ...] | None:
+    """``meta[key]``: the updates an aggregate holds, 1 to :data:`MAX_MEMBERS` triples of
+    (worker rank, iteration, base), distinct workers; ``None`` when the field is absent."""
+    if key not in meta:
+        return None
+    value = meta[key]
+    if (
+        not isinstance(value, list)
+        or not 0 < len(value) <= MAX_MEMBERS
+        or not all(
+            isinstance(m, list)
+            and len(m) == 3
+            and all(type(x) is int and x >= 0 for x in m)
+            and m[0] <= MAX_RANK
+            for m in value
+        )
+    ):
+        raise RemoteProtocolError(f"field {key!r} must be a list of [worker, iteration, base]")
+    members = tuple((m[0], m[1], m[2]) for m in value)
+    if len({m[0] for m in members}) != len(members):
+        raise RemoteProtocolError(f"field {key!r} names a worker twice")
+    return members
+
+
+def _with_members(meta: Meta, key: str, members: tuple[Member, ...] | None) -> Meta:
+    """``meta``, with ``members`` under ``key`` if there are any."""
+    if members is not None:
+        meta[key] = [list(m) for m in members]
+    return meta
 
 
 def _ps_name(meta: Meta) -> str:
@@ -146,9 +185,15 @@ class Push(_ShardFrame):
     base: int
     epoch: int
     spec: dict[str, Any]
+    #: MLfabric aggregation (§5.2): for the aggregator the sending node was told of in a
+    #: GATHER: this push belongs to group ``group`` of ``server``'s shard
+    group: int | None = None
+    #: an aggregate for ``server``: the sum of these updates (``worker`` is then a rank of
+    #: the aggregating node, the sender)
+    members: tuple[Member, ...] | None = None
 
     def to_meta(self) -> Meta:
-        return {
+        meta = {
             **self._meta(),
             "w": self.worker,
             "it": self.iteration,
@@ -156,17 +201,25 @@ class Push(_ShardFrame):
             "ep": self.epoch,
             "spec": self.spec,
         }
+        if self.group is not None:
+            meta["grp"] = self.group
+        return _with_members(meta, "in", self.members)
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Push:
-        return cls(
+        push = cls(
             **cls._fields(meta),
             worker=_rank(meta, "w"),
             iteration=get_int(meta, "it"),
             base=get_int(meta, "b"),
             epoch=get_int(meta, "ep"),
             spec=_ps_spec(meta),
+            group=get_int(meta, "grp") if "grp" in meta else None,
+            members=_members(meta, "in"),
         )
+        if push.group is not None and push.members is not None:
+            raise RemoteProtocolError("a push is for an aggregator or an aggregate, not both")
+        return push
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -296,6 +349,8 @@ class Replicate(_ShardFrame):
     base: int
     reason: str | None = None
     spec: dict[str, Any]
+    #: an aggregate's entry: the updates it holds (MLfabric §5.2)
+    members: tuple[Member, ...] | None = None
 
     def to_meta(self) -> Meta:
         meta = {
@@ -308,7 +363,7 @@ class Replicate(_ShardFrame):
             "b": self.base,
             "spec": self.spec,
         }
-        return _with_reason(meta, "why", self.reason)
+        return _with_members(_with_reason(meta, "why", self.reason), "in", self.members)
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Replicate:
@@ -325,6 +380,7 @@ class Replicate(_ShardFrame):
             base=get_int(meta, "b"),
             reason=_reason(meta, "why"),
             spec=_ps_spec(meta),
+            members=_members(meta, "in"),
         )
 
 
@@ -460,22 +516,72 @@ class Grant(_ShardFrame):
     iteration: int
     epoch: int
     wait_us: int
+    #: MLfabric aggregation (§5.2): send the push to node ``via`` (its aggregator) as a
+    #: member of group ``group``, not to ``server``
+    via: int | None = None
+    group: int | None = None
 
     def to_meta(self) -> Meta:
-        return {
+        meta = {
             **self._meta(),
             "w": self.worker,
             "it": self.iteration,
             "ep": self.epoch,
             "wait": self.wait_us,
         }
+        if self.via is not None:
+            meta |= {"via": self.via, "grp": self.group}
+        return meta
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Grant:
+        via = get_int(meta, "via", hi=MAX_RANK) if "via" in meta else None
         return cls(
             **cls._fields(meta),
             worker=_rank(meta, "w"),
             iteration=get_int(meta, "it"),
             epoch=get_int(meta, "ep"),
             wait_us=get_int(meta, "wait", hi=MAX_GRANT_WAIT_US),
+            via=via,
+            group=None if via is None else get_int(meta, "grp"),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Gather(_ShardFrame):
+    """``server``'s scheduler makes the receiving node the aggregator of group ``group``
+    (MLfabric §5.2, Alg. 3): sum the PUSHes of ``members`` that come for it and send the sum
+    to ``server`` as one aggregate PUSH, ``wait_us`` microseconds after this frame arrives at
+    the earliest (its planned start; at once if its members came later), or with the members
+    that came once the wait and a grace are over (control channel, no payload)."""
+
+    KIND: ClassVar[Kind] = Kind.GATHER
+    epoch: int
+    group: int
+    members: tuple[Member, ...]
+    wait_us: int
+    spec: dict[str, Any]
+
+    def to_meta(self) -> Meta:
+        meta = {
+            **self._meta(),
+            "ep": self.epoch,
+            "grp": self.group,
+            "wait": self.wait_us,
+            "spec": self.spec,
+        }
+        return _with_members(meta, "in", self.members)
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Gather:
+        members = _members(meta, "in")
+        if members is None:
+            raise RemoteProtocolError("a GATHER names the updates it sums (field 'in')")
+        return cls(
+            **cls._fields(meta),
+            epoch=get_int(meta, "ep"),
+            group=get_int(meta, "grp"),
+            members=members,
+            wait_us=get_int(meta, "wait", hi=MAX_GRANT_WAIT_US),
+            spec=_ps_spec(meta),
         )

@@ -16,6 +16,7 @@ from fabricd.frames.link import Bye, Heartbeat
 from fabricd.frames.membership import Announce
 from fabricd.frames.p2p import Cancel, Cts, Data, Done, Eager, Rtr, Rts, Write
 from fabricd.frames.ps import (
+    Gather,
     Grant,
     Join,
     Opened,
@@ -59,6 +60,7 @@ PeerFrame = (
     | Opened
     | Ready
     | Grant
+    | Gather
 )
 #: the frames whose payload is a point-to-point message's bytes (DATA, and EAGER on control)
 MessageFrame = Data | Eager
@@ -94,6 +96,7 @@ _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
         Opened,
         Ready,
         Grant,
+        Gather,
     )
 }
 #: the kinds :func:`parse` reads

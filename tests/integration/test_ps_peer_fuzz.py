@@ -80,6 +80,7 @@ SPEC: dict[str, Any] = {
     "delay_bound": None,
     "chunk": 1,
     "scheduling": "arrival",
+    "aggregation": False,
 }
 
 

@@ -133,6 +133,8 @@ class Fabric:
         lossless: bool = False,
         late_join: bool = False,
         scheduled: bool = False,
+        aggregation: bool = False,
+        interval: float = 0.5,
     ) -> None:
         self.consistency = consistency
         self.callback = callback
@@ -141,6 +143,7 @@ class Fabric:
         self.staleness = staleness
         self.delay_bound = delay_bound
         self.scheduled = scheduled
+        self.interval = interval  #: the schedulers' batch interval (a frame takes 1 s here)
         #: node -> (up, down) bytes/s for the schedulers (``scheduled``); shared by every table
         self.figures: dict[int, tuple[float, float]] = {}
         self.size = size
@@ -158,6 +161,7 @@ class Fabric:
             "delay_bound": delay_bound if consistency is Consistency.ASYNC else None,
             "chunk": chunk,
             "scheduling": "mlfabric" if scheduled else "arrival",
+            "aggregation": aggregation,
         }
         self.bounds = shard_bounds(size, shards)
         # lossless publish with P-SMP: small changes are held back until a flush publishes them
@@ -183,6 +187,8 @@ class Fabric:
         self.acked: dict[tuple[int, int, int], tuple[int, str | None]] = {}
         #: (worker, iteration, shard) -> the base it was pushed with
         self.bases: dict[tuple[int, int, int], int] = {}
+        #: (worker, iteration, shard) -> how many updates the aggregate that held it summed
+        self.summed: dict[tuple[int, int, int], int] = {}
         self.answers = 0  #: pull answers delivered
         #: (shard, iteration) -> the version BSP applied it as
         self.bsp_versions: dict[tuple[int, int], int] = {}
@@ -201,7 +207,7 @@ class Fabric:
             max_payload=1 << 20,
             # a scheduled fabric runs the nodes' timers: early frames must not expire in it
             route_timeout=1e9 if self.scheduled else 1.0,
-            schedule_interval=0.5,
+            schedule_interval=self.interval,
         )
         self.nodes[rank] = node
         return node
@@ -514,6 +520,11 @@ class Fabric:
     def _check_frame(self, at: int, frame: Any) -> None:
         """A worker's push remembers its base; a shard's acknowledgement and answer are
         checked (refusals, from a rank not serving at the frame's epoch, are not)."""
+        if isinstance(frame, ps_frames.Push) and frame.members is not None:
+            for w, it, base in frame.members:  # an aggregate: its members' bases, and its size
+                self.bases[(w, it, frame.shard)] = base
+                self.summed[(w, it, frame.shard)] = len(frame.members)
+            return
         if isinstance(frame, ps_frames.Push):
             self.bases[(frame.worker, frame.iteration, frame.shard)] = frame.base
             return
@@ -540,7 +551,8 @@ class Fabric:
                 assert ack.version == ack.iteration + 1 or self.flushes, ack
                 assert ack.version >= ack.iteration + 1, ack
             if self.consistency is Consistency.ASYNC and self.delay_bound is not None:
-                delay = ack.version - 1 - self.bases[key]
+                # an aggregate of k advances the version by k: applied at version - k
+                delay = ack.version - self.summed.get(key, 1) - self.bases[key]
                 assert delay <= self.delay_bound, (ack, delay)
 
     # -- checks at the end ----------------------------------------------------------------

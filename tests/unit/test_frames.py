@@ -39,6 +39,7 @@ PS_SPEC: Meta = {
     "delay_bound": 8,
     "chunk": 16,
     "scheduling": "arrival",
+    "aggregation": False,
 }
 #: the fields every parameter-server frame has
 SHARD: Meta = {"job": "j", "name": "ps", "shard": 1, "server": 1}

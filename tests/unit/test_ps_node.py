@@ -58,6 +58,7 @@ def spec(replicas: bool = True) -> dict[str, Any]:
         "delay_bound": None,
         "chunk": 1,
         "scheduling": "arrival",
+        "aggregation": False,
     }
 
 

@@ -28,7 +28,12 @@ FIGURES = st.sampled_from([None, 50.0, 200.0, 1e6])
 
 
 def scheduled(
-    *, bound: int | None, replicas: bool, figures: dict[int, tuple[float, float]]
+    *,
+    bound: int | None,
+    replicas: bool,
+    figures: dict[int, tuple[float, float]],
+    aggregation: bool = False,
+    interval: float = 0.5,
 ) -> Fabric:
     fabric = Fabric(
         workers=3,
@@ -39,6 +44,8 @@ def scheduled(
         delay_bound=bound,
         replicas=replicas,
         scheduled=True,
+        aggregation=aggregation,
+        interval=interval,
     )
     fabric.figures.update(figures)
     return fabric

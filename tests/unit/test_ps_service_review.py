@@ -213,6 +213,7 @@ class Fabric:
             "staleness": 0,
             "chunk": 1,
             "scheduling": "arrival",
+            "aggregation": False,
             "seed": 0,
             "rule": "sum",
         } | spec

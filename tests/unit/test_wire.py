@@ -61,6 +61,7 @@ PS_SPEC = {
     "delay_bound": None,
     "chunk": 1,
     "scheduling": "arrival",
+    "aggregation": False,
 }
 
 #: the documented header: magic, version u8, kind u8, flags u16, meta_len u32, payload_len u64
@@ -267,6 +268,17 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
         "norm": 1.5,
         "spec": PS_SPEC,
     },
+    Kind.GATHER: {
+        "job": "demo",
+        "name": "ps",
+        "sh": 1,
+        "srv": 0,
+        "ep": 0,
+        "grp": 3,
+        "in": [[1, 4, 2], [2, 5, 2]],
+        "wait": 0,
+        "spec": PS_SPEC,
+    },
     Kind.GRANT: {
         "job": "demo",
         "name": "ps",
@@ -367,6 +379,7 @@ def test_kind_numbers_are_stable() -> None:
         "OPENED": 25,
         "READY": 27,
         "GRANT": 28,
+        "GATHER": 29,
         "REQUEST": 32,
         "REPLY": 33,
         "EVENT": 34,

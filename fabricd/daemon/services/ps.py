@@ -40,13 +40,13 @@ from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.jobs import Groups
+from fabricd.daemon.services.ps_requests import check_spec, settings_of, spec_of
 from fabricd.daemon.services.ps_status import Call, PSStatus
 from fabricd.daemon.services.senders import Gate, Sender, earliest, sender
-from fabricd.dtypes import FLOAT_DTYPES as DTYPES
 from fabricd.engines.actions import Complete, Failure, SendFrame
 from fabricd.engines.membership import RankGone, RankJoined, RankSuspected
 from fabricd.engines.ps import push as ps_push
-from fabricd.engines.ps.consistency import CONSISTENCIES, UpdateRule, update_rule
+from fabricd.engines.ps.consistency import UpdateRule, update_rule
 from fabricd.engines.ps.filters import FilterSettings
 from fabricd.engines.ps.messages import describe
 from fabricd.engines.ps.models import (
@@ -62,8 +62,7 @@ from fabricd.engines.ps.storage import HEADER as PULL_HEADER
 from fabricd.engines.ps.worker import shard_bounds
 from fabricd.errors import ErrorCode, OperationFailed, RemoteProtocolError, UsageError
 from fabricd.frames import ps as ps_frames
-from fabricd.frames.fields import MAX_NAME, MAX_RANK
-from fabricd.frames.ps import SCHEDULINGS
+from fabricd.frames.fields import MAX_NAME
 from fabricd.wire import Kind, Meta, get_int, get_str
 
 if TYPE_CHECKING:
@@ -150,6 +149,7 @@ class PSService(BaseService):
             Kind.OPENED,
             Kind.READY,
             Kind.GRANT,
+            Kind.GATHER,
         }
     )
     ops = frozenset({"ps_open", "ps_push", "ps_pull", "ps_stepped", "ps_flush"})
@@ -230,7 +230,7 @@ class PSService(BaseService):
         role = get_str(meta, "role")
         if role not in ROLES:
             raise UsageError(f"role {role!r}: one of {', '.join(ROLES)}")
-        spec = _spec(meta, session.size)
+        spec = spec_of(meta, session.size)
         self._check_spec(spec)
         key = (job, name)
         model = self.engine.model(key)
@@ -253,7 +253,7 @@ class PSService(BaseService):
             raise UsageError(f"rank {rank} is not one of {name!r}'s replicas {replicas}")
         bounds = shard_bounds(spec["size"], len(servers))
         opened: Meta = {"shards": len(servers), "bounds": [list(b) for b in bounds]}
-        settings = _settings(meta.get("filters"))
+        settings = settings_of(meta.get("filters"))
         if role == "worker":
             seed = get_int(meta, "seed")
             charge = self._charge(key, spec, spec["size"], WORKER_COPIES, f"rank {rank}'s worker")
@@ -386,30 +386,8 @@ class PSService(BaseService):
         return None if waits else {"flushed": False}
 
     def _check_spec(self, spec: Meta) -> None:
-        servers, replicas, n = spec["servers"], spec["replicas"], spec["n"]
-        ranks = [*servers, *replicas]
-        if not servers or len(servers) > _MAX_SERVERS:
-            raise UsageError(f"a parameter server has 1 to {_MAX_SERVERS} server ranks")
-        if replicas and len(replicas) != len(servers):
-            raise UsageError("replicas: none, or one rank per server (shard)")
-        if len(set(ranks)) != len(ranks) or not all(0 <= r < n for r in ranks):
-            raise UsageError(f"servers and replicas are distinct ranks of the job's 0..{n - 1}")
-        if len(ranks) >= n:
-            raise UsageError("a parameter server needs at least one worker rank")
-        if spec["dtype"] not in DTYPES:
-            raise UsageError(f"dtype {spec['dtype']!r}: one of {', '.join(DTYPES)}")
-        if spec["consistency"] not in CONSISTENCIES:
-            raise UsageError(
-                f"consistency {spec['consistency']!r}: one of {', '.join(CONSISTENCIES)}"
-            )
-        if spec["staleness"] and spec["consistency"] != "ssp":
-            raise UsageError("staleness belongs to consistency='ssp'")
-        if spec["delay_bound"] is not None and spec["consistency"] != "async":
-            raise UsageError("delay_bound belongs to consistency='async'")
-        if spec["scheduling"] not in SCHEDULINGS:
-            raise UsageError(f"scheduling {spec['scheduling']!r}: one of {', '.join(SCHEDULINGS)}")
-        if spec["scheduling"] == "mlfabric" and spec["consistency"] != "async":
-            raise UsageError("scheduling='mlfabric' orders and drops async updates (MLfabric §5.1)")
+        check_spec(spec)
+        servers = spec["servers"]
         if spec["size"] < len(servers) or spec["chunk"] < 1:
             raise UsageError(f"{spec['size']} elements cannot be split over {len(servers)} servers")
         itemsize = np.dtype(spec["dtype"]).itemsize
@@ -647,7 +625,8 @@ class PSService(BaseService):
                 | ps_frames.Replicated
                 | ps_frames.Join
                 | ps_frames.Opened
-                | ps_frames.Grant,
+                | ps_frames.Grant
+                | ps_frames.Gather,
             )
             if isinstance(frame, ps_frames.Opened):
                 rank = frame.rank
@@ -753,37 +732,6 @@ class PSService(BaseService):
 
     def metrics(self) -> Iterable[Metric]:
         return self.status.metrics()
-
-
-def _spec(meta: Meta, n: int) -> Meta:
-    """The spec every rank of a model opens it with, from a request."""
-    servers, replicas = meta.get("servers"), meta.get("replicas", [])
-    for what, ranks in (("servers", servers), ("replicas", replicas)):
-        if not isinstance(ranks, list) or not all(
-            type(r) is int and 0 <= r < MAX_RANK for r in ranks
-        ):
-            raise UsageError(f"{what}: a list of ranks")
-    delay_bound = meta.get("delay_bound")
-    return {
-        "n": n,
-        "size": get_int(meta, "size", lo=1),
-        "dtype": get_str(meta, "dtype"),
-        "servers": list(servers),  # type: ignore[arg-type]
-        "replicas": list(replicas),
-        "consistency": get_str(meta, "consistency"),
-        "staleness": get_int(meta, "staleness"),
-        "delay_bound": None if delay_bound is None else get_int(meta, "delay_bound"),
-        "chunk": get_int(meta, "chunk", lo=1),
-        "scheduling": get_str(meta, "scheduling") if "scheduling" in meta else "arrival",
-    }
-
-
-def _settings(filters: Any) -> FilterSettings:
-    if filters is None:
-        return FilterSettings()
-    if not isinstance(filters, dict) or not set(filters) <= set(_FILTER_FIELDS):
-        raise UsageError(f"filters: a map of {', '.join(_FILTER_FIELDS)}")
-    return FilterSettings(**filters)
 
 
 def _landing_key(

@@ -210,7 +210,13 @@ class SGD:
     def apply_updates(self, model: np.ndarray[Any, Any], action: Apply) -> None:
         """One step for ``action``, each update with its own :meth:`rate` (the version the
         model is at before the step, the update's delay); one rate for all steps with their
-        sum, as :meth:`apply` does."""
+        sum, as :meth:`apply` does.  An aggregate (MLfabric §5.2) is one sum that cannot be
+        taken apart: it steps at its stalest member's rate, the smallest."""
+        if action.summed:
+            before = action.version - len(action.updates)
+            rate = min(self.rate(before, u.delay) for u in action.updates)
+            self._descend(model, rate * action.combined())
+            return
         version = action.version - 1
         rates = [self.rate(version, u.delay) for u in action.updates]
         for u in action.updates:
@@ -332,10 +338,13 @@ class Apply:
     version: int
     iteration: int
     updates: tuple[Update, ...]
+    #: an aggregate's (MLfabric §5.2): every update carries the members' sum, once
+    summed: bool = False
 
     def combined(self) -> np.ndarray[Any, Any]:
-        """The update to step with: the one push's values, or a new array with their sum."""
-        if len(self.updates) == 1:
+        """The update to step with: the one push's values (or an aggregate's sum), or a new
+        array with their sum."""
+        if len(self.updates) == 1 or self.summed:
             return self.updates[0].values
         total = np.array(self.updates[0].values, copy=True)
         for update in self.updates[1:]:
@@ -492,6 +501,45 @@ class Coordinator:
             out = [self._apply(iteration, {worker: (base, values)})]
             self._advance()
         return out + self._release()
+
+    def push_aggregate(
+        self, members: tuple[tuple[int, int, int], ...], values: np.ndarray[Any, Any], now: float
+    ) -> list[Action]:
+        """An aggregate of ``members`` (worker, iteration, base each; MLfabric §5.2) whose
+        updates sum to ``values`` (async only: aggregation is scheduled): applied as one step
+        that advances the version by the number of members, or, if any member's worker was
+        lost or any member's delay is over the bound, dropped whole (each member's drop
+        counted and said): a sum cannot be taken apart.
+
+        Raises:
+            RemoteProtocolError: as :meth:`push`, for any member.
+        """
+        for worker, iteration, base in members:
+            self.check_push(worker, iteration, base)
+        for worker, iteration, _ in members:
+            self._next[worker] = iteration + 1
+        lost = any(w not in self._live for w, _, _ in members)
+        bound = self.delay_bound
+        late = bound is not None and any(self._version - b > bound for _, _, b in members)
+        if lost or late:
+            reason = DropReason.LOST if lost else DropReason.DELAY
+            out: list[Action] = [
+                self._drop(w, it, b, self._version - b, reason) for w, it, b in members
+            ]
+            self._advance()
+            return out + self._release()
+        updates = tuple(
+            Update(worker=w, iteration=it, base=b, delay=self._version - b, values=values)
+            for w, it, b in members
+        )
+        for u in updates:
+            self._delays[_bucket(u.delay)] += 1
+            self._delay_sum += u.delay
+        self._applied += len(updates)
+        self._version += len(updates)
+        self._advance()
+        apply = Apply(version=self._version, iteration=members[0][1], updates=updates, summed=True)
+        return [apply, *self._release()]
 
     def skip(self, worker: int, iteration: int, base: int, why: str) -> list[Action]:
         """Worker ``worker``'s update of ``iteration`` was dropped by MLfabric's scheduler

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fabricd.engines.ps.scheduler import Granted
+from fabricd.engines.ps.scheduler import Gather, Granted
 from fabricd.engines.ps.server import Acked, Answer, Forward, Logged, Refuse, Snapshot
 from fabricd.engines.ps.worker import SendPush, SendReady
 from fabricd.frames import ps as ps_frames
 from fabricd.frames.ps import MAX_PS_REASON
 
 if TYPE_CHECKING:
+    from fabricd.engines.ps.gathering import Summed
     from fabricd.engines.ps.models import Key
     from fabricd.engines.ps.server import ShardServer
     from fabricd.engines.ps.worker import SendPull
@@ -46,7 +47,9 @@ def to_server(
         )
         return ready, b""
     if isinstance(action, SendPush):
-        push = ps_frames.Push(**fields, iteration=action.iteration, base=action.base)
+        push = ps_frames.Push(
+            **fields, iteration=action.iteration, base=action.base, group=action.group
+        )
         return push, bytes(action.payload)
     return ps_frames.Pull(**fields, clock=action.clock, since=action.since), b""
 
@@ -59,8 +62,14 @@ def to_worker(
     fields: Meta = {"job": key[0], "name": key[1], "shard": shard, "server": me}
     fields |= {"epoch": server.epoch, "worker": action.worker}
     if isinstance(action, Granted):
-        wait = min(round(action.wait * 1e6), ps_frames.MAX_GRANT_WAIT_US)
-        return ps_frames.Grant(**fields, iteration=action.iteration, wait_us=wait), b""
+        grant = ps_frames.Grant(
+            **fields,
+            iteration=action.iteration,
+            wait_us=_micros(action.wait),
+            via=action.via,
+            group=action.group,
+        )
+        return grant, b""
     if isinstance(action, Acked):
         dropped = text(action.dropped)
         pushed = ps_frames.Pushed(
@@ -113,6 +122,7 @@ def to_partner(
         base=fields[2],
         reason=fields[3],
         spec=spec,
+        members=action.entry.members if isinstance(action, Forward) else None,
     )
     return frame, bytes(payload)
 
@@ -172,3 +182,44 @@ def describe(spec: Meta) -> str:
         + (f", tau_max {spec['delay_bound']}" if spec["delay_bound"] is not None else "")
         + (f", chunks of {spec['chunk']}" if spec["chunk"] != 1 else "")
     )
+
+
+def _micros(seconds: float) -> int:
+    """A wait in whole microseconds, as GRANT and GATHER carry it."""
+    return min(round(seconds * 1e6), ps_frames.MAX_GRANT_WAIT_US)
+
+
+def gather(
+    key: Key, spec: Meta, shard: int, me: int, epoch: int, action: Gather
+) -> ps_frames.Gather:
+    """A shard's scheduler's GATHER for the aggregator of one group (MLfabric §5.2)."""
+    return ps_frames.Gather(
+        job=key[0],
+        name=key[1],
+        shard=shard,
+        server=me,
+        epoch=epoch,
+        group=action.group,
+        members=action.members,
+        wait_us=_micros(action.wait),
+        spec=spec,
+    )
+
+
+def aggregate(key: Key, spec: Meta, sender: int, summed: Summed) -> tuple[ps_frames.Push, bytes]:
+    """An aggregator's sum of a group's pushes for the group's server (PUSH with ``in``);
+    ``sender`` is a worker rank of the aggregating node (its frames count from there)."""
+    _, shard, server, epoch, group = summed.group
+    push = ps_frames.Push(
+        job=key[0],
+        name=key[1],
+        shard=shard,
+        server=server,
+        worker=sender,
+        iteration=group,
+        base=0,
+        epoch=epoch,
+        spec=spec,
+        members=summed.members,
+    )
+    return push, bytes(summed.payload)

@@ -65,10 +65,12 @@ from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import Complete, Failure, SendFrame
 from fabricd.engines.deadlines import Deadlines
-from fabricd.engines.ps import messages, routing
+from fabricd.engines.ps import aggregating, messages, routing
+from fabricd.engines.ps.aggregating import direct_after
 from fabricd.engines.ps.agreement import Agreement
 from fabricd.engines.ps.consistency import Consistency
 from fabricd.engines.ps.failover import lose, promote, send_again
+from fabricd.engines.ps.gathering import Gathering
 from fabricd.engines.ps.models import (
     CallDone,
     EpochMoved,
@@ -79,7 +81,7 @@ from fabricd.engines.ps.models import (
     WorkerSide,
 )
 from fabricd.engines.ps.routing import Early, EarlyFrames, HeldFrames, pair
-from fabricd.engines.ps.scheduler import ShardScheduler
+from fabricd.engines.ps.scheduler import Gather, ShardScheduler
 from fabricd.engines.ps.server import (
     FLUSH,
     LOSE,
@@ -154,6 +156,10 @@ class PSNode:
         #: MLfabric: the scheduled shards' batch deadlines, and the granted pushes' starts
         self._ticks: Deadlines[tuple[Key, int]] = Deadlines()
         self._paced: Deadlines[tuple[Key, int, int, int]] = Deadlines()
+        #: aggregation: this node's groups, and the pushes sent to an aggregator (their wait
+        #: for the server's acknowledgement before they go straight to it)
+        self.gathering = Gathering(grace=direct_after(schedule_interval))
+        self._direct: Deadlines[tuple[Key, int, int, int]] = Deadlines()
         self._held = HeldFrames(max_payload)
         self._local: deque[tuple[int, registry.PeerFrame, bytes]] = deque()
         self._out: list[Action] = []
@@ -272,6 +278,8 @@ class PSNode:
                 server=self.node,
                 delay_bound=spec["delay_bound"],
                 interval=self.schedule_interval,
+                aggregation=spec["aggregation"],
+                seed=self.node * 4096 + shard,
             )
             if spec["scheduling"] == "mlfabric"
             else None,
@@ -317,6 +325,7 @@ class PSNode:
     def _forget_if_empty(self, key: Key) -> None:
         model = self.models.get(key)
         if model is not None and not model.local_workers and not model.servers:
+            self.gathering.forget(key)
             del self.models[key]
             keys = self._jobs[key[0]]
             keys.discard(key)
@@ -368,7 +377,12 @@ class PSNode:
                 to = self._serving(job, model, action.shard)
                 epoch = epochs[action.shard]
                 frame, payload = messages.to_server(key, model.spec, rank, to, epoch, action)
-                self._send(job, to, frame, payload)
+                if isinstance(action, SendPush) and action.via is not None:
+                    self._to_node(action.via, frame, payload)
+                    wait = self._now + direct_after(self.schedule_interval)
+                    self._direct.set((key, rank, action.shard, action.iteration), wait)
+                else:
+                    self._send(job, to, frame, payload)
             elif isinstance(action, PushDone | PullDone):
                 if isinstance(action, PullDone):
                     side.out = None
@@ -470,6 +484,9 @@ class PSNode:
                     return  # the entries that followed were processed just now
             elif isinstance(action, Step):
                 self._out.append(StepShard(key=key, shard=shard, step=action))
+            elif isinstance(action, Gather):
+                gather = messages.gather(key, model.spec, shard, me, server.epoch, action)
+                self._to_node(action.aggregator, gather)
             elif isinstance(action, Logged):
                 assert other is not None
                 self._send(job, other, messages.confirmation(key, shard, me, other, action))
@@ -538,6 +555,17 @@ class PSNode:
         else:
             self._out.append(SendFrame(node=entry.node, frame=frame))
 
+    def _to_node(self, node: int, frame: registry.PeerFrame, payload: bytes = b"") -> None:
+        """Send ``frame`` to ``node`` itself (an aggregator), or hand it over here; a node
+        whose links are not all up gets nothing (the pushes come straight to their server
+        after their wait: module aggregating's)."""
+        if node == self.node:
+            self._local.append((node, frame, payload))
+        elif self.ranks.reachable(node) and frame.KIND in DATA_KINDS:
+            self._out.append(SendData(node=node, frame=frame, payload=payload))
+        elif self.ranks.reachable(node):
+            self._out.append(SendFrame(node=node, frame=frame))
+
     def on_frame(
         self, node: int, frame: registry.PeerFrame, payload: bytes, now: float
     ) -> list[Action]:
@@ -554,8 +582,14 @@ class PSNode:
         if isinstance(frame, ps_frames.Opened):
             self._out += self.agreement.on_opened(node, frame, self.models)
             return
+        if isinstance(frame, ps_frames.Push) and frame.group is not None:
+            aggregating.at_member(self, node, frame, payload, now)
+            return
         if isinstance(frame, ps_frames.Push | ps_frames.Pull | ps_frames.Ready):
             self._at_server(node, frame, payload, now)
+            return
+        if isinstance(frame, ps_frames.Gather):
+            aggregating.at_gather(self, node, frame, now)
             return
         # a server's, replica's or partner's frame counts only from the node its rank lives
         # on: anything else could forge an entry, a confirmation or an acknowledgement
@@ -658,7 +692,9 @@ class PSNode:
             later = server.epoch if server.has_state and server.epoch > frame.epoch else None
             self._refuse(key, frame, messages.why_not_serving(server, frame.epoch), epoch=later)
             return
-        if isinstance(frame, ps_frames.Push):
+        if isinstance(frame, ps_frames.Push) and frame.members is not None:
+            actions = server.push_aggregate(frame.members, payload, now)
+        elif isinstance(frame, ps_frames.Push):
             actions = server.push(frame.worker, frame.iteration, frame.base, payload, now)
         elif isinstance(frame, ps_frames.Ready):
             actions = server.ready(
@@ -713,6 +749,9 @@ class PSNode:
         if frame.server != model.target(frame.shard):
             self.counters["ps_frames_dropped"] += 1  # from the server before a failover
             return
+        if isinstance(frame, ps_frames.Grant) and frame.via is not None:
+            assert frame.group is not None
+            side.engine.route(frame.shard, frame.iteration, frame.via, frame.group)
         if isinstance(frame, ps_frames.Grant) and frame.wait_us:
             # sent when its planned start comes (on_timer): the server's link is time-shared
             actions = []
@@ -770,6 +809,7 @@ class PSNode:
             base=frame.base,
             payload=payload,
             reason=frame.reason,
+            members=frame.members,
         )
         if server.primary:
             self.counters["ps_frames_dropped"] += 1  # promoted: the old primary is gone
@@ -913,7 +953,13 @@ class PSNode:
 
     # -- time --------------------------------------------------------------------------------
     def next_deadline(self) -> float | None:
-        due = (self._early.next_deadline(), self._ticks.next(), self._paced.next())
+        due = (
+            self._early.next_deadline(),
+            self._ticks.next(),
+            self._paced.next(),
+            self._direct.next(),
+            self.gathering.next_deadline(),
+        )
         return min((d for d in due if d is not None), default=None)
 
     def on_timer(self, now: float) -> list[Action]:
@@ -926,11 +972,13 @@ class PSNode:
             server = None if model is None else model.servers.get(shard)
             if server is not None:
                 self._server(key, shard, server.on_timer(now, self.ranks.bandwidth))
-        for key, rank, shard, iteration in self._paced.pop_due(now):
-            model = self.models.get(key)
-            side = None if model is None else model.local_workers.get(rank)
-            if side is not None:
-                self._worker(key, side, side.engine.granted(shard, iteration))
+        for heap, act in ((self._paced, Worker.granted), (self._direct, Worker.direct)):
+            for key, rank, shard, iteration in heap.pop_due(now):
+                model = self.models.get(key)
+                side = None if model is None else model.local_workers.get(rank)
+                if side is not None:
+                    self._worker(key, side, act(side.engine, shard, iteration))
+        aggregating.forward(self, self.gathering.on_timer(now))
         for early in self._early.expired(now):
             self.counters["ps_early_expired"] += 1
             frame = early.frame

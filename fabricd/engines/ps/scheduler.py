@@ -34,10 +34,12 @@ Choices where the paper is silent, and why:
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fabricd.engines.scheduling.ordering import Update, order
+from fabricd.engines.scheduling.aggregation import Group, aggregate
+from fabricd.engines.scheduling.ordering import Planned, Update, order
 from fabricd.engines.scheduling.timelines import Network
 
 if TYPE_CHECKING:
@@ -51,10 +53,24 @@ GRANT_GRACE_MIN = 1.0
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Granted:
-    """Tell ``worker`` to send its push of ``iteration`` in ``wait`` seconds."""
+    """Tell ``worker`` to send its push of ``iteration`` in ``wait`` seconds: to the server,
+    or (aggregation) to node ``via``, as a member of its group ``group``."""
 
     worker: int
     iteration: int
+    wait: float
+    via: int | None = None
+    group: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Gather:
+    """Tell node ``aggregator`` to sum ``members``' pushes (worker, iteration, base each) as
+    group ``group`` and forward the sum, ``wait`` seconds from now at the earliest (§5.2)."""
+
+    aggregator: int
+    group: int
+    members: tuple[tuple[int, int, int], ...]
     wait: float
 
 
@@ -109,10 +125,21 @@ class ShardScheduler:
         interval: seconds a batch gathers ready updates.
     """
 
-    def __init__(self, *, server: int, delay_bound: int | None, interval: float) -> None:
+    def __init__(
+        self,
+        *,
+        server: int,
+        delay_bound: int | None,
+        interval: float,
+        aggregation: bool = False,
+        seed: int = 0,
+    ) -> None:
         self.server = server
         self.delay_bound = delay_bound
         self.interval = interval
+        self.aggregation = aggregation
+        self._rng = random.Random(seed)
+        self._next_group = 0
         self._batch: dict[tuple[int, int], _Ready] = {}
         self._granted: dict[tuple[int, int], _Grant] = {}
         self._due: float | None = None
@@ -142,9 +169,10 @@ class ShardScheduler:
 
     def on_timer(
         self, now: float, version: int, figures: Callable[[int], tuple[float, float] | None]
-    ) -> list[Granted | Denied]:
-        """Decide the batch if its interval is over: grant what Alg. 2 plans, deny what it
-        drops.  ``version`` is the shard's; ``figures`` the monitor's (up, down) per host."""
+    ) -> list[Granted | Denied | Gather]:
+        """Decide the batch if its interval is over: grant what Alg. 2 plans (through the
+        aggregators Alg. 3 picks, with ``aggregation``), deny what it drops.  ``version`` is
+        the shard's; ``figures`` the monitor's (up, down) per host."""
         if self._due is None or now < self._due:
             return []
         self._due = None
@@ -170,17 +198,24 @@ class ShardScheduler:
             delay_bound=None if self.delay_bound is None else self.delay_bound + 1,
             v_init=version + len(self._granted),
         )
-        grace = max(GRANT_GRACE_MIN, 10 * self.interval)
-        out: list[Granted | Denied] = []
+        out: list[Granted | Denied | Gather] = []
+        groups = self._groups(plan.planned, network) if self.aggregation else []
+        grouped = {p.update.key for group in groups for p in group.members}
         for planned in plan.planned:
-            ready = by_key[planned.update.key]  # type: ignore[index]
-            end = planned.transfer.end
-            self._granted[(ready.worker, ready.iteration)] = _Grant(
-                ready=ready, end=end, expires=end + grace
+            if planned.update.key not in grouped:
+                out.append(self._grant(by_key[planned.update.key], planned, now))  # type: ignore[index]
+        for group in groups:
+            number = self._next_group
+            self._next_group += 1
+            members = []
+            for planned in group.members:
+                ready = by_key[planned.update.key]  # type: ignore[index]
+                out.append(self._grant(ready, planned, now, via=group.aggregator, group=number))
+                members.append((ready.worker, ready.iteration, ready.base))
+            wait = max(0.0, group.forward.start - now)
+            out.append(
+                Gather(aggregator=group.aggregator, group=number, members=tuple(members), wait=wait)
             )
-            self._grants += 1
-            wait = max(0.0, planned.transfer.start - now)
-            out.append(Granted(worker=ready.worker, iteration=ready.iteration, wait=wait))
         for update, reason in plan.dropped:
             ready = by_key[update.key]  # type: ignore[index]
             self._denied[reason] = self._denied.get(reason, 0) + 1
@@ -197,6 +232,38 @@ class ShardScheduler:
             self._latency_sum += latency
             self._latency_max = max(self._latency_max, latency)
         return out
+
+    def _grant(
+        self,
+        ready: _Ready,
+        planned: Planned,
+        now: float,
+        *,
+        via: int | None = None,
+        group: int | None = None,
+    ) -> Granted:
+        """Grant ``ready`` its planned transfer (to the server, or to aggregator ``via``)."""
+        end = planned.transfer.end
+        grace = max(GRANT_GRACE_MIN, 10 * self.interval)
+        self._granted[(ready.worker, ready.iteration)] = _Grant(
+            ready=ready, end=end, expires=end + grace
+        )
+        self._grants += 1
+        wait = max(0.0, planned.transfer.start - now)
+        return Granted(
+            worker=ready.worker, iteration=ready.iteration, wait=wait, via=via, group=group
+        )
+
+    def _groups(self, planned: list[Planned], network: Network) -> list[Group]:
+        """Alg. 3 over the batch's planned updates: the groups summed at aggregators.  The
+        aggregators are the batch's worker hosts but the server's, pre-assigned to groups in
+        a random order (§5.2: "we first randomly pre-assign the aggregator to use for the
+        i-th group"); a batch of one update, or with no other host, has none."""
+        hosts = sorted({p.update.host for p in planned} - {self.server})
+        if len(planned) < 2 or not hosts:
+            return []
+        self._rng.shuffle(hosts)
+        return aggregate(planned, network, server=self.server, aggregators=hosts).groups
 
     def settled(self, worker: int, iteration: int) -> None:
         """The shard processed ``worker``'s push of ``iteration`` (applied or dropped)."""

@@ -68,7 +68,7 @@ from fabricd.engines.ps.consistency import (
     step_model,
 )
 from fabricd.engines.ps.filters import LOW_MAX, FilterSettings, ParameterFilter
-from fabricd.engines.ps.scheduler import Granted
+from fabricd.engines.ps.scheduler import Gather, Granted
 from fabricd.engines.ps.storage import HEADER as PULL_HEADER
 from fabricd.engines.ps.storage import TimedStore
 from fabricd.errors import RemoteProtocolError, UsageError
@@ -100,6 +100,9 @@ class Entry:
     base: int = 0
     payload: bytes | bytearray = b""
     reason: str | None = None
+    #: an aggregate's entry (MLfabric §5.2): the (worker, iteration, base) of the updates
+    #: whose sum ``payload`` is; ``worker``, ``iteration`` and ``base`` are the first's
+    members: tuple[tuple[int, int, int], ...] | None = None
 
 
 # -- actions ------------------------------------------------------------------------------
@@ -170,7 +173,7 @@ class Snapshot:
     data: bytes
 
 
-Action = Forward | Logged | Acked | Answer | Refuse | Step | Snapshot | Granted
+Action = Forward | Logged | Acked | Answer | Refuse | Step | Snapshot | Granted | Gather
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -193,6 +196,8 @@ class ShardStatistics:
     published: int  #: parameters it published
     coordinator: CoordinatorStatistics
     scheduler: SchedulerStatistics | None = None  #: MLfabric's, for a scheduled shard
+    aggregates: int = 0  #: aggregates taken (their members count in ``pushes``)
+    aggregates_refused: int = 0  #: aggregates refused: a member was decided already
 
 
 class ShardServer:
@@ -255,6 +260,7 @@ class ShardServer:
         self._stepping: Apply | None = None  #: the Apply whose step the process runs now
         self._pushes = self._resent = self._push_bytes = 0
         self._pulls = self._pull_bytes = 0
+        self._aggregates = self._aggregates_refused = 0
 
     # -- the primary's inputs -------------------------------------------------------------
     def push(
@@ -287,6 +293,48 @@ class ShardServer:
             ),
             now,
         )
+
+    def push_aggregate(
+        self, members: tuple[tuple[int, int, int], ...], payload: bytes | bytearray, now: float
+    ) -> list[Action]:
+        """An aggregator's sum of ``members``' pushes (MLfabric §5.2; :mod:`fabricd.engines.ps.
+        gathering`): taken as one entry and applied once for all of them, unless any member was
+        taken or decided already (its worker's daemon sent it straight here after its wait,
+        or an aggregate held it): then the whole aggregate is refused, counted and answered
+        with nothing, and the members not decided come straight from their workers' daemons
+        in turn.  So each (worker, iteration) is applied exactly once, whichever way it came.
+
+        Raises:
+            RemoteProtocolError: this is a replica or a shard not scheduled, or a member, or the
+                payload, would be refused as a push would.
+        """
+        self._primary_only("an aggregate")
+        if self.scheduler is None:
+            raise RemoteProtocolError("an aggregate for a shard that is not scheduled (MLfabric)")
+        for worker, iteration, _ in members:
+            last = self._last.get(worker)
+            if worker in self._waiting or (last is not None and last[0] >= iteration):
+                self._aggregates_refused += 1
+                return []
+        for worker, iteration, base in members:
+            self.coordinator.check_push(worker, iteration, base)
+        ps_push.decode(payload, self.size, self.dtype)  # refused now, not when processed
+        self._pushes += len(members)
+        self._aggregates += 1
+        self._push_bytes += len(payload)
+        for worker, iteration, _ in members:
+            self._waiting[worker] = iteration
+        first = members[0]
+        entry = Entry(
+            index=self._index + 1,
+            kind=PUSH,
+            worker=first[0],
+            iteration=first[1],
+            base=first[2],
+            payload=payload,
+            members=members,
+        )
+        return self._take(entry, now)
 
     def ready(
         self, worker: int, iteration: int, base: int, size: int, norm: float, host: int, now: float
@@ -323,7 +371,7 @@ class ShardServer:
             return []
         out: list[Action] = []
         for decision in self.scheduler.on_timer(now, self.coordinator.version, figures):
-            if isinstance(decision, Granted):
+            if isinstance(decision, Granted | Gather):
                 out.append(decision)
                 continue
             worker, iteration = decision.worker, decision.iteration
@@ -485,7 +533,7 @@ class ShardServer:
         elif entry.kind == PUSH:
             # checked by the primary against the same state; only the bytes are checked here
             ps_push.decode(entry.payload, self.size, self.dtype)
-            self._pushes += 1
+            self._pushes += 1 if entry.members is None else len(entry.members)
             self._push_bytes += len(entry.payload)
         elif entry.kind not in (LOSE, FLUSH):
             raise RemoteProtocolError(f"replication entry of kind {entry.kind!r}")
@@ -658,6 +706,8 @@ class ShardServer:
             published=filtered.published,
             coordinator=self.coordinator.statistics(),
             scheduler=None if self.scheduler is None else self.scheduler.statistics(),
+            aggregates=self._aggregates,
+            aggregates_refused=self._aggregates_refused,
         )
 
     # -- internals ------------------------------------------------------------------------
@@ -697,6 +747,9 @@ class ShardServer:
             actions = self.coordinator.lose(entry.worker, entry.reason or "lost", now)
             if self.scheduler is not None:
                 self.scheduler.lose(entry.worker)
+        elif entry.members is not None:  # an aggregate: one sum, applied once for all
+            values = ps_push.decode(entry.payload, self.size, self.dtype)
+            actions = self.coordinator.push_aggregate(entry.members, values, now)
         elif entry.reason is not None:  # dropped by the scheduler before it was sent
             actions = self.coordinator.skip(entry.worker, entry.iteration, entry.base, entry.reason)
         else:
@@ -782,6 +835,8 @@ class ShardServer:
         acknowledge the pushes it held."""
         publish = self.filter.update(model, apply.version)
         version = self.store.publish(publish.mask, publish.values)
+        while version < apply.version:  # an aggregate's: one version per update it holds
+            version = self.store.publish(np.empty(0, np.intp), publish.values[:0])
         assert version == apply.version
         out: list[Action] = []
         for update in apply.updates:

@@ -62,12 +62,15 @@ def shard_bounds(size: int, shards: int) -> list[tuple[int, int]]:
 # -- actions ------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SendPush:
-    """Send ``shard`` its part of the push of ``iteration`` (computed from ``base``)."""
+    """Send ``shard`` its part of the push of ``iteration`` (computed from ``base``): to the
+    rank serving it, or (MLfabric aggregation) to node ``via`` as a member of ``group``."""
 
     shard: int
     iteration: int
     base: int
     payload: bytearray
+    via: int | None = None
+    group: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,6 +185,8 @@ class Worker:
         self._pushing: dict[int, tuple[int, int, bytearray]] = {}  #: shard -> (it, base, data)
         #: scheduled: shard -> the norm of its push not granted yet (granted ones are sent)
         self._unsent: dict[int, float] = {}
+        #: aggregation: shard -> (iteration, aggregator node, group) its grant routes it by
+        self._routes: dict[int, tuple[int, int, int]] = {}
         self._push_results: dict[int, tuple[int, str | None]] = {}  #: shard -> (version, why)
         self._pull_clock: int | None = None
         self._pulling: set[int] = set()  #: shards whose answer is awaited
@@ -237,13 +242,42 @@ class Worker:
         norm = self._unsent[shard]
         return SendReady(shard=shard, iteration=iteration, base=base, size=len(data), norm=norm)
 
+    def route(self, shard: int, iteration: int, via: int, group: int) -> None:
+        """The grant of ``shard``'s push of ``iteration`` sends it to aggregator node ``via``,
+        as a member of ``group`` (MLfabric §5.2), when :meth:`granted` comes."""
+        if shard in self._unsent and self._pushing[shard][0] == iteration:
+            self._routes[shard] = (iteration, via, group)
+
     def granted(self, shard: int, iteration: int) -> list[Action]:
         """``shard``'s scheduler granted the push of ``iteration`` its turn: send it (the
-        caller waited the grant's wait).  A grant for no push waiting for one is ignored."""
+        caller waited the grant's wait), to the server or to its aggregator.  A grant for no
+        push waiting for one is ignored."""
         pending = self._pushing.get(shard)
         if pending is None or pending[0] != iteration or shard not in self._unsent:
             return []
         del self._unsent[shard]
+        route = self._routes.get(shard)
+        via, group = (route[1], route[2]) if route is not None else (None, None)
+        return [
+            SendPush(
+                shard=shard,
+                iteration=iteration,
+                base=pending[1],
+                payload=pending[2],
+                via=via,
+                group=group,
+            )
+        ]
+
+    def direct(self, shard: int, iteration: int) -> list[Action]:
+        """The push of ``iteration`` went to an aggregator and the server has not acknowledged
+        it in time (the aggregator died, or the aggregate was refused): send it straight to the
+        server now (it applies it once, whichever copy comes first)."""
+        pending = self._pushing.get(shard)
+        route = self._routes.pop(shard, None)
+        if pending is None or route is None or pending[0] != iteration or shard in self._unsent:
+            return []
+        self._resent += 1
         return [SendPush(shard=shard, iteration=iteration, base=pending[1], payload=pending[2])]
 
     def pushed(self, shard: int, iteration: int, version: int, dropped: str | None) -> list[Action]:
@@ -254,6 +288,7 @@ class Worker:
             return []
         del self._pushing[shard]
         self._unsent.pop(shard, None)
+        self._routes.pop(shard, None)
         self.gates[shard].heard(version)
         if dropped is not None:
             self._server_dropped += 1
@@ -338,9 +373,11 @@ class Worker:
         out: list[Action] = []
         pending = self._pushing.get(shard)
         if pending is not None and shard in self._unsent:
-            out.append(self._ready(shard))  # not granted yet: the scheduler is asked again
-        elif pending is not None:
+            self._routes.pop(shard, None)  # not granted yet: the scheduler is asked again
+            out.append(self._ready(shard))
+        elif pending is not None:  # sent: again, straight to the server
             iteration, base, data = pending
+            self._routes.pop(shard, None)
             out.append(SendPush(shard=shard, iteration=iteration, base=base, payload=data))
         if shard in self._pulling and self._pull_clock is not None:
             out.append(SendPull(shard=shard, clock=self._pull_clock, since=self.versions[shard]))

@@ -1,0 +1,85 @@
+"""What a parameter server's ``ps_open`` request says: the spec every rank of the model opens
+it with (:func:`spec_of`), checked for what its values mean (:func:`check_spec`), and the
+filter settings (:func:`settings_of`).  Split from ``ps.py`` (the house's size limit for a
+service module); the size of a shard against ``max_payload`` stays there, with the config.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from fabricd.dtypes import FLOAT_DTYPES as DTYPES
+from fabricd.engines.ps.consistency import CONSISTENCIES
+from fabricd.engines.ps.filters import FilterSettings
+from fabricd.errors import UsageError
+from fabricd.frames.fields import MAX_RANK, get_bool
+from fabricd.frames.ps import SCHEDULINGS
+from fabricd.wire import Meta, get_int, get_str
+
+_MAX_SERVERS: Final = 4096
+_FILTER_FIELDS: Final = tuple(FilterSettings.__dataclass_fields__)
+
+
+def check_spec(spec: Meta) -> None:
+    """Refuse a spec whose values mean nothing to the service (``frames/ps.py`` checked the
+    types and ranges): ranks, dtype, consistency and the options each model takes.
+
+    Raises:
+        UsageError: which field, and why.
+    """
+    servers, replicas, n = spec["servers"], spec["replicas"], spec["n"]
+    ranks = [*servers, *replicas]
+    if not servers or len(servers) > _MAX_SERVERS:
+        raise UsageError(f"a parameter server has 1 to {_MAX_SERVERS} server ranks")
+    if replicas and len(replicas) != len(servers):
+        raise UsageError("replicas: none, or one rank per server (shard)")
+    if len(set(ranks)) != len(ranks) or not all(0 <= r < n for r in ranks):
+        raise UsageError(f"servers and replicas are distinct ranks of the job's 0..{n - 1}")
+    if len(ranks) >= n:
+        raise UsageError("a parameter server needs at least one worker rank")
+    if spec["dtype"] not in DTYPES:
+        raise UsageError(f"dtype {spec['dtype']!r}: one of {', '.join(DTYPES)}")
+    if spec["consistency"] not in CONSISTENCIES:
+        raise UsageError(f"consistency {spec['consistency']!r}: one of {', '.join(CONSISTENCIES)}")
+    if spec["staleness"] and spec["consistency"] != "ssp":
+        raise UsageError("staleness belongs to consistency='ssp'")
+    if spec["delay_bound"] is not None and spec["consistency"] != "async":
+        raise UsageError("delay_bound belongs to consistency='async'")
+    if spec["scheduling"] not in SCHEDULINGS:
+        raise UsageError(f"scheduling {spec['scheduling']!r}: one of {', '.join(SCHEDULINGS)}")
+    if spec["scheduling"] == "mlfabric" and spec["consistency"] != "async":
+        raise UsageError("scheduling='mlfabric' orders and drops async updates (MLfabric §5.1)")
+    if spec["aggregation"] and spec["scheduling"] != "mlfabric":
+        raise UsageError("aggregation=True needs scheduling='mlfabric' (MLfabric §5.2)")
+
+
+def spec_of(meta: Meta, n: int) -> Meta:
+    """The spec every rank of a model opens it with, from a request."""
+    servers, replicas = meta.get("servers"), meta.get("replicas", [])
+    for what, ranks in (("servers", servers), ("replicas", replicas)):
+        if not isinstance(ranks, list) or not all(
+            type(r) is int and 0 <= r < MAX_RANK for r in ranks
+        ):
+            raise UsageError(f"{what}: a list of ranks")
+    delay_bound = meta.get("delay_bound")
+    return {
+        "n": n,
+        "size": get_int(meta, "size", lo=1),
+        "dtype": get_str(meta, "dtype"),
+        "servers": list(servers),  # type: ignore[arg-type]
+        "replicas": list(replicas),
+        "consistency": get_str(meta, "consistency"),
+        "staleness": get_int(meta, "staleness"),
+        "delay_bound": None if delay_bound is None else get_int(meta, "delay_bound"),
+        "chunk": get_int(meta, "chunk", lo=1),
+        "scheduling": get_str(meta, "scheduling") if "scheduling" in meta else "arrival",
+        "aggregation": get_bool(meta, "aggregation") if "aggregation" in meta else False,
+    }
+
+
+def settings_of(filters: Any) -> FilterSettings:
+    if filters is None:
+        return FilterSettings()
+    if not isinstance(filters, dict) or not set(filters) <= set(_FILTER_FIELDS):
+        raise UsageError(f"filters: a map of {', '.join(_FILTER_FIELDS)}")
+    return FilterSettings(**filters)
