@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fabricd.engines.scheduling.ordering import Update, order
+from fabricd.engines.scheduling.ordering import Ordering, Update, order
 from fabricd.engines.scheduling.timelines import Network
 
 if TYPE_CHECKING:
@@ -66,6 +66,18 @@ class Denied:
     iteration: int
     base: int
     reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchPlan:
+    """The last batch a :class:`ShardScheduler` decided: the ``network`` it planned on (the
+    monitor's figures with the outstanding grants reserved, *before* the batch's own
+    reservations: what Alg. 3, :func:`fabricd.engines.scheduling.aggregation.aggregate`,
+    starts from) and Alg. 2's ``ordering`` of it.  For aggregation and the virtual-time
+    experiment (bench/mlfabric.py); nothing in the scheduler reads it back."""
+
+    network: Network
+    ordering: Ordering
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,6 +131,8 @@ class ShardScheduler:
         self._ready = self._grants = self._batches = 0
         self._denied: dict[str, int] = {}
         self._latency_sum = self._latency_max = 0.0
+        #: the last batch decided (:class:`BatchPlan`), ``None`` before the first
+        self.last_plan: BatchPlan | None = None
 
     def ready(
         self, worker: int, iteration: int, base: int, size: int, norm: float, host: int, now: float
@@ -168,6 +182,7 @@ class ShardScheduler:
             delay_bound=self.delay_bound,
             v_init=version + len(self._granted),
         )
+        self.last_plan = BatchPlan(network=network, ordering=plan)
         grace = max(GRANT_GRACE_MIN, 10 * self.interval)
         out: list[Granted | Denied] = []
         for planned in plan.planned:
