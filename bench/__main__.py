@@ -26,6 +26,7 @@ from bench import (
     hyperplane,
     integrity,
     latency,
+    mlfabric,
     ps_logreg,
     ps_storage,
     rate,
@@ -62,6 +63,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "consistency": consistency.run,
     "ps-storage": ps_storage.run,
     "ps-logreg": ps_logreg.run,
+    "mlfabric": mlfabric.run,
 }
 
 

@@ -171,14 +171,19 @@ def replay_difference(outcome: Outcome, start: np.ndarray, lr: float) -> float:
 
 
 def run(quick: bool = False, progress: Progress = quiet) -> Table:
-    progress("virtual time: strategies x C1-C3 x N1-N3, seeds " + str(list(SEEDS[:1] if quick else SEEDS)))
+    progress(
+        "virtual time: strategies x C1-C3 x N1-N3, seeds "
+        + str(list(SEEDS[:1] if quick else SEEDS))
+    )
     cases = sweep(quick, progress)
     extra = {} if quick else sensitivity(progress)
     return tabulate(cases, quick=quick, sensitivity=extra)
 
 
 def _bytes_per_update(cases: Sequence[Case], strategy: str, workers: int) -> float:
-    chosen = [o for c in cases if (c.strategy, c.workers) == (strategy, workers) for o in c.outcomes]
+    chosen = [
+        o for c in cases if (c.strategy, c.workers) == (strategy, workers) for o in c.outcomes
+    ]
     delivered = sum(o.delivered for o in chosen)
     return sum(o.server_bytes for o in chosen) / delivered if delivered else math.nan
 
@@ -209,10 +214,16 @@ def tabulate(
             f">= {BYTES_CUT}x at 8 workers"
         ),
         settings={
-            "base_compute_s": BASE_COMPUTE, "lr": LR, "gap": QUICK_GAP if quick else GAP,
-            "seeds": list(QUICK_SEEDS if quick else SEEDS), "tau_max": "workers",
-            "interval_s": 0.1, "lag_s": 0.2, "model_bytes": 1e6, "rate_scale": 100,
-        },  # fmt: skip
+            "base_compute_s": BASE_COMPUTE,
+            "lr": LR,
+            "gap": QUICK_GAP if quick else GAP,
+            "seeds": list(QUICK_SEEDS if quick else SEEDS),
+            "tau_max": "workers",
+            "interval_s": 0.1,
+            "lag_s": 0.2,
+            "model_bytes": 1e6,
+            "rate_scale": 100,
+        },
     )
     baseline: dict[tuple[int, str, str], float] = {}
     wins: dict[tuple[int, str], int] = {}
@@ -253,7 +264,11 @@ def tabulate(
         Extra(
             "server inbound bytes per update that reached it, without aggregation / with it, "
             "MLfabric-A, all settings",
-            {f"{n}w": _bytes_per_update(cases, "MLfabric-A", n) / _bytes_per_update(cases, TARGETED, n) for n in workers},
+            {
+                f"{n}w": _bytes_per_update(cases, "MLfabric-A", n)
+                / _bytes_per_update(cases, TARGETED, n)
+                for n in workers
+            },
             "x",
         )
     )
@@ -273,7 +288,11 @@ def tabulate(
     )
     if sensitivity:
         table.extras.append(
-            Extra(f"C1-N1, 8 workers, {TARGETED}'s speedup with one parameter changed", sensitivity, "x")
+            Extra(
+                f"C1-N1, 8 workers, {TARGETED}'s speedup with one parameter changed",
+                sensitivity,
+                "x",
+            )
         )
     table.target_met = wins.get((8, TARGETED), 0) >= SETTINGS_NEEDED and cut >= BYTES_CUT
     table.notes += [

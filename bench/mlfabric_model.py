@@ -54,7 +54,8 @@ class Problem:
         """The loss's gradient at ``w`` on ``rows`` (a mini-batch)."""
         x, y = self.x[rows], self.y[rows]
         p = 1.0 / (1.0 + np.exp(-(x @ w)))
-        return x.T @ (p - y) / len(rows) + L2 * w
+        out: Vector = x.T @ (p - y) / len(rows) + L2 * w
+        return out
 
 
 def problem(seed: int) -> Problem:

@@ -384,8 +384,9 @@ class _Ps:
     ) -> tuple[dict[tuple[int, int], tuple[_Group, float]], dict[tuple[int, int], float]]:
         """Alg. 3 on the batch just decided: each grouped update's group and planned start,
         and each direct update's planned start (Alg. 3 books them again)."""
-        assert self.scheduler is not None and self.scheduler.last_plan is not None
+        assert self.scheduler is not None
         plan = self.scheduler.last_plan
+        assert plan is not None
         known = set(plan.network.hosts) - {SERVER}
         aggregators = sorted(known, key=lambda h: (-self._figures(h)[1], h))
         planned: list[Planned] = plan.ordering.planned
@@ -408,7 +409,9 @@ class _Ps:
                 routes[key] = (entry, p.transfer.start)
         return routes, direct
 
-    def _start_groups(self, routes: dict[tuple[int, int], tuple[_Group, float]], now: float) -> None:
+    def _start_groups(
+        self, routes: dict[tuple[int, int], tuple[_Group, float]], now: float
+    ) -> None:
         for (w, k), (group, start) in sorted(routes.items(), key=lambda r: r[1][1]):
             base, gradient = self.pending.pop((w, k))
             group.members.append((w, k, base, gradient))
