@@ -24,8 +24,11 @@ paper's rates; compute times are not scaled.  Parameters and why:
 * one learning rate for every strategy, per gradient (a synchronous step is ``lr`` times the
   sum of the ``n`` gradients, an asynchronous one ``lr`` times one): 0.2, the best of the
   doubling grid 0.1, 0.2, 0.4 for RR-Sync, the baseline (0.4 does not reach the target);
-* the target: the loss gap to the optimum down to 1 % of the initial gap (5 % in quick
-  mode); time per iteration is virtual seconds per ``n`` gradients applied;
+* the target: the loss gap to the optimum down to 2 % of the initial gap (5 % in quick
+  mode), the median over 5 seeds.  At 1 % the target sits in SGD's noise floor (RR-Sync
+  needed 84 to 248 iterations to it over five seeds of C1-N1; 61 to 91 at 2 %), and the time
+  to it measured the noise more than the strategy; time per iteration is virtual seconds per
+  ``n`` gradients applied;
 * the scheduler batches every 100 ms and the monitor lags 0.2 s (§7).
 
 Baseline: RR-Sync in the same setting, same seeds.  The ratio is RR-Sync's time to the target
@@ -64,11 +67,11 @@ PAPER: Final = {
 BASE_COMPUTE: Final = 1.0
 LR: Final = 0.2
 #: the target's share of the initial loss gap
-GAP: Final = 0.01
+GAP: Final = 0.02
 QUICK_GAP: Final = 0.05
 WORKERS: Final = (8, 16)
 QUICK_WORKERS: Final = (8,)
-SEEDS: Final = (1, 2, 3)
+SEEDS: Final = (1, 2, 3, 4, 5)
 QUICK_SEEDS: Final = (1,)
 #: the strategy the targets are checked on
 TARGETED: Final = "MLfabric-A+agg"
@@ -144,19 +147,20 @@ def sweep(quick: bool, progress: Progress = quiet) -> list[Case]:
 
 def sensitivity(progress: Progress = quiet) -> dict[str, float]:
     """C1-N1 at 8 workers with one parameter changed: MLfabric-A+agg's speedup over RR-Sync
-    with 0.25 s computations, and with the paper's ``tau_max = 30``."""
-    data = problem(SEEDS[0])
-    target = target_of(data, GAP)
-    base = settings(8, "C1", "N1", SEEDS[0], target)
+    (medians over the seeds) with 0.25 s computations, and with the paper's ``tau_max = 30``."""
+    data = {seed: problem(seed) for seed in SEEDS}
     out = {}
-    for label, setting in (
-        ("compute 0.25 s", replace(base, base_compute=0.25)),
-        ("tau_max 30", replace(base, tau_max=30)),
+    for label, change in (
+        ("compute 0.25 s", {"base_compute": 0.25}),
+        ("tau_max 30", {"tau_max": 30}),
     ):
-        rr = simulate(setting, data, "RR-Sync").reached
-        ours = simulate(setting, data, TARGETED).reached
-        out[label] = rr / ours
-        progress(f"C1-N1, 8 workers, {label}: {TARGETED} {fmt_number(rr / ours)}x RR-Sync")
+        times: dict[str, list[float]] = {"RR-Sync": [], TARGETED: []}
+        for seed, d in data.items():
+            setting = replace(settings(8, "C1", "N1", seed, target_of(d, GAP)), **change)
+            for strategy, found in times.items():
+                found.append(simulate(setting, d, strategy).reached)
+        out[label] = statistics.median(times["RR-Sync"]) / statistics.median(times[TARGETED])
+        progress(f"C1-N1, 8 workers, {label}: {TARGETED} {fmt_number(out[label])}x RR-Sync")
     return out
 
 
