@@ -26,6 +26,7 @@ from bench import (
     hyperplane,
     integrity,
     latency,
+    mlfabric,
     ps_logreg,
     ps_storage,
     rate,
@@ -64,6 +65,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "ps-storage": ps_storage.run,
     "ps-logreg": ps_logreg.run,
     "scheduler": scheduler.run,
+    "mlfabric": mlfabric.run,
 }
 
 

@@ -1,5 +1,6 @@
-"""``fabricctl bench allreduce|skew|consistency|svm|ps``: the collective, stochastic-reduce and
-parameter-server benchmarks, for users (DESIGN §9).
+"""``fabricctl bench allreduce|skew|consistency|svm|ps|mlfabric``: the collective,
+stochastic-reduce and parameter-server benchmarks and MLfabric's virtual-time experiment, for
+users (DESIGN §9).
 
 Each command runs one benchmark of the repository's ``bench/`` folder (docs/performance.md
 explains them) on daemons it starts on loopback, shows its progress, and prints its table: the
@@ -231,6 +232,18 @@ def ps(quick: bool, as_json: bool) -> None:
     the filters and the accuracy change, under BSP, SSP(4) and SSP(8)."""
     module = _bench("ps_logreg")
     _show(lambda progress: module.run(quick, progress), len(module.cases(quick)), as_json)
+
+
+@bench.command()
+@quick_option
+@json_option
+def mlfabric(quick: bool, as_json: bool) -> None:
+    """MLfabric's Table 2 in virtual time: MLfabric-A (fabricd's scheduler, aggregation and
+    delay bound) against RR-Sync, Tr-Sync and Async under compute stragglers C1-C3 and network
+    conditions N1-N3, in seconds to a target loss; server bytes with and without aggregation."""
+    module = _bench("mlfabric")
+    rows = len(module.STRATEGIES) * 9 * len(module.QUICK_WORKERS if quick else module.WORKERS)
+    _show(lambda progress: module.run(quick, progress), rows, as_json)
 
 
 def _show(body: Callable[[Callable[[str], None]], Any], rows: int, as_json: bool) -> None:

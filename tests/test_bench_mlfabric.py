@@ -1,0 +1,134 @@
+"""MLfabric's Table 2 in virtual time (bench/mlfabric.py): the sweep's shape, determinism, the
+baselines' arithmetic and the delay bound (structure and exactness only, never speed: the
+simulated times are virtual and the tests never assert a wall-clock figure)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from bench import mlfabric, mlfabric_model, mlfabric_net
+from bench.mlfabric_model import problem
+from bench.mlfabric_net import GBPS, Fluid, Trace
+from bench.mlfabric_sim import STRATEGIES, Setting, simulate
+from tests.test_bench_smoke import assert_ratios, run_bench, the_table
+
+
+def _setting(**changes: object) -> Setting:
+    data = problem(7)
+    base = Setting(
+        compute="C2", network="N3", workers=8, seed=7, lr=mlfabric.LR, tau_max=8,
+        target=mlfabric.target_of(data, 0.2), horizon=300.0,
+    )  # fmt: skip
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_quick_mode_reports_every_strategy_in_all_nine_settings() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "mlfabric")
+    table = the_table(result, "mlfabric")
+    expected = [
+        f"8w {c}-{n} {s}"
+        for c in ("C1", "C2", "C3")
+        for n in ("N1", "N2", "N3")
+        for s in STRATEGIES
+    ]
+    assert [row["label"] for row in table["rows"]] == expected
+    assert_ratios(table)
+    for row in table["rows"]:
+        if row["label"].endswith("RR-Sync"):
+            assert row["ratio"] == 1.0
+        assert row["figures"]["to_target"] > 0
+        assert f"[mlfabric] {row['label']}: " in progress
+    assert table["target_met"] in (True, False)
+    labels = [extra["label"] for extra in table["extras"]]
+    assert any("MLfabric-A is >= 1.2x" in label for label in labels)
+    assert any("server inbound bytes" in label for label in labels)
+
+
+@pytest.mark.parametrize("strategy", ["Tr-Sync", "Async", "MLfabric-A+agg"])
+def test_a_run_is_the_same_for_the_same_seed(strategy: str) -> None:
+    data = problem(7)
+    first = simulate(_setting(), data, strategy)
+    second = simulate(_setting(), data, strategy)
+    assert (first.reached, first.seconds, first.applied) == (
+        second.reached,
+        second.seconds,
+        second.applied,
+    )
+    assert first.delays == second.delays
+    assert first.server_bytes == second.server_bytes
+    assert first.final is not None
+    assert second.final is not None
+    assert np.array_equal(first.final, second.final)
+    other = simulate(_setting(seed=8), data, strategy)
+    assert other.seconds != first.seconds  # the seed matters
+
+
+def test_rr_sync_iterations_take_the_slowest_computation_plus_the_ring_formula(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No stragglers and every link at 10 Gbit/s (scaled): each iteration is the slowest
+    worker's computation plus 2 (n - 1) / n x M / bottleneck."""
+    monkeypatch.setitem(mlfabric_net.NETWORKS, "fixed", (0.0, 0.0, 0.0, 0.0, 1.0))
+    monkeypatch.setitem(mlfabric_model.COMPUTES, "none", (0.0, 1.0))
+    setting = _setting(compute="none", network="fixed", workers=6)
+    outcome = simulate(setting, problem(7), "RR-Sync")
+    assert math.isfinite(outcome.reached)
+    workers = mlfabric_model.Workers(6, setting.base_compute, (0.0, 1.0), seed=setting.seed)
+    ring = 2 * 5 / 6 * setting.model_bytes / (10 * GBPS)
+    computing = sum(
+        max(workers.draw(w, k)[0] for w in range(6)) for k in range(int(outcome.iterations))
+    )
+    assert outcome.seconds == pytest.approx(computing + outcome.iterations * ring, rel=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["MLfabric-A", "MLfabric-A+agg"])
+def test_mlfabric_a_never_applies_an_update_past_the_delay_bound(strategy: str) -> None:
+    setting = _setting(tau_max=3)
+    outcome = simulate(setting, problem(7), strategy)
+    assert outcome.applied > 0
+    assert max(outcome.delays) <= setting.tau_max
+    assert outcome.dropped_scheduler > 0  # the bound was at work
+    assert outcome.applied + outcome.dropped_scheduler + outcome.dropped_server <= outcome.computed
+
+
+def test_aggregation_gives_the_model_of_its_applied_updates_one_by_one() -> None:
+    """The server steps once per aggregate with the members' sum; the same updates applied
+    one by one give the same model up to float rounding (the sum's order)."""
+    setting = _setting(compute="C1", network="N1", workers=8, base_compute=0.25)
+    outcome = simulate(setting, problem(7), "MLfabric-A+agg")
+    assert outcome.server_bytes < outcome.delivered * setting.model_bytes  # something grouped
+    assert outcome.final is not None
+    assert mlfabric.replay_difference(outcome, problem(7).start, setting.lr) <= 1e-12
+
+
+def test_the_fluid_network_shares_a_link_fairly_and_follows_rate_changes() -> None:
+    trace = Trace([0, 1, 2], (0.0, 0.0, 0.0, 0.0, 1.0), seed=1, fixed={0: 10 * GBPS})
+    fluid = Fluid(trace)
+    ends: list[float] = []
+    fluid.start(1, 0, 10 * GBPS * 1.0, ends.append)  # 1 s alone
+    fluid.start(2, 0, 10 * GBPS * 1.0, ends.append)  # sharing the server's downlink
+    for _ in range(10):
+        if len(ends) == 2:
+            break
+        fluid.advance(fluid.next_time())
+    assert ends == [pytest.approx(2.0), pytest.approx(2.0)]
+    assert fluid.received[0] == pytest.approx(20 * GBPS)
+    fluid.start(1, 1, 5.0, ends.append)  # to itself: no link, at once
+    assert ends[-1] == fluid.now
+
+
+def test_fabricctl_bench_mlfabric_prints_the_table_as_json() -> None:
+    from click.testing import CliRunner
+
+    from fabricd.cli.bench import bench as bench_group
+
+    result = CliRunner().invoke(bench_group, ["mlfabric", "--quick", "--json"])
+    assert result.exit_code == 0, result.output
+    [table] = json.loads(result.output)["benchmarks"]
+    assert table["name"] == "mlfabric"
+    assert len(table["rows"]) == 9 * len(STRATEGIES)
