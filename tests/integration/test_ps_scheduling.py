@@ -6,6 +6,7 @@ status rows and metrics count what the scheduler did.
 
 from __future__ import annotations
 
+import signal
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -103,3 +104,84 @@ def test_scheduling_needs_async(make_cluster: Any) -> None:
             )
         with pytest.raises(fabricd.UsageError, match="scheduling"):
             fabs[1].parameter_server("m", (8,), "float64", scheduling="fifo")
+
+
+#: eight workers over three daemons, the server's beside two of them
+AGGREGATING = (0, 1, 2, 1, 2, 0, 1, 2, 0)
+
+
+def _subset_sums(updates: list[np.ndarray[Any, Any]]) -> list[np.ndarray[Any, Any]]:
+    sums = [np.zeros(COUNT)]
+    for update in updates:
+        sums += [s + update for s in sums]
+    return sums
+
+
+@pytest.mark.parametrize("kill", [None, 2])
+def test_aggregation_applies_each_push_once_even_when_an_aggregator_dies(
+    make_cluster: Any, kill: int | None
+) -> None:
+    """Eight workers push at once every round, so the shard's scheduler groups their pushes
+    at worker daemons (Alg. 3); with ``kill``, that node's daemon is SIGKILLed mid-run (an
+    aggregator, and its workers, die): the others' pushes it held go straight to the server
+    after their wait.  Every acknowledged push is applied once: the model is their sum, plus
+    at most the dead workers' pushes in flight (each whole or not at all)."""
+    cluster = make_cluster(3)
+    with ranks(cluster, AGGREGATING, "ps-aggregate") as fabs:
+        pss = {
+            rank: fab.parameter_server(
+                "m",
+                (COUNT,),
+                "float64",
+                "server" if rank == 0 else "worker",
+                servers=[0],
+                consistency="async",
+                scheduling="mlfabric",
+                aggregation=True,
+            )
+            for rank, fab in enumerate(fabs)
+        }
+        workers = list(range(1, len(AGGREGATING)))
+        updates = {w: fabs[w].array("u", (COUNT,), "float64") for w in workers}
+        rng = np.random.default_rng(25)
+        acked = np.zeros(COUNT)
+        in_flight: list[np.ndarray[Any, Any]] = []
+        alive = list(workers)
+        pushed = answered = applied = 0
+        for iteration in range(8):
+            if kill is not None and iteration == 4:
+                handles = {}
+                for w in alive:
+                    updates[w][:] = rng.integers(-4, 5, COUNT)
+                    handles[w] = pss[w].push_async(updates[w])
+                cluster.kill(kill, signal.SIGKILL)
+                dead = [w for w in alive if AGGREGATING[w] == kill]
+                in_flight = [np.array(updates[w]) for w in dead]
+                alive = [w for w in alive if w not in dead]
+                for w in alive:
+                    result = wait(handles[w], fabs)
+                    pushed += 1
+                    answered += 1
+                    assert not result.dropped
+                    acked += updates[w]
+                    applied += 1
+                continue
+            handles = {}
+            for w in alive:
+                updates[w][:] = rng.integers(-4, 5, COUNT)
+                handles[w] = pss[w].push_async(updates[w])
+            for w, handle in handles.items():
+                result = wait(handle, fabs)
+                pushed += 1
+                answered += 1
+                assert not result.dropped  # no bound: nothing is dropped
+                acked += updates[w]
+                applied += 1
+        assert answered == pushed
+        final = fabs[alive[0]].array("final", (COUNT,), "float64")
+        wait(pss[alive[0]].pull_async(final), fabs)
+        residual = final - acked
+        assert any(np.array_equal(residual, s) for s in _subset_sums(in_flight))
+        row = next(r for r in fabs[0].status()["ps_servers"] if r["job"] == "ps-aggregate")
+        assert row["aggregates"] > 0  # the scheduler did group pushes
+        assert applied <= row["applied"] <= applied + len(in_flight)

@@ -190,6 +190,8 @@ class PSStatus:
                         "dropped_scheduled": c.dropped.get("scheduled", 0),
                         "scheduling": model.spec["scheduling"],
                         "scheduler": _scheduler_row(s.scheduler),
+                        "aggregates": s.aggregates,
+                        "aggregates_refused": s.aggregates_refused,
                         "delays": list(c.delays),
                         "delay_sum": c.delay_sum,
                         "held_pulls": c.held,
