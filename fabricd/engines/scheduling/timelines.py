@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING, Final
 
 import numpy as np
@@ -47,7 +48,9 @@ if TYPE_CHECKING:
 
     from numpy.typing import NDArray
 
-#: a residual rate within this share of the link's capacity of zero (or of its neighbour) is it
+#: a residual rate within this share of the link's capacity of zero (or of its neighbour) is
+#: it; a transfer within this share of its size of done at a piece's end is done there (so
+#: ``finish`` and ``finish_many`` agree where rounding meets a stretch of zero capacity)
 TOLERANCE: Final = 1e-9
 
 #: one piece of a transfer's rate profile: (from, until, bytes/s)
@@ -133,8 +136,8 @@ def plan(up: Timeline, down: Timeline, size: float, start: float) -> tuple[float
         next_down = down.times[j + 1] if j + 1 < len(down.times) else math.inf
         until = min(next_up, next_down)
         if rate > 0:
-            if until == math.inf or rate * (until - t) >= left:
-                end = t + left / rate
+            if until == math.inf or rate * (until - t) >= left - size * TOLERANCE:
+                end = t + min(left / rate, until - t)
                 segments.append((t, end, rate))
                 return end, segments
             segments.append((t, until, rate))
@@ -325,11 +328,18 @@ def finish_rows(
 
 
 def _on(links: Sequence[Timeline], grid: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Each link's rate at each grid point, one row per link."""
-    out = np.empty((len(links), grid.size))
-    for r, tl in enumerate(links):
-        index = np.searchsorted(np.asarray(tl.times), grid, side="right") - 1
-        out[r] = np.asarray(tl.rates)[np.maximum(index, 0)]
+    """Each link's rate at each grid point, one row per link (``grid`` holds every breakpoint
+    at or after its first point).  Exact and without a loop over rows: each piece's start is
+    found in the grid, and a running count of starts per row indexes the rates."""
+    counts = [len(tl.times) for tl in links]
+    times = np.fromiter(chain.from_iterable(tl.times for tl in links), np.float64, sum(counts))
+    rates = np.fromiter(chain.from_iterable(tl.rates for tl in links), np.float64, sum(counts))
+    rows = np.repeat(np.arange(len(links)), counts)
+    starts = np.zeros((len(links), grid.size), dtype=np.intp)
+    np.add.at(starts, (rows, np.searchsorted(grid, times, side="left")), 1)
+    first = np.cumsum(counts) - np.asarray(counts)  # each row's first piece in ``rates``
+    index = np.cumsum(starts, axis=1) - 1 + first[:, None]
+    out: NDArray[np.float64] = rates[index]
     return out
 
 
@@ -345,9 +355,12 @@ def _lookup(
     height = float(cum[:, -1].max()) + float(size.max()) + 1.0
     lift = np.arange(cum.shape[0], dtype=np.float64) * height
     flat = (cum + lift[:, None]).ravel()
-    count = np.searchsorted(flat, size + lift[row], side="left") - row * grid.size
+    wanted = size * (1 - TOLERANCE) + lift[row]  # within rounding of a piece's end: done there
+    count = np.searchsorted(flat, wanted, side="left") - row * grid.size
     piece = count - 1  # the piece in which the size is reached: cum[piece] < size
     got = rate[row, piece]
     with np.errstate(divide="ignore", invalid="ignore"):
         end = grid[piece] + (size - cum[row, piece]) / got
+    last = np.append(grid[1:], math.inf)[piece]
+    end = np.minimum(end, last)
     return np.where(got > 0, end, math.inf)
