@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import Complete, Failure, SendFrame
 from fabricd.engines.deadlines import Deadlines
-from fabricd.engines.ps import aggregating, messages, routing
+from fabricd.engines.ps import aggregating, messages, partners, routing
 from fabricd.engines.ps.aggregating import direct_after
 from fabricd.engines.ps.agreement import Agreement
 from fabricd.engines.ps.consistency import Consistency
@@ -83,10 +83,6 @@ from fabricd.engines.ps.models import (
 from fabricd.engines.ps.routing import Early, EarlyFrames, HeldFrames, pair
 from fabricd.engines.ps.scheduler import Gather, ShardScheduler
 from fabricd.engines.ps.server import (
-    FLUSH,
-    LOSE,
-    PUSH,
-    Entry,
     Forward,
     Logged,
     ShardServer,
@@ -612,9 +608,9 @@ class PSNode:
         if isinstance(frame, ps_frames.Pushed | ps_frames.Pulled | ps_frames.Grant):
             self._at_worker(frame, payload, now)
         elif isinstance(frame, ps_frames.Replicate):
-            self._at_replica(frame, payload, now)
+            partners.at_replica(self, frame, payload, now)
         elif isinstance(frame, ps_frames.Join):
-            self._at_partner(frame)
+            partners.at_partner(self, frame)
         else:
             key = (frame.job, frame.name)
             model = self.models.get(key)
@@ -749,16 +745,19 @@ class PSNode:
         if frame.server != model.target(frame.shard):
             self.counters["ps_frames_dropped"] += 1  # from the server before a failover
             return
-        if isinstance(frame, ps_frames.Grant) and frame.via is not None:
-            assert frame.group is not None
-            side.engine.route(frame.shard, frame.iteration, frame.via, frame.group)
-        if isinstance(frame, ps_frames.Grant) and frame.wait_us:
+        actions: list[WorkerAction] = []
+        if isinstance(frame, ps_frames.Grant) and not side.engine.awaits_grant(
+            frame.shard, frame.iteration
+        ):
+            pass  # sent again, or for a push that is not waiting for it: nothing kept
+        elif isinstance(frame, ps_frames.Grant) and frame.wait_us:
             # sent when its planned start comes (on_timer): the server's link is time-shared
-            actions = []
+            self._route(side, frame)
             self._paced.set(
                 (key, frame.worker, frame.shard, frame.iteration), now + frame.wait_us / 1e6
             )
         elif isinstance(frame, ps_frames.Grant):
+            self._route(side, frame)
             actions = side.engine.granted(frame.shard, frame.iteration)
         elif isinstance(frame, ps_frames.Pushed):
             actions = side.engine.pushed(frame.shard, frame.iteration, frame.version, frame.dropped)
@@ -770,69 +769,10 @@ class PSNode:
             actions = side.engine.pulled(frame.shard, frame.clock, payload, side.out)
         self._worker(key, side, actions)
 
-    def _partner_shard(
-        self, frame: ps_frames.Replicate | ps_frames.Join
-    ) -> tuple[Key, Model, ShardServer] | None:
-        """The shard here that a partner's frame names, or ``None`` (counted as dropped)
-        when it is not open here, or open with another spec."""
-        key = (frame.job, frame.name)
-        model = self.models.get(key)
-        server = None if model is None else model.servers.get(frame.shard)
-        if model is None or server is None or model.spec != frame.spec:
-            self.counters["ps_frames_dropped"] += 1
-            return None
-        return key, model, server
-
-    def _at_replica(self, frame: ps_frames.Replicate, payload: bytes, now: float) -> None:
-        found = self._partner_shard(frame)
-        if found is None:
-            return
-        key, model, server = found
-        if frame.entry == "snapshot":
-            if server.restore(frame.index, payload):
-                self._log(
-                    logging.INFO,
-                    f"parameter server {key[1]!r} shard {frame.shard}: took the state of rank "
-                    f"{frame.server} at epoch {server.epoch}",
-                )
-                self._adopt(key, frame.shard, server.epoch, "its partner's snapshot said so")
-            model.tentative.discard(frame.shard)
-            self._take_early(key)  # workers' frames held while the state was away
-            return
-        if frame.entry not in (PUSH, LOSE, FLUSH):
-            raise RemoteProtocolError(f"replication entry of kind {frame.entry!r}")
-        entry = Entry(
-            index=frame.index,
-            kind=frame.entry,
-            worker=frame.worker,
-            iteration=frame.iteration,
-            base=frame.base,
-            payload=payload,
-            reason=frame.reason,
-            members=frame.members,
-        )
-        if server.primary:
-            self.counters["ps_frames_dropped"] += 1  # promoted: the old primary is gone
-            return
-        self._server(key, frame.shard, server.log(entry, now))
-
-    def _at_partner(self, frame: ps_frames.Join) -> None:
-        """The shard's partner opened it: send it the state if this rank serves the shard;
-        if this rank waits for the state itself, the partner has just opened, so ask it."""
-        found = self._partner_shard(frame)
-        if found is None:
-            return
-        key, model, server = found
-        if model.partner(frame.shard, model.ranks[frame.shard]) != frame.replica:
-            raise RemoteProtocolError(f"rank {frame.replica} is not shard {frame.shard}'s partner")
-        if server.primary:
-            self._settle(key, frame.shard)  # the partner asks: this rank serves
-            self._server(key, frame.shard, server.joined())
-        elif not server.has_state and frame.shard not in model.answered:
-            # once: a partner without state answers this JOIN with its own, and two such
-            # partners would otherwise ask each other for ever (the shard is lost)
-            self._join(key, frame.shard)
-            model.answered.add(frame.shard)
+    @staticmethod
+    def _route(side: WorkerSide, grant: ps_frames.Grant) -> None:
+        if grant.via is not None and grant.group is not None:
+            side.engine.route(grant.shard, grant.iteration, grant.via, grant.group)
 
     def _settle(self, key: Key, shard: int) -> None:
         """``shard`` is no longer tentative here (its partner answered, or is gone): the

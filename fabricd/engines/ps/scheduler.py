@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from fabricd.engines.scheduling.aggregation import Group, aggregate
 from fabricd.engines.scheduling.ordering import Ordering, Planned, Update, order
 from fabricd.engines.scheduling.timelines import Network
+from fabricd.errors import RemoteProtocolError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -154,6 +155,8 @@ class ShardScheduler:
         self._next_group = 0
         self._batch: dict[tuple[int, int], _Ready] = {}
         self._granted: dict[tuple[int, int], _Grant] = {}
+        #: worker -> the iteration it has in the batch or granted (one at a time)
+        self._worker: dict[int, int] = {}
         self._due: float | None = None
         self._ready = self._grants = self._batches = 0
         self._denied: dict[str, int] = {}
@@ -167,10 +170,18 @@ class ShardScheduler:
         """``worker`` (on node ``host``) has its update of ``iteration`` ready: it joins the
         batch, or, granted already (a READY sent again), is granted again at once."""
         key = (worker, iteration)
-        if key in self._granted:
+        if key in self._granted:  # (aggregation: now straight to the server)
             return [Granted(worker=worker, iteration=iteration, wait=0.0)]
+        other = self._worker.get(worker)
+        if other is not None and other != iteration:
+            # an honest worker has one push at a time: this bounds the tables by the workers
+            raise RemoteProtocolError(
+                f"worker {worker} is ready with iteration {iteration} while its iteration "
+                f"{other} waits for its turn"
+            )
         if key not in self._batch:
             self._ready += 1
+            self._worker[worker] = iteration
         self._batch[key] = _Ready(
             worker=worker, iteration=iteration, base=base, size=size, norm=norm, host=host, at=now
         )
@@ -233,6 +244,7 @@ class ShardScheduler:
             )
         for update, reason in plan.dropped:
             ready = by_key[update.key]  # type: ignore[index]
+            self._worker.pop(ready.worker, None)  # decided: its next push may come
             self._denied[reason] = self._denied.get(reason, 0) + 1
             out.append(
                 Denied(
@@ -284,16 +296,21 @@ class ShardScheduler:
         """The shard processed ``worker``'s push of ``iteration`` (applied or dropped)."""
         self._granted.pop((worker, iteration), None)
         self._batch.pop((worker, iteration), None)
+        if self._worker.get(worker) == iteration:
+            del self._worker[worker]
 
     def lose(self, worker: int) -> None:
         """``worker`` is lost to the shard: what it had ready or granted is forgotten."""
-        for table in (self._batch, self._granted):
-            for key in [k for k in table if k[0] == worker]:
-                del table[key]
+        iteration = self._worker.pop(worker, None)
+        if iteration is not None:
+            self._batch.pop((worker, iteration), None)
+            self._granted.pop((worker, iteration), None)
 
     def _expire(self, now: float) -> None:
         for key in [k for k, g in self._granted.items() if g.expires <= now]:
             del self._granted[key]
+            if self._worker.get(key[0]) == key[1]:
+                del self._worker[key[0]]
 
     def _network(
         self,

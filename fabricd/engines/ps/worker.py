@@ -242,19 +242,24 @@ class Worker:
         norm = self._unsent[shard]
         return SendReady(shard=shard, iteration=iteration, base=base, size=len(data), norm=norm)
 
+    def awaits_grant(self, shard: int, iteration: int) -> bool:
+        """Whether ``shard``'s push of ``iteration`` waits for its scheduler's grant."""
+        pending = self._pushing.get(shard)
+        return pending is not None and pending[0] == iteration and shard in self._unsent
+
     def route(self, shard: int, iteration: int, via: int, group: int) -> None:
         """The grant of ``shard``'s push of ``iteration`` sends it to aggregator node ``via``,
         as a member of ``group`` (MLfabric §5.2), when :meth:`granted` comes."""
-        if shard in self._unsent and self._pushing[shard][0] == iteration:
+        if self.awaits_grant(shard, iteration):
             self._routes[shard] = (iteration, via, group)
 
     def granted(self, shard: int, iteration: int) -> list[Action]:
         """``shard``'s scheduler granted the push of ``iteration`` its turn: send it (the
         caller waited the grant's wait), to the server or to its aggregator.  A grant for no
         push waiting for one is ignored."""
-        pending = self._pushing.get(shard)
-        if pending is None or pending[0] != iteration or shard not in self._unsent:
+        if not self.awaits_grant(shard, iteration):
             return []
+        pending = self._pushing[shard]
         del self._unsent[shard]
         route = self._routes.get(shard)
         via, group = (route[1], route[2]) if route is not None else (None, None)
