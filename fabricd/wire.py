@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from fabricd.integrity import Opener
 
 MAGIC: Final = b"FBRC"
-PROTOCOL_VERSION: Final = 7
+PROTOCOL_VERSION: Final = 8
 _HEADER: Final = struct.Struct(">4sBBHIQ")
 HEADER_SIZE: Final = _HEADER.size
 
@@ -84,6 +84,7 @@ class Kind(enum.IntEnum):
     REPLICATED = 23  #: a replica holds a log entry, and every one before it (control)
     JOIN = 24  #: a server or replica opened a shard: its partner sends a snapshot (control)
     OPENED = 25  #: a rank opened a parameter-server model: its spec, to compare (control)
+    MONITOR = 26  #: the sender's own link figures: up, down, RTT (network monitor, control)
     REQUEST = 32  #: client -> daemon call
     REPLY = 33  #: daemon -> client answer to a REQUEST
     EVENT = 34  #: daemon -> client news nobody asked for in that moment (a pushed event)

@@ -14,6 +14,7 @@ from fabricd.errors import RemoteProtocolError
 from fabricd.frames.collectives import Coll
 from fabricd.frames.link import Bye, Heartbeat
 from fabricd.frames.membership import Announce
+from fabricd.frames.monitor import Report
 from fabricd.frames.p2p import Cancel, Cts, Data, Done, Eager, Rtr, Rts, Write
 from fabricd.frames.ps import Join, Opened, Pull, Pulled, Push, Pushed, Replicate, Replicated
 from fabricd.frames.stochastic import Ack, Notify, Update
@@ -46,6 +47,7 @@ PeerFrame = (
     | Replicated
     | Join
     | Opened
+    | Report
 )
 #: the frames whose payload is a point-to-point message's bytes (DATA, and EAGER on control)
 MessageFrame = Data | Eager
@@ -79,6 +81,7 @@ _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
         Replicated,
         Join,
         Opened,
+        Report,
     )
 }
 #: the kinds :func:`parse` reads

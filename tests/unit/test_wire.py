@@ -253,6 +253,7 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
     Kind.REPLICATED: {"job": "demo", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ix": 12},
     Kind.JOIN: {"job": "demo", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ep": 2, "spec": PS_SPEC},
     Kind.OPENED: {"job": "demo", "name": "ps", "r": 3, "spec": PS_SPEC},
+    Kind.MONITOR: {"up": 1.25e9, "down": 1.25e9, "rtt": 1e-4, "age": 0.0, "src": "measured"},
     Kind.REQUEST: {
         "id": 1,
         "op": "send",
@@ -301,8 +302,8 @@ def test_header_layout_is_as_documented() -> None:
     data = encode(Kind.RTS, {"a": 1}, b"xyz")
     assert HEADER_SIZE == 20
     assert MAGIC == b"FBRC"
-    assert PROTOCOL_VERSION == 7
-    assert data[:20] == b"FBRC" + bytes([7, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
+    assert PROTOCOL_VERSION == 8
+    assert data[:20] == b"FBRC" + bytes([8, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
         3
     ).to_bytes(8, "big")
     assert data[20:24] == b"\x81\xa1a\x01"
@@ -310,7 +311,7 @@ def test_header_layout_is_as_documented() -> None:
 
 
 def test_the_example_in_protocol_md() -> None:
-    documented = "46 42 52 43 07 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
+    documented = "46 42 52 43 08 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
     assert encode(Kind.CTS, {"msg": 1}) == bytes.fromhex(documented)
 
 
@@ -341,6 +342,7 @@ def test_kind_numbers_are_stable() -> None:
         "REPLICATED": 23,
         "JOIN": 24,
         "OPENED": 25,
+        "MONITOR": 26,
         "REQUEST": 32,
         "REPLY": 33,
         "EVENT": 34,
@@ -640,7 +642,7 @@ def test_client_socket_limits() -> None:
 # -- malformed headers ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 26, 31, 35, 255])
+@pytest.mark.parametrize("kind", [0, 27, 31, 35, 255])
 def test_unknown_kind(kind: int) -> None:
     assert_rejected(header(kind, 1) + b"\x80", match=f"unknown frame kind {kind}")
 
