@@ -104,4 +104,5 @@ class Direction:
         capacity = self.capacity
         if capacity is None:
             return None
-        return max(capacity - self.use, capacity / (self.flows + 1))
+        flows = max(self.flows, 1 if self.use > 0 else 0)  # any use is at least one flow
+        return max(capacity - self.use, capacity / (flows + 1))

@@ -208,8 +208,8 @@ class Monitor:
             if channel == "control" and path.rtt > 0:
                 rtts.append(path.rtt)
             acked = path.acked - before if before is not None and path.acked >= before else 0
-            if before is None or not 0 < path.rate <= MAX_BPS:
-                continue  # no interval yet, or no sample
+            if not 0 < path.rate <= MAX_BPS:
+                continue  # no sample yet
             if not path.app_limited or acked >= BUSY_BYTES:
                 self._up.sample(path.rate, now)
                 if len(self._paths) < MAX_PATHS or reading.node in self._paths:
