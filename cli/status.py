@@ -163,6 +163,18 @@ def _latency(row: dict[str, Any]) -> str:
 #: workers' filter columns the share of gradient elements each filter selected for dropping
 #: (G-SMP, G-RP) and the share dropped (selected by every filter on)
 _ENGINE_TABLES: tuple[tuple[str, tuple[Column, ...]], ...] = (
+    (
+        "network",
+        (
+            "node",
+            ("up", lambda row: _rate(row, "up")),
+            ("down", lambda row: _rate(row, "down")),
+            ("rtt", lambda row: ago(row["rtt"]) if row.get("rtt") else "-"),
+            "source",
+            ("age", lambda row: ago(row.get("age"))),
+            ("stale", lambda row: "stale" if row.get("stale") else ""),
+        ),
+    ),
     ("collectives", ("job", "name", "what", "round", "nodes", "lost", "waiting", "mean_active")),
     (
         "stochastic_reduces",
@@ -206,6 +218,11 @@ _ENGINE_TABLES: tuple[tuple[str, tuple[Column, ...]], ...] = (
         ),
     ),
 )
+
+
+def _rate(row: dict[str, Any], key: str) -> str:
+    """A bandwidth cell (bytes/s), "-" where the daemon left it out."""
+    return "-" if row.get(key) is None else f"{size(row[key])}/s"
 
 
 def _field(row: dict[str, Any], key: str) -> str:

@@ -176,13 +176,28 @@ def _seconds(value: float | None) -> str:
     return f"{value * 1e6:.0f} µs" if value < 1e-3 else ago(value)
 
 
+def _available(rate: float | None) -> str:
+    """A peer's available bandwidth one way, as the network monitor knows it."""
+    return "-" if rate is None else size(rate) + "/s"
+
+
 def _top_table(views: list[dict[str, Any]]) -> Table:
     columns: tuple[str, ...] = ("node", "clients", "pending", "ops/s", "p50", "p99", "peer")
-    columns += ("sent/s", "recv/s")
+    columns += ("sent/s", "recv/s", "peer up", "peer down")
     clustered = any(v.get("cluster") for v in views)
     if clustered:  # which local cluster a row is of: each numbers its nodes from 0
         columns = ("cluster", *columns)
-    right = {"clients", "pending", "ops/s", "p50", "p99", "sent/s", "recv/s"}
+    right = {
+        "clients",
+        "pending",
+        "ops/s",
+        "p50",
+        "p99",
+        "sent/s",
+        "recv/s",
+        "peer up",
+        "peer down",
+    }
     table = folding_table("fabricd top", columns, right=right)
     fabric = None
     for v in views:
@@ -199,12 +214,14 @@ def _top_table(views: list[dict[str, Any]]) -> Table:
         for i, peer in enumerate(v["peers"] or [None]):
             row = cells if i == 0 else [""] * len(cells)
             if peer is None:
-                table.add_row(*row, "-", "-", "-")
+                table.add_row(*row, "-", "-", "-", "-", "-")
                 continue
             table.add_row(
                 *row,
                 Text(f"{peer['peer']} {peer['state']}", style=STATE_STYLE.get(peer["state"], "")),
                 size(peer["sent_bytes_per_second"]) + "/s",
                 size(peer["received_bytes_per_second"]) + "/s",
+                _available(peer.get("up_available")),
+                _available(peer.get("down_available")),
             )
     return table

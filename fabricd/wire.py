@@ -84,6 +84,7 @@ class Kind(enum.IntEnum):
     REPLICATED = 23  #: a replica holds a log entry, and every one before it (control)
     JOIN = 24  #: a server or replica opened a shard: its partner sends a snapshot (control)
     OPENED = 25  #: a rank opened a parameter-server model: its spec, to compare (control)
+    MONITOR = 26  #: the sender's own link figures: up, down, RTT (network monitor, control)
     READY = 27  #: a worker's push is ready: the server's scheduler says when to send it (control)
     GRANT = 28  #: a server's scheduler: send that push after a wait (control)
     GATHER = 29  #: a server's scheduler: sum these pushes here and forward the sum (control)

@@ -73,6 +73,7 @@ if TYPE_CHECKING:
 
     from fabricd.integrity import Opener, Sealer
     from fabricd.transports.posted import PostKey, WriteLanded
+    from fabricd.transports.tcpinfo import PathInfo
     from fabricd.wire import Discard, Frame, FrameHead, Limits
 
 Buffer = bytes | bytearray | memoryview
@@ -243,6 +244,12 @@ class Link(abc.ABC):
         """Bytes of queued frames this link still holds, payload views included (``0``: the
         kernel, or the peer, has every byte queued so far, and the link keeps no view of a
         caller's buffer); ``None``: this transport cannot tell."""
+        return None
+
+    def path_info(self) -> PathInfo | None:
+        """What the kernel knows of this link's path now (round-trip time, delivery rate, bytes
+        acknowledged: :mod:`fabricd.transports.tcpinfo`); ``None``: this transport, platform or
+        kernel cannot tell.  The network monitor reads it every ``monitor_interval``."""
         return None
 
 

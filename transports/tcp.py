@@ -29,10 +29,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from fabricd.errors import TransportError
-from fabricd.transports import batch
+from fabricd.transports import batch, tcpinfo
 from fabricd.transports.base import (
     MAX_UNREAD,
     Buffer,
@@ -87,12 +87,14 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
         self._held_bytes = 0
         self._budget = FRAME_BUDGET  #: frames it may deliver before the loop goes round
         self._budget_paused = False  #: reading stopped until the budget is renewed
+        self._sock: Any = None  #: the transport's socket view, for TCP_INFO (path_info)
 
     # -- asyncio protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast("asyncio.Transport", transport)  # uvloop's is not a subclass
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            self._sock = sock
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._local = join_address(*sock.getsockname()[:2])
             if not self.peer_address:  # accepted: name the link after the remote end
@@ -239,6 +241,11 @@ class TcpLink(FramedLink, asyncio.BufferedProtocol):
         transport = self._transport
         buffered = transport.get_write_buffer_size() if transport is not None else 0
         return buffered + self._held_bytes
+
+    def path_info(self) -> tcpinfo.PathInfo | None:
+        if self._is_closed:
+            return None
+        return tcpinfo.read(self._sock)
 
     def _flush_held(self) -> None:
         """Write the frames held in this read callback, in order, as one ``writelines``."""

@@ -77,9 +77,13 @@ def _latency_buckets(before: Meta | None, after: Meta) -> list[tuple[float, floa
 
 def _peer_rates(before: Meta | None, after: Meta, seconds: float) -> list[dict[str, Any]]:
     rows = []
+    #: the network monitor's figures by node (a daemon of an older release has none)
+    network = {row.get("node"): row for row in after.get("network", []) if isinstance(row, dict)}
     for peer in after.get("peers", []):
         node = str(peer["node"])
         row: dict[str, Any] = {"peer": peer["node"], "state": peer["state"]}
+        figures = network.get(peer["node"], {})
+        row["up_available"], row["down_available"] = figures.get("up"), figures.get("down")
         for key, name in (("sent", SENT), ("received", RECEIVED)):
             now = total(after, name, peer=node)
             row[f"{key}_bytes"] = now
@@ -101,7 +105,8 @@ def view(before: Meta | None, after: Meta, seconds: float) -> dict[str, Any]:
         node, socket, state, metrics_url, clients, pending operations, completed and failed
         operations per second, p50/p99 latency (seconds) of the operations that completed in
         the interval (None if none did), and per peer its state, bytes and bytes per second
-        each way.
+        each way, and the bandwidth its network monitor figures say the peer has available
+        each way (``up_available``, ``down_available``; None from a daemon without them).
     """
 
     def rate(name: str) -> float:

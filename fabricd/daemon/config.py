@@ -83,6 +83,9 @@ class Config:
     log_format: str = "text"
     event_loop: str = "uvloop"
     metrics_address: str = "127.0.0.1:9720"
+    monitor_interval: float = 0.2
+    link_up_bps: float = 0.0
+    link_down_bps: float = 0.0
 
     @property
     def listen_address(self) -> str:
@@ -136,6 +139,11 @@ class Config:
                 raise ConfigError(f"{key} must be at most 86400 seconds (a day)")
         if self.drain_timeout < 0:
             raise ConfigError("drain_timeout must be 0 seconds or more")
+        if not 0 <= self.monitor_interval <= 60:
+            raise ConfigError("monitor_interval must be between 0 (off) and 60 seconds")
+        for key in ("link_up_bps", "link_down_bps"):
+            if not 0 <= getattr(self, key) <= 1e13:
+                raise ConfigError(f"{key} must be between 0 (measure) and 1e13 bytes/s")
 
     def _validate_limits(self) -> None:
         """The caps on clients, segments, operations, eager messages and peers."""

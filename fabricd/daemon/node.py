@@ -43,6 +43,7 @@ from fabricd.daemon.segments import SegmentLimits, SegmentTable
 from fabricd.daemon.service import BaseService, Request, check_claims
 from fabricd.daemon.services.collectives import CollectiveService
 from fabricd.daemon.services.membership import MembershipService
+from fabricd.daemon.services.monitor import MonitorService
 from fabricd.daemon.services.p2p import P2PService
 from fabricd.daemon.services.peering import HandshakeSettings, PeeringService
 from fabricd.daemon.services.ps import PSService
@@ -85,6 +86,7 @@ if TYPE_CHECKING:
     from fabricd.daemon.config import Config, Loaded
     from fabricd.daemon.service import Service
     from fabricd.engines.membership import RankEvent, Suspicion
+    from fabricd.engines.monitor.table import LinkFigures
     from fabricd.transports.base import Buffer, Link, Transport
 
 log = logging.getLogger("fabricd.daemon")
@@ -172,7 +174,9 @@ class Daemon:
         self.budget = ByteBudget(per_uid=per_uid, per_job=per_job, node=cfg.node_id)
         self.address = cfg.listen_address
         self.peering = PeeringService(self, self.transport, self._handshake_settings(cfg))
-        self.services: list[Service] = [self.peering, *services(self)]
+        #: the network monitor: built here, not in ``services``, since :meth:`network` reads it
+        self.monitor = MonitorService(self, links=lambda: self.links)
+        self.services: list[Service] = [self.peering, self.monitor, *services(self)]
         check_claims(self.services)
         self._by_kind = {kind: s for s in self.services for kind in s.kinds}
         self._by_op = {op: s for s in self.services for op in s.ops}
@@ -255,6 +259,9 @@ class Daemon:
 
     def now(self) -> float:
         return self.loop.time()
+
+    def network(self, now: float) -> dict[int, LinkFigures]:
+        return self.monitor.network(now)
 
     @property
     def links(self) -> dict[tuple[int, Channel], Link]:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from fabricd.engines.actions import Failure
     from fabricd.engines.budget import ByteBudget
     from fabricd.engines.membership import RankEvent, Suspicion
+    from fabricd.engines.monitor.table import LinkFigures
     from fabricd.frames.registry import PayloadFrame, PeerFrame
     from fabricd.transports.base import Buffer, Link
     from fabricd.wire import Kind, Meta
@@ -115,6 +116,11 @@ class Host(Protocol):
 
     def rearm(self) -> None:
         """Re-read every service's next deadline (call after work a task finished)."""
+
+    def network(self, now: float) -> dict[int, LinkFigures]:
+        """Every node's available up/down bandwidth (bytes/s), RTT, their age and source, as
+        the network monitor knows them now (:mod:`fabricd.engines.monitor.table`; MLfabric
+        §4: what a scheduler plans transfers with).  Node id -> figures, this node included."""
 
 
 class Service(Protocol):

@@ -14,6 +14,7 @@ from fabricd.errors import RemoteProtocolError
 from fabricd.frames.collectives import Coll
 from fabricd.frames.link import Bye, Heartbeat
 from fabricd.frames.membership import Announce
+from fabricd.frames.monitor import Report
 from fabricd.frames.p2p import Cancel, Cts, Data, Done, Eager, Rtr, Rts, Write
 from fabricd.frames.ps import (
     Gather,
@@ -58,6 +59,7 @@ PeerFrame = (
     | Replicated
     | Join
     | Opened
+    | Report
     | Ready
     | Grant
     | Gather
@@ -94,6 +96,7 @@ _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
         Replicated,
         Join,
         Opened,
+        Report,
         Ready,
         Grant,
         Gather,

@@ -90,7 +90,7 @@ async def test_a_new_service_gets_its_frames_requests_and_timer_ticks(tmp_path: 
         assert echoes[0].requests[0]["op"] == "echo"
         assert [len(e.ticks) for e in echoes] == [1, 1]  # ticked once each, then no deadline
         status = fab.daemons[0].status()
-        assert status["services"] == ["peering", "membership", "echo"]
+        assert status["services"] == ["peering", "monitor", "membership", "echo"]
 
 
 async def test_two_services_claiming_one_kind_refuse_to_start(tmp_path: Path) -> None:

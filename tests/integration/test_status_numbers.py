@@ -16,6 +16,7 @@ with a scrape of the endpoint for every sample compared that the workload alone 
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ FAILED = 5  #: collectives ranks 1 and 2 call unlike each other (each fails one 
 #: status numbers no series exports, by path (``[]``: every row of a list, ``*``: every key of a
 #: map), and why
 NOT_EXPORTED: dict[str, str] = {
+    "monitor_interval": "a setting (fabricctl config show), not a figure of the daemon's work",
     **dict.fromkeys(
         ("id", "clients[].id", "clients[].pid", "clients[].uid", "clients[].rank"),
         "a client's identity: no series carries a uid, pid or anything a client chose "
@@ -324,6 +326,20 @@ def _rows(status: dict[str, Any], m: Exported) -> set[str]:
     return checked | _ps_rows(status, m)
 
 
+def _network(status: dict[str, Any], m: Exported) -> set[str]:
+    """The network monitor's rows, one gauge per figure and node (the age read a moment
+    apart: the statistics and the series each ask the clock)."""
+    for row in status["network"]:
+        node = str(row["node"])
+        assert m.one("fabricd_link_up_bytes_per_second", node=node) == row["up"]
+        assert m.one("fabricd_link_down_bytes_per_second", node=node) == row["down"]
+        assert m.one("fabricd_link_rtt_seconds", node=node) == row["rtt"]
+        age = m.one("fabricd_link_figures_age_seconds", node=node)
+        assert age == (math.inf if row["age"] is None else pytest.approx(row["age"], abs=5.0))
+        assert m.one("fabricd_link_figures_stale", node=node) == float(row["stale"])
+    return {f"network[].{f}" for f in ("node", "up", "down", "rtt", "age")}
+
+
 def _ps_rows(status: dict[str, Any], m: Exported) -> set[str]:
     ps = {"service": "ps"}
     servers = [s for s in status["ps_servers"] if s["role"] == "primary"]
@@ -363,7 +379,15 @@ def _ps_rows(status: dict[str, Any], m: Exported) -> set[str]:
 
 
 #: samples that move by themselves (heartbeats, the clock), left out of the scrape comparison
-MOVING = re.compile(r"fabricd_peer_(sent|received)_|fabricd_peer_(silent|state)_seconds")
+MOVING = re.compile(
+    r"fabricd_peer_(sent|received)_|fabricd_peer_(silent|state)_seconds|fabricd_link_"
+)
+
+
+def _monitor_counter(labels: frozenset[tuple[str, str]]) -> bool:
+    """A status counter of the network monitor: its readings and reports go on every
+    ``monitor_interval`` by themselves."""
+    return dict(labels).get("counter", "").startswith("monitor_")
 
 
 def _check_node(socket_path: str) -> dict[str, Any]:
@@ -374,13 +398,13 @@ def _check_node(socket_path: str) -> dict[str, Any]:
         scraped = scrape(status["metrics_url"])  # while the asker is still a client
     m = Exported(status)
     checked = _identity(status, m, asked) | _peers(status, m, took) | _counters(status, m)
-    checked |= _levels(status, m) | _rows(status, m)
+    checked |= _levels(status, m) | _rows(status, m) | _network(status, m)
     found = set(numbers({k: v for k, v in status.items() if k != "metrics"}))
     unchecked = found - checked - NOT_EXPORTED.keys()
     assert not unchecked, f"status numbers no check finds in the metrics: {sorted(unchecked)}"
     # the endpoint serves what the snapshot says, for everything the workload alone moves
     for key in sorted(m.read):
-        if not MOVING.match(key[0]):
+        if not MOVING.match(key[0]) and not _monitor_counter(key[1]):
             assert scraped[key] == float(m.samples[key]), key  # the text format carries floats
     return status
 

@@ -13,6 +13,7 @@ from fabricd.errors import RemoteProtocolError
 from fabricd.frames import fields as fields_frames
 from fabricd.frames import link as link_frames
 from fabricd.frames import membership as membership_frames
+from fabricd.frames import monitor as monitor_frames
 from fabricd.frames import p2p as p2p_frames
 from fabricd.frames import ps as ps_frames
 from fabricd.frames import registry
@@ -46,6 +47,10 @@ SHARD: Meta = {"job": "j", "name": "ps", "shard": 1, "server": 1}
 
 EXAMPLES: list[registry.PeerFrame] = [
     link_frames.Heartbeat(),
+    monitor_frames.Report(up=1.25e9, down=2.5e9, rtt=1e-4, age=0.1, source="configured"),
+    monitor_frames.Report(
+        up=0.0, down=12.5e9, rtt=0.0, age=0.0, source="default", paths=((0, 1e9), (2, 3.5e8))
+    ),
     link_frames.Bye(),
     membership_frames.Announce(job="j", rank=3, size=4, present=True, owner=1000),
     membership_frames.Announce(job="j", rank=3, size=4, present=False, owner=0),
@@ -207,6 +212,21 @@ def test_kinds_a_peer_may_not_send_are_refused(kind: Kind) -> None:
         (Kind.DATA, {"msg": 1}, "off"),
         (Kind.DONE, {"msg": 1, "code": "x"}, "error"),
         (Kind.CANCEL, {}, "msg"),
+        (Kind.MONITOR, {"down": 1.0, "rtt": 0.0, "age": 0.0, "src": "measured"}, "up"),
+        (Kind.MONITOR, {"up": True, "down": 1, "rtt": 0, "age": 0, "src": "measured"}, "up"),
+        (Kind.MONITOR, {"up": 1, "down": "1", "rtt": 0, "age": 0, "src": "measured"}, "down"),
+        (Kind.MONITOR, {"up": 1, "down": 1, "rtt": 0, "age": 0, "src": 3}, "src"),
+        (Kind.MONITOR, {"up": 1, "down": 1, "rtt": 0, "age": 0, "src": "x", "paths": 1}, "paths"),
+        (
+            Kind.MONITOR,
+            {"up": 1, "down": 1, "rtt": 0, "age": 0, "src": "x", "paths": [[0]]},
+            "paths",
+        ),
+        (
+            Kind.MONITOR,
+            {"up": 1, "down": 1, "rtt": 0, "age": 0, "src": "x", "paths": [[0, 1.0]] * 65},
+            "paths",
+        ),
     ],
 )
 def test_a_bad_field_is_a_remote_protocol_error_naming_it(

@@ -261,3 +261,25 @@ def test_aggregation_happens_and_sums_exactly() -> None:
     assert sum(fabric.serving(s).statistics().aggregates for s in range(2)) > 0
     made, applied, dropped = outcomes(fabric)
     assert (applied, dropped) == (made * 2, 0)
+
+
+def test_a_stale_direct_deadline_leaves_a_newer_push_route_alone() -> None:
+    """Found by the property test above: the direct-send deadline of an acknowledged push
+    (iteration 0) fired after the next push (iteration 1) was routed via an aggregator; it
+    took that route away, and the push, dropped late at its aggregator, never went straight."""
+    from fabricd.engines.ps.worker import SendPush, Worker
+
+    worker = Worker(worker=1, size=2, dtype="float64", shards=1, scheduled=True)
+    worker.push(values(1, 1))
+    worker.route(0, 0, via=5, group=0)
+    [sent] = worker.granted(0, 0)
+    assert isinstance(sent, SendPush)
+    assert sent.via == 5
+    worker.pushed(0, 0, version=1, dropped=None)
+    worker.push(values(2, 2))
+    worker.route(0, 1, via=6, group=1)
+    worker.granted(0, 1)
+    assert worker.direct(0, 0) == []  # iteration 0's deadline, stale
+    [again] = worker.direct(0, 1)
+    assert isinstance(again, SendPush)
+    assert (again.iteration, again.via) == (1, None)

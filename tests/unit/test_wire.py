@@ -255,6 +255,7 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
     Kind.REPLICATED: {"job": "demo", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ix": 12},
     Kind.JOIN: {"job": "demo", "name": "ps", "sh": 1, "srv": 1, "rep": 0, "ep": 2, "spec": PS_SPEC},
     Kind.OPENED: {"job": "demo", "name": "ps", "r": 3, "spec": PS_SPEC},
+    Kind.MONITOR: {"up": 1.25e9, "down": 1.25e9, "rtt": 1e-4, "age": 0.0, "src": "measured"},
     Kind.READY: {
         "job": "demo",
         "name": "ps",
@@ -377,6 +378,7 @@ def test_kind_numbers_are_stable() -> None:
         "REPLICATED": 23,
         "JOIN": 24,
         "OPENED": 25,
+        "MONITOR": 26,
         "READY": 27,
         "GRANT": 28,
         "GATHER": 29,
@@ -679,7 +681,7 @@ def test_client_socket_limits() -> None:
 # -- malformed headers ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 26, 31, 35, 255])
+@pytest.mark.parametrize("kind", [0, 30, 31, 35, 255])
 def test_unknown_kind(kind: int) -> None:
     assert_rejected(header(kind, 1) + b"\x80", match=f"unknown frame kind {kind}")
 

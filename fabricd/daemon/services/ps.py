@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from fabricd.daemon.sessions import ClientSession
     from fabricd.engines.budget import Charge
     from fabricd.engines.membership import Membership, RankEntry, RankEvent, Suspicion
+    from fabricd.engines.monitor.table import LinkFigures
     from fabricd.engines.ps.models import Action, Key
     from fabricd.frames import registry
 
@@ -101,6 +102,7 @@ class _Ranks:
 
     def __init__(self, host: Host, membership: Membership) -> None:
         self.host, self.membership = host, membership
+        self._figures: tuple[float, dict[int, LinkFigures]] | None = None
 
     def lookup(self, job: str, rank: int, /) -> RankEntry | None:
         return self.membership.lookup(job, rank)
@@ -109,7 +111,13 @@ class _Ranks:
         return node == self.host.config.node_id or self.host.data_link(node) is not None
 
     def bandwidth(self, node: int, /) -> tuple[float, float] | None:
-        return None
+        """The monitor's (up, down) for ``node`` (a direction it knows nothing of at its own
+        figure for unknown); ``None`` for a node it has no row for."""
+        now = self.host.now()
+        if self._figures is None or self._figures[0] != now:  # one table per timer tick
+            self._figures = (now, self.host.network(now))
+        figures = self._figures[1].get(node)
+        return None if figures is None else (figures.up, figures.down)
 
 
 #: arrays of the model's size a worker holds (its pulled model, a filter's residual, a push in

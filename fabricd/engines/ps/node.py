@@ -275,7 +275,6 @@ class PSNode:
                 delay_bound=spec["delay_bound"],
                 interval=self.schedule_interval,
                 aggregation=spec["aggregation"],
-                seed=self.node * 4096 + shard,
             )
             if spec["scheduling"] == "mlfabric"
             else None,

@@ -28,16 +28,18 @@ Choices where the paper is silent, and why:
   reset and the worker's daemon sends the READY again) stops counting after its planned end
   plus ``max(1 s, 10 intervals)``; a READY sent again for an update granted already is granted
   again at once (its planned start is past).
-* A host the monitor has no figures for is planned at :data:`UNKNOWN_BPS` each way (10 Gbit/s,
-  the paper's links), so that an unmeasured fabric is scheduled shortest-first by size alone.
+* A host the monitor has no figures for is planned at :data:`UNKNOWN_BPS` each way, the
+  monitor's own figure for "unknown" (100 Gbit/s, :mod:`fabricd.engines.monitor.table`), so an
+  unmeasured fabric is scheduled shortest-first by size alone, as one the monitor reports
+  "default" for.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fabricd.engines.monitor.table import DEFAULT_BPS
 from fabricd.engines.scheduling.aggregation import Group, aggregate
 from fabricd.engines.scheduling.ordering import Ordering, Planned, Update, order
 from fabricd.engines.scheduling.timelines import Network
@@ -46,8 +48,8 @@ from fabricd.errors import RemoteProtocolError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-#: bytes/s a host is planned at, each way, when the monitor has no figures for it (10 Gbit/s)
-UNKNOWN_BPS = 1.25e9
+#: bytes/s a host is planned at, each way, when the monitor has no figures for it
+UNKNOWN_BPS = DEFAULT_BPS
 #: the longest a grant counts towards ``v_init`` and the timelines past its planned end
 GRANT_GRACE_MIN = 1.0
 
@@ -145,13 +147,11 @@ class ShardScheduler:
         delay_bound: int | None,
         interval: float,
         aggregation: bool = False,
-        seed: int = 0,
     ) -> None:
         self.server = server
         self.delay_bound = delay_bound
         self.interval = interval
         self.aggregation = aggregation
-        self._rng = random.Random(seed)
         self._next_group = 0
         self._batch: dict[tuple[int, int], _Ready] = {}
         self._granted: dict[tuple[int, int], _Grant] = {}
@@ -284,12 +284,14 @@ class ShardScheduler:
     def _groups(self, planned: list[Planned], network: Network) -> list[Group]:
         """Alg. 3 over the batch's planned updates: the groups summed at aggregators.  The
         aggregators are the batch's worker hosts but the server's, pre-assigned to groups in
-        a random order (§5.2: "we first randomly pre-assign the aggregator to use for the
-        i-th group"); a batch of one update, or with no other host, has none."""
+        a rotation that moves by one host each batch (§5.2 pre-assigns them at random: a
+        rotation spreads the aggregation load as evenly and keeps the engine without a random
+        source); a batch of one update, or with no other host, has none."""
         hosts = sorted({p.update.host for p in planned} - {self.server})
         if len(planned) < 2 or not hosts:
             return []
-        self._rng.shuffle(hosts)
+        turn = self._batches % len(hosts)
+        hosts = hosts[turn:] + hosts[:turn]
         return aggregate(planned, network, server=self.server, aggregators=hosts).groups
 
     def settled(self, worker: int, iteration: int) -> None:

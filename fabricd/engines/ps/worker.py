@@ -279,9 +279,10 @@ class Worker:
         it in time (the aggregator died, or the aggregate was refused): send it straight to the
         server now (it applies it once, whichever copy comes first)."""
         pending = self._pushing.get(shard)
-        route = self._routes.pop(shard, None)
-        if pending is None or route is None or pending[0] != iteration or shard in self._unsent:
-            return []
+        route = self._routes.get(shard)
+        if pending is None or route is None or route[0] != iteration or pending[0] != iteration:
+            return []  # acknowledged, or sent again straight already: a deadline gone stale
+        del self._routes[shard]
         self._resent += 1
         return [SendPush(shard=shard, iteration=iteration, base=pending[1], payload=pending[2])]
 
