@@ -53,7 +53,7 @@ from bench.mlfabric_model import COMPUTES, Problem, problem
 from bench.mlfabric_net import NETWORKS
 from bench.mlfabric_sim import STRATEGIES, Outcome, Setting, simulate
 from bench.report import Column, Extra, Progress, Table, fmt_number, quiet, run_alone
-from fabricd.engines.ps.consistency import SGD
+from fabricd.engines.ps.consistency import SGD, Sum, UpdateRule
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -164,14 +164,71 @@ def sensitivity(progress: Progress = quiet) -> dict[str, float]:
     return out
 
 
-def replay_difference(outcome: Outcome, start: np.ndarray, lr: float) -> float:
+def replay_difference(outcome: Outcome, start: np.ndarray, rule: UpdateRule) -> float:
     """The largest difference between ``outcome``'s final model and the same applied updates
-    applied one by one without aggregation (same order, same rule)."""
-    model, rule = start.copy(), SGD(lr=lr)
+    (each as its worker pushed it) applied one by one by ``rule`` (a fresh one, the run's
+    kind), in the order applied, without aggregation."""
+    model = start.copy()
     for _, _, values in outcome.log:
         rule.apply(model, values)
     assert outcome.final is not None
     return float(np.max(np.abs(model - outcome.final)))
+
+
+#: the aggregation rows: (label, workers, server uplink in Gbit/s); module docstring
+AGGREGATION_ROWS: Final = (
+    ("8w, server 10 Gbit/s both ways", 8, 10.0),
+    ("8w, server uplink 80 Gbit/s", 8, 80.0),
+    ("16w, server uplink 80 Gbit/s", 16, 80.0),
+)
+#: the aggregation rows' computation time (seconds): communication-bound
+AGGREGATION_COMPUTE: Final = 0.1
+
+
+def aggregation_rows(
+    seeds: Sequence[int] = SEEDS, progress: Progress = quiet
+) -> list[tuple[str, dict[str, float]]]:
+    """MLfabric-A with and without aggregation where batches hold several updates (module
+    docstring): C1-N1, 0.1 s computations, exact mode; medians over ``seeds``, except the
+    largest replay difference (over every run with aggregation) and the bytes (summed)."""
+    data = {seed: problem(seed) for seed in seeds}
+    out = []
+    for label, workers, up in AGGREGATION_ROWS:
+        runs: dict[str, list[Outcome]] = {"MLfabric-A": [], TARGETED: []}
+        for seed, d in data.items():
+            setting = replace(
+                settings(workers, "C1", "N1", seed, target_of(d, GAP)),
+                base_compute=AGGREGATION_COMPUTE, server_up_gbps=up, exact=True,
+            )  # fmt: skip
+            for strategy, found in runs.items():
+                found.append(simulate(setting, d, strategy))
+        plain, agg = runs["MLfabric-A"], runs[TARGETED]
+        figures = {
+            "bytes_cut": _per_update(plain) / _per_update(agg),
+            "grouped_pct": 100 * sum(o.grouped for o in agg) / sum(o.delivered for o in agg),
+            "s_per_it": statistics.median(o.per_iteration for o in plain),
+            "s_per_it_agg": statistics.median(o.per_iteration for o in agg),
+            "to_target": statistics.median(o.reached for o in plain),
+            "to_target_agg": statistics.median(o.reached for o in agg),
+            "server_mb": sum(o.server_bytes for o in plain) / 1e6,
+            "server_mb_agg": sum(o.server_bytes for o in agg) / 1e6,
+            "max_replay_diff": max(
+                replay_difference(o, data[seed].start, Sum())
+                for seed, o in zip(data, agg, strict=True)
+            ),
+        }
+        progress(
+            f"aggregation, {label}: server bytes per update / {fmt_number(figures['bytes_cut'])}"
+            f", {fmt_number(figures['s_per_it'])} -> {fmt_number(figures['s_per_it_agg'])} s/it"
+            f"eration, replay difference {figures['max_replay_diff']}"
+        )
+        out.append((label, figures))
+    return out
+
+
+def _per_update(outcomes: Sequence[Outcome]) -> float:
+    delivered = sum(o.delivered for o in outcomes)
+    return sum(o.server_bytes for o in outcomes) / delivered if delivered else math.nan
 
 
 def run(quick: bool = False, progress: Progress = quiet) -> Table:
@@ -181,7 +238,8 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
     )
     cases = sweep(quick, progress)
     extra = {} if quick else sensitivity(progress)
-    return tabulate(cases, quick=quick, sensitivity=extra)
+    rows = aggregation_rows(QUICK_SEEDS if quick else SEEDS, progress)
+    return tabulate(cases, quick=quick, sensitivity=extra, aggregation=rows)
 
 
 def _bytes_per_update(cases: Sequence[Case], strategy: str, workers: int) -> float:
@@ -193,7 +251,11 @@ def _bytes_per_update(cases: Sequence[Case], strategy: str, workers: int) -> flo
 
 
 def tabulate(
-    cases: Sequence[Case], *, quick: bool, sensitivity: dict[str, float] | None = None
+    cases: Sequence[Case],
+    *,
+    quick: bool,
+    sensitivity: dict[str, float] | None = None,
+    aggregation: Sequence[tuple[str, dict[str, float]]] = (),
 ) -> Table:
     """The table of ``cases`` (rows in sweep order, RR-Sync first in each setting)."""
     table = Table(
@@ -277,7 +339,7 @@ def tabulate(
         )
     )
     diffs = [
-        replay_difference(o, np.zeros_like(o.final), LR)
+        replay_difference(o, np.zeros_like(o.final), SGD(lr=LR))
         for c in cases
         if c.strategy == TARGETED
         for o in c.outcomes
@@ -296,6 +358,16 @@ def tabulate(
                 f"C1-N1, 8 workers, {TARGETED}'s speedup with one parameter changed",
                 sensitivity,
                 "x",
+            )
+        )
+    for label, figures in aggregation:
+        table.extras.append(
+            Extra(
+                f"aggregation where batches hold several updates (C1-N1, "
+                f"{AGGREGATION_COMPUTE} s computations, exact sum rule), {label}: MLfabric-A "
+                f"without / with aggregation",
+                figures,
+                "",
             )
         )
     table.target_met = wins.get((8, TARGETED), 0) >= SETTINGS_NEEDED and cut >= BYTES_CUT
