@@ -5,8 +5,10 @@ A discrete-event simulation (:mod:`bench.mlfabric_sim`; no sleeping, no sockets,
 bounded) of data-parallel training of L2-regularised logistic regression
 (:mod:`bench.mlfabric_model`) by ``n`` workers (8, and 16 in the full run) and one server on a
 star network whose hosts' NIC rates change every 5 s (:mod:`bench.mlfabric_net`).  MLfabric-A's
-decisions are fabricd's engines': the shard scheduler (Alg. 2), Alg. 3's aggregation, and the
-parameter server's consistency engine with its delay bound.
+decisions are fabricd's engines': the shard scheduler (Alg. 2, and Alg. 3's groups with
+``aggregation=True``: its ``Granted.via`` and ``Gather`` decisions), the aggregator daemon's
+``Gathering``, and the parameter server's consistency engine with its delay bound
+(``push_aggregate`` for aggregates).
 
 The mapping to the paper (§7): rates are the paper's ÷100 (10 Gbit/s becomes 100 Mbit/s) and
 the model is 1 MB on the wire, so each transfer takes the time ResNet-50's 100 MB took at the
@@ -30,6 +32,21 @@ paper's rates; compute times are not scaled.  Parameters and why:
   to it measured the noise more than the strategy; time per iteration is virtual seconds per
   ``n`` gradients applied;
 * the scheduler batches every 100 ms and the monitor lags 0.2 s (§7).
+
+Aggregation rows (issue 24 item 7's ">= 2x fewer server bytes"): in the main sweep a 100 ms
+batch holds less than one update at 8 workers (each ready once per 1.4-2.6 s), so Alg. 3 has
+little to group.  Aggregation matters (§3.2) where updates are ready faster than the server's
+downlink takes them, so batches hold several: the rows run C1-N1 with 0.1 s computations
+(communication-bound: a push and a pull at full rate take 0.16 s), MLfabric-A with and
+without aggregation, 5 seeds, in exact mode (updates on a 2^-30 grid under the ``sum`` rule,
+so the equality of the model with aggregation and its updates applied one by one is checked
+bit for bit).  With the server's NIC at 10 Gbit/s both ways the server's *uplink*, which every
+pull crosses, limits how fast workers come back (the paper spreads pulls over a distribution
+tree, §10.3, not simulated); the rows with an 80 Gbit/s server uplink stand for that tree, so
+that the server's downlink, aggregation's target, is the bottleneck.  Reported: server bytes
+per update that reached it without / with aggregation, the share of updates inside
+aggregates, seconds per iteration and to the target, server MB in all, and the largest replay
+difference.  Kept apart from the Table 2 sweep, whose parameters stay the paper's.
 
 Baseline: RR-Sync in the same setting, same seeds.  The ratio is RR-Sync's time to the target
 over the row's (higher is better; the median over the seeds).  Targets (issue 24, item 7):
