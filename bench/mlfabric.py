@@ -5,8 +5,10 @@ A discrete-event simulation (:mod:`bench.mlfabric_sim`; no sleeping, no sockets,
 bounded) of data-parallel training of L2-regularised logistic regression
 (:mod:`bench.mlfabric_model`) by ``n`` workers (8, and 16 in the full run) and one server on a
 star network whose hosts' NIC rates change every 5 s (:mod:`bench.mlfabric_net`).  MLfabric-A's
-decisions are fabricd's engines': the shard scheduler (Alg. 2), Alg. 3's aggregation, and the
-parameter server's consistency engine with its delay bound.
+decisions are fabricd's engines': the shard scheduler (Alg. 2, and Alg. 3's groups with
+``aggregation=True``: its ``Granted.via`` and ``Gather`` decisions), the aggregator daemon's
+``Gathering``, and the parameter server's consistency engine with its delay bound
+(``push_aggregate`` for aggregates).
 
 The mapping to the paper (§7): rates are the paper's ÷100 (10 Gbit/s becomes 100 Mbit/s) and
 the model is 1 MB on the wire, so each transfer takes the time ResNet-50's 100 MB took at the
@@ -31,6 +33,21 @@ paper's rates; compute times are not scaled.  Parameters and why:
   ``n`` gradients applied;
 * the scheduler batches every 100 ms and the monitor lags 0.2 s (§7).
 
+Aggregation rows (issue 24 item 7's ">= 2x fewer server bytes"): in the main sweep a 100 ms
+batch holds less than one update at 8 workers (each ready once per 1.4-2.6 s), so Alg. 3 has
+little to group.  Aggregation matters (§3.2) where updates are ready faster than the server's
+downlink takes them, so batches hold several: the rows run C1-N1 with 0.1 s computations
+(communication-bound: a push and a pull at full rate take 0.16 s), MLfabric-A with and
+without aggregation, 5 seeds, in exact mode (updates on a 2^-30 grid under the ``sum`` rule,
+so the equality of the model with aggregation and its updates applied one by one is checked
+bit for bit).  With the server's NIC at 10 Gbit/s both ways the server's *uplink*, which every
+pull crosses, limits how fast workers come back (the paper spreads pulls over a distribution
+tree, §10.3, not simulated); the rows with an 80 Gbit/s server uplink stand for that tree, so
+that the server's downlink, aggregation's target, is the bottleneck.  Reported: server bytes
+per update that reached it without / with aggregation, the share of updates inside
+aggregates, seconds per iteration and to the target, server MB in all, and the largest replay
+difference.  Kept apart from the Table 2 sweep, whose parameters stay the paper's.
+
 Baseline: RR-Sync in the same setting, same seeds.  The ratio is RR-Sync's time to the target
 over the row's (higher is better; the median over the seeds).  Targets (issue 24, item 7):
 MLfabric-A (with aggregation, as the paper runs it) >= 1.2x in at least 6 of the 9 settings
@@ -53,7 +70,7 @@ from bench.mlfabric_model import COMPUTES, Problem, problem
 from bench.mlfabric_net import NETWORKS
 from bench.mlfabric_sim import STRATEGIES, Outcome, Setting, simulate
 from bench.report import Column, Extra, Progress, Table, fmt_number, quiet, run_alone
-from fabricd.engines.ps.consistency import SGD
+from fabricd.engines.ps.consistency import SGD, Sum, UpdateRule
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -164,14 +181,71 @@ def sensitivity(progress: Progress = quiet) -> dict[str, float]:
     return out
 
 
-def replay_difference(outcome: Outcome, start: np.ndarray, lr: float) -> float:
+def replay_difference(outcome: Outcome, start: np.ndarray, rule: UpdateRule) -> float:
     """The largest difference between ``outcome``'s final model and the same applied updates
-    applied one by one without aggregation (same order, same rule)."""
-    model, rule = start.copy(), SGD(lr=lr)
+    (each as its worker pushed it) applied one by one by ``rule`` (a fresh one, the run's
+    kind), in the order applied, without aggregation."""
+    model = start.copy()
     for _, _, values in outcome.log:
         rule.apply(model, values)
     assert outcome.final is not None
     return float(np.max(np.abs(model - outcome.final)))
+
+
+#: the aggregation rows: (label, workers, server uplink in Gbit/s); module docstring
+AGGREGATION_ROWS: Final = (
+    ("8w, server 10 Gbit/s both ways", 8, 10.0),
+    ("8w, server uplink 80 Gbit/s", 8, 80.0),
+    ("16w, server uplink 80 Gbit/s", 16, 80.0),
+)
+#: the aggregation rows' computation time (seconds): communication-bound
+AGGREGATION_COMPUTE: Final = 0.1
+
+
+def aggregation_rows(
+    seeds: Sequence[int] = SEEDS, progress: Progress = quiet
+) -> list[tuple[str, dict[str, float]]]:
+    """MLfabric-A with and without aggregation where batches hold several updates (module
+    docstring): C1-N1, 0.1 s computations, exact mode; medians over ``seeds``, except the
+    largest replay difference (over every run with aggregation) and the bytes (summed)."""
+    data = {seed: problem(seed) for seed in seeds}
+    out = []
+    for label, workers, up in AGGREGATION_ROWS:
+        runs: dict[str, list[Outcome]] = {"MLfabric-A": [], TARGETED: []}
+        for seed, d in data.items():
+            setting = replace(
+                settings(workers, "C1", "N1", seed, target_of(d, GAP)),
+                base_compute=AGGREGATION_COMPUTE, server_up_gbps=up, exact=True,
+            )  # fmt: skip
+            for strategy, found in runs.items():
+                found.append(simulate(setting, d, strategy))
+        plain, agg = runs["MLfabric-A"], runs[TARGETED]
+        figures = {
+            "bytes_cut": _per_update(plain) / _per_update(agg),
+            "grouped_pct": 100 * sum(o.grouped for o in agg) / sum(o.delivered for o in agg),
+            "s_per_it": statistics.median(o.per_iteration for o in plain),
+            "s_per_it_agg": statistics.median(o.per_iteration for o in agg),
+            "to_target": statistics.median(o.reached for o in plain),
+            "to_target_agg": statistics.median(o.reached for o in agg),
+            "server_mb": sum(o.server_bytes for o in plain) / 1e6,
+            "server_mb_agg": sum(o.server_bytes for o in agg) / 1e6,
+            "max_replay_diff": max(
+                replay_difference(o, data[seed].start, Sum())
+                for seed, o in zip(data, agg, strict=True)
+            ),
+        }
+        progress(
+            f"aggregation, {label}: server bytes per update / {fmt_number(figures['bytes_cut'])}"
+            f", {fmt_number(figures['s_per_it'])} -> {fmt_number(figures['s_per_it_agg'])} s/it"
+            f"eration, replay difference {figures['max_replay_diff']}"
+        )
+        out.append((label, figures))
+    return out
+
+
+def _per_update(outcomes: Sequence[Outcome]) -> float:
+    delivered = sum(o.delivered for o in outcomes)
+    return sum(o.server_bytes for o in outcomes) / delivered if delivered else math.nan
 
 
 def run(quick: bool = False, progress: Progress = quiet) -> Table:
@@ -181,7 +255,8 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
     )
     cases = sweep(quick, progress)
     extra = {} if quick else sensitivity(progress)
-    return tabulate(cases, quick=quick, sensitivity=extra)
+    rows = aggregation_rows(QUICK_SEEDS if quick else SEEDS, progress)
+    return tabulate(cases, quick=quick, sensitivity=extra, aggregation=rows)
 
 
 def _bytes_per_update(cases: Sequence[Case], strategy: str, workers: int) -> float:
@@ -193,7 +268,11 @@ def _bytes_per_update(cases: Sequence[Case], strategy: str, workers: int) -> flo
 
 
 def tabulate(
-    cases: Sequence[Case], *, quick: bool, sensitivity: dict[str, float] | None = None
+    cases: Sequence[Case],
+    *,
+    quick: bool,
+    sensitivity: dict[str, float] | None = None,
+    aggregation: Sequence[tuple[str, dict[str, float]]] = (),
 ) -> Table:
     """The table of ``cases`` (rows in sweep order, RR-Sync first in each setting)."""
     table = Table(
@@ -277,7 +356,7 @@ def tabulate(
         )
     )
     diffs = [
-        replay_difference(o, np.zeros_like(o.final), LR)
+        replay_difference(o, np.zeros_like(o.final), SGD(lr=LR))
         for c in cases
         if c.strategy == TARGETED
         for o in c.outcomes
@@ -296,6 +375,16 @@ def tabulate(
                 f"C1-N1, 8 workers, {TARGETED}'s speedup with one parameter changed",
                 sensitivity,
                 "x",
+            )
+        )
+    for label, figures in aggregation:
+        table.extras.append(
+            Extra(
+                f"aggregation where batches hold several updates (C1-N1, "
+                f"{AGGREGATION_COMPUTE} s computations, exact sum rule), {label}: MLfabric-A "
+                f"without / with aggregation",
+                figures,
+                "",
             )
         )
     table.target_met = wins.get((8, TARGETED), 0) >= SETTINGS_NEEDED and cut >= BYTES_CUT

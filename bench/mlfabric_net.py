@@ -56,7 +56,7 @@ class Trace:
         probabilities: Sequence[float],
         *,
         seed: int,
-        fixed: Mapping[int, float] | None = None,
+        fixed: Mapping[int, float | tuple[float, float]] | None = None,
         period: float = PERIOD,
     ) -> None:
         self.hosts = list(hosts)
@@ -81,7 +81,10 @@ class Trace:
     def rate(self, host: int, t: float, *, up: bool) -> float:
         """``host``'s uplink (``up``) or downlink rate at time ``t`` (``t < 0``: at 0)."""
         if host in self.fixed:
-            return self.fixed[host]
+            fixed = self.fixed[host]
+            if isinstance(fixed, tuple):
+                return fixed[0] if up else fixed[1]
+            return fixed
         k = max(0, math.floor(t / self.period))
         return float(self._period(k)[0 if up else 1, self._column[host]])
 

@@ -5,11 +5,15 @@ RR-Sync and Tr-Sync (synchronous allreduce), Async (a plain parameter server) an
 Rules: nothing here sleeps, opens a socket or reads a clock; time is a float that jumps from
 event to event, every random draw is seeded, and every run stops at its target loss or at
 :attr:`Setting.horizon` virtual seconds.  The decisions of MLfabric-A are the real engines':
-:class:`fabricd.engines.ps.scheduler.ShardScheduler` batches READYs and orders them (Alg. 2),
-:func:`fabricd.engines.scheduling.aggregation.aggregate` groups them (Alg. 3), and
-:class:`fabricd.engines.ps.consistency.Coordinator` applies in arrival order and drops what
-breaks the delay bound, with the ``sgd`` rule stepping the model; this module only moves the
-bytes (:mod:`bench.mlfabric_net`) and computes the gradients (:mod:`bench.mlfabric_model`).
+:class:`fabricd.engines.ps.scheduler.ShardScheduler` batches READYs, orders them (Alg. 2) and,
+with ``aggregation=True``, groups them (Alg. 3: its ``Granted.via``/``group`` and ``Gather``
+decisions); :class:`fabricd.engines.ps.gathering.Gathering` is each aggregator daemon's side;
+:class:`fabricd.engines.ps.consistency.Coordinator` applies pushes (``push``) and aggregates
+(``push_aggregate``) in arrival order and drops what breaks the delay bound, and
+:func:`~fabricd.engines.ps.consistency.step_model` steps the model by the rule, as the server
+does.  This module only moves the bytes (:mod:`bench.mlfabric_net`), computes the gradients
+(:mod:`bench.mlfabric_model`), and keeps the server's exactly-once-by-(worker, iteration) rule
+(:meth:`fabricd.engines.ps.server.ShardServer.push_aggregate`).
 
 Theory of operation.  Host 0 is the server, worker ``w`` runs on host ``w + 1``.
 
@@ -25,15 +29,21 @@ Theory of operation.  Host 0 is the server, worker ``w`` runs on host ``w + 1``.
   transfer), the server applies it on arrival (no delay bound), the worker pulls the model over
   the server's uplink and computes again.
 * MLfabric-A: the worker's daemon sends READY instead of the push; every 100 ms the scheduler
-  decides; a granted push starts at its planned start, a denied one is dropped at the worker,
-  whose daemon then pulls.  The monitor's figures lag the true rates by ``lag`` (§7's
-  t_lag).  With aggregation, Alg. 3 runs on the batch's plan: a grouped update goes to its
-  aggregator at its planned start, the aggregator forwards the sum once every member arrived
-  (not before the forward's planned start), and the server applies the members one version
-  each, stepping the model once with their sum.  The aggregators are the worker hosts the
-  batch's network knows (the batch's and the outstanding grants'), fastest downlink first.
-  An aggregate holding a member that would break the delay bound is dropped whole: the server
-  holds only the sum and cannot take one member out of it.
+  decides; a granted push starts ``wait`` after the decision, a denied one is dropped at the
+  worker, whose daemon then pulls.  The monitor's figures lag the true rates by ``lag`` (§7's
+  t_lag).  With aggregation, a push granted ``via`` an aggregator goes to that host (no link
+  if it is the worker's own) as a member of its group; the aggregator's ``Gathering`` takes
+  the scheduler's ``Gather``, sums the members as they come and forwards the sum (one model
+  size) to the server as soon as all came, or at the group's planned forward start plus its
+  grace with the members that came.  The server takes an aggregate whole through
+  ``Coordinator.push_aggregate`` (one step with the sum, the version advancing by the members'
+  count; dropped whole if any member breaks the bound), or refuses it if any member was
+  decided already.  A member not acknowledged :func:`~fabricd.engines.ps.aggregating.
+  direct_after` seconds after it was sent goes straight to the server, as the worker's daemon
+  does (a copy the server decided already is acknowledged again, nothing more).
+* ``Setting.exact``: workers push ``-lr g`` rounded to a multiple of 2^-30 and the server's
+  rule is ``sum``: every sum of updates is then exact in float64, so the model an aggregate
+  gives equals its members applied one by one bit for bit (the equality check).
 """
 
 from __future__ import annotations
@@ -42,22 +52,35 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 
 from bench.mlfabric_model import COMPUTES, Problem, Vector, Workers
 from bench.mlfabric_net import GBPS, NETWORKS, Fluid, Trace
-from fabricd.engines.ps.consistency import SGD, Apply, Consistency, Coordinator, Drop
+from fabricd.engines.ps import push as ps_push
+from fabricd.engines.ps.aggregating import direct_after
+from fabricd.engines.ps.consistency import (
+    SGD,
+    Apply,
+    Consistency,
+    Coordinator,
+    Drop,
+    Sum,
+    UpdateRule,
+    step_model,
+)
+from fabricd.engines.ps.gathering import Gathering, GroupKey, Summed
 from fabricd.engines.ps.scheduler import Denied, Gather, Granted, ShardScheduler
-from fabricd.engines.scheduling.aggregation import aggregate
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from fabricd.engines.scheduling.ordering import Planned
+    from collections.abc import Callable, Sequence
 
 SERVER = 0
+#: the grid ``Setting.exact`` rounds a pushed update to (a power of two: sums stay exact)
+QUANTUM: Final = 2.0**-30
+#: the model's name in aggregation's group keys (one model, one shard, epoch 0)
+MODEL: Final = ("bench", "mlfabric")
 STRATEGIES = ("RR-Sync", "Tr-Sync", "Async", "MLfabric-A", "MLfabric-A+agg")
 
 
@@ -77,7 +100,11 @@ class Setting:
     interval: float = 0.1  #: the scheduler's batching (§7: 100 ms)
     lag: float = 0.2  #: the monitor's lag (§7: t_lag)
     server_gbps: float = 10.0  #: the server's NIC, both ways, never varied
+    #: the server's uplink, if not ``server_gbps`` (the aggregation rows: bench/mlfabric.py)
+    server_up_gbps: float | None = None
     horizon: float = 2000.0  #: virtual seconds a run may last at most
+    #: push ``-lr g`` rounded to :data:`QUANTUM` under the ``sum`` rule (module docstring)
+    exact: bool = False
 
     @property
     def name(self) -> str:
@@ -98,6 +125,10 @@ class Outcome:
     dropped_server: int = 0
     server_bytes: float = 0.0  #: bytes that reached the server
     delivered: int = 0  #: updates that reached the server (direct or inside an aggregate)
+    aggregates: int = 0  #: aggregates the server took
+    grouped: int = 0  #: updates applied or dropped inside them
+    refused: int = 0  #: aggregates refused (a member decided already)
+    fallbacks: int = 0  #: members sent straight to the server after their wait
     delays: list[int] = field(default_factory=list)  #: of the applied updates
     log: list[tuple[int, int, Vector]] = field(default_factory=list, repr=False)
     final: Vector | None = field(default=None, repr=False)
@@ -110,11 +141,12 @@ class Outcome:
 def simulate(setting: Setting, problem: Problem, strategy: str) -> Outcome:
     """Run ``strategy`` (one of :data:`STRATEGIES`) in ``setting``."""
     hosts = list(range(setting.workers + 1))
+    up = setting.server_up_gbps or setting.server_gbps
     trace = Trace(
         hosts,
         NETWORKS[setting.network],
         seed=setting.seed,
-        fixed={SERVER: setting.server_gbps * GBPS},
+        fixed={SERVER: (up * GBPS, setting.server_gbps * GBPS)},
     )
     workers = Workers(
         setting.workers, setting.base_compute, COMPUTES[setting.compute], seed=setting.seed
@@ -125,6 +157,20 @@ def simulate(setting: Setting, problem: Problem, strategy: str) -> Outcome:
         return _Ps(setting, problem, trace, workers, scheduled=False, aggregation=False).run()
     aggregation = strategy == "MLfabric-A+agg"
     return _Ps(setting, problem, trace, workers, scheduled=True, aggregation=aggregation).run()
+
+
+def rule_of(setting: Setting) -> UpdateRule:
+    """The server's update rule: ``sum`` in exact mode (the worker scaled the step), else
+    ``sgd`` at ``lr``."""
+    return Sum() if setting.exact else SGD(lr=setting.lr)
+
+
+def pushed(setting: Setting, gradient: Vector) -> Vector:
+    """What a worker pushes for ``gradient``: itself, or in exact mode ``-lr g`` on the grid."""
+    if not setting.exact:
+        return gradient
+    out: Vector = np.round(-setting.lr * gradient / QUANTUM) * QUANTUM
+    return out
 
 
 class _Sync:
@@ -164,12 +210,12 @@ class _Sync:
     def run(self) -> Outcome:
         s, problem = self.s, self.problem
         name = "RR-Sync" if self.ring else "Tr-Sync"
-        model, rule = problem.start.copy(), SGD(lr=s.lr)
+        model, rule = problem.start.copy(), rule_of(s)
         out = Outcome(strategy=name, reached=math.inf, seconds=0.0, iterations=0)
         now, k = 0.0, 0
         while now < s.horizon:
             draws = [self.workers.draw(w, k) for w in range(s.workers)]
-            total = sum(problem.gradient(model, rows) for _, rows in draws)
+            total = sum(pushed(s, problem.gradient(model, rows)) for _, rows in draws)
             now = self.allreduce(now + max(seconds for seconds, _ in draws))
             rule.apply(model, np.asarray(total))
             k += 1
@@ -189,17 +235,6 @@ class _Worker:
     model: Vector
     base: int = 0  #: the version its model is
     k: int = 0  #: its next computation
-
-
-@dataclass
-class _Group:
-    """An aggregate being gathered at ``aggregator``: (worker, iteration, base, gradient)."""
-
-    aggregator: int
-    members: list[tuple[int, int, int, Vector]]
-    forward_start: float
-    forward_size: float
-    waiting: int
 
 
 class _Ps:
@@ -223,12 +258,21 @@ class _Ps:
             delay_bound=setting.tau_max if scheduled else None,
         )
         self.scheduler = (
-            ShardScheduler(server=SERVER, delay_bound=setting.tau_max, interval=setting.interval)
+            ShardScheduler(
+                server=SERVER,
+                delay_bound=setting.tau_max,
+                interval=setting.interval,
+                aggregation=aggregation,
+            )
             if scheduled
             else None
         )
-        self.aggregation = aggregation
-        self.rule = SGD(lr=setting.lr)
+        self.rule = rule_of(setting)
+        #: each host's aggregator side, made when the scheduler first picks it
+        self.gathering: dict[int, Gathering] = {}
+        self.gather_armed: dict[int, float] = {}
+        self.sent: dict[tuple[int, int], Vector] = {}  #: each update pushed, for the log
+        self.decided: dict[int, int] = {}  #: each worker's last iteration the server decided
         self.model = problem.start.copy()
         self.workers = [_Worker(w + 1, problem.start.copy()) for w in range(setting.workers)]
         self.pending: dict[tuple[int, int], tuple[int, Vector]] = {}  #: READY: base, gradient
@@ -275,7 +319,8 @@ class _Ps:
         worker = self.workers[w]
         _, rows = self.draws.draw(w, worker.k)
         k, worker.k = worker.k, worker.k + 1
-        gradient = self.problem.gradient(worker.model, rows)
+        gradient = pushed(self.s, self.problem.gradient(worker.model, rows))
+        self.sent[(w, k)] = gradient
         self.out.computed += 1
         if self.scheduler is None:
             self.fluid.start(
@@ -305,21 +350,33 @@ class _Ps:
 
     # -- the server -------------------------------------------------------------------------
     def _arrived(self, w: int, k: int, base: int, gradient: Vector, now: float) -> None:
-        """``w``'s push of ``k`` reached the server."""
+        """``w``'s push of ``k`` reached the server: applied or dropped, or, decided already
+        (an aggregate held it), acknowledged again and nothing more."""
+        if self.decided.get(w, -1) >= k:
+            return
+        self.decided[w] = k
         self.out.delivered += 1
-        for action in self.coordinator.push(w, k, base, gradient, now):
-            if isinstance(action, Apply):
-                self._applied(action)
-                self.rule.apply(self.model, action.combined())
-            elif isinstance(action, Drop):
-                self.out.dropped_server += 1
+        self._perform(self.coordinator.push(w, k, base, gradient, now))
         self._settled([w], k_of={w: k}, now=now)
 
+    def _perform(self, actions: Sequence[object]) -> None:
+        """Carry out the coordinator's applies and count its drops."""
+        for action in actions:
+            if isinstance(action, Apply):
+                self._applied(action)
+                step_model(self.rule, self.model, action)
+            elif isinstance(action, Drop):
+                self.out.dropped_server += 1
+                self.sent.pop((action.worker, action.iteration), None)
+
     def _applied(self, action: Apply) -> None:
+        """Count ``action``'s updates and log each as its worker pushed it (an aggregate's
+        members carry the sum; the log keeps each member's own update for the replay)."""
         for update in action.updates:
             self.out.applied += 1
             self.out.delays.append(update.delay)
-            self.out.log.append((update.worker, update.iteration, update.values))
+            values = self.sent.pop((update.worker, update.iteration))
+            self.out.log.append((update.worker, update.iteration, values))
 
     def _settled(self, ws: list[int], *, k_of: dict[int, int], now: float) -> None:
         """The server processed these workers' pushes: check the loss, they pull."""
@@ -346,115 +403,105 @@ class _Ps:
         return self.trace.rate(host, then, up=True), self.trace.rate(host, then, up=False)
 
     def _tick(self, now: float) -> None:
+        """The scheduler's decisions, carried out as the daemons carry them out."""
         assert self.scheduler is not None
         self.armed = None
-        decided = self.scheduler.on_timer(now, self.coordinator.version, self._figures)
-        routes, starts = self._routes() if self.aggregation and decided else ({}, {})
-        for action in decided:
-            if isinstance(action, Gather):
-                continue  # (this simulation runs Alg. 3 itself on last_plan)
-            key = (action.worker, action.iteration)
+        for action in self.scheduler.on_timer(now, self.coordinator.version, self._figures):
             if isinstance(action, Denied):
                 self._denied(action, now)
-            elif isinstance(action, Granted) and key not in routes:
-                start = max(now, starts.get(key, now + action.wait))
-                self._send_direct(action.worker, action.iteration, start)
-        self._start_groups(routes, now)
+            elif isinstance(action, Gather):
+                self._gather(action, now)
+            elif action.via is None:
+                self._send_direct(action.worker, action.iteration, now + action.wait)
+            else:
+                self._send_member(action, now + action.wait)
         self._arm()
 
     def _denied(self, action: Denied, now: float) -> None:
-        base, _ = self.pending.pop((action.worker, action.iteration))
-        self.coordinator.skip(action.worker, action.iteration, base, action.reason)
+        w, k = action.worker, action.iteration
+        base, _ = self.pending.pop((w, k))
+        self.sent.pop((w, k))
+        self.coordinator.skip(w, k, base, action.reason)
+        self.decided[w] = k
         self.out.dropped_scheduler += 1
-        self._pull(action.worker, now)
+        self._pull(w, now)
 
     def _send_direct(self, w: int, k: int, start: float) -> None:
         base, gradient = self.pending.pop((w, k))
-        host = self.workers[w].host
+        self.at(start, lambda _t: self._push_to_server(w, k, base, gradient))
 
-        def go(_t: float) -> None:
-            self.fluid.start(
-                host, SERVER, self.s.model_bytes,
-                lambda t: self._arrived(w, k, base, gradient, t),
-            )  # fmt: skip
+    def _push_to_server(self, w: int, k: int, base: int, gradient: Vector) -> None:
+        self.fluid.start(
+            self.workers[w].host, SERVER, self.s.model_bytes,
+            lambda t: self._arrived(w, k, base, gradient, t),
+        )  # fmt: skip
+
+    # -- aggregation: the members' daemons and the aggregators' -----------------------------
+    def _aggregator(self, host: int) -> Gathering:
+        found = self.gathering.get(host)
+        if found is None:
+            found = self.gathering[host] = Gathering(grace=direct_after(self.s.interval))
+        return found
+
+    def _gather(self, action: Gather, now: float) -> None:
+        """The GATHER reaches the aggregator's daemon (control frames take no time here)."""
+        key: GroupKey = (MODEL, 0, SERVER, 0, action.group)
+        gathering = self._aggregator(action.aggregator)
+        self._forward(action.aggregator, gathering.plan(key, action.members, action.wait, now))
+
+    def _send_member(self, action: Granted, start: float) -> None:
+        """A push granted via an aggregator: sent to it at ``start``; straight to the server
+        if the server has not decided it ``direct_after`` seconds later."""
+        w, k, via = action.worker, action.iteration, action.via
+        assert via is not None
+        assert action.group is not None
+        key: GroupKey = (MODEL, 0, SERVER, 0, action.group)
+        base, gradient = self.pending.pop((w, k))
+
+        def arrived(t: float) -> None:
+            self._forward(via, self._aggregator(via).push(key, w, k, base, gradient, t))
+
+        def go(t: float) -> None:
+            self.fluid.start(self.workers[w].host, via, self.s.model_bytes, arrived)
+            self.at(t + direct_after(self.s.interval), unacknowledged)
+
+        def unacknowledged(_t: float) -> None:
+            if self.decided.get(w, -1) < k:
+                self.out.fallbacks += 1
+                self._push_to_server(w, k, base, gradient)
 
         self.at(start, go)
 
-    # -- aggregation --------------------------------------------------------------------------
-    def _routes(
-        self,
-    ) -> tuple[dict[tuple[int, int], tuple[_Group, float]], dict[tuple[int, int], float]]:
-        """Alg. 3 on the batch just decided: each grouped update's group and planned start,
-        and each direct update's planned start (Alg. 3 books them again)."""
-        assert self.scheduler is not None
-        plan = self.scheduler.last_plan
-        assert plan is not None
-        known = set(plan.network.hosts) - {SERVER}
-        aggregators = sorted(known, key=lambda h: (-self._figures(h)[1], h))
-        planned: list[Planned] = plan.ordering.planned
-        if not planned or not aggregators:
-            return {}, {}
-        result = aggregate(planned, plan.network, server=SERVER, aggregators=aggregators)
-        routes: dict[tuple[int, int], tuple[_Group, float]] = {}
-        direct: dict[Any, float] = {p.update.key: p.transfer.start for p in result.direct}
-        for group in result.groups:
-            members = sorted(group.members, key=lambda p: p.position)
-            entry = _Group(
-                aggregator=group.aggregator,
-                members=[],
-                forward_start=group.forward.start,
-                forward_size=group.forward.size,
-                waiting=len(members),
-            )
-            for p in members:
-                key: Any = p.update.key
-                routes[key] = (entry, p.transfer.start)
-        return routes, direct
-
-    def _start_groups(
-        self, routes: dict[tuple[int, int], tuple[_Group, float]], now: float
-    ) -> None:
-        for (w, k), (group, start) in sorted(routes.items(), key=lambda r: r[1][1]):
-            base, gradient = self.pending.pop((w, k))
-            group.members.append((w, k, base, gradient))
-            host = self.workers[w].host
-
-            def go(_t: float, host: int = host, group: _Group = group) -> None:
-                self.fluid.start(
-                    host, group.aggregator, self.s.model_bytes,
-                    lambda t: self._at_aggregator(group, t),
-                )  # fmt: skip
-
-            self.at(max(now, start), go)
-
-    def _at_aggregator(self, group: _Group, now: float) -> None:
-        group.waiting -= 1
-        if group.waiting:
-            return
-
-        def forward(_t: float) -> None:
+    def _forward(self, host: int, summed: list[Summed]) -> None:
+        """Send ``host``'s complete aggregates to the server (a dense sum: one model size),
+        and keep its grace timer armed."""
+        for aggregate in summed:
             self.fluid.start(
-                group.aggregator, SERVER, group.forward_size,
-                lambda t: self._aggregate_arrived(group, t),
+                host, SERVER, self.s.model_bytes,
+                lambda t, a=aggregate: self._aggregate_arrived(a, t),  # type: ignore[misc]
             )  # fmt: skip
+        due = self.gathering[host].next_deadline()
+        if due is not None and due != self.gather_armed.get(host):
+            self.gather_armed[host] = due
+            self.at(due, lambda t: self._gather_timer(host, t))
 
-        self.at(max(now, group.forward_start), forward)
+    def _gather_timer(self, host: int, now: float) -> None:
+        self.gather_armed.pop(host, None)
+        self._forward(host, self.gathering[host].on_timer(now))
 
-    def _aggregate_arrived(self, group: _Group, now: float) -> None:
-        """The server applies an aggregate's members one version each, or drops it whole."""
-        self.out.delivered += len(group.members)
-        version, bound = self.coordinator.version, self.s.tau_max
-        fits = all(version + i - base <= bound for i, (_, _, base, _) in enumerate(group.members))
-        for w, k, base, gradient in group.members:
-            if not fits:
-                self.coordinator.skip(w, k, base, "dropped at the server: past the delay bound")
-                self.out.dropped_server += 1
-                continue
-            [action] = self.coordinator.push(w, k, base, gradient, now)
-            assert isinstance(action, Apply), action
-            self._applied(action)
-        if fits:
-            total = np.sum([g for *_, g in group.members], axis=0)
-            self.rule.apply(self.model, total)
-        ws = [w for w, *_ in group.members]
-        self._settled(ws, k_of={w: k for w, k, *_ in group.members}, now=now)
+    def _aggregate_arrived(self, aggregate: Summed, now: float) -> None:
+        """The server takes the aggregate whole (``Coordinator.push_aggregate``) or refuses it
+        if any member was decided already (``ShardServer.push_aggregate``'s rule)."""
+        members = aggregate.members
+        if any(self.decided.get(w, -1) >= k for w, k, _ in members):
+            self.out.refused += 1
+            return
+        for w, k, _ in members:
+            self.decided[w] = k
+        self.out.delivered += len(members)
+        self.out.aggregates += 1
+        self.out.grouped += len(members)
+        values = ps_push.decode(aggregate.payload, self.model.size, self.model.dtype)
+        self._perform(self.coordinator.push_aggregate(members, values, now))
+        ws = [w for w, _, _ in members]
+        self._settled(ws, k_of={w: k for w, k, _ in members}, now=now)

@@ -11,10 +11,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from bench import mlfabric, mlfabric_model, mlfabric_net
+from bench import mlfabric, mlfabric_model, mlfabric_net, mlfabric_sim
 from bench.mlfabric_model import problem
 from bench.mlfabric_net import GBPS, Fluid, Trace
-from bench.mlfabric_sim import STRATEGIES, Setting, simulate
+from bench.mlfabric_sim import QUANTUM, STRATEGIES, Setting, simulate
+from fabricd.engines.ps.consistency import SGD, Coordinator, Sum
 from tests.test_bench_smoke import assert_ratios, run_bench, the_table
 
 
@@ -103,7 +104,72 @@ def test_aggregation_gives_the_model_of_its_applied_updates_one_by_one() -> None
     outcome = simulate(setting, problem(7), "MLfabric-A+agg")
     assert outcome.server_bytes < outcome.delivered * setting.model_bytes  # something grouped
     assert outcome.final is not None
-    assert mlfabric.replay_difference(outcome, problem(7).start, setting.lr) <= 1e-12
+    assert mlfabric.replay_difference(outcome, problem(7).start, SGD(lr=setting.lr)) <= 1e-12
+
+
+def _recording(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int, str]]:
+    """Record each ``Coordinator.push_aggregate`` call: members, version before and after,
+    and the first action's kind."""
+    calls: list[tuple[int, int, int, str]] = []
+    real = Coordinator.push_aggregate
+
+    def push_aggregate(self: Coordinator, members, values, now):  # type: ignore[no-untyped-def]
+        before = self.version
+        actions = real(self, members, values, now)
+        calls.append((len(members), before, self.version, type(actions[0]).__name__))
+        return actions
+
+    monkeypatch.setattr(Coordinator, "push_aggregate", push_aggregate)
+    return calls
+
+
+def test_aggregates_are_the_schedulers_groups_applied_through_push_aggregate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scheduler's Gather decisions reach the server as aggregates, which the coordinator
+    takes whole: one step, the version advancing by the members' count, or every member
+    dropped; each update is decided once (applied, or dropped by the scheduler or server)."""
+    calls = _recording(monkeypatch)
+    setting = _setting(compute="C1", network="N1", base_compute=0.1, server_up_gbps=80.0)
+    outcome = simulate(setting, problem(7), "MLfabric-A+agg")
+    assert not hasattr(mlfabric_sim, "aggregate")  # no Alg. 3 of its own
+    assert len(calls) == outcome.aggregates > 0
+    assert sum(n for n, *_ in calls) == outcome.grouped > outcome.aggregates  # groups of 2+
+    for members, before, after, kind in calls:
+        assert after - before == (members if kind == "Apply" else 0)
+    keys = [(w, k) for w, k, _ in outcome.log]
+    assert len(keys) == len(set(keys)) == outcome.applied
+    decided = outcome.applied + outcome.dropped_scheduler + outcome.dropped_server
+    assert outcome.computed - setting.workers <= decided <= outcome.computed
+    assert max(outcome.delays) <= setting.tau_max
+
+
+def test_exact_mode_gives_the_same_model_as_the_updates_one_by_one_bit_for_bit() -> None:
+    """Updates on a power-of-two grid under the sum rule: every sum is exact, so the model
+    with aggregation is exactly its applied updates applied one by one."""
+    setting = _setting(
+        compute="C1", network="N1", base_compute=0.1, server_up_gbps=80.0, exact=True
+    )
+    outcome = simulate(setting, problem(7), "MLfabric-A+agg")
+    assert outcome.grouped > outcome.aggregates > 0
+    assert outcome.final is not None
+    assert all(np.array_equal(v, np.round(v / QUANTUM) * QUANTUM) for *_, v in outcome.log)
+    assert mlfabric.replay_difference(outcome, problem(7).start, Sum()) == 0.0
+    assert math.isfinite(outcome.reached)  # the sum rule trains as sgd does
+
+
+def test_the_aggregation_rows_report_bytes_time_and_the_equality() -> None:
+    [first, *_] = rows = mlfabric.aggregation_rows(seeds=(7,))
+    assert [label for label, _ in rows] == [label for label, *_ in mlfabric.AGGREGATION_ROWS]
+    for _, figures in rows:
+        assert figures["server_mb_agg"] < figures["server_mb"]
+        assert figures["bytes_cut"] > 1.0
+        assert 0 < figures["grouped_pct"] <= 100
+        assert figures["max_replay_diff"] == 0.0
+        assert figures["s_per_it"] > 0
+        assert figures["s_per_it_agg"] > 0
+    table = mlfabric.tabulate([], quick=True, aggregation=[first])
+    assert any("batches hold several updates" in extra.label for extra in table.extras)
 
 
 def test_the_fluid_network_shares_a_link_fairly_and_follows_rate_changes() -> None:
@@ -120,6 +186,8 @@ def test_the_fluid_network_shares_a_link_fairly_and_follows_rate_changes() -> No
     assert fluid.received[0] == pytest.approx(20 * GBPS)
     fluid.start(1, 1, 5.0, ends.append)  # to itself: no link, at once
     assert ends[-1] == fluid.now
+    asymmetric = Trace([0, 1], (0.0, 0.0, 0.0, 0.0, 1.0), seed=1, fixed={0: (8.0, 2.0)})
+    assert (asymmetric.rate(0, 3.0, up=True), asymmetric.rate(0, 3.0, up=False)) == (8.0, 2.0)
 
 
 def test_fabricctl_bench_mlfabric_prints_the_table_as_json() -> None:

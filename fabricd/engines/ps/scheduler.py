@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.engines.monitor.table import DEFAULT_BPS
 from fabricd.engines.scheduling.aggregation import Group, aggregate
-from fabricd.engines.scheduling.ordering import Ordering, Planned, Update, order
+from fabricd.engines.scheduling.ordering import Planned, Update, order
 from fabricd.engines.scheduling.timelines import Network
 from fabricd.errors import RemoteProtocolError
 
@@ -85,18 +85,6 @@ class Denied:
     iteration: int
     base: int
     reason: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BatchPlan:
-    """The last batch a :class:`ShardScheduler` decided: the ``network`` it planned on (the
-    monitor's figures with the outstanding grants reserved, *before* the batch's own
-    reservations: what Alg. 3, :func:`fabricd.engines.scheduling.aggregation.aggregate`,
-    starts from) and Alg. 2's ``ordering`` of it.  For aggregation and the virtual-time
-    experiment (bench/mlfabric.py); nothing in the scheduler reads it back."""
-
-    network: Network
-    ordering: Ordering
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,8 +149,6 @@ class ShardScheduler:
         self._ready = self._grants = self._batches = 0
         self._denied: dict[str, int] = {}
         self._latency_sum = self._latency_max = 0.0
-        #: the last batch decided (:class:`BatchPlan`), ``None`` before the first
-        self.last_plan: BatchPlan | None = None
 
     def ready(
         self, worker: int, iteration: int, base: int, size: int, norm: float, host: int, now: float
@@ -223,7 +209,6 @@ class ShardScheduler:
             delay_bound=None if self.delay_bound is None else self.delay_bound + 1,
             v_init=version + len(self._granted),
         )
-        self.last_plan = BatchPlan(network=network, ordering=plan)
         out: list[Granted | Denied | Gather] = []
         groups = self._groups(plan.planned, network) if self.aggregation else []
         grouped = {p.update.key for group in groups for p in group.members}
