@@ -70,6 +70,7 @@ from fabricd.engines.ps.consistency import (
     UpdateRule,
     step_model,
 )
+from fabricd.engines.ps.filters import Push
 from fabricd.engines.ps.gathering import Gathering, GroupKey, Summed
 from fabricd.engines.ps.scheduler import Denied, Gather, Granted, ShardScheduler
 
@@ -440,14 +441,19 @@ class _Ps:
     def _aggregator(self, host: int) -> Gathering:
         found = self.gathering.get(host)
         if found is None:
-            found = self.gathering[host] = Gathering(grace=direct_after(self.s.interval))
+            # (no memory bound in a simulation: every group fits)
+            grace = direct_after(self.s.interval)
+            found = self.gathering[host] = Gathering(grace=grace, max_bytes=1 << 62)
         return found
 
     def _gather(self, action: Gather, now: float) -> None:
         """The GATHER reaches the aggregator's daemon (control frames take no time here)."""
         key: GroupKey = (MODEL, 0, SERVER, 0, action.group)
         gathering = self._aggregator(action.aggregator)
-        self._forward(action.aggregator, gathering.plan(key, action.members, action.wait, now))
+        plan = gathering.plan(
+            key, action.members, action.wait, now, size=self.model.size, dtype=self.model.dtype
+        )
+        self._forward(action.aggregator, plan)
 
     def _send_member(self, action: Granted, start: float) -> None:
         """A push granted via an aggregator: sent to it at ``start``; straight to the server
@@ -458,8 +464,12 @@ class _Ps:
         key: GroupKey = (MODEL, 0, SERVER, 0, action.group)
         base, gradient = self.pending.pop((w, k))
 
+        payload = ps_push.encode(
+            Push(size=gradient.size, pushed=gradient.size, indices=None, values=gradient)
+        )
+
         def arrived(t: float) -> None:
-            self._forward(via, self._aggregator(via).push(key, w, k, base, gradient, t))
+            self._forward(via, self._aggregator(via).push(key, w, k, base, payload, t))
 
         def go(t: float) -> None:
             self.fluid.start(self.workers[w].host, via, self.s.model_bytes, arrived)
@@ -478,7 +488,7 @@ class _Ps:
         for aggregate in summed:
             self.fluid.start(
                 host, SERVER, self.s.model_bytes,
-                lambda t, a=aggregate: self._aggregate_arrived(a, t),  # type: ignore[misc]
+                lambda t, a=aggregate: self._aggregate_arrived(a, host, t),  # type: ignore[misc]
             )  # fmt: skip
         due = self.gathering[host].next_deadline()
         if due is not None and due != self.gather_armed.get(host):
@@ -489,10 +499,14 @@ class _Ps:
         self.gather_armed.pop(host, None)
         self._forward(host, self.gathering[host].on_timer(now))
 
-    def _aggregate_arrived(self, aggregate: Summed, now: float) -> None:
+    def _aggregate_arrived(self, aggregate: Summed, host: int, now: float) -> None:
         """The server takes the aggregate whole (``Coordinator.push_aggregate``) or refuses it
         if any member was decided already (``ShardServer.push_aggregate``'s rule)."""
         members = aggregate.members
+        assert self.scheduler is not None
+        # the real server asks its scheduler whether it planned this aggregate, which also
+        # tells the scheduler the forward is over (its booking of the server's link ends)
+        self.scheduler.expects(aggregate.group[4], host, members)
         if any(self.decided.get(w, -1) >= k for w, k, _ in members):
             self.out.refused += 1
             return

@@ -98,7 +98,7 @@ def _members(meta: Meta, key: str) -> tuple[Member, ...] | None:
         or not all(
             isinstance(m, list)
             and len(m) == 3
-            and all(type(x) is int and x >= 0 for x in m)
+            and all(type(x) is int and 0 <= x < 2**63 for x in m)
             and m[0] <= MAX_RANK
             for m in value
         )
@@ -370,7 +370,7 @@ class Replicate(_ShardFrame):
         entry = meta.get("entry")
         if entry not in PS_ENTRIES:
             raise RemoteProtocolError(f"field 'entry' must be one of {', '.join(PS_ENTRIES)}")
-        return cls(
+        frame = cls(
             **cls._fields(meta),
             replica=_rank(meta, "rep"),
             index=get_int(meta, "ix", lo=0 if entry == "snapshot" else 1),
@@ -382,6 +382,9 @@ class Replicate(_ShardFrame):
             spec=_ps_spec(meta),
             members=_members(meta, "in"),
         )
+        if frame.reason is not None and frame.members is not None:
+            raise RemoteProtocolError("an entry is an aggregate or a drop, not both")
+        return frame
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

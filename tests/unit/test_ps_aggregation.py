@@ -1,5 +1,5 @@
 """MLfabric aggregation at worker daemons (§3.2, §5.2) without sockets: the aggregator's
-groups (fabricd/engines/ps/gathering.py), the server's aggregate (applied once for all its
+groups (fabricd/engines/ps/g.py), the server's aggregate (applied once for all its
 members, or refused whole), the coordinator's versions, and the whole path on the in-process
 fabric of ``ps_fabric`` under interleavings, resends, resets, failovers and a dead aggregator.
 
@@ -35,8 +35,15 @@ KEY = ("job", "m")
 GROUP = (KEY, 0, 9, 0, 1)  # model, shard 0, server rank 9, epoch 0, group 1
 
 
+F64 = np.dtype(np.float64)
+
+
 def values(*xs: float) -> Array:
     return np.array(xs, np.float64)
+
+
+def gathering() -> Gathering:
+    return Gathering(grace=1.0, max_bytes=1 << 20)
 
 
 def decoded(payload: bytearray, size: int) -> Array:
@@ -50,69 +57,70 @@ def encoded(*xs: float) -> bytearray:
 
 # -- the aggregator ---------------------------------------------------------------------------
 def test_a_group_is_forwarded_once_every_member_came_with_their_sum() -> None:
-    gathering = Gathering(grace=1.0)
-    assert gathering.plan(GROUP, ((1, 0, 0), (2, 3, 1)), wait=0.5, now=0.0) == []
-    assert gathering.push(GROUP, 1, 0, 0, values(1, 2), now=0.1) == []
-    [summed] = gathering.push(GROUP, 2, 3, 1, values(10, 20), now=0.2)
+    g = gathering()
+    assert g.plan(GROUP, ((1, 0, 0), (2, 3, 1)), wait=0.5, now=0.0, size=2, dtype=F64) == []
+    assert g.push(GROUP, 1, 0, 0, encoded(1, 2), now=0.1) == []
+    [summed] = g.push(GROUP, 2, 3, 1, encoded(10, 20), now=0.2)
     assert summed.group == GROUP
     assert summed.members == ((1, 0, 0), (2, 3, 1))
     np.testing.assert_array_equal(decoded(summed.payload, 2), values(11, 22))
-    assert gathering.held == 0
-    assert gathering.next_deadline() is None
+    assert g.held == 0
+    assert g.next_deadline() is None
 
 
 def test_a_push_before_its_gather_is_held_then_summed() -> None:
-    gathering = Gathering(grace=1.0)
-    assert gathering.push(GROUP, 2, 3, 1, values(10, 20), now=0.0) == []
-    assert gathering.held == 1
-    [summed] = gathering.plan(GROUP, ((2, 3, 1),), wait=0.0, now=0.1)
+    g = gathering()
+    assert g.push(GROUP, 2, 3, 1, encoded(10, 20), now=0.0) == []
+    assert g.held == 1
+    [summed] = g.plan(GROUP, ((2, 3, 1),), wait=0.0, now=0.1, size=2, dtype=F64)
     np.testing.assert_array_equal(decoded(summed.payload, 2), values(10, 20))
-    assert gathering.held == 0
+    assert g.held == 0
 
 
 def test_a_member_that_never_comes_leaves_the_others_forwarded_after_the_grace() -> None:
-    gathering = Gathering(grace=1.0)
-    gathering.plan(GROUP, ((1, 0, 0), (2, 0, 0)), wait=0.5, now=0.0)
-    gathering.push(GROUP, 1, 0, 0, values(1, 1), now=0.1)
-    assert gathering.next_deadline() == pytest.approx(1.5)
-    assert gathering.on_timer(1.4) == []
-    [summed] = gathering.on_timer(1.5)
+    g = gathering()
+    g.plan(GROUP, ((1, 0, 0), (2, 0, 0)), wait=0.5, now=0.0, size=2, dtype=F64)
+    g.push(GROUP, 1, 0, 0, encoded(1, 1), now=0.1)
+    assert g.next_deadline() == pytest.approx(1.5)
+    assert g.on_timer(1.4) == []
+    [summed] = g.on_timer(1.5)
     assert summed.members == ((1, 0, 0),)
     # the late member is dropped here: its worker's daemon sends it straight to the server
-    assert gathering.push(GROUP, 2, 0, 0, values(5, 5), now=1.6) == []
-    assert gathering.held == 1  # held as early for a GATHER that will not come ...
-    assert gathering.on_timer(2.7) == []  # ... and dropped after the grace
-    assert gathering.counters["late"] == 1
-    assert gathering.held == 0
+    assert g.push(GROUP, 2, 0, 0, encoded(5, 5), now=1.6) == []
+    assert g.held == 1  # held as early for a GATHER that will not come ...
+    assert g.on_timer(2.7) == []  # ... and dropped after the grace
+    assert g.counters["late"] == 1
+    assert g.held == 0
 
 
 def test_a_push_that_is_not_a_member_or_comes_twice_is_not_summed() -> None:
-    gathering = Gathering(grace=1.0)
-    gathering.plan(GROUP, ((1, 0, 0), (2, 0, 0)), wait=0.0, now=0.0)
-    assert gathering.push(GROUP, 3, 0, 0, values(7, 7), now=0.1) == []  # not a member
-    assert gathering.push(GROUP, 1, 1, 0, values(7, 7), now=0.1) == []  # another iteration
-    gathering.push(GROUP, 1, 0, 0, values(1, 1), now=0.1)
-    assert gathering.push(GROUP, 1, 0, 0, values(1, 1), now=0.2) == []  # sent twice
-    [summed] = gathering.push(GROUP, 2, 0, 0, values(2, 2), now=0.3)
+    g = gathering()
+    g.plan(GROUP, ((1, 0, 0), (2, 0, 0)), wait=0.0, now=0.0, size=2, dtype=F64)
+    assert g.push(GROUP, 3, 0, 0, encoded(7, 7), now=0.1) == []  # not a member
+    assert g.push(GROUP, 1, 1, 0, encoded(7, 7), now=0.1) == []  # another iteration
+    g.push(GROUP, 1, 0, 0, encoded(1, 1), now=0.1)
+    assert g.push(GROUP, 1, 0, 0, encoded(1, 1), now=0.2) == []  # sent twice
+    [summed] = g.push(GROUP, 2, 0, 0, encoded(2, 2), now=0.3)
     np.testing.assert_array_equal(decoded(summed.payload, 2), values(3, 3))
-    assert gathering.counters["late"] == 3
+    assert g.counters["late"] == 3
 
 
 def test_a_gather_sent_again_is_refused_and_early_pushes_are_bounded() -> None:
-    gathering = Gathering(grace=1.0)
-    gathering.plan(GROUP, ((1, 0, 0),), wait=0.0, now=0.0)
-    assert gathering.plan(GROUP, ((1, 0, 0),), wait=0.0, now=0.0) == []
-    assert gathering.counters["refused"] == 1
+    g = gathering()
+    g.plan(GROUP, ((1, 0, 0),), wait=0.0, now=0.0, size=2, dtype=F64)
+    assert g.plan(GROUP, ((1, 0, 0),), wait=0.0, now=0.0, size=2, dtype=F64) == []
+    assert g.counters["refused"] == 1
     other = (KEY, 0, 9, 0, 2)
     for w in range(MAX_EARLY + 5):
-        gathering.push(other, w, 0, 0, values(1), now=0.0)
-    assert gathering.held == 1 + MAX_EARLY
-    gathering.forget(KEY)
-    assert gathering.held == 0
+        g.push(other, w, 0, 0, encoded(1), now=0.0)
+    assert g.held == 1 + MAX_EARLY
+    g.forget(KEY)
+    assert g.held == 0
 
 
 # -- the coordinator and the server -----------------------------------------------------------
 def aggregated_shard(delay_bound: int | None = None) -> ShardServer:
+    """A scheduled, aggregating shard (its scheduler is told the groups each test sends)."""
     return ShardServer(
         initial=np.zeros(2),
         workers=range(4),
@@ -123,9 +131,18 @@ def aggregated_shard(delay_bound: int | None = None) -> ShardServer:
     )
 
 
+def aggregate(
+    shard: ShardServer, members: tuple[tuple[int, int, int], ...], payload: bytearray, now: float
+) -> list[Any]:
+    """``members``' aggregate from node 7, as group 0 its scheduler planned there."""
+    assert shard.scheduler is not None
+    shard.scheduler.expect(0, 7, members, size=len(payload), end=now)
+    return shard.push_aggregate(members, payload, now, group=0, sender=7)
+
+
 def test_an_aggregate_is_one_step_that_advances_the_version_by_its_members() -> None:
     shard = aggregated_shard()
-    out = shard.push_aggregate(((0, 0, 0), (1, 0, 0), (2, 0, 0)), encoded(1, 2), now=0.0)
+    out = aggregate(shard, ((0, 0, 0), (1, 0, 0), (2, 0, 0)), encoded(1, 2), now=0.0)
     acks = [a for a in out if isinstance(a, Acked)]
     assert sorted(a.worker for a in acks) == [0, 1, 2]
     assert {a.version for a in acks} == {3}
@@ -142,7 +159,7 @@ def test_an_aggregate_holding_a_decided_member_is_refused_whole() -> None:
     straight from its worker in turn."""
     shard = aggregated_shard()
     shard.push(1, 0, 0, encoded(5, 5), now=0.0)
-    assert shard.push_aggregate(((0, 0, 0), (1, 0, 0)), encoded(6, 6), now=0.1) == []
+    assert aggregate(shard, ((0, 0, 0), (1, 0, 0)), encoded(6, 6), now=0.1) == []
     assert shard.statistics().aggregates_refused == 1
     np.testing.assert_array_equal(shard.store.model, values(5, 5))
     shard.push(0, 0, 0, encoded(1, 1), now=0.2)
@@ -150,16 +167,37 @@ def test_an_aggregate_holding_a_decided_member_is_refused_whole() -> None:
     assert shard.statistics().coordinator.applied == 2
 
 
-def test_an_aggregate_over_the_delay_bound_is_dropped_whole() -> None:
+def test_an_aggregate_with_a_member_over_the_delay_bound_is_refused_for_direct_pushes() -> None:
+    """A sum cannot be taken apart: the aggregate is refused, and its members, coming straight
+    from their workers' daemons after their wait, are judged one by one."""
     shard = aggregated_shard(delay_bound=1)
     for it in range(3):
         shard.push(3, it, shard.version, encoded(1, 1), now=0.0)
     assert shard.version == 3
-    out = shard.push_aggregate(((0, 0, 3), (1, 0, 1)), encoded(9, 9), now=0.1)
-    acks = sorted((a.worker, a.dropped is not None) for a in out if isinstance(a, Acked))
-    assert acks == [(0, True), (1, True)]  # worker 1's delay is 2 > 1: the sum goes whole
-    assert shard.version == 3
-    assert shard.statistics().coordinator.dropped["delay"] == 2
+    assert aggregate(shard, ((0, 0, 3), (1, 0, 1)), encoded(9, 9), now=0.1) == []
+    assert shard.statistics().aggregates_refused == 1
+    [fresh] = [a for a in shard.push(0, 0, 3, encoded(4, 4), now=0.2) if isinstance(a, Acked)]
+    [stale] = [a for a in shard.push(1, 0, 1, encoded(5, 5), now=0.3) if isinstance(a, Acked)]
+    assert fresh.dropped is None
+    assert stale.dropped is not None
+    assert "delay 3 > bound 1" in stale.dropped
+
+
+def test_an_aggregate_nobody_asked_for_is_refused() -> None:
+    """A peer cannot apply updates in other workers' names: only the group the scheduler
+    told a node to sum, from that node, holding (some of) those updates, is taken, once."""
+    shard = aggregated_shard()
+    assert shard.scheduler is not None
+    shard.scheduler.expect(4, 7, ((0, 0, 0), (1, 0, 0)), size=32, end=0.0)
+    forged = [
+        shard.push_aggregate(((0, 0, 0),), encoded(9, 9), 0.0, group=5, sender=7),  # no group
+        shard.push_aggregate(((0, 0, 0),), encoded(9, 9), 0.0, group=4, sender=8),  # not sent
+        shard.push_aggregate(((2, 0, 0),), encoded(9, 9), 0.0, group=4, sender=7),  # no member
+    ]
+    assert forged == [[], [], []]
+    assert shard.version == 0
+    assert shard.push_aggregate(((0, 0, 0),), encoded(1, 1), 0.1, group=4, sender=7) == []
+    assert shard.statistics().aggregates_refused == 4  # the group was used up by the forgery
 
 
 def test_the_coordinator_applies_a_sum_once() -> None:
@@ -175,9 +213,9 @@ def test_the_coordinator_applies_a_sum_once() -> None:
 def test_an_aggregate_with_a_malformed_member_is_refused_and_changes_nothing() -> None:
     shard = aggregated_shard()
     with pytest.raises(RemoteProtocolError):
-        shard.push_aggregate(((0, 0, 7), (1, 0, 0)), encoded(1, 1), now=0.0)  # base 7 > 0
+        aggregate(shard, ((0, 0, 7), (1, 0, 0)), encoded(1, 1), now=0.0)  # base 7 > 0
     with pytest.raises(RemoteProtocolError):
-        shard.push_aggregate(((0, 0, 0),), encoded(1, 1, 1), now=0.0)  # the wrong size
+        aggregate(shard, ((0, 0, 0),), encoded(1, 1, 1), now=0.0)  # the wrong size
     assert shard.version == 0
     assert shard.push(0, 0, 0, encoded(1, 1), now=0.1)  # worker 0 is not waiting on it
 
@@ -283,3 +321,81 @@ def test_a_stale_direct_deadline_leaves_a_newer_push_route_alone() -> None:
     [again] = worker.direct(0, 1)
     assert isinstance(again, SendPush)
     assert (again.iteration, again.via) == (1, None)
+
+
+# -- found in review ---------------------------------------------------------------------------
+def test_early_pushes_are_held_encoded_and_bounded_in_bytes() -> None:
+    """A tiny sparse push for a group not gathered yet costs its bytes, not a dense shard;
+    sums beyond the node's bound refuse the GATHER (its members go straight)."""
+    g = Gathering(grace=1.0, max_bytes=64)
+    small = encoded(1, 2)
+    held = 0
+    for w in range(100):
+        g.push((KEY, 0, 9, 0, 50 + w), w, 0, 0, small, now=0.0)
+        held = g.held
+    assert held * len(small) <= 64 + len(small)
+    big = (KEY, 0, 9, 0, 1)
+    assert g.plan(big, ((1, 0, 0),), wait=0.0, now=0.0, size=100, dtype=F64) == []
+    assert g.counters["refused"] == 1  # 800 B of sum > 64 B
+
+
+def test_a_replicated_entry_is_an_aggregate_or_a_drop_not_both() -> None:
+    from fabricd.frames import ps as ps_frames
+
+    meta = {
+        "job": "j",
+        "name": "m",
+        "sh": 0,
+        "srv": 1,
+        "rep": 2,
+        "ix": 1,
+        "entry": "push",
+        "w": 0,
+        "it": 0,
+        "b": 0,
+        "why": "dropped by the scheduler: deadline passed",
+        "in": [[0, 0, 0]],
+        "spec": {
+            "n": 3,
+            "size": 2,
+            "dtype": "float64",
+            "servers": [1],
+            "replicas": [2],
+            "consistency": "async",
+            "staleness": 0,
+            "delay_bound": None,
+            "chunk": 1,
+            "scheduling": "mlfabric",
+            "aggregation": True,
+        },
+    }
+    with pytest.raises(RemoteProtocolError, match="not both"):
+        ps_frames.Replicate.from_meta(meta)
+    meta.pop("why")
+    meta["in"] = [[0, 2**63, 0]]
+    with pytest.raises(RemoteProtocolError):
+        ps_frames.Replicate.from_meta(meta)
+
+
+def test_a_gather_from_a_rank_not_serving_the_shard_is_dropped() -> None:
+    """Only the shard's serving rank's scheduler picks its aggregators: a GATHER naming
+    another rank (a peer filling the node's groups) is dropped and counted."""
+    fabric = aggregating(bound=None, replicas=False, links=[(None, None)] * 7)
+    node = fabric.nodes[0]
+    from fabricd.frames import ps as ps_frames
+
+    gather = ps_frames.Gather(
+        job="job",
+        name="m",
+        shard=0,
+        server=1,  # a worker's rank, on node 1
+        epoch=0,
+        group=0,
+        members=((2, 0, 0),),
+        wait_us=0,
+        spec=fabric.spec,
+    )
+    before = node.counters["ps_frames_dropped"]
+    node.on_frame(1, gather, b"", 0.0)
+    assert node.counters["ps_frames_dropped"] == before + 1
+    assert node.gathering.held == 0

@@ -12,12 +12,14 @@ dropped before it is sent.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabricd.engines.ps.consistency import Consistency
 from fabricd.engines.ps.scheduler import Denied, Granted, ShardScheduler
+from fabricd.errors import RemoteProtocolError
 from fabricd.frames import ps as ps_frames
 from tests.unit.ps_fabric import Fabric
 from tests.unit.test_ps_server import moves, run
@@ -200,3 +202,71 @@ def test_a_lost_worker_is_forgotten() -> None:
     scheduler.lose(0)
     decided = scheduler.on_timer(0.1, 0, lambda host: None)
     assert [d.worker for d in decided] == [1]
+
+
+# -- found in review ---------------------------------------------------------------------------
+def test_a_float16_push_is_ready_with_a_finite_norm() -> None:
+    """A float16 shard's sum of squares overflows float16 at 65504: the norm is taken in
+    float64, or the READY is refused as malformed and sent again for ever."""
+    from fabricd.engines.ps.worker import SendReady, Worker
+
+    worker = Worker(worker=0, size=1000, dtype="float16", shards=1, scheduled=True)
+    [ready] = worker.push(np.full(1000, 10.0, np.float16))
+    assert isinstance(ready, SendReady)
+    assert ready.norm == pytest.approx(316.2, rel=1e-3)
+
+
+def test_a_later_ready_replaces_an_earlier_one_the_scheduler_still_holds() -> None:
+    """A worker has one push at a time: its next iteration says the last was decided (the
+    scheduler may still hold its grant); an earlier one after a later is a protocol error."""
+    scheduler = ShardScheduler(server=9, delay_bound=None, interval=0.1)
+    scheduler.ready(0, 3, 0, 100, 1.0, host=1, now=0.0)
+    scheduler.on_timer(0.1, 0, lambda host: None)
+    scheduler.ready(0, 4, 0, 100, 1.0, host=1, now=0.2)
+    assert scheduler.statistics().outstanding == 0
+    with pytest.raises(RemoteProtocolError):
+        scheduler.ready(0, 2, 0, 100, 1.0, host=1, now=0.3)
+
+
+def test_a_ready_larger_than_a_frame_is_refused() -> None:
+    fabric = scheduled(bound=None, replicas=False, figures={})
+    server = fabric.nodes[fabric.servers[0]]
+    ready = ps_frames.Ready(
+        job="job",
+        name="m",
+        shard=0,
+        server=fabric.servers[0],
+        worker=0,
+        iteration=0,
+        base=0,
+        epoch=0,
+        size=(1 << 20) + 1,
+        norm=1.0,
+        spec=fabric.spec,
+    )
+    with pytest.raises(RemoteProtocolError, match="READY"):
+        server.on_frame(0, ready, b"", 0.0)
+
+
+def test_a_promoted_replica_plans_afresh() -> None:
+    """What a shard's scheduler planned while it last served is void once another rank
+    served it: a rank promoted again starts with nothing planned (else an honest worker's
+    next READY would meet its stale grant)."""
+    from fabricd.engines.ps.consistency import Sum
+    from fabricd.engines.ps.server import ShardServer
+
+    replica = ShardServer(
+        initial=np.zeros(2),
+        workers=range(2),
+        consistency=Consistency.ASYNC,
+        rule=Sum(),
+        replica=True,
+        scheduler=ShardScheduler(server=9, delay_bound=None, interval=0.1),
+    )
+    assert replica.scheduler is not None
+    replica.scheduler.ready(0, 0, 0, 10, 1.0, host=1, now=0.0)
+    old = replica.scheduler
+    replica.has_state = True
+    assert replica.promote()
+    assert replica.scheduler is not old
+    assert replica.scheduler.statistics().waiting == 0

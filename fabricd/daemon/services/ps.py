@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -468,7 +469,7 @@ class PSService(BaseService):
         update = self._array(request, model.spec, writable=False)
         rank = request.session.rank
         norm = request.meta.get("norm")
-        if norm is not None and (type(norm) is not float or not norm >= 0):
+        if norm is not None and (type(norm) is not float or not 0 <= norm < math.inf):
             raise UsageError(f"norm is a finite number >= 0 or None, not {norm!r}")
         # refused before anything is sent
         actions = self.engine.push(key, rank, update, now, norm)

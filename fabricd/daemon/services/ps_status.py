@@ -387,7 +387,7 @@ def _scheduler_row(stats: SchedulerStatistics | None) -> Meta | None:
     """A scheduled shard's scheduler in a status row (``None``: arrival order)."""
     if stats is None:
         return None
-    decided = stats.ready - stats.waiting
+    decided = stats.decided
     return {
         "ready": stats.ready,
         "granted": stats.granted,

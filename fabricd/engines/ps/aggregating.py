@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fabricd.engines.ps import messages
-from fabricd.engines.ps import push as ps_push
 
 if TYPE_CHECKING:
     from fabricd.engines.ps.gathering import GroupKey, Summed
@@ -48,12 +47,19 @@ def _group(model_key: Key, frame: ps_frames.Push | ps_frames.Gather, group: int)
 
 
 def _model(node: PSNode, frame: ps_frames.Push | ps_frames.Gather) -> tuple[Key, Model] | None:
+    """The model a GATHER or a member's push is for, here; ``None`` (dropped, counted) when
+    it is not open here with that spec, has no worker here, or the frame names a shard or
+    a server rank other than the one serving it at the epoch this node knows."""
     key = (frame.job, frame.name)
     model = node.models.get(key)
-    if model is None or model.spec != frame.spec or not model.local_workers:
-        node.counters["ps_frames_dropped"] += 1
-        return None
-    if not 0 <= frame.shard < len(model.bounds):
+    if (
+        model is None
+        or model.spec != frame.spec
+        or not model.local_workers
+        or not 0 <= frame.shard < len(model.bounds)
+        or frame.server != model.target(frame.shard)
+        or frame.epoch != model.epochs.get(frame.shard, 0)
+    ):
         node.counters["ps_frames_dropped"] += 1
         return None
     return key, model
@@ -66,9 +72,11 @@ def at_gather(node: PSNode, sender: int, frame: ps_frames.Gather, now: float) ->
     found = _model(node, frame)
     if found is None:
         return
-    key, _ = found
+    key, model = found
+    lo, hi = model.bounds[frame.shard]
     group = _group(key, frame, frame.group)
-    forward(node, node.gathering.plan(group, frame.members, frame.wait_us / 1e6, now))
+    wait, dtype = frame.wait_us / 1e6, np.dtype(model.spec["dtype"])
+    forward(node, node.gathering.plan(group, frame.members, wait, now, size=hi - lo, dtype=dtype))
 
 
 def at_member(node: PSNode, sender: int, frame: ps_frames.Push, payload: bytes, now: float) -> None:
@@ -79,11 +87,9 @@ def at_member(node: PSNode, sender: int, frame: ps_frames.Push, payload: bytes, 
     found = _model(node, frame)
     if found is None:
         return
-    key, model = found
-    lo, hi = model.bounds[frame.shard]
-    values = ps_push.decode(payload, hi - lo, np.dtype(model.spec["dtype"]))
+    key, _ = found
     group = _group(key, frame, frame.group)
-    summed = node.gathering.push(group, frame.worker, frame.iteration, frame.base, values, now)
+    summed = node.gathering.push(group, frame.worker, frame.iteration, frame.base, payload, now)
     forward(node, summed)
 
 

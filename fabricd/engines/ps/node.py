@@ -154,7 +154,9 @@ class PSNode:
         self._paced: Deadlines[tuple[Key, int, int, int]] = Deadlines()
         #: aggregation: this node's groups, and the pushes sent to an aggregator (their wait
         #: for the server's acknowledgement before they go straight to it)
-        self.gathering = Gathering(grace=direct_after(schedule_interval))
+        self.gathering = Gathering(
+            grace=direct_after(schedule_interval), max_bytes=routing.HELD_PAYLOADS * max_payload
+        )
         self._direct: Deadlines[tuple[Key, int, int, int]] = Deadlines()
         self._held = HeldFrames(max_payload)
         self._local: deque[tuple[int, registry.PeerFrame, bytes]] = deque()
@@ -665,6 +667,8 @@ class PSNode:
         if model is None or server is None:
             self._hold(node, frame, payload, now)
             return
+        if isinstance(frame, ps_frames.Ready) and frame.size > self.max_payload:
+            raise RemoteProtocolError(f"a READY of {frame.size} B: a push is one frame's payload")
         if model.spec != frame.spec:  # the backstop of the agreement (agreement.py)
             if model.disagreed is None:
                 self._refuse(key, frame, messages.unlike(frame.spec, model.spec))
@@ -688,7 +692,8 @@ class PSNode:
             self._refuse(key, frame, messages.why_not_serving(server, frame.epoch), epoch=later)
             return
         if isinstance(frame, ps_frames.Push) and frame.members is not None:
-            actions = server.push_aggregate(frame.members, payload, now)
+            group = frame.iteration  # an aggregate's: its group (messages.aggregate)
+            actions = server.push_aggregate(frame.members, payload, now, group=group, sender=node)
         elif isinstance(frame, ps_frames.Push):
             actions = server.push(frame.worker, frame.iteration, frame.base, payload, now)
         elif isinstance(frame, ps_frames.Ready):
@@ -718,7 +723,12 @@ class PSNode:
         epoch: int | None = None,
     ) -> None:
         """Answer ``frame`` with ``why``; ``epoch``: the shard's later epoch, which moves the
-        worker's daemon to the rank serving it."""
+        worker's daemon to the rank serving it.  An aggregate is dropped and counted instead:
+        it is no push of its sender's, and its members come straight from their workers'
+        daemons after their wait."""
+        if isinstance(frame, ps_frames.Push) and frame.members is not None:
+            self.counters["ps_frames_dropped"] += 1
+            return
         self._send(key[0], frame.worker, messages.refusal(key, frame, why, epoch))
 
     def _at_worker(

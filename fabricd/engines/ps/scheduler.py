@@ -50,8 +50,10 @@ if TYPE_CHECKING:
 
 #: bytes/s a host is planned at, each way, when the monitor has no figures for it
 UNKNOWN_BPS = DEFAULT_BPS
-#: the longest a grant counts towards ``v_init`` and the timelines past its planned end
+#: the least a grant counts towards ``v_init`` and the timelines past its planned end
 GRANT_GRACE_MIN = 1.0
+#: the furthest ahead a grant's planned end counts (a plan past it is a broken figure's)
+MAX_PLAN = 600.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,7 +103,21 @@ class _Ready:
 @dataclass(slots=True, kw_only=True)
 class _Grant:
     ready: _Ready
+    dst: int  #: where its push goes: the server's host, or its aggregator's
+    start: float  #: the planned start of its transfer
     end: float  #: the planned end of its transfer
+    expires: float
+
+
+@dataclass(slots=True, kw_only=True)
+class _Group:
+    """A group this shard's scheduler told an aggregator to sum: only its aggregate is taken."""
+
+    aggregator: int
+    members: dict[int, tuple[int, int]]  #: worker -> (iteration, base)
+    size: float  #: the aggregate's planned bytes
+    start: float  #: its forward's planned start
+    end: float  #: its forward's planned end
     expires: float
 
 
@@ -117,6 +133,7 @@ class SchedulerStatistics:
     outstanding: int  #: granted, not processed yet
     latency_sum: float  #: seconds from READY to decision, summed
     latency_max: float
+    decided: int  #: READYs decided (the latency's count)
 
 
 class ShardScheduler:
@@ -145,6 +162,9 @@ class ShardScheduler:
         self._granted: dict[tuple[int, int], _Grant] = {}
         #: worker -> the iteration it has in the batch or granted (one at a time)
         self._worker: dict[int, int] = {}
+        #: the groups told to aggregators whose aggregate has not come (number -> plan)
+        self._gathers: dict[int, _Group] = {}
+        self._decided = 0  #: READYs decided (granted or denied), for the mean latency
         self._due: float | None = None
         self._ready = self._grants = self._batches = 0
         self._denied: dict[str, int] = {}
@@ -159,12 +179,15 @@ class ShardScheduler:
         if key in self._granted:  # (aggregation: now straight to the server)
             return [Granted(worker=worker, iteration=iteration, wait=0.0)]
         other = self._worker.get(worker)
-        if other is not None and other != iteration:
-            # an honest worker has one push at a time: this bounds the tables by the workers
+        if other is not None and other > iteration:
             raise RemoteProtocolError(
-                f"worker {worker} is ready with iteration {iteration} while its iteration "
-                f"{other} waits for its turn"
+                f"worker {worker} is ready with iteration {iteration} after its iteration {other}"
             )
+        if other is not None and other != iteration:
+            # a worker has one push at a time: a later one says the earlier one was decided
+            # (the shard forgot it: a grant that expired, a restore), so it replaces it
+            self._batch.pop((worker, other), None)
+            self._granted.pop((worker, other), None)
         if key not in self._batch:
             self._ready += 1
             self._worker[worker] = iteration
@@ -227,6 +250,9 @@ class ShardScheduler:
             out.append(
                 Gather(aggregator=group.aggregator, group=number, members=tuple(members), wait=wait)
             )
+            end = min(group.forward.end, now + MAX_PLAN)
+            start = min(group.forward.start, end)
+            self.expect(number, group.aggregator, tuple(members), group.forward.size, end, start)
         for update, reason in plan.dropped:
             ready = by_key[update.key]  # type: ignore[index]
             self._worker.pop(ready.worker, None)  # decided: its next push may come
@@ -239,6 +265,7 @@ class ShardScheduler:
                     reason=f"dropped by the scheduler: {reason}",
                 )
             )
+        self._decided += len(batch)
         for ready in batch:
             latency = now - ready.at
             self._latency_sum += latency
@@ -255,10 +282,13 @@ class ShardScheduler:
         group: int | None = None,
     ) -> Granted:
         """Grant ``ready`` its planned transfer (to the server, or to aggregator ``via``)."""
-        end = planned.transfer.end
-        grace = max(GRANT_GRACE_MIN, 10 * self.interval)
+        end = min(planned.transfer.end, now + MAX_PLAN)
         self._granted[(ready.worker, ready.iteration)] = _Grant(
-            ready=ready, end=end, expires=end + grace
+            ready=ready,
+            dst=self.server if via is None else via,
+            start=min(planned.transfer.start, end),
+            end=end,
+            expires=end + self._grace,
         )
         self._grants += 1
         wait = max(0.0, planned.transfer.start - now)
@@ -279,6 +309,54 @@ class ShardScheduler:
         hosts = hosts[turn:] + hosts[:turn]
         return aggregate(planned, network, server=self.server, aggregators=hosts).groups
 
+    def fresh(self) -> ShardScheduler:
+        """A scheduler like this one with nothing planned: a promoted shard's (what this one
+        planned when the shard last served is void after another rank served it)."""
+        return ShardScheduler(
+            server=self.server,
+            delay_bound=self.delay_bound,
+            interval=self.interval,
+            aggregation=self.aggregation,
+        )
+
+    @property
+    def _grace(self) -> float:
+        return max(GRANT_GRACE_MIN, 10 * self.interval)
+
+    def expect(
+        self,
+        group: int,
+        aggregator: int,
+        members: tuple[tuple[int, int, int], ...],
+        size: float,
+        end: float,
+        start: float | None = None,
+    ) -> None:
+        """Node ``aggregator`` was told to sum ``members`` as group ``group`` (a GATHER): its
+        aggregate, of ``size`` bytes, planned to go from ``start`` and reach the server by
+        ``end``, is taken once."""
+        self._gathers[group] = _Group(
+            aggregator=aggregator,
+            members={w: (it, b) for w, it, b in members},
+            size=size,
+            start=end if start is None else start,
+            end=end,
+            expires=end + self._grace,
+        )
+
+    def expects(self, group: int, sender: int, members: tuple[tuple[int, int, int], ...]) -> bool:
+        """Whether an aggregate of ``members`` from node ``sender`` is one this scheduler
+        asked for: group ``group``, told to that node, holding those updates (a subset: a
+        member may not have come).  Its plan is used up either way it is answered: each group
+        forwards once.  Anything else is refused, so a peer cannot apply updates in the name
+        of workers of other nodes (nor a stale aggregate after a failover: the promoted
+        replica's scheduler planned none)."""
+        plan = self._gathers.get(group)
+        if plan is None or plan.aggregator != sender:
+            return False
+        del self._gathers[group]
+        return all(plan.members.get(w) == (it, b) for w, it, b in members)
+
     def settled(self, worker: int, iteration: int) -> None:
         """The shard processed ``worker``'s push of ``iteration`` (applied or dropped)."""
         self._granted.pop((worker, iteration), None)
@@ -298,6 +376,8 @@ class ShardScheduler:
             del self._granted[key]
             if self._worker.get(key[0]) == key[1]:
                 del self._worker[key[0]]
+        for number in [n for n, g in self._gathers.items() if g.expires <= now]:
+            del self._gathers[number]
 
     def _network(
         self,
@@ -309,14 +389,27 @@ class ShardScheduler:
         batch and the outstanding grants use, the outstanding grants reserved again."""
         hosts = {self.server, *(r.host for r in batch)}
         hosts |= {g.ready.host for g in self._granted.values()}
+        hosts |= {g.dst for g in self._granted.values()}
+        hosts |= {g.aggregator for g in self._gathers.values()}
         up: dict[int, float] = {}
         down: dict[int, float] = {}
         for host in hosts:
             known = figures(host)
             up[host], down[host] = known if known is not None else (UNKNOWN_BPS, UNKNOWN_BPS)
         network = Network(up, down, now=now)
-        for grant in sorted(self._granted.values(), key=lambda g: g.end):
-            network.reserve(grant.ready.host, self.server, grant.ready.size)
+        # what is planned and not processed yet: the pushes to their destinations (the server,
+        # or their aggregator) and the groups' forwards, each from its planned start (or now)
+        # for what its plan says is left of it (all of it, once past its planned end)
+        booked = [
+            (g.start, g.end, g.ready.host, g.dst, float(g.ready.size))
+            for g in self._granted.values()
+        ]
+        booked += [
+            (g.start, g.end, g.aggregator, self.server, g.size) for g in self._gathers.values()
+        ]
+        for start, end, src, dst, size in sorted(booked, key=lambda b: b[1]):
+            left = size if now >= end else size * min(1.0, (end - now) / max(end - start, 1e-9))
+            network.reserve(src, dst, left, start=max(start, now))
         return network
 
     def statistics(self) -> SchedulerStatistics:
@@ -329,4 +422,5 @@ class ShardScheduler:
             outstanding=len(self._granted),
             latency_sum=self._latency_sum,
             latency_max=self._latency_max,
+            decided=self._decided,
         )

@@ -295,7 +295,13 @@ class ShardServer:
         )
 
     def push_aggregate(
-        self, members: tuple[tuple[int, int, int], ...], payload: bytes | bytearray, now: float
+        self,
+        members: tuple[tuple[int, int, int], ...],
+        payload: bytes | bytearray,
+        now: float,
+        *,
+        group: int,
+        sender: int,
     ) -> list[Action]:
         """An aggregator's sum of ``members``' pushes (MLfabric §5.2; :mod:`fabricd.engines.ps.
         gathering`): taken as one entry and applied once for all of them, unless any member was
@@ -303,14 +309,27 @@ class ShardServer:
         or an aggregate held it): then the whole aggregate is refused, counted and answered
         with nothing, and the members not decided come straight from their workers' daemons
         in turn.  So each (worker, iteration) is applied exactly once, whichever way it came.
+        Only an aggregate the scheduler asked node ``sender`` for, as group ``group``, is taken
+        (:meth:`~fabricd.engines.ps.scheduler.ShardScheduler.expects`); any other is refused
+        the same way.
 
         Raises:
             RemoteProtocolError: this is a replica or a shard not scheduled, or a member, or the
                 payload, would be refused as a push would.
         """
         self._primary_only("an aggregate")
-        if self.scheduler is None:
-            raise RemoteProtocolError("an aggregate for a shard that is not scheduled (MLfabric)")
+        if self.scheduler is None or not self.scheduler.aggregation:
+            raise RemoteProtocolError("an aggregate for a shard that does not aggregate (MLfabric)")
+        coordinator = self.coordinator
+        bound, version, live = coordinator.delay_bound, coordinator.version, coordinator.live
+        if (
+            not self.scheduler.expects(group, sender, members)
+            or any(w not in live for w, _, _ in members)
+            or (bound is not None and any(version - b > bound for _, _, b in members))
+        ):
+            # (a member lost or too stale: its fellows come straight, each judged alone)
+            self._aggregates_refused += 1
+            return []
         for worker, iteration, _ in members:
             last = self._last.get(worker)
             if worker in self._waiting or (last is not None and last[0] >= iteration):
@@ -534,6 +553,7 @@ class ShardServer:
             # checked by the primary against the same state; only the bytes are checked here
             ps_push.decode(entry.payload, self.size, self.dtype)
             self._pushes += 1 if entry.members is None else len(entry.members)
+            self._aggregates += entry.members is not None
             self._push_bytes += len(entry.payload)
         elif entry.kind not in (LOSE, FLUSH):
             raise RemoteProtocolError(f"replication entry of kind {entry.kind!r}")
@@ -584,6 +604,8 @@ class ShardServer:
         self.primary = True
         self.replicated = self.synced = False
         self.epoch += 1
+        if self.scheduler is not None:  # what it planned while it last served is void now
+            self.scheduler = self.scheduler.fresh()
         return True
 
     # -- snapshots ------------------------------------------------------------------------

@@ -27,6 +27,8 @@ norm)``, the whole update's: a bound on each shard's) or, without one, the shard
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,13 @@ def shard_bounds(size: int, shards: int) -> list[tuple[int, int]]:
         bounds.append((lo, hi))
         lo = hi
     return bounds
+
+
+def shard_norm(values: Array) -> float:
+    """The L2 norm of ``values``, in float64 (a float16 shard's sum of squares overflows its
+    own dtype at 65504), at most the largest finite float (a READY carries a finite norm)."""
+    norm = float(np.linalg.norm(values.astype(np.float64, copy=False)))
+    return norm if math.isfinite(norm) else sys.float_info.max
 
 
 # -- actions ------------------------------------------------------------------------------
@@ -232,7 +241,7 @@ class Worker:
             if not self.scheduled:
                 out.append(SendPush(shard=shard, iteration=iteration, base=base, payload=data))
                 continue
-            mine = norm if norm is not None else float(np.linalg.norm(flat[lo:hi], ord=2))
+            mine = norm if norm is not None else shard_norm(flat[lo:hi])
             self._unsent[shard] = mine
             out.append(self._ready(shard))
         return out + self._push_done()

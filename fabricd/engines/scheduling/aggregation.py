@@ -125,14 +125,21 @@ def aggregate(
     best = Aggregation(direct, [], reached[-1], len(direct), running)
     batch = _Batch(planned, server, aggregators, size_of)
     for n in range(len(planned) if aggregators else 0):
-        if reached[n] > best.t_max:
+        if _beyond(reached[n], best.t_max):
             break  # the first n direct transfers alone end later: so do all later cases
         case = batch.case(n, direct[:n], starts[n], reached[n], bound=best.t_max)
         if case is not None and (
-            case.t_max < best.t_max or (case.t_max == best.t_max and not best.groups)
+            _beyond(best.t_max, case.t_max)
+            or (not _beyond(case.t_max, best.t_max) and not best.groups)
         ):
             best = case  # a tie goes to the smallest n, the all-direct case counting as |U|
     return best
+
+
+def _beyond(t: float, bound: float) -> bool:
+    """``t`` is later than ``bound`` by more than rounding: the cuts and the ties compare
+    times that different booking orders reach by different float sums."""
+    return t > bound + 1e-9 * max(1.0, abs(bound))
 
 
 def det_agg(
@@ -202,22 +209,22 @@ class _Batch:
                 break  # this group cannot start: the rest go direct (module docstring)
             t_max = max(t_max, _close(network, host, members, self.server, self.size_of, groups))
             members, a = [], a + 1
-            if t_max > bound:
+            if _beyond(t_max, bound):
                 return None
         if members:
             host = self.aggregators[a]
             t_max = max(t_max, _close(network, host, members, self.server, self.size_of, groups))
         left = math.fsum(p.update.size for p in self.planned[i:] if p.update.host != self.server)
-        if bound < math.inf and network.inbound(self.server, left) > bound:
+        if bound < math.inf and _beyond(network.inbound(self.server, left), bound):
             return None  # the server's downlink alone cannot take the rest in time
         direct = list(direct)
         for p in self.planned[i:]:
-            if t_max > bound:
+            if _beyond(t_max, bound):
                 return None
             transfer = _direct(network, p.update, self.server)
             direct.append(Planned(p.update, transfer, p.position))
             t_max = max(t_max, transfer.end)
-        if t_max > bound:
+        if _beyond(t_max, bound):
             return None
         return Aggregation(direct, groups, t_max, n if groups else len(direct), network)
 
