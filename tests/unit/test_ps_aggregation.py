@@ -399,3 +399,22 @@ def test_a_gather_from_a_rank_not_serving_the_shard_is_dropped() -> None:
     node.on_frame(1, gather, b"", 0.0)
     assert node.counters["ps_frames_dropped"] == before + 1
     assert node.gathering.held == 0
+
+
+def test_alg3_decides_the_same_whatever_the_clock_reads() -> None:
+    """Found in review: Alg. 3's rounding margin grew with the absolute clock (a daemon's
+    seconds since boot), so a machine up for weeks grouped updates whose direct transfers
+    were faster.  The same batch must be split the same way at any ``now``."""
+    from fabricd.engines.scheduling.aggregation import aggregate
+    from fabricd.engines.scheduling.ordering import Update, order
+    from fabricd.engines.scheduling.timelines import Network
+
+    def split(now: float) -> tuple[int, int]:
+        fast = {h: 12.5e9 for h in range(7)}
+        network = Network(fast, fast, now=now)
+        updates = [Update(key=w, host=w + 1, version=0, size=1e5) for w in range(6)]
+        planned = order(updates, network, server=0, delay_bound=None, v_init=0).planned
+        result = aggregate(planned, network, server=0, aggregators=[1, 2, 3, 4, 5, 6])
+        return len(result.groups), sum(len(g.members) for g in result.groups)
+
+    assert split(0.0) == split(1e5) == split(1e7)

@@ -37,8 +37,8 @@ DIRECT_AFTER_MIN = 1.0
 def direct_after(interval: float) -> float:
     """Seconds a push sent to an aggregator waits for the server's acknowledgement before it
     goes straight to the server: ten scheduling intervals, at least a second (a group waits
-    for its members that long, :class:`~fabricd.engines.ps.gathering.Gathering`'s grace, so
-    a healthy aggregate comes first)."""
+    half that for a missing member, :class:`~fabricd.engines.ps.gathering.Gathering`'s grace,
+    so a healthy aggregate, or a partial one, comes first)."""
     return max(DIRECT_AFTER_MIN, 10 * interval)
 
 

@@ -154,8 +154,11 @@ class PSNode:
         self._paced: Deadlines[tuple[Key, int, int, int]] = Deadlines()
         #: aggregation: this node's groups, and the pushes sent to an aggregator (their wait
         #: for the server's acknowledgement before they go straight to it)
+        # a group waits for a missing member half as long as its members wait for the server:
+        # the partial sum comes before they go straight (else it is refused, bytes for nothing)
         self.gathering = Gathering(
-            grace=direct_after(schedule_interval), max_bytes=routing.HELD_PAYLOADS * max_payload
+            grace=direct_after(schedule_interval) / 2,
+            max_bytes=routing.HELD_PAYLOADS * max_payload,
         )
         self._direct: Deadlines[tuple[Key, int, int, int]] = Deadlines()
         self._held = HeldFrames(max_payload)

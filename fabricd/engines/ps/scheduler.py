@@ -310,14 +310,20 @@ class ShardScheduler:
         return aggregate(planned, network, server=self.server, aggregators=hosts).groups
 
     def fresh(self) -> ShardScheduler:
-        """A scheduler like this one with nothing planned: a promoted shard's (what this one
-        planned when the shard last served is void after another rank served it)."""
-        return ShardScheduler(
+        """A scheduler like this one with nothing planned, its counters kept: a promoted
+        shard's (what this one planned when the shard last served is void after another rank
+        served it)."""
+        fresh = ShardScheduler(
             server=self.server,
             delay_bound=self.delay_bound,
             interval=self.interval,
             aggregation=self.aggregation,
         )
+        # its counters go on (status and metrics never go back)
+        fresh._ready, fresh._grants, fresh._batches = self._ready, self._grants, self._batches
+        fresh._denied, fresh._decided = dict(self._denied), self._decided
+        fresh._latency_sum, fresh._latency_max = self._latency_sum, self._latency_max
+        return fresh
 
     @property
     def _grace(self) -> float:

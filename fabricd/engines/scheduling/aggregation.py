@@ -125,21 +125,23 @@ def aggregate(
     best = Aggregation(direct, [], reached[-1], len(direct), running)
     batch = _Batch(planned, server, aggregators, size_of)
     for n in range(len(planned) if aggregators else 0):
-        if _beyond(reached[n], best.t_max):
+        if _beyond(reached[n], best.t_max, network.now):
             break  # the first n direct transfers alone end later: so do all later cases
         case = batch.case(n, direct[:n], starts[n], reached[n], bound=best.t_max)
         if case is not None and (
-            _beyond(best.t_max, case.t_max)
-            or (not _beyond(case.t_max, best.t_max) and not best.groups)
+            _beyond(best.t_max, case.t_max, network.now)
+            or (not _beyond(case.t_max, best.t_max, network.now) and not best.groups)
         ):
             best = case  # a tie goes to the smallest n, the all-direct case counting as |U|
     return best
 
 
-def _beyond(t: float, bound: float) -> bool:
+def _beyond(t: float, bound: float, now: float) -> bool:
     """``t`` is later than ``bound`` by more than rounding: the cuts and the ties compare
-    times that different booking orders reach by different float sums."""
-    return t > bound + 1e-9 * max(1.0, abs(bound))
+    times that different booking orders reach by different float sums.  The margin is taken
+    on the durations from ``now`` (an absolute clock, a daemon's seconds since boot, would
+    widen it to milliseconds on a machine up for weeks: small transfers' whole length)."""
+    return t - now > (bound - now) * (1 + 1e-9) + 1e-12
 
 
 def det_agg(
@@ -209,22 +211,22 @@ class _Batch:
                 break  # this group cannot start: the rest go direct (module docstring)
             t_max = max(t_max, _close(network, host, members, self.server, self.size_of, groups))
             members, a = [], a + 1
-            if _beyond(t_max, bound):
+            if _beyond(t_max, bound, network.now):
                 return None
         if members:
             host = self.aggregators[a]
             t_max = max(t_max, _close(network, host, members, self.server, self.size_of, groups))
         left = math.fsum(p.update.size for p in self.planned[i:] if p.update.host != self.server)
-        if bound < math.inf and _beyond(network.inbound(self.server, left), bound):
+        if bound < math.inf and _beyond(network.inbound(self.server, left), bound, network.now):
             return None  # the server's downlink alone cannot take the rest in time
         direct = list(direct)
         for p in self.planned[i:]:
-            if _beyond(t_max, bound):
+            if _beyond(t_max, bound, network.now):
                 return None
             transfer = _direct(network, p.update, self.server)
             direct.append(Planned(p.update, transfer, p.position))
             t_max = max(t_max, transfer.end)
-        if _beyond(t_max, bound):
+        if _beyond(t_max, bound, network.now):
             return None
         return Aggregation(direct, groups, t_max, n if groups else len(direct), network)
 
