@@ -25,10 +25,12 @@ same bound, and the latter with ``aggregation=True``.  Reported per mode: time p
 (wall seconds per ``n`` pushes applied, ``n`` the number of workers) and pushes applied per
 second, pushes made / applied / dropped (the workers' own results), the largest delay applied
 and the mean (the server's status row: its delay histogram's highest non-empty bucket, and
-``delay_sum / applied``), and the server's inbound bytes (``push_bytes``) in all and per applied
-push.  The ratio is arrival's time per iteration over the row's (higher is better); the
-inbound-bytes ratio is an extra figure.  One run of each mode: the figures are single samples
-on a shared machine.
+``delay_sum / applied``), how many of the drops the scheduler made (before the push was
+sent: the status row's ``dropped_scheduled``; the rest were too stale for the worker's own
+delay gate, not sent, or for the server, after they crossed the network), and the server's
+inbound bytes (``push_bytes``) in all and per applied push.  The ratio is arrival's time per
+iteration over the row's (higher is better); the inbound-bytes ratio is an extra figure.  One
+run of each mode: the figures are single samples on a shared machine.
 
 Where namespaces or ``tc`` are unavailable (not root, no iproute2, a kernel without them), the
 benchmark prints one line, ``mlfabric-netns: skipped: <why>``, and exits 0.
@@ -339,6 +341,7 @@ def tabulate(results: Sequence[ModeResult], settings: Settings) -> Table:
             Column("pushed", "pushed", 0),
             Column("applied", "applied", 0),
             Column("dropped", "dropped", 0),
+            Column("scheduled", "by sched", 0),
             Column("largest", "max delay <=", 0),
             Column("mean", "mean delay"),
             Column("mbytes", "server MB in"),
@@ -358,6 +361,7 @@ def tabulate(results: Sequence[ModeResult], settings: Settings) -> Table:
             pushed=r.pushed,
             applied=r.applied,
             dropped=r.dropped,
+            scheduled=r.server["dropped_scheduled"],
             largest=r.largest_delay,
             mean=r.mean_delay,
             mbytes=r.server["push_bytes"] / 1e6,
