@@ -380,7 +380,12 @@ def tabulate(results: Sequence[ModeResult], settings: Settings) -> Table:
         + ("yes, every mode" if exact else "NO")
     )
     table.notes.append(
-        "aggregates: " + ", ".join(f"{r.mode} {r.server['aggregates']}" for r in results)
+        "server: pushes taken (each member of an aggregate one) / resent / aggregates / refused: "
+        + ", ".join(
+            f"{r.mode} {r.server['pushes']}/{r.server['resent']}/{r.server['aggregates']}/"
+            f"{r.server['aggregates_refused']}"
+            for r in results
+        )
     )
     return table
 

@@ -31,6 +31,9 @@ def _result(mode: str, applied: int, push_bytes: int, delays: list[int]) -> Mode
         "delay_sum": 3 * applied,
         "dropped_scheduled": 1,
         "aggregates": 0,
+        "aggregates_refused": 0,
+        "pushes": applied,
+        "resent": 0,
     }
     return ModeResult(mode, 10.0, 6, applied + 2, applied, 2, (), server, True, applied)
 
