@@ -27,6 +27,7 @@ from bench import (
     integrity,
     latency,
     mlfabric,
+    mlfabric_netns,
     ps_logreg,
     ps_storage,
     rate,
@@ -66,6 +67,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "ps-logreg": ps_logreg.run,
     "scheduler": scheduler.run,
     "mlfabric": mlfabric.run,
+    "mlfabric-netns": mlfabric_netns.run,
 }
 
 

@@ -180,6 +180,8 @@ class Table:
     target_met: bool | None = None
     notes: list[str] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
+    #: why the benchmark could not run here (e.g. no network namespaces): one line, no rows
+    skipped: str | None = None
 
     def add(self, label: str, nbytes: int, ratio: float, **figures: float) -> Row:
         row = Row(label=label, nbytes=nbytes, figures=figures, ratio=ratio)
@@ -187,7 +189,10 @@ class Table:
         return row
 
     def render(self, *, markdown: bool = False) -> str:
-        """The table as aligned text (or a Markdown table), with notes and extras below."""
+        """The table as aligned text (or a Markdown table), with notes and extras below; one
+        line, ``<name>: skipped: <why>``, for a benchmark that could not run."""
+        if self.skipped is not None:
+            return f"{self.name}: skipped: {self.skipped}"
         headings = ["size", *(c.heading for c in self.columns), "ratio"]
         cells = [
             [

@@ -27,5 +27,6 @@ class NetCluster:
         return self.cluster.nodes[node].pid
 
 
-#: the ``make_net_cluster`` fixture: ``make(size, **settings)`` starts a connected cluster
+#: the ``make_net_cluster`` fixture: ``make(size, node_env=None, **settings)`` starts a
+#: connected cluster
 MakeNetCluster: TypeAlias = Callable[..., NetCluster]

@@ -43,19 +43,23 @@ def _network_namespaces() -> None:
 
 @pytest.fixture
 def make_net_cluster(tmp_path: Path) -> Iterator[MakeNetCluster]:
-    """Start daemons in namespaces (fast liveness, D = 1 s unless overridden), one per node.
+    """Start daemons in namespaces (fast liveness, D = 1 s unless overridden), one per node;
+    ``node_env`` gives single nodes ``FABRICD_<KEY>`` overrides (their own link figures).
 
     Teardown continues stopped daemons, stops every cluster, deletes every net, and then fails
     the test if a daemon logged a traceback.
     """
     made: list[tuple[TestNet, LocalCluster]] = []
 
-    def make(size: int, **settings: Any) -> NetCluster:
+    def make(
+        size: int, node_env: dict[int, dict[str, str]] | None = None, **settings: Any
+    ) -> NetCluster:
         net = TestNet(size)
         cluster = LocalCluster(
             size,
             settings={**FAST_LIVENESS, **settings},
             log_dir=tmp_path / f"cluster{len(made)}",
+            node_env=node_env or {},
             hosts=[net.address(node) for node in range(size)],
             wrappers={node: net.wrapper(node) for node in range(size)},
         )

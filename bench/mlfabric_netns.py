@@ -1,0 +1,394 @@
+"""(r) MLfabric on real daemons in network namespaces with ``tbf``-shaped links (issue 24,
+item 7): arrival order against MLfabric-A's scheduling and its aggregation, measured in one run.
+
+Four daemons, each in a network namespace of its own joined by a bridge
+(``tests/network/netns.py``'s :class:`TestNet`): node 0 hosts the server rank, nodes 1-3 two
+workers each.  Every node's link is shaped both ways with ``tbf``: 100 Mbit/s, and the last
+worker host 10 Mbit/s (1/10: its workers are the network's stragglers).  Each daemon's
+``link_up_bps`` / ``link_down_bps`` is set to its ``tbf`` rate, so the scheduler plans with the
+true figures; what the monitor measures by itself (TCP_INFO) is a separate path, described in
+docs/mlfabric.md, "The network monitor", and not exercised here.
+
+The mapping to the paper (§7): rates are the paper's ÷100 (a 10 Gbit/s NIC becomes 100 Mbit/s,
+its slowest 1 Gbit/s 10 Mbit/s) and the model is 1 MiB of float32 on the wire (ResNet-50's
+100 MB ÷100), so a push or a pull at full rate takes what it took in the paper (about 85 ms).
+Computation is emulated by sleeping (:data:`COMPUTE` = 0.5 s, the paper's iterations took about
+1.3 s, so the network weighs a little more here), each one slowed 4x with probability 10 %
+(the paper's C2), drawn per worker and iteration from a seed shared by every mode.  The update
+is a stand-in for a gradient: integers in [-4, 4] (exact in float32 under the ``sum`` rule, so
+the final model must equal the sum of the updates applied, bit for bit).
+
+Each worker loops for :data:`SECONDS`: pull, compute (sleep), push, and stops after the push
+that ends past the deadline.  Modes, on the same daemons, one job each, in this order:
+``scheduling="arrival"`` with ``delay_bound`` :data:`BOUND`, ``scheduling="mlfabric"`` with the
+same bound, and the latter with ``aggregation=True``.  Reported per mode: time per iteration
+(wall seconds per ``n`` pushes applied, ``n`` the number of workers) and pushes applied per
+second, pushes made / applied / dropped (the workers' own results), the largest delay applied
+and the mean (the server's status row: its delay histogram's highest non-empty bucket, and
+``delay_sum / applied``), how many of the drops the scheduler made (before the push was
+sent: the status row's ``dropped_scheduled``; the rest were too stale for the worker's own
+delay gate, not sent, or for the server, after they crossed the network), and the server's
+inbound bytes (``push_bytes``) in all and per applied push.  The ratio is arrival's time per
+iteration over the row's (higher is better); the inbound-bytes ratio is an extra figure.  One
+run of each mode: the figures are single samples on a shared machine.
+
+Where namespaces or ``tc`` are unavailable (not root, no iproute2, a kernel without them), the
+benchmark prints one line, ``mlfabric-netns: skipped: <why>``, and exits 0.
+
+Run alone: ``python -m bench.mlfabric_netns [--quick]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+import fabricd
+from bench.report import Column, Extra, Progress, Table, quiet, run_alone
+from fabricd.engines.ps.consistency import DELAY_BUCKETS
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+#: each mode's training time (s), and a quick run's
+SECONDS: Final = 20.0
+QUICK_SECONDS: Final = 5.0
+#: emulated computation per mini-batch (s), and the straggler draw (the paper's C2)
+COMPUTE: Final = 0.5
+STRAGGLE, SLOWDOWN = 0.1, 4.0
+#: the delay bound of every mode: the number of workers plus two, a bucket edge of the server's
+#: delay histogram (so "nothing applied past the bound" is readable from its status row)
+BOUND: Final = 8
+#: the modes, in run order, and how each opens the model
+MODES: Final[dict[str, dict[str, Any]]] = {
+    "arrival": {"scheduling": "arrival"},
+    "mlfabric": {"scheduling": "mlfabric"},
+    "mlfabric+agg": {"scheduling": "mlfabric", "aggregation": True},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """One experiment: hosts, rates, the model, and each mode's duration."""
+
+    worker_hosts: int = 3
+    workers_per_host: int = 2
+    fast_mbit: float = 100.0
+    slow_mbit: float = 10.0
+    slow_hosts: int = 1  #: the last worker hosts are slow
+    elements: int = 1 << 18  #: float32: 1 MiB
+    seconds: float = SECONDS
+    compute: float = COMPUTE
+    straggle: float = STRAGGLE
+    slowdown: float = SLOWDOWN
+    delay_bound: int = BOUND
+    seed: int = 24
+
+    @property
+    def nodes(self) -> int:
+        return 1 + self.worker_hosts
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """Rank -> node: the server rank 0 on node 0, then the workers host by host."""
+        hosts = range(1, self.nodes)
+        return (0, *(h for h in hosts for _ in range(self.workers_per_host)))
+
+    def mbit(self, node: int) -> float:
+        """Node ``node``'s shaped rate, each way."""
+        return self.slow_mbit if node >= self.nodes - self.slow_hosts else self.fast_mbit
+
+    def node_env(self) -> dict[int, dict[str, str]]:
+        """Each daemon's ``link_up_bps`` / ``link_down_bps`` (bytes/s): its ``tbf`` rate."""
+        env = {}
+        for node in range(self.nodes):
+            rate = str(self.mbit(node) * 1e6 / 8)
+            env[node] = {"FABRICD_LINK_UP_BPS": rate, "FABRICD_LINK_DOWN_BPS": rate}
+        return env
+
+
+@dataclass(slots=True)
+class WorkerLog:
+    """What one worker did, from its own push results."""
+
+    rank: int
+    mode: str
+    pushed: int = 0
+    applied: int = 0
+    dropped: list[str] = field(default_factory=list)
+    total: np.ndarray[Any, Any] | None = None  #: the sum of its applied updates (int64)
+    final: np.ndarray[Any, Any] | None = None  #: rank 1: the model after every worker ended
+    version: int = -1  #: rank 1: that model's version
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModeResult:
+    """One mode's run: the workers' counts and the server's status row."""
+
+    mode: str
+    seconds: float  #: wall time from the common start to the last worker's end
+    workers: int
+    pushed: int
+    applied: int
+    dropped: int
+    reasons: tuple[str, ...]
+    server: dict[str, Any]  #: the shard's primary status row (``ps_servers``)
+    model_is_sum: bool  #: the final model equals the sum of the applied updates, exactly
+    version: int  #: the final model's version
+
+    @property
+    def per_iteration(self) -> float:
+        """Wall seconds per ``n`` pushes applied (``n`` workers): one iteration's worth."""
+        return self.seconds * self.workers / self.applied if self.applied else math.inf
+
+    @property
+    def largest_delay(self) -> float:
+        """The upper bound of the highest non-empty delay bucket (inf: past the last)."""
+        delays = self.server["delays"]
+        top = max((i for i, count in enumerate(delays) if count), default=0)
+        return float(DELAY_BUCKETS[top]) if top < len(DELAY_BUCKETS) else math.inf
+
+    @property
+    def mean_delay(self) -> float:
+        applied = self.server["applied"]
+        return self.server["delay_sum"] / applied if applied else 0.0
+
+    @property
+    def inbound_per_push(self) -> float:
+        """The server's inbound bytes per push applied."""
+        applied = self.server["applied"]
+        return self.server["push_bytes"] / applied if applied else math.nan
+
+
+def _worker(
+    socket_path: str,
+    size: int,
+    job: str,
+    settings: Settings,
+    gates: tuple[threading.Barrier, threading.Barrier],
+    deadline: list[float],
+    log: WorkerLog,
+) -> None:
+    """One worker's loop: pull, compute (sleep), push, until the deadline; then, once every
+    worker is done, rank 1 pulls the final model into ``log.final``.  An error is kept in
+    ``log.error`` and breaks the barriers, so that no thread waits for this one."""
+    start, end = gates
+    rng = np.random.default_rng([settings.seed, log.rank])
+    try:
+        with fabricd.connect(job=job, rank=log.rank, size=size, socket_path=socket_path) as fab:
+            ps = fab.parameter_server(
+                "m", (settings.elements,), "float32", servers=[0], consistency="async",
+                delay_bound=settings.delay_bound, **MODES[log.mode],
+            )  # fmt: skip
+            model = fab.array("w", (settings.elements,), "float32")
+            update = fab.array("u", (settings.elements,), "float32")
+            log.total = np.zeros(settings.elements, np.int64)
+            start.wait(timeout=60)
+            while time.monotonic() < deadline[0]:
+                ps.pull(model, timeout=60)
+                slow = rng.random() < settings.straggle
+                time.sleep(settings.compute * (settings.slowdown if slow else 1.0))
+                values = rng.integers(-4, 5, settings.elements)
+                update[:] = values
+                result = ps.push(update, timeout=60)
+                log.pushed += 1
+                if result.dropped:
+                    log.dropped += result.dropped
+                else:
+                    log.applied += 1
+                    log.total += values
+            end.wait(timeout=120)
+            if log.rank == 1:
+                log.version = ps.pull(model, timeout=60)
+                log.final = np.array(model)
+    except BaseException as exc:
+        log.error = exc
+        start.abort()
+        end.abort()
+
+
+def train(sockets: Sequence[str], mode: str, settings: Settings, job: str = "") -> ModeResult:
+    """Run ``mode`` on the daemons at ``sockets`` (node ``i``'s client socket) and return
+    what the workers and the server say of it.  Bounded: every call has a timeout.
+
+    Raises:
+        RuntimeError: a worker failed or did not finish (its error chained).
+    """
+    placement = settings.placement
+    size, job = len(placement), job or f"netns-{mode.replace('+', '-')}"
+    logs = [WorkerLog(rank, mode) for rank in range(1, size)]
+    gates = (threading.Barrier(len(logs) + 1), threading.Barrier(len(logs)))
+    deadline = [math.inf]
+    with fabricd.connect(job=job, rank=0, size=size, socket_path=sockets[0]) as server:
+        server.parameter_server(
+            "m", (settings.elements,), "float32", "server", servers=[0], consistency="async",
+            delay_bound=settings.delay_bound, **MODES[mode],
+        )  # fmt: skip
+        threads = [
+            threading.Thread(
+                target=_worker,
+                args=(sockets[placement[log.rank]], size, job, settings, gates, deadline, log),
+                daemon=True,
+            )
+            for log in logs
+        ]
+        for thread in threads:
+            thread.start()
+        with contextlib.suppress(threading.BrokenBarrierError):
+            gates[0].wait(timeout=60)
+        began = time.monotonic()
+        deadline[0] = began + settings.seconds
+        for thread in threads:
+            thread.join(timeout=settings.seconds + 180)
+        seconds = time.monotonic() - began
+        for log in logs:
+            if log.error is not None:
+                raise RuntimeError(f"{mode}: worker rank {log.rank} failed") from log.error
+        if any(thread.is_alive() for thread in threads) or logs[0].final is None:
+            raise RuntimeError(f"{mode}: a worker did not finish")
+        row = next(
+            r for r in server.status()["ps_servers"] if r["job"] == job and r["role"] == "primary"
+        )
+    expected = sum((log.total for log in logs if log.total is not None), np.zeros(1, np.int64))
+    return ModeResult(
+        mode=mode,
+        seconds=seconds,
+        workers=len(logs),
+        pushed=sum(log.pushed for log in logs),
+        applied=sum(log.applied for log in logs),
+        dropped=sum(len(log.dropped) for log in logs),
+        reasons=tuple(why for log in logs for why in log.dropped),
+        server=row,
+        model_is_sum=bool(np.array_equal(logs[0].final, expected.astype(np.float32))),
+        version=logs[0].version,
+    )
+
+
+# -- the bench: its own net and daemons -------------------------------------------------------
+def why_not() -> str | None:
+    """Why the experiment cannot run here (one line), or None."""
+    try:
+        from tests.network.netns import unavailable
+    except ImportError as exc:  # an installed fabricd without the repository's tests
+        return f"the network test harness is not importable ({exc})"
+    return unavailable()
+
+
+@contextlib.contextmanager
+def shaped_cluster(settings: Settings, log_dir: Any = None) -> Iterator[list[str]]:
+    """Start the net and one daemon per node, shape every link, yield the client sockets;
+    stop the daemons and delete the namespaces on the way out, whatever happened."""
+    from fabricd.daemon.launcher import LocalCluster
+    from tests.network.netns import TestNet, remove_leftovers
+
+    remove_leftovers()
+    net = TestNet(settings.nodes)
+    cluster = LocalCluster(
+        settings.nodes,
+        log_dir=log_dir,
+        node_env=settings.node_env(),
+        hosts=[net.address(node) for node in range(settings.nodes)],
+        wrappers={node: net.wrapper(node) for node in range(settings.nodes)},
+    )
+    net.start()
+    try:
+        cluster.start()
+        try:
+            cluster.wait_connected()
+            for node in range(settings.nodes):
+                net.shape(node, settings.mbit(node))
+            yield [node.socket_path for node in cluster.nodes]
+        finally:
+            cluster.stop()
+    finally:
+        net.stop()
+
+
+def run(quick: bool = False, progress: Progress = quiet) -> Table:
+    why = why_not()
+    if why is not None:
+        return Table(name="mlfabric-netns", title="", columns=[], ratio="", skipped=why)
+    settings = Settings(seconds=QUICK_SECONDS if quick else SECONDS)
+    results = []
+    with shaped_cluster(settings) as sockets:
+        for mode in MODES:
+            progress(f"{mode}: {settings.seconds:g} s of training")
+            results.append(train(sockets, mode, settings))
+    return tabulate(results, settings)
+
+
+def tabulate(results: Sequence[ModeResult], settings: Settings) -> Table:
+    """The table: one row per mode, arrival's the baseline."""
+    table = Table(
+        name="mlfabric-netns",
+        title=(
+            "MLfabric on real daemons in network namespaces: "
+            f"{results[0].workers} workers on {settings.worker_hosts} hosts, links "
+            f"{settings.fast_mbit:g} Mbit/s ({settings.slow_hosts} at {settings.slow_mbit:g}), "
+            f"tau_max {settings.delay_bound}, {settings.seconds:g} s per mode"
+        ),
+        columns=[
+            Column("per_iteration", "s/iter"),
+            Column("rate", "applied/s"),
+            Column("pushed", "pushed", 0),
+            Column("applied", "applied", 0),
+            Column("dropped", "dropped", 0),
+            Column("scheduled", "by sched", 0),
+            Column("largest", "max delay <=", 0),
+            Column("mean", "mean delay"),
+            Column("mbytes", "server MB in"),
+            Column("kib", "KiB in/applied"),
+        ],
+        ratio="arrival's s/iteration / the row's (higher is better)",
+        settings={"seconds": settings.seconds, "compute": settings.compute},
+    )
+    base = results[0]
+    for r in results:
+        table.add(
+            r.mode,
+            settings.elements * 4,
+            base.per_iteration / r.per_iteration,
+            per_iteration=r.per_iteration,
+            rate=r.applied / r.seconds,
+            pushed=r.pushed,
+            applied=r.applied,
+            dropped=r.dropped,
+            scheduled=r.server["dropped_scheduled"],
+            largest=r.largest_delay,
+            mean=r.mean_delay,
+            mbytes=r.server["push_bytes"] / 1e6,
+            kib=r.inbound_per_push / 1024,
+        )
+    table.extras.append(
+        Extra(
+            "server inbound bytes per applied push, arrival's / the mode's",
+            {r.mode: base.inbound_per_push / r.inbound_per_push for r in results},
+            "x",
+        )
+    )
+    exact = all(r.model_is_sum and r.pushed == r.applied + r.dropped for r in results)
+    table.notes.append(
+        "every push applied or dropped, and the final model the sum of the applied updates: "
+        + ("yes, every mode" if exact else "NO")
+    )
+    table.notes.append(
+        "server: pushes taken (each member of an aggregate one) / resent / aggregates / refused: "
+        + ", ".join(
+            f"{r.mode} {r.server['pushes']}/{r.server['resent']}/{r.server['aggregates']}/"
+            f"{r.server['aggregates_refused']}"
+            for r in results
+        )
+    )
+    return table
+
+
+if __name__ == "__main__":
+    sys.exit(run_alone("mlfabric_netns", __doc__, run, sys.argv[1:]))

@@ -1,0 +1,57 @@
+"""MLfabric on real daemons in network namespaces with ``tbf``-shaped links (issue 24, item 7):
+a short run of ``bench/mlfabric_netns.py``'s experiment, arrival order, MLfabric-A and its
+aggregation on four daemons, one worker host at 1/10 the others' rate.
+
+Only exactness is asserted, never speed: every push is applied or reported dropped, the
+server applied exactly what the workers were told was applied, nothing applied broke the delay
+bound, and the final model is the sum of the applied (integer) updates, bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+from bench.mlfabric_netns import MODES, Settings, train
+from fabricd.engines.ps.consistency import DELAY_BUCKETS
+
+if TYPE_CHECKING:
+    from tests.network.cluster import MakeNetCluster
+
+pytestmark = [pytest.mark.network, pytest.mark.timeout(120)]
+
+#: each mode's training time (s): a few iterations of every worker, the slow host's included
+SECONDS = 2.0
+#: the daemons' default liveness: a 10 Mbit/s link carrying 1 MiB pushes must not make a
+#: peer look suspect (the fast liveness of the other network tests is tuned for faults)
+LIVENESS = {"heartbeat_interval": 1.0, "suspect_after": 3.0, "down_after": 10.0}
+
+
+def test_every_push_is_applied_or_dropped_within_the_bound_and_the_model_is_their_sum(
+    make_net_cluster: MakeNetCluster,
+) -> None:
+    settings = Settings(seconds=SECONDS)
+    fabric = make_net_cluster(settings.nodes, node_env=settings.node_env(), **LIVENESS)
+    for node in range(settings.nodes):
+        fabric.net.shape(node, settings.mbit(node))
+    sockets = [fabric.socket(node) for node in range(settings.nodes)]
+    over = DELAY_BUCKETS.index(settings.delay_bound) + 1  # the first bucket past the bound
+    for mode in MODES:
+        result = train(sockets, mode, settings)
+        row = result.server
+        print(
+            f"{mode}: pushed {result.pushed}, applied {result.applied}, dropped "
+            f"{result.dropped} ({row['dropped_scheduled']} by the scheduler), "
+            f"aggregates {row['aggregates']}"
+        )
+        assert result.pushed > 0
+        assert result.applied + result.dropped == result.pushed, result.reasons
+        assert row["applied"] == result.applied == result.version
+        assert row["dropped_delay"] + row["dropped_scheduled"] <= result.dropped
+        assert sum(row["delays"][over:]) == 0, row["delays"]  # none past the bound
+        assert sum(row["delays"]) == row["applied"]
+        assert result.model_is_sum
+        assert all("delay" in why or "dropped by the scheduler" in why for why in result.reasons)
+        if MODES[mode]["scheduling"] == "arrival":
+            assert row["dropped_scheduled"] == 0
