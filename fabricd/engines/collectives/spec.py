@@ -90,8 +90,9 @@ class Spec:
                 return "barrier"
 
     def same_call(self, other: Spec) -> bool:
-        """Whether ``other`` (a call's spec) agrees with this one (the algorithm is not the
-        caller's: it was chosen once, by the first call)."""
+        """Whether ``other`` (a call's spec) agrees with this one: ``algorithm``, what the caller
+        asked for, must be the same; ``ring`` and ``direct`` are not compared (under
+        ``"auto"`` the first call chose them once, for everyone)."""
         return self == Spec(**{**_fields(other), "ring": self.ring, "direct": self.direct})
 
     def to_meta(self) -> dict[str, Any]:
