@@ -59,6 +59,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "roundtrip": roundtrip.run,
     "rate": rate.run,
     "allreduce": allreduce.run,
+    "allreduce-tree": allreduce.run_tree,
     "skew": skew.run,
     "hyperplane": hyperplane.run,
     "svm": svm.run,

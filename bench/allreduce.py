@@ -21,6 +21,13 @@ the MPI column says the same against MPI.  Targets (issue 10): >= 1.0x gloo at e
 The baselines and fabricd run one after another, not interleaved sample by sample as the other
 benchmarks here do: they are different sets of processes.  Run alone:
 ``python -m bench.allreduce [--quick] [--sizes 4KiB,64MiB] [--ranks 2,4] [--per-node 1,2]``.
+
+Tr-Sync (:func:`run_tree`, ``--tree``; ``python -m bench --only allreduce-tree``): fabricd's
+binary-tree allreduce (``algorithm="tree"``, MLfabric §7.2's baseline) against its ring
+(``algorithm="ring"``) on 3 and 4 daemons of one rank each, at a few sizes, the two
+interleaved sample by sample in the same processes (:func:`bench.collective_ranks.algorithms_body`).
+The ratio is the tree's time over the ring's (the ring's bandwidth over the tree's): what the
+bandwidth-optimal ring gains on the baseline.  No target: it says what the baseline costs.
 """
 
 from __future__ import annotations
@@ -64,6 +71,13 @@ TARGET_BANDWIDTH_FROM = 4 * MiB
 TARGET_BANDWIDTH = 1.0  #: fabricd / gloo algorithm bandwidth, at every size from 4 MiB
 TARGET_LATENCY_SIZE = 4 * KiB
 TARGET_LATENCY = 0.5  #: fabricd / gloo latency at 4 KiB (a ratio of at least 2)
+
+TREE_SIZES = [64 * KiB, 1 * MiB, 16 * MiB]
+QUICK_TREE_SIZES = [64 * KiB, 1 * MiB]
+TREE_NODES = [3, 4]
+QUICK_TREE_NODES = [3]
+#: what run_tree compares: the baseline first
+TREE_ALGORITHMS = ("tree", "ring")
 
 Plan = list[tuple[int, int]]
 
@@ -235,6 +249,90 @@ def run(
     return table
 
 
+def measure_algorithms(
+    nodes: int, plan: Plan, samples: int, warmup: int, algorithms: Sequence[str]
+) -> list[list[float]]:
+    """Seconds per allreduce, ``[size][algorithm]``, on ``nodes`` daemons of one rank each."""
+    from fabricd.daemon.launcher import LocalCluster
+
+    spec: dict[str, Any] = {
+        "backend": "fabricd",
+        "size": nodes,
+        "capacity": max(n for n, _ in plan),
+        "plan": plan,
+        "samples": samples,
+        "warmup": warmup,
+        "algorithms": list(algorithms),
+    }
+    budget = collective_ranks.CALL_TIMEOUT * (2 + len(plan) * len(algorithms) * (1 + warmup))
+    with LocalCluster(nodes) as cluster:
+        cluster.wait_connected()
+        spec["job"] = f"bench-tree-{uuid.uuid4().hex[:8]}"
+        specs = [
+            {**spec, "rank": r, "socket_path": cluster.nodes[r].socket_path} for r in range(nodes)
+        ]
+        results = collective_ranks.run_spawned("algorithms", specs, budget)
+    times = [r["times"] for r in results]  # [rank][size][algorithm][sample]
+    return [
+        slowest_rank_medians([[rank[case][a] for a in range(len(algorithms))] for rank in times])
+        for case in range(len(plan))
+    ]
+
+
+def run_tree(
+    quick: bool = False,
+    progress: Progress = quiet,
+    *,
+    sizes: Sequence[int] | None = None,
+    nodes: Sequence[int] | None = None,
+    samples: int | None = None,
+) -> Table:
+    """Tr-Sync (the binary tree) against the ring, per (nodes, size): the module docstring."""
+    sizes = list(sizes or (QUICK_TREE_SIZES if quick else TREE_SIZES))
+    if any(n < 4 or n % 4 for n in sizes):
+        raise ValueError("every size must be a whole number of float32 elements (4 B)")
+    counts = list(nodes or (QUICK_TREE_NODES if quick else TREE_NODES))
+    samples = samples or (2 if quick else 5)
+    warmup = 1 if quick else 2
+    budget, cap = (4 * MiB, 5) if quick else (64 * MiB, 40)
+    plan = [(n, messages_per_sample(n, budget, cap)) for n in sizes]
+    table = Table(
+        name="allreduce-tree",
+        title="Tr-Sync: fabricd's binary-tree allreduce vs its ring (sum, float32, 1 rank/node)",
+        columns=[
+            Column("ring_ms", "ring ms"),
+            Column("ring_mibs", "ring MiB/s"),
+            Column("tree_ms", "tree ms"),
+            Column("tree_mibs", "tree MiB/s"),
+        ],
+        ratio="tree / ring time = ring / tree bandwidth (above 1: the ring is faster)",
+        settings={
+            "samples": samples,
+            "warmup": warmup,
+            "calls_per_sample": dict((fmt_size(n), k) for n, k in plan),
+            "nodes": counts,
+        },
+    )
+    for count in counts:
+        progress(f"{count} daemons: tree and ring, interleaved")
+        measured = measure_algorithms(count, plan, samples, warmup, TREE_ALGORITHMS)
+        for (nbytes, _), seconds in zip(plan, measured, strict=True):
+            tree, ring = seconds
+            figures = {"ring_ms": ring * 1e3, "ring_mibs": nbytes / ring / MiB}
+            figures |= {"tree_ms": tree * 1e3, "tree_mibs": nbytes / tree / MiB}
+            label = f"{count} nodes, {fmt_size(nbytes)}"
+            table.add(label, nbytes, tree / ring, **figures)
+            progress(
+                f"{label}: ring {fmt_number(ring * 1e3)} ms, tree {fmt_number(tree * 1e3)} ms, "
+                f"ratio {fmt_number(tree / ring)}x"
+            )
+    table.notes.append(
+        "every daemon and rank is a process on this machine (loopback TCP); the tree sends "
+        "2 (n - 1) messages of the whole array a round, the ring 2 (n - 1) / n of it per node"
+    )
+    return table
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.allreduce", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
@@ -245,7 +343,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--baselines", default=",".join(BASELINES), help="comma-separated: gloo, mpi, or none"
     )
+    parser.add_argument(
+        "--tree", action="store_true", help="Tr-Sync (binary tree) vs ring; --ranks: nodes"
+    )
     args = parser.parse_args(argv)
+    if args.tree:
+        tree = run_tree(
+            args.quick,
+            stderr_progress("allreduce-tree"),
+            sizes=[parse_size(s) for s in args.sizes.split(",") if s] or None,
+            nodes=[int(r) for r in args.ranks.split(",") if r] or None,
+            samples=args.samples or None,
+        )
+        print(tree.render(), flush=True)
+        return 0
     table = run(
         args.quick,
         stderr_progress("allreduce"),

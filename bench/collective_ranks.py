@@ -8,7 +8,8 @@ prefix of it, a barrier -- so that one timing loop measures them all alike:
 * :class:`MpiRank`: mpi4py's ``Allreduce`` on ``MPI.COMM_WORLD`` (run under ``mpirun``).
 
 Two bodies run on any backend: :func:`allreduce_body` (bandwidth and latency per size) and
-:func:`skew_body` (eager-SGD §6.1's linearly skewed loop).  fabricd and gloo ranks are spawned
+:func:`skew_body` (eager-SGD §6.1's linearly skewed loop); a third, :func:`algorithms_body`,
+on fabricd only (its allreduce algorithms, interleaved).  fabricd and gloo ranks are spawned
 by :func:`run_spawned`, each reporting its figures through a pipe; MPI ranks are started by
 ``mpirun`` through :func:`run_mpi`, and rank 0 gathers everyone's figures and prints them as
 JSON (``python -m bench.collective_ranks BODY SPEC``).  Every loop is bounded, and every call
@@ -20,7 +21,8 @@ A *spec* is a JSON-able dict, the same for every rank of a run but ``rank`` (and
 * ``backend`` (``"fabricd"``, ``"gloo"``, ``"mpi"``), ``rank``, ``size``, ``capacity`` (bytes);
 * fabricd: ``socket_path``, ``job``; gloo: ``port``;
 * allreduce: ``plan`` (``[[nbytes, calls per sample], ...]``), ``samples``, ``warmup``;
-* skew: ``nbytes``, ``modes``, ``iterations``, ``skew_ms``.
+* skew: ``nbytes``, ``modes``, ``iterations``, ``skew_ms``;
+* algorithms: as allreduce, and ``algorithms`` (``fab.allreduce``'s ``algorithm=`` values).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from multiprocessing.connection import Connection
 
-    from fabricd.client.collectives import Mode
+    from fabricd.client.collectives import AllreduceAlgorithm, Mode
 
 #: a collective call that takes longer than this means the benchmark is broken, not slow
 CALL_TIMEOUT = 120.0
@@ -113,6 +115,11 @@ class FabricdRank(_NumpyChecks):
             view, "sum", cast("Mode", mode), name=name, timeout=CALL_TIMEOUT
         )
         return result.round, result.active
+
+    def allreduce_by(self, view: Any, algorithm: str, name: str) -> None:
+        """A sync sum allreduce by ``algorithm`` (``"auto"``, ``"ring"``, ``"tree"``...)."""
+        how = cast("AllreduceAlgorithm", algorithm)
+        self._fab.allreduce(view, "sum", name=name, timeout=CALL_TIMEOUT, algorithm=how)
 
     def max_over_ranks(self, value: int) -> int:
         """The largest ``value`` of any rank (a sync allreduce ``max``, outside any timing)."""
@@ -232,6 +239,40 @@ def allreduce_body(rank: Rank, spec: Spec) -> dict[str, Any]:
     return {"times": times}
 
 
+def algorithms_body(rank: Rank, spec: Spec) -> dict[str, Any]:
+    """Time fabricd's sync allreduce by each of ``spec["algorithms"]`` at every planned size;
+    return ``{"times": [[[s/call per sample] per algorithm] per size]}``.
+
+    As :func:`allreduce_body` (a checked first call, warm-up, samples after a barrier), each
+    algorithm a collective of its own name, its samples interleaved with the others' (sample
+    ``k`` of every algorithm, then sample ``k + 1``) so that a slow patch of the shared
+    machine falls on all of them alike.
+    """
+    assert isinstance(rank, FabricdRank), "algorithms are fabricd's"
+    algorithms = spec["algorithms"]
+    times: list[list[list[float]]] = []
+    for nbytes, calls in spec["plan"]:
+        view = rank.view(nbytes)
+        names = {a: f"bench-{a}-{nbytes}" for a in algorithms}
+        for algorithm, name in names.items():
+            rank.fill(view, 1.0)
+            rank.allreduce_by(view, algorithm, name)
+            rank.check(view, float(rank.size))
+            rank.fill(view, 0.0)
+            for _ in range(spec["warmup"]):
+                rank.allreduce_by(view, algorithm, name)
+        samples: list[list[float]] = [[] for _ in algorithms]
+        for _ in range(spec["samples"]):
+            for i, (algorithm, name) in enumerate(names.items()):
+                rank.barrier()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    rank.allreduce_by(view, algorithm, name)
+                samples[i].append((time.perf_counter() - start) / calls)
+        times.append(samples)
+    return {"times": times}
+
+
 def skew_body(rank: Rank, spec: Spec) -> dict[str, Any]:
     """eager-SGD §6.1 (Fig. 8): rank ``i`` sleeps ``i * skew_ms`` before each call.
 
@@ -273,6 +314,7 @@ def skew_body(rank: Rank, spec: Spec) -> dict[str, Any]:
 BODIES: dict[str, Callable[[Rank, Spec], dict[str, Any]]] = {
     "allreduce": allreduce_body,
     "skew": skew_body,
+    "algorithms": algorithms_body,
 }
 
 

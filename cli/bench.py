@@ -92,6 +92,11 @@ def bench() -> None:
 @click.option("--ranks", default="", help="comma-separated rank counts [default: 2,4,8]")
 @click.option("--per-node", default="", help="comma-separated ranks per node [default: 1,2,4]")
 @click.option("--samples", type=click.IntRange(1, 100), default=None, help="samples per size")
+@click.option(
+    "--tree",
+    is_flag=True,
+    help="instead: Tr-Sync (the binary-tree allreduce) vs the ring, --ranks daemons of one rank",
+)
 @baselines_option
 @quick_option
 @json_option
@@ -100,6 +105,7 @@ def allreduce(
     ranks: str,
     per_node: str,
     samples: int | None,
+    tree: bool,
     baselines: str,
     quick: bool,
     as_json: bool,
@@ -110,6 +116,19 @@ def allreduce(
     chosen = _baselines(baselines)
     chosen_sizes = _numbers(sizes, report.parse_size)
     counts = _numbers(ranks, int)
+    if tree:
+        nodes = counts or (module.QUICK_TREE_NODES if quick else module.TREE_NODES)
+        cases = len(nodes) * len(
+            chosen_sizes or (module.QUICK_TREE_SIZES if quick else module.TREE_SIZES)
+        )
+        _show(
+            lambda progress: module.run_tree(
+                quick, progress, sizes=chosen_sizes, nodes=counts, samples=samples
+            ),
+            cases,
+            as_json,
+        )
+        return
     layouts_per_node = _numbers(per_node, int)
     layouts = module.layouts(
         counts or (module.QUICK_RANKS if quick else module.RANKS),

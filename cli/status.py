@@ -175,7 +175,10 @@ _ENGINE_TABLES: tuple[tuple[str, tuple[Column, ...]], ...] = (
             ("stale", lambda row: "stale" if row.get("stale") else ""),
         ),
     ),
-    ("collectives", ("job", "name", "what", "round", "nodes", "lost", "waiting", "mean_active")),
+    (
+        "collectives",
+        ("job", "name", "what", "algorithm", "round", "nodes", "lost", "waiting", "mean_active"),
+    ),
     (
         "stochastic_reduces",
         ("job", "name", "rank", "graph", "sync", "round", "used", "torn", "waiting"),

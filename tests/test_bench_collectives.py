@@ -73,6 +73,19 @@ def test_mpirun_stays_on_this_machine() -> None:
     assert "--oversubscribe" in command
 
 
+def test_allreduce_tree_compares_the_tree_with_the_ring_at_every_size() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "allreduce-tree")
+    table = the_table(result, "allreduce-tree")
+    nodes = allreduce.QUICK_TREE_NODES
+    assert [row["nbytes"] for row in table["rows"]] == allreduce.QUICK_TREE_SIZES * len(nodes)
+    for row in table["rows"]:
+        figures = row["figures"]
+        assert figures["ring_ms"] > 0
+        assert figures["tree_ms"] > 0
+        assert row["ratio"] == pytest.approx(figures["tree_ms"] / figures["ring_ms"])
+        assert f"{row['label']}: ring " in progress
+
+
 @pytest.mark.slow
 def test_allreduce_reports_every_layout_and_size() -> None:
     result, progress = run_bench("--quick", "--json", "--only", "allreduce")

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from fabricd.client import checks
 from fabricd.client.arrays import SharedArrays
-from fabricd.client.collectives import Collectives, Late, Mode, Op, Result
+from fabricd.client.collectives import AllreduceAlgorithm, Collectives, Late, Mode, Op, Result
 from fabricd.client.connection import Connection
 from fabricd.client.handle import Handle
 from fabricd.client.p2p import Completion, PointToPoint, Wait
@@ -199,11 +199,15 @@ class Client:
         name: str | None = None,
         timeout: float | None = None,
         late: Late = "sum",
+        algorithm: AllreduceAlgorithm = "auto",
     ) -> Result:
         """Reduce ``array`` over the job's ranks in place (:meth:`Collectives.allreduce`);
         ``mode``: ``"sync"``, ``"solo"`` or ``"majority"``; ``late``: what a partial call
-        gets when its rank missed rounds."""
-        return self.collectives.allreduce(array, op, mode, name=name, timeout=timeout, late=late)
+        gets when its rank missed rounds; ``algorithm``: ``"auto"``, ``"ring"``,
+        ``"doubling"`` or ``"tree"``."""
+        return self.collectives.allreduce(
+            array, op, mode, name=name, timeout=timeout, late=late, algorithm=algorithm
+        )
 
     def allreduce_async(
         self,
@@ -213,9 +217,12 @@ class Client:
         *,
         name: str | None = None,
         late: Late = "sum",
+        algorithm: AllreduceAlgorithm = "auto",
     ) -> Handle[Result]:
         """Start an allreduce; ``.wait(timeout=)`` for its :class:`Result`."""
-        return self.collectives.allreduce_async(array, op, mode, name=name, late=late)
+        return self.collectives.allreduce_async(
+            array, op, mode, name=name, late=late, algorithm=algorithm
+        )
 
     def broadcast(
         self,

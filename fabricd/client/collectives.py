@@ -11,8 +11,9 @@ Names: a collective is named after its kind (with an allreduce's mode and op) an
 (``fab.array``'s name, ``@OFFSET`` for a slice that does not start at the array's beginning),
 e.g. ``allreduce:solo:avg:grad`` or ``broadcast:0:model`` (a broadcast's root), unless
 ``name=`` says otherwise.
-Every rank must call a collective of one name with the same shape, dtype, op and mode; the
-daemon refuses a call that disagrees with what the job's first call said.
+Every rank must call a collective of one name with the same shape, dtype, op, mode and
+algorithm; the daemon refuses a call that disagrees with what the job's first call said.  The
+default name does not say the algorithm: two algorithms on one array need two names.
 
 Partial modes (eager-SGD §4.1, §4.2): with ``mode="solo"`` the first rank to call starts the
 round and every other rank takes part passively, its daemon contributing what the rank gave
@@ -64,6 +65,11 @@ Op = Literal["sum", "avg", "max", "min"]
 #: ``results``): the sum of every result it missed, or only the latest (eager-SGD §4.2)
 Late = Literal["sum", "latest"]
 LATES: Final = ("sum", "latest")
+#: how an allreduce runs between nodes: ``"auto"`` picks by size (recursive doubling for small
+#: arrays, the ring or its direct-exchange form for large: the daemon's ``ring_from_bytes``),
+#: or the ring, recursive doubling, or the binary tree (MLfabric's Tr-Sync, a baseline)
+AllreduceAlgorithm = Literal["auto", "ring", "doubling", "tree"]
+ALGORITHMS: Final = ("auto", "ring", "doubling", "tree")
 MODES: Final = ("sync", "solo", "majority")
 OPS: Final = ("sum", "avg", "max", "min")
 #: the ops a partial (solo, majority) allreduce takes: a passive rank's zeros must not change
@@ -123,6 +129,7 @@ class Collectives:
         name: str | None = None,
         timeout: float | None = None,
         late: Late = "sum",
+        algorithm: AllreduceAlgorithm = "auto",
     ) -> Result:
         """Reduce ``array`` over every rank of the job, in place; see :class:`Result`.
 
@@ -134,15 +141,24 @@ class Collectives:
         the latest result, as eager-SGD's receive buffer (the replicas drift until
         :meth:`sync_model`).  Every rank must pass the same.
 
+        ``algorithm``: how the nodes' contributions meet (the ranks of one node always reduce
+        through shared memory first): ``"auto"``, by size (recursive doubling below the
+        daemon's ``ring_from_bytes``, 2 MiB by default; from there the ring, in its
+        direct-exchange form from 3 to 8 nodes); ``"ring"``; ``"doubling"`` (recursive
+        doubling); ``"tree"``, a reduce up a binary tree of the nodes to the first and the
+        result back down it (MLfabric's Tr-Sync: 2 (nodes - 1) messages of the whole array, a
+        baseline).  Any mode takes any of them.  Every rank must pass the same.
+
         Raises:
             UsageError: a bad argument, or a call that disagrees with the collective's first
-                (shape, dtype, op, mode).
+                (shape, dtype, op, mode, late, algorithm).
             PeerFailed: sync only: a node of the job went down or a rank left during the round;
                 the round's result is undefined (resynchronise the model before going on).
             Timeout: ``timeout`` passed; the call goes on (:meth:`interrupted_collectives`
                 has its handle), as after Ctrl-C (the module docstring).
         """
-        return self._wait(self.allreduce_async(array, op, mode, name=name, late=late), timeout)
+        handle = self.allreduce_async(array, op, mode, name=name, late=late, algorithm=algorithm)
+        return self._wait(handle, timeout)
 
     def allreduce_async(
         self,
@@ -152,8 +168,13 @@ class Collectives:
         *,
         name: str | None = None,
         late: Late = "sum",
+        algorithm: AllreduceAlgorithm = "auto",
     ) -> Handle[Result]:
         """Start an allreduce; leave ``array`` alone until ``handle.wait()`` returns."""
+        if algorithm not in ALGORITHMS:
+            raise UsageError(
+                f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, not {algorithm!r}"
+            )
         if late not in LATES:
             raise UsageError(f"late must be one of {', '.join(map(repr, LATES))}, not {late!r}")
         if mode not in MODES:
@@ -165,8 +186,10 @@ class Collectives:
                 f"a {mode} allreduce takes op 'sum' or 'avg': ranks that take part passively "
                 f"contribute zeros, which {op!r} would count"
             )
-        partial = {} if mode == "sync" else {"late": late}
-        return self._start(f"allreduce:{mode}:{op}", array, name, reduce=op, mode=mode, **partial)
+        extra: dict[str, str] = {} if mode == "sync" else {"late": late}
+        if algorithm != "auto":
+            extra["algorithm"] = algorithm
+        return self._start(f"allreduce:{mode}:{op}", array, name, reduce=op, mode=mode, **extra)
 
     def broadcast(
         self,

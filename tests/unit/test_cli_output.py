@@ -163,7 +163,8 @@ def test_status_lists_the_collectives_with_their_round_and_participation(
             "job": "train",
             "owner": 1000,
             "name": "allreduce:solo:avg:grad",
-            "what": "solo allreduce avg of 8192 float32",
+            "what": "solo allreduce avg of 8192 float32 (late sum), algorithm tree",
+            "algorithm": "binary tree",
             "round": 41,
             "nodes": [0, 1, 2],
             "lost": [3],
@@ -178,6 +179,7 @@ def test_status_lists_the_collectives_with_their_round_and_participation(
     assert "allreduce:solo:avg:grad" in result.output
     assert "[0, 1, 2]" in result.output
     assert "5.5" in result.output
+    assert "binary tree" in result.output
     quiet = _status_with_eager_use()  # none: no table
     monkeypatch.setattr(common, "connect", lambda socket_path=None: _FakeClient(quiet))
     assert "collectives" not in CliRunner().invoke(fabricctl, ["status"]).output

@@ -543,3 +543,25 @@ def test_late_is_checked_sent_for_partial_modes_only_and_results_read():
     assert "late" not in daemon.requests[-1]
     fab.close()
     daemon.stop()
+
+
+def test_algorithm_is_checked_and_sent_only_when_asked_for():
+    def script(daemon: FakeDaemon, request: dict[str, Any]) -> None:
+        if request["op"] == "collective":
+            daemon.reply(request, round=0, included=True, active=2)
+        else:
+            answer_like_a_daemon(daemon, request)
+
+    daemon = FakeDaemon(script)
+    fab = daemon.client(checks.membership("j", 0, 2))
+    array = fab.array("algo", (4,), "float32")
+    with pytest.raises(fabricd.UsageError, match=r"algorithm must be one of .*not 'mlfabric'"):
+        fab.allreduce_async(array, algorithm="mlfabric")  # type: ignore[arg-type]
+    assert "collective" not in daemon.ops()
+    fab.allreduce(array, "sum", "solo", algorithm="tree", timeout=5)
+    assert daemon.requests[-1]["algorithm"] == "tree"
+    assert daemon.requests[-1]["name"] == "allreduce:solo:sum:algo"  # the name does not say it
+    fab.allreduce(array, timeout=5)
+    assert "algorithm" not in daemon.requests[-1]  # "auto": the request of old
+    fab.close()
+    daemon.stop()

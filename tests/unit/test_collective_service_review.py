@@ -568,3 +568,55 @@ def test_a_call_unlike_a_collective_built_from_a_peer_fails_there_too() -> None:
     for notice in notices:
         there.on_data(0, notice, 0, 0.0)
     assert far.answered[7].code == "usage"
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("tree", "auto"), ("auto", "tree"), ("ring", "tree"), ("tree", "doubling"), ("ring", "auto")],
+)
+def test_a_call_with_another_algorithm_fails_every_rank_naming_both(
+    first: str, second: str
+) -> None:
+    """Rank 1 (node 1) calls "grad" with algorithm ``first``; its frame builds it at node 0;
+    rank 0 then asks for ``second``: its call fails with usage naming both, and node 1, told
+    by NOTICEs whose specs it must parse (an explicit algorithm keeps its own ring flags),
+    fails rank 1's call too."""
+    table = Table()
+    here, host = service(table)
+    join(here, table, 2, (0, 1))
+    there, far = service(Table(), node=1)
+    join(there, there.membership, 2, (0, 1))  # type: ignore[arg-type]
+    link = far.links[0] = Link()
+    link.writable = True
+    sent: list[tuple[Meta, bytes]] = []
+
+    def send_now(kind: Kind, meta: Meta, payload: list[memoryview]) -> bool:
+        sent.append((meta, b"".join(bytes(p) for p in payload)))
+        return True
+
+    link.send_now = send_now  # type: ignore[method-assign]
+    call(there, client(1, 2, [1.0] * 4), 7, algorithm=first)
+    meta, payload = sent[0]
+    assert collectives_frames.Coll.from_meta(meta).spec["algorithm"] == first
+    land(here, collectives_frames.Coll.from_meta(meta), payload)
+    back = host.links[1] = Link()
+    back.writable = True
+    with pytest.raises(UsageError, match=f"algorithm {first}.*algorithm {second}"):
+        call(here, client(0, 2, [1.0] * 4), 8, algorithm=second)
+    notices = [collectives_frames.Coll.from_meta(m) for m in back.sent]
+    assert {n.spec["algorithm"] for n in notices} == {first, second}
+    for notice in notices:
+        there.on_data(0, notice, 0, 0.0)
+    assert far.answered[7].code == "usage"
+    assert f"algorithm {first}" in far.answered[7].message
+    assert f"algorithm {second}" in far.answered[7].message
+
+
+def test_an_unknown_algorithm_is_refused_before_anything_is_built() -> None:
+    table = Table()
+    svc, _host = service(table)
+    join(svc, table, 2, (0, 1))
+    for bad in ("mlfabric", 3, None):
+        with pytest.raises(UsageError, match="algorithm must be one of"):
+            call(svc, client(0, 2, [1.0] * 4), 1, algorithm=bad)
+    assert not svc.collectives

@@ -37,6 +37,7 @@ from fabricd.engines.collectives.algorithms import (
     allreduce_direct,
     allreduce_recursive_doubling,
     allreduce_ring,
+    allreduce_tree,
     barrier,
     broadcast,
     choose_allreduce,
@@ -69,6 +70,7 @@ BUILDERS: dict[Algorithm, Callable[[int, int, str], Schedule]] = {
     Algorithm.RING: allreduce_ring,
     Algorithm.DIRECT: allreduce_direct,
     Algorithm.RECURSIVE_DOUBLING: allreduce_recursive_doubling,
+    Algorithm.TREE: allreduce_tree,
 }
 FNS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
@@ -303,6 +305,22 @@ def recursive_doubling_sends(rank: int, size: int) -> int:
     return steps
 
 
+def tree_sends(rank: int, size: int) -> int:
+    """Messages per rank of the binary tree: one up (but the root), one to each child."""
+    return (rank > 0) + sum(child < size for child in (2 * rank + 1, 2 * rank + 2))
+
+
+def sends(algorithm: Algorithm, rank: int, size: int) -> int:
+    """Messages per rank and round, counted from each algorithm's description."""
+    match algorithm:
+        case Algorithm.RECURSIVE_DOUBLING:
+            return recursive_doubling_sends(rank, size)
+        case Algorithm.TREE:
+            return tree_sends(rank, size)
+        case _:
+            return 2 * (size - 1)
+
+
 def run_allreduce(
     algorithm: Algorithm, size: int, op: str, dtype: str, count: int, rounds: int, seed: int
 ) -> None:
@@ -317,12 +335,7 @@ def run_allreduce(
             # every rank holds the same bits: commutative exchanges, one scale per chunk
             np.testing.assert_array_equal(sim.results[rank, q], sim.results[0, q])
             assert sim.ended[rank, q].activated
-            want = (
-                2 * (size - 1)
-                if algorithm is not Algorithm.RECURSIVE_DOUBLING
-                else recursive_doubling_sends(rank, size)
-            )
-            assert sim.sends[rank, q] == want
+            assert sim.sends[rank, q] == sends(algorithm, rank, size)
     for ex in sim.executors:
         stats = ex.statistics()
         assert (stats.rounds, stats.in_flight, stats.held) == (rounds, 0, 0)
@@ -354,6 +367,34 @@ def test_allreduce_any_size_any_order(
     algorithm: Algorithm, size: int, op: str, dtype: str, count: int, rounds: int, seed: int
 ) -> None:
     run_allreduce(algorithm, size, op, dtype, count, rounds, seed)
+
+
+@pytest.mark.parametrize("size", range(1, 10))
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_the_tree_sums_at_every_node_in_2_n_minus_1_messages(size: int, op: str) -> None:
+    """Tr-Sync for 1 to 9 nodes: every node ends with the sum (the same bits), in 2 (n - 1)
+    messages a round in all, of which each rank but the root sends one up."""
+    run_allreduce(Algorithm.TREE, size, op, "float64", count=7, rounds=3, seed=size)
+    total = sum(tree_sends(rank, size) for rank in range(size))
+    assert total == 2 * (size - 1)
+    ups = [
+        sent.peer
+        for rank in range(1, size)
+        for sent in allreduce_tree(rank, size, "sum").ops
+        if sent.kind is Kind.SEND and sent.tag == 0
+    ]
+    assert ups == [(rank - 1) // 2 for rank in range(1, size)]  # each to its parent, once
+
+
+def test_the_tree_is_never_chosen_by_size() -> None:
+    """Tr-Sync is a baseline a caller asks for: the size rule never picks it."""
+    picks = {
+        choose_allreduce(size, nbytes, ring_from_bytes=4096)
+        for size in range(1, 20)
+        for nbytes in (0, 4095, 4096, 1 << 30)
+    }
+    assert Algorithm.TREE not in picks
+    assert allreduce(1, 5, "sum", 0, ring_from_bytes=1) != allreduce_tree(1, 5, "sum")
 
 
 def test_the_choice_rule_takes_the_switch_point_as_given() -> None:
@@ -490,11 +531,7 @@ def test_any_initiators_run_the_allreduce_once_per_round_at_every_rank(
         expected = reference(contributions, op, "int64")
         for rank in range(size):
             np.testing.assert_array_equal(sim.results[rank, q], expected)
-            collective = (
-                2 * (size - 1)
-                if algorithm is not Algorithm.RECURSIVE_DOUBLING
-                else recursive_doubling_sends(rank, size)
-            )
+            collective = sends(algorithm, rank, size)
             assert collective <= sim.sends[rank, q] <= collective + channels
     assert all(ex.round == rounds for ex in sim.executors)
 
@@ -576,6 +613,7 @@ def test_chunks_tile_the_tensor(count: int, parts: int) -> None:
         (lambda: allreduce_ring(3, 3, "sum"), "rank 3 of 3"),
         (lambda: allreduce_recursive_doubling(0, 0, "sum"), "size >= 1"),
         (lambda: allreduce_ring(0, 2, "prod"), "op 'prod'"),
+        (lambda: allreduce_tree(2, 2, "sum"), "rank 2 of 2"),
         (lambda: broadcast(0, 4, 4), "root 4"),
         (
             lambda: activation_broadcast(0, 2, Schedule(ops=(Op.recv(1, slot(1, 0)),))),

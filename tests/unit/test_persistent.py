@@ -10,7 +10,7 @@ exactly one result or still wait at its node (conservation, no loss, no double c
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from random import Random
 from typing import Any
 
@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabricd.engines.collectives.algorithms import Algorithm
 from fabricd.engines.collectives.persistent import (
     Action,
     Collective,
@@ -28,7 +29,8 @@ from fabricd.engines.collectives.persistent import (
     Transmit,
     initiator,
 )
-from fabricd.errors import UsageError
+from fabricd.engines.collectives.spec import algorithm, asked, chosen
+from fabricd.errors import RemoteProtocolError, UsageError
 
 JOB, NAME = "job", "grad"
 #: seconds a sync round may still end after a rank left (the daemon uses suspect_after)
@@ -174,15 +176,15 @@ DTYPES = ["float16", "float32", "float64", "int32", "int64"]
     placement=st.sampled_from(PLACEMENTS),
     op=st.sampled_from(["sum", "avg", "max", "min"]),
     dtype=st.sampled_from(DTYPES),
-    ring=st.booleans(),
+    algorithm=st.sampled_from(["doubling", "ring", "tree"]),
     count=st.integers(0, 13),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_sync_allreduce_equals_numpy_every_round(
-    placement: tuple[int, ...], op: str, dtype: str, ring: bool, count: int, seed: int
+    placement: tuple[int, ...], op: str, dtype: str, algorithm: str, count: int, seed: int
 ) -> None:
     rng = Random(seed)
-    spec = Spec(kind="allreduce", count=count, dtype=dtype, op=op, ring=ring)
+    spec = asked(Spec(kind="allreduce", count=count, dtype=dtype, op=op, algorithm=algorithm))
     fab = Fabric(spec, placement, rng)
     size = len(placement)
     for round in range(3):
@@ -250,6 +252,56 @@ def test_a_sync_collective_refuses_a_call_that_disagrees_and_a_second_open_call(
     assert not Spec(kind="allreduce", count=3, dtype="float32").same_call(fab.spec)
 
 
+@pytest.mark.parametrize("theirs", ["ring", "doubling", "tree"])
+@pytest.mark.parametrize("mine", ["auto", "ring", "doubling", "tree"])
+def test_the_algorithm_is_part_of_what_every_call_agrees_on(mine: str, theirs: str) -> None:
+    """A collective built for one algorithm (its first call's; under ``"auto"`` the size rule
+    picked the ring here) agrees with a call only for the same algorithm, and the words of a
+    disagreement name both."""
+    base = Spec(kind="allreduce", count=4, dtype="float32")
+    built = chosen(replace(base, algorithm=mine), 3, ring_from_bytes=0)
+    call = asked(replace(base, algorithm=theirs))
+    assert built.same_call(asked(replace(base, algorithm=mine)))
+    assert built.same_call(call) == (mine == theirs)
+    if mine != theirs:
+        assert f"algorithm {mine}" in built.describe(call)
+        assert f"algorithm {theirs}" in call.describe(built)
+    assert Spec.from_meta(built.to_meta()) == built  # it travels in every COLL frame
+    assert "algorithm" not in base.describe()  # "auto" alone is not named
+
+
+def test_an_algorithm_is_checked_and_fixes_ring_and_direct() -> None:
+    base = Spec(kind="allreduce", count=1 << 20, dtype="float32")
+    assert algorithm(chosen(base, 4, ring_from_bytes=1)) is Algorithm.DIRECT
+    assert algorithm(chosen(base, 9, ring_from_bytes=1)) is Algorithm.RING
+    assert algorithm(chosen(base, 4, ring_from_bytes=1 << 30)) is Algorithm.RECURSIVE_DOUBLING
+    for name, want in [
+        ("ring", Algorithm.RING),
+        ("doubling", Algorithm.RECURSIVE_DOUBLING),
+        ("tree", Algorithm.TREE),
+    ]:
+        for nbytes in (1, 1 << 30):  # the size rule does not apply
+            spec = chosen(replace(base, algorithm=name), 4, ring_from_bytes=nbytes)
+            spec.check()
+            assert algorithm(spec) is want
+    bad = [
+        replace(base, algorithm="mlfabric"),
+        replace(base, algorithm="tree", ring=True),
+        replace(base, algorithm="ring"),  # its ring not set: asked() sets it
+        replace(base, algorithm="ring", ring=True, direct=True),
+        Spec(kind="broadcast", count=1, algorithm="tree"),
+    ]
+    for spec in bad:
+        with pytest.raises(UsageError, match="algorithm"):
+            spec.check()
+        with pytest.raises(RemoteProtocolError):
+            Spec.from_meta(spec.to_meta())
+    # an older peer's frame, without the field, means "auto"
+    meta = chosen(base, 4, ring_from_bytes=1).to_meta()
+    del meta["algorithm"]
+    assert Spec.from_meta(meta).algorithm == "auto"
+
+
 def test_a_dead_node_fails_every_waiting_sync_call_and_breaks_the_collective() -> None:
     fab = Fabric(Spec(kind="allreduce", count=2, dtype="float32"), (0, 1, 2), Random(0))
     fab.call(0, 1, np.ones(2, "float32"))
@@ -291,6 +343,7 @@ def run_partial(
     *,
     kill: int | None = None,
     late: str = "latest",
+    algorithm: str = "auto",
 ) -> tuple[Fabric, Gifts, dict[int, np.ndarray[Any, Any]], dict[int, tuple[int, int]]]:
     """Every rank calls ``rounds`` times (or rank ``r`` ``rounds[r]`` times), in an order and
     with deliveries and timers drawn from ``rng``; ``kill``: a node that goes down halfway.
@@ -300,7 +353,16 @@ def run_partial(
     calls = [rounds] * size if isinstance(rounds, int) else rounds
     rounds = max(calls)
     gifts = Gifts(size, rounds)
-    spec = Spec(kind="allreduce", count=size * rounds, dtype="int64", mode=mode, late=late)
+    spec = asked(
+        Spec(
+            kind="allreduce",
+            count=size * rounds,
+            dtype="int64",
+            mode=mode,
+            late=late,
+            algorithm=algorithm,
+        )
+    )
     fab = Fabric(spec, placement, rng)
     made = [0] * size
     open_: dict[int, int] = {}  #: rank -> open token
@@ -340,12 +402,15 @@ def run_partial(
     mode=st.sampled_from(["solo", "majority"]),
     placement=st.sampled_from(PLACEMENTS),
     rounds=st.integers(1, 5),
+    algorithm=st.sampled_from(["auto", "tree"]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_partial_results_count_every_gift_exactly_once(
-    mode: str, placement: tuple[int, ...], rounds: int, seed: int
+    mode: str, placement: tuple[int, ...], rounds: int, algorithm: str, seed: int
 ) -> None:
-    fab, gifts, arrays, who = run_partial(mode, placement, rounds, Random(seed))
+    fab, gifts, arrays, who = run_partial(
+        mode, placement, rounds, Random(seed), algorithm=algorithm
+    )
     # each round's result is the same at every node; gather them from the calls that got them
     results: dict[int, np.ndarray[Any, Any]] = {}
     for token, done in fab.delivered.items():
@@ -374,15 +439,20 @@ def test_partial_results_count_every_gift_exactly_once(
 @given(
     mode=st.sampled_from(["solo", "majority"]),
     placement=st.sampled_from([p for p in PLACEMENTS if len(set(p)) >= 3]),
+    algorithm=st.sampled_from(["auto", "tree"]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_partial_modes_go_on_among_the_survivors_and_lose_no_gift(
-    mode: str, placement: tuple[int, ...], seed: int
+    mode: str, placement: tuple[int, ...], algorithm: str, seed: int
 ) -> None:
+    """A member node goes down halfway; the survivors rebuild the schedule among themselves
+    (the tree: rooted at the first survivor, the root itself may be the one lost)."""
     rng = Random(seed)
     victim = rng.choice(sorted(set(placement)))
     rounds = 4
-    fab, gifts, _arrays, who = run_partial(mode, placement, rounds, rng, kill=victim)
+    fab, gifts, _arrays, who = run_partial(
+        mode, placement, rounds, rng, kill=victim, algorithm=algorithm
+    )
     survivors = [n for n in fab.colls if n != victim]
     for token, (rank, k) in who.items():
         if placement[rank] != victim:  # liveness: nothing waits for ever, nothing fails

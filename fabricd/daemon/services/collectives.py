@@ -51,7 +51,6 @@ from fabricd.daemon.services.refusals import OverLimit, Refused, Stranger
 from fabricd.daemon.stalls import call_line
 from fabricd.dtypes import ITEMSIZE, REDUCE_DTYPES
 from fabricd.engines.actions import Failure
-from fabricd.engines.collectives.algorithms import Algorithm, choose_allreduce
 from fabricd.engines.collectives.persistent import (
     NOTICE,
     Collective,
@@ -61,7 +60,7 @@ from fabricd.engines.collectives.persistent import (
     Spec,
     Transmit,
 )
-from fabricd.engines.collectives.spec import held_bytes, in_place
+from fabricd.engines.collectives.spec import asked, chosen, held_bytes, in_place
 from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.membership import NodeBack, NodeGone, RankJoined, RankLeft
 from fabricd.errors import (
@@ -191,8 +190,10 @@ class CollectiveService(BaseService):
         count = len(array)
         fields: dict[str, Any] = {"kind": kind, "count": count, "dtype": dtype}
         if kind == "allreduce":
-            late = meta.get("late", "sum")  # (partial modes; Spec.check checks it)
+            late = meta.get("late", "sum")  # (partial modes; Spec.check checks it, and this)
+            algorithm = meta.get("algorithm", "auto")
             fields.update(op=get_str(meta, "reduce"), mode=get_str(meta, "mode"), late=late)
+            fields.update(algorithm=algorithm)
         elif kind == "broadcast":
             root = get_int(meta, "root")
             if root >= session.size:
@@ -200,7 +201,7 @@ class CollectiveService(BaseService):
             fields.update(root=root)
         else:
             raise UsageError(f"kind {kind!r}: must be allreduce, broadcast or barrier")
-        spec = Spec(**fields)
+        spec = asked(Spec(**fields))
         spec.check()
         return spec, array, name
 
@@ -230,8 +231,9 @@ class CollectiveService(BaseService):
             coll = self._build(key, waiting.spec, ranks, now, choose=True)
         elif not coll.spec.same_call(waiting.spec):
             message = (
-                f"collective {waiting.name!r} of job {session.job!r} is a {coll.spec.describe()}; "
-                f"rank {session.rank} called it as a {waiting.spec.describe()}: every rank must "
+                f"collective {waiting.name!r} of job {session.job!r} is a "
+                f"{coll.spec.describe(waiting.spec)}; rank {session.rank} called it as a "
+                f"{waiting.spec.describe(coll.spec)}: every rank must "
                 "call it alike (or use another name)"
             )
             self._disagree(key, coll, waiting.spec, message)
@@ -262,7 +264,8 @@ class CollectiveService(BaseService):
         if coll.broken is not None:
             return
         self._perform(key, coll.break_with(ErrorCode.USAGE, message))
-        disagreeing = {**spec.to_meta(), "ring": coll.spec.ring, "direct": coll.spec.direct}
+        chose = {"ring": coll.spec.ring, "direct": coll.spec.direct}  # (for an "auto" spec)
+        disagreeing = {**spec.to_meta(), **(chose if spec.algorithm == "auto" else {})}
         lost = tuple(sorted(coll.lost))
         notice = Transmit(
             node=-1, round=0, tag=NOTICE, payload=memoryview(b""), lost=lost, base=coll.base
@@ -316,13 +319,8 @@ class CollectiveService(BaseService):
                 "call it again every step) or raise the setting",
                 code=ErrorCode.LIMIT,
             )
-        if spec.kind == "allreduce" and choose:
-            nbytes = spec.count * ITEMSIZE[spec.dtype]
-            ring_from = self.host.config.ring_from_bytes
-            chosen = choose_allreduce(len(set(ranks)), nbytes, ring_from_bytes=ring_from)
-            direct = chosen is Algorithm.DIRECT
-            ring = direct or chosen is Algorithm.RING
-            spec = Spec(**{**spec.to_meta(), "ring": ring, "direct": direct})
+        if choose:
+            spec = chosen(spec, len(set(ranks)), ring_from_bytes=self.host.config.ring_from_bytes)
         charge = self._charge(key, spec, ranks)
         try:
             coll = Collective(
@@ -434,8 +432,9 @@ class CollectiveService(BaseService):
             if coll.spec != spec and coll.broken is None:  # the ranks' calls disagree
                 message = (
                     f"node {node} runs {frame.name!r} of job {frame.job!r} as a "
-                    f"{spec.describe()}, this node as a {coll.spec.describe()}: every rank "
-                    "must call a collective alike (and every daemon have one ring_from_bytes)"
+                    f"{spec.describe(coll.spec)}, this node as a {coll.spec.describe(spec)}: "
+                    "every rank must call a collective alike (and every daemon have one "
+                    "ring_from_bytes)"
                 )
                 self._disagree(key, coll, spec, message)
             return coll

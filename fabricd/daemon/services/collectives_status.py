@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from fabricd.daemon.metrics import counter, gauge
-from fabricd.engines.collectives.algorithms import Algorithm
+from fabricd.engines.collectives.spec import algorithm as chosen_algorithm
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -213,6 +213,5 @@ def families(
 
 def algorithm(spec: Spec) -> str:
     """The allreduce algorithm ``spec`` runs, as status names it."""
-    chosen = Algorithm.RING if spec.ring else Algorithm.RECURSIVE_DOUBLING
-    name: str = (Algorithm.DIRECT if spec.direct else chosen).value
+    name: str = chosen_algorithm(spec).value
     return name

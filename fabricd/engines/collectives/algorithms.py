@@ -51,6 +51,15 @@ Theory of operation, with the cost of a message of ``m`` bytes as ``alpha + m * 
   step ``k`` (``new``: the rank among them) and reduce; the odd ranks send the result back.
   ``log2 p`` messages per rank (one more for the odd folding ranks, one in all for the even
   ones), each of ``m`` bytes: fewest steps, for small messages.
+* **Binary tree** (:func:`allreduce_tree`; MLfabric §7.2's *Tr-Sync*, "MPI AllReduce that
+  aggregates and distributes updates along a binary tree", NCCL's tree and MPICH's
+  reduce-then-broadcast in one schedule): rank ``i``'s children are ``2i + 1`` and ``2i + 2``.
+  Each rank reduces its children's tensors into its own and sends the sum to its parent; rank
+  0, the root, ends with the whole sum and sends it back down the same tree, each rank
+  forwarding it to its children straight from its landing slot.  ``2 (size - 1)`` messages in
+  all, each of ``m`` bytes, ``2 floor(log2 size)`` steps: neither bandwidth nor latency
+  optimal, a baseline (MLfabric's) that :func:`choose_allreduce` never picks; a caller asks for
+  it.  Every rank gets the root's bits.
 * **Broadcast** (:func:`broadcast`; the binomial tree of MPICH, Thakur et al. 2005): relative
   rank ``v = rank - root``; ``v`` takes the tensor from ``v`` without its lowest set bit and
   forwards it, straight from its slot, to ``v + 2**j`` for each ``2**j`` below that bit, the
@@ -166,6 +175,7 @@ class Algorithm(enum.Enum):
     RING = "ring"
     DIRECT = "direct exchange"
     RECURSIVE_DOUBLING = "recursive doubling"
+    TREE = "binary tree"  #: only when asked for (:func:`allreduce_tree`)
 
 
 #: the most nodes the direct exchange is chosen for (measured to 8: docs/performance.md (i));
@@ -204,6 +214,8 @@ def allreduce(rank: int, size: int, op: str, nbytes: int, *, ring_from_bytes: in
             return allreduce_direct(rank, size, op)
         case Algorithm.RECURSIVE_DOUBLING:
             return allreduce_recursive_doubling(rank, size, op)
+        case Algorithm.TREE:
+            return allreduce_tree(rank, size, op)
 
 
 class _Builder:
@@ -384,6 +396,43 @@ def allreduce_recursive_doubling(rank: int, size: int, op: str) -> Schedule:
         last = b.add(Op.compute("div", DATA, (DATA,), after=(last,)))
     if rank < 2 * rem:
         b.add(Op.send(rank - 1, DATA, tag=back, after=(last,)))
+    return b.build()
+
+
+def allreduce_tree(rank: int, size: int, op: str) -> Schedule:
+    """Binary-tree allreduce of the whole ``"data"`` (Tr-Sync; see the module): a reduce up the
+    tree rooted at rank 0 (tag 0), then the root's result down it (tag 1).
+
+    A rank reduces its children's tensors into ``"data"`` in a fixed order (``2i + 1``, then
+    ``2i + 2``), whatever the arrivals; the root divides once for ``"avg"``; every other rank
+    copies the root's result into ``"data"`` once its own send up (which read ``"data"``) is
+    done, and forwards the result to its children from the slot it landed in.  Nothing is
+    written while a send that read it may still be queued: ``"data"`` only after the parent's
+    answer, which the parent sent after it received what ``"data"`` sent; a slot only two rounds
+    later, after this rank heard its children's messages of the next round, which they sent
+    only after receiving this round's.  Messages: one up and one down per rank but the root.
+    """
+    _check(rank, size, op)
+    b = _Builder()
+    fn = _reduce_fn(op)
+    children = [child for child in (2 * rank + 1, 2 * rank + 2) if child < size]
+    last = _CALL  #: the op after which "data" holds this rank's subtree's sum
+    for child in children:
+        got = b.add(Op.recv(child, slot(child, 0), tag=0))
+        inputs = (DATA, slot(child, 0))
+        last = b.add(Op.compute(fn, DATA, inputs, after=tuple(sorted({_CALL, last, got}))))
+    if rank == 0:
+        if op == "avg" and size > 1:
+            last = b.add(Op.compute("div", DATA, (DATA,), after=(last,)))
+        source, ready = DATA, last
+    else:
+        parent = (rank - 1) // 2
+        sent = b.add(Op.send(parent, DATA, tag=0, after=(last,)))
+        source = slot(parent, 1)
+        ready = b.add(Op.recv(parent, source, tag=1))
+        b.add(Op.compute("copy", DATA, (source,), after=(ready, sent)))
+    for child in children:
+        b.add(Op.send(child, source, tag=1, after=(ready,)))
     return b.build()
 
 

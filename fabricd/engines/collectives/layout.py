@@ -40,7 +40,9 @@ def schedule_for(
             return collectives.broadcast(me, n, members.index(ranks[spec.root]))
     fn = "sum" if spec.partial else spec.op
     schedule: Schedule
-    if spec.ring:
+    if spec.tree:
+        schedule = collectives.allreduce_tree(me, n, fn)
+    elif spec.ring:
         ack = not spec.partial and any(ranks.count(m) == 1 for m in members)
         if spec.direct:
             schedule = collectives.allreduce_direct(me, n, fn, acknowledge=ack)

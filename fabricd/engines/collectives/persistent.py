@@ -87,10 +87,12 @@ took it, so a send hands over a view only where nothing writes those bytes befor
 surely has them.  ``data`` and ``result`` swap at each round's end, so round ``r``'s tensor
 is written again only in round ``r + 2``, once round ``r + 1`` ended; that needed every
 member's round ``r + 1`` messages (ring allreduce, and the activation broadcast's allreduce,
-need every member each round; a broadcast's acknowledgements climb its whole tree), each
+need every member each round; the binary tree each node it sends to, its parent and children;
+a broadcast's acknowledgements climb its whole tree), each
 sent after its sender ended round ``r``, which needed this node's round ``r`` messages: on
 a FIFO link, those were gone first.  Ring steps write a chunk only after the send that read
-it was answered round the ring; broadcast slots are the same per round parity.  Recursive
+it was answered round the ring; broadcast slots are the same per round parity (and the binary
+tree's: its ``allreduce_tree`` says why its sends may be views).  Recursive
 doubling reduces into the very tensor it sent as soon as the partner's arrives, so its sends
 are copies.  A view change allocates a fresh ``data`` and ``result``: frames of the abandoned
 round, and round ``r - 1``'s to a node the new view lost (no round waits for it any more), may
@@ -786,7 +788,7 @@ class Collective:
         """What a send hands the transport: a view where nothing writes the bytes before the
         peer has them, a copy where something may (recursive doubling reduces into the very
         tensor it just sent, as soon as the partner's arrives)."""
-        if self.spec.kind == "allreduce" and not self.spec.ring:
+        if self.spec.doubling:
             return memoryview(source.tobytes())
         return source.data.cast("B")
 

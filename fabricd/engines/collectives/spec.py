@@ -11,7 +11,7 @@ within its size budget.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import numpy as np
@@ -24,6 +24,9 @@ from fabricd.errors import RemoteProtocolError, UsageError
 
 KINDS: Final = ("allreduce", "broadcast", "barrier")
 MODES: Final = ("sync", "solo", "majority")
+#: what an allreduce's caller may ask for: ``"auto"``, the size rule
+#: (:func:`~fabricd.engines.collectives.algorithms.choose_allreduce`), or one algorithm
+ALGORITHMS: Final = ("auto", "ring", "doubling", "tree")
 #: the tag of a frame that carries only its sender's view (no schedule uses it)
 NOTICE: Final = 2**31 - 1
 #: how a sync allreduce folds the local ranks' arrays into the node's contribution
@@ -47,28 +50,49 @@ class Spec:
     #: partial modes: what a rank that missed rounds gets: ``"sum"``, the sum of the results
     #: it missed, or ``"latest"``, the latest one (eager-SGD §4.2's receive buffer)
     late: str = "sum"
+    #: allreduce: the algorithm its callers asked for (:data:`ALGORITHMS`): ``"auto"`` leaves
+    #: ``ring`` and ``direct`` to the first call's size rule; ``"ring"`` is the ring proper
+    #: (not its direct-exchange form), ``"doubling"`` recursive doubling, ``"tree"`` the
+    #: binary tree (Tr-Sync), which neither flag marks
+    algorithm: str = "auto"
 
     @property
     def partial(self) -> bool:
         return self.mode != "sync"
 
-    def describe(self) -> str:
+    @property
+    def tree(self) -> bool:
+        """Whether it runs the binary-tree allreduce."""
+        return self.kind == "allreduce" and self.algorithm == "tree"
+
+    @property
+    def doubling(self) -> bool:
+        """Whether it runs recursive doubling (whose sends must be copies: the engine's
+        module docstring, "Buffers")."""
+        return self.kind == "allreduce" and not self.ring and not self.tree
+
+    def describe(self, against: Spec | None = None) -> str:
+        """In words; an allreduce's algorithm is named when asked for, or when ``against``
+        (the spec it is told apart from) asked for another."""
+        named = self.algorithm != "auto" or (against is not None and against.algorithm != "auto")
+        by = f", algorithm {self.algorithm}" if named else ""
         match self.kind:
             case "allreduce" if self.partial:
                 return (
                     f"{self.mode} allreduce {self.op} of {self.count} {self.dtype} "
-                    f"(late {self.late})"
+                    f"(late {self.late}){by}"
                 )
             case "allreduce":
-                return f"{self.mode} allreduce {self.op} of {self.count} {self.dtype}"
+                return f"{self.mode} allreduce {self.op} of {self.count} {self.dtype}{by}"
             case "broadcast":
                 return f"broadcast of {self.count} {self.dtype} from rank {self.root}"
             case _:
                 return "barrier"
 
     def same_call(self, other: Spec) -> bool:
-        """Whether ``other`` (a call's spec) agrees with this one (the algorithm is not the
-        caller's: it was chosen once, by the first call)."""
+        """Whether ``other`` (a call's spec) agrees with this one: ``algorithm``, what the caller
+        asked for, must be the same; ``ring`` and ``direct`` are not compared (under
+        ``"auto"`` the first call chose them once, for everyone)."""
         return self == Spec(**{**_fields(other), "ring": self.ring, "direct": self.direct})
 
     def to_meta(self) -> dict[str, Any]:
@@ -103,6 +127,7 @@ class Spec:
             raise UsageError(f"dtype must be one of {', '.join(_DTYPES)}")
         if self.direct and not self.ring:  # (direct exchange replaces the ring: no ring, no it)
             raise UsageError("direct exchange is a form of the ring allreduce: direct needs ring")
+        self._check_algorithm()
         if self.op not in collectives.REDUCTIONS:
             raise UsageError(f"op must be one of {', '.join(collectives.REDUCTIONS)}")
         if self.partial and (self.kind != "allreduce" or self.op not in ("sum", "avg")):
@@ -110,8 +135,47 @@ class Spec:
         if self.late not in LATE:
             raise UsageError(f"late must be one of {', '.join(map(repr, LATE))}")
 
+    def _check_algorithm(self) -> None:
+        """Raises UsageError: an algorithm that is not one, or that ``ring`` and ``direct``
+        contradict (:func:`asked` sets them)."""
+        if not isinstance(self.algorithm, str) or self.algorithm not in ALGORITHMS:
+            raise UsageError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}")
+        if self.kind != "allreduce" and self.algorithm != "auto":
+            raise UsageError(f"a {self.kind} has one algorithm: algorithm is for an allreduce")
+        if self.algorithm != "auto" and (self.ring != (self.algorithm == "ring") or self.direct):
+            raise UsageError(f"algorithm {self.algorithm!r} contradicts ring and direct")
+
 
 _DTYPES: Final = (*REDUCE_DTYPES, "uint8")
+
+
+def asked(spec: Spec) -> Spec:
+    """``spec`` with ``ring`` and ``direct`` set as its caller's algorithm says, if it named
+    one (``"auto"``: left to :func:`chosen`, once every rank's node is known)."""
+    if spec.kind != "allreduce" or spec.algorithm == "auto":
+        return spec
+    return replace(spec, ring=spec.algorithm == "ring", direct=False)
+
+
+def chosen(spec: Spec, nodes: int, *, ring_from_bytes: int) -> Spec:
+    """``spec`` with its algorithm fixed for ``nodes`` member nodes: the one its caller named,
+    or under ``"auto"`` what :func:`~fabricd.engines.collectives.algorithms.choose_allreduce`
+    picks for its size (the first call's: ``ring_from_bytes`` is its daemon's setting)."""
+    if spec.kind != "allreduce" or spec.algorithm != "auto":
+        return asked(spec)
+    nbytes = spec.count * np.dtype(spec.dtype).itemsize
+    picked = collectives.choose_allreduce(nodes, nbytes, ring_from_bytes=ring_from_bytes)
+    direct = picked is collectives.Algorithm.DIRECT
+    return replace(spec, ring=direct or picked is collectives.Algorithm.RING, direct=direct)
+
+
+def algorithm(spec: Spec) -> collectives.Algorithm:
+    """The allreduce algorithm ``spec`` runs (once :func:`chosen`)."""
+    if spec.tree:
+        return collectives.Algorithm.TREE
+    if spec.direct:
+        return collectives.Algorithm.DIRECT
+    return collectives.Algorithm.RING if spec.ring else collectives.Algorithm.RECURSIVE_DOUBLING
 
 
 def in_place(spec: Spec, local_ranks: int) -> bool:
@@ -137,7 +201,8 @@ def held_bytes(spec: Spec, nodes: int, *, inplace: bool, local: int = 1) -> int:
     exchange's receives of one round add up to under ``2T`` (in place only the
     reduce-scatter's, under ``T``, one slot for both parities), recursive doubling's to at
     most ``T`` per step (``ceil(log2 nodes)`` steps and two more for a size that is no power
-    of two), a broadcast's one message of ``T``; a barrier's messages are empty.
+    of two), the binary tree's to ``3T`` (two children's and the parent's), a broadcast's
+    one message of ``T``; a barrier's messages are empty.
     """
     tensor = (spec.count + (1 if spec.partial else 0)) * np.dtype(spec.dtype).itemsize
     own = (1 if inplace else 2) + (2 + MAX_HELD if spec.partial else 0)
@@ -150,6 +215,8 @@ def held_bytes(spec: Spec, nodes: int, *, inplace: bool, local: int = 1) -> int:
             slots = 2
         case _ if inplace:
             slots = 1
+        case _ if spec.tree:  # two children's messages and the parent's
+            slots = 6
         case _ if spec.ring:
             slots = 4
         case _:
@@ -168,6 +235,7 @@ def _fields(spec: Spec) -> dict[str, Any]:
         "ring": spec.ring,
         "direct": spec.direct,
         "late": spec.late,
+        "algorithm": spec.algorithm,
     }
 
 
