@@ -85,6 +85,7 @@ NOT_EXPORTED: dict[str, str] = {
                 f"ps_servers[].{k}"
                 for k in ("pulls", "pull_bytes", "pull_dense_bytes", "logged", "unreplicated")
             ),
+            *(f"ps_servers[].{k}" for k in ("aggregates", "aggregates_refused")),
             *(
                 f"ps_workers[].{k}"
                 for k in ("owner", "rank", "clock", "versions[]", "epochs[]", "pushes", "pulls")
@@ -366,6 +367,7 @@ def _ps_rows(status: dict[str, Any], m: Exported) -> set[str]:
     assert m.one(dropped, reason="delay_worker", **ps) == summed(workers, "delay_dropped")
     assert m.one(dropped, reason="delay_server", **ps) == summed(servers, "dropped_delay")
     assert m.one(dropped, reason="lost", **ps) == summed(servers, "dropped_lost")
+    assert m.one(dropped, reason="scheduled", **ps) == summed(servers, "dropped_scheduled")
     published = "fabricd_ps_parameters_published_total"
     assert m.one(published, what="published", **ps) == summed(servers, "published")
     assert m.one(published, what="considered", **ps) == summed(servers, "considered")
@@ -374,7 +376,8 @@ def _ps_rows(status: dict[str, Any], m: Exported) -> set[str]:
     assert m.one("fabricd_ps_update_delay_count", **ps) == applied
     worker = ("push_bytes", "push_dense_bytes", "pull_bytes", "pull_dense_bytes", "considered")
     worker += ("smp_selected", "rp_selected", "pushed", "delay_dropped")
-    server = ("dropped_delay", "dropped_lost", "published", "considered", "delay_sum", "delays[]")
+    server = ("dropped_delay", "dropped_lost", "dropped_scheduled", "published", "considered")
+    server += ("delay_sum", "delays[]")
     return {f"ps_workers[].{f}" for f in worker} | {f"ps_servers[].{f}" for f in server}
 
 
