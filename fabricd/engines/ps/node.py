@@ -548,12 +548,7 @@ class PSNode:
             if not self._held.hold((job, rank), frame, payload):
                 self.counters["ps_frames_dropped"] += 1
             return
-        if entry.node == self.node:
-            self._local.append((entry.node, frame, payload))
-        elif frame.KIND in DATA_KINDS:
-            self._out.append(SendData(node=entry.node, frame=frame, payload=payload))
-        else:
-            self._out.append(SendFrame(node=entry.node, frame=frame))
+        self._to_node(entry.node, frame, payload)
 
     def _to_node(self, node: int, frame: registry.PeerFrame, payload: bytes = b"") -> None:
         """Send ``frame`` to ``node`` itself (an aggregator), or hand it over here; a node
@@ -561,9 +556,11 @@ class PSNode:
         after their wait: module aggregating's)."""
         if node == self.node:
             self._local.append((node, frame, payload))
-        elif self.ranks.reachable(node) and frame.KIND in DATA_KINDS:
+        elif not self.ranks.reachable(node):
+            return
+        elif frame.KIND in DATA_KINDS:
             self._out.append(SendData(node=node, frame=frame, payload=payload))
-        elif self.ranks.reachable(node):
+        else:
             self._out.append(SendFrame(node=node, frame=frame))
 
     def on_frame(

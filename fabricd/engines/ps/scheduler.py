@@ -105,8 +105,7 @@ class _Grant:
     ready: _Ready
     dst: int  #: where its push goes: the server's host, or its aggregator's
     start: float  #: the planned start of its transfer
-    end: float  #: the planned end of its transfer
-    expires: float
+    end: float  #: the planned end of its transfer (it stops counting a grace after it)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -117,8 +116,7 @@ class _Group:
     members: dict[int, tuple[int, int]]  #: worker -> (iteration, base)
     size: float  #: the aggregate's planned bytes
     start: float  #: its forward's planned start
-    end: float  #: its forward's planned end
-    expires: float
+    end: float  #: its forward's planned end (it stops counting a grace after it)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -288,7 +286,6 @@ class ShardScheduler:
             dst=self.server if via is None else via,
             start=min(planned.transfer.start, end),
             end=end,
-            expires=end + self._grace,
         )
         self._grants += 1
         wait = max(0.0, planned.transfer.start - now)
@@ -347,7 +344,6 @@ class ShardScheduler:
             size=size,
             start=end if start is None else start,
             end=end,
-            expires=end + self._grace,
         )
 
     def expects(self, group: int, sender: int, members: tuple[tuple[int, int, int], ...]) -> bool:
@@ -378,11 +374,13 @@ class ShardScheduler:
             self._granted.pop((worker, iteration), None)
 
     def _expire(self, now: float) -> None:
-        for key in [k for k, g in self._granted.items() if g.expires <= now]:
+        """Forget the grants and groups whose push or aggregate never came in time."""
+        gone = now - self._grace
+        for key in [k for k, g in self._granted.items() if g.end <= gone]:
             del self._granted[key]
             if self._worker.get(key[0]) == key[1]:
                 del self._worker[key[0]]
-        for number in [n for n, g in self._gathers.items() if g.expires <= now]:
+        for number in [n for n, g in self._gathers.items() if g.end <= gone]:
             del self._gathers[number]
 
     def _network(
