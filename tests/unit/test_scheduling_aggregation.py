@@ -6,7 +6,7 @@ without aggregators."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fabricd.engines.scheduling.aggregation import Aggregation, aggregate, det_agg
@@ -64,6 +64,14 @@ def _check(plan: Aggregation, planned: list[Planned], aggregators: list[int]) ->
     aggregators=aggregator_lists,
     sjf=st.booleans(),
 )
+# two cases whose last arrivals differ by one rounding step (CI found it)
+@example(
+    batch=[(4, 4), (2, 1), (4, 32)],
+    up=[1, 2, 1, 1, 3, 1, 1],
+    down=[3, 1, 1, 1, 1, 1, 1],
+    aggregators=[1],
+    sjf=False,
+)
 def test_alg3_picks_the_best_case_and_keeps_its_promises(
     batch: list[tuple[int, int]],
     up: list[int],
@@ -85,10 +93,12 @@ def test_alg3_picks_the_best_case_and_keeps_its_promises(
     for case in cases:
         _check(case, planned, aggregators)
     best = min(case.t_max for case in cases)
-    assert plan.t_max == best
+    # the engine compares times reached by different float sums with a rounding margin
+    # (aggregation._beyond): a case within it of the best is a tie
+    assert plan.t_max == pytest.approx(best, rel=1e-9, abs=1e-12)
     # ties go to the smallest n, a case that grouped nothing being the all-direct case |U|
     first = min(
-        (c for c in cases if c.t_max == best),
+        (c for c in cases if c.t_max == pytest.approx(best, rel=1e-9, abs=1e-12)),
         key=lambda c: c.first if c.groups else len(planned),
     )
     assert plan.first == first.first
