@@ -365,9 +365,11 @@ class Client:
         the starting model, a ``fab.array()``; zeros if omitted.  ``filters``: TDF's filters
         (:class:`FilterSettings`, all off by default); ``seed`` seeds G-RP.
         ``scheduling``: ``"arrival"`` (pushes applied as they come) or ``"mlfabric"``
-        (async only: each push waits for the shard's scheduler, which orders a batch of them
-        shortest transfer first with τmax deadlines and drops what cannot make its deadline
-        before it is sent; MLfabric §5.1, docs/mlfabric.md).  ``aggregation`` (with
+        (async or bsp: each push waits for the shard's scheduler; under async it orders a
+        batch of them shortest transfer first with τmax deadlines and drops what cannot make
+        its deadline before it is sent, MLfabric-A of §5.1; under bsp it paces an iteration's
+        pushes in the order they became ready and drops none, MLfabric-S of §6;
+        docs/mlfabric.md).  ``aggregation`` (with
         ``"mlfabric"``): the scheduler may have groups of pushes summed at worker daemons and
         sent to the server as one (MLfabric §5.2, Alg. 3).
 

@@ -95,12 +95,12 @@ def test_every_push_applied_once_or_dropped_and_the_model_is_their_sum(
         )
 
 
-def test_scheduling_needs_async(make_cluster: Any) -> None:
+def test_scheduling_needs_async_or_bsp(make_cluster: Any) -> None:
     cluster = make_cluster(1)
-    with ranks(cluster, (0, 0), "ps-mlfabric-bsp") as fabs:
-        with pytest.raises(fabricd.UsageError, match="async"):
+    with ranks(cluster, (0, 0), "ps-mlfabric-ssp") as fabs:
+        with pytest.raises(fabricd.UsageError, match="not ssp"):
             fabs[0].parameter_server(
-                "m", (8,), "float64", "server", consistency="bsp", scheduling="mlfabric"
+                "m", (8,), "float64", "server", consistency="ssp", scheduling="mlfabric"
             )
         with pytest.raises(fabricd.UsageError, match="scheduling"):
             fabs[1].parameter_server("m", (8,), "float64", scheduling="fifo")
@@ -118,14 +118,17 @@ def _subset_sums(updates: list[np.ndarray[Any, Any]]) -> list[np.ndarray[Any, An
 
 
 @pytest.mark.parametrize("kill", [None, 2])
+@pytest.mark.parametrize("consistency", ["async", "bsp"])
 def test_aggregation_applies_each_push_once_even_when_an_aggregator_dies(
-    make_cluster: Any, kill: int | None
+    make_cluster: Any, kill: int | None, consistency: str
 ) -> None:
     """Eight workers push at once every round, so the shard's scheduler groups their pushes
-    at worker daemons (Alg. 3); with ``kill``, that node's daemon is SIGKILLed mid-run (an
-    aggregator, and its workers, die): the others' pushes it held go straight to the server
-    after their wait.  Every acknowledged push is applied once: the model is their sum, plus
-    at most the dead workers' pushes in flight (each whole or not at all)."""
+    at worker daemons (Alg. 3; under BSP, MLfabric-S of §6: a round is an iteration, its
+    result waits for every live worker's push); with ``kill``, that node's daemon is
+    SIGKILLed mid-run (an aggregator, and its workers, die): the others' pushes it held go
+    straight to the server after their wait.  Every acknowledged push is applied once: the
+    model is their sum, plus at most the dead workers' pushes in flight (each whole or not at
+    all)."""
     cluster = make_cluster(3)
     with ranks(cluster, AGGREGATING, "ps-aggregate") as fabs:
         pss = {
@@ -135,7 +138,7 @@ def test_aggregation_applies_each_push_once_even_when_an_aggregator_dies(
                 "float64",
                 "server" if rank == 0 else "worker",
                 servers=[0],
-                consistency="async",
+                consistency=consistency,
                 scheduling="mlfabric",
                 aggregation=True,
             )

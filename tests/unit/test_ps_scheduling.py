@@ -36,13 +36,14 @@ def scheduled(
     figures: dict[int, tuple[float, float]],
     aggregation: bool = False,
     interval: float = 0.5,
+    consistency: Consistency = Consistency.ASYNC,
 ) -> Fabric:
     fabric = Fabric(
         workers=3,
         shards=2,
         size=5,
         rounds=4,
-        consistency=Consistency.ASYNC,
+        consistency=consistency,
         delay_bound=bound,
         replicas=replicas,
         scheduled=True,

@@ -47,8 +47,11 @@ def check_spec(spec: Meta) -> None:
         raise UsageError("delay_bound belongs to consistency='async'")
     if spec["scheduling"] not in SCHEDULINGS:
         raise UsageError(f"scheduling {spec['scheduling']!r}: one of {', '.join(SCHEDULINGS)}")
-    if spec["scheduling"] == "mlfabric" and spec["consistency"] != "async":
-        raise UsageError("scheduling='mlfabric' orders and drops async updates (MLfabric §5.1)")
+    if spec["scheduling"] == "mlfabric" and spec["consistency"] == "ssp":
+        raise UsageError(
+            "scheduling='mlfabric' schedules async (MLfabric-A, §5) or bsp (MLfabric-S, §6) "
+            "models, not ssp"
+        )
     if spec["aggregation"] and spec["scheduling"] != "mlfabric":
         raise UsageError("aggregation=True needs scheduling='mlfabric' (MLfabric §5.2)")
 

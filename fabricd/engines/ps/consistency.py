@@ -66,6 +66,16 @@ silently.  What it pushes afterwards (a frame still in flight) is dropped (:clas
 :attr:`DropReason.LOST`, counted) and its pulls are refused.  A lost worker does not come back
 to the same coordinator: a job whose membership grows starts a new one.
 
+Aggregates (MLfabric §5.2, :meth:`Coordinator.push_aggregate`): one sum of several workers'
+updates.  Under async it is applied at once as one step that advances the version by the
+number of members, or dropped whole (a member's worker lost, or a member over the bound): a
+sum cannot be taken apart.  Under BSP (MLfabric-S, §6) it holds one iteration's updates and
+waits, like a push, for that iteration's others; the iteration's step adds each aggregate's sum
+once (:attr:`Apply.parts`).  A member whose worker was lost since is applied with its fellows
+there (the server refuses such an aggregate before it reaches here: this covers a loss taken
+between the two): dropping the aggregate would drop live workers' updates their iteration
+waits for.
+
 Duplicates: a push of an iteration the worker pushed already is an error, not a duplicate to
 absorb.  A service that sends pushes again after a link reset must recognise its own resends
 (by frame sequence) before they reach the coordinator.
@@ -340,15 +350,21 @@ class Apply:
     updates: tuple[Update, ...]
     #: an aggregate's (MLfabric §5.2): every update carries the members' sum, once
     summed: bool = False
+    #: BSP with aggregates in the iteration: the arrays to add (each aggregate's sum once,
+    #: each lone push's values), as the updates of an aggregate share its sum; else empty
+    parts: tuple[np.ndarray[Any, Any], ...] = ()
 
     def combined(self) -> np.ndarray[Any, Any]:
         """The update to step with: the one push's values (or an aggregate's sum), or a new
         array with their sum."""
         if len(self.updates) == 1 or self.summed:
             return self.updates[0].values
-        total = np.array(self.updates[0].values, copy=True)
-        for update in self.updates[1:]:
-            total += update.values
+        arrays = self.parts or tuple(u.values for u in self.updates)
+        if len(arrays) == 1:
+            return arrays[0]
+        total = np.array(arrays[0], copy=True)
+        for values in arrays[1:]:
+            total += values
         return total
 
 
@@ -467,6 +483,8 @@ class Coordinator:
         self._complete = 0
         #: BSP: iteration -> worker -> its push (base version, values)
         self._pending: dict[int, dict[int, tuple[int, np.ndarray[Any, Any]]]] = {}
+        #: BSP: iteration -> the member workers of each aggregate held (their values: its sum)
+        self._grouped: dict[int, list[tuple[int, ...]]] = {}
         self._held: dict[int, _Held] = {}  #: worker -> its held pull, in arrival order
         self._applied = 0
         self._dropped = {r.value: 0 for r in DropReason}
@@ -506,16 +524,22 @@ class Coordinator:
         self, members: tuple[tuple[int, int, int], ...], values: np.ndarray[Any, Any], now: float
     ) -> list[Action]:
         """An aggregate of ``members`` (worker, iteration, base each; MLfabric §5.2) whose
-        updates sum to ``values`` (async only: aggregation is scheduled): applied as one step
-        that advances the version by the number of members, or, if any member's worker was
-        lost or any member's delay is over the bound, dropped whole (each member's drop
-        counted and said): a sum cannot be taken apart.
+        updates sum to ``values`` (async, BSP: the consistencies MLfabric schedules).  Async:
+        applied as one step that advances the version by the number of members, or, if any
+        member's worker was lost or any member's delay is over the bound, dropped whole (each
+        member's drop counted and said): a sum cannot be taken apart.  BSP: held with its
+        iteration's other pushes (module docstring).
 
         Raises:
-            RemoteProtocolError: as :meth:`push`, for any member.
+            RemoteProtocolError: as :meth:`push`, for any member; no members; (BSP) members
+                of more than one iteration, or a worker twice; SSP.
         """
+        if not members or self.consistency is Consistency.SSP:
+            raise RemoteProtocolError("an aggregate holds members, of an async or bsp model")
         for worker, iteration, base in members:
             self.check_push(worker, iteration, base)
+        if self.consistency is Consistency.BSP:
+            return self._hold_aggregate(members, values)
         for worker, iteration, _ in members:
             self._next[worker] = iteration + 1
         lost = any(w not in self._live for w, _, _ in members)
@@ -540,6 +564,22 @@ class Coordinator:
         self._advance()
         apply = Apply(version=self._version, iteration=members[0][1], updates=updates, summed=True)
         return [apply, *self._release()]
+
+    def _hold_aggregate(
+        self, members: tuple[tuple[int, int, int], ...], values: np.ndarray[Any, Any]
+    ) -> list[Action]:
+        """BSP: ``members`` (checked) wait with their iteration's pushes, sharing ``values``."""
+        iterations = {it for _, it, _ in members}
+        workers = [w for w, _, _ in members]
+        if len(iterations) != 1 or len(set(workers)) != len(workers):
+            raise RemoteProtocolError("a bsp aggregate holds one iteration, each worker once")
+        iteration = iterations.pop()
+        pushes = self._pending.setdefault(iteration, {})
+        for worker, _, base in members:
+            self._next[worker] = iteration + 1
+            pushes[worker] = (base, values)
+        self._grouped.setdefault(iteration, []).append(tuple(workers))
+        return self._apply_iterations() + self._release()
 
     def skip(self, worker: int, iteration: int, base: int, why: str) -> list[Action]:
         """Worker ``worker``'s update of ``iteration`` was dropped by MLfabric's scheduler
@@ -704,6 +744,7 @@ class Coordinator:
                 it: {w: [base, values] for w, (base, values) in pushes.items()}
                 for it, pushes in self._pending.items()
             },
+            "grouped": {it: [list(m) for m in groups] for it, groups in self._grouped.items()},
             "applied": self._applied,
             "dropped": dict(self._dropped),
             "delays": list(self._delays),
@@ -744,6 +785,7 @@ class Coordinator:
                 ):
                     raise RemoteProtocolError("a snapshot push of another shape or dtype")
                 pending[it][w] = (entry[0], values)
+        grouped = _grouped(snap.field(state, "grouped", dict), pending)
         dropped = snap.field(state, "dropped", dict)
         delays = snap.field(state, "delays", list)
         if set(dropped) != set(self._dropped) or len(delays) != len(self._delays):
@@ -767,6 +809,7 @@ class Coordinator:
         self._live = set(live)
         self._next = dict(nexts)
         self._pending = pending
+        self._grouped = grouped
         self._held = {}
         self._version, self._complete = counts["version"], counts["complete"]
         self._applied, self._delay_sum = counts["applied"], counts["delay_sum"]
@@ -811,7 +854,11 @@ class Coordinator:
         self, iteration: int, pushes: Mapping[int, tuple[int, np.ndarray[Any, Any]]]
     ) -> Apply:
         """One version: ``pushes`` (worker -> base, values) of ``iteration``, in worker
-        order, with their delays, counted."""
+        order, with their delays, counted (BSP: with the iteration's aggregates' parts)."""
+        groups = self._grouped.pop(iteration, [])
+        grouped = {w for members in groups for w in members}
+        parts = tuple(pushes[w][1] for w in sorted(pushes) if w not in grouped)
+        parts += tuple(pushes[members[0]][1] for members in groups)
         updates = tuple(
             Update(
                 worker=w,
@@ -827,7 +874,12 @@ class Coordinator:
             self._delay_sum += u.delay
         self._applied += len(updates)
         self._version += 1
-        return Apply(version=self._version, iteration=iteration, updates=updates)
+        return Apply(
+            version=self._version,
+            iteration=iteration,
+            updates=updates,
+            parts=parts if groups else (),
+        )
 
     def _apply_iterations(self) -> list[Action]:
         """BSP: apply every iteration, in order, whose live workers' pushes are all in."""
@@ -864,6 +916,27 @@ class Coordinator:
             held = self._held.pop(worker)
             out.append(self._reply(worker, held.clock, held.since, held=True))
         return out
+
+
+def _grouped(
+    state: dict[Any, Any], pending: dict[int, dict[int, tuple[int, np.ndarray[Any, Any]]]]
+) -> dict[int, list[tuple[int, ...]]]:
+    """A snapshot's BSP aggregates, checked against its held pushes: each names held pushes
+    of its iteration, and no push is in two (one sum each).
+
+    Raises:
+        RemoteProtocolError: anything else.
+    """
+    grouped: dict[int, list[tuple[int, ...]]] = {}
+    for it, groups in state.items():
+        held = pending.get(it, {}) if type(it) is int else {}
+        if not isinstance(groups, list) or not all(isinstance(g, list) and g for g in groups):
+            raise RemoteProtocolError("snapshot aggregates are lists of member workers")
+        members = [w for g in groups for w in g]
+        if len(set(members)) != len(members) or not set(members) <= held.keys():
+            raise RemoteProtocolError(f"snapshot aggregates of iteration {it} it does not hold")
+        grouped[it] = [tuple(g) for g in groups]
+    return grouped
 
 
 def _bucket(delay: int) -> int:

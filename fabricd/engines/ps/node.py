@@ -280,6 +280,7 @@ class PSNode:
                 delay_bound=spec["delay_bound"],
                 interval=self.schedule_interval,
                 aggregation=spec["aggregation"],
+                synchronous=spec["consistency"] == "bsp",
             )
             if spec["scheduling"] == "mlfabric"
             else None,

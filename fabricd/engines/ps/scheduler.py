@@ -28,6 +28,15 @@ Choices where the paper is silent, and why:
   reset and the worker's daemon sends the READY again) stops counting after its planned end
   plus ``max(1 s, 10 intervals)``; a READY sent again for an update granted already is granted
   again at once (its planned start is past).
+* MLfabric-S (BSP, ``synchronous=True``; §6): every update of an iteration is needed, so a
+  batch is a list in the order its updates became ready, with no deadline and no drop
+  (:func:`~fabricd.engines.scheduling.ordering.in_list_order`); grants pace the senders and,
+  with aggregation, Alg. 3 groups an iteration's updates at worker daemons as under
+  MLfabric-A.  The paper's batch is "the workers' updates for an iteration ... batched when
+  they become ready": the same scheduling interval serves, so early updates are planned (and
+  aggregated over idle links) while stragglers compute.  A push the server took stops counting
+  on the timelines at once (:meth:`ShardScheduler.settled`, called on arrival under BSP): it
+  waits for its iteration's others, not for a link.
 * A host the monitor has no figures for is planned at :data:`UNKNOWN_BPS` each way, the
   monitor's own figure for "unknown" (100 Gbit/s, :mod:`fabricd.engines.monitor.table`), so an
   unmeasured fabric is scheduled shortest-first by size alone, as one the monitor reports
@@ -41,7 +50,7 @@ from typing import TYPE_CHECKING
 
 from fabricd.engines.monitor.table import DEFAULT_BPS
 from fabricd.engines.scheduling.aggregation import Group, aggregate
-from fabricd.engines.scheduling.ordering import Planned, Update, order
+from fabricd.engines.scheduling.ordering import Planned, Update, in_list_order, order
 from fabricd.engines.scheduling.timelines import Network
 from fabricd.errors import RemoteProtocolError
 
@@ -141,6 +150,8 @@ class ShardScheduler:
         server: the node the shard's primary lives on.
         delay_bound: async's τmax, or ``None`` (shortest transfer first only, Alg. 1).
         interval: seconds a batch gathers ready updates.
+        aggregation: Alg. 3's groups summed at worker daemons (§5.2).
+        synchronous: BSP's batches (MLfabric-S, §6): lists, neither ordered nor dropped.
     """
 
     def __init__(
@@ -150,11 +161,15 @@ class ShardScheduler:
         delay_bound: int | None,
         interval: float,
         aggregation: bool = False,
+        synchronous: bool = False,
     ) -> None:
+        if synchronous and delay_bound is not None:
+            raise ValueError("a synchronous batch has no delay bound: it drops nothing")
         self.server = server
         self.delay_bound = delay_bound
         self.interval = interval
         self.aggregation = aggregation
+        self.synchronous = synchronous
         self._next_group = 0
         self._batch: dict[tuple[int, int], _Ready] = {}
         self._granted: dict[tuple[int, int], _Grant] = {}
@@ -221,19 +236,24 @@ class ShardScheduler:
             for r in batch
         ]
         by_key = {(r.worker, r.iteration): r for r in batch}
-        plan = order(
-            updates,
-            network,
-            server=self.server,
-            # eq. 9 counts a delay from the version after applying; the shard counts it from
-            # the version before (consistency.py), one less: its bound is tau_max + 1 here
-            delay_bound=None if self.delay_bound is None else self.delay_bound + 1,
-            v_init=version + len(self._granted),
-        )
+        if self.synchronous:
+            planned_all, groups = self._listed(batch, updates, network)
+            dropped: list[tuple[Update, str]] = []
+        else:
+            plan = order(
+                updates,
+                network,
+                server=self.server,
+                # eq. 9 counts a delay from the version after applying; the shard counts it
+                # from the version before (consistency.py), one less: its bound is tau_max + 1
+                delay_bound=None if self.delay_bound is None else self.delay_bound + 1,
+                v_init=version + len(self._granted),
+            )
+            planned_all, dropped = plan.planned, plan.dropped
+            groups = self._groups(plan.planned, network)[0] if self.aggregation else []
         out: list[Granted | Denied | Gather] = []
-        groups = self._groups(plan.planned, network) if self.aggregation else []
         grouped = {p.update.key for group in groups for p in group.members}
-        for planned in plan.planned:
+        for planned in planned_all:
             if planned.update.key not in grouped:
                 out.append(self._grant(by_key[planned.update.key], planned, now))  # type: ignore[index]
         for group in groups:
@@ -251,7 +271,7 @@ class ShardScheduler:
             end = min(group.forward.end, now + MAX_PLAN)
             start = min(group.forward.start, end)
             self.expect(number, group.aggregator, tuple(members), group.forward.size, end, start)
-        for update, reason in plan.dropped:
+        for update, reason in dropped:
             ready = by_key[update.key]  # type: ignore[index]
             self._worker.pop(ready.worker, None)  # decided: its next push may come
             self._denied[reason] = self._denied.get(reason, 0) + 1
@@ -293,18 +313,47 @@ class ShardScheduler:
             worker=ready.worker, iteration=ready.iteration, wait=wait, via=via, group=group
         )
 
-    def _groups(self, planned: list[Planned], network: Network) -> list[Group]:
-        """Alg. 3 over the batch's planned updates: the groups summed at aggregators.  The
+    def _listed(
+        self, batch: list[_Ready], updates: list[Update], network: Network
+    ) -> tuple[list[Planned], list[Group]]:
+        """A synchronous batch (MLfabric-S, §6): each iteration's updates as a list in the
+        order they became ready (:func:`~fabricd.engines.scheduling.ordering.in_list_order`),
+        with Alg. 3's groups if aggregating.  A group sums one iteration's updates only (the
+        server applies an iteration as one step): a batch holding two iterations (a fast
+        worker's next one, ready once the last was complete) plans them one after the other,
+        the older first, the second on the network the first's plan left."""
+        planned: list[Planned] = []
+        groups: list[Group] = []
+        for iteration in sorted({r.iteration for r in batch}):
+            listed = in_list_order(
+                [u for r, u in zip(batch, updates, strict=True) if r.iteration == iteration],
+                network,
+                server=self.server,
+            )
+            planned += listed.planned
+            found, after = self._groups(listed.planned, network) if self.aggregation else ([], None)
+            groups += found
+            if after is None:
+                after = listed.network
+            network = network if after is None else after
+        return planned, groups
+
+    def _groups(
+        self, planned: list[Planned], network: Network
+    ) -> tuple[list[Group], Network | None]:
+        """Alg. 3 over the batch's planned updates: the groups summed at aggregators, and
+        the network with the plan booked (``None`` when there was nothing to plan).  The
         aggregators are the batch's worker hosts but the server's, pre-assigned to groups in
         a rotation that moves by one host each batch (§5.2 pre-assigns them at random: a
         rotation spreads the aggregation load as evenly and keeps the engine without a random
         source); a batch of one update, or with no other host, has none."""
         hosts = sorted({p.update.host for p in planned} - {self.server})
         if len(planned) < 2 or not hosts:
-            return []
+            return [], None
         turn = self._batches % len(hosts)
         hosts = hosts[turn:] + hosts[:turn]
-        return aggregate(planned, network, server=self.server, aggregators=hosts).groups
+        plan = aggregate(planned, network, server=self.server, aggregators=hosts)
+        return plan.groups, plan.network
 
     def fresh(self) -> ShardScheduler:
         """A scheduler like this one with nothing planned, its counters kept: a promoted
@@ -315,6 +364,7 @@ class ShardScheduler:
             delay_bound=self.delay_bound,
             interval=self.interval,
             aggregation=self.aggregation,
+            synchronous=self.synchronous,
         )
         # its counters go on (status and metrics never go back)
         fresh._ready, fresh._grants, fresh._batches = self._ready, self._grants, self._batches

@@ -772,12 +772,23 @@ class ShardServer:
         elif entry.members is not None:  # an aggregate: one sum, applied once for all
             values = ps_push.decode(entry.payload, self.size, self.dtype)
             actions = self.coordinator.push_aggregate(entry.members, values, now)
+            self._arrived((w, it) for w, it, _ in entry.members)
         elif entry.reason is not None:  # dropped by the scheduler before it was sent
             actions = self.coordinator.skip(entry.worker, entry.iteration, entry.base, entry.reason)
         else:
             values = ps_push.decode(entry.payload, self.size, self.dtype)
             actions = self.coordinator.push(entry.worker, entry.iteration, entry.base, values, now)
+            self._arrived([(entry.worker, entry.iteration)])
         return self._perform(actions, now)
+
+    def _arrived(self, pushes: Iterable[tuple[int, int]]) -> None:
+        """BSP: the scheduler forgets the grants of pushes that came (MLfabric-S): a push held
+        for its iteration's others uses no link any more, and must not be planned as if it
+        did; the rest of the consistencies settle as their pushes are applied or dropped."""
+        if self.scheduler is None or self.coordinator.consistency is not Consistency.BSP:
+            return
+        for worker, iteration in pushes:
+            self.scheduler.settled(worker, iteration)
 
     def _perform(self, actions: list[Any], now: float) -> list[Action]:
         """Queue the coordinator's ``actions`` behind those waiting for a step, and carry out

@@ -135,6 +135,31 @@ def order(
     return pool.result()
 
 
+def in_list_order(updates: Sequence[Update], network: Network, *, server: int) -> Ordering:
+    """A synchronous batch (MLfabric §6: "since update ordering does not apply to synchronous
+    SGD, aggregation here starts with a *list* of updates"): every update is needed, so none
+    is dropped or moved; each is booked straight to the server in the order given, after
+    those before it.  An update no link would ever carry is still kept, planned to start
+    now and never end: a synchronous step cannot go on without it, so its worker sends it
+    at once and the network decides.
+
+    ``network`` is not changed (a copy is booked; it comes back as ``Ordering.network``).
+
+    Raises:
+        KeyError: ``server`` or an update's host is not one of ``network``'s hosts.
+    """
+    network.downlink(server)  # KeyError now, not after some work
+    running = network.copy()
+    planned: list[Planned] = []
+    for position, update in enumerate(updates, 1):
+        if running.finish(update.host, server, update.size) == np.inf:
+            transfer = Transfer(update.host, server, update.size, running.now, np.inf)
+        else:
+            transfer = running.reserve(update.host, server, update.size)
+        planned.append(Planned(update, transfer, position))
+    return Ordering(planned=planned, dropped=[], network=running)
+
+
 class _Pool:
     """The waiting updates of one :func:`order` call, their current ``t_en`` and the network."""
 
