@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabricd.daemon.services.ps_requests import check_spec
-from fabricd.engines.ps.consistency import Apply, Consistency, Coordinator, Sum
+from fabricd.engines.ps.consistency import SGD, Apply, Consistency, Coordinator, Sum
 from fabricd.engines.ps.scheduler import Denied, Gather, Granted, ShardScheduler
 from fabricd.engines.ps.server import ShardServer
 from fabricd.engines.scheduling.ordering import Update, in_list_order
@@ -276,3 +276,19 @@ def test_bsp_aggregation_happens_and_sums_exactly() -> None:
     assert sum(fabric.serving(s).statistics().aggregates for s in range(2)) > 0
     made, applied, dropped = outcomes(fabric)
     assert (applied, dropped) == (made * 2, 0)
+
+
+def test_a_bsp_aggregate_steps_once_at_its_stalest_members_rate() -> None:
+    """Delay-adaptive sgd with members of different delays (a worker that did not pull): the
+    aggregate's sum is stepped once, at its stalest member's rate, a lone push at its own."""
+    c = bsp(3)
+    for w in range(3):
+        c.push(w, 0, 0, values(0, 0), now=0.0)  # iteration 0: version 1
+    c.push_aggregate(((0, 1, 0), (1, 1, 1)), values(1, 2), now=0.0)  # worker 0 did not pull
+    [apply] = applies(c.push(2, 1, 1, values(10, 20), now=0.0))
+    rule = SGD(lr=1.0, momentum=0.0, lr_delay="adaptive", lr_t0=1.0)
+    model = np.zeros(2)
+    rule.apply_updates(model, apply)
+    stalest, fresh = rule.rate(1, 1), rule.rate(1, 0)
+    assert stalest < fresh
+    np.testing.assert_allclose(model, -(stalest * values(1, 2) + fresh * values(10, 20)))

@@ -235,8 +235,13 @@ class SGD:
             self._descend(model, rates[0] * action.combined())
             return
         descent = np.zeros_like(model)
-        for rate, u in zip(rates, action.updates, strict=True):
-            descent += rate * u.values
+        if action.parts:  # BSP aggregates: each sum once, at its stalest member's rate
+            rate_of = {u.worker: r for u, r in zip(action.updates, rates, strict=True)}
+            for workers, values in action.parts:
+                descent += min(rate_of[w] for w in workers) * values
+        else:
+            for rate, u in zip(rates, action.updates, strict=True):
+                descent += rate * u.values
         self._descend(model, descent)
 
     def _descend(self, model: np.ndarray[Any, Any], descent: np.ndarray[Any, Any]) -> None:
@@ -350,16 +355,16 @@ class Apply:
     updates: tuple[Update, ...]
     #: an aggregate's (MLfabric §5.2): every update carries the members' sum, once
     summed: bool = False
-    #: BSP with aggregates in the iteration: the arrays to add (each aggregate's sum once,
-    #: each lone push's values), as the updates of an aggregate share its sum; else empty
-    parts: tuple[np.ndarray[Any, Any], ...] = ()
+    #: BSP with aggregates in the iteration: what to add, as (the workers inside, their sum):
+    #: each aggregate once (its updates share its sum), each lone push alone; else empty
+    parts: tuple[tuple[tuple[int, ...], np.ndarray[Any, Any]], ...] = ()
 
     def combined(self) -> np.ndarray[Any, Any]:
         """The update to step with: the one push's values (or an aggregate's sum), or a new
         array with their sum."""
         if len(self.updates) == 1 or self.summed:
             return self.updates[0].values
-        arrays = self.parts or tuple(u.values for u in self.updates)
+        arrays = tuple(v for _, v in self.parts) or tuple(u.values for u in self.updates)
         if len(arrays) == 1:
             return arrays[0]
         total = np.array(arrays[0], copy=True)
@@ -857,8 +862,8 @@ class Coordinator:
         order, with their delays, counted (BSP: with the iteration's aggregates' parts)."""
         groups = self._grouped.pop(iteration, [])
         grouped = {w for members in groups for w in members}
-        parts = tuple(pushes[w][1] for w in sorted(pushes) if w not in grouped)
-        parts += tuple(pushes[members[0]][1] for members in groups)
+        parts = tuple(((w,), pushes[w][1]) for w in sorted(pushes) if w not in grouped)
+        parts += tuple((members, pushes[members[0]][1]) for members in groups)
         updates = tuple(
             Update(
                 worker=w,
