@@ -862,8 +862,9 @@ class Coordinator:
         order, with their delays, counted (BSP: with the iteration's aggregates' parts)."""
         groups = self._grouped.pop(iteration, [])
         grouped = {w for members in groups for w in members}
-        parts = tuple(((w,), pushes[w][1]) for w in sorted(pushes) if w not in grouped)
-        parts += tuple((members, pushes[members[0]][1]) for members in groups)
+        parts: list[tuple[tuple[int, ...], np.ndarray[Any, Any]]]
+        parts = [((w,), pushes[w][1]) for w in sorted(pushes) if w not in grouped]
+        parts += [(members, pushes[members[0]][1]) for members in groups]
         updates = tuple(
             Update(
                 worker=w,
@@ -883,7 +884,7 @@ class Coordinator:
             version=self._version,
             iteration=iteration,
             updates=updates,
-            parts=parts if groups else (),
+            parts=tuple(parts) if groups else (),
         )
 
     def _apply_iterations(self) -> list[Action]:
