@@ -28,6 +28,10 @@ binary-tree allreduce (``algorithm="tree"``, MLfabric §7.2's baseline) against 
 interleaved sample by sample in the same processes (:func:`bench.collective_ranks.algorithms_body`).
 The ratio is the tree's time over the ring's (the ring's bandwidth over the tree's): what the
 bandwidth-optimal ring gains on the baseline.  No target: it says what the baseline costs.
+MLfabric-S (``algorithm="mlfabric"``, §6) runs interleaved with them, its time over the ring's
+an extra column: on equal loopback links with every rank calling at once it shows what its
+READY and GRANT messages cost, not what it gains under stragglers (bench/mlfabric.py
+simulates that).
 """
 
 from __future__ import annotations
@@ -76,8 +80,8 @@ TREE_SIZES = [64 * KiB, 1 * MiB, 16 * MiB]
 QUICK_TREE_SIZES = [64 * KiB, 1 * MiB]
 TREE_NODES = [3, 4]
 QUICK_TREE_NODES = [3]
-#: what run_tree compares: the baseline first
-TREE_ALGORITHMS = ("tree", "ring")
+#: what run_tree compares: the baseline first, then the ring, then MLfabric-S
+TREE_ALGORITHMS = ("tree", "ring", "mlfabric")
 
 Plan = list[tuple[int, int]]
 
@@ -298,12 +302,17 @@ def run_tree(
     plan = [(n, messages_per_sample(n, budget, cap)) for n in sizes]
     table = Table(
         name="allreduce-tree",
-        title="Tr-Sync: fabricd's binary-tree allreduce vs its ring (sum, float32, 1 rank/node)",
+        title=(
+            "Tr-Sync: fabricd's binary-tree allreduce vs its ring, and MLfabric-S "
+            "(sum, float32, 1 rank/node)"
+        ),
         columns=[
             Column("ring_ms", "ring ms"),
             Column("ring_mibs", "ring MiB/s"),
             Column("tree_ms", "tree ms"),
             Column("tree_mibs", "tree MiB/s"),
+            Column("mlfabric_ms", "mlfabric ms"),
+            Column("mlfabric_vs_ring", "mlfabric / ring"),
         ],
         ratio="tree / ring time = ring / tree bandwidth (above 1: the ring is faster)",
         settings={
@@ -317,14 +326,15 @@ def run_tree(
         progress(f"{count} daemons: tree and ring, interleaved")
         measured = measure_algorithms(count, plan, samples, warmup, TREE_ALGORITHMS)
         for (nbytes, _), seconds in zip(plan, measured, strict=True):
-            tree, ring = seconds
+            tree, ring, mlfabric = seconds
             figures = {"ring_ms": ring * 1e3, "ring_mibs": nbytes / ring / MiB}
             figures |= {"tree_ms": tree * 1e3, "tree_mibs": nbytes / tree / MiB}
+            figures |= {"mlfabric_ms": mlfabric * 1e3, "mlfabric_vs_ring": mlfabric / ring}
             label = f"{count} nodes, {fmt_size(nbytes)}"
             table.add(label, nbytes, tree / ring, **figures)
             progress(
                 f"{label}: ring {fmt_number(ring * 1e3)} ms, tree {fmt_number(tree * 1e3)} ms, "
-                f"ratio {fmt_number(tree / ring)}x"
+                f"mlfabric {fmt_number(mlfabric * 1e3)} ms, ratio {fmt_number(tree / ring)}x"
             )
     table.notes.append(
         "every daemon and rank is a process on this machine (loopback TCP); the tree sends "

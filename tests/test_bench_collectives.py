@@ -82,7 +82,11 @@ def test_allreduce_tree_compares_the_tree_with_the_ring_at_every_size() -> None:
         figures = row["figures"]
         assert figures["ring_ms"] > 0
         assert figures["tree_ms"] > 0
+        assert figures["mlfabric_ms"] > 0
         assert row["ratio"] == pytest.approx(figures["tree_ms"] / figures["ring_ms"])
+        assert figures["mlfabric_vs_ring"] == pytest.approx(
+            figures["mlfabric_ms"] / figures["ring_ms"]
+        )
         assert f"{row['label']}: ring " in progress
 
 

@@ -204,7 +204,7 @@ class Client:
         """Reduce ``array`` over the job's ranks in place (:meth:`Collectives.allreduce`);
         ``mode``: ``"sync"``, ``"solo"`` or ``"majority"``; ``late``: what a partial call
         gets when its rank missed rounds; ``algorithm``: ``"auto"``, ``"ring"``,
-        ``"doubling"`` or ``"tree"``."""
+        ``"doubling"``, ``"tree"`` or ``"mlfabric"``."""
         return self.collectives.allreduce(
             array, op, mode, name=name, timeout=timeout, late=late, algorithm=algorithm
         )

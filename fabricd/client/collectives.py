@@ -68,8 +68,8 @@ LATES: Final = ("sum", "latest")
 #: how an allreduce runs between nodes: ``"auto"`` picks by size (recursive doubling for small
 #: arrays, the ring or its direct-exchange form for large: the daemon's ``ring_from_bytes``),
 #: or the ring, recursive doubling, or the binary tree (MLfabric's Tr-Sync, a baseline)
-AllreduceAlgorithm = Literal["auto", "ring", "doubling", "tree"]
-ALGORITHMS: Final = ("auto", "ring", "doubling", "tree")
+AllreduceAlgorithm = Literal["auto", "ring", "doubling", "tree", "mlfabric"]
+ALGORITHMS: Final = ("auto", "ring", "doubling", "tree", "mlfabric")
 MODES: Final = ("sync", "solo", "majority")
 OPS: Final = ("sum", "avg", "max", "min")
 #: the ops a partial (solo, majority) allreduce takes: a passive rank's zeros must not change
@@ -147,7 +147,11 @@ class Collectives:
         direct-exchange form from 3 to 8 nodes); ``"ring"``; ``"doubling"`` (recursive
         doubling); ``"tree"``, a reduce up a binary tree of the nodes to the first and the
         result back down it (MLfabric's Tr-Sync: 2 (nodes - 1) messages of the whole array, a
-        baseline).  Any mode takes any of them.  Every rank must pass the same.
+        baseline); ``"mlfabric"``, MLfabric-S (sync only): each round a root drawn anew, to
+        which the nodes say they are ready; it groups their contributions, in the order they
+        became ready, to be summed at other nodes' daemons on links the network monitor sees
+        idle (Alg. 3), and sends every node the result (docs/mlfabric.md).  Any mode takes
+        the others.  Every rank must pass the same.
 
         Raises:
             UsageError: a bad argument, or a call that disagrees with the collective's first
@@ -181,6 +185,8 @@ class Collectives:
             raise UsageError(f"mode must be one of {', '.join(map(repr, MODES))}, not {mode!r}")
         if op not in OPS:
             raise UsageError(f"op must be one of {', '.join(map(repr, OPS))}, not {op!r}")
+        if mode != "sync" and algorithm == "mlfabric":
+            raise UsageError("algorithm='mlfabric' (MLfabric-S) is a sync allreduce")
         if mode != "sync" and op not in PARTIAL_OPS:
             raise UsageError(
                 f"a {mode} allreduce takes op 'sum' or 'avg': ranks that take part passively "

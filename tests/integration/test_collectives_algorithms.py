@@ -27,7 +27,12 @@ PLACEMENT = (0, 1, 2, 3, 0, 1, 2)
 SETTINGS = {"ring_from_bytes": 65536}
 SMALL, LARGE = 1031, 40_000  #: float64 elements: 8 KiB, 320 KiB
 #: the algorithm status names for each asked-for one, by array
-RUNS = {"ring": "ring", "doubling": "recursive doubling", "tree": "binary tree"}
+RUNS = {
+    "ring": "ring",
+    "doubling": "recursive doubling",
+    "tree": "binary tree",
+    "mlfabric": "mlfabric",
+}
 AUTO = {SMALL: "recursive doubling", LARGE: "direct exchange"}
 
 

@@ -555,8 +555,10 @@ def test_algorithm_is_checked_and_sent_only_when_asked_for():
     daemon = FakeDaemon(script)
     fab = daemon.client(checks.membership("j", 0, 2))
     array = fab.array("algo", (4,), "float32")
-    with pytest.raises(fabricd.UsageError, match=r"algorithm must be one of .*not 'mlfabric'"):
-        fab.allreduce_async(array, algorithm="mlfabric")  # type: ignore[arg-type]
+    with pytest.raises(fabricd.UsageError, match=r"algorithm must be one of .*not 'gossip'"):
+        fab.allreduce_async(array, algorithm="gossip")  # type: ignore[arg-type]
+    with pytest.raises(fabricd.UsageError, match="sync allreduce"):
+        fab.allreduce_async(array, "sum", "solo", algorithm="mlfabric")
     assert "collective" not in daemon.ops()
     fab.allreduce(array, "sum", "solo", algorithm="tree", timeout=5)
     assert daemon.requests[-1]["algorithm"] == "tree"

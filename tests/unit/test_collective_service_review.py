@@ -616,7 +616,7 @@ def test_an_unknown_algorithm_is_refused_before_anything_is_built() -> None:
     table = Table()
     svc, _host = service(table)
     join(svc, table, 2, (0, 1))
-    for bad in ("mlfabric", 3, None):
+    for bad in ("gossip", 3, None):
         with pytest.raises(UsageError, match="algorithm must be one of"):
             call(svc, client(0, 2, [1.0] * 4), 1, algorithm=bad)
     assert not svc.collectives

@@ -279,13 +279,15 @@ def test_an_algorithm_is_checked_and_fixes_ring_and_direct() -> None:
         ("ring", Algorithm.RING),
         ("doubling", Algorithm.RECURSIVE_DOUBLING),
         ("tree", Algorithm.TREE),
+        ("mlfabric", Algorithm.MLFABRIC),
     ]:
         for nbytes in (1, 1 << 30):  # the size rule does not apply
             spec = chosen(replace(base, algorithm=name), 4, ring_from_bytes=nbytes)
             spec.check()
             assert algorithm(spec) is want
     bad = [
-        replace(base, algorithm="mlfabric"),
+        replace(base, algorithm="gossip"),
+        replace(base, algorithm="mlfabric", mode="solo"),
         replace(base, algorithm="tree", ring=True),
         replace(base, algorithm="ring"),  # its ring not set: asked() sets it
         replace(base, algorithm="ring", ring=True, direct=True),

@@ -51,6 +51,7 @@ from fabricd.daemon.services.refusals import OverLimit, Refused, Stranger
 from fabricd.daemon.stalls import call_line
 from fabricd.dtypes import ITEMSIZE, REDUCE_DTYPES
 from fabricd.engines.actions import Failure
+from fabricd.engines.collectives.mlfabric import MlfabricCollective
 from fabricd.engines.collectives.persistent import (
     NOTICE,
     Collective,
@@ -323,15 +324,7 @@ class CollectiveService(BaseService):
             spec = chosen(spec, len(set(ranks)), ring_from_bytes=self.host.config.ring_from_bytes)
         charge = self._charge(key, spec, ranks)
         try:
-            coll = Collective(
-                spec,
-                job=job,
-                name=name,
-                node=self.host.config.node_id,
-                ranks=ranks,
-                live=self._live(job, len(ranks)),
-                majority_wait=self.host.config.majority_wait,
-            )
+            coll = self._new(spec, job, name, ranks)
         except BaseException:
             charge.release()
             raise
@@ -344,6 +337,20 @@ class CollectiveService(BaseService):
                 log.info("collective %r of job %r: node %d is not up", name, job, node)
         self._replay(key, now)
         return coll
+
+    def _new(self, spec: Spec, job: str, name: str, ranks: tuple[int, ...]) -> Collective:
+        """A collective of ``spec``: MLfabric-S's plans on this daemon's network monitor."""
+        config = self.host.config
+        kw: Meta = {"job": job, "name": name, "node": config.node_id, "ranks": ranks}
+        kw |= {"live": self._live(job, len(ranks)), "majority_wait": config.majority_wait}
+        if not spec.mlfabric:
+            return Collective(spec, **kw)
+        figures = self._bandwidth
+        return MlfabricCollective(spec, interval=config.schedule_interval, figures=figures, **kw)
+
+    def _bandwidth(self) -> dict[int, tuple[float, float]]:
+        """The monitor's (up, down) bytes/s of every node it has figures for."""
+        return {n: (f.up, f.down) for n, f in self.host.network(self.host.now()).items()}
 
     def _charge(self, key: Key, spec: Spec, ranks: tuple[int, ...]) -> Charge:
         """Charge the most ``key``'s collective will hold to its job's byte budget, before it

@@ -176,6 +176,8 @@ class Algorithm(enum.Enum):
     DIRECT = "direct exchange"
     RECURSIVE_DOUBLING = "recursive doubling"
     TREE = "binary tree"  #: only when asked for (:func:`allreduce_tree`)
+    #: only when asked for; no schedule here (a dynamic one: engines/collectives/mlfabric.py)
+    MLFABRIC = "mlfabric"
 
 
 #: the most nodes the direct exchange is chosen for (measured to 8: docs/performance.md (i));
@@ -216,6 +218,8 @@ def allreduce(rank: int, size: int, op: str, nbytes: int, *, ring_from_bytes: in
             return allreduce_recursive_doubling(rank, size, op)
         case Algorithm.TREE:
             return allreduce_tree(rank, size, op)
+        case Algorithm.MLFABRIC:  # (never chosen by size)
+            raise ValueError("MLfabric-S has no static schedule")
 
 
 class _Builder:

@@ -26,7 +26,7 @@ KINDS: Final = ("allreduce", "broadcast", "barrier")
 MODES: Final = ("sync", "solo", "majority")
 #: what an allreduce's caller may ask for: ``"auto"``, the size rule
 #: (:func:`~fabricd.engines.collectives.algorithms.choose_allreduce`), or one algorithm
-ALGORITHMS: Final = ("auto", "ring", "doubling", "tree")
+ALGORITHMS: Final = ("auto", "ring", "doubling", "tree", "mlfabric")
 #: the tag of a frame that carries only its sender's view (no schedule uses it)
 NOTICE: Final = 2**31 - 1
 #: how a sync allreduce folds the local ranks' arrays into the node's contribution
@@ -53,7 +53,8 @@ class Spec:
     #: allreduce: the algorithm its callers asked for (:data:`ALGORITHMS`): ``"auto"`` leaves
     #: ``ring`` and ``direct`` to the first call's size rule; ``"ring"`` is the ring proper
     #: (not its direct-exchange form), ``"doubling"`` recursive doubling, ``"tree"`` the
-    #: binary tree (Tr-Sync), which neither flag marks
+    #: binary tree (Tr-Sync), ``"mlfabric"`` MLfabric-S (a root per round, Alg. 3's groups;
+    #: :mod:`~fabricd.engines.collectives.mlfabric`), which neither flag marks
     algorithm: str = "auto"
 
     @property
@@ -66,10 +67,15 @@ class Spec:
         return self.kind == "allreduce" and self.algorithm == "tree"
 
     @property
+    def mlfabric(self) -> bool:
+        """Whether it runs MLfabric-S (:mod:`~fabricd.engines.collectives.mlfabric`)."""
+        return self.kind == "allreduce" and self.algorithm == "mlfabric"
+
+    @property
     def doubling(self) -> bool:
         """Whether it runs recursive doubling (whose sends must be copies: the engine's
         module docstring, "Buffers")."""
-        return self.kind == "allreduce" and not self.ring and not self.tree
+        return self.kind == "allreduce" and not self.ring and not self.tree and not self.mlfabric
 
     def describe(self, against: Spec | None = None) -> str:
         """In words; an allreduce's algorithm is named when asked for, or when ``against``
@@ -144,6 +150,8 @@ class Spec:
             raise UsageError(f"a {self.kind} has one algorithm: algorithm is for an allreduce")
         if self.algorithm != "auto" and (self.ring != (self.algorithm == "ring") or self.direct):
             raise UsageError(f"algorithm {self.algorithm!r} contradicts ring and direct")
+        if self.algorithm == "mlfabric" and self.partial:
+            raise UsageError("algorithm 'mlfabric' (MLfabric-S) is a sync allreduce")
 
 
 _DTYPES: Final = (*REDUCE_DTYPES, "uint8")
@@ -173,6 +181,8 @@ def algorithm(spec: Spec) -> collectives.Algorithm:
     """The allreduce algorithm ``spec`` runs (once :func:`chosen`)."""
     if spec.tree:
         return collectives.Algorithm.TREE
+    if spec.mlfabric:
+        return collectives.Algorithm.MLFABRIC
     if spec.direct:
         return collectives.Algorithm.DIRECT
     return collectives.Algorithm.RING if spec.ring else collectives.Algorithm.RECURSIVE_DOUBLING
@@ -202,12 +212,17 @@ def held_bytes(spec: Spec, nodes: int, *, inplace: bool, local: int = 1) -> int:
     reduce-scatter's, under ``T``, one slot for both parities), recursive doubling's to at
     most ``T`` per step (``ceil(log2 nodes)`` steps and two more for a size that is no power
     of two), the binary tree's to ``3T`` (two children's and the parent's), a broadcast's
-    one message of ``T``; a barrier's messages are empty.
+    one message of ``T``; a barrier's messages are empty.  MLfabric-S
+    (:mod:`~fabricd.engines.collectives.mlfabric`) holds, for each of the two rounds it may
+    hold at once, the root's total and, per other member node, up to two messages landing (a
+    part and a group's sum), a part held for its GATHER and a group summed here: ``8`` a node.
     """
     tensor = (spec.count + (1 if spec.partial else 0)) * np.dtype(spec.dtype).itemsize
     own = (1 if inplace else 2) + (2 + MAX_HELD if spec.partial else 0)
     if spec.partial and spec.late == "sum":
         own += local
+    if spec.mlfabric:
+        return tensor * (2 + 2 * (1 + 4 * max(nodes - 1, 0)))
     match spec.kind:
         case "barrier":
             slots = 0
