@@ -324,3 +324,13 @@ def test_a_lost_node_fails_the_round_everywhere_it_waits() -> None:
     fabric.call(other, 0, gift(other, 0, SPEC.count))
     fabric.perform(other, fabric.colls[other].lose(root, "down", 1.0))
     assert [f.code for f in fabric.failed.values()] == ["peer_failed"]
+
+
+def test_an_empty_tensor_is_reduced_too() -> None:
+    """Messages of no bytes land nowhere: each still counts."""
+    spec = Spec(**{**SPEC.to_meta(), "count": 0})
+    fabric = Fabric(spec, (0, 1, 2), Random(5))
+    for rank in range(3):
+        fabric.call(rank, rank, np.zeros(0))
+    fabric.drain()
+    assert sorted(fabric.delivered) == [0, 1, 2]
