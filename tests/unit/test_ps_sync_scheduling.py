@@ -20,12 +20,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabricd.daemon.services.ps_requests import check_spec
-from fabricd.engines.ps.consistency import SGD, Apply, Consistency, Coordinator, Sum
+from fabricd.engines.ps import messages
+from fabricd.engines.ps.consistency import (
+    SGD,
+    Apply,
+    Consistency,
+    Coordinator,
+    Drop,
+    DropReason,
+    Sum,
+)
 from fabricd.engines.ps.scheduler import Denied, Gather, Granted, ShardScheduler
 from fabricd.engines.ps.server import ShardServer
+from fabricd.engines.ps.worker import SendPush, SendReady, Worker
 from fabricd.engines.scheduling.ordering import Update, in_list_order
 from fabricd.engines.scheduling.timelines import Network
 from fabricd.errors import RemoteProtocolError, UsageError
+from fabricd.frames.ps import MAX_GRANT_WAIT_US
 from tests.unit.test_ps_aggregation import LINKS, aggregating, encoded
 from tests.unit.test_ps_scheduling import outcomes, settle
 from tests.unit.test_ps_server import moves, run
@@ -190,12 +201,33 @@ def test_a_held_bsp_aggregate_survives_a_snapshot() -> None:
 
 @pytest.mark.parametrize(
     "grouped",
-    [{0: [[0, 2]]}, {0: [[0], [0]]}, {0: [[]]}, {0: "x"}, {1: [[0]]}],
-    ids=["not held", "twice", "empty", "not a list", "another iteration"],
+    [
+        {0: [[0, 2]]},
+        {0: [[0], [0]]},
+        {0: [[]]},
+        {0: "x"},
+        {1: [[0]]},
+        {0: [[[0]]]},
+        {0: [[True]]},
+        {"x": []},
+        {0: [[0, 1]]},
+    ],
+    ids=[
+        "not held",
+        "twice",
+        "empty",
+        "not a list",
+        "another iteration",
+        "a list in a list",
+        "a bool",
+        "no iteration",
+        "unlike sums",
+    ],
 )
 def test_a_snapshot_with_bad_aggregates_is_refused(grouped: dict[Any, Any]) -> None:
     primary = bsp()
     primary.push(0, 0, 0, values(1, 2), now=0.0)
+    primary.push(1, 0, 0, values(3, 4), now=0.0)
     state = primary.state() | {"grouped": grouped}
     with pytest.raises(RemoteProtocolError):
         bsp().restore(state, size=2, dtype=np.dtype(np.float64))
@@ -292,3 +324,65 @@ def test_a_bsp_aggregate_steps_once_at_its_stalest_members_rate() -> None:
     stalest, fresh = rule.rate(1, 1), rule.rate(1, 0)
     assert stalest < fresh
     np.testing.assert_allclose(model, -(stalest * values(1, 2) + fresh * values(10, 20)))
+
+
+# -- review findings ------------------------------------------------------------------------
+@pytest.mark.parametrize("synchronous", [True, False])
+def test_a_slow_acknowledgement_of_an_aggregated_push(synchronous: bool) -> None:
+    """Under BSP an acknowledgement waits for the iteration's stragglers, so a slow one asks
+    the shard again with a READY (a few bytes) instead of sending the update's bytes straight
+    a second time; under async it says the aggregator is gone, and the push goes straight."""
+    worker = Worker(
+        worker=0, size=4, dtype="float64", shards=1, scheduled=True, synchronous=synchronous
+    )
+    [ready] = worker.push(np.ones(4), norm=2.0)
+    assert isinstance(ready, SendReady)
+    worker.route(0, 0, via=5, group=1)
+    [sent] = worker.granted(0, 0)
+    assert isinstance(sent, SendPush)
+    assert sent.via == 5
+    [again] = worker.direct(0, 0)
+    if synchronous:
+        assert isinstance(again, SendReady)
+        assert again.norm == 2.0
+        assert worker.awaits_grant(0, 0)  # the shard grants it straight, or holds it already
+        [straight] = worker.granted(0, 0)
+        assert isinstance(straight, SendPush)
+        assert straight.via is None
+    else:
+        assert isinstance(again, SendPush)
+        assert again.via is None
+    assert worker.direct(0, 0) == []  # once
+
+
+def test_a_bsp_aggregate_whose_workers_were_all_lost_meanwhile_is_dropped() -> None:
+    """The LOSE entries completed the iteration before the aggregate was processed: held, it
+    would wait below ``complete`` for ever (and no replica could take the snapshot)."""
+    c = bsp()
+    c.push(0, 0, 0, values(1, 1), now=0.0)
+    c.push(1, 0, 0, values(1, 1), now=0.0)
+    c.lose(2, "down", 0.0)
+    c.lose(3, "down", 0.0)
+    assert c.version == 1
+    out = c.push_aggregate(((2, 0, 0), (3, 0, 0)), values(5, 5), now=0.0)
+    assert sorted((d.worker, d.reason) for d in out if isinstance(d, Drop)) == [
+        (2, DropReason.LOST),
+        (3, DropReason.LOST),
+    ]
+    assert c.state()["pending"] == {}
+    bsp().restore(c.state(), size=2, dtype=np.dtype(np.float64))
+
+
+def test_a_host_no_link_carries_is_no_aggregator() -> None:
+    """Under BSP an update no link carries is still planned (never dropped): it goes straight,
+    and its host forwards no group (a wait for ever would not fit in a GATHER)."""
+    fabric = sync_fabric([(None, None)] * 7, replicas=False)
+    fabric.figures[1] = (0.0, 1e6)
+    settle(fabric)
+    made, applied, dropped = outcomes(fabric)
+    assert (applied, dropped) == (made * 2, 0)
+
+
+def test_a_wait_for_ever_fits_in_a_grant() -> None:
+    assert messages._micros(math.inf) == MAX_GRANT_WAIT_US
+    assert messages._micros(-1.0) == 0

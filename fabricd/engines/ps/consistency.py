@@ -579,9 +579,18 @@ class Coordinator:
         if len(iterations) != 1 or len(set(workers)) != len(workers):
             raise RemoteProtocolError("a bsp aggregate holds one iteration, each worker once")
         iteration = iterations.pop()
+        for worker in workers:
+            self._next[worker] = iteration + 1
+        if not any(w in self._live for w in workers):
+            # lost meanwhile, every one (the server checked them live when it took it): held,
+            # it would wait below ``complete`` for ever, as no live worker's iteration needs it
+            out: list[Action] = []
+            for worker, _, base in members:
+                delay = self._version - base
+                out.append(self._drop(worker, iteration, base, delay, DropReason.LOST))
+            return out + self._release()
         pushes = self._pending.setdefault(iteration, {})
         for worker, _, base in members:
-            self._next[worker] = iteration + 1
             pushes[worker] = (base, values)
         self._grouped.setdefault(iteration, []).append(tuple(workers))
         return self._apply_iterations() + self._release()
@@ -935,12 +944,16 @@ def _grouped(
     """
     grouped: dict[int, list[tuple[int, ...]]] = {}
     for it, groups in state.items():
-        held = pending.get(it, {}) if type(it) is int else {}
-        if not isinstance(groups, list) or not all(isinstance(g, list) and g for g in groups):
+        if type(it) is not int or it not in pending or not isinstance(groups, list):
+            raise RemoteProtocolError("snapshot aggregates are lists of a held iteration's")
+        if not all(isinstance(g, list) and g and all(type(w) is int for w in g) for g in groups):
             raise RemoteProtocolError("snapshot aggregates are lists of member workers")
+        held = pending[it]
         members = [w for g in groups for w in g]
         if len(set(members)) != len(members) or not set(members) <= held.keys():
             raise RemoteProtocolError(f"snapshot aggregates of iteration {it} it does not hold")
+        if any(not np.array_equal(held[w][1], held[g[0]][1]) for g in groups for w in g):
+            raise RemoteProtocolError(f"a snapshot aggregate of iteration {it} of unlike sums")
         grouped[it] = [tuple(g) for g in groups]
     return grouped
 

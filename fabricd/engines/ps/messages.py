@@ -185,8 +185,10 @@ def describe(spec: Meta) -> str:
 
 
 def _micros(seconds: float) -> int:
-    """A wait in whole microseconds, as GRANT and GATHER carry it."""
-    return min(round(seconds * 1e6), ps_frames.MAX_GRANT_WAIT_US)
+    """A wait in whole microseconds, as GRANT and GATHER carry it (at most their largest)."""
+    if not seconds * 1e6 < ps_frames.MAX_GRANT_WAIT_US:  # (an infinite or NaN one too)
+        return ps_frames.MAX_GRANT_WAIT_US
+    return max(0, round(seconds * 1e6))
 
 
 def gather(

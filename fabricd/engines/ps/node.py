@@ -237,6 +237,7 @@ class PSNode:
             delay_bound=spec["delay_bound"],
             seed=seed,
             scheduled=spec["scheduling"] == "mlfabric",
+            synchronous=spec["consistency"] == "bsp",
         )
         worker.epochs = [model.epochs.get(shard, 0) for shard in range(len(bounds))]
         model.local_workers[rank] = WorkerSide(engine=worker)

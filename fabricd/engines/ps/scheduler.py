@@ -45,6 +45,7 @@ Choices where the paper is silent, and why:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -264,7 +265,7 @@ class ShardScheduler:
                 ready = by_key[planned.update.key]  # type: ignore[index]
                 out.append(self._grant(ready, planned, now, via=group.aggregator, group=number))
                 members.append((ready.worker, ready.iteration, ready.base))
-            wait = max(0.0, group.forward.start - now)
+            wait = min(max(0.0, group.forward.start - now), MAX_PLAN)
             out.append(
                 Gather(aggregator=group.aggregator, group=number, members=tuple(members), wait=wait)
             )
@@ -331,7 +332,9 @@ class ShardScheduler:
                 server=self.server,
             )
             planned += listed.planned
-            found, after = self._groups(listed.planned, network) if self.aggregation else ([], None)
+            # an update no link carries goes straight (its host could forward nothing either)
+            finite = [p for p in listed.planned if math.isfinite(p.transfer.end)]
+            found, after = self._groups(finite, network) if self.aggregation else ([], None)
             groups += found
             if after is None:
                 after = listed.network

@@ -172,6 +172,7 @@ class Worker:
         delay_bound: int | None = None,
         seed: int = 0,
         scheduled: bool = False,
+        synchronous: bool = False,
     ) -> None:
         settings = settings or FilterSettings()
         self.worker = worker
@@ -191,11 +192,15 @@ class Worker:
         self.versions = [0] * shards  #: the versions the cache holds
         self.epochs = [0] * shards
         self.scheduled = scheduled
+        #: BSP (MLfabric-S): an aggregated push's acknowledgement waits for its iteration
+        self.synchronous = synchronous
         self._pushing: dict[int, tuple[int, int, bytearray]] = {}  #: shard -> (it, base, data)
         #: scheduled: shard -> the norm of its push not granted yet (granted ones are sent)
         self._unsent: dict[int, float] = {}
         #: aggregation: shard -> (iteration, aggregator node, group) its grant routes it by
         self._routes: dict[int, tuple[int, int, int]] = {}
+        #: BSP aggregation: shard -> the norm of its push sent to an aggregator
+        self._norms: dict[int, float] = {}
         self._push_results: dict[int, tuple[int, str | None]] = {}  #: shard -> (version, why)
         self._pull_clock: int | None = None
         self._pulling: set[int] = set()  #: shards whose answer is awaited
@@ -269,9 +274,11 @@ class Worker:
         if not self.awaits_grant(shard, iteration):
             return []
         pending = self._pushing[shard]
-        del self._unsent[shard]
+        norm = self._unsent.pop(shard)
         route = self._routes.get(shard)
         via, group = (route[1], route[2]) if route is not None else (None, None)
+        if via is not None:
+            self._norms[shard] = norm  # (BSP: asked again, if its acknowledgement is slow)
         return [
             SendPush(
                 shard=shard,
@@ -286,13 +293,22 @@ class Worker:
     def direct(self, shard: int, iteration: int) -> list[Action]:
         """The push of ``iteration`` went to an aggregator and the server has not acknowledged
         it in time (the aggregator died, or the aggregate was refused): send it straight to the
-        server now (it applies it once, whichever copy comes first)."""
+        server now (it applies it once, whichever copy comes first).
+
+        Under BSP an acknowledgement also waits for the iteration's stragglers, so a slow one
+        says nothing of the aggregator: the push is made ready again instead (a READY, a few
+        bytes).  The shard answers nothing if it holds the push already (inside an aggregate),
+        grants it straight to the server if its grant stands (the aggregate never came), or
+        plans it anew: the update's bytes cross the server's link once, not twice."""
         pending = self._pushing.get(shard)
         route = self._routes.get(shard)
         if pending is None or route is None or route[0] != iteration or pending[0] != iteration:
             return []  # acknowledged, or sent again straight already: a deadline gone stale
         del self._routes[shard]
         self._resent += 1
+        if self.synchronous:
+            self._unsent[shard] = self._norms.pop(shard, 0.0)
+            return [self._ready(shard)]
         return [SendPush(shard=shard, iteration=iteration, base=pending[1], payload=pending[2])]
 
     def pushed(self, shard: int, iteration: int, version: int, dropped: str | None) -> list[Action]:
@@ -304,6 +320,7 @@ class Worker:
         del self._pushing[shard]
         self._unsent.pop(shard, None)
         self._routes.pop(shard, None)
+        self._norms.pop(shard, None)
         self.gates[shard].heard(version)
         if dropped is not None:
             self._server_dropped += 1
