@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from fabricd.engines.collectives import mlfabric
 from fabricd.engines.collectives.mlfabric import MlfabricCollective, root_of
-from fabricd.engines.collectives.persistent import Action, Deliver, Fail, Spec, Transmit
+from fabricd.engines.collectives.persistent import NOTICE, Action, Deliver, Fail, Spec, Transmit
 from fabricd.engines.collectives.spec import held_bytes
 from fabricd.errors import RemoteProtocolError, UsageError
 
@@ -266,7 +266,7 @@ def send(fabric: Fabric, src: int, dst: int, tag: int, round: int, payload: byte
 
 def test_a_part_the_root_did_not_grant_is_refused() -> None:
     fabric, root, other = two_nodes()
-    with pytest.raises(RemoteProtocolError, match="part of round 0"):
+    with pytest.raises(RemoteProtocolError, match="not one this node takes"):
         send(fabric, other, root, mlfabric.PART, 0, bytes(SPEC.count * 8))
 
 
@@ -274,7 +274,7 @@ def test_a_result_from_a_node_that_is_not_root_is_refused() -> None:
     fabric, root, other = two_nodes()
     third = next(n for n in (0, 1, 2) if n not in (root, other))
     fabric.call(third, 0, gift(third, 0, SPEC.count))  # its round is activated
-    with pytest.raises(RemoteProtocolError, match="RESULT"):
+    with pytest.raises(RemoteProtocolError, match="not one this node takes"):
         send(fabric, other, third, mlfabric.RESULT, 0, bytes(SPEC.count * 8))
 
 
@@ -307,7 +307,7 @@ def test_a_malformed_gather_is_refused(header: list[int]) -> None:
 
 def test_bytes_for_a_message_that_carries_none_are_refused() -> None:
     fabric, root, other = two_nodes()
-    with pytest.raises(RemoteProtocolError, match="carries no bytes"):
+    with pytest.raises(RemoteProtocolError, match="not one this node takes"):
         fabric.colls[root].landing(other, mlfabric.READY, 0, 0, 8, (), 0, 0.0)
 
 
@@ -334,3 +334,98 @@ def test_an_empty_tensor_is_reduced_too() -> None:
         fabric.call(rank, rank, np.zeros(0))
     fabric.drain()
     assert sorted(fabric.delivered) == [0, 1, 2]
+
+
+# -- review findings -------------------------------------------------------------------------
+def pair() -> tuple[Fabric, int, int]:
+    placement = (0, 1)
+    fabric = Fabric(SPEC, placement, Random(7))
+    root = root_of(JOB, NAME, 0, placement)
+    return fabric, root, 1 - root
+
+
+@pytest.mark.parametrize("at_root", [True, False])
+def test_bytes_nobody_planned_are_refused_before_they_are_allocated(at_root: bool) -> None:
+    """A peer's first frame of a SUM no plan expects, or of a RESULT from a node that is not
+    the root, allocates nothing: a flood of them cannot pass the byte budget."""
+    fabric, root, other = pair()
+    me, peer = (root, other) if at_root else (other, root)
+    coll = fabric.colls[me]
+    for tag, round in [(mlfabric.SUM, 0), (mlfabric.SUM + 7, 1), (mlfabric.RESULT, 0)]:
+        if tag == mlfabric.RESULT and not at_root:
+            continue  # the root's RESULT is the one a non-root node takes (once activated)
+        with pytest.raises(RemoteProtocolError, match="not one this node takes"):
+            coll.landing(peer, tag, round, 0, 8, (), 0, 0.0)
+    assert sum(a.nbytes for a in coll.arrays()) == 2 * SPEC.count * 8
+
+
+def test_a_message_whose_frames_leave_a_gap_is_refused() -> None:
+    """Frames of one message come in order: one that does not begin where the last ended
+    would leave bytes unwritten in what is reduced."""
+    fabric, root, other = pair()
+    fabric.call(other, 0, gift(other, 0, SPEC.count))
+    fabric.call(root, 1, gift(root, 0, SPEC.count))
+    while not (q := fabric.links.get((other, root))) or q[0].tag != mlfabric.PART:
+        assert fabric.deliver_one()
+    fabric.links[other, root].popleft()
+    coll = fabric.colls[root]
+    view = coll.landing(other, mlfabric.PART, 0, 0, 8, (), 0, 1.0)
+    assert view is not None
+    view[:] = bytes(8)
+    coll.arrived(other, mlfabric.PART, 0, 8, (), 0, 1.0)
+    with pytest.raises(RemoteProtocolError, match="holds"):
+        coll.landing(other, mlfabric.PART, 0, 16, 8, (), 0, 1.0)
+
+
+def test_a_reset_after_an_abandoned_call_breaks_the_round() -> None:
+    """The trainer's call was abandoned once its round was activated (its data is kept), then
+    the link reset and its READY was lost: the round is under way, so the collective breaks
+    on both sides instead of waiting for ever."""
+    fabric, root, other = pair()
+    fabric.call(other, 0, gift(other, 0, SPEC.count))
+    fabric.perform(other, fabric.colls[other].abandon(0))
+    fabric.links[other, root].clear()
+    fabric.perform(other, fabric.colls[other].interrupted(root, "reset"))
+    assert fabric.colls[other].broken is not None
+    fabric.call(root, 1, gift(root, 0, SPEC.count))
+    fabric.perform(root, fabric.colls[root].interrupted(other, "reset"))
+    assert fabric.colls[root].broken is not None
+    assert [f.token for f in fabric.failed.values()] == [1]
+
+
+@pytest.mark.parametrize("count", [0, SPEC.count])
+def test_a_notice_changes_nothing(count: int) -> None:
+    """A NOTICE (a peer's view, or its word on a disagreement) comes with round 0 and no
+    bytes, whatever round this node is in: it is neither a sum nor out of turn."""
+    spec = Spec(**{**SPEC.to_meta(), "count": count})
+    fabric = Fabric(spec, (0, 1), Random(8))
+    for k in range(2):
+        for rank in (0, 1):
+            fabric.call(rank, 10 * k + rank, gift(rank, k, count))
+        fabric.drain()
+    coll = fabric.colls[0]
+    assert coll.round == 2
+    assert coll.arrived(1, NOTICE, 0, 0, (), 0, 0.0) == []
+    assert coll.broken is None
+
+
+def test_a_gather_overlapping_another_of_the_round_is_refused() -> None:
+    fabric = Fabric(SPEC, (0, 1, 2, 3), Random(9))
+    nodes = (0, 1, 2, 3)
+    root = root_of(JOB, NAME, 0, nodes)
+    aggregator, *members = (n for n in nodes if n != root)
+    gather = np.array([0, *members], "<i8").tobytes()
+    send(fabric, root, aggregator, mlfabric.GATHER, 0, gather)
+    overlapping = np.array([1, members[0]], "<i8").tobytes()
+    with pytest.raises(RemoteProtocolError, match="GATHER"):
+        send(fabric, root, aggregator, mlfabric.GATHER, 0, overlapping)
+
+
+def test_two_nodes_send_straight_no_relay() -> None:
+    """A one-member group is a relay, never faster on a star network: sent straight."""
+    fabric, root, _ = pair()
+    for rank in (0, 1):
+        fabric.call(rank, rank, gift(rank, 0, SPEC.count))
+    fabric.drain()
+    assert fabric.sums == 0
+    np.testing.assert_array_equal(fabric.colls[root].history[0], expected(2, 0, SPEC.count, "sum"))

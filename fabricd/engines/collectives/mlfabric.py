@@ -39,10 +39,14 @@ different aggregation topology"; the issue's form: push to a random root, then g
 * **RESULT.**  The root reduces every part and sum into the round's total with its own
   contribution; once every member node is in exactly once, an ``avg`` is divided by the job's
   size and the total goes to every other node (:data:`RESULT`): every rank gets the root's bits.
-* **Checks.**  The root takes a PART only from a node it granted the root, a SUM only from the
-  aggregator of a group it planned, each once; an aggregator takes a PART only from a member of
-  one of its groups (or holds it until the GATHER, one per sender and round).  Anything else,
-  or a message of a round other than this node's current or next, is a protocol error.
+* **Checks**, each before a byte is allocated for the message.  The root takes a PART only from
+  a node it granted the root, a SUM only from the aggregator of a group it planned, each once;
+  a GRANT, a GATHER or a RESULT comes only from the round's root (a GATHER's members in no
+  other group of the round); an aggregator takes a PART only from a member of one of its
+  groups (or holds it until the GATHER, one per sender and round); a message's frames come in
+  order.  Anything else, or a message of a round other than this node's current or next, is a
+  protocol error.  A one-member group is granted straight: a relay is never faster on a star
+  network.
 * **Rounds overlap by one.**  A node that got round ``r``'s RESULT may be ready for ``r + 1``
   while its root, or an aggregator, still waits for ``r``'s RESULT: their messages of ``r + 1``
   are kept by round.  Nothing of ``r + 2`` can come: it needs this node's part of ``r + 1``.
@@ -65,7 +69,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 import numpy as np
 
 from fabricd.engines.collectives.persistent import Collective
-from fabricd.engines.collectives.spec import REDUCE, Spec, Transmit
+from fabricd.engines.collectives.spec import NOTICE, REDUCE, Spec, Transmit
 from fabricd.engines.monitor.table import DEFAULT_BPS
 from fabricd.engines.scheduling.aggregation import aggregate
 from fabricd.engines.scheduling.ordering import Update, in_list_order
@@ -255,6 +259,8 @@ class MlfabricCollective(Collective):
         grouped: set[int] = set()
         for group in plan.groups:  # (the root is no aggregator: it is the server)
             members = frozenset(cast("int", p.update.key) for p in group.members)
+            if len(members) == 1:
+                continue  # one member: a relay, never faster than straight on a star network
             number = state.groups
             state.groups += 1
             state.planned[number] = _Group(aggregator=group.aggregator, members=members)
@@ -337,22 +343,44 @@ class MlfabricCollective(Collective):
         state = self._at(node, round)
         inbound = state.inbound.get((node, tag))
         if inbound is None:
+            self._expects(state, round, node, tag)  # before anything is allocated for it
             if tag in (GRANT, GATHER):
                 if offset or nbytes % _INT.itemsize:
                     raise RemoteProtocolError(f"a GRANT or GATHER from node {node} is one frame")
                 inbound = _Inbound(np.empty(nbytes // _INT.itemsize, _INT))
-            elif tag in (PART, RESULT) or tag >= SUM:
-                inbound = _Inbound(np.empty_like(self.data))
             else:
-                raise RemoteProtocolError(f"message tag {tag} from node {node} carries no bytes")
+                inbound = _Inbound(np.empty_like(self.data))
             state.inbound[node, tag] = inbound
         view = inbound.array.data.cast("B")
-        if offset + nbytes > len(view) or inbound.got > offset:
+        # a message's frames come in order on one link: each begins where the last ended
+        if offset + nbytes > len(view) or offset != inbound.got:
             raise RemoteProtocolError(
                 f"{nbytes} B at {offset} of message tag {tag} from node {node}: it holds "
                 f"{len(view)} B"
             )
         return view[offset : offset + nbytes]
+
+    def _expects(self, state: _Round, round: int, node: int, tag: int) -> None:
+        """Raise unless a message ``tag`` of ``round`` from ``node`` may carry bytes here: a
+        GRANT or GATHER from the root, a RESULT from the root of this node's round, a SUM
+        at the root from the aggregator of a group it planned, a PART at the root from a node
+        it granted itself, or (one per sender and round) at another node.
+
+        Raises:
+            RemoteProtocolError: anything else, before a byte is allocated for it.
+        """
+        root = state.root == self.node
+        group = state.planned.get(tag - SUM) if tag >= SUM else None
+        if tag in (GRANT, GATHER, RESULT):
+            ok = node == state.root and (tag != RESULT or round == self._activated)
+        elif tag == PART:
+            ok = not root or state.granted.get(node) == self.node
+        else:
+            ok = root and tag != NOTICE and group is not None and group.aggregator == node
+        if not ok:
+            raise RemoteProtocolError(
+                f"message tag {tag} of round {round} from node {node}: not one this node takes"
+            )
 
     def arrived(
         self,
@@ -366,8 +394,10 @@ class MlfabricCollective(Collective):
         notes: tuple[Note, ...] = (),
     ) -> list[Action]:
         """``nbytes`` of message ``tag`` of ``round`` from ``node`` landed where
-        :meth:`landing` said (or, a message of no bytes, came)."""
-        if not self._peer(node, lost, base) or self.broken is not None:
+        :meth:`landing` said (or, a message of no bytes, came).  A NOTICE (a peer's view,
+        or its word that the ranks' specs disagree) changes nothing here: a sync collective
+        breaks on a loss or a disagreement by itself."""
+        if not self._peer(node, lost, base) or self.broken is not None or tag == NOTICE:
             return self._flush()
         state = self._at(node, round)
         if tag == READY:
@@ -377,6 +407,7 @@ class MlfabricCollective(Collective):
             return self._flush()
         inbound = state.inbound.get((node, tag))
         if inbound is None and not nbytes and not self._nbytes and tag not in (GRANT, GATHER):
+            self._expects(state, round, node, tag)
             inbound = _Inbound(np.empty_like(self.data))  # an empty tensor's: no frame landed
         if inbound is None:
             self.counters.frames_dropped += 1  # (landing() dropped it)
@@ -465,6 +496,7 @@ class MlfabricCollective(Collective):
             or not members <= self.index.keys()
             or state.root in members
             or len(members) != array.size - 1
+            or any(members & g.members for g in state.gathers.values())
         ):
             raise RemoteProtocolError(f"a GATHER of round {round} from node {node}")
         group = _Group(aggregator=self.node, members=members)
@@ -534,9 +566,19 @@ class MlfabricCollective(Collective):
         """A member's links were reset: messages of a round under way may be lost, and a
         round cannot be run again (its parts are in sums), so a round under way, or a call
         waiting, breaks the collective; between rounds it waits (as every sync one does)."""
-        busy = bool(self._calls) or any(
-            s.batch or s.granted or s.gathers or s.early or s.inbound or s.total is not None
-            for s in self._rounds.values()
+        busy = (
+            bool(self._calls)
+            or self._activated is not None  # (its calls may have been abandoned, data kept)
+            or any(
+                s.batch
+                or s.granted
+                or s.gathers
+                or s.early
+                or s.inbound
+                or s.grant is not None
+                or s.total is not None
+                for s in self._rounds.values()
+            )
         )
         if node in self.members and self.broken is None and busy:
             self._out += self.lose(node, reason, 0.0)
