@@ -51,7 +51,8 @@ from fabricd.demo import logreg
 from fabricd.engines.ps import consistency as ps_consistency
 from fabricd.engines.ps import filters as ps_filters
 from fabricd.engines.ps import storage as ps_storage
-from fabricd.engines.ps.consistency import Apply, Consistency, Coordinator, DelayGate, Reply
+from fabricd.engines.ps.consistency import Apply, Consistency, Coordinator, Reply
+from fabricd.engines.ps.delay_gate import DelayGate
 from fabricd.engines.ps.filters import FilterSettings, GradientFilter, ParameterFilter
 
 if TYPE_CHECKING:

@@ -30,7 +30,6 @@ from fabricd.engines.ps.consistency import (
     Apply,
     Consistency,
     Coordinator,
-    DelayGate,
     Drop,
     DropReason,
     Refused,
@@ -38,6 +37,7 @@ from fabricd.engines.ps.consistency import (
     Sum,
     update_rule,
 )
+from fabricd.engines.ps.delay_gate import DelayGate
 from fabricd.errors import RemoteProtocolError, UsageError
 
 ROUNDS = 5  #: iterations each simulated worker runs

@@ -10,10 +10,10 @@ user's :class:`UpdateCallback`) that turn one :class:`Apply` into a model step. 
 touches a socket, a segment or a clock (``now`` only stamps held pulls for stall reports) and
 holds no model: the parameter-server service keeps the model, performs the actions *in the
 order given* (a :class:`Reply` follows the :class:`Apply` actions it must see), moves the
-bytes, and says when a worker is lost.  On a worker's node, :class:`DelayGate` is MLfabric's
-worker-side drop.  Every malformed push or pull raises :class:`RemoteProtocolError` (the
-worker's daemon broke the protocol; nothing in the coordinator changed); a wrong setting
-raises :class:`UsageError`.
+bytes, and says when a worker is lost.  On a worker's node,
+:class:`~fabricd.engines.ps.delay_gate.DelayGate` is MLfabric's worker-side drop.  Every
+malformed push or pull raises :class:`RemoteProtocolError` (the worker's daemon broke the
+protocol; nothing in the coordinator changed); a wrong setting raises :class:`UsageError`.
 
 Theory of operation.  The model has a *version*: the number of :class:`Apply` actions so far,
 each one step of the update rule.  A worker at *clock* ``c`` computes its update of iteration
@@ -51,10 +51,11 @@ arrived (as many as an honest worker can have in flight), no further.
   :attr:`DropReason.DELAY`, counted), as §3.1 allows ("no update with delay > τmax should be
   applied").  Pulls are answered at once.  Iterations may skip numbers (a worker that dropped
   an update at home sends none for it).  MLfabric drops such updates at the worker, before
-  they cost the network anything (§5.1.3, §7.1): :class:`DelayGate` does that where the worker
-  can know — the server's version only grows, so an update whose base is more than ``tau_max``
-  behind the newest version the worker has heard of would be dropped on arrival — and the
-  server drops what the worker could not know about.
+  they cost the network anything (§5.1.3, §7.1):
+  :class:`~fabricd.engines.ps.delay_gate.DelayGate` does that where the worker can know — the
+  server's version only grows, so an update whose base is more than ``tau_max`` behind the
+  newest version the worker has heard of would be dropped on arrival — and the server drops
+  what the worker could not know about.
 
 Lost workers (:meth:`Coordinator.lose`): nothing waits for a lost worker again.  Under BSP an
 iteration is applied once every *live* worker's push of it arrived (the one being collected
@@ -963,47 +964,3 @@ def _bucket(delay: int) -> int:
         if delay <= bound:
             return i
     return len(DELAY_BUCKETS)
-
-
-class DelayGate:
-    """A worker's side of the delay bound (MLfabric §5.1.3, §7.1: updates "dropped at the
-    worker for violating delay bounds"): whether an update is worth sending at all.
-
-    The worker's daemon says which version the worker computes from (:meth:`pulled`) and every
-    server version it hears of (:meth:`heard`: pull replies, push acknowledgements).  The
-    server's version only grows, so an update whose base is more than ``delay_bound`` behind
-    the newest version heard would be dropped on arrival: :meth:`check` drops it here instead,
-    and counts it.  It never drops an update the server would apply.
-    """
-
-    def __init__(self, *, delay_bound: int | None) -> None:
-        if delay_bound is not None and delay_bound < 0:
-            raise UsageError(f"a delay bound is >= 0, not {delay_bound}")
-        self.delay_bound = delay_bound
-        self.base = 0  #: the version the worker's next update is computed from
-        self.newest = 0  #: the newest server version heard of
-        self.dropped = 0
-
-    def pulled(self, version: int) -> None:
-        """The worker's model is now version ``version`` (its next update's base)."""
-        self.base = version
-        self.heard(version)
-
-    def heard(self, version: int) -> None:
-        """The server's model was at version ``version`` (news may come out of order)."""
-        self.newest = max(self.newest, version)
-
-    def check(self, worker: int, iteration: int) -> Drop | None:
-        """``None``: send the update of ``iteration``; else a :class:`Drop` (counted)."""
-        delay = self.newest - self.base
-        if self.delay_bound is None or delay <= self.delay_bound:
-            return None
-        self.dropped += 1
-        return Drop(
-            worker=worker,
-            iteration=iteration,
-            base=self.base,
-            delay=delay,
-            reason=DropReason.DELAY,
-            bound=self.delay_bound,
-        )

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from fabricd.engines.ps import push as ps_push
-from fabricd.engines.ps.consistency import DelayGate
+from fabricd.engines.ps.delay_gate import DelayGate
 from fabricd.engines.ps.filters import FilterSettings, GradientFilter, Push
 from fabricd.engines.ps.storage import HEADER as PULL_HEADER
 from fabricd.engines.ps.storage import apply_delta
