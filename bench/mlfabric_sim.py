@@ -1,6 +1,7 @@
 """The strategies of the MLfabric experiment (bench/mlfabric.py), simulated in virtual time:
-RR-Sync and Tr-Sync (synchronous allreduce), Async (a plain parameter server) and MLfabric-A
-(the same server with fabricd's scheduling engines deciding), with and without aggregation.
+RR-Sync and Tr-Sync (synchronous allreduce), MLfabric-S (fabricd's allreduce of that name),
+Async (a plain parameter server) and MLfabric-A (the same server with fabricd's scheduling
+engines deciding), with and without aggregation.
 
 Rules: nothing here sleeps, opens a socket or reads a clock; time is a float that jumps from
 event to event, every random draw is seeded, and every run stops at its target loss or at
@@ -25,6 +26,16 @@ Theory of operation.  Host 0 is the server, worker ``w`` runs on host ``w + 1``.
   broadcast phase from parent to child, on the fluid network.  Sending every edge at once
   stands for a chunk-pipelined tree whose pipeline never drains (it ignores the pipeline's
   fill time: a lower bound on the tree's time, favourable to Tr-Sync).
+* MLfabric-S (§6, fabricd's ``algorithm="mlfabric"`` allreduce): every iteration a root
+  worker drawn at random; each other worker, once its computation ends, is ready (its READY
+  takes no time here); the root's plan is fabricd's: every ``interval`` from the first READY
+  (or at once when every worker is in) the batch, in ready order, goes through
+  :func:`~fabricd.engines.scheduling.ordering.in_list_order` and Alg. 3
+  (:func:`~fabricd.engines.scheduling.aggregation.aggregate`) on the monitor's lagged figures,
+  every other worker's host an aggregator (rotated one a round), a one-member group sent
+  straight; a group's sum (one model size) leaves its aggregator when its last member arrived.
+  Once every contribution reached the root and its own computation ended, the root sends the
+  model to every worker at once (a star) and the iteration ends when the last has it.
 * Async: a worker computes on its model, pushes (the push shares the links with every other
   transfer), the server applies it on arrival (no delay bound), the worker pulls the model over
   the server's uplink and computes again.
@@ -48,6 +59,7 @@ Theory of operation.  Host 0 is the server, worker ``w`` runs on host ``w + 1``.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -73,6 +85,9 @@ from fabricd.engines.ps.consistency import (
 from fabricd.engines.ps.filters import Push
 from fabricd.engines.ps.gathering import Gathering, GroupKey, Summed
 from fabricd.engines.ps.scheduler import Denied, Gather, Granted, ShardScheduler
+from fabricd.engines.scheduling import aggregation as alg3
+from fabricd.engines.scheduling.ordering import Update, in_list_order
+from fabricd.engines.scheduling.timelines import Network
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -82,7 +97,7 @@ SERVER = 0
 QUANTUM: Final = 2.0**-30
 #: the model's name in aggregation's group keys (one model, one shard, epoch 0)
 MODEL: Final = ("bench", "mlfabric")
-STRATEGIES = ("RR-Sync", "Tr-Sync", "Async", "MLfabric-A", "MLfabric-A+agg")
+STRATEGIES = ("RR-Sync", "Tr-Sync", "MLfabric-S", "Async", "MLfabric-A", "MLfabric-A+agg")
 
 
 @dataclass(frozen=True)
@@ -154,6 +169,8 @@ def simulate(setting: Setting, problem: Problem, strategy: str) -> Outcome:
     )
     if strategy in ("RR-Sync", "Tr-Sync"):
         return _Sync(setting, problem, trace, workers, ring=strategy == "RR-Sync").run()
+    if strategy == "MLfabric-S":
+        return _MlfabricS(setting, problem, trace, workers).run()
     if strategy == "Async":
         return _Ps(setting, problem, trace, workers, scheduled=False, aggregation=False).run()
     aggregation = strategy == "MLfabric-A+agg"
@@ -218,6 +235,146 @@ class _Sync:
             draws = [self.workers.draw(w, k) for w in range(s.workers)]
             total = sum(pushed(s, problem.gradient(model, rows)) for _, rows in draws)
             now = self.allreduce(now + max(seconds for seconds, _ in draws))
+            rule.apply(model, np.asarray(total))
+            k += 1
+            out.computed += s.workers
+            out.applied += s.workers
+            if problem.loss(model) <= s.target:
+                out.reached = now
+                break
+        out.seconds, out.iterations, out.final = now, k, model
+        out.delays = [0] * out.applied
+        return out
+
+
+class _MlfabricS:
+    """MLfabric-S (module docstring)."""
+
+    def __init__(self, setting: Setting, problem: Problem, trace: Trace, workers: Workers) -> None:
+        self.s, self.problem, self.trace, self.workers = setting, problem, trace, workers
+        self.fluid = Fluid(trace)
+        self.hosts = [w + 1 for w in range(setting.workers)]
+        self.rng = np.random.default_rng([setting.seed, 6])
+        self.out = Outcome(strategy="MLfabric-S", reached=math.inf, seconds=0.0, iterations=0)
+
+    def _figures(self, now: float) -> Network:
+        """The monitor's view at ``now``: the true rates ``lag`` seconds ago."""
+        then = now - self.s.lag
+        up = {h: self.trace.rate(h, then, up=True) for h in self.hosts}
+        down = {h: self.trace.rate(h, then, up=False) for h in self.hosts}
+        return Network(up, down, now=now)
+
+    def _round(self, start: float, seconds: list[float], k: int) -> float:
+        """One iteration's allreduce: when every worker has the result."""
+        n, size = self.s.workers, self.s.model_bytes
+        root = int(self.rng.integers(n))
+        root_host = self.hosts[root]
+        ready_at = [start + t for t in seconds]
+        if n == 1:
+            return ready_at[0]
+        others = [self.hosts[w] for w in range(n) if w != root]
+        turn = k % len(others)
+        aggregators = others[turn:] + others[:turn]
+        events: list[tuple[float, int, Callable[[float], None]]] = []
+        order = itertools.count()
+        covered: set[int] = set()
+        batch: list[int] = []
+        planned = [0]
+        ended: list[float] = []
+
+        def later(t: float, fn: Callable[[float], None]) -> None:
+            heapq.heappush(events, (t, next(order), fn))
+
+        def cover(hosts: set[int], t: float) -> None:
+            covered.update(hosts)
+            self.out.delivered += len(hosts)
+            self.out.server_bytes += size
+            if len(covered) == n - 1:
+                later(max(t, ready_at[root]), broadcast)
+
+        def cover_one(host: int, t: float) -> None:
+            cover({host}, t)
+
+        def broadcast(t: float) -> None:
+            for host in others:
+                self.fluid.start(root_host, host, size, lambda when: ended.append(when))
+
+        def plan(t: float) -> None:
+            if not batch:
+                return  # (planned earlier: every worker came in before the interval ended)
+            hosts = [self.hosts[w] for w in batch]
+            batch.clear()
+            planned[0] += len(hosts)
+            network = self._figures(t)
+            updates = [Update(key=h, host=h, version=0, size=size) for h in hosts]
+            listed = in_list_order(updates, network, server=root_host).planned
+            plan = alg3.aggregate(listed, network, server=root_host, aggregators=aggregators)
+            direct = [p.update.host for p in plan.direct]
+            for group in plan.groups:
+                members = {m.update.host for m in group.members}
+                if len(members) == 1:
+                    direct += members
+                    continue
+                self.out.aggregates += 1
+                self.out.grouped += len(members)
+                self._gather(group.aggregator, members, root_host, cover)
+            for host in direct:
+                self.fluid.start(host, root_host, size, functools.partial(cover_one, host))
+
+        def ready(w: int) -> Callable[[float], None]:
+            def go(t: float) -> None:
+                batch.append(w)
+                if planned[0] + len(batch) == n - 1:
+                    plan(t)
+                elif len(batch) == 1:
+                    later(t + self.s.interval, plan)
+
+            return go
+
+        for w in range(n):
+            if w != root:
+                later(ready_at[w], ready(w))
+        while len(ended) < n - 1:
+            t_event = events[0][0] if events else math.inf
+            t_flow = self.fluid.next_time()
+            if t_event == math.inf and t_flow == math.inf:
+                raise AssertionError("MLfabric-S's round stopped short")
+            if t_flow < t_event:
+                self.fluid.advance(t_flow)
+                continue
+            _, _, fn = heapq.heappop(events)
+            self.fluid.advance(max(self.fluid.now, t_event))
+            fn(t_event)
+        return max(ended)
+
+    def _gather(
+        self,
+        aggregator: int,
+        members: set[int],
+        root: int,
+        cover: Callable[[set[int], float], None],
+    ) -> None:
+        """The group's members to its aggregator; its sum to the root once all came."""
+        size = self.s.model_bytes
+        left = [len(members)]
+
+        def arrived(_t: float) -> None:
+            left[0] -= 1
+            if not left[0]:
+                self.fluid.start(aggregator, root, size, lambda t: cover(members, t))
+
+        for host in members:
+            self.fluid.start(host, aggregator, size, arrived)
+
+    def run(self) -> Outcome:
+        s, problem, out = self.s, self.problem, self.out
+        model, rule = problem.start.copy(), rule_of(s)
+        now, k = 0.0, 0
+        while now < s.horizon:
+            draws = [self.workers.draw(w, k) for w in range(s.workers)]
+            total = sum(pushed(s, problem.gradient(model, rows)) for _, rows in draws)
+            self.fluid.advance(max(self.fluid.now, now))
+            now = self._round(now, [seconds for seconds, _ in draws], k)
             rule.apply(model, np.asarray(total))
             k += 1
             out.computed += s.workers

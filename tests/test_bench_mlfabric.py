@@ -50,7 +50,7 @@ def test_quick_mode_reports_every_strategy_in_all_nine_settings() -> None:
     assert any("server inbound bytes" in label for label in labels)
 
 
-@pytest.mark.parametrize("strategy", ["Tr-Sync", "Async", "MLfabric-A+agg"])
+@pytest.mark.parametrize("strategy", ["Tr-Sync", "MLfabric-S", "Async", "MLfabric-A+agg"])
 def test_a_run_is_the_same_for_the_same_seed(strategy: str) -> None:
     data = problem(7)
     first = simulate(_setting(), data, strategy)
@@ -200,3 +200,22 @@ def test_fabricctl_bench_mlfabric_prints_the_table_as_json() -> None:
     [table] = json.loads(result.output)["benchmarks"]
     assert table["name"] == "mlfabric"
     assert len(table["rows"]) == 9 * len(STRATEGIES)
+
+
+@pytest.mark.parametrize("network", ["N1", "N3"])
+def test_mlfabric_s_applies_the_same_sums_as_rr_sync_and_groups_on_the_way(network: str) -> None:
+    """MLfabric-S moves the same contributions as the ring, by other paths: in exact mode
+    every iteration's sum, hence the model, is RR-Sync's bit for bit (only the time differs),
+    every worker's contribution reaches the root once an iteration, and some go inside
+    aggregates summed at other workers' hosts."""
+    data = problem(7)
+    setting = _setting(network=network, exact=True, horizon=120.0)
+    ring = simulate(setting, data, "RR-Sync")
+    mls = simulate(setting, data, "MLfabric-S")
+    assert mls.iterations == ring.iterations
+    assert ring.final is not None
+    assert mls.final is not None
+    np.testing.assert_array_equal(mls.final, ring.final)
+    assert mls.delivered == mls.iterations * (setting.workers - 1)  # the root's own is local
+    assert mls.aggregates > 0
+    assert mls.grouped >= 2 * mls.aggregates  # a group of one is sent straight
