@@ -21,7 +21,11 @@ the final model must equal the sum of the updates applied, bit for bit).
 Each worker loops for :data:`SECONDS`: pull, compute (sleep), push, and stops after the push
 that ends past the deadline.  Modes, on the same daemons, one job each, in this order:
 ``scheduling="arrival"`` with ``delay_bound`` :data:`BOUND`, ``scheduling="mlfabric"`` with the
-same bound, and the latter with ``aggregation=True``.  Reported per mode: time per iteration
+same bound, and the latter with ``aggregation=True`` (MLfabric-A); then the same loop under BSP,
+``scheduling="arrival"`` (a plain synchronous parameter server) and ``scheduling="mlfabric"``
+with ``aggregation=True`` (MLfabric-S, §6), every worker running the same number of iterations
+(about :data:`SECONDS` of them at :data:`BSP_ITERATION` each: a worker that stopped early would
+hold the others' next iteration).  Reported per mode: time per iteration
 (wall seconds per ``n`` pushes applied, ``n`` the number of workers) and pushes applied per
 second, pushes made / applied / dropped (the workers' own results), the largest delay applied
 and the mean (the server's status row: its delay histogram's highest non-empty bucket, and
@@ -29,7 +33,8 @@ and the mean (the server's status row: its delay histogram's highest non-empty b
 sent: the status row's ``dropped_scheduled``; the rest were too stale for the worker's own
 delay gate, not sent, or for the server, after they crossed the network), and the server's
 inbound bytes (``push_bytes``) in all and per applied push.  The ratio is arrival's time per
-iteration over the row's (higher is better); the inbound-bytes ratio is an extra figure.  One
+iteration over the row's, a BSP row's against BSP in arrival order (higher is better); the
+inbound-bytes ratio is an extra figure.  One
 run of each mode: the figures are single samples on a shared machine.
 
 Where namespaces or ``tc`` are unavailable (not root, no iproute2, a kernel without them), the
@@ -68,10 +73,29 @@ STRAGGLE, SLOWDOWN = 0.1, 4.0
 BOUND: Final = 8
 #: the modes, in run order, and how each opens the model
 MODES: Final[dict[str, dict[str, Any]]] = {
-    "arrival": {"scheduling": "arrival"},
-    "mlfabric": {"scheduling": "mlfabric"},
-    "mlfabric+agg": {"scheduling": "mlfabric", "aggregation": True},
+    "arrival": {"consistency": "async", "scheduling": "arrival"},
+    "mlfabric": {"consistency": "async", "scheduling": "mlfabric"},
+    "mlfabric+agg": {"consistency": "async", "scheduling": "mlfabric", "aggregation": True},
+    "bsp": {"consistency": "bsp", "scheduling": "arrival"},
+    "bsp mlfabric+agg": {"consistency": "bsp", "scheduling": "mlfabric", "aggregation": True},
 }
+#: seconds a BSP iteration is planned at, to size a BSP mode's iterations to its time: one
+#: computation, its 4x stragglers (one of the workers is one in about half the iterations),
+#: and the pushes and pulls
+BSP_ITERATION: Final = 1.5
+
+
+def opened(mode: str, settings: Settings) -> dict[str, Any]:
+    """How every rank opens the model in ``mode``: its consistency, scheduling and (async)
+    the delay bound."""
+    kwargs = dict(MODES[mode])
+    if kwargs["consistency"] == "async":
+        kwargs["delay_bound"] = settings.delay_bound
+    return kwargs
+
+
+def synchronous(mode: str) -> bool:
+    return bool(MODES[mode]["consistency"] == "bsp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +118,11 @@ class Settings:
     @property
     def nodes(self) -> int:
         return 1 + self.worker_hosts
+
+    @property
+    def bsp_iterations(self) -> int:
+        """The iterations of a BSP mode: about ``seconds`` of them, at least two."""
+        return max(2, round(self.seconds / BSP_ITERATION))
 
     @property
     def placement(self) -> tuple[int, ...]:
@@ -185,14 +214,20 @@ def _worker(
     try:
         with fabricd.connect(job=job, rank=log.rank, size=size, socket_path=socket_path) as fab:
             ps = fab.parameter_server(
-                "m", (settings.elements,), "float32", servers=[0], consistency="async",
-                delay_bound=settings.delay_bound, **MODES[log.mode],
-            )  # fmt: skip
+                "m", (settings.elements,), "float32", servers=[0], **opened(log.mode, settings)
+            )
             model = fab.array("w", (settings.elements,), "float32")
             update = fab.array("u", (settings.elements,), "float32")
             log.total = np.zeros(settings.elements, np.int64)
             start.wait(timeout=60)
-            while time.monotonic() < deadline[0]:
+            # BSP: every worker runs the same iterations (one that stopped would hold the
+            # others' next iteration for ever); async: each until the deadline
+            iterations = settings.bsp_iterations if synchronous(log.mode) else math.inf
+            while (
+                time.monotonic() < deadline[0]
+                if iterations == math.inf
+                else log.pushed < iterations
+            ):
                 ps.pull(model, timeout=60)
                 slow = rng.random() < settings.straggle
                 time.sleep(settings.compute * (settings.slowdown if slow else 1.0))
@@ -229,9 +264,8 @@ def train(sockets: Sequence[str], mode: str, settings: Settings, job: str = "") 
     deadline = [math.inf]
     with fabricd.connect(job=job, rank=0, size=size, socket_path=sockets[0]) as server:
         server.parameter_server(
-            "m", (settings.elements,), "float32", "server", servers=[0], consistency="async",
-            delay_bound=settings.delay_bound, **MODES[mode],
-        )  # fmt: skip
+            "m", (settings.elements,), "float32", "server", servers=[0], **opened(mode, settings)
+        )
         threads = [
             threading.Thread(
                 target=_worker,
@@ -347,11 +381,14 @@ def tabulate(results: Sequence[ModeResult], settings: Settings) -> Table:
             Column("mbytes", "server MB in"),
             Column("kib", "KiB in/applied"),
         ],
-        ratio="arrival's s/iteration / the row's (higher is better)",
+        ratio=(
+            "arrival's s/iteration / the row's, BSP rows bsp's (arrival order) (higher is better)"
+        ),
         settings={"seconds": settings.seconds, "compute": settings.compute},
     )
-    base = results[0]
+    bases = {synchronous(r.mode): r for r in reversed(results)}  # each kind's first mode
     for r in results:
+        base = bases[synchronous(r.mode)]
         table.add(
             r.mode,
             settings.elements * 4,
@@ -369,8 +406,11 @@ def tabulate(results: Sequence[ModeResult], settings: Settings) -> Table:
         )
     table.extras.append(
         Extra(
-            "server inbound bytes per applied push, arrival's / the mode's",
-            {r.mode: base.inbound_per_push / r.inbound_per_push for r in results},
+            "server inbound bytes per applied push, arrival's (bsp's) / the mode's",
+            {
+                r.mode: bases[synchronous(r.mode)].inbound_per_push / r.inbound_per_push
+                for r in results
+            },
             "x",
         )
     )
