@@ -1,5 +1,6 @@
 """MLfabric's Table 2 in virtual time: MLfabric-A against RR-Sync, Tr-Sync and Async under
-compute stragglers C1-C3 and network conditions N1-N3 (MLfabric §7, §7.1, §7.2).
+compute stragglers C1-C3 and network conditions N1-N3 (MLfabric §7, §7.1), and MLfabric-S
+against RR-Sync and Tr-Sync in the same settings (§7.2).
 
 A discrete-event simulation (:mod:`bench.mlfabric_sim`; no sleeping, no sockets, seeded,
 bounded) of data-parallel training of L2-regularised logistic regression
@@ -52,6 +53,13 @@ Baseline: RR-Sync in the same setting, same seeds.  The ratio is RR-Sync's time 
 over the row's (higher is better; the median over the seeds).  Targets (issue 24, item 7):
 MLfabric-A (with aggregation, as the paper runs it) >= 1.2x in at least 6 of the 9 settings
 (Table 2: 1.23-2.96x), and aggregation cutting the server's inbound bytes >= 2x at 8 workers.
+
+MLfabric-S (§7.2 has no table, only ranges): its rows beside RR-Sync's and Tr-Sync's, with
+each synchronous strategy's communication per iteration (past the slowest computation) and its
+reduce part, and extras setting by setting: RR-Sync's time to the target over MLfabric-S's
+(the paper: 1.2-2x, except C2-N1 where MLfabric-S wins by 16 %), Tr-Sync's communication per
+iteration over MLfabric-S's (the paper: MLfabric-S 18-22 % less under C2-N2), and the largest
+difference between MLfabric-S's model and RR-Sync's.
 
 Run alone: ``python -m bench.mlfabric [--quick]``.
 """
@@ -118,6 +126,18 @@ class Case:
     @property
     def per_iteration(self) -> float:
         return statistics.median(o.per_iteration for o in self.outcomes)
+
+    @property
+    def communication(self) -> float:
+        """Synchronous strategies: seconds per iteration past its slowest computation."""
+        return statistics.median(o.communication_per_iteration for o in self.outcomes)
+
+    @property
+    def reduced(self) -> float:
+        """Tr-Sync and MLfabric-S: the same up to the reduce's end."""
+        return statistics.median(
+            o.reduced / o.iterations if o.iterations else math.nan for o in self.outcomes
+        )
 
 
 def settings(workers: int, compute: str, network: str, seed: int, target: float) -> Setting:
@@ -289,6 +309,9 @@ def tabulate(
             Column("mean_delay", "mean delay"),
             Column("max_delay", "max delay", 0),
             Column("server_mb", "server MB/update"),
+            Column("communication", "comm s/it"),
+            Column("reduced", "reduce s/it"),
+            Column("grouped", "via aggregators %"),
         ],
         ratio="RR-Sync's time to the target / this row's (median over seeds; higher is better)",
         target=(
@@ -331,6 +354,9 @@ def tabulate(
             server_mb=sum(o.server_bytes for o in outcomes) / delivered / 1e6
             if delivered
             else math.nan,
+            communication=case.communication,
+            reduced=case.reduced,
+            grouped=100 * sum(o.grouped for o in outcomes) / delivered if delivered else math.nan,
         )
         if case.strategy in ("MLfabric-A", TARGETED) and ratio >= SPEEDUP:
             wins[(case.workers, case.strategy)] = wins.get((case.workers, case.strategy), 0) + 1
@@ -369,6 +395,7 @@ def tabulate(
             "",
         )
     )
+    table.extras += sync_extras(cases)
     if sensitivity:
         table.extras.append(
             Extra(
@@ -395,8 +422,55 @@ def tabulate(
         "and not applied (denied by the scheduler or dropped by the server)",
         "Table 2: the paper's speedup for the row's setting (30 workers, ResNet-50, to 74 % "
         "accuracy), beside ours",
+        "comm s/it: synchronous strategies' seconds per iteration past its slowest computation "
+        "(reduce s/it: up to the root holding the sum); via aggregators %: MLfabric-S's "
+        "contributions that reached the root inside a group's sum",
+        "MLfabric-S (§7.2, no Table 2 figure): RR-Sync 1.2-2x faster except C2-N1, where "
+        "MLfabric-S wins by 16 %; 18-22 % less communication per iteration than Tr-Sync "
+        "under C2-N2",
     ]
     return table
+
+
+def sync_extras(cases: Sequence[Case]) -> list[Extra]:
+    """MLfabric-S beside RR-Sync and Tr-Sync, setting by setting (§7.2's comparisons), and
+    the largest difference between its model and RR-Sync's where both ran as many iterations
+    (the same sums, summed along other paths)."""
+    by = {(c.workers, c.compute, c.network, c.strategy): c for c in cases}
+    speedup: dict[str, float] = {}
+    per_iteration: dict[str, float] = {}
+    communication: dict[str, float] = {}
+    diffs: list[float] = []
+    for (n, compute, network, strategy), mls in by.items():
+        rr, tr = by.get((n, compute, network, "RR-Sync")), by.get((n, compute, network, "Tr-Sync"))
+        if strategy != "MLfabric-S" or rr is None or tr is None:
+            continue
+        key = f"{n}w {compute}-{network}"
+        speedup[key] = rr.reached / mls.reached
+        per_iteration[key] = rr.per_iteration / mls.per_iteration
+        communication[key] = tr.communication / mls.communication
+        diffs += [
+            float(np.max(np.abs(a.final - b.final)))
+            for a, b in zip(mls.outcomes, rr.outcomes, strict=True)
+            if a.final is not None and b.final is not None and a.iterations == b.iterations
+        ]
+    if not speedup:
+        return []
+    return [
+        Extra("MLfabric-S: RR-Sync's time to the target / MLfabric-S's", speedup, "x"),
+        Extra("MLfabric-S: RR-Sync's seconds per iteration / MLfabric-S's", per_iteration, "x"),
+        Extra(
+            "MLfabric-S: Tr-Sync's communication seconds per iteration (past the slowest "
+            "computation) / MLfabric-S's",
+            communication,
+            "x",
+        ),
+        Extra(
+            "largest |MLfabric-S's model - RR-Sync's| after as many iterations",
+            {"max": max(diffs, default=math.nan)},
+            "",
+        ),
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

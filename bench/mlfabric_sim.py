@@ -35,7 +35,13 @@ Theory of operation.  Host 0 is the server, worker ``w`` runs on host ``w + 1``.
   every other worker's host an aggregator (rotated one a round), a one-member group sent
   straight; a group's sum (one model size) leaves its aggregator when its last member arrived.
   Once every contribution reached the root and its own computation ended, the root sends the
-  model to every worker at once (a star) and the iteration ends when the last has it.
+  model to every worker at once (a star) and the iteration ends when the last has it.  The
+  vectors travel with the transfers: an aggregator sums its members in arrival order, the root
+  sums what reaches it in arrival order and adds its own last, and the model steps with that
+  sum, so its equality with RR-Sync's (the same n vectors summed in worker order) is checked,
+  not assumed: bit for bit in exact mode, up to rounding under ``sgd``.  ``communication``
+  (and ``reduced``, Tr-Sync too) is the time from the slowest computation's end to the
+  iteration's end (to the root, or the tree's root, holding the sum).
 * Async: a worker computes on its model, pushes (the push shares the links with every other
   transfer), the server applies it on arrival (no delay bound), the worker pulls the model over
   the server's uplink and computes again.
@@ -63,6 +69,7 @@ import functools
 import heapq
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -146,12 +153,21 @@ class Outcome:
     refused: int = 0  #: aggregates refused (a member decided already)
     fallbacks: int = 0  #: members sent straight to the server after their wait
     delays: list[int] = field(default_factory=list)  #: of the applied updates
+    #: synchronous strategies: seconds from each iteration's slowest computation's end to
+    #: its end (the communication nothing overlapped), summed over the iterations
+    communication: float = math.nan
+    #: Tr-Sync and MLfabric-S: the same up to the reduce's end (the root has the sum)
+    reduced: float = math.nan
     log: list[tuple[int, int, Vector]] = field(default_factory=list, repr=False)
     final: Vector | None = field(default=None, repr=False)
 
     @property
     def per_iteration(self) -> float:
         return self.seconds / self.iterations if self.iterations else math.inf
+
+    @property
+    def communication_per_iteration(self) -> float:
+        return self.communication / self.iterations if self.iterations else math.nan
 
 
 def simulate(setting: Setting, problem: Problem, strategy: str) -> Outcome:
@@ -200,6 +216,7 @@ class _Sync:
         self.s, self.problem, self.trace, self.workers = setting, problem, trace, workers
         self.ring = ring
         self.fluid = Fluid(trace)
+        self.reduced = 0.0
         self.hosts = [w + 1 for w in range(setting.workers)]
 
     def allreduce(self, start: float) -> float:
@@ -209,6 +226,7 @@ class _Sync:
             return self.trace.carry(self.hosts, 2 * (n - 1) / n * size, start)
         edges = [(self.hosts[c], self.hosts[(c - 1) // 2]) for c in range(1, n)]
         reduced = self._phase(edges, start)
+        self.reduced += reduced - start
         return self._phase([(parent, child) for child, parent in edges], reduced)
 
     def _phase(self, edges: list[tuple[int, int]], start: float) -> float:
@@ -230,11 +248,14 @@ class _Sync:
         name = "RR-Sync" if self.ring else "Tr-Sync"
         model, rule = problem.start.copy(), rule_of(s)
         out = Outcome(strategy=name, reached=math.inf, seconds=0.0, iterations=0)
+        out.communication = 0.0
         now, k = 0.0, 0
         while now < s.horizon:
             draws = [self.workers.draw(w, k) for w in range(s.workers)]
             total = sum(pushed(s, problem.gradient(model, rows)) for _, rows in draws)
-            now = self.allreduce(now + max(seconds for seconds, _ in draws))
+            computed = now + max(seconds for seconds, _ in draws)
+            now = self.allreduce(computed)
+            out.communication += now - computed
             rule.apply(model, np.asarray(total))
             k += 1
             out.computed += s.workers
@@ -244,18 +265,24 @@ class _Sync:
                 break
         out.seconds, out.iterations, out.final = now, k, model
         out.delays = [0] * out.applied
+        out.reduced = math.nan if self.ring else self.reduced
         return out
 
 
 class _MlfabricS:
-    """MLfabric-S (module docstring)."""
+    """MLfabric-S (module docstring): the sums really travel the round's paths, so that the
+    model's equality with RR-Sync's is a check, not a copy."""
 
     def __init__(self, setting: Setting, problem: Problem, trace: Trace, workers: Workers) -> None:
         self.s, self.problem, self.trace, self.workers = setting, problem, trace, workers
         self.fluid = Fluid(trace)
         self.hosts = [w + 1 for w in range(setting.workers)]
         self.rng = np.random.default_rng([setting.seed, 6])
-        self.out = Outcome(strategy="MLfabric-S", reached=math.inf, seconds=0.0, iterations=0)
+        self.out = Outcome(
+            strategy="MLfabric-S", reached=math.inf, seconds=0.0, iterations=0, communication=0.0,
+            reduced=0.0,
+        )  # fmt: skip
+        self.total: Vector | None = None  #: the last round's sum, as the root made it
 
     def _figures(self, now: float) -> Network:
         """The monitor's view at ``now``: the true rates ``lag`` seconds ago."""
@@ -264,107 +291,39 @@ class _MlfabricS:
         down = {h: self.trace.rate(h, then, up=False) for h in self.hosts}
         return Network(up, down, now=now)
 
-    def _round(self, start: float, seconds: list[float], k: int) -> float:
-        """One iteration's allreduce: when every worker has the result."""
-        n, size = self.s.workers, self.s.model_bytes
+    def _round(self, start: float, seconds: list[float], values: list[Vector], k: int) -> float:
+        """One iteration's allreduce of ``values`` (worker ``w``'s contribution the ``w``-th):
+        when every worker has the root's sum, which is left in ``self.total``."""
+        n = self.s.workers
         root = int(self.rng.integers(n))
-        root_host = self.hosts[root]
         ready_at = [start + t for t in seconds]
         if n == 1:
+            self.total = values[0]
+            self.out.log.append((0, k, values[0]))
             return ready_at[0]
-        others = [self.hosts[w] for w in range(n) if w != root]
+        others = [w for w in range(n) if w != root]
         turn = k % len(others)
-        aggregators = others[turn:] + others[:turn]
-        events: list[tuple[float, int, Callable[[float], None]]] = []
-        order = itertools.count()
-        covered: set[int] = set()
-        batch: list[int] = []
-        planned = [0]
-        ended: list[float] = []
-
-        def later(t: float, fn: Callable[[float], None]) -> None:
-            heapq.heappush(events, (t, next(order), fn))
-
-        def cover(hosts: set[int], t: float) -> None:
-            covered.update(hosts)
-            self.out.delivered += len(hosts)
-            self.out.server_bytes += size
-            if len(covered) == n - 1:
-                later(max(t, ready_at[root]), broadcast)
-
-        def cover_one(host: int, t: float) -> None:
-            cover({host}, t)
-
-        def broadcast(t: float) -> None:
-            for host in others:
-                self.fluid.start(root_host, host, size, lambda when: ended.append(when))
-
-        def plan(t: float) -> None:
-            if not batch:
-                return  # (planned earlier: every worker came in before the interval ended)
-            hosts = [self.hosts[w] for w in batch]
-            batch.clear()
-            planned[0] += len(hosts)
-            network = self._figures(t)
-            updates = [Update(key=h, host=h, version=0, size=size) for h in hosts]
-            listed = in_list_order(updates, network, server=root_host).planned
-            plan = alg3.aggregate(listed, network, server=root_host, aggregators=aggregators)
-            direct = [p.update.host for p in plan.direct]
-            for group in plan.groups:
-                members = {m.update.host for m in group.members}
-                if len(members) == 1:
-                    direct += members
-                    continue
-                self.out.aggregates += 1
-                self.out.grouped += len(members)
-                self._gather(group.aggregator, members, root_host, cover)
-            for host in direct:
-                self.fluid.start(host, root_host, size, functools.partial(cover_one, host))
-
-        def ready(w: int) -> Callable[[float], None]:
-            def go(t: float) -> None:
-                batch.append(w)
-                if planned[0] + len(batch) == n - 1:
-                    plan(t)
-                elif len(batch) == 1:
-                    later(t + self.s.interval, plan)
-
-            return go
-
-        for w in range(n):
-            if w != root:
-                later(ready_at[w], ready(w))
-        while len(ended) < n - 1:
-            t_event = events[0][0] if events else math.inf
+        aggregators = [self.hosts[w] for w in others[turn:] + others[:turn]]
+        state = _SRound(self, root, k, values, aggregators)
+        for w in others:
+            state.later(ready_at[w], functools.partial(state.ready, w))
+        state.root_ready = ready_at[root]
+        while len(state.ended) < n - 1:
+            t_event = state.events[0][0] if state.events else math.inf
             t_flow = self.fluid.next_time()
             if t_event == math.inf and t_flow == math.inf:
                 raise AssertionError("MLfabric-S's round stopped short")
             if t_flow < t_event:
                 self.fluid.advance(t_flow)
                 continue
-            _, _, fn = heapq.heappop(events)
+            _, _, fn = heapq.heappop(state.events)
             self.fluid.advance(max(self.fluid.now, t_event))
             fn(t_event)
-        return max(ended)
-
-    def _gather(
-        self,
-        aggregator: int,
-        members: set[int],
-        root: int,
-        cover: Callable[[set[int], float], None],
-    ) -> None:
-        """The group's members to its aggregator; its sum to the root once all came."""
-        size = self.s.model_bytes
-        left = [len(members)]
-
-        def arrived(_t: float) -> None:
-            left[0] -= 1
-            if not left[0]:
-                self.fluid.start(aggregator, root, size, lambda t: cover(members, t))
-
-        for host in members:
-            self.fluid.start(host, aggregator, size, arrived)
+        self.total = state.total
+        end = max(state.ended)
+        self.out.communication += end - max(ready_at)
+        self.out.reduced += state.summed - max(ready_at)
+        return end
 
     def run(self) -> Outcome:
         s, problem, out = self.s, self.problem, self.out
@@ -372,10 +331,10 @@ class _MlfabricS:
         now, k = 0.0, 0
         while now < s.horizon:
             draws = [self.workers.draw(w, k) for w in range(s.workers)]
-            total = sum(pushed(s, problem.gradient(model, rows)) for _, rows in draws)
+            values = [pushed(s, problem.gradient(model, rows)) for _, rows in draws]
             self.fluid.advance(max(self.fluid.now, now))
-            now = self._round(now, [seconds for seconds, _ in draws], k)
-            rule.apply(model, np.asarray(total))
+            now = self._round(now, [seconds for seconds, _ in draws], values, k)
+            rule.apply(model, np.asarray(self.total))
             k += 1
             out.computed += s.workers
             out.applied += s.workers
@@ -385,6 +344,108 @@ class _MlfabricS:
         out.seconds, out.iterations, out.final = now, k, model
         out.delays = [0] * out.applied
         return out
+
+
+class _SRound:
+    """The events of one MLfabric-S iteration (module docstring): READYs batched every
+    ``interval``, each batch planned by fabricd's list planner and Alg. 3 on the lagged
+    figures, members summed at their aggregator as they come, the sums and direct sends summed
+    at the root as they come, the model sent back from the root once every contribution is in."""
+
+    def __init__(
+        self, sim: _MlfabricS, root: int, k: int, values: list[Vector], aggregators: list[int]
+    ) -> None:
+        self.sim, self.root, self.k, self.values = sim, root, k, values
+        self.root_host = sim.hosts[root]
+        self.aggregators = aggregators
+        self.events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._order = itertools.count()
+        self.root_ready = math.inf  #: when the root's own computation ends
+        self.batch: list[int] = []  #: workers ready since the last plan, in ready order
+        self.planned = 0  #: workers planned so far
+        self.covered: set[int] = set()  #: workers whose contribution reached the root
+        self.total: Vector | None = None  #: the root's running sum
+        self.summed = math.inf  #: when it held every contribution, its own included
+        self.ended: list[float] = []  #: when each other worker had the model back
+
+    def later(self, t: float, fn: Callable[[float], None]) -> None:
+        heapq.heappush(self.events, (t, next(self._order), fn))
+
+    def ready(self, w: int, t: float) -> None:
+        """Worker ``w``'s READY: planned with its batch at the interval's end, or at once if
+        it completes the iteration's set."""
+        self.batch.append(w)
+        if self.planned + len(self.batch) == self.sim.s.workers - 1:
+            self.plan(t)
+        elif len(self.batch) == 1:
+            self.later(t + self.sim.s.interval, self.plan)
+
+    def plan(self, t: float) -> None:
+        """The batch through ``in_list_order`` and Alg. 3 (module docstring)."""
+        if not self.batch:
+            return  # (planned earlier: every worker came in before the interval ended)
+        sim, size = self.sim, self.sim.s.model_bytes
+        by_host = {sim.hosts[w]: w for w in self.batch}
+        self.planned += len(self.batch)
+        self.batch.clear()
+        network = sim._figures(t)
+        updates = [Update(key=h, host=h, version=0, size=size) for h in by_host]
+        listed = in_list_order(updates, network, server=self.root_host).planned
+        plan = alg3.aggregate(listed, network, server=self.root_host, aggregators=self.aggregators)
+        direct = [by_host[p.update.host] for p in plan.direct]
+        for group in plan.groups:
+            members = [by_host[m.update.host] for m in group.members]
+            if len(members) == 1:
+                direct += members
+                continue
+            sim.out.aggregates += 1
+            sim.out.grouped += len(members)
+            self._gather(group.aggregator, members)
+        for w in direct:
+            sim.fluid.start(
+                sim.hosts[w], self.root_host, size,
+                functools.partial(self._arrive, [w], self.values[w]),
+            )  # fmt: skip
+
+    def _gather(self, aggregator: int, members: list[int]) -> None:
+        """The group's members to its aggregator, summed there as they come; the sum to the
+        root once all came."""
+        sim, size = self.sim, self.sim.s.model_bytes
+        got: list[int] = []
+
+        def arrived(w: int, _t: float) -> None:
+            got.append(w)
+            if len(got) == len(members):
+                value = functools.reduce(operator.add, (self.values[m] for m in got))
+                done = functools.partial(self._arrive, list(got), value)
+                sim.fluid.start(aggregator, self.root_host, size, done)
+
+        for w in members:
+            sim.fluid.start(sim.hosts[w], aggregator, size, functools.partial(arrived, w))
+
+    def _arrive(self, members: list[int], value: Vector, t: float) -> None:
+        """A contribution (one worker's, or a group's sum) reached the root."""
+        out = self.sim.out
+        for w in members:
+            if w in self.covered:
+                raise AssertionError(f"worker {w}'s update of iteration {self.k} came twice")
+            out.log.append((w, self.k, self.values[w]))
+        self.covered.update(members)
+        out.delivered += len(members)
+        out.server_bytes += self.sim.s.model_bytes
+        self.total = value if self.total is None else self.total + value
+        if len(self.covered) == self.sim.s.workers - 1:
+            self.later(max(t, self.root_ready), self._broadcast)
+
+    def _broadcast(self, t: float) -> None:
+        """The root adds its own (local) contribution and sends the model to every worker."""
+        sim, own = self.sim, self.values[self.root]
+        self.summed = t
+        sim.out.log.append((self.root, self.k, own))
+        self.total = own if self.total is None else self.total + own
+        for w in range(sim.s.workers):
+            if w != self.root:
+                sim.fluid.start(self.root_host, sim.hosts[w], sim.s.model_bytes, self.ended.append)
 
 
 @dataclass
