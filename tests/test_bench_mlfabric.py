@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from bench import mlfabric, mlfabric_model, mlfabric_net, mlfabric_sim
-from bench.mlfabric_model import problem
-from bench.mlfabric_net import GBPS, Fluid, Trace
+from bench.mlfabric_model import COMPUTES, problem
+from bench.mlfabric_net import GBPS, NETWORKS, Fluid, Trace
 from bench.mlfabric_sim import QUANTUM, STRATEGIES, Setting, simulate
 from fabricd.engines.ps.consistency import SGD, Coordinator, Sum
 from tests.test_bench_smoke import assert_ratios, run_bench, the_table
@@ -48,6 +48,17 @@ def test_quick_mode_reports_every_strategy_in_all_nine_settings() -> None:
     labels = [extra["label"] for extra in table["extras"]]
     assert any("MLfabric-A is >= 1.2x" in label for label in labels)
     assert any("server inbound bytes" in label for label in labels)
+    for row in table["rows"]:
+        sync = row["label"].endswith(("RR-Sync", "Tr-Sync", "MLfabric-S"))
+        communication = row["figures"]["communication"]  # NaN, written null, if not sync
+        assert (communication is not None and communication > 0) == sync
+    extras = {extra["label"]: extra["figures"] for extra in table["extras"]}
+    speedup = extras["MLfabric-S: RR-Sync's time to the target / MLfabric-S's"]
+    assert sorted(speedup) == sorted(f"8w {c}-{n}" for c in COMPUTES for n in NETWORKS)
+    assert all(v > 0 for v in speedup.values())
+    assert (
+        extras["largest |MLfabric-S's model - RR-Sync's| after as many iterations"]["max"] < 1e-12
+    )
 
 
 @pytest.mark.parametrize("strategy", ["Tr-Sync", "MLfabric-S", "Async", "MLfabric-A+agg"])
@@ -203,19 +214,52 @@ def test_fabricctl_bench_mlfabric_prints_the_table_as_json() -> None:
 
 
 @pytest.mark.parametrize("network", ["N1", "N3"])
-def test_mlfabric_s_applies_the_same_sums_as_rr_sync_and_groups_on_the_way(network: str) -> None:
-    """MLfabric-S moves the same contributions as the ring, by other paths: in exact mode
-    every iteration's sum, hence the model, is RR-Sync's bit for bit (only the time differs),
-    every worker's contribution reaches the root once an iteration, and some go inside
-    aggregates summed at other workers' hosts."""
+def test_mlfabric_s_applies_every_update_once_and_its_model_is_rr_syncs(network: str) -> None:
+    """MLfabric-S moves the same contributions as the ring, by other paths, and the model steps
+    with the sum that reached the root along them: every worker's update of every iteration
+    reaches it exactly once (the root's own locally), and in exact mode the model is RR-Sync's
+    bit for bit, iteration for iteration (only the time differs)."""
     data = problem(7)
-    setting = _setting(network=network, exact=True, horizon=120.0)
+    setting = _setting(compute="C1", network=network, exact=True, horizon=120.0)
     ring = simulate(setting, data, "RR-Sync")
     mls = simulate(setting, data, "MLfabric-S")
-    assert mls.iterations == ring.iterations
+    assert mls.iterations == ring.iterations > 1
+    keys = [(w, k) for w, k, _ in mls.log]
+    n, iterations = setting.workers, int(mls.iterations)
+    assert sorted(keys) == [(w, k) for w in range(n) for k in range(iterations)]
+    assert mls.delivered == iterations * (n - 1)  # the root's own is local
+    assert mls.applied == iterations * n
     assert ring.final is not None
     assert mls.final is not None
     np.testing.assert_array_equal(mls.final, ring.final)
-    assert mls.delivered == mls.iterations * (setting.workers - 1)  # the root's own is local
+    # the same: the start plus every logged contribution (all on the 2^-30 grid)
+    assert all(np.array_equal(v, np.round(v / QUANTUM) * QUANTUM) for *_, v in mls.log)
+    np.testing.assert_array_equal(mls.final, data.start + sum(v for *_, v in mls.log))
     assert mls.aggregates > 0
     assert mls.grouped >= 2 * mls.aggregates  # a group of one is sent straight
+
+
+def test_mlfabric_s_under_sgd_matches_rr_sync_up_to_rounding() -> None:
+    """Under the ``sgd`` rule the root's sum is the ring's up to the addition order."""
+    data = problem(7)
+    setting = _setting(compute="C2", network="N2", horizon=120.0)
+    ring = simulate(setting, data, "RR-Sync")
+    mls = simulate(setting, data, "MLfabric-S")
+    assert mls.iterations == ring.iterations > 1
+    assert ring.final is not None
+    assert mls.final is not None
+    np.testing.assert_allclose(mls.final, ring.final, rtol=0, atol=1e-12)
+
+
+def test_mlfabric_s_groups_updates_at_aggregators_under_stragglers() -> None:
+    """C2 (a worker slowed 4x now and then): the updates ready first are summed at other
+    workers' hosts while the straggler computes, so the root takes fewer model sizes than
+    contributions."""
+    data = problem(7)
+    setting = _setting(compute="C2", network="N1", horizon=200.0)
+    mls = simulate(setting, data, "MLfabric-S")
+    assert mls.grouped > 0
+    assert mls.aggregates > 0
+    assert mls.grouped > mls.aggregates  # groups of two or more
+    assert mls.server_bytes < mls.delivered * setting.model_bytes
+    assert 0 < mls.reduced < mls.communication < mls.seconds
