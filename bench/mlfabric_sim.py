@@ -31,7 +31,8 @@ Theory of operation.  Host 0 is the server, worker ``w`` runs on host ``w + 1``.
   takes no time here); the root's plan is fabricd's: every ``interval`` from the first READY
   (or at once when every worker is in) the batch, in ready order, goes through
   :func:`~fabricd.engines.scheduling.ordering.in_list_order` and Alg. 3
-  (:func:`~fabricd.engines.scheduling.aggregation.aggregate`) on the monitor's lagged figures,
+  (:func:`~fabricd.engines.scheduling.aggregation.aggregate`) on the monitor's lagged figures
+  (a round's later batches on the timelines its earlier ones left, as the engine plans),
   every other worker's host an aggregator (rotated one a round), a one-member group sent
   straight; a group's sum (one model size) leaves its aggregator when its last member arrived.
   Once every contribution reached the root and its own computation ended, the root sends the
@@ -367,6 +368,8 @@ class _SRound:
         self.total: Vector | None = None  #: the root's running sum
         self.summed = math.inf  #: when it held every contribution, its own included
         self.ended: list[float] = []  #: when each other worker had the model back
+        #: the timelines the round's batches left (fabricd's ``engines/collectives/mlfabric.py``)
+        self.network: Network | None = None
 
     def later(self, t: float, fn: Callable[[float], None]) -> None:
         heapq.heappush(self.events, (t, next(self._order), fn))
@@ -388,10 +391,17 @@ class _SRound:
         by_host = {sim.hosts[w]: w for w in self.batch}
         self.planned += len(self.batch)
         self.batch.clear()
-        network = sim._figures(t)
+        if self.network is None:
+            network = sim._figures(t)
+        else:  # the timelines the round's earlier batches left, as the engine plans
+            network = self.network
+            network.advance(t)
         updates = [Update(key=h, host=h, version=0, size=size) for h in by_host]
-        listed = in_list_order(updates, network, server=self.root_host).planned
-        plan = alg3.aggregate(listed, network, server=self.root_host, aggregators=self.aggregators)
+        listed = in_list_order(updates, network, server=self.root_host)
+        plan = alg3.aggregate(
+            listed.planned, network, server=self.root_host, aggregators=self.aggregators
+        )
+        self.network = plan.network if plan.network is not None else listed.network
         direct = [by_host[p.update.host] for p in plan.direct]
         for group in plan.groups:
             members = [by_host[m.update.host] for m in group.members]
