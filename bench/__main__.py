@@ -31,7 +31,6 @@ from bench import (
     ps_logreg,
     ps_storage,
     rate,
-    replication,
     roundtrip,
     scheduler,
     servicecost,
@@ -70,7 +69,6 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "scheduler": scheduler.run,
     "mlfabric": mlfabric.run,
     "mlfabric-netns": mlfabric_netns.run,
-    "replication": replication.run,
 }
 
 
