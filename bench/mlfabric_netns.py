@@ -1,13 +1,18 @@
 """(r) MLfabric on real daemons in network namespaces with ``tbf``-shaped links (issue 24,
-item 7): arrival order against MLfabric-A's scheduling and its aggregation, measured in one run.
+item 7): arrival order against MLfabric-A's scheduling and its aggregation, BSP against
+MLfabric-S, and RR-Sync, measured in one run, under a fixed and a shifting network condition.
 
 Four daemons, each in a network namespace of its own joined by a bridge
 (``tests/network/netns.py``'s :class:`TestNet`): node 0 hosts the server rank, nodes 1-3 two
 workers each.  Every node's link is shaped both ways with ``tbf``: 100 Mbit/s, and the last
 worker host 10 Mbit/s (1/10: its workers are the network's stragglers).  Each daemon's
 ``link_up_bps`` / ``link_down_bps`` is set to its ``tbf`` rate, so the scheduler plans with the
-true figures; what the monitor measures by itself (TCP_INFO) is a separate path, described in
-docs/mlfabric.md, "The network monitor", and not exercised here.
+true figures (the *fixed* condition).  The *shift* condition (MLfabric §7.1's N2/N3 in
+spirit: some hosts' bandwidth changes over time) runs on a second cluster whose daemons are
+told no rates, so the scheduler plans with what the network monitor measures (TCP_INFO,
+docs/mlfabric.md, "The network monitor"): the 10 Mbit/s slowdown moves to the next worker host
+every :data:`SHIFT_PERIOD` seconds (:class:`bench.netns_shift.Shift`, ``tc qdisc change``), and
+node 0's monitor table is read every second and set beside the true rates in the notes.
 
 The mapping to the paper (§7): rates are the paper's ÷100 (a 10 Gbit/s NIC becomes 100 Mbit/s,
 its slowest 1 Gbit/s 10 Mbit/s) and the model is 1 MiB of float32 on the wire (ResNet-50's
@@ -19,23 +24,26 @@ is a stand-in for a gradient: integers in [-4, 4] (exact in float32 under the ``
 the final model must equal the sum of the updates applied, bit for bit).
 
 Each worker loops for :data:`SECONDS`: pull, compute (sleep), push, and stops after the push
-that ends past the deadline.  Modes, on the same daemons, one job each, in this order:
+that ends past the deadline. Modes, on the same daemons, one job each, in this order:
 ``scheduling="arrival"`` with ``delay_bound`` :data:`BOUND`, ``scheduling="mlfabric"`` with the
-same bound, and the latter with ``aggregation=True`` (MLfabric-A); then the same loop under BSP,
-``scheduling="arrival"`` (a plain synchronous parameter server) and ``scheduling="mlfabric"``
-with ``aggregation=True`` (MLfabric-S, §6), every worker running the same number of iterations
-(about :data:`SECONDS` of them at :data:`BSP_ITERATION` each: a worker that stopped early would
-hold the others' next iteration).  Reported per mode: time per iteration
-(wall seconds per ``n`` pushes applied, ``n`` the number of workers) and pushes applied per
-second, pushes made / applied / dropped (the workers' own results), the largest delay applied
-and the mean (the server's status row: its delay histogram's highest non-empty bucket, and
-``delay_sum / applied``), how many of the drops the scheduler made (before the push was
-sent: the status row's ``dropped_scheduled``; the rest were too stale for the worker's own
-delay gate, not sent, or for the server, after they crossed the network), and the server's
-inbound bytes (``push_bytes``) in all and per applied push.  The ratio is arrival's time per
-iteration over the row's, a BSP row's against BSP in arrival order (higher is better); the
-inbound-bytes ratio is an extra figure.  One
-run of each mode: the figures are single samples on a shared machine.
+same bound, and the latter with ``aggregation=True`` (MLfabric-A); then the same loop under
+BSP, ``scheduling="arrival"`` (a plain synchronous parameter server) and
+``scheduling="mlfabric"`` with ``aggregation=True`` (MLfabric-S, §6), every worker running the
+same number of iterations (about :data:`SECONDS` of them at :data:`BSP_ITERATION` each: a
+worker that stopped early would hold the others' next iteration); then RR-Sync, §7's baseline:
+the same workers and draws, no server, compute then ``fab.allreduce(update, algorithm="ring")``
+per iteration, as many iterations. The shift condition runs :data:`SHIFT_MODES`,
+:data:`SHIFT_SECONDS` each. Reported per mode: time per iteration (wall seconds per ``n``
+pushes applied, ``n`` the number of workers) and pushes applied per second, pushes made /
+applied / dropped (the workers' own results), the largest delay applied and the mean (the
+server's status row: its delay histogram's highest non-empty bucket, and ``delay_sum /
+applied``), how many of the drops the scheduler made (before the push was sent: the status
+row's ``dropped_scheduled``; the rest were too stale for the worker's own delay gate, not sent,
+or for the server, after they crossed the network), and the server's inbound bytes
+(``push_bytes``) in all and per applied push. The ratio is arrival's time per iteration over
+the row's, a synchronous row's (RR-Sync's too) against BSP in arrival order, in the same
+condition (higher is better); the inbound-bytes ratio and every row against RR-Sync are extra
+figures. One run of each mode: the figures are single samples on a shared machine.
 
 Where namespaces or ``tc`` are unavailable (not root, no iproute2, a kernel without them), the
 benchmark prints one line, ``mlfabric-netns: skipped: <why>``, and exits 0.
