@@ -18,6 +18,7 @@ samples in :attr:`Shift.samples`.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -67,7 +68,8 @@ class Shift:
 
     def slow_host(self, at: float) -> int:
         """The host slowed ``at`` seconds after the shift began."""
-        return self.hosts[int(at // self.period) % len(self.hosts)]
+        periods = math.floor(at / self.period + 1e-9)  # 3 x 0.1 s is 0.3 s, not 0.2999...
+        return self.hosts[periods % len(self.hosts)]
 
     def rates(self, at: float) -> dict[int, float]:
         """Every shifted host's true rate ``at`` seconds after the shift began."""
