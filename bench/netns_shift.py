@@ -5,9 +5,10 @@ MLfabric §7.1's conditions N2/N3 change the bandwidth of some hosts' links over
 ``tbf``-shaped: one host of ``hosts`` is slowed to ``slow`` Mbit/s, the others run at ``fast``,
 and every ``period`` seconds the slowdown moves to the next host of ``hosts`` (in order,
 cyclically; :meth:`TestNet.set_rate`, ``tc qdisc change``).  Meanwhile, once every
-``every`` seconds, it reads what a daemon's network monitor believes (``observe``: the
-``network`` table of its status) and keeps it beside the true rates of that instant
-(:class:`Sample`): the daemons run with no configured rates in this condition, so those
+``every`` seconds (``period`` should be a multiple of it: the slowdown moves at the first
+tick at or past each period's end), it reads what a daemon's network monitor believes
+(``observe``: the ``network`` table of its status) and keeps it beside the true rates of that
+instant (:class:`Sample`): the daemons run with no configured rates in this condition, so those
 measured figures are what MLfabric's scheduler plans with (docs/mlfabric.md, "The network
 monitor").
 
