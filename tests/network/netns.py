@@ -12,7 +12,8 @@ without tearing down (a run killed by SIGKILL or pytest-timeout's signal).
 
 Faults, done from the switch side: :meth:`TestNet.link_down` / :meth:`TestNet.link_up` (a
 partition: the bridge port loses carrier, frames are dropped, TCP sees silence, not a reset),
-and :meth:`TestNet.shape` (``tbf`` on both ends of a node's link; this kernel has no netem).
+and :meth:`TestNet.shape` (``tbf`` on both ends of a node's link; this kernel has no netem), whose
+rate :meth:`TestNet.set_rate` changes in place (a time-varying network).
 """
 
 from __future__ import annotations
@@ -213,6 +214,18 @@ class TestNet:
             "eth0",
             *tbf,
         )
+
+    def set_rate(self, node: int, mbit: float) -> None:
+        """Change the rate of a link :meth:`shape` shaped to ``mbit`` Mbit/s, each way, in place
+        (``tc qdisc change``: the qdisc and its queue stay; only the rate moves), so a running
+        experiment can vary a host's bandwidth over time.
+
+        Raises:
+            NetError: the link is not shaped (``tc`` has no ``tbf`` to change).
+        """
+        tbf = ("root", "tbf", "rate", f"{mbit}mbit", "burst", "128kb", "latency", "20ms")
+        for ns, dev in ((self.switch, f"v{node}"), (self.namespace(node), "eth0")):
+            run("ip", "netns", "exec", ns, "tc", "qdisc", "change", "dev", dev, *tbf)
 
     def unshape(self, node: int) -> None:
         """Remove the shaping of :meth:`shape`."""

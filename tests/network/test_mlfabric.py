@@ -1,7 +1,9 @@
 """MLfabric on real daemons in network namespaces with ``tbf``-shaped links (issue 24, item 7):
 a short run of ``bench/mlfabric_netns.py``'s experiment, arrival order, MLfabric-A and its
 aggregation, then BSP in arrival order and MLfabric-S (BSP, scheduled, aggregating), on four
-daemons, one worker host at 1/10 the others' rate.
+daemons, one worker host at 1/10 the others' rate; RR-Sync (a ring allreduce per iteration) on
+the same daemons; and MLfabric-S where the slow link moves and the rates are measured, not
+configured.
 
 Only exactness is asserted, never speed: every push is applied or reported dropped, the
 server applied exactly what the workers were told was applied, nothing applied broke the delay
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from bench.mlfabric_netns import MODES, Settings, synchronous, train
+from bench.mlfabric_netns import MODES, Settings, shifting, synchronous, train, train_ring
 from fabricd.engines.ps.consistency import DELAY_BUCKETS
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ def test_every_push_is_applied_or_dropped_within_the_bound_and_the_model_is_thei
     for mode in MODES:
         result = train(sockets, mode, settings)
         row = result.server
+        assert row is not None
         print(
             f"{mode}: pushed {result.pushed}, applied {result.applied}, dropped "
             f"{result.dropped} ({row['dropped_scheduled']} by the scheduler), "
@@ -61,3 +64,33 @@ def test_every_push_is_applied_or_dropped_within_the_bound_and_the_model_is_thei
         assert all("delay" in why or "dropped by the scheduler" in why for why in result.reasons)
         if MODES[mode]["scheduling"] == "arrival":
             assert row["dropped_scheduled"] == 0
+    ring = train_ring(sockets, settings)  # RR-Sync: every worker's model is every update's sum
+    assert ring.pushed == ring.applied == settings.bsp_iterations * ring.workers
+    assert ring.version == settings.bsp_iterations
+    assert ring.model_is_sum
+
+
+def test_a_moving_slow_link_with_measured_rates_keeps_mlfabric_s_exact(
+    make_net_cluster: MakeNetCluster,
+) -> None:
+    """The shifting condition: no configured rates (the scheduler plans with what the network
+    monitor measures), the slowdown moving every second; MLfabric-S (BSP, scheduled,
+    aggregating) still applies every push once and the model is their sum."""
+    settings = Settings(seconds=SECONDS, configured=False, shift_period=1.0)
+    assert settings.node_env() == {}
+    fabric = make_net_cluster(settings.nodes, **LIVENESS)
+    for node in range(settings.nodes):
+        fabric.net.shape(node, settings.mbit(node))
+    sockets = [fabric.socket(node) for node in range(settings.nodes)]
+    with shifting(settings, fabric.net, sockets) as shift:
+        result = train(sockets, "bsp mlfabric+agg", settings)
+    assert shift is not None
+    assert result.server is not None
+    assert result.dropped == 0
+    assert result.pushed == result.applied == settings.bsp_iterations * result.workers
+    assert result.server["applied"] == result.applied == result.version * result.workers
+    assert result.model_is_sum
+    # the monitor was read while the slowdown moved (the run lasts past the first second:
+    # two computations of 0.5 s, and 1 MiB pushes and pulls over a 10 Mbit/s link)
+    assert shift.samples
+    print([(round(s.at, 1), [s.measured(n) for n in sorted(s.true)]) for s in shift.samples])

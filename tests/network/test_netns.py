@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.network.netns import PREFIX, TestNet, _base36, remove_leftovers, run
+from tests.network.netns import PREFIX, NetError, TestNet, _base36, remove_leftovers, run
 
 pytestmark = pytest.mark.network
 
@@ -49,3 +49,17 @@ def test_leftovers_of_a_dead_run_are_removed_and_a_live_runs_are_kept() -> None:
     finally:
         if leftover in _namespaces():
             run("ip", "netns", "delete", leftover)
+
+
+def test_a_shaped_links_rate_changes_in_place_both_ways() -> None:
+    with TestNet(1) as net:
+        net.shape(0, 100)
+        net.set_rate(0, 10)
+        ends = ((net.switch, "v0"), (net.namespace(0), "eth0"))
+        for ns, dev in ends:
+            shown = run("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev)
+            assert "tbf" in shown, shown
+            assert "rate 10Mbit" in shown, shown
+        net.unshape(0)
+        with pytest.raises(NetError):  # nothing to change on a link not shaped
+            net.set_rate(0, 10)
