@@ -31,6 +31,7 @@ from bench import (
     ps_logreg,
     ps_storage,
     rate,
+    replication,
     roundtrip,
     scheduler,
     servicecost,
@@ -69,6 +70,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "scheduler": scheduler.run,
     "mlfabric": mlfabric.run,
     "mlfabric-netns": mlfabric_netns.run,
+    "replication": replication.run,
 }
 
 
