@@ -292,3 +292,23 @@ def test_a_bad_bound_is_refused(bound: dict[str, float]) -> None:
 def test_an_infinite_norm_is_refused(history: float, steps: list[float]) -> None:
     with pytest.raises(ValueError, match="finite"):
         divergence(history, steps, 0.5)
+
+
+def test_an_idle_servers_copies_go_unless_no_link_reaches_the_replica() -> None:
+    up = dict.fromkeys(HOSTS, 1.0)
+    lagging = [Update(key=k, host=2 + k, version=0, size=1.0, norm=1.0) for k in range(2)]
+    for down, sent in ((1.0, 2), (0.0, 0)):
+        network = Network(up, up | {REPLICA: down})
+        plan = replicate(
+            [],
+            lagging,
+            network,
+            replica=REPLICA,
+            aggregators=[],
+            history=0.0,
+            momentum=0.0,
+            bound=Bound(updates=5),
+        )
+        assert len(plan.sent) == sent
+        assert plan.unreachable == (sent == 0)
+        assert plan.delay is None

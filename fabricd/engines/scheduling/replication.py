@@ -45,7 +45,14 @@ Choices where the paper is silent, and why:
 
 * *Groups are not cut.*  An aggregate cannot be taken apart, so a prefix that would end
   inside a replica group is extended to the group's end: a longer prefix only lowers the lead.
-* *An empty batch* (only lagging copies) delays nothing: nothing of the server is planned.
+* *An empty batch* (only lagging copies) sends every copy that will arrive and delays
+  nothing: nothing of the server's is planned, and an idle server must not leave its replica
+  behind for ever.
+* *A replica no link reaches* is never waited for: a copy that would never arrive is not
+  sent, no delay is planned, and the plan says ``unreachable`` (a dead replica must not stall
+  its server; the caller gives it up).
+* *Momentum forbids summed copies* (:func:`replicate`): the bound holds only if the replica
+  applies exactly the server's steps.
 * *The check is at* ``T_last`` *only*, as the paper's: within a batch the lead may be larger
   for a moment.  The schedule is a plan; the server enforces the bound on what it applies
   (the caller's business), so a plan that the network does not keep cannot break it.
@@ -188,7 +195,7 @@ def replicate(
     # with no batch nothing of the server's is planned: every copy punted so far goes (else
     # an idle server would leave its replica behind for ever)
     t_last = max((t for _, t in batch), default=math.inf)
-    m = sum(1 for t in committed if t <= t_last)
+    m = sum(1 for t in committed if t <= t_last and t < math.inf)
     m = _whole(m, member_of, plan.groups)
     unreachable = False
 
@@ -211,6 +218,8 @@ def replicate(
             m, delay = e, (batch[-1][0].key, start)
         else:
             unreachable = True  # the prefix never arrives: send what will, delay nothing
+    elif not batch and m < len(order):
+        unreachable = True  # an idle server's copies that will never arrive
     transfers = {p.position: p for p in plan.direct}
     for group in plan.groups:
         for member in group.members:
