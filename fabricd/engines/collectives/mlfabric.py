@@ -216,19 +216,17 @@ class MlfabricCollective(Collective):
         else:
             self._send(state.root, READY, b"")
 
-    def _send(self, node: int, tag: int, payload: bytes | np.ndarray[Any, Any]) -> None:
+    def _send(
+        self, node: int, tag: int, payload: bytes | np.ndarray[Any, Any], round: int | None = None
+    ) -> None:
+        """Message ``tag`` of ``round`` (the current one by default) to ``node``."""
         view = payload.data.cast("B") if isinstance(payload, np.ndarray) else memoryview(payload)
-        self._out.append(
-            Transmit(node=node, round=self.round, tag=tag, payload=view, lost=(), base=self.base)
-        )
-
-    def _send_at(self, round: int, node: int, tag: int, payload: np.ndarray[Any, Any]) -> None:
         self._out.append(
             Transmit(
                 node=node,
-                round=round,
+                round=self.round if round is None else round,
                 tag=tag,
-                payload=payload.data.cast("B"),
+                payload=view,
                 lost=(),
                 base=self.base,
             )
@@ -265,15 +263,15 @@ class MlfabricCollective(Collective):
             state.groups += 1
             state.planned[number] = _Group(aggregator=group.aggregator, members=members)
             header = np.array([number, *sorted(members)], _INT)
-            self._send_at(round, group.aggregator, GATHER, header)
+            self._send(group.aggregator, GATHER, header, round)
             for member in members:
                 state.granted[member] = group.aggregator
-                self._send_at(round, member, GRANT, np.array([group.aggregator], _INT))
+                self._send(member, GRANT, np.array([group.aggregator], _INT), round)
             grouped |= members
         for node in batch:
             if node not in grouped:
                 state.granted[node] = state.root
-                self._send_at(round, node, GRANT, np.array([state.root], _INT))
+                self._send(node, GRANT, np.array([state.root], _INT), round)
 
     def _network(self, state: _Round, now: float) -> Network:
         """The timelines a batch plans on: the round's earlier batches' (advanced to now), or
@@ -530,7 +528,7 @@ class MlfabricCollective(Collective):
         else:
             REDUCE[self.spec.op](group.total, array, out=group.total)
         if group.got == group.members:
-            self._send_at(round, state.root, SUM + number, group.total)
+            self._send(state.root, SUM + number, group.total, round)
 
     def _sum(
         self, state: _Round, node: int, number: int, array: np.ndarray[Any, Any], now: float

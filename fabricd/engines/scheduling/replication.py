@@ -199,18 +199,14 @@ def replicate(
     m = _whole(m, member_of, plan.groups)
     unreachable = False
 
-    def replica_history(prefix: int) -> float:
-        h = history
-        for norm in norms[:prefix]:
-            h = stepped(h, norm, momentum)
-        return h
+    histories = [history]  # histories[k]: the replica's history once it applied order[:k]
+    for norm in norms:
+        histories.append(stepped(histories[-1], norm, momentum))
 
     delay: tuple[Hashable, float] | None = None
-    if batch and not bound.holds(replica_history(m), norms[m:], momentum):
+    if batch and not bound.holds(histories[m], norms[m:], momentum):
         e = next(
-            k
-            for k in range(m, len(order) + 1)
-            if bound.holds(replica_history(k), norms[k:], momentum)
+            k for k in range(m, len(order) + 1) if bound.holds(histories[k], norms[k:], momentum)
         )
         e = _whole(e, member_of, plan.groups)
         start = committed[e - 1] if e else network.now
@@ -226,14 +222,14 @@ def replicate(
             transfers[member.position] = member
     sent = [transfers[i] for i in range(1, m + 1)]
     groups = [g for g in plan.groups if all(x.position <= m for x in g.members)]
-    lead = divergence(replica_history(m), norms[m:], momentum)
+    lead = divergence(histories[m], norms[m:], momentum)
     return Replication(
         sent=sent,
         groups=groups,
         punted=order[m:],
         delay=delay,
         lead=lead,
-        history=replica_history(m),
+        history=histories[m],
         unreachable=unreachable,
     )
 
