@@ -16,6 +16,7 @@ from __future__ import annotations
 from fabricd.client import (
     Client,
     Completion,
+    DivergenceBound,
     Event,
     FilterSettings,
     Handle,
@@ -45,6 +46,7 @@ __all__ = [
     "Completion",
     "ConfigError",
     "DaemonUnavailable",
+    "DivergenceBound",
     "Event",
     "FabricError",
     "FilterSettings",

@@ -50,6 +50,7 @@ from fabricd.client.p2p import Completion, PointToPoint, Wait
 from fabricd.client.protocol import Event
 from fabricd.client.ps import ParameterServer, PushResult, open_request
 from fabricd.client.stochastic import ReduceResult, StochasticReduce, Sync
+from fabricd.engines.ps.bounded import DivergenceBound
 from fabricd.engines.ps.filters import FilterSettings
 from fabricd.errors import DaemonUnavailable, Timeout, UsageError
 from fabricd.ipc import socket_candidates
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Client",
     "Completion",
+    "DivergenceBound",
     "Event",
     "FilterSettings",
     "Handle",
@@ -351,6 +353,8 @@ class Client:
         timeout: float | None = 30.0,
         scheduling: str = "arrival",
         aggregation: bool = False,
+        replication: str = "chain",
+        divergence_bound: float | DivergenceBound | None = None,
     ) -> ParameterServer:
         """Open parameter-server model ``name`` as a ``"worker"``, ``"server"`` or
         ``"replica"`` of it (:mod:`fabricd.client.ps`; MLfabric §2, Table 1; TDF §III).
@@ -371,7 +375,13 @@ class Client:
         pushes in the order they became ready and drops none, MLfabric-S of §6;
         docs/mlfabric.md).  ``aggregation`` (with
         ``"mlfabric"``): the scheduler may have groups of pushes summed at worker daemons and
-        sent to the server as one (MLfabric §5.2, Alg. 3).
+        sent to the server as one (MLfabric §5.2, Alg. 3).  ``replication`` (with
+        ``replicas``): ``"chain"`` (the default: a server applies a push only once its
+        replica logged it, so a failover loses nothing acknowledged) or ``"bounded"`` (async
+        only: workers send their replica copies themselves and the server leads its replica
+        by at most ``divergence_bound``, a norm ``Div_max`` on ``||w_server - w_replica||``
+        or a :class:`DivergenceBound` of a norm and/or a count of updates; a failover may roll
+        the model back that far, and says so: MLfabric §3.3, §5.3, docs/mlfabric.md).
 
         Raises:
             UsageError: a bad argument, a rank whose role does not match ``servers`` and
@@ -402,6 +412,8 @@ class Client:
             seed=seed,
             scheduling=scheduling,
             aggregation=aggregation,
+            replication=replication,
+            divergence_bound=divergence_bound,
         )
         if initial is not None:
             if role == "worker":

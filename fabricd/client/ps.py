@@ -46,10 +46,11 @@ import numpy as np
 from fabricd.client import checks
 from fabricd.client.handle import Handle
 from fabricd.dtypes import FLOAT_DTYPES as DTYPES
+from fabricd.engines.ps.bounded import DivergenceBound
 from fabricd.engines.ps.filters import FilterSettings
 from fabricd.errors import DaemonUnavailable, UsageError
 from fabricd.frames.fields import MAX_NAME
-from fabricd.frames.ps import SCHEDULINGS
+from fabricd.frames.ps import REPLICATIONS, SCHEDULINGS
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -347,8 +348,11 @@ def open_request(
     lr_t0: object = None,
     scheduling: object = "arrival",
     aggregation: object = False,
+    replication: object = "chain",
+    divergence_bound: object = None,
 ) -> Meta:
     """The ``ps_open`` request's fields, every argument checked first."""
+    bound = _bound(replication, divergence_bound)
     if not isinstance(aggregation, bool):
         raise UsageError(f"aggregation must be True or False, not {aggregation!r}")
     if scheduling not in SCHEDULINGS:
@@ -400,7 +404,25 @@ def open_request(
         "filters": None if filters is None else asdict(filters),
         "scheduling": scheduling,
         "aggregation": aggregation,
+        "replication": replication,
+        "divergence_bound": None if bound is None else bound.to_spec(),
     }
+
+
+def _bound(replication: object, value: object) -> DivergenceBound | None:
+    """``replication=`` checked, and ``divergence_bound=``: None, a norm (a number) or a
+    :class:`DivergenceBound`."""
+    if replication not in REPLICATIONS:
+        raise UsageError(
+            f"replication must be one of {', '.join(map(repr, REPLICATIONS))}, not {replication!r}"
+        )
+    if value is None or isinstance(value, DivergenceBound):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UsageError(
+            f"divergence_bound is a norm (a number) or a DivergenceBound, not {value!r}"
+        )
+    return DivergenceBound(norm=float(value))
 
 
 def _rule_fields(update_rule: object, **settings: object) -> Meta:

@@ -38,7 +38,12 @@ PS_SPEC_FIELDS: Final = (
     "chunk",
     "scheduling",
     "aggregation",
+    "replication",
+    "divergence_bound",
 )
+#: the values a spec's ``replication`` takes: the chain's lock step, or MLfabric's bounded
+#: divergence (§3.3, §5.3; fabricd/engines/ps/bounded.py)
+REPLICATIONS: Final = ("chain", "bounded")
 #: the kinds of entry a shard's replication log holds: a worker's push, or a lost worker
 PS_ENTRIES: Final = ("push", "lose", "flush", "snapshot")
 
@@ -77,7 +82,24 @@ def _ps_spec(meta: Meta) -> dict[str, Any]:
         "chunk": get_int(spec, "chunk", lo=1),
         "scheduling": get_str(spec, "scheduling"),
         "aggregation": get_bool(spec, "aggregation"),
+        "replication": get_str(spec, "replication"),
+        "divergence_bound": _divergence(spec["divergence_bound"]),
     }
+
+
+def _divergence(value: object) -> list[Any] | None:
+    """A spec's ``divergence_bound``: None, or ``[norm, updates]``, a finite float > 0 or None
+    and an int >= 1 or None (what they mean is fabricd/engines/ps/bounded.py's to check)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2:
+        raise RemoteProtocolError("field 'divergence_bound' must be nil or [norm, updates]")
+    norm, updates = value
+    if norm is not None and (type(norm) is not float or not math.isfinite(norm) or norm <= 0):
+        raise RemoteProtocolError("a divergence bound's norm must be nil or a finite float > 0")
+    if updates is not None and (type(updates) is not int or not 0 < updates < 2**31):
+        raise RemoteProtocolError("a divergence bound's updates must be nil or an int >= 1")
+    return [norm, updates]
 
 
 #: the most updates one aggregate carries (a batch's, at most one per worker rank)
@@ -191,6 +213,9 @@ class Push(_ShardFrame):
     #: an aggregate for ``server``: the sum of these updates (``worker`` is then a rank of
     #: the aggregating node, the sender)
     members: tuple[Member, ...] | None = None
+    #: bounded replication: a copy of the push for ``server``, the shard's replica, which
+    #: applies it when its primary's order entry says (fabricd/engines/ps/bounded.py)
+    copy: bool = False
 
     def to_meta(self) -> Meta:
         meta = {
@@ -203,6 +228,8 @@ class Push(_ShardFrame):
         }
         if self.group is not None:
             meta["grp"] = self.group
+        if self.copy:
+            meta["cp"] = True
         return _with_members(meta, "in", self.members)
 
     @classmethod
@@ -216,9 +243,12 @@ class Push(_ShardFrame):
             spec=_ps_spec(meta),
             group=get_int(meta, "grp") if "grp" in meta else None,
             members=_members(meta, "in"),
+            copy=get_bool(meta, "cp") if "cp" in meta else False,
         )
         if push.group is not None and push.members is not None:
             raise RemoteProtocolError("a push is for an aggregator or an aggregate, not both")
+        if push.copy and (push.group is not None or push.members is not None):
+            raise RemoteProtocolError("a replica's copy is one worker's push")
         return push
 
 
@@ -351,6 +381,8 @@ class Replicate(_ShardFrame):
     spec: dict[str, Any]
     #: an aggregate's entry: the updates it holds (MLfabric §5.2)
     members: tuple[Member, ...] | None = None
+    #: bounded replication: an order entry, without payload: the worker's copy brings it
+    copied: bool = False
 
     def to_meta(self) -> Meta:
         meta = {
@@ -363,6 +395,8 @@ class Replicate(_ShardFrame):
             "b": self.base,
             "spec": self.spec,
         }
+        if self.copied:
+            meta["cp"] = True
         return _with_members(_with_reason(meta, "why", self.reason), "in", self.members)
 
     @classmethod
@@ -381,27 +415,41 @@ class Replicate(_ShardFrame):
             reason=_reason(meta, "why"),
             spec=_ps_spec(meta),
             members=_members(meta, "in"),
+            copied=get_bool(meta, "cp") if "cp" in meta else False,
         )
         if frame.reason is not None and frame.members is not None:
             raise RemoteProtocolError("an entry is an aggregate or a drop, not both")
+        if frame.copied and (frame.entry != "push" or frame.reason or frame.members):
+            raise RemoteProtocolError("a copied entry is one worker's push")
         return frame
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Replicated(_ShardFrame):
     """``replica`` logged and processed entries 1 .. ``index`` of primary ``server``'s log for
-    the shard: the primary may process them too (control channel, no payload)."""
+    the shard: the primary may process them too (control channel, no payload).  With
+    ``need`` (bounded replication), a request instead: send entry ``index`` again whole, its
+    worker's copy did not come."""
 
     KIND: ClassVar[Kind] = Kind.REPLICATED
     replica: int
     index: int
+    need: bool = False
 
     def to_meta(self) -> Meta:
-        return {**self._meta(), "rep": self.replica, "ix": self.index}
+        meta = {**self._meta(), "rep": self.replica, "ix": self.index}
+        if self.need:
+            meta["nd"] = True
+        return meta
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Replicated:
-        return cls(**cls._fields(meta), replica=_rank(meta, "rep"), index=get_int(meta, "ix", lo=1))
+        return cls(
+            **cls._fields(meta),
+            replica=_rank(meta, "rep"),
+            index=get_int(meta, "ix", lo=1),
+            need=get_bool(meta, "nd") if "nd" in meta else False,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -32,7 +32,8 @@ import fabricd
 from fabricd.engines.ps import push as ps_push
 from fabricd.engines.ps import snapshot as ps_snapshot
 from fabricd.engines.ps.consistency import Consistency, update_rule
-from fabricd.engines.ps.server import Entry, ShardServer
+from fabricd.engines.ps.server import ShardServer
+from fabricd.engines.ps.shard_actions import Entry
 from fabricd.frames import ps as ps_frames
 from fabricd.wire import Kind
 
@@ -81,6 +82,8 @@ SPEC: dict[str, Any] = {
     "chunk": 1,
     "scheduling": "arrival",
     "aggregation": False,
+    "replication": "chain",
+    "divergence_bound": None,
 }
 
 

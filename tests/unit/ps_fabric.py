@@ -135,6 +135,7 @@ class Fabric:
         scheduled: bool = False,
         aggregation: bool = False,
         interval: float = 0.5,
+        divergence_bound: list[Any] | None = None,
     ) -> None:
         self.consistency = consistency
         self.callback = callback
@@ -162,7 +163,17 @@ class Fabric:
             "chunk": chunk,
             "scheduling": "mlfabric" if scheduled else "arrival",
             "aggregation": aggregation,
+            "replication": "chain" if divergence_bound is None else "bounded",
+            "divergence_bound": divergence_bound,
         }
+        #: bounded replication: a failover may roll a shard back (within the bound)
+        self.bounded = divergence_bound is not None
+        #: bounded: shard -> (the epoch killed, the version its replica had then)
+        self.rollbacks: dict[int, tuple[int, int]] = {}
+        #: bounded: shard -> the killed primary's model and version
+        self.killed_models: dict[int, tuple[Array, int]] = {}
+        #: bounded: (worker, iteration, shard) -> epoch -> (version, dropped) of its acks
+        self.acked_at: dict[tuple[int, int, int], dict[int, tuple[int, str | None]]] = {}
         self.bounds = shard_bounds(size, shards)
         # lossless publish with P-SMP: small changes are held back until a flush publishes them
         self.settings = (
@@ -206,7 +217,7 @@ class Fabric:
             ranks=Table(self.known, self.figures),
             max_payload=1 << 20,
             # a scheduled fabric runs the nodes' timers: early frames must not expire in it
-            route_timeout=1e9 if self.scheduled else 1.0,
+            route_timeout=1e9 if self.scheduled or self.bounded else 1.0,
             schedule_interval=self.interval,
         )
         self.nodes[rank] = node
@@ -385,6 +396,15 @@ class Fabric:
         if replica is None or replica.primary or not replica.has_state:
             return  # no partner that could take over (the engine fails the shard then)
         primary = self.serving(s)
+        if self.bounded:  # the replica may be behind: what it has is what survives
+            self.rollbacks[s] = (primary.epoch, replica.version)
+            self.killed_models[s] = (primary.store.model.copy(), primary.version)
+            rank, epoch = self._rank_of(primary), replica.epoch
+            self._cut(rank)
+            del self.nodes[rank]
+            self._gone(rank, "killed")
+            assert (replica.primary, replica.epoch) == (True, epoch + 1)
+            return
         # it logged (and applied, or its process steps it now) first
         decided = replica.coordinator.version
         assert decided >= primary.version
@@ -415,7 +435,7 @@ class Fabric:
         for _ in range(limit):
             for w in range(len(self.workers)):
                 self.step(w)
-            if not self.deliver(0) and not (self.scheduled and self.tick()):
+            if not self.deliver(0) and not ((self.scheduled or self.bounded) and self.tick()):
                 if all(sim.done for sim in self.workers):
                     return
                 stuck = [
@@ -494,14 +514,14 @@ class Fabric:
                 versions=versions,
                 dropped=tuple(done.result["dropped"]),
             )
-            if sim.pushes:
+            if sim.pushes and not self.bounded:  # (bounded: a failover may roll back)
                 previous = sim.pushes[-1].versions
                 assert all(a >= b for a, b in zip(versions, previous, strict=True)), done
             sim.pushes.append(result)
         else:
             assert sim.call == "pull", done
             assert versions == tuple(sim.engine.versions)
-            if sim.pulls:
+            if sim.pulls and not self.bounded:
                 previous = sim.pulls[-1].versions
                 assert all(a >= b for a, b in zip(versions, previous, strict=True)), done
             sim.pulls.append(ps_worker.PullDone(versions=versions))
@@ -541,6 +561,12 @@ class Fabric:
 
     def _record_ack(self, ack: ps_frames.Pushed) -> None:
         key = (ack.worker, ack.iteration, ack.shard)
+        if self.bounded:  # one answer per epoch: a push a rollback lost is applied again
+            at = self.acked_at.setdefault(key, {})
+            seen = at.setdefault(ack.epoch, (ack.version, ack.dropped))
+            assert seen == (ack.version, ack.dropped), f"{key} acknowledged as {seen} and {ack}"
+            self.acked[key] = (ack.version, ack.dropped)
+            return
         seen = self.acked.setdefault(key, (ack.version, ack.dropped))
         assert seen == (ack.version, ack.dropped), f"{key} acknowledged as {seen} and {ack}"
         if ack.dropped is None:
@@ -563,10 +589,21 @@ class Fabric:
         applied = {
             (w, it) for (w, it, sh), (_, why) in self.acked.items() if sh == s and why is None
         }
+        if self.bounded:
+            applied = {(w, it) for (w, it, sh) in self.acked_at if sh == s and self._kept(w, it, s)}
         for w, (it, _, why) in self.serving(s).state()["last"].items():
             if self.workers[w].lost and why is None:
                 applied.add((w, it))
         return sorted(applied)
+
+    def _kept(self, w: int, it: int, s: int) -> bool:
+        """Bounded: whether the serving rank holds ``w``'s push of ``it``: applied at its
+        epoch, or at the killed one within what the replica had then."""
+        killed, upto = self.rollbacks.get(s, (-1, 0))
+        return any(
+            why is None and (epoch > killed or version <= upto)
+            for epoch, (version, why) in self.acked_at[(w, it, s)].items()
+        )
 
     def expected(self, s: int) -> Array:
         lo, hi = self.bounds[s]

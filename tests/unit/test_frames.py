@@ -41,6 +41,8 @@ PS_SPEC: Meta = {
     "chunk": 16,
     "scheduling": "arrival",
     "aggregation": False,
+    "replication": "chain",
+    "divergence_bound": None,
 }
 #: the fields every parameter-server frame has
 SHARD: Meta = {"job": "j", "name": "ps", "shard": 1, "server": 1}

@@ -22,7 +22,8 @@ from fabricd.engines.ps.consistency import Apply, Consistency, Drop, DropReason,
 from fabricd.engines.ps.filters import Push
 from fabricd.engines.ps.gathering import MAX_EARLY, Gathering
 from fabricd.engines.ps.scheduler import Gather, Granted, ShardScheduler
-from fabricd.engines.ps.server import Acked, ShardServer
+from fabricd.engines.ps.server import ShardServer
+from fabricd.engines.ps.shard_actions import Acked
 from fabricd.errors import RemoteProtocolError
 from tests.unit.test_ps_scheduling import FIGURES, outcomes, scheduled, settle
 from tests.unit.test_ps_server import moves, run
@@ -367,6 +368,8 @@ def test_a_replicated_entry_is_an_aggregate_or_a_drop_not_both() -> None:
             "chunk": 1,
             "scheduling": "mlfabric",
             "aggregation": True,
+            "replication": "chain",
+            "divergence_bound": None,
         },
     }
     with pytest.raises(RemoteProtocolError, match="not both"):

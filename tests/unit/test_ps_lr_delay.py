@@ -29,7 +29,8 @@ from fabricd.engines.ps.consistency import (
     update_rule,
 )
 from fabricd.engines.ps.filters import Push
-from fabricd.engines.ps.server import Acked, Forward, ShardServer, Snapshot
+from fabricd.engines.ps.server import ShardServer
+from fabricd.engines.ps.shard_actions import Acked, Forward, Snapshot
 from fabricd.errors import UsageError
 
 Array = np.ndarray[Any, Any]

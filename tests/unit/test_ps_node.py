@@ -59,6 +59,8 @@ def spec(replicas: bool = True) -> dict[str, Any]:
         "chunk": 1,
         "scheduling": "arrival",
         "aggregation": False,
+        "replication": "chain",
+        "divergence_bound": None,
     }
 
 

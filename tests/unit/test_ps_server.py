@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from fabricd.engines.ps import push as ps_push
 from fabricd.engines.ps.consistency import Consistency, Sum
 from fabricd.engines.ps.filters import Push
-from fabricd.engines.ps.server import (
+from fabricd.engines.ps.server import ShardServer
+from fabricd.engines.ps.shard_actions import (
     LOSE,
     PUSH,
     Acked,
@@ -24,7 +25,6 @@ from fabricd.engines.ps.server import (
     Forward,
     Logged,
     Refuse,
-    ShardServer,
     Snapshot,
     Step,
 )

@@ -214,6 +214,8 @@ class Fabric:
             "chunk": 1,
             "scheduling": "arrival",
             "aggregation": False,
+            "replication": "chain",
+            "divergence_bound": None,
             "seed": 0,
             "rule": "sum",
         } | spec

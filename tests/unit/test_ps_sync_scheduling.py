@@ -254,6 +254,8 @@ def spec(consistency: str) -> dict[str, Any]:
         "filters": None,
         "scheduling": "mlfabric",
         "aggregation": True,
+        "replication": "chain",
+        "divergence_bound": None,
     }
 
 

@@ -519,6 +519,7 @@ class PSService(BaseService):
                         "epoch": action.epoch,
                         "server": action.server,
                         "reason": action.reason,
+                        "rollback": action.rollback,
                     }
                     self.host.push(session, "ps_epoch", fields)
             elif isinstance(action, StepShard):

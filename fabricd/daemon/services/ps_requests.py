@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import Any, Final
 
 from fabricd.dtypes import FLOAT_DTYPES as DTYPES
+from fabricd.engines.ps.bounded import DivergenceBound
 from fabricd.engines.ps.consistency import CONSISTENCIES
 from fabricd.engines.ps.filters import FilterSettings
 from fabricd.errors import UsageError
 from fabricd.frames.fields import MAX_RANK, get_bool
-from fabricd.frames.ps import SCHEDULINGS
+from fabricd.frames.ps import REPLICATIONS, SCHEDULINGS
 from fabricd.wire import Meta, get_int, get_str
 
 _MAX_SERVERS: Final = 4096
@@ -54,6 +55,31 @@ def check_spec(spec: Meta) -> None:
         )
     if spec["aggregation"] and spec["scheduling"] != "mlfabric":
         raise UsageError("aggregation=True needs scheduling='mlfabric' (MLfabric §5.2)")
+    _check_replication(spec)
+
+
+def _check_replication(spec: Meta) -> None:
+    """``replication`` and ``divergence_bound`` (fabricd/engines/ps/bounded.py)."""
+    if spec["replication"] not in REPLICATIONS:
+        raise UsageError(f"replication {spec['replication']!r}: one of {', '.join(REPLICATIONS)}")
+    bound = spec["divergence_bound"]
+    if spec["replication"] == "chain":
+        if bound is not None:
+            raise UsageError("divergence_bound belongs to replication='bounded'")
+        return
+    if not spec["replicas"]:
+        raise UsageError("replication='bounded' needs replicas")
+    if spec["consistency"] != "async":
+        raise UsageError(
+            "replication='bounded' takes consistency='async': a promoted replica may be behind "
+            "(MLfabric §3.3), and under bsp or ssp its workers would wait for ever for the "
+            "iterations it lost"
+        )
+    if bound is None:
+        raise UsageError(
+            "replication='bounded' needs a divergence_bound (a norm, updates, or both)"
+        )
+    DivergenceBound.from_spec(bound)
 
 
 def spec_of(meta: Meta, n: int) -> Meta:
@@ -77,7 +103,20 @@ def spec_of(meta: Meta, n: int) -> Meta:
         "chunk": get_int(meta, "chunk", lo=1),
         "scheduling": get_str(meta, "scheduling") if "scheduling" in meta else "arrival",
         "aggregation": get_bool(meta, "aggregation") if "aggregation" in meta else False,
+        "replication": get_str(meta, "replication") if "replication" in meta else "chain",
+        "divergence_bound": _bound_of(meta.get("divergence_bound")),
     }
+
+
+def _bound_of(value: object) -> list[Any] | None:
+    """A request's ``divergence_bound`` (None or ``[norm, updates]``) as a spec holds it: the
+    norm a float."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2:
+        raise UsageError(f"divergence_bound: None or [norm, updates], not {value!r}")
+    bound = DivergenceBound.from_spec(value)
+    return [None if bound.norm is None else float(bound.norm), bound.updates]
 
 
 def settings_of(filters: Any) -> FilterSettings:

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from fabricd.engines.ps.models import Key, Model, WorkerSide
     from fabricd.engines.ps.node import PSNode
     from fabricd.engines.ps.scheduler import SchedulerStatistics
-    from fabricd.engines.ps.server import ShardServer, ShardStatistics
+    from fabricd.engines.ps.server import ShardServer
+    from fabricd.engines.ps.shard_actions import ShardStatistics
     from fabricd.engines.ps.worker import Worker, WorkerStatistics
     from fabricd.wire import Meta
 
@@ -207,6 +208,9 @@ class PSStatus:
                         "published": s.published,
                         "logged": s.logged,
                         "unreplicated": s.unreplicated,
+                        "replication": model.spec["replication"],
+                        "lag": s.lag,
+                        "divergence": s.divergence,
                         "waiting": list(c.waiting),
                     }
                 )

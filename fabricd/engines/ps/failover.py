@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
     from fabricd.engines.ps.models import Key, Model
     from fabricd.engines.ps.node import PSNode
-    from fabricd.engines.ps.server import Action as ServerAction
     from fabricd.engines.ps.server import ShardServer
+    from fabricd.engines.ps.shard_actions import Action as ServerAction
 
 
 def fail_over(node: PSNode, key: Key, shard: int, reason: str, now: float) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fabricd.engines.ps.scheduler import Gather, Granted
-from fabricd.engines.ps.server import Acked, Answer, Forward, Logged, Refuse, Snapshot
+from fabricd.engines.ps.shard_actions import Acked, Answer, Forward, Logged, Need, Refuse, Snapshot
 from fabricd.engines.ps.worker import SendPush, SendReady
 from fabricd.frames import ps as ps_frames
 from fabricd.frames.ps import MAX_PS_REASON
@@ -123,14 +123,24 @@ def to_partner(
         reason=fields[3],
         spec=spec,
         members=action.entry.members if isinstance(action, Forward) else None,
+        copied=isinstance(action, Forward) and action.entry.copied,
     )
     return frame, bytes(payload)
 
 
-def confirmation(key: Key, shard: int, me: int, other: int, action: Logged) -> registry.PeerFrame:
-    """A replica's REPLICATED: every entry up to the action's index is logged."""
+def confirmation(
+    key: Key, shard: int, me: int, other: int, action: Logged | Need
+) -> registry.PeerFrame:
+    """A replica's REPLICATED: every entry up to the action's index is logged, or (``Need``)
+    the entry of that index is asked for whole."""
     return ps_frames.Replicated(
-        job=key[0], name=key[1], shard=shard, server=other, replica=me, index=action.index
+        job=key[0],
+        name=key[1],
+        shard=shard,
+        server=other,
+        replica=me,
+        index=action.index,
+        need=isinstance(action, Need),
     )
 
 

@@ -23,7 +23,8 @@ from fabricd.engines.ps.routing import partner, serving
 
 if TYPE_CHECKING:
     from fabricd.engines.actions import Failure
-    from fabricd.engines.ps.server import ShardServer, Step
+    from fabricd.engines.ps.server import ShardServer
+    from fabricd.engines.ps.shard_actions import Step
     from fabricd.engines.ps.worker import Worker
     from fabricd.frames import registry
     from fabricd.wire import Meta
@@ -64,6 +65,9 @@ class EpochMoved:
     epoch: int
     server: int
     reason: str
+    #: bounded replication: ``server`` may be behind the model the worker saw (within the
+    #: divergence bound); its cache is pulled whole again
+    rollback: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -59,6 +59,7 @@ Actions: the shared :class:`~fabricd.engines.actions.SendFrame` (control link) a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from typing import TYPE_CHECKING
@@ -68,6 +69,7 @@ from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.ps import aggregating, messages, partners, routing
 from fabricd.engines.ps.aggregating import direct_after
 from fabricd.engines.ps.agreement import Agreement
+from fabricd.engines.ps.bounded import DivergenceBound
 from fabricd.engines.ps.consistency import Consistency
 from fabricd.engines.ps.failover import lose, promote, send_again
 from fabricd.engines.ps.gathering import Gathering
@@ -82,13 +84,8 @@ from fabricd.engines.ps.models import (
 )
 from fabricd.engines.ps.routing import Early, EarlyFrames, HeldFrames, pair
 from fabricd.engines.ps.scheduler import Gather, ShardScheduler
-from fabricd.engines.ps.server import (
-    Forward,
-    Logged,
-    ShardServer,
-    Snapshot,
-    Step,
-)
+from fabricd.engines.ps.server import ShardServer
+from fabricd.engines.ps.shard_actions import Forward, Logged, Need, Snapshot, Step
 from fabricd.engines.ps.worker import (
     PullDone,
     PullFailed,
@@ -107,7 +104,7 @@ if TYPE_CHECKING:
     from fabricd.engines.ps.filters import FilterSettings
     from fabricd.engines.ps.models import Action, Array, Key
     from fabricd.engines.ps.routing import Ranks
-    from fabricd.engines.ps.server import Action as ServerAction
+    from fabricd.engines.ps.shard_actions import Action as ServerAction
     from fabricd.engines.ps.worker import Action as WorkerAction
     from fabricd.frames import registry
     from fabricd.wire import Meta
@@ -285,6 +282,9 @@ class PSNode:
             )
             if spec["scheduling"] == "mlfabric"
             else None,
+            bound=None
+            if spec["replication"] != "bounded"
+            else DivergenceBound.from_spec(spec["divergence_bound"]),
         )
         model.ranks[shard] = rank
         self._keep(key, model)
@@ -385,6 +385,8 @@ class PSNode:
                     self._direct.set((key, rank, action.shard, action.iteration), wait)
                 else:
                     self._send(job, to, frame, payload)
+                if isinstance(action, SendPush) and model.spec["replication"] == "bounded":
+                    self._copy(job, model, to, frame, payload)
             elif isinstance(action, PushDone | PullDone):
                 if isinstance(action, PullDone):
                     side.out = None
@@ -402,6 +404,20 @@ class PSNode:
                     message=f"shard {action.shard} of {name!r}: {action.reason}",
                 )
                 self._out.append(CallDone(key=key, rank=rank, failure=failure))
+
+    def _copy(
+        self, job: str, model: Model, to: int, push: registry.PeerFrame, payload: bytes
+    ) -> None:
+        """Bounded replication: send the shard's replica (the partner of ``to``, the rank
+        serving it) a copy of ``push``; none while the partner is not known (gone: a replica
+        that joins later gets the entries whole)."""
+        assert isinstance(push, ps_frames.Push)
+        other = model.partner(push.shard, to)
+        if other is not None and (
+            self.ranks.lookup(job, other) is not None or (job, other) in self.suspects
+        ):
+            copy = dataclasses.replace(push, server=other, group=None, copy=True)
+            self._send(job, other, copy, payload)
 
     def _serving(self, job: str, model: Model, shard: int) -> int:
         """Where a worker here sends ``shard``'s frames (module docstring, *Routing*)."""
@@ -489,7 +505,7 @@ class PSNode:
             elif isinstance(action, Gather):
                 gather = messages.gather(key, model.spec, shard, me, server.epoch, action)
                 self._to_node(action.aggregator, gather)
-            elif isinstance(action, Logged):
+            elif isinstance(action, Logged | Need):
                 assert other is not None
                 self._send(job, other, messages.confirmation(key, shard, me, other, action))
             else:
@@ -497,7 +513,7 @@ class PSNode:
                 self._send(job, action.worker, frame, payload)
         if model.flushes:
             self._flushed(model)
-        if server.scheduler is not None:
+        if server.scheduler is not None or server.bounded:
             due = server.next_deadline()
             if due is None:
                 self._ticks.cancel((key, shard))
@@ -584,6 +600,10 @@ class PSNode:
         if isinstance(frame, ps_frames.Push) and frame.group is not None:
             aggregating.at_member(self, node, frame, payload, now)
             return
+        if isinstance(frame, ps_frames.Push) and frame.copy:
+            if self._from(node, frame.job, frame.worker):
+                partners.at_copy(self, frame, payload, now)
+            return
         if isinstance(frame, ps_frames.Push | ps_frames.Pull | ps_frames.Ready):
             self._at_server(node, frame, payload, now)
             return
@@ -621,7 +641,10 @@ class PSNode:
             if server is None or not server.primary:
                 self.counters["ps_frames_dropped"] += 1
                 return
-            self._server(key, frame.shard, server.replicated_upto(frame.index, now))
+            if frame.need:
+                self._server(key, frame.shard, server.needed(frame.index))
+            else:
+                self._server(key, frame.shard, server.replicated_upto(frame.index, now))
 
     def may_send(
         self, node: int, frame: ps_frames.Push | ps_frames.Pulled | ps_frames.Replicate
@@ -807,13 +830,22 @@ class PSNode:
         what each has in flight to the rank serving it."""
         model = self.models[key]
         epoch, server = model.epochs[shard], model.target(shard)
+        # bounded replication: the rank serving now may be behind what the workers saw (within
+        # the bound): their caches are pulled whole again, and their clients told so
+        rollback = model.spec["replication"] == "bounded"
         for rank, side in model.local_workers.items():
             self._out.append(
                 EpochMoved(
-                    key=key, rank=rank, shard=shard, epoch=epoch, server=server, reason=reason
+                    key=key,
+                    rank=rank,
+                    shard=shard,
+                    epoch=epoch,
+                    server=server,
+                    reason=reason,
+                    rollback=rollback,
                 )
             )
-            self._worker(key, side, side.engine.move(shard, epoch))
+            self._worker(key, side, side.engine.move(shard, epoch, forget=rollback))
 
     # -- early frames ------------------------------------------------------------------------
     def _hold(self, node: int, frame: ToServer, payload: bytes, now: float) -> None:

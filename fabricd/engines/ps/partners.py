@@ -1,7 +1,8 @@
 """A shard's partner frames at the rank that receives them, as
 :class:`~fabricd.engines.ps.node.PSNode` decides: a primary's REPLICATE at its replica (an
-entry logged and processed in order, or a snapshot taken) and a partner's JOIN (answered with
-the shard's state by a rank that serves it).  Functions of the node whose state they read and
+entry logged and processed in order, or a snapshot taken), a worker's copy of a push at the
+replica (bounded replication), and a partner's JOIN (answered with the shard's state by a rank
+that serves it).  Functions of the node whose state they read and
 change, split out of ``node.py`` for the house's size limit (as :mod:`fabricd.engines.ps.
 failover` is); MLfabric §3.3's hot standby.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from fabricd.engines.ps.server import FLUSH, LOSE, PUSH, Entry
+from fabricd.engines.ps.shard_actions import FLUSH, LOSE, PUSH, Entry
 from fabricd.errors import RemoteProtocolError
 
 if TYPE_CHECKING:
@@ -62,11 +63,34 @@ def at_replica(node: PSNode, frame: ps_frames.Replicate, payload: bytes, now: fl
         payload=payload,
         reason=frame.reason,
         members=frame.members,
+        copied=frame.copied,
     )
     if server.primary:
         node.counters["ps_frames_dropped"] += 1  # promoted: the old primary is gone
         return
     node._server(key, frame.shard, server.log(entry, now))
+
+
+def at_copy(node: PSNode, frame: ps_frames.Push, payload: bytes, now: float) -> None:
+    """A worker's daemon's copy of a push for the shard's replica here (bounded replication):
+    taken at the epoch the replica follows; anything else is dropped and counted (a copy for
+    a rank promoted meanwhile, or from a worker behind the epoch, is no entry of the log)."""
+    key = (frame.job, frame.name)
+    model = node.models.get(key)
+    server = None if model is None else model.servers.get(frame.shard)
+    if (
+        model is None
+        or server is None
+        or model.spec != frame.spec
+        or server.primary
+        or frame.epoch != server.epoch
+        or frame.worker not in model.workers
+    ):
+        node.counters["ps_frames_dropped"] += 1
+        return
+    node._server(
+        key, frame.shard, server.copy(frame.worker, frame.iteration, frame.base, payload, now)
+    )
 
 
 def at_partner(node: PSNode, frame: ps_frames.Join) -> None:

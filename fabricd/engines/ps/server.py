@@ -47,18 +47,19 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from fabricd.engines.ps import push as ps_push
 from fabricd.engines.ps import snapshot as ps_snapshot
+from fabricd.engines.ps.bounded import DivergenceBound, Lead, ReplicaLog
 from fabricd.engines.ps.consistency import (
+    SGD,
     Apply,
     Consistency,
     Coordinator,
-    CoordinatorStatistics,
     Drop,
     Refused,
     Reply,
@@ -69,6 +70,22 @@ from fabricd.engines.ps.consistency import (
 )
 from fabricd.engines.ps.filters import LOW_MAX, FilterSettings, ParameterFilter
 from fabricd.engines.ps.scheduler import Gather, Granted
+from fabricd.engines.ps.shard_actions import (
+    FLUSH,
+    LOSE,
+    PUSH,
+    Acked,
+    Action,
+    Answer,
+    Entry,
+    Forward,
+    Logged,
+    Need,
+    Refuse,
+    ShardStatistics,
+    Snapshot,
+    Step,
+)
 from fabricd.engines.ps.storage import HEADER as PULL_HEADER
 from fabricd.engines.ps.storage import TimedStore
 from fabricd.errors import RemoteProtocolError, UsageError
@@ -77,127 +94,12 @@ from fabricd.wire import get_int
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from fabricd.engines.ps.scheduler import SchedulerStatistics, ShardScheduler
+    from fabricd.engines.ps.scheduler import ShardScheduler
 
 Array = np.ndarray[Any, Any]
 
-PUSH: Final = "push"
-LOSE: Final = "lose"
-FLUSH: Final = "flush"
 #: the marker of a flush among the coordinator's actions
 _FLUSHED: Final = object()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Entry:
-    """One log entry: a worker's push (its encoded ``payload``) or a lost worker (``reason``),
-    numbered from 1 in the order the primary took them."""
-
-    index: int
-    kind: str
-    worker: int
-    iteration: int = 0
-    base: int = 0
-    payload: bytes | bytearray = b""
-    reason: str | None = None
-    #: an aggregate's entry (MLfabric §5.2): the (worker, iteration, base) of the updates
-    #: whose sum ``payload`` is; ``worker``, ``iteration`` and ``base`` are the first's
-    members: tuple[tuple[int, int, int], ...] | None = None
-
-
-# -- actions ------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Forward:
-    """Send ``entry`` to the replica (REPLICATE)."""
-
-    entry: Entry
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Logged:
-    """Replica: tell the primary every entry up to ``index`` is logged and processed."""
-
-    index: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Acked:
-    """Tell ``worker`` its push of ``iteration`` was processed: applied (the model reached
-    ``version``), or not (``dropped`` says why; ``version`` is the model's then)."""
-
-    worker: int
-    iteration: int
-    version: int
-    dropped: str | None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Answer:
-    """Answer ``worker``'s pull at ``clock``: ``data`` is the store's reply (the chunks
-    changed since its version), the model at ``version``."""
-
-    worker: int
-    clock: int
-    version: int
-    data: bytearray
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Refuse:
-    """``worker``'s pull at ``clock`` will never be answered (``reason``)."""
-
-    worker: int
-    clock: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Step:
-    """Run the update callback in the server's own process (MLfabric Table 1's
-    registerUpdateCallback): step ``model`` (a copy of the values the next version starts
-    from) by ``update`` (the :class:`~fabricd.engines.ps.consistency.Apply`'s combined update)
-    and hand the result to :meth:`ShardServer.stepped`.  The shard waits for it: pushes and
-    pulls that come meanwhile are queued behind it, in order."""
-
-    version: int
-    model: Array
-    update: Array
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Snapshot:
-    """Send the replica that joined the shard's state as of entry ``index`` (``data``,
-    :mod:`fabricd.engines.ps.snapshot`); the entries after it follow as :class:`Forward`."""
-
-    index: int
-    data: bytes
-
-
-Action = Forward | Logged | Acked | Answer | Refuse | Step | Snapshot | Granted | Gather
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ShardStatistics:
-    """What ``fabricctl status`` and the metrics show of one shard."""
-
-    epoch: int
-    primary: bool
-    version: int
-    logged: int  #: entries taken (primary) or logged (replica)
-    unreplicated: int  #: entries the replica has not confirmed yet
-    pushes: int  #: pushes taken (not counting resends)
-    resent: int  #: pushes a worker's daemon sent again
-    push_bytes: int  #: bytes of the pushes taken (encoded, as they travelled)
-    push_dense_bytes: int  #: what they would have been unfiltered (dense, the model's dtype)
-    pulls: int  #: pulls answered
-    pull_bytes: int  #: bytes of the answers
-    pull_dense_bytes: int  #: what a whole-model answer would have been each time
-    considered: int  #: parameters the parameter filter looked at
-    published: int  #: parameters it published
-    coordinator: CoordinatorStatistics
-    scheduler: SchedulerStatistics | None = None  #: MLfabric's, for a scheduled shard
-    aggregates: int = 0  #: aggregates taken (their members count in ``pushes``)
-    aggregates_refused: int = 0  #: aggregates refused: a member was decided already
 
 
 class ShardServer:
@@ -206,7 +108,12 @@ class ShardServer:
     ``initial``: the shard's starting values (copied), a flat float16/32/64 array.  ``rule``:
     the update rule, or ``None``: the server's process runs it (:class:`Step`).  ``replica``:
     this is the replica (it logs what the primary forwards).  ``replicated``: this is a primary
-    with a replica.  The other arguments are the coordinator's and the filters'.
+    with a replica.  ``bound``: bounded-divergence replication (:mod:`fabricd.engines.ps.
+    bounded`) instead of the chain's.  The other arguments are the coordinator's and the
+    filters'.
+
+    Raises:
+        UsageError: a norm bound with an update callback (its steps' norms are unknown).
     """
 
     def __init__(
@@ -223,8 +130,14 @@ class ShardServer:
         replica: bool = False,
         replicated: bool = False,
         scheduler: ShardScheduler | None = None,
+        bound: DivergenceBound | None = None,
     ) -> None:
         settings = settings or FilterSettings()
+        if bound is not None and bound.norm is not None and rule is None:
+            raise UsageError(
+                "a divergence bound's norm needs update_rule 'sum' or 'sgd' (a callback's "
+                "steps are not known here): bound the updates instead"
+            )
         self.coordinator = Coordinator(
             workers=workers,
             consistency=consistency,
@@ -261,6 +174,15 @@ class ShardServer:
         self._pushes = self._resent = self._push_bytes = 0
         self._pulls = self._pull_bytes = 0
         self._aggregates = self._aggregates_refused = 0
+        #: bounded replication: the primary's lead, and the replica's copies and the entries
+        #: received that wait for theirs (with when they started to wait)
+        momentum = rule.momentum if isinstance(rule, SGD) else 0.0
+        self._lead = None if bound is None else Lead(bound, momentum)
+        self._log = ReplicaLog()  #: replica: the entries received, waiting for copies
+        self._applied_upto = 0  #: primary: the last entry processed here
+        #: bounded replication: the entries received a promotion dropped (their copies lost)
+        self.rolled_back = 0
+        self._norms: dict[int, float] = {}  #: primary, bounded: entry -> ||u|| of its step
 
     # -- the primary's inputs -------------------------------------------------------------
     def push(
@@ -275,6 +197,8 @@ class ShardServer:
         """
         self._primary_only("a push")
         seen = self._seen(worker, iteration)
+        if seen is None:
+            seen = self._rolled_back(worker, iteration, base)
         if seen is not None:
             return seen
         self.coordinator.check_push(worker, iteration, base)
@@ -326,6 +250,7 @@ class ShardServer:
             not self.scheduler.expects(group, sender, members)
             or any(w not in live for w, _, _ in members)
             or (bound is not None and any(version - b > bound for _, _, b in members))
+            or (self._lead is not None and any(b > version for _, _, b in members))
         ):
             # (a member lost or too stale: its fellows come straight, each judged alone)
             self._aggregates_refused += 1
@@ -369,24 +294,31 @@ class ShardServer:
         if self.scheduler is None:
             raise RemoteProtocolError("a READY for a shard that is not scheduled (MLfabric)")
         seen = self._seen(worker, iteration)
+        if seen is None:
+            seen = self._rolled_back(worker, iteration, base)
         if seen is not None:
             return seen
         self.coordinator.check_push(worker, iteration, base)
         return list(self.scheduler.ready(worker, iteration, base, size, norm, host, now))
 
     def next_deadline(self) -> float | None:
-        """When the scheduler decides its batch (``None``: no batch, or not scheduled)."""
-        return (
-            None if self.scheduler is None or not self.primary else self.scheduler.next_deadline()
-        )
+        """When the scheduler decides its batch, or (a bounded replica) when it asks for an
+        entry whose copy did not come; ``None``: neither."""
+        if not self.primary:
+            return self._log.next_deadline()
+        return None if self.scheduler is None else self.scheduler.next_deadline()
 
     def on_timer(
         self, now: float, figures: Callable[[int], tuple[float, float] | None]
     ) -> list[Action]:
         """The scheduler's batch, decided: grants go to the workers, drops into the log (an
         entry like a push's, without payload, that says why: replicated and acknowledged like
-        any push, so a promoted replica and a worker's resend see it decided)."""
-        if self.scheduler is None or not self.primary:
+        any push, so a promoted replica and a worker's resend see it decided).  A bounded
+        replica asks for each entry whose copy has not come within :data:`~fabricd.engines.
+        ps.bounded.NEED_AFTER` (and again after as long)."""
+        if not self.primary:
+            return [Need(index=index) for index in self._log.needs(now)]
+        if self.scheduler is None:
             return []
         out: list[Action] = []
         for decision in self.scheduler.on_timer(now, self.coordinator.version, figures):
@@ -443,6 +375,20 @@ class ShardServer:
             )
         return None
 
+    def _rolled_back(self, worker: int, iteration: int, base: int) -> list[Action] | None:
+        """Bounded replication: a push computed from a version this shard does not have (a
+        promoted replica's rollback lost it: the worker's daemon sends it again) is not
+        applied, and says why; ``None``: any other push."""
+        version = self.coordinator.version
+        if self._lead is None or base <= version:
+            return None
+        why = (
+            f"computed from version {base}, which the failover to epoch {self.epoch} rolled "
+            f"back (bounded replication; the model is at version {version})"
+        )
+        self._last[worker] = (iteration, version, why)
+        return [Acked(worker=worker, iteration=iteration, version=version, dropped=why)]
+
     def pull(self, worker: int, clock: int, since: int, now: float) -> list[Action]:
         """Worker ``worker``'s pull at ``clock``; its cache holds version ``since``.
 
@@ -452,6 +398,8 @@ class ShardServer:
         self._primary_only("a pull")
         if self.coordinator.held(worker) == clock:
             return []  # sent again after a reset: the held one is answered in time
+        if self._lead is not None and since > self.coordinator.version:
+            since = 0  # a cache of a version a failover rolled back: the whole model
         return self._perform(self.coordinator.pull(worker, clock, since, now), now)
 
     def flush(self, now: float) -> list[Action]:
@@ -484,10 +432,21 @@ class ShardServer:
             return []  # a confirmation late after the replica was given up
         if index > self._index:
             raise RemoteProtocolError(f"replica confirmed entry {index}; {self._index} were sent")
+        if self._lead is not None:
+            self._lead.confirm(index)
         out: list[Action] = []
         while self._unreplicated and self._unreplicated[0].index <= index:
-            out += self._process(self._unreplicated.popleft(), now)
-        return out
+            entry = self._unreplicated.popleft()
+            if entry.index > self._applied_upto:  # (bounded: the replica applied it first)
+                out += self._apply(entry, now)
+        return out + self._advance(now)
+
+    def needed(self, index: int) -> list[Action]:
+        """Bounded replication: the replica asks for entry ``index`` whole (its worker's copy
+        did not come); one confirmed meanwhile is not sent."""
+        if not (self.replicated and self.synced):
+            return []
+        return [Forward(entry=e) for e in self._unreplicated if e.index == index]
 
     def unconfirmed(self) -> list[Forward]:
         """The entries to send the replica again after its links were reset, in order."""
@@ -511,8 +470,10 @@ class ShardServer:
     def _snapshot(self) -> list[Action]:
         self._join_pending = False
         self.synced = True
-        processed = self._index - len(self._unreplicated)
+        processed = self._applied_upto
         out: list[Action] = [Snapshot(index=processed, data=ps_snapshot.encode(self.state()))]
+        # (bounded: the entries applied here and not confirmed are in the snapshot, and go
+        # again too: they stay until confirmed, for a replica whose snapshot a reset lost)
         return out + [Forward(entry=e) for e in self._unreplicated]
 
     def replica_lost(self, now: float) -> list[Action]:
@@ -524,7 +485,11 @@ class ShardServer:
         self.replicated = False
         out: list[Action] = []
         while self._unreplicated:
-            out += self._process(self._unreplicated.popleft(), now)
+            entry = self._unreplicated.popleft()
+            if entry.index > self._applied_upto:
+                out += self._apply(entry, now)
+        if self._lead is not None:
+            self._lead.reset(self._index, self._momentum_norm())
         return out
 
     # -- the replica's inputs -------------------------------------------------------------
@@ -540,28 +505,60 @@ class ShardServer:
             raise RemoteProtocolError("a replication entry for a shard's primary")
         if not self.has_state:
             return []  # sent before the snapshot this replica asked for: it comes again
+        self._check_entry(entry)
         if entry.index <= self._index:
             # confirmed again, unless its confirmation waits for the process's step (then
             # it goes once stepped: not before the entry is processed)
             return [] if self._confirm is not None else [Logged(index=self._index)]
-        if entry.index != self._index + 1:
-            raise RemoteProtocolError(f"replication entry {entry.index} after {self._index}")
-        if entry.kind == PUSH and entry.reason is not None:
-            if entry.payload:  # a scheduler's drop carries none
-                raise RemoteProtocolError("a dropped push entry with a payload")
+        self._log.receive(entry, now)
+        return self._drain(now)
+
+    def _check_entry(self, entry: Entry) -> None:
+        """Raise unless ``entry`` is one a primary sends (only its bytes: the primary checked
+        the rest against the same state)."""
+        if entry.kind == PUSH and (entry.reason is not None or entry.copied):
+            if entry.payload:  # a scheduler's drop carries none, nor an order entry
+                raise RemoteProtocolError("a dropped or copied push entry with a payload")
+            if entry.copied and (entry.reason is not None or entry.members is not None):
+                raise RemoteProtocolError("a copied entry is one worker's push")
         elif entry.kind == PUSH:
-            # checked by the primary against the same state; only the bytes are checked here
             ps_push.decode(entry.payload, self.size, self.dtype)
-            self._pushes += 1 if entry.members is None else len(entry.members)
-            self._aggregates += entry.members is not None
-            self._push_bytes += len(entry.payload)
         elif entry.kind not in (LOSE, FLUSH):
             raise RemoteProtocolError(f"replication entry of kind {entry.kind!r}")
-        self._index = entry.index
-        # confirmed once processed: a replica whose process is slow to run the update callback
-        # holds its primary back, rather than queueing an update per entry without bound
-        self._confirm = entry.index
-        return self._process(entry, now)  # Steps and the confirmation: a replica answers nobody
+
+    def _drain(self, now: float) -> list[Action]:
+        """Replica: process the received entries, in order, while each has its payload."""
+        out: list[Action] = []
+        for entry in self._log.ready():
+            self._pushes += entry.updates
+            self._aggregates += entry.members is not None
+            self._push_bytes += len(entry.payload)
+            self._index = entry.index
+            # confirmed once processed: a replica whose process is slow to run the update
+            # callback holds its primary back, rather than queueing an update per entry
+            self._confirm = entry.index
+            out += self._process(entry, now)  # Steps and the confirmation: it answers nobody
+        return out
+
+    def copy(
+        self, worker: int, iteration: int, base: int, payload: bytes | bytearray, now: float
+    ) -> list[Action]:
+        """Replica, bounded replication: ``worker``'s daemon's copy of its push of
+        ``iteration`` (from ``base``): it completes the primary's order entry for it, or waits
+        for it (one that comes before the replica's snapshot is kept for after it).  A copy
+        for a push decided here already, or for a primary, is dropped.
+
+        Raises:
+            RemoteProtocolError: the copy is malformed (as a push would be).
+        """
+        if self.primary or self._lead is None:
+            return []
+        ps_push.decode(payload, self.size, self.dtype)
+        last = self._last.get(worker)
+        if last is not None and last[0] >= iteration:
+            return []
+        self._log.copy(worker, iteration, base, payload)
+        return self._drain(now)
 
     def restore(self, index: int, data: bytes | bytearray) -> bool:
         """The primary's :class:`Snapshot` of its state as of entry ``index``: take it and
@@ -585,7 +582,9 @@ class ShardServer:
         self.primary = self.replicated = self.synced = self._join_pending = False
         self.has_state = True
         self.epoch = epoch
-        self._index = index
+        self._index = self._applied_upto = index
+        self._log.reset(index, {w: record[0] for w, record in self._last.items()})
+        self._norms.clear()
         self._unreplicated.clear()
         self._actions.clear()
         self._confirm = None
@@ -604,6 +603,12 @@ class ShardServer:
         self.primary = True
         self.replicated = self.synced = False
         self.epoch += 1
+        # bounded replication: entries whose copies never came are lost with the primary
+        # (within the bound); the workers' daemons send again what was not acknowledged
+        self.rolled_back = self._log.reset(self._index)
+        self._applied_upto = self._index
+        if self._lead is not None:
+            self._lead.reset(self._index, self._momentum_norm())
         if self.scheduler is not None:  # what it planned while it last served is void now
             self.scheduler = self.scheduler.fresh()
         return True
@@ -696,11 +701,24 @@ class ShardServer:
     def version(self) -> int:
         return self.store.version
 
+    @property
+    def bounded(self) -> bool:
+        """Whether the shard is replicated with a divergence bound, not the chain."""
+        return self._lead is not None
+
     def waiting_for(self) -> list[str]:
         """What the shard waits for (stall reports)."""
         out = self.coordinator.waiting_for()
-        if self._unreplicated:
+        if self._unreplicated and self._lead is None:
             out.append(f"{len(self._unreplicated)} entries wait for the replica's confirmation")
+        elif self._lead is not None and self._index > self._applied_upto and self.primary:
+            out.append(
+                f"{self._index - self._applied_upto} entries wait for the replica: the "
+                f"divergence bound allows no more lead (it confirmed entry {self._lead.confirmed})"
+            )
+        copies = self._log.waiting()
+        if copies:
+            out.append(f"entries {copies[:8]} wait for their workers' copies")
         if self._stepping is not None:
             out.append(
                 f"version {self._stepping.version} waits for the server process's update "
@@ -730,6 +748,8 @@ class ShardServer:
             scheduler=None if self.scheduler is None else self.scheduler.statistics(),
             aggregates=self._aggregates,
             aggregates_refused=self._aggregates_refused,
+            lag=0 if self._lead is None else self._lead.lag,
+            divergence=0.0 if self._lead is None else self._lead.divergence(),
         )
 
     # -- internals ------------------------------------------------------------------------
@@ -754,10 +774,52 @@ class ShardServer:
 
     def _take(self, entry: Entry, now: float) -> list[Action]:
         self._index = entry.index
-        if self.replicated:  # held until the replica confirms it (or is given up)
-            self._unreplicated.append(entry)
+        if not self.replicated:
+            return self._apply(entry, now)
+        # kept until the replica confirms it (or is given up); chain: processed only then
+        self._unreplicated.append(entry)
+        if self._lead is None:
             return [Forward(entry=entry)] if self.synced else []
-        return self._process(entry, now)
+        if entry.updates and entry.members is None:
+            # the worker's daemon sends the replica its copy: the order alone goes
+            order = Forward(entry=replace(entry, payload=b"", copied=True))
+        else:
+            order = Forward(entry=entry)
+        if entry.updates and self._lead.bound.norm is not None:
+            values = ps_push.decode(entry.payload, self.size, self.dtype)
+            rate = self.rule.lr if isinstance(self.rule, SGD) else 1.0  # AdaDelay's is less
+            self._norms[entry.index] = rate * float(np.linalg.norm(values.astype(np.float64)))
+        return ([order] if self.synced else []) + self._advance(now)
+
+    def _advance(self, now: float) -> list[Action]:
+        """Bounded replication: apply the entries taken, in order, while the bound allows."""
+        lead = self._lead
+        if lead is None:
+            return []
+        out: list[Action] = []
+        for entry in list(self._unreplicated):
+            if entry.index <= self._applied_upto:
+                continue
+            if not lead.allows(entry.index, entry.updates, self._norms.get(entry.index, 0.0)):
+                break
+            out += self._apply(entry, now)
+        return out
+
+    def _apply(self, entry: Entry, now: float) -> list[Action]:
+        """Process ``entry`` here (the log's next), and tell the lead."""
+        out = self._process(entry, now)
+        self._applied_upto = entry.index
+        if self._lead is not None:
+            norm = self._norms.pop(entry.index, 0.0)
+            self._lead.applied(entry.index, entry.updates, norm, self._momentum_norm())
+        return out
+
+    def _momentum_norm(self) -> float:
+        """``||s||``, the sgd rule's last step, which momentum carries into the next."""
+        rule = self.rule
+        if not isinstance(rule, SGD) or not rule.momentum or rule.step is None:
+            return 0.0
+        return float(np.linalg.norm(rule.step.astype(np.float64)))
 
     def _process(self, entry: Entry, now: float) -> list[Action]:
         if entry.kind == FLUSH:

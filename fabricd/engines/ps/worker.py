@@ -416,12 +416,16 @@ class Worker:
         self._resent += len(out)
         return out
 
-    def move(self, shard: int, epoch: int) -> list[Action]:
+    def move(self, shard: int, epoch: int, *, forget: bool = False) -> list[Action]:
         """``shard`` is served at ``epoch`` now (its server went and its partner took over,
-        or this daemon just learned so): send the new server what is in flight."""
+        or this daemon just learned so): send the new server what is in flight.  ``forget``
+        (bounded replication: the new server may be behind what the cache holds): the cache's
+        version is forgotten, so the next pull (the one in flight included) is whole."""
         if epoch <= self.epochs[shard]:
             return []
         self.epochs[shard] = epoch
+        if forget:
+            self.versions[shard] = 0
         return self.resend(shard)
 
     def failover(self, shard: int) -> list[Action]:
