@@ -32,6 +32,7 @@ from bench import (
     ps_storage,
     rate,
     replication,
+    replication_daemons,
     roundtrip,
     scheduler,
     servicecost,
@@ -71,6 +72,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "mlfabric": mlfabric.run,
     "mlfabric-netns": mlfabric_netns.run,
     "replication": replication.run,
+    "replication-daemons": replication_daemons.run,
 }
 
 
