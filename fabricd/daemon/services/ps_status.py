@@ -172,48 +172,7 @@ class PSStatus:
         for (job, name), model in sorted(self.engine.models.items()):
             owner = self.membership.owner(job)
             for shard, server in sorted(model.servers.items()):
-                s = server.statistics()
-                c = s.coordinator
-                servers.append(
-                    {
-                        "job": job,
-                        "owner": owner,
-                        "name": name,
-                        "shard": shard,
-                        "role": "primary" if s.primary else "replica",
-                        "epoch": s.epoch,
-                        "consistency": model.spec["consistency"],
-                        "version": s.version,
-                        "complete": c.complete,
-                        "applied": c.applied,
-                        "dropped_delay": c.dropped.get("delay", 0),
-                        "dropped_lost": c.dropped.get("lost", 0),
-                        "dropped_scheduled": c.dropped.get("scheduled", 0),
-                        "scheduling": model.spec["scheduling"],
-                        "scheduler": _scheduler_row(s.scheduler),
-                        "aggregates": s.aggregates,
-                        "aggregates_refused": s.aggregates_refused,
-                        "delays": list(c.delays),
-                        "delay_sum": c.delay_sum,
-                        "held_pulls": c.held,
-                        "live_workers": c.live,
-                        "pushes": s.pushes,
-                        "resent": s.resent,
-                        "push_bytes": s.push_bytes,
-                        "push_dense_bytes": s.push_dense_bytes,
-                        "pulls": s.pulls,
-                        "pull_bytes": s.pull_bytes,
-                        "pull_dense_bytes": s.pull_dense_bytes,
-                        "considered": s.considered,
-                        "published": s.published,
-                        "logged": s.logged,
-                        "unreplicated": s.unreplicated,
-                        "replication": model.spec["replication"],
-                        "lag": s.lag,
-                        "divergence": s.divergence,
-                        "waiting": list(c.waiting),
-                    }
-                )
+                servers.append(_server_row(job, owner, name, shard, model, server))
             for rank, side in sorted(model.local_workers.items()):
                 w = side.engine.statistics()
                 workers.append(
@@ -385,6 +344,52 @@ def _totals(workers: list[WorkerStatistics], primaries: list[ShardStatistics]) -
             )
             t.update(sched_latency_us=round(s.scheduler.latency_sum * 1e6))
     return t
+
+
+def _server_row(
+    job: str, owner: int | None, name: str, shard: int, model: Model, server: ShardServer
+) -> Meta:
+    """One shard served or followed here, as a status row."""
+    s = server.statistics()
+    c = s.coordinator
+    return {
+        "job": job,
+        "owner": owner,
+        "name": name,
+        "shard": shard,
+        "role": "primary" if s.primary else "replica",
+        "epoch": s.epoch,
+        "consistency": model.spec["consistency"],
+        "version": s.version,
+        "complete": c.complete,
+        "applied": c.applied,
+        "dropped_delay": c.dropped.get("delay", 0),
+        "dropped_lost": c.dropped.get("lost", 0),
+        "dropped_scheduled": c.dropped.get("scheduled", 0),
+        "scheduling": model.spec["scheduling"],
+        "scheduler": _scheduler_row(s.scheduler),
+        "aggregates": s.aggregates,
+        "aggregates_refused": s.aggregates_refused,
+        "delays": list(c.delays),
+        "delay_sum": c.delay_sum,
+        "held_pulls": c.held,
+        "live_workers": c.live,
+        "pushes": s.pushes,
+        "resent": s.resent,
+        "push_bytes": s.push_bytes,
+        "push_dense_bytes": s.push_dense_bytes,
+        "pulls": s.pulls,
+        "pull_bytes": s.pull_bytes,
+        "pull_dense_bytes": s.pull_dense_bytes,
+        "considered": s.considered,
+        "published": s.published,
+        "logged": s.logged,
+        "unreplicated": s.unreplicated,
+        "replication": model.spec["replication"],
+        "lag": s.lag,
+        "divergence": s.divergence,
+        "waiting": list(c.waiting),
+    }
 
 
 def _scheduler_row(stats: SchedulerStatistics | None) -> Meta | None:
