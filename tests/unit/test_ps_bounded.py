@@ -20,6 +20,7 @@ from fabricd.engines.ps.shard_actions import Acked, Answer, Forward, Logged, Nee
 from fabricd.engines.ps.worker import SendPull, Worker
 from fabricd.engines.scheduling.replication import divergence
 from fabricd.errors import RemoteProtocolError, UsageError
+from fabricd.frames import ps as ps_frames
 from tests.unit.ps_fabric import Fabric
 from tests.unit.test_ps_server import moves, ones, payload, run
 
@@ -142,7 +143,7 @@ def test_the_replica_asks_for_an_entry_whose_copy_never_comes() -> None:
     assert replica.next_deadline() == NEED_AFTER
     assert replica.on_timer(NEED_AFTER / 2, lambda _: None) == []
     assert replica.on_timer(NEED_AFTER, lambda _: None) == [Need(index=1)]
-    assert replica.next_deadline() == 2 * NEED_AFTER  # asked again later if need be
+    assert replica.next_deadline() == 3 * NEED_AFTER  # asked again later, after twice as long
     [whole] = forwards(primary.needed(1))
     assert whole.entry.payload
     assert not whole.entry.copied
@@ -297,3 +298,70 @@ def test_sgd_with_momentum_keeps_the_bound_on_the_models() -> None:
         orders.clear()
     assert primary.version == replica.version == 18
     np.testing.assert_allclose(primary.filter.model, replica.filter.model)
+
+
+@settings(max_examples=40)
+@given(st.sampled_from([[None, 2], [1e6, None]]), st.data())
+def test_bounded_replication_under_scheduling_and_aggregation(
+    bound: list[Any], data: st.DataObject
+) -> None:
+    """MLfabric-A with aggregation and a bounded replica: an aggregate's entry travels whole
+    (no copies are sent for pushes that go via an aggregator), a member sent straight after
+    its wait is copied, and every update reaches the replica once."""
+    fabric = Fabric(
+        workers=3,
+        shards=2,
+        size=5,
+        rounds=4,
+        consistency=Consistency.ASYNC,
+        replicas=True,
+        scheduled=True,
+        aggregation=True,
+        interval=6.0,
+        divergence_bound=bound,
+    )
+    for server in (3, 4, 5, 6):  # the servers' and replicas' downlinks slow: Alg. 3 groups
+        fabric.figures[server] = (1e6, 30.0)
+    for move in data.draw(moves(3, 2, failover=False)):
+        run(fabric, [move])
+        check_lead(fabric, bound)
+    fabric.drain()
+    fabric.check_settled()
+
+
+def test_pushes_via_an_aggregator_send_the_replica_no_copy() -> None:
+    fabric = Fabric(
+        workers=3,
+        shards=1,
+        size=5,
+        rounds=6,
+        consistency=Consistency.ASYNC,
+        replicas=True,
+        scheduled=True,
+        aggregation=True,
+        interval=6.0,
+        divergence_bound=[None, 4],
+    )
+    fabric.figures[3] = fabric.figures[4] = (1e6, 30.0)
+    copies = via = 0
+    original = fabric._check_frame
+
+    def count(at: int, frame: Any) -> None:
+        nonlocal copies, via
+        if isinstance(frame, ps_frames.Push) and frame.copy:
+            copies += 1
+        elif isinstance(frame, ps_frames.Push) and frame.group is not None:
+            via += 1
+        original(at, frame)
+
+    fabric._check_frame = count  # type: ignore[method-assign]
+    for _ in range(60):
+        for w in range(3):
+            fabric.step(w)
+        if not fabric.deliver(0):
+            fabric.tick()
+    fabric.drain()
+    fabric.check_settled()
+    assert via > 0  # groups formed
+    assert copies > 0  # the straight pushes were copied
+    assert copies <= 3 * 6 - via  # and none of those that went via an aggregator

@@ -37,7 +37,9 @@ Choices where the paper is silent, and why:
 * *A copy that does not come* (its link was reset, or the replica's table was full) is asked
   for: an order entry whose copy has not arrived within :data:`NEED_AFTER` seconds is asked of
   the primary, which still holds every unconfirmed entry's payload, so the replica never
-  waits for ever and the primary never stalls on a lost copy.
+  waits for ever and the primary never stalls on a lost copy.  An entry asked for again waits
+  twice as long each time (up to :data:`NEED_MAX`): on a slow link the whole entry may take
+  longer than a second to come, and asking every second would send it again and again.
 * *Aggregates and the primary's own entries travel whole*: an aggregate's sum exists only at
   its aggregator and the primary (its members' copies summed again could round otherwise), and
   a lost worker, a flush or a scheduler's drop has no payload to copy.
@@ -60,8 +62,10 @@ if TYPE_CHECKING:
 
 #: the most updates a primary leads its replica by, whatever the bound (each is kept)
 MAX_LEAD: Final = 1024
-#: how long a replica waits for a worker's copy before it asks the primary for the entry (s)
+#: how long a replica waits for a worker's copy before it asks the primary for the entry (s);
+#: each later ask for the same entry waits twice as long as the last, up to :data:`NEED_MAX`
 NEED_AFTER: Final = 1.0
+NEED_MAX: Final = 30.0
 #: the most bytes of copies a replica holds that no order entry named yet
 MAX_COPY_BYTES: Final = 256 * 1024 * 1024
 
@@ -229,7 +233,7 @@ class ReplicaLog:
 
     def __init__(self) -> None:
         self.received = 0  #: the last entry received
-        self._parked: deque[list[Any]] = deque()  #: [entry, since it waits]
+        self._parked: deque[list[Any]] = deque()  #: [entry, when it is asked for, wait]
         self._copies = Copies()
 
     def receive(self, entry: Entry, now: float) -> None:
@@ -251,7 +255,7 @@ class ReplicaLog:
             payload = self._copies.take(entry.worker, entry.iteration, entry.base)
             if payload is not None:
                 entry = replace(entry, payload=payload, copied=False)
-        self._parked.append([entry, now])
+        self._parked.append([entry, now + NEED_AFTER, NEED_AFTER])
 
     def copy(self, worker: int, iteration: int, base: int, payload: bytes | bytearray) -> None:
         """``worker``'s daemon's copy of its push of ``iteration`` from ``base``: it completes
@@ -282,16 +286,18 @@ class ReplicaLog:
 
     def next_deadline(self) -> float | None:
         """When an entry waiting for its copy is asked for (``None``: none waits)."""
-        waits = [since for entry, since in self._parked if entry.copied]
-        return min(waits) + NEED_AFTER if waits else None
+        asks = [ask for entry, ask, _ in self._parked if entry.copied]
+        return min(asks) if asks else None
 
     def needs(self, now: float) -> list[int]:
         """The entries to ask the primary for whole, now: their copies did not come within
-        :data:`NEED_AFTER` of their arrival, or of the last time they were asked for."""
+        :data:`NEED_AFTER` of their arrival, nor their whole entry within twice the last wait
+        of the last ask (a slow link is not flooded with the same entry again and again)."""
         out = []
         for parked in self._parked:
-            if parked[0].copied and parked[1] + NEED_AFTER <= now:
-                parked[1] = now
+            if parked[0].copied and parked[1] <= now:
+                parked[2] = min(2 * parked[2], NEED_MAX)
+                parked[1] = now + parked[2]
                 out.append(parked[0].index)
         return out
 

@@ -385,7 +385,11 @@ class PSNode:
                     self._direct.set((key, rank, action.shard, action.iteration), wait)
                 else:
                     self._send(job, to, frame, payload)
-                if isinstance(action, SendPush) and model.spec["replication"] == "bounded":
+                if (
+                    isinstance(action, SendPush)
+                    and action.via is None  # (an aggregate travels whole to the replica)
+                    and model.spec["replication"] == "bounded"
+                ):
                     self._copy(job, model, to, frame, payload)
             elif isinstance(action, PushDone | PullDone):
                 if isinstance(action, PullDone):
