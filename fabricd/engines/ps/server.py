@@ -315,7 +315,7 @@ class ShardServer:
         entry like a push's, without payload, that says why: replicated and acknowledged like
         any push, so a promoted replica and a worker's resend see it decided).  A bounded
         replica asks for each entry whose copy has not come within :data:`~fabricd.engines.
-        ps.bounded.NEED_AFTER` (and again after as long)."""
+        ps.bounded.NEED_AFTER` (again after twice as long each time)."""
         if not self.primary:
             return [Need(index=index) for index in self._log.needs(now)]
         if self.scheduler is None:
