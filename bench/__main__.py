@@ -25,6 +25,7 @@ from bench import (
     hopfloor,
     hyperplane,
     integrity,
+    joint,
     latency,
     mlfabric,
     mlfabric_netns,
@@ -73,6 +74,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "mlfabric-netns": mlfabric_netns.run,
     "replication": replication.run,
     "replication-daemons": replication_daemons.run,
+    "joint": joint.run,
 }
 
 
