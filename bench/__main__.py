@@ -20,6 +20,7 @@ from bench import (
     allreduce,
     consistency,
     disconnect,
+    distribution,
     framecost,
     handoff,
     hopfloor,
@@ -75,6 +76,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "replication": replication.run,
     "replication-daemons": replication_daemons.run,
     "joint": joint.run,
+    "distribution": distribution.run,
 }
 
 
