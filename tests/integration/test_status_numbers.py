@@ -85,7 +85,10 @@ NOT_EXPORTED: dict[str, str] = {
                 f"ps_servers[].{k}"
                 for k in ("pulls", "pull_bytes", "pull_dense_bytes", "logged", "unreplicated")
             ),
-            *(f"ps_servers[].{k}" for k in ("aggregates", "aggregates_refused")),
+            *(
+                f"ps_servers[].{k}"
+                for k in ("aggregates", "aggregates_refused", "lag", "divergence")
+            ),
             *(
                 f"ps_workers[].{k}"
                 for k in ("owner", "rank", "clock", "versions[]", "epochs[]", "pushes", "pulls")
