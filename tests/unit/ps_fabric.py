@@ -168,8 +168,8 @@ class Fabric:
         }
         #: bounded replication: a failover may roll a shard back (within the bound)
         self.bounded = divergence_bound is not None
-        #: bounded: shard -> (the epoch killed, the version its replica had then)
-        self.rollbacks: dict[int, tuple[int, int]] = {}
+        #: bounded: shard -> each (epoch killed, the version its replica had then)
+        self.rollbacks: dict[int, list[tuple[int, int]]] = {}
         #: bounded: shard -> the killed primary's model and version
         self.killed_models: dict[int, tuple[Array, int]] = {}
         #: bounded: (worker, iteration, shard) -> epoch -> (version, dropped) of its acks
@@ -397,7 +397,7 @@ class Fabric:
             return  # no partner that could take over (the engine fails the shard then)
         primary = self.serving(s)
         if self.bounded:  # the replica may be behind: what it has is what survives
-            self.rollbacks[s] = (primary.epoch, replica.version)
+            self.rollbacks.setdefault(s, []).append((primary.epoch, replica.version))
             self.killed_models[s] = (primary.store.model.copy(), primary.version)
             rank, epoch = self._rank_of(primary), replica.epoch
             self._cut(rank)
@@ -597,11 +597,12 @@ class Fabric:
         return sorted(applied)
 
     def _kept(self, w: int, it: int, s: int) -> bool:
-        """Bounded: whether the serving rank holds ``w``'s push of ``it``: applied at its
-        epoch, or at the killed one within what the replica had then."""
-        killed, upto = self.rollbacks.get(s, (-1, 0))
+        """Bounded: whether the serving rank holds ``w``'s push of ``it``: applied at some
+        epoch, and within what the replica had at every kill since (versions are kept along
+        the history each promotion carries on)."""
+        kills = self.rollbacks.get(s, [])
         return any(
-            why is None and (epoch > killed or version <= upto)
+            why is None and all(version <= upto for killed, upto in kills if killed >= epoch)
             for epoch, (version, why) in self.acked_at[(w, it, s)].items()
         )
 

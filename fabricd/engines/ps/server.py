@@ -171,6 +171,8 @@ class ShardServer:
         self._last: dict[int, tuple[int, int, str | None]] = {}
         self._actions: deque[Any] = deque()  #: the coordinator's, not carried out yet
         self._stepping: Apply | None = None  #: the Apply whose step the process runs now
+        #: the versions of steps a snapshot made void while the process ran them
+        self._voided: deque[int] = deque()
         self._pushes = self._resent = self._push_bytes = 0
         self._pulls = self._pull_bytes = 0
         self._aggregates = self._aggregates_refused = 0
@@ -588,6 +590,8 @@ class ShardServer:
         self._unreplicated.clear()
         self._actions.clear()
         self._confirm = None
+        if self._stepping is not None:  # its answer is for a model the snapshot replaced
+            self._voided.append(self._stepping.version)
         self._stepping = None
         return True
 
@@ -682,6 +686,11 @@ class ShardServer:
                 size and dtype (the step is still awaited).
         """
         apply = self._stepping
+        if self._voided and self._voided[0] == version:
+            # asked for before a snapshot replaced the state: the process answers in order,
+            # so the void answers come before any step asked for since
+            self._voided.popleft()
+            return []
         if apply is None or apply.version != version:
             awaited = "none" if apply is None else f"version {apply.version}"
             raise UsageError(f"a step of version {version} was not asked for ({awaited} is)")
