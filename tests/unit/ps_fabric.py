@@ -399,18 +399,12 @@ class Fabric:
         if self.bounded:  # the replica may be behind: what it has is what survives
             self.rollbacks.setdefault(s, []).append((primary.epoch, replica.version))
             self.killed_models[s] = (primary.store.model.copy(), primary.version)
-            rank, epoch = self._rank_of(primary), replica.epoch
-            self._cut(rank)
-            del self.nodes[rank]
-            self._gone(rank, "killed")
-            assert (replica.primary, replica.epoch) == (True, epoch + 1)
-            return
-        # it logged (and applied, or its process steps it now) first
-        decided = replica.coordinator.version
-        assert decided >= primary.version
-        seen = [d.versions[s] for sim in self.workers for d in sim.pushes]
-        seen += [d.versions[s] for sim in self.workers for d in sim.pulls]
-        assert decided >= max(seen, default=0)  # no version a worker saw is lost
+        else:  # it logged (and applied, or its process steps it now) first
+            decided = replica.coordinator.version
+            assert decided >= primary.version
+            seen = [d.versions[s] for sim in self.workers for d in sim.pushes]
+            seen += [d.versions[s] for sim in self.workers for d in sim.pulls]
+            assert decided >= max(seen, default=0)  # no version a worker saw is lost
         rank, epoch = self._rank_of(primary), replica.epoch
         self._cut(rank)
         del self.nodes[rank]

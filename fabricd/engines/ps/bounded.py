@@ -189,7 +189,6 @@ class Copies:
         self._held: dict[tuple[int, int], tuple[int, bytes | bytearray]] = {}
         self.nbytes = 0
         self.max_bytes = max_bytes
-        self.dropped = 0  #: copies dropped for room
 
     def add(self, worker: int, iteration: int, base: int, payload: bytes | bytearray) -> bool:
         """Keep ``worker``'s copy of ``iteration``; ``False``: no room (or held already)."""
@@ -197,7 +196,6 @@ class Copies:
         if key in self._held:
             return False
         if self.nbytes + len(payload) > self.max_bytes:
-            self.dropped += 1
             return False
         self._held[key] = (base, payload)
         self.nbytes += len(payload)
@@ -220,9 +218,6 @@ class Copies:
     def clear(self) -> None:
         self._held.clear()
         self.nbytes = 0
-
-    def __len__(self) -> int:
-        return len(self._held)
 
 
 class ReplicaLog:

@@ -198,13 +198,11 @@ class ShardServer:
                 acknowledged.
         """
         self._primary_only("a push")
-        seen = self._seen(worker, iteration)
-        if seen is None:
-            seen = self._rolled_back(worker, iteration, base)
+        seen = self._seen(worker, iteration, base)
         if seen is not None:
             return seen
         self.coordinator.check_push(worker, iteration, base)
-        ps_push.decode(payload, self.size, self.dtype)  # refused now, not when processed
+        values = ps_push.decode(payload, self.size, self.dtype)  # refused now, not when processed
         self._pushes += 1
         self._push_bytes += len(payload)
         self._waiting[worker] = iteration
@@ -218,6 +216,7 @@ class ShardServer:
                 payload=payload,
             ),
             now,
+            values,
         )
 
     def push_aggregate(
@@ -264,7 +263,7 @@ class ShardServer:
                 return []
         for worker, iteration, base in members:
             self.coordinator.check_push(worker, iteration, base)
-        ps_push.decode(payload, self.size, self.dtype)  # refused now, not when processed
+        values = ps_push.decode(payload, self.size, self.dtype)  # refused now, not when processed
         self._pushes += len(members)
         self._aggregates += 1
         self._push_bytes += len(payload)
@@ -280,7 +279,7 @@ class ShardServer:
             payload=payload,
             members=members,
         )
-        return self._take(entry, now)
+        return self._take(entry, now, values)
 
     def ready(
         self, worker: int, iteration: int, base: int, size: int, norm: float, host: int, now: float
@@ -295,9 +294,7 @@ class ShardServer:
         self._primary_only("a ready update")
         if self.scheduler is None:
             raise RemoteProtocolError("a READY for a shard that is not scheduled (MLfabric)")
-        seen = self._seen(worker, iteration)
-        if seen is None:
-            seen = self._rolled_back(worker, iteration, base)
+        seen = self._seen(worker, iteration, base)
         if seen is not None:
             return seen
         self.coordinator.check_push(worker, iteration, base)
@@ -343,9 +340,10 @@ class ShardServer:
             out += self._take(entry, now)
         return out
 
-    def _seen(self, worker: int, iteration: int) -> list[Action] | None:
-        """What a push (or READY) of ``worker``'s ``iteration`` gets if the shard took it
-        already (its acknowledgement again, or nothing while it waits), or ``None``: a new one.
+    def _seen(self, worker: int, iteration: int, base: int) -> list[Action] | None:
+        """What a push (or READY) of ``worker``'s ``iteration`` from ``base`` gets if the shard
+        took it already (its acknowledgement again, or nothing while it waits) or it was
+        computed from a version a rollback lost (:meth:`_rolled_back`), or ``None``: a new one.
 
         Raises:
             RemoteProtocolError: the worker pushed again before its last push was acknowledged.
@@ -375,7 +373,7 @@ class ShardServer:
                 f"worker {worker} pushed iteration {iteration} before its iteration {waiting} "
                 "was acknowledged"
             )
-        return None
+        return self._rolled_back(worker, iteration, base)
 
     def _rolled_back(self, worker: int, iteration: int, base: int) -> list[Action] | None:
         """Bounded replication: a push computed from a version this shard does not have (a
@@ -781,7 +779,9 @@ class ShardServer:
         if not self.primary:
             raise RemoteProtocolError(f"{what} for a replica (epoch {self.epoch})")
 
-    def _take(self, entry: Entry, now: float) -> list[Action]:
+    def _take(self, entry: Entry, now: float, values: Array | None = None) -> list[Action]:
+        """Log ``entry`` (``values``: its payload decoded, for a push's or an aggregate's) and
+        process what may be processed now."""
         self._index = entry.index
         if not self.replicated:
             return self._apply(entry, now)
@@ -795,7 +795,7 @@ class ShardServer:
         else:
             order = Forward(entry=entry)
         if entry.updates and self._lead.bound.norm is not None:
-            values = ps_push.decode(entry.payload, self.size, self.dtype)
+            assert values is not None  # (a push's or an aggregate's: decoded when taken)
             rate = self.rule.lr if isinstance(self.rule, SGD) else 1.0  # AdaDelay's is less
             self._norms[entry.index] = rate * float(np.linalg.norm(values.astype(np.float64)))
         return ([order] if self.synced else []) + self._advance(now)
