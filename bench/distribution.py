@@ -11,7 +11,8 @@ one pull per worker, answered at one version; each puller's cache is 1 to 3 vers
 * *direct, whole* and *direct, delta*: the server answers each pull itself, shortest first
   (its own delta per puller under ``delta``);
 * *tree, whole* and *tree, delta*: :func:`fabricd.engines.scheduling.distribution.distribute`
-  with ``k="auto"``; under ``delta`` one delta from the batch's oldest cache travels the tree.
+  with ``k="auto"``; under ``delta`` a distributor's branch carries the delta from its
+  oldest cache, and the server sends the pullers it serves itself their own deltas.
 
 Figures: the mean and 95th-percentile pull latency (from the batch's start until the puller
 has the model), the server's bytes sent per batch and the distributors chosen.  The ratio is

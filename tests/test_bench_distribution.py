@@ -21,6 +21,7 @@ def test_quick_mode_reports_latency_and_server_bytes_for_each_way() -> None:
         assert f["direct_whole_mb"] == pytest.approx(row["nbytes"] * whole)  # one per pull
         assert f["tree_whole_mb"] <= f["direct_whole_mb"]
         assert f["tree_delta_mb"] <= f["tree_whole_mb"] + 1e-9
+        assert f["tree_delta_mb"] <= f["direct_delta_mb"] + 1e-9  # a branch: its oldest delta
         for way in distribution.WAYS:
             tag = way.replace(" ", "_")
             assert f[f"{tag}_ms"] > 0

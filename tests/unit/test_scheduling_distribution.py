@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabricd.engines.ps.scheduler import UNKNOWN_BPS
 from fabricd.engines.scheduling.distribution import Puller, direct, distribute
 from fabricd.engines.scheduling.timelines import Network
 
@@ -72,14 +73,62 @@ def test_every_puller_gets_the_version_once_through_a_tree(
         delta=delta,
         policy=policy,  # type: ignore[arg-type]
     )
-    if policy == "whole":
-        assert plan.server_bytes <= alone.server_bytes + 1e-9
-    if policy == "delta":
-        tree = [p for p in pullers if p.cached]
-        if tree:
-            size = min(100.0, delta(min(p.cached for p in tree)))
-            assert all(h.size == size for h in plan.hops if h.puller.cached)
-        assert all(h.size == 100.0 for h in plan.hops if not h.puller.cached)
+    assert plan.server_bytes <= alone.server_bytes + 1e-9  # never more than direct answers
+    if k == "auto":  # k = 0 is the direct answer, one of the plans tried
+        assert plan.last <= alone.last + 1e-9
+    hops = {h.puller.host: h for h in plan.hops}
+    assert [h.puller for h in plan.hops[: len(plan.distributors)]] == plan.distributors[::-1]
+    for hop in plan.hops:  # sizes: each puller can apply what it gets
+        own = 100.0 if policy == "whole" or not hop.puller.cached else delta(hop.puller.cached)
+        if hop.sender == SERVER and hop.puller not in plan.distributors:
+            assert hop.size == own
+        elif policy == "delta":  # a branch carries the delta from its oldest cache
+            root = hop.puller.host if hop.sender == SERVER else hop.sender
+            branch = [h.puller for h in plan.hops if root in (h.sender, h.puller.host)]
+            assert hop.puller.cached > 0
+            assert hop.size == delta(min(p.cached for p in branch))
+            assert hops[root].size == hop.size
+        else:
+            assert hop.size == 100.0
+
+
+def test_k_zero_is_the_direct_answer_under_both_policies() -> None:
+    net = network([3, 1, 2, 5, 1, 1, 4, 2, 1], [1, 2, 1, 3, 1, 2, 1, 1, 1])
+    pullers = [Puller(key=i, host=i + 1, cached=c) for i, c in enumerate([0, 3, 9, 1, 0, 7])]
+    for policy in ("whole", "delta"):
+        common = {"server": SERVER, "version": VERSION, "whole": 100.0, "delta": delta}
+        tree = distribute(pullers, net, k=0, policy=policy, **common)  # type: ignore[arg-type]
+        alone = direct(pullers, net, policy=policy, **common)  # type: ignore[arg-type]
+        assert tree.hops == alone.hops
+        assert tree.server_bytes == alone.server_bytes
+
+
+def test_a_delta_branch_is_sized_by_its_own_oldest_cache() -> None:
+    """One stale cache must not make every hop carry its large delta: the server sends the
+    others their own small deltas, and a distributor's branch carries its oldest cache's."""
+    net = network([1] * 5, [1] * 5)
+    pullers = [Puller(key=i, host=i + 1, cached=c) for i, c in enumerate([1, 9, 9, 9])]
+    common = {"server": SERVER, "version": VERSION, "whole": 100.0, "delta": delta}
+    tree = distribute(pullers, net, policy="delta", **common)  # type: ignore[arg-type]
+    alone = direct(pullers, net, policy="delta", **common)  # type: ignore[arg-type]
+    assert alone.server_bytes == pytest.approx(120.0)
+    assert tree.last <= alone.last
+    assert tree.server_bytes <= alone.server_bytes
+    assert {h.size for h in tree.hops if h.puller.cached == 9} == {10.0}
+
+
+def test_all_unknown_rates_plan_a_tree_by_size_alone() -> None:
+    """A fabric the monitor has no figures for: every link at the scheduler's UNKNOWN_BPS.
+    Equal links: the tree still pays off, and every puller is served once, in finite time."""
+    net = Network(dict.fromkeys(range(9), UNKNOWN_BPS), dict.fromkeys(range(9), UNKNOWN_BPS))
+    pullers = [Puller(key=i, host=i + 1, cached=VERSION - 1) for i in range(8)]
+    tree = distribute(pullers, net, server=SERVER, version=VERSION, whole=1e9)
+    alone = direct(pullers, net, server=SERVER, version=VERSION, whole=1e9)
+    assert sorted(h.puller.key for h in tree.hops) == list(range(8))
+    assert all(math.isfinite(h.end) for h in tree.hops)
+    assert tree.distributors
+    assert tree.last < alone.last
+    assert tree.server_bytes < alone.server_bytes
 
 
 def test_a_tree_relieves_a_slow_server_link() -> None:

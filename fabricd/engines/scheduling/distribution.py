@@ -25,11 +25,20 @@ Choices where the paper is silent, and why:
 * *Pullers are mapped shortest first*: in the order of their transfer time from the server
   alone, each to the sender that would finish it first, as Alg. 3 walks its list.
 * *Deltas and trees* (the paper leaves them apart; TDF's pulls are deltas).  ``"whole"``:
-  every hop carries the whole model.  ``"delta"``: one delta travels the tree, from the
-  batch's *oldest* cached version to the answered one, so that every puller can apply it; a
-  puller with no cache (a fresh one, version 0) gets the whole model straight from the server
-  instead of making the whole tree carry it.  The caller gives the sizes (the timed store
-  knows them); a delta is never larger than the whole model.
+  every hop carries the whole model.  ``"delta"``: what a hop carries must apply at every
+  puller below it, so a distributor's *branch* (the distributor and the pullers it serves)
+  carries one delta, from the branch's *oldest* cached version to the answered one; a
+  puller the server serves itself gets its own delta, as it would without a tree; a puller
+  with no cache (a fresh one, version 0) gets the whole model, from the server only, instead
+  of making a branch carry it.  The mapping is planned with every branch carrying the
+  batch's oldest delta (a branch's members are not known before), then booked again with
+  each branch's own, which is never larger.  So the server never sends more than answering
+  each pull itself (a branch's one delta is one of its members' own), and ``k = 0`` is
+  exactly :func:`direct`: ``k="auto"``'s last puller is never served later than there.
+  (One delta from the *batch's* oldest cache everywhere, the first reading of the issue,
+  made one stale cache cost every puller: 4 pullers, caches 1 and 9 versions behind, sent
+  2.25x the server's bytes of direct deltas, and finished 2.25x later.)  The caller gives
+  the sizes (the timed store knows them); a delta is never larger than the whole model.
 """
 
 from __future__ import annotations
@@ -73,7 +82,8 @@ class Hop:
 @dataclass(frozen=True)
 class Distribution:
     """:func:`distribute`'s answer: one hop per puller (in booking order), the version they all
-    get, the distributors, and the bytes the server's link sends."""
+    get, the distributors, and ``server_bytes``: the bytes the server sends, over its
+    outbound link (the link §10.3 calls its "down-link", the direction the model flows)."""
 
     version: int
     hops: list[Hop]
@@ -156,36 +166,67 @@ def _plan(
     k: int,
     policy: Policy,
 ) -> Distribution:
-    running = network.copy()
     fresh = [p for p in pullers if policy == "delta" and p.cached == 0]
     tree = [p for p in pullers if p not in fresh]
-    size = whole
-    if policy == "delta" and tree and delta is not None:
-        size = min(whole, delta(min(p.cached for p in tree)))
+    own = {p.key: _own(p, whole, delta, policy) for p in pullers}
+    shared = own[min(tree, key=lambda p: p.cached).key] if tree else whole  # oldest cache's
     k = min(k, max(len(tree) - 1, 0))
     ranked = sorted(
         range(len(tree)), key=lambda i: (-network.uplink(tree[i].host).at(network.now), i)
     )
     distributors = [tree[i] for i in sorted(ranked[:k])]
+    rest = [p for p in pullers if p not in distributors]
+    rest.sort(key=lambda p: network.finish(server, p.host, own[p.key]))
+    senders = _map(network.copy(), server, distributors, rest, own, shared, fresh)
+    oldest = {d.host: d for d in distributors}  # a branch's oldest cache: its delta travels
+    for puller in rest:
+        sender = senders[puller.key]
+        if sender != server and puller.cached < oldest[sender].cached:
+            oldest[sender] = puller
+    branch = {host: own[p.key] for host, p in oldest.items()}
+    running = network.copy()
     hops: list[Hop] = []
-    ready: dict[int, float] = {}  #: a distributor's host -> when it has the model
-    for distributor in reversed(distributors):  # the k-th first, then backwards
-        hop = _book(running, server, distributor, size, None)
+    ready: dict[int, float] = {}
+    for distributor in reversed(distributors):
+        hop = _book(running, server, distributor, branch[distributor.host], None)
         hops.append(hop)
         ready[distributor.host] = hop.end
-    rest = [p for p in tree if p not in distributors]
-    rest.sort(key=lambda p: network.finish(server, p.host, size))
     for puller in rest:
-        senders = [(server, None), *((d.host, ready[d.host]) for d in distributors)]
-        best = min(
-            senders,
-            key=lambda s: (running.finish(s[0], puller.host, size, start=s[1]), s[0] != server),
-        )
-        hops.append(_book(running, best[0], puller, size, best[1]))
-    for puller in fresh:  # no cache: the whole model, straight from the server
-        hops.append(_book(running, server, puller, whole, None))
+        sender = senders[puller.key]
+        size = own[puller.key] if sender == server else branch[sender]
+        hops.append(_book(running, sender, puller, size, ready.get(sender)))
     sent = sum(h.size for h in hops if h.sender == server)
     return Distribution(version, hops, distributors, sent)
+
+
+def _map(
+    running: Network,
+    server: int,
+    distributors: Sequence[Puller],
+    rest: Sequence[Puller],
+    own: dict[Hashable, float],
+    shared: float,
+    fresh: Sequence[Puller],
+) -> dict[Hashable, int]:
+    """Alg. 3's variant: each of ``rest``, in order, to the sender that would finish it first
+    (distributors, served first, k-th first, carry ``shared``; the server sends a puller its
+    own size, and is the only sender of a ``fresh`` one); every transfer is booked on
+    ``running`` as it is decided."""
+    ready: dict[int, float] = {}
+    for distributor in reversed(distributors):  # the k-th first, then backwards
+        ready[distributor.host] = _book(running, server, distributor, shared, None).end
+    senders: dict[Hashable, int] = {}
+    for puller in rest:
+        options: list[tuple[int, float | None, float]] = [(server, None, own[puller.key])]
+        if puller not in fresh:
+            options += [(d.host, ready[d.host], shared) for d in distributors]
+        best = min(
+            options,
+            key=lambda s: (running.finish(s[0], puller.host, s[2], start=s[1]), s[0] != server),
+        )
+        _book(running, best[0], puller, best[2], best[1])
+        senders[puller.key] = best[0]
+    return senders
 
 
 def _book(network: Network, sender: int, puller: Puller, size: float, start: float | None) -> Hop:
