@@ -38,6 +38,8 @@ def test_one_component_is_alg_2_itself(
     alone = order(single, net, server=S1, delay_bound=bound, v_init=2)
     together = order_joint(joint, net, delay_bound=bound, v_init=2)
     assert {p.update.key for p in together.planned} == {p.update.key for p in alone.planned}
+    booked = {p.update.key: p.transfers[S1] for p in together.planned}
+    assert booked == {p.update.key: p.transfer for p in alone.planned}  # the same bookings
     assert sorted((u.key, why) for u, why in together.dropped) == sorted(
         (u.key, why) for u, why in alone.dropped
     )
@@ -54,7 +56,8 @@ def test_every_update_is_planned_whole_or_dropped_whole_once(
     result = order_joint(updates, net, delay_bound=bound, v_init=2)
     assert (net.downlink(S1), net.downlink(S2)) == before  # the network is not touched
     keys = [p.update.key for p in result.planned] + [u.key for u, _ in result.dropped]
-    assert sorted(keys) == list(range(len(updates)))
+    assert len(keys) == len(updates)
+    assert set(keys) == set(range(len(updates)))
     for p in result.planned:
         assert set(p.transfers) == {S1, S2}
         assert p.end == max(t.end for t in p.transfers.values())
@@ -113,3 +116,70 @@ def test_bad_updates_are_refused() -> None:
         order_joint([JointUpdate("g", 0, 0, {})], net, delay_bound=None, v_init=0)
     with pytest.raises(KeyError):
         order_joint([JointUpdate("g", 0, 0, {99: 1.0})], net, delay_bound=None, v_init=0)
+
+
+def test_skewed_servers_independent_counts_differ_joint_counts_are_equal() -> None:
+    """§10.2's g1/g2: small parts to server 1, large ones to server 2 (whose downlink is the
+    slow one); worker 0's uplink is slow.  Ordered per server, server 1 drops worker 0's part
+    by the look-ahead (worker 1's small part would end first) while server 2, whose downlink
+    serialises both, keeps both: server 1 applies one update, server 2 two, so server 1's
+    part of the model is updated less often.  Joint plans give every server the same count."""
+    net = Network(
+        {0: 1, 1: 10, 2: 10, 3: 10, 4: 10, S1: 10, S2: 10}, {**dict.fromkeys(range(6), 10), S2: 1}
+    )
+    g1 = JointUpdate("g1", 0, 0, {S1: 1.0, S2: 10.0})
+    g2 = JointUpdate("g2", 1, 1, {S1: 1.0, S2: 10.0})
+    counts = {
+        server: len(
+            order(
+                [Update(u.key, u.host, u.version, u.sizes[server]) for u in (g1, g2)],
+                net,
+                server=server,
+                delay_bound=1,
+                v_init=0,
+            ).planned
+        )
+        for server in (S1, S2)
+    }
+    assert counts == {S1: 1, S2: 2}
+    joint = order_joint([g1, g2], net, delay_bound=1, v_init=0)
+    per_server = {s: sum(s in p.transfers for p in joint.planned) for s in (S1, S2)}
+    assert per_server[S1] == per_server[S2] == len(joint.planned) >= 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    batch=st.lists(
+        st.tuples(
+            st.integers(0, 2),
+            st.integers(-2, 6),
+            st.lists(st.integers(0, 40), min_size=4, max_size=4),
+        ),
+        max_size=6,
+    ),
+    servers=st.integers(2, 4),
+    up=capacities,
+    down=capacities,
+    bound=bounds,
+)
+def test_joint_plans_apply_every_part_of_the_model_equally_often(
+    batch: list[tuple[int, int, list[int]]],
+    servers: int,
+    up: list[int],
+    down: list[int],
+    bound: int | None,
+) -> None:
+    """2-4 servers (hosts 3..): every server applies the same updates (no part starved), and
+    each planned update's last component's end is eq. 18's ``t_en(g)``."""
+    net = Network(dict(enumerate(up)), dict(enumerate(down)))
+    hosts = range(3, 3 + servers)
+    updates = [
+        JointUpdate(k, h, v, {s: float(sizes[s - 3]) for s in hosts})
+        for k, (h, v, sizes) in enumerate(batch)
+    ]
+    result = order_joint(updates, net, delay_bound=bound, v_init=1)
+    applied = {s: {p.update.key for p in result.planned if s in p.transfers} for s in hosts}
+    assert all(keys == applied[3] for keys in applied.values())
+    assert len(applied[3]) == len(result.planned)
+    for p in result.planned:
+        assert p.end == max(t.end for t in p.transfers.values())
