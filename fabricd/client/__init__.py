@@ -355,6 +355,7 @@ class Client:
         aggregation: bool = False,
         replication: str = "chain",
         divergence_bound: float | DivergenceBound | None = None,
+        distribution: str = "direct",
     ) -> ParameterServer:
         """Open parameter-server model ``name`` as a ``"worker"``, ``"server"`` or
         ``"replica"`` of it (:mod:`fabricd.client.ps`; MLfabric §2, Table 1; TDF §III).
@@ -382,6 +383,10 @@ class Client:
         by at most ``divergence_bound``, a norm ``Div_max`` on ``||w_server - w_replica||``
         or a :class:`DivergenceBound` of a norm and/or a count of updates; a failover may roll
         the model back that far, and says so: MLfabric §3.3, §5.3, docs/mlfabric.md).
+        ``distribution`` (with ``"mlfabric"``): ``"direct"`` (the server answers every pull)
+        or ``"tree"`` (pulls are batched per scheduling interval, answered at one version,
+        and some pullers' daemons forward the answer to others, so the server's link sends
+        the model fewer times: MLfabric §10.3's distribution trees, docs/mlfabric.md).
 
         Raises:
             UsageError: a bad argument, a rank whose role does not match ``servers`` and
@@ -414,6 +419,7 @@ class Client:
             aggregation=aggregation,
             replication=replication,
             divergence_bound=divergence_bound,
+            distribution=distribution,
         )
         if initial is not None:
             if role == "worker":

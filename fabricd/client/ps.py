@@ -50,7 +50,7 @@ from fabricd.engines.ps.bounded import DivergenceBound
 from fabricd.engines.ps.filters import FilterSettings
 from fabricd.errors import DaemonUnavailable, UsageError
 from fabricd.frames.fields import MAX_NAME
-from fabricd.frames.ps import REPLICATIONS, SCHEDULINGS
+from fabricd.frames.ps import DISTRIBUTIONS, REPLICATIONS, SCHEDULINGS
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -350,15 +350,11 @@ def open_request(
     aggregation: object = False,
     replication: object = "chain",
     divergence_bound: object = None,
+    distribution: object = "direct",
 ) -> Meta:
     """The ``ps_open`` request's fields, every argument checked first."""
     bound = _bound(replication, divergence_bound)
-    if not isinstance(aggregation, bool):
-        raise UsageError(f"aggregation must be True or False, not {aggregation!r}")
-    if scheduling not in SCHEDULINGS:
-        raise UsageError(
-            f"scheduling must be one of {', '.join(map(repr, SCHEDULINGS))}, not {scheduling!r}"
-        )
+    mlfabric = _mlfabric_fields(scheduling, aggregation, distribution)
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
         raise UsageError(f"a parameter server name is a str of 1 to {MAX_NAME} chars")
     if role not in ROLES:
@@ -402,11 +398,27 @@ def open_request(
         **counts,
         **rule,
         "filters": None if filters is None else asdict(filters),
-        "scheduling": scheduling,
-        "aggregation": aggregation,
+        **mlfabric,
         "replication": replication,
         "divergence_bound": None if bound is None else bound.to_spec(),
     }
+
+
+def _mlfabric_fields(scheduling: object, aggregation: object, distribution: object) -> Meta:
+    """The ``ps_open`` request's MLfabric fields, checked (what goes with what is the
+    daemon's to check, ps_requests.py)."""
+    if scheduling not in SCHEDULINGS:
+        raise UsageError(
+            f"scheduling must be one of {', '.join(map(repr, SCHEDULINGS))}, not {scheduling!r}"
+        )
+    if not isinstance(aggregation, bool):
+        raise UsageError(f"aggregation must be True or False, not {aggregation!r}")
+    if distribution not in DISTRIBUTIONS:
+        raise UsageError(
+            f"distribution must be one of {', '.join(map(repr, DISTRIBUTIONS))}, "
+            f"not {distribution!r}"
+        )
+    return {"scheduling": scheduling, "aggregation": aggregation, "distribution": distribution}
 
 
 def _bound(replication: object, value: object) -> DivergenceBound | None:

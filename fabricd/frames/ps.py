@@ -40,10 +40,15 @@ PS_SPEC_FIELDS: Final = (
     "aggregation",
     "replication",
     "divergence_bound",
+    "distribution",
 )
 #: the values a spec's ``replication`` takes: the chain's lock step, or MLfabric's bounded
 #: divergence (§3.3, §5.3; fabricd/engines/ps/bounded.py)
 REPLICATIONS: Final = ("chain", "bounded")
+#: the values a spec's ``distribution`` takes: every pull answered by the server, or batched
+#: and spread over worker daemons in MLfabric's distribution trees (§10.3;
+#: fabricd/engines/ps/distributing.py)
+DISTRIBUTIONS: Final = ("direct", "tree")
 #: the kinds of entry a shard's replication log holds: a worker's push, or a lost worker
 PS_ENTRIES: Final = ("push", "lose", "flush", "snapshot")
 
@@ -84,6 +89,7 @@ def _ps_spec(meta: Meta) -> dict[str, Any]:
         "aggregation": get_bool(spec, "aggregation"),
         "replication": get_str(spec, "replication"),
         "divergence_bound": _divergence(spec["divergence_bound"]),
+        "distribution": get_str(spec, "distribution"),
     }
 
 
@@ -256,7 +262,9 @@ class Push(_ShardFrame):
 class Pull(_ShardFrame):
     """Rank ``worker``, at ``clock``, asks ``server`` for the shard's parameters published
     since model version ``since``, the version its cache holds (control channel, no
-    payload); answered by a PULLED once the consistency model allows."""
+    payload); answered by a PULLED once the consistency model allows.  ``direct``: under
+    distribution trees, answer it from the server at once, not through a distributor (the
+    one it was told of did not deliver)."""
 
     KIND: ClassVar[Kind] = Kind.PULL
     worker: int
@@ -264,9 +272,10 @@ class Pull(_ShardFrame):
     since: int
     epoch: int
     spec: dict[str, Any]
+    direct: bool = False
 
     def to_meta(self) -> Meta:
-        return {
+        meta = {
             **self._meta(),
             "w": self.worker,
             "c": self.clock,
@@ -274,6 +283,9 @@ class Pull(_ShardFrame):
             "ep": self.epoch,
             "spec": self.spec,
         }
+        if self.direct:
+            meta["d"] = True
+        return meta
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Pull:
@@ -284,6 +296,7 @@ class Pull(_ShardFrame):
             since=get_int(meta, "since"),
             epoch=get_int(meta, "ep"),
             spec=_ps_spec(meta),
+            direct=get_bool(meta, "d") if "d" in meta else False,
         )
 
 
@@ -327,7 +340,14 @@ class Pulled(_ShardFrame):
     """``server``'s answer to rank ``worker``'s pull at ``clock`` (data channel): the payload
     is the shard's parameters changed since the pull's version, the model at ``version``, as
     an index list, a bitmap or dense (fabricd/engines/ps/storage.py); none when ``error``
-    says why the pull will never be answered."""
+    says why the pull will never be answered.
+
+    Distribution trees (MLfabric §10.3, fabricd/engines/ps/distributing.py) add three forms:
+    ``forward`` (from the server, with the payload): the receiving daemon is a distributor
+    and sends the same answer on to each ``(rank, clock)`` listed; ``via`` with
+    ``expect_us`` (from the server, no payload): the answer comes from worker rank ``via``'s
+    daemon, within ``expect_us`` microseconds, or the pull is sent again straight; ``via``
+    alone (from rank ``via``'s daemon, with the payload): the server's answer, forwarded."""
 
     KIND: ClassVar[Kind] = Kind.PULLED
     worker: int
@@ -335,6 +355,14 @@ class Pulled(_ShardFrame):
     version: int
     epoch: int
     error: str | None = None
+    forward: tuple[tuple[int, int], ...] = ()
+    via: int | None = None
+    expect_us: int | None = None
+
+    @property
+    def forwarded(self) -> bool:
+        """Whether this is a distributor's forwarded answer (sent by rank ``via``'s daemon)."""
+        return self.via is not None and self.expect_us is None
 
     def to_meta(self) -> Meta:
         meta = {
@@ -344,18 +372,53 @@ class Pulled(_ShardFrame):
             "ver": self.version,
             "ep": self.epoch,
         }
+        if self.forward:
+            meta["fw"] = [list(pair) for pair in self.forward]
+        if self.via is not None:
+            meta["via"] = self.via
+        if self.expect_us is not None:
+            meta["exp"] = self.expect_us
         return _with_reason(meta, "error", self.error)
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Pulled:
-        return cls(
+        pulled = cls(
             **cls._fields(meta),
             worker=_rank(meta, "w"),
             clock=get_int(meta, "c"),
             version=get_int(meta, "ver"),
             epoch=get_int(meta, "ep"),
             error=_reason(meta, "error"),
+            forward=_forward(meta),
+            via=get_int(meta, "via", hi=MAX_RANK) if "via" in meta else None,
+            expect_us=get_int(meta, "exp", hi=MAX_GRANT_WAIT_US) if "exp" in meta else None,
         )
+        if pulled.forward and (pulled.via is not None or pulled.error is not None):
+            raise RemoteProtocolError("a PULLED to forward is the server's answer itself")
+        if pulled.expect_us is not None and (pulled.via is None or pulled.error is not None):
+            raise RemoteProtocolError("a PULLED that says when to expect an answer names its via")
+        return pulled
+
+
+def _forward(meta: Meta) -> tuple[tuple[int, int], ...]:
+    """A PULLED's ``fw``: 1 to :data:`MAX_MEMBERS` ``[rank, clock]`` pairs, or none."""
+    if "fw" not in meta:
+        return ()
+    value = meta["fw"]
+    if (
+        not isinstance(value, list)
+        or not 0 < len(value) <= MAX_MEMBERS
+        or not all(
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(type(x) is int for x in pair)
+            and 0 <= pair[0] <= MAX_RANK
+            and 0 <= pair[1] < 2**63
+            for pair in value
+        )
+    ):
+        raise RemoteProtocolError(f"field 'fw' must be a list of 1 to {MAX_MEMBERS} [rank, clock]")
+    return tuple((rank, clock) for rank, clock in value)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

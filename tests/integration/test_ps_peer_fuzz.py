@@ -84,6 +84,7 @@ SPEC: dict[str, Any] = {
     "aggregation": False,
     "replication": "chain",
     "divergence_bound": None,
+    "distribution": "direct",
 }
 
 

@@ -89,6 +89,7 @@ NOT_EXPORTED: dict[str, str] = {
                 f"ps_servers[].{k}"
                 for k in ("aggregates", "aggregates_refused", "lag", "divergence")
             ),
+            *(f"ps_servers[].trees.{k}" for k in ("batches", "pulls", "forwarded", "server_bytes")),
             *(
                 f"ps_workers[].{k}"
                 for k in ("owner", "rank", "clock", "versions[]", "epochs[]", "pushes", "pulls")

@@ -136,6 +136,7 @@ class Fabric:
         aggregation: bool = False,
         interval: float = 0.5,
         divergence_bound: list[Any] | None = None,
+        tree: bool = False,
     ) -> None:
         self.consistency = consistency
         self.callback = callback
@@ -165,6 +166,7 @@ class Fabric:
             "aggregation": aggregation,
             "replication": "chain" if divergence_bound is None else "bounded",
             "divergence_bound": divergence_bound,
+            "distribution": "tree" if tree else "direct",
         }
         #: bounded replication: a failover may roll a shard back (within the bound)
         self.bounded = divergence_bound is not None

@@ -43,6 +43,7 @@ PS_SPEC: Meta = {
     "aggregation": False,
     "replication": "chain",
     "divergence_bound": None,
+    "distribution": "direct",
 }
 #: the fields every parameter-server frame has
 SHARD: Meta = {"job": "j", "name": "ps", "shard": 1, "server": 1}

@@ -370,6 +370,7 @@ def test_a_replicated_entry_is_an_aggregate_or_a_drop_not_both() -> None:
             "aggregation": True,
             "replication": "chain",
             "divergence_bound": None,
+            "distribution": "direct",
         },
     }
     with pytest.raises(RemoteProtocolError, match="not both"):

@@ -61,6 +61,7 @@ def spec(replicas: bool = True) -> dict[str, Any]:
         "aggregation": False,
         "replication": "chain",
         "divergence_bound": None,
+        "distribution": "direct",
     }
 
 

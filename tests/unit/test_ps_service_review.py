@@ -216,6 +216,7 @@ class Fabric:
             "aggregation": False,
             "replication": "chain",
             "divergence_bound": None,
+            "distribution": "direct",
             "seed": 0,
             "rule": "sum",
         } | spec

@@ -256,6 +256,7 @@ def spec(consistency: str) -> dict[str, Any]:
         "aggregation": True,
         "replication": "chain",
         "divergence_bound": None,
+        "distribution": "direct",
     }
 
 

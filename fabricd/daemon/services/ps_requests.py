@@ -14,7 +14,7 @@ from fabricd.engines.ps.consistency import CONSISTENCIES
 from fabricd.engines.ps.filters import FilterSettings
 from fabricd.errors import UsageError
 from fabricd.frames.fields import MAX_RANK, get_bool
-from fabricd.frames.ps import REPLICATIONS, SCHEDULINGS
+from fabricd.frames.ps import DISTRIBUTIONS, REPLICATIONS, SCHEDULINGS
 from fabricd.wire import Meta, get_int, get_str
 
 _MAX_SERVERS: Final = 4096
@@ -55,6 +55,15 @@ def check_spec(spec: Meta) -> None:
         )
     if spec["aggregation"] and spec["scheduling"] != "mlfabric":
         raise UsageError("aggregation=True needs scheduling='mlfabric' (MLfabric §5.2)")
+    if spec["distribution"] not in DISTRIBUTIONS:
+        raise UsageError(
+            f"distribution {spec['distribution']!r}: one of {', '.join(DISTRIBUTIONS)}"
+        )
+    if spec["distribution"] == "tree" and spec["scheduling"] != "mlfabric":
+        raise UsageError(
+            "distribution='tree' needs scheduling='mlfabric': its scheduler batches the pulls "
+            "and plans the trees over the monitor's figures (MLfabric §10.3)"
+        )
     _check_replication(spec)
 
 
@@ -105,6 +114,7 @@ def spec_of(meta: Meta, n: int) -> Meta:
         "aggregation": get_bool(meta, "aggregation") if "aggregation" in meta else False,
         "replication": get_str(meta, "replication") if "replication" in meta else "chain",
         "divergence_bound": _bound_of(meta.get("divergence_bound")),
+        "distribution": get_str(meta, "distribution") if "distribution" in meta else "direct",
     }
 
 

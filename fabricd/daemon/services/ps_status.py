@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from fabricd.daemon.logs import RateLimitedLog
@@ -388,6 +388,8 @@ def _server_row(
         "replication": model.spec["replication"],
         "lag": s.lag,
         "divergence": s.divergence,
+        "distribution": model.spec["distribution"],
+        "trees": None if s.trees is None else asdict(s.trees),
         "waiting": list(c.waiting),
     }
 

@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import Failure
-from fabricd.engines.ps.models import CallDone
+from fabricd.engines.ps.models import CallDone, EpochMoved
 from fabricd.engines.ps.routing import pair
 from fabricd.errors import ErrorCode
 
@@ -52,7 +52,40 @@ def fail_over(node: PSNode, key: Key, shard: int, reason: str, now: float) -> No
         f"parameter server {key[1]!r} shard {shard}: {reason}; rank {successor} serves it "
         f"from epoch {epoch}",
     )
-    node._move_workers(key, shard, reason)
+    move_workers(node, key, shard, reason)
+
+
+def adopt(node: PSNode, key: Key, shard: int, epoch: int, how: str) -> None:
+    """The daemon learned (``how``) that ``shard`` is at ``epoch``: its workers here move
+    there, and their clients hear ``ps_epoch``."""
+    model = node.models[key]
+    if epoch <= model.epochs.get(shard, 0):
+        return
+    model.epochs[shard] = epoch
+    move_workers(node, key, shard, f"the shard is at epoch {epoch} ({how})")
+
+
+def move_workers(node: PSNode, key: Key, shard: int, reason: str) -> None:
+    """Tell every local worker of ``key`` that ``shard`` is at its epoch now, and send what
+    each has in flight to the rank serving it."""
+    model = node.models[key]
+    epoch, server = model.epochs[shard], model.target(shard)
+    # bounded replication: the rank serving now may be behind what the workers saw (within
+    # the bound): their caches are pulled whole again, and their clients told so
+    rollback = model.spec["replication"] == "bounded"
+    for rank, side in model.local_workers.items():
+        node._out.append(
+            EpochMoved(
+                key=key,
+                rank=rank,
+                shard=shard,
+                epoch=epoch,
+                server=server,
+                reason=reason,
+                rollback=rollback,
+            )
+        )
+        node._worker(key, side, side.engine.move(shard, epoch, forget=rollback))
 
 
 def promote(node: PSNode, key: Key, shard: int, reason: str, now: float) -> bool:

@@ -11,7 +11,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fabricd.engines.ps.scheduler import Gather, Granted
-from fabricd.engines.ps.shard_actions import Acked, Answer, Forward, Logged, Need, Refuse, Snapshot
+from fabricd.engines.ps.shard_actions import (
+    Acked,
+    Answer,
+    Forward,
+    Logged,
+    Need,
+    Notice,
+    Refuse,
+    Snapshot,
+)
 from fabricd.engines.ps.worker import SendPush, SendReady
 from fabricd.frames import ps as ps_frames
 from fabricd.frames.ps import MAX_PS_REASON
@@ -51,14 +60,20 @@ def to_server(
             **fields, iteration=action.iteration, base=action.base, group=action.group
         )
         return push, bytes(action.payload)
-    return ps_frames.Pull(**fields, clock=action.clock, since=action.since), b""
+    pull = ps_frames.Pull(**fields, clock=action.clock, since=action.since, direct=action.direct)
+    return pull, b""
 
 
 def to_worker(
-    key: Key, shard: int, me: int, server: ShardServer, action: Acked | Answer | Refuse | Granted
+    key: Key,
+    shard: int,
+    me: int,
+    server: ShardServer,
+    action: Acked | Answer | Notice | Refuse | Granted,
 ) -> tuple[registry.PeerFrame, bytes]:
-    """A shard's answer to a worker: PUSHED, PULLED (with the changed parameters), a
-    refused pull (PULLED with an error) or its scheduler's GRANT."""
+    """A shard's answer to a worker: PUSHED, PULLED (with the changed parameters, and the
+    pulls a distributor forwards it to), a distribution tree's notice (PULLED with ``via``
+    and ``expect_us``), a refused pull (PULLED with an error) or its scheduler's GRANT."""
     fields: Meta = {"job": key[0], "name": key[1], "shard": shard, "server": me}
     fields |= {"epoch": server.epoch, "worker": action.worker}
     if isinstance(action, Granted):
@@ -77,8 +92,19 @@ def to_worker(
         )
         return pushed, b""
     if isinstance(action, Answer):
-        answer = ps_frames.Pulled(**fields, clock=action.clock, version=action.version, error=None)
+        answer = ps_frames.Pulled(
+            **fields, clock=action.clock, version=action.version, forward=action.forward
+        )
         return answer, bytes(action.data)
+    if isinstance(action, Notice):
+        notice = ps_frames.Pulled(
+            **fields,
+            clock=action.clock,
+            version=action.version,
+            via=action.via,
+            expect_us=_micros(action.expect),
+        )
+        return notice, b""
     error = text(action.reason)
     return ps_frames.Pulled(**fields, clock=action.clock, version=server.version, error=error), b""
 

@@ -66,16 +66,16 @@ from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import Complete, Failure, SendFrame
 from fabricd.engines.deadlines import Deadlines
-from fabricd.engines.ps import aggregating, messages, partners, routing
+from fabricd.engines.ps import aggregating, messages, partners, relaying, routing
 from fabricd.engines.ps.aggregating import direct_after
 from fabricd.engines.ps.agreement import Agreement
 from fabricd.engines.ps.bounded import DivergenceBound
 from fabricd.engines.ps.consistency import Consistency
-from fabricd.engines.ps.failover import lose, promote, send_again
+from fabricd.engines.ps.distributing import PullBatch
+from fabricd.engines.ps.failover import adopt, lose, promote, send_again
 from fabricd.engines.ps.gathering import Gathering
 from fabricd.engines.ps.models import (
     CallDone,
-    EpochMoved,
     Log,
     Model,
     SendData,
@@ -83,7 +83,7 @@ from fabricd.engines.ps.models import (
     WorkerSide,
 )
 from fabricd.engines.ps.routing import Early, EarlyFrames, HeldFrames, pair
-from fabricd.engines.ps.scheduler import Gather, ShardScheduler
+from fabricd.engines.ps.scheduler import UNKNOWN_BPS, Gather, ShardScheduler
 from fabricd.engines.ps.server import ShardServer
 from fabricd.engines.ps.shard_actions import Forward, Logged, Need, Snapshot, Step
 from fabricd.engines.ps.worker import (
@@ -158,6 +158,7 @@ class PSNode:
             max_bytes=routing.HELD_PAYLOADS * max_payload,
         )
         self._direct: Deadlines[tuple[Key, int, int, int]] = Deadlines()
+        self.relays = relaying.Relays()  #: distribution trees: answers a distributor forwards
         self._held = HeldFrames(max_payload)
         self._local: deque[tuple[int, registry.PeerFrame, bytes]] = deque()
         self._out: list[Action] = []
@@ -166,6 +167,8 @@ class PSNode:
             "ps_frames_dropped": 0,  #: for a model, shard or worker not here
             "ps_early_expired": 0,
             "ps_failovers": 0,
+            "ps_pulls_forwarded": 0,  #: distribution trees: answers forwarded as a distributor
+            "ps_pulls_redirected": 0,  #: pulls sent again straight: a distributor's did not come
         }
         self.agreement = Agreement(node, ranks, self.counters)
 
@@ -285,6 +288,11 @@ class PSNode:
             bound=None
             if spec["replication"] != "bounded"
             else DivergenceBound.from_spec(spec["divergence_bound"]),
+            trees=PullBatch(
+                server=self.node, interval=self.schedule_interval, unknown_bps=UNKNOWN_BPS
+            )
+            if spec["distribution"] == "tree"
+            else None,
         )
         model.ranks[shard] = rank
         self._keep(key, model)
@@ -517,7 +525,7 @@ class PSNode:
                 self._send(job, action.worker, frame, payload)
         if model.flushes:
             self._flushed(model)
-        if server.scheduler is not None or server.bounded:
+        if server.scheduler is not None or server.bounded or server.trees is not None:
             due = server.next_deadline()
             if due is None:
                 self._ticks.cancel((key, shard))
@@ -614,6 +622,9 @@ class PSNode:
         if isinstance(frame, ps_frames.Gather):
             aggregating.at_gather(self, node, frame, now)
             return
+        if isinstance(frame, ps_frames.Pulled) and frame.forwarded:
+            relaying.at_forwarded(self, node, frame, payload, now)  # (a distributor's)
+            return
         # a server's, replica's or partner's frame counts only from the node its rank lives
         # on: anything else could forge an entry, a confirmation or an acknowledgement
         assert isinstance(
@@ -632,6 +643,8 @@ class PSNode:
         )
         if not self._sent_by(node, frame.job, sender):
             return
+        if isinstance(frame, ps_frames.Pulled) and frame.forward:
+            relaying.forward(self, frame, payload)  # this daemon is a distributor
         if isinstance(frame, ps_frames.Pushed | ps_frames.Pulled | ps_frames.Grant):
             self._at_worker(frame, payload, now)
         elif isinstance(frame, ps_frames.Replicate):
@@ -658,6 +671,8 @@ class PSNode:
         frame from a node its sender rank does not live on costs nothing; its :meth:`on_frame`
         then drops it and counts it once."""
         rank = frame.worker if isinstance(frame, ps_frames.Push) else frame.server
+        if isinstance(frame, ps_frames.Pulled) and frame.via is not None and frame.forwarded:
+            rank = frame.via  # a distributor's forwarded answer
         entry = self.ranks.lookup(frame.job, rank)
         if isinstance(frame, ps_frames.Push):
             return entry is None or entry.node == node
@@ -730,7 +745,9 @@ class PSNode:
                 frame.worker, frame.iteration, frame.base, frame.size, frame.norm, node, now
             )
         else:
-            actions = server.pull(frame.worker, frame.clock, frame.since, now)
+            actions = server.pull(
+                frame.worker, frame.clock, frame.since, now, host=node, direct=frame.direct
+            )
         self._server(key, frame.shard, actions)
 
     def _awaits_state(self, model: Model, frame: ToServer) -> bool:
@@ -778,7 +795,7 @@ class PSNode:
         ):
             # the shard's pair is at a later epoch than this daemon knew: what was refused is
             # sent again to the rank serving it
-            self._adopt(key, frame.shard, frame.epoch, "its pair said so")
+            adopt(self, key, frame.shard, frame.epoch, "its pair said so")
             return
         if frame.server != model.target(frame.shard):
             self.counters["ps_frames_dropped"] += 1  # from the server before a failover
@@ -801,6 +818,8 @@ class PSNode:
             actions = side.engine.pushed(frame.shard, frame.iteration, frame.version, frame.dropped)
         elif frame.error is not None:
             actions = side.engine.refused(frame.shard, frame.clock, frame.error)
+        elif frame.expect_us is not None:
+            relaying.expect(self, frame, now)  # the answer comes through a distributor
         elif side.out is None:
             actions = []  # an answer nobody waits for (the client left, or sent again)
         else:
@@ -819,37 +838,6 @@ class PSNode:
         if shard in model.tentative:
             model.tentative.discard(shard)
             self._take_early(key)
-
-    def _adopt(self, key: Key, shard: int, epoch: int, how: str) -> None:
-        """This daemon learned (``how``) that ``shard`` is at ``epoch``: its workers here move
-        there, and their clients hear ``ps_epoch``."""
-        model = self.models[key]
-        if epoch <= model.epochs.get(shard, 0):
-            return
-        model.epochs[shard] = epoch
-        self._move_workers(key, shard, f"the shard is at epoch {epoch} ({how})")
-
-    def _move_workers(self, key: Key, shard: int, reason: str) -> None:
-        """Tell every local worker of ``key`` that ``shard`` is at its epoch now, and send
-        what each has in flight to the rank serving it."""
-        model = self.models[key]
-        epoch, server = model.epochs[shard], model.target(shard)
-        # bounded replication: the rank serving now may be behind what the workers saw (within
-        # the bound): their caches are pulled whole again, and their clients told so
-        rollback = model.spec["replication"] == "bounded"
-        for rank, side in model.local_workers.items():
-            self._out.append(
-                EpochMoved(
-                    key=key,
-                    rank=rank,
-                    shard=shard,
-                    epoch=epoch,
-                    server=server,
-                    reason=reason,
-                    rollback=rollback,
-                )
-            )
-            self._worker(key, side, side.engine.move(shard, epoch, forget=rollback))
 
     # -- early frames ------------------------------------------------------------------------
     def _hold(self, node: int, frame: ToServer, payload: bytes, now: float) -> None:
@@ -900,6 +888,7 @@ class PSNode:
             return entry is not None and entry.node == node
 
         send_again(self, on_node, rejoin=False)
+        relaying.redirect(self, self.relays.through(node=node))  # answers lost in flight
         return self._done()
 
     def rank_joined(self, job: str, rank: int, node: int, now: float) -> list[Action]:
@@ -936,6 +925,7 @@ class PSNode:
         self.counters["ps_frames_dropped"] += len(gone)
         for key, model in self._of_job(job):
             lose(self, key, model, rank, reason, now)
+        relaying.redirect(self, self.relays.through(job=job, rank=rank))
         return self._done()
 
     # -- time --------------------------------------------------------------------------------
@@ -946,6 +936,7 @@ class PSNode:
             self._paced.next(),
             self._direct.next(),
             self.gathering.next_deadline(),
+            self.relays.next(),
         )
         return min((d for d in due if d is not None), default=None)
 
@@ -966,6 +957,7 @@ class PSNode:
                 if side is not None:
                     self._worker(key, side, act(side.engine, shard, iteration))
         aggregating.forward(self, self.gathering.on_timer(now))
+        relaying.redirect(self, self.relays.due(now))
         for early in self._early.expired(now):
             self.counters["ps_early_expired"] += 1
             frame = early.frame

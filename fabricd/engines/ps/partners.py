@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from fabricd.engines.ps.failover import adopt
 from fabricd.engines.ps.shard_actions import FLUSH, LOSE, PUSH, Entry
 from fabricd.errors import RemoteProtocolError
 
@@ -48,7 +49,7 @@ def at_replica(node: PSNode, frame: ps_frames.Replicate, payload: bytes, now: fl
                 f"parameter server {key[1]!r} shard {frame.shard}: took the state of rank "
                 f"{frame.server} at epoch {server.epoch}",
             )
-            node._adopt(key, frame.shard, server.epoch, "its partner's snapshot said so")
+            adopt(node, key, frame.shard, server.epoch, "its partner's snapshot said so")
         model.tentative.discard(frame.shard)
         node._take_early(key)  # workers' frames held while the state was away
         return

@@ -94,6 +94,7 @@ from fabricd.wire import get_int
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
+    from fabricd.engines.ps.distributing import PullBatch
     from fabricd.engines.ps.scheduler import ShardScheduler
 
 Array = np.ndarray[Any, Any]
@@ -131,6 +132,7 @@ class ShardServer:
         replicated: bool = False,
         scheduler: ShardScheduler | None = None,
         bound: DivergenceBound | None = None,
+        trees: PullBatch | None = None,
     ) -> None:
         settings = settings or FilterSettings()
         if bound is not None and bound.norm is not None and rule is None:
@@ -147,6 +149,7 @@ class ShardServer:
         self.rule = rule
         #: MLfabric's scheduler of the shard's pushes (``scheduling="mlfabric"``), or ``None``
         self.scheduler = scheduler
+        self.trees = trees  #: MLfabric's distribution trees (``distribution="tree"``), or None
         self.filter = ParameterFilter(settings, initial, chunk=chunk)
         published = self.filter.published
         if settings.plnp:  # P-LNP: the store holds what pulls carry, float16 (ps_filters)
@@ -305,7 +308,9 @@ class ShardServer:
         entry whose copy did not come; ``None``: neither."""
         if not self.primary:
             return self._log.next_deadline()
-        return None if self.scheduler is None else self.scheduler.next_deadline()
+        due = [self.scheduler.next_deadline()] if self.scheduler is not None else []
+        due += [self.trees.next_deadline()] if self.trees is not None else []
+        return min((d for d in due if d is not None), default=None)
 
     def on_timer(
         self, now: float, figures: Callable[[int], tuple[float, float] | None]
@@ -317,9 +322,14 @@ class ShardServer:
         ps.bounded.NEED_AFTER` (again after twice as long each time)."""
         if not self.primary:
             return [Need(index=index) for index in self._log.needs(now)]
-        if self.scheduler is None:
-            return []
         out: list[Action] = []
+        if self.trees is not None:
+            for answer in self.trees.decide(now, self.store, figures):
+                self._pulls += isinstance(answer, Answer)
+                self._pull_bytes += len(answer.data) if isinstance(answer, Answer) else 0
+                out.append(answer)
+        if self.scheduler is None:
+            return out
         for decision in self.scheduler.on_timer(now, self.coordinator.version, figures):
             if isinstance(decision, Granted | Gather):
                 out.append(decision)
@@ -389,13 +399,25 @@ class ShardServer:
         self._last[worker] = (iteration, version, why)
         return [Acked(worker=worker, iteration=iteration, version=version, dropped=why)]
 
-    def pull(self, worker: int, clock: int, since: int, now: float) -> list[Action]:
-        """Worker ``worker``'s pull at ``clock``; its cache holds version ``since``.
+    def pull(
+        self,
+        worker: int,
+        clock: int,
+        since: int,
+        now: float,
+        *,
+        host: int | None = None,
+        direct: bool = False,
+    ) -> list[Action]:
+        """Worker ``worker``'s pull at ``clock``, from node ``host``; its cache holds version
+        ``since``.  ``direct`` (distribution trees): answer it now, not through a tree.
 
         Raises:
             RemoteProtocolError: this is a replica, or the pull breaks the coordinator's rules.
         """
         self._primary_only("a pull")
+        if self.trees is not None:
+            self.trees.pulled(worker, host, direct=direct)
         if self.coordinator.held(worker) == clock:
             return []  # sent again after a reset: the held one is answered in time
         if self._lead is not None and since > self.coordinator.version:
@@ -587,6 +609,8 @@ class ShardServer:
         self._norms.clear()
         self._unreplicated.clear()
         self._actions.clear()
+        if self.trees is not None:  # (a primary that came back: its workers pull again)
+            self.trees.clear()
         self._confirm = None
         if self._stepping is not None:  # its answer is for a model the snapshot replaced
             self._voided.append(self._stepping.version)
@@ -753,6 +777,7 @@ class ShardServer:
             published=filtered.published,
             coordinator=self.coordinator.statistics(),
             scheduler=None if self.scheduler is None else self.scheduler.statistics(),
+            trees=None if self.trees is None else self.trees.statistics(),
             aggregates=self._aggregates,
             aggregates_refused=self._aggregates_refused,
             lag=0 if self._lead is None else self._lead.lag,
@@ -901,6 +926,8 @@ class ShardServer:
                 )
             elif isinstance(action, Reply):
                 assert action.version == self.store.version
+                if self.trees is not None and self.trees.hold(action, now, self.coordinator.live):
+                    continue  # answered with its batch's tree
                 data = self.store.pull(action.since)
                 self._pulls += 1
                 self._pull_bytes += len(data)

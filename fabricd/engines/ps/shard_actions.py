@@ -14,6 +14,7 @@ from fabricd.engines.ps.scheduler import Gather, Granted
 
 if TYPE_CHECKING:
     from fabricd.engines.ps.consistency import CoordinatorStatistics
+    from fabricd.engines.ps.distributing import TreeStatistics
     from fabricd.engines.ps.scheduler import SchedulerStatistics
 
 Array = np.ndarray[Any, Any]
@@ -87,12 +88,28 @@ class Acked:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Answer:
     """Answer ``worker``'s pull at ``clock``: ``data`` is the store's reply (the chunks
-    changed since its version), the model at ``version``."""
+    changed since its version), the model at ``version``.  ``forward`` (distribution trees):
+    the worker's daemon is a distributor and sends the same answer on to each ``(worker,
+    clock)`` listed, whose caches are at least as recent as ``data`` is built from."""
 
     worker: int
     clock: int
     version: int
     data: bytearray
+    forward: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Notice:
+    """Distribution trees: ``worker``'s pull at ``clock`` is answered at ``version`` by worker
+    ``via``'s daemon, planned within ``expect`` seconds; if it has not come by then (or
+    ``via``'s daemon is gone), the pull is sent again, to be answered straight."""
+
+    worker: int
+    clock: int
+    version: int
+    via: int
+    expect: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,7 +143,9 @@ class Snapshot:
     data: bytes
 
 
-Action = Forward | Logged | Need | Acked | Answer | Refuse | Step | Snapshot | Granted | Gather
+Action = (
+    Forward | Logged | Need | Acked | Answer | Notice | Refuse | Step | Snapshot | Granted | Gather
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,3 +172,4 @@ class ShardStatistics:
     aggregates_refused: int = 0  #: aggregates refused: a member was decided already
     lag: int = 0  #: bounded replication: updates applied here, not yet at the replica
     divergence: float = 0.0  #: bounded replication: the bound on ``||w_s - w_r||`` now
+    trees: TreeStatistics | None = None  #: distribution trees', for ``distribution="tree"``

@@ -84,11 +84,13 @@ class SendPush:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SendPull:
-    """Ask ``shard`` for what changed since ``since``, at clock ``clock``."""
+    """Ask ``shard`` for what changed since ``since``, at clock ``clock``; ``direct``: to be
+    answered by the server at once (distribution trees: a distributor did not deliver)."""
 
     shard: int
     clock: int
     since: int
+    direct: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -372,11 +374,11 @@ class Worker:
         """
         if shard not in self._pulling or clock != self._pull_clock:
             return []
-        if (
-            len(data) >= PULL_HEADER.size
-            and PULL_HEADER.unpack_from(data)[5] != self.versions[shard]
-        ):
-            return []  # an answer sent again for an earlier pull of this clock, since another
+        header = PULL_HEADER.unpack_from(data) if len(data) >= PULL_HEADER.size else None
+        if header is not None and not header[5] <= self.versions[shard] <= header[6]:
+            # an answer sent again for an earlier pull of this clock, from another cache; one
+            # built since an older version than the cache's fits it (a distribution tree's)
+            return []
         lo, hi = self.bounds[shard]
         version = apply_delta(data, cache.reshape(-1)[lo:hi], self.versions[shard])
         self._pull_bytes += len(data)
@@ -389,6 +391,19 @@ class Worker:
             return []
         self._pull_clock = None
         return [PullDone(versions=tuple(self.versions))]
+
+    def awaits_pull(self, shard: int, clock: int) -> bool:
+        """Whether ``shard``'s answer to the pull at ``clock`` is still awaited."""
+        return shard in self._pulling and clock == self._pull_clock
+
+    def repull(self, shard: int, clock: int) -> list[Action]:
+        """Distribution trees: the answer ``shard``'s pull at ``clock`` was to come through
+        another worker's daemon did not come: the pull again, to be answered straight (or
+        nothing: it was answered meanwhile)."""
+        if not self.awaits_pull(shard, clock):
+            return []
+        self._resent += 1
+        return [SendPull(shard=shard, clock=clock, since=self.versions[shard], direct=True)]
 
     def refused(self, shard: int, clock: int, reason: str) -> list[Action]:
         """``shard`` will never answer the pull at ``clock``: the pull fails."""

@@ -1,0 +1,326 @@
+"""Model distribution trees on the parameter server (MLfabric §10.3;
+fabricd/engines/ps/distributing.py, relaying.py): a batch's pulls are answered at one version,
+each exactly once, through distributors that forward the server's answer; a distributor that
+never forwards, is cut off or whose links reset costs its pullers a direct pull, never an
+answer; the server's link sends fewer bytes than answering every pull itself."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fabricd.daemon.services.ps_requests import check_spec
+from fabricd.engines.ps import relaying
+from fabricd.engines.ps.consistency import Consistency, Reply
+from fabricd.engines.ps.distributing import PullBatch
+from fabricd.engines.ps.shard_actions import Answer, Notice
+from fabricd.engines.ps.storage import HEADER, TimedStore
+from fabricd.engines.ps.worker import SendPull, Worker
+from fabricd.errors import RemoteProtocolError, UsageError
+from fabricd.frames import ps as ps_frames
+from fabricd.wire import Kind
+from tests.unit.ps_fabric import KEY, Fabric
+from tests.unit.test_frames import PS_SPEC, SHARD
+from tests.unit.test_ps_server import moves, run
+from tests.unit.test_ps_sync_scheduling import spec
+
+SERVER = 99
+SLOW = (300.0, 1e9)  #: the server's host: a slow uplink (the direction a pull's answer takes)
+
+
+def store(size: int = 64, versions: int = 3) -> TimedStore:
+    """A store at ``versions``, each version changing a different part of the model."""
+    timed = TimedStore(np.zeros(size), chunk=1)
+    for v in range(versions):
+        chunks = np.arange(v * 4, v * 4 + 4)
+        timed.publish(chunks, np.full(4, float(v + 1)))
+    return timed
+
+
+def make_worker(rank: int) -> Worker:
+    return Worker(worker=rank, size=64, dtype="float64", shards=1)
+
+
+def reply(worker: int, clock: int = 1, since: int = 0, version: int = 3) -> Reply:
+    return Reply(worker=worker, clock=clock, version=version, since=since, complete=0, held=False)
+
+
+def batch_of(pulls: dict[int, tuple[int, int]], timed: TimedStore) -> list[Answer | Notice]:
+    """A decided batch of ``pulls`` (worker -> (host, since)), the server's uplink slow."""
+    trees = PullBatch(server=SERVER, interval=1.0, unknown_bps=1e9)
+    live = frozenset(pulls)
+    for worker, (host, since) in pulls.items():
+        trees.pulled(worker, host, direct=False)
+        assert trees.hold(reply(worker, since=since), 0.0, live)
+    assert trees.next_deadline() == 0.0  # every live worker pulled: due at once
+
+    def figures(host: int) -> tuple[float, float] | None:
+        return SLOW if host == SERVER else None
+
+    return trees.decide(0.0, timed, figures)
+
+
+def deliveries(out: list[Answer | Notice]) -> dict[int, int]:
+    """worker -> how many answers reach it (its own, or forwarded to it)."""
+    got: dict[int, int] = {}
+    for action in out:
+        if isinstance(action, Answer):
+            for worker in (action.worker, *(w for w, _ in action.forward)):
+                got[worker] = got.get(worker, 0) + 1
+    return got
+
+
+# -- the shard's batch ------------------------------------------------------------------------
+def test_a_batch_reaches_every_puller_once_at_one_version_through_distributors() -> None:
+    timed = store()
+    out = batch_of({w: (w, 0 if w == 0 else 2) for w in range(8)}, timed)
+    assert deliveries(out) == dict.fromkeys(range(8), 1)
+    assert {a.version for a in out} == {timed.version}
+    forwarded = {w for a in out if isinstance(a, Answer) for w, _ in a.forward}
+    noticed = {n.worker for n in out if isinstance(n, Notice)}
+    assert forwarded == noticed
+    assert forwarded
+    sent = sum(len(a.data) for a in out if isinstance(a, Answer))
+    direct = len(timed.pull(0)) + 7 * len(timed.pull(2))
+    assert sent < direct  # the server's link sends less than answering each itself
+    for answer in (a for a in out if isinstance(a, Answer) and a.forward):
+        assert HEADER.unpack_from(answer.data)[5] == 2  # the branch's oldest cache
+        for worker, _ in answer.forward:  # it applies at every cache it reaches
+            cache = timed.model.copy()
+            cache[8:12] = 0.0  # what a cache at version 2 holds
+            engine = make_worker(worker)
+            engine.versions = [2]
+            engine.pull()
+            engine.pulled(0, 0, answer.data, cache)
+            np.testing.assert_array_equal(cache, timed.model)
+
+
+def test_workers_on_one_host_get_one_answer_handed_over_there() -> None:
+    timed = store()
+    out = batch_of({0: (1, 3), 1: (1, 2), 2: (2, 3)}, timed)
+    assert deliveries(out) == {0: 1, 1: 1, 2: 1}
+    [to_host_1] = [a for a in out if isinstance(a, Answer) and a.worker in (0, 1)]
+    assert to_host_1.worker == 0
+    assert (1, 1) in to_host_1.forward
+    assert [n.via for n in out if isinstance(n, Notice) and n.worker == 1] == [0]
+
+
+def test_a_direct_pull_or_one_from_an_unknown_or_the_servers_host_is_answered_at_once() -> None:
+    trees = PullBatch(server=SERVER, interval=1.0, unknown_bps=1e9)
+    live = frozenset({0, 1, 2, 3})
+    trees.pulled(0, 5, direct=True)
+    assert not trees.hold(reply(0), 0.0, live)
+    assert not trees.hold(reply(1), 0.0, live)  # its host never said
+    trees.pulled(2, SERVER, direct=False)
+    assert not trees.hold(reply(2), 0.0, live)
+    trees.pulled(3, 6, direct=False)
+    assert trees.hold(reply(3), 0.0, live)
+    assert trees.next_deadline() == 1.0  # one interval: others may come
+    trees.pulled(3, 6, direct=True)  # its distributor did not deliver: out of the batch
+    assert trees.decide(1.0, store(), lambda host: None) == []
+
+
+def test_a_cache_past_a_restored_version_is_answered_whole() -> None:
+    timed = store()
+    out = batch_of({0: (1, 7), 1: (2, 7)}, timed)  # (the shard was rolled back to 3)
+    assert deliveries(out) == {0: 1, 1: 1}
+    for answer in (a for a in out if isinstance(a, Answer)):
+        assert len(answer.data) == len(timed.pull(0))
+
+
+# -- the worker's side ------------------------------------------------------------------------
+def test_a_delta_from_an_older_version_applies_and_a_newer_cache_refuses_an_older_answer() -> None:
+    timed = store()
+    worker = make_worker(0)
+    cache = np.zeros(64)
+    old = timed.pull(1)  # from 1 up to 3
+    timed.publish(np.arange(20, 24), np.full(4, 9.0))
+    worker.pull()
+    worker.pulled(0, 0, timed.pull(0), cache)  # the cache at 4
+    worker.pull()
+    assert worker.pulled(0, 0, old, cache) == []  # up to 3 only: it does not fit a cache at 4
+    assert worker.awaits_pull(0, 0)
+    assert worker.repull(0, 0) == [SendPull(shard=0, clock=0, since=4, direct=True)]
+    timed.publish(np.arange(30, 34), np.full(4, 7.0))
+    worker.pulled(0, 0, timed.pull(2), cache)  # from 2 to 5: fits a cache at 4
+    np.testing.assert_array_equal(cache, timed.model)
+    assert worker.repull(0, 0) == []  # answered: nothing to send again
+
+
+# -- frames and specs -------------------------------------------------------------------------
+def pulled(**fields: Any) -> ps_frames.Pulled:
+    common = {"job": "j", "name": "m", "shard": 0, "server": 9, "worker": 1, "epoch": 0}
+    return ps_frames.Pulled(**common, clock=2, version=5, **fields)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        pulled(forward=((2, 3), (4, 5))),
+        pulled(via=7, expect_us=1500),
+        pulled(via=7),
+    ],
+)
+def test_the_tree_forms_of_pulled_travel_whole(frame: ps_frames.Pulled) -> None:
+    assert frame.KIND is Kind.PULLED
+    assert ps_frames.Pulled.from_meta(frame.to_meta()) == frame
+    assert frame.forwarded == (frame.via is not None and frame.expect_us is None)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"fw": [[2, 3]], "via": 7}, "the server's answer itself"),
+        ({"exp": 5}, "names its via"),
+        ({"fw": [[2]]}, "rank, clock"),
+        ({"fw": []}, "rank, clock"),
+        ({"fw": [[2, -1]]}, "rank, clock"),
+    ],
+)
+def test_malformed_tree_forms_of_pulled_are_refused(extra: dict[str, Any], match: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=match):
+        ps_frames.Pulled.from_meta(pulled().to_meta() | extra)
+
+
+def test_a_direct_pull_travels_whole() -> None:
+    frame = ps_frames.Pull(**SHARD, worker=2, clock=3, since=1, epoch=0, spec=PS_SPEC, direct=True)
+    assert ps_frames.Pull.from_meta(frame.to_meta()) == frame
+    assert "d" not in dataclasses.replace(frame, direct=False).to_meta()
+
+
+def test_trees_need_mlfabric_scheduling() -> None:
+    check_spec(spec("async") | {"distribution": "tree"})
+    with pytest.raises(UsageError, match="needs scheduling='mlfabric'"):
+        check_spec(spec("async") | {"distribution": "tree", "scheduling": "arrival"})
+    with pytest.raises(UsageError, match="distribution 'forest'"):
+        check_spec(spec("async") | {"distribution": "forest"})
+
+
+# -- the whole path ---------------------------------------------------------------------------
+def tree_fabric(consistency: Consistency = Consistency.ASYNC, *, tree: bool = True) -> Fabric:
+    """Six workers, two shards, pulls batched over 20 s (a frame takes 1 s here); the servers'
+    uplinks slow, so trees pay."""
+    fabric = Fabric(
+        workers=6,
+        shards=2,
+        size=5,
+        rounds=3,
+        consistency=consistency,
+        scheduled=True,
+        tree=tree,
+        interval=20.0,
+    )
+    for server in (6, 7):
+        fabric.figures[server] = (30.0, 1e6)
+    return fabric
+
+
+def counted(fabric: Fabric, name: str) -> int:
+    return sum(node.counters[name] for node in fabric.nodes.values())
+
+
+def pull_bytes(fabric: Fabric) -> int:
+    return sum(fabric.serving(s).statistics().pull_bytes for s in range(2))
+
+
+@pytest.mark.parametrize("consistency", [Consistency.ASYNC, Consistency.BSP])
+def test_trees_forward_answers_and_the_server_sends_fewer_bytes(consistency: Consistency) -> None:
+    fabric, plain = tree_fabric(consistency), tree_fabric(consistency, tree=False)
+    for each in (fabric, plain):
+        each.drain()
+        each.check_settled()  # every push once, every pull at the model
+    assert counted(fabric, "ps_pulls_forwarded") > 0
+    assert counted(fabric, "ps_pulls_redirected") == 0
+    trees = [fabric.serving(s).statistics().trees for s in range(2)]
+    assert all(t is not None and t.forwarded > 0 for t in trees)
+    assert pull_bytes(fabric) < pull_bytes(plain)
+
+
+def test_a_distributor_that_never_forwards_costs_its_pullers_a_direct_pull(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(relaying, "forward", lambda node, frame, payload: None)
+    fabric = tree_fabric()
+    fabric.drain()
+    fabric.check_settled()
+    assert counted(fabric, "ps_pulls_redirected") > 0
+
+
+def test_pullers_of_a_lost_distributor_pull_straight_at_once() -> None:
+    fabric = tree_fabric()
+    for _ in range(400):  # until some answer is on its way through a distributor
+        waits = [w for n in fabric.nodes.values() for w in n.relays._via.values()]
+        if waits:
+            break
+        for w in range(6):
+            fabric.step(w)
+        assert fabric.deliver(0) or fabric.tick()
+    via = waits[0][0]
+    redirected = counted(fabric, "ps_pulls_redirected")
+    fabric.lose(via)
+    assert counted(fabric, "ps_pulls_redirected") > redirected  # told it is gone: at once
+    fabric.drain()
+    fabric.check_settled()
+
+
+def test_a_forwarded_answer_from_a_node_its_via_is_not_on_is_dropped() -> None:
+    fabric = tree_fabric()
+    node = fabric.nodes[0]
+    fabric.step(0)
+    forged = pulled(via=3)
+    forged = dataclasses.replace(forged, job=KEY[0], name=KEY[1], worker=0, server=6)
+    assert not node.may_send(2, forged)
+    dropped = node.counters["ps_frames_dropped"]
+    node.on_frame(2, forged, b"", fabric.now)
+    assert node.counters["ps_frames_dropped"] == dropped + 1
+
+
+def one_version_per_batch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Check every decided batch: one version, each worker reached once; returns sizes."""
+    sizes: list[int] = []
+    decide = PullBatch.decide
+
+    def checked(self: PullBatch, now: float, timed: TimedStore, figures: Any) -> Any:
+        out = decide(self, now, timed, figures)
+        assert {a.version for a in out} <= {timed.version}
+        got = deliveries(out)
+        assert set(got.values()) <= {1}, got
+        sizes.append(len(got))
+        return out
+
+    monkeypatch.setattr(PullBatch, "decide", checked)
+    return sizes
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([Consistency.ASYNC, Consistency.BSP]), st.data())
+def test_trees_under_resets_duplicates_and_lost_workers_answer_every_pull_once(
+    consistency: Consistency, data: st.DataObject
+) -> None:
+    """Resends, duplicates, resets between any two ranks (a distributor and its puller too)
+    and (async) a worker lost: every pull answered once (the fabric fails a second answer),
+    every push applied once, every batch at one version."""
+    with pytest.MonkeyPatch.context() as patch:
+        sizes = one_version_per_batch(patch)
+        fabric = tree_fabric(consistency)
+        script = data.draw(moves(6, 2, failover=False))
+        pairs = st.tuples(st.just("between"), st.integers(0, 5), st.integers(0, 5))
+        script += data.draw(st.lists(pairs, max_size=4))
+        lost = data.draw(st.sampled_from([None, 5])) if consistency is Consistency.ASYNC else None
+        for move in script:
+            if move[0] == "between":
+                if move[1] != move[2]:
+                    fabric._reset(move[1], move[2])
+            else:
+                run(fabric, [move])
+            if lost is not None and data.draw(st.integers(0, 20)) == 0:
+                fabric.lose(lost)
+                lost = None
+        fabric.drain()
+        fabric.check_settled()
+        assert sizes
