@@ -41,6 +41,7 @@ from bench import (
     skew,
     svm,
     throughput,
+    trees_netns,
 )
 from bench.report import Table, dump_json, machine, stderr_progress
 
@@ -77,6 +78,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "replication-daemons": replication_daemons.run,
     "joint": joint.run,
     "distribution": distribution.run,
+    "trees-netns": trees_netns.run,
 }
 
 
