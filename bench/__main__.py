@@ -76,6 +76,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "mlfabric-netns": mlfabric_netns.run,
     "replication": replication.run,
     "replication-daemons": replication_daemons.run,
+    "replication-netns": replication_daemons.run_netns,
     "joint": joint.run,
     "distribution": distribution.run,
     "trees-netns": trees_netns.run,

@@ -64,6 +64,8 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 import fabricd
+from bench import netns_cluster
+from bench.netns_cluster import why_not
 from bench.netns_shift import Sample, Shift
 from bench.report import Column, Extra, Progress, Table, quiet, run_alone
 from fabricd.engines.ps.consistency import DELAY_BUCKETS
@@ -164,13 +166,9 @@ class Settings:
     def node_env(self) -> dict[int, dict[str, str]]:
         """Each daemon's ``link_up_bps`` / ``link_down_bps`` (bytes/s): its ``tbf`` rate; none
         where the rates are not ``configured``."""
-        env: dict[int, dict[str, str]] = {}
         if not self.configured:
-            return env
-        for node in range(self.nodes):
-            rate = str(self.mbit(node) * 1e6 / 8)
-            env[node] = {"FABRICD_LINK_UP_BPS": rate, "FABRICD_LINK_DOWN_BPS": rate}
-        return env
+            return {}
+        return netns_cluster.rates_env([self.mbit(node) for node in range(self.nodes)])
 
 
 @dataclass(slots=True)
@@ -431,44 +429,13 @@ def train_ring(sockets: Sequence[str], settings: Settings, job: str = "") -> Mod
 
 
 # -- the bench: its own net and daemons -------------------------------------------------------
-def why_not() -> str | None:
-    """Why the experiment cannot run here (one line), or None."""
-    try:
-        from tests.network.netns import unavailable
-    except ImportError as exc:  # an installed fabricd without the repository's tests
-        return f"the network test harness is not importable ({exc})"
-    return unavailable()
-
-
 @contextlib.contextmanager
 def shaped_cluster(settings: Settings, log_dir: Any = None) -> Iterator[tuple[list[str], Any]]:
     """Start the net and one daemon per node, shape every link, yield the client sockets and
-    the net (a :class:`tests.network.netns.TestNet`); stop the daemons and delete the
-    namespaces on the way out, whatever happened."""
-    from fabricd.daemon.launcher import LocalCluster
-    from tests.network.netns import TestNet, remove_leftovers
-
-    remove_leftovers()
-    net = TestNet(settings.nodes)
-    cluster = LocalCluster(
-        settings.nodes,
-        log_dir=log_dir,
-        node_env=settings.node_env(),
-        hosts=[net.address(node) for node in range(settings.nodes)],
-        wrappers={node: net.wrapper(node) for node in range(settings.nodes)},
-    )
-    net.start()
-    try:
-        cluster.start()
-        try:
-            cluster.wait_connected()
-            for node in range(settings.nodes):
-                net.shape(node, settings.mbit(node))
-            yield [node.socket_path for node in cluster.nodes], net
-        finally:
-            cluster.stop()
-    finally:
-        net.stop()
+    the net (:func:`bench.netns_cluster.shaped_cluster`)."""
+    mbit = [settings.mbit(node) for node in range(settings.nodes)]
+    with netns_cluster.shaped_cluster(mbit, configured=settings.configured, log_dir=log_dir) as up:
+        yield up
 
 
 @contextlib.contextmanager

@@ -25,6 +25,14 @@ what each setup costs in work, not what a network would make of it, and move by 
 per cent between runs on a shared two-core machine; bench/replication.py has the network in
 virtual time.
 
+``replication-netns`` (:func:`run_netns`, root) runs the same sweep on four daemons in network
+namespaces, every link ``tbf``-shaped to :data:`MBIT` Mbit/s both ways
+(:mod:`bench.netns_cluster`), :data:`NETNS_ROUNDS` rounds a setup, :data:`NETNS_PASSES` passes:
+there the time columns are the network's.  The mapping to §7.3: the paper's replica traffic
+is the primary's link; here a link is full-duplex, so the chain's forwards (the primary's
+outbound) do not slow its pushes (inbound), while bounded replication's copies double what
+each worker's uplink carries.
+
 Run alone: ``python -m bench.replication_daemons [--quick]``.
 """
 
@@ -39,13 +47,13 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from bench.netns_cluster import shaped_cluster, why_not
 from bench.report import Column, MiB, Progress, Table, fmt_number, median, quiet, run_alone
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from fabricd.client import Client
-    from fabricd.daemon.launcher import LocalCluster
 
 WORKERS: Final = (2, 4, 8)
 QUICK_WORKERS: Final = (2,)
@@ -56,6 +64,10 @@ QUICK_NBYTES: Final = 64 * 1024
 SETUPS: Final = ("none", "chain", "bounded", "ckpt 1", "ckpt 10")
 PASSES: Final = 5
 QUICK_PASSES: Final = 1
+#: replication-netns: every link's shaped rate (Mbit/s), the rounds and passes of a setup
+MBIT: Final = 100.0
+NETNS_ROUNDS: Final = 10
+NETNS_PASSES: Final = 3
 #: seconds a call may take before the bench says it hung
 WAIT: Final = 120.0
 
@@ -67,7 +79,7 @@ def _bytes(client: Client) -> tuple[int, int]:
 
 
 def measure(
-    cluster: LocalCluster, setup: str, workers: int, rounds: int, nbytes: int
+    sockets: Sequence[str], setup: str, workers: int, rounds: int, nbytes: int
 ) -> dict[str, float]:
     """One setup's figures: primary bytes per update (in + out), replica bytes in per update,
     seconds per round."""
@@ -80,7 +92,7 @@ def measure(
     job = f"bench-rep-{uuid.uuid4().hex[:8]}"
     nodes = [0, *([1] if replicated else []), *(2 + (w % 2) for w in range(workers))]
     fabs = [
-        fabricd.connect(job=job, rank=r, size=size, socket_path=cluster.nodes[n].socket_path)
+        fabricd.connect(job=job, rank=r, size=size, socket_path=sockets[n])
         for r, n in enumerate(nodes)
     ]
     try:
@@ -133,18 +145,45 @@ def measure(
 
 
 def run(quick: bool = False, progress: Progress = quiet) -> Table:
-    """Every (workers, setup) of the sweep, on one set of four daemons."""
+    """Every (workers, setup) of the sweep, on one set of four loopback daemons."""
     from fabricd.daemon.launcher import LocalCluster
 
-    counts: Sequence[int] = QUICK_WORKERS if quick else WORKERS
-    rounds = QUICK_ROUNDS if quick else ROUNDS
-    nbytes = QUICK_NBYTES if quick else NBYTES
-    table = Table(
-        name="replication-daemons",
-        title=(
-            "(s2) MLfabric bounded replication on real daemons: the primary's link, chain vs "
-            "bounded"
-        ),
+    table = _table("replication-daemons", "on real daemons", quick)
+    with LocalCluster(4) as cluster:
+        cluster.wait_connected()
+        sockets = [node.socket_path for node in cluster.nodes]
+        rounds, passes = (QUICK_ROUNDS, QUICK_PASSES) if quick else (ROUNDS, PASSES)
+        _sweep(sockets, table, quick, progress, rounds=rounds, passes=passes)
+    table.notes.append(
+        "loopback daemons, one process playing every rank: bytes are exact (the daemons' link "
+        "counters); times are work, not a network's (bench/replication.py: virtual time; "
+        "replication-netns: shaped links)"
+    )
+    return table
+
+
+def run_netns(quick: bool = False, progress: Progress = quiet) -> Table:
+    """The same sweep on four daemons in network namespaces, every link shaped to
+    :data:`MBIT` Mbit/s both ways (root; module docstring)."""
+    why = why_not()
+    if why is not None:
+        return Table(name="replication-netns", title="", columns=[], ratio="", skipped=why)
+    table = _table("replication-netns", f"on shaped links ({MBIT:g} Mbit/s)", quick)
+    table.settings["rounds"] = rounds = QUICK_ROUNDS if quick else NETNS_ROUNDS
+    passes = QUICK_PASSES if quick else NETNS_PASSES
+    with shaped_cluster([MBIT] * 4) as (sockets, _):
+        _sweep(sockets, table, quick, progress, rounds=rounds, passes=passes)
+    table.notes.append(
+        f"four daemons in network namespaces, every link tbf-shaped to {MBIT:g} Mbit/s both "
+        "ways: the times are the network's; single samples' medians on a shared machine"
+    )
+    return table
+
+
+def _table(name: str, where: str, quick: bool) -> Table:
+    return Table(
+        name=name,
+        title=f"(s2) MLfabric bounded replication {where}: the primary's link, chain vs bounded",
         columns=[
             Column("update_kb", "update KB"),
             Column("none_kb", "no replica KB/upd"),
@@ -159,49 +198,60 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
             Column("ckpt10_t", "ckpt/10 time x"),
         ],
         ratio="chain's primary bytes per update / bounded's (higher is better)",
-        settings={"rounds": rounds, "nbytes": nbytes, "setups": list(SETUPS)},
+        settings={
+            "rounds": QUICK_ROUNDS if quick else ROUNDS,
+            "nbytes": QUICK_NBYTES if quick else NBYTES,
+            "setups": list(SETUPS),
+        },
     )
-    with LocalCluster(4) as cluster:
-        cluster.wait_connected()
-        for workers in counts:
-            measure(cluster, "none", workers, max(2, rounds // 10), nbytes)  # a warm-up, dropped
-            # the setups interleaved, PASSES times: a round's time is the median pass's (the
-            # machine's noise moves one setup's time by half from one pass to the next)
-            passes = [
-                {setup: measure(cluster, setup, workers, rounds, nbytes) for setup in SETUPS}
-                for _ in range(QUICK_PASSES if quick else PASSES)
-            ]
-            figures = {
-                setup: {
-                    **passes[0][setup],
-                    "round_s": median([p[setup]["round_s"] for p in passes]),
-                }
-                for setup in SETUPS
+
+
+def _sweep(
+    sockets: Sequence[str],
+    table: Table,
+    quick: bool,
+    progress: Progress,
+    *,
+    rounds: int,
+    passes: int,
+) -> None:
+    """Every (workers, setup) on the daemons of ``sockets``, a row per worker count."""
+    counts: Sequence[int] = QUICK_WORKERS if quick else WORKERS
+    nbytes = QUICK_NBYTES if quick else NBYTES
+    for workers in counts:
+        measure(sockets, "none", workers, max(2, rounds // 10), nbytes)  # a warm-up, dropped
+        # the setups interleaved, ``passes`` times: a round's time is the median pass's (the
+        # machine's noise moves one setup's time by half from one pass to the next)
+        runs = [
+            {setup: measure(sockets, setup, workers, rounds, nbytes) for setup in SETUPS}
+            for _ in range(passes)
+        ]
+        figures = {
+            setup: {
+                **runs[0][setup],
+                "round_s": median([run[setup]["round_s"] for run in runs]),
             }
-            base = figures["none"]["round_s"]
-            ratio = figures["chain"]["primary"] / figures["bounded"]["primary"]
-            table.add(
-                f"{workers} workers",
-                nbytes,
-                ratio,
-                update_kb=nbytes / 1e3,
-                none_kb=figures["none"]["primary"] / 1e3,
-                chain_kb=figures["chain"]["primary"] / 1e3,
-                bounded_kb=figures["bounded"]["primary"] / 1e3,
-                replica_chain_kb=figures["chain"]["replica"] / 1e3,
-                replica_bounded_kb=figures["bounded"]["replica"] / 1e3,
-                ckpt1_kb=figures["ckpt 1"]["primary"] / 1e3,
-                chain_t=figures["chain"]["round_s"] / base,
-                bounded_t=figures["bounded"]["round_s"] / base,
-                ckpt1_t=figures["ckpt 1"]["round_s"] / base,
-                ckpt10_t=figures["ckpt 10"]["round_s"] / base,
-            )
-            progress(f"{workers} workers: chain/bounded primary bytes {fmt_number(ratio)}x")
-    table.notes.append(
-        "loopback daemons, one process playing every rank: bytes are exact (the daemons' link "
-        "counters); times are work, not a network's (bench/replication.py: virtual time)"
-    )
-    return table
+            for setup in SETUPS
+        }
+        base = figures["none"]["round_s"]
+        ratio = figures["chain"]["primary"] / figures["bounded"]["primary"]
+        table.add(
+            f"{workers} workers",
+            nbytes,
+            ratio,
+            update_kb=nbytes / 1e3,
+            none_kb=figures["none"]["primary"] / 1e3,
+            chain_kb=figures["chain"]["primary"] / 1e3,
+            bounded_kb=figures["bounded"]["primary"] / 1e3,
+            replica_chain_kb=figures["chain"]["replica"] / 1e3,
+            replica_bounded_kb=figures["bounded"]["replica"] / 1e3,
+            ckpt1_kb=figures["ckpt 1"]["primary"] / 1e3,
+            chain_t=figures["chain"]["round_s"] / base,
+            bounded_t=figures["bounded"]["round_s"] / base,
+            ckpt1_t=figures["ckpt 1"]["round_s"] / base,
+            ckpt10_t=figures["ckpt 10"]["round_s"] / base,
+        )
+        progress(f"{workers} workers: chain/bounded primary bytes {fmt_number(ratio)}x")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,7 +30,6 @@ Run alone: ``python -m bench.trees_netns [--quick]``.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import time
@@ -38,10 +37,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from bench.netns_cluster import shaped_cluster, why_not
 from bench.report import Column, MiB, Progress, Table, fmt_number, quiet, run_alone
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Sequence
 
     from fabricd.client import Client
 
@@ -55,46 +55,6 @@ QUICK_ITERATIONS: Final = 3
 MODES: Final = ("direct", "tree")
 #: seconds a call may take before the bench says it hung
 WAIT: Final = 120.0
-
-
-def why_not() -> str | None:
-    """Why the experiment cannot run here (one line), or None."""
-    try:
-        from tests.network.netns import unavailable
-    except ImportError as exc:  # an installed fabricd without the repository's tests
-        return f"the network test harness is not importable ({exc})"
-    return unavailable()
-
-
-@contextlib.contextmanager
-def shaped_cluster(nodes: int) -> Iterator[list[str]]:
-    """``nodes`` daemons in namespaces, every link shaped to :data:`MBIT`; yields the client
-    sockets, and removes everything on the way out."""
-    from fabricd.daemon.launcher import LocalCluster
-    from tests.network.netns import TestNet, remove_leftovers
-
-    remove_leftovers()
-    net = TestNet(nodes)
-    rate = str(MBIT * 1e6 / 8)
-    env = {n: {"FABRICD_LINK_UP_BPS": rate, "FABRICD_LINK_DOWN_BPS": rate} for n in range(nodes)}
-    cluster = LocalCluster(
-        nodes,
-        node_env=env,
-        hosts=[net.address(n) for n in range(nodes)],
-        wrappers={n: net.wrapper(n) for n in range(nodes)},
-    )
-    net.start()
-    try:
-        cluster.start()
-        try:
-            cluster.wait_connected()
-            for node in range(nodes):
-                net.shape(node, MBIT)
-            yield [node.socket_path for node in cluster.nodes]
-        finally:
-            cluster.stop()
-    finally:
-        net.stop()
 
 
 def _sent(client: Client) -> int:
@@ -209,7 +169,7 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
     )
     for workers in counts:
         progress(f"{workers} workers: {1 + workers} daemons in namespaces")
-        with shaped_cluster(1 + workers) as sockets:
+        with shaped_cluster([MBIT] * (1 + workers)) as (sockets, _):
             figures = {mode: measure(sockets, mode, iterations, nbytes) for mode in MODES}
         direct, tree = figures["direct"], figures["tree"]
         ratio = direct["mean"] / tree["mean"]

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(240)
 
 COUNT = 20_000
 WORKERS = (1, 2, 3, 4)
+RATE = 1.25e8  #: bytes/s: 1 Gbit/s
 SPEC: dict[str, Any] = {
     "servers": [0],
     "consistency": "bsp",
@@ -51,7 +52,9 @@ def iterate(
 def test_bsp_pulls_go_through_distribution_trees_and_survive_a_dead_distributor(
     make_cluster: Any,
 ) -> None:
-    cluster = make_cluster(5)
+    # every daemon told the same link rate: the plan is known (one distributor for four
+    # pullers), where loopback's measured figures would make it a draw
+    cluster = make_cluster(5, link_up_bps=RATE, link_down_bps=RATE)
     with ranks(cluster, (0, *WORKERS), "ps-trees") as fabs:
         pss = {0: fabs[0].parameter_server("m", (COUNT,), "float64", "server", **SPEC)}
         pss |= {w: fabs[w].parameter_server("m", (COUNT,), "float64", **SPEC) for w in WORKERS}
@@ -68,6 +71,9 @@ def test_bsp_pulls_go_through_distribution_trees_and_survive_a_dead_distributor(
             for w in WORKERS:
                 np.testing.assert_array_equal(models[w], expected)
         assert counter(fabs, "ps_pulls_forwarded") > 0
+        # a forwarded answer is its distributor's, a member's: never refused or dropped
+        assert counter(fabs, "frames_refused_not_member") == 0
+        assert counter(fabs, "ps_frames_dropped") == 0
         (row,) = [r for r in fabs[0].status()["ps_servers"] if r["job"] == "ps-trees"]
         assert row["distribution"] == "tree"
         assert row["trees"]["forwarded"] > 0
