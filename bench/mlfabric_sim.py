@@ -640,6 +640,8 @@ class _Ps:
                 self._denied(action, now)
             elif isinstance(action, Gather):
                 self._gather(action, now)
+            elif not isinstance(action, Granted):
+                raise AssertionError(f"no replica here to copy to: {action}")
             elif action.via is None:
                 self._send_direct(action.worker, action.iteration, now + action.wait)
             else:

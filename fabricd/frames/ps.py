@@ -634,6 +634,12 @@ class Grant(_ShardFrame):
     #: member of group ``group``, not to ``server``
     via: int | None = None
     group: int | None = None
+    #: bounded replication's copy (fabricd/engines/ps/copy_plan.py): microseconds after this
+    #: frame arrives that the replica's copy may go (0: with the push, which may be later),
+    #: or ``None``: held until a copy grant
+    copy_us: int | None = 0
+    #: a copy grant: send the held copy ``wait_us`` microseconds after this frame arrives
+    copy_only: bool = False
 
     def to_meta(self) -> Meta:
         meta = {
@@ -645,6 +651,12 @@ class Grant(_ShardFrame):
         }
         if self.via is not None:
             meta |= {"via": self.via, "grp": self.group}
+        if self.copy_us is None:
+            meta["hold"] = True
+        elif self.copy_us:
+            meta["cw"] = self.copy_us
+        if self.copy_only:
+            meta["co"] = True
         return meta
 
     @classmethod
@@ -658,6 +670,12 @@ class Grant(_ShardFrame):
             wait_us=get_int(meta, "wait", hi=MAX_GRANT_WAIT_US),
             via=via,
             group=None if via is None else get_int(meta, "grp"),
+            copy_us=None
+            if "hold" in meta and get_bool(meta, "hold")
+            else get_int(meta, "cw", hi=MAX_GRANT_WAIT_US)
+            if "cw" in meta
+            else 0,
+            copy_only=get_bool(meta, "co") if "co" in meta else False,
         )
 
 

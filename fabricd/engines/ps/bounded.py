@@ -226,7 +226,8 @@ class ReplicaLog:
     from the primary when asked for), and the copies that came before their entries.  Under
     chain replication every entry comes whole and none waits."""
 
-    def __init__(self) -> None:
+    def __init__(self, need_after: float = NEED_AFTER) -> None:
+        self.need_after = need_after  #: seconds before an entry's copy is given up on
         self.received = 0  #: the last entry received
         self._parked: deque[list[Any]] = deque()  #: [entry, when it is asked for, wait]
         self._copies = Copies()
@@ -250,7 +251,7 @@ class ReplicaLog:
             payload = self._copies.take(entry.worker, entry.iteration, entry.base)
             if payload is not None:
                 entry = replace(entry, payload=payload, copied=False)
-        self._parked.append([entry, now + NEED_AFTER, NEED_AFTER])
+        self._parked.append([entry, now + self.need_after, self.need_after])
 
     def copy(self, worker: int, iteration: int, base: int, payload: bytes | bytearray) -> None:
         """``worker``'s daemon's copy of its push of ``iteration`` from ``base``: it completes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fabricd.engines.ps.scheduler import Gather, Granted
+from fabricd.engines.ps.scheduler import CopyGranted, Gather, Granted
 from fabricd.engines.ps.shard_actions import (
     Acked,
     Answer,
@@ -69,7 +69,7 @@ def to_worker(
     shard: int,
     me: int,
     server: ShardServer,
-    action: Acked | Answer | Notice | Refuse | Granted,
+    action: Acked | Answer | Notice | Refuse | Granted | CopyGranted,
 ) -> tuple[registry.PeerFrame, bytes]:
     """A shard's answer to a worker: PUSHED, PULLED (with the changed parameters, and the
     pulls a distributor forwards it to), a distribution tree's notice (PULLED with ``via``
@@ -83,8 +83,14 @@ def to_worker(
             wait_us=_micros(action.wait),
             via=action.via,
             group=action.group,
+            copy_us=None if action.copy_wait is None else _micros(action.copy_wait),
         )
         return grant, b""
+    if isinstance(action, CopyGranted):
+        copy = ps_frames.Grant(
+            **fields, iteration=action.iteration, wait_us=_micros(action.wait), copy_only=True
+        )
+        return copy, b""
     if isinstance(action, Acked):
         dropped = text(action.dropped)
         pushed = ps_frames.Pushed(

@@ -59,18 +59,18 @@ Actions: the shared :class:`~fabricd.engines.actions.SendFrame` (control link) a
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import Complete, Failure, SendFrame
 from fabricd.engines.deadlines import Deadlines
-from fabricd.engines.ps import aggregating, messages, partners, relaying, routing
+from fabricd.engines.ps import aggregating, copying, messages, partners, relaying, routing
 from fabricd.engines.ps.aggregating import direct_after
 from fabricd.engines.ps.agreement import Agreement
-from fabricd.engines.ps.bounded import DivergenceBound
-from fabricd.engines.ps.consistency import Consistency
+from fabricd.engines.ps.bounded import NEED_AFTER, DivergenceBound
+from fabricd.engines.ps.consistency import SGD, Consistency
+from fabricd.engines.ps.copy_plan import CopyPlanner, need_after
 from fabricd.engines.ps.distributing import PullBatch
 from fabricd.engines.ps.failover import adopt, lose, promote, send_again
 from fabricd.engines.ps.gathering import Gathering
@@ -159,6 +159,8 @@ class PSNode:
         )
         self._direct: Deadlines[tuple[Key, int, int, int]] = Deadlines()
         self.relays = relaying.Relays()  #: distribution trees: answers a distributor forwards
+        #: bounded replication: copies held for the replica until their planned time
+        self.copies = copying.HeldCopies(routing.HELD_PAYLOADS * max_payload)
         self._held = HeldFrames(max_payload)
         self._local: deque[tuple[int, registry.PeerFrame, bytes]] = deque()
         self._out: list[Action] = []
@@ -169,6 +171,7 @@ class PSNode:
             "ps_failovers": 0,
             "ps_pulls_forwarded": 0,  #: distribution trees: answers forwarded as a distributor
             "ps_pulls_redirected": 0,  #: pulls sent again straight: a distributor's did not come
+            "ps_copies_held": 0,  #: bounded replication: copies held for their planned time
         }
         self.agreement = Agreement(node, ranks, self.counters)
 
@@ -276,15 +279,7 @@ class PSNode:
             # of its own: it joins its partner, which sends it the shard's
             replica=rank != int(spec["servers"][shard]) or model.epochs.get(shard, 0) > 0,
             replicated=bool(spec["replicas"]),
-            scheduler=ShardScheduler(
-                server=self.node,
-                delay_bound=spec["delay_bound"],
-                interval=self.schedule_interval,
-                aggregation=spec["aggregation"],
-                synchronous=spec["consistency"] == "bsp",
-            )
-            if spec["scheduling"] == "mlfabric"
-            else None,
+            scheduler=_scheduler(spec, rule, self.node, self.schedule_interval),
             bound=None
             if spec["replication"] != "bounded"
             else DivergenceBound.from_spec(spec["divergence_bound"]),
@@ -293,6 +288,9 @@ class PSNode:
             )
             if spec["distribution"] == "tree"
             else None,
+            need_after=NEED_AFTER
+            if spec["scheduling"] != "mlfabric"
+            else need_after(self.schedule_interval),
         )
         model.ranks[shard] = rank
         self._keep(key, model)
@@ -398,7 +396,7 @@ class PSNode:
                     and action.via is None  # (an aggregate travels whole to the replica)
                     and model.spec["replication"] == "bounded"
                 ):
-                    self._copy(job, model, to, frame, payload)
+                    copying.send(self, job, model, to, frame, payload)
             elif isinstance(action, PushDone | PullDone):
                 if isinstance(action, PullDone):
                     side.out = None
@@ -416,20 +414,6 @@ class PSNode:
                     message=f"shard {action.shard} of {name!r}: {action.reason}",
                 )
                 self._out.append(CallDone(key=key, rank=rank, failure=failure))
-
-    def _copy(
-        self, job: str, model: Model, to: int, push: registry.PeerFrame, payload: bytes
-    ) -> None:
-        """Bounded replication: send the shard's replica (the partner of ``to``, the rank
-        serving it) a copy of ``push``; none while the partner is not known (gone: a replica
-        that joins later gets the entries whole)."""
-        assert isinstance(push, ps_frames.Push)
-        other = model.partner(push.shard, to)
-        if other is not None and (
-            self.ranks.lookup(job, other) is not None or (job, other) in self.suspects
-        ):
-            copy = dataclasses.replace(push, server=other, group=None, copy=True)
-            self._send(job, other, copy, payload)
 
     def _serving(self, job: str, model: Model, shard: int) -> int:
         """Where a worker here sends ``shard``'s frames (module docstring, *Routing*)."""
@@ -801,6 +785,10 @@ class PSNode:
             self.counters["ps_frames_dropped"] += 1  # from the server before a failover
             return
         actions: list[WorkerAction] = []
+        if isinstance(frame, ps_frames.Grant) and (
+            frame.copy_only or side.engine.awaits_grant(frame.shard, frame.iteration)
+        ):
+            copying.granted(self, key, frame, now)  # (when its copy goes: bounded replication)
         if isinstance(frame, ps_frames.Grant) and not side.engine.awaits_grant(
             frame.shard, frame.iteration
         ):
@@ -937,6 +925,7 @@ class PSNode:
             self._direct.next(),
             self.gathering.next_deadline(),
             self.relays.next(),
+            self.copies.next(),
         )
         return min((d for d in due if d is not None), default=None)
 
@@ -948,8 +937,11 @@ class PSNode:
         for key, shard in self._ticks.pop_due(now):
             model = self.models.get(key)
             server = None if model is None else model.servers.get(shard)
-            if server is not None:
-                self._server(key, shard, server.on_timer(now, self.ranks.bandwidth))
+            if model is not None and server is not None:
+                other = model.partner(shard, model.ranks[shard])
+                entry = None if other is None else self.ranks.lookup(key[0], other)
+                replica = None if entry is None else entry.node  # (its copies are planned)
+                self._server(key, shard, server.on_timer(now, self.ranks.bandwidth, replica))
         for heap, act in ((self._paced, Worker.granted), (self._direct, Worker.direct)):
             for key, rank, shard, iteration in heap.pop_due(now):
                 model = self.models.get(key)
@@ -958,6 +950,7 @@ class PSNode:
                     self._worker(key, side, act(side.engine, shard, iteration))
         aggregating.forward(self, self.gathering.on_timer(now))
         relaying.redirect(self, self.relays.due(now))
+        copying.send_due(self, now)
         for early in self._early.expired(now):
             self.counters["ps_early_expired"] += 1
             frame = early.frame
@@ -968,3 +961,29 @@ class PSNode:
                 f"within route_timeout ({self.route_timeout} s)",
             )
         return self._done()
+
+
+def _scheduler(
+    spec: Meta, rule: UpdateRule | None, node: int, interval: float
+) -> ShardScheduler | None:
+    """A shard's MLfabric scheduler (``scheduling="mlfabric"``), planning its replica's copies
+    too under bounded replication (:mod:`fabricd.engines.ps.copy_plan`), or ``None``."""
+    if spec["scheduling"] != "mlfabric":
+        return None
+    copies = None
+    if spec["replication"] == "bounded":
+        sgd = rule if isinstance(rule, SGD) else None
+        copies = CopyPlanner(
+            DivergenceBound.from_spec(spec["divergence_bound"]),
+            momentum=0.0 if sgd is None else sgd.momentum,
+            rate=1.0 if sgd is None else sgd.lr,
+            interval=interval,
+        )
+    return ShardScheduler(
+        server=node,
+        delay_bound=spec["delay_bound"],
+        interval=interval,
+        aggregation=spec["aggregation"],
+        synchronous=spec["consistency"] == "bsp",
+        copies=copies,
+    )

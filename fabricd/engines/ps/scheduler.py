@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from fabricd.engines.monitor.table import DEFAULT_BPS
 from fabricd.engines.scheduling.aggregation import Group, aggregate
@@ -56,7 +56,9 @@ from fabricd.engines.scheduling.timelines import Network
 from fabricd.errors import RemoteProtocolError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Hashable, Iterable
+
+    from fabricd.engines.ps.copy_plan import CopyPlan, CopyPlanner
 
 #: bytes/s a host is planned at, each way, when the monitor has no figures for it
 UNKNOWN_BPS = DEFAULT_BPS
@@ -76,6 +78,19 @@ class Granted:
     wait: float
     via: int | None = None
     group: int | None = None
+    #: bounded replication (:mod:`fabricd.engines.ps.copy_plan`): seconds until the replica's
+    #: copy goes (0: with the push), or ``None``: held until a :class:`CopyGranted`
+    copy_wait: float | None = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CopyGranted:
+    """Tell ``worker``'s daemon to send the replica its held copy of ``iteration`` in
+    ``wait`` seconds (a copy an earlier batch punted)."""
+
+    worker: int
+    iteration: int
+    wait: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,6 +178,7 @@ class ShardScheduler:
         interval: float,
         aggregation: bool = False,
         synchronous: bool = False,
+        copies: CopyPlanner | None = None,
     ) -> None:
         if synchronous and delay_bound is not None:
             raise ValueError("a synchronous batch has no delay bound: it drops nothing")
@@ -171,6 +187,8 @@ class ShardScheduler:
         self.interval = interval
         self.aggregation = aggregation
         self.synchronous = synchronous
+        #: bounded replication's copy plans (async without aggregation), or None
+        self.copies = None if synchronous or aggregation else copies
         self._next_group = 0
         self._batch: dict[tuple[int, int], _Ready] = {}
         self._granted: dict[tuple[int, int], _Grant] = {}
@@ -216,27 +234,35 @@ class ShardScheduler:
         return self._due
 
     def on_timer(
-        self, now: float, version: int, figures: Callable[[int], tuple[float, float] | None]
-    ) -> list[Granted | Denied | Gather]:
+        self,
+        now: float,
+        version: int,
+        figures: Callable[[int], tuple[float, float] | None],
+        replica: int | None = None,
+    ) -> list[Granted | Denied | Gather | CopyGranted]:
         """Decide the batch if its interval is over: grant what Alg. 2 plans (through the
         aggregators Alg. 3 picks, with ``aggregation``), deny what it drops.  ``version`` is
-        the shard's; ``figures`` the monitor's (up, down) per host."""
+        the shard's; ``figures`` the monitor's (up, down) per host; ``replica`` the host of
+        a bounded replica that follows (its copies are planned too: module copy_plan)."""
         if self._due is None or now < self._due:
             return []
         self._due = None
         self._expire(now)
         batch, self._batch = list(self._batch.values()), {}
-        if not batch:
+        copies = self.copies if replica is not None else None
+        if not batch and (copies is None or not copies.pending):
             return []
         self._batches += 1
-        network = self._network(now, batch, figures)
+        extra = [] if copies is None or replica is None else [replica, *copies.hosts]
+        network = self._network(now, batch, figures, extra)
         updates = [
             Update(
                 key=(r.worker, r.iteration), host=r.host, version=r.base, size=r.size, norm=r.norm
             )
             for r in batch
         ]
-        by_key = {(r.worker, r.iteration): r for r in batch}
+        by_key: dict[Hashable, _Ready] = {(r.worker, r.iteration): r for r in batch}
+        copy_plan: CopyPlan | None = None
         if self.synchronous:
             planned_all, groups = self._listed(batch, updates, network)
             dropped: list[tuple[Update, str]] = []
@@ -252,17 +278,21 @@ class ShardScheduler:
             )
             planned_all, dropped = plan.planned, plan.dropped
             groups = self._groups(plan.planned, network)[0] if self.aggregation else []
-        out: list[Granted | Denied | Gather] = []
+            if copies is not None and replica is not None:
+                booked = network if plan.network is None else plan.network
+                copy_plan = copies.plan(now, plan.planned, booked, replica)
+        out: list[Granted | Denied | Gather | CopyGranted] = []
         grouped = {p.update.key for group in groups for p in group.members}
         for planned in planned_all:
             if planned.update.key not in grouped:
-                out.append(self._grant(by_key[planned.update.key], planned, now))  # type: ignore[index]
+                ready = by_key[planned.update.key]
+                out.append(self._grant(ready, planned, now, copies=copy_plan))
         for group in groups:
             number = self._next_group
             self._next_group += 1
             members = []
             for planned in group.members:
-                ready = by_key[planned.update.key]  # type: ignore[index]
+                ready = by_key[planned.update.key]
                 out.append(self._grant(ready, planned, now, via=group.aggregator, group=number))
                 members.append((ready.worker, ready.iteration, ready.base))
             wait = min(max(0.0, group.forward.start - now), MAX_PLAN)
@@ -272,10 +302,30 @@ class ShardScheduler:
             end = min(group.forward.end, now + MAX_PLAN)
             start = min(group.forward.start, end)
             self.expect(number, group.aggregator, tuple(members), group.forward.size, end, start)
+        out += self._deny(dropped, by_key)
+        if copy_plan is not None:
+            for key, wait in copy_plan.later.items():
+                worker, iteration = cast("tuple[int, int]", key)
+                out.append(CopyGranted(worker=worker, iteration=iteration, wait=wait))
+            if copies is not None and copies.pending and self._due is None:
+                self._due = now + self.interval  # punted copies go with the next batch at last
+        self._decided += len(batch)
+        for ready in batch:
+            latency = now - ready.at
+            self._latency_sum += latency
+            self._latency_max = max(self._latency_max, latency)
+        return out
+
+    def _deny(
+        self, dropped: list[tuple[Update, str]], by_key: dict[Hashable, _Ready]
+    ) -> list[Denied]:
+        out = []
         for update, reason in dropped:
-            ready = by_key[update.key]  # type: ignore[index]
+            ready = by_key[update.key]
             self._worker.pop(ready.worker, None)  # decided: its next push may come
             self._denied[reason] = self._denied.get(reason, 0) + 1
+            if self.copies is not None:
+                self.copies.forget(update.key)
             out.append(
                 Denied(
                     worker=ready.worker,
@@ -284,11 +334,6 @@ class ShardScheduler:
                     reason=f"dropped by the scheduler: {reason}",
                 )
             )
-        self._decided += len(batch)
-        for ready in batch:
-            latency = now - ready.at
-            self._latency_sum += latency
-            self._latency_max = max(self._latency_max, latency)
         return out
 
     def _grant(
@@ -299,19 +344,33 @@ class ShardScheduler:
         *,
         via: int | None = None,
         group: int | None = None,
+        copies: CopyPlan | None = None,
     ) -> Granted:
-        """Grant ``ready`` its planned transfer (to the server, or to aggregator ``via``)."""
-        end = min(planned.transfer.end, now + MAX_PLAN)
+        """Grant ``ready`` its planned transfer (to the server, or to aggregator ``via``), and
+        (``copies``) say when its copy goes to the replica; the batch's last push may wait for
+        the replica (copy_plan's ``delay``)."""
+        start = planned.transfer.start
+        copy_wait: float | None = 0.0
+        if copies is not None:
+            copy_wait = copies.waits.get(planned.update.key, 0.0)
+            if copies.delay is not None and copies.delay[0] == planned.update.key:
+                start = max(start, copies.delay[1])
+        # (a delayed push is planned later by as much: the network it leaves is the batch's)
+        end = min(planned.transfer.end + (start - planned.transfer.start), now + MAX_PLAN)
         self._granted[(ready.worker, ready.iteration)] = _Grant(
             ready=ready,
             dst=self.server if via is None else via,
-            start=min(planned.transfer.start, end),
+            start=min(start, end),
             end=end,
         )
         self._grants += 1
-        wait = max(0.0, planned.transfer.start - now)
         return Granted(
-            worker=ready.worker, iteration=ready.iteration, wait=wait, via=via, group=group
+            worker=ready.worker,
+            iteration=ready.iteration,
+            wait=min(max(0.0, start - now), MAX_PLAN),
+            via=via,
+            group=group,
+            copy_wait=copy_wait if copy_wait is None else min(copy_wait, MAX_PLAN),
         )
 
     def _listed(
@@ -368,6 +427,7 @@ class ShardScheduler:
             interval=self.interval,
             aggregation=self.aggregation,
             synchronous=self.synchronous,
+            copies=None if self.copies is None else self.copies.fresh(),
         )
         # its counters go on (status and metrics never go back)
         fresh._ready, fresh._grants, fresh._batches = self._ready, self._grants, self._batches
@@ -441,10 +501,12 @@ class ShardScheduler:
         now: float,
         batch: list[_Ready],
         figures: Callable[[int], tuple[float, float] | None],
+        extra: Iterable[int] = (),
     ) -> Network:
         """The star network's timelines from ``now``: the monitor's figures for the hosts the
-        batch and the outstanding grants use, the outstanding grants reserved again."""
-        hosts = {self.server, *(r.host for r in batch)}
+        batch, the outstanding grants and ``extra`` use, the outstanding grants reserved
+        again."""
+        hosts = {self.server, *(r.host for r in batch), *extra}
         hosts |= {g.ready.host for g in self._granted.values()}
         hosts |= {g.dst for g in self._granted.values()}
         hosts |= {g.aggregator for g in self._gathers.values()}

@@ -54,7 +54,7 @@ import numpy as np
 
 from fabricd.engines.ps import push as ps_push
 from fabricd.engines.ps import snapshot as ps_snapshot
-from fabricd.engines.ps.bounded import DivergenceBound, Lead, ReplicaLog
+from fabricd.engines.ps.bounded import NEED_AFTER, DivergenceBound, Lead, ReplicaLog
 from fabricd.engines.ps.consistency import (
     SGD,
     Apply,
@@ -69,7 +69,7 @@ from fabricd.engines.ps.consistency import (
     step_model,
 )
 from fabricd.engines.ps.filters import LOW_MAX, FilterSettings, ParameterFilter
-from fabricd.engines.ps.scheduler import Gather, Granted
+from fabricd.engines.ps.scheduler import CopyGranted, Gather, Granted
 from fabricd.engines.ps.shard_actions import (
     FLUSH,
     LOSE,
@@ -133,6 +133,7 @@ class ShardServer:
         scheduler: ShardScheduler | None = None,
         bound: DivergenceBound | None = None,
         trees: PullBatch | None = None,
+        need_after: float = NEED_AFTER,
     ) -> None:
         settings = settings or FilterSettings()
         if bound is not None and bound.norm is not None and rule is None:
@@ -183,7 +184,7 @@ class ShardServer:
         #: received that wait for theirs (with when they started to wait)
         momentum = rule.momentum if isinstance(rule, SGD) else 0.0
         self._lead = None if bound is None else Lead(bound, momentum)
-        self._log = ReplicaLog()  #: replica: the entries received, waiting for copies
+        self._log = ReplicaLog(need_after)  #: replica: the entries received, awaiting copies
         self._applied_upto = 0  #: primary: the last entry processed here
         #: bounded replication: the entries received a promotion dropped (their copies lost)
         self.rolled_back = 0
@@ -313,7 +314,10 @@ class ShardServer:
         return min((d for d in due if d is not None), default=None)
 
     def on_timer(
-        self, now: float, figures: Callable[[int], tuple[float, float] | None]
+        self,
+        now: float,
+        figures: Callable[[int], tuple[float, float] | None],
+        replica: int | None = None,
     ) -> list[Action]:
         """The scheduler's batch, decided: grants go to the workers, drops into the log (an
         entry like a push's, without payload, that says why: replicated and acknowledged like
@@ -330,8 +334,12 @@ class ShardServer:
                 out.append(answer)
         if self.scheduler is None:
             return out
-        for decision in self.scheduler.on_timer(now, self.coordinator.version, figures):
-            if isinstance(decision, Granted | Gather):
+        # (bounded replication: the copies are planned while the replica, at host ``replica``,
+        # follows; not while it joins, nor once it was given up)
+        following = replica if self.replicated and self.synced else None
+        decisions = self.scheduler.on_timer(now, self.coordinator.version, figures, following)
+        for decision in decisions:
+            if isinstance(decision, Granted | Gather | CopyGranted):
                 out.append(decision)
                 continue
             worker, iteration = decision.worker, decision.iteration

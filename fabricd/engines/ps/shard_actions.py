@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from fabricd.engines.ps.scheduler import Gather, Granted
+from fabricd.engines.ps.scheduler import CopyGranted, Gather, Granted
 
 if TYPE_CHECKING:
     from fabricd.engines.ps.consistency import CoordinatorStatistics
@@ -144,7 +144,18 @@ class Snapshot:
 
 
 Action = (
-    Forward | Logged | Need | Acked | Answer | Notice | Refuse | Step | Snapshot | Granted | Gather
+    Forward
+    | Logged
+    | Need
+    | Acked
+    | Answer
+    | Notice
+    | Refuse
+    | Step
+    | Snapshot
+    | Granted
+    | CopyGranted
+    | Gather
 )
 
 
