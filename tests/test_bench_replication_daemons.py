@@ -31,4 +31,5 @@ def test_quick_mode_reports_the_primarys_bytes_for_chain_and_bounded() -> None:
         for replica in (f["replica_chain_kb"], f["replica_bounded_kb"]):
             assert update <= replica < 1.2 * update
         assert row["ratio"] == pytest.approx(f["chain_kb"] / f["bounded_kb"])
+        assert f["sched_t"] > 0  # the scheduled bounded setup ran too (its copies planned)
         assert f"[replication-daemons] {row['label']}: " in progress

@@ -62,7 +62,7 @@ def batch_of(pulls: dict[int, tuple[int, int]], timed: TimedStore) -> list[Answe
     def figures(host: int) -> tuple[float, float] | None:
         return SLOW if host == SERVER else None
 
-    return trees.decide(0.0, timed, figures)
+    return trees.decide(0.0, timed, figures, live)
 
 
 def deliveries(out: list[Answer | Notice]) -> dict[int, int]:
@@ -96,7 +96,7 @@ def test_a_batch_reaches_every_puller_once_at_one_version_through_distributors()
             engine = make_worker(worker)
             engine.versions = [2]
             engine.pull()
-            engine.pulled(0, 0, answer.data, cache)
+            engine.pulled(0, 0, answer.data, cache, older=True)
             np.testing.assert_array_equal(cache, timed.model)
 
 
@@ -119,10 +119,12 @@ def test_a_direct_pull_or_one_from_an_unknown_or_the_servers_host_is_answered_at
     trees.pulled(2, SERVER, direct=False)
     assert not trees.hold(reply(2), 0.0, live)
     trees.pulled(3, 6, direct=False)
-    assert trees.hold(reply(3), 0.0, live)
-    assert trees.next_deadline() == 1.0  # one interval: others may come
+    assert trees.hold(reply(3), 0.0, live | {4})
+    assert trees.next_deadline() == 1.0  # one interval: worker 4 may come
+    assert trees.hold(reply(3), 0.5, live)  # sent again: every live worker pulled (three
+    assert trees.next_deadline() == 0.5  # of them straight): no other can come, due now
     trees.pulled(3, 6, direct=True)  # its distributor did not deliver: out of the batch
-    assert trees.decide(1.0, store(), lambda host: None) == []
+    assert trees.decide(1.0, store(), lambda host: None, live) == []
 
 
 def test_a_cache_past_a_restored_version_is_answered_whole() -> None:
@@ -143,11 +145,13 @@ def test_a_delta_from_an_older_version_applies_and_a_newer_cache_refuses_an_olde
     worker.pull()
     worker.pulled(0, 0, timed.pull(0), cache)  # the cache at 4
     worker.pull()
-    assert worker.pulled(0, 0, old, cache) == []  # up to 3 only: it does not fit a cache at 4
+    assert worker.pulled(0, 0, old, cache, older=True) == []  # up to 3: no fit for a cache at 4
     assert worker.awaits_pull(0, 0)
     assert worker.repull(0, 0) == [SendPull(shard=0, clock=0, since=4, direct=True)]
     timed.publish(np.arange(30, 34), np.full(4, 7.0))
-    worker.pulled(0, 0, timed.pull(2), cache)  # from 2 to 5: fits a cache at 4
+    newer = timed.pull(2)  # from 2 to 5: fits a cache at 4 as a tree's answer, and only so
+    assert worker.pulled(0, 0, newer, cache) == []  # (straight: an earlier pull's, sent again)
+    worker.pulled(0, 0, newer, cache, older=True)
     np.testing.assert_array_equal(cache, timed.model)
     assert worker.repull(0, 0) == []  # answered: nothing to send again
 
@@ -254,13 +258,13 @@ def test_a_distributor_that_never_forwards_costs_its_pullers_a_direct_pull(
 def test_pullers_of_a_lost_distributor_pull_straight_at_once() -> None:
     fabric = tree_fabric()
     for _ in range(400):  # until some answer is on its way through a distributor
-        waits = [w for n in fabric.nodes.values() for w in n.relays._via.values()]
+        waits = [w for n in fabric.nodes.values() for w in n.relays._waits.values()]
         if waits:
             break
         for w in range(6):
             fabric.step(w)
         assert fabric.deliver(0) or fabric.tick()
-    via = waits[0][0]
+    via = waits[0].via
     redirected = counted(fabric, "ps_pulls_redirected")
     fabric.lose(via)
     assert counted(fabric, "ps_pulls_redirected") > redirected  # told it is gone: at once
@@ -285,8 +289,10 @@ def one_version_per_batch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     sizes: list[int] = []
     decide = PullBatch.decide
 
-    def checked(self: PullBatch, now: float, timed: TimedStore, figures: Any) -> Any:
-        out = decide(self, now, timed, figures)
+    def checked(
+        self: PullBatch, now: float, timed: TimedStore, figures: Any, live: frozenset[int]
+    ) -> Any:
+        out = decide(self, now, timed, figures, live)
         assert {a.version for a in out} <= {timed.version}
         got = deliveries(out)
         assert set(got.values()) <= {1}, got
@@ -324,3 +330,93 @@ def test_trees_under_resets_duplicates_and_lost_workers_answer_every_pull_once(
         fabric.drain()
         fabric.check_settled()
         assert sizes
+
+
+# -- the review's findings --------------------------------------------------------------------
+def evil_answer(fabric: Fabric) -> bytes:
+    """A delta that sets every parameter of shard 0 to 666, from version 0 to 1."""
+    lo, hi = fabric.bounds[0]
+    evil = TimedStore(np.zeros(hi - lo), chunk=1)
+    evil.publish(np.arange(hi - lo), np.full(hi - lo, 666.0))
+    return bytes(evil.pull(0))
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_an_answer_forwarded_as_a_rank_no_notice_named_is_never_applied(tree: bool) -> None:
+    """A node hosting a worker of the model forwards an answer nobody asked it for: held for a
+    notice that never comes, then dropped (a direct model's at once); the pull is untouched."""
+    fabric = tree_fabric(tree=tree)
+    fabric.step(1)  # worker 1 pulls
+    node = fabric.nodes[1]
+    forged = dataclasses.replace(
+        pulled(via=3), job=KEY[0], name=KEY[1], worker=1, server=6, clock=0, version=1
+    )
+    dropped = node.counters["ps_frames_dropped"]
+    node.on_frame(3, forged, evil_answer(fabric), fabric.now)
+    node.on_timer(fabric.now + relaying.EARLY_HOLD + 1)
+    assert node.counters["ps_frames_dropped"] == dropped + 1
+    assert fabric.workers[1].engine.awaits_pull(0, 0)
+    assert not np.any(fabric.workers[1].cache == 666.0)
+
+
+def test_a_forward_list_is_honoured_only_from_the_server_and_within_the_rules() -> None:
+    fabric = tree_fabric()
+    node = fabric.nodes[0]
+    fabric.step(0)
+    payload = evil_answer(fabric)  # (well-formed: the server's own answer is taken)
+    # from worker 3's node, as "server" 3: dropped before anything is forwarded
+    amplifier = ps_frames.Pulled(
+        job=KEY[0],
+        name=KEY[1],
+        shard=0,
+        server=3,
+        worker=0,
+        epoch=0,
+        clock=0,
+        version=0,
+        forward=((1, 0),) * ps_frames.MAX_MEMBERS,
+    )
+    out = node.on_frame(3, amplifier, payload, fabric.now)
+    assert not [a for a in out if hasattr(a, "payload")]
+    # from the real server, a list naming a worker twice: answered, not forwarded
+    twice = dataclasses.replace(amplifier, server=6, forward=((1, 0), (1, 0)))
+    out = node.on_frame(6, twice, payload, fabric.now)
+    assert not [a for a in out if getattr(a, "node", None) == 1]
+    assert node.counters["ps_pulls_forwarded"] == 0
+
+
+def test_a_lost_workers_pull_is_not_answered_nor_made_a_distributor() -> None:
+    timed = store()
+    trees = PullBatch(server=SERVER, interval=1.0, unknown_bps=1e9)
+    everyone = frozenset(range(6))
+    for worker in range(6):
+        trees.pulled(worker, worker, direct=False)
+        trees.hold(reply(worker, since=2), 0.0, everyone)
+    out = trees.decide(1.0, timed, lambda h: SLOW if h == SERVER else None, everyone - {0})
+    assert 0 not in deliveries(out)
+    assert all(n.via != 0 for n in out if isinstance(n, Notice))
+    assert deliveries(out) == dict.fromkeys(range(1, 6), 1)
+    stats = trees.statistics()
+    assert stats.pulls == 5
+
+
+def test_a_notice_naming_a_rank_gone_sends_the_pull_straight_at_once() -> None:
+    fabric = tree_fabric()
+    fabric.step(1)
+    node = fabric.nodes[1]
+    del node.ranks.nodes[3]  # type: ignore[attr-defined]  # rank 3 is gone here
+    notice = dataclasses.replace(
+        pulled(via=3, expect_us=10_000_000), job=KEY[0], name=KEY[1], worker=1, server=6, clock=0
+    )
+    out = node.on_frame(6, notice, b"", fabric.now)
+    assert node.counters["ps_pulls_redirected"] == 1
+    sent = [a.frame for a in out if isinstance(getattr(a, "frame", None), ps_frames.Pull)]
+    assert [p.direct for p in sent] == [True]
+
+
+def test_a_tree_counts_every_pull_it_answers() -> None:
+    fabric, plain = tree_fabric(), tree_fabric(tree=False)
+    for each in (fabric, plain):
+        each.drain()
+    pulls = [sum(f.serving(s).statistics().pulls for s in range(2)) for f in (fabric, plain)]
+    assert pulls[0] == pulls[1]

@@ -73,8 +73,9 @@ class _Pull:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TreeStatistics:
-    """What a shard's trees did: batches decided, pulls answered through them, those a
-    distributor forwarded, and the bytes the server sent for them."""
+    """What a shard's trees did: batches decided, pulls answered through them, those another
+    worker's daemon forwarded (a distributor's, or a host-mate's hand-over), and the bytes the
+    server sent for them."""
 
     batches: int
     pulls: int
@@ -98,6 +99,7 @@ class PullBatch:
         self._batch: dict[int, _Pull] = {}  #: worker -> its pull in the batch
         self._hosts: dict[int, int] = {}  #: worker -> the node its last pull came from
         self._direct: set[int] = set()  #: workers whose pull now is to be answered straight
+        self._straight: set[int] = set()  #: workers answered straight since the batch opened
         self._due: float | None = None
         self._batches = self._pulls = self._forwarded = self._server_bytes = 0
 
@@ -117,13 +119,19 @@ class PullBatch:
         host = self._hosts.get(worker)
         if worker in self._direct or host is None or host == self.server:
             self._direct.discard(worker)
+            self._straight.add(worker)
+            self._due_if_all(live, now)
             return False
         self._batch[worker] = _Pull(worker, reply.clock, reply.since, host)
         if self._due is None:
             self._due = now + self.interval
-        if live <= self._batch.keys():
-            self._due = now
+        self._due_if_all(live, now)
         return True
+
+    def _due_if_all(self, live: frozenset[int], now: float) -> None:
+        """A batch is due at once when every live worker pulled (into it, or straight)."""
+        if self._batch and live <= self._batch.keys() | self._straight:
+            self._due = now
 
     def next_deadline(self) -> float | None:
         return self._due
@@ -132,6 +140,7 @@ class PullBatch:
         """Forget the batch (the shard's state was replaced: its workers pull again)."""
         self._batch.clear()
         self._direct.clear()
+        self._straight.clear()
         self._due = None
 
     def decide(
@@ -139,12 +148,16 @@ class PullBatch:
         now: float,
         store: TimedStore,
         figures: Callable[[int], tuple[float, float] | None],
+        live: frozenset[int],
     ) -> list[Answer | Notice]:
-        """The batch's answers if its interval is over (module docstring)."""
+        """The batch's answers if its interval is over (module docstring); the pulls of
+        workers no longer ``live`` are not answered (a lost worker is no distributor)."""
         if self._due is None or now < self._due:
             return []
         self._due = None
-        pulls, self._batch = list(self._batch.values()), {}
+        self._straight.clear()
+        pulls = [p for p in self._batch.values() if p.worker in live]
+        self._batch = {}
         if not pulls:
             return []
         self._batches += 1
@@ -196,9 +209,8 @@ class PullBatch:
             served += branches.get(host, [])
             since = min(p.since for p in (lead, *served))
             forward = tuple((p.worker, p.clock) for p in served)
-            out.append(self._answer(lead, store.pull(since), version, forward))
             self._forwarded += len(served)
-            for pull in served:
+            for pull in served:  # (the notices first: a host-mate's goes on the lead's link)
                 expect = min(max(ends[pull.host] - now, 0.0), MAX_EXPECT) + grace
                 out.append(
                     Notice(
@@ -209,6 +221,7 @@ class PullBatch:
                         expect=expect,
                     )
                 )
+            out.append(self._answer(lead, store.pull(since), version, forward))
         self._pulls += sum(len(g) for g in by_host.values())
         return out
 

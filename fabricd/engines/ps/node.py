@@ -627,8 +627,6 @@ class PSNode:
         )
         if not self._sent_by(node, frame.job, sender):
             return
-        if isinstance(frame, ps_frames.Pulled) and frame.forward:
-            relaying.forward(self, frame, payload)  # this daemon is a distributor
         if isinstance(frame, ps_frames.Pushed | ps_frames.Pulled | ps_frames.Grant):
             self._at_worker(frame, payload, now)
         elif isinstance(frame, ps_frames.Replicate):
@@ -784,6 +782,8 @@ class PSNode:
         if frame.server != model.target(frame.shard):
             self.counters["ps_frames_dropped"] += 1  # from the server before a failover
             return
+        if isinstance(frame, ps_frames.Pulled) and frame.forward:
+            relaying.forward(self, frame, payload)  # this daemon is a distributor
         actions: list[WorkerAction] = []
         if isinstance(frame, ps_frames.Grant) and (
             frame.copy_only or side.engine.awaits_grant(frame.shard, frame.iteration)
@@ -811,7 +811,9 @@ class PSNode:
         elif side.out is None:
             actions = []  # an answer nobody waits for (the client left, or sent again)
         else:
-            actions = side.engine.pulled(frame.shard, frame.clock, payload, side.out)
+            # a tree's answer is a delta from its branch's oldest cache: it may be older
+            older = bool(frame.forward) or frame.forwarded
+            actions = side.engine.pulled(frame.shard, frame.clock, payload, side.out, older=older)
         self._worker(key, side, actions)
 
     @staticmethod
@@ -949,7 +951,7 @@ class PSNode:
                 if side is not None:
                     self._worker(key, side, act(side.engine, shard, iteration))
         aggregating.forward(self, self.gathering.on_timer(now))
-        relaying.redirect(self, self.relays.due(now))
+        relaying.on_timer(self, now)
         copying.send_due(self, now)
         for early in self._early.expired(now):
             self.counters["ps_early_expired"] += 1

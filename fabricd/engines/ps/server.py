@@ -328,9 +328,10 @@ class ShardServer:
             return [Need(index=index) for index in self._log.needs(now)]
         out: list[Action] = []
         if self.trees is not None:
-            for answer in self.trees.decide(now, self.store, figures):
-                self._pulls += isinstance(answer, Answer)
-                self._pull_bytes += len(answer.data) if isinstance(answer, Answer) else 0
+            for answer in self.trees.decide(now, self.store, figures, self.coordinator.live):
+                if isinstance(answer, Answer):  # (a pull forwarded counts as answered)
+                    self._pulls += 1 + len(answer.forward)
+                    self._pull_bytes += len(answer.data)
                 out.append(answer)
         if self.scheduler is None:
             return out

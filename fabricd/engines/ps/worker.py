@@ -363,10 +363,20 @@ class Worker:
         ]
 
     def pulled(
-        self, shard: int, clock: int, data: bytes | bytearray | memoryview, cache: Array
+        self,
+        shard: int,
+        clock: int,
+        data: bytes | bytearray | memoryview,
+        cache: Array,
+        *,
+        older: bool = False,
     ) -> list[Action]:
         """``shard``'s answer to the pull at ``clock``: apply it to ``cache`` (the worker's
-        array, whole).  An answer to no pull in flight is ignored.
+        array, whole).  An answer to no pull in flight is ignored, and so is one built since
+        another version than the cache's (sent again for an earlier pull of this clock) unless
+        ``older`` says it may be built since an older one (a distribution tree's, taken against
+        the server's notice: a reply carries values, not increments, so it fits any cache from
+        its base up to its version).
 
         Raises:
             RemoteProtocolError: the answer is malformed or does not fit the cache's version
@@ -375,9 +385,10 @@ class Worker:
         if shard not in self._pulling or clock != self._pull_clock:
             return []
         header = PULL_HEADER.unpack_from(data) if len(data) >= PULL_HEADER.size else None
-        if header is not None and not header[5] <= self.versions[shard] <= header[6]:
-            # an answer sent again for an earlier pull of this clock, from another cache; one
-            # built since an older version than the cache's fits it (a distribution tree's)
+        cached = self.versions[shard]
+        if header is not None and not (
+            header[5] <= cached <= header[6] if older else header[5] == cached
+        ):
             return []
         lo, hi = self.bounds[shard]
         version = apply_delta(data, cache.reshape(-1)[lo:hi], self.versions[shard])
