@@ -420,3 +420,43 @@ def test_a_tree_counts_every_pull_it_answers() -> None:
         each.drain()
     pulls = [sum(f.serving(s).statistics().pulls for s in range(2)) for f in (fabric, plain)]
     assert pulls[0] == pulls[1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([Consistency.ASYNC, Consistency.BSP]),
+    st.booleans(),
+    st.booleans(),
+    st.data(),
+)
+def test_trees_with_replicas_kills_joins_and_callbacks_answer_every_pull_once(
+    consistency: Consistency, callback: bool, bounded: bool, data: st.DataObject
+) -> None:
+    """Trees on replicated shards (chain, or bounded under async) with primaries killed and
+    brought back, late replicas joining, update callbacks, and resets between any two nodes:
+    every pull answered once, every push applied once (the review's fuzz, kept)."""
+    fabric = Fabric(
+        workers=5,
+        shards=2,
+        size=5,
+        rounds=3,
+        consistency=consistency,
+        delay_bound=3 if consistency is Consistency.ASYNC else None,
+        replicas=True,
+        scheduled=True,
+        tree=True,
+        interval=20.0,
+        callback=callback,
+        divergence_bound=[None, 2] if bounded and consistency is Consistency.ASYNC else None,
+    )
+    for server in (5, 6, 7, 8):
+        fabric.figures[server] = (30.0, 1e6)
+    script = data.draw(moves(5, 2, failover=True, joins=True))
+    pairs = st.tuples(st.just("between"), st.integers(0, 8), st.integers(0, 8))
+    for move in script + data.draw(st.lists(pairs, max_size=4)):
+        if move[0] != "between":
+            run(fabric, [move])
+        elif move[1] != move[2] and move[1] in fabric.nodes and move[2] in fabric.nodes:
+            fabric._reset(move[1], move[2])
+    fabric.drain()
+    fabric.check_settled()
