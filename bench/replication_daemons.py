@@ -10,6 +10,10 @@ each).  Each worker pushes ``--rounds`` dense updates, all workers at once each 
 * ``chain``: a replica, chain replication (the default: the primary forwards each push);
 * ``bounded``: a replica, ``replication="bounded"`` with a bound of ``2 W`` updates: the
   workers' daemons send the replica copies, the primary forwards the order only;
+* ``none sched`` and ``bounded sched``: no replica, and bounded replication, under
+  ``scheduling="mlfabric"``: the pushes paced by the shard's scheduler (a round waits for its
+  batch's decision) and, bounded, the copies planned into its grants after them
+  (fabricd/engines/ps/copy_plan.py); the latter's time is over the former's;
 * ``ckpt k`` (k = 1, 10): no replica; every k rounds a rank pulls the whole model and writes it
   to a file, fsynced (what a checkpoint of the server's state costs, done from outside).
 
@@ -61,7 +65,7 @@ ROUNDS: Final = 100
 QUICK_ROUNDS: Final = 4
 NBYTES: Final = 1 * MiB
 QUICK_NBYTES: Final = 64 * 1024
-SETUPS: Final = ("none", "chain", "bounded", "ckpt 1", "ckpt 10")
+SETUPS: Final = ("none", "chain", "bounded", "none sched", "bounded sched", "ckpt 1", "ckpt 10")
 PASSES: Final = 5
 QUICK_PASSES: Final = 1
 #: replication-netns: every link's shaped rate (Mbit/s), the rounds and passes of a setup
@@ -85,7 +89,7 @@ def measure(
     seconds per round."""
     import fabricd
 
-    replicated = setup in ("chain", "bounded")
+    replicated = setup in ("chain", "bounded", "bounded sched")
     count = nbytes // 4
     first = 2 if replicated else 1  # the first worker rank
     size = first + workers
@@ -99,7 +103,9 @@ def measure(
         spec: dict[str, Any] = {"servers": [0], "consistency": "async"}
         if replicated:
             spec["replicas"] = [1]
-        if setup == "bounded":
+        if setup.endswith("sched"):  # (bounded: the copies planned into the grants)
+            spec["scheduling"] = "mlfabric"
+        if setup.startswith("bounded"):
             spec["replication"] = "bounded"
             spec["divergence_bound"] = fabricd.DivergenceBound(updates=2 * workers)
         roles = ["server", *(["replica"] if replicated else [])]
@@ -194,6 +200,7 @@ def _table(name: str, where: str, quick: bool) -> Table:
             Column("ckpt1_kb", "ckpt/1 KB/upd"),
             Column("chain_t", "chain time x"),
             Column("bounded_t", "bounded time x"),
+            Column("sched_t", "bounded sched time x (vs none sched)"),
             Column("ckpt1_t", "ckpt/1 time x"),
             Column("ckpt10_t", "ckpt/10 time x"),
         ],
@@ -248,6 +255,7 @@ def _sweep(
             ckpt1_kb=figures["ckpt 1"]["primary"] / 1e3,
             chain_t=figures["chain"]["round_s"] / base,
             bounded_t=figures["bounded"]["round_s"] / base,
+            sched_t=figures["bounded sched"]["round_s"] / figures["none sched"]["round_s"],
             ckpt1_t=figures["ckpt 1"]["round_s"] / base,
             ckpt10_t=figures["ckpt 10"]["round_s"] / base,
         )
