@@ -21,7 +21,7 @@ from fabricd.engines.ps.worker import SendPull, Worker
 from fabricd.engines.scheduling.replication import divergence
 from fabricd.errors import RemoteProtocolError, UsageError
 from fabricd.frames import ps as ps_frames
-from tests.unit.ps_fabric import Fabric
+from tests.unit.ps_fabric import KEY, Fabric
 from tests.unit.test_ps_server import moves, ones, payload, run
 
 SIZE = 4
@@ -443,3 +443,72 @@ def test_kills_joins_and_callbacks_at_any_point_lose_only_what_the_bound_allows(
         check_lead(fabric, bound)
     fabric.drain()
     fabric.check_settled()
+
+
+# -- the review's findings --------------------------------------------------------------------
+def test_a_shard_alone_leads_nobody_and_a_rejoined_replica_starts_level() -> None:
+    """With its replica lost a primary keeps no lead (it grew by one per push, for ever, and
+    held the first push after the replica came back); the snapshot a replica rejoins with
+    makes it level."""
+    primary, replica = bounded_pair(DivergenceBound(updates=2))
+    primary.replica_lost(0.0)
+    for it in range(50):
+        assert acks(primary.push(0, it, primary.version, ones(), 0.0))
+    stats = primary.statistics()
+    assert (stats.lag, stats.divergence) == (0, 0.0)
+    [snapshot, *_] = primary.joined()
+    assert isinstance(snapshot, Snapshot)
+    assert replica.restore(snapshot.index, snapshot.data)
+    assert acks(primary.push(1, 0, primary.version, ones(), 1.0))  # applied at once
+    assert primary.statistics().lag == 1
+
+
+def test_only_the_shards_partner_confirms_or_replicates() -> None:
+    """A worker's node forging a REPLICATED (which would clear the lead) or a REPLICATE as
+    the primary is dropped and counted; the primary stays within the bound."""
+    fabric = bounded([None, 1])
+    node = fabric.nodes[fabric.servers[0]]
+    primary = fabric.serving(0)
+    for _ in range(200):
+        for w in range(3):
+            fabric.step(w)
+        if primary.statistics().lag or not fabric.deliver(0):
+            break
+    version = primary.version
+    dropped = node.counters["ps_frames_dropped"]
+    forged = ps_frames.Replicated(
+        job=KEY[0], name=KEY[1], shard=0, server=fabric.servers[0], replica=1, index=10**6
+    )
+    node.on_frame(1, forged, b"", fabric.now)
+    assert node.counters["ps_frames_dropped"] == dropped + 1
+    assert primary.version == version
+    replica_node = fabric.nodes[fabric.replica_ranks[0]]
+    dropped = replica_node.counters["ps_frames_dropped"]
+    entry = ps_frames.Replicate(
+        job=KEY[0],
+        name=KEY[1],
+        shard=0,
+        server=2,  # a worker, not the primary
+        replica=fabric.replica_ranks[0],
+        index=1,
+        entry="lose",
+        worker=0,
+        iteration=0,
+        base=0,
+        spec=fabric.spec,
+        reason="forged",
+    )
+    replica_node.on_frame(2, entry, b"", fabric.now)
+    assert replica_node.counters["ps_frames_dropped"] == dropped + 1
+
+
+def test_a_bound_under_bsp_or_ssp_is_refused_by_the_engine_too() -> None:
+    for consistency in (Consistency.BSP, Consistency.SSP):
+        with pytest.raises(UsageError, match="async"):
+            ShardServer(
+                initial=np.zeros(SIZE),
+                workers=range(2),
+                consistency=consistency,
+                rule=Sum(),
+                bound=DivergenceBound(updates=1),
+            )

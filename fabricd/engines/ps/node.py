@@ -637,7 +637,13 @@ class PSNode:
             key = (frame.job, frame.name)
             model = self.models.get(key)
             server = None if model is None else model.servers.get(frame.shard)
-            if server is None or not server.primary:
+            if (
+                model is None
+                or server is None
+                or not server.primary
+                or model.ranks[frame.shard] != frame.server
+                or model.partner(frame.shard, frame.server) != frame.replica
+            ):  # (only the shard's partner confirms: any other could clear the bound's lead)
                 self.counters["ps_frames_dropped"] += 1
                 return
             if frame.need:

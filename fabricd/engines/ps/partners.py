@@ -38,10 +38,16 @@ def _partner_shard(
 
 
 def at_replica(node: PSNode, frame: ps_frames.Replicate, payload: bytes, now: float) -> None:
+    """The shard's partner's entry or snapshot: taken only from the rank that is this rank's
+    partner for the shard (any other rank of the job could forge a log, or demote a primary
+    with a snapshot of a later epoch)."""
     found = _partner_shard(node, frame)
     if found is None:
         return
     key, model, server = found
+    if model.partner(frame.shard, model.ranks[frame.shard]) != frame.server:
+        node.counters["ps_frames_dropped"] += 1
+        return
     if frame.entry == "snapshot":
         if server.restore(frame.index, payload):
             node._log(

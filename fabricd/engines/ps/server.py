@@ -136,6 +136,11 @@ class ShardServer:
         need_after: float = NEED_AFTER,
     ) -> None:
         settings = settings or FilterSettings()
+        if bound is not None and consistency is not Consistency.ASYNC:
+            raise UsageError(
+                "a divergence bound takes consistency async (a rollback would "
+                "leave a synchronous iteration waiting for ever)"
+            )
         if bound is not None and bound.norm is not None and rule is None:
             raise UsageError(
                 "a divergence bound's norm needs update_rule 'sum' or 'sgd' (a callback's "
@@ -502,6 +507,8 @@ class ShardServer:
         self._join_pending = False
         self.synced = True
         processed = self._applied_upto
+        if self._lead is not None:  # the replica is what the snapshot says: level up to it
+            self._lead.reset(processed, self._momentum_norm())
         out: list[Action] = [Snapshot(index=processed, data=ps_snapshot.encode(self.state()))]
         # (bounded: the entries applied here and not confirmed are in the snapshot, and go
         # again too: they stay until confirmed, for a replica whose snapshot a reset lost)
@@ -849,11 +856,12 @@ class ShardServer:
         return out
 
     def _apply(self, entry: Entry, now: float) -> list[Action]:
-        """Process ``entry`` here (the log's next), and tell the lead."""
+        """Process ``entry`` here (the log's next), and tell the lead (while there is a
+        replica to lead: alone, a shard leads nobody)."""
         out = self._process(entry, now)
         self._applied_upto = entry.index
-        if self._lead is not None:
-            norm = self._norms.pop(entry.index, 0.0)
+        norm = self._norms.pop(entry.index, 0.0)
+        if self._lead is not None and self.replicated:
             self._lead.applied(entry.index, entry.updates, norm, self._momentum_norm())
         return out
 
