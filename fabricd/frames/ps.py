@@ -222,6 +222,9 @@ class Push(_ShardFrame):
     #: bounded replication: a copy of the push for ``server``, the shard's replica, which
     #: applies it when its primary's order entry says (fabricd/engines/ps/bounded.py)
     copy: bool = False
+    #: bounded replication: the epoch ``base`` was read at (a failover's rollback numbers
+    #: versions again: a base names a model only with its epoch); ``None``: ``epoch``'s
+    base_epoch: int | None = None
 
     def to_meta(self) -> Meta:
         meta = {
@@ -236,6 +239,8 @@ class Push(_ShardFrame):
             meta["grp"] = self.group
         if self.copy:
             meta["cp"] = True
+        if self.base_epoch is not None:
+            meta["be"] = self.base_epoch
         return _with_members(meta, "in", self.members)
 
     @classmethod
@@ -250,6 +255,7 @@ class Push(_ShardFrame):
             group=get_int(meta, "grp") if "grp" in meta else None,
             members=_members(meta, "in"),
             copy=get_bool(meta, "cp") if "cp" in meta else False,
+            base_epoch=get_int(meta, "be") if "be" in meta else None,
         )
         if push.group is not None and push.members is not None:
             raise RemoteProtocolError("a push is for an aggregator or an aggregate, not both")

@@ -512,3 +512,44 @@ def test_a_bound_under_bsp_or_ssp_is_refused_by_the_engine_too() -> None:
                 rule=Sum(),
                 bound=DivergenceBound(updates=1),
             )
+
+
+def test_a_push_from_a_rolled_back_version_is_dropped_even_once_the_number_is_reused() -> None:
+    """The primary applies two pushes (version 2) its replica never confirmed; the replica is
+    promoted at version 0 and the two are sent again (version 2 once more).  A push computed
+    from the old version 2, read at epoch 0, is dropped with the reason: its base names a model
+    the failover lost, though the new lineage has a version 2 too.  Bases read at the new
+    epoch, or 0, are taken."""
+    primary, replica = bounded_pair(DivergenceBound(updates=4), workers=3)
+    primary.push(0, 0, 0, ones(), 0.0)
+    primary.push(1, 0, 0, ones(), 0.0)
+    assert primary.version == 2
+    assert replica.promote()
+    assert replica.version == 0
+    replica.push(0, 0, 0, ones(), 1.0, base_epoch=0)
+    replica.push(1, 0, 0, ones(), 1.0, base_epoch=0)
+    assert replica.version == 2
+    [late] = acks(replica.push(2, 0, 2, ones(), 1.0, base_epoch=0))
+    assert late.dropped is not None
+    assert "rolled back" in late.dropped
+    assert replica.version == 2
+    [fresh] = acks(replica.push(2, 1, 2, ones(), 1.0, base_epoch=1))
+    assert fresh.dropped is None  # the same number, read in the new lineage
+    # the record travels with the state: a replica that joins the new primary knows it
+    state = replica.state()
+    assert state["lineage"] == {1: 0}
+
+
+def test_a_worker_sends_the_epoch_its_base_was_read_at() -> None:
+    worker = Worker(worker=0, size=SIZE, dtype="float64", shards=1)
+    [pull] = worker.pull()
+    assert isinstance(pull, SendPull)
+    timed_reply = ShardServer(
+        initial=np.zeros(SIZE), workers=range(1), consistency=Consistency.ASYNC, rule=Sum()
+    ).store.pull(0)
+    worker.pulled(0, pull.clock, timed_reply, np.zeros(SIZE))
+    [push] = worker.push(np.ones(SIZE))
+    assert push.base_epoch == 0
+    [again] = worker.move(0, 1, forget=True)  # a rollback: the in-flight push keeps its epoch
+    assert again.base_epoch == 0
+    assert worker.read_epochs == [1]

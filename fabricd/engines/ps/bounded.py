@@ -62,6 +62,8 @@ if TYPE_CHECKING:
 
 #: the most updates a primary leads its replica by, whatever the bound (each is kept)
 MAX_LEAD: Final = 1024
+#: the promotions a shard's :class:`Lineage` remembers
+MAX_EPOCHS: Final = 64
 #: how long a replica waits for a worker's copy before it asks the primary for the entry (s);
 #: each later ask for the same entry waits twice as long as the last, up to :data:`NEED_MAX`
 NEED_AFTER: Final = 1.0
@@ -118,6 +120,53 @@ class _Applied:
     updates: int  #: the pushes the entry held (0: a lost worker, a flush, a drop)
     norm: float  #: ``||u||`` of its step, before momentum
     step: float  #: ``||s||`` the entry left
+
+
+class Lineage:
+    """Which versions a shard's history kept through its failovers: each bounded promotion
+    may roll the model back, and the versions after it are numbered again.  So a push's base
+    names a model only with the epoch it was read at: a base read at an earlier epoch is kept
+    only up to the least version any later promotion kept (:meth:`lost`).  The last
+    :data:`MAX_EPOCHS` promotions are remembered; a base from before them is taken as lost
+    unless it is 0 (every model starts there)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[int, int] = {}  #: epoch -> the version its promotion kept
+
+    def promoted(self, epoch: int, version: int) -> None:
+        self.kept[epoch] = version
+        for old in sorted(self.kept)[:-MAX_EPOCHS]:
+            del self.kept[old]
+
+    def lost(self, base: int, base_epoch: int | None, epoch: int, version: int) -> str | None:
+        """Why a push from version ``base`` read at ``base_epoch`` (``None``: the current
+        epoch) was computed from a model this shard no longer has, at ``epoch`` and
+        ``version``; ``None``: it was not."""
+        kept = version
+        if base_epoch is not None and base_epoch < epoch:
+            later = [self.kept.get(e) for e in range(base_epoch + 1, epoch + 1)]
+            kept = min(kept, *(0 if k is None else k for k in later))
+        if base <= kept:
+            return None
+        return (
+            f"computed from version {base}, which the failover to epoch {epoch} rolled back "
+            f"(bounded replication; the model is at version {version})"
+        )
+
+    def state(self) -> dict[int, int]:
+        return dict(self.kept)
+
+    def restore(self, kept: object) -> None:
+        """Take a snapshot's record (checked first).
+
+        Raises:
+            RemoteProtocolError: a malformed record.
+        """
+        if not isinstance(kept, dict) or not all(
+            type(e) is int and type(v) is int and e >= 0 and v >= 0 for e, v in kept.items()
+        ):
+            raise RemoteProtocolError("a snapshot's lineage is malformed")
+        self.kept = dict(kept)
 
 
 class Lead:

@@ -56,8 +56,13 @@ def to_server(
         )
         return ready, b""
     if isinstance(action, SendPush):
+        bounded = spec["replication"] == "bounded"  # (the only replication that rolls back)
         push = ps_frames.Push(
-            **fields, iteration=action.iteration, base=action.base, group=action.group
+            **fields,
+            iteration=action.iteration,
+            base=action.base,
+            group=action.group,
+            base_epoch=action.base_epoch if bounded else None,
         )
         return push, bytes(action.payload)
     pull = ps_frames.Pull(**fields, clock=action.clock, since=action.since, direct=action.direct)

@@ -727,7 +727,9 @@ class PSNode:
             group = frame.iteration  # an aggregate's: its group (messages.aggregate)
             actions = server.push_aggregate(frame.members, payload, now, group=group, sender=node)
         elif isinstance(frame, ps_frames.Push):
-            actions = server.push(frame.worker, frame.iteration, frame.base, payload, now)
+            actions = server.push(
+                frame.worker, frame.iteration, frame.base, payload, now, frame.base_epoch
+            )
         elif isinstance(frame, ps_frames.Ready):
             actions = server.ready(
                 frame.worker, frame.iteration, frame.base, frame.size, frame.norm, node, now

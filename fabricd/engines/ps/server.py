@@ -45,7 +45,6 @@ Theory of operation.
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final
@@ -53,8 +52,9 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from fabricd.engines.ps import push as ps_push
+from fabricd.engines.ps import shard_state
 from fabricd.engines.ps import snapshot as ps_snapshot
-from fabricd.engines.ps.bounded import NEED_AFTER, DivergenceBound, Lead, ReplicaLog
+from fabricd.engines.ps.bounded import NEED_AFTER, DivergenceBound, Lead, Lineage, ReplicaLog
 from fabricd.engines.ps.consistency import (
     SGD,
     Apply,
@@ -64,8 +64,6 @@ from fabricd.engines.ps.consistency import (
     Refused,
     Reply,
     UpdateRule,
-    restore_rule,
-    rule_state,
     step_model,
 )
 from fabricd.engines.ps.filters import LOW_MAX, FilterSettings, ParameterFilter
@@ -189,6 +187,7 @@ class ShardServer:
         #: received that wait for theirs (with when they started to wait)
         momentum = rule.momentum if isinstance(rule, SGD) else 0.0
         self._lead = None if bound is None else Lead(bound, momentum)
+        self._lineage = Lineage()  #: bounded: the versions each promotion kept
         self._log = ReplicaLog(need_after)  #: replica: the entries received, awaiting copies
         self._applied_upto = 0  #: primary: the last entry processed here
         #: bounded replication: the entries received a promotion dropped (their copies lost)
@@ -197,9 +196,16 @@ class ShardServer:
 
     # -- the primary's inputs -------------------------------------------------------------
     def push(
-        self, worker: int, iteration: int, base: int, payload: bytes | bytearray, now: float
+        self,
+        worker: int,
+        iteration: int,
+        base: int,
+        payload: bytes | bytearray,
+        now: float,
+        base_epoch: int | None = None,
     ) -> list[Action]:
-        """Worker ``worker``'s encoded push of ``iteration``, computed from version ``base``.
+        """Worker ``worker``'s encoded push of ``iteration``, computed from version ``base``
+        (read at ``base_epoch``, bounded replication's: ``None``, the shard's epoch).
 
         Raises:
             RemoteProtocolError: this is a replica, the push is malformed or breaks the
@@ -207,7 +213,7 @@ class ShardServer:
                 acknowledged.
         """
         self._primary_only("a push")
-        seen = self._seen(worker, iteration, base)
+        seen = self._seen(worker, iteration, base, base_epoch)
         if seen is not None:
             return seen
         self.coordinator.check_push(worker, iteration, base)
@@ -364,7 +370,9 @@ class ShardServer:
             out += self._take(entry, now)
         return out
 
-    def _seen(self, worker: int, iteration: int, base: int) -> list[Action] | None:
+    def _seen(
+        self, worker: int, iteration: int, base: int, base_epoch: int | None = None
+    ) -> list[Action] | None:
         """What a push (or READY) of ``worker``'s ``iteration`` from ``base`` gets if the shard
         took it already (its acknowledgement again, or nothing while it waits) or it was
         computed from a version a rollback lost (:meth:`_rolled_back`), or ``None``: a new one.
@@ -397,21 +405,20 @@ class ShardServer:
                 f"worker {worker} pushed iteration {iteration} before its iteration {waiting} "
                 "was acknowledged"
             )
-        return self._rolled_back(worker, iteration, base)
+        return self._rolled_back(worker, iteration, base, base_epoch)
 
-    def _rolled_back(self, worker: int, iteration: int, base: int) -> list[Action] | None:
-        """Bounded replication: a push computed from a version this shard does not have (a
-        promoted replica's rollback lost it: the worker's daemon sends it again) is not
+    def _rolled_back(
+        self, worker: int, iteration: int, base: int, base_epoch: int | None
+    ) -> list[Action] | None:
+        """Bounded replication: a push computed from a model a promotion rolled back (its
+        base, read at ``base_epoch``: :class:`~fabricd.engines.ps.bounded.Lineage`) is not
         applied, and says why; ``None``: any other push."""
         version = self.coordinator.version
-        if self._lead is None or base <= version:
+        lost = self._lineage.lost(base, base_epoch, self.epoch, version) if self._lead else None
+        if lost is None:
             return None
-        why = (
-            f"computed from version {base}, which the failover to epoch {self.epoch} rolled "
-            f"back (bounded replication; the model is at version {version})"
-        )
-        self._last[worker] = (iteration, version, why)
-        return [Acked(worker=worker, iteration=iteration, version=version, dropped=why)]
+        self._last[worker] = (iteration, version, lost)
+        return [Acked(worker=worker, iteration=iteration, version=version, dropped=lost)]
 
     def pull(
         self,
@@ -507,8 +514,8 @@ class ShardServer:
         self._join_pending = False
         self.synced = True
         processed = self._applied_upto
-        if self._lead is not None:  # the replica is what the snapshot says: level up to it
-            self._lead.reset(processed, self._momentum_norm())
+        # (bounded: the lead is not reset here: a replica that has this epoch's state ignores
+        # a snapshot sent again, and stays where its confirmations say)
         out: list[Action] = [Snapshot(index=processed, data=ps_snapshot.encode(self.state()))]
         # (bounded: the entries applied here and not confirmed are in the snapshot, and go
         # again too: they stay until confirmed, for a replica whose snapshot a reset lost)
@@ -616,7 +623,7 @@ class ShardServer:
             return False
         if self.has_state and epoch == self.epoch and index <= self._index:
             return False
-        self._restore(state)
+        shard_state.take(self, state)
         self.primary = self.replicated = self.synced = self._join_pending = False
         self.has_state = True
         self.epoch = epoch
@@ -648,6 +655,7 @@ class ShardServer:
         # bounded replication: entries whose copies never came are lost with the primary
         # (within the bound); the workers' daemons send again what was not acknowledged
         self.rolled_back = self._log.reset(self._index)
+        self._lineage.promoted(self.epoch, self.coordinator.version)
         self._applied_upto = self._index
         if self._lead is not None:
             self._lead.reset(self._index, self._momentum_norm())
@@ -658,61 +666,8 @@ class ShardServer:
     # -- snapshots ------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Everything a replica needs to go on from the processed entries
-        (:mod:`fabricd.engines.ps.snapshot`)."""
-        return {
-            "epoch": self.epoch,
-            "last": {w: list(record) for w, record in self._last.items()},
-            "counts": [self._pushes, self._resent, self._push_bytes, self._pulls, self._pull_bytes],
-            "coordinator": self.coordinator.state(),
-            "rule": rule_state(self.rule),
-            "filter": self.filter.state(),
-            "store": self.store.state(),
-        }
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        """Take ``state``, every part checked before any is taken (but the parts' own
-        ``restore``, each of which checks before it changes anything, in an order that
-        leaves nothing half done: the checks that can fail come first)."""
-        last = ps_snapshot.field(state, "last", dict)
-        records: dict[int, tuple[int, int, str | None]] = {}
-        for worker, record in last.items():
-            if (
-                type(worker) is not int
-                or worker not in self.coordinator.workers
-                or not isinstance(record, list)
-                or len(record) != 3
-                or not all(type(x) is int for x in record[:2])
-                or not (record[2] is None or isinstance(record[2], str))
-            ):
-                raise RemoteProtocolError("a snapshot's acknowledgement records are malformed")
-            records[worker] = (record[0], record[1], record[2])
-        counts = ps_snapshot.field(state, "counts", list)
-        if len(counts) != 5 or not all(type(c) is int and c >= 0 for c in counts):
-            raise RemoteProtocolError("snapshot shard counters of another shape")
-        parts = {
-            name: ps_snapshot.field(state, name, dict)
-            for name in ("coordinator", "rule", "filter", "store")
-        }
-        # each restore checks its part before it changes anything; a later one that fails
-        # would leave the earlier ones taken, so every part is tried on a copy first
-        trial = ShardServer.__new__(ShardServer)
-        trial.coordinator = copy.deepcopy(self.coordinator)
-        trial.filter = copy.deepcopy(self.filter)
-        trial.store = copy.deepcopy(self.store)
-        trial.coordinator.restore(parts["coordinator"], size=self.size, dtype=self.dtype)
-        restore_rule(copy.deepcopy(self.rule), parts["rule"], self.filter.model)
-        trial.filter.restore(parts["filter"])
-        trial.store.restore(parts["store"])
-        if trial.coordinator.version != trial.store.version:
-            raise RemoteProtocolError(
-                f"a snapshot whose model is at version {trial.store.version} and its "
-                f"consistency at {trial.coordinator.version}"
-            )
-        self.coordinator, self.filter, self.store = trial.coordinator, trial.filter, trial.store
-        restore_rule(self.rule, parts["rule"], self.filter.model)
-        self._last = records
-        self._waiting = {}
-        self._pushes, self._resent, self._push_bytes, self._pulls, self._pull_bytes = counts
+        (:mod:`fabricd.engines.ps.shard_state`)."""
+        return shard_state.capture(self)
 
     # -- the update callback --------------------------------------------------------------
     def stepped(self, version: int, model: Array, now: float) -> list[Action]:

@@ -80,6 +80,7 @@ class SendPush:
     payload: bytearray
     via: int | None = None
     group: int | None = None
+    base_epoch: int = 0  #: the epoch ``base`` was read at (bounded replication's rollbacks)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -193,6 +194,9 @@ class Worker:
         self.iteration = 0  #: the next push's iteration (the worker's clock)
         self.versions = [0] * shards  #: the versions the cache holds
         self.epochs = [0] * shards
+        #: the epoch each cached version was read at (a rollback renumbers versions)
+        self.read_epochs = [0] * shards
+        self._base_epochs: dict[int, int] = {}  #: shard -> the in-flight push's base's epoch
         self.scheduled = scheduled
         #: BSP (MLfabric-S): an aggregated push's acknowledgement waits for its iteration
         self.synchronous = synchronous
@@ -245,13 +249,27 @@ class Worker:
             self._push_dense += ps_push.HEADER.size + (hi - lo) * self.dtype.itemsize
             base = self.versions[shard]
             self._pushing[shard] = (iteration, base, data)
+            self._base_epochs[shard] = self.read_epochs[shard]
             if not self.scheduled:
-                out.append(SendPush(shard=shard, iteration=iteration, base=base, payload=data))
+                out.append(self._push(shard))
                 continue
             mine = norm if norm is not None else shard_norm(flat[lo:hi])
             self._unsent[shard] = mine
             out.append(self._ready(shard))
         return out + self._push_done()
+
+    def _push(self, shard: int, via: int | None = None, group: int | None = None) -> SendPush:
+        """The in-flight push of ``shard`` (to the server, or to aggregator ``via``)."""
+        iteration, base, data = self._pushing[shard]
+        return SendPush(
+            shard=shard,
+            iteration=iteration,
+            base=base,
+            payload=data,
+            via=via,
+            group=group,
+            base_epoch=self._base_epochs.get(shard, self.epochs[shard]),
+        )
 
     def _ready(self, shard: int) -> SendReady:
         iteration, base, data = self._pushing[shard]
@@ -275,22 +293,12 @@ class Worker:
         push waiting for one is ignored."""
         if not self.awaits_grant(shard, iteration):
             return []
-        pending = self._pushing[shard]
         norm = self._unsent.pop(shard)
         route = self._routes.get(shard)
         via, group = (route[1], route[2]) if route is not None else (None, None)
         if via is not None:
             self._norms[shard] = norm  # (BSP: asked again, if its acknowledgement is slow)
-        return [
-            SendPush(
-                shard=shard,
-                iteration=iteration,
-                base=pending[1],
-                payload=pending[2],
-                via=via,
-                group=group,
-            )
-        ]
+        return [self._push(shard, via, group)]
 
     def direct(self, shard: int, iteration: int) -> list[Action]:
         """The push of ``iteration`` went to an aggregator and the server has not acknowledged
@@ -311,7 +319,7 @@ class Worker:
         if self.synchronous:
             self._unsent[shard] = self._norms.pop(shard, 0.0)
             return [self._ready(shard)]
-        return [SendPush(shard=shard, iteration=iteration, base=pending[1], payload=pending[2])]
+        return [self._push(shard)]
 
     def pushed(self, shard: int, iteration: int, version: int, dropped: str | None) -> list[Action]:
         """``shard`` processed the push of ``iteration`` (the model at ``version``).  One for
@@ -320,6 +328,7 @@ class Worker:
         if pending is None or pending[0] != iteration:
             return []
         del self._pushing[shard]
+        self._base_epochs.pop(shard, None)
         self._unsent.pop(shard, None)
         self._routes.pop(shard, None)
         self._norms.pop(shard, None)
@@ -396,6 +405,7 @@ class Worker:
         # unfiltered, the same pull is a dense answer in the model's dtype, header included
         self._pull_dense += PULL_HEADER.size + (hi - lo) * self.dtype.itemsize
         self.versions[shard] = version
+        self.read_epochs[shard] = self.epochs[shard]
         self.gates[shard].pulled(version)
         self._pulling.discard(shard)
         if self._pulling:
@@ -434,9 +444,8 @@ class Worker:
             self._routes.pop(shard, None)  # not granted yet: the scheduler is asked again
             out.append(self._ready(shard))
         elif pending is not None:  # sent: again, straight to the server
-            iteration, base, data = pending
             self._routes.pop(shard, None)
-            out.append(SendPush(shard=shard, iteration=iteration, base=base, payload=data))
+            out.append(self._push(shard))
         if shard in self._pulling and self._pull_clock is not None:
             out.append(SendPull(shard=shard, clock=self._pull_clock, since=self.versions[shard]))
         self._resent += len(out)
@@ -452,6 +461,7 @@ class Worker:
         self.epochs[shard] = epoch
         if forget:
             self.versions[shard] = 0
+            self.read_epochs[shard] = epoch  # (version 0 is every lineage's)
         return self.resend(shard)
 
     def failover(self, shard: int) -> list[Action]:
