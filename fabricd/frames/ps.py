@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from fabricd.errors import RemoteProtocolError
 from fabricd.frames.fields import MAX_NAME, MAX_RANK, get_bool
-from fabricd.wire import Kind, Meta, get_int, get_str
+from fabricd.wire import Kind, Meta, get_bytes, get_int, get_str
 
 if TYPE_CHECKING:
     from collections.abc import Container
@@ -108,6 +108,8 @@ def _divergence(value: object) -> list[Any] | None:
     return [norm, updates]
 
 
+#: the bytes of an order entry's digest of its copy (bounded replication)
+DIGEST_SIZE: Final = 8
 #: the most updates one aggregate carries (a batch's, at most one per worker rank)
 MAX_MEMBERS: Final = 4096
 #: one update an aggregate holds: (worker rank, iteration, base version)
@@ -450,8 +452,10 @@ class Replicate(_ShardFrame):
     spec: dict[str, Any]
     #: an aggregate's entry: the updates it holds (MLfabric §5.2)
     members: tuple[Member, ...] | None = None
-    #: bounded replication: an order entry, without payload: the worker's copy brings it
+    #: bounded replication: an order entry, without payload: the worker's copy brings it,
+    #: and ``digest`` (8 bytes, BLAKE2b of the push's payload) says which bytes it must be
     copied: bool = False
+    digest: bytes | None = None
 
     def to_meta(self) -> Meta:
         meta = {
@@ -466,6 +470,8 @@ class Replicate(_ShardFrame):
         }
         if self.copied:
             meta["cp"] = True
+        if self.digest is not None:
+            meta["dg"] = self.digest
         return _with_members(_with_reason(meta, "why", self.reason), "in", self.members)
 
     @classmethod
@@ -485,7 +491,10 @@ class Replicate(_ShardFrame):
             spec=_ps_spec(meta),
             members=_members(meta, "in"),
             copied=get_bool(meta, "cp") if "cp" in meta else False,
+            digest=get_bytes(meta, "dg") if "dg" in meta else None,
         )
+        if frame.digest is not None and (len(frame.digest) != DIGEST_SIZE or not frame.copied):
+            raise RemoteProtocolError(f"a digest is {DIGEST_SIZE} bytes, of an order entry")
         if frame.reason is not None and frame.members is not None:
             raise RemoteProtocolError("an entry is an aggregate or a drop, not both")
         if frame.copied and (frame.entry != "push" or frame.reason or frame.members):

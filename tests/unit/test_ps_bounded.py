@@ -553,3 +553,37 @@ def test_a_worker_sends_the_epoch_its_base_was_read_at() -> None:
     [again] = worker.move(0, 1, forget=True)  # a rollback: the in-flight push keeps its epoch
     assert again.base_epoch == 0
     assert worker.read_epochs == [1]
+
+
+@pytest.mark.parametrize("copy_first", [True, False])
+def test_a_copy_of_other_bytes_is_never_applied_the_entry_is_asked_for_whole(
+    copy_first: bool,
+) -> None:
+    """A copy with the push's worker, iteration and base but other bytes (from another node,
+    or encoded again) would make the replica diverge unbounded: the order entry's digest
+    refuses it, before or after the entry came, and the entry is asked for whole."""
+    primary, replica = bounded_pair(DivergenceBound(updates=4))
+    [order] = forwards(primary.push(0, 0, 0, ones(), 0.0))
+    assert len(order.entry.digest) == ps_frames.DIGEST_SIZE
+    other = payload(np.full(SIZE, 7.0))
+    if copy_first:
+        replica.copy(0, 0, 0, other, 0.0)
+        assert replica.log(order.entry, 0.0) == []
+    else:
+        assert replica.log(order.entry, 0.0) == []
+        assert replica.copy(0, 0, 0, other, 0.0) == []
+    assert replica.on_timer(NEED_AFTER, lambda _: None) == [Need(index=1)]
+    [whole] = forwards(primary.needed(1))
+    assert replica.log(whole.entry, NEED_AFTER) == [Logged(index=1)]
+    np.testing.assert_array_equal(replica.store.model, primary.store.model)
+
+
+def test_an_order_entrys_digest_travels_and_is_checked() -> None:
+    common: dict[str, Any] = {"job": "j", "name": "m", "shard": 0, "server": 3, "replica": 4}
+    fields: dict[str, Any] = {"index": 1, "entry": "push", "worker": 0, "iteration": 0, "base": 0}
+    spec = Fabric(workers=1, shards=1, size=2, rounds=1, consistency=Consistency.ASYNC).spec
+    frame = ps_frames.Replicate(**common, **fields, spec=spec, copied=True, digest=b"12345678")
+    assert ps_frames.Replicate.from_meta(frame.to_meta()) == frame
+    for bad in (b"1234", b"123456789"):
+        with pytest.raises(RemoteProtocolError, match="digest"):
+            ps_frames.Replicate.from_meta(frame.to_meta() | {"dg": bad})

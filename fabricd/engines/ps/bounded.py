@@ -47,6 +47,7 @@ Choices where the paper is silent, and why:
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import deque
 from dataclasses import dataclass, replace
@@ -298,17 +299,19 @@ class ReplicaLog:
         self.received = entry.index
         if entry.copied:
             payload = self._copies.take(entry.worker, entry.iteration, entry.base)
-            if payload is not None:
+            if payload is not None and _fits(entry, payload):
                 entry = replace(entry, payload=payload, copied=False)
         self._parked.append([entry, now + self.need_after, self.need_after])
 
     def copy(self, worker: int, iteration: int, base: int, payload: bytes | bytearray) -> None:
         """``worker``'s daemon's copy of its push of ``iteration`` from ``base``: it completes
-        the order entry received for it, or waits for one."""
+        the order entry received for it, or waits for one.  A copy whose bytes are not the ones
+        the primary took (another base, another digest) completes nothing: the entry is asked
+        for whole in time."""
         for parked in self._parked:
             entry = parked[0]
             if entry.copied and (entry.worker, entry.iteration) == (worker, iteration):
-                if entry.base == base:  # (another base: not the push the primary took)
+                if entry.base == base and _fits(entry, payload):
                     parked[0] = replace(entry, payload=payload, copied=False)
                 return
         self._copies.add(worker, iteration, base, payload)
@@ -359,3 +362,13 @@ class ReplicaLog:
         for worker, iteration in (decided or {}).items():
             self._copies.forget(worker, iteration)
         return dropped
+
+
+def copy_digest(payload: bytes | bytearray) -> bytes:
+    """The digest an order entry names its copy's bytes by (BLAKE2b, 8 bytes: a copy from
+    elsewhere, or encoded again, must not be applied on the replica alone)."""
+    return hashlib.blake2b(payload, digest_size=8).digest()
+
+
+def _fits(entry: Entry, payload: bytes | bytearray) -> bool:
+    return not entry.digest or copy_digest(payload) == entry.digest

@@ -161,6 +161,7 @@ def to_partner(
         spec=spec,
         members=action.entry.members if isinstance(action, Forward) else None,
         copied=isinstance(action, Forward) and action.entry.copied,
+        digest=(action.entry.digest or None) if isinstance(action, Forward) else None,
     )
     return frame, bytes(payload)
 

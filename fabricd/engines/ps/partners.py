@@ -71,6 +71,7 @@ def at_replica(node: PSNode, frame: ps_frames.Replicate, payload: bytes, now: fl
         reason=frame.reason,
         members=frame.members,
         copied=frame.copied,
+        digest=frame.digest or b"",
     )
     if server.primary:
         node.counters["ps_frames_dropped"] += 1  # promoted: the old primary is gone

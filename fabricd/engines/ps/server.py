@@ -54,7 +54,14 @@ import numpy as np
 from fabricd.engines.ps import push as ps_push
 from fabricd.engines.ps import shard_state
 from fabricd.engines.ps import snapshot as ps_snapshot
-from fabricd.engines.ps.bounded import NEED_AFTER, DivergenceBound, Lead, Lineage, ReplicaLog
+from fabricd.engines.ps.bounded import (
+    NEED_AFTER,
+    DivergenceBound,
+    Lead,
+    Lineage,
+    ReplicaLog,
+    copy_digest,
+)
 from fabricd.engines.ps.consistency import (
     SGD,
     Apply,
@@ -787,7 +794,8 @@ class ShardServer:
             return [Forward(entry=entry)] if self.synced else []
         if entry.updates and entry.members is None:
             # the worker's daemon sends the replica its copy: the order alone goes
-            order = Forward(entry=replace(entry, payload=b"", copied=True))
+            digest = copy_digest(entry.payload)
+            order = Forward(entry=replace(entry, payload=b"", copied=True, digest=digest))
         else:
             order = Forward(entry=entry)
         if entry.updates and self._lead.bound.norm is not None:

@@ -40,8 +40,9 @@ class Entry:
     #: whose sum ``payload`` is; ``worker``, ``iteration`` and ``base`` are the first's
     members: tuple[tuple[int, int, int], ...] | None = None
     #: bounded replication: an order entry whose payload the worker's copy brings
-    #: (:mod:`fabricd.engines.ps.bounded`); ``payload`` is empty
+    #: (:mod:`fabricd.engines.ps.bounded`); ``payload`` is empty, ``digest`` names the bytes
     copied: bool = False
+    digest: bytes = b""
 
     @property
     def updates(self) -> int:
