@@ -200,7 +200,7 @@ def test_a_worker_moved_under_bounded_replication_pulls_whole() -> None:
     [again] = worker.move(0, 1, forget=True)
     assert isinstance(again, SendPull)
     assert again.since == 0
-    assert worker.versions == [0]
+    assert worker.versions == [7]  # what the cache holds (the next pushes' base) until answered
 
 
 # -- properties, on the whole fabric ------------------------------------------------------------
@@ -552,7 +552,13 @@ def test_a_worker_sends_the_epoch_its_base_was_read_at() -> None:
     assert push.base_epoch == 0
     [again] = worker.move(0, 1, forget=True)  # a rollback: the in-flight push keeps its epoch
     assert again.base_epoch == 0
-    assert worker.read_epochs == [1]
+    assert worker.read_epochs == [0]
+    worker.pushed(0, 0, 1, None)
+    [later] = worker.push(np.ones(SIZE))  # computed from the same cache: it says so
+    assert (later.base, later.base_epoch) == (push.base, 0)
+    [whole] = worker.pull()
+    assert isinstance(whole, SendPull)
+    assert whole.since == 0  # the next pull is whole
 
 
 @pytest.mark.parametrize("copy_first", [True, False])

@@ -22,7 +22,7 @@ from fabricd.engines.ps.scheduler import CopyGranted, Granted, ShardScheduler
 from fabricd.engines.scheduling.ordering import Planned, Update
 from fabricd.engines.scheduling.timelines import Network
 from fabricd.frames import ps as ps_frames
-from tests.unit.ps_fabric import Fabric
+from tests.unit.ps_fabric import KEY, Fabric
 from tests.unit.test_frames import SHARD
 from tests.unit.test_ps_bounded import check_lead
 from tests.unit.test_ps_server import moves, run
@@ -247,3 +247,76 @@ def test_scheduled_copies_under_resets_and_duplicates_keep_the_bound(
         check_lead(fabric, bound)
     fabric.drain()
     fabric.check_settled()
+
+
+# -- the review's findings --------------------------------------------------------------------
+def ready_to_push(fabric: Fabric) -> None:
+    """Worker 0 pulls, then asks to push (its READY in flight, its push awaiting a grant)."""
+    for _ in range(200):
+        sim = fabric.workers[0]
+        if sim.call == "push" and sim.engine.awaits_grant(0, 0):
+            return
+        fabric.step(0)
+        assert fabric.deliver(0) or fabric.tick()
+    raise AssertionError("worker 0 never waited for a grant")
+
+
+def grant(**fields: Any) -> ps_frames.Grant:
+    common: dict[str, Any] = {"job": KEY[0], "name": KEY[1], "shard": 0, "server": 3}
+    return ps_frames.Grant(**common, worker=0, iteration=0, epoch=0, **fields)
+
+
+def test_a_copy_grant_leaves_a_waiting_push_its_own_time() -> None:
+    """A copy grant (for a punted copy) is no grant of any push: a push waiting for its
+    planned start keeps it (it went at once, or a copy's wait replaced the push's)."""
+    fabric = scheduled_bounded([None, 1])
+    ready_to_push(fabric)
+    node = fabric.nodes[0]
+    node.on_frame(3, grant(wait_us=50_000_000, copy_us=None), b"", fabric.now)
+    paced = (KEY, 0, 0, 0)
+    due = node._paced.get(paced)
+    assert due == pytest.approx(fabric.now + 50)
+    out = node.on_frame(3, grant(wait_us=0, copy_only=True), b"", fabric.now)
+    assert not [a for a in out if isinstance(getattr(a, "frame", None), ps_frames.Push)]
+    assert node._paced.get(paced) == due
+
+
+def test_a_held_copy_never_waits_past_the_hold_window() -> None:
+    fabric = scheduled_bounded([None, 1])
+    ready_to_push(fabric)
+    node = fabric.nodes[0]
+    node.on_frame(3, grant(wait_us=0, copy_us=3_000_000_000), b"", fabric.now)  # 50 min
+    assert len(node.copies) == 1  # the push went, its copy is held
+    due = node.copies.next()
+    assert due is not None
+    assert due <= fabric.now + hold_after(fabric.interval)
+
+
+def test_only_planned_copies_make_the_replica_wait_longer_for_them() -> None:
+    for aggregation, expected in ((False, need_after(6.0)), (True, NEED_AFTER)):
+        fabric = Fabric(
+            workers=3,
+            shards=1,
+            size=5,
+            rounds=1,
+            consistency=Consistency.ASYNC,
+            replicas=True,
+            scheduled=True,
+            aggregation=aggregation,
+            interval=6.0,
+            divergence_bound=[None, 1],
+        )
+        replica = fabric.follower(0)
+        assert replica is not None
+        assert replica._log.need_after == expected
+
+
+def test_a_lost_workers_punted_copies_are_forgotten() -> None:
+    copies = planner(updates=1)
+    batch, network = planned(3)
+    copies.plan(0.0, batch, network, REPLICA)
+    punted = {key for key, _ in ((u.key, at) for u, at in copies._lagging)}
+    assert punted
+    for worker, _ in punted:
+        copies.forget_worker(worker)
+    assert not copies.pending

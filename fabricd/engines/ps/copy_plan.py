@@ -33,6 +33,11 @@ Choices where the paper is silent, and why:
   copies go with their pushes, as without scheduling.
 * *A replica no link reaches* is not waited for: nothing is delayed and its copies go as
   planned (the server's lead then holds it, and its daemon gives a dead replica up).
+* *Known inexactness*: copies are booked from now, not from their own push's start, though a
+  daemon sends a copy no earlier than its push; so a plan may count on a copy before it can
+  leave (the last push's delay then comes out short, or waits for its own copy).  The server's
+  hold keeps the bound regardless; the plan only predicts less waiting than happens.  The cure
+  is ``replicate`` with each copy's earliest start.
 """
 
 from __future__ import annotations
@@ -147,6 +152,10 @@ class CopyPlanner:
 
     def _step(self, update: Update) -> Update:
         return dataclasses.replace(update, norm=self.rate * update.norm)
+
+    def forget_worker(self, worker: int) -> None:
+        """A lost worker's punted copies need no plan (its daemon is gone with them)."""
+        self._lagging = [(u, at) for u, at in self._lagging if u.key[0] != worker]  # type: ignore[index]
 
     def forget(self, key: Hashable) -> None:
         """A punted copy that needs no plan any more (its update was dropped)."""

@@ -96,6 +96,7 @@ def granted(node: PSNode, key: Key, grant: ps_frames.Grant, now: float) -> None:
     if grant.copy_only:
         at = now + grant.wait_us / 1e6
     hold = hold_after(node.schedule_interval)
+    at = None if at is None else min(at, now + hold)  # (never held past the window)
     node.copies.plan((key, grant.worker, grant.shard, grant.iteration), at, now, hold)
     send_due(node, now)
 
@@ -118,6 +119,7 @@ def send(
         node._send(job, other, copy, data)
         return
     hold = hold_after(node.schedule_interval)
+    at = None if at is None else min(at, node._now + hold)  # (never held past the window)
     node.counters["ps_copies_held"] += 1
     node.copies.hold(
         (key, push.worker, push.shard, push.iteration),

@@ -69,8 +69,8 @@ from fabricd.engines.ps import aggregating, copying, messages, partners, relayin
 from fabricd.engines.ps.aggregating import direct_after
 from fabricd.engines.ps.agreement import Agreement
 from fabricd.engines.ps.bounded import NEED_AFTER, DivergenceBound
-from fabricd.engines.ps.consistency import SGD, Consistency
-from fabricd.engines.ps.copy_plan import CopyPlanner, need_after
+from fabricd.engines.ps.consistency import Consistency
+from fabricd.engines.ps.copy_plan import need_after
 from fabricd.engines.ps.distributing import PullBatch
 from fabricd.engines.ps.failover import adopt, lose, promote, send_again
 from fabricd.engines.ps.gathering import Gathering
@@ -83,7 +83,7 @@ from fabricd.engines.ps.models import (
     WorkerSide,
 )
 from fabricd.engines.ps.routing import Early, EarlyFrames, HeldFrames, pair
-from fabricd.engines.ps.scheduler import UNKNOWN_BPS, Gather, ShardScheduler
+from fabricd.engines.ps.scheduler import UNKNOWN_BPS, Gather, scheduler_for
 from fabricd.engines.ps.server import ShardServer
 from fabricd.engines.ps.shard_actions import Forward, Logged, Need, Snapshot, Step
 from fabricd.engines.ps.worker import (
@@ -279,7 +279,7 @@ class PSNode:
             # of its own: it joins its partner, which sends it the shard's
             replica=rank != int(spec["servers"][shard]) or model.epochs.get(shard, 0) > 0,
             replicated=bool(spec["replicas"]),
-            scheduler=_scheduler(spec, rule, self.node, self.schedule_interval),
+            scheduler=scheduler_for(spec, rule, self.node, self.schedule_interval),
             bound=None
             if spec["replication"] != "bounded"
             else DivergenceBound.from_spec(spec["divergence_bound"]),
@@ -288,9 +288,10 @@ class PSNode:
             )
             if spec["distribution"] == "tree"
             else None,
-            need_after=NEED_AFTER
-            if spec["scheduling"] != "mlfabric"
-            else need_after(self.schedule_interval),
+            # (longer only where copies are planned, and may be held: copy_plan.py)
+            need_after=need_after(self.schedule_interval)
+            if spec["scheduling"] == "mlfabric" and not spec["aggregation"]
+            else NEED_AFTER,
         )
         model.ranks[shard] = rank
         self._keep(key, model)
@@ -797,6 +798,8 @@ class PSNode:
             frame.copy_only or side.engine.awaits_grant(frame.shard, frame.iteration)
         ):
             copying.granted(self, key, frame, now)  # (when its copy goes: bounded replication)
+            if frame.copy_only:
+                return  # (a copy grant says nothing of any push: one waiting keeps its time)
         if isinstance(frame, ps_frames.Grant) and not side.engine.awaits_grant(
             frame.shard, frame.iteration
         ):
@@ -971,29 +974,3 @@ class PSNode:
                 f"within route_timeout ({self.route_timeout} s)",
             )
         return self._done()
-
-
-def _scheduler(
-    spec: Meta, rule: UpdateRule | None, node: int, interval: float
-) -> ShardScheduler | None:
-    """A shard's MLfabric scheduler (``scheduling="mlfabric"``), planning its replica's copies
-    too under bounded replication (:mod:`fabricd.engines.ps.copy_plan`), or ``None``."""
-    if spec["scheduling"] != "mlfabric":
-        return None
-    copies = None
-    if spec["replication"] == "bounded":
-        sgd = rule if isinstance(rule, SGD) else None
-        copies = CopyPlanner(
-            DivergenceBound.from_spec(spec["divergence_bound"]),
-            momentum=0.0 if sgd is None else sgd.momentum,
-            rate=1.0 if sgd is None else sgd.lr,
-            interval=interval,
-        )
-    return ShardScheduler(
-        server=node,
-        delay_bound=spec["delay_bound"],
-        interval=interval,
-        aggregation=spec["aggregation"],
-        synchronous=spec["consistency"] == "bsp",
-        copies=copies,
-    )

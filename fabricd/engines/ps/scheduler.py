@@ -50,6 +50,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from fabricd.engines.monitor.table import DEFAULT_BPS
+from fabricd.engines.ps.bounded import DivergenceBound
+from fabricd.engines.ps.consistency import SGD
+from fabricd.engines.ps.copy_plan import CopyPlanner
 from fabricd.engines.scheduling.aggregation import Group, aggregate
 from fabricd.engines.scheduling.ordering import Planned, Update, in_list_order, order
 from fabricd.engines.scheduling.timelines import Network
@@ -58,7 +61,9 @@ from fabricd.errors import RemoteProtocolError
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable, Iterable
 
-    from fabricd.engines.ps.copy_plan import CopyPlan, CopyPlanner
+    from fabricd.engines.ps.consistency import UpdateRule
+    from fabricd.engines.ps.copy_plan import CopyPlan
+    from fabricd.wire import Meta
 
 #: bytes/s a host is planned at, each way, when the monitor has no figures for it
 UNKNOWN_BPS = DEFAULT_BPS
@@ -485,6 +490,8 @@ class ShardScheduler:
         if iteration is not None:
             self._batch.pop((worker, iteration), None)
             self._granted.pop((worker, iteration), None)
+        if self.copies is not None:
+            self.copies.forget_worker(worker)
 
     def _expire(self, now: float) -> None:
         """Forget the grants and groups whose push or aggregate never came in time."""
@@ -543,3 +550,29 @@ class ShardScheduler:
             latency_max=self._latency_max,
             decided=self._decided,
         )
+
+
+def scheduler_for(
+    spec: Meta, rule: UpdateRule | None, node: int, interval: float
+) -> ShardScheduler | None:
+    """A shard's MLfabric scheduler (``scheduling="mlfabric"``), planning its replica's copies
+    too under bounded replication (:mod:`fabricd.engines.ps.copy_plan`), or ``None``."""
+    if spec["scheduling"] != "mlfabric":
+        return None
+    copies = None
+    if spec["replication"] == "bounded":
+        sgd = rule if isinstance(rule, SGD) else None
+        copies = CopyPlanner(
+            DivergenceBound.from_spec(spec["divergence_bound"]),
+            momentum=0.0 if sgd is None else sgd.momentum,
+            rate=1.0 if sgd is None else sgd.lr,
+            interval=interval,
+        )
+    return ShardScheduler(
+        server=node,
+        delay_bound=spec["delay_bound"],
+        interval=interval,
+        aggregation=spec["aggregation"],
+        synchronous=spec["consistency"] == "bsp",
+        copies=copies,
+    )

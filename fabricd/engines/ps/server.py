@@ -512,6 +512,7 @@ class ShardServer:
         if not self.primary:
             return []
         self.replicated = True
+        self._replan()
         if self._actions or self._stepping is not None:
             self._join_pending = True
             return []
@@ -542,7 +543,14 @@ class ShardServer:
                 out += self._apply(entry, now)
         if self._lead is not None:
             self._lead.reset(self._index, self._momentum_norm())
+        self._replan()
         return out
+
+    def _replan(self) -> None:
+        """Bounded replication's copy plans start afresh (the replica was given up, or joins
+        from a snapshot: what was punted for it is moot)."""
+        if self.scheduler is not None and self.scheduler.copies is not None:
+            self.scheduler.copies = self.scheduler.copies.fresh()
 
     # -- the replica's inputs -------------------------------------------------------------
     def log(self, entry: Entry, now: float) -> list[Action]:

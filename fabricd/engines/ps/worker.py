@@ -197,6 +197,9 @@ class Worker:
         #: the epoch each cached version was read at (a rollback renumbers versions)
         self.read_epochs = [0] * shards
         self._base_epochs: dict[int, int] = {}  #: shard -> the in-flight push's base's epoch
+        #: shards whose next pull asks for the whole model (a rollback may have lost the
+        #: cache's version: the server may have another model of that number)
+        self._whole: set[int] = set()
         self.scheduled = scheduled
         #: BSP (MLfabric-S): an aggregated push's acknowledgement waits for its iteration
         self.synchronous = synchronous
@@ -257,6 +260,10 @@ class Worker:
             self._unsent[shard] = mine
             out.append(self._ready(shard))
         return out + self._push_done()
+
+    def _since(self, shard: int) -> int:
+        """The version a pull of ``shard`` asks for changes since."""
+        return 0 if shard in self._whole else self.versions[shard]
 
     def _push(self, shard: int, via: int | None = None, group: int | None = None) -> SendPush:
         """The in-flight push of ``shard`` (to the server, or to aggregator ``via``)."""
@@ -367,7 +374,7 @@ class Worker:
         self._pulling = set(range(len(self.bounds)))
         self._pulls += 1
         return [
-            SendPull(shard=shard, clock=self.iteration, since=self.versions[shard])
+            SendPull(shard=shard, clock=self.iteration, since=self._since(shard))
             for shard in range(len(self.bounds))
         ]
 
@@ -394,18 +401,19 @@ class Worker:
         if shard not in self._pulling or clock != self._pull_clock:
             return []
         header = PULL_HEADER.unpack_from(data) if len(data) >= PULL_HEADER.size else None
-        cached = self.versions[shard]
+        cached = self._since(shard)
         if header is not None and not (
             header[5] <= cached <= header[6] if older else header[5] == cached
         ):
             return []
         lo, hi = self.bounds[shard]
-        version = apply_delta(data, cache.reshape(-1)[lo:hi], self.versions[shard])
+        version = apply_delta(data, cache.reshape(-1)[lo:hi], cached)
         self._pull_bytes += len(data)
         # unfiltered, the same pull is a dense answer in the model's dtype, header included
         self._pull_dense += PULL_HEADER.size + (hi - lo) * self.dtype.itemsize
         self.versions[shard] = version
         self.read_epochs[shard] = self.epochs[shard]
+        self._whole.discard(shard)
         self.gates[shard].pulled(version)
         self._pulling.discard(shard)
         if self._pulling:
@@ -424,7 +432,7 @@ class Worker:
         if not self.awaits_pull(shard, clock):
             return []
         self._resent += 1
-        return [SendPull(shard=shard, clock=clock, since=self.versions[shard], direct=True)]
+        return [SendPull(shard=shard, clock=clock, since=self._since(shard), direct=True)]
 
     def refused(self, shard: int, clock: int, reason: str) -> list[Action]:
         """``shard`` will never answer the pull at ``clock``: the pull fails."""
@@ -447,21 +455,22 @@ class Worker:
             self._routes.pop(shard, None)
             out.append(self._push(shard))
         if shard in self._pulling and self._pull_clock is not None:
-            out.append(SendPull(shard=shard, clock=self._pull_clock, since=self.versions[shard]))
+            out.append(SendPull(shard=shard, clock=self._pull_clock, since=self._since(shard)))
         self._resent += len(out)
         return out
 
     def move(self, shard: int, epoch: int, *, forget: bool = False) -> list[Action]:
         """``shard`` is served at ``epoch`` now (its server went and its partner took over,
         or this daemon just learned so): send the new server what is in flight.  ``forget``
-        (bounded replication: the new server may be behind what the cache holds): the cache's
-        version is forgotten, so the next pull (the one in flight included) is whole."""
+        (bounded replication: the new server may be behind what the cache holds): the next
+        pull (the one in flight included) is whole, while pushes go on naming the version the
+        cache holds with the epoch it was read at, so the server tells a base its rollback
+        lost (:class:`~fabricd.engines.ps.bounded.Lineage`)."""
         if epoch <= self.epochs[shard]:
             return []
         self.epochs[shard] = epoch
-        if forget:
-            self.versions[shard] = 0
-            self.read_epochs[shard] = epoch  # (version 0 is every lineage's)
+        if forget:  # (the cache still holds what it held: pushes say so, with its epoch)
+            self._whole.add(shard)
         return self.resend(shard)
 
     def failover(self, shard: int) -> list[Action]:
