@@ -10,7 +10,9 @@ its size is the server's share of 1 MB times a factor drawn from Uniform(0.2, 1.
 ways, with the same updates:
 
 * *independent*: each server's parts ordered on their own by Alg. 2
-  (:func:`fabricd.engines.scheduling.ordering.order`), as each shard's primary does today;
+  (:func:`fabricd.engines.scheduling.ordering.order`), as each shard's primary does today,
+  one server after the other on the network the previous one's plan left (the workers'
+  uplinks are shared: two plans on separate copies would book them twice);
 * *joint*: :func:`fabricd.engines.scheduling.joint.order_joint`, eq. 18.
 
 Figures, over ``--batches`` batches: the share of updates applied to part of the model only
@@ -87,9 +89,11 @@ def compare(workers: int, batches: int, seed: int) -> dict[str, float]:
         servers = list(updates[0].sizes)
         planned: list[set[int]] = []
         last = 0.0
+        shared = network  # (each server's plan books the workers' uplinks the next one sees)
         for s, server in enumerate(servers):
             alone = [Update(u.key, u.host, u.version, u.sizes[server]) for u in updates]
-            result = order(alone, network, server=server, delay_bound=tau, v_init=0)
+            result = order(alone, shared, server=server, delay_bound=tau, v_init=0)
+            shared = shared if result.network is None else result.network
             planned.append({p.update.key for p in result.planned})  # type: ignore[misc]
             counts_ind[s] += len(result.planned)
             last = max([last, *(p.transfer.end for p in result.planned)])
@@ -99,7 +103,12 @@ def compare(workers: int, batches: int, seed: int) -> dict[str, float]:
         end_ind.append(last)
         joint = order_joint(updates, network, delay_bound=tau, v_init=0)
         whole_joint.append(len(joint.planned))
-        counts_joint += len(joint.planned)
+        for p in joint.planned:  # each server's applied count, from its own transfers
+            assert set(p.transfers) == set(p.update.sizes)  # (no part left out)
+            for s, server in enumerate(servers):
+                counts_joint[s] += server in p.transfers
+        decided = [p.update.key for p in joint.planned] + [u.key for u, _ in joint.dropped]
+        assert len(decided) == len(set(decided)) == len(updates)  # each exactly once
         end_joint.append(max((p.end for p in joint.planned), default=0.0))
     return {
         "partial_ind": fmean(partial_ind),

@@ -183,3 +183,14 @@ def test_joint_plans_apply_every_part_of_the_model_equally_often(
     assert len(applied[3]) == len(result.planned)
     for p in result.planned:
         assert p.end == max(t.end for t in p.transfers.values())
+
+
+def test_an_update_for_one_server_is_placed_among_that_servers_updates_only() -> None:
+    """Two updates with a part each for a different server, deadline 1: each server applies
+    exactly one, first, so neither is late (a batch-wide position dropped the second; the
+    review found it)."""
+    net = Network(dict.fromkeys(range(4), 10.0), dict.fromkeys(range(4), 10.0))
+    updates = [JointUpdate("a", 0, 0, {2: 10.0}), JointUpdate("b", 1, 0, {3: 10.0})]
+    plan = order_joint(updates, net, delay_bound=1, v_init=0)
+    assert sorted(p.update.key for p in plan.planned) == ["a", "b"]
+    assert plan.dropped == []

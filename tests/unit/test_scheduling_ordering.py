@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from fabricd.engines.scheduling.ordering import (
     DEADLINE_PASSED,
     LOOK_AHEAD,
+    NO_CAPACITY,
     Update,
     deadline,
     order,
@@ -141,3 +142,23 @@ def test_local_and_unknown_hosts() -> None:
         )
     with pytest.raises(ValueError, match="delay bound"):
         order([], network, server=SERVER, delay_bound=-1, v_init=0)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("delay_bound", [None, 5])
+def test_a_worker_whose_uplink_carries_nothing_is_dropped_not_a_hang(
+    delay_bound: int | None,
+) -> None:
+    """Once the live worker's update is booked, every update left ends at infinity: the pick
+    must be among the waiting ones (an argmin over all picked the booked one for ever; the
+    review found it)."""
+    net = Network({0: 10.0, 2: 10.0, 3: 0.0}, {0: 10.0, 2: 10.0, 3: 10.0})
+    plan = order(
+        [Update("a", 2, 0, 10.0), Update("b", 3, 0, 10.0)],
+        net,
+        server=0,
+        delay_bound=delay_bound,
+        v_init=0,
+    )
+    assert [p.update.key for p in plan.planned] == ["a"]
+    assert [(u.key, why) for u, why in plan.dropped] == [("b", NO_CAPACITY)]

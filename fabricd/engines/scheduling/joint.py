@@ -27,6 +27,10 @@ Choices where the paper is silent, and why:
   books them one after another on a copy of the network (the servers in the order the update
   lists them) and takes the last end; the transfers kept are those bookings.  Splitting the
   uplink between components at once would end the last one no earlier.
+* *Positions per server.*  An update's deadline is checked at the place it would take at each
+  server it has a part for (a server counts only the updates it receives), the latest of them:
+  with every update split over every server that is the batch's booking order, and an update
+  for one server only is never dropped for the places of updates it shares no server with.
 * *Arrival check per server.*  Each server applies the batch's updates as their components
   reach it, so an update's position may differ between servers: an update whose deadline any
   server's arrival order passes is dropped whole (its bookings released), and the check runs
@@ -51,7 +55,7 @@ from fabricd.engines.scheduling.ordering import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable, Mapping, Sequence
+    from collections.abc import Callable, Hashable, Mapping, Sequence
 
     from fabricd.engines.scheduling.timelines import Network, Transfer
 
@@ -134,9 +138,10 @@ def order_joint(
     alive = set(range(len(updates)))
     booked: list[tuple[int, float, dict[int, Transfer]]] = []
     dropped: list[tuple[JointUpdate, str]] = []
+    counts: dict[int, int] = {}  #: server -> the updates booked with a part for it
     while alive:
-        position = len(booked) + 1
-        for stale in sorted(j for j in alive if deadlines[j] < position):
+        position = _positions(updates, counts)
+        for stale in sorted(j for j in alive if deadlines[j] < position(j)):
             alive.discard(stale)
             dropped.append((updates[stale], DEADLINE_PASSED))
         picked = _pick(updates, running, alive, deadlines, position)
@@ -149,14 +154,16 @@ def order_joint(
         if end == math.inf:
             dropped.append((updates[k], NO_CAPACITY))
             continue
+        after = counts | {s: counts.get(s, 0) + 1 for s in updates[k].sizes}
         if delay_bound is not None:
-            later = {j for j in alive if deadlines[j] >= position + 1}
-            nxt = _pick(updates, trial, later, deadlines, position + 1)
+            then = _positions(updates, after)
+            later = {j for j in alive if deadlines[j] >= then(j)}
+            nxt = _pick(updates, trial, later, deadlines, then)
             if nxt is not None and end > book(trial.copy(), updates[nxt])[0]:
                 dropped.append((updates[k], LOOK_AHEAD))
                 continue
         booked.append((k, end, transfers))
-        running = trial
+        running, counts = trial, after
     if delay_bound is not None:
         booked = _arrival_check(updates, booked, deadlines, running, dropped)
     planned = [
@@ -166,18 +173,24 @@ def order_joint(
     return JointOrdering(planned=planned, dropped=dropped, network=running)
 
 
+def _positions(updates: Sequence[JointUpdate], counts: Mapping[int, int]) -> Callable[[int], int]:
+    """Where update ``j`` would be applied next: its latest place at any server it has a part
+    for (each server counts only the updates it receives)."""
+    return lambda j: max(counts.get(s, 0) for s in updates[j].sizes) + 1
+
+
 def _pick(
     updates: Sequence[JointUpdate],
     network: Network,
     among: set[int],
     deadlines: list[int],
-    position: int,
+    position: Callable[[int], int],
 ) -> int | None:
-    """ShrtDLine by eq. 18: the update due at ``position`` whose components all end first,
+    """ShrtDLine by eq. 18: the update due at its ``position`` whose components all end first,
     else the shortest so; ``None`` when ``among`` is empty."""
     if not among:
         return None
-    due = [k for k in among if deadlines[k] == position] or sorted(among)
+    due = [k for k in among if deadlines[k] == position(k)] or sorted(among)
     return min(due, key=lambda k: (book(network.copy(), updates[k])[0], k))
 
 

@@ -225,7 +225,10 @@ class _Pool:
         due = among & (self.deadlines == position) if self.bounded else among
         if not due.any():
             due = among
-        return int(np.argmin(np.where(due, ends, np.inf)))
+        # among the candidates only: when every one ends at infinity an argmin over the whole
+        # array picks index 0, booked or dropped already, and the pool never empties
+        candidates = np.flatnonzero(due)
+        return int(candidates[np.argmin(ends[candidates])])
 
     def _drop(self, k: int, reason: str) -> None:
         self.alive[k] = False
