@@ -163,7 +163,14 @@ def simulate(
         if replication.delay is not None:
             out.delayed += 1
             delayed_key, start = replication.delay
-            commits[delayed_key] = max(commits[delayed_key], start + SIZE / RATE)
+            moved = next((p.transfer for p in plan.direct if p.update.key == delayed_key), None)
+            if moved is not None and moved.profile:  # booked again, from its delayed start
+                network.release(moved)
+                commits[delayed_key] = network.reserve(
+                    moved.src, moved.dst, moved.size, start=start
+                ).end
+            else:  # (an aggregate's member: its group's forward stays; the commit moves)
+                commits[delayed_key] = max(commits[delayed_key], start + SIZE / RATE)
             hold = max(hold, start)
         for update, _ in batch:
             ready[update.host] = commits[update.key] + float(rng.uniform(*COMPUTE))
