@@ -77,6 +77,9 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "replication": replication.run,
     "replication-daemons": replication_daemons.run,
     "replication-netns": replication_daemons.run_netns,
+    "replication-netns-slow": functools.partial(
+        replication_daemons.run_netns, replica_mbit=replication_daemons.SLOW_REPLICA_MBIT
+    ),
     "joint": joint.run,
     "distribution": distribution.run,
     "trees-netns": trees_netns.run,

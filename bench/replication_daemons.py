@@ -32,10 +32,12 @@ virtual time.
 ``replication-netns`` (:func:`run_netns`, root) runs the same sweep on four daemons in network
 namespaces, every link ``tbf``-shaped to :data:`MBIT` Mbit/s both ways
 (:mod:`bench.netns_cluster`), :data:`NETNS_ROUNDS` rounds a setup, :data:`NETNS_PASSES` passes:
-there the time columns are the network's.  The mapping to §7.3: the paper's replica traffic
-is the primary's link; here a link is full-duplex, so the chain's forwards (the primary's
-outbound) do not slow its pushes (inbound), while bounded replication's copies double what
-each worker's uplink carries.
+there the time columns are the network's.  ``replication-netns-slow``
+(:func:`run_netns` with ``replica_mbit`` :data:`SLOW_REPLICA_MBIT`) shapes the replica's node
+slower than the rest: the bottleneck near the replica that §5.3's planned copies are for.  The
+mapping to §7.3: the paper's replica traffic is the primary's link; here a link is
+full-duplex, so the chain's forwards (the primary's outbound) do not slow its pushes
+(inbound), while bounded replication's copies double what each worker's uplink carries.
 
 Run alone: ``python -m bench.replication_daemons [--quick]``.
 """
@@ -68,8 +70,10 @@ QUICK_NBYTES: Final = 64 * 1024
 SETUPS: Final = ("none", "chain", "bounded", "none sched", "bounded sched", "ckpt 1", "ckpt 10")
 PASSES: Final = 5
 QUICK_PASSES: Final = 1
-#: replication-netns: every link's shaped rate (Mbit/s), the rounds and passes of a setup
+#: replication-netns: every link's shaped rate (Mbit/s), the rounds and passes of a setup;
+#: replication-netns-slow: the replica's node's rate (a bottleneck near the replica, §5.3)
 MBIT: Final = 100.0
+SLOW_REPLICA_MBIT: Final = 25.0
 NETNS_ROUNDS: Final = 10
 NETNS_PASSES: Final = 3
 #: seconds a call may take before the bench says it hung
@@ -168,20 +172,26 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
     return table
 
 
-def run_netns(quick: bool = False, progress: Progress = quiet) -> Table:
+def run_netns(
+    quick: bool = False, progress: Progress = quiet, *, replica_mbit: float = MBIT
+) -> Table:
     """The same sweep on four daemons in network namespaces, every link shaped to
-    :data:`MBIT` Mbit/s both ways (root; module docstring)."""
+    :data:`MBIT` Mbit/s both ways but the replica's node's, at ``replica_mbit`` (root; module
+    docstring)."""
+    name = "replication-netns" if replica_mbit == MBIT else "replication-netns-slow"
     why = why_not()
     if why is not None:
-        return Table(name="replication-netns", title="", columns=[], ratio="", skipped=why)
-    table = _table("replication-netns", f"on shaped links ({MBIT:g} Mbit/s)", quick)
+        return Table(name=name, title="", columns=[], ratio="", skipped=why)
+    where = f"on shaped links ({MBIT:g} Mbit/s, the replica's {replica_mbit:g})"
+    table = _table(name, where, quick)
     table.settings["rounds"] = rounds = QUICK_ROUNDS if quick else NETNS_ROUNDS
     passes = QUICK_PASSES if quick else NETNS_PASSES
-    with shaped_cluster([MBIT] * 4) as (sockets, _):
+    with shaped_cluster([MBIT, replica_mbit, MBIT, MBIT]) as (sockets, _):
         _sweep(sockets, table, quick, progress, rounds=rounds, passes=passes)
     table.notes.append(
         f"four daemons in network namespaces, every link tbf-shaped to {MBIT:g} Mbit/s both "
-        "ways: the times are the network's; single samples' medians on a shared machine"
+        f"ways, the replica's {replica_mbit:g}: the times are the network's; single samples' "
+        "medians on a shared machine"
     )
     return table
 
