@@ -372,6 +372,12 @@ class Pulled(_ShardFrame):
         """Whether this is a distributor's forwarded answer (sent by rank ``via``'s daemon)."""
         return self.via is not None and self.expect_us is None
 
+    @property
+    def sender(self) -> int:
+        """The rank whose node sends this frame: ``via`` for a forwarded answer, else the
+        server."""
+        return self.via if self.via is not None and self.expect_us is None else self.server
+
     def to_meta(self) -> Meta:
         meta = {
             **self._meta(),

@@ -642,8 +642,8 @@ class PSService(BaseService):
                 rank = frame.rank
             elif isinstance(frame, ps_frames.Replicated | ps_frames.Join):
                 rank = frame.replica
-            elif isinstance(frame, ps_frames.Pulled) and frame.via is not None and frame.forwarded:
-                rank = frame.via  # a distributor's forwarded answer (distribution trees)
+            elif isinstance(frame, ps_frames.Pulled):
+                rank = frame.sender  # (a distributor's, for a forwarded answer)
             else:
                 rank = frame.server
             if sender(self.membership, node, frame.job, rank) is Sender.STRANGER:

@@ -113,8 +113,8 @@ def send(
     ):
         return
     copy = dataclasses.replace(push, server=other, group=None, copy=True)
-    key = (job, push.name)
-    told, at = node.copies.planned((key, push.worker, push.shard, push.iteration))
+    planned = ((job, push.name), push.worker, push.shard, push.iteration)
+    told, at = node.copies.planned(planned)
     if not told or (at is not None and at <= node._now):
         node._send(job, other, copy, data)
         return
@@ -122,7 +122,7 @@ def send(
     at = None if at is None else min(at, node._now + hold)  # (never held past the window)
     node.counters["ps_copies_held"] += 1
     node.copies.hold(
-        (key, push.worker, push.shard, push.iteration),
+        planned,
         other,
         copy,
         data,

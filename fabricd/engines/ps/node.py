@@ -660,8 +660,8 @@ class PSNode:
         frame from a node its sender rank does not live on costs nothing; its :meth:`on_frame`
         then drops it and counts it once."""
         rank = frame.worker if isinstance(frame, ps_frames.Push) else frame.server
-        if isinstance(frame, ps_frames.Pulled) and frame.via is not None and frame.forwarded:
-            rank = frame.via  # a distributor's forwarded answer
+        if isinstance(frame, ps_frames.Pulled):
+            rank = frame.sender  # (a distributor's, for a forwarded answer)
         entry = self.ranks.lookup(frame.job, rank)
         if isinstance(frame, ps_frames.Push):
             return entry is None or entry.node == node
