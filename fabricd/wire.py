@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from fabricd.integrity import Opener
 
 MAGIC: Final = b"FBRC"
-PROTOCOL_VERSION: Final = 11
+PROTOCOL_VERSION: Final = 12
 _HEADER: Final = struct.Struct(">4sBBHIQ")
 HEADER_SIZE: Final = _HEADER.size
 
@@ -88,6 +88,7 @@ class Kind(enum.IntEnum):
     READY = 27  #: a worker's push is ready: the server's scheduler says when to send it (control)
     GRANT = 28  #: a server's scheduler: send that push after a wait (control)
     GATHER = 29  #: a server's scheduler: sum these pushes here and forward the sum (control)
+    PLAN = 30  #: shard 0's scheduler: grant or drop these parts of jointly planned updates
     REQUEST = 32  #: client -> daemon call
     REPLY = 33  #: daemon -> client answer to a REQUEST
     EVENT = 34  #: daemon -> client news nobody asked for in that moment (a pushed event)

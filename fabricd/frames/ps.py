@@ -1,5 +1,5 @@
 """The parameter server's frames: PUSH, PULL, PUSHED, PULLED, REPLICATE, REPLICATED, JOIN,
-OPENED, and MLfabric's scheduling and aggregation frames READY, GRANT and GATHER."""
+OPENED, and MLfabric's scheduling and aggregation frames READY, GRANT, GATHER and PLAN."""
 
 from __future__ import annotations
 
@@ -610,9 +610,15 @@ class Ready(_ShardFrame):
     size: int
     norm: float
     spec: dict[str, Any]
+    #: joint reservation (fabricd/engines/ps/joint.py), to shard 0's server, the lead: the
+    #: encoded size of each shard's part of the update, (shard, bytes) pairs
+    sizes: tuple[tuple[int, int], ...] | None = None
+    #: joint reservation, to any other shard's server: the lead plans this update, wait for
+    #: its PLAN
+    joint: bool = False
 
     def to_meta(self) -> Meta:
-        return {
+        meta = {
             **self._meta(),
             "w": self.worker,
             "it": self.iteration,
@@ -622,13 +628,18 @@ class Ready(_ShardFrame):
             "norm": self.norm,
             "spec": self.spec,
         }
+        if self.sizes is not None:
+            meta["sz"] = [list(pair) for pair in self.sizes]
+        if self.joint:
+            meta["j"] = True
+        return meta
 
     @classmethod
     def from_meta(cls, meta: Meta) -> Ready:
         norm = meta.get("norm")
         if type(norm) is not float or not math.isfinite(norm) or norm < 0:
             raise RemoteProtocolError("field 'norm' must be a finite float >= 0")
-        return cls(
+        frame = cls(
             **cls._fields(meta),
             worker=_rank(meta, "w"),
             iteration=get_int(meta, "it"),
@@ -637,7 +648,35 @@ class Ready(_ShardFrame):
             size=get_int(meta, "n"),
             norm=norm,
             spec=_ps_spec(meta),
+            sizes=_sizes(meta, "sz"),
+            joint=get_bool(meta, "j") if "j" in meta else False,
         )
+        if frame.sizes is not None and (frame.joint or frame.shard != 0):
+            raise RemoteProtocolError("a READY's sizes go to shard 0's server, the lead, only")
+        return frame
+
+
+def _sizes(meta: Meta, key: str) -> tuple[tuple[int, int], ...] | None:
+    """``meta[key]``: 1 to :data:`MAX_PS_SERVERS` (shard, bytes) pairs, distinct shards, or
+    ``None`` when the field is absent."""
+    if key not in meta:
+        return None
+    value = meta[key]
+    if (
+        not isinstance(value, list)
+        or not 0 < len(value) <= MAX_PS_SERVERS
+        or not all(
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(type(n) is int and 0 <= n < 2**63 for n in pair)
+            for pair in value
+        )
+        or len({pair[0] for pair in value}) != len(value)
+    ):
+        raise RemoteProtocolError(
+            f"field {key!r} must list 1 to {MAX_PS_SERVERS} (shard, bytes) pairs, distinct shards"
+        )
+    return tuple((pair[0], pair[1]) for pair in value)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -738,3 +777,60 @@ class Gather(_ShardFrame):
             wait_us=get_int(meta, "wait", hi=MAX_GRANT_WAIT_US),
             spec=_ps_spec(meta),
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanEntry:
+    """One update's part for the receiving shard, as the lead planned it: grant it (send
+    ``wait_us`` microseconds after the PLAN came, for ``duration_us``), or drop it
+    (``reason``)."""
+
+    worker: int
+    iteration: int
+    wait_us: int = 0
+    duration_us: int = 0
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan(_ShardFrame):
+    """Rank ``lead`` (shard 0's server) planned these updates jointly with their other parts
+    (MLfabric §10.2, eq. 18): ``server``, serving ``shard``, grants or drops its part of each
+    as ``entries`` say (control channel, no payload; fabricd/engines/ps/joint.py)."""
+
+    KIND: ClassVar[Kind] = Kind.PLAN
+    lead: int
+    entries: tuple[PlanEntry, ...]
+
+    def to_meta(self) -> Meta:
+        return {
+            **self._meta(),
+            "lead": self.lead,
+            "in": [
+                [e.worker, e.iteration, e.wait_us, e.duration_us, e.reason] for e in self.entries
+            ],
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Meta) -> Plan:
+        value = meta.get("in")
+        if not isinstance(value, list) or not 0 < len(value) <= MAX_MEMBERS:
+            raise RemoteProtocolError(f"a PLAN holds 1 to {MAX_MEMBERS} entries (field 'in')")
+        entries = []
+        for item in value:
+            if not isinstance(item, list) or len(item) != 5:
+                raise RemoteProtocolError("a PLAN entry is [w, it, wait, duration, why]")
+            fields = dict(zip(("w", "it", "wait", "dur"), item[:4], strict=True))
+            why = {} if item[4] is None else {"why": item[4]}
+            entries.append(
+                PlanEntry(
+                    worker=_rank(fields, "w"),
+                    iteration=get_int(fields, "it"),
+                    wait_us=get_int(fields, "wait", hi=MAX_GRANT_WAIT_US),
+                    duration_us=get_int(fields, "dur", hi=MAX_GRANT_WAIT_US),
+                    reason=_reason(why, "why"),
+                )
+            )
+        if len({(e.worker, e.iteration) for e in entries}) != len(entries):
+            raise RemoteProtocolError("a PLAN names each update once")
+        return cls(**cls._fields(meta), lead=_rank(meta, "lead"), entries=tuple(entries))

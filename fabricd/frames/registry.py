@@ -21,6 +21,7 @@ from fabricd.frames.ps import (
     Grant,
     Join,
     Opened,
+    Plan,
     Pull,
     Pulled,
     Push,
@@ -63,6 +64,7 @@ PeerFrame = (
     | Ready
     | Grant
     | Gather
+    | Plan
 )
 #: the frames whose payload is a point-to-point message's bytes (DATA, and EAGER on control)
 MessageFrame = Data | Eager
@@ -100,6 +102,7 @@ _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
         Ready,
         Grant,
         Gather,
+        Plan,
     )
 }
 #: the kinds :func:`parse` reads

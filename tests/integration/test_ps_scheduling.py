@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import fabricd
+from tests.integration.scrape import scrape
 from tests.integration.test_collectives import ranks
 from tests.integration.test_ps import wait
 
@@ -93,6 +94,51 @@ def test_every_push_applied_once_or_dropped_and_the_model_is_their_sum(
         assert sum(sum(s["denied"].values()) for s in scheduler) == sum(
             row["dropped_scheduled"] for row in mine
         )
+
+
+LEAD_LABELS = frozenset({"service": "ps", "what": "planned"}.items())
+
+
+def test_two_shards_are_planned_jointly_and_drop_an_update_whole(make_cluster: Any) -> None:
+    """Two shards on two daemons (ranks 0 and 3, on nodes 0 and 1) under a tight delay
+    bound: shard 0's scheduler plans every update's two parts (issue 25, MLfabric §10.2) and
+    tells shard 1's with PLANs, so a scheduler's drop is on both shards or on neither, unless
+    shard 1's planned a part alone (its PLAN late: its status counts it).  Every push is still
+    applied or dropped on each shard, once, by the workers' own results."""
+    cluster = make_cluster(3)
+    servers = [0, 3]
+    with ranks(cluster, PLACEMENT, "ps-joint") as fabs:
+        pss = open_scheduled(fabs, servers, delay_bound=1)
+        workers = [r for r in range(len(PLACEMENT)) if r not in servers]
+        models = {w: fabs[w].array("w", (COUNT,), "float64") for w in workers}
+        updates = {w: fabs[w].array("u", (COUNT,), "float64") for w in workers}
+        by_scheduler: list[int] = []
+        pushed = dropped = 0
+        for iteration in range(8):
+            for w in [w for w in workers if (w + iteration) % 3]:  # the others stay stale
+                wait(pss[w].pull_async(models[w]), fabs)
+            handles = {}
+            for w in workers:
+                updates[w][:] = w + iteration
+                handles[w] = pss[w].push_async(updates[w])
+            for handle in handles.values():
+                result = wait(handle, fabs)
+                pushed += 2
+                dropped += len(result.dropped)
+                by_scheduler.append(sum("by the scheduler" in why for why in result.dropped))
+        statuses = [fab.status() for fab in fabs[:3]]
+        rows = [row for st in statuses for row in st["ps_servers"] if row["job"] == "ps-joint"]
+        lead = next(r["scheduler"] for r in rows if r["role"] == "primary" and r["shard"] == 0)
+        other = next(r["scheduler"] for r in rows if r["role"] == "primary" and r["shard"] == 1)
+        assert lead["joint"]["planned"] > 0
+        assert other["joint"]["held"] == 0
+        if other["joint"]["fell_back"] == 0:
+            assert set(by_scheduler) <= {0, 2}
+        applied = sum(r["applied"] for r in rows if r["role"] == "primary")
+        assert applied + dropped == pushed == 8 * len(workers) * 2
+        samples = scrape(cluster.nodes[0].metrics_url)  # (node 0 serves shard 0: the lead)
+        planned = samples["fabricd_ps_joint_parts_total", LEAD_LABELS]
+        assert planned == lead["joint"]["planned"]
 
 
 def test_scheduling_needs_async_or_bsp(make_cluster: Any) -> None:

@@ -293,6 +293,14 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
         "ep": 0,
         "wait": 1500,
     },
+    Kind.PLAN: {
+        "job": "demo",
+        "name": "ps",
+        "sh": 1,
+        "srv": 3,
+        "lead": 2,
+        "in": [[1, 4, 1500, 800, None], [2, 5, 0, 0, "deadline passed"]],
+    },
     Kind.REQUEST: {
         "id": 1,
         "op": "send",
@@ -341,8 +349,8 @@ def test_header_layout_is_as_documented() -> None:
     data = encode(Kind.RTS, {"a": 1}, b"xyz")
     assert HEADER_SIZE == 20
     assert MAGIC == b"FBRC"
-    assert PROTOCOL_VERSION == 11
-    assert data[:20] == b"FBRC" + bytes([11, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
+    assert PROTOCOL_VERSION == 12
+    assert data[:20] == b"FBRC" + bytes([12, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
         3
     ).to_bytes(8, "big")
     assert data[20:24] == b"\x81\xa1a\x01"
@@ -350,7 +358,7 @@ def test_header_layout_is_as_documented() -> None:
 
 
 def test_the_example_in_protocol_md() -> None:
-    documented = "46 42 52 43 0b 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
+    documented = "46 42 52 43 0c 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
     assert encode(Kind.CTS, {"msg": 1}) == bytes.fromhex(documented)
 
 
@@ -385,6 +393,7 @@ def test_kind_numbers_are_stable() -> None:
         "READY": 27,
         "GRANT": 28,
         "GATHER": 29,
+        "PLAN": 30,
         "REQUEST": 32,
         "REPLY": 33,
         "EVENT": 34,
@@ -684,7 +693,7 @@ def test_client_socket_limits() -> None:
 # -- malformed headers ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 30, 31, 35, 255])
+@pytest.mark.parametrize("kind", [0, 31, 35, 255])
 def test_unknown_kind(kind: int) -> None:
     assert_rejected(header(kind, 1) + b"\x80", match=f"unknown frame kind {kind}")
 
@@ -734,10 +743,10 @@ def test_kind_not_in_the_limits() -> None:
 
 def test_frames_before_the_bad_one_are_delivered() -> None:
     decoder = Decoder()
-    decoder.feed(encode(Kind.CTS, {"msg": 1}) + header(version=12) + b"\x80")
+    decoder.feed(encode(Kind.CTS, {"msg": 1}) + header(version=13) + b"\x80")
     assert isinstance(decoder.next_event(), FrameHead)
     assert isinstance(decoder.next_event(), Frame)
-    with pytest.raises(RemoteProtocolError, match="version 12"):
+    with pytest.raises(RemoteProtocolError, match="version 13"):
         decoder.next_event()
     assert_dead(decoder)
 

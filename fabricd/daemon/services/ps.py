@@ -159,6 +159,7 @@ class PSService(BaseService):
             Kind.READY,
             Kind.GRANT,
             Kind.GATHER,
+            Kind.PLAN,
         }
     )
     ops = frozenset({"ps_open", "ps_push", "ps_pull", "ps_stepped", "ps_flush"})
@@ -636,7 +637,8 @@ class PSService(BaseService):
                 | ps_frames.Join
                 | ps_frames.Opened
                 | ps_frames.Grant
-                | ps_frames.Gather,
+                | ps_frames.Gather
+                | ps_frames.Plan,
             )
             if isinstance(frame, ps_frames.Opened):
                 rank = frame.rank
@@ -644,6 +646,8 @@ class PSService(BaseService):
                 rank = frame.replica
             elif isinstance(frame, ps_frames.Pulled):
                 rank = frame.sender  # (a distributor's, for a forwarded answer)
+            elif isinstance(frame, ps_frames.Plan):
+                rank = frame.lead
             else:
                 rank = frame.server
             if sender(self.membership, node, frame.job, rank) is Sender.STRANGER:

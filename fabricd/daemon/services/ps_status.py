@@ -307,6 +307,13 @@ def _scheduler_metrics(labels: dict[str, str], t: Counter[str]) -> Iterable[Metr
         "(divide by fabricd_ps_scheduled_updates ready minus waiting for the mean)",
         [(labels, t["sched_latency_us"] / 1e6)],
     )
+    yield counter(
+        "fabricd_ps_joint_parts",
+        "Joint reservation (MLfabric §10.2): parts of other shards' updates this node's shard-0 "
+        "primaries planned (planned), and parts its other primaries planned alone because no "
+        "PLAN came in time (fell_back)",
+        [({**labels, "what": what}, t[f"joint_{what}"]) for what in ("planned", "fell_back")],
+    )
 
 
 def _totals(workers: list[WorkerStatistics], primaries: list[ShardStatistics]) -> Counter[str]:
@@ -343,6 +350,7 @@ def _totals(workers: list[WorkerStatistics], primaries: list[ShardStatistics]) -
                 sched_batches=s.scheduler.batches,
             )
             t.update(sched_latency_us=round(s.scheduler.latency_sum * 1e6))
+            t.update(joint_planned=s.scheduler.joint_planned, joint_fell_back=s.scheduler.fell_back)
     return t
 
 
@@ -408,4 +416,9 @@ def _scheduler_row(stats: SchedulerStatistics | None) -> Meta | None:
         "outstanding": stats.outstanding,
         "latency_mean": stats.latency_sum / decided if decided else 0.0,
         "latency_max": stats.latency_max,
+        "joint": {
+            "planned": stats.joint_planned,
+            "held": stats.joint_held,
+            "fell_back": stats.fell_back,
+        },
     }

@@ -53,6 +53,8 @@ def to_server(
             base=action.base,
             size=action.size,
             norm=action.norm,
+            sizes=action.sizes,
+            joint=action.joint,
         )
         return ready, b""
     if isinstance(action, SendPush):

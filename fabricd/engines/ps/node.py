@@ -65,7 +65,15 @@ from typing import TYPE_CHECKING
 
 from fabricd.engines.actions import Complete, Failure, SendFrame
 from fabricd.engines.deadlines import Deadlines
-from fabricd.engines.ps import aggregating, copying, messages, partners, relaying, routing
+from fabricd.engines.ps import (
+    aggregating,
+    copying,
+    messages,
+    partners,
+    planning,
+    relaying,
+    routing,
+)
 from fabricd.engines.ps.aggregating import direct_after
 from fabricd.engines.ps.agreement import Agreement
 from fabricd.engines.ps.bounded import NEED_AFTER, DivergenceBound
@@ -74,6 +82,7 @@ from fabricd.engines.ps.copy_plan import need_after
 from fabricd.engines.ps.distributing import PullBatch
 from fabricd.engines.ps.failover import adopt, lose, promote, send_again
 from fabricd.engines.ps.gathering import Gathering
+from fabricd.engines.ps.joint import PartPlanned, joint_for
 from fabricd.engines.ps.models import (
     CallDone,
     Log,
@@ -241,6 +250,7 @@ class PSNode:
             seed=seed,
             scheduled=spec["scheduling"] == "mlfabric",
             synchronous=spec["consistency"] == "bsp",
+            joint=joint_for(spec),
         )
         worker.epochs = [model.epochs.get(shard, 0) for shard in range(len(bounds))]
         model.local_workers[rank] = WorkerSide(engine=worker)
@@ -492,7 +502,10 @@ class PSNode:
         job = key[0]
         me = model.ranks[shard]
         other = model.partner(shard, me)
+        planning.send(self, key, model, me, (a for a in actions if isinstance(a, PartPlanned)))
         for action in actions:
+            if isinstance(action, PartPlanned):
+                continue  # (sent above, one PLAN per shard)
             if isinstance(action, Forward | Snapshot):
                 assert other is not None
                 if not self._replicate(key, shard, me, other, action):
@@ -606,6 +619,9 @@ class PSNode:
             return
         if isinstance(frame, ps_frames.Gather):
             aggregating.at_gather(self, node, frame, now)
+            return
+        if isinstance(frame, ps_frames.Plan):
+            planning.at_plan(self, node, frame, now)
             return
         if isinstance(frame, ps_frames.Pulled) and frame.forwarded:
             relaying.at_forwarded(self, node, frame, payload, now)  # (a distributor's)
@@ -733,7 +749,15 @@ class PSNode:
             )
         elif isinstance(frame, ps_frames.Ready):
             actions = server.ready(
-                frame.worker, frame.iteration, frame.base, frame.size, frame.norm, node, now
+                frame.worker,
+                frame.iteration,
+                frame.base,
+                frame.size,
+                frame.norm,
+                node,
+                now,
+                sizes=frame.sizes,
+                joint=frame.joint,
             )
         else:
             actions = server.pull(
@@ -849,12 +873,7 @@ class PSNode:
         )
         if not self._early.has_room(len(payload)):
             self.counters["ps_frames_dropped"] += 1
-            why = (
-                f"rank {frame.server} has not opened {frame.name!r} and this daemon holds "
-                f"{len(self._early)} frames ({self._early.nbytes} B) for models not open yet, "
-                f"the most it keeps ({routing.MAX_HELD}, or {routing.HELD_PAYLOADS} x "
-                "max_payload)"
-            )
+            why = self._early.why_full(frame.server, frame.name)
             if waits:
                 # not answered: a push answered as dropped counts as processed, and the
                 # worker's next one would skip an iteration its server never saw; it waits
@@ -954,7 +973,9 @@ class PSNode:
                 other = model.partner(shard, model.ranks[shard])
                 entry = None if other is None else self.ranks.lookup(key[0], other)
                 replica = None if entry is None else entry.node  # (its copies are planned)
-                self._server(key, shard, server.on_timer(now, self.ranks.bandwidth, replica))
+                nodes = planning.servers(self, key, model) if shard == 0 else None
+                actions = server.on_timer(now, self.ranks.bandwidth, replica, nodes)
+                self._server(key, shard, actions)
         for heap, act in ((self._paced, Worker.granted), (self._direct, Worker.direct)):
             for key, rank, shard, iteration in heap.pop_due(now):
                 model = self.models.get(key)

@@ -154,6 +154,14 @@ class EarlyFrames:
     def nbytes(self) -> int:
         return self._bytes
 
+    def why_full(self, server: int, name: str) -> str:
+        """Why a frame for rank ``server``'s model ``name``, not open yet, is not held."""
+        return (
+            f"rank {server} has not opened {name!r} and this daemon holds {len(self)} frames "
+            f"({self.nbytes} B) for models not open yet, the most it keeps ({MAX_HELD}, or "
+            f"{HELD_PAYLOADS} x max_payload)"
+        )
+
     def has_room(self, more: int) -> bool:
         return len(self._frames) < MAX_HELD and room(self._bytes, more, self.max_payload)
 

@@ -53,13 +53,15 @@ from fabricd.engines.monitor.table import DEFAULT_BPS
 from fabricd.engines.ps.bounded import DivergenceBound
 from fabricd.engines.ps.consistency import SGD
 from fabricd.engines.ps.copy_plan import CopyPlanner
+from fabricd.engines.ps.joint import JointParts, PartPlanned, by_node, fallback_after, joint_for
 from fabricd.engines.scheduling.aggregation import Group, aggregate
+from fabricd.engines.scheduling.joint import JointUpdate, order_joint
 from fabricd.engines.scheduling.ordering import Planned, Update, in_list_order, order
 from fabricd.engines.scheduling.timelines import Network
 from fabricd.errors import RemoteProtocolError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Hashable, Iterable
+    from collections.abc import Callable, Hashable, Iterable, Mapping
 
     from fabricd.engines.ps.consistency import UpdateRule
     from fabricd.engines.ps.copy_plan import CopyPlan
@@ -128,6 +130,8 @@ class _Ready:
     norm: float
     host: int
     at: float  #: when it came
+    #: joint reservation's lead: the size of each part of the update, by shard
+    sizes: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -162,6 +166,11 @@ class SchedulerStatistics:
     latency_sum: float  #: seconds from READY to decision, summed
     latency_max: float
     decided: int  #: READYs decided (the latency's count)
+    #: joint reservation (:mod:`fabricd.engines.ps.joint`): parts of other shards this lead
+    #: planned, parts held for a PLAN, and parts planned alone when none came in time
+    joint_planned: int = 0
+    joint_held: int = 0
+    fell_back: int = 0
 
 
 class ShardScheduler:
@@ -173,6 +182,9 @@ class ShardScheduler:
         interval: seconds a batch gathers ready updates.
         aggregation: Alg. 3's groups summed at worker daemons (§5.2).
         synchronous: BSP's batches (MLfabric-S, §6): lists, neither ordered nor dropped.
+        joint: a sharded model's updates planned jointly (:mod:`fabricd.engines.ps.joint`):
+            as the lead, a READY naming every part's size is planned with its other parts;
+            as a follower, a jointly planned READY waits for the lead's PLAN.
     """
 
     def __init__(
@@ -184,6 +196,7 @@ class ShardScheduler:
         aggregation: bool = False,
         synchronous: bool = False,
         copies: CopyPlanner | None = None,
+        joint: bool = False,
     ) -> None:
         if synchronous and delay_bound is not None:
             raise ValueError("a synchronous batch has no delay bound: it drops nothing")
@@ -194,6 +207,17 @@ class ShardScheduler:
         self.synchronous = synchronous
         #: bounded replication's copy plans (async without aggregation), or None
         self.copies = None if synchronous or aggregation else copies
+        self.parts = (
+            JointParts(fallback_after(interval))
+            if joint and not (synchronous or aggregation or copies)
+            else None
+        )
+        self._joint_planned = 0
+        #: joint reservation's lead: the other parts' planned transfers, (start, end, src,
+        #: dst, bytes) each, on the timelines until their planned end (it hears nothing of them)
+        self._others: list[tuple[float, float, int, int, float]] = []
+        #: joint reservation's follower: the READYs held for the lead's PLAN
+        self._held: dict[tuple[int, int], _Ready] = {}
         self._next_group = 0
         self._batch: dict[tuple[int, int], _Ready] = {}
         self._granted: dict[tuple[int, int], _Grant] = {}
@@ -208,13 +232,32 @@ class ShardScheduler:
         self._latency_sum = self._latency_max = 0.0
 
     def ready(
-        self, worker: int, iteration: int, base: int, size: int, norm: float, host: int, now: float
-    ) -> list[Granted]:
+        self,
+        worker: int,
+        iteration: int,
+        base: int,
+        size: int,
+        norm: float,
+        host: int,
+        now: float,
+        *,
+        sizes: tuple[tuple[int, int], ...] | None = None,
+        joint: bool = False,
+    ) -> list[Granted | Denied]:
         """``worker`` (on node ``host``) has its update of ``iteration`` ready: it joins the
-        batch, or, granted already (a READY sent again), is granted again at once."""
+        batch, or, granted already (a READY sent again), is granted again at once.  Jointly
+        planned (``joint``, a follower's) it waits for the lead's PLAN instead, or is decided
+        at once by one that came first; ``sizes`` (the lead's): every part's size, by shard.
+
+        Raises:
+            RemoteProtocolError: a worker's iteration going back, or ``sizes`` without this
+                part's own (shard 0's) of ``size`` bytes.
+        """
         key = (worker, iteration)
         if key in self._granted:  # (aggregation: now straight to the server)
             return [Granted(worker=worker, iteration=iteration, wait=0.0)]
+        if sizes is not None and dict(sizes).get(0) != size:
+            raise RemoteProtocolError(f"a READY of {size} B whose sizes say {sizes}")
         other = self._worker.get(worker)
         if other is not None and other > iteration:
             raise RemoteProtocolError(
@@ -225,18 +268,71 @@ class ShardScheduler:
             # (the shard forgot it: a grant that expired, a restore), so it replaces it
             self._batch.pop((worker, other), None)
             self._granted.pop((worker, other), None)
-        if key not in self._batch:
+            self._held.pop((worker, other), None)
+            if self.parts is not None:
+                self.parts.forget((worker, other))
+        if key not in self._batch and (self.parts is None or not self.parts.holds(key)):
             self._ready += 1
             self._worker[worker] = iteration
-        self._batch[key] = _Ready(
-            worker=worker, iteration=iteration, base=base, size=size, norm=norm, host=host, at=now
+        ready = _Ready(
+            worker=worker,
+            iteration=iteration,
+            base=base,
+            size=size,
+            norm=norm,
+            host=host,
+            at=now,
+            sizes=sizes
+            if self.parts is not None and sizes is not None and len(sizes) > 1
+            else None,
         )
+        if joint and self.parts is not None and key not in self._batch:
+            self._held[key] = ready
+            decision = self.parts.hold(key, now)
+            if decision is None:
+                return []
+            del self._held[key]
+            return self._carry_out(ready, decision.wait, decision.duration, decision.reason, now)
+        self._batch[key] = ready
         if self._due is None:
             self._due = now + self.interval
         return []
 
+    def planned(self, parts: list[PartPlanned], now: float) -> list[Granted | Denied]:
+        """The lead's PLAN for this shard's parts: each held part granted or dropped as it
+        says; an entry for a part not heard of yet is kept for its READY, one for a part this
+        scheduler decided already is ignored (:class:`~fabricd.engines.ps.joint.JointParts`)."""
+        if self.parts is None:
+            return []
+        out: list[Granted | Denied] = []
+        for part in parts:
+            key = (part.worker, part.iteration)
+            known = key in self._batch or key in self._granted
+            if self.parts.planned(part, now, known=known):
+                ready = self._held.pop(key)
+                out += self._carry_out(ready, part.wait, part.duration, part.reason, now)
+        return out
+
+    def _carry_out(
+        self, ready: _Ready, wait: float, duration: float, reason: str | None, now: float
+    ) -> list[Granted | Denied]:
+        """Grant or drop a held part as the lead planned it."""
+        self._note_decided([ready], now)
+        if reason is not None:
+            update = Update(key=(ready.worker, ready.iteration), host=ready.host, version=0, size=0)
+            return list(self._deny([(update, reason)], {update.key: ready}))
+        wait = min(max(0.0, wait), MAX_PLAN)
+        start = now + wait
+        self._granted[(ready.worker, ready.iteration)] = _Grant(
+            ready=ready, dst=self.server, start=start, end=start + min(max(0.0, duration), MAX_PLAN)
+        )
+        self._grants += 1
+        return [Granted(worker=ready.worker, iteration=ready.iteration, wait=wait)]
+
     def next_deadline(self) -> float | None:
-        return self._due
+        """When :meth:`on_timer` has work: the batch's end, or (joint) a held part's grace."""
+        held = None if self.parts is None else self.parts.next_deadline()
+        return min((d for d in (self._due, held) if d is not None), default=None)
 
     def on_timer(
         self,
@@ -244,11 +340,16 @@ class ShardScheduler:
         version: int,
         figures: Callable[[int], tuple[float, float] | None],
         replica: int | None = None,
-    ) -> list[Granted | Denied | Gather | CopyGranted]:
+        servers: Mapping[int, int] | None = None,
+    ) -> list[Granted | Denied | Gather | CopyGranted | PartPlanned]:
         """Decide the batch if its interval is over: grant what Alg. 2 plans (through the
         aggregators Alg. 3 picks, with ``aggregation``), deny what it drops.  ``version`` is
         the shard's; ``figures`` the monitor's (up, down) per host; ``replica`` the host of
-        a bounded replica that follows (its copies are planned too: module copy_plan)."""
+        a bounded replica that follows (its copies are planned too: module copy_plan);
+        ``servers`` the node serving each shard (joint reservation's lead: the other parts'
+        decisions are returned for their shards, :class:`~fabricd.engines.ps.joint.
+        PartPlanned`).  A held part whose PLAN did not come in time joins the batch."""
+        self._fall_back(now)
         if self._due is None or now < self._due:
             return []
         self._due = None
@@ -259,7 +360,10 @@ class ShardScheduler:
             return []
         self._batches += 1
         extra = [] if copies is None or replica is None else [replica, *copies.hosts]
+        joint = self._joint_servers(batch, servers)
+        extra += joint.values()
         network = self._network(now, batch, figures, extra)
+        parts: list[PartPlanned] = []
         updates = [
             Update(
                 key=(r.worker, r.iteration), host=r.host, version=r.base, size=r.size, norm=r.norm
@@ -271,6 +375,9 @@ class ShardScheduler:
         if self.synchronous:
             planned_all, groups = self._listed(batch, updates, network)
             dropped: list[tuple[Update, str]] = []
+        elif joint:
+            planned_all, dropped, parts = self._jointly(now, batch, network, version, joint)
+            groups = []
         else:
             plan = order(
                 updates,
@@ -278,7 +385,7 @@ class ShardScheduler:
                 server=self.server,
                 # eq. 9 counts a delay from the version after applying; the shard counts it
                 # from the version before (consistency.py), one less: its bound is tau_max + 1
-                delay_bound=None if self.delay_bound is None else self.delay_bound + 1,
+                delay_bound=self._bound,
                 v_init=version + len(self._granted),
             )
             planned_all, dropped = plan.planned, plan.dropped
@@ -286,12 +393,41 @@ class ShardScheduler:
             if copies is not None and replica is not None:
                 booked = network if plan.network is None else plan.network
                 copy_plan = copies.plan(now, plan.planned, booked, replica)
-        out: list[Granted | Denied | Gather | CopyGranted] = []
+        out: list[Granted | Denied | Gather | CopyGranted | PartPlanned] = []
         grouped = {p.update.key for group in groups for p in group.members}
         for planned in planned_all:
             if planned.update.key not in grouped:
                 ready = by_key[planned.update.key]
                 out.append(self._grant(ready, planned, now, copies=copy_plan))
+        out += self._gathered(groups, by_key, now)
+        out += self._deny(dropped, by_key)
+        out += parts
+        if copy_plan is not None:
+            for key, wait in copy_plan.later.items():
+                worker, iteration = cast("tuple[int, int]", key)
+                out.append(CopyGranted(worker=worker, iteration=iteration, wait=wait))
+            if copies is not None and copies.pending and self._due is None:
+                self._due = now + self.interval  # punted copies go with the next batch at last
+        self._note_decided(batch, now)
+        return out
+
+    def _fall_back(self, now: float) -> None:
+        """Joint reservation's follower: the held parts whose PLAN did not come in time join
+        the batch, decided now."""
+        if self.parts is None:
+            return
+        for late in self.parts.due(now):
+            held = self._held.pop(late, None)
+            if held is not None:
+                self._batch[late] = held
+                self._due = now if self._due is None else min(self._due, now)
+
+    def _gathered(
+        self, groups: list[Group], by_key: dict[Hashable, _Ready], now: float
+    ) -> list[Granted | Gather]:
+        """Alg. 3's groups: each member granted its transfer to its aggregator, which is told
+        to gather the group (GATHER), and the aggregate expected."""
+        out: list[Granted | Gather] = []
         for group in groups:
             number = self._next_group
             self._next_group += 1
@@ -307,19 +443,104 @@ class ShardScheduler:
             end = min(group.forward.end, now + MAX_PLAN)
             start = min(group.forward.start, end)
             self.expect(number, group.aggregator, tuple(members), group.forward.size, end, start)
-        out += self._deny(dropped, by_key)
-        if copy_plan is not None:
-            for key, wait in copy_plan.later.items():
-                worker, iteration = cast("tuple[int, int]", key)
-                out.append(CopyGranted(worker=worker, iteration=iteration, wait=wait))
-            if copies is not None and copies.pending and self._due is None:
-                self._due = now + self.interval  # punted copies go with the next batch at last
-        self._decided += len(batch)
-        for ready in batch:
+        return out
+
+    def _note_decided(self, decided: list[_Ready], now: float) -> None:
+        self._decided += len(decided)
+        for ready in decided:
             latency = now - ready.at
             self._latency_sum += latency
             self._latency_max = max(self._latency_max, latency)
-        return out
+
+    @property
+    def _bound(self) -> int | None:
+        # eq. 9 counts a delay from the version after applying; the shard counts it from the
+        # version before (consistency.py), one less: its bound is tau_max + 1
+        return None if self.delay_bound is None else self.delay_bound + 1
+
+    def _joint_servers(
+        self, batch: list[_Ready], servers: Mapping[int, int] | None
+    ) -> dict[int, int]:
+        """The node serving each shard the batch's jointly planned updates have a part for
+        (those known: an update with a part for a shard not in ``servers`` is planned
+        alone); empty when the batch has none."""
+        if self.parts is None or servers is None or not any(r.sizes for r in batch):
+            return {}
+        shards = {shard for r in batch for shard, _ in r.sizes or ()}
+        return {s: servers[s] for s in shards if s in servers} | {0: self.server}
+
+    def _jointly(
+        self,
+        now: float,
+        batch: list[_Ready],
+        network: Network,
+        version: int,
+        servers: dict[int, int],
+    ) -> tuple[list[Planned], list[tuple[Update, str]], list[PartPlanned]]:
+        """The lead's batch by :func:`~fabricd.engines.scheduling.joint.order_joint`: this
+        shard's parts planned and dropped, and the other shards' decisions (their transfers kept
+        for the timelines).  Deadlines are shard 0's (its version and the part's base): an
+        update's parts were computed from one model, and shards applying the same updates
+        count the same versions."""
+        jointly: dict[tuple[int, int], dict[int, int]] = {}
+        updates = []
+        for ready in batch:
+            key = (ready.worker, ready.iteration)
+            sizes = dict(ready.sizes or ())
+            if len(sizes) > 1 and all(shard in servers for shard in sizes):
+                jointly[key] = sizes
+            else:
+                sizes = {0: ready.size}  # (a part's server unknown: its follower falls back)
+            nodes = by_node(sizes, servers | {0: self.server})
+            updates.append(JointUpdate(key=key, host=ready.host, version=ready.base, sizes=nodes))
+        plan = order_joint(
+            updates, network, delay_bound=self._bound, v_init=version + len(self._granted)
+        )
+        by_key = {(r.worker, r.iteration): r for r in batch}
+        planned: list[Planned] = []
+        parts: list[PartPlanned] = []
+        for booked in plan.planned:
+            ready = by_key[booked.update.key]  # type: ignore[index]
+            key = (ready.worker, ready.iteration)
+            own = Update(key=key, host=ready.host, version=ready.base, size=ready.size)
+            planned.append(Planned(own, booked.transfers[self.server], booked.position))
+            for shard in jointly.get(key, {}):
+                if shard != 0:
+                    t = booked.transfers[servers[shard]]
+                    wait = min(max(0.0, t.start - now), MAX_PLAN)
+                    duration = min(max(0.0, t.end - t.start), MAX_PLAN)
+                    parts.append(self._part(ready, shard, wait=wait, duration=duration))
+            self._others += [
+                (t.start, t.end, ready.host, node, t.size)
+                for node, t in booked.transfers.items()
+                if node != self.server
+            ]
+        dropped: list[tuple[Update, str]] = []
+        for update, reason in plan.dropped:
+            ready = by_key[update.key]  # type: ignore[index]
+            key = (ready.worker, ready.iteration)
+            dropped.append((Update(key=key, host=ready.host, version=ready.base, size=0), reason))
+            parts += [self._part(ready, s, reason=reason) for s in jointly.get(key, {}) if s]
+        self._joint_planned += len(parts)
+        return planned, dropped, parts
+
+    @staticmethod
+    def _part(
+        ready: _Ready,
+        shard: int,
+        *,
+        wait: float = 0.0,
+        duration: float = 0.0,
+        reason: str | None = None,
+    ) -> PartPlanned:
+        return PartPlanned(
+            shard=shard,
+            worker=ready.worker,
+            iteration=ready.iteration,
+            wait=wait,
+            duration=duration,
+            reason=reason,
+        )
 
     def _deny(
         self, dropped: list[tuple[Update, str]], by_key: dict[Hashable, _Ready]
@@ -433,11 +654,15 @@ class ShardScheduler:
             aggregation=self.aggregation,
             synchronous=self.synchronous,
             copies=None if self.copies is None else self.copies.fresh(),
+            joint=self.parts is not None,
         )
         # its counters go on (status and metrics never go back)
         fresh._ready, fresh._grants, fresh._batches = self._ready, self._grants, self._batches
         fresh._denied, fresh._decided = dict(self._denied), self._decided
         fresh._latency_sum, fresh._latency_max = self._latency_sum, self._latency_max
+        fresh._joint_planned = self._joint_planned
+        if fresh.parts is not None and self.parts is not None:
+            fresh.parts.fell_back = self.parts.fell_back
         return fresh
 
     @property
@@ -481,6 +706,9 @@ class ShardScheduler:
         """The shard processed ``worker``'s push of ``iteration`` (applied or dropped)."""
         self._granted.pop((worker, iteration), None)
         self._batch.pop((worker, iteration), None)
+        self._held.pop((worker, iteration), None)
+        if self.parts is not None:
+            self.parts.forget((worker, iteration))
         if self._worker.get(worker) == iteration:
             del self._worker[worker]
 
@@ -490,6 +718,9 @@ class ShardScheduler:
         if iteration is not None:
             self._batch.pop((worker, iteration), None)
             self._granted.pop((worker, iteration), None)
+            self._held.pop((worker, iteration), None)
+        if self.parts is not None:
+            self.parts.forget_worker(worker)
         if self.copies is not None:
             self.copies.forget_worker(worker)
 
@@ -516,6 +747,7 @@ class ShardScheduler:
         hosts = {self.server, *(r.host for r in batch), *extra}
         hosts |= {g.ready.host for g in self._granted.values()}
         hosts |= {g.dst for g in self._granted.values()}
+        hosts |= {b[2] for b in self._others} | {b[3] for b in self._others}
         hosts |= {g.aggregator for g in self._gathers.values()}
         up: dict[int, float] = {}
         down: dict[int, float] = {}
@@ -533,6 +765,8 @@ class ShardScheduler:
         booked += [
             (g.start, g.end, g.aggregator, self.server, g.size) for g in self._gathers.values()
         ]
+        self._others = [b for b in self._others if now < b[1]]
+        booked += self._others
         for start, end, src, dst, size in sorted(booked, key=lambda b: b[1]):
             left = size if now >= end else size * min(1.0, (end - now) / max(end - start, 1e-9))
             network.reserve(src, dst, left, start=max(start, now))
@@ -549,6 +783,9 @@ class ShardScheduler:
             latency_sum=self._latency_sum,
             latency_max=self._latency_max,
             decided=self._decided,
+            joint_planned=self._joint_planned,
+            joint_held=len(self._held),
+            fell_back=0 if self.parts is None else self.parts.fell_back,
         )
 
 
@@ -575,4 +812,5 @@ def scheduler_for(
         aggregation=spec["aggregation"],
         synchronous=spec["consistency"] == "bsp",
         copies=copies,
+        joint=joint_for(spec),
     )

@@ -74,7 +74,8 @@ from fabricd.engines.ps.consistency import (
     step_model,
 )
 from fabricd.engines.ps.filters import LOW_MAX, FilterSettings, ParameterFilter
-from fabricd.engines.ps.scheduler import CopyGranted, Gather, Granted
+from fabricd.engines.ps.joint import PartPlanned
+from fabricd.engines.ps.scheduler import CopyGranted, Denied, Gather, Granted
 from fabricd.engines.ps.shard_actions import (
     FLUSH,
     LOSE,
@@ -97,7 +98,7 @@ from fabricd.errors import RemoteProtocolError, UsageError
 from fabricd.wire import get_int
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Mapping, Sequence
 
     from fabricd.engines.ps.distributing import PullBatch
     from fabricd.engines.ps.scheduler import ShardScheduler
@@ -304,10 +305,21 @@ class ShardServer:
         return self._take(entry, now, values)
 
     def ready(
-        self, worker: int, iteration: int, base: int, size: int, norm: float, host: int, now: float
+        self,
+        worker: int,
+        iteration: int,
+        base: int,
+        size: int,
+        norm: float,
+        host: int,
+        now: float,
+        *,
+        sizes: tuple[tuple[int, int], ...] | None = None,
+        joint: bool = False,
     ) -> list[Action]:
         """Worker ``worker`` (on node ``host``) has its push of ``iteration`` ready (MLfabric
-        scheduling, :mod:`fabricd.engines.ps.scheduler`): its scheduler plans it.
+        scheduling, :mod:`fabricd.engines.ps.scheduler`): its scheduler plans it (jointly:
+        ``sizes`` and ``joint``, :mod:`fabricd.engines.ps.joint`).
 
         Raises:
             RemoteProtocolError: this is a replica or a shard not scheduled, or the push would
@@ -320,7 +332,17 @@ class ShardServer:
         if seen is not None:
             return seen
         self.coordinator.check_push(worker, iteration, base)
-        return list(self.scheduler.ready(worker, iteration, base, size, norm, host, now))
+        decided = self.scheduler.ready(
+            worker, iteration, base, size, norm, host, now, sizes=sizes, joint=joint
+        )
+        return self._decide(decided, now)
+
+    def planned(self, parts: list[PartPlanned], now: float) -> list[Action]:
+        """The joint reservation's lead planned these parts of this shard (a PLAN): granted or
+        dropped as it says (:meth:`~fabricd.engines.ps.scheduler.ShardScheduler.planned`)."""
+        if not self.primary or self.scheduler is None:
+            return []
+        return self._decide(self.scheduler.planned(parts, now), now)
 
     def next_deadline(self) -> float | None:
         """When the scheduler decides its batch, or (a bounded replica) when it asks for an
@@ -336,6 +358,7 @@ class ShardServer:
         now: float,
         figures: Callable[[int], tuple[float, float] | None],
         replica: int | None = None,
+        servers: Mapping[int, int] | None = None,
     ) -> list[Action]:
         """The scheduler's batch, decided: grants go to the workers, drops into the log (an
         entry like a push's, without payload, that says why: replicated and acknowledged like
@@ -356,11 +379,19 @@ class ShardServer:
         # (bounded replication: the copies are planned while the replica, at host ``replica``,
         # follows; not while it joins, nor once it was given up)
         following = replica if self.replicated and self.synced else None
-        decisions = self.scheduler.on_timer(now, self.coordinator.version, figures, following)
+        version = self.coordinator.version
+        decisions = self.scheduler.on_timer(now, version, figures, following, servers)
+        return out + self._decide(decisions, now)
+
+    def _decide(self, decisions: Sequence[object], now: float) -> list[Action]:
+        """The scheduler's decisions as actions: grants (and, the lead's, other shards'
+        parts) go out, drops go into the log."""
+        out: list[Action] = []
         for decision in decisions:
-            if isinstance(decision, Granted | Gather | CopyGranted):
+            if isinstance(decision, Granted | Gather | CopyGranted | PartPlanned):
                 out.append(decision)
                 continue
+            assert isinstance(decision, Denied)
             worker, iteration = decision.worker, decision.iteration
             last = self._last.get(worker)
             if worker in self._waiting or (last is not None and last[0] >= iteration):
@@ -639,20 +670,7 @@ class ShardServer:
         if self.has_state and epoch == self.epoch and index <= self._index:
             return False
         shard_state.take(self, state)
-        self.primary = self.replicated = self.synced = self._join_pending = False
-        self.has_state = True
-        self.epoch = epoch
-        self._index = self._applied_upto = index
-        self._log.reset(index, {w: record[0] for w, record in self._last.items()})
-        self._norms.clear()
-        self._unreplicated.clear()
-        self._actions.clear()
-        if self.trees is not None:  # (a primary that came back: its workers pull again)
-            self.trees.clear()
-        self._confirm = None
-        if self._stepping is not None:  # its answer is for a model the snapshot replaced
-            self._voided.append(self._stepping.version)
-        self._stepping = None
+        shard_state.follow(self, epoch, index)
         return True
 
     def promote(self) -> bool:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from fabricd.engines.ps.joint import PartPlanned
 from fabricd.engines.ps.scheduler import CopyGranted, Gather, Granted
 
 if TYPE_CHECKING:
@@ -157,6 +158,7 @@ Action = (
     | Granted
     | CopyGranted
     | Gather
+    | PartPlanned
 )
 
 

@@ -84,3 +84,22 @@ def take(server: ShardServer, state: dict[str, Any]) -> None:
     server._last = records
     server._waiting = {}
     (server._pushes, server._resent, server._push_bytes, server._pulls, server._pull_bytes) = counts
+
+
+def follow(server: ShardServer, epoch: int, index: int) -> None:
+    """``server`` took a snapshot of ``epoch`` as of entry ``index``: it follows the primary
+    that sent it from there, with nothing of its own in flight."""
+    server.primary = server.replicated = server.synced = server._join_pending = False
+    server.has_state = True
+    server.epoch = epoch
+    server._index = server._applied_upto = index
+    server._log.reset(index, {w: record[0] for w, record in server._last.items()})
+    server._norms.clear()
+    server._unreplicated.clear()
+    server._actions.clear()
+    if server.trees is not None:  # (a primary that came back: its workers pull again)
+        server.trees.clear()
+    server._confirm = None
+    if server._stepping is not None:  # its answer is for a model the snapshot replaced
+        server._voided.append(server._stepping.version)
+    server._stepping = None

@@ -133,6 +133,10 @@ class SendReady:
     base: int
     size: int
     norm: float
+    #: joint reservation (:mod:`fabricd.engines.ps.joint`), shard 0's: every part's size
+    sizes: tuple[tuple[int, int], ...] | None = None
+    #: joint reservation, another shard's: shard 0's scheduler plans it (PLAN)
+    joint: bool = False
 
 
 Action = SendPush | SendPull | SendReady | PushDone | PullDone | PullFailed
@@ -176,6 +180,7 @@ class Worker:
         seed: int = 0,
         scheduled: bool = False,
         synchronous: bool = False,
+        joint: bool = False,
     ) -> None:
         settings = settings or FilterSettings()
         self.worker = worker
@@ -203,6 +208,9 @@ class Worker:
         self.scheduled = scheduled
         #: BSP (MLfabric-S): an aggregated push's acknowledgement waits for its iteration
         self.synchronous = synchronous
+        #: scheduled over several shards: an update's parts are planned together, by shard
+        #: 0's scheduler (:mod:`fabricd.engines.ps.joint`)
+        self.joint = joint
         self._pushing: dict[int, tuple[int, int, bytearray]] = {}  #: shard -> (it, base, data)
         #: scheduled: shard -> the norm of its push not granted yet (granted ones are sent)
         self._unsent: dict[int, float] = {}
@@ -239,6 +247,7 @@ class Worker:
         self.iteration += 1
         self._pushes += 1
         out: list[Action] = []
+        readied: list[int] = []
         flat = gradient.reshape(-1)
         for shard, (lo, hi) in enumerate(self.bounds):
             drop = self.gates[shard].check(self.worker, iteration)
@@ -258,7 +267,8 @@ class Worker:
                 continue
             mine = norm if norm is not None else shard_norm(flat[lo:hi])
             self._unsent[shard] = mine
-            out.append(self._ready(shard))
+            readied.append(shard)
+        out += [self._ready(shard) for shard in readied]  # (all known: a joint READY sizes them)
         return out + self._push_done()
 
     def _since(self, shard: int) -> int:
@@ -279,9 +289,27 @@ class Worker:
         )
 
     def _ready(self, shard: int) -> SendReady:
+        """The READY of ``shard``'s push.  Jointly planned (:mod:`fabricd.engines.ps.joint`)
+        while shard 0's part waits for its grant too: shard 0's names the size of every part
+        that waits, the others say that shard 0's scheduler plans them.  A part asked again
+        once shard 0's was granted is planned by its own shard."""
         iteration, base, data = self._pushing[shard]
         norm = self._unsent[shard]
-        return SendReady(shard=shard, iteration=iteration, base=base, size=len(data), norm=norm)
+        sizes, joint = None, False
+        if self.joint and 0 in self._unsent and len(self._unsent) > 1:
+            if shard == 0:
+                sizes = tuple((s, len(self._pushing[s][2])) for s in sorted(self._unsent))
+            else:
+                joint = True
+        return SendReady(
+            shard=shard,
+            iteration=iteration,
+            base=base,
+            size=len(data),
+            norm=norm,
+            sizes=sizes,
+            joint=joint,
+        )
 
     def awaits_grant(self, shard: int, iteration: int) -> bool:
         """Whether ``shard``'s push of ``iteration`` waits for its scheduler's grant."""
