@@ -26,11 +26,11 @@ entry: the bound is never broken, §5.3's "the server's transfer waits").
 
 Choices where the paper is silent, and why:
 
-* *Enforced at apply, not planned.*  §5.3 plans the replica's transfers so that the server's
-  last transfer of a batch waits only when needed; here the primary enforces the bound on what
-  it applies, whatever the network did, so a plan the network does not keep cannot break it.
-  Workers send their copies at once (the planner of :mod:`fabricd.engines.scheduling.
-  replication` is not wired into the grants yet: docs/mlfabric.md).
+* *Enforced at apply, as well as planned.*  §5.3 plans the replica's transfers so that the
+  server's last transfer of a batch waits only when needed (under MLfabric's scheduling the
+  shard's grants do: :mod:`fabricd.engines.ps.copy_plan`; without it workers send their copies
+  with their pushes); the primary also enforces the bound on what it applies, whatever the
+  network did, so a plan the network does not keep cannot break it.
 * *Every lead is finite.*  With only a norm bound, small updates could let the primary lead
   by any number of entries, each kept (with its payload) until confirmed; :data:`MAX_LEAD`
   caps the count always.

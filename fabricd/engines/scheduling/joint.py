@@ -37,8 +37,8 @@ Choices where the paper is silent, and why:
   again (a drop only moves later updates earlier, so it ends within the batch's size).
 * *Quadratic and plain.*  Each step books every waiting update's components on a copy:
   ``O(|U|^2 |S|)`` bookings for a batch, no vectorisation: a batch is one scheduling
-  interval's updates (tens), and this is the planner a model-wide scheduler would run, not
-  yet the parameter server's (each shard's primary plans its own: docs/mlfabric.md).
+  interval's updates (tens); the parameter server's shard 0 runs it for a sharded model's
+  batch (:mod:`fabricd.engines.ps.joint`).
 """
 
 from __future__ import annotations
