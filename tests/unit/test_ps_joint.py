@@ -156,6 +156,21 @@ def test_a_plan_before_its_ready_decides_the_ready_when_it_comes() -> None:
     assert scheduler.statistics().denied == {"deadline passed": 1}
 
 
+def test_a_held_part_asked_again_plainly_is_planned_here_once() -> None:
+    """A part held for its PLAN is asked again without ``joint`` (shard 0's part was granted,
+    then this shard's links reset): it is planned here, and the PLAN that comes later decides
+    nothing more."""
+    scheduler = follower()
+    scheduler.ready(0, 0, 0, 100, 1.0, host=1, now=0.0, joint=True)
+    assert scheduler.ready(0, 0, 0, 100, 1.0, host=1, now=0.05) == []
+    [granted] = scheduler.on_timer(0.2, 0, lambda host: None)
+    assert isinstance(granted, Granted)
+    late = PartPlanned(shard=1, worker=0, iteration=0, reason="deadline passed")
+    assert scheduler.planned([late], now=0.3) == []
+    stats = scheduler.statistics()
+    assert (stats.ready, stats.granted, stats.joint_held, stats.denied) == (1, 1, 0, {})
+
+
 def test_a_part_whose_plan_never_comes_is_planned_alone_and_counted() -> None:
     scheduler = follower()
     scheduler.ready(0, 0, 0, 100, 1.0, host=1, now=0.0, joint=True)

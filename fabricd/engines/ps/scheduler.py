@@ -293,6 +293,8 @@ class ShardScheduler:
                 return []
             del self._held[key]
             return self._carry_out(ready, decision.wait, decision.duration, decision.reason, now)
+        if self._held.pop(key, None) is not None and self.parts is not None:
+            self.parts.forget(key)  # asked again plainly (shard 0's part was granted): planned here
         self._batch[key] = ready
         if self._due is None:
             self._due = now + self.interval
