@@ -112,6 +112,9 @@ def _divergence(value: object) -> list[Any] | None:
 DIGEST_SIZE: Final = 8
 #: the most updates one aggregate carries (a batch's, at most one per worker rank)
 MAX_MEMBERS: Final = 4096
+#: the most entries one PLAN carries (a peer link decodes arrays of at most 1024 items, and a
+#: PLAN's metadata must fit max_meta: a larger plan goes in several)
+MAX_PLAN_ENTRIES: Final = 512
 #: one update an aggregate holds: (worker rank, iteration, base version)
 Member = tuple[int, int, int]
 
@@ -610,12 +613,17 @@ class Ready(_ShardFrame):
     size: int
     norm: float
     spec: dict[str, Any]
-    #: joint reservation (fabricd/engines/ps/joint.py), to shard 0's server, the lead: the
-    #: encoded size of each shard's part of the update, (shard, bytes) pairs
-    sizes: tuple[tuple[int, int], ...] | None = None
+    #: joint reservation (fabricd/engines/ps/joint.py), to shard 0's server, the lead: each
+    #: shard's part of the update, (shard, encoded bytes, base version) triples
+    sizes: tuple[tuple[int, int, int], ...] | None = None
     #: joint reservation, to any other shard's server: the lead plans this update, wait for
     #: its PLAN
     joint: bool = False
+
+    @property
+    def largest(self) -> int:
+        """The largest part it names: its own, or (``sizes``) another shard's."""
+        return max([self.size, *(n for _, n, _ in self.sizes or ())])
 
     def to_meta(self) -> Meta:
         meta = {
@@ -629,7 +637,7 @@ class Ready(_ShardFrame):
             "spec": self.spec,
         }
         if self.sizes is not None:
-            meta["sz"] = [list(pair) for pair in self.sizes]
+            meta["sz"] = [list(part) for part in self.sizes]
         if self.joint:
             meta["j"] = True
         return meta
@@ -639,6 +647,7 @@ class Ready(_ShardFrame):
         norm = meta.get("norm")
         if type(norm) is not float or not math.isfinite(norm) or norm < 0:
             raise RemoteProtocolError("field 'norm' must be a finite float >= 0")
+        spec = _ps_spec(meta)
         frame = cls(
             **cls._fields(meta),
             worker=_rank(meta, "w"),
@@ -647,36 +656,40 @@ class Ready(_ShardFrame):
             epoch=get_int(meta, "ep"),
             size=get_int(meta, "n"),
             norm=norm,
-            spec=_ps_spec(meta),
-            sizes=_sizes(meta, "sz"),
+            spec=spec,
+            sizes=_sizes(meta, "sz", len(spec["servers"])),
             joint=get_bool(meta, "j") if "j" in meta else False,
         )
         if frame.sizes is not None and (frame.joint or frame.shard != 0):
             raise RemoteProtocolError("a READY's sizes go to shard 0's server, the lead, only")
+        if frame.joint and frame.shard == 0:
+            raise RemoteProtocolError("shard 0's server is the lead: its READY is never 'j'")
         return frame
 
 
-def _sizes(meta: Meta, key: str) -> tuple[tuple[int, int], ...] | None:
-    """``meta[key]``: 1 to :data:`MAX_PS_SERVERS` (shard, bytes) pairs, distinct shards, or
-    ``None`` when the field is absent."""
+def _sizes(meta: Meta, key: str, shards: int) -> tuple[tuple[int, int, int], ...] | None:
+    """``meta[key]``: 1 to ``shards`` (shard, bytes, base) triples of distinct shards below
+    ``shards``, or ``None`` when the field is absent (the bytes' bound is the daemon's to
+    check: its max_payload)."""
     if key not in meta:
         return None
     value = meta[key]
     if (
         not isinstance(value, list)
-        or not 0 < len(value) <= MAX_PS_SERVERS
+        or not 0 < len(value) <= shards
         or not all(
-            isinstance(pair, list)
-            and len(pair) == 2
-            and all(type(n) is int and 0 <= n < 2**63 for n in pair)
-            for pair in value
+            isinstance(part, list)
+            and len(part) == 3
+            and all(type(n) is int and 0 <= n < 2**63 for n in part)
+            and part[0] < shards
+            for part in value
         )
-        or len({pair[0] for pair in value}) != len(value)
+        or len({part[0] for part in value}) != len(value)
     ):
         raise RemoteProtocolError(
-            f"field {key!r} must list 1 to {MAX_PS_SERVERS} (shard, bytes) pairs, distinct shards"
+            f"field {key!r} must list (shard, bytes, base) of distinct shards of the spec's"
         )
-    return tuple((pair[0], pair[1]) for pair in value)
+    return tuple((part[0], part[1], part[2]) for part in value)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -814,8 +827,8 @@ class Plan(_ShardFrame):
     @classmethod
     def from_meta(cls, meta: Meta) -> Plan:
         value = meta.get("in")
-        if not isinstance(value, list) or not 0 < len(value) <= MAX_MEMBERS:
-            raise RemoteProtocolError(f"a PLAN holds 1 to {MAX_MEMBERS} entries (field 'in')")
+        if not isinstance(value, list) or not 0 < len(value) <= MAX_PLAN_ENTRIES:
+            raise RemoteProtocolError(f"a PLAN holds 1 to {MAX_PLAN_ENTRIES} entries (field 'in')")
         entries = []
         for item in value:
             if not isinstance(item, list) or len(item) != 5:

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabricd.engines.ps import joint as ps_joint
+from fabricd.engines.ps import planning
 from fabricd.engines.ps.consistency import Consistency
 from fabricd.engines.ps.joint import PartPlanned, fallback_after, joint_for
 from fabricd.engines.ps.scheduler import Denied, Granted, ShardScheduler
@@ -46,8 +47,8 @@ def test_the_lead_plans_every_part_and_tells_each_shard_its_own() -> None:
     lead grants its own parts and returns shard 1's decisions, their times those of one
     joint plan (the second update's part for shard 1 ends after the first's: one downlink)."""
     scheduler = lead()
-    scheduler.ready(0, 0, 0, 1000, 1.0, host=1, now=0.0, sizes=((0, 1000), (1, 5000)))
-    scheduler.ready(1, 0, 0, 1000, 1.0, host=2, now=0.0, sizes=((0, 1000), (1, 5000)))
+    scheduler.ready(0, 0, 0, 1000, 1.0, host=1, now=0.0, sizes=((0, 1000, 0), (1, 5000, 0)))
+    scheduler.ready(1, 0, 0, 1000, 1.0, host=2, now=0.0, sizes=((0, 1000, 0), (1, 5000, 0)))
     figures = {1: (1e9, 1e9), 2: (1e9, 1e9), 10: (1e9, 1e9), 11: (1e9, 1e5)}
     decided = scheduler.on_timer(0.1, 0, figures.get, servers={0: 10, 1: 11})
     grants = [d for d in decided if isinstance(d, Granted)]
@@ -71,8 +72,8 @@ def test_the_lead_drops_an_update_on_every_shard_or_on_none() -> None:
         11: (100 * MBIT, 100 * MBIT),
     }
     size = 6_250_000
-    scheduler.ready(0, 0, 2, size, 1.0, host=1, now=0.0, sizes=((0, size), (1, size)))
-    scheduler.ready(1, 0, 4, size, 1.0, host=2, now=0.0, sizes=((0, size), (1, size)))
+    scheduler.ready(0, 0, 2, size, 1.0, host=1, now=0.0, sizes=((0, size, 2), (1, size, 2)))
+    scheduler.ready(1, 0, 4, size, 1.0, host=2, now=0.0, sizes=((0, size, 4), (1, size, 4)))
     decided = scheduler.on_timer(0.1, 4, figures.get, servers={0: 10, 1: 11})
     denied = [d for d in decided if isinstance(d, Denied)]
     parts = [d for d in decided if isinstance(d, PartPlanned)]
@@ -82,11 +83,32 @@ def test_the_lead_drops_an_update_on_every_shard_or_on_none() -> None:
     assert f"dropped by the scheduler: {drop.reason}" == denied[0].reason
 
 
+def test_an_update_s_deadline_is_its_stalest_part_s() -> None:
+    """Shard 0's part is fresh (base 4), shard 1's was read two versions earlier (base 2):
+    under tau_max 1 the update is dropped whole by the lead, not granted and then dropped by
+    shard 1's server on arrival (found in review)."""
+    scheduler = lead(bound=1)
+    scheduler.ready(0, 0, 4, 100, 1.0, host=1, now=0.0, sizes=((0, 100, 4), (1, 100, 2)))
+    decided = scheduler.on_timer(0.1, 4, lambda host: None, servers={0: 10, 1: 11})
+    assert [type(d) for d in decided] == [Denied, PartPlanned]
+    assert all(d.reason for d in decided)  # type: ignore[union-attr]
+
+
+def test_a_follower_s_timer_fires_at_the_deadline_it_reports() -> None:
+    """The grace's end is computed one way for the deadline and the check: a virtual clock
+    that jumps to it finds the part due (found in review: 0.226 + 1 - 1 < 0.226)."""
+    scheduler = follower()
+    scheduler.ready(0, 0, 0, 100, 1.0, host=1, now=0.226, joint=True)
+    due = scheduler.next_deadline()
+    assert due is not None
+    assert [type(d) for d in scheduler.on_timer(due, 0, lambda host: None)] == [Granted]
+
+
 def test_a_part_whose_server_is_not_known_is_planned_alone() -> None:
     """The lead does not know the node of shard 1's rank: the update is planned as shard
     0's alone, and shard 1 is told nothing (its follower falls back)."""
     scheduler = lead()
-    scheduler.ready(0, 0, 0, 100, 1.0, host=1, now=0.0, sizes=((0, 100), (1, 100)))
+    scheduler.ready(0, 0, 0, 100, 1.0, host=1, now=0.0, sizes=((0, 100, 0), (1, 100, 0)))
     decided = scheduler.on_timer(0.1, 0, lambda host: None, servers={0: 10})
     assert [type(d) for d in decided] == [Granted]
 
@@ -94,7 +116,9 @@ def test_a_part_whose_server_is_not_known_is_planned_alone() -> None:
 def test_parts_served_on_one_node_share_its_downlink() -> None:
     """Shards 1 and 2 on one node: one booking of their summed size, told to both."""
     scheduler = lead()
-    scheduler.ready(0, 0, 0, 100, 1.0, host=1, now=0.0, sizes=((0, 100), (1, 300), (2, 700)))
+    scheduler.ready(
+        0, 0, 0, 100, 1.0, host=1, now=0.0, sizes=((0, 100, 0), (1, 300, 0), (2, 700, 0))
+    )
     figures = {1: (1e9, 1e9), 10: (1e9, 1e9), 11: (1e9, 1e4)}
     decided = scheduler.on_timer(0.1, 0, figures.get, servers={0: 10, 1: 11, 2: 11})
     parts = {p.shard: p for p in decided if isinstance(p, PartPlanned)}
@@ -104,7 +128,7 @@ def test_parts_served_on_one_node_share_its_downlink() -> None:
 
 def test_a_ready_whose_sizes_miss_its_own_part_is_refused() -> None:
     with pytest.raises(RemoteProtocolError, match="sizes"):
-        lead().ready(0, 0, 0, 100, 1.0, host=1, now=0.0, sizes=((0, 99), (1, 100)))
+        lead().ready(0, 0, 0, 100, 1.0, host=1, now=0.0, sizes=((0, 99, 0), (1, 100, 0)))
 
 
 def test_the_lead_keeps_other_parts_on_its_timelines_until_their_planned_end() -> None:
@@ -113,10 +137,10 @@ def test_the_lead_keeps_other_parts_on_its_timelines_until_their_planned_end() -
     scheduler = lead()
     figures = {1: (1e9, 1e9), 2: (1e9, 1e9), 10: (1e9, 1e9), 11: (1e9, 1e4)}
     servers = {0: 10, 1: 11}
-    scheduler.ready(0, 0, 0, 10, 1.0, host=1, now=0.0, sizes=((0, 10), (1, 10_000)))
+    scheduler.ready(0, 0, 0, 10, 1.0, host=1, now=0.0, sizes=((0, 10, 0), (1, 10_000, 0)))
     scheduler.on_timer(0.1, 0, figures.get, servers=servers)
     scheduler.settled(0, 0)  # its own part came; shard 1's is planned until t = 1.1
-    scheduler.ready(1, 0, 0, 10, 1.0, host=2, now=0.25, sizes=((0, 10), (1, 10)))
+    scheduler.ready(1, 0, 0, 10, 1.0, host=2, now=0.25, sizes=((0, 10, 0), (1, 10, 0)))
     [part] = [
         d
         for d in scheduler.on_timer(0.35, 0, figures.get, servers=servers)
@@ -216,7 +240,7 @@ def test_a_joint_worker_sizes_every_part_to_the_lead_and_flags_the_others() -> N
     readies = [a for a in worker.push(np.ones(10)) if isinstance(a, SendReady)]
     by_shard = {r.shard: r for r in readies}
     assert set(by_shard) == {0, 1, 2}
-    assert by_shard[0].sizes == tuple((s, by_shard[s].size) for s in range(3))
+    assert by_shard[0].sizes == tuple((s, by_shard[s].size, by_shard[s].base) for s in range(3))
     assert not by_shard[0].joint
     assert by_shard[1].joint
     assert by_shard[2].joint
@@ -289,17 +313,29 @@ def test_a_ready_s_sizes_go_to_shard_0_only_and_name_distinct_shards() -> None:
         size=10,
         norm=1.0,
         spec=fabric.spec,
-        sizes=((0, 10), (1, 12)),
+        sizes=((0, 10, 0), (1, 12, 0)),
     )
     assert ps_frames.Ready.from_meta(ready.to_meta()) == ready
     meta = ready.to_meta()
-    for bad in ({"sz": [[0, 1], [0, 2]]}, {"sz": []}, {"sz": [[0, -1]]}, {"sh": 1}, {"j": True}):
+    for bad in (
+        {"sz": [[0, 1, 0], [0, 2, 0]]},
+        {"sz": []},
+        {"sz": [[0, -1, 0]]},
+        {"sz": [[0, 1]]},
+        {"sz": [[0, 10, 0], [2, 1, 0]]},  # the spec has two shards
+        {"sh": 1},
+        {"j": True},
+    ):
         with pytest.raises(RemoteProtocolError):
             ps_frames.Ready.from_meta(meta | bad)
 
 
 # -- the fabric -------------------------------------------------------------------------------
-def joint_fabric(bound: int | None, figures: dict[int, tuple[float, float]]) -> Fabric:
+def joint_fabric(
+    bound: int | None, figures: dict[int, tuple[float, float]], interval: float = 0.5
+) -> Fabric:
+    """Three workers, two shards.  A frame takes one second here: an ``interval`` of 5 s
+    gives a follower 50 s (deliveries) before it plans a part alone."""
     fabric = Fabric(
         workers=3,
         shards=2,
@@ -308,7 +344,7 @@ def joint_fabric(bound: int | None, figures: dict[int, tuple[float, float]]) -> 
         consistency=Consistency.ASYNC,
         delay_bound=bound,
         scheduled=True,
-        interval=0.5,
+        interval=interval,
     )
     fabric.figures.update(figures)
     return fabric
@@ -349,7 +385,7 @@ def test_a_scheduler_drops_an_update_on_every_shard_or_none(
     """Any interleaving of deliveries, duplicates and resends, over links of any speed:
     every push is acknowledged by both shards, and a scheduler's drop is on both shards or
     neither, unless a follower planned a part alone (its count says so)."""
-    fabric = joint_fabric(bound, dict(enumerate(links)))
+    fabric = joint_fabric(bound, dict(enumerate(links)), interval=5.0)
     run(fabric, moves)
     fabric.drain()
     fabric.check_settled()
@@ -405,3 +441,60 @@ def test_a_plan_from_a_rank_not_of_shard_0_s_pair_is_dropped() -> None:
     assert "not on it" in log.message  # type: ignore[attr-defined]
     assert follower_node.counters["ps_frames_dropped"] == before + 2
     assert fabric.serving(1).scheduler.statistics().denied == {}  # type: ignore[union-attr]
+
+
+def test_a_plan_entry_with_a_reason_alg_2_never_gives_is_dropped() -> None:
+    """A lead's drop reason is one of Alg. 2's: free text would grow the follower's drop
+    table (status) one key per update."""
+    fabric = joint_fabric(None, {})
+    lead_rank = fabric.servers[0]
+    follower_node = fabric.nodes[fabric.servers[1]]
+    plan = ps_frames.Plan(
+        job="job",
+        name="m",
+        shard=1,
+        server=fabric.servers[1],
+        lead=lead_rank,
+        entries=(ps_frames.PlanEntry(worker=0, iteration=0, reason="any text at all"),),
+    )
+    before = follower_node.counters["ps_frames_dropped"]
+    assert follower_node.on_frame(lead_rank, plan, b"", 0.0) == []
+    assert follower_node.counters["ps_frames_dropped"] == before + 1
+
+
+def test_a_ready_naming_a_part_larger_than_a_frame_is_refused() -> None:
+    """A part's size in ``sz`` is bounded as the READY's own: one huge figure would book
+    another shard's downlink for years on the lead's timelines (found in review)."""
+    fabric = joint_fabric(None, {})
+    lead_node = fabric.nodes[fabric.servers[0]]
+    ready = ps_frames.Ready(
+        job="job",
+        name="m",
+        shard=0,
+        server=fabric.servers[0],
+        worker=0,
+        iteration=0,
+        base=0,
+        epoch=0,
+        size=40,
+        norm=1.0,
+        spec=fabric.spec,
+        sizes=((0, 40, 0), (1, 2**62, 0)),
+    )
+    with pytest.raises(RemoteProtocolError, match="READY"):
+        lead_node.on_frame(0, ready, b"", 0.0)
+
+
+def test_a_plan_larger_than_a_peer_link_decodes_goes_in_several() -> None:
+    """More parts than one PLAN may carry (a peer link decodes arrays of at most 1024):
+    several PLANs, each within the bound, every part in one of them."""
+    fabric = joint_fabric(None, {})
+    node = fabric.nodes[fabric.servers[0]]
+    model = node.models[("job", "m")]
+    parts = [PartPlanned(shard=1, worker=0, iteration=i) for i in range(1300)]
+    node._begin(0.0)
+    planning.send(node, ("job", "m"), model, fabric.servers[0], parts)
+    plans = [a.frame for a in node._done() if isinstance(getattr(a, "frame", None), ps_frames.Plan)]
+    assert [len(p.entries) for p in plans] == [512, 512, 276]
+    for plan in plans:
+        assert ps_frames.Plan.from_meta(plan.to_meta()) == plan

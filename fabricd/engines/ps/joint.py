@@ -34,6 +34,10 @@ Choices where the paper is silent, and why:
   different links: a follower keeps a PLAN's entry for a part it has not heard of for
   the same grace, at most :data:`MAX_EARLY` of them, and decides the READY at once when it
   comes.
+* *An update's deadline is its stalest part's.*  A worker's shards answer its pull at
+  different moments, so its parts may have been read at different versions (READY ``sz``
+  carries each part's base), and each shard's server checks its own part's delay on arrival:
+  the lead plans with the smallest base, against its own version.
 * *Parts on one node share its downlink.*  Two shards served on one node get one booking of
   their summed size (booking them one after the other ends the last no earlier); both are
   told that transfer's times.
@@ -168,12 +172,11 @@ class JointParts:
     def due(self, now: float) -> list[tuple[int, int]]:
         """The held parts whose PLAN did not come within the grace (no longer held: they are
         planned alone), and the early entries past it forgotten."""
-        gone = now - self.grace
-        late = [key for key, since in self._held.items() if since <= gone]
+        late = [key for key, since in self._held.items() if since + self.grace <= now]
         for key in late:
             del self._held[key]
         self.fell_back += len(late)
-        for key in [k for k, e in self._early.items() if e.at <= gone]:
+        for key in [k for k, e in self._early.items() if e.at + self.grace <= now]:
             del self._early[key]
         return late
 

@@ -716,8 +716,8 @@ class PSNode:
         if model is None or server is None:
             self._hold(node, frame, payload, now)
             return
-        if isinstance(frame, ps_frames.Ready) and frame.size > self.max_payload:
-            raise RemoteProtocolError(f"a READY of {frame.size} B: a push is one frame's payload")
+        if isinstance(frame, ps_frames.Ready) and frame.largest > self.max_payload:
+            raise RemoteProtocolError(f"a READY of {frame.largest} B: a push is one frame's")
         if model.spec != frame.spec:  # the backstop of the agreement (agreement.py)
             if model.disagreed is None:
                 self._refuse(key, frame, messages.unlike(frame.spec, model.spec))

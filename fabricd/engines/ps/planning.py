@@ -4,10 +4,12 @@ PSNode` calls these).
 
 Rules: the lead sends each other shard one PLAN per batch, to the rank serving that shard as
 this daemon knows it (held, like any frame, while that rank is suspected).  A follower takes a
-PLAN only for a shard it serves as primary, of a model planned jointly, from a rank of shard
-0's pair (its server or replica: the one serving shard 0 at the epoch the follower may not
-have heard of yet) living on the node it came from; anything else is dropped and counted.  A
-PLAN that never comes costs only time: the follower plans the part alone after its grace.
+PLAN only for a shard other than 0 it serves as primary, of a model planned jointly, from the
+rank serving shard 0 at the epoch this daemon knows, living on the node it came from (a lead
+promoted before this daemon heard of it is not believed: the part is planned alone after the
+grace), and only entries for the model's workers with one of Alg. 2's drop reasons; anything
+else is dropped and counted.  A PLAN that never comes costs only time: the follower plans the
+part alone after its grace.
 """
 
 from __future__ import annotations
@@ -15,8 +17,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fabricd.engines.ps.joint import PartPlanned, joint_for
-from fabricd.engines.ps.routing import pair
+from fabricd.engines.scheduling.ordering import (
+    ARRIVES_LATE,
+    DEADLINE_PASSED,
+    LOOK_AHEAD,
+    NO_CAPACITY,
+)
 from fabricd.frames import ps as ps_frames
+
+#: the reasons a lead drops an update for (Alg. 2's): a PLAN entry with any other is dropped
+REASONS = frozenset({ARRIVES_LATE, DEADLINE_PASSED, LOOK_AHEAD, NO_CAPACITY})
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -54,14 +64,14 @@ def send(engine: PSNode, key: Key, model: Model, me: int, parts: Iterable[PartPl
         )
     for shard, entries in by_shard.items():
         to = model.target(shard)
-        for start in range(0, len(entries), ps_frames.MAX_MEMBERS):
+        for start in range(0, len(entries), ps_frames.MAX_PLAN_ENTRIES):
             plan = ps_frames.Plan(
                 job=key[0],
                 name=key[1],
                 shard=shard,
                 server=to,
                 lead=me,
-                entries=tuple(entries[start : start + ps_frames.MAX_MEMBERS]),
+                entries=tuple(entries[start : start + ps_frames.MAX_PLAN_ENTRIES]),
             )
             engine._send(key[0], to, plan)
 
@@ -74,10 +84,11 @@ def at_plan(engine: PSNode, node: int, frame: ps_frames.Plan, now: float) -> Non
     if (
         model is None
         or server is None
+        or not server.primary
         or frame.shard == 0
         or not joint_for(model.spec)
         or model.ranks.get(frame.shard) != frame.server
-        or frame.lead not in pair(model.spec, 0)
+        or frame.lead != model.target(0)
     ):
         engine.counters["ps_frames_dropped"] += 1
         return
@@ -93,6 +104,7 @@ def at_plan(engine: PSNode, node: int, frame: ps_frames.Plan, now: float) -> Non
             reason=e.reason,
         )
         for e in frame.entries
-        if e.worker in model.workers
+        if e.worker in model.workers and (e.reason is None or e.reason in REASONS)
     ]
+    engine.counters["ps_frames_dropped"] += len(frame.entries) - len(parts)  # (entries)
     engine._server(key, frame.shard, server.planned(parts, now))

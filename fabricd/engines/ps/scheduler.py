@@ -131,7 +131,7 @@ class _Ready:
     host: int
     at: float  #: when it came
     #: joint reservation's lead: the size of each part of the update, by shard
-    sizes: tuple[tuple[int, int], ...] | None = None
+    sizes: tuple[tuple[int, int, int], ...] | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -241,13 +241,14 @@ class ShardScheduler:
         host: int,
         now: float,
         *,
-        sizes: tuple[tuple[int, int], ...] | None = None,
+        sizes: tuple[tuple[int, int, int], ...] | None = None,
         joint: bool = False,
     ) -> list[Granted | Denied]:
         """``worker`` (on node ``host``) has its update of ``iteration`` ready: it joins the
         batch, or, granted already (a READY sent again), is granted again at once.  Jointly
         planned (``joint``, a follower's) it waits for the lead's PLAN instead, or is decided
-        at once by one that came first; ``sizes`` (the lead's): every part's size, by shard.
+        at once by one that came first; ``sizes`` (the lead's): every part's shard, size
+        and base.
 
         Raises:
             RemoteProtocolError: a worker's iteration going back, or ``sizes`` without this
@@ -256,7 +257,7 @@ class ShardScheduler:
         key = (worker, iteration)
         if key in self._granted:  # (aggregation: now straight to the server)
             return [Granted(worker=worker, iteration=iteration, wait=0.0)]
-        if sizes is not None and dict(sizes).get(0) != size:
+        if sizes is not None and {s: (n, b) for s, n, b in sizes}.get(0) != (size, base):
             raise RemoteProtocolError(f"a READY of {size} B whose sizes say {sizes}")
         other = self._worker.get(worker)
         if other is not None and other > iteration:
@@ -468,7 +469,7 @@ class ShardScheduler:
         alone); empty when the batch has none."""
         if self.parts is None or servers is None or not any(r.sizes for r in batch):
             return {}
-        shards = {shard for r in batch for shard, _ in r.sizes or ()}
+        shards = {shard for r in batch for shard, *_ in r.sizes or ()}
         return {s: servers[s] for s in shards if s in servers} | {0: self.server}
 
     def _jointly(
@@ -481,20 +482,24 @@ class ShardScheduler:
     ) -> tuple[list[Planned], list[tuple[Update, str]], list[PartPlanned]]:
         """The lead's batch by :func:`~fabricd.engines.scheduling.joint.order_joint`: this
         shard's parts planned and dropped, and the other shards' decisions (their transfers kept
-        for the timelines).  Deadlines are shard 0's (its version and the part's base): an
-        update's parts were computed from one model, and shards applying the same updates
-        count the same versions."""
+        for the timelines).  An update's deadline is its stalest part's: each shard's server
+        checks the delay bound of its own part on arrival, and a worker's parts may have been
+        read at different versions (each shard answered its pull at its own moment); the
+        lead counts every shard at its own version (shards that apply the same updates count
+        the same versions, apart from what is in flight)."""
         jointly: dict[tuple[int, int], dict[int, int]] = {}
         updates = []
         for ready in batch:
             key = (ready.worker, ready.iteration)
-            sizes = dict(ready.sizes or ())
+            sizes = {shard: size for shard, size, _ in ready.sizes or ()}
+            base = ready.base
             if len(sizes) > 1 and all(shard in servers for shard in sizes):
                 jointly[key] = sizes
+                base = min(b for *_, b in ready.sizes or ())  # (the stalest part's)
             else:
                 sizes = {0: ready.size}  # (a part's server unknown: its follower falls back)
             nodes = by_node(sizes, servers | {0: self.server})
-            updates.append(JointUpdate(key=key, host=ready.host, version=ready.base, sizes=nodes))
+            updates.append(JointUpdate(key=key, host=ready.host, version=base, sizes=nodes))
         plan = order_joint(
             updates, network, delay_bound=self._bound, v_init=version + len(self._granted)
         )
@@ -512,10 +517,10 @@ class ShardScheduler:
                     wait = min(max(0.0, t.start - now), MAX_PLAN)
                     duration = min(max(0.0, t.end - t.start), MAX_PLAN)
                     parts.append(self._part(ready, shard, wait=wait, duration=duration))
-            self._others += [
-                (t.start, t.end, ready.host, node, t.size)
+            self._others += [  # (at its own node, the bytes of other shards served there)
+                (t.start, min(t.end, now + MAX_PLAN), ready.host, node, extra)
                 for node, t in booked.transfers.items()
-                if node != self.server
+                if (extra := t.size - (ready.size if node == self.server else 0)) > 0
             ]
         dropped: list[tuple[Update, str]] = []
         for update, reason in plan.dropped:

@@ -314,7 +314,7 @@ class ShardServer:
         host: int,
         now: float,
         *,
-        sizes: tuple[tuple[int, int], ...] | None = None,
+        sizes: tuple[tuple[int, int, int], ...] | None = None,
         joint: bool = False,
     ) -> list[Action]:
         """Worker ``worker`` (on node ``host``) has its push of ``iteration`` ready (MLfabric

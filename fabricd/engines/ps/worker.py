@@ -133,8 +133,9 @@ class SendReady:
     base: int
     size: int
     norm: float
-    #: joint reservation (:mod:`fabricd.engines.ps.joint`), shard 0's: every part's size
-    sizes: tuple[tuple[int, int], ...] | None = None
+    #: joint reservation (:mod:`fabricd.engines.ps.joint`), shard 0's: every part's shard,
+    #: size and base
+    sizes: tuple[tuple[int, int, int], ...] | None = None
     #: joint reservation, another shard's: shard 0's scheduler plans it (PLAN)
     joint: bool = False
 
@@ -290,15 +291,17 @@ class Worker:
 
     def _ready(self, shard: int) -> SendReady:
         """The READY of ``shard``'s push.  Jointly planned (:mod:`fabricd.engines.ps.joint`)
-        while shard 0's part waits for its grant too: shard 0's names the size of every part
-        that waits, the others say that shard 0's scheduler plans them.  A part asked again
-        once shard 0's was granted is planned by its own shard."""
+        while shard 0's part waits for its grant too: shard 0's names the size and base of
+        every part that waits, the others say that shard 0's scheduler plans them.  A part
+        asked again once shard 0's was granted is planned by its own shard."""
         iteration, base, data = self._pushing[shard]
         norm = self._unsent[shard]
         sizes, joint = None, False
         if self.joint and 0 in self._unsent and len(self._unsent) > 1:
             if shard == 0:
-                sizes = tuple((s, len(self._pushing[s][2])) for s in sorted(self._unsent))
+                sizes = tuple(
+                    (s, len(self._pushing[s][2]), self._pushing[s][1]) for s in sorted(self._unsent)
+                )
             else:
                 joint = True
         return SendReady(
