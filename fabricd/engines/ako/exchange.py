@@ -1,0 +1,402 @@
+"""One rank's partial gradient exchange (Ako §3.1 Alg. 1, §3.3, §4.2-§4.3).
+
+Rules: this module decides, for one rank of one exchange (a job and a name), which part of its
+accumulated gradients goes to which peer each round, what a received part does to its model,
+when the rank may compute its next gradient (the staleness gate), what it owes a peer it cannot
+reach, and when a flush is complete.  It holds the rank's model (an array it is given, in
+shared memory: it writes received parts into it) and its accumulation; it never touches a
+socket or a clock (``now`` only stamps).  The daemon's service sends what :class:`SendPart`
+says and answers the trainer's calls when :class:`Stepped` and :class:`Flushed` come.
+
+Theory of operation.  A rank ``j`` of ``n`` applies its own gradient ``g_t`` at once
+(``w -= lr * g_t``, Alg. 1 line 5 with descent's sign) and accumulates its last ``p``
+gradients, ``g*_t = g*_{t-1} + g_t - g_{t-p}`` (line 6), range-partitioned into ``p`` parts
+(line 7).  At round ``t`` it sends peer ``i`` part ``(i + t) mod p`` of ``g*_t`` (lines 8-10).
+Alg. 1 line 9 prints ``k <- i mod p``, which never rotates: a peer would get the same part
+every round and never the others.  With the rotation, part ``k`` of ``g_t`` is in ``g*_s`` for
+``s = t .. t + p - 1``, and those ``p`` rounds send peer ``i`` the parts ``(i + s) mod p``,
+every residue once: each gradient reaches every peer whole, exactly once, within ``p`` rounds
+(§4.2 (4): "after the number of synchronisation rounds equals the number of partitions,
+complete gradients have been received").  A received part is applied at once to the model's
+range it names (``w[lo:hi] -= lr * part``, line 13; the frame says the range, §4.2 (4): "tagged
+by the partitioning range", so peers need not agree on ``p``).
+
+Staleness (§3.3).  The rank's clock ``c_j`` counts its rounds; ``s_{j,i}`` is the newest round
+of peer ``i`` it has heard of, plus one (line 14 counts received parts; a round number is the
+same count, and stays right when frames overtake each other).  A new gradient may be computed
+only while ``c_j <= min_i s_{j,i} + p + tau`` (line 3): :meth:`Exchange.step` answers
+(:class:`Stepped`) once that holds again, so the trainer blocks on the gate and nothing else.
+
+Choices where the paper is silent, and why:
+
+* *What a part carries, per peer.*  Each peer ``i`` keeps, per part ``k``, the last round
+  whose contributions to part ``k`` it was sent (``last``).  In steady state that is
+  ``t - p`` and the part sent is ``g*_t``'s, line 6's sum; after a peer came back or a flush it
+  is later, and the part is the sum of the window's gradients after it.  Nothing is sent twice
+  and nothing is skipped, which is what makes every replica equal after a flush.
+* *The accumulation in float64.*  Line 6's running sum adds and subtracts forever: in the
+  model's float32 it would drift; float64 keeps it exact for integers and close otherwise.
+* *A peer that cannot be reached* (:meth:`Exchange.lose`: its node's links are down) is left
+  out of the rotation and the clocks (the survivors never wait for it, §4.3), and what it is
+  owed is kept whole: the parts of the window not sent it yet, plus every gradient made
+  meanwhile (one array).  When it is back (:meth:`Exchange.back`) it is sent that debt in one
+  frame and the rotation goes on.  One that is gone for good (:meth:`Exchange.gone`) is
+  forgotten, debt included; what it sent may have reached some ranks and not others, so the
+  replicas may differ from then on (:attr:`Exchange.diverged`).  §4.3 discards in-flight
+  gradients after a failure: so does a link reset here (frames lost with it are not sent
+  again); the exact sum holds while no frame is lost.
+* *A flush* (collective) sends each reachable peer everything it is owed in one frame (the
+  window's unsent parts), marked with the flush's number and how many round frames went to
+  that peer before it; a rank's flush is complete once every reachable peer's flush marker of
+  that number came, with every round frame it counted.  Afterwards every replica holds
+  ``w0 - lr * (every gradient of every rank)`` (float rounding aside).
+* *No peers* (one rank): steps apply the rank's own gradient and are never held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from fabricd.dtypes import FLOAT_DTYPES
+from fabricd.errors import LocalProtocolError, RemoteProtocolError, UsageError
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+Array = np.ndarray[Any, Any]
+
+#: the most partitions an exchange cuts its gradients into
+MAX_PARTITIONS: Final = 1 << 16
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendPart:
+    """Send rank ``dst`` ``payload`` (values of the model's dtype) for the model's elements
+    from ``lo``: round ``round``'s part, or (``round`` ``None``) what ``dst`` was owed (a
+    catch-up or a flush).  ``clock`` is the sender's clock; ``flush``, the number of a flush
+    this frame ends for ``dst``, after ``sent`` round frames to it."""
+
+    dst: int
+    round: int | None
+    lo: int
+    payload: Array
+    clock: int
+    flush: int | None = None
+    sent: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stepped:
+    """The step of round ``round`` is done: the gate lets the next gradient be computed."""
+
+    round: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Flushed:
+    """Flush number ``flush`` is complete: every part sent before it, by every reachable
+    rank, is applied here."""
+
+    flush: int
+
+
+Action = SendPart | Stepped | Flushed
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExchangeStatistics:
+    """What ``fabricctl status`` and the metrics show of one rank's exchange."""
+
+    clock: int  #: rounds made
+    partitions: int
+    slowest: int | None  #: the least clock heard of a reachable peer (None: none)
+    held: bool  #: a step waits for the staleness gate
+    bytes_sent: int
+    bytes_received: int
+    parts_sent: int
+    parts_received: int
+    flushes: int
+    lost: tuple[int, ...]
+    gone: tuple[int, ...]
+
+
+def partition_bounds(size: int, parts: int) -> list[tuple[int, int]]:
+    """``size`` elements range-partitioned into ``parts`` contiguous ranges, the first
+    ``size % parts`` one element longer (§4.2 (3))."""
+    base, extra = divmod(size, parts)
+    bounds, lo = [], 0
+    for k in range(parts):
+        hi = lo + base + (k < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+class Exchange:
+    """Rank ``rank`` of ``ranks``' exchange of ``model``'s gradients (module docstring).
+
+    Raises:
+        UsageError: a model that is not a writeable, contiguous, one-dimensional float array,
+            a partition count outside ``[1, min(len(model), MAX_PARTITIONS)]``, a learning rate
+            that is not finite and positive, a negative staleness, or a rank not below
+            ``ranks``.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        ranks: int,
+        model: Array,
+        partitions: int,
+        lr: float,
+        staleness: int,
+    ) -> None:
+        if model.dtype.name not in FLOAT_DTYPES or model.ndim != 1 or not model.size:
+            raise UsageError(f"an exchange's model is a 1-d array of {', '.join(FLOAT_DTYPES)}")
+        if not model.flags.writeable or not model.flags.c_contiguous:
+            raise UsageError("an exchange writes received parts into its model: pass it writeable")
+        if not 1 <= partitions <= min(model.size, MAX_PARTITIONS):
+            raise UsageError(
+                f"partitions must be 1 to {min(model.size, MAX_PARTITIONS)}, not {partitions}"
+            )
+        if not (np.isfinite(lr) and lr > 0):
+            raise UsageError(f"a learning rate is finite and > 0, not {lr}")
+        if staleness < 0:
+            raise UsageError(f"a staleness bound is >= 0, not {staleness}")
+        if not 0 <= rank < ranks:
+            raise UsageError(f"rank {rank} is not one of {ranks}")
+        self.rank = rank
+        self.model = model
+        self.partitions = partitions
+        self.lr = float(lr)
+        self.staleness = staleness
+        self.bounds = partition_bounds(model.size, partitions)
+        self.peers = tuple(i for i in range(ranks) if i != rank)
+        #: the last ``p`` gradients (row ``t % p`` holds round ``t``'s) and their sum, g*
+        self._window = np.zeros((partitions, model.size), dtype=model.dtype)
+        self._rounds = np.full(partitions, -1)  #: the round each window row holds
+        self._sum: NDArray[np.float64] = np.zeros(model.size)
+        self.clock = 0  #: c_j: rounds made
+        self._heard = dict.fromkeys(self.peers, 0)  #: s_{j,i}
+        #: per peer and part, the last round whose contributions it was sent
+        self._last = {i: np.full(partitions, -1) for i in self.peers}
+        self._live = set(self.peers)
+        self._owed: dict[int, NDArray[np.float64]] = {}  #: unreachable peers' debt
+        self._gone: set[int] = set()
+        self.diverged = False
+        self._sent_to = dict.fromkeys(self.peers, 0)  #: round frames sent to each peer
+        self._got_from = dict.fromkeys(self.peers, 0)  #: round frames received from each
+        self._markers: dict[int, tuple[int, int]] = {}  #: peer -> (its flush, frames sent)
+        self._held: int | None = None  #: a step whose answer waits for the gate
+        self._flushes = 0  #: flushes started
+        self._flushing = False
+        self._bytes_sent = self._bytes_received = 0
+
+    # -- the trainer's calls ----------------------------------------------------------------
+    def step(self, gradient: Array, now: float) -> list[Action]:
+        """The rank's gradient of its next round: applied to its model, accumulated, and a
+        part sent to every reachable peer; :class:`Stepped` once the gate allows the next.
+
+        Raises:
+            UsageError: ``gradient`` is not the model's dtype and size, or holds a NaN or an
+                infinity (nothing changed).
+            LocalProtocolError: the last step or a flush is still open.
+        """
+        if self._held is not None or self._flushing:
+            raise LocalProtocolError("the last step or flush is still open: wait for it")
+        flat = gradient.reshape(-1)
+        if gradient.dtype != self.model.dtype or flat.size != self.model.size:
+            raise UsageError(
+                f"this exchange takes {self.model.size} elements of {self.model.dtype}, not "
+                f"{flat.size} of {gradient.dtype}"
+            )
+        if not np.isfinite(flat).all():
+            raise UsageError("the gradient holds a NaN or an infinity: the model would too")
+        t = self.clock
+        self.model -= (self.lr * flat).astype(self.model.dtype, copy=False)
+        row = t % self.partitions
+        self._sum += flat
+        self._sum -= self._window[row]  # g_{t-p}, or zeros before round p (line 6)
+        self._window[row] = flat
+        self._rounds[row] = t
+        for debt in self._owed.values():
+            debt += flat
+        self.clock = t + 1
+        out: list[Action] = [self._part(i, t) for i in sorted(self._live)]
+        if self._allowed():
+            out.append(Stepped(round=t))
+        else:
+            self._held = t
+        return out
+
+    def flush(self, now: float) -> list[Action]:
+        """Send every reachable peer what it is owed, with this flush's marker; :class:`Flushed`
+        once every reachable peer's came with all it counted (module docstring).
+
+        Raises:
+            LocalProtocolError: a step or a flush is still open.
+        """
+        if self._held is not None or self._flushing:
+            raise LocalProtocolError("the last step or flush is still open: wait for it")
+        self._flushes += 1
+        self._flushing = True
+        out: list[Action] = []
+        for i in sorted(self._live):
+            owed = self._unsent(i)
+            self._last[i][:] = self.clock - 1
+            out.append(self._send(i, None, 0, owed, flush=self._flushes))
+        return out + self._progress()
+
+    # -- a peer's frames --------------------------------------------------------------------
+    def received(
+        self,
+        src: int,
+        *,
+        round: int | None,
+        lo: int,
+        payload: Array,
+        clock: int,
+        flush: int | None = None,
+        sent: int = 0,
+    ) -> list[Action]:
+        """A part from ``src`` (a :class:`SendPart` of its): applied to the model at once;
+        its clock heard; a flush marker kept.  A frame from a rank gone for good is dropped.
+
+        Raises:
+            RemoteProtocolError: ``src`` is not a peer, or the part is not of the model's
+                dtype or does not fit in it, or holds a NaN or an infinity (nothing changed).
+        """
+        if src not in self._heard:
+            raise RemoteProtocolError(f"rank {src} is not a peer of rank {self.rank}")
+        if payload.dtype != self.model.dtype or payload.ndim != 1:
+            raise RemoteProtocolError(f"a part of {payload.dtype}, not {self.model.dtype}")
+        if lo < 0 or lo + payload.size > self.model.size or not payload.size:
+            raise RemoteProtocolError(
+                f"a part of {payload.size} elements from {lo} in a model of {self.model.size}"
+            )
+        if not np.isfinite(payload).all():
+            raise RemoteProtocolError(f"rank {src} sent a part holding a NaN or an infinity")
+        if src in self._gone:
+            return []
+        view = self.model[lo : lo + payload.size]
+        view -= (self.lr * payload).astype(self.model.dtype, copy=False)
+        self._bytes_received += payload.nbytes
+        self._heard[src] = max(self._heard[src], clock)
+        if round is not None:
+            self._got_from[src] += 1
+        if flush is not None:
+            self._markers[src] = max(self._markers.get(src, (0, 0)), (flush, sent))
+        return self._progress()
+
+    # -- peers lost and back ----------------------------------------------------------------
+    def lose(self, peer: int) -> list[Action]:
+        """``peer`` cannot be reached: out of the rotation and the clocks (a step or a flush
+        waiting only for it goes on), its debt kept."""
+        if peer not in self._live:
+            return []
+        self._live.discard(peer)
+        self._owed[peer] = self._unsent(peer)
+        return self._progress()
+
+    def back(self, peer: int) -> list[Action]:
+        """``peer`` is reachable again: it is sent its debt, and is in the rotation again."""
+        debt = self._owed.pop(peer, None)
+        if debt is None or peer in self._gone:
+            return []
+        self._live.add(peer)
+        self._last[peer][:] = self.clock - 1
+        return [self._send(peer, None, 0, debt)]
+
+    def gone(self, peer: int) -> list[Action]:
+        """``peer`` is gone for good: forgotten, its debt dropped (the replicas may differ)."""
+        if peer not in self._heard or peer in self._gone:
+            return []
+        self._gone.add(peer)
+        self._live.discard(peer)
+        self._owed.pop(peer, None)
+        self._markers.pop(peer, None)
+        self.diverged = True
+        return self._progress()
+
+    # -- what it holds ----------------------------------------------------------------------
+    def statistics(self) -> ExchangeStatistics:
+        return ExchangeStatistics(
+            clock=self.clock,
+            partitions=self.partitions,
+            slowest=self._slowest(),
+            held=self._held is not None,
+            bytes_sent=self._bytes_sent,
+            bytes_received=self._bytes_received,
+            parts_sent=sum(self._sent_to.values()),
+            parts_received=sum(self._got_from.values()),
+            flushes=self._flushes,
+            lost=tuple(sorted(set(self._owed))),
+            gone=tuple(sorted(self._gone)),
+        )
+
+    # -- inside -----------------------------------------------------------------------------
+    def _part(self, peer: int, t: int) -> SendPart:
+        """Round ``t``'s part for ``peer``: part ``(peer + t) mod p`` of what it is owed."""
+        k = (peer + t) % self.partitions
+        lo, hi = self.bounds[k]
+        last = int(self._last[peer][k])
+        if last == t - self.partitions:
+            values = self._sum[lo:hi]  # g*_t's part, line 6's window
+        else:  # (a peer back, or after a flush: the window's rounds after ``last``)
+            rows = np.flatnonzero(self._rounds > last)
+            values = self._window[rows, lo:hi].sum(axis=0, dtype=np.float64)
+        self._last[peer][k] = t
+        self._sent_to[peer] += 1
+        return self._send(peer, t, lo, values)
+
+    def _send(
+        self, peer: int, t: int | None, lo: int, values: Array, flush: int | None = None
+    ) -> SendPart:
+        payload = values.astype(self.model.dtype)  # (a copy: the window moves on)
+        self._bytes_sent += payload.nbytes
+        return SendPart(
+            dst=peer,
+            round=t,
+            lo=lo,
+            payload=payload,
+            clock=self.clock,
+            flush=flush,
+            sent=self._sent_to[peer],
+        )
+
+    def _unsent(self, peer: int) -> NDArray[np.float64]:
+        """What ``peer`` has not been sent of the window: per part, the rounds after its
+        ``last`` (the whole model's length)."""
+        owed = np.zeros(self.model.size)
+        for k, (lo, hi) in enumerate(self.bounds):
+            rows = np.flatnonzero(self._rounds > self._last[peer][k])
+            if rows.size:
+                owed[lo:hi] = self._window[rows, lo:hi].sum(axis=0, dtype=np.float64)
+        return owed
+
+    def _slowest(self) -> int | None:
+        return min((self._heard[i] for i in self._live), default=None)
+
+    def _allowed(self) -> bool:
+        """Alg. 1 line 3: ``c_j <= min_i s_{j,i} + p + tau`` over the reachable peers."""
+        slowest = self._slowest()
+        return slowest is None or self.clock <= slowest + self.partitions + self.staleness
+
+    def _progress(self) -> list[Action]:
+        """A held step the gate now allows, and a flush now complete."""
+        out: list[Action] = []
+        if self._held is not None and self._allowed():
+            out.append(Stepped(round=self._held))
+            self._held = None
+        if self._flushing and all(
+            self._markers.get(i, (0, 0))[0] >= self._flushes
+            and self._got_from[i] >= self._markers[i][1]
+            for i in self._live
+        ):
+            self._flushing = False
+            out.append(Flushed(flush=self._flushes))
+        return out

@@ -1,0 +1,305 @@
+"""Ako's partial gradient exchange (fabricd/engines/ako/exchange.py, cost.py) without sockets:
+``n`` engines wired by per-pair queues that the test delivers in any order, under hypothesis.
+
+What must hold (issue 29): with integer gradients, after any steps and a flush every replica
+equals ``w0 - lr * (the sum of every rank's gradients)``, for any ``p``, any delivery order, and
+with a peer lost and back; the staleness gate never lets a rank's clock run past
+``min_i s_{j,i} + p + tau``; every gradient reaches every peer whole within ``p`` rounds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fabricd.engines.ako.cost import partitions_for
+from fabricd.engines.ako.exchange import (
+    Exchange,
+    Flushed,
+    SendPart,
+    Stepped,
+    partition_bounds,
+)
+from fabricd.errors import LocalProtocolError, RemoteProtocolError, UsageError
+
+LR = 0.5
+SIZE = 11
+
+
+class Ring:
+    """``n`` exchanges and the frames between them (a queue per ordered pair)."""
+
+    def __init__(self, n: int, p: int, tau: int, w0: np.ndarray[Any, Any]) -> None:
+        self.models = [w0.copy() for _ in range(n)]
+        self.ex = [
+            Exchange(rank=r, ranks=n, model=self.models[r], partitions=p, lr=LR, staleness=tau)
+            for r in range(n)
+        ]
+        self.queues: dict[tuple[int, int], deque[SendPart]] = {}
+        self.open = [False] * n  #: a step or flush not answered yet
+        self.flushed = [0] * n
+        self.total = np.zeros(SIZE)  #: every gradient of every rank
+        self.sent_rounds = [0] * n
+
+    def act(self, rank: int, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, SendPart):
+                self.queues.setdefault((rank, action.dst), deque()).append(action)
+            elif isinstance(action, Stepped):
+                assert self.open[rank]
+                self.open[rank] = False
+                # the gate lets a rank compute its next gradient only within its bound
+                ex = self.ex[rank]
+                slowest = ex.statistics().slowest
+                assert slowest is None or ex.clock <= slowest + ex.partitions + ex.staleness
+            else:
+                assert isinstance(action, Flushed)
+                assert self.open[rank]
+                self.open[rank] = False
+                self.flushed[rank] = action.flush
+
+    def step(self, rank: int, gradient: np.ndarray[Any, Any]) -> bool:
+        ex = self.ex[rank]
+        if self.open[rank]:
+            return False
+        self.open[rank] = True
+        self.total += gradient
+        self.act(rank, ex.step(gradient, 0.0))
+        return True
+
+    def deliver(self, pick: int, *, any_order: bool) -> bool:
+        pairs = sorted(k for k, q in self.queues.items() if q)
+        if not pairs:
+            return False
+        src, dst = pairs[pick % len(pairs)]
+        queue = self.queues[(src, dst)]
+        index = pick % len(queue) if any_order else 0
+        frame = queue[index]
+        del queue[index]
+        self.act(
+            dst,
+            self.ex[dst].received(
+                src,
+                round=frame.round,
+                lo=frame.lo,
+                payload=frame.payload,
+                clock=frame.clock,
+                flush=frame.flush,
+                sent=frame.sent,
+            ),
+        )
+        return True
+
+    def drain(self) -> None:
+        for _ in range(100_000):
+            if not self.deliver(0, any_order=False):
+                return
+        raise AssertionError("frames without end")
+
+    def flush_all(self) -> None:
+        for _ in range(1000):  # steps held at the gate are let go as frames come
+            if not any(self.open) or not self.deliver(0, any_order=False):
+                break
+        assert not any(self.open)
+        for rank, ex in enumerate(self.ex):
+            self.open[rank] = True
+            self.act(rank, ex.flush(0.0))
+        self.drain()
+        assert not any(self.open), self.open
+
+
+def gradients(n: int, steps: int) -> st.SearchStrategy[list[list[np.ndarray[Any, Any]]]]:
+    grad = st.lists(st.integers(-8, 8), min_size=SIZE, max_size=SIZE).map(
+        lambda xs: np.array(xs, dtype=np.float64)
+    )
+    return st.lists(st.lists(grad, min_size=n, max_size=n), min_size=1, max_size=steps)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 6), st.data())
+def test_after_a_flush_every_replica_holds_every_gradient_once(n: int, data: st.DataObject) -> None:
+    p = data.draw(st.integers(1, n - 1), label="p")
+    tau = data.draw(st.integers(0, 3), label="tau")
+    rounds = data.draw(gradients(n, 8), label="gradients")
+    w0 = np.arange(SIZE, dtype=np.float64)
+    ring = Ring(n, p, tau, w0)
+    any_order = data.draw(st.booleans(), label="any order")
+    for grads in rounds:
+        pending = list(range(n))
+        for _ in range(10_000):
+            if not pending:
+                break
+            rank = pending[data.draw(st.integers(0, len(pending) - 1))]
+            if ring.step(rank, grads[rank]):
+                pending.remove(rank)
+            elif not ring.deliver(data.draw(st.integers(0, 99)), any_order=any_order):
+                raise AssertionError("a rank held at the gate with nothing in flight")
+            for _ in range(data.draw(st.integers(0, 3))):
+                ring.deliver(data.draw(st.integers(0, 99)), any_order=any_order)
+    ring.flush_all()
+    expected = w0 - LR * ring.total
+    for model in ring.models:
+        np.testing.assert_array_equal(model, expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(3, 5), st.data())
+def test_a_peer_lost_and_back_is_owed_nothing_and_given_nothing_twice(
+    n: int, data: st.DataObject
+) -> None:
+    """Rank ``lost`` cannot be reached for a while (both ways): the others go on without it
+    and without waiting for it; when it is back it is sent its debt, and after a flush every
+    replica is again the exact sum."""
+    p = data.draw(st.integers(1, n - 1), label="p")
+    rounds = data.draw(gradients(n, 8), label="gradients")
+    lost = data.draw(st.integers(0, n - 1), label="lost")
+    cut, heal = sorted(data.draw(st.lists(st.integers(0, len(rounds)), min_size=2, max_size=2)))
+    w0 = np.zeros(SIZE)
+    ring = Ring(n, p, 0, w0)
+    cut_off = False
+
+    def heal_now() -> None:
+        for r in range(n):
+            if r != lost:
+                ring.act(r, ring.ex[r].back(lost))
+                ring.act(lost, ring.ex[lost].back(r))
+
+    for index, grads in enumerate(rounds):
+        if index == cut:
+            cut_off = True
+            for r in range(n):
+                if r != lost:
+                    ring.act(r, ring.ex[r].lose(lost))
+                    ring.act(lost, ring.ex[lost].lose(r))
+        if index == heal and cut_off:
+            cut_off = False
+            heal_now()
+        for rank in range(n):
+            for _ in range(1000):
+                if ring.step(rank, grads[rank]):
+                    break
+                assert ring.deliver(data.draw(st.integers(0, 99)), any_order=True)
+    if cut_off:
+        heal_now()
+    ring.flush_all()
+    for model in ring.models:
+        np.testing.assert_array_equal(model, w0 - LR * ring.total)
+
+
+def test_each_gradient_reaches_a_peer_whole_within_p_rounds() -> None:
+    """One gradient, then ``p - 1`` empty rounds: each peer has all of it (the rotation;
+    Alg. 1 line 9's ``i mod p`` would send each peer one part only, for ever)."""
+    n, p = 4, 3
+    ring = Ring(n, p, 10, np.zeros(SIZE))
+    one = np.arange(1, SIZE + 1, dtype=np.float64)
+    zero = np.zeros(SIZE)
+    for t in range(p):
+        for rank in range(n):
+            assert ring.step(rank, one if (t == 0 and rank == 0) else zero)
+        ring.drain()
+    for rank in range(1, n):
+        np.testing.assert_array_equal(ring.models[rank], -LR * one)
+
+
+def test_bytes_per_round_are_the_model_over_p_to_each_peer() -> None:
+    n, p = 5, 4
+    ring = Ring(n, p, 10, np.zeros(400))
+    ring.total = np.zeros(400)
+    before = ring.ex[0].statistics().bytes_sent
+    ring.open[0] = True
+    ring.act(0, ring.ex[0].step(np.ones(400), 0.0))
+    assert ring.ex[0].statistics().bytes_sent - before == (n - 1) * 400 // p * 8
+
+
+def test_the_gate_holds_a_step_until_the_slowest_peer_is_heard() -> None:
+    """p = 1, tau = 0: a rank may be one round ahead of what it heard; the second step is
+    answered only once a peer's first round came."""
+    a_model, b_model = np.zeros(4), np.zeros(4)
+    a = Exchange(rank=0, ranks=2, model=a_model, partitions=1, lr=1.0, staleness=0)
+    b = Exchange(rank=1, ranks=2, model=b_model, partitions=1, lr=1.0, staleness=0)
+    first = a.step(np.ones(4), 0.0)
+    assert Stepped(round=0) in first
+    second = a.step(np.ones(4), 0.0)
+    assert not any(isinstance(x, Stepped) for x in second)
+    assert a.statistics().held
+    with pytest.raises(LocalProtocolError):
+        a.step(np.ones(4), 0.0)
+    [part] = [x for x in b.step(np.ones(4), 0.0) if isinstance(x, SendPart)]
+    got = a.received(1, round=part.round, lo=part.lo, payload=part.payload, clock=part.clock)
+    assert got == [Stepped(round=1)]
+    # a lost peer is not waited for
+    third = a.step(np.ones(4), 0.0)
+    assert not any(isinstance(x, Stepped) for x in third)
+    assert a.lose(1) == [Stepped(round=2)]
+
+
+def test_a_bad_part_is_refused_and_changes_nothing() -> None:
+    model = np.zeros(6)
+    ex = Exchange(rank=0, ranks=3, model=model, partitions=2, lr=1.0, staleness=0)
+    ok = np.ones(3)
+    for src, lo, payload in (
+        (5, 0, ok),  # not a peer
+        (0, 0, ok),  # itself
+        (1, 4, ok),  # past the end
+        (1, -1, ok),
+        (1, 0, ok.astype(np.float32)),
+        (1, 0, np.array([1.0, np.nan, 1.0])),
+        (1, 0, np.zeros(0)),
+    ):
+        with pytest.raises(RemoteProtocolError):
+            ex.received(src, round=0, lo=lo, payload=payload, clock=1)
+    assert not model.any()
+    assert ex.statistics().parts_received == 0
+
+
+def test_a_peer_gone_for_good_is_forgotten_and_the_replicas_may_differ() -> None:
+    model = np.zeros(4)
+    ex = Exchange(rank=0, ranks=3, model=model, partitions=2, lr=1.0, staleness=0)
+    ex.step(np.ones(4), 0.0)
+    ex.flush(0.0)
+    assert ex.gone(2) == []  # still waiting for rank 1's marker
+    assert ex.diverged
+    assert ex.received(2, round=0, lo=0, payload=np.ones(2), clock=1) == []
+    assert not model[:2].any() or model[0] == -1.0  # its frame is dropped: nothing applied
+    np.testing.assert_array_equal(model, -np.ones(4))
+    assert ex.statistics().gone == (2,)
+
+
+def test_an_exchange_refuses_what_it_cannot_keep() -> None:
+    with pytest.raises(UsageError):
+        Exchange(rank=0, ranks=2, model=np.zeros(4, np.int64), partitions=1, lr=1.0, staleness=0)
+    with pytest.raises(UsageError):
+        Exchange(rank=0, ranks=2, model=np.zeros(4), partitions=5, lr=1.0, staleness=0)
+    with pytest.raises(UsageError):
+        Exchange(rank=0, ranks=2, model=np.zeros(4), partitions=1, lr=0.0, staleness=0)
+    with pytest.raises(UsageError):
+        Exchange(rank=2, ranks=2, model=np.zeros(4), partitions=1, lr=1.0, staleness=0)
+    ex = Exchange(rank=0, ranks=2, model=np.zeros(4), partitions=1, lr=1.0, staleness=0)
+    with pytest.raises(UsageError):
+        ex.step(np.array([1.0, np.inf, 0.0, 0.0]), 0.0)
+    with pytest.raises(UsageError):
+        ex.step(np.zeros(3), 0.0)
+
+
+def test_partitions_are_contiguous_and_cover_the_model() -> None:
+    assert partition_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert partition_bounds(3, 3) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_the_cost_model_keeps_the_bytes_per_second_at_the_bandwidth() -> None:
+    """Eq. 3: p = ceil(gamma m (n - 1) / B), clamped to [1, elements]."""
+    m, b = 4_000_000, 125_000_000.0  # 4 MB, 1 Gbit/s
+    assert partitions_for(gamma=10.0, model_bytes=m, ranks=2, bandwidth=b, elements=10**6) == 1
+    assert partitions_for(gamma=10.0, model_bytes=m, ranks=16, bandwidth=b, elements=10**6) == 5
+    assert partitions_for(gamma=10.0, model_bytes=m, ranks=64, bandwidth=b, elements=10**6) == 21
+    for n in (4, 8, 16, 64):
+        p = partitions_for(gamma=10.0, model_bytes=m, ranks=n, bandwidth=b, elements=10**6)
+        assert 10.0 * m * (n - 1) / p <= b  # sustainable
+    assert partitions_for(gamma=1e9, model_bytes=m, ranks=8, bandwidth=b, elements=7) == 7
+    with pytest.raises(UsageError):
+        partitions_for(gamma=1.0, model_bytes=m, ranks=8, bandwidth=0.0, elements=7)
