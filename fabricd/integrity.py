@@ -58,9 +58,9 @@ _SEQ: Final = struct.Struct(">Q")
 #: the key size the handshake derives, per direction
 KEY_SIZE: Final = 32
 #: the kinds whose payload MAC is optional (and computed with HMAC-SHA256): DATA, WRITE, COLL,
-#: UPDATE, PUSH, PULLED and REPLICATE, wire.BULK_KINDS (by number: wire imports this module; a
-#: unit test checks they agree)
-_BULK_KINDS: Final = frozenset({8, 11, 14, 15, 18, 21, 22})
+#: UPDATE, PUSH, PULLED, REPLICATE and PART, wire.BULK_KINDS (by number: wire imports this
+#: module; a unit test checks they agree)
+_BULK_KINDS: Final = frozenset({8, 11, 14, 15, 18, 21, 22, 31})
 #: every error this module raises starts with this (the peering service counts them)
 FAILURE: Final = "integrity check failed"
 

@@ -89,6 +89,7 @@ class Kind(enum.IntEnum):
     GRANT = 28  #: a server's scheduler: send that push after a wait (control)
     GATHER = 29  #: a server's scheduler: sum these pushes here and forward the sum (control)
     PLAN = 30  #: shard 0's scheduler: grant or drop these parts of jointly planned updates
+    PART = 31  #: a rank's part of its accumulated gradients for a peer (Ako, data channel)
     REQUEST = 32  #: client -> daemon call
     REPLY = 33  #: daemon -> client answer to a REQUEST
     EVENT = 34  #: daemon -> client news nobody asked for in that moment (a pushed event)
@@ -98,7 +99,16 @@ class Kind(enum.IntEnum):
 #: MAC covers the payload only under ``data_integrity = "mac"`` (fabricd/integrity.py).  Not
 #: EAGER: its payload is the daemon's own copy of at most eager_limit bytes, always covered
 BULK_KINDS: Final = frozenset(
-    {Kind.DATA, Kind.WRITE, Kind.COLL, Kind.UPDATE, Kind.PUSH, Kind.PULLED, Kind.REPLICATE}
+    {
+        Kind.DATA,
+        Kind.WRITE,
+        Kind.COLL,
+        Kind.UPDATE,
+        Kind.PUSH,
+        Kind.PULLED,
+        Kind.REPLICATE,
+        Kind.PART,
+    }
 )
 
 #: every kind by its code, for the decoder (``Kind(code)`` costs an exception when unknown)

@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fabricd.client import checks
+from fabricd.client.ako import FlushResult, PartialExchange, PartialExchanges, StepResult
 from fabricd.client.arrays import SharedArrays
 from fabricd.client.collectives import AllreduceAlgorithm, Collectives, Late, Mode, Op, Result
 from fabricd.client.connection import Connection
@@ -69,11 +70,14 @@ __all__ = [
     "DivergenceBound",
     "Event",
     "FilterSettings",
+    "FlushResult",
     "Handle",
     "ParameterServer",
+    "PartialExchange",
     "PushResult",
     "ReduceResult",
     "Result",
+    "StepResult",
     "connect",
 ]
 
@@ -90,6 +94,7 @@ class Client:
             their ``_async`` forms).
         stochastic: the stochastic-reduce facet (stochastic_reduce over a communication graph, and
             its ``_async`` form).
+        exchanges: the partial-exchange facet (Ako's partial gradient exchange).
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class Client:
         self.p2p = PointToPoint(connection, self._arrays, job)
         self.collectives = Collectives(connection, self._arrays, job)
         self.stochastic = StochasticReduce(connection, self._arrays, job)
+        self.exchanges = PartialExchanges(connection, self._arrays, job)
         self._servers: dict[str, ParameterServer] = {}  #: models with an update callback
 
     # -- identity ---------------------------------------------------------------------------
@@ -284,6 +290,23 @@ class Client:
         still under way, by name: kept, not withdrawn
         (:meth:`Collectives.interrupted_collectives`)."""
         return self.collectives.interrupted_collectives()
+
+    # -- partial gradient exchange (shortcut to the exchanges facet) ---------------------------
+    def partial_exchange(
+        self,
+        name: str,
+        model: np.ndarray[Any, Any],
+        *,
+        partitions: int | Literal["auto"] = "auto",
+        lr: float,
+        staleness: int = 0,
+        timeout: float | None = None,
+    ) -> PartialExchange:
+        """Open Ako's partial gradient exchange ``name`` of ``model`` between the job's ranks
+        (:meth:`PartialExchanges.partial_exchange`, Ako §3-§4)."""
+        return self.exchanges.partial_exchange(
+            name, model, partitions=partitions, lr=lr, staleness=staleness, timeout=timeout
+        )
 
     # -- stochastic reduce (shortcut to the stochastic facet) -----------------------------------
     def stochastic_reduce(

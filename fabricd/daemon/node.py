@@ -41,6 +41,7 @@ from fabricd.daemon.node_metrics import DaemonCollector
 from fabricd.daemon.sdnotify import Notifier
 from fabricd.daemon.segments import SegmentLimits, SegmentTable
 from fabricd.daemon.service import BaseService, Request, check_claims
+from fabricd.daemon.services.ako import AkoService
 from fabricd.daemon.services.collectives import CollectiveService
 from fabricd.daemon.services.membership import MembershipService
 from fabricd.daemon.services.monitor import MonitorService
@@ -105,11 +106,12 @@ _PAYLOAD_CHANNEL: Final = {
     Kind.PUSH: Channel.DATA,
     Kind.PULLED: Channel.DATA,
     Kind.REPLICATE: Channel.DATA,
+    Kind.PART: Channel.DATA,
     Kind.EAGER: Channel.CONTROL,
 }
 #: the kinds the data link carries, and only it
 _DATA_KINDS: Final = frozenset(
-    {Kind.DATA, Kind.COLL, Kind.UPDATE, Kind.PUSH, Kind.PULLED, Kind.REPLICATE}
+    {Kind.DATA, Kind.COLL, Kind.UPDATE, Kind.PUSH, Kind.PULLED, Kind.REPLICATE, Kind.PART}
 )
 #: read on every frame: a module constant is cheaper than the enum attribute
 _DATA: Final = Channel.DATA
@@ -122,8 +124,8 @@ _LAG_PROBE_INTERVAL: Final = 1.0
 
 
 def default_services(daemon: Daemon) -> list[Service]:
-    """Membership, point-to-point messaging, collectives, stochastic reduce and parameter
-    servers: the services every daemon runs."""
+    """Membership, point-to-point messaging, collectives, stochastic reduce, parameter
+    servers and partial gradient exchange: the services every daemon runs."""
     membership = MembershipService(daemon, incarnation=daemon.peering.engine.incarnation)
     p2p = P2PService(
         daemon,
@@ -134,7 +136,8 @@ def default_services(daemon: Daemon) -> list[Service]:
     collectives = CollectiveService(daemon, membership=membership.engine)
     stochastic = StochasticService(daemon, membership=membership.engine)
     servers = PSService(daemon, membership=membership.engine)
-    return [membership, p2p, collectives, stochastic, servers]
+    exchanges = AkoService(daemon, membership=membership.engine)
+    return [membership, p2p, collectives, stochastic, servers, exchanges]
 
 
 class Daemon:

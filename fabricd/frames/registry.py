@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Final
 
 from fabricd.errors import RemoteProtocolError
+from fabricd.frames.ako import Part
 from fabricd.frames.collectives import Coll
 from fabricd.frames.link import Bye, Heartbeat
 from fabricd.frames.membership import Announce
@@ -65,12 +66,13 @@ PeerFrame = (
     | Grant
     | Gather
     | Plan
+    | Part
 )
 #: the frames whose payload is a point-to-point message's bytes (DATA, and EAGER on control)
 MessageFrame = Data | Eager
 #: the frames whose payload a service places (a collective's COLL, a stochastic reduce's
 #: UPDATE and a parameter server's PUSH, PULLED and REPLICATE on the data channel too)
-PayloadFrame = Data | Eager | Coll | Update | Push | Pulled | Replicate
+PayloadFrame = Data | Eager | Coll | Update | Push | Pulled | Replicate | Part
 
 _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
     cls.KIND: cls
@@ -103,6 +105,7 @@ _BY_KIND: Final[dict[Kind, type[PeerFrame]]] = {
         Grant,
         Gather,
         Plan,
+        Part,
     )
 }
 #: the kinds :func:`parse` reads

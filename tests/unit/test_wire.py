@@ -301,6 +301,17 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
         "lead": 2,
         "in": [[1, 4, 1500, 800, None], [2, 5, 0, 0, "deadline passed"]],
     },
+    Kind.PART: {
+        "job": "demo",
+        "name": "w",
+        "src": 1,
+        "dst": 2,
+        "r": 4,
+        "lo": 0,
+        "c": 5,
+        "e": 0,
+        "spec": {"n": 3, "size": 8, "dtype": "float32", "lr": 0.5, "staleness": 1},
+    },
     Kind.REQUEST: {
         "id": 1,
         "op": "send",
@@ -394,6 +405,7 @@ def test_kind_numbers_are_stable() -> None:
         "GRANT": 28,
         "GATHER": 29,
         "PLAN": 30,
+        "PART": 31,
         "REQUEST": 32,
         "REPLY": 33,
         "EVENT": 34,
@@ -693,7 +705,7 @@ def test_client_socket_limits() -> None:
 # -- malformed headers ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [0, 31, 35, 255])
+@pytest.mark.parametrize("kind", [0, 35, 255])
 def test_unknown_kind(kind: int) -> None:
     assert_rejected(header(kind, 1) + b"\x80", match=f"unknown frame kind {kind}")
 

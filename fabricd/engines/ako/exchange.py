@@ -40,11 +40,19 @@ Choices where the paper is silent, and why:
   out of the rotation and the clocks (the survivors never wait for it, §4.3), and what it is
   owed is kept whole: the parts of the window not sent it yet, plus every gradient made
   meanwhile (one array).  When it is back (:meth:`Exchange.back`) it is sent that debt in one
-  frame and the rotation goes on.  One that is gone for good (:meth:`Exchange.gone`) is
-  forgotten, debt included; what it sent may have reached some ranks and not others, so the
-  replicas may differ from then on (:attr:`Exchange.diverged`).  §4.3 discards in-flight
-  gradients after a failure: so does a link reset here (frames lost with it are not sent
-  again); the exact sum holds while no frame is lost.
+  frame and the rotation goes on, and nothing is lost.  One that is gone for good
+  (:meth:`Exchange.gone`) is forgotten, debt included; what it sent may have reached some
+  ranks and not others.  §4.3 discards in-flight gradients after a failure: so does a link
+  reset here (frames lost with it are not sent again); the exact sum holds while no frame is
+  lost.
+* *A flush while a peer is unreachable or gone* cannot make the replicas equal by sums alone:
+  the absent rank's last parts reached the survivors unevenly.  The survivors then take one
+  model: the lowest reachable rank's, which it sends each other survivor (a SYNC part, whole)
+  once its own flush is complete; each adopts it once its own is complete too (§4.3: the
+  failed worker "catches the model up from a peer", here the survivors do).  Peers absent at
+  such a flush are forgotten for good (their debts would no longer match the model).  Parts a
+  peer sends after its flush (its next rounds) are held until this rank's flush is complete,
+  so that a model taken from the lowest rank never overwrites them.
 * *A flush* (collective) sends each reachable peer everything it is owed in one frame (the
   window's unsent parts), marked with the flush's number and how many round frames went to
   that peer before it; a rank's flush is complete once every reachable peer's flush marker of
@@ -84,8 +92,10 @@ class SendPart:
     lo: int
     payload: Array
     clock: int
+    epoch: int = 0  #: the sender's flushes started when it sent this
     flush: int | None = None
     sent: int = 0
+    sync: bool = False  #: the sender's whole model: adopt it (a flush after a loss)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,9 +108,11 @@ class Stepped:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Flushed:
     """Flush number ``flush`` is complete: every part sent before it, by every reachable
-    rank, is applied here."""
+    rank, is applied here; or (``synced_from``) a peer was absent and this rank took that
+    reachable rank's model, as every survivor did."""
 
     flush: int
+    synced_from: int | None = None
 
 
 Action = SendPart | Stepped | Flushed
@@ -187,10 +199,12 @@ class Exchange:
         self._live = set(self.peers)
         self._owed: dict[int, NDArray[np.float64]] = {}  #: unreachable peers' debt
         self._gone: set[int] = set()
-        self.diverged = False
+        self._settled: set[int] = set()  #: absent peers a flush already took a model after
         self._sent_to = dict.fromkeys(self.peers, 0)  #: round frames sent to each peer
         self._got_from = dict.fromkeys(self.peers, 0)  #: round frames received from each
         self._markers: dict[int, tuple[int, int]] = {}  #: peer -> (its flush, frames sent)
+        self._sync: tuple[int, int, Array] | None = None  #: (from, its flush, its model)
+        self._later: list[tuple[int, dict[str, Any]]] = []  #: peers' parts after their flush
         self._held: int | None = None  #: a step whose answer waits for the gate
         self._flushes = 0  #: flushes started
         self._flushing = False
@@ -251,6 +265,31 @@ class Exchange:
             out.append(self._send(i, None, 0, owed, flush=self._flushes))
         return out + self._progress()
 
+    def repartition(self, partitions: int) -> list[Action]:
+        """Cut the accumulation into ``partitions`` from the next round on (``partitions=
+        "auto"``: the count eq. 3 gives once the gradient rate was measured).  Every reachable
+        peer is first sent what it is owed under the old cut, in one frame, so that nothing
+        is sent twice or skipped (an unreachable peer's debt does not depend on the cut).
+
+        Raises:
+            UsageError: a count outside ``[1, min(len(model), MAX_PARTITIONS)]``.
+            LocalProtocolError: a step or a flush is open.
+        """
+        if self._held is not None or self._flushing:
+            raise LocalProtocolError("a step or flush is still open: repartition between them")
+        if not 1 <= partitions <= min(self.model.size, MAX_PARTITIONS):
+            raise UsageError(
+                f"partitions must be 1 to {min(self.model.size, MAX_PARTITIONS)}, not {partitions}"
+            )
+        out: list[Action] = [self._send(i, None, 0, self._unsent(i)) for i in sorted(self._live)]
+        self.partitions = partitions
+        self.bounds = partition_bounds(self.model.size, partitions)
+        self._window = np.zeros((partitions, self.model.size), dtype=self.model.dtype)
+        self._rounds = np.full(partitions, -1)
+        self._sum = np.zeros(self.model.size)
+        self._last = {i: np.full(partitions, self.clock - 1) for i in self.peers}
+        return out
+
     # -- a peer's frames --------------------------------------------------------------------
     def received(
         self,
@@ -260,11 +299,15 @@ class Exchange:
         lo: int,
         payload: Array,
         clock: int,
+        epoch: int = 0,
         flush: int | None = None,
         sent: int = 0,
+        sync: bool = False,
     ) -> list[Action]:
         """A part from ``src`` (a :class:`SendPart` of its): applied to the model at once;
-        its clock heard; a flush marker kept.  A frame from a rank gone for good is dropped.
+        its clock heard; a flush marker kept; a model to adopt kept for the flush.  A part
+        ``src`` sent after its flush while this rank's is open waits for it (module
+        docstring); a frame from a rank gone for good is dropped.
 
         Raises:
             RemoteProtocolError: ``src`` is not a peer, or the part is not of the model's
@@ -282,10 +325,20 @@ class Exchange:
             raise RemoteProtocolError(f"rank {src} sent a part holding a NaN or an infinity")
         if src in self._gone:
             return []
+        self._heard[src] = max(self._heard[src], clock)
+        if sync:
+            if lo or payload.size != self.model.size or flush is None:
+                raise RemoteProtocolError(f"rank {src} sent a SYNC that is not a whole model")
+            self._sync = (src, flush, payload.copy())
+            return self._progress()
+        k = self._flushes
+        if self._flushing and (epoch > k or (epoch == k and flush != k)):
+            fields = {"round": round, "lo": lo, "payload": payload.copy(), "clock": clock}
+            self._later.append((src, {**fields, "epoch": epoch, "flush": flush, "sent": sent}))
+            return self._progress()
         view = self.model[lo : lo + payload.size]
         view -= (self.lr * payload).astype(self.model.dtype, copy=False)
         self._bytes_received += payload.nbytes
-        self._heard[src] = max(self._heard[src], clock)
         if round is not None:
             self._got_from[src] += 1
         if flush is not None:
@@ -319,7 +372,6 @@ class Exchange:
         self._live.discard(peer)
         self._owed.pop(peer, None)
         self._markers.pop(peer, None)
-        self.diverged = True
         return self._progress()
 
     # -- what it holds ----------------------------------------------------------------------
@@ -354,7 +406,13 @@ class Exchange:
         return self._send(peer, t, lo, values)
 
     def _send(
-        self, peer: int, t: int | None, lo: int, values: Array, flush: int | None = None
+        self,
+        peer: int,
+        t: int | None,
+        lo: int,
+        values: Array,
+        flush: int | None = None,
+        sync: bool = False,
     ) -> SendPart:
         payload = values.astype(self.model.dtype)  # (a copy: the window moves on)
         self._bytes_sent += payload.nbytes
@@ -364,8 +422,10 @@ class Exchange:
             lo=lo,
             payload=payload,
             clock=self.clock,
+            epoch=self._flushes,
             flush=flush,
             sent=self._sent_to[peer],
+            sync=sync,
         )
 
     def _unsent(self, peer: int) -> NDArray[np.float64]:
@@ -397,6 +457,33 @@ class Exchange:
             and self._got_from[i] >= self._markers[i][1]
             for i in self._live
         ):
-            self._flushing = False
-            out.append(Flushed(flush=self._flushes))
+            out += self._complete()
+        return out
+
+    def _complete(self) -> list[Action]:
+        """This rank's flush has every part sent before every reachable peer's: done, or
+        (a peer absent) done once the lowest reachable rank's model is here (module
+        docstring)."""
+        absent = [i for i in self.peers if i not in self._live and i not in self._settled]
+        lowest = min(self._live | {self.rank})
+        out: list[Action] = []
+        if absent and lowest == self.rank:
+            model = self.model.copy()
+            for i in sorted(self._live):
+                out.append(self._send(i, None, 0, model, flush=self._flushes, sync=True))
+        elif absent:
+            sync = self._sync
+            if sync is None or sync[0] != lowest or sync[1] < self._flushes:
+                return []
+            self.model[:] = sync[2]
+        self._sync = None
+        self._flushing = False
+        for peer in absent:  # (their debts no longer match the model every survivor holds)
+            self._gone.add(peer)
+            self._settled.add(peer)
+            self._owed.pop(peer, None)
+        out.append(Flushed(flush=self._flushes, synced_from=lowest if absent else None))
+        later, self._later = self._later, []
+        for src, fields in later:
+            out += self.received(src, **fields)
         return out

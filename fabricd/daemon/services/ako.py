@@ -1,0 +1,672 @@
+"""The Ako service: ``ako_open``, ``ako_step`` and ``ako_flush`` requests and PART frames.
+
+Drives :mod:`fabricd.engines.ako.exchange`: one :class:`~fabricd.engines.ako.exchange.Exchange`
+per (job, name, local rank), made by the rank's ``ako_open`` on its model array (a view of its
+segment: received parts are written into it as they come, Ako §4.2 (5)).  A step hands the
+engine the rank's gradient (read at once: the array may be reused once the call returns) and
+is answered when the staleness gate lets the trainer compute the next one; a flush is answered
+once every part sent before it by every reachable rank is applied here.
+
+The data plane: a part travels to its peer as one PART frame on the data link (in order per
+peer, :class:`~fabricd.daemon.services.data_queues.DataQueues`); between two ranks of one node
+the service hands it over itself.  A PART for a rank that has not opened the exchange yet is
+held for it (at most :data:`MAX_EARLY` frames and ``HELD_PAYLOADS`` x ``max_payload`` bytes
+per node, each for ``route_timeout``): a trainer may step before a slower one opened.
+
+Partition counts (Ako §3.2): ``partitions=N``, or ``"auto"``: the rank steps with ``n - 1``
+partitions (the least bandwidth) while it measures its gradient rate over its first
+:data:`PROFILE_STEPS` steps, then cuts into eq. 3's ``p``, with ``B`` the network monitor's
+figure for this node's uplink (:func:`fabricd.engines.ako.cost.partitions_for`).
+
+Membership (Ako §4.3): a rank whose node's links were reset is suspected: its peers stop
+sending it and keep what they owe it (:meth:`Exchange.lose`); back, it is sent its debt
+(:meth:`Exchange.back`); gone, or left, it is forgotten (:meth:`Exchange.gone`), and the
+survivors never wait for it.  A rank that opens the exchange again after it left is not taken
+back (its peers forgot it for good: it must use another name).
+
+Bounds: a model travels whole in one frame at most (a flush, a debt): its bytes are at most
+``max_payload``; a job has at most ``max_collectives_per_job`` exchanges on a node; what an
+exchange holds (its window, its sum, each debt) is charged to the job's byte budget first.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from fabricd.daemon.logs import RateLimitedLog
+from fabricd.daemon.metrics import OperationStats, counter, gauge
+from fabricd.daemon.service import BaseService
+from fabricd.daemon.services.data_queues import DataQueues
+from fabricd.daemon.services.jobs import (
+    Groups,
+    OpenCall,
+    OpenCalls,
+    WaitingForRanks,
+    refuse_while_draining,
+)
+from fabricd.daemon.services.senders import Gate, Sender, earliest
+from fabricd.dtypes import FLOAT_DTYPES
+from fabricd.engines.actions import Failure
+from fabricd.engines.ako.cost import partitions_for
+from fabricd.engines.ako.exchange import Exchange, Flushed, SendPart, Stepped
+from fabricd.engines.deadlines import Deadlines
+from fabricd.engines.membership import RankBack as RankBackEvent
+from fabricd.engines.membership import RankGone, RankLeft, RankSuspected
+from fabricd.engines.ps.routing import HELD_PAYLOADS
+from fabricd.errors import ErrorCode, OperationFailed, UsageError
+from fabricd.frames.ako import Part, describe
+from fabricd.frames.fields import MAX_NAME
+from fabricd.wire import Kind, Meta, get_int, get_str
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from prometheus_client.metrics_core import Metric
+
+    from fabricd.daemon.service import Host, Request
+    from fabricd.daemon.services.senders import Waiting
+    from fabricd.daemon.sessions import ClientSession
+    from fabricd.engines.ako.exchange import Action
+    from fabricd.engines.budget import Charge
+    from fabricd.engines.membership import Membership, RankEvent, Suspicion
+    from fabricd.frames import registry
+
+log = logging.getLogger("fabricd.ako")
+remote_log = RateLimitedLog(log)
+
+Key = tuple[str, str]  #: (job, exchange name)
+RankKey = tuple[str, str, int]  #: (job, exchange name, rank)
+
+#: steps a rank with ``partitions="auto"`` measures its gradient rate over
+PROFILE_STEPS: Final = 5
+#: the most PART frames a node holds for ranks that have not opened their exchange yet
+MAX_EARLY: Final = 4096
+
+
+@dataclass(slots=True, kw_only=True)
+class _Waiting:
+    """An open that waits for every rank of its job to be known."""
+
+    session: ClientSession
+    request_id: int
+    name: str
+    spec: Meta
+    region: tuple[int, int]  #: the model's (seg, off)
+    partitions: int | None  #: None: "auto"
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Early:
+    node: int
+    frame: Part
+    payload: bytes
+    deadline: float
+
+
+class AkoService(BaseService):
+    """Ako's partial gradient exchange between the ranks of a job."""
+
+    name = "ako"
+    kinds = frozenset({Kind.PART})
+    ops = frozenset({"ako_open", "ako_step", "ako_flush"})
+
+    def __init__(self, host: Host, *, membership: Membership) -> None:
+        self.host = host
+        self.membership = membership
+        self.exchanges: dict[RankKey, Exchange] = {}
+        self._of_job: Groups[str, RankKey] = Groups()
+        self._specs: dict[RankKey, Meta] = {}
+        self._charges: dict[RankKey, list[Charge]] = {}
+        #: "auto" ranks still measuring: the times of their steps so far
+        self._profiles: dict[RankKey, list[float]] = {}
+        self.operations = OperationStats(self.name, kinds=["step", "flush"])
+        self._open: OpenCalls[RankKey] = OpenCalls(host, self.operations)
+        self._waiting: WaitingForRanks[_Waiting] = WaitingForRanks(
+            host, membership, "exchange opens", lambda w: f"partial exchange {w.name!r}"
+        )
+        self._early: dict[RankKey, list[_Early]] = {}
+        self._early_deadlines: Deadlines[RankKey] = Deadlines()
+        self._early_count = self._early_bytes = 0
+        self._landing: dict[tuple[int, str, str, int, int], bytearray] = {}
+        self._frames = DataQueues(host, Kind.PART, sent=self._count_sent)
+        self._counters = {
+            "part_bytes_sent": 0,
+            #: for a rank not here, an exchange opened otherwise, held too long or past the
+            #: bounds, or from a node its sender is not on (frames_refused_not_member too)
+            "part_frames_dropped": 0,
+            "repartitions": 0,
+        }
+        self._gate = Gate(
+            host, membership, remote_log, self._counters, "part_frames_dropped", self._replay
+        )
+
+    def _count_sent(self, nbytes: int) -> None:
+        self._counters["part_bytes_sent"] += nbytes
+
+    # -- requests ---------------------------------------------------------------------------
+    def on_request(self, request: Request, now: float) -> Meta | None:
+        refuse_while_draining(self.host)
+        session = request.session
+        if session.job is None:
+            raise UsageError("connect with a job (fabricd.connect(job=...)) before exchanging")
+        name = get_str(request.meta, "name")
+        if not 0 < len(name) <= MAX_NAME:
+            raise UsageError(f"a partial exchange name has 1 to {MAX_NAME} characters")
+        rank_key = (session.job, name, session.rank)
+        if request.op == "ako_open":
+            return self._open_exchange(request, rank_key, now)
+        exchange = self.exchanges.get(rank_key)
+        if exchange is None:
+            raise UsageError(f"rank {session.rank} has not opened partial exchange {name!r}")
+        if rank_key in self._open:
+            raise UsageError(f"rank {session.rank}'s last step or flush of {name!r} is open")
+        if request.op == "ako_flush":
+            self._start(request, rank_key, "flush", 0, now)
+            self._perform(rank_key, exchange.flush(now))
+            return None
+        gradient = self._array(session, request.meta, exchange.model.dtype.name)
+        if gradient.size != exchange.model.size:
+            raise UsageError(
+                f"partial exchange {name!r} takes gradients of {exchange.model.size} elements, "
+                f"not {gradient.size}"
+            )
+        actions = self._profile(rank_key, exchange, now)
+        actions += exchange.step(gradient, now)  # (raises UsageError before anything changed)
+        self._start(request, rank_key, "step", gradient.nbytes, now)
+        self._perform(rank_key, actions)
+        return None
+
+    def _start(
+        self, request: Request, rank_key: RankKey, kind: str, nbytes: int, now: float
+    ) -> None:
+        call = OpenCall(
+            session=request.session,
+            request=request.id,
+            kind=kind,
+            name=rank_key[1],
+            started=now,
+            nbytes=nbytes,
+        )
+        self._open.open(rank_key, call)
+
+    @staticmethod
+    def _array(session: ClientSession, meta: Meta, dtype: str) -> np.ndarray[Any, Any]:
+        if get_str(meta, "dtype") != dtype:
+            raise UsageError(f"this exchange's arrays are {dtype}, not {get_str(meta, 'dtype')}")
+        nbytes = get_int(meta, "nbytes")
+        region = session.segment(get_int(meta, "seg")).view(get_int(meta, "off"), nbytes)
+        return np.frombuffer(region, dtype=dtype)
+
+    def _open_exchange(self, request: Request, rank_key: RankKey, now: float) -> Meta | None:
+        meta, session = request.meta, request.session
+        if rank_key in self.exchanges or self._waiting.has(session, rank_key[1]):
+            raise UsageError(f"rank {session.rank} opened partial exchange {rank_key[1]!r} already")
+        dtype = get_str(meta, "dtype")
+        if dtype not in FLOAT_DTYPES:
+            raise UsageError(
+                f"a partial exchange's model is {', '.join(FLOAT_DTYPES)}, not {dtype}"
+            )
+        nbytes = get_int(meta, "nbytes")
+        itemsize = np.dtype(dtype).itemsize
+        if nbytes == 0 or nbytes % itemsize:
+            raise UsageError(f"{nbytes} B is not a whole number (> 0) of {dtype} elements")
+        if nbytes > self.host.config.max_payload:
+            raise OperationFailed(
+                f"a partial exchange sends its model's size in one frame when it flushes: "
+                f"{nbytes} B is more than max_payload ({self.host.config.max_payload} B) allows; "
+                "exchange a smaller array, or several under names of their own",
+                code=ErrorCode.LIMIT,
+            )
+        lr = meta.get("lr")
+        if type(lr) is not float or not np.isfinite(lr) or lr <= 0:
+            raise UsageError(f"lr must be a finite float > 0, not {lr!r}")
+        partitions = meta.get("partitions")
+        if partitions != "auto" and (type(partitions) is not int or partitions < 1):
+            raise UsageError(f'partitions must be "auto" or an int >= 1, not {partitions!r}')
+        spec = {
+            "n": session.size,
+            "size": nbytes // itemsize,
+            "dtype": dtype,
+            "lr": lr,
+            "staleness": get_int(meta, "staleness", hi=2**31 - 1),
+        }
+        waiting = _Waiting(
+            session=session,
+            request_id=request.id,
+            name=rank_key[1],
+            spec=spec,
+            region=(get_int(meta, "seg"), get_int(meta, "off")),
+            partitions=None if partitions == "auto" else partitions,
+            deadline=now + self.host.config.route_timeout,
+        )
+        self._array(session, meta, dtype)  # (the region is checked now, not when it runs)
+        if not self._try(waiting, now):
+            self._waiting.add(waiting)
+        return None
+
+    def _try(self, waiting: _Waiting, now: float) -> bool:
+        """Make the exchange once every rank of its job is known (its peers' frames need
+        routes); ``False``: it waits."""
+        session = waiting.session
+        job = str(session.job)
+        if self.membership.known(job) < session.size:
+            return False
+        rank_key = (job, waiting.name, session.rank)
+        spec = waiting.spec
+        names = len({k[1] for k in self._of_job.of(job)})
+        if names >= self.host.config.max_collectives_per_job:
+            raise OperationFailed(
+                f"job {job!r} has {names} partial exchanges on node {self.host.config.node_id}, "
+                "the most max_collectives_per_job allows",
+                code=ErrorCode.LIMIT,
+            )
+        seg, off = waiting.region
+        nbytes = spec["size"] * np.dtype(spec["dtype"]).itemsize
+        model = np.frombuffer(session.segment(seg).view(off, nbytes), dtype=spec["dtype"])
+        peers = max(1, spec["n"] - 1)
+        partitions = waiting.partitions if waiting.partitions is not None else peers
+        partitions = min(partitions, spec["size"])
+        # the window (p gradients), g* in float64, and one debt (more are charged when made)
+        charge = self._charge(job, (partitions * model.itemsize + 16) * model.size, waiting.name)
+        try:
+            exchange = Exchange(
+                rank=session.rank,
+                ranks=spec["n"],
+                model=model,
+                partitions=partitions,
+                lr=spec["lr"],
+                staleness=spec["staleness"],
+            )
+        except BaseException:
+            charge.release()
+            raise
+        self.exchanges[rank_key] = exchange
+        self._specs[rank_key] = spec
+        self._charges[rank_key] = [charge]
+        self._of_job.add(job, rank_key)
+        if waiting.partitions is None and spec["n"] > 1:
+            self._profiles[rank_key] = []
+        self.host.reply(
+            session,
+            waiting.request_id,
+            {
+                "partitions": exchange.partitions,
+                "ranks": spec["n"],
+                "auto": waiting.partitions is None,
+            },
+        )
+        for early in self._early.pop(rank_key, []):
+            self._early_count -= 1
+            self._early_bytes -= len(early.payload)
+            self._apply(early.node, early.frame, early.payload)
+        self._early_deadlines.cancel(rank_key)
+        return True
+
+    def _charge(self, job: str, nbytes: int, name: str) -> Charge:
+        owner = self.membership.owner(job)
+        what = f"partial exchange {name!r} of job {job!r}"
+        return self.host.budget.charge(-1 if owner is None else owner, job, nbytes, what)
+
+    def _profile(self, rank_key: RankKey, exchange: Exchange, now: float) -> list[Action]:
+        """``partitions="auto"``: after :data:`PROFILE_STEPS` steps, cut into eq. 3's count."""
+        times = self._profiles.get(rank_key)
+        if times is None:
+            return []
+        times.append(now)
+        if len(times) <= PROFILE_STEPS:
+            return []
+        del self._profiles[rank_key]
+        gamma = (len(times) - 1) / max(times[-1] - times[0], 1e-9)
+        figures = self.host.network(now).get(self.host.config.node_id)
+        bandwidth = figures.up if figures is not None and figures.up > 0 else 1.25e9
+        spec = self._specs[rank_key]
+        p = partitions_for(
+            gamma=gamma,
+            model_bytes=exchange.model.nbytes,
+            ranks=spec["n"],
+            bandwidth=bandwidth,
+            elements=exchange.model.size,
+        )
+        if p == exchange.partitions:
+            return []
+        self._counters["repartitions"] += 1
+        log.info(
+            "partial exchange %r of rank %d: %.1f gradients/s, %.3g B/s up: %d partitions",
+            rank_key[1],
+            rank_key[2],
+            gamma,
+            bandwidth,
+            p,
+        )
+        return exchange.repartition(p)
+
+    # -- peers ------------------------------------------------------------------------------
+    def payload_buffer(
+        self, node: int, frame: registry.PayloadFrame, length: int
+    ) -> memoryview | None:
+        assert isinstance(frame, Part)
+        verdict = self._gate.judge(node, frame.job, frame.src)
+        if verdict is Sender.NOT_YET:
+            return self._gate.hold(node, frame.job, frame.src, frame, length)
+        if verdict is Sender.STRANGER:
+            return None
+        buffer = bytearray(length)
+        self._landing[(node, frame.job, frame.name, frame.src, frame.dst)] = buffer
+        return memoryview(buffer)
+
+    def on_data(self, node: int, frame: registry.PayloadFrame, length: int, now: float) -> None:
+        assert isinstance(frame, Part)
+        buffer = self._landing.pop((node, frame.job, frame.name, frame.src, frame.dst), None)
+        if buffer is None:  # held for its sender's announcement, or a stranger's
+            self._gate.landed(node, frame, now)
+            return
+        self._take(node, frame, bytes(buffer), now)
+
+    def _replay(self, held: Waiting, now: float) -> None:
+        frame = held.frame
+        assert isinstance(frame, Part)
+        self._take(held.node, frame, bytes(held.payload or b""), now)
+
+    def _take(self, node: int, frame: Part, payload: bytes, now: float) -> None:
+        """A PART (with its bytes) from ``node``: applied, or held for its rank's open."""
+        entry = self.membership.lookup(frame.job, frame.dst)
+        if entry is None or entry.node != self.host.config.node_id:
+            self._dropped("node %d sent a part for rank %d, not here", node, frame.dst)
+            return
+        rank_key = (frame.job, frame.name, frame.dst)
+        if rank_key in self.exchanges:
+            self._apply(node, frame, payload)
+            return
+        limit = HELD_PAYLOADS * self.host.config.max_payload
+        if self._early_count >= MAX_EARLY or self._early_bytes + len(payload) > limit:
+            self._dropped(
+                "a part for rank %d's %r, not open yet: too many held", frame.dst, frame.name
+            )
+            return
+        deadline = now + self.host.config.route_timeout
+        self._early.setdefault(rank_key, []).append(_Early(node, frame, payload, deadline))
+        self._early_count += 1
+        self._early_bytes += len(payload)
+        if self._early_deadlines.get(rank_key) is None:
+            self._early_deadlines.set(rank_key, deadline)
+
+    def _apply(self, node: int, frame: Part, payload: bytes) -> None:
+        rank_key = (frame.job, frame.name, frame.dst)
+        exchange = self.exchanges[rank_key]
+        spec = self._specs[rank_key]
+        if frame.spec != spec:
+            self._dropped(
+                "partial exchange %r: rank %d opened it as %s, rank %d as %s",
+                frame.name,
+                frame.src,
+                describe(frame.spec),
+                frame.dst,
+                describe(spec),
+            )
+            return
+        if len(payload) % exchange.model.itemsize:
+            self._dropped("a part of %d B from node %d: not whole elements", len(payload), node)
+            return
+        values = np.frombuffer(payload, dtype=exchange.model.dtype)
+        actions = exchange.received(
+            frame.src,
+            round=frame.round,
+            lo=frame.lo,
+            payload=values,
+            clock=frame.clock,
+            epoch=frame.epoch,
+            flush=frame.flush,
+            sent=frame.sent,
+            sync=frame.sync,
+        )
+        self._perform(rank_key, actions)
+
+    def _dropped(self, message: str, *args: object) -> None:
+        self._counters["part_frames_dropped"] += 1
+        remote_log.warning("dropped", message, *args)
+
+    def peer_down(self, node: int, reason: str, now: float) -> None:
+        """Frames queued for ``node`` go with its links (§4.3: in-flight parts are lost with a
+        failure); its ranks' fate is membership's news."""
+        self._frames.drop(node)
+        self._landing = {k: b for k, b in self._landing.items() if k[0] != node}
+        self._gate.drop_node(node)
+
+    def on_rank_event(self, event: RankEvent, now: float) -> None:
+        job, rank = event.entry.job, event.entry.rank
+        if isinstance(event, RankLeft):
+            if not event.lost:  # (one lost with its node's links: on_suspicion decides)
+                self._forget(job, rank, event.reason)
+            return
+        self._waiting.retry(job, lambda item: self._try(item, now))
+        self._gate.release(job, rank, now)
+
+    def on_suspicion(self, event: Suspicion, now: float) -> None:
+        match event:
+            case RankSuspected(entry=entry):
+                for rank_key in self._of_job.of(entry.job):
+                    exchange = self.exchanges[rank_key]
+                    if entry.rank in exchange.peers:
+                        self._owe(rank_key, exchange, entry.rank)
+            case RankBackEvent(entry=entry):
+                for rank_key in self._of_job.of(entry.job):
+                    exchange = self.exchanges[rank_key]
+                    if entry.rank in exchange.peers:
+                        self._perform(rank_key, exchange.back(entry.rank))
+            case RankGone(entry=entry, reason=reason):
+                self._forget(entry.job, entry.rank, reason)
+
+    def _owe(self, rank_key: RankKey, exchange: Exchange, peer: int) -> None:
+        """``peer`` is unreachable: its debt is charged first; a debt the budget refuses is
+        not kept (the peer is forgotten for good: the replicas may then differ)."""
+        try:
+            charge = self._charge(rank_key[0], 8 * exchange.model.size, rank_key[1])
+        except OperationFailed as exc:
+            remote_log.warning("debt", "%s: rank %d is forgotten, its debt not kept", exc, peer)
+            self._perform(rank_key, exchange.gone(peer))
+            return
+        self._charges[rank_key].append(charge)
+        self._perform(rank_key, exchange.lose(peer))
+
+    def _forget(self, job: str, rank: int, reason: str) -> None:
+        """Rank ``rank`` left or is gone: its peers here forget it; its own exchanges go."""
+        for rank_key in list(self._of_job.of(job)):
+            exchange = self.exchanges[rank_key]
+            if rank_key[2] == rank:
+                self._drop(rank_key, f"rank {rank} left job {job!r} ({reason})")
+            elif rank in exchange.peers:
+                self._perform(rank_key, exchange.gone(rank))
+        for rank_key in [k for k in self._early if k[0] == job and k[2] == rank]:
+            self._drop_early(rank_key)
+
+    def _drop(self, rank_key: RankKey, why: str) -> None:
+        self.exchanges.pop(rank_key)
+        self._specs.pop(rank_key)
+        self._profiles.pop(rank_key, None)
+        self._of_job.discard(rank_key[0], rank_key)
+        for charge in self._charges.pop(rank_key):
+            charge.release()
+        self._open.fail(rank_key, Failure(code=ErrorCode.PEER_FAILED, message=why))
+
+    def _drop_early(self, rank_key: RankKey) -> None:
+        for early in self._early.pop(rank_key, []):
+            self._early_count -= 1
+            self._early_bytes -= len(early.payload)
+            self._counters["part_frames_dropped"] += 1
+        self._early_deadlines.cancel(rank_key)
+
+    # -- sending ----------------------------------------------------------------------------
+    def _perform(self, rank_key: RankKey, actions: list[Action]) -> None:
+        """Carry out ``rank_key``'s actions, and those of local ranks they reach, in order."""
+        work = [(rank_key, actions)]
+        while work:
+            key, todo = work.pop(0)
+            for action in todo:
+                if isinstance(action, Stepped):
+                    self._reply(key, {"round": action.round})
+                elif isinstance(action, Flushed):
+                    self._reply(key, {"flush": action.flush, "synced_from": action.synced_from})
+                else:
+                    work.extend(self._send(key, action))
+
+    def _reply(self, rank_key: RankKey, result: Meta) -> None:
+        exchange = self.exchanges[rank_key]
+        stats = exchange.statistics()
+        result |= {"clock": stats.clock, "partitions": stats.partitions, "slowest": stats.slowest}
+        self._open.reply(rank_key, result)
+
+    def _send(self, rank_key: RankKey, action: SendPart) -> list[tuple[RankKey, list[Action]]]:
+        job, name, src = rank_key
+        entry = self.membership.lookup(job, action.dst)
+        if entry is None:
+            return []  # gone: membership's news forgets it
+        frame = Part(
+            job=job,
+            name=name,
+            src=src,
+            dst=action.dst,
+            round=action.round,
+            lo=action.lo,
+            clock=action.clock,
+            spec=self._specs[rank_key],
+            epoch=action.epoch,
+            flush=action.flush,
+            sent=action.sent,
+            sync=action.sync,
+        )
+        if entry.node == self.host.config.node_id:
+            target = (job, name, action.dst)
+            if target not in self.exchanges:
+                self._take(entry.node, frame, action.payload.tobytes(), self.host.now())
+                return []
+            exchange = self.exchanges[target]
+            if frame.spec != self._specs[target]:
+                self._apply(entry.node, frame, action.payload.tobytes())
+                return []
+            actions = exchange.received(
+                src,
+                round=action.round,
+                lo=action.lo,
+                payload=action.payload,
+                clock=action.clock,
+                epoch=action.epoch,
+                flush=action.flush,
+                sent=action.sent,
+                sync=action.sync,
+            )
+            return [(target, actions)]
+        payload = memoryview(action.payload.tobytes())  # (its own bytes: queued, it waits)
+        self._frames.send(entry.node, frame.to_meta(), payload)
+        return []
+
+    # -- clients, time, the drain -----------------------------------------------------------
+    def client_gone(self, session: ClientSession, now: float) -> None:
+        """A trainer that left takes its exchanges with it (its model was its array); its
+        peers forget it when membership says its rank left."""
+        self._waiting.client_gone(session)
+        self._open.abandon(session)
+        for rank_key in [k for k in self._of_job.of(str(session.job)) if k[2] == session.rank]:
+            self._drop(rank_key, "its trainer left")
+
+    def next_deadline(self) -> float | None:
+        return earliest(
+            self._waiting.next_deadline(),
+            self._gate.next_deadline(),
+            self._early_deadlines.next(),
+            self._open.next_stall(),
+        )
+
+    def on_timer(self, now: float) -> None:
+        self._waiting.expire(now)
+        self._gate.expire(now)
+        for rank_key in self._early_deadlines.pop_due(now):
+            remote_log.warning(
+                "early", "parts for rank %d's %r: it did not open in time", rank_key[2], rank_key[1]
+            )
+            self._drop_early(rank_key)
+        for rank_key, call in self._open.stalled(now):
+            exchange = self.exchanges.get(rank_key)
+            if exchange is not None:
+                stats = exchange.statistics()
+                log.warning(
+                    "stalled: %s of rank %d, partial exchange %r, job %r, pending %.1fs; "
+                    "clock %d, slowest peer heard at %s, flush %s",
+                    call.kind,
+                    rank_key[2],
+                    rank_key[1],
+                    rank_key[0],
+                    now - call.started,
+                    stats.clock,
+                    stats.slowest,
+                    stats.flushes,
+                )
+
+    def shutdown(self, failure: Failure) -> None:
+        for rank_key in [rank_key for rank_key, _ in self._open.items()]:
+            self._open.fail(rank_key, failure)
+        self._waiting.shutdown(failure)
+
+    # -- status and metrics -----------------------------------------------------------------
+    def statistics(self) -> Meta:
+        rows = []
+        for (job, name, rank), exchange in sorted(self.exchanges.items()):
+            stats = exchange.statistics()
+            rows.append(
+                {
+                    "job": job,
+                    "owner": self.membership.owner(job),
+                    "name": name,
+                    "rank": rank,
+                    "clock": stats.clock,
+                    "partitions": stats.partitions,
+                    "auto": (job, name, rank) in self._profiles,
+                    "slowest": stats.slowest,
+                    "held": stats.held,
+                    "bytes_sent": stats.bytes_sent,
+                    "bytes_received": stats.bytes_received,
+                    "bytes_per_round": stats.bytes_sent / stats.clock if stats.clock else 0.0,
+                    "parts_sent": stats.parts_sent,
+                    "parts_received": stats.parts_received,
+                    "flushes": stats.flushes,
+                    "lost": list(stats.lost),
+                    "gone": list(stats.gone),
+                }
+            )
+        return {
+            "partial_exchanges": rows,
+            "counters": {
+                **self._counters,
+                "parts_held_early": self._early_count,
+                "exchange_opens_waiting_for_ranks": len(self._waiting),
+            },
+        }
+
+    def client_statistics(self, session: ClientSession) -> Meta:
+        return {"exchange_calls": self._open.count(session)}
+
+    def metrics(self) -> Iterable[Metric]:
+        """Totals over this node's exchanges (no job or name labels: their number has no
+        bound); per-exchange figures are in the status rows."""
+        yield from self.operations.families(pending=len(self._open))
+        labels = {"service": self.name}
+        stats = [e.statistics() for e in self.exchanges.values()]
+        yield counter(
+            "fabricd_ako_part_bytes_sent",
+            "Bytes of PART frames sent to peers (Ako's partial gradient exchange)",
+            [(labels, self._counters["part_bytes_sent"])],
+        )
+        yield counter(
+            "fabricd_ako_rounds",
+            "Rounds (steps) of the partial exchanges on this node",
+            [(labels, sum(s.clock for s in stats))],
+        )
+        yield gauge(
+            "fabricd_ako_exchanges",
+            "Partial exchanges (rank, name) on this node",
+            [(labels, len(stats))],
+        )
