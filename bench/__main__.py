@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from bench import (
+    ako,
     allreduce,
     consistency,
     disconnect,
@@ -83,6 +84,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "joint": joint.run,
     "distribution": distribution.run,
     "trees-netns": trees_netns.run,
+    "ako": ako.run,
 }
 
 

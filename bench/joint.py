@@ -151,8 +151,8 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
         )
         progress(f"{workers} workers: {fmt_number(100 * f['partial_ind'])} % partial, independent")
     table.notes.append(
-        "virtual time over the engines, a fresh network per batch; the parameter server still "
-        "plans each shard at its own primary (docs/mlfabric.md)"
+        "virtual time over the engines, a fresh network per batch; the parameter server plans "
+        "a sharded async model this way, at shard 0's primary (docs/mlfabric.md)"
     )
     return table
 

@@ -1,6 +1,6 @@
-"""``fabricctl bench allreduce|skew|consistency|svm|ps|mlfabric``: the collective,
-stochastic-reduce and parameter-server benchmarks and MLfabric's virtual-time experiment, for
-users (DESIGN §9).
+"""``fabricctl bench allreduce|skew|consistency|svm|ps|mlfabric|ako``: the collective,
+stochastic-reduce and parameter-server benchmarks and MLfabric's and Ako's virtual-time
+experiments, for users (DESIGN §9).
 
 Each command runs one benchmark of the repository's ``bench/`` folder (docs/performance.md
 explains them) on daemons it starts on loopback, shows its progress, and prints its table: the
@@ -262,6 +262,19 @@ def mlfabric(quick: bool, as_json: bool) -> None:
     conditions N1-N3, in seconds to a target loss; server bytes with and without aggregation."""
     module = _bench("mlfabric")
     rows = len(module.STRATEGIES) * 9 * len(module.QUICK_WORKERS if quick else module.WORKERS)
+    _show(lambda progress: module.run(quick, progress), rows, as_json)
+
+
+@bench.command()
+@quick_option
+@json_option
+def ako(quick: bool, as_json: bool) -> None:
+    """Ako's partial gradient exchange in virtual time over the engines: time to a target
+    accuracy against all-to-all exchange (p = 1) and a sync allreduce, bytes a rank sends per
+    round from 4 to 64 ranks, and time to the target against p."""
+    module = _bench("ako")
+    workers = module.QUICK_WORKERS if quick else module.WORKERS
+    rows = len(workers) if quick else len(workers) + len(module.WIDE) + len(module.SWEEP) + 1
     _show(lambda progress: module.run(quick, progress), rows, as_json)
 
 

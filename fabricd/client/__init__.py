@@ -94,7 +94,7 @@ class Client:
             their ``_async`` forms).
         stochastic: the stochastic-reduce facet (stochastic_reduce over a communication graph, and
             its ``_async`` form).
-        exchanges: the partial-exchange facet (Ako's partial gradient exchange).
+        ako: the partial-exchange facet (Ako's partial gradient exchange).
     """
 
     def __init__(
@@ -129,7 +129,7 @@ class Client:
         self.p2p = PointToPoint(connection, self._arrays, job)
         self.collectives = Collectives(connection, self._arrays, job)
         self.stochastic = StochasticReduce(connection, self._arrays, job)
-        self.exchanges = PartialExchanges(connection, self._arrays, job)
+        self.ako = PartialExchanges(connection, self._arrays, job)
         self._servers: dict[str, ParameterServer] = {}  #: models with an update callback
 
     # -- identity ---------------------------------------------------------------------------
@@ -304,7 +304,7 @@ class Client:
     ) -> PartialExchange:
         """Open Ako's partial gradient exchange ``name`` of ``model`` between the job's ranks
         (:meth:`PartialExchanges.partial_exchange`, Ako §3-§4)."""
-        return self.exchanges.partial_exchange(
+        return self.ako.partial_exchange(
             name, model, partitions=partitions, lr=lr, staleness=staleness, timeout=timeout
         )
 

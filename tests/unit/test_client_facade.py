@@ -14,6 +14,7 @@ import pytest
 from fakedaemon import FakeDaemon
 
 from fabricd.client import Client, ParameterServer, checks
+from fabricd.client.ako import PartialExchange, PartialExchanges
 from fabricd.client.collectives import Collectives
 from fabricd.client.p2p import PointToPoint
 from fabricd.client.stochastic import StochasticReduce
@@ -26,6 +27,7 @@ FACETS: dict[str, type] = {
     "p2p": PointToPoint,
     "collectives": Collectives,
     "stochastic": StochasticReduce,
+    "ako": PartialExchanges,
 }
 #: the client's methods that are its own, not shortcuts to a facet
 OWN = {"array", "parameter_server", "status", "stalls", "config", "poll", "close"}
@@ -33,6 +35,7 @@ OWN = {"array", "parameter_server", "status", "stalls", "config", "poll", "close
 NO_TWIN = {
     Client: {
         "parameter_server",  # opens a model: the calls on the model have twins
+        "partial_exchange",  # opens an exchange: its step and flush have twins
         "status",  # the control queries: answered at once, from the daemon's memory
         "stalls",
         "config",
@@ -78,7 +81,15 @@ def test_every_method_of_the_client_is_its_own_or_a_shortcut() -> None:
 
 
 @pytest.mark.parametrize(
-    "cls", [Client, *FACETS.values(), ParameterServer], ids=lambda c: c.__name__
+    "cls",
+    # (the ako facet only opens exchanges: PartialExchange's step and flush wait)
+    [
+        Client,
+        *(c for c in FACETS.values() if c is not PartialExchanges),
+        ParameterServer,
+        PartialExchange,
+    ],
+    ids=lambda c: c.__name__,
 )
 def test_every_call_that_waits_has_an_async_twin(cls: type) -> None:
     methods = public_methods(cls)
