@@ -293,6 +293,7 @@ def _levels(status: dict[str, Any], m: Exported) -> set[str]:
         "collective_calls": ("fabricd_collective_calls_open", {"service": "collectives"}),
         "reduce_calls": ("fabricd_operations_pending", {"service": "stochastic"}),
         "ps_calls": ("fabricd_operations_pending", {"service": "ps"}),
+        "exchange_calls": ("fabricd_operations_pending", {"service": "ako"}),
     }
     for field, (series, labels) in totals.items():
         assert m.one(series, **labels) == sum(c[field] for c in clients), field
