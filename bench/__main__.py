@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from bench import (
     ako,
+    ako_netns,
     allreduce,
     consistency,
     disconnect,
@@ -85,6 +86,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "distribution": distribution.run,
     "trees-netns": trees_netns.run,
     "ako": ako.run,
+    "ako-netns": ako_netns.run,
 }
 
 

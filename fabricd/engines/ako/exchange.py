@@ -40,23 +40,29 @@ Choices where the paper is silent, and why:
   out of the rotation and the clocks (the survivors never wait for it, §4.3), and what it is
   owed is kept whole: the parts of the window not sent it yet, plus every gradient made
   meanwhile (one array).  When it is back (:meth:`Exchange.back`) it is sent that debt in one
-  frame and the rotation goes on, and nothing is lost.  One that is gone for good
-  (:meth:`Exchange.gone`) is forgotten, debt included; what it sent may have reached some
-  ranks and not others.  §4.3 discards in-flight gradients after a failure: so does a link
-  reset here (frames lost with it are not sent again); the exact sum holds while no frame is
-  lost.
-* *A flush while a peer is unreachable or gone* cannot make the replicas equal by sums alone:
-  the absent rank's last parts reached the survivors unevenly.  The survivors then take one
-  model: the lowest reachable rank's, which it sends each other survivor (a SYNC part, whole)
-  once its own flush is complete; each adopts it once its own is complete too (§4.3: the
-  failed worker "catches the model up from a peer", here the survivors do).  Peers absent at
-  such a flush are forgotten for good (their debts would no longer match the model).  Parts a
-  peer sends after its flush (its next rounds) are held until this rank's flush is complete,
-  so that a model taken from the lowest rank never overwrites them.
+  frame (with the marker of this rank's last flush, if it missed it) and the rotation goes on,
+  and nothing is lost.  One that is gone for good (:meth:`Exchange.gone`) is forgotten, debt
+  included; what it sent may have reached some ranks and not others.  §4.3 discards in-flight
+  gradients after a failure: so does a link reset here (frames lost with it are not sent
+  again; the debt after it carries its sender's frame count, so no flush waits for them); the
+  exact sum holds while no frame is lost.
+* *A flush after a peer went for good* cannot make the replicas equal by sums alone: the gone
+  rank's last parts reached the survivors unevenly.  The survivors then take one model: the
+  lowest reachable rank's, which it sends each other survivor (a SYNC part, whole) once its
+  own flush is complete; each adopts it once its own is complete too (§4.3: the failed worker
+  "catches the model up from a peer", here the survivors do).  Parts a peer sends after its
+  flush (its next rounds) are held until this rank's flush is complete, so that a model taken
+  from the lowest rank never overwrites them.  This needs the survivors to agree on who is
+  gone: a partition that membership resolves one way on one node and another way on another
+  (a rank gone for one survivor, reachable for the next) can leave a flush waiting for a SYNC
+  that does not come; its call is logged as stalled.
+* *A repartition to fewer parts* keeps the gate's old bound for as many rounds as the old
+  count: a trainer let go under the old bound stays within it.
 * *A flush* (collective) sends each reachable peer everything it is owed in one frame (the
-  window's unsent parts), marked with the flush's number and how many round frames went to
-  that peer before it; a rank's flush is complete once every reachable peer's flush marker of
-  that number came, with every round frame it counted.  Afterwards every replica holds
+  window's unsent parts), marked with the flush's number and how many frames went to that
+  peer, itself included; a rank's flush is complete once every reachable peer's flush marker
+  of that number came, with every frame it counted, and no peer is unreachable: a flush waits
+  for a lost peer to be back or gone (a step never does).  Afterwards every replica holds
   ``w0 - lr * (every gradient of every rank)`` (float rounding aside).
 * *No peers* (one rank): steps apply the rank's own gradient and are never held.
 """
@@ -94,8 +100,9 @@ class SendPart:
     clock: int
     epoch: int = 0  #: the sender's flushes started when it sent this
     flush: int | None = None
-    sent: int = 0
+    sent: int = 0  #: frames the sender sent ``dst`` (this one included; a SYNC aside)
     sync: bool = False  #: the sender's whole model: adopt it (a flush after a loss)
+    back: bool = False  #: a debt after ``dst`` was unreachable: frames before it may be lost
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,8 +207,13 @@ class Exchange:
         self._owed: dict[int, NDArray[np.float64]] = {}  #: unreachable peers' debt
         self._gone: set[int] = set()
         self._settled: set[int] = set()  #: absent peers a flush already took a model after
-        self._sent_to = dict.fromkeys(self.peers, 0)  #: round frames sent to each peer
-        self._got_from = dict.fromkeys(self.peers, 0)  #: round frames received from each
+        #: frames sent to each peer and applied from each (a SYNC aside); every frame carries
+        #: its sender's count, itself included, so a flush marker says how many came before
+        self._sent_to = dict.fromkeys(self.peers, 0)
+        self._got_from = dict.fromkeys(self.peers, 0)
+        self._marked = dict.fromkeys(self.peers, 0)  #: the last flush marked to each peer
+        #: repartitioned to fewer parts: the old count bounds the gate until this clock
+        self._gate: tuple[int, int] | None = None
         self._markers: dict[int, tuple[int, int]] = {}  #: peer -> (its flush, frames sent)
         self._sync: tuple[int, int, Array] | None = None  #: (from, its flush, its model)
         self._later: list[tuple[int, dict[str, Any]]] = []  #: peers' parts after their flush
@@ -282,6 +294,8 @@ class Exchange:
                 f"partitions must be 1 to {min(self.model.size, MAX_PARTITIONS)}, not {partitions}"
             )
         out: list[Action] = [self._send(i, None, 0, self._unsent(i)) for i in sorted(self._live)]
+        if partitions < self.partitions:
+            self._gate = (self.partitions, self.clock + self.partitions)
         self.partitions = partitions
         self.bounds = partition_bounds(self.model.size, partitions)
         self._window = np.zeros((partitions, self.model.size), dtype=self.model.dtype)
@@ -303,6 +317,7 @@ class Exchange:
         flush: int | None = None,
         sent: int = 0,
         sync: bool = False,
+        back: bool = False,
     ) -> list[Action]:
         """A part from ``src`` (a :class:`SendPart` of its): applied to the model at once;
         its clock heard; a flush marker kept; a model to adopt kept for the flush.  A part
@@ -334,21 +349,22 @@ class Exchange:
         k = self._flushes
         if self._flushing and (epoch > k or (epoch == k and flush != k)):
             fields = {"round": round, "lo": lo, "payload": payload.copy(), "clock": clock}
-            self._later.append((src, {**fields, "epoch": epoch, "flush": flush, "sent": sent}))
+            fields |= {"epoch": epoch, "flush": flush, "sent": sent, "back": back}
+            self._later.append((src, fields))
             return self._progress()
         view = self.model[lo : lo + payload.size]
         view -= (self.lr * payload).astype(self.model.dtype, copy=False)
         self._bytes_received += payload.nbytes
-        if round is not None:
-            self._got_from[src] += 1
+        # a debt after a reset: what was in flight before it may be lost (its count with it)
+        self._got_from[src] = max(self._got_from[src] + 1, sent if back else 0)
         if flush is not None:
             self._markers[src] = max(self._markers.get(src, (0, 0)), (flush, sent))
         return self._progress()
 
     # -- peers lost and back ----------------------------------------------------------------
     def lose(self, peer: int) -> list[Action]:
-        """``peer`` cannot be reached: out of the rotation and the clocks (a step or a flush
-        waiting only for it goes on), its debt kept."""
+        """``peer`` cannot be reached: out of the rotation and the clocks (a step waiting
+        only for it goes on; a flush waits for it to be back or gone), its debt kept."""
         if peer not in self._live:
             return []
         self._live.discard(peer)
@@ -362,7 +378,9 @@ class Exchange:
             return []
         self._live.add(peer)
         self._last[peer][:] = self.clock - 1
-        return [self._send(peer, None, 0, debt)]
+        # (with the marker of this rank's last flush if the peer missed it: it waits for it)
+        missed = self._flushes if self._marked[peer] < self._flushes else None
+        return [self._send(peer, None, 0, debt, flush=missed, back=True)]
 
     def gone(self, peer: int) -> list[Action]:
         """``peer`` is gone for good: forgotten, its debt dropped (the replicas may differ)."""
@@ -402,7 +420,6 @@ class Exchange:
             rows = np.flatnonzero(self._rounds > last)
             values = self._window[rows, lo:hi].sum(axis=0, dtype=np.float64)
         self._last[peer][k] = t
-        self._sent_to[peer] += 1
         return self._send(peer, t, lo, values)
 
     def _send(
@@ -413,9 +430,14 @@ class Exchange:
         values: Array,
         flush: int | None = None,
         sync: bool = False,
+        back: bool = False,
     ) -> SendPart:
         payload = values.astype(self.model.dtype)  # (a copy: the window moves on)
         self._bytes_sent += payload.nbytes
+        if not sync:
+            self._sent_to[peer] += 1
+        if flush is not None and not sync:
+            self._marked[peer] = flush
         return SendPart(
             dst=peer,
             round=t,
@@ -426,6 +448,7 @@ class Exchange:
             flush=flush,
             sent=self._sent_to[peer],
             sync=sync,
+            back=back,
         )
 
     def _unsent(self, peer: int) -> NDArray[np.float64]:
@@ -441,10 +464,20 @@ class Exchange:
     def _slowest(self) -> int | None:
         return min((self._heard[i] for i in self._live), default=None)
 
+    @property
+    def bound(self) -> int:
+        """How many rounds past the slowest reachable peer the gate lets this rank be:
+        ``p + tau``, with the ``p`` it cut into before a repartition to fewer parts until
+        that many rounds have passed (a trainer let go under the old bound stays within it)."""
+        p = self.partitions
+        if self._gate is not None and self.clock < self._gate[1]:
+            p = max(p, self._gate[0])
+        return p + self.staleness
+
     def _allowed(self) -> bool:
         """Alg. 1 line 3: ``c_j <= min_i s_{j,i} + p + tau`` over the reachable peers."""
         slowest = self._slowest()
-        return slowest is None or self.clock <= slowest + self.partitions + self.staleness
+        return slowest is None or self.clock <= slowest + self.bound
 
     def _progress(self) -> list[Action]:
         """A held step the gate now allows, and a flush now complete."""
@@ -452,10 +485,14 @@ class Exchange:
         if self._held is not None and self._allowed():
             out.append(Stepped(round=self._held))
             self._held = None
-        if self._flushing and all(
-            self._markers.get(i, (0, 0))[0] >= self._flushes
-            and self._got_from[i] >= self._markers[i][1]
-            for i in self._live
+        if (
+            self._flushing
+            and not self._owed  # (a peer lost: the flush waits until it is back or gone)
+            and all(
+                self._markers.get(i, (0, 0))[0] >= self._flushes
+                and self._got_from[i] >= self._markers[i][1]
+                for i in self._live
+            )
         ):
             out += self._complete()
         return out
@@ -464,7 +501,7 @@ class Exchange:
         """This rank's flush has every part sent before every reachable peer's: done, or
         (a peer absent) done once the lowest reachable rank's model is here (module
         docstring)."""
-        absent = [i for i in self.peers if i not in self._live and i not in self._settled]
+        absent = [i for i in self._gone if i not in self._settled]
         lowest = min(self._live | {self.rank})
         out: list[Action] = []
         if absent and lowest == self.rank:
@@ -478,10 +515,7 @@ class Exchange:
             self.model[:] = sync[2]
         self._sync = None
         self._flushing = False
-        for peer in absent:  # (their debts no longer match the model every survivor holds)
-            self._gone.add(peer)
-            self._settled.add(peer)
-            self._owed.pop(peer, None)
+        self._settled.update(absent)
         out.append(Flushed(flush=self._flushes, synced_from=lowest if absent else None))
         later, self._later = self._later, []
         for src, fields in later:
