@@ -49,10 +49,12 @@ class Part:
     """Rank ``src``'s part for rank ``dst`` of exchange ``name`` (data channel): the payload
     is values of the model's dtype for its elements from ``lo``, to be applied at once.
     ``round``: the sender's round it belongs to, or ``None`` for what ``dst`` was owed (after
-    a loss, or a flush); ``clock``: the sender's rounds made; ``epoch``: its flushes started;
-    ``flush``: the number of the sender's flush this frame ends for ``dst``, which ``sent``
-    round frames preceded; ``sync``: the sender's whole model, for ``dst`` to take at the end
-    of flush ``flush`` (a rank was absent) (fabricd/engines/ako/exchange.py).  ``spec`` says
+    a loss, a repartition or a flush); ``clock``: the sender's rounds made; ``epoch``: its
+    flushes started; ``sent``: the frames it sent ``dst``, this one included (a SYNC aside);
+    ``flush``: the number of the sender's flush this frame ends for ``dst``; ``sync``: the
+    sender's whole model, for ``dst`` to take at the end of flush ``flush`` (a rank went);
+    ``back``: a debt after ``dst`` was unreachable (frames before it may be lost)
+    (fabricd/engines/ako/exchange.py).  ``spec`` says
     what every rank agrees on, so a node whose rank has not opened the exchange yet can hold
     the frame for it."""
 
@@ -69,6 +71,8 @@ class Part:
     flush: int | None = None
     sent: int = 0
     sync: bool = False
+    #: a debt after ``dst`` was unreachable: frames ``src`` sent before it may be lost
+    back: bool = False
 
     def to_meta(self) -> Meta:
         meta: Meta = {
@@ -79,14 +83,17 @@ class Part:
             "lo": self.lo,
             "c": self.clock,
             "e": self.epoch,
+            "n": self.sent,
             "spec": self.spec,
         }
         if self.round is not None:
             meta["r"] = self.round
         if self.flush is not None:
-            meta |= {"fl": self.flush, "n": self.sent}
+            meta["fl"] = self.flush
         if self.sync:
             meta["sy"] = True
+        if self.back:
+            meta["bk"] = True
         return meta
 
     @classmethod
@@ -95,8 +102,6 @@ class Part:
         if not 0 < len(name) <= MAX_NAME:
             raise RemoteProtocolError(f"an exchange name of {len(name)} characters")
         flush = get_int(meta, "fl", lo=1) if "fl" in meta else None
-        if (flush is None) != ("n" not in meta):
-            raise RemoteProtocolError("a PART has a count of frames sent with a flush, only")
         frame = cls(
             job=get_str(meta, "job"),
             name=name,
@@ -108,8 +113,9 @@ class Part:
             spec=exchange_spec(meta),
             epoch=get_int(meta, "e"),
             flush=flush,
-            sent=get_int(meta, "n") if flush is not None else 0,
+            sent=get_int(meta, "n"),
             sync=get_bool(meta, "sy") if "sy" in meta else False,
+            back=get_bool(meta, "bk") if "bk" in meta else False,
         )
         if frame.src == frame.dst:
             raise RemoteProtocolError("a PART from a rank to itself")

@@ -392,14 +392,24 @@ def test_a_part_frame_round_trips_and_refuses_what_it_cannot_carry() -> None:
     part = Part(job="j", name="w", src=1, dst=2, round=7, lo=3, clock=8, spec=spec, epoch=1)
     assert Part.from_meta(part.to_meta()) == part
     marker = Part(
-        job="j", name="w", src=1, dst=2, round=None, lo=0, clock=8, spec=spec, flush=2, sent=5
+        job="j",
+        name="w",
+        src=1,
+        dst=2,
+        round=None,
+        lo=0,
+        clock=8,
+        spec=spec,
+        flush=2,
+        sent=5,
+        back=True,
     )
     assert Part.from_meta(marker.to_meta()) == marker
     meta = part.to_meta()
     for bad in (
         {"dst": 1},  # to itself
         {"sy": True},  # a SYNC of one round
-        {"fl": 1},  # a flush without its count
+        {"n": -1},  # a count of frames below 0
         {"spec": {**spec, "lr": 0.0}},
         {"spec": {**spec, "lr": 1}},
         {"spec": {k: v for k, v in spec.items() if k != "n"}},

@@ -310,6 +310,7 @@ SAMPLE_META: dict[Kind, dict[str, object]] = {
         "lo": 0,
         "c": 5,
         "e": 0,
+        "n": 3,
         "spec": {"n": 3, "size": 8, "dtype": "float32", "lr": 0.5, "staleness": 1},
     },
     Kind.REQUEST: {

@@ -423,6 +423,7 @@ class AkoService(BaseService):
             flush=frame.flush,
             sent=frame.sent,
             sync=frame.sync,
+            back=frame.back,
         )
         self._perform(rank_key, actions)
 
@@ -538,6 +539,7 @@ class AkoService(BaseService):
             flush=action.flush,
             sent=action.sent,
             sync=action.sync,
+            back=action.back,
         )
         if entry.node == self.host.config.node_id:
             target = (job, name, action.dst)
@@ -558,6 +560,7 @@ class AkoService(BaseService):
                 flush=action.flush,
                 sent=action.sent,
                 sync=action.sync,
+                back=action.back,
             )
             return [(target, actions)]
         payload = memoryview(action.payload.tobytes())  # (its own bytes: queued, it waits)
