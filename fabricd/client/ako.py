@@ -192,8 +192,12 @@ class PartialExchanges:
             or lr <= 0
         ):
             raise UsageError(f"lr must be a finite number > 0, not {lr!r}")
-        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
-            raise UsageError(f"staleness must be an int >= 0, not {staleness!r}")
+        if (
+            not isinstance(staleness, int)
+            or isinstance(staleness, bool)
+            or not 0 <= staleness < 2**31
+        ):
+            raise UsageError(f"staleness must be an int from 0 to 2**31 - 1, not {staleness!r}")
         if model.dtype.name not in FLOAT_DTYPES or model.ndim != 1:
             raise UsageError(f"an exchange's model is a 1-d array of {', '.join(FLOAT_DTYPES)}")
         if not model.flags.writeable:

@@ -52,12 +52,12 @@ from fabricd.daemon.services.senders import Gate, Sender, earliest
 from fabricd.dtypes import FLOAT_DTYPES
 from fabricd.engines.actions import Failure
 from fabricd.engines.ako.cost import partitions_for
-from fabricd.engines.ako.exchange import Exchange, Flushed, SendPart, Stepped
+from fabricd.engines.ako.exchange import MAX_PARTITIONS, Exchange, Flushed, SendPart, Stepped
 from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.membership import RankBack as RankBackEvent
 from fabricd.engines.membership import RankGone, RankLeft, RankSuspected
 from fabricd.engines.ps.routing import HELD_PAYLOADS
-from fabricd.errors import ErrorCode, OperationFailed, UsageError
+from fabricd.errors import ErrorCode, OperationFailed, RemoteProtocolError, UsageError
 from fabricd.frames.ako import Part, describe
 from fabricd.frames.fields import MAX_NAME
 from fabricd.wire import Kind, Meta, get_int, get_str
@@ -104,7 +104,7 @@ class _Waiting:
 class _Early:
     node: int
     frame: Part
-    payload: bytes
+    payload: bytes | bytearray
     deadline: float
 
 
@@ -130,6 +130,12 @@ class AkoService(BaseService):
             host, membership, "exchange opens", lambda w: f"partial exchange {w.name!r}"
         )
         self._early: dict[RankKey, list[_Early]] = {}
+        #: ranks some of whose early parts were dropped, and why (their open is refused)
+        self._missed: dict[RankKey, str] = {}
+        #: exchanges opened in two ways: every call fails, saying so
+        self._broken: dict[RankKey, str] = {}
+        #: the debts each exchange keeps for unreachable peers, charged to the budget
+        self._debts: dict[RankKey, dict[int, Charge]] = {}
         self._early_deadlines: Deadlines[RankKey] = Deadlines()
         self._early_count = self._early_bytes = 0
         self._landing: dict[tuple[int, str, str, int, int], bytearray] = {}
@@ -160,6 +166,8 @@ class AkoService(BaseService):
         rank_key = (session.job, name, session.rank)
         if request.op == "ako_open":
             return self._open_exchange(request, rank_key, now)
+        if rank_key in self._broken:
+            raise UsageError(self._broken[rank_key])
         exchange = self.exchanges.get(rank_key)
         if exchange is None:
             raise UsageError(f"rank {session.rank} has not opened partial exchange {name!r}")
@@ -176,9 +184,13 @@ class AkoService(BaseService):
                 f"not {gradient.size}"
             )
         actions = self._profile(rank_key, exchange, now)
-        actions += exchange.step(gradient, now)  # (raises UsageError before anything changed)
+        try:
+            stepped = exchange.step(gradient, now)  # (UsageError: the step changed nothing)
+        except UsageError:
+            self._perform(rank_key, actions)  # (a repartition's frames are counted: they go)
+            raise
         self._start(request, rank_key, "step", gradient.nbytes, now)
-        self._perform(rank_key, actions)
+        self._perform(rank_key, actions + stepped)
         return None
 
     def _start(
@@ -257,6 +269,14 @@ class AkoService(BaseService):
         if self.membership.known(job) < session.size:
             return False
         rank_key = (job, waiting.name, session.rank)
+        missed = self._missed.pop(rank_key, None)
+        if missed is not None:
+            raise OperationFailed(
+                f"rank {session.rank}'s peers sent it parts of partial exchange "
+                f"{waiting.name!r} before it opened, and {missed}: its model would miss them; "
+                "open it sooner (every rank opens before its first step), or under another name",
+                code=ErrorCode.LIMIT,
+            )
         spec = waiting.spec
         names = len({k[1] for k in self._of_job.of(job)})
         if names >= self.host.config.max_collectives_per_job:
@@ -300,11 +320,12 @@ class AkoService(BaseService):
                 "auto": waiting.partitions is None,
             },
         )
-        for early in self._early.pop(rank_key, []):
-            self._early_count -= 1
-            self._early_bytes -= len(early.payload)
-            self._apply(early.node, early.frame, early.payload)
+        held = self._early.pop(rank_key, [])
+        self._early_count -= len(held)
+        self._early_bytes -= sum(len(early.payload) for early in held)
         self._early_deadlines.cancel(rank_key)
+        for early in held:
+            self._apply(early.node, early.frame, early.payload)
         return True
 
     def _charge(self, job: str, nbytes: int, name: str) -> Charge:
@@ -332,8 +353,16 @@ class AkoService(BaseService):
             bandwidth=bandwidth,
             elements=exchange.model.size,
         )
+        p = min(p, MAX_PARTITIONS)
         if p == exchange.partitions:
             return []
+        if p > exchange.partitions:  # (the window grows: its bytes are charged first)
+            more = (p - exchange.partitions) * exchange.model.nbytes
+            try:
+                self._charges[rank_key].append(self._charge(rank_key[0], more, rank_key[1]))
+            except OperationFailed as exc:
+                log.warning("partial exchange %r keeps %d partitions: %s", rank_key[1], p, exc)
+                return []
         self._counters["repartitions"] += 1
         log.info(
             "partial exchange %r of rank %d: %.1f gradients/s, %.3g B/s up: %d partitions",
@@ -355,6 +384,11 @@ class AkoService(BaseService):
             return self._gate.hold(node, frame.job, frame.src, frame, length)
         if verdict is Sender.STRANGER:
             return None
+        entry = self.membership.lookup(frame.job, frame.dst)
+        why = _unfit(frame, length)
+        if entry is None or entry.node != self.host.config.node_id or why is not None:
+            self._dropped("a part for rank %d: %s", frame.dst, why or "not here")
+            return None  # (its bytes are read and dropped)
         buffer = bytearray(length)
         self._landing[(node, frame.job, frame.name, frame.src, frame.dst)] = buffer
         return memoryview(buffer)
@@ -365,14 +399,14 @@ class AkoService(BaseService):
         if buffer is None:  # held for its sender's announcement, or a stranger's
             self._gate.landed(node, frame, now)
             return
-        self._take(node, frame, bytes(buffer), now)
+        self._take(node, frame, buffer, now)
 
     def _replay(self, held: Waiting, now: float) -> None:
         frame = held.frame
         assert isinstance(frame, Part)
         self._take(held.node, frame, bytes(held.payload or b""), now)
 
-    def _take(self, node: int, frame: Part, payload: bytes, now: float) -> None:
+    def _take(self, node: int, frame: Part, payload: bytes | bytearray, now: float) -> None:
         """A PART (with its bytes) from ``node``: applied, or held for its rank's open."""
         entry = self.membership.lookup(frame.job, frame.dst)
         if entry is None or entry.node != self.host.config.node_id:
@@ -382,11 +416,16 @@ class AkoService(BaseService):
         if rank_key in self.exchanges:
             self._apply(node, frame, payload)
             return
+        why = _unfit(frame, len(payload))
+        if why is not None:
+            self._dropped("a part for rank %d's %r: %s", frame.dst, frame.name, why)
+            return
         limit = HELD_PAYLOADS * self.host.config.max_payload
         if self._early_count >= MAX_EARLY or self._early_bytes + len(payload) > limit:
             self._dropped(
                 "a part for rank %d's %r, not open yet: too many held", frame.dst, frame.name
             )
+            self._missed[rank_key] = "this node held too many parts for ranks not open yet"
             return
         deadline = now + self.host.config.route_timeout
         self._early.setdefault(rank_key, []).append(_Early(node, frame, payload, deadline))
@@ -395,25 +434,34 @@ class AkoService(BaseService):
         if self._early_deadlines.get(rank_key) is None:
             self._early_deadlines.set(rank_key, deadline)
 
-    def _apply(self, node: int, frame: Part, payload: bytes) -> None:
+    def _apply(self, node: int, frame: Part, payload: bytes | bytearray) -> None:
         rank_key = (frame.job, frame.name, frame.dst)
         exchange = self.exchanges[rank_key]
         spec = self._specs[rank_key]
         if frame.spec != spec:
-            self._dropped(
-                "partial exchange %r: rank %d opened it as %s, rank %d as %s",
-                frame.name,
-                frame.src,
-                describe(frame.spec),
-                frame.dst,
-                describe(spec),
+            self._counters["part_frames_dropped"] += 1
+            self._break(
+                rank_key,
+                f"partial exchange {frame.name!r} was opened in two ways: rank {frame.src} as "
+                f"{describe(frame.spec)}, rank {frame.dst} as {describe(spec)}; every rank must "
+                "open it with the same lr, staleness, dtype and size (or use another name)",
             )
             return
-        if len(payload) % exchange.model.itemsize:
-            self._dropped("a part of %d B from node %d: not whole elements", len(payload), node)
+        why = _unfit(frame, len(payload))
+        if why is not None:
+            self._dropped("a part for rank %d's %r: %s", frame.dst, frame.name, why)
             return
         values = np.frombuffer(payload, dtype=exchange.model.dtype)
-        actions = exchange.received(
+        try:
+            actions = self._received(exchange, frame, values)
+        except RemoteProtocolError as exc:  # (a member's: its link, every job's, stays up)
+            self._dropped("a part from rank %d refused: %s", frame.src, exc)
+            return
+        self._perform(rank_key, actions)
+
+    @staticmethod
+    def _received(exchange: Exchange, frame: Part, values: np.ndarray[Any, Any]) -> list[Action]:
+        return exchange.received(
             frame.src,
             round=frame.round,
             lo=frame.lo,
@@ -425,7 +473,6 @@ class AkoService(BaseService):
             sync=frame.sync,
             back=frame.back,
         )
-        self._perform(rank_key, actions)
 
     def _dropped(self, message: str, *args: object) -> None:
         self._counters["part_frames_dropped"] += 1
@@ -458,6 +505,7 @@ class AkoService(BaseService):
                 for rank_key in self._of_job.of(entry.job):
                     exchange = self.exchanges[rank_key]
                     if entry.rank in exchange.peers:
+                        self._settle(rank_key, entry.rank)
                         self._perform(rank_key, exchange.back(entry.rank))
             case RankGone(entry=entry, reason=reason):
                 self._forget(entry.job, entry.rank, reason)
@@ -465,14 +513,30 @@ class AkoService(BaseService):
     def _owe(self, rank_key: RankKey, exchange: Exchange, peer: int) -> None:
         """``peer`` is unreachable: its debt is charged first; a debt the budget refuses is
         not kept (the peer is forgotten for good: the replicas may then differ)."""
+        debts = self._debts.setdefault(rank_key, {})
+        if peer in debts or peer in exchange.statistics().gone:
+            return
         try:
-            charge = self._charge(rank_key[0], 8 * exchange.model.size, rank_key[1])
+            debts[peer] = self._charge(rank_key[0], 8 * exchange.model.size, rank_key[1])
         except OperationFailed as exc:
             remote_log.warning("debt", "%s: rank %d is forgotten, its debt not kept", exc, peer)
             self._perform(rank_key, exchange.gone(peer))
             return
-        self._charges[rank_key].append(charge)
         self._perform(rank_key, exchange.lose(peer))
+
+    def _settle(self, rank_key: RankKey, peer: int) -> None:
+        """``peer``'s debt is paid (it is back) or dropped (gone): its charge goes."""
+        charge = self._debts.get(rank_key, {}).pop(peer, None)
+        if charge is not None:
+            charge.release()
+
+    def _break(self, rank_key: RankKey, message: str) -> None:
+        """The exchange was opened in two ways: its open call and every later one fail."""
+        if rank_key in self._broken:
+            return
+        log.warning("%s", message)
+        self._broken[rank_key] = message
+        self._open.fail(rank_key, Failure(code=ErrorCode.USAGE, message=message))
 
     def _forget(self, job: str, rank: int, reason: str) -> None:
         """Rank ``rank`` left or is gone: its peers here forget it; its own exchanges go."""
@@ -481,6 +545,7 @@ class AkoService(BaseService):
             if rank_key[2] == rank:
                 self._drop(rank_key, f"rank {rank} left job {job!r} ({reason})")
             elif rank in exchange.peers:
+                self._settle(rank_key, rank)
                 self._perform(rank_key, exchange.gone(rank))
         for rank_key in [k for k in self._early if k[0] == job and k[2] == rank]:
             self._drop_early(rank_key)
@@ -492,6 +557,10 @@ class AkoService(BaseService):
         self._of_job.discard(rank_key[0], rank_key)
         for charge in self._charges.pop(rank_key):
             charge.release()
+        for peer in list(self._debts.get(rank_key, {})):
+            self._settle(rank_key, peer)
+        self._debts.pop(rank_key, None)
+        self._broken.pop(rank_key, None)
         self._open.fail(rank_key, Failure(code=ErrorCode.PEER_FAILED, message=why))
 
     def _drop_early(self, rank_key: RankKey) -> None:
@@ -542,27 +611,8 @@ class AkoService(BaseService):
             back=action.back,
         )
         if entry.node == self.host.config.node_id:
-            target = (job, name, action.dst)
-            if target not in self.exchanges:
-                self._take(entry.node, frame, action.payload.tobytes(), self.host.now())
-                return []
-            exchange = self.exchanges[target]
-            if frame.spec != self._specs[target]:
-                self._apply(entry.node, frame, action.payload.tobytes())
-                return []
-            actions = exchange.received(
-                src,
-                round=action.round,
-                lo=action.lo,
-                payload=action.payload,
-                clock=action.clock,
-                epoch=action.epoch,
-                flush=action.flush,
-                sent=action.sent,
-                sync=action.sync,
-                back=action.back,
-            )
-            return [(target, actions)]
+            self._take(entry.node, frame, action.payload.tobytes(), self.host.now())
+            return []
         payload = memoryview(action.payload.tobytes())  # (its own bytes: queued, it waits)
         self._frames.send(entry.node, frame.to_meta(), payload)
         return []
@@ -592,6 +642,7 @@ class AkoService(BaseService):
                 "early", "parts for rank %d's %r: it did not open in time", rank_key[2], rank_key[1]
             )
             self._drop_early(rank_key)
+            self._missed[rank_key] = "they were dropped when route_timeout passed"
         for rank_key, call in self._open.stalled(now):
             exchange = self.exchanges.get(rank_key)
             if exchange is not None:
@@ -673,3 +724,19 @@ class AkoService(BaseService):
             "Partial exchanges (rank, name) on this node",
             [(labels, len(stats))],
         )
+
+
+def _unfit(frame: Part, length: int) -> str | None:
+    """Why a PART of ``length`` payload bytes cannot be a part of the model its spec names
+    (checked before a buffer is given it, and before it is held); ``None``: it fits."""
+    spec = frame.spec
+    if spec["dtype"] not in FLOAT_DTYPES:
+        return f"a model of {spec['dtype']!r}"
+    itemsize = np.dtype(spec["dtype"]).itemsize
+    if frame.src >= spec["n"] or frame.dst >= spec["n"]:
+        return f"ranks {frame.src} and {frame.dst} in an exchange of {spec['n']}"
+    if not length or length % itemsize or frame.lo + length // itemsize > spec["size"]:
+        return f"{length} B from element {frame.lo} in a model of {spec['size']} {spec['dtype']}"
+    if frame.sync and length != spec["size"] * itemsize:
+        return "a SYNC that is not a whole model"
+    return None

@@ -199,6 +199,8 @@ class Exchange:
         self._window = np.zeros((partitions, model.size), dtype=model.dtype)
         self._rounds = np.full(partitions, -1)  #: the round each window row holds
         self._sum: NDArray[np.float64] = np.zeros(model.size)
+        #: the window's absolute values summed: a bound on any part it makes (float64)
+        self._abs: NDArray[np.float64] = np.zeros(model.size)
         self.clock = 0  #: c_j: rounds made
         self._heard = dict.fromkeys(self.peers, 0)  #: s_{j,i}
         #: per peer and part, the last round whose contributions it was sent
@@ -228,8 +230,9 @@ class Exchange:
         part sent to every reachable peer; :class:`Stepped` once the gate allows the next.
 
         Raises:
-            UsageError: ``gradient`` is not the model's dtype and size, or holds a NaN or an
-                infinity (nothing changed).
+            UsageError: ``gradient`` is not the model's dtype and size, holds a NaN or an
+                infinity, or would make the model or a part too large for the dtype (the sum
+                of the last ``p`` gradients, or a debt); nothing changed.
             LocalProtocolError: the last step or a flush is still open.
         """
         if self._held is not None or self._flushing:
@@ -243,8 +246,20 @@ class Exchange:
         if not np.isfinite(flat).all():
             raise UsageError("the gradient holds a NaN or an infinity: the model would too")
         t = self.clock
-        self.model -= (self.lr * flat).astype(self.model.dtype, copy=False)
         row = t % self.partitions
+        bound = self._abs + np.abs(flat) - np.abs(self._window[row])
+        self._fits(bound, "the sum of the last p gradients")
+        for peer, debt in self._owed.items():
+            self._fits(np.abs(debt + flat), f"what rank {peer} is owed since it was unreachable")
+        with np.errstate(over="ignore"):
+            stepped = self.model - (self.lr * flat).astype(self.model.dtype, copy=False)
+        if not np.isfinite(stepped).all():
+            raise UsageError(
+                f"this step would take the model past what {self.model.dtype} holds: scale the "
+                "gradients or the learning rate down, or exchange a wider dtype"
+            )
+        self._abs = bound
+        self.model[:] = stepped
         self._sum += flat
         self._sum -= self._window[row]  # g_{t-p}, or zeros before round p (line 6)
         self._window[row] = flat
@@ -301,6 +316,7 @@ class Exchange:
         self._window = np.zeros((partitions, self.model.size), dtype=self.model.dtype)
         self._rounds = np.full(partitions, -1)
         self._sum = np.zeros(self.model.size)
+        self._abs = np.zeros(self.model.size)
         self._last = {i: np.full(partitions, self.clock - 1) for i in self.peers}
         return out
 
@@ -460,6 +476,17 @@ class Exchange:
             if rows.size:
                 owed[lo:hi] = self._window[rows, lo:hi].sum(axis=0, dtype=np.float64)
         return owed
+
+    def _fits(self, magnitudes: NDArray[np.float64], what: str) -> None:
+        """Raise UsageError if values this large do not fit in the model's dtype: the part
+        would be an infinity, which its receiver refuses."""
+        largest = float(magnitudes.max(initial=0.0))
+        limit = float(np.finfo(self.model.dtype).max)
+        if largest > limit:
+            raise UsageError(
+                f"{what} would reach {largest:.3g}, past what {self.model.dtype} holds "
+                f"({limit:.3g}): scale the gradients down, or exchange a wider dtype"
+            )
 
     def _slowest(self) -> int | None:
         return min((self._heard[i] for i in self._live), default=None)
