@@ -156,6 +156,7 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
             Column("all_to_all_bytes", "p=1 B/round"),
             Column("allreduce_bytes", "allreduce B/round"),
             Column("ako_rounds", "Ako rounds"),
+            Column("ako_kBps", "Ako kB/s sent"),
         ],
         ratio="allreduce's time to the target / Ako's (higher: Ako faster)",
         settings={"mbit": MBIT, "compute_s": COMPUTE, "limit_s": limit, "seed": SEED},
@@ -180,13 +181,16 @@ def run(quick: bool = False, progress: Progress = quiet) -> Table:
             all_to_all_bytes=flat["bytes"],
             allreduce_bytes=sync["bytes"],
             ako_rounds=ako["rounds"],
+            ako_kBps=ako["bytes"] * ako["rounds"] / ako["seconds"] / 1e3,
         )
         progress(f"{ranks} ranks: allreduce/Ako time to the target {fmt_number(ratio)}x")
     table.notes.append(
         f"every link {MBIT:g} Mbit/s both ways (tbf); one daemon per rank; {COMPUTE * 1e3:g} ms "
         "of emulated compute a round; lockstep rounds played by one thread; a dash: not "
         f"reached within {limit:g} s; single samples on a shared two-core machine; Ako's p is "
-        "the mean over ranks after profiling (the first five steps use n - 1)"
+        "the mean over ranks after profiling (the first five steps use n - 1); eq. 3 keeps "
+        "the bytes a rank sends per second near the link's rate (kB/s sent): per round they "
+        "grow where one thread playing more ranks on two cores makes rounds slower"
     )
     return table
 

@@ -206,3 +206,21 @@ def test_a_step_that_would_take_the_model_past_its_dtype_is_refused() -> None:
     with pytest.raises(UsageError, match="take the model past"):
         step(svc, s0, 11, 40_000.0)  # -80,000: past float16's 65,504
     assert np.isfinite(s0.segments[1].array).all()  # type: ignore[attr-defined]
+
+
+def test_a_step_held_at_the_gate_is_a_stall_that_says_what_it_waits_for() -> None:
+    svc, host, _ = service((0, 0), stall_after=1.0)
+    s0, s1 = client(0, 2), client(1, 2)
+    open_(svc, s0, 1)
+    open_(svc, s1, 2)
+    step(svc, s0, 10, 1.0)
+    step(svc, s0, 11, 1.0)  # rank 1 has not stepped: p = 1, staleness 0 holds this one
+    assert 11 not in host.answered
+    host.t = 2.0
+    [row] = svc.stalls(2.0)
+    assert row["kind"] == "partial exchange step"
+    assert "staleness gate" in row["detail"]
+    assert row["pending_for"] == pytest.approx(2.0)
+    step(svc, s1, 20, 1.0)
+    assert 11 in host.answered
+    assert svc.stalls(2.0) == []

@@ -49,6 +49,7 @@ from fabricd.daemon.services.jobs import (
     refuse_while_draining,
 )
 from fabricd.daemon.services.senders import Gate, Sender, earliest
+from fabricd.daemon.stalls import call_line
 from fabricd.dtypes import FLOAT_DTYPES
 from fabricd.engines.actions import Failure
 from fabricd.engines.ako.cost import partitions_for
@@ -63,7 +64,7 @@ from fabricd.frames.fields import MAX_NAME
 from fabricd.wire import Kind, Meta, get_int, get_str
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from prometheus_client.metrics_core import Metric
 
@@ -643,22 +644,62 @@ class AkoService(BaseService):
             )
             self._drop_early(rank_key)
             self._missed[rank_key] = "they were dropped when route_timeout passed"
-        for rank_key, call in self._open.stalled(now):
-            exchange = self.exchanges.get(rank_key)
-            if exchange is not None:
-                stats = exchange.statistics()
-                log.warning(
-                    "stalled: %s of rank %d, partial exchange %r, job %r, pending %.1fs; "
-                    "clock %d, slowest peer heard at %s, flush %s",
-                    call.kind,
-                    rank_key[2],
-                    rank_key[1],
-                    rank_key[0],
-                    now - call.started,
-                    stats.clock,
-                    stats.slowest,
-                    stats.flushes,
-                )
+        for rank_key, _ in self._open.stalled(now):
+            row = self._stall_row(rank_key, now)
+            if row is not None:
+                log.warning("%s", call_line(row))
+
+    def stalls(
+        self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
+    ) -> list[Meta]:
+        """Steps and flushes open longer than ``stall_after``, oldest first, saying what they
+        wait for (the staleness gate's slowest peer, or the peers a flush waits for)."""
+        after = self.host.config.stall_after
+        late = sorted((c.started, k) for k, c in self._open.items() if now - c.started >= after)
+        rows: list[Meta] = []
+        for _, rank_key in late:
+            if limit is not None and len(rows) >= limit:
+                break
+            row = self._stall_row(rank_key, now)
+            if row is not None and (keep is None or keep(row)):
+                rows.append(row)
+        return rows
+
+    def _stall_row(self, rank_key: RankKey, now: float) -> Meta | None:
+        exchange, call = self.exchanges.get(rank_key), self._open.get(rank_key)
+        if exchange is None or call is None:
+            return None
+        job, name, rank = rank_key
+        stats = exchange.statistics()
+        if call.kind == "step":
+            detail = (
+                f"the staleness gate: clock {stats.clock}, the slowest reachable peer heard at "
+                f"{stats.slowest}, bound {exchange.bound}"
+            )
+        else:
+            detail = f"flush {stats.flushes}: every reachable peer's flush" + (
+                f", and peers {list(stats.lost)} back or gone" if stats.lost else ""
+            )
+        return {
+            "job": job,
+            "owner": self.membership.owner(job),
+            "uid": call.session.conn.credentials.uid if call.session.conn is not None else None,
+            "node": self.host.config.node_id,
+            "op": f"{name}@{rank}",
+            "kind": f"partial exchange {call.kind}",
+            "rank": rank,
+            "peer": "-",
+            "tag": name,
+            "nbytes": call.nbytes,
+            "dtype": str(exchange.model.dtype),
+            "pending_for": now - call.started,
+            "waits": "peer",
+            "detail": detail,
+            "peer_joined": True,
+            "peer_node": None,
+            "peer_node_state": None,
+            "client_left": False,
+        }
 
     def shutdown(self, failure: Failure) -> None:
         for rank_key in [rank_key for rank_key, _ in self._open.items()]:
