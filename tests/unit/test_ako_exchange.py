@@ -529,3 +529,47 @@ def test_the_gate_keeps_the_old_bound_after_a_repartition_to_fewer_parts() -> No
     assert ex.clock <= slowest + ex.bound  # the trainer let go at round 3 is within it
     held = ex.step(np.ones(SIZE), 0.0)
     assert not any(isinstance(a, Stepped) for a in held)  # the next one waits
+
+
+def test_a_rank_back_after_it_went_takes_the_model_and_is_in_the_rotation_again() -> None:
+    """Rank 3 dies; the survivors go on and flush (taking one model); a new trainer of rank
+    3 opens afresh and steps once (its parts are dropped: it is gone for them); at the
+    survivors' next flush it is sent their model and re-added; after everyone steps and
+    flushes again, all four replicas are equal (§4.3)."""
+    ring = Ring(4, 2, 1, np.zeros(SIZE))
+    for rank in range(4):
+        assert ring.step(rank, np.full(SIZE, rank + 1.0))
+    ring.drain()
+    for rank in range(3):
+        ring.act(rank, ring.ex[rank].gone(3))
+    ring.queues = {k: q for k, q in ring.queues.items() if 3 not in k}
+    for rank in range(3):
+        assert ring.step(rank, np.full(SIZE, 10.0))
+    for rank in range(3):
+        _flush(ring, rank)
+    ring.drain()
+    assert ring.flushed[:3] == [1, 1, 1]
+    # a new trainer of rank 3: a fresh exchange on a fresh model
+    ring.models[3] = np.zeros(SIZE)
+    ring.ex[3] = Exchange(rank=3, ranks=4, model=ring.models[3], partitions=2, lr=LR, staleness=1)
+    ring.open[3] = False
+    for rank in range(3):
+        ring.ex[rank].rejoined(3)
+    assert ring.step(3, np.full(SIZE, 1000.0))  # before it is back: dropped by the others
+    for rank in range(3):
+        assert ring.step(rank, np.full(SIZE, 100.0))
+    ring.drain()
+    for rank in range(3):
+        _flush(ring, rank)
+    ring.drain()
+    assert ring.ex[3].clock == ring.ex[0].clock
+    np.testing.assert_array_equal(ring.models[3], ring.models[0])
+    for rank in range(4):
+        for _ in range(100):
+            if ring.step(rank, np.full(SIZE, rank + 0.5)):
+                break
+            assert ring.deliver(0, any_order=False)
+    ring.flush_all()
+    for model in ring.models[1:]:
+        np.testing.assert_array_equal(model, ring.models[0])
+    assert not np.isin(-LR * 1000.0, ring.models[0])
