@@ -184,6 +184,22 @@ _ENGINE_TABLES: tuple[tuple[str, tuple[Column, ...]], ...] = (
         ("job", "name", "rank", "graph", "sync", "round", "used", "torn", "waiting"),
     ),
     (
+        "partial_exchanges",
+        (
+            "job",
+            "name",
+            "rank",
+            "clock",
+            "partitions",
+            "slowest",
+            ("held", lambda row: "gate" if row.get("held") else ""),
+            ("B/round", lambda row: _bytes(row.get("bytes_per_round"))),
+            "flushes",
+            ("lost", lambda row: ",".join(map(str, row.get("lost", []))) or "-"),
+            ("gone", lambda row: ",".join(map(str, row.get("gone", []))) or "-"),
+        ),
+    ),
+    (
         "ps_servers",
         (
             "job",
@@ -226,6 +242,11 @@ _ENGINE_TABLES: tuple[tuple[str, tuple[Column, ...]], ...] = (
 def _rate(row: dict[str, Any], key: str) -> str:
     """A bandwidth cell (bytes/s), "-" where the daemon left it out."""
     return "-" if row.get(key) is None else f"{size(row[key])}/s"
+
+
+def _bytes(value: float | None) -> str:
+    """A byte count as a cell: "-" where the daemon left it out."""
+    return "-" if value is None else size(round(value))
 
 
 def _field(row: dict[str, Any], key: str) -> str:

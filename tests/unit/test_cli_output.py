@@ -225,3 +225,37 @@ def test_status_shows_the_parameter_server_tables_with_bytes_saved_and_filter_sh
     assert [row[2] for row in rows] == ["1", "2"]
     assert rows[0][-4:] == ["50.0%", "50.0%", "75.0%", "2"]
     assert rows[1][3:] == ["-"] * 8  # every missing or undefined figure shows "-"
+
+
+def test_status_lists_the_partial_exchanges_with_their_clock_and_bytes_per_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    status = _status_with_eager_use()
+    status["partial_exchanges"] = [
+        {
+            "job": "train",
+            "owner": 1000,
+            "name": "w",
+            "rank": 3,
+            "clock": 240,
+            "partitions": 21,
+            "slowest": 238,
+            "held": True,
+            "bytes_per_round": 9627.0,
+            "flushes": 1,
+            "lost": [5],
+            "gone": [],
+        },
+        {"job": "train", "owner": 1000, "name": "w", "rank": 4},  # fields left out: "-"
+    ]
+    monkeypatch.setattr(common, "connect", lambda socket_path=None: _FakeClient(status))
+    result = CliRunner().invoke(fabricctl, ["status"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert "partial exchanges (2)" in result.output
+    rows = [
+        [cell.strip() for cell in line.split("│")[1:-1]]
+        for line in result.output.splitlines()
+        if line.startswith("│ train")
+    ]
+    assert rows[0][2:] == ["3", "240", "21", "238", "gate", "9.4 KiB", "1", "5", "-"]
+    assert rows[1][3:] == ["-", "-", "-", "", "-", "-", "-", "-"]
