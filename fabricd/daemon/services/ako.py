@@ -21,9 +21,8 @@ figure for this node's uplink (:func:`fabricd.engines.ako.cost.partitions_for`).
 Membership (Ako §4.3): a rank whose node's links were reset is suspected: its peers stop
 sending it and keep what they owe it (:meth:`Exchange.lose`); back, it is sent its debt
 (:meth:`Exchange.back`); gone, or left, it is forgotten (:meth:`Exchange.gone`), and the
-survivors never wait for it.  A rank that opens the exchange again after it left is taken back
-at its peers' next flush: each sends it the model, which it takes with their clock and flush
-count, and it is in the rotation again (:meth:`Exchange.rejoined`).
+survivors never wait for it.  A rank that opens the exchange again after it left is not taken
+back (its peers forgot it for good: it must use another name).
 
 Bounds: a model travels whole in one frame at most (a flush, a debt): its bytes are at most
 ``max_payload``; a job has at most ``max_collectives_per_job`` exchanges on a node; what an
@@ -493,9 +492,6 @@ class AkoService(BaseService):
             if not event.lost:  # (one lost with its node's links: on_suspicion decides)
                 self._forget(job, rank, event.reason)
             return
-        for rank_key in self._of_job.of(job):  # (one that went is re-added at a flush's end)
-            if rank_key[2] != rank:
-                self.exchanges[rank_key].rejoined(rank)
         self._waiting.retry(job, lambda item: self._try(item, now))
         self._gate.release(job, rank, now)
 

@@ -52,10 +52,7 @@ Choices where the paper is silent, and why:
   own flush is complete; each adopts it once its own is complete too (§4.3: the failed worker
   "catches the model up from a peer", here the survivors do).  Parts a peer sends after its
   flush (its next rounds) are held until this rank's flush is complete, so that a model taken
-  from the lowest rank never overwrites them.  A rank that comes back (a new trainer,
-  :meth:`Exchange.rejoined`) is sent the model at the end of each survivor's next flush and
-  takes the first, with its sender's clock and flush count; what it sent before is dropped.
-  This needs the survivors to agree on who is
+  from the lowest rank never overwrites them.  This needs the survivors to agree on who is
   gone: a partition that membership resolves one way on one node and another way on another
   (a rank gone for one survivor, reachable for the next) can leave a flush waiting for a SYNC
   that does not come; its call is logged as stalled.
@@ -212,10 +209,6 @@ class Exchange:
         self._owed: dict[int, NDArray[np.float64]] = {}  #: unreachable peers' debt
         self._gone: set[int] = set()
         self._settled: set[int] = set()  #: absent peers a flush already took a model after
-        self._joining: set[int] = set()  #: gone peers back: re-added at the next flush's end
-        self._caught_up = 0  #: the flush whose model this rank took when it came back
-        #: peers back: the flush they were re-added at (what they sent before is dropped)
-        self._readmitted: dict[int, int] = {}
         #: frames sent to each peer and applied from each (a SYNC aside); every frame carries
         #: its sender's count, itself included, so a flush marker says how many came before
         self._sent_to = dict.fromkeys(self.peers, 0)
@@ -361,16 +354,12 @@ class Exchange:
             )
         if not np.isfinite(payload).all():
             raise RemoteProtocolError(f"rank {src} sent a part holding a NaN or an infinity")
-        if src in self._gone or epoch < self._readmitted.get(src, 0):
-            return []  # (gone; or sent before it came back and took the model)
+        if src in self._gone:
+            return []
         self._heard[src] = max(self._heard[src], clock)
         if sync:
             if lo or payload.size != self.model.size or flush is None:
                 raise RemoteProtocolError(f"rank {src} sent a SYNC that is not a whole model")
-            if not self._flushing and flush > self._flushes:
-                return self._catch_up(payload, clock, flush)  # (this rank came back)
-            if not self._flushing and flush == self._flushes == self._caught_up:
-                return []  # (another survivor's copy of the model this rank took)
             self._sync = (src, flush, payload.copy())
             return self._progress()
         k = self._flushes
@@ -409,51 +398,12 @@ class Exchange:
         missed = self._flushes if self._marked[peer] < self._flushes else None
         return [self._send(peer, None, 0, debt, flush=missed, back=True)]
 
-    def rejoined(self, peer: int) -> None:
-        """``peer``, gone, is back (a new trainer opened the exchange again): at the end of
-        this rank's next flush it is sent the model (a SYNC, which it takes with this rank's
-        clock and flush count) and is in the rotation again (§4.3: "entries to the counters
-        are re-added when workers recover", and the worker catches the model up from a peer).
-        Until then it waits at its gate; parts it sends are dropped."""
-        if peer in self._gone:
-            self._joining.add(peer)
-
-    def _catch_up(self, model: Array, clock: int, flush: int) -> list[Action]:
-        """This rank came back after its peers forgot it: take a survivor's model, clock and
-        flush count, and start afresh from there with every peer."""
-        self.model[:] = model
-        self.clock = clock
-        self._flushes = self._caught_up = flush
-        self._window[:] = 0
-        self._rounds[:] = -1
-        self._sum[:] = 0.0
-        self._abs[:] = 0.0
-        self._owed.clear()
-        self._later.clear()
-        self._sync = None
-        self._gate = None
-        self._live = set(self.peers) - self._gone
-        for peer in self.peers:
-            self._reset(peer)
-            self._heard[peer] = clock
-        return self._progress()
-
-    def _reset(self, peer: int) -> None:
-        """Start afresh with ``peer`` from this rank's clock (a rank back: its counts too)."""
-        self._last[peer][:] = self.clock - 1
-        self._sent_to[peer] = self._got_from[peer] = 0
-        self._marked[peer] = self._flushes
-        self._markers.pop(peer, None)
-
     def gone(self, peer: int) -> list[Action]:
         """``peer`` is gone for good: forgotten, its debt dropped (the replicas may differ)."""
-        if peer in self._gone:
-            self._joining.discard(peer)  # (back, and gone again before it was re-added)
         if peer not in self._heard or peer in self._gone:
             return []
         self._gone.add(peer)
         self._live.discard(peer)
-        self._joining.discard(peer)
         self._owed.pop(peer, None)
         self._markers.pop(peer, None)
         return self._progress()
@@ -593,15 +543,6 @@ class Exchange:
         self._sync = None
         self._flushing = False
         self._settled.update(absent)
-        for peer in sorted(self._joining):  # (a rank back after it went: the model, then parts)
-            self._joining.discard(peer)
-            self._gone.discard(peer)
-            self._settled.discard(peer)
-            self._live.add(peer)
-            self._reset(peer)
-            self._heard[peer] = self.clock
-            self._readmitted[peer] = self._flushes
-            out.append(self._send(peer, None, 0, self.model.copy(), flush=self._flushes, sync=True))
         out.append(Flushed(flush=self._flushes, synced_from=lowest if absent else None))
         later, self._later = self._later, []
         for src, fields in later:
