@@ -57,7 +57,6 @@ from fabricd.engines.ako.exchange import MAX_PARTITIONS, Exchange, Flushed, Send
 from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.membership import RankBack as RankBackEvent
 from fabricd.engines.membership import RankGone, RankLeft, RankSuspected
-from fabricd.engines.ps.routing import HELD_PAYLOADS
 from fabricd.errors import ErrorCode, OperationFailed, RemoteProtocolError, UsageError
 from fabricd.frames.ako import Part, describe
 from fabricd.frames.fields import MAX_NAME
@@ -84,8 +83,10 @@ RankKey = tuple[str, str, int]  #: (job, exchange name, rank)
 
 #: steps a rank with ``partitions="auto"`` measures its gradient rate over
 PROFILE_STEPS: Final = 5
-#: the most PART frames a node holds for ranks that have not opened their exchange yet
+#: the most PART frames a node holds for ranks that have not opened their exchange yet, and
+#: their bytes, in max_payloads (the parameter server's early frames have the same bounds)
 MAX_EARLY: Final = 4096
+HELD_PAYLOADS: Final = 4
 
 
 @dataclass(slots=True, kw_only=True)
