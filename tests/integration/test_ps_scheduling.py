@@ -112,7 +112,7 @@ def test_two_shards_are_planned_jointly_and_drop_an_update_whole(make_cluster: A
         workers = [r for r in range(len(PLACEMENT)) if r not in servers]
         models = {w: fabs[w].array("w", (COUNT,), "float64") for w in workers}
         updates = {w: fabs[w].array("u", (COUNT,), "float64") for w in workers}
-        by_scheduler: list[int] = []
+        partial: list[tuple[str, ...]] = []  #: a scheduler's drop, the other part applied
         pushed = dropped = 0
         for iteration in range(8):
             for w in [w for w in workers if (w + iteration) % 3]:  # the others stay stale
@@ -125,7 +125,9 @@ def test_two_shards_are_planned_jointly_and_drop_an_update_whole(make_cluster: A
                 result = wait(handle, fabs)
                 pushed += 2
                 dropped += len(result.dropped)
-                by_scheduler.append(sum("by the scheduler" in why for why in result.dropped))
+                by_scheduler = any("by the scheduler" in why for why in result.dropped)
+                if by_scheduler and len(result.dropped) != 2:
+                    partial.append(result.dropped)
         statuses = [fab.status() for fab in fabs[:3]]
         rows = [row for st in statuses for row in st["ps_servers"] if row["job"] == "ps-joint"]
         lead = next(r["scheduler"] for r in rows if r["role"] == "primary" and r["shard"] == 0)
@@ -133,7 +135,9 @@ def test_two_shards_are_planned_jointly_and_drop_an_update_whole(make_cluster: A
         assert lead["joint"]["planned"] > 0
         assert other["joint"]["held"] == 0
         if other["joint"]["fell_back"] == 0:
-            assert set(by_scheduler) <= {0, 2}
+            # (a part the worker's own delay gate dropped first is planned alone: the other
+            # part may then be dropped by its scheduler, the update still dropped whole)
+            assert partial == []
         applied = sum(r["applied"] for r in rows if r["role"] == "primary")
         assert applied + dropped == pushed == 8 * len(workers) * 2
         samples = scrape(cluster.nodes[0].metrics_url)  # (node 0 serves shard 0: the lead)
