@@ -443,29 +443,25 @@ def test_per_shard_plans_leave_partial_updates_that_joint_plans_do_not(
     assert len(partial_by_a_scheduler(apart)) == 3
 
 
+def plan_to_shard_1(
+    fabric: Fabric, lead: int, entries: tuple[ps_frames.PlanEntry, ...]
+) -> ps_frames.Plan:
+    """A PLAN from rank ``lead`` to the rank serving shard 1."""
+    return ps_frames.Plan(
+        job="job", name="m", shard=1, server=fabric.servers[1], lead=lead, entries=entries
+    )
+
+
 def test_a_plan_from_a_rank_not_of_shard_0_s_pair_is_dropped() -> None:
     fabric = joint_fabric(None, {})
     follower_node = fabric.nodes[fabric.servers[1]]
-    plan = ps_frames.Plan(
-        job="job",
-        name="m",
-        shard=1,
-        server=fabric.servers[1],
-        lead=0,  # a worker
-        entries=(ps_frames.PlanEntry(worker=0, iteration=0, reason="forged"),),
-    )
+    forged_entry = ps_frames.PlanEntry(worker=0, iteration=0, reason="forged")
+    plan = plan_to_shard_1(fabric, 0, (forged_entry,))  # from a worker
     before = follower_node.counters["ps_frames_dropped"]
     assert follower_node.on_frame(0, plan, b"", 0.0) == []
     assert follower_node.counters["ps_frames_dropped"] == before + 1
     # from shard 0's server, but sent from another node than its own: dropped too
-    forged = ps_frames.Plan(
-        job="job",
-        name="m",
-        shard=1,
-        server=fabric.servers[1],
-        lead=fabric.servers[0],
-        entries=plan.entries,
-    )
+    forged = plan_to_shard_1(fabric, fabric.servers[0], plan.entries)
     [log] = follower_node.on_frame(0, forged, b"", 0.0)
     assert "not on it" in log.message  # type: ignore[attr-defined]
     assert follower_node.counters["ps_frames_dropped"] == before + 2
@@ -478,13 +474,8 @@ def test_a_plan_entry_with_a_reason_alg_2_never_gives_is_dropped() -> None:
     fabric = joint_fabric(None, {})
     lead_rank = fabric.servers[0]
     follower_node = fabric.nodes[fabric.servers[1]]
-    plan = ps_frames.Plan(
-        job="job",
-        name="m",
-        shard=1,
-        server=fabric.servers[1],
-        lead=lead_rank,
-        entries=(ps_frames.PlanEntry(worker=0, iteration=0, reason="any text at all"),),
+    plan = plan_to_shard_1(
+        fabric, lead_rank, (ps_frames.PlanEntry(worker=0, iteration=0, reason="any text at all"),)
     )
     before = follower_node.counters["ps_frames_dropped"]
     assert follower_node.on_frame(lead_rank, plan, b"", 0.0) == []

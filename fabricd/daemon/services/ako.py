@@ -104,7 +104,6 @@ class _Waiting:
 
 @dataclass(slots=True)
 class _Early:
-    node: int
     frame: Part
     payload: bytes | bytearray
     deadline: float
@@ -327,7 +326,7 @@ class AkoService(BaseService):
         self._early_bytes -= sum(len(early.payload) for early in held)
         self._early_deadlines.cancel(rank_key)
         for early in held:
-            self._apply(early.node, early.frame, early.payload)
+            self._apply(early.frame, early.payload)
         return True
 
     def _charge(self, job: str, nbytes: int, name: str) -> Charge:
@@ -414,13 +413,13 @@ class AkoService(BaseService):
         if entry is None or entry.node != self.host.config.node_id:
             self._dropped("node %d sent a part for rank %d, not here", node, frame.dst)
             return
-        rank_key = (frame.job, frame.name, frame.dst)
-        if rank_key in self.exchanges:
-            self._apply(node, frame, payload)
-            return
         why = _unfit(frame, len(payload))
         if why is not None:
             self._dropped("a part for rank %d's %r: %s", frame.dst, frame.name, why)
+            return
+        rank_key = (frame.job, frame.name, frame.dst)
+        if rank_key in self.exchanges:
+            self._apply(frame, payload)
             return
         limit = HELD_PAYLOADS * self.host.config.max_payload
         if self._early_count >= MAX_EARLY or self._early_bytes + len(payload) > limit:
@@ -430,13 +429,14 @@ class AkoService(BaseService):
             self._missed[rank_key] = "this node held too many parts for ranks not open yet"
             return
         deadline = now + self.host.config.route_timeout
-        self._early.setdefault(rank_key, []).append(_Early(node, frame, payload, deadline))
+        self._early.setdefault(rank_key, []).append(_Early(frame, payload, deadline))
         self._early_count += 1
         self._early_bytes += len(payload)
         if self._early_deadlines.get(rank_key) is None:
             self._early_deadlines.set(rank_key, deadline)
 
-    def _apply(self, node: int, frame: Part, payload: bytes | bytearray) -> None:
+    def _apply(self, frame: Part, payload: bytes | bytearray) -> None:
+        """A part :meth:`_take` found fit (now, or when it held it) for an open exchange."""
         rank_key = (frame.job, frame.name, frame.dst)
         exchange = self.exchanges[rank_key]
         spec = self._specs[rank_key]
@@ -448,10 +448,6 @@ class AkoService(BaseService):
                 f"{describe(frame.spec)}, rank {frame.dst} as {describe(spec)}; every rank must "
                 "open it with the same lr, staleness, dtype and size (or use another name)",
             )
-            return
-        why = _unfit(frame, len(payload))
-        if why is not None:
-            self._dropped("a part for rank %d's %r: %s", frame.dst, frame.name, why)
             return
         values = np.frombuffer(payload, dtype=exchange.model.dtype)
         try:
@@ -588,8 +584,11 @@ class AkoService(BaseService):
 
     def _reply(self, rank_key: RankKey, result: Meta) -> None:
         exchange = self.exchanges[rank_key]
-        stats = exchange.statistics()
-        result |= {"clock": stats.clock, "partitions": stats.partitions, "slowest": stats.slowest}
+        result |= {
+            "clock": exchange.clock,
+            "partitions": exchange.partitions,
+            "slowest": exchange.slowest,
+        }
         self._open.reply(rank_key, result)
 
     def _send(self, rank_key: RankKey, action: SendPart) -> list[tuple[RankKey, list[Action]]]:
@@ -655,16 +654,7 @@ class AkoService(BaseService):
     ) -> list[Meta]:
         """Steps and flushes open longer than ``stall_after``, oldest first, saying what they
         wait for (the staleness gate's slowest peer, or the peers a flush waits for)."""
-        after = self.host.config.stall_after
-        late = sorted((c.started, k) for k, c in self._open.items() if now - c.started >= after)
-        rows: list[Meta] = []
-        for _, rank_key in late:
-            if limit is not None and len(rows) >= limit:
-                break
-            row = self._stall_row(rank_key, now)
-            if row is not None and (keep is None or keep(row)):
-                rows.append(row)
-        return rows
+        return self._open.stall_rows(now, lambda k: self._stall_row(k, now), keep, limit)
 
     def _stall_row(self, rank_key: RankKey, now: float) -> Meta | None:
         exchange, call = self.exchanges.get(rank_key), self._open.get(rank_key)

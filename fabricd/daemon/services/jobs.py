@@ -401,6 +401,26 @@ class OpenCalls(Generic[K]):
         """When :meth:`stalled` may next find a call (the service's timer asks)."""
         return self._stalls.next_deadline()
 
+    def stall_rows(
+        self,
+        now: float,
+        row: Callable[[K], Meta | None],
+        keep: Callable[[Meta], bool] | None = None,
+        limit: int | None = None,
+    ) -> list[Meta]:
+        """The stall rows (``row`` of each key; ``None``: none) of the calls open
+        ``stall_after`` or longer, oldest first, those ``keep`` takes, at most ``limit``."""
+        after = self.host.config.stall_after
+        late = sorted((c.started, k) for k, c in self._calls.items() if now - c.started >= after)
+        rows: list[Meta] = []
+        for _, key in late:
+            if limit is not None and len(rows) >= limit:
+                break
+            found = row(key)
+            if found is not None and (keep is None or keep(found)):
+                rows.append(found)
+        return rows
+
     def stalled(self, now: float) -> list[tuple[K, OpenCall]]:
         """The calls open ``stall_after`` or longer by ``now`` that were not found before,
         oldest first, at most :data:`STALLS_PER_TICK`: each call is found once."""

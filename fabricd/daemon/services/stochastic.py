@@ -722,16 +722,8 @@ class StochasticService(BaseService):
     ) -> list[Meta]:
         """Calls open longer than ``stall_after``, oldest first, saying whose NOTIFY, ACK or
         barrier step their round waits for."""
-        after = self.host.config.stall_after
-        late = sorted((c.started, k) for k, c in self._open.items() if now - c.started >= after)
-        rows: list[Meta] = []
-        for _, rank_key in late:
-            if limit is not None and len(rows) >= limit:
-                break
-            row = self._stall_row(rank_key, now)
-            if row is not None and (keep is None or keep(row)):  # (keep reads whose it is)
-                rows.append(row)
-        return rows
+        # (keep reads whose it is: the row's)
+        return self._open.stall_rows(now, lambda k: self._stall_row(k, now), keep, limit)
 
     def _stall_row(self, rank_key: RankKey, now: float) -> Meta | None:
         reducer, call = self.reducers.get(rank_key), self._open.get(rank_key)

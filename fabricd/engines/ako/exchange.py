@@ -413,7 +413,7 @@ class Exchange:
         return ExchangeStatistics(
             clock=self.clock,
             partitions=self.partitions,
-            slowest=self._slowest(),
+            slowest=self.slowest,
             held=self._held is not None,
             bytes_sent=self._bytes_sent,
             bytes_received=self._bytes_received,
@@ -488,7 +488,9 @@ class Exchange:
                 f"({limit:.3g}): scale the gradients down, or exchange a wider dtype"
             )
 
-    def _slowest(self) -> int | None:
+    @property
+    def slowest(self) -> int | None:
+        """The least clock heard of a reachable peer (``None``: none)."""
         return min((self._heard[i] for i in self._live), default=None)
 
     @property
@@ -503,7 +505,7 @@ class Exchange:
 
     def _allowed(self) -> bool:
         """Alg. 1 line 3: ``c_j <= min_i s_{j,i} + p + tau`` over the reachable peers."""
-        slowest = self._slowest()
+        slowest = self.slowest
         return slowest is None or self.clock <= slowest + self.bound
 
     def _progress(self) -> list[Action]:
