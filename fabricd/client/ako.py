@@ -83,6 +83,12 @@ class PartialExchange:
         self.ranks: int = reply["ranks"]
         self.partitions: int = reply["partitions"]
         self.auto: bool = reply["auto"]
+        #: ``None``, or the rank whose model this one took when the survivors took it back
+        #: (it had left, and opened the exchange again: Ako §4.3)
+        self.joined_from: int | None = reply.get("joined_from")
+        #: the rounds and flushes this rank counts from (a rank taken back takes a survivor's)
+        self.clock: int = int(reply.get("clock", 0))
+        self.flushes: int = int(reply.get("flush", 0))
 
     def step(self, gradient: np.ndarray[Any, Any], timeout: float | None = None) -> StepResult:
         """Apply ``gradient`` (the model's dtype and size, made by ``fab.array()``) and send
@@ -167,15 +173,19 @@ class PartialExchanges:
         staleness: int = 0,
         timeout: float | None = None,
     ) -> PartialExchange:
-        """Open exchange ``name`` of ``model`` (module docstring); returns once every rank of
-        the job is known to this daemon.
+        """Open exchange ``name`` of ``model`` (module docstring); returns once every peer's
+        daemon answered (a first open), or, for a rank that had left and opens the exchange
+        again, once the survivors took it back at their next flush: ``model`` then holds a
+        survivor's model and ``joined_from`` names it (every rank's trainer must flush for
+        that; a ``timeout`` that passes leaves the open waiting).
 
         Raises:
             UsageError: a bad argument, or a model that is not a writeable 1-d float array
                 made by ``fab.array()``.
             OperationFailed: the model is larger than one frame (``max_payload``), or the
                 job's exchanges or bytes are at their bounds.
-            NoSuchRank: the job's ranks were not all known within ``route_timeout``.
+            NoSuchRank: a peer did not answer within ``route_timeout`` (not started, or its
+                node unreachable).
         """
         if self._job is None:
             raise UsageError("this client joined no job; pass job= to fabricd.connect()")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
@@ -13,6 +14,20 @@ from fabricd.wire import Kind, Meta, get_int, get_str
 #: the fields of an exchange's spec, every one always present: what every rank of the
 #: exchange agrees on (its partition count is each rank's own: a part names its range)
 EXCHANGE_SPEC_FIELDS: Final = ("n", "size", "dtype", "lr", "staleness")
+#: the most returning ranks one flush marker lists (a frame's arrays are bounded): more
+#: wait for the next flush
+MAX_JOINS: Final = 256
+#: the most gone ranks a SYNC for a returning rank lists: a job that lost more for good takes
+#: no rank back (its open waits, logged as stalled)
+MAX_GONE: Final = 1000
+
+
+class Signal(enum.Enum):
+    """The rejoin handshake's signals (module docstring): carried with no payload."""
+
+    HELLO = "hello"  #: the sender opened the exchange
+    FRESH = "fresh"  #: to a HELLO: you are a member, go on
+    JOIN = "join"  #: to a HELLO: you were gone; the survivors take you back at a flush
 
 
 def exchange_spec(meta: Meta) -> dict[str, Any]:
@@ -53,7 +68,11 @@ class Part:
     flushes started; ``sent``: the frames it sent ``dst``, this one included (a SYNC aside);
     ``flush``: the number of the sender's flush this frame ends for ``dst``; ``sync``: the
     sender's whole model, for ``dst`` to take at the end of flush ``flush`` (a rank went);
-    ``back``: a debt after ``dst`` was unreachable (frames before it may be lost)
+    ``back``: a debt after ``dst`` was unreachable (frames before it may be lost);
+    ``nonce``: the sender exchange's, and ``to``, the one it knows ``dst`` by (0: none yet);
+    ``signal``: a rejoin handshake's HELLO, FRESH or JOIN, with no payload; ``joins``: on a
+    flush marker, the returning ranks (rank, nonce) taken back when that flush completes;
+    ``join``: a SYNC for a rank taken back, with ``gone``, the sender's gone ranks
     (fabricd/engines/ako/exchange.py).  ``spec`` says
     what every rank agrees on, so a node whose rank has not opened the exchange yet can hold
     the frame for it."""
@@ -73,6 +92,12 @@ class Part:
     sync: bool = False
     #: a debt after ``dst`` was unreachable: frames ``src`` sent before it may be lost
     back: bool = False
+    nonce: int = 0
+    to: int = 0
+    signal: Signal | None = None
+    joins: tuple[tuple[int, int], ...] = ()
+    join: bool = False
+    gone: tuple[int, ...] = ()
 
     def to_meta(self) -> Meta:
         meta: Meta = {
@@ -94,6 +119,17 @@ class Part:
             meta["sy"] = True
         if self.back:
             meta["bk"] = True
+        if self.nonce:
+            meta["i"] = self.nonce
+        if self.to:
+            meta["to"] = self.to
+        if self.signal is not None:
+            meta["sg"] = self.signal.value
+        if self.joins:
+            meta["jn"] = [list(pair) for pair in self.joins]
+        if self.join:
+            meta["jo"] = True
+            meta["gn"] = list(self.gone)
         return meta
 
     @classmethod
@@ -116,9 +152,49 @@ class Part:
             sent=get_int(meta, "n"),
             sync=get_bool(meta, "sy") if "sy" in meta else False,
             back=get_bool(meta, "bk") if "bk" in meta else False,
+            nonce=get_int(meta, "i", lo=1) if "i" in meta else 0,
+            to=get_int(meta, "to", lo=1) if "to" in meta else 0,
+            signal=_signal(meta),
+            joins=_joins(meta),
+            join=get_bool(meta, "jo") if "jo" in meta else False,
+            gone=_ranks(meta, "gn", MAX_GONE),
         )
         if frame.src == frame.dst:
             raise RemoteProtocolError("a PART from a rank to itself")
         if frame.sync and (frame.flush is None or frame.round is not None or frame.lo):
             raise RemoteProtocolError("a SYNC part is a whole model, at the end of a flush")
+        if frame.join and not frame.sync:
+            raise RemoteProtocolError("a returning rank is sent a SYNC, whole")
+        if frame.signal not in (None, Signal.FRESH) and not frame.nonce:
+            raise RemoteProtocolError("a HELLO or a JOIN names its sender's nonce")
         return frame
+
+
+def _signal(meta: Meta) -> Signal | None:
+    if "sg" not in meta:
+        return None
+    value = get_str(meta, "sg")
+    try:
+        return Signal(value)
+    except ValueError:
+        raise RemoteProtocolError(f"no handshake signal {value!r}") from None
+
+
+def _ranks(meta: Meta, key: str, most: int) -> tuple[int, ...]:
+    values = meta.get(key, [])
+    if not isinstance(values, list) or len(values) > most:
+        raise RemoteProtocolError(f"field {key!r} is a list of at most {most} ranks")
+    return tuple(get_int({"r": v}, "r", hi=MAX_RANK) for v in values)
+
+
+def _joins(meta: Meta) -> tuple[tuple[int, int], ...]:
+    pairs = meta.get("jn", [])
+    if not isinstance(pairs, list) or len(pairs) > MAX_JOINS:
+        raise RemoteProtocolError(f"field 'jn' lists at most {MAX_JOINS} returning ranks")
+    joins = []
+    for pair in pairs:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise RemoteProtocolError("a returning rank is [rank, nonce]")
+        rank, nonce = pair
+        joins.append((get_int({"r": rank}, "r", hi=MAX_RANK), get_int({"n": nonce}, "n", lo=1)))
+    return tuple(joins)

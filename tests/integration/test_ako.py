@@ -1,7 +1,9 @@
 """Ako's partial gradient exchange between real daemons on loopback (issue 29): six ranks on
 three daemons step with integer gradients and flush, and every replica is then exactly
 ``w0 - lr * (every rank's gradients)``, for p = 1, 2, 3 and "auto"; a daemon killed mid-run
-leaves the survivors stepping, and after their flush their models are equal.
+leaves the survivors stepping, and after their flush their models are equal; a trainer that
+leaves and opens the exchange again is taken back at the survivors' next flush with rank 0's
+model, and the sum is exact again from there.
 
 Ranks are clients in this process, one connection each; every call is started with its
 ``_async`` form and then waited for, so one thread plays all ranks.
@@ -9,6 +11,7 @@ Ranks are clients in this process, one connection each; every call is started wi
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -112,6 +115,57 @@ def test_survivors_of_a_killed_daemon_go_on_and_end_equal(make_cluster: Any) -> 
         assert np.isfinite(exchanges[0].model).all()
         with pytest.raises(fabricd.UsageError, match="opened partial exchange 'w' already"):
             fabs[0].partial_exchange("w", exchanges[0].model, lr=LR)
+
+
+def test_a_trainer_that_comes_back_is_taken_back_with_a_survivor_s_model(
+    make_cluster: Any,
+) -> None:
+    """Rank 4's trainer leaves after three rounds; the others step on without it; a new
+    trainer opens ``w`` again for rank 4 (its open blocks) and is taken back at the
+    survivors' next flush, with rank 0's model; then six ranks step and flush, exactly."""
+    cluster = make_cluster(3)
+    job = "ako-back"
+    with ranks(cluster, PLACEMENT, job) as fabs:
+        exchanges, grads, _ = open_all(fabs, 2)
+        rng = np.random.default_rng(4)
+        everyone = list(range(len(PLACEMENT)))
+        for _ in range(3):
+            step_all(fabs, exchanges, grads, np.zeros(COUNT), rng, everyone)
+        fabs[4].close()
+        survivors = [r for r in everyone if r != 4]
+        for _ in range(3):
+            step_all(fabs, exchanges, grads, np.zeros(COUNT), rng, survivors)
+        socket = cluster.nodes[PLACEMENT[4]].socket_path
+        fabs[4] = fabricd.connect(job=job, rank=4, size=len(PLACEMENT), socket_path=socket)
+        model = fabs[4].array("w", (COUNT,), "float64")
+        model[:] = -1.0  # (not the job's model: the survivors' comes)
+        grads[4] = fabs[4].array("g", (COUNT,), "float64")
+        with ThreadPoolExecutor(1) as pool:
+            opening = pool.submit(
+                fabs[4].partial_exchange, "w", model, partitions=2, lr=LR, staleness=1
+            )
+            for _ in range(3):  # its HELLO may come after a survivor's flush began: the next
+                results = [wait(h, fabs) for h in [exchanges[r].flush_async() for r in survivors]]
+                assert {r.synced_from for r in results} <= {0, None}
+                if opening.done():
+                    break
+                step_all(fabs, exchanges, grads, np.zeros(COUNT), rng, survivors)
+            exchanges[4] = opening.result(timeout=60)
+        assert exchanges[4].joined_from == 0
+        caught_up = exchanges[0].model.copy()
+        for ex in exchanges:
+            np.testing.assert_array_equal(ex.model, caught_up)
+        total = np.zeros(COUNT)
+        for _ in range(4):
+            step_all(fabs, exchanges, grads, total, rng, everyone)
+        results = [wait(h, fabs) for h in [ex.flush_async() for ex in exchanges]]
+        assert len({r.flush for r in results}) == 1
+        for ex in exchanges:
+            np.testing.assert_array_equal(ex.model, caught_up - LR * total)
+        rows = [row for f in fabs for row in f.status()["partial_exchanges"]]
+        assert {row["phase"] for row in rows} == {"running"}
+        taken_back = sum(f.status()["counters"]["ranks_taken_back"] for f in fabs[:3])
+        assert taken_back == 1
 
 
 def test_bad_opens_are_refused_with_what_to_do(make_cluster: Any) -> None:

@@ -156,12 +156,14 @@ def test_ranks_that_open_a_name_two_ways_fail_their_calls_naming_both() -> None:
     svc, host, _ = service((0, 0))
     s0, s1 = client(0, 2), client(1, 2)
     open_(svc, s0, 1, lr=0.1)
-    open_(svc, s1, 2, lr=0.2)
-    step(svc, s0, 10, 1.0)  # its part reaches rank 1, opened otherwise
-    with pytest.raises(UsageError, match="opened in two ways"):
-        step(svc, s1, 20, 1.0)
+    open_(svc, s1, 2, lr=0.2)  # the HELLOs carry the spec: each open meets the other's
+    for session, rid in ((s0, 10), (s1, 20)):
+        with pytest.raises(UsageError, match="opened in two ways"):
+            step(svc, session, rid, 1.0)
     assert svc.statistics()["counters"]["part_frames_dropped"] >= 1
-    assert host.answered  # the opens were answered
+    assert host.answered[1]["ranks"] == 2  # rank 0 opened first: rank 1's daemon answered
+    assert "rank 0 as" in host.answered[2].message  # rank 1's open failed, naming both ways
+    assert "lr 0.1" in host.answered[2].message
 
 
 def test_an_auto_repartition_is_charged_or_not_made() -> None:

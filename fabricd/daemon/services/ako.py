@@ -10,8 +10,14 @@ once every part sent before it by every reachable rank is applied here.
 The data plane: a part travels to its peer as one PART frame on the data link (in order per
 peer, :class:`~fabricd.daemon.services.data_queues.DataQueues`); between two ranks of one node
 the service hands it over itself.  A PART for a rank that has not opened the exchange yet is
-held for it (at most :data:`MAX_EARLY` frames and ``HELD_PAYLOADS`` x ``max_payload`` bytes
-per node, each for ``route_timeout``): a trainer may step before a slower one opened.
+held for it (:mod:`fabricd.daemon.services.ako_early`): a trainer may step before a slower
+one opened.
+
+An open is answered when the engine's handshake is done (:meth:`Exchange.start`): every peer
+answered its HELLO FRESH (a peer's daemon answers for a rank that has not opened yet), or the
+rank had left and the survivors took it back at their next flush, with a model (its open
+waits until then).  A HELLO not answered within ``route_timeout`` fails the open (a rank not
+started, or its node unreachable); one to a rank not known yet is said again when it is.
 
 Partition counts (Ako §3.2): ``partitions=N``, or ``"auto"``: the rank steps with ``n - 1``
 partitions (the least bandwidth) while it measures its gradient rate over its first
@@ -21,8 +27,8 @@ figure for this node's uplink (:func:`fabricd.engines.ako.cost.partitions_for`).
 Membership (Ako §4.3): a rank whose node's links were reset is suspected: its peers stop
 sending it and keep what they owe it (:meth:`Exchange.lose`); back, it is sent its debt
 (:meth:`Exchange.back`); gone, or left, it is forgotten (:meth:`Exchange.gone`), and the
-survivors never wait for it.  A rank that opens the exchange again after it left is not taken
-back (its peers forgot it for good: it must use another name).
+survivors never wait for it.  A rank that opens the exchange again after it left is taken back
+(Ako §4.3; the engine's module docstring says how).
 
 Bounds: a model travels whole in one frame at most (a flush, a debt): its bytes are at most
 ``max_payload``; a job has at most ``max_collectives_per_job`` exchanges on a node; what an
@@ -32,7 +38,7 @@ exchange holds (its window, its sum, each debt) is charged to the job's byte bud
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import secrets
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -40,25 +46,28 @@ import numpy as np
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
+from fabricd.daemon.services.ako_early import EarlyParts
 from fabricd.daemon.services.data_queues import DataQueues
-from fabricd.daemon.services.jobs import (
-    Groups,
-    OpenCall,
-    OpenCalls,
-    WaitingForRanks,
-    refuse_while_draining,
-)
+from fabricd.daemon.services.jobs import Groups, OpenCall, OpenCalls, refuse_while_draining
 from fabricd.daemon.services.senders import Gate, Sender, earliest
 from fabricd.daemon.stalls import call_line
 from fabricd.dtypes import FLOAT_DTYPES
 from fabricd.engines.actions import Failure
 from fabricd.engines.ako.cost import partitions_for
-from fabricd.engines.ako.exchange import MAX_PARTITIONS, Exchange, Flushed, SendPart, Stepped
+from fabricd.engines.ako.exchange import (
+    MAX_PARTITIONS,
+    Exchange,
+    Flushed,
+    Opened,
+    SendPart,
+    SendSignal,
+    Stepped,
+)
 from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.membership import RankBack as RankBackEvent
-from fabricd.engines.membership import RankGone, RankLeft, RankSuspected
+from fabricd.engines.membership import RankGone, RankJoined, RankLeft, RankSuspected
 from fabricd.errors import ErrorCode, OperationFailed, RemoteProtocolError, UsageError
-from fabricd.frames.ako import Part, describe
+from fabricd.frames.ako import Part, Signal, describe
 from fabricd.frames.fields import MAX_NAME
 from fabricd.wire import Kind, Meta, get_int, get_str
 
@@ -83,30 +92,6 @@ RankKey = tuple[str, str, int]  #: (job, exchange name, rank)
 
 #: steps a rank with ``partitions="auto"`` measures its gradient rate over
 PROFILE_STEPS: Final = 5
-#: the most PART frames a node holds for ranks that have not opened their exchange yet, and
-#: their bytes, in max_payloads (the parameter server's early frames have the same bounds)
-MAX_EARLY: Final = 4096
-HELD_PAYLOADS: Final = 4
-
-
-@dataclass(slots=True, kw_only=True)
-class _Waiting:
-    """An open that waits for every rank of its job to be known."""
-
-    session: ClientSession
-    request_id: int
-    name: str
-    spec: Meta
-    region: tuple[int, int]  #: the model's (seg, off)
-    partitions: int | None  #: None: "auto"
-    deadline: float
-
-
-@dataclass(slots=True)
-class _Early:
-    frame: Part
-    payload: bytes | bytearray
-    deadline: float
 
 
 class AkoService(BaseService):
@@ -127,18 +112,12 @@ class AkoService(BaseService):
         self._profiles: dict[RankKey, list[float]] = {}
         self.operations = OperationStats(self.name, kinds=["step", "flush"])
         self._open: OpenCalls[RankKey] = OpenCalls(host, self.operations)
-        self._waiting: WaitingForRanks[_Waiting] = WaitingForRanks(
-            host, membership, "exchange opens", lambda w: f"partial exchange {w.name!r}"
-        )
-        self._early: dict[RankKey, list[_Early]] = {}
-        #: ranks some of whose early parts were dropped, and why (their open is refused)
-        self._missed: dict[RankKey, str] = {}
+        #: exchanges whose HELLOs wait for answers: when their opens fail
+        self._hellos: Deadlines[RankKey] = Deadlines()
         #: exchanges opened in two ways: every call fails, saying so
         self._broken: dict[RankKey, str] = {}
         #: the debts each exchange keeps for unreachable peers, charged to the budget
         self._debts: dict[RankKey, dict[int, Charge]] = {}
-        self._early_deadlines: Deadlines[RankKey] = Deadlines()
-        self._early_count = self._early_bytes = 0
         self._landing: dict[tuple[int, str, str, int, int], bytearray] = {}
         self._frames = DataQueues(host, Kind.PART, sent=self._count_sent)
         self._counters = {
@@ -147,7 +126,9 @@ class AkoService(BaseService):
             #: bounds, or from a node its sender is not on (frames_refused_not_member too)
             "part_frames_dropped": 0,
             "repartitions": 0,
+            "ranks_taken_back": 0,  #: opens answered with a survivor's model
         }
+        self._early = EarlyParts(host, self._counters)
         self._gate = Gate(
             host, membership, remote_log, self._counters, "part_frames_dropped", self._replay
         )
@@ -217,8 +198,58 @@ class AkoService(BaseService):
 
     def _open_exchange(self, request: Request, rank_key: RankKey, now: float) -> Meta | None:
         meta, session = request.meta, request.session
-        if rank_key in self.exchanges or self._waiting.has(session, rank_key[1]):
-            raise UsageError(f"rank {session.rank} opened partial exchange {rank_key[1]!r} already")
+        job, name, rank = rank_key
+        if rank_key in self.exchanges:
+            raise UsageError(f"rank {rank} opened partial exchange {name!r} already")
+        spec, partitions = self._spec(meta, session)
+        model = self._array(session, meta, spec["dtype"])
+        missed = self._early.missed(rank_key)
+        if missed is not None:
+            raise OperationFailed(
+                f"rank {rank}'s peers sent it parts of partial exchange {name!r} before it "
+                f"opened, and {missed}: its model would miss them; open it sooner (every rank "
+                "opens before its first step), or under another name",
+                code=ErrorCode.LIMIT,
+            )
+        names = len({k[1] for k in self._of_job.of(job)})
+        if names >= self.host.config.max_collectives_per_job:
+            raise OperationFailed(
+                f"job {job!r} has {names} partial exchanges on node {self.host.config.node_id}, "
+                "the most max_collectives_per_job allows",
+                code=ErrorCode.LIMIT,
+            )
+        count = min(partitions or max(1, spec["n"] - 1), spec["size"])
+        # the window (p gradients), g* in float64, and one debt (more are charged when made)
+        charge = self._charge(job, (count * model.itemsize + 16) * model.size, name)
+        try:
+            exchange = Exchange(
+                rank=rank,
+                ranks=spec["n"],
+                model=model,
+                partitions=count,
+                lr=spec["lr"],
+                staleness=spec["staleness"],
+                nonce=secrets.randbits(63) or 1,
+            )
+        except BaseException:
+            charge.release()
+            raise
+        self.exchanges[rank_key] = exchange
+        self._specs[rank_key] = spec
+        self._charges[rank_key] = [charge]
+        self._of_job.add(job, rank_key)
+        if partitions is None and spec["n"] > 1:
+            self._profiles[rank_key] = []
+        self._start(request, rank_key, "open", 0, now)
+        self._hellos.set(rank_key, now + self.host.config.route_timeout)
+        for frame, payload in self._early.take(rank_key):
+            self._apply(frame, payload)
+        self._perform(rank_key, exchange.start())
+        return None
+
+    def _spec(self, meta: Meta, session: ClientSession) -> tuple[Meta, int | None]:
+        """An open's spec (what every rank must agree on) and partition count (``None``:
+        "auto"), checked."""
         dtype = get_str(meta, "dtype")
         if dtype not in FLOAT_DTYPES:
             raise UsageError(
@@ -248,86 +279,7 @@ class AkoService(BaseService):
             "lr": lr,
             "staleness": get_int(meta, "staleness", hi=2**31 - 1),
         }
-        waiting = _Waiting(
-            session=session,
-            request_id=request.id,
-            name=rank_key[1],
-            spec=spec,
-            region=(get_int(meta, "seg"), get_int(meta, "off")),
-            partitions=None if partitions == "auto" else partitions,
-            deadline=now + self.host.config.route_timeout,
-        )
-        self._array(session, meta, dtype)  # (the region is checked now, not when it runs)
-        if not self._try(waiting, now):
-            self._waiting.add(waiting)
-        return None
-
-    def _try(self, waiting: _Waiting, now: float) -> bool:
-        """Make the exchange once every rank of its job is known (its peers' frames need
-        routes); ``False``: it waits."""
-        session = waiting.session
-        job = str(session.job)
-        if self.membership.known(job) < session.size:
-            return False
-        rank_key = (job, waiting.name, session.rank)
-        missed = self._missed.pop(rank_key, None)
-        if missed is not None:
-            raise OperationFailed(
-                f"rank {session.rank}'s peers sent it parts of partial exchange "
-                f"{waiting.name!r} before it opened, and {missed}: its model would miss them; "
-                "open it sooner (every rank opens before its first step), or under another name",
-                code=ErrorCode.LIMIT,
-            )
-        spec = waiting.spec
-        names = len({k[1] for k in self._of_job.of(job)})
-        if names >= self.host.config.max_collectives_per_job:
-            raise OperationFailed(
-                f"job {job!r} has {names} partial exchanges on node {self.host.config.node_id}, "
-                "the most max_collectives_per_job allows",
-                code=ErrorCode.LIMIT,
-            )
-        seg, off = waiting.region
-        nbytes = spec["size"] * np.dtype(spec["dtype"]).itemsize
-        model = np.frombuffer(session.segment(seg).view(off, nbytes), dtype=spec["dtype"])
-        peers = max(1, spec["n"] - 1)
-        partitions = waiting.partitions if waiting.partitions is not None else peers
-        partitions = min(partitions, spec["size"])
-        # the window (p gradients), g* in float64, and one debt (more are charged when made)
-        charge = self._charge(job, (partitions * model.itemsize + 16) * model.size, waiting.name)
-        try:
-            exchange = Exchange(
-                rank=session.rank,
-                ranks=spec["n"],
-                model=model,
-                partitions=partitions,
-                lr=spec["lr"],
-                staleness=spec["staleness"],
-            )
-        except BaseException:
-            charge.release()
-            raise
-        self.exchanges[rank_key] = exchange
-        self._specs[rank_key] = spec
-        self._charges[rank_key] = [charge]
-        self._of_job.add(job, rank_key)
-        if waiting.partitions is None and spec["n"] > 1:
-            self._profiles[rank_key] = []
-        self.host.reply(
-            session,
-            waiting.request_id,
-            {
-                "partitions": exchange.partitions,
-                "ranks": spec["n"],
-                "auto": waiting.partitions is None,
-            },
-        )
-        held = self._early.pop(rank_key, [])
-        self._early_count -= len(held)
-        self._early_bytes -= sum(len(early.payload) for early in held)
-        self._early_deadlines.cancel(rank_key)
-        for early in held:
-            self._apply(early.frame, early.payload)
-        return True
+        return spec, None if partitions == "auto" else int(partitions)
 
     def _charge(self, job: str, nbytes: int, name: str) -> Charge:
         owner = self.membership.owner(job)
@@ -396,6 +348,14 @@ class AkoService(BaseService):
 
     def on_data(self, node: int, frame: registry.PayloadFrame, length: int, now: float) -> None:
         assert isinstance(frame, Part)
+        if not length:  # (a handshake signal: no payload, so no buffer was asked for)
+            verdict = self._gate.judge(node, frame.job, frame.src)
+            if verdict is Sender.NOT_YET:
+                self._gate.hold(node, frame.job, frame.src, frame, 0)
+                self._gate.landed(node, frame, now)
+            elif verdict is not Sender.STRANGER:
+                self._take(node, frame, b"", now)
+            return
         buffer = self._landing.pop((node, frame.job, frame.name, frame.src, frame.dst), None)
         if buffer is None:  # held for its sender's announcement, or a stranger's
             self._gate.landed(node, frame, now)
@@ -420,20 +380,13 @@ class AkoService(BaseService):
         rank_key = (frame.job, frame.name, frame.dst)
         if rank_key in self.exchanges:
             self._apply(frame, payload)
-            return
-        limit = HELD_PAYLOADS * self.host.config.max_payload
-        if self._early_count >= MAX_EARLY or self._early_bytes + len(payload) > limit:
-            self._dropped(
-                "a part for rank %d's %r, not open yet: too many held", frame.dst, frame.name
+        elif frame.signal is Signal.HELLO:  # (answered for a rank not open yet: a member)
+            fresh = SendSignal(dst=frame.src, signal=Signal.FRESH, nonce=0, to=frame.nonce)
+            self._send(rank_key, fresh, frame.spec)
+        elif frame.signal is None and not self._early.hold(rank_key, frame, payload, now):
+            remote_log.warning(
+                "dropped", "a part for rank %d's %r, not open yet: too many held", *rank_key[1:]
             )
-            self._missed[rank_key] = "this node held too many parts for ranks not open yet"
-            return
-        deadline = now + self.host.config.route_timeout
-        self._early.setdefault(rank_key, []).append(_Early(frame, payload, deadline))
-        self._early_count += 1
-        self._early_bytes += len(payload)
-        if self._early_deadlines.get(rank_key) is None:
-            self._early_deadlines.set(rank_key, deadline)
 
     def _apply(self, frame: Part, payload: bytes | bytearray) -> None:
         """A part :meth:`_take` found fit (now, or when it held it) for an open exchange."""
@@ -448,10 +401,15 @@ class AkoService(BaseService):
                 f"{describe(frame.spec)}, rank {frame.dst} as {describe(spec)}; every rank must "
                 "open it with the same lr, staleness, dtype and size (or use another name)",
             )
+            if frame.signal is Signal.HELLO:  # (answered with this spec: its open fails too)
+                self._send(rank_key, SendSignal(dst=frame.src, signal=Signal.FRESH, nonce=0, to=0))
             return
         values = np.frombuffer(payload, dtype=exchange.model.dtype)
         try:
-            actions = self._received(exchange, frame, values)
+            if frame.signal is not None:
+                actions = exchange.signal(frame.src, frame.signal, nonce=frame.nonce, to=frame.to)
+            else:
+                actions = self._received(exchange, frame, values)
         except RemoteProtocolError as exc:  # (a member's: its link, every job's, stays up)
             self._dropped("a part from rank %d refused: %s", frame.src, exc)
             return
@@ -470,6 +428,11 @@ class AkoService(BaseService):
             sent=frame.sent,
             sync=frame.sync,
             back=frame.back,
+            nonce=frame.nonce,
+            to=frame.to,
+            joins=frame.joins,
+            join=frame.join,
+            gone=frame.gone,
         )
 
     def _dropped(self, message: str, *args: object) -> None:
@@ -489,8 +452,11 @@ class AkoService(BaseService):
             if not event.lost:  # (one lost with its node's links: on_suspicion decides)
                 self._forget(job, rank, event.reason)
             return
-        self._waiting.retry(job, lambda item: self._try(item, now))
         self._gate.release(job, rank, now)
+        if isinstance(event, RankJoined):  # (a HELLO to it may have found no route)
+            for rank_key in self._of_job.of(job):
+                if rank in self.exchanges[rank_key].peers:
+                    self._perform(rank_key, self.exchanges[rank_key].hello_again(rank))
 
     def on_suspicion(self, event: Suspicion, now: float) -> None:
         match event:
@@ -512,7 +478,7 @@ class AkoService(BaseService):
         """``peer`` is unreachable: its debt is charged first; a debt the budget refuses is
         not kept (the peer is forgotten for good: the replicas may then differ)."""
         debts = self._debts.setdefault(rank_key, {})
-        if peer in debts or peer in exchange.statistics().gone:
+        if peer in debts or peer in exchange.gone_peers:
             return
         try:
             debts[peer] = self._charge(rank_key[0], 8 * exchange.model.size, rank_key[1])
@@ -545,11 +511,11 @@ class AkoService(BaseService):
             elif rank in exchange.peers:
                 self._settle(rank_key, rank)
                 self._perform(rank_key, exchange.gone(rank))
-        for rank_key in [k for k in self._early if k[0] == job and k[2] == rank]:
-            self._drop_early(rank_key)
+        self._early.drop_rank(job, rank)
 
-    def _drop(self, rank_key: RankKey, why: str) -> None:
+    def _drop(self, rank_key: RankKey, why: str, code: ErrorCode = ErrorCode.PEER_FAILED) -> None:
         self.exchanges.pop(rank_key)
+        self._hellos.cancel(rank_key)
         self._specs.pop(rank_key)
         self._profiles.pop(rank_key, None)
         self._of_job.discard(rank_key[0], rank_key)
@@ -559,31 +525,52 @@ class AkoService(BaseService):
             self._settle(rank_key, peer)
         self._debts.pop(rank_key, None)
         self._broken.pop(rank_key, None)
-        self._open.fail(rank_key, Failure(code=ErrorCode.PEER_FAILED, message=why))
-
-    def _drop_early(self, rank_key: RankKey) -> None:
-        for early in self._early.pop(rank_key, []):
-            self._early_count -= 1
-            self._early_bytes -= len(early.payload)
-            self._counters["part_frames_dropped"] += 1
-        self._early_deadlines.cancel(rank_key)
+        self._open.fail(rank_key, Failure(code=code, message=why))
 
     # -- sending ----------------------------------------------------------------------------
     def _perform(self, rank_key: RankKey, actions: list[Action]) -> None:
-        """Carry out ``rank_key``'s actions, and those of local ranks they reach, in order."""
-        work = [(rank_key, actions)]
-        while work:
-            key, todo = work.pop(0)
-            for action in todo:
-                if isinstance(action, Stepped):
-                    self._reply(key, {"round": action.round})
-                elif isinstance(action, Flushed):
-                    self._reply(key, {"flush": action.flush, "synced_from": action.synced_from})
-                else:
-                    work.extend(self._send(key, action))
+        """Carry out ``rank_key``'s actions (a local peer's frame is taken at once)."""
+        for action in actions:
+            if isinstance(action, Stepped):
+                self._reply(rank_key, {"round": action.round})
+            elif isinstance(action, Flushed):
+                self._reply(rank_key, {"flush": action.flush, "synced_from": action.synced_from})
+            elif isinstance(action, Opened):
+                self._opened(rank_key, action)
+            else:
+                self._send(rank_key, action)
+        debts = self._debts.get(rank_key)
+        if debts and rank_key in self.exchanges:  # (a peer back in a new incarnation: no debt)
+            lost = self.exchanges[rank_key].lost
+            for peer in [peer for peer in debts if peer not in lost]:
+                self._settle(rank_key, peer)
+
+    def _opened(self, rank_key: RankKey, action: Opened) -> None:
+        self._hellos.cancel(rank_key)
+        spec = self._specs[rank_key]
+        if action.joined_from is not None:
+            self._counters["ranks_taken_back"] += 1
+            log.info(
+                "rank %d of job %r is taken back into partial exchange %r, with rank %d's model",
+                rank_key[2],
+                rank_key[0],
+                rank_key[1],
+                action.joined_from,
+            )
+        self._reply(
+            rank_key,
+            {
+                "ranks": spec["n"],
+                "auto": rank_key in self._profiles,
+                "joined_from": action.joined_from,
+                "flush": self.exchanges[rank_key].statistics().flushes,
+            },
+        )
 
     def _reply(self, rank_key: RankKey, result: Meta) -> None:
-        exchange = self.exchanges[rank_key]
+        exchange = self.exchanges.get(rank_key)
+        if exchange is None:  # (dropped while a local peer's frame was taken)
+            return
         result |= {
             "clock": exchange.clock,
             "partitions": exchange.partitions,
@@ -591,59 +578,90 @@ class AkoService(BaseService):
         }
         self._open.reply(rank_key, result)
 
-    def _send(self, rank_key: RankKey, action: SendPart) -> list[tuple[RankKey, list[Action]]]:
+    def _send(
+        self, rank_key: RankKey, action: SendPart | SendSignal, spec: Meta | None = None
+    ) -> None:
         job, name, src = rank_key
         entry = self.membership.lookup(job, action.dst)
         if entry is None:
-            return []  # gone: membership's news forgets it
-        frame = Part(
-            job=job,
-            name=name,
-            src=src,
-            dst=action.dst,
-            round=action.round,
-            lo=action.lo,
-            clock=action.clock,
-            spec=self._specs[rank_key],
-            epoch=action.epoch,
-            flush=action.flush,
-            sent=action.sent,
-            sync=action.sync,
-            back=action.back,
-        )
+            return  # gone (membership's news forgets it), or not known yet (a HELLO: said again)
+        spec = self._specs[rank_key] if spec is None else spec
+        if isinstance(action, SendSignal):
+            frame = Part(
+                job=job,
+                name=name,
+                src=src,
+                dst=action.dst,
+                round=None,
+                lo=0,
+                clock=0,
+                spec=spec,
+                nonce=action.nonce,
+                to=action.to,
+                signal=action.signal,
+            )
+            payload = b""
+        else:
+            frame = Part(
+                job=job,
+                name=name,
+                src=src,
+                dst=action.dst,
+                round=action.round,
+                lo=action.lo,
+                clock=action.clock,
+                spec=spec,
+                epoch=action.epoch,
+                flush=action.flush,
+                sent=action.sent,
+                sync=action.sync,
+                back=action.back,
+                nonce=action.nonce,
+                to=action.to,
+                joins=action.joins,
+                join=action.join,
+                gone=action.gone,
+            )
+            payload = action.payload.tobytes()  # (its own bytes: queued, it waits)
         if entry.node == self.host.config.node_id:
-            self._take(entry.node, frame, action.payload.tobytes(), self.host.now())
-            return []
-        payload = memoryview(action.payload.tobytes())  # (its own bytes: queued, it waits)
-        self._frames.send(entry.node, frame.to_meta(), payload)
-        return []
+            self._take(entry.node, frame, payload, self.host.now())
+        else:
+            self._frames.send(entry.node, frame.to_meta(), memoryview(payload))
 
     # -- clients, time, the drain -----------------------------------------------------------
     def client_gone(self, session: ClientSession, now: float) -> None:
         """A trainer that left takes its exchanges with it (its model was its array); its
         peers forget it when membership says its rank left."""
-        self._waiting.client_gone(session)
         self._open.abandon(session)
         for rank_key in [k for k in self._of_job.of(str(session.job)) if k[2] == session.rank]:
             self._drop(rank_key, "its trainer left")
 
     def next_deadline(self) -> float | None:
         return earliest(
-            self._waiting.next_deadline(),
+            self._hellos.next(),
             self._gate.next_deadline(),
-            self._early_deadlines.next(),
+            self._early.next_deadline(),
             self._open.next_stall(),
         )
 
     def on_timer(self, now: float) -> None:
-        self._waiting.expire(now)
         self._gate.expire(now)
-        for rank_key in self._early_deadlines.pop_due(now):
+        for rank_key in self._early.expire(now):
             remote_log.warning(
                 "early", "parts for rank %d's %r: it did not open in time", rank_key[2], rank_key[1]
             )
-            self._drop_early(rank_key)
-            self._missed[rank_key] = "they were dropped when route_timeout passed"
+        for rank_key in self._hellos.pop_due(now):
+            exchange = self.exchanges.get(rank_key)
+            if exchange is None or exchange.phase != "hello":
+                continue  # (taken back later: it waits for the survivors' flush)
+            unanswered = sorted(exchange.unanswered)
+            self._drop(
+                rank_key,
+                f"ranks {unanswered} did not answer the open of partial exchange "
+                f"{rank_key[1]!r} within route_timeout ({self.host.config.route_timeout} s): "
+                "start every rank of the job, and check their nodes are reachable",
+                code=ErrorCode.NO_SUCH_RANK,
+            )
         for rank_key, _ in self._open.stalled(now):
             row = self._stall_row(rank_key, now)
             if row is not None:
@@ -662,7 +680,11 @@ class AkoService(BaseService):
             return None
         job, name, rank = rank_key
         stats = exchange.statistics()
-        if call.kind == "step":
+        if call.kind == "open" and exchange.phase == "hello":
+            detail = f"answers to its HELLO from ranks {sorted(exchange.unanswered)}"
+        elif call.kind == "open":
+            detail = "to be taken back: the survivors' next flush (it left, and came back)"
+        elif call.kind == "step":
             detail = (
                 f"the staleness gate: clock {stats.clock}, the slowest reachable peer heard at "
                 f"{stats.slowest}, bound {exchange.bound}"
@@ -695,7 +717,6 @@ class AkoService(BaseService):
     def shutdown(self, failure: Failure) -> None:
         for rank_key in [rank_key for rank_key, _ in self._open.items()]:
             self._open.fail(rank_key, failure)
-        self._waiting.shutdown(failure)
 
     # -- status and metrics -----------------------------------------------------------------
     def statistics(self) -> Meta:
@@ -721,14 +742,17 @@ class AkoService(BaseService):
                     "flushes": stats.flushes,
                     "lost": list(stats.lost),
                     "gone": list(stats.gone),
+                    "phase": stats.phase,
                 }
             )
         return {
             "partial_exchanges": rows,
             "counters": {
                 **self._counters,
-                "parts_held_early": self._early_count,
-                "exchange_opens_waiting_for_ranks": len(self._waiting),
+                "parts_held_early": self._early.count,
+                "exchange_opens_waiting": sum(
+                    e.phase != "running" for e in self.exchanges.values()
+                ),
             },
         }
 
@@ -767,6 +791,8 @@ def _unfit(frame: Part, length: int) -> str | None:
     itemsize = np.dtype(spec["dtype"]).itemsize
     if frame.src >= spec["n"] or frame.dst >= spec["n"]:
         return f"ranks {frame.src} and {frame.dst} in an exchange of {spec['n']}"
+    if frame.signal is not None:
+        return None if not length else f"a {frame.signal.value} signal with a payload"
     if not length or length % itemsize or frame.lo + length // itemsize > spec["size"]:
         return f"{length} B from element {frame.lo} in a model of {spec['size']} {spec['dtype']}"
     if frame.sync and length != spec["size"] * itemsize:

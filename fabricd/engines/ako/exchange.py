@@ -64,18 +64,39 @@ Choices where the paper is silent, and why:
   of that number came, with every frame it counted, and no peer is unreachable: a flush waits
   for a lost peer to be back or gone (a step never does).  Afterwards every replica holds
   ``w0 - lr * (every gradient of every rank)`` (float rounding aside).
+* *A rank that comes back* (§4.3: "entries to the counters are re-added when workers
+  recover"; the issue adds that it catches the model up from a peer).  Every exchange has a
+  random ``nonce``; every frame carries its sender's and the nonce it believes its receiver
+  has (``to``; 0: none heard yet), so a frame for or from an earlier incarnation of a rank
+  is told apart and dropped.  An exchange that opens (:meth:`Exchange.start`) says HELLO to
+  every peer and is answered FRESH (it is a member: the job's first open) or JOIN (the peer
+  had it gone, or knew another nonce for it: it left, and this is its return).  A JOIN'd
+  rank takes no part until the survivors take it back, all at one flush: the peers it said
+  HELLO to list it (with its nonce) in their next flush marker, every survivor admits the
+  union of the lists it got with that flush's markers when the flush completes, and the
+  lowest survivor sends it its model then (a SYNC marked ``join``, with the ranks it has
+  gone).  The newcomer adopts that model, clock and flush count, and only then takes the
+  frames it was sent by survivors that admitted it (those carry its nonce); its open is
+  answered then.  Why at a flush: it is the one point where the survivors' models are equal
+  (or made equal by a SYNC), so the model adopted holds every gradient made before it, and
+  every survivor sends the newcomer exactly what it makes after: the exact sum holds again
+  from there.  The survivors never wait for a newcomer before it is taken back (it is gone
+  to them until then); the newcomer waits for their next flush (the trainer's open blocks
+  until then; a job that never flushes again never takes it back).  A rank that opened
+  FRESH to some peers and JOIN to others is gone to all of them once one marker lists it.
 * *No peers* (one rank): steps apply the rank's own gradient and are never held.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import numpy as np
 
 from fabricd.dtypes import FLOAT_DTYPES
 from fabricd.errors import LocalProtocolError, RemoteProtocolError, UsageError
+from fabricd.frames.ako import MAX_GONE, MAX_JOINS, Signal
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -103,6 +124,30 @@ class SendPart:
     sent: int = 0  #: frames the sender sent ``dst`` (this one included; a SYNC aside)
     sync: bool = False  #: the sender's whole model: adopt it (a flush after a loss)
     back: bool = False  #: a debt after ``dst`` was unreachable: frames before it may be lost
+    nonce: int = 0  #: the sender's
+    to: int = 0  #: ``dst``'s nonce as the sender knows it (0: none heard yet)
+    #: returning ranks (rank, nonce) the survivors take back when this flush completes
+    joins: tuple[tuple[int, int], ...] = ()
+    join: bool = False  #: a SYNC for a rank taken back: ``gone`` are the sender's gone ranks
+    gone: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendSignal:
+    """Send rank ``dst`` a signal of the rejoin handshake (no payload)."""
+
+    dst: int
+    signal: Signal
+    nonce: int  #: the sender's
+    to: int  #: ``dst``'s, as the sender knows it (0: none heard yet)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Opened:
+    """The handshake is done: the open is answered.  ``joined_from``: the rank was taken
+    back, with that survivor's model (and its clock and flush count)."""
+
+    joined_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,7 +167,8 @@ class Flushed:
     synced_from: int | None = None
 
 
-Action = SendPart | Stepped | Flushed
+Action = SendPart | SendSignal | Opened | Stepped | Flushed
+Phase = Literal["hello", "joining", "running"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,6 +186,7 @@ class ExchangeStatistics:
     flushes: int
     lost: tuple[int, ...]
     gone: tuple[int, ...]
+    phase: Phase = "running"  #: "hello"/"joining": the open waits for answers/to be taken back
 
 
 def partition_bounds(size: int, parts: int) -> list[tuple[int, int]]:
@@ -173,6 +220,7 @@ class Exchange:
         partitions: int,
         lr: float,
         staleness: int,
+        nonce: int | None = None,
     ) -> None:
         if model.dtype.name not in FLOAT_DTYPES or model.ndim != 1 or not model.size:
             raise UsageError(f"an exchange's model is a 1-d array of {', '.join(FLOAT_DTYPES)}")
@@ -188,6 +236,10 @@ class Exchange:
             raise UsageError(f"a staleness bound is >= 0, not {staleness}")
         if not 0 <= rank < ranks:
             raise UsageError(f"rank {rank} is not one of {ranks}")
+        #: this incarnation's (the daemon's random draw; ``rank + 1`` for tests that care not)
+        self.nonce = rank + 1 if nonce is None else nonce
+        if not 0 < self.nonce < 2**63:
+            raise UsageError(f"a nonce is from 1 to 2**63 - 1, not {self.nonce}")
         self.rank = rank
         self.model = model
         self.partitions = partitions
@@ -223,6 +275,16 @@ class Exchange:
         self._flushes = 0  #: flushes started
         self._flushing = False
         self._bytes_sent = self._bytes_received = 0
+        #: the rejoin handshake (module docstring): "running" unless :meth:`start` was called
+        self.phase: Phase = "running"
+        self._unanswered: set[int] = set()  #: peers whose answer to HELLO has not come
+        self._buffered: list[tuple[int, dict[str, Any]]] = []  #: frames before "running"
+        self._deferred: dict[int, int] = {}  #: HELLOs that came while joining: peer -> nonce
+        self._nonce_of = dict.fromkeys(self.peers, 0)  #: each peer's, once heard (0: not yet)
+        self._joins: dict[int, int] = {}  #: returning ranks to list in the next flush marker
+        self._admit: dict[int, int] = {}  #: those this rank's open flush listed
+        self._joins_heard: dict[int, dict[int, int]] = {}  #: flush -> ranks its markers listed
+        self._floor = 0  #: the flush this rank was taken back at: frames from before it go
 
     # -- the trainer's calls ----------------------------------------------------------------
     def step(self, gradient: Array, now: float) -> list[Action]:
@@ -235,8 +297,7 @@ class Exchange:
                 of the last ``p`` gradients, or a debt); nothing changed.
             LocalProtocolError: the last step or a flush is still open.
         """
-        if self._held is not None or self._flushing:
-            raise LocalProtocolError("the last step or flush is still open: wait for it")
+        self._check_open("the last step or flush is still open: wait for it")
         flat = gradient.reshape(-1)
         if gradient.dtype != self.model.dtype or flat.size != self.model.size:
             raise UsageError(
@@ -281,15 +342,17 @@ class Exchange:
         Raises:
             LocalProtocolError: a step or a flush is still open.
         """
-        if self._held is not None or self._flushing:
-            raise LocalProtocolError("the last step or flush is still open: wait for it")
+        self._check_open("the last step or flush is still open: wait for it")
         self._flushes += 1
         self._flushing = True
+        can_admit = len(self._gone) <= MAX_GONE
+        self._admit = dict(sorted(self._joins.items())[:MAX_JOINS] if can_admit else ())
+        joins = tuple(self._admit.items())
         out: list[Action] = []
         for i in sorted(self._live):
             owed = self._unsent(i)
             self._last[i][:] = self.clock - 1
-            out.append(self._send(i, None, 0, owed, flush=self._flushes))
+            out.append(self._send(i, None, 0, owed, flush=self._flushes, joins=joins))
         return out + self._progress()
 
     def repartition(self, partitions: int) -> list[Action]:
@@ -302,8 +365,7 @@ class Exchange:
             UsageError: a count outside ``[1, min(len(model), MAX_PARTITIONS)]``.
             LocalProtocolError: a step or a flush is open.
         """
-        if self._held is not None or self._flushing:
-            raise LocalProtocolError("a step or flush is still open: repartition between them")
+        self._check_open("a step or flush is still open: repartition between them")
         if not 1 <= partitions <= min(self.model.size, MAX_PARTITIONS):
             raise UsageError(
                 f"partitions must be 1 to {min(self.model.size, MAX_PARTITIONS)}, not {partitions}"
@@ -320,6 +382,137 @@ class Exchange:
         self._last = {i: np.full(partitions, self.clock - 1) for i in self.peers}
         return out
 
+    # -- the rejoin handshake (module docstring) ----------------------------------------------
+    def start(self) -> list[Action]:
+        """The exchange opened: say HELLO to every peer; :class:`Opened` once every peer
+        answered FRESH (or is gone), or once a survivor's model came (one answered JOIN)."""
+        if self.phase != "running" or self.clock or self._flushes:
+            raise LocalProtocolError("an exchange starts once, before its first step")
+        self.phase = "hello"
+        self._unanswered = set(self.peers)
+        return [self._signal(i, Signal.HELLO) for i in self.peers] + self._answered()
+
+    def hello_again(self, peer: int) -> list[Action]:
+        """``peer`` became reachable: say HELLO again if its answer has not come (the first
+        may not have reached it)."""
+        if self.phase == "running" or peer not in self._unanswered:
+            return []
+        return [self._signal(peer, Signal.HELLO)]
+
+    def signal(self, src: int, signal: Signal, *, nonce: int, to: int = 0) -> list[Action]:
+        """A signal from ``src`` (of nonce ``nonce``) of the handshake.
+
+        Raises:
+            RemoteProtocolError: ``src`` is not a peer, or a nonce of 0.
+        """
+        if src not in self._heard:
+            raise RemoteProtocolError(f"rank {src} is not a peer of rank {self.rank}")
+        if not nonce and signal is not Signal.FRESH:  # (FRESH for a rank not open yet has none)
+            raise RemoteProtocolError(f"rank {src} sent a {signal.value} without its nonce")
+        if to and to != self.nonce:
+            return []  # (an answer to an earlier incarnation of this rank)
+        if signal is Signal.HELLO:
+            return self._hello(src, nonce)
+        if self.phase == "running" or src not in self._unanswered:
+            return []  # (a late answer)
+        self._unanswered.discard(src)
+        self._nonce_of[src] = self._nonce_of[src] or nonce
+        if signal is Signal.JOIN:
+            self.phase = "joining"
+        return self._answered()
+
+    def _hello(self, src: int, nonce: int) -> list[Action]:
+        if self.phase == "joining":  # (answered once this rank knows who is gone)
+            self._deferred[src] = nonce
+            return []
+        out: list[Action] = []
+        known = self._nonce_of[src]
+        if self._pending(src) == nonce or src in self._gone or known not in (0, nonce):
+            out += self.gone(src)  # (its earlier incarnation, if it was still here)
+            self._joins[src] = nonce
+            return [*out, self._signal(src, Signal.JOIN, to=nonce)]
+        self._nonce_of[src] = nonce
+        return [self._signal(src, Signal.FRESH)]
+
+    def _answered(self) -> list[Action]:
+        """Every peer answered FRESH (or is gone): the exchange runs, with the frames it was
+        sent meanwhile."""
+        if self.phase != "hello" or self._unanswered:
+            return []
+        return self._run(Opened(), floor=0)
+
+    def _adopt(
+        self, src: int, nonce: int, model: Array, clock: int, flush: int, gone: tuple[int, ...]
+    ) -> list[Action]:
+        """Taken back at ``src``'s flush ``flush``: its model, clock and flush count become
+        this rank's; its gone ranks (and those gone here) are gone."""
+        self.model[:] = model
+        self.clock = clock
+        self._flushes = flush
+        self._gone |= {i for i in gone if i in self._heard}
+        self._settled = set(self._gone)
+        for i in self._gone:
+            self._owed.pop(i, None)
+        self._live = set(self.peers) - self._gone - set(self._owed)
+        for i in self.peers:
+            self._last[i][:] = clock - 1
+            self._heard[i] = clock
+            self._sent_to[i] = self._got_from[i] = 0
+            self._marked[i] = flush
+        self._markers = {}
+        self._nonce_of[src] = nonce
+        self._unanswered.clear()
+        return self._run(Opened(joined_from=src), floor=flush)
+
+    def _run(self, opened: Opened, *, floor: int) -> list[Action]:
+        """Start running: the frames sent for this incarnation after the flush it was taken
+        back at (``floor``) are applied, and the HELLOs that waited are answered."""
+        self.phase = "running"
+        self._floor = floor
+        out: list[Action] = [opened]
+        buffered, self._buffered = self._buffered, []
+        for src, fields in buffered:
+            out += self.received(src, **fields)
+        deferred, self._deferred = self._deferred, {}
+        for src, nonce in deferred.items():
+            out += self._hello(src, nonce)
+        return out
+
+    def _pending(self, src: int) -> int:
+        """The nonce ``src`` is to be taken back with at a flush (0: none)."""
+        for joins in (self._admit, *self._joins_heard.values(), self._joins):
+            if src in joins:
+                return joins[src]
+        return 0
+
+    def _take_back(self, admitted: dict[int, int], send: bool) -> list[Action]:
+        """The flush listing ``admitted`` completed: each is a member again, owed what this
+        rank makes from now on; ``send``: this rank is the survivor whose model they take."""
+        out: list[Action] = []
+        gone = tuple(sorted(self._gone - admitted.keys())[:MAX_GONE])
+        for peer, nonce in sorted(admitted.items()):
+            if self._joins.get(peer) == nonce:
+                del self._joins[peer]
+            self._gone.discard(peer)
+            self._settled.discard(peer)
+            self._owed.pop(peer, None)
+            self._live.add(peer)
+            self._nonce_of[peer] = nonce
+            self._last[peer][:] = self.clock - 1
+            self._heard[peer] = self.clock
+            self._sent_to[peer] = self._got_from[peer] = 0
+            self._marked[peer] = self._flushes
+            self._markers.pop(peer, None)
+            if send:
+                model = self.model.copy()
+                out.append(
+                    self._send(
+                        peer, None, 0, model, flush=self._flushes, sync=True, join=True, gone=gone
+                    )
+                )
+        self._admit = {}
+        return out
+
     # -- a peer's frames --------------------------------------------------------------------
     def received(
         self,
@@ -334,16 +527,64 @@ class Exchange:
         sent: int = 0,
         sync: bool = False,
         back: bool = False,
+        nonce: int = 0,
+        to: int = 0,
+        joins: tuple[tuple[int, int], ...] = (),
+        join: bool = False,
+        gone: tuple[int, ...] = (),
     ) -> list[Action]:
         """A part from ``src`` (a :class:`SendPart` of its): applied to the model at once;
-        its clock heard; a flush marker kept; a model to adopt kept for the flush.  A part
-        ``src`` sent after its flush while this rank's is open waits for it (module
-        docstring); a frame from a rank gone for good is dropped.
+        its clock heard; a flush marker kept (with the returning ranks it lists); a model to
+        adopt kept for the flush.  A part ``src`` sent after its flush while this rank's is
+        open waits for it (module docstring); a frame from a rank gone for good, from an
+        earlier incarnation of ``src``, or for an earlier one of this rank is dropped; before
+        the handshake is done, frames wait for it.
 
         Raises:
             RemoteProtocolError: ``src`` is not a peer, or the part is not of the model's
                 dtype or does not fit in it, or holds a NaN or an infinity (nothing changed).
         """
+        self._check_part(src, lo, payload, flush if sync else 0)
+        if to and to != self.nonce:
+            return []
+        fields: dict[str, Any] = {"round": round, "lo": lo, "payload": payload, "clock": clock}
+        fields["epoch"] = epoch
+        fields |= {"flush": flush, "sent": sent, "sync": sync, "back": back, "nonce": nonce}
+        fields |= {"to": to, "joins": joins, "join": join, "gone": gone}
+        if self.phase != "running":
+            if sync and join and flush is not None and nonce:
+                return self._adopt(src, nonce, payload, clock, flush, gone)
+            self._buffered.append((src, fields | {"payload": payload.copy()}))
+            return []
+        k = self._flushes
+        if join or epoch < self._floor or (epoch == self._floor == flush and flush):
+            return []  # (sent before this rank was taken back: its model holds it)
+        if src in self._gone:
+            if nonce and self._pending(src) == nonce:  # taken back when this flush completes
+                self._later.append((src, fields | {"payload": payload.copy()}))
+            return []
+        if nonce and self._nonce_of[src] not in (0, nonce):
+            return []  # (a late frame of an earlier incarnation)
+        self._nonce_of[src] = self._nonce_of[src] or nonce
+        self._heard[src] = max(self._heard[src], clock)
+        if sync:
+            self._sync = (src, int(flush or 0), payload.copy())
+            return self._progress()
+        if self._flushing and (epoch > k or (epoch == k and flush != k)):
+            self._later.append((src, fields | {"payload": payload.copy()}))
+            return self._progress()
+        view = self.model[lo : lo + payload.size]
+        view -= (self.lr * payload).astype(self.model.dtype, copy=False)
+        self._bytes_received += payload.nbytes
+        # a debt after a reset: what was in flight before it may be lost (its count with it)
+        self._got_from[src] = max(self._got_from[src] + 1, sent if back else 0)
+        out: list[Action] = []
+        if flush is not None:
+            self._markers[src] = max(self._markers.get(src, (0, 0)), (flush, sent))
+            out += self._listed(flush, joins)
+        return out + self._progress()
+
+    def _check_part(self, src: int, lo: int, payload: Array, sync_flush: int | None) -> None:
         if src not in self._heard:
             raise RemoteProtocolError(f"rank {src} is not a peer of rank {self.rank}")
         if payload.dtype != self.model.dtype or payload.ndim != 1:
@@ -354,28 +595,18 @@ class Exchange:
             )
         if not np.isfinite(payload).all():
             raise RemoteProtocolError(f"rank {src} sent a part holding a NaN or an infinity")
-        if src in self._gone:
-            return []
-        self._heard[src] = max(self._heard[src], clock)
-        if sync:
-            if lo or payload.size != self.model.size or flush is None:
-                raise RemoteProtocolError(f"rank {src} sent a SYNC that is not a whole model")
-            self._sync = (src, flush, payload.copy())
-            return self._progress()
-        k = self._flushes
-        if self._flushing and (epoch > k or (epoch == k and flush != k)):
-            fields = {"round": round, "lo": lo, "payload": payload.copy(), "clock": clock}
-            fields |= {"epoch": epoch, "flush": flush, "sent": sent, "back": back}
-            self._later.append((src, fields))
-            return self._progress()
-        view = self.model[lo : lo + payload.size]
-        view -= (self.lr * payload).astype(self.model.dtype, copy=False)
-        self._bytes_received += payload.nbytes
-        # a debt after a reset: what was in flight before it may be lost (its count with it)
-        self._got_from[src] = max(self._got_from[src] + 1, sent if back else 0)
-        if flush is not None:
-            self._markers[src] = max(self._markers.get(src, (0, 0)), (flush, sent))
-        return self._progress()
+        if sync_flush is None or (sync_flush and (lo or payload.size != self.model.size)):
+            raise RemoteProtocolError(f"rank {src} sent a SYNC that is not a whole model")
+
+    def _listed(self, flush: int, joins: tuple[tuple[int, int], ...]) -> list[Action]:
+        """A flush marker listed returning ranks: taken back when that flush completes (their
+        earlier incarnations, if still members here, are gone now: none will flush)."""
+        out: list[Action] = []
+        for peer, nonce in joins:
+            if peer in self._heard:
+                self._joins_heard.setdefault(flush, {})[peer] = nonce
+                out += self.gone(peer)
+        return out
 
     # -- peers lost and back ----------------------------------------------------------------
     def lose(self, peer: int) -> list[Action]:
@@ -393,6 +624,8 @@ class Exchange:
         if debt is None or peer in self._gone:
             return []
         self._live.add(peer)
+        if self.phase != "running":  # (nothing made yet: nothing owed)
+            return self.hello_again(peer)
         self._last[peer][:] = self.clock - 1
         # (with the marker of this rank's last flush if the peer missed it: it waits for it)
         missed = self._flushes if self._marked[peer] < self._flushes else None
@@ -406,7 +639,8 @@ class Exchange:
         self._live.discard(peer)
         self._owed.pop(peer, None)
         self._markers.pop(peer, None)
-        return self._progress()
+        self._unanswered.discard(peer)
+        return self._answered() + self._progress()
 
     # -- what it holds ----------------------------------------------------------------------
     def statistics(self) -> ExchangeStatistics:
@@ -422,6 +656,7 @@ class Exchange:
             flushes=self._flushes,
             lost=tuple(sorted(set(self._owed))),
             gone=tuple(sorted(self._gone)),
+            phase=self.phase,
         )
 
     # -- inside -----------------------------------------------------------------------------
@@ -447,6 +682,9 @@ class Exchange:
         flush: int | None = None,
         sync: bool = False,
         back: bool = False,
+        joins: tuple[tuple[int, int], ...] = (),
+        join: bool = False,
+        gone: tuple[int, ...] = (),
     ) -> SendPart:
         payload = values.astype(self.model.dtype)  # (a copy: the window moves on)
         self._bytes_sent += payload.nbytes
@@ -465,7 +703,22 @@ class Exchange:
             sent=self._sent_to[peer],
             sync=sync,
             back=back,
+            nonce=self.nonce,
+            to=self._nonce_of[peer],
+            joins=joins,
+            join=join,
+            gone=gone,
         )
+
+    def _signal(self, peer: int, signal: Signal, to: int | None = None) -> SendSignal:
+        to = self._nonce_of[peer] if to is None else to
+        return SendSignal(dst=peer, signal=signal, nonce=self.nonce, to=to)
+
+    def _check_open(self, busy: str) -> None:
+        if self.phase != "running":
+            raise LocalProtocolError("the exchange is not open yet: its open call answers first")
+        if self._held is not None or self._flushing:
+            raise LocalProtocolError(busy)
 
     def _unsent(self, peer: int) -> NDArray[np.float64]:
         """What ``peer`` has not been sent of the window: per part, the rounds after its
@@ -487,6 +740,21 @@ class Exchange:
                 f"{what} would reach {largest:.3g}, past what {self.model.dtype} holds "
                 f"({limit:.3g}): scale the gradients down, or exchange a wider dtype"
             )
+
+    @property
+    def lost(self) -> frozenset[int]:
+        """The peers this rank keeps a debt for (unreachable, not gone)."""
+        return frozenset(self._owed)
+
+    @property
+    def gone_peers(self) -> frozenset[int]:
+        """The peers gone for good (until one is taken back)."""
+        return frozenset(self._gone)
+
+    @property
+    def unanswered(self) -> frozenset[int]:
+        """The peers whose answer to this rank's HELLO has not come."""
+        return frozenset(self._unanswered)
 
     @property
     def slowest(self) -> int | None:
@@ -546,6 +814,8 @@ class Exchange:
         self._flushing = False
         self._settled.update(absent)
         out.append(Flushed(flush=self._flushes, synced_from=lowest if absent else None))
+        admitted = self._admit | self._joins_heard.pop(self._flushes, {})
+        out += self._take_back(admitted, send=lowest == self.rank)
         later, self._later = self._later, []
         for src, fields in later:
             out += self.received(src, **fields)
