@@ -1,0 +1,611 @@
+"""The ``torch.distributed`` backend ``"fabricd"``: existing PyTorch code runs over the daemons.
+
+``import fabricd.torch`` registers it; then::
+
+    dist.init_process_group("fabricd")   # any rendezvous: env://, tcp://, a store
+    dist.all_reduce(t); dist.all_gather_single(out, t); ...   # DDP, FSDP, ZeRO: unchanged
+
+How it is built.  torch 2.13 accepts a process group written in Python: a subclass of
+``torch.distributed.ProcessGroup`` whose methods (``allreduce``, ``all_gather_single``, ...)
+torch's Python API and its C++ callers (DDP's reducer) reach through pybind, registered with
+``Backend.register_backend(name, creator, devices=["cpu"])`` (torch's own "threaded" test
+backend is built this way; ``dist.BackendBase``, which newer documentation describes, is not
+in 2.13).  Each process group is one fabricd client: a job of the group's ranks, named by
+``$FABRICD_JOB`` for the default group (else drawn by rank 0 and shared through the
+rendezvous store, so two runs on one fabric never collide; a subgroup's job is that name and
+its own draw), its socket found as :func:`fabricd.connect` finds it.
+
+A call copies its tensors into staging arrays (:mod:`fabricd.torch.staging`), starts the
+daemon's operations at once, in the caller's thread, and returns a ``Work`` whose future one
+thread per process group completes, oldest first: it waits for the daemon, copies the result
+out and sets the future (where DDP's ``then`` callbacks run, as on gloo's threads).  Starting
+in the caller's thread keeps every rank's calls in the order torch made them, and lets a later
+call (a receive) start while an earlier one (a send to a peer that has not received yet) still
+waits.  A call that fails (a rank left: ``PeerFailed``; ``timeout`` passed) fails its future,
+so ``wait()`` raises, and never hangs.
+
+What each operation is on the daemons: ``allreduce`` (sum, average, max, min) and
+``broadcast`` are the daemons' own collectives, ``barrier`` theirs; ``allreduce`` with product
+or a bitwise op gathers every rank's tensor and reduces it here; ``allgather`` is one daemon
+broadcast per rank, run at once; ``reduce_scatter`` an allreduce of which each rank keeps its
+part, and ``reduce`` one whose result only the root keeps; ``gather`` an allgather the root
+keeps; ``scatter``, ``alltoall`` and ``send``/``recv`` the daemons' point-to-point messages
+(tags from 2**30 are the backend's own).  The process group is sync: ``all_reduce`` means
+what it means with gloo; eager-SGD's partial modes are in the DDP hook (:mod:`.hook`), where
+a training loop chooses them knowingly.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import fabricd
+from fabricd.errors import UsageError
+from fabricd.torch import staging
+from fabricd.torch.staging import Slot, Staging, as_bytes, flat_view, reduce_dtype
+
+if TYPE_CHECKING:
+    import datetime
+    from collections.abc import Callable, Sequence
+
+    from torch._C._distributed_c10d import Store
+
+    from fabricd.client import Client
+    from fabricd.client.collectives import Op
+    from fabricd.client.handle import Handle
+
+BACKEND: Final = "fabricd"
+#: what a collective that only moves bytes moves them as (the daemons' collectives take the
+#: types they reduce): 8-byte words, the last one padded
+WORDS: Final = "int64"
+#: point-to-point tags from here on are the backend's own (scatter, all-to-all)
+INTERNAL_TAGS: Final = 1 << 30
+_R = dist.ReduceOp
+#: the reductions the daemons make, by their names there
+NATIVE_OPS: Final[dict[Any, Op]] = {_R.SUM: "sum", _R.AVG: "avg", _R.MAX: "max", _R.MIN: "min"}
+#: the reductions made here, over every rank's tensor gathered
+LOCAL_OPS: Final[dict[Any, Callable[[torch.Tensor], torch.Tensor]]] = {
+    _R.PRODUCT: lambda stacked: stacked.prod(dim=0),
+    _R.BAND: lambda stacked: _fold(stacked, torch.bitwise_and),
+    _R.BOR: lambda stacked: _fold(stacked, torch.bitwise_or),
+    _R.BXOR: lambda stacked: _fold(stacked, torch.bitwise_xor),
+}
+
+
+def _fold(
+    stacked: torch.Tensor, op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    result = stacked[0].clone()
+    for row in stacked[1:]:
+        result = op(result, row)
+    return result
+
+
+@dataclass(slots=True, eq=False)
+class _Call:
+    """A call in flight: the daemon's operations it waits for, what to do then, its slots."""
+
+    what: str
+    handles: list[Handle[Any]]
+    finish: Callable[[], object]
+    slots: list[Slot]
+    future: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
+
+
+class _Completer:
+    """Finishes a process group's calls, oldest first, on a thread of its own."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._calls: collections.deque[_Call] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="fabricd-torch", daemon=True)
+        self._thread.start()
+
+    def add(self, call: _Call) -> None:
+        with self._cond:
+            if self._closed:
+                raise UsageError("the fabricd process group was shut down")
+            self._calls.append(call)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._calls and not self._closed:
+                    self._cond.wait()
+                if not self._calls:
+                    return
+                call = self._calls[0]
+            self._complete(call)
+            with self._cond:
+                self._calls.popleft()
+
+    def _complete(self, call: _Call) -> None:
+        deadline = time.monotonic() + self.timeout
+        try:
+            for handle in call.handles:
+                handle.wait(max(deadline - time.monotonic(), 0.0))
+            value = call.finish()
+        except BaseException as exc:  # (the waiter gets it: wait() raises, never hangs)
+            for slot in call.slots:
+                Staging.release(slot)
+            call.future.set_exception(
+                RuntimeError(f"fabricd backend: {call.what} failed: {exc}").with_traceback(
+                    exc.__traceback__
+                )
+            )
+            return
+        for slot in call.slots:
+            Staging.release(slot)
+        call.future.set_result(value)
+
+
+class FabricdProcessGroup(dist.ProcessGroup):
+    """A process group of a fabricd job (module docstring)."""
+
+    def __init__(self, fab: Client, rank: int, size: int, timeout: float, job: str) -> None:
+        super().__init__(rank, size)
+        self.fab = fab
+        self.job = job
+        self._rank, self._size = rank, size
+        self._timeout = timeout
+        self._staging = Staging(fab, "torch")
+        self._completer = _Completer(timeout)
+        self._internal = 0  #: the backend's point-to-point calls so far (their tags)
+        self._finalizer = weakref.finalize(self, _close, self._completer, fab)
+
+    # -- what torch asks of every process group ---------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def size(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"FabricdProcessGroup(job={self.job!r}, rank={self._rank}, size={self._size})"
+
+    def shutdown(self) -> None:
+        """Finish nothing more; close the client (``destroy_process_group`` calls it)."""
+        self._finalizer()
+
+    abort = shutdown
+
+    # -- reductions -------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._allreduce(tensors, _op(opts), "allreduce")
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._allreduce(tensors, _op(opts), "allreduce_coalesced")
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = opts.rootRank if opts is not None else 0
+        return self._allreduce(tensors, _op(opts), "reduce", keep=self._rank == root)
+
+    def _allreduce(self, tensors: list[torch.Tensor], op: Any, what: str, keep: bool = True) -> Any:
+        flats = [flat_view(t, what) for t in tensors]
+        if len({f.dtype for f in flats}) > 1:
+            raise UsageError(f"the fabricd backend's {what} takes tensors of one dtype")
+        if op in LOCAL_OPS:
+            return self._reduce_here(flats, op, what, keep)
+        if op not in NATIVE_OPS:
+            raise UsageError(f"the fabricd backend's {what} does not do {op}")
+        dtype = flats[0].dtype
+        name = reduce_dtype(dtype, what)
+        parts = [torch.view_as_real(f).reshape(-1) if f.is_complex() else f for f in flats]
+        if flats[0].is_complex() and op not in (_R.SUM, _R.AVG):
+            raise UsageError(f"the fabricd backend's {what} of {dtype} sums or averages only")
+        count = sum(p.numel() for p in parts)
+        slot, span = self._take(name, count)
+        stage = torch.from_numpy(slot.array)
+        _pack(parts, stage)
+        collective = f"torch:ar:{NATIVE_OPS[op]}:{slot.name}:{span}"
+        handle = self.fab.allreduce_async(slot.array[:span], NATIVE_OPS[op], name=collective)
+
+        def finish() -> list[torch.Tensor]:
+            if keep:
+                _unpack(stage, parts)
+            return tensors
+
+        return self._call(what, [handle], finish, [slot])
+
+    def _reduce_here(self, flats: list[torch.Tensor], op: Any, what: str, keep: bool) -> Any:
+        """Product and bitwise reductions: every rank's tensors gathered, reduced here."""
+        if op != _R.PRODUCT and (flats[0].is_floating_point() or flats[0].is_complex()):
+            raise UsageError(f"the fabricd backend's {what} with {op} takes integers or bool")
+        joined = torch.cat(flats) if len(flats) > 1 else flats[0]
+        gathered = torch.empty((self._size, joined.numel()), dtype=joined.dtype)
+        handles, slot, unstage = self._gather_start(as_bytes(joined), what)
+
+        def finish() -> list[torch.Tensor]:
+            unstage(as_bytes(gathered).reshape(self._size, -1))
+            if keep:
+                _unpack(LOCAL_OPS[op](gathered), flats)
+            return flats
+
+        return self._call(what, handles, finish, [slot])
+
+    # -- moving -----------------------------------------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = opts.rootRank if opts is not None else 0
+        parts = [as_bytes(flat_view(t, "broadcast")) for t in tensors]
+        slot, span = self._take(WORDS, _words(sum(p.numel() for p in parts)))
+        stage = _bytes_of(slot)
+        if self._rank == root:
+            _pack(parts, stage)
+        collective = f"torch:bc:{root}:{slot.name}:{span}"
+        handle = self.fab.broadcast_async(slot.array[:span], root, name=collective)
+
+        def finish() -> list[torch.Tensor]:
+            if self._rank != root:
+                _unpack(stage, parts)
+            return tensors
+
+        return self._call("broadcast", [handle], finish, [slot])
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        if len(inputs) != 1 or len(outputs) != 1 or len(outputs[0]) != self._size:
+            raise UsageError(
+                f"the fabricd backend's allgather takes one input and {self._size} outputs"
+            )
+        source = as_bytes(flat_view(inputs[0], "allgather"))
+        for out in outputs[0]:
+            if out.dtype != inputs[0].dtype or out.numel() != inputs[0].numel():
+                raise UsageError("the fabricd backend's allgather takes equal tensors")
+        handles, slot, unstage = self._gather_start(source, "allgather")
+
+        def finish() -> list[list[torch.Tensor]]:
+            rows = [as_bytes(flat_view(out, "allgather")) for out in outputs[0]]
+            unstage(_Rows(rows))
+            return outputs
+
+        return self._call("allgather", handles, finish, [slot])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        source = as_bytes(flat_view(input, "all_gather_single"))
+        target = as_bytes(flat_view(output, "all_gather_single"))
+        if output.dtype != input.dtype or target.numel() != source.numel() * self._size:
+            raise UsageError(
+                f"the fabricd backend's all_gather_single needs an output of {self._size} "
+                "times the input, of its dtype"
+            )
+        handles, slot, unstage = self._gather_start(source, "all_gather_single")
+
+        def finish() -> list[torch.Tensor]:
+            unstage(target.reshape(self._size, -1))
+            return [output]
+
+        return self._call("all_gather_single", handles, finish, [slot])
+
+    _allgather_base = all_gather_single
+
+    def gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        root = opts.rootRank if opts is not None else 0
+        source = as_bytes(flat_view(inputs[0], "gather"))
+        handles, slot, unstage = self._gather_start(source, "gather")
+
+        def finish() -> list[list[torch.Tensor]]:
+            if self._rank == root:
+                unstage(_Rows([as_bytes(flat_view(o, "gather")) for o in outputs[0]]))
+            return outputs
+
+        return self._call("gather", handles, finish, [slot])
+
+    def _gather_start(
+        self, source: torch.Tensor, what: str
+    ) -> tuple[list[Handle[Any]], Slot, Callable[[Any], None]]:
+        """Start gathering every rank's ``source`` bytes: one daemon broadcast per rank;
+        returns the handles, the slot, and what copies the rows out once they are done."""
+        nbytes, words = source.numel(), _words(source.numel())
+        chunk = staging.size_class(words) if nbytes <= staging.SMALL_BYTES else words
+        slot, _ = self._take(WORDS, chunk * self._size)
+        rows = _bytes_of(slot)[: chunk * 8 * self._size].reshape(self._size, chunk * 8)
+        rows[self._rank, :nbytes].copy_(source)
+        handles = [
+            self.fab.broadcast_async(
+                slot.array[r * chunk : (r + 1) * chunk], r, name=f"torch:ag:{slot.name}:{chunk}:{r}"
+            )
+            for r in range(self._size)
+        ]
+
+        def unstage(into: Any) -> None:
+            for r in range(self._size):
+                into[r].copy_(rows[r, :nbytes])
+
+        return handles, slot, unstage
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
+        if len(outputs) != 1 or len(inputs) != 1 or len(inputs[0]) != self._size:
+            raise UsageError(
+                f"the fabricd backend's reduce_scatter takes {self._size} inputs and one output"
+            )
+        whole = torch.cat([flat_view(t, "reduce_scatter") for t in inputs[0]])
+        return self._scatter_reduced(outputs[0], whole, _op(opts), "reduce_scatter")
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> Any:
+        whole = flat_view(input, "reduce_scatter_single")
+        return self._scatter_reduced(output, whole.clone(), _op(opts), "reduce_scatter_single")
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def _scatter_reduced(
+        self, output: torch.Tensor, whole: torch.Tensor, op: Any, what: str
+    ) -> Any:
+        target = flat_view(output, what)
+        if whole.numel() != target.numel() * self._size or whole.dtype != target.dtype:
+            raise UsageError(
+                f"the fabricd backend's {what} needs an input of {self._size} times the output"
+            )
+        reduced = self._allreduce([whole], op, what)
+        k = target.numel()
+
+        def take_part(future: torch.futures.Future[Any]) -> list[torch.Tensor]:
+            future.value()
+            target.copy_(whole[self._rank * k : (self._rank + 1) * k])
+            return [output]
+
+        return _Work(reduced.get_future().then(take_part))
+
+    # -- point to point ---------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        return self._p2p("send", tensors, dst, _user_tag(tag))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        return self._p2p("recv", tensors, src, _user_tag(tag))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
+        raise UsageError("the fabricd backend receives from a named rank only (recv_anysource)")
+
+    def _p2p(self, kind: str, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
+        parts = [as_bytes(flat_view(t, kind)) for t in tensors]
+        count = sum(p.numel() for p in parts)
+        slot, _ = self._take("uint8", count)
+        stage = torch.from_numpy(slot.array)
+        if kind == "send":
+            _pack(parts, stage)
+            handle = self.fab.send_async(slot.array[:count], peer, tag)
+        else:
+            handle = self.fab.recv_async(slot.array[:count], peer, tag)
+
+        def finish() -> list[torch.Tensor]:
+            if kind == "recv":
+                _unpack(stage, parts)
+            return tensors
+
+        return self._call(f"{kind} with rank {peer} (tag {tag})", [handle], finish, [slot])
+
+    def scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
+        root = opts.rootRank if opts is not None else 0
+        target = as_bytes(flat_view(outputs[0], "scatter"))
+        chunks = (
+            [as_bytes(flat_view(t, "scatter")) for t in inputs[0]]
+            if self._rank == root
+            else [target] * self._size
+        )
+        return self._exchange("scatter", chunks, [target] * self._size, root=root)
+
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        sends = [as_bytes(flat_view(t, "alltoall")) for t in inputs]
+        receives = [as_bytes(flat_view(t, "alltoall")) for t in outputs]
+        return self._exchange("alltoall", sends, receives)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None,
+        input_split_sizes: Sequence[int] | None,
+        opts: Any = None,
+    ) -> Any:
+        source, target = (
+            flat_view(input, "all_to_all_single"),
+            flat_view(output, "all_to_all_single"),
+        )
+        sends = _split(source, input_split_sizes, self._size, input.shape)
+        receives = _split(target, output_split_sizes, self._size, output.shape)
+        return self._exchange(
+            "all_to_all_single", [as_bytes(t) for t in sends], [as_bytes(t) for t in receives]
+        )
+
+    alltoall_base = all_to_all_single
+
+    def _exchange(
+        self,
+        what: str,
+        sends: list[torch.Tensor],
+        receives: list[torch.Tensor],
+        root: int | None = None,
+    ) -> Any:
+        """Each rank sends ``sends[j]`` to rank ``j`` and receives ``receives[j]`` from it
+        (``root``: only the root sends, to every other rank)."""
+        if len(sends) != self._size or len(receives) != self._size:
+            raise UsageError(f"the fabricd backend's {what} takes {self._size} tensors each way")
+        tag = INTERNAL_TAGS + self._internal % INTERNAL_TAGS
+        self._internal += 1
+        out_bytes, in_bytes = sum(t.numel() for t in sends), sum(t.numel() for t in receives)
+        out_slot, _ = self._take("uint8", out_bytes)
+        in_slot, _ = self._take("uint8", in_bytes)
+        handles: list[Handle[Any]] = []
+        plans: list[tuple[torch.Tensor, torch.Tensor]] = []
+        start_out = start_in = 0
+        for peer in range(self._size):
+            n_out, n_in = sends[peer].numel(), receives[peer].numel()
+            view_out = out_slot.array[start_out : start_out + n_out]
+            view_in = in_slot.array[start_in : start_in + n_in]
+            start_out, start_in = start_out + n_out, start_in + n_in
+            sending = root is None or self._rank == root
+            receiving = root is None or peer == root
+            if peer == self._rank:
+                if root is None or self._rank == root:
+                    plans.append((receives[peer], sends[peer].clone()))
+                continue
+            if sending and n_out:
+                torch.from_numpy(view_out).copy_(sends[peer])
+                handles.append(self.fab.send_async(view_out, peer, tag))
+            if receiving and (root is None or self._rank != root) and n_in:
+                handles.append(self.fab.recv_async(view_in, peer, tag))
+                plans.append((receives[peer], torch.from_numpy(view_in)))
+
+        def finish() -> None:
+            for into, came in plans:
+                into.copy_(came)
+
+        return self._call(what, handles, finish, [out_slot, in_slot])
+
+    # -- the rest -----------------------------------------------------------------------------
+    def barrier(self, opts: Any = None) -> Any:
+        handle = self.fab.barrier_async(name="torch:barrier")
+        return self._call("barrier", [handle], lambda: [], [])
+
+    def _take(self, dtype: str, count: int) -> tuple[Slot, int]:
+        return self._staging.take(dtype, max(count, 1), self._timeout)
+
+    def _call(
+        self,
+        what: str,
+        handles: list[Handle[Any]],
+        finish: Callable[[], object],
+        slots: list[Slot],
+    ) -> Any:
+        call = _Call(what=what, handles=handles, finish=finish, slots=slots)
+        self._completer.add(call)
+        return _Work(call.future)
+
+
+class _Rows:
+    """Tensors indexed as the rows of a gather's result."""
+
+    def __init__(self, rows: list[torch.Tensor]) -> None:
+        self.rows = rows
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.rows[index]
+
+
+def _words(nbytes: int) -> int:
+    return -(-nbytes // 8)
+
+
+def _bytes_of(slot: Slot) -> torch.Tensor:
+    """A staging array of words, as its bytes."""
+    return torch.from_numpy(slot.array.view(np.uint8))
+
+
+class _Work(dist.Work):
+    """A call's ``Work``: ``wait()`` raises what failed it (a Work made from a future by
+    torch's ``_create_work_from_future`` returns ``True`` from ``wait()`` even then)."""
+
+    def __init__(self, future: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Any:
+        return self._future.wait()
+
+
+def _op(opts: Any) -> Any:
+    return opts.reduceOp.op if opts is not None else _R.SUM
+
+
+def _user_tag(tag: int) -> int:
+    if not 0 <= tag < INTERNAL_TAGS:
+        raise UsageError(f"the fabricd backend's tags are 0 to 2**30 - 1, not {tag}")
+    return tag
+
+
+def _split(
+    flat: torch.Tensor, sizes: Sequence[int] | None, parts: int, shape: torch.Size
+) -> list[torch.Tensor]:
+    """``flat`` cut along the first dimension of ``shape`` into ``sizes`` rows (even if none)."""
+    rows = shape[0] if len(shape) else flat.numel()
+    per_row = flat.numel() // max(rows, 1)
+    sizes = list(sizes) if sizes else [rows // parts] * parts
+    if sum(sizes) != rows or len(sizes) != parts:
+        raise UsageError(f"split sizes {sizes} do not cut {rows} rows into {parts} parts")
+    out, start = [], 0
+    for size in sizes:
+        out.append(flat[start * per_row : (start + size) * per_row])
+        start += size
+    return out
+
+
+def _pack(parts: list[torch.Tensor], stage: torch.Tensor) -> None:
+    start = 0
+    for part in parts:
+        stage[start : start + part.numel()].copy_(part)
+        start += part.numel()
+
+
+def _unpack(stage: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    start = 0
+    for part in parts:
+        part.copy_(stage[start : start + part.numel()])
+        start += part.numel()
+
+
+def _close(completer: _Completer, fab: Client) -> None:
+    completer.close()
+    fab.close()
+
+
+def _job(store: Store, rank: int, world: bool) -> str:
+    """The fabricd job of a new group: ``$FABRICD_JOB`` for the default group, else a name
+    rank 0 draws and shares through the group's store."""
+    named = os.environ.get("FABRICD_JOB")
+    if world and named:
+        return named
+    key = "fabricd/job"
+    if rank == 0:
+        store.set(key, f"{named or 'torch'}-{uuid.uuid4().hex[:16]}")
+    return bytes(store.get(key)).decode()
+
+
+def create(store: Store, rank: int, size: int, timeout: datetime.timedelta) -> FabricdProcessGroup:
+    """Make a process group: what ``init_process_group("fabricd")`` and ``new_group`` call."""
+    job = _job(store, rank, world=not dist.is_initialized())
+    fab = fabricd.connect(job=job, rank=rank, size=size)
+    return FabricdProcessGroup(fab, rank, size, timeout.total_seconds(), job)
+
+
+dist.Backend.register_backend(BACKEND, create, devices=["cpu"])
