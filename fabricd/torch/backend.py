@@ -172,6 +172,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self._staging = Staging(fab, "torch")
         self._completer = _Completer(timeout)
         self._internal = 0  #: the backend's point-to-point calls so far (their tags)
+        self._group_name = ""
         self._finalizer = weakref.finalize(self, _close, self._completer, fab)
 
     # -- what torch asks of every process group ---------------------------------------------
@@ -180,6 +181,15 @@ class FabricdProcessGroup(dist.ProcessGroup):
 
     def size(self) -> int:
         return self._size
+
+    def _set_group_name(self, name: str) -> None:
+        # (torch names every group it makes; a Python group's C++ side keeps no name it
+        # can read back, so it is kept here)
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
 
     def __repr__(self) -> str:
         return f"FabricdProcessGroup(job={self.job!r}, rank={self._rank}, size={self._size})"

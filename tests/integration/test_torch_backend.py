@@ -11,6 +11,7 @@ under different names.
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import os
 import queue
@@ -268,3 +269,156 @@ def test_every_operation_matches_gloo(make_cluster: Any, spawn: Any, n: int) -> 
         wrong = [(what, detail) for what, ok, detail in checks if not ok]
         assert not wrong, f"rank {rank}: {wrong}"
         assert len(checks) > 80  # (every case ran: the count grows with n)
+
+
+def _train(model: Any, rank: int, steps: int) -> None:
+    """``steps`` of SGD on this rank's batches."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(8, 6, generator=generator)
+        loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _net() -> Any:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Linear(32, 1)
+    )
+
+
+def parity_rank(socket_path: str, init: str, rank: int, n: int, kind: str, out: Any) -> None:
+    """20 steps of DDP (or FSDP) over the fabricd default group, and the same over gloo."""
+    os.environ["FABRICD_SOCKET"] = socket_path
+    try:
+        import fabricd.torch  # noqa: F401
+
+        dist.init_process_group("fabricd", init_method=init, rank=rank, world_size=n)
+        gloo = dist.new_group(backend="gloo")
+        results = []
+        for group in (None, gloo):
+            if kind == "ddp":
+                model = torch.nn.parallel.DistributedDataParallel(
+                    _net(), process_group=group, bucket_cap_mb=0.001
+                )
+                _train(model, rank, 20)
+                results.append([p.detach().clone().reshape(-1) for p in model.parameters()])
+            else:  # FSDP2 (FSDP1 wants an accelerator): a CPU mesh over the group
+                from torch.distributed.device_mesh import DeviceMesh
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+                model = _net()
+                for layer in model:
+                    if isinstance(layer, torch.nn.Linear):
+                        fully_shard(layer, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+                _train(model, rank, 20)
+                # (each rank's shards: DTensor's full_tensor() goes through torch's C++
+                # functional collectives, which a Python process group cannot serve)
+                results.append([p.to_local().detach().reshape(-1) for p in model.parameters()])
+        dist.destroy_process_group()
+        out.put((rank, [torch.cat(r).numpy() for r in results], None))
+    except BaseException:
+        out.put((rank, [], traceback.format_exc()))
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_training_matches_gloo(make_cluster: Any, spawn: Any, kind: str, n: int) -> None:
+    import numpy as np
+
+    reports = _run(make_cluster, spawn, parity_rank, n, kind)
+    for rank, (fabricd_params, gloo_params), error in [
+        (r[0], r[1] or [None, None], r[2]) for r in reports
+    ]:
+        assert error is None, f"rank {rank}: {error}"
+        if n == 2:  # (two addends: the same sum in any order, bit for bit)
+            np.testing.assert_array_equal(fabricd_params, gloo_params)
+        else:
+            np.testing.assert_allclose(fabricd_params, gloo_params, rtol=1e-6, atol=1e-7)
+        assert not np.array_equal(fabricd_params, reports[0][1][0] * 0)  # (it trained)
+
+
+def dying_rank(socket_path: str, init: str, rank: int, n: int, out: Any) -> None:
+    """The last rank dies once the group is up; the others' allreduce must fail, not hang."""
+    os.environ["FABRICD_SOCKET"] = socket_path
+    try:
+        import fabricd.torch  # noqa: F401
+
+        dist.init_process_group(
+            "fabricd",
+            init_method=init,
+            rank=rank,
+            world_size=n,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        dist.barrier()
+        if rank == n - 1:
+            out.put((rank, "died", None))
+            os._exit(1)  # (no goodbye: the process is gone)
+        t = torch.ones(100_000)
+        work = dist.all_reduce(t, async_op=True)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            out.put((rank, str(exc), None))
+            return
+        out.put((rank, "no error", None))
+    except BaseException:
+        out.put((rank, "", traceback.format_exc()))
+
+
+def test_a_rank_killed_mid_operation_fails_the_others_wait(make_cluster: Any, spawn: Any) -> None:
+    reports = _run(make_cluster, spawn, dying_rank, 3)
+    assert reports[2][1] == "died"
+    for rank, said, error in reports[:2]:
+        assert error is None, f"rank {rank}: {error}"
+        assert "allreduce failed" in said, said
+        assert "rank 2" in said, said
+
+
+def job_rank(socket_path: str, init: str, rank: int, n: int, value: float, out: Any) -> None:
+    os.environ["FABRICD_SOCKET"] = socket_path
+    try:
+        import fabricd.torch  # noqa: F401
+
+        dist.init_process_group("fabricd", init_method=init, rank=rank, world_size=n)
+        t = torch.full((1000,), value + rank)
+        for _ in range(20):
+            dist.all_reduce(t)
+            t /= n
+        job = dist.group.WORLD.job  # type: ignore[union-attr]
+        dist.destroy_process_group()
+        out.put((rank, (float(t[0]), job), None))
+    except BaseException:
+        out.put((rank, None, traceback.format_exc()))
+
+
+def test_two_jobs_at_once_keep_apart(make_cluster: Any, spawn: Any) -> None:
+    """Two runs of two ranks on the same two daemons, each with its own rendezvous: each
+    job's name is drawn apart, and each averages only its own ranks' tensors."""
+    cluster = make_cluster(2)
+    results = multiprocessing.get_context("spawn").Queue()
+    with tempfile.TemporaryDirectory() as scratch:
+        processes = [
+            spawn(
+                job_rank,
+                cluster.nodes[r].socket_path,
+                f"file://{scratch}/{job}",
+                r,
+                2,
+                100.0 * job,
+                results,
+            )
+            for job in (1, 2)
+            for r in range(2)
+        ]
+        reports = [results.get(timeout=120) for _ in processes]
+    assert all(error is None for _, _, error in reports), reports
+    averages = sorted(value for _, (value, _), _ in reports)
+    assert averages == [100.5, 100.5, 200.5, 200.5]
+    assert len({job for _, (_, job), _ in reports}) == 2
