@@ -310,7 +310,9 @@ def parity_rank(socket_path: str, init: str, rank: int, n: int, kind: str, out: 
                 from torch.distributed.device_mesh import DeviceMesh
                 from torch.distributed.fsdp import fully_shard
 
-                mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+                mesh = DeviceMesh.from_group(
+                    group or dist.distributed_c10d._get_default_group(), "cpu"
+                )
                 model = _net()
                 for layer in model:
                     if isinstance(layer, torch.nn.Linear):
@@ -359,6 +361,8 @@ def dying_rank(socket_path: str, init: str, rank: int, n: int, out: Any) -> None
         dist.barrier()
         if rank == n - 1:
             out.put((rank, "died", None))
+            out.close()
+            out.join_thread()  # (the report is out before the process goes)
             os._exit(1)  # (no goodbye: the process is gone)
         t = torch.ones(100_000)
         work = dist.all_reduce(t, async_op=True)
