@@ -43,6 +43,7 @@ from bench import (
     skew,
     svm,
     throughput,
+    torch_backend,
     trees_netns,
 )
 from bench.report import Table, dump_json, machine, stderr_progress
@@ -87,6 +88,7 @@ BENCHMARKS: dict[str, Callable[[bool, Progress], Table]] = {
     "trees-netns": trees_netns.run,
     "ako": ako.run,
     "ako-netns": ako_netns.run,
+    "torch-backend": torch_backend.run,
 }
 
 

@@ -9,7 +9,9 @@ the nodes)::
 
 ``--backend fabricd`` (the default) is DDP over a process group of each rank alone, every
 gradient bucket averaged through fabricd by the communication hook (``fabricd.torch``), in mode
-``--mode`` (sync, solo or majority).  ``--backend gloo`` is plain DDP over torch.distributed's
+``--mode`` (sync, solo or majority).  ``--backend fabricd-pg`` is plain DDP, unchanged, over
+the ``torch.distributed`` backend ``"fabricd"`` (``init_process_group("fabricd")``: every
+collective through the daemons, sync).  ``--backend gloo`` is plain DDP over torch.distributed's
 gloo group of all ranks (TCP on loopback, a file rendezvous), no daemons and no hook: what a
 user would run without fabricd.  gloo has only the synchronous allreduce, so it takes no
 ``--mode`` but ``sync``.  Both start from the same model (rank 0's) and draw the same batches,
@@ -191,9 +193,10 @@ def train_fabricd(socket_path: str, rank: int, args: argparse.Namespace) -> Repo
 
 
 def train_gloo(rendezvous: str, rank: int, args: argparse.Namespace) -> Report:
-    """One rank of the baseline: plain DDP over a gloo group of all ranks, no fabricd at all."""
+    """One rank of the baseline: plain DDP over a gloo group of all ranks, no fabricd at all
+    (or, ``--backend fabricd-pg``, over the backend "fabricd": the same code, unchanged)."""
     dist.init_process_group(
-        "gloo",
+        "fabricd" if args.backend == "fabricd-pg" else "gloo",
         init_method=f"file://{rendezvous}",
         rank=rank,
         world_size=args.ranks,
@@ -211,7 +214,10 @@ def train_gloo(rendezvous: str, rank: int, args: argparse.Namespace) -> Report:
 def run_rank(where: str, rank: int, args: argparse.Namespace, report: Queue[Report]) -> None:
     """A rank's process: ``where`` is its daemon's socket (fabricd) or the rendezvous file."""
     torch.set_num_threads(1)  # one core's worth per rank, whichever backend
-    train = train_gloo if args.backend == "gloo" else train_fabricd
+    if args.backend == "fabricd-pg":  # (its daemon's socket; the rendezvous is the file's)
+        os.environ["FABRICD_SOCKET"] = where
+        where = args.rendezvous
+    train = train_fabricd if args.backend == "fabricd" else train_gloo
     report.put(train(where, rank, args))
 
 
@@ -269,9 +275,15 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--backend",
-        choices=["fabricd", "gloo"],
+        choices=["fabricd", "fabricd-pg", "gloo"],
         default="fabricd",
-        help="fabricd: DDP with fabricd's hook; gloo: plain DDP over gloo (the baseline)",
+        help="fabricd: DDP with fabricd's hook; fabricd-pg: plain DDP over the backend "
+        '"fabricd"; gloo: plain DDP over gloo (the baseline)',
+    )
+    parser.add_argument(
+        "--rendezvous",
+        default="",
+        help=argparse.SUPPRESS,  # (set by main for fabricd-pg)
     )
     parser.add_argument("--mode", choices=get_args(Mode), default="sync", help="fabricd only")
     parser.add_argument("--ranks", type=int, default=4)
@@ -285,8 +297,10 @@ def parse_args() -> argparse.Namespace:
         "--device", choices=["cpu", "cuda"], default="cpu", help="where the models live"
     )
     args = parser.parse_args()
-    if args.backend == "gloo" and args.mode != "sync":
-        parser.error(f"--mode {args.mode} needs --backend fabricd: gloo's allreduce is sync only")
+    if args.backend != "fabricd" and args.mode != "sync":
+        parser.error(
+            f"--mode {args.mode} needs --backend fabricd (the hook): a process group is sync"
+        )
     if args.ranks < 1 or args.steps < 1 or args.nodes < 1:
         parser.error("--ranks, --steps and --nodes must be at least 1")
     return args
@@ -294,17 +308,19 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    what = args.backend if args.backend == "gloo" else f"fabricd, mode {args.mode}"
+    what = f"fabricd, mode {args.mode}" if args.backend == "fabricd" else args.backend
     print(f"{what}: {args.ranks} ranks, {args.steps} steps, one {args.delay_ms:g} ms late each")
-    if args.backend == "gloo":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only; the ranks inherit it
-        with tempfile.TemporaryDirectory() as directory:
-            reports = run_ranks([os.path.join(directory, "rendezvous")] * args.ranks, args)
-    else:
-        with LocalCluster(args.nodes) as cluster:
-            cluster.wait_connected()
-            sockets = [node.socket_path for node in cluster.nodes]
-            reports = run_ranks([sockets[rank % args.nodes] for rank in range(args.ranks)], args)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only; the ranks inherit it
+    with tempfile.TemporaryDirectory() as directory:
+        args.rendezvous = os.path.join(directory, "rendezvous")
+        if args.backend == "gloo":
+            reports = run_ranks([args.rendezvous] * args.ranks, args)
+        else:
+            with LocalCluster(args.nodes) as cluster:
+                cluster.wait_connected()
+                sockets = [node.socket_path for node in cluster.nodes]
+                places = [sockets[rank % args.nodes] for rank in range(args.ranks)]
+                reports = run_ranks(places, args)
     for line in summary(reports, args):
         print(line)
 
