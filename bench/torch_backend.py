@@ -7,7 +7,8 @@ Two measures, each a ratio against gloo on the same ranks and the same loopback:
   (a daemon each), 25 MiB buckets, no rank delayed: the issue's target is >= 1.0x at 2 and 4
   ranks.  Runs alternate between the two backends (so a noisy minute hits both), and the
   median of each is reported.
-* ``all_gather_single`` and ``reduce_scatter_single`` (torch 2.13's names for ``all_gather_into_tensor`` and ``reduce_scatter_tensor``) of 4 MiB and 64 MiB (the gathered
+* ``all_gather_single`` and ``reduce_scatter_single`` (torch 2.13's names for
+  ``all_gather_into_tensor`` and ``reduce_scatter_tensor``) of 4 MiB and 64 MiB (the gathered
   output, the scattered input) on the backend against gloo, each rank in a process of its own
   beside its daemon; the median of the timed rounds after a warm-up, the slowest rank's.
 
