@@ -117,7 +117,7 @@ def broadcast_module(
     for tensor in [*module.parameters(), *module.buffers()]:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for dtype, tensors in sorted(by_dtype.items(), key=lambda item: str(item[0])):
-        name = _numpy_dtype(dtype)
+        name = _carried(dtype)
         array = fab.array(f"{prefix}:init:{name}", (sum(t.numel() for t in tensors),), name)
         flat = torch.from_numpy(array)
         with torch.no_grad():
@@ -195,8 +195,8 @@ class HookState:
         """Check that every rank has this layout for bucket ``index``; the arrays for it."""
         self._check_layout(index, layout)
         old = self._buckets.get(index)
-        numel, dtype = buffer.numel(), _numpy_dtype(buffer.dtype)
-        if old is not None and old.shared.numel() >= numel and old.shared.dtype == buffer.dtype:
+        numel, dtype = buffer.numel(), _carried(buffer.dtype)
+        if old is not None and old.shared.numel() >= numel and old.layout[1] == buffer.dtype:
             return _Bucket(layout, old.shared, old.staging)
         name = f"{self.prefix}:bucket{index}:{numel}:{dtype}"
         shared = torch.from_numpy(self.fab.array(name, (numel,), dtype))
@@ -266,6 +266,13 @@ class _Bucket:
     layout: _Layout
     shared: torch.Tensor
     staging: torch.Tensor | None
+
+
+def _carried(dtype: torch.dtype) -> str:
+    """The fabricd dtype a tensor of ``dtype`` is carried in: its numpy name, or float32 for
+    bfloat16 (numpy has none; every bfloat16 value is a float32, and a sum of them is
+    rounded back once, at the end)."""
+    return "float32" if dtype == torch.bfloat16 else _numpy_dtype(dtype)
 
 
 def _numpy_dtype(dtype: torch.dtype) -> str:

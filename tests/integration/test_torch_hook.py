@@ -260,3 +260,50 @@ def test_ranks_whose_buckets_differ_are_told(make_cluster, spawn):
     reports = _run(make_cluster, spawn, swapped_rank)
     for _rank, outcome in reports:
         assert "holds other parameters on other ranks" in outcome
+
+
+def bfloat16_rank(socket_path: str, job: str, rank: int, out: Any) -> None:
+    """A bfloat16 model: broadcast_module makes the ranks' models equal, and the hook's
+    gradients are the ranks' average made in float32 and rounded once."""
+    torch.set_num_threads(1)
+    with fabricd.connect(job=job, rank=rank, size=RANKS, socket_path=socket_path) as fab:
+        group = fabtorch.init_local_process_group()
+        model = _model(seed=rank).to(torch.bfloat16)
+        fabtorch.broadcast_module(fab, model, timeout=60)
+        reference = _model(seed=0).to(torch.bfloat16)
+        equal = all(
+            torch.equal(a, b)
+            for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+        )
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, process_group=group, bucket_cap_mb=BUCKET_CAP_MB, **NO_BUFFER_SYNC
+        )
+        fabtorch.register(ddp, fab, "sync", timeout=60)
+        grads = []
+        for step in range(2):
+            x, y = _batch(step, rank, "cpu")
+            ddp.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x.bfloat16()), y.bfloat16()).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        expected = []
+        for step in range(2):
+            total = [torch.zeros(p.shape) for p in reference.parameters()]
+            for r in range(RANKS):
+                reference.zero_grad()
+                x, y = _batch(step, r, "cpu")
+                torch.nn.functional.mse_loss(reference(x.bfloat16()), y.bfloat16()).backward()
+                for t, p in zip(total, reference.parameters(), strict=True):
+                    t += p.grad.float()
+            expected.append([(t / RANKS).bfloat16() for t in total])
+        same = all(
+            torch.equal(g, e)
+            for got, want in zip(grads, expected, strict=True)
+            for g, e in zip(got, want, strict=True)
+        )
+        out.put((rank, equal, same))
+
+
+def test_bfloat16_models_are_broadcast_and_averaged(make_cluster, spawn):
+    for rank, equal, same in _run(make_cluster, spawn, bfloat16_rank):
+        assert equal, f"rank {rank}: broadcast_module left another model"
+        assert same, f"rank {rank}: bfloat16 gradients differ from the float32 average, rounded"
