@@ -191,6 +191,8 @@ def chosen(spec: Spec, nodes: int, *, ring_from_bytes: int) -> Spec:
 
 def algorithm(spec: Spec) -> collectives.Algorithm:
     """The allreduce algorithm ``spec`` runs (once :func:`chosen`)."""
+    if spec.kind in GATHERS:  # (each is one phase of the ring allreduce)
+        return collectives.Algorithm.RING
     if spec.tree:
         return collectives.Algorithm.TREE
     if spec.mlfabric:
