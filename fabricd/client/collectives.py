@@ -448,7 +448,7 @@ class Collectives:
         modes, ops and roots, each its own persistent schedule."""
         self._joined()
         seg, offset, label = self._arrays.find(array)
-        if not array.flags.writeable:
+        if not array.flags.writeable and "out_seg" not in fields:  # (else it is only read)
             raise UsageError(f"a {what} writes its result into the array: it cannot be read-only")
         request = {
             "kind": what.partition(":")[0],
