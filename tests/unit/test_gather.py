@@ -19,11 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabricd.dtypes import REDUCE_DTYPES
+from fabricd.engines.collectives.algorithms import chunk_bounds
 from fabricd.engines.collectives.gather import Blocks, allgather_ring, reduce_scatter_ring
 from fabricd.engines.collectives.persistent import Collective, Deliver, Spec, Transmit
 from fabricd.engines.collectives.spec import GATHERS, held_bytes
 from fabricd.engines.schedule import Kind
 from fabricd.errors import UsageError
+from tests.unit.test_collectives import Sim, check_result, reference, synchronous, tensors
 from tests.unit.test_persistent import Fabric
 
 #: the node of each rank: one to five nodes, even and uneven, consecutive and interleaved
@@ -199,3 +201,42 @@ def test_a_call_that_disagrees_with_the_first_is_refused() -> None:
 def test_only_sync_with_its_own_ring(fields: dict[str, Any]) -> None:
     with pytest.raises(UsageError):
         Spec(count=4, dtype="float32", **fields).check()
+
+
+# -- the schedules alone, on test_collectives' simulated ranks ---------------------------------
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(GATHERS),
+    size=st.integers(1, 9),
+    op=st.sampled_from(OPS),
+    dtype=st.sampled_from(REDUCE_DTYPES),
+    count=st.integers(0, 30),  # fewer elements than ranks: empty chunks, zero-byte messages
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_ring_schedules_are_right_under_any_order_and_round_overlap(
+    kind: str, size: int, op: str, dtype: str, count: int, seed: int
+) -> None:
+    """Sends read their bytes when they complete, the next round's messages arrive while the
+    current one runs, and each slot parity must be free when a message lands (test_collectives'
+    ``Sim``): an allgather leaves every rank every rank's chunk, a reduce-scatter leaves rank
+    ``i`` its chunk ``i`` reduced over every rank, in ``size - 1`` messages a rank a round."""
+    rng, rounds = Random(seed), 3
+    if kind == "allgather":
+        schedules = [allgather_ring(rank, size) for rank in range(size)]
+    else:
+        schedules = [reduce_scatter_ring(rank, size, op) for rank in range(size)]
+    sim = Sim(schedules, rng, inputs=tensors(rng, dtype, count, size, rounds))
+    sim.run(rounds, synchronous(sim, rounds))
+    for q in range(rounds):
+        given = [sim.inputs[rank, q] for rank in range(size)]
+        reduced = reference(given, op, dtype)
+        for rank in range(size):
+            assert sim.sends[rank, q] == size - 1
+            for index in range(size) if kind == "allgather" else [rank]:
+                start, stop = chunk_bounds(count, size, index)
+                got = sim.results[rank, q][start:stop]
+                if kind == "allgather":  # rank ``index``'s own chunk, exactly
+                    np.testing.assert_array_equal(got, given[index][start:stop])
+                else:
+                    check_result(got, reduced[start:stop], dtype, size)
+    assert not any(sim.links.values())
