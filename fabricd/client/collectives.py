@@ -232,6 +232,7 @@ class Collectives:
 
         ``input``: a 1-d array of ``k`` elements made by ``fab.array()``; ``output``: one of
         ``size * k`` elements of the same dtype (it may hold ``input``: its own block).  The
+        dtypes are an allreduce's, and ``uint8`` (bytes, e.g. pickled objects).  The
         daemon reads ``input`` once the node's round starts and writes ``output`` when the
         call completes: leave both alone until then.  The default name is
         ``allgather:INPUT``, with ``INPUT`` the input's array name.

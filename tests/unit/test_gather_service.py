@@ -84,3 +84,28 @@ def test_a_reduce_scatter_takes_a_reduce_op() -> None:
     (session,) = ranks(2, [[1.0] * 4], 2)
     with pytest.raises(UsageError, match="op must be"):
         gather(svc, session, 1, "reduce_scatter", reduce="prod")
+
+
+class Bytes(Segment):
+    """A segment of uint8."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.array = np.array(values, dtype=np.uint8)
+
+
+def test_an_allgather_also_gathers_bytes_and_only_it() -> None:
+    table = Table()
+    svc, host = service(table)
+    join(svc, table, 2, (0, 0))
+    sessions = ranks(2, [[0.0], [0.0]], 4)
+    for rank, session in enumerate(sessions):
+        session.segments[1] = Bytes([rank, 7])
+        session.segments[2] = Bytes([0] * 4)
+    for rid, session in enumerate(sessions, 1):
+        gather(svc, session, rid, "allgather", dtype="uint8")
+    assert [list(s.segments[2].array) for s in sessions] == [[0, 7, 1, 7]] * 2
+    assert set(host.answered) == {1, 2}
+    (session,) = ranks(2, [[0.0]], 2)
+    session.segments[1], session.segments[2] = Bytes([1, 2, 3, 4]), Bytes([0, 0])
+    with pytest.raises(UsageError, match="also gathers uint8"):
+        gather(svc, session, 3, "reduce_scatter", dtype="uint8", reduce="sum", name="other")

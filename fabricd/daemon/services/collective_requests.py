@@ -4,9 +4,11 @@ arrays (views of its segments), checked before anything is built.
 Split from :mod:`fabricd.daemon.services.collectives` (its service, which keeps within its
 size budget): an allreduce or a broadcast names one array, in place; an allgather or a
 reduce-scatter two, its input and its output (``out_seg``, ``out_off``, ``out_nbytes``), of
-one dtype: ``k`` elements in and ``size * k`` out, or the other way round.  The input is read
-when the node's round takes it and the output written when the call completes, so the two
-may overlap (an allgather whose input is its own block of the output, as ``MPI_IN_PLACE``).
+one dtype: ``k`` elements in and ``size * k`` out, or the other way round.  An allgather
+reduces nothing, so it also takes ``uint8`` (bytes: a torch backend's
+``all_gather_object``).  The input is read when the node's round takes it and the output
+written when the call completes, so the two may overlap (an allgather whose input is its own
+block of the output, as ``MPI_IN_PLACE``).
 """
 
 from __future__ import annotations
@@ -64,8 +66,11 @@ def parse(meta: Meta, session: ClientSession) -> Parsed:
     if kind == "barrier":
         return Parsed(spec=Spec(kind="barrier"), name=name, array=None)
     dtype = get_str(meta, "dtype")
-    if dtype not in ITEMSIZE or dtype == "uint8":
-        raise UsageError(f"dtype {dtype!r}: collectives reduce {', '.join(REDUCE_DTYPES)}")
+    if dtype not in ITEMSIZE or (dtype == "uint8" and kind != "allgather"):
+        raise UsageError(
+            f"dtype {dtype!r}: collectives reduce {', '.join(REDUCE_DTYPES)} (an allgather "
+            "also gathers uint8: bytes)"
+        )
     nbytes = get_int(meta, "nbytes")
     if nbytes % ITEMSIZE[dtype]:
         raise UsageError(f"{nbytes} B is not a whole number of {dtype} elements")
