@@ -241,3 +241,25 @@ def test_the_ring_schedules_are_right_under_any_order_and_round_overlap(
                 else:
                     check_result(got, reduced[start:stop], dtype, size)
     assert not any(sim.links.values())
+
+
+def test_a_withdrawn_call_leaves_nothing_in_the_round() -> None:
+    """A reduce-scatter call whose client left before its node's round started is withdrawn
+    (the engine's "A call whose client stops waiting"): the rank's next call gives afresh."""
+    spec = Spec(kind="reduce_scatter", count=2, dtype="int64", op="sum")
+    fab = Fabric(spec, (0, 0, 1), Random(5))
+    out = [np.zeros(2, "int64") for _ in range(3)]
+    coll = fab.colls[0]
+    fab.perform(0, coll.call(0, 1, np.full(6, 100, "int64"), fab.tick(), out[0]))
+    fab.perform(0, coll.abandon(1))
+    run(fab, [np.arange(6, dtype="int64") * (r + 1) for r in range(3)], out, 10)
+    for rank in range(3):  # (1 + 2 + 3) times block ``rank`` of arange(6)
+        np.testing.assert_array_equal(out[rank], 6 * np.arange(2 * rank, 2 * rank + 2))
+
+
+def test_a_dead_node_fails_the_waiting_calls() -> None:
+    fab = Fabric(Spec(kind="allgather", count=3, dtype="float32"), (0, 1, 1), Random(2))
+    x, out = np.ones(3, "float32"), np.zeros(9, "float32")
+    fab.perform(1, fab.colls[1].call(1, 1, x, fab.tick(), out))
+    fab.kill(0)
+    assert fab.failed[1].code == "peer_failed"
