@@ -250,6 +250,48 @@ class Client:
         :class:`Result`."""
         return self.collectives.broadcast_async(array, root, name=name)
 
+    def allgather(
+        self,
+        input: np.ndarray[Any, Any],
+        output: np.ndarray[Any, Any],
+        *,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> Result:
+        """Every rank's ``input`` (``k`` elements) into every rank's ``output`` (``size * k``,
+        rank ``r``'s at ``r * k``) (:meth:`Collectives.allgather`)."""
+        return self.collectives.allgather(input, output, name=name, timeout=timeout)
+
+    def allgather_async(
+        self, input: np.ndarray[Any, Any], output: np.ndarray[Any, Any], *, name: str | None = None
+    ) -> Handle[Result]:
+        """Start an allgather; ``.wait(timeout=)`` for its :class:`Result`."""
+        return self.collectives.allgather_async(input, output, name=name)
+
+    def reduce_scatter(
+        self,
+        input: np.ndarray[Any, Any],
+        output: np.ndarray[Any, Any],
+        op: Op = "sum",
+        *,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> Result:
+        """Rank ``r``'s ``output`` (``k`` elements) gets ``op`` over every rank's block ``r``
+        of ``input`` (``size * k``) (:meth:`Collectives.reduce_scatter`)."""
+        return self.collectives.reduce_scatter(input, output, op, name=name, timeout=timeout)
+
+    def reduce_scatter_async(
+        self,
+        input: np.ndarray[Any, Any],
+        output: np.ndarray[Any, Any],
+        op: Op = "sum",
+        *,
+        name: str | None = None,
+    ) -> Handle[Result]:
+        """Start a reduce-scatter; ``.wait(timeout=)`` for its :class:`Result`."""
+        return self.collectives.reduce_scatter_async(input, output, op, name=name)
+
     def barrier(self, *, name: str = "barrier", timeout: float | None = None) -> Result:
         """Wait until every rank of the job reached this barrier."""
         return self.collectives.barrier(name=name, timeout=timeout)

@@ -45,14 +45,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Literal
 
+import numpy as np
+
 from fabricd.client.handle import Handle
 from fabricd.errors import FabricError, Timeout, UsageError
 from fabricd.frames.fields import MAX_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    import numpy as np
 
     from fabricd.client import checks
     from fabricd.client.arrays import SharedArrays
@@ -217,6 +217,85 @@ class Collectives:
             raise UsageError(f"root must be a rank of 0..{job.size - 1}, not {root!r}")
         return self._start(f"broadcast:{root}", array, name, root=root)
 
+    def allgather(
+        self,
+        input: np.ndarray[Any, Any],
+        output: np.ndarray[Any, Any],
+        *,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> Result:
+        """Gather every rank's ``input`` into every rank's ``output``: afterwards
+        ``output[r * k:(r + 1) * k]`` holds rank ``r``'s input, on every rank (a sync
+        collective; the daemons move each node's blocks once round a ring, never an allreduce
+        of a padded array).
+
+        ``input``: a 1-d array of ``k`` elements made by ``fab.array()``; ``output``: one of
+        ``size * k`` elements of the same dtype (it may hold ``input``: its own block).  The
+        dtypes are an allreduce's, and ``uint8`` (bytes, e.g. pickled objects).  The
+        daemon reads ``input`` once the node's round starts and writes ``output`` when the
+        call completes: leave both alone until then.  The default name is
+        ``allgather:INPUT``, with ``INPUT`` the input's array name.
+
+        Raises:
+            UsageError: a bad argument, or a call that disagrees with the collective's first
+                (``k``, dtype).
+            PeerFailed: a node of the job went down or a rank left during the round; the
+                round's result is undefined.
+            Timeout: ``timeout`` passed; the call goes on, as :meth:`allreduce`'s does.
+        """
+        return self._wait(self.allgather_async(input, output, name=name), timeout)
+
+    def allgather_async(
+        self,
+        input: np.ndarray[Any, Any],
+        output: np.ndarray[Any, Any],
+        *,
+        name: str | None = None,
+    ) -> Handle[Result]:
+        """Start an allgather (:meth:`allgather`); leave both arrays alone until
+        ``handle.wait()`` returns."""
+        self._blocks("allgather", input, output)
+        return self._start("allgather", input, name, **self._output(output))
+
+    def reduce_scatter(
+        self,
+        input: np.ndarray[Any, Any],
+        output: np.ndarray[Any, Any],
+        op: Op = "sum",
+        *,
+        name: str | None = None,
+        timeout: float | None = None,
+    ) -> Result:
+        """Reduce ``input`` over every rank and scatter the blocks: afterwards rank ``r``'s
+        ``output`` holds ``op`` over every rank's ``input[r * k:(r + 1) * k]`` (a sync
+        collective; each node's daemon sends ``(nodes - 1) / nodes`` of the array once, round
+        a ring: half an allreduce's bytes).
+
+        ``input``: a 1-d array of ``size * k`` elements made by ``fab.array()``; ``output``:
+        one of ``k`` elements of the same dtype.  ``op``: as :meth:`allreduce`'s (``"avg"``
+        divides by the job's size; integers floor).  The default name is
+        ``reduce_scatter:OP:INPUT``.  Raises as :meth:`allgather`, and a call that disagrees
+        on ``op``.
+        """
+        return self._wait(self.reduce_scatter_async(input, output, op, name=name), timeout)
+
+    def reduce_scatter_async(
+        self,
+        input: np.ndarray[Any, Any],
+        output: np.ndarray[Any, Any],
+        op: Op = "sum",
+        *,
+        name: str | None = None,
+    ) -> Handle[Result]:
+        """Start a reduce-scatter (:meth:`reduce_scatter`); leave both arrays alone until
+        ``handle.wait()`` returns."""
+        if op not in OPS:
+            raise UsageError(f"op must be one of {', '.join(map(repr, OPS))}, not {op!r}")
+        self._blocks("reduce_scatter", input, output)
+        fields = self._output(output)
+        return self._start(f"reduce_scatter:{op}", input, name, reduce=op, **fields)
+
     def barrier(self, *, name: str = "barrier", timeout: float | None = None) -> Result:
         """Return once every rank of the job called ``barrier`` of this name."""
         return self._wait(self.barrier_async(name=name), timeout)
@@ -325,6 +404,38 @@ class Collectives:
         call = self._connection.submit("collective", request, what=what)
         return _Named(self._connection, call, partial(_result, kept=kept), collective)
 
+    def _blocks(self, kind: str, input: object, output: object) -> None:
+        """Check an allgather's or reduce-scatter's arrays: 1-d numpy arrays of one dtype, of
+        ``k`` and ``size * k`` elements (allgather), or ``size * k`` and ``k``.
+
+        Raises:
+            UsageError: they are not.
+        """
+        size = self._joined().size
+        if not isinstance(input, np.ndarray) or not isinstance(output, np.ndarray):
+            raise UsageError(f"a {kind} takes numpy arrays made by fab.array(), input and output")
+        if input.ndim != 1 or output.ndim != 1:
+            raise UsageError(f"a {kind} takes 1-d arrays, not {input.shape} and {output.shape}")
+        if input.dtype != output.dtype:
+            raise UsageError(
+                f"a {kind}'s input ({input.dtype}) and output ({output.dtype}) must have one dtype"
+            )
+        k = input.size if kind == "allgather" else output.size
+        given, wanted = (k, size * k) if kind == "allgather" else (size * k, k)
+        if (input.size, output.size) != (given, wanted):
+            shape = "k and size * k" if kind == "allgather" else "size * k and k"
+            raise UsageError(
+                f"a {kind} in a job of {size} ranks takes an input and an output of {shape} "
+                f"elements: {given} and {wanted} here, not {input.size} and {output.size}"
+            )
+
+    def _output(self, output: np.ndarray[Any, Any]) -> dict[str, Any]:
+        """An allgather's or reduce-scatter's output, as its request says it."""
+        seg, offset, _ = self._arrays.find(output)
+        if not output.flags.writeable:
+            raise UsageError("a collective writes its result into output: it cannot be read-only")
+        return {"out_seg": seg, "out_off": offset, "out_nbytes": output.nbytes}
+
     def _joined(self) -> checks.Membership:
         if self._job is None:
             raise UsageError("this client joined no job; pass job= to fabricd.connect()")
@@ -338,7 +449,7 @@ class Collectives:
         modes, ops and roots, each its own persistent schedule."""
         self._joined()
         seg, offset, label = self._arrays.find(array)
-        if not array.flags.writeable:
+        if not array.flags.writeable and "out_seg" not in fields:  # (else it is only read)
             raise UsageError(f"a {what} writes its result into the array: it cannot be read-only")
         request = {
             "kind": what.partition(":")[0],

@@ -12,12 +12,15 @@ import array
 import gc
 import struct
 import tracemalloc
+from typing import Any
 
 import msgpack
 import pytest
 
+from fabricd.engines.collectives.spec import Spec
 from fabricd.engines.link.handshake import HANDSHAKE_LIMITS
 from fabricd.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from fabricd.frames.collectives import Coll
 from fabricd.ipc import REPLY_LIMITS, REQUEST_LIMITS
 from fabricd.wire import (
     DEFAULT_LIMITS,
@@ -1003,3 +1006,21 @@ def test_discard_payload_only_right_after_a_head() -> None:
         decoder.discard_payload()
     with pytest.raises(LocalProtocolError, match="must follow a FrameHead"):
         decoder.set_payload_buffer(memoryview(bytearray(4)))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"kind": "allgather", "count": 7, "dtype": "int64"},
+        {"kind": "reduce_scatter", "count": 7, "dtype": "float16", "op": "avg"},
+    ],
+)
+def test_a_coll_frame_carries_an_allgather_or_reduce_scatter_spec(spec: dict[str, Any]) -> None:
+    """Issue 30: the two native collectives are new values of COLL's ``spec.kind`` (no new
+    field, no new frame kind); a partial one is malformed (protocol.md §3.6)."""
+    meta = {**SAMPLE_META[Kind.COLL], "spec": spec}
+    (frame,) = decode_frames(encode(Kind.COLL, meta, b"\0" * 8))
+    coll = Coll.from_meta(frame.meta)
+    assert Spec.from_meta(coll.spec) == Spec(**spec)
+    with pytest.raises(RemoteProtocolError, match="invalid"):
+        Spec.from_meta({**spec, "mode": "solo"})

@@ -25,11 +25,10 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Final
 
-import numpy as np
-
 from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats
 from fabricd.daemon.service import BaseService
+from fabricd.daemon.services.collective_requests import parse, view
 from fabricd.daemon.services.collectives_status import (
     SCANNED,
     collective_row,
@@ -45,11 +44,10 @@ from fabricd.daemon.services.jobs import (
     Shared,
     WaitingForRanks,
     refuse_while_draining,
-    region,
 )
 from fabricd.daemon.services.refusals import OverLimit, Refused, Stranger
 from fabricd.daemon.stalls import call_line
-from fabricd.dtypes import ITEMSIZE, REDUCE_DTYPES
+from fabricd.dtypes import ITEMSIZE
 from fabricd.engines.actions import Failure
 from fabricd.engines.collectives.mlfabric import MlfabricCollective
 from fabricd.engines.collectives.persistent import (
@@ -61,7 +59,7 @@ from fabricd.engines.collectives.persistent import (
     Spec,
     Transmit,
 )
-from fabricd.engines.collectives.spec import asked, chosen, held_bytes, in_place
+from fabricd.engines.collectives.spec import GATHERS, KINDS, chosen, held_bytes, in_place
 from fabricd.engines.deadlines import Deadlines
 from fabricd.engines.membership import NodeBack, NodeGone, RankJoined, RankLeft
 from fabricd.errors import (
@@ -71,12 +69,12 @@ from fabricd.errors import (
     UsageError,
 )
 from fabricd.frames import collectives as collectives_frames
-from fabricd.frames.fields import MAX_NAME
-from fabricd.wire import Kind, Meta, get_int, get_str
+from fabricd.wire import Kind, Meta
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
+    import numpy as np
     from prometheus_client.metrics_core import Metric
 
     from fabricd.daemon.service import Host, Request
@@ -97,6 +95,8 @@ MAX_HELD_BYTES: Final = 64 * 1024 * 1024
 MAX_HELD_FRAMES: Final = 4096
 
 Key = tuple[str, str]  #: (job, collective name)
+#: a call's array and its output (an allgather's or reduce-scatter's), once viewed
+_Arrays = tuple["np.ndarray[Any, Any] | None", "np.ndarray[Any, Any] | None"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -107,7 +107,8 @@ class _Waiting:
     session: ClientSession
     request_id: int
     spec: Spec
-    region: tuple[int, int, int] | None  #: its array's (seg, off, nbytes); ``None``: a barrier
+    #: where its arrays are: (seg, off, nbytes) of its array (none: a barrier), then its output
+    regions: tuple[tuple[int, int, int], ...]
     name: str
     deadline: float
 
@@ -130,7 +131,7 @@ class CollectiveService(BaseService):
         self._charges: dict[Key, Charge] = {}  #: what each collective holds, on the budget
         #: collectives a peer's frame could not build here (a limit), and why, until the job ends
         self._over_limit: dict[Key, str] = {}
-        self.operations = OperationStats(self.name, kinds=["allreduce", "broadcast", "barrier"])
+        self.operations = OperationStats(self.name, kinds=list(KINDS))
         self._open: OpenCalls[int] = OpenCalls(host, self.operations)  #: by token
         self._sessions: dict[str, set[ClientSession]] = {}  #: clients that called, per job
         self._waiting: WaitingForRanks[_Waiting] = WaitingForRanks(
@@ -161,56 +162,22 @@ class CollectiveService(BaseService):
         session = request.session
         if session.job is None:
             raise UsageError("connect with a job (fabricd.connect(job=...)) before collectives")
-        spec, array, name = self._parse(request)
+        parsed = parse(request.meta, session)
         waiting = _Waiting(
             session=session,
             request_id=request.id,
-            spec=self._shared.one(spec),
-            region=None if array is None else region(request.meta),
-            name=name,
+            spec=self._shared.one(parsed.spec),
+            regions=parsed.regions,
+            name=parsed.name,
             deadline=now + self.host.config.route_timeout,
         )
-        if not self._try(waiting, now, array):
+        if not self._try(waiting, now, (parsed.array, parsed.output)):
             self._waiting.add(waiting)  # its array is viewed again when it runs
 
-    def _parse(self, request: Request) -> tuple[Spec, np.ndarray[Any, Any] | None, str]:
-        meta, session = request.meta, request.session
-        kind, name = get_str(meta, "kind"), get_str(meta, "name")
-        if not 0 < len(name) <= MAX_NAME:
-            raise UsageError(f"a collective name has 1 to {MAX_NAME} characters")
-        if kind == "barrier":
-            return Spec(kind="barrier"), None, name
-        dtype = get_str(meta, "dtype")
-        if dtype not in ITEMSIZE or dtype == "uint8":
-            raise UsageError(f"dtype {dtype!r}: collectives reduce {', '.join(REDUCE_DTYPES)}")
-        nbytes = get_int(meta, "nbytes")
-        if nbytes % ITEMSIZE[dtype]:
-            raise UsageError(f"{nbytes} B is not a whole number of {dtype} elements")
-        region = session.segment(get_int(meta, "seg")).view(get_int(meta, "off"), nbytes)
-        array = np.frombuffer(region, dtype=dtype)
-        count = len(array)
-        fields: dict[str, Any] = {"kind": kind, "count": count, "dtype": dtype}
-        if kind == "allreduce":
-            late = meta.get("late", "sum")  # (partial modes; Spec.check checks it, and this)
-            algorithm = meta.get("algorithm", "auto")
-            fields.update(op=get_str(meta, "reduce"), mode=get_str(meta, "mode"), late=late)
-            fields.update(algorithm=algorithm)
-        elif kind == "broadcast":
-            root = get_int(meta, "root")
-            if root >= session.size:
-                raise UsageError(f"root {root} is outside job {session.job!r} of {session.size}")
-            fields.update(root=root)
-        else:
-            raise UsageError(f"kind {kind!r}: must be allreduce, broadcast or barrier")
-        spec = asked(Spec(**fields))
-        spec.check()
-        return spec, array, name
-
-    def _try(
-        self, waiting: _Waiting, now: float, array: np.ndarray[Any, Any] | None = None
-    ) -> bool:
+    def _try(self, waiting: _Waiting, now: float, arrays: _Arrays = (None, None)) -> bool:
         """Hand the call to its collective, building it if every rank is known; ``False``:
-        it must wait for the job's ranks.  ``array``: the call's, if viewed already.
+        it must wait for the job's ranks.  ``arrays``: the call's and its output, if viewed
+        already.
 
         Raises:
             UsageError: its segment is gone (detached while the call waited).
@@ -224,9 +191,10 @@ class CollectiveService(BaseService):
         ranks = self._ranks(session.job, session.size) if coll is None else None
         if coll is None and ranks is None:
             return False
-        if array is None and waiting.region is not None:
-            seg, off, nbytes = waiting.region
-            array = np.frombuffer(session.segment(seg).view(off, nbytes), waiting.spec.dtype)
+        if arrays[0] is None and waiting.regions:
+            views = [view(session, where, waiting.spec.dtype) for where in waiting.regions]
+            arrays = (views[0], views[1] if len(views) > 1 else None)
+        array, output = arrays
         if coll is None:
             assert ranks is not None
             coll = self._build(key, waiting.spec, ranks, now, choose=True)
@@ -241,7 +209,7 @@ class CollectiveService(BaseService):
             raise UsageError(message)
         self._tokens += 1
         token = self._tokens
-        actions = coll.call(session.rank, token, array, now)
+        actions = coll.call(session.rank, token, array, now, output)
         nbytes = 0 if array is None else array.nbytes
         call = OpenCall(
             session=session,
@@ -362,7 +330,8 @@ class CollectiveService(BaseService):
         job, name = key
         node = self.host.config.node_id
         inplace = Collective.IN_PLACE and in_place(spec, ranks.count(node))
-        nbytes = held_bytes(spec, len(set(ranks)), inplace=inplace, local=ranks.count(node))
+        local = ranks.count(node)
+        nbytes = held_bytes(spec, len(set(ranks)), inplace=inplace, local=local, size=len(ranks))
         owner = self.membership.owner(job)
         what = f"{spec.describe()} {name!r} of job {job!r}"
         return self.host.budget.charge(-1 if owner is None else owner, job, nbytes, what)
@@ -451,7 +420,7 @@ class CollectiveService(BaseService):
             raise Stranger(node, frame)
         if ranks is None or self.host.config.node_id not in ranks:
             return None
-        nbytes = spec.count * ITEMSIZE[spec.dtype]
+        nbytes = spec.count * ITEMSIZE[spec.dtype] * (len(ranks) if spec.kind in GATHERS else 1)
         if nbytes > self.host.config.max_mapped_bytes_per_client:
             raise RemoteProtocolError(
                 f"node {node} asks for a collective of {nbytes} B, more than any client here "

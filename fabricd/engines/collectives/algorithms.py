@@ -122,16 +122,6 @@ def chunk_bounds(count: int, parts: int, index: int) -> tuple[int, int]:
     return index * count // parts, (index + 1) * count // parts
 
 
-def elements_of(name: str, count: int, nodes: int) -> int:
-    """How many elements buffer ``name`` (the tensor or one of its chunks) has, for a tensor of
-    ``count`` elements among ``nodes`` nodes; 0 for a slot or no bytes."""
-    buffer = parse(name)
-    if buffer.region is Region.CHUNK:
-        start, stop = chunk_bounds(count, buffer.parts or nodes, buffer.index)
-        return stop - start
-    return count if buffer.region is Region.DATA else 0
-
-
 class Region(enum.Enum):
     DATA = "data"  #: the whole tensor
     CHUNK = "chunk"  #: one chunk of it (``index``)

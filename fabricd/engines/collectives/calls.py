@@ -26,6 +26,8 @@ class Call:
     round: int  #: the round whose result it gets
     included: bool = False  #: a snapshot took its data (cleared if that round is abandoned)
     kept: int | None = None  #: the round that kept its rank's abandoned previous call, if one
+    #: allgather, reduce_scatter: where its result goes (``array`` is its input)
+    output: np.ndarray[Any, Any] | None = None
 
     def failed(self, message: str) -> str:
         """``message`` as this call's failure says it: when its rank's previous call was kept

@@ -14,6 +14,7 @@ import numpy as np
 
 from fabricd.engines.collectives import algorithms as collectives
 from fabricd.engines.collectives.algorithms import Region, chunk_bounds
+from fabricd.engines.collectives.gather import allgather_ring, reduce_scatter_ring
 from fabricd.engines.schedule import Kind, Schedule
 from fabricd.errors import LocalProtocolError
 
@@ -38,6 +39,10 @@ def schedule_for(
             return collectives.barrier(me, n)
         case "broadcast":
             return collectives.broadcast(me, n, members.index(ranks[spec.root]))
+        case "allgather":
+            return allgather_ring(me, n)
+        case "reduce_scatter":
+            return reduce_scatter_ring(me, n, spec.op)
     fn = "sum" if spec.partial else spec.op
     schedule: Schedule
     if spec.tree:
@@ -57,7 +62,10 @@ def schedule_for(
 
 class Layout:
     """Where ``schedule``'s buffers are, for a tensor of ``elements`` of ``dtype`` among
-    ``members`` nodes (``inplace``: the sync ring of a node's only rank, in its array)."""
+    ``members`` nodes (``inplace``: the sync ring of a node's only rank, in its array).
+    ``bounds``: where each chunk of as many as the nodes begins (and the last ends), where
+    they are not :func:`~fabricd.engines.collectives.algorithms.chunk_bounds`'s even split
+    (an allgather's or reduce-scatter's chunks are their nodes' ranks' blocks)."""
 
     def __init__(
         self,
@@ -67,8 +75,10 @@ class Layout:
         dtype: np.dtype[Any],
         members: tuple[int, ...],
         inplace: bool,
+        bounds: tuple[int, ...] | None = None,
     ) -> None:
         self.schedule = schedule
+        self.bounds = bounds
         self.elements, self.dtype, self.parts, self.inplace = (
             elements,
             dtype,
@@ -112,7 +122,8 @@ class Layout:
         )
         if reader is None:
             raise LocalProtocolError(f"no compute reads {name!r}: its size is unknown")
-        elements = collectives.elements_of(reader.buffer, self.elements, self.parts)
+        start, stop = self._span(collectives.parse(reader.buffer))
+        elements = stop - start
         if self.inplace and reader.fn == "copy" and elements:
             self.direct[recv] = reader.buffer
             return
@@ -137,8 +148,7 @@ class Layout:
             case Region.DATA:
                 return data
             case Region.CHUNK:
-                parts = buffer.parts or self.parts
-                start, stop = chunk_bounds(len(data), parts, buffer.index)
+                start, stop = self._span(buffer)
                 return data[start:stop]
             case Region.SLOT:
                 op = self.recv_of[buffer.peer, buffer.tag]
@@ -147,6 +157,17 @@ class Layout:
                 return self.slots[op][round % 2]
             case Region.EMPTY:
                 return data[:0]
+
+    def _span(self, buffer: collectives.Buffer) -> tuple[int, int]:
+        """Elements ``[start, stop)`` of the tensor that ``buffer`` is (none: a slot, empty)."""
+        match buffer.region:
+            case Region.DATA:
+                return 0, self.elements
+            case Region.CHUNK if self.bounds is not None and not buffer.parts:
+                return self.bounds[buffer.index], self.bounds[buffer.index + 1]
+            case Region.CHUNK:
+                return chunk_bounds(self.elements, buffer.parts or self.parts, buffer.index)
+        return 0, 0
 
     def arrays(self) -> tuple[np.ndarray[Any, Any], ...]:
         """Every landing slot (once each: in place, both parities share one)."""

@@ -12,11 +12,12 @@ allocated when it built the same schedule: no rendezvous.
 
 Theory of operation.
 
-* **Hierarchical.**  The schedule (:mod:`fabricd.engines.collectives.algorithms`) runs over the
-job's
-  *nodes*, not its ranks: the ranks on one node reduce into the node's contribution through
-  shared memory first, and only the daemon talks to the network for them, as NCCL and Horovod
-  do within a machine.  The node's index in the sorted member nodes is its schedule rank.
+* **Hierarchical.**  The schedule (:mod:`~fabricd.engines.collectives.algorithms`, and
+  :mod:`~fabricd.engines.collectives.gather` for allgather and reduce-scatter, sync collectives
+  whose node tensor is every rank's block) runs over the job's *nodes*, not its ranks: the
+  ranks on one node fold into the node's contribution through shared memory first, and only
+  the daemon talks to the network for them, as NCCL and Horovod do within a machine.  The
+  node's index in the sorted member nodes is its schedule rank.
 * **Sync** (``mode="sync"``; broadcast and barrier are always sync): the node activates round
   ``r`` once every local rank of the job called it; the calls' arrays are reduced into the
   contribution as they come (:data:`REDUCE`), and every call gets round ``r``'s result.
@@ -107,6 +108,8 @@ from typing import Any
 import numpy as np
 
 from fabricd.engines.collectives.calls import Call, Counters, Departures
+from fabricd.engines.collectives.computes import compute, divide
+from fabricd.engines.collectives.gather import Blocks
 from fabricd.engines.collectives.landing import Landing, detach, same
 from fabricd.engines.collectives.layout import Layout, schedule_for
 from fabricd.engines.collectives.ledger import Held, Ledger, Note
@@ -186,7 +189,10 @@ class Collective:
         self.base = 0  #: the round this view began with
         self.broken: tuple[str, str] | None = None  #: (code, message) once nothing can run
         self.counters = Counters()
-        elements = spec.count + (1 if spec.partial else 0)  #: partial: the active count too
+        #: allgather, reduce_scatter: every rank's block, in the node's tensor (gather.py)
+        self.blocks = Blocks.of(spec, ranks, self.initial)
+        #: partial: the active count too; allgather, reduce_scatter: every rank's block
+        elements = spec.count + spec.partial if self.blocks is None else self.blocks.elements
         self._elements = elements
         dtype = np.dtype(spec.dtype)
         #: the node's only rank's sync ring allreduce runs in that rank's array ("In place")
@@ -247,6 +253,7 @@ class Collective:
             dtype=self.data.dtype,
             members=members,
             inplace=self.inplace,
+            bounds=None if self.blocks is None else self.blocks.bounds,
         )
         self._landings.clear()
         self._held.clear()  # messages of the first round in the old view: void
@@ -256,10 +263,16 @@ class Collective:
 
     # -- calls ------------------------------------------------------------------------------
     def call(
-        self, rank: int, token: int, array: np.ndarray[Any, Any] | None, now: float
+        self,
+        rank: int,
+        token: int,
+        array: np.ndarray[Any, Any] | None,
+        now: float,
+        output: np.ndarray[Any, Any] | None = None,
     ) -> list[Action]:
         """Local ``rank``'s call, answered later by :class:`Deliver` or :class:`Fail` for
-        ``token``.  ``array``: its elements (``None`` for a barrier), kept until then.
+        ``token``.  ``array``: its elements (``None`` for a barrier), kept until then;
+        ``output``: an allgather's or reduce-scatter's, where its result goes.
 
         Raises:
             UsageError: the rank is not on this node, has a call of this collective open, or
@@ -275,7 +288,8 @@ class Collective:
             raise UsageError(self.broken[1])
         self.counters.calls += 1
         kept = self._left.kept.pop(rank, None)
-        call = Call(token=token, rank=rank, array=array, round=self.round, kept=kept)
+        call = Call(token=token, rank=rank, array=array, output=output, round=self.round)
+        call.kept = kept
         self._calls[token] = call
         self._by_rank[rank] = call
         if self.spec.partial:
@@ -355,6 +369,8 @@ class Collective:
         data, array = self.data, call.array
         if array is not None and self.inplace:
             self.data = array
+        elif array is not None and self.blocks is not None:
+            self.blocks.give(data, call.rank, array, op=self.spec.op, first=not self._given)
         elif array is not None and self.spec.kind == "allreduce":
             if self._given:
                 REDUCE[self.spec.op](data, array, out=data)
@@ -769,7 +785,9 @@ class Collective:
                     )
                     more = self.executor.completed(op, round, now)
                 case StartCompute(op=op, round=round):
-                    self._compute(op, round)
+                    sched = self.executor.schedule.ops[op]
+                    inputs = [self._buffer(name, round) for name in sched.inputs]
+                    compute(sched.fn, self._buffer(sched.buffer, round), inputs, self.size)
                     self._count_copy(op, round)
                     more = self.executor.completed(op, round, now)
                 case RoundStarted():
@@ -794,22 +812,6 @@ class Collective:
 
     def _buffer(self, name: str, round: int = 0) -> np.ndarray[Any, Any]:
         return self.layout.buffer(name, round, self.data, self._landed)
-
-    def _compute(self, op: int, round: int) -> None:
-        sched = self.executor.schedule.ops[op]
-        out = self._buffer(sched.buffer, round)
-        inputs = [self._buffer(name, round) for name in sched.inputs]
-        match sched.fn:
-            case "copy":
-                if not same(out, inputs[0]):  # in place, an allgather landed where it goes
-                    np.copyto(out, inputs[0])
-            case "div":
-                if out.dtype.kind == "f":
-                    np.divide(inputs[0], self.size, out=out)
-                else:
-                    np.floor_divide(inputs[0], self.size, out=out)
-            case fn:
-                REDUCE[fn](inputs[0], inputs[1], out=out)
 
     def _count_copy(self, op: int, round: int) -> None:
         """In place, the last of a round's allgather copies makes its result whole: the call
@@ -848,11 +850,8 @@ class Collective:
         # avg: a sync schedule over several nodes divides once, on the way (its builder's
         # "div"); a partial one, or one node alone, divides the sum here
         if self.spec.op == "avg" and (self.spec.partial or len(self.members_now) == 1):
-            part = self.result[:count]
-            if part.dtype.kind == "f":
-                np.divide(part, self.size, out=part)
-            else:
-                np.floor_divide(part, self.size, out=part)
+            part = self.result[: self._elements - self.spec.partial]  # (not the active count)
+            divide(part, self.size, part)
         self.given.ended()
         self._given.clear()
         self._activated = None
@@ -886,7 +885,9 @@ class Collective:
         ``results`` results its rank missed (``late="sum"``)."""
         result = self.result[: self.spec.count] if owed is None else owed
         array = call.array if copy and self.spec.kind != "barrier" else None
-        if array is not None and not same(array, result):  # in place, it is there already
+        if self.blocks is not None and call.output is not None:  # its part of the result
+            self.blocks.take(self.result, call.rank, call.output)
+        elif array is not None and not same(array, result):  # in place, it is there already
             np.copyto(array, result)
         if active is None:
             active = int(self.result[self.spec.count]) if self.spec.partial else self.size

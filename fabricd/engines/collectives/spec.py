@@ -22,7 +22,9 @@ from fabricd.engines.collectives.ledger import MAX_HELD
 from fabricd.engines.collectives.partial import LATE
 from fabricd.errors import RemoteProtocolError, UsageError
 
-KINDS: Final = ("allreduce", "broadcast", "barrier")
+#: the native allgather and reduce-scatter (:mod:`~fabricd.engines.collectives.gather`)
+GATHERS: Final = ("allgather", "reduce_scatter")
+KINDS: Final = ("allreduce", "broadcast", "barrier", *GATHERS)
 MODES: Final = ("sync", "solo", "majority")
 #: what an allreduce's caller may ask for: ``"auto"``, the size rule
 #: (:func:`~fabricd.engines.collectives.algorithms.choose_allreduce`), or one algorithm
@@ -37,10 +39,12 @@ REDUCE: Final = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.mini
 class Spec:
     """What every call of one collective must agree on (its first call fixes it)."""
 
-    kind: str  #: allreduce, broadcast, barrier
-    count: int = 0  #: elements of each rank's array
+    kind: str  #: allreduce, broadcast, barrier, allgather, reduce_scatter
+    #: elements of each rank's array (allgather, reduce_scatter: of each rank's block, its
+    #: input and its output respectively)
+    count: int = 0
     dtype: str = "uint8"
-    op: str = "sum"  #: allreduce
+    op: str = "sum"  #: allreduce, reduce_scatter
     mode: str = "sync"  #: allreduce: sync, solo, majority
     root: int = 0  #: broadcast: the rank whose array everyone gets
     ring: bool = False  #: allreduce: ring (else recursive doubling), chosen by the first call
@@ -92,6 +96,10 @@ class Spec:
                 return f"{self.mode} allreduce {self.op} of {self.count} {self.dtype}{by}"
             case "broadcast":
                 return f"broadcast of {self.count} {self.dtype} from rank {self.root}"
+            case "allgather":
+                return f"allgather of {self.count} {self.dtype} a rank"
+            case "reduce_scatter":
+                return f"reduce_scatter {self.op} of {self.count} {self.dtype} a rank"
             case _:
                 return "barrier"
 
@@ -136,6 +144,10 @@ class Spec:
         self._check_algorithm()
         if self.op not in collectives.REDUCTIONS:
             raise UsageError(f"op must be one of {', '.join(collectives.REDUCTIONS)}")
+        if self.kind in GATHERS and self.ring:
+            raise UsageError(f"a {self.kind} runs its own ring: ring is for an allreduce")
+        if self.kind == "allgather" and self.op != "sum":
+            raise UsageError("an allgather reduces nothing: op is for an allreduce")
         if self.partial and (self.kind != "allreduce" or self.op not in ("sum", "avg")):
             raise UsageError("solo and majority are allreduce modes, with op sum or avg")
         if self.late not in LATE:
@@ -179,6 +191,8 @@ def chosen(spec: Spec, nodes: int, *, ring_from_bytes: int) -> Spec:
 
 def algorithm(spec: Spec) -> collectives.Algorithm:
     """The allreduce algorithm ``spec`` runs (once :func:`chosen`)."""
+    if spec.kind in GATHERS:  # (each is one phase of the ring allreduce)
+        return collectives.Algorithm.RING
     if spec.tree:
         return collectives.Algorithm.TREE
     if spec.mlfabric:
@@ -194,7 +208,7 @@ def in_place(spec: Spec, local_ranks: int) -> bool:
     return spec.kind == "allreduce" and not spec.partial and spec.ring and local_ranks == 1
 
 
-def held_bytes(spec: Spec, nodes: int, *, inplace: bool, local: int = 1) -> int:
+def held_bytes(spec: Spec, nodes: int, *, inplace: bool, local: int = 1, size: int = 1) -> int:
     """The most bytes a node's collective of ``spec`` among ``nodes`` member nodes, ``local``
     of the job's ranks on it, ever holds:
     what the daemon's byte budget charges before building it (:mod:`fabricd.engines.budget`).
@@ -216,8 +230,11 @@ def held_bytes(spec: Spec, nodes: int, *, inplace: bool, local: int = 1) -> int:
     (:mod:`~fabricd.engines.collectives.mlfabric`) holds, for each of the two rounds it may
     hold at once, the root's total and, per other member node, up to two messages landing (a
     part and a group's sum), a part held for its GATHER and a group summed here: ``8`` a node.
+    An allgather's or reduce-scatter's tensor is every one of the job's ``size`` ranks'
+    blocks; its ring's receives of one round add up to under ``T``.
     """
-    tensor = (spec.count + (1 if spec.partial else 0)) * np.dtype(spec.dtype).itemsize
+    blocks = size if spec.kind in GATHERS else 1
+    tensor = (spec.count * blocks + (1 if spec.partial else 0)) * np.dtype(spec.dtype).itemsize
     own = (1 if inplace else 2) + (2 + MAX_HELD if spec.partial else 0)
     if spec.partial and spec.late == "sum":
         own += local
@@ -226,7 +243,7 @@ def held_bytes(spec: Spec, nodes: int, *, inplace: bool, local: int = 1) -> int:
     match spec.kind:
         case "barrier":
             slots = 0
-        case "broadcast":
+        case "broadcast" | "allgather" | "reduce_scatter":
             slots = 2
         case _ if inplace:
             slots = 1
