@@ -24,11 +24,12 @@ call (a receive) start while an earlier one (a send to a peer that has not recei
 waits.  A call that fails (a rank left: ``PeerFailed``; ``timeout`` passed) fails its future,
 so ``wait()`` raises, and never hangs.
 
-What each operation is on the daemons: ``allreduce`` (sum, average, max, min) and
-``broadcast`` are the daemons' own collectives, ``barrier`` theirs; ``allreduce`` with product
-or a bitwise op gathers every rank's tensor and reduces it here; ``allgather`` is one daemon
-broadcast per rank, run at once; ``reduce_scatter`` an allreduce of which each rank keeps its
-part, and ``reduce`` one whose result only the root keeps; ``gather`` an allgather the root
+What each operation is on the daemons: ``allreduce`` (sum, average, max, min),
+``broadcast``, ``allgather`` and ``reduce_scatter`` (sum, average, max, min) are the daemons'
+own collectives (the last two one phase of a ring each: no zero-padded allreduce), ``barrier``
+theirs; ``allreduce`` with product or a bitwise op gathers every rank's tensor and reduces it
+here, and ``reduce_scatter`` with one is an allreduce of which each rank keeps its part;
+``reduce`` is an allreduce whose result only the root keeps; ``gather`` an allgather the root
 keeps; ``scatter``, ``alltoall`` and ``send``/``recv`` the daemons' point-to-point messages
 (tags from 2**30 are the backend's own).  The process group is sync: ``all_reduce`` means
 what it means with gloo; eager-SGD's partial modes are in the DDP hook (:mod:`.hook`), where
@@ -244,7 +245,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             raise UsageError(f"the fabricd backend's {what} with {op} takes integers or bool")
         joined = torch.cat(flats) if len(flats) > 1 else flats[0]
         gathered = torch.empty((self._size, joined.numel()), dtype=joined.dtype)
-        handles, slot, unstage = self._gather_start(as_bytes(joined), what)
+        handles, slots, unstage = self._gather_start(as_bytes(joined), what)
 
         def finish() -> list[torch.Tensor]:
             unstage(as_bytes(gathered).reshape(self._size, -1))
@@ -252,7 +253,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
                 _unpack(LOCAL_OPS[op](gathered), flats)
             return flats
 
-        return self._call(what, handles, finish, [slot])
+        return self._call(what, handles, finish, slots)
 
     # -- moving -----------------------------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -283,14 +284,14 @@ class FabricdProcessGroup(dist.ProcessGroup):
         for out in outputs[0]:
             if out.dtype != inputs[0].dtype or out.numel() != inputs[0].numel():
                 raise UsageError("the fabricd backend's allgather takes equal tensors")
-        handles, slot, unstage = self._gather_start(source, "allgather")
+        handles, slots, unstage = self._gather_start(source, "allgather")
 
         def finish() -> list[list[torch.Tensor]]:
             rows = [as_bytes(flat_view(out, "allgather")) for out in outputs[0]]
             unstage(_Rows(rows))
             return outputs
 
-        return self._call("allgather", handles, finish, [slot])
+        return self._call("allgather", handles, finish, slots)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         source = as_bytes(flat_view(input, "all_gather_single"))
@@ -300,13 +301,13 @@ class FabricdProcessGroup(dist.ProcessGroup):
                 f"the fabricd backend's all_gather_single needs an output of {self._size} "
                 "times the input, of its dtype"
             )
-        handles, slot, unstage = self._gather_start(source, "all_gather_single")
+        handles, slots, unstage = self._gather_start(source, "all_gather_single")
 
         def finish() -> list[torch.Tensor]:
             unstage(target.reshape(self._size, -1))
             return [output]
 
-        return self._call("all_gather_single", handles, finish, [slot])
+        return self._call("all_gather_single", handles, finish, slots)
 
     _allgather_base = all_gather_single
 
@@ -315,37 +316,37 @@ class FabricdProcessGroup(dist.ProcessGroup):
     ) -> Any:
         root = opts.rootRank if opts is not None else 0
         source = as_bytes(flat_view(inputs[0], "gather"))
-        handles, slot, unstage = self._gather_start(source, "gather")
+        handles, slots, unstage = self._gather_start(source, "gather")
 
         def finish() -> list[list[torch.Tensor]]:
             if self._rank == root:
                 unstage(_Rows([as_bytes(flat_view(o, "gather")) for o in outputs[0]]))
             return outputs
 
-        return self._call("gather", handles, finish, [slot])
+        return self._call("gather", handles, finish, slots)
 
     def _gather_start(
         self, source: torch.Tensor, what: str
-    ) -> tuple[list[Handle[Any]], Slot, Callable[[Any], None]]:
-        """Start gathering every rank's ``source`` bytes: one daemon broadcast per rank;
-        returns the handles, the slot, and what copies the rows out once they are done."""
-        nbytes, words = source.numel(), _words(source.numel())
-        chunk = staging.size_class(words) if nbytes <= staging.SMALL_BYTES else words
-        slot, _ = self._take(WORDS, chunk * self._size)
-        rows = _bytes_of(slot)[: chunk * 8 * self._size].reshape(self._size, chunk * 8)
-        rows[self._rank, :nbytes].copy_(source)
-        handles = [
-            self.fab.broadcast_async(
-                slot.array[r * chunk : (r + 1) * chunk], r, name=f"torch:ag:{slot.name}:{chunk}:{r}"
-            )
-            for r in range(self._size)
-        ]
+    ) -> tuple[list[Handle[Any]], list[Slot], Callable[[Any], None]]:
+        """Start gathering every rank's ``source`` bytes (the daemons' allgather); returns the
+        handles, the slots, and what copies the rows out once they are done."""
+        nbytes = source.numel()
+        chunk = staging.size_class(nbytes) if nbytes <= staging.SMALL_BYTES else nbytes
+        mine, _ = self._take("uint8", chunk)
+        every, _ = self._take("uint8", chunk * self._size)
+        torch.from_numpy(mine.array[:nbytes]).copy_(source)
+        rows = torch.from_numpy(every.array[: chunk * self._size]).reshape(self._size, chunk)
+        handle = self.fab.allgather_async(
+            mine.array[:chunk],
+            every.array[: chunk * self._size],
+            name=f"torch:ag:{every.name}:{chunk}",
+        )
 
         def unstage(into: Any) -> None:
             for r in range(self._size):
                 into[r].copy_(rows[r, :nbytes])
 
-        return handles, slot, unstage
+        return [handle], [mine, every], unstage
 
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
@@ -361,18 +362,48 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Any:
         whole = flat_view(input, "reduce_scatter_single")
-        return self._scatter_reduced(output, whole.clone(), _op(opts), "reduce_scatter_single")
+        return self._scatter_reduced(output, whole, _op(opts), "reduce_scatter_single")
 
     _reduce_scatter_base = reduce_scatter_single
 
     def _scatter_reduced(
         self, output: torch.Tensor, whole: torch.Tensor, op: Any, what: str
     ) -> Any:
+        """Rank r's ``output`` becomes ``op`` over every rank's r-th part of ``whole``: the
+        daemons' reduce-scatter (product, bitwise and complex: an allreduce, the part kept)."""
         target = flat_view(output, what)
-        if whole.numel() != target.numel() * self._size or whole.dtype != target.dtype:
+        k = target.numel()
+        if whole.numel() != k * self._size or whole.dtype != target.dtype:
             raise UsageError(
                 f"the fabricd backend's {what} needs an input of {self._size} times the output"
             )
+        if op not in NATIVE_OPS or whole.is_complex():
+            return self._allreduced_part(target, whole.clone(), op, what, output)
+        name = reduce_dtype(whole.dtype, what)
+        itemsize = torch.empty(0, dtype=whole.dtype).element_size()
+        chunk = staging.size_class(k) if k * itemsize <= staging.SMALL_BYTES else k
+        every, _ = self._take(name, chunk * self._size)
+        mine, _ = self._take(name, chunk)
+        parts = torch.from_numpy(every.array[: chunk * self._size]).reshape(self._size, chunk)
+        parts[:, :k].copy_(whole.reshape(self._size, k))
+        handle = self.fab.reduce_scatter_async(
+            every.array[: chunk * self._size],
+            mine.array[:chunk],
+            NATIVE_OPS[op],
+            name=f"torch:rs:{NATIVE_OPS[op]}:{every.name}:{chunk}",
+        )
+
+        def finish() -> list[torch.Tensor]:
+            target.copy_(torch.from_numpy(mine.array[:k]))
+            return [output]
+
+        return self._call(what, [handle], finish, [every, mine])
+
+    def _allreduced_part(
+        self, target: torch.Tensor, whole: torch.Tensor, op: Any, what: str, output: torch.Tensor
+    ) -> Any:
+        """A reduce-scatter the daemons do not make: an allreduce of which this rank keeps
+        its part."""
         reduced = self._allreduce([whole], op, what)
         k = target.numel()
 
