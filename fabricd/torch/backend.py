@@ -311,6 +311,38 @@ class FabricdProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    def allgather_coalesced(
+        self,
+        outputs: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Any:
+        """``outputs[r][i]`` becomes rank r's ``inputs[i]``: one allgather of them all."""
+        what = "allgather_coalesced"
+        sources = [as_bytes(flat_view(t, what)) for t in inputs]
+        if len(outputs) != self._size or any(len(row) != len(inputs) for row in outputs):
+            raise UsageError(f"the fabricd backend's {what} takes {self._size} output lists")
+        joined = torch.cat(sources) if sources else torch.empty(0, dtype=torch.uint8)
+        handles, slots, unstage = self._gather_start(joined, what)
+
+        def finish() -> list[list[torch.Tensor]]:
+            rows = torch.empty((self._size, joined.numel()), dtype=torch.uint8)
+            unstage(rows)
+            for r in range(self._size):
+                _unpack(rows[r], [as_bytes(flat_view(t, what)) for t in outputs[r]])
+            return outputs
+
+        return self._call(what, handles, finish, slots)
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        """Each pair as :meth:`all_gather_single`; one Work for them all."""
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return _all_of(works, outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
     def gather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
@@ -365,6 +397,17 @@ class FabricdProcessGroup(dist.ProcessGroup):
         return self._scatter_reduced(output, whole, _op(opts), "reduce_scatter_single")
 
     _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        """Each pair as :meth:`reduce_scatter_single`; one Work for them all."""
+        works = [
+            self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return _all_of(works, outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def _scatter_reduced(
         self, output: torch.Tensor, whole: torch.Tensor, op: Any, what: str
@@ -583,6 +626,19 @@ class _Work(dist.Work):
 
     def result(self) -> Any:
         return self._future.wait()
+
+
+def _all_of(works: list[Any], value: Any) -> _Work:
+    """One Work for several: done (or failed) once they all are."""
+    futures = [work.get_future() for work in works]
+    joined = torch.futures.collect_all(futures)
+
+    def done(_: torch.futures.Future[Any]) -> Any:
+        for future in futures:
+            future.wait()  # (raises what failed one)
+        return value
+
+    return _Work(joined.then(done))
 
 
 def _op(opts: Any) -> Any:

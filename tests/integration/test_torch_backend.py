@@ -198,6 +198,25 @@ def _scatters(rank: int, n: int, gloo: Any, checks: list[tuple[str, bool, str]])
         _compare(checks, f"all_to_all_single uneven {dtype}", got, ref)
 
 
+def _coalesced(rank: int, n: int, gloo: Any, checks: list[tuple[str, bool, str]]) -> None:
+    def gather_many(group: Any) -> torch.Tensor:
+        ins = [_values(rank, n, torch.float32, 3), _values(rank + 1, n, torch.float32, 5)]
+        outs = [[torch.zeros_like(t) for t in ins] for _ in range(n)]
+        dist.all_gather_coalesced(outs, ins, group=group)
+        return torch.cat([t.double() for row in outs for t in row])
+
+    got, ref = _both(gather_many, gloo)
+    _compare(checks, "all_gather_coalesced", got, ref)
+
+    def reduce_many(group: Any) -> torch.Tensor:
+        ts = [_values(rank, n, torch.float32, 4), _values(rank, n, torch.float32, 9)]
+        dist.all_reduce_coalesced(ts, group=group)
+        return torch.cat(ts)
+
+    got, ref = _both(reduce_many, gloo)
+    _compare(checks, "all_reduce_coalesced", got, ref)
+
+
 def _the_rest(rank: int, n: int, gloo: Any, checks: list[tuple[str, bool, str]]) -> None:
     ring = torch.full((6,), float(rank))
     got = torch.zeros(6)
@@ -232,7 +251,7 @@ def ops_rank(socket_path: str, init: str, rank: int, n: int, out: Any) -> None:
         dist.init_process_group("fabricd", init_method=init, rank=rank, world_size=n)
         gloo = dist.new_group(backend="gloo")
         assert dist.get_backend() == "fabricd"
-        for part in (_reductions, _movements, _scatters, _the_rest):
+        for part in (_reductions, _movements, _scatters, _coalesced, _the_rest):
             part(rank, n, gloo, checks)
         dist.destroy_process_group()
         out.put((rank, checks, None))
