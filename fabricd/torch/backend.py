@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
     from fabricd.client import Client
-    from fabricd.client.collectives import Op
+    from fabricd.client.collectives import Mode, Op
     from fabricd.client.handle import Handle
 
 BACKEND: Final = "fabricd"
@@ -174,6 +174,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self._completer = _Completer(timeout)
         self._internal = 0  #: the backend's point-to-point calls so far (their tags)
         self._group_name = ""
+        self._mode: Mode = "sync"
         self._finalizer = weakref.finalize(self, _close, self._completer, fab)
 
     # -- what torch asks of every process group ---------------------------------------------
@@ -182,6 +183,23 @@ class FabricdProcessGroup(dist.ProcessGroup):
 
     def size(self) -> int:
         return self._size
+
+    @property
+    def allreduce_mode(self) -> Mode:
+        """How ``all_reduce`` with sum or average runs: ``"sync"`` (the default: what
+        ``all_reduce`` means to every caller, gloo's and nccl's meaning), or eager-SGD's
+        ``"solo"`` or ``"majority"``, set explicitly by a training loop that knows its
+        ``all_reduce`` calls tolerate ranks that missed a round (they contribute zeros and get
+        the result later).  Every rank must set the same, between calls.  Other calls (and
+        other reductions) stay sync.  DDP itself is better served by the hook
+        (:mod:`fabricd.torch.hook`), which averages over the ranks that took part."""
+        return self._mode
+
+    @allreduce_mode.setter
+    def allreduce_mode(self, mode: Mode) -> None:
+        if mode not in ("sync", "solo", "majority"):
+            raise UsageError(f"allreduce_mode is 'sync', 'solo' or 'majority', not {mode!r}")
+        self._mode = mode
 
     def _set_group_name(self, name: str) -> None:
         # (torch names every group it makes; a Python group's C++ side keeps no name it
@@ -226,11 +244,12 @@ class FabricdProcessGroup(dist.ProcessGroup):
         if flats[0].is_complex() and op not in (_R.SUM, _R.AVG):
             raise UsageError(f"the fabricd backend's {what} of {dtype} sums or averages only")
         count = sum(p.numel() for p in parts)
-        slot, span = self._take(name, count)
+        mode = self._mode if what == "allreduce" and op in (_R.SUM, _R.AVG) else "sync"
+        slot, span = self._take(name, count, ring="" if mode == "sync" else mode)
         stage = torch.from_numpy(slot.array)
         _pack(parts, stage)
-        collective = f"torch:ar:{NATIVE_OPS[op]}:{slot.name}:{span}"
-        handle = self.fab.allreduce_async(slot.array[:span], NATIVE_OPS[op], name=collective)
+        collective = f"torch:ar:{NATIVE_OPS[op]}:{mode}:{slot.name}:{span}"
+        handle = self.fab.allreduce_async(slot.array[:span], NATIVE_OPS[op], mode, name=collective)
 
         def finish() -> list[torch.Tensor]:
             if keep:
@@ -572,8 +591,8 @@ class FabricdProcessGroup(dist.ProcessGroup):
         handle = self.fab.barrier_async(name="torch:barrier")
         return self._call("barrier", [handle], lambda: [], [])
 
-    def _take(self, dtype: str, count: int) -> tuple[Slot, int]:
-        return self._staging.take(dtype, max(count, 1), self._timeout)
+    def _take(self, dtype: str, count: int, ring: str = "") -> tuple[Slot, int]:
+        return self._staging.take(dtype, max(count, 1), self._timeout, ring)
 
     def _call(
         self,

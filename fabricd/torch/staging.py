@@ -124,27 +124,29 @@ class Staging:
     def __init__(self, fab: Client, prefix: str) -> None:
         self.fab = fab
         self.prefix = prefix
-        self._slots: dict[tuple[str, int], list[Slot]] = {}
-        self._calls: dict[tuple[str, int], int] = {}  #: calls per (dtype, class) so far
+        self._slots: dict[tuple[str, int, str], list[Slot]] = {}
+        self._calls: dict[tuple[str, int, str], int] = {}  #: calls per (dtype, class, ring)
         self._lock = threading.Lock()
 
-    def take(self, dtype: str, count: int, timeout: float) -> tuple[Slot, int]:
+    def take(self, dtype: str, count: int, timeout: float, ring: str = "") -> tuple[Slot, int]:
         """A slot whose array holds at least ``count`` elements of ``dtype``, and how many of
         them the collective runs over (module docstring); the caller releases it with
-        :meth:`release` once its call is done.
+        :meth:`release` once its call is done.  ``ring``: a set of slots of its own, of one
+        slot (a partial allreduce's collective must keep its name from call to call: a rank
+        that missed rounds joins the same collective later).
 
         Raises:
             fabricd.Timeout: the slot's last call did not finish within ``timeout``.
         """
         capacity = size_class(count)
-        key = (dtype, capacity)
+        key = (dtype, capacity, ring)
         with self._lock:
             calls = self._calls.get(key, 0)
             self._calls[key] = calls + 1
             slots = self._slots.setdefault(key, [])
-            index = calls % SLOTS
+            index = calls % (SLOTS if not ring else 1)
             if index == len(slots):
-                name = f"{self.prefix}:{dtype}:{capacity}:{index}"
+                name = f"{self.prefix}:{dtype}:{capacity}:{ring or index}"
                 slot = Slot(self.fab.array(name, (capacity,), dtype), name)
                 slot.free.set()
                 slots.append(slot)

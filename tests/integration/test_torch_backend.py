@@ -445,3 +445,38 @@ def test_two_jobs_at_once_keep_apart(make_cluster: Any, spawn: Any) -> None:
     averages = sorted(value for _, (value, _), _ in reports)
     assert averages == [100.5, 100.5, 200.5, 200.5]
     assert len({job for _, (_, job), _ in reports}) == 2
+
+
+def solo_rank(socket_path: str, init: str, rank: int, n: int, early: Any, out: Any) -> None:
+    """allreduce_mode "solo": ranks 0 and 1 make five all_reduces while rank 2 has not begun
+    (it waits until they are done): a sync all_reduce would hold them for it for ever."""
+    os.environ["FABRICD_SOCKET"] = socket_path
+    try:
+        import fabricd.torch  # noqa: F401
+
+        dist.init_process_group("fabricd", init_method=init, rank=rank, world_size=n)
+        group = dist.group.WORLD
+        with pytest.raises(Exception, match="allreduce_mode is"):
+            group.allreduce_mode = "sometimes"  # type: ignore[union-attr]
+        group.allreduce_mode = "solo"  # type: ignore[union-attr]
+        t = torch.ones(10)
+        dist.all_reduce(t)  # (every rank's first call sets the collective up)
+        if rank == 2 and not early.wait(60):
+            out.put((rank, "ranks 0 and 1 were held", None))
+            return
+        for _ in range(5):
+            dist.all_reduce(t)
+        if rank == 1:
+            early.set()
+        group.allreduce_mode = "sync"  # type: ignore[union-attr]
+        dist.barrier()
+        out.put((rank, "done", None))
+    except BaseException:
+        out.put((rank, "", traceback.format_exc()))
+
+
+def test_solo_allreduce_does_not_wait_for_a_late_rank(make_cluster: Any, spawn: Any) -> None:
+    early = multiprocessing.get_context("spawn").Event()
+    for rank, said, error in _run(make_cluster, spawn, solo_rank, 3, early):
+        assert error is None, f"rank {rank}: {error}"
+        assert said == "done", f"rank {rank}: {said}"
