@@ -39,13 +39,13 @@ a training loop chooses them knowingly.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -54,7 +54,8 @@ import torch.distributed as dist
 import fabricd
 from fabricd.errors import UsageError
 from fabricd.torch import staging
-from fabricd.torch.staging import Slot, Staging, as_bytes, flat_view, reduce_dtype
+from fabricd.torch.completion import Call, Completer, Work, all_of
+from fabricd.torch.staging import Slot, Staging, as_bytes, dense, flat_view, reduce_dtype
 
 if TYPE_CHECKING:
     import datetime
@@ -65,6 +66,9 @@ if TYPE_CHECKING:
     from fabricd.client import Client
     from fabricd.client.collectives import Mode, Op
     from fabricd.client.handle import Handle
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 BACKEND: Final = "fabricd"
 #: what a collective that only moves bytes moves them as (the daemons' collectives take the
@@ -93,72 +97,22 @@ def _fold(
     return result
 
 
-@dataclass(slots=True, eq=False)
-class _Call:
-    """A call in flight: the daemon's operations it waits for, what to do then, its slots."""
+def _giving_back(method: Callable[P, R]) -> Callable[P, R]:
+    """A call that fails before it is under way gives back the staging slots it took."""
 
-    what: str
-    handles: list[Handle[Any]]
-    finish: Callable[[], object]
-    slots: list[Slot]
-    future: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
-
-
-class _Completer:
-    """Finishes a process group's calls, oldest first, on a thread of its own."""
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self._calls: collections.deque[_Call] = collections.deque()
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="fabricd-torch", daemon=True)
-        self._thread.start()
-
-    def add(self, call: _Call) -> None:
-        with self._cond:
-            if self._closed:
-                raise UsageError("the fabricd process group was shut down")
-            self._calls.append(call)
-            self._cond.notify()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(5)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._calls and not self._closed:
-                    self._cond.wait()
-                if not self._calls:
-                    return
-                call = self._calls[0]
-            self._complete(call)
-            with self._cond:
-                self._calls.popleft()
-
-    def _complete(self, call: _Call) -> None:
-        deadline = time.monotonic() + self.timeout
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
-            for handle in call.handles:
-                handle.wait(max(deadline - time.monotonic(), 0.0))
-            value = call.finish()
-        except BaseException as exc:  # (the waiter gets it: wait() raises, never hangs)
-            for slot in call.slots:
-                Staging.release(slot)
-            call.future.set_exception(
-                RuntimeError(f"fabricd backend: {call.what} failed: {exc}").with_traceback(
-                    exc.__traceback__
-                )
-            )
-            return
-        for slot in call.slots:
-            Staging.release(slot)
-        call.future.set_result(value)
+            return method(*args, **kwargs)
+        except BaseException:
+            group = args[0]
+            assert isinstance(group, FabricdProcessGroup)
+            for slot in group._holding():
+                group._staging.release(slot)
+            group._holding().clear()
+            raise
+
+    return call
 
 
 class FabricdProcessGroup(dist.ProcessGroup):
@@ -171,7 +125,10 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._timeout = timeout
         self._staging = Staging(fab, "torch")
-        self._completer = _Completer(timeout)
+        self._completer = Completer()
+        self._barriers: collections.deque[Handle[Any]] = collections.deque()
+        self._barrier_count = 0
+        self._taken = threading.local()  #: slots taken by the call being made (this thread)
         self._internal = 0  #: the backend's point-to-point calls so far (their tags)
         self._group_name = ""
         self._mode: Mode = "sync"
@@ -220,22 +177,26 @@ class FabricdProcessGroup(dist.ProcessGroup):
     abort = shutdown
 
     # -- reductions -------------------------------------------------------------------------
+    @_giving_back
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self._allreduce(tensors, _op(opts), "allreduce")
 
+    @_giving_back
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self._allreduce(tensors, _op(opts), "allreduce_coalesced")
 
+    @_giving_back
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         return self._allreduce(tensors, _op(opts), "reduce", keep=self._rank == root)
 
     def _allreduce(self, tensors: list[torch.Tensor], op: Any, what: str, keep: bool = True) -> Any:
-        flats = [flat_view(t, what) for t in tensors]
+        copies, write_back = dense(tensors)
+        flats = [flat_view(t, what) for t in copies]
         if len({f.dtype for f in flats}) > 1:
             raise UsageError(f"the fabricd backend's {what} takes tensors of one dtype")
         if op in LOCAL_OPS:
-            return self._reduce_here(flats, op, what, keep)
+            return self._reduce_here(flats, op, what, keep, write_back)
         if op not in NATIVE_OPS:
             raise UsageError(f"the fabricd backend's {what} does not do {op}")
         dtype = flats[0].dtype
@@ -245,7 +206,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             raise UsageError(f"the fabricd backend's {what} of {dtype} sums or averages only")
         count = sum(p.numel() for p in parts)
         mode = self._mode if what == "allreduce" and op in (_R.SUM, _R.AVG) else "sync"
-        slot, span = self._take(name, count, ring="" if mode == "sync" else mode)
+        slot, span = self._named(name, count, ring="" if mode == "sync" else mode)
         stage = torch.from_numpy(slot.array)
         _pack(parts, stage)
         collective = f"torch:ar:{NATIVE_OPS[op]}:{mode}:{slot.name}:{span}"
@@ -254,11 +215,19 @@ class FabricdProcessGroup(dist.ProcessGroup):
         def finish() -> list[torch.Tensor]:
             if keep:
                 _unpack(stage, parts)
+                write_back()
             return tensors
 
         return self._call(what, [handle], finish, [slot])
 
-    def _reduce_here(self, flats: list[torch.Tensor], op: Any, what: str, keep: bool) -> Any:
+    def _reduce_here(
+        self,
+        flats: list[torch.Tensor],
+        op: Any,
+        what: str,
+        keep: bool,
+        write_back: Callable[[], None],
+    ) -> Any:
         """Product and bitwise reductions: every rank's tensors gathered, reduced here."""
         if op != _R.PRODUCT and (flats[0].is_floating_point() or flats[0].is_complex()):
             raise UsageError(f"the fabricd backend's {what} with {op} takes integers or bool")
@@ -270,15 +239,18 @@ class FabricdProcessGroup(dist.ProcessGroup):
             unstage(as_bytes(gathered).reshape(self._size, -1))
             if keep:
                 _unpack(LOCAL_OPS[op](gathered), flats)
+                write_back()
             return flats
 
         return self._call(what, handles, finish, slots)
 
     # -- moving -----------------------------------------------------------------------------
+    @_giving_back
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
-        parts = [as_bytes(flat_view(t, "broadcast")) for t in tensors]
-        slot, span = self._take(WORDS, _words(sum(p.numel() for p in parts)))
+        copies, write_back = dense(tensors)
+        parts = [as_bytes(flat_view(t, "broadcast")) for t in copies]
+        slot, span = self._named(WORDS, _words(sum(p.numel() for p in parts)))
         stage = _bytes_of(slot)
         if self._rank == root:
             _pack(parts, stage)
@@ -288,10 +260,12 @@ class FabricdProcessGroup(dist.ProcessGroup):
         def finish() -> list[torch.Tensor]:
             if self._rank != root:
                 _unpack(stage, parts)
+                write_back()
             return tensors
 
         return self._call("broadcast", [handle], finish, [slot])
 
+    @_giving_back
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
@@ -299,7 +273,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             raise UsageError(
                 f"the fabricd backend's allgather takes one input and {self._size} outputs"
             )
-        source = as_bytes(flat_view(inputs[0], "allgather"))
+        source = as_bytes(flat_view(inputs[0].contiguous(), "allgather"))
         for out in outputs[0]:
             if out.dtype != inputs[0].dtype or out.numel() != inputs[0].numel():
                 raise UsageError("the fabricd backend's allgather takes equal tensors")
@@ -312,8 +286,9 @@ class FabricdProcessGroup(dist.ProcessGroup):
 
         return self._call("allgather", handles, finish, slots)
 
+    @_giving_back
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        source = as_bytes(flat_view(input, "all_gather_single"))
+        source = as_bytes(flat_view(input.contiguous(), "all_gather_single"))
         target = as_bytes(flat_view(output, "all_gather_single"))
         if output.dtype != input.dtype or target.numel() != source.numel() * self._size:
             raise UsageError(
@@ -330,6 +305,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    @_giving_back
     def allgather_coalesced(
         self,
         outputs: list[list[torch.Tensor]],
@@ -358,10 +334,11 @@ class FabricdProcessGroup(dist.ProcessGroup):
     ) -> Any:
         """Each pair as :meth:`all_gather_single`; one Work for them all."""
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return _all_of(works, outputs)
+        return all_of(works, outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
+    @_giving_back
     def gather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
@@ -382,9 +359,9 @@ class FabricdProcessGroup(dist.ProcessGroup):
         """Start gathering every rank's ``source`` bytes (the daemons' allgather); returns the
         handles, the slots, and what copies the rows out once they are done."""
         nbytes = source.numel()
-        chunk = staging.size_class(nbytes) if nbytes <= staging.SMALL_BYTES else nbytes
-        mine, _ = self._take("uint8", chunk)
-        every, _ = self._take("uint8", chunk * self._size)
+        chunk = staging.span_for(nbytes, 1)
+        mine = self._any("uint8", chunk)
+        every, _ = self._named("uint8", chunk * self._size)
         torch.from_numpy(mine.array[:nbytes]).copy_(source)
         rows = torch.from_numpy(every.array[: chunk * self._size]).reshape(self._size, chunk)
         handle = self.fab.allgather_async(
@@ -399,6 +376,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
 
         return [handle], [mine, every], unstage
 
+    @_giving_back
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
@@ -409,6 +387,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         whole = torch.cat([flat_view(t, "reduce_scatter") for t in inputs[0]])
         return self._scatter_reduced(outputs[0], whole, _op(opts), "reduce_scatter")
 
+    @_giving_back
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Any:
@@ -424,7 +403,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         works = [
             self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)
         ]
-        return _all_of(works, outputs)
+        return all_of(works, outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -443,9 +422,9 @@ class FabricdProcessGroup(dist.ProcessGroup):
             return self._allreduced_part(target, whole.clone(), op, what, output)
         name = reduce_dtype(whole.dtype, what)
         itemsize = torch.empty(0, dtype=whole.dtype).element_size()
-        chunk = staging.size_class(k) if k * itemsize <= staging.SMALL_BYTES else k
-        every, _ = self._take(name, chunk * self._size)
-        mine, _ = self._take(name, chunk)
+        chunk = staging.span_for(k, itemsize)
+        every, _ = self._named(name, chunk * self._size)
+        mine = self._any(name, chunk)
         parts = torch.from_numpy(every.array[: chunk * self._size]).reshape(self._size, chunk)
         parts[:, :k].copy_(whole.reshape(self._size, k))
         handle = self.fab.reduce_scatter_async(
@@ -474,12 +453,14 @@ class FabricdProcessGroup(dist.ProcessGroup):
             target.copy_(whole[self._rank * k : (self._rank + 1) * k])
             return [output]
 
-        return _Work(reduced.get_future().then(take_part))
+        return Work(reduced.get_future().then(take_part))
 
     # -- point to point ---------------------------------------------------------------------
+    @_giving_back
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         return self._p2p("send", tensors, dst, _user_tag(tag))
 
+    @_giving_back
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
         return self._p2p("recv", tensors, src, _user_tag(tag))
 
@@ -487,9 +468,10 @@ class FabricdProcessGroup(dist.ProcessGroup):
         raise UsageError("the fabricd backend receives from a named rank only (recv_anysource)")
 
     def _p2p(self, kind: str, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
-        parts = [as_bytes(flat_view(t, kind)) for t in tensors]
+        copies, write_back = dense(tensors)
+        parts = [as_bytes(flat_view(t, kind)) for t in copies]
         count = sum(p.numel() for p in parts)
-        slot, _ = self._take("uint8", count)
+        slot = self._any("uint8", count)
         stage = torch.from_numpy(slot.array)
         if kind == "send":
             _pack(parts, stage)
@@ -500,10 +482,12 @@ class FabricdProcessGroup(dist.ProcessGroup):
         def finish() -> list[torch.Tensor]:
             if kind == "recv":
                 _unpack(stage, parts)
+                write_back()
             return tensors
 
         return self._call(f"{kind} with rank {peer} (tag {tag})", [handle], finish, [slot])
 
+    @_giving_back
     def scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
@@ -516,6 +500,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         )
         return self._exchange("scatter", chunks, [target] * self._size, root=root)
 
+    @_giving_back
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
@@ -523,6 +508,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         receives = [as_bytes(flat_view(t, "alltoall")) for t in outputs]
         return self._exchange("alltoall", sends, receives)
 
+    @_giving_back
     def all_to_all_single(
         self,
         output: torch.Tensor,
@@ -557,8 +543,8 @@ class FabricdProcessGroup(dist.ProcessGroup):
         tag = INTERNAL_TAGS + self._internal % INTERNAL_TAGS
         self._internal += 1
         out_bytes, in_bytes = sum(t.numel() for t in sends), sum(t.numel() for t in receives)
-        out_slot, _ = self._take("uint8", out_bytes)
-        in_slot, _ = self._take("uint8", in_bytes)
+        out_slot = self._any("uint8", out_bytes)
+        in_slot = self._any("uint8", in_bytes)
         handles: list[Handle[Any]] = []
         plans: list[tuple[torch.Tensor, torch.Tensor]] = []
         start_out = start_in = 0
@@ -588,11 +574,33 @@ class FabricdProcessGroup(dist.ProcessGroup):
 
     # -- the rest -----------------------------------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
-        handle = self.fab.barrier_async(name="torch:barrier")
+        """The daemons' barrier; barriers in flight at once take names round robin, as the
+        staging slots do (a name's last barrier is waited for before it is used again)."""
+        if len(self._barriers) == staging.SLOTS:
+            self._barriers.popleft().wait(self._timeout)
+        name = f"torch:barrier:{self._barrier_count % staging.SLOTS}"
+        self._barrier_count += 1
+        handle = self.fab.barrier_async(name=name)
+        self._barriers.append(handle)
         return self._call("barrier", [handle], lambda: [], [])
 
-    def _take(self, dtype: str, count: int, ring: str = "") -> tuple[Slot, int]:
-        return self._staging.take(dtype, max(count, 1), self._timeout, ring)
+    def _named(self, dtype: str, count: int, ring: str = "") -> tuple[Slot, int]:
+        slot, span = self._staging.take_named(dtype, max(count, 1), self._timeout, ring)
+        self._holding().append(slot)
+        return slot, span
+
+    def _any(self, dtype: str, count: int) -> Slot:
+        slot = self._staging.take_any(dtype, max(count, 1))
+        self._holding().append(slot)
+        return slot
+
+    def _holding(self) -> list[Slot]:
+        """The slots the call this thread is making took so far (given back if it fails
+        before it is under way)."""
+        if not hasattr(self._taken, "slots"):
+            self._taken.slots = []
+        slots: list[Slot] = self._taken.slots
+        return slots
 
     def _call(
         self,
@@ -601,9 +609,17 @@ class FabricdProcessGroup(dist.ProcessGroup):
         finish: Callable[[], object],
         slots: list[Slot],
     ) -> Any:
-        call = _Call(what=what, handles=handles, finish=finish, slots=slots)
+        self._holding().clear()
+        call = Call(
+            what=what,
+            handles=handles,
+            finish=finish,
+            slots=slots,
+            release=self._staging.release,
+            deadline=time.monotonic() + self._timeout,
+        )
         self._completer.add(call)
-        return _Work(call.future)
+        return Work(call.future)
 
 
 class _Rows:
@@ -623,41 +639,6 @@ def _words(nbytes: int) -> int:
 def _bytes_of(slot: Slot) -> torch.Tensor:
     """A staging array of words, as its bytes."""
     return torch.from_numpy(slot.array.view(np.uint8))
-
-
-class _Work(dist.Work):
-    """A call's ``Work``: ``wait()`` raises what failed it (a Work made from a future by
-    torch's ``_create_work_from_future`` returns ``True`` from ``wait()`` even then)."""
-
-    def __init__(self, future: torch.futures.Future[Any]) -> None:
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        self._future.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        return self._future
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def result(self) -> Any:
-        return self._future.wait()
-
-
-def _all_of(works: list[Any], value: Any) -> _Work:
-    """One Work for several: done (or failed) once they all are."""
-    futures = [work.get_future() for work in works]
-    joined = torch.futures.collect_all(futures)
-
-    def done(_: torch.futures.Future[Any]) -> Any:
-        for future in futures:
-            future.wait()  # (raises what failed one)
-        return value
-
-    return _Work(joined.then(done))
 
 
 def _op(opts: Any) -> Any:
@@ -700,7 +681,7 @@ def _unpack(stage: torch.Tensor, parts: list[torch.Tensor]) -> None:
         start += part.numel()
 
 
-def _close(completer: _Completer, fab: Client) -> None:
+def _close(completer: Completer, fab: Client) -> None:
     completer.close()
     fab.close()
 
@@ -711,7 +692,10 @@ def _job(store: Store, rank: int, world: bool) -> str:
     named = os.environ.get("FABRICD_JOB")
     if world and named:
         return named
-    key = "fabricd/job"
+    # (each rank counts its own inits on the store: its g-th init reads the g-th key, not the
+    # last one's, whichever rank runs ahead)
+    generation = store.add(f"fabricd/inits/{rank}", 1) - 1
+    key = f"fabricd/job/{generation}"
     if rank == 0:
         store.set(key, f"{named or 'torch'}-{uuid.uuid4().hex[:16]}")
     return bytes(store.get(key)).decode()

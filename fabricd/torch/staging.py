@@ -11,18 +11,21 @@ Choices, and why:
 
 * *Size classes.*  A staging array holds a power of two of elements (at least
   :data:`MIN_CLASS`), so a job whose tensors vary in size (``all_gather_object``, FSDP's
-  shards) reuses a few arrays instead of mapping one per size.  Up to :data:`SMALL_BYTES`,
-  the collective itself runs over the whole class (for a reduction the elements past the
-  tensor are summed and dropped; for a broadcast or a gather they are carried and dropped):
-  a daemon keeps every named collective of a job (at most ``max_collectives_per_job``), and
-  a job whose small tensors take many sizes would otherwise name a new one per size.  Larger
-  tensors run over exactly their elements (their sizes are few: DDP's buckets, FSDP's flat
-  parameters).
-* *Slots.*  Each (dtype, class) has :data:`SLOTS` arrays, used round robin in the order the
-  calls come, which is the same order on every rank (torch requires it): the k-th call of a
-  class takes slot ``k mod SLOTS`` and, if that slot's last call is still in flight, waits for
-  it.  The slot is in the collective's name, so two calls in flight never share a collective
-  either, and every rank names them alike.
+  shards) reuses a few arrays instead of mapping one per size.  A daemon keeps every named
+  collective of a job (at most ``max_collectives_per_job``), so the sizes a collective runs
+  over are bounded too: up to :data:`SMALL_BYTES` the whole class, beyond it the count
+  rounded up to a sixteenth of its class (:func:`span_for`; at most 1/16 more bytes).  For a
+  reduction the elements past the tensor are reduced and dropped; for a broadcast or a
+  gather they are carried and dropped.
+* *Slots.*  A named collective's arrays come from a ring of :data:`SLOTS` per (dtype, class),
+  used round robin in the order the calls come, which is the same order on every rank (torch
+  requires it): the k-th call of a class takes slot ``k mod SLOTS`` and, if that slot's last
+  call is still in flight, waits for it.  The slot is in the collective's name, so two calls
+  in flight never share a collective either, and every rank names them alike.  What names
+  no collective (point-to-point messages, a gather's own part) takes any free array of its
+  class, made when none is: a receive posted early must never make a later send wait for
+  its array (the rings are kept apart from these, so rank-local traffic never shifts a
+  collective's name).
 * *Element types.*  The daemons reduce float16/32/64 and int32/64.  bfloat16 is reduced in
   float32 (numpy has no bfloat16; the sum of bfloat16 values rounded once at the end is what
   gloo gives, or closer); int8, uint8, int16 and bool in int64, cast back with torch's own
@@ -42,6 +45,8 @@ import torch
 from fabricd.errors import Timeout, UsageError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import numpy as np
 
     from fabricd.client import Client
@@ -50,8 +55,10 @@ if TYPE_CHECKING:
 MIN_CLASS: Final = 256
 #: up to this many bytes a collective runs over its whole staging class (module docstring)
 SMALL_BYTES: Final = 64 * 1024
-#: staging arrays per (dtype, class): calls of one class in flight at once
+#: staging arrays per (dtype, class) of named collectives: calls of one class in flight at once
 SLOTS: Final = 8
+#: a large collective's span is its count rounded up to a GRANULES-th of its class
+GRANULES: Final = 16
 
 #: the dtype the daemons reduce a torch dtype in
 REDUCED_AS: Final[dict[torch.dtype, str]] = {
@@ -87,16 +94,31 @@ def reduce_dtype(dtype: torch.dtype, what: str) -> str:
 
 
 def flat_view(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    """``tensor`` as one dimension (the same memory), or a UsageError if it is not dense."""
+    """``tensor`` as one dimension (the same memory, out of autograd's sight: a call writes
+    into a parameter as gloo does), or a UsageError if it is not dense or not on the CPU."""
     if not tensor.is_contiguous():
-        raise UsageError(f"the fabricd backend's {what} takes contiguous tensors")
+        raise UsageError(f"the fabricd backend's {what} takes contiguous tensors here")
     if tensor.device.type != "cpu":
         raise UsageError(
-            f"the fabricd backend's {what} takes CPU tensors, not {tensor.device} (register "
-            "the tensors' device as another backend's, e.g. init_process_group("
-            '"cpu:fabricd,cuda:nccl"))'
+            f"the fabricd backend's {what} takes CPU tensors, not {tensor.device}: use "
+            "another backend for them (the hook fabricd.torch.register moves CUDA buckets)"
         )
-    return tensor.reshape(-1)
+    return tensor.detach().reshape(-1)
+
+
+def dense(
+    tensors: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """``tensors``, each a contiguous copy where it is not contiguous, and what writes such
+    copies back (a call that changes its tensors: strided ones work as with gloo)."""
+    copies = [t if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+
+    def write_back() -> None:
+        for tensor, copy in zip(tensors, copies, strict=True):
+            if copy is not tensor:
+                tensor.detach().copy_(copy)
+
+    return copies, write_back
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -109,12 +131,24 @@ def size_class(count: int) -> int:
     return max(MIN_CLASS, 1 << max(count - 1, 0).bit_length())
 
 
+def span_for(count: int, itemsize: int) -> int:
+    """How many elements a collective over ``count`` runs over: the whole class up to
+    :data:`SMALL_BYTES`, else ``count`` rounded up to a sixteenth of its class (at most 1/16
+    more), so that a job's sizes name a bounded number of collectives."""
+    capacity = size_class(count)
+    if count * itemsize <= SMALL_BYTES:
+        return capacity
+    granule = capacity // GRANULES
+    return -(-count // granule) * granule
+
+
 @dataclass(slots=True)
 class Slot:
     """One staging array and whether a call in flight holds it."""
 
     array: np.ndarray[Any, Any]
     name: str
+    key: tuple[str, int, str] = ("", 0, "")  #: its pool (an anonymous one) or ring
     free: threading.Event = field(default_factory=threading.Event)
 
 
@@ -124,40 +158,68 @@ class Staging:
     def __init__(self, fab: Client, prefix: str) -> None:
         self.fab = fab
         self.prefix = prefix
-        self._slots: dict[tuple[str, int, str], list[Slot]] = {}
-        self._calls: dict[tuple[str, int, str], int] = {}  #: calls per (dtype, class, ring)
+        self._rings: dict[tuple[str, int, str], list[Slot]] = {}
+        self._calls: dict[tuple[str, int, str], int] = {}  #: calls per ring so far
+        self._pools: dict[tuple[str, int, str], list[Slot]] = {}  #: anonymous, free ones
+        self._made: dict[tuple[str, int, str], int] = {}  #: arrays made per pool
         self._lock = threading.Lock()
 
-    def take(self, dtype: str, count: int, timeout: float, ring: str = "") -> tuple[Slot, int]:
-        """A slot whose array holds at least ``count`` elements of ``dtype``, and how many of
-        them the collective runs over (module docstring); the caller releases it with
-        :meth:`release` once its call is done.  ``ring``: a set of slots of its own, of one
-        slot (a partial allreduce's collective must keep its name from call to call: a rank
-        that missed rounds joins the same collective later).
+    def take_named(
+        self, dtype: str, count: int, timeout: float, ring: str = ""
+    ) -> tuple[Slot, int]:
+        """A slot of a named collective's ring, whose array holds at least ``count`` elements
+        of ``dtype``, and the span the collective runs over (:func:`span_for`).  The k-th
+        call of a (dtype, class) takes slot ``k mod SLOTS``, the same on every rank (calls
+        come in the same order everywhere), waiting for its previous call if still in
+        flight; ``ring``: a ring of its own, of one slot (a partial allreduce's collective
+        must keep its name: a rank that missed rounds joins the same one later).  Its name
+        goes into the collective's name.
 
         Raises:
             fabricd.Timeout: the slot's last call did not finish within ``timeout``.
         """
         capacity = size_class(count)
-        key = (dtype, capacity, ring)
+        key = ("named:" + dtype, capacity, ring)
         with self._lock:
             calls = self._calls.get(key, 0)
             self._calls[key] = calls + 1
-            slots = self._slots.setdefault(key, [])
+            slots = self._rings.setdefault(key, [])
             index = calls % (SLOTS if not ring else 1)
             if index == len(slots):
                 name = f"{self.prefix}:{dtype}:{capacity}:{ring or index}"
-                slot = Slot(self.fab.array(name, (capacity,), dtype), name)
-                slot.free.set()
-                slots.append(slot)
+                slots.append(self._make(name, capacity, dtype, key))
             slot = slots[index]
         if not slot.free.wait(timeout):
             raise Timeout(f"staging array {slot.name} stayed busy for {timeout} s")
         slot.free.clear()
-        itemsize = slot.array.itemsize
-        span = capacity if count * itemsize <= SMALL_BYTES else count
-        return slot, span
+        return slot, span_for(count, slot.array.itemsize)
 
-    @staticmethod
-    def release(slot: Slot) -> None:
+    def take_any(self, dtype: str, count: int) -> Slot:
+        """A free staging array of at least ``count`` elements (made if none is free): for
+        what names no collective (point-to-point messages, a gather's own part)."""
+        capacity = size_class(count)
+        key = ("any:" + dtype, capacity, "")
+        with self._lock:
+            free = self._pools.setdefault(key, [])
+            if free:
+                slot = free.pop()
+            else:
+                made = self._made.get(key, 0)
+                self._made[key] = made + 1
+                slot = self._make(
+                    f"{self.prefix}:any:{dtype}:{capacity}:{made}", capacity, dtype, key
+                )
+        slot.free.clear()
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """``slot``'s call is done: the next may take it."""
+        if slot.key[0].startswith("any:"):
+            with self._lock:
+                self._pools[slot.key].append(slot)
         slot.free.set()
+
+    def _make(self, name: str, capacity: int, dtype: str, key: tuple[str, int, str]) -> Slot:
+        slot = Slot(self.fab.array(name, (capacity,), dtype), name, key)
+        slot.free.set()
+        return slot

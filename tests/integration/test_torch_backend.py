@@ -480,3 +480,110 @@ def test_solo_allreduce_does_not_wait_for_a_late_rank(make_cluster: Any, spawn: 
     for rank, said, error in _run(make_cluster, spawn, solo_rank, 3, early):
         assert error is None, f"rank {rank}: {error}"
         assert said == "done", f"rank {rank}: {said}"
+
+
+def review_rank(socket_path: str, init: str, rank: int, n: int, out: Any) -> None:
+    """The review's findings, each as torch users write it (two ranks)."""
+    os.environ["FABRICD_SOCKET"] = socket_path
+    checks: list[tuple[str, bool, str]] = []
+    try:
+        import fabricd.torch  # noqa: F401
+
+        store = dist.FileStore(init.removeprefix("file://") + ".store", n)
+        for generation in range(2):  # (an init made again on the same store: a new job)
+            dist.init_process_group(
+                "fabricd",
+                store=store,
+                rank=rank,
+                world_size=n,
+                timeout=datetime.timedelta(seconds=60),
+            )
+            job = dist.group.WORLD.job  # type: ignore[union-attr]
+            if generation:
+                dist.destroy_process_group()
+                break
+            first_job = job
+            dist.destroy_process_group()
+        _compare(checks, "init again on one store: another job", job != first_job, True)
+        dist.init_process_group("fabricd", store=store, rank=rank, world_size=n)
+        peer = 1 - rank
+        # an early irecv must not hold later collectives back
+        got = torch.zeros(4)
+        if rank == 0:
+            early = dist.irecv(got, src=1)
+            dist.barrier()
+            dist.barrier()
+            early.wait()
+        else:
+            dist.barrier()
+            dist.barrier()
+            dist.send(torch.ones(4), dst=0)
+        _compare(checks, "irecv before two barriers", float(got.sum()) if rank == 0 else 4.0, 4.0)
+        # more receives posted than a ring has slots, then the sends
+        outs = [torch.zeros(4) for _ in range(12)]
+        works = [dist.irecv(outs[i], src=peer, tag=i) for i in range(12)]
+        works += [dist.isend(torch.full((4,), float(i)), dst=peer, tag=i) for i in range(12)]
+        for work in works:
+            work.wait()
+        _compare(
+            checks,
+            "12 irecvs then 12 isends",
+            [float(o[0]) for o in outs],
+            [float(i) for i in range(12)],
+        )
+        # a future's callback that waits for another collective of the group (PowerSGD does)
+        t, u = torch.ones(3), torch.ones(3)
+        dist.all_reduce(t, async_op=True).get_future().then(
+            lambda _: dist.all_reduce(u, async_op=True).get_future().wait()
+        ).wait()
+        _compare(checks, "a callback waits for a collective", float(u[0]), float(n))
+        w1, w2 = dist.barrier(async_op=True), dist.barrier(async_op=True)
+        w1.wait()
+        w2.wait()
+        checks.append(("two async barriers", True, ""))
+        # uneven point-to-point traffic, then a gather: every rank names it alike
+        if rank == 0:
+            for _ in range(3):
+                dist.send(torch.ones(256), dst=1)
+        else:
+            for _ in range(3):
+                dist.recv(torch.zeros(256), src=0)
+        gathered = [torch.zeros(4) for _ in range(n)]
+        dist.all_gather(gathered, torch.full((4,), float(rank)))
+        _compare(checks, "gather after uneven p2p", [float(g[0]) for g in gathered], [0.0, 1.0])
+        # a Work's wait(timeout) honours it
+        slow = dist.irecv(torch.zeros(2), src=peer, tag=99)
+        try:
+            slow.wait(datetime.timedelta(seconds=0.5))
+            checks.append(("wait(timeout)", False, "returned"))
+        except RuntimeError as exc:
+            checks.append(("wait(timeout)", "did not finish within" in str(exc), str(exc)))
+        dist.send(torch.zeros(2), dst=peer, tag=99)
+        slow.wait()
+        # a parameter (requires grad) and a strided tensor, reduced in place
+        parameter = torch.nn.Parameter(torch.ones(3))
+        with torch.no_grad():
+            dist.all_reduce(parameter)
+        _compare(
+            checks, "all_reduce of a Parameter", parameter.detach(), torch.full((3,), float(n))
+        )
+        strided = torch.arange(6.0).reshape(2, 3).t()
+        dist.all_reduce(strided)
+        _compare(
+            checks,
+            "all_reduce of a strided tensor",
+            strided,
+            torch.arange(6.0).reshape(2, 3).t() * n,
+        )
+        dist.destroy_process_group()
+        out.put((rank, checks, None))
+    except BaseException:
+        out.put((rank, checks, traceback.format_exc()))
+
+
+def test_the_review_s_findings_stay_fixed(make_cluster: Any, spawn: Any) -> None:
+    for rank, checks, error in _run(make_cluster, spawn, review_rank, 2):
+        assert error is None, f"rank {rank}: {error}"
+        wrong = [(what, detail) for what, ok, detail in checks if not ok]
+        assert not wrong, f"rank {rank}: {wrong}"
+        assert len(checks) == 9

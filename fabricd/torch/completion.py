@@ -1,0 +1,192 @@
+"""Finishing the ``fabricd`` process group's calls: their Works, and the thread that completes
+them (:mod:`fabricd.torch.backend`).
+
+A call's daemon operations are started in the caller's thread; one thread per group then
+waits for them, copies the results out and completes the call's future.  Choices, and why:
+
+* *Each call when its own operations are done*, not in the order the calls were made: a
+  receive posted early (``irecv``) may wait for a send its peer makes only after later
+  collectives, and must not hold those up.  The thread waits on the oldest call's operation
+  in short slices (:data:`SLICE` seconds: a reply for that call wakes it at once) and looks at
+  the others between slices, so an out-of-order completion waits at most a slice.
+* *Futures are completed on other threads* (a small pool), never on this one: a future's
+  ``then`` callbacks run where it is completed, and a callback may wait for another call of
+  the group (torch's PowerSGD DDP hook does), which this thread must be free to finish.
+* *A call's deadline counts from when it was made* (the group's ``timeout``), not from when
+  this thread reached it.  A call that times out breaks the group, as NCCL's does: its
+  daemon operation is still open, so a peer arriving late would pair with it, and every later
+  call would be shifted by one.  Later calls fail at once, saying so.
+* :class:`Work`'s ``wait(timeout)`` honours its timeout (a Work torch makes from a future
+  ignores it, and returns ``True`` from ``wait()`` even when the future failed).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+import torch.distributed as dist
+
+from fabricd.errors import Timeout, UsageError
+
+if TYPE_CHECKING:
+    import datetime
+    from collections.abc import Callable
+
+    from fabricd.client.handle import Handle
+    from fabricd.torch.staging import Slot
+
+#: seconds the thread waits on the oldest call before it looks at the others again
+SLICE: Final = 0.002
+#: threads that complete futures (and run their callbacks)
+NOTIFIERS: Final = 16
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """A call in flight: the daemon's operations it waits for, what to do then, its slots."""
+
+    what: str
+    handles: list[Handle[Any]]
+    finish: Callable[[], object]
+    slots: list[Slot]
+    release: Callable[[Slot], None]
+    deadline: float
+    future: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
+
+
+class Completer:
+    """Finishes a process group's calls (module docstring), on a thread of its own."""
+
+    def __init__(self) -> None:
+        self.broken: str | None = None  #: why the group is broken (a call timed out)
+        self._calls: collections.deque[Call] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._notifiers = concurrent.futures.ThreadPoolExecutor(
+            NOTIFIERS, thread_name_prefix="fabricd-torch-notify"
+        )
+        self._thread = threading.Thread(target=self._run, name="fabricd-torch", daemon=True)
+        self._thread.start()
+
+    def add(self, call: Call) -> None:
+        """Finish ``call`` once its operations are done.
+
+        Raises:
+            UsageError: the group was shut down, or is broken.
+        """
+        with self._cond:
+            if self._closed:
+                raise UsageError("the fabricd process group was shut down")
+            if self.broken is not None:
+                raise UsageError(self.broken)
+            self._calls.append(call)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5)
+        self._notifiers.shutdown(wait=False)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._calls and not self._closed:
+                    self._cond.wait()
+                if not self._calls:
+                    return
+                pending = list(self._calls)
+            done = [call for call in pending if self._ready(call)]
+            if not done:
+                self._wait_a_slice(pending[0])
+                continue
+            for call in done:
+                self._complete(call)
+            with self._cond:
+                for call in done:
+                    self._calls.remove(call)
+
+    @staticmethod
+    def _ready(call: Call) -> bool:
+        try:
+            return time.monotonic() >= call.deadline or all(h.done() for h in call.handles)
+        except Exception:  # (a failed reply: _complete says what failed)
+            return True
+
+    @staticmethod
+    def _wait_a_slice(call: Call) -> None:
+        left = call.deadline - time.monotonic()
+        for handle in call.handles:
+            try:
+                if not handle.done():
+                    handle.wait(max(min(SLICE, left), 0.0))
+                    return
+            except Exception:  # (Timeout: a slice passed; a failure: _complete reports it)
+                return
+
+    def _complete(self, call: Call) -> None:
+        try:
+            for handle in call.handles:
+                handle.wait(max(call.deadline - time.monotonic(), 0.0))
+            with torch.no_grad():  # (grad mode is per thread; outputs may require grad)
+                value = call.finish()
+        except BaseException as exc:  # (the waiter gets it: wait() raises, never hangs)
+            if isinstance(exc, Timeout):
+                self.broken = (
+                    f"the fabricd process group is broken: {call.what} timed out, and its "
+                    "peers may still complete it; destroy the group and make a new one"
+                )
+            for slot in call.slots:
+                call.release(slot)
+            error = RuntimeError(f"fabricd backend: {call.what} failed: {exc}")
+            self._notifiers.submit(call.future.set_exception, error)
+            return
+        for slot in call.slots:
+            call.release(slot)
+        self._notifiers.submit(call.future.set_result, value)
+
+
+class Work(dist.Work):
+    """A call's ``Work`` (module docstring)."""
+
+    def __init__(self, future: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._future = future
+        self._done = threading.Event()
+        future.add_done_callback(lambda _: self._done.set())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        if seconds > 0 and not self._done.wait(seconds):
+            raise RuntimeError(f"fabricd backend: the call did not finish within {seconds} s")
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Any:
+        return self._future.wait()
+
+
+def all_of(works: list[Any], value: Any) -> Work:
+    """One Work for several: done (or failed) once they all are."""
+    futures = [work.get_future() for work in works]
+
+    def done(_: torch.futures.Future[Any]) -> Any:
+        for future in futures:
+            future.wait()  # (raises what failed one)
+        return value
+
+    return Work(torch.futures.collect_all(futures).then(done))
