@@ -47,6 +47,7 @@ from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.ako_early import EarlyParts
+from fabricd.daemon.services.ako_frames import part_frame, received, unfit
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.jobs import Groups, OpenCall, OpenCalls, refuse_while_draining
 from fabricd.daemon.services.senders import Gate, Sender, earliest
@@ -338,7 +339,7 @@ class AkoService(BaseService):
         if verdict is Sender.STRANGER:
             return None
         entry = self.membership.lookup(frame.job, frame.dst)
-        why = _unfit(frame, length)
+        why = unfit(frame, length)
         if entry is None or entry.node != self.host.config.node_id or why is not None:
             self._dropped("a part for rank %d: %s", frame.dst, why or "not here")
             return None  # (its bytes are read and dropped)
@@ -373,7 +374,7 @@ class AkoService(BaseService):
         if entry is None or entry.node != self.host.config.node_id:
             self._dropped("node %d sent a part for rank %d, not here", node, frame.dst)
             return
-        why = _unfit(frame, len(payload))
+        why = unfit(frame, len(payload))
         if why is not None:
             self._dropped("a part for rank %d's %r: %s", frame.dst, frame.name, why)
             return
@@ -409,31 +410,11 @@ class AkoService(BaseService):
             if frame.signal is not None:
                 actions = exchange.signal(frame.src, frame.signal, nonce=frame.nonce, to=frame.to)
             else:
-                actions = self._received(exchange, frame, values)
+                actions = received(exchange, frame, values)
         except RemoteProtocolError as exc:  # (a member's: its link, every job's, stays up)
             self._dropped("a part from rank %d refused: %s", frame.src, exc)
             return
         self._perform(rank_key, actions)
-
-    @staticmethod
-    def _received(exchange: Exchange, frame: Part, values: np.ndarray[Any, Any]) -> list[Action]:
-        return exchange.received(
-            frame.src,
-            round=frame.round,
-            lo=frame.lo,
-            payload=values,
-            clock=frame.clock,
-            epoch=frame.epoch,
-            flush=frame.flush,
-            sent=frame.sent,
-            sync=frame.sync,
-            back=frame.back,
-            nonce=frame.nonce,
-            to=frame.to,
-            joins=frame.joins,
-            join=frame.join,
-            gone=frame.gone,
-        )
 
     def _dropped(self, message: str, *args: object) -> None:
         self._counters["part_frames_dropped"] += 1
@@ -586,43 +567,7 @@ class AkoService(BaseService):
         if entry is None:
             return  # gone (membership's news forgets it), or not known yet (a HELLO: said again)
         spec = self._specs[rank_key] if spec is None else spec
-        if isinstance(action, SendSignal):
-            frame = Part(
-                job=job,
-                name=name,
-                src=src,
-                dst=action.dst,
-                round=None,
-                lo=0,
-                clock=0,
-                spec=spec,
-                nonce=action.nonce,
-                to=action.to,
-                signal=action.signal,
-            )
-            payload = b""
-        else:
-            frame = Part(
-                job=job,
-                name=name,
-                src=src,
-                dst=action.dst,
-                round=action.round,
-                lo=action.lo,
-                clock=action.clock,
-                spec=spec,
-                epoch=action.epoch,
-                flush=action.flush,
-                sent=action.sent,
-                sync=action.sync,
-                back=action.back,
-                nonce=action.nonce,
-                to=action.to,
-                joins=action.joins,
-                join=action.join,
-                gone=action.gone,
-            )
-            payload = action.payload.tobytes()  # (its own bytes: queued, it waits)
+        frame, payload = part_frame(job, name, src, action, spec)
         if entry.node == self.host.config.node_id:
             self._take(entry.node, frame, payload, self.host.now())
         else:
@@ -780,21 +725,3 @@ class AkoService(BaseService):
             "Partial exchanges (rank, name) on this node",
             [(labels, len(stats))],
         )
-
-
-def _unfit(frame: Part, length: int) -> str | None:
-    """Why a PART of ``length`` payload bytes cannot be a part of the model its spec names
-    (checked before a buffer is given it, and before it is held); ``None``: it fits."""
-    spec = frame.spec
-    if spec["dtype"] not in FLOAT_DTYPES:
-        return f"a model of {spec['dtype']!r}"
-    itemsize = np.dtype(spec["dtype"]).itemsize
-    if frame.src >= spec["n"] or frame.dst >= spec["n"]:
-        return f"ranks {frame.src} and {frame.dst} in an exchange of {spec['n']}"
-    if frame.signal is not None:
-        return None if not length else f"a {frame.signal.value} signal with a payload"
-    if not length or length % itemsize or frame.lo + length // itemsize > spec["size"]:
-        return f"{length} B from element {frame.lo} in a model of {spec['size']} {spec['dtype']}"
-    if frame.sync and length != spec["size"] * itemsize:
-        return "a SYNC that is not a whole model"
-    return None

@@ -89,6 +89,7 @@ Choices where the paper is silent, and why:
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -105,6 +106,10 @@ Array = np.ndarray[Any, Any]
 
 #: the most partitions an exchange cuts its gradients into
 MAX_PARTITIONS: Final = 1 << 16
+#: the most frames held, during a flush, from a gone rank's incarnation not listed yet
+MAX_STRANGE: Final = 1024
+#: the most nonces kept per peer of incarnations that left or were superseded
+MAX_DEAD: Final = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -275,16 +280,30 @@ class Exchange:
         self._flushes = 0  #: flushes started
         self._flushing = False
         self._bytes_sent = self._bytes_received = 0
+        self._init_rejoin()
+
+    def _init_rejoin(self) -> None:
+        """The state of the rejoin handshake and of taking ranks back (module docstring)."""
         #: the rejoin handshake (module docstring): "running" unless :meth:`start` was called
         self.phase: Phase = "running"
         self._unanswered: set[int] = set()  #: peers whose answer to HELLO has not come
         self._buffered: list[tuple[int, dict[str, Any]]] = []  #: frames before "running"
-        self._deferred: dict[int, int] = {}  #: HELLOs that came while joining: peer -> nonce
         self._nonce_of = dict.fromkeys(self.peers, 0)  #: each peer's, once heard (0: not yet)
         self._joins: dict[int, int] = {}  #: returning ranks to list in the next flush marker
         self._admit: dict[int, int] = {}  #: those this rank's open flush listed
         self._joins_heard: dict[int, dict[int, int]] = {}  #: flush -> ranks its markers listed
         self._floor = 0  #: the flush this rank was taken back at: frames from before it go
+        #: per peer, nonces of incarnations that left or were superseded: never taken back
+        self._dead: dict[int, deque[int]] = {}
+        #: ranks taken back and not heard from yet: their join SYNC (this rank's model then)
+        self._newcomers: dict[int, SendPart] = {}
+        self._sent_join: set[int] = set()  #: newcomers whose join SYNC is this rank's to send
+        self._away: set[int] = set()  #: gone peers membership says are unreachable
+        self._strange = 0  #: frames held this flush from a gone rank's unlisted incarnation
+        self._marker_joins: tuple[tuple[int, int], ...] = ()  #: the last flush marker's
+        self._flush_clock: dict[int, int] = {}  #: the clock each peer's last marker carried
+        #: taken back: the model adopted, and from whom, until this rank's next flush
+        self._base: tuple[int, Array] | None = None
 
     # -- the trainer's calls ----------------------------------------------------------------
     def step(self, gradient: Array, now: float) -> list[Action]:
@@ -347,7 +366,7 @@ class Exchange:
         self._flushing = True
         can_admit = len(self._gone) <= MAX_GONE
         self._admit = dict(sorted(self._joins.items())[:MAX_JOINS] if can_admit else ())
-        joins = tuple(self._admit.items())
+        joins = self._marker_joins = tuple(self._admit.items())
         out: list[Action] = []
         for i in sorted(self._live):
             owed = self._unsent(i)
@@ -422,17 +441,31 @@ class Exchange:
         return self._answered()
 
     def _hello(self, src: int, nonce: int) -> list[Action]:
-        if self.phase == "joining":  # (answered once this rank knows who is gone)
-            self._deferred[src] = nonce
-            return []
+        if nonce in self._dead.get(src, ()):
+            return []  # (a late HELLO of an incarnation that left or was superseded)
+        if self.phase == "joining":  # (not a member yet: the survivors' answers decide; the
+            self._nonce_of[src] = nonce  # SYNC's gone ranks still apply once it comes)
+            return [self._signal(src, Signal.FRESH)]
         out: list[Action] = []
         known = self._nonce_of[src]
+        self._cancel(src, keep=nonce)  # (an incarnation listed before this one: superseded)
         if self._pending(src) == nonce or src in self._gone or known not in (0, nonce):
             out += self.gone(src)  # (its earlier incarnation, if it was still here)
             self._joins[src] = nonce
             return [*out, self._signal(src, Signal.JOIN, to=nonce)]
         self._nonce_of[src] = nonce
         return [self._signal(src, Signal.FRESH)]
+
+    def _cancel(self, peer: int, keep: int = 0) -> None:
+        """Every admission pending for ``peer`` with a nonce other than ``keep`` is dropped,
+        its nonce remembered as dead (a marker listing it later is ignored)."""
+        dead = self._dead.setdefault(peer, deque(maxlen=MAX_DEAD))
+        for joins in (self._joins, self._admit, *self._joins_heard.values()):
+            nonce = joins.get(peer, 0)
+            if nonce and nonce != keep:
+                del joins[peer]
+                if nonce not in dead:
+                    dead.append(nonce)
 
     def _answered(self) -> list[Action]:
         """Every peer answered FRESH (or is gone): the exchange runs, with the frames it was
@@ -447,10 +480,11 @@ class Exchange:
         """Taken back at ``src``'s flush ``flush``: its model, clock and flush count become
         this rank's; its gone ranks (and those gone here) are gone."""
         self.model[:] = model
+        self._base = (src, model.copy())
         self.clock = clock
         self._flushes = flush
-        self._gone |= {i for i in gone if i in self._heard}
-        self._settled = set(self._gone)
+        self._settled = {i for i in gone if i in self._heard}
+        self._gone |= self._settled  # (and those gone here: not settled, a SYNC is due)
         for i in self._gone:
             self._owed.pop(i, None)
         self._live = set(self.peers) - self._gone - set(self._owed)
@@ -464,18 +498,29 @@ class Exchange:
         self._unanswered.clear()
         return self._run(Opened(joined_from=src), floor=flush)
 
+    def _replace(self, src: int, model: Array, gone: tuple[int, ...]) -> list[Action]:
+        """A second join SYNC for the flush this rank was taken back at, from a higher rank:
+        the first's sender went before the survivors took its model (they took ``src``'s).
+        What was applied since stays: the model moves by the two models' difference."""
+        assert self._base is not None
+        self.model += model - self._base[1]
+        self._base = (src, model.copy())
+        settled = {i for i in gone if i in self._heard}
+        self._settled |= settled
+        out: list[Action] = []
+        for i in sorted(settled - self._gone):
+            out += self.gone(i)
+        return out
+
     def _run(self, opened: Opened, *, floor: int) -> list[Action]:
         """Start running: the frames sent for this incarnation after the flush it was taken
-        back at (``floor``) are applied, and the HELLOs that waited are answered."""
+        back at (``floor``) are applied."""
         self.phase = "running"
         self._floor = floor
         out: list[Action] = [opened]
         buffered, self._buffered = self._buffered, []
         for src, fields in buffered:
             out += self.received(src, **fields)
-        deferred, self._deferred = self._deferred, {}
-        for src, nonce in deferred.items():
-            out += self._hello(src, nonce)
         return out
 
     def _pending(self, src: int) -> int:
@@ -485,32 +530,70 @@ class Exchange:
                 return joins[src]
         return 0
 
-    def _take_back(self, admitted: dict[int, int], send: bool) -> list[Action]:
+    def _take_back(self, admitted: dict[int, int], lowest: int) -> list[Action]:
         """The flush listing ``admitted`` completed: each is a member again, owed what this
-        rank makes from now on; ``send``: this rank is the survivor whose model they take."""
-        out: list[Action] = []
+        rank makes from now on; the ``lowest`` survivor sends them its model (a join SYNC,
+        kept until the newcomer is heard from: sent again if lost, or by the next lowest if
+        ``lowest`` goes).  One membership says is unreachable is owed it (lost), not live."""
+        admitted = {i: n for i, n in admitted.items() if n not in self._dead.get(i, ())}
         gone = tuple(sorted(self._gone - admitted.keys())[:MAX_GONE])
+        # the newcomer adopts the lowest's clock: the gate hears it at that clock
+        clock = self.clock if lowest == self.rank else self._flush_clock.get(lowest, self.clock)
+        out: list[Action] = []
         for peer, nonce in sorted(admitted.items()):
-            if self._joins.get(peer) == nonce:
-                del self._joins[peer]
+            self._cancel(peer, keep=nonce)
+            self._joins.pop(peer, None)
             self._gone.discard(peer)
             self._settled.discard(peer)
-            self._owed.pop(peer, None)
-            self._live.add(peer)
+            if peer in self._away:
+                self._owed[peer] = np.zeros(self.model.size)
+            else:
+                self._live.add(peer)
             self._nonce_of[peer] = nonce
             self._last[peer][:] = self.clock - 1
-            self._heard[peer] = self.clock
+            self._heard[peer] = min(clock, self.clock)
             self._sent_to[peer] = self._got_from[peer] = 0
             self._marked[peer] = self._flushes
             self._markers.pop(peer, None)
-            if send:
-                model = self.model.copy()
-                out.append(
-                    self._send(
-                        peer, None, 0, model, flush=self._flushes, sync=True, join=True, gone=gone
-                    )
-                )
+            sync = self._join_sync(peer, nonce, gone)
+            self._newcomers[peer] = sync
+            if lowest == self.rank:
+                self._sent_join.add(peer)
+                if peer in self._live:
+                    out.append(sync)
         self._admit = {}
+        return out
+
+    def _join_sync(self, peer: int, nonce: int, gone: tuple[int, ...]) -> SendPart:
+        model = self.model.copy()
+        self._bytes_sent += model.nbytes
+        return SendPart(
+            dst=peer,
+            round=None,
+            lo=0,
+            payload=model,
+            clock=self.clock,
+            epoch=self._flushes,
+            flush=self._flushes,
+            sent=self._sent_to[peer],
+            sync=True,
+            nonce=self.nonce,
+            to=nonce,
+            join=True,
+            gone=gone,
+        )
+
+    def _sync_newcomers(self) -> list[Action]:
+        """This rank became the lowest survivor: the newcomers not heard from yet are sent
+        its join SYNC (the last lowest may have gone before it sent theirs)."""
+        if min(self._live | {self.rank}) != self.rank:
+            return []
+        out: list[Action] = []
+        for peer, sync in sorted(self._newcomers.items()):
+            if peer not in self._sent_join:
+                self._sent_join.add(peer)
+                if peer in self._live:
+                    out.append(sync)
         return out
 
     # -- a peer's frames --------------------------------------------------------------------
@@ -557,15 +640,21 @@ class Exchange:
             self._buffered.append((src, fields | {"payload": payload.copy()}))
             return []
         k = self._flushes
-        if join or epoch < self._floor or (epoch == self._floor == flush and flush):
+        if join:  # (a join SYNC sent again, or a replacement: the first sender went)
+            base = self._base
+            if sync and base is not None and flush == self._floor and src > base[0]:
+                return self._replace(src, payload, gone)
+            return []
+        if epoch < self._floor or (epoch == self._floor == flush and flush):
             return []  # (sent before this rank was taken back: its model holds it)
         if src in self._gone:
-            if nonce and self._pending(src) == nonce:  # taken back when this flush completes
-                self._later.append((src, fields | {"payload": payload.copy()}))
+            self._hold_gone(src, nonce, fields | {"payload": payload.copy()})
             return []
         if nonce and self._nonce_of[src] not in (0, nonce):
             return []  # (a late frame of an earlier incarnation)
         self._nonce_of[src] = self._nonce_of[src] or nonce
+        if nonce and self._newcomers.pop(src, None) is not None:
+            self._sent_join.discard(src)  # (heard from: its join SYNC came)
         self._heard[src] = max(self._heard[src], clock)
         if sync:
             self._sync = (src, int(flush or 0), payload.copy())
@@ -581,8 +670,22 @@ class Exchange:
         out: list[Action] = []
         if flush is not None:
             self._markers[src] = max(self._markers.get(src, (0, 0)), (flush, sent))
+            self._flush_clock[src] = clock
             out += self._listed(flush, joins)
         return out + self._progress()
+
+    def _hold_gone(self, src: int, nonce: int, fields: dict[str, Any]) -> None:
+        """A frame from a rank gone here: one of the incarnation to be taken back when this
+        flush completes waits for it; so does (bounded) one of an incarnation no marker
+        listed here yet (its HELLO here may have been lost: the marker that lists it may
+        come later in this flush).  Others are dropped."""
+        if not nonce or nonce in self._dead.get(src, ()):
+            return
+        if self._pending(src) == nonce:
+            self._later.append((src, fields))
+        elif self._flushing and self._strange < MAX_STRANGE and nonce != self._nonce_of[src]:
+            self._strange += 1
+            self._later.append((src, fields))
 
     def _check_part(self, src: int, lo: int, payload: Array, sync_flush: int | None) -> None:
         if src not in self._heard:
@@ -601,17 +704,25 @@ class Exchange:
     def _listed(self, flush: int, joins: tuple[tuple[int, int], ...]) -> list[Action]:
         """A flush marker listed returning ranks: taken back when that flush completes (their
         earlier incarnations, if still members here, are gone now: none will flush)."""
+        k = self._flushes
+        if not (k < flush <= k + 1 or (flush == k and self._flushing)):
+            return []  # (a flush this rank completed, or one far ahead: no peer is there)
         out: list[Action] = []
         for peer, nonce in joins:
-            if peer in self._heard:
-                self._joins_heard.setdefault(flush, {})[peer] = nonce
-                out += self.gone(peer)
+            if peer not in self._heard or nonce in self._dead.get(peer, ()):
+                continue  # (an incarnation that left or was superseded)
+            if peer not in self._gone and self._nonce_of[peer] == nonce:
+                continue  # (taken back here already: a marker sent again)
+            self._joins_heard.setdefault(flush, {})[peer] = nonce
+            out += self.gone(peer)
         return out
 
     # -- peers lost and back ----------------------------------------------------------------
     def lose(self, peer: int) -> list[Action]:
         """``peer`` cannot be reached: out of the rotation and the clocks (a step waiting
         only for it goes on; a flush waits for it to be back or gone), its debt kept."""
+        if peer in self._gone:  # (if it is taken back meanwhile, it is owed, not live)
+            self._away.add(peer)
         if peer not in self._live:
             return []
         self._live.discard(peer)
@@ -620,6 +731,7 @@ class Exchange:
 
     def back(self, peer: int) -> list[Action]:
         """``peer`` is reachable again: it is sent its debt, and is in the rotation again."""
+        self._away.discard(peer)
         debt = self._owed.pop(peer, None)
         if debt is None or peer in self._gone:
             return []
@@ -627,9 +739,21 @@ class Exchange:
         if self.phase != "running":  # (nothing made yet: nothing owed)
             return self.hello_again(peer)
         self._last[peer][:] = self.clock - 1
-        # (with the marker of this rank's last flush if the peer missed it: it waits for it)
+        out: list[Action] = []
+        if peer in self._sent_join and peer in self._newcomers:  # (it may have been lost)
+            out.append(self._newcomers[peer])
+        # (with the marker of this rank's last flush if the peer missed it: it waits for it;
+        # and with the ranks that flush takes back, as the first said)
         missed = self._flushes if self._marked[peer] < self._flushes else None
-        return [self._send(peer, None, 0, debt, flush=missed, back=True)]
+        joins = self._marker_joins if missed is not None else ()
+        out.append(self._send(peer, None, 0, debt, flush=missed, back=True, joins=joins))
+        return out + self._progress()
+
+    def left(self, peer: int) -> list[Action]:
+        """``peer``'s rank left (membership's news): gone for good, and an incarnation of it
+        that was to be taken back is not (it left too: none will flush)."""
+        self._cancel(peer)
+        return self.gone(peer)
 
     def gone(self, peer: int) -> list[Action]:
         """``peer`` is gone for good: forgotten, its debt dropped (the replicas may differ)."""
@@ -640,7 +764,10 @@ class Exchange:
         self._owed.pop(peer, None)
         self._markers.pop(peer, None)
         self._unanswered.discard(peer)
-        return self._answered() + self._progress()
+        self._newcomers.pop(peer, None)
+        self._sent_join.discard(peer)
+        out = self._sync_newcomers() if self.phase == "running" else []
+        return out + self._answered() + self._progress()
 
     # -- what it holds ----------------------------------------------------------------------
     def statistics(self) -> ExchangeStatistics:
@@ -812,10 +939,14 @@ class Exchange:
             self.model[:] = sync[2]
         self._sync = None
         self._flushing = False
+        self._strange = 0
+        self._base = None
         self._settled.update(absent)
         out.append(Flushed(flush=self._flushes, synced_from=lowest if absent else None))
         admitted = self._admit | self._joins_heard.pop(self._flushes, {})
-        out += self._take_back(admitted, send=lowest == self.rank)
+        for k in [k for k in self._joins_heard if k <= self._flushes]:
+            del self._joins_heard[k]
+        out += self._take_back(admitted, lowest)
         later, self._later = self._later, []
         for src, fields in later:
             out += self.received(src, **fields)
