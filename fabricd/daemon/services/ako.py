@@ -115,6 +115,10 @@ class AkoService(BaseService):
         self._open: OpenCalls[RankKey] = OpenCalls(host, self.operations)
         #: exchanges whose HELLOs wait for answers: when their opens fail
         self._hellos: Deadlines[RankKey] = Deadlines()
+        #: when exchanges still waiting for answers say HELLO again to the peers that did not
+        #: answer (the first may have been refused: its rank moved, and the peer's table
+        #: still had it on its old node)
+        self._rehellos: Deadlines[RankKey] = Deadlines()
         #: exchanges opened in two ways: every call fails, saying so
         self._broken: dict[RankKey, str] = {}
         #: the debts each exchange keeps for unreachable peers, charged to the budget
@@ -243,6 +247,7 @@ class AkoService(BaseService):
             self._profiles[rank_key] = []
         self._start(request, rank_key, "open", 0, now)
         self._hellos.set(rank_key, now + self.host.config.route_timeout)
+        self._rehellos.set(rank_key, now + self.host.config.route_timeout / 4)
         for frame, payload in self._early.take(rank_key):
             self._apply(frame, payload)
         self._perform(rank_key, exchange.start())
@@ -364,8 +369,13 @@ class AkoService(BaseService):
         self._take(node, frame, buffer, now)
 
     def _replay(self, held: Waiting, now: float) -> None:
+        """A frame that waited for its sender's rank to be known: judged again (a node that
+        does not host that rank may not speak for it)."""
         frame = held.frame
         assert isinstance(frame, Part)
+        if self._gate.judge(held.node, frame.job, frame.src) is not Sender.MEMBER:
+            self._counters["part_frames_dropped"] += 1
+            return
         self._take(held.node, frame, bytes(held.payload or b""), now)
 
     def _take(self, node: int, frame: Part, payload: bytes | bytearray, now: float) -> None:
@@ -384,6 +394,10 @@ class AkoService(BaseService):
         elif frame.signal is Signal.HELLO:  # (answered for a rank not open yet: a member)
             fresh = SendSignal(dst=frame.src, signal=Signal.FRESH, nonce=0, to=frame.nonce)
             self._send(rank_key, fresh, frame.spec)
+        elif frame.signal is None and frame.to:  # (for an earlier incarnation: none opened)
+            self._dropped(
+                "a part for rank %d's %r, an incarnation that left", rank_key[2], rank_key[1]
+            )
         elif frame.signal is None and not self._early.hold(rank_key, frame, payload, now):
             remote_log.warning(
                 "dropped", "a part for rank %d's %r, not open yet: too many held", *rank_key[1:]
@@ -459,7 +473,10 @@ class AkoService(BaseService):
         """``peer`` is unreachable: its debt is charged first; a debt the budget refuses is
         not kept (the peer is forgotten for good: the replicas may then differ)."""
         debts = self._debts.setdefault(rank_key, {})
-        if peer in debts or peer in exchange.gone_peers:
+        if peer in exchange.gone_peers:  # (if taken back meanwhile, it is owed: no debt yet)
+            self._perform(rank_key, exchange.lose(peer))
+            return
+        if peer in debts:
             return
         try:
             debts[peer] = self._charge(rank_key[0], 8 * exchange.model.size, rank_key[1])
@@ -491,12 +508,13 @@ class AkoService(BaseService):
                 self._drop(rank_key, f"rank {rank} left job {job!r} ({reason})")
             elif rank in exchange.peers:
                 self._settle(rank_key, rank)
-                self._perform(rank_key, exchange.gone(rank))
+                self._perform(rank_key, exchange.left(rank))
         self._early.drop_rank(job, rank)
 
     def _drop(self, rank_key: RankKey, why: str, code: ErrorCode = ErrorCode.PEER_FAILED) -> None:
         self.exchanges.pop(rank_key)
         self._hellos.cancel(rank_key)
+        self._rehellos.cancel(rank_key)
         self._specs.pop(rank_key)
         self._profiles.pop(rank_key, None)
         self._of_job.discard(rank_key[0], rank_key)
@@ -528,6 +546,7 @@ class AkoService(BaseService):
 
     def _opened(self, rank_key: RankKey, action: Opened) -> None:
         self._hellos.cancel(rank_key)
+        self._rehellos.cancel(rank_key)
         spec = self._specs[rank_key]
         if action.joined_from is not None:
             self._counters["ranks_taken_back"] += 1
@@ -584,6 +603,7 @@ class AkoService(BaseService):
     def next_deadline(self) -> float | None:
         return earliest(
             self._hellos.next(),
+            self._rehellos.next(),
             self._gate.next_deadline(),
             self._early.next_deadline(),
             self._open.next_stall(),
@@ -595,6 +615,8 @@ class AkoService(BaseService):
             remote_log.warning(
                 "early", "parts for rank %d's %r: it did not open in time", rank_key[2], rank_key[1]
             )
+        for rank_key in self._rehellos.pop_due(now):
+            self._hello_again(rank_key, now)
         for rank_key in self._hellos.pop_due(now):
             exchange = self.exchanges.get(rank_key)
             if exchange is None or exchange.phase != "hello":
@@ -611,6 +633,14 @@ class AkoService(BaseService):
             row = self._stall_row(rank_key, now)
             if row is not None:
                 log.warning("%s", call_line(row))
+
+    def _hello_again(self, rank_key: RankKey, now: float) -> None:
+        exchange = self.exchanges.get(rank_key)
+        if exchange is None or exchange.phase == "running" or not exchange.unanswered:
+            return
+        for peer in sorted(exchange.unanswered):
+            self._perform(rank_key, exchange.hello_again(peer))
+        self._rehellos.set(rank_key, now + self.host.config.route_timeout / 4)
 
     def stalls(
         self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
