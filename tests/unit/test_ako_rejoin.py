@@ -6,7 +6,8 @@ What must hold: the survivors never wait for a rank that is gone (their steps an
 without it); the newcomer's open is answered with a survivor's model once the survivors flushed;
 afterwards every replica is equal, and after more steps and a flush every replica equals that
 model minus ``lr`` times every gradient made since, exactly (integer gradients), for any
-partition count, any delivery order, and whenever the newcomer's HELLO reaches each survivor.
+partition count, any delivery order, and whenever the newcomer's HELLO reaches each survivor
+(also when that newcomer dies again before it is taken back, and another opens).
 """
 
 from __future__ import annotations
@@ -195,6 +196,13 @@ def test_a_rank_that_comes_back_catches_up_and_the_sum_is_exact_again(
         fab.ex[dead].step(np.zeros(SIZE), 0.0)
     for _ in range(data.draw(st.integers(0, 6), label="HELLOs delivered first")):
         fab.deliver(picks[0])
+    if data.draw(st.booleans(), label="it dies again before it is taken back"):
+        fab.kill(dead)  # (membership says it left: its take-back is cancelled)
+        for r in survivors:
+            fab.act(r, fab.ex[r].left(dead))
+        fab.revive(dead, nonce=2000 + dead)
+        for _ in range(data.draw(st.integers(0, 6), label="its next HELLOs delivered first")):
+            fab.deliver(picks[0])
     for r in sorted(told_late):
         fab.act(r, fab.ex[r].gone(dead))
     for flushes in range(1, 4):  # the survivors' flushes take it back (the next one it is in)

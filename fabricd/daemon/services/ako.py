@@ -17,7 +17,8 @@ An open is answered when the engine's handshake is done (:meth:`Exchange.start`)
 answered its HELLO FRESH (a peer's daemon answers for a rank that has not opened yet), or the
 rank had left and the survivors took it back at their next flush, with a model (its open
 waits until then).  A HELLO not answered within ``route_timeout`` fails the open (a rank not
-started, or its node unreachable); one to a rank not known yet is said again when it is.
+started, or its node unreachable); one to a rank not known yet is said again when it is, and
+every ``route_timeout`` / 4 to the peers that did not answer (one may have been refused).
 
 Partition counts (Ako §3.2): ``partitions=N``, or ``"auto"``: the rank steps with ``n - 1``
 partitions (the least bandwidth) while it measures its gradient rate over its first

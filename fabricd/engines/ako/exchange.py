@@ -84,6 +84,23 @@ Choices where the paper is silent, and why:
   to them until then); the newcomer waits for their next flush (the trainer's open blocks
   until then; a job that never flushes again never takes it back).  A rank that opened
   FRESH to some peers and JOIN to others is gone to all of them once one marker lists it.
+  What makes it robust: each survivor keeps the join SYNC (its model at the take-back) until
+  a part of the newcomer's comes; the lowest sends it again on :meth:`Exchange.back` (one
+  unreachable at the take-back, :meth:`Exchange.lose` while gone, is taken back owed, not
+  live), and the next lowest sends its own if the lowest goes first; a newcomer that gets a
+  second join SYNC for the same flush from a higher rank moves its model by the two models'
+  difference (the first's sender went before the others took its model).  A newcomer that
+  leaves before it is taken back (:meth:`Exchange.left`), or whose nonce a newer HELLO
+  supersedes, is not: its nonce is dead, whatever marker lists it later.  A marker is read
+  only for this rank's open or next flush, and one sent again on :meth:`Exchange.back`
+  lists its joins again.  The newcomer settles only the gone ranks its SYNC names, and
+  survivors hear it at the lowest's clock (its marker's).  During a flush, frames from a
+  gone rank's incarnation not listed here yet are held (at most :data:`MAX_STRANGE`): the
+  marker that lists it may come later in the flush.  A rank waiting to be taken back
+  answers a HELLO FRESH at once (the survivors' answers decide).  Limits: a rank gone after
+  the lowest completed a flush but before another survivor did leaves that one waiting for
+  a SYNC; if the lowest goes before it sent a newcomer's model, the gate may let a survivor
+  past its bound by the two lowest ranks' clocks' difference until the newcomer's rounds.
 * *No peers* (one rank): steps apply the rank's own gradient and are never held.
 """
 
