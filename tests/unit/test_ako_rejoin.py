@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 from fabricd.engines.ako.exchange import (
@@ -585,3 +585,37 @@ def test_markers_list_ranks_only_for_the_flush_at_hand_and_not_live_ones() -> No
     ex.received(1, **frame, flush=1, sent=0, nonce=2, to=1, joins=((2, 3),))
     assert not ex._joins_heard
     assert not ex.gone_peers
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(4, 5), st.data())
+def test_the_lowest_survivor_dying_during_the_flush_that_takes_a_rank_back(
+    n: int, data: st.DataObject
+) -> None:
+    """A3, at any point of the admitting flush where the other survivors all completed it, or
+    none did: the newcomer is taken back with a model the remaining survivors hold too, and
+    after a round and a flush every replica is equal.  (Where some completed it and others
+    did not, rank 0's going splits them: docs/ako.md's limits.)"""
+    picks = data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=30), label="order")
+    fab = _gone_and_settled(n, n - 1)
+    newcomer, survivors = n - 1, list(range(n - 1))
+    fab.revive(newcomer, nonce=77)
+    fab.drain(picks)
+    for r in survivors:
+        fab.step(r, np.full(SIZE, 2.0**r))
+    fab.flush(survivors)
+    for _ in range(data.draw(st.integers(0, 40), label="frames before rank 0 dies")):
+        fab.deliver(picks[0])
+    assume(len({fab.busy[r] for r in survivors[1:]}) == 1)
+    event(f"rank 0 done: {not fab.busy[0]}, the others: {not fab.busy[1]}")
+    event(f"the newcomer had rank 0's model: {fab.opened[newcomer] is not None}")
+    fab.kill(0)
+    rest = list(range(1, n))
+    for r in rest:
+        fab.act(r, fab.ex[r].left(0))
+    fab.drain(picks)
+    assert not any(fab.busy)
+    assert fab.opened[newcomer] is not None
+    for r in rest:
+        np.testing.assert_array_equal(fab.ex[r].model, fab.ex[1].model)
+    _equal_after_a_round(fab, rest)

@@ -99,8 +99,10 @@ Choices where the paper is silent, and why:
   marker that lists it may come later in the flush.  A rank waiting to be taken back
   answers a HELLO FRESH at once (the survivors' answers decide).  Limits: a rank gone after
   the lowest completed a flush but before another survivor did leaves that one waiting for
-  a SYNC; if the lowest goes before it sent a newcomer's model, the gate may let a survivor
-  past its bound by the two lowest ranks' clocks' difference until the newcomer's rounds.
+  a SYNC, and the lowest gone while some survivors completed a flush and others did not
+  splits them (those done keep a model the others replaced): both predate the rejoin; if
+  the lowest goes before it sent a newcomer's model, the gate may let a survivor past its
+  bound by the two lowest ranks' clocks' difference until the newcomer's rounds.
 * *No peers* (one rank): steps apply the rank's own gradient and are never held.
 """
 
@@ -465,6 +467,7 @@ class Exchange:
             return [self._signal(src, Signal.FRESH)]
         out: list[Action] = []
         known = self._nonce_of[src]
+        self._away.discard(src)  # (it was heard: reachable, until membership says otherwise)
         self._cancel(src, keep=nonce)  # (an incarnation listed before this one: superseded)
         if self._pending(src) == nonce or src in self._gone or known not in (0, nonce):
             out += self.gone(src)  # (its earlier incarnation, if it was still here)
@@ -770,6 +773,7 @@ class Exchange:
         """``peer``'s rank left (membership's news): gone for good, and an incarnation of it
         that was to be taken back is not (it left too: none will flush)."""
         self._cancel(peer)
+        self._away.discard(peer)
         return self.gone(peer)
 
     def gone(self, peer: int) -> list[Action]:
