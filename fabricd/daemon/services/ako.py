@@ -225,8 +225,9 @@ class AkoService(BaseService):
                 code=ErrorCode.LIMIT,
             )
         count = min(partitions or max(1, spec["n"] - 1), spec["size"])
-        # the window (p gradients), g* in float64, and one debt (more are charged when made)
-        charge = self._charge(job, (count * model.itemsize + 16) * model.size, name)
+        # the window (p gradients), the model at the last flush, g* in float64, and one debt
+        # (more are charged when made)
+        charge = self._charge(job, ((count + 1) * model.itemsize + 16) * model.size, name)
         try:
             exchange = Exchange(
                 rank=rank,

@@ -52,10 +52,18 @@ Choices where the paper is silent, and why:
   own flush is complete; each adopts it once its own is complete too (§4.3: the failed worker
   "catches the model up from a peer", here the survivors do).  Parts a peer sends after its
   flush (its next rounds) are held until this rank's flush is complete, so that a model taken
-  from the lowest rank never overwrites them.  This needs the survivors to agree on who is
-  gone: a partition that membership resolves one way on one node and another way on another
-  (a rank gone for one survivor, reachable for the next) can leave a flush waiting for a SYNC
-  that does not come; its call is logged as stalled.
+  from the lowest rank never overwrites them.  The SYNC names the ranks it settles (``gone``):
+  each survivor settles those, so the next flush syncs again for any that went later.  A rank
+  can go when some survivors completed the flush with it and others have it absent: the
+  lowest, if done, sends its model at that flush when it hears (settling nothing: the next
+  flush syncs again), and a survivor done with a flush that gets a SYNC for it moves its model
+  by the difference from its own then (each keeps its model at its last flush for this).  A
+  rank that goes right after completing a flush, whose next round reached only survivors done
+  with it while another never got its marker, leaves those rounds in some replicas only.
+  This needs the survivors to agree on who is gone: a partition that membership resolves one
+  way on one node and another way on another (a rank gone for one survivor, reachable for
+  the next) can leave a flush waiting for a SYNC that does not come; its call is logged as
+  stalled.
 * *A repartition to fewer parts* keeps the gate's old bound for as many rounds as the old
   count: a trainer let go under the old bound stays within it.
 * *A flush* (collective) sends each reachable peer everything it is owed in one frame (the
@@ -97,31 +105,49 @@ Choices where the paper is silent, and why:
   survivors hear it at the lowest's clock (its marker's).  During a flush, frames from a
   gone rank's incarnation not listed here yet are held (at most :data:`MAX_STRANGE`): the
   marker that lists it may come later in the flush.  A rank waiting to be taken back
-  answers a HELLO FRESH at once (the survivors' answers decide).  Limits: a rank gone after
-  the lowest completed a flush but before another survivor did leaves that one waiting for
-  a SYNC, and the lowest gone while some survivors completed a flush and others did not
-  splits them (those done keep a model the others replaced): both predate the rejoin; if
-  the lowest goes before it sent a newcomer's model, the gate may let a survivor past its
-  bound by the two lowest ranks' clocks' difference until the newcomer's rounds.
+  answers a HELLO FRESH at once (the survivors' answers decide).  Limit: if the lowest goes
+  before it sent a newcomer's model, the gate may let a survivor past its bound by the two
+  lowest ranks' clocks' difference until the newcomer's rounds.
 * *No peers* (one rank): steps apply the rank's own gradient and are never held.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from fabricd.dtypes import FLOAT_DTYPES
+from fabricd.engines.ako.actions import (
+    Action,
+    Array,
+    ExchangeStatistics,
+    Flushed,
+    Opened,
+    Phase,
+    SendPart,
+    SendSignal,
+    Stepped,
+)
 from fabricd.errors import LocalProtocolError, RemoteProtocolError, UsageError
 from fabricd.frames.ako import MAX_GONE, MAX_JOINS, Signal
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-Array = np.ndarray[Any, Any]
+__all__ = [
+    "MAX_PARTITIONS",
+    "Action",
+    "Exchange",
+    "ExchangeStatistics",
+    "Flushed",
+    "Opened",
+    "SendPart",
+    "SendSignal",
+    "Stepped",
+    "partition_bounds",
+]
 
 #: the most partitions an exchange cuts its gradients into
 MAX_PARTITIONS: Final = 1 << 16
@@ -129,88 +155,6 @@ MAX_PARTITIONS: Final = 1 << 16
 MAX_STRANGE: Final = 1024
 #: the most nonces kept per peer of incarnations that left or were superseded
 MAX_DEAD: Final = 16
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendPart:
-    """Send rank ``dst`` ``payload`` (values of the model's dtype) for the model's elements
-    from ``lo``: round ``round``'s part, or (``round`` ``None``) what ``dst`` was owed (a
-    catch-up or a flush).  ``clock`` is the sender's clock; ``flush``, the number of a flush
-    this frame ends for ``dst``, after ``sent`` round frames to it."""
-
-    dst: int
-    round: int | None
-    lo: int
-    payload: Array
-    clock: int
-    epoch: int = 0  #: the sender's flushes started when it sent this
-    flush: int | None = None
-    sent: int = 0  #: frames the sender sent ``dst`` (this one included; a SYNC aside)
-    sync: bool = False  #: the sender's whole model: adopt it (a flush after a loss)
-    back: bool = False  #: a debt after ``dst`` was unreachable: frames before it may be lost
-    nonce: int = 0  #: the sender's
-    to: int = 0  #: ``dst``'s nonce as the sender knows it (0: none heard yet)
-    #: returning ranks (rank, nonce) the survivors take back when this flush completes
-    joins: tuple[tuple[int, int], ...] = ()
-    join: bool = False  #: a SYNC for a rank taken back: ``gone`` are the sender's gone ranks
-    gone: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendSignal:
-    """Send rank ``dst`` a signal of the rejoin handshake (no payload)."""
-
-    dst: int
-    signal: Signal
-    nonce: int  #: the sender's
-    to: int  #: ``dst``'s, as the sender knows it (0: none heard yet)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Opened:
-    """The handshake is done: the open is answered.  ``joined_from``: the rank was taken
-    back, with that survivor's model (and its clock and flush count)."""
-
-    joined_from: int | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Stepped:
-    """The step of round ``round`` is done: the gate lets the next gradient be computed."""
-
-    round: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Flushed:
-    """Flush number ``flush`` is complete: every part sent before it, by every reachable
-    rank, is applied here; or (``synced_from``) a peer was absent and this rank took that
-    reachable rank's model, as every survivor did."""
-
-    flush: int
-    synced_from: int | None = None
-
-
-Action = SendPart | SendSignal | Opened | Stepped | Flushed
-Phase = Literal["hello", "joining", "running"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ExchangeStatistics:
-    """What ``fabricctl status`` and the metrics show of one rank's exchange."""
-
-    clock: int  #: rounds made
-    partitions: int
-    slowest: int | None  #: the least clock heard of a reachable peer (None: none)
-    held: bool  #: a step waits for the staleness gate
-    bytes_sent: int
-    bytes_received: int
-    parts_sent: int
-    parts_received: int
-    flushes: int
-    lost: tuple[int, ...]
-    gone: tuple[int, ...]
-    phase: Phase = "running"  #: "hello"/"joining": the open waits for answers/to be taken back
 
 
 def partition_bounds(size: int, parts: int) -> list[tuple[int, int]]:
@@ -293,7 +237,13 @@ class Exchange:
         #: repartitioned to fewer parts: the old count bounds the gate until this clock
         self._gate: tuple[int, int] | None = None
         self._markers: dict[int, tuple[int, int]] = {}  #: peer -> (its flush, frames sent)
-        self._sync: tuple[int, int, Array] | None = None  #: (from, its flush, its model)
+        #: (from, its flush, its model, the absent ranks it settles)
+        self._sync: tuple[int, int, Array, tuple[int, ...]] | None = None
+        #: the model at this rank's last completed flush (its number, the model, whose SYNC
+        #: it took: None, its own), and the peers live then: a SYNC for that flush that comes
+        #: after moves the model by the difference
+        self._at: tuple[int, Array, int | None] | None = None
+        self._at_live: frozenset[int] = frozenset()
         self._later: list[tuple[int, dict[str, Any]]] = []  #: peers' parts after their flush
         self._held: int | None = None  #: a step whose answer waits for the gate
         self._flushes = 0  #: flushes started
@@ -501,6 +451,8 @@ class Exchange:
         this rank's; its gone ranks (and those gone here) are gone."""
         self.model[:] = model
         self._base = (src, model.copy())
+        self._at = (flush, model.copy(), src)
+        self._at_live = frozenset(self.peers) - {i for i in gone if i in self._heard}
         self.clock = clock
         self._flushes = flush
         self._settled = {i for i in gone if i in self._heard}
@@ -525,6 +477,7 @@ class Exchange:
         assert self._base is not None
         self.model += model - self._base[1]
         self._base = (src, model.copy())
+        self._at = (self._floor, model.copy(), src)
         settled = {i for i in gone if i in self._heard}
         self._settled |= settled
         out: list[Action] = []
@@ -677,7 +630,10 @@ class Exchange:
             self._sent_join.discard(src)  # (heard from: its join SYNC came)
         self._heard[src] = max(self._heard[src], clock)
         if sync:
-            self._sync = (src, int(flush or 0), payload.copy())
+            at = self._at
+            if at is not None and flush == at[0] and (at[2] is None or src >= at[2]):
+                return self._late_sync(src, payload, gone)
+            self._sync = (src, int(flush or 0), payload.copy(), gone)
             return self._progress()
         if self._flushing and (epoch > k or (epoch == k and flush != k)):
             self._later.append((src, fields | {"payload": payload.copy()}))
@@ -693,6 +649,30 @@ class Exchange:
             self._flush_clock[src] = clock
             out += self._listed(flush, joins)
         return out + self._progress()
+
+    def _late_sync(self, src: int, model: Array, gone: tuple[int, ...]) -> list[Action]:
+        """A SYNC for the flush this rank completed last without one (a rank went, for the
+        sender, before its flush completed there, or after it completed here): the model
+        moves by the difference between that model and this rank's then, keeping what was
+        applied since; the ranks the sender settled are settled here too."""
+        assert self._at is not None
+        self.model += model - self._at[1]
+        self._at = (self._at[0], model.copy(), src)
+        self._settled |= {i for i in gone if i in self._heard}
+        return self._progress()
+
+    def _late(self, peer: int) -> list[Action]:
+        """``peer`` went after this rank completed its last flush with it live: if this rank is
+        the lowest, it sends every survivor its model at that flush (survivors still in it
+        had ``peer`` absent, and wait for one; those done take it by the difference).  It
+        settles nothing: ``peer``'s frames after that flush may have reached some ranks only,
+        so the next flush takes the lowest's model again."""
+        at = self._at
+        if at is None or peer not in self._at_live or peer in self._settled:
+            return []
+        if self.phase != "running" or min(self._live | {self.rank}) != self.rank:
+            return []
+        return [self._send(i, None, 0, at[1], flush=at[0], sync=True) for i in sorted(self._live)]
 
     def _hold_gone(self, src: int, nonce: int, fields: dict[str, Any]) -> None:
         """A frame from a rank gone here: one of the incarnation to be taken back when this
@@ -788,7 +768,7 @@ class Exchange:
         self._newcomers.pop(peer, None)
         self._sent_join.discard(peer)
         out = self._sync_newcomers() if self.phase == "running" else []
-        return out + self._answered() + self._progress()
+        return out + self._late(peer) + self._answered() + self._progress()
 
     # -- what it holds ----------------------------------------------------------------------
     def statistics(self) -> ExchangeStatistics:
@@ -949,20 +929,28 @@ class Exchange:
         absent = [i for i in self._gone if i not in self._settled]
         lowest = min(self._live | {self.rank})
         out: list[Action] = []
+        took: int | None = None
         if absent and lowest == self.rank:
             model = self.model.copy()
+            settles = tuple(sorted(absent)[:MAX_GONE])
             for i in sorted(self._live):
-                out.append(self._send(i, None, 0, model, flush=self._flushes, sync=True))
+                out.append(
+                    self._send(i, None, 0, model, flush=self._flushes, sync=True, gone=settles)
+                )
+            self._settled.update(settles)
         elif absent:
             sync = self._sync
             if sync is None or sync[0] != lowest or sync[1] < self._flushes:
                 return []
             self.model[:] = sync[2]
+            self._settled.update(i for i in sync[3] if i in self._heard)
+            took = lowest
         self._sync = None
         self._flushing = False
         self._strange = 0
         self._base = None
-        self._settled.update(absent)
+        self._at = (self._flushes, self.model.copy(), took)
+        self._at_live = frozenset(self._live)
         out.append(Flushed(flush=self._flushes, synced_from=lowest if absent else None))
         admitted = self._admit | self._joins_heard.pop(self._flushes, {})
         for k in [k for k in self._joins_heard if k <= self._flushes]:
