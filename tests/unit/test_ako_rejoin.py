@@ -648,3 +648,21 @@ def test_a_rank_gone_at_any_point_of_a_flush_leaves_the_survivors_equal(
     fab.drain(picks)
     assert not any(fab.busy)
     _equal_after_a_round(fab, rest)
+
+
+def test_a_rank_gone_after_the_lowest_completed_the_flush_does_not_hold_the_others() -> None:
+    """Rank 0 completed the flush with rank 2; rank 1 had not when rank 2 went: rank 0 sends
+    its model at that flush, rank 1 takes it, and the next flush syncs again."""
+    fab = Fabric(3, 1, 0)
+    fab.drain()
+    fab.flush([0, 1, 2])
+    for pair in [(1, 0), (2, 0), (2, 1)]:
+        fab.deliver(_pick(fab, pair))
+    assert not fab.busy[0]
+    assert fab.busy[1]
+    fab.kill(2)
+    for r in (1, 0):
+        fab.act(r, fab.ex[r].left(2))
+    fab.drain()
+    assert not any(fab.busy)
+    _equal_after_a_round(fab, [0, 1])
