@@ -625,7 +625,8 @@ def test_a_rank_gone_at_any_point_of_a_flush_leaves_the_survivors_equal(
     n: int, data: st.DataObject
 ) -> None:
     """A rank goes at any point of a flush, some survivors done with it and others not (the
-    lowest among them, or not; it may have stepped after its own flush): every survivor's
+    lowest among them, or not; it may have stepped after its own flush, where the lowest
+    survivor was done): every survivor's
     flush completes, and after a round and a flush every replica is equal.  (Once a survivor
     waited for a SYNC the lowest, done first, never sent.)"""
     picks = data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=30), label="order")
@@ -637,7 +638,12 @@ def test_a_rank_gone_at_any_point_of_a_flush_leaves_the_survivors_equal(
     for _ in range(data.draw(st.integers(0, 12 * n), label="frames before it goes")):
         fab.deliver(picks[0])
     dead = data.draw(st.sampled_from(everyone), label="dead")
-    if not fab.busy[dead] and data.draw(st.booleans(), label="it steps first"):
+    lowest = min(r for r in everyone if r != dead)
+    # (it steps after its flush only where the lowest survivor is done with it too: where the
+    # lowest was not, and another survivor done got that round, the round stays in some
+    # replicas only: docs/ako.md says so)
+    steps = not fab.busy[dead] and not fab.busy[lowest]
+    if steps and data.draw(st.booleans(), label="it steps first"):
         fab.step(dead, np.full(SIZE, 3.0))
         for _ in range(data.draw(st.integers(0, n), label="its round's frames delivered")):
             fab.deliver(picks[0])

@@ -58,8 +58,8 @@ Choices where the paper is silent, and why:
   lowest, if done, sends its model at that flush when it hears (settling nothing: the next
   flush syncs again), and a survivor done with a flush that gets a SYNC for it moves its model
   by the difference from its own then (each keeps its model at its last flush for this).  A
-  rank that goes right after completing a flush, whose next round reached only survivors done
-  with it while another never got its marker, leaves those rounds in some replicas only.
+  rank that goes right after completing a flush, while the lowest never got its marker and a
+  survivor done with the flush got its next round, leaves that round in that replica only.
   This needs the survivors to agree on who is gone: a partition that membership resolves one
   way on one node and another way on another (a rank gone for one survivor, reachable for
   the next) can leave a flush waiting for a SYNC that does not come; its call is logged as
