@@ -672,3 +672,24 @@ def test_a_rank_gone_after_the_lowest_completed_the_flush_does_not_hold_the_othe
     fab.drain()
     assert not any(fab.busy)
     _equal_after_a_round(fab, [0, 1])
+
+
+def test_a_newcomer_sent_its_model_by_the_next_lowest_takes_the_lowests_clock() -> None:
+    """A9 where the lowest went before sending: rank 1 sends the join SYNC with the clock
+    every survivor heard the newcomer at (rank 0's), so the gate still holds."""
+    fab = _gone_and_settled(4, 3)
+    fab.revive(3, nonce=77)
+    fab.drain()
+    for r in (1, 2):
+        fab.step(r, np.ones(SIZE))
+    fab.drain()
+    fab.flush([0, 1, 2])
+    for src, dst in [(0, 1), (0, 2), (1, 2), (2, 1)]:
+        _deliver_pair(fab, src, dst)
+    fab.kill(0)
+    for r in (1, 2, 3):
+        fab.act(r, fab.ex[r].left(0))
+    fab.drain()
+    assert fab.opened[3] == Opened(joined_from=1)
+    assert fab.ex[3].clock == 0  # rank 0's: ranks 1 and 2 made a round more
+    assert fab.ex[1]._heard[3] == fab.ex[2]._heard[3] == 0

@@ -105,9 +105,9 @@ Choices where the paper is silent, and why:
   survivors hear it at the lowest's clock (its marker's).  During a flush, frames from a
   gone rank's incarnation not listed here yet are held (at most :data:`MAX_STRANGE`): the
   marker that lists it may come later in the flush.  A rank waiting to be taken back
-  answers a HELLO FRESH at once (the survivors' answers decide).  Limit: if the lowest goes
-  before it sent a newcomer's model, the gate may let a survivor past its bound by the two
-  lowest ranks' clocks' difference until the newcomer's rounds.
+  answers a HELLO FRESH at once (the survivors' answers decide).  Whichever survivor sends
+  the join SYNC, it carries the lowest's clock (its marker's), which every survivor hears the
+  newcomer at.
 * *No peers* (one rank): steps apply the rank's own gradient and are never held.
 """
 
@@ -528,7 +528,7 @@ class Exchange:
             self._sent_to[peer] = self._got_from[peer] = 0
             self._marked[peer] = self._flushes
             self._markers.pop(peer, None)
-            sync = self._join_sync(peer, nonce, gone)
+            sync = self._join_sync(peer, nonce, gone, clock)
             self._newcomers[peer] = sync
             if lowest == self.rank:
                 self._sent_join.add(peer)
@@ -537,7 +537,9 @@ class Exchange:
         self._admit = {}
         return out
 
-    def _join_sync(self, peer: int, nonce: int, gone: tuple[int, ...]) -> SendPart:
+    def _join_sync(self, peer: int, nonce: int, gone: tuple[int, ...], clock: int) -> SendPart:
+        """``peer``'s join SYNC: this rank's model, and the lowest's clock (every survivor
+        hears the newcomer there, whichever of them sends it)."""
         model = self.model.copy()
         self._bytes_sent += model.nbytes
         return SendPart(
@@ -545,7 +547,7 @@ class Exchange:
             round=None,
             lo=0,
             payload=model,
-            clock=self.clock,
+            clock=clock,
             epoch=self._flushes,
             flush=self._flushes,
             sent=self._sent_to[peer],
