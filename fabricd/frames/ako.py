@@ -129,6 +129,7 @@ class Part:
             meta["jn"] = [list(pair) for pair in self.joins]
         if self.join:
             meta["jo"] = True
+        if self.join or self.gone:
             meta["gn"] = list(self.gone)
         return meta
 

@@ -3,6 +3,7 @@ sockets: the review's findings, each with the behaviour it now has (issue 29).""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -13,14 +14,22 @@ import pytest
 from fabricd.daemon.config import Config
 from fabricd.daemon.service import Request
 from fabricd.daemon.services.ako import AkoService
+from fabricd.daemon.services.ako_early import MAX_EARLY
 from fabricd.daemon.sessions import ClientSession
 from fabricd.engines.budget import ByteBudget
-from fabricd.engines.membership import RankBack, RankGone, RankJoined, RankSuspected
+from fabricd.engines.membership import (
+    RankBack,
+    RankEntry,
+    RankGone,
+    RankJoined,
+    RankLeft,
+    RankSuspected,
+)
 from fabricd.errors import OperationFailed, UsageError
 from fabricd.frames import registry
-from fabricd.frames.ako import Part
+from fabricd.frames.ako import Part, Signal
 from fabricd.wire import Kind
-from tests.unit.test_collective_service_review import FakeHost, Table
+from tests.unit.test_collective_service_review import FakeHost, Link, Table
 
 JOB, NAME = "j", "w"
 
@@ -226,3 +235,198 @@ def test_a_step_held_at_the_gate_is_a_stall_that_says_what_it_waits_for() -> Non
     step(svc, s1, 20, 1.0)
     assert 11 in host.answered
     assert svc.stalls(2.0) == []
+
+
+# -- a rank that comes back: the reviews' daemon findings -------------------------------------
+SPEC3 = {"n": 3, "size": 8, "dtype": "float64", "lr": 1.0, "staleness": 0}
+
+
+def _signal(src: int, dst: int, sig: Signal, nonce: int, to: int = 0, n: int = 3) -> Part:
+    spec = {**SPEC3, "n": n}
+    return Part(
+        job=JOB,
+        name=NAME,
+        src=src,
+        dst=dst,
+        round=None,
+        lo=0,
+        clock=0,
+        spec=spec,
+        nonce=nonce,
+        to=to,
+        signal=sig,
+    )
+
+
+def _deliver(svc: AkoService, node: int, part: Part, payload: bytes = b"") -> None:
+    """As the node does: a buffer for a payload, then the frame."""
+    frame = registry.parse(Kind.PART, part.to_meta())
+    assert isinstance(frame, Part)
+    if payload:
+        buffer = svc.payload_buffer(node, frame, len(payload))
+        if buffer is not None:
+            buffer[:] = payload
+    svc.on_data(node, frame, len(payload), svc.host.now())
+
+
+def _leave(svc: AkoService, table: Table, session: ClientSession, rank: int) -> RankEntry:
+    """Rank ``rank``'s trainer leaves: its daemon drops it, membership says it left."""
+    svc.client_gone(session, 0.0)
+    entry = table.entries.pop((JOB, rank))
+    svc.on_rank_event(RankLeft(entry=entry, reason="left", lost=False), 0.0)
+    return entry
+
+
+def _come_back(svc: AkoService, table: Table, entry: RankEntry) -> None:
+    table.entries[(JOB, entry.rank)] = entry
+    svc.on_rank_event(RankJoined(entry=entry), 0.0)
+
+
+def _steps_answered(svc: AkoService, sessions: list[ClientSession], first: int) -> bool:
+    """Each of ``sessions`` steps three times; whether every step was answered."""
+    host = svc.host
+    assert isinstance(host, Host)
+    for i in range(3):
+        for k, session in enumerate(sessions):
+            rid = first + 10 * i + k
+            step(svc, session, rid, 1.0)
+            if rid not in host.answered:
+                return False
+    return True
+
+
+def test_a_newcomer_that_leaves_before_it_is_taken_back_does_not_hold_the_survivors() -> None:
+    """(A1) Its departure cancels its admission: the survivors' flush does not take it back,
+    and their steps go on."""
+    svc, host, table = service((0, 0, 0))
+    s = [client(r, 3) for r in range(3)]
+    for r in range(3):
+        open_(svc, s[r], r + 1)
+    e2 = _leave(svc, table, s[2], 2)
+    _come_back(svc, table, e2)
+    s2 = client(2, 3)
+    open_(svc, s2, 100)
+    assert svc.exchanges[(JOB, NAME, 2)].phase == "joining"
+    _leave(svc, table, s2, 2)
+    request(svc, s[0], 10, "ako_flush")
+    request(svc, s[1], 11, "ako_flush")
+    assert 10 in host.answered
+    assert 11 in host.answered
+    assert 2 in svc.exchanges[(JOB, NAME, 0)].gone_peers
+    assert _steps_answered(svc, s[:2], 20)
+
+
+def test_a_part_for_a_rank_that_left_is_dropped_not_held_for_its_next_trainer() -> None:
+    """(A8) A part addressed to the incarnation that left lands after a new trainer of the
+    rank connected, before it opened: dropped (it was never the new one's), so its open is
+    not refused when route_timeout passes."""
+    svc, host, table = service((1, 0), route_timeout=1.0)
+    s1 = client(1, 2)
+    open_(svc, s1, 1)
+    old = svc.exchanges[(JOB, NAME, 1)].nonce
+    _deliver(svc, 1, _signal(0, 1, Signal.HELLO, 4242, n=2))
+    _deliver(svc, 1, _signal(0, 1, Signal.FRESH, 4242, to=old, n=2))
+    assert 1 in host.answered
+    _come_back(svc, table, _leave(svc, table, s1, 1))
+    spec = {**SPEC3, "n": 2}
+    part = Part(
+        job=JOB, name=NAME, src=0, dst=1, round=0, lo=0, clock=1, spec=spec, sent=1, nonce=4242
+    )
+    _deliver(svc, 1, dataclasses.replace(part, to=old), np.ones(8).tobytes())
+    assert svc.statistics()["counters"]["parts_held_early"] == 0
+    host.t = 2.0
+    svc.on_timer(2.0)
+    open_(svc, client(1, 2), 2)
+    assert svc.exchanges[(JOB, NAME, 1)].phase == "hello"
+
+
+def test_a_newcomer_unreachable_when_taken_back_is_sent_its_model_when_back() -> None:
+    """(A2) Suspected between its HELLO and the flush that takes it back: the join SYNC that
+    found no route is sent when it is back, and the survivors' steps go on once it steps."""
+    svc, host, table = service((0, 0, 1))
+    link = Link()
+    link.writable = True
+    host.links[1] = link
+    s = [client(0, 3), client(1, 3)]
+    open_(svc, s[0], 1)
+    open_(svc, s[1], 2)
+    for r in (0, 1):
+        _deliver(svc, 1, _signal(2, r, Signal.FRESH, 500, svc.exchanges[(JOB, NAME, r)].nonce))
+    e2 = table.entries.pop((JOB, 2))
+    svc.on_rank_event(RankLeft(entry=e2, reason="left", lost=False), 0.0)
+    request(svc, s[0], 10, "ako_flush")
+    request(svc, s[1], 11, "ako_flush")
+    _come_back(svc, table, e2)
+    for r in (0, 1):
+        _deliver(svc, 1, _signal(2, r, Signal.HELLO, 600))
+    table.entries.pop((JOB, 2))  # node 1's links reset: rank 2 is suspected
+    svc.on_rank_event(RankLeft(entry=e2, reason="reset", lost=True), 0.0)
+    svc.on_suspicion(RankSuspected(entry=e2, reason="reset"), 0.0)
+    request(svc, s[0], 12, "ako_flush")
+    request(svc, s[1], 13, "ako_flush")
+    assert 12 in host.answered
+    assert 13 in host.answered
+    link.sent.clear()
+    table.entries[(JOB, 2)] = e2
+    svc.on_suspicion(RankBack(entry=e2), 0.0)
+    svc.on_rank_event(RankJoined(entry=e2), 0.0)
+    [sync] = [m for m in link.sent if m.get("jo")]
+    assert sync["to"] == 600
+
+
+def test_a_held_hello_is_judged_again_when_its_rank_is_announced() -> None:
+    """(B2) A node that does not host rank 2 says HELLO as rank 2 before rank 2 is known:
+    held, then refused when rank 2 is announced on another node (it once evicted the real
+    rank 2)."""
+    svc, _, table = service((0, 1))
+    table.entries.pop((JOB, 1))
+    table.join(JOB, 3, (0, 1), owner=1000)  # (a job of three: rank 2 not announced yet)
+    open_(svc, client(0, 3), 1)
+    exchange = svc.exchanges[(JOB, NAME, 0)]
+    _deliver(svc, 1, _signal(2, 0, Signal.HELLO, 999))  # (node 1 does not host rank 2)
+    entry = RankEntry(job=JOB, rank=2, size=3, node=0)
+    table.entries[(JOB, 2)] = entry
+    svc.on_rank_event(RankJoined(entry=entry), 0.0)
+    assert exchange._nonce_of[2] == 0
+    assert not exchange.gone_peers
+
+
+def test_what_a_rank_missed_before_its_open_goes_when_it_leaves() -> None:
+    """(B4) Parts dropped for a rank that never opened: the record goes when the rank
+    leaves (a later trainer of it may open), and the records are bounded."""
+    svc, host, table = service((0, 1), route_timeout=1.0)
+    spec = {**SPEC3, "n": 2}
+    for i in range(3):
+        part = Part(job=JOB, name=f"n{i}", src=1, dst=0, round=0, lo=0, clock=1, spec=spec, sent=1)
+        _deliver(svc, 1, part, np.zeros(8).tobytes())
+    host.t = 2.0
+    svc.on_timer(2.0)
+    s0 = client(0, 2)
+    _come_back(svc, table, _leave(svc, table, s0, 0))
+    open_(svc, client(0, 2), 1)  # not refused
+    assert not svc._early._missed
+    for i in range(MAX_EARLY + 10):
+        svc._early._miss((JOB, f"m{i}", 0), "dropped")
+    assert len(svc._early._missed) == MAX_EARLY
+
+
+def test_an_open_says_hello_again_to_a_peer_that_did_not_answer() -> None:
+    """(B6) Rank 1 restarted on node 1 while rank 0's node still had it elsewhere: its
+    HELLO was refused.  The open says HELLO again every route_timeout / 4, so once the table
+    is right it is answered."""
+    svc, host, _ = service((0, 1), route_timeout=4.0)
+    link = Link()
+    link.writable = True
+    host.links[1] = link
+    open_(svc, client(0, 2), 1)
+    assert [m["sg"] for m in link.sent] == ["hello"]
+    link.sent.clear()
+    host.t = 1.0
+    svc.on_timer(1.0)
+    assert [m["sg"] for m in link.sent] == ["hello"]
+    _deliver(svc, 1, _signal(1, 0, Signal.FRESH, 7, svc.exchanges[(JOB, NAME, 0)].nonce, n=2))
+    assert 1 in host.answered
+    link.sent.clear()
+    host.t = 2.0
+    svc.on_timer(2.0)
+    assert not link.sent

@@ -17,7 +17,8 @@ An open is answered when the engine's handshake is done (:meth:`Exchange.start`)
 answered its HELLO FRESH (a peer's daemon answers for a rank that has not opened yet), or the
 rank had left and the survivors took it back at their next flush, with a model (its open
 waits until then).  A HELLO not answered within ``route_timeout`` fails the open (a rank not
-started, or its node unreachable); one to a rank not known yet is said again when it is.
+started, or its node unreachable); one to a rank not known yet is said again when it is, and
+every ``route_timeout`` / 4 to the peers that did not answer (one may have been refused).
 
 Partition counts (Ako §3.2): ``partitions=N``, or ``"auto"``: the rank steps with ``n - 1``
 partitions (the least bandwidth) while it measures its gradient rate over its first
@@ -47,6 +48,7 @@ from fabricd.daemon.logs import RateLimitedLog
 from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.ako_early import EarlyParts
+from fabricd.daemon.services.ako_frames import part_frame, received, unfit
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.jobs import Groups, OpenCall, OpenCalls, refuse_while_draining
 from fabricd.daemon.services.senders import Gate, Sender, earliest
@@ -114,6 +116,10 @@ class AkoService(BaseService):
         self._open: OpenCalls[RankKey] = OpenCalls(host, self.operations)
         #: exchanges whose HELLOs wait for answers: when their opens fail
         self._hellos: Deadlines[RankKey] = Deadlines()
+        #: when exchanges still waiting for answers say HELLO again to the peers that did not
+        #: answer (the first may have been refused: its rank moved, and the peer's table
+        #: still had it on its old node)
+        self._rehellos: Deadlines[RankKey] = Deadlines()
         #: exchanges opened in two ways: every call fails, saying so
         self._broken: dict[RankKey, str] = {}
         #: the debts each exchange keeps for unreachable peers, charged to the budget
@@ -219,8 +225,9 @@ class AkoService(BaseService):
                 code=ErrorCode.LIMIT,
             )
         count = min(partitions or max(1, spec["n"] - 1), spec["size"])
-        # the window (p gradients), g* in float64, and one debt (more are charged when made)
-        charge = self._charge(job, (count * model.itemsize + 16) * model.size, name)
+        # the window (p gradients), the model at the last flush, g* in float64, and one debt
+        # (more are charged when made)
+        charge = self._charge(job, ((count + 1) * model.itemsize + 16) * model.size, name)
         try:
             exchange = Exchange(
                 rank=rank,
@@ -242,6 +249,7 @@ class AkoService(BaseService):
             self._profiles[rank_key] = []
         self._start(request, rank_key, "open", 0, now)
         self._hellos.set(rank_key, now + self.host.config.route_timeout)
+        self._rehellos.set(rank_key, now + self.host.config.route_timeout / 4)
         for frame, payload in self._early.take(rank_key):
             self._apply(frame, payload)
         self._perform(rank_key, exchange.start())
@@ -338,7 +346,7 @@ class AkoService(BaseService):
         if verdict is Sender.STRANGER:
             return None
         entry = self.membership.lookup(frame.job, frame.dst)
-        why = _unfit(frame, length)
+        why = unfit(frame, length)
         if entry is None or entry.node != self.host.config.node_id or why is not None:
             self._dropped("a part for rank %d: %s", frame.dst, why or "not here")
             return None  # (its bytes are read and dropped)
@@ -363,8 +371,13 @@ class AkoService(BaseService):
         self._take(node, frame, buffer, now)
 
     def _replay(self, held: Waiting, now: float) -> None:
+        """A frame that waited for its sender's rank to be known: judged again (a node that
+        does not host that rank may not speak for it)."""
         frame = held.frame
         assert isinstance(frame, Part)
+        if self._gate.judge(held.node, frame.job, frame.src) is not Sender.MEMBER:
+            self._counters["part_frames_dropped"] += 1
+            return
         self._take(held.node, frame, bytes(held.payload or b""), now)
 
     def _take(self, node: int, frame: Part, payload: bytes | bytearray, now: float) -> None:
@@ -373,7 +386,7 @@ class AkoService(BaseService):
         if entry is None or entry.node != self.host.config.node_id:
             self._dropped("node %d sent a part for rank %d, not here", node, frame.dst)
             return
-        why = _unfit(frame, len(payload))
+        why = unfit(frame, len(payload))
         if why is not None:
             self._dropped("a part for rank %d's %r: %s", frame.dst, frame.name, why)
             return
@@ -383,6 +396,10 @@ class AkoService(BaseService):
         elif frame.signal is Signal.HELLO:  # (answered for a rank not open yet: a member)
             fresh = SendSignal(dst=frame.src, signal=Signal.FRESH, nonce=0, to=frame.nonce)
             self._send(rank_key, fresh, frame.spec)
+        elif frame.signal is None and frame.to:  # (for an earlier incarnation: none opened)
+            self._dropped(
+                "a part for rank %d's %r, an incarnation that left", rank_key[2], rank_key[1]
+            )
         elif frame.signal is None and not self._early.hold(rank_key, frame, payload, now):
             remote_log.warning(
                 "dropped", "a part for rank %d's %r, not open yet: too many held", *rank_key[1:]
@@ -409,31 +426,11 @@ class AkoService(BaseService):
             if frame.signal is not None:
                 actions = exchange.signal(frame.src, frame.signal, nonce=frame.nonce, to=frame.to)
             else:
-                actions = self._received(exchange, frame, values)
+                actions = received(exchange, frame, values)
         except RemoteProtocolError as exc:  # (a member's: its link, every job's, stays up)
             self._dropped("a part from rank %d refused: %s", frame.src, exc)
             return
         self._perform(rank_key, actions)
-
-    @staticmethod
-    def _received(exchange: Exchange, frame: Part, values: np.ndarray[Any, Any]) -> list[Action]:
-        return exchange.received(
-            frame.src,
-            round=frame.round,
-            lo=frame.lo,
-            payload=values,
-            clock=frame.clock,
-            epoch=frame.epoch,
-            flush=frame.flush,
-            sent=frame.sent,
-            sync=frame.sync,
-            back=frame.back,
-            nonce=frame.nonce,
-            to=frame.to,
-            joins=frame.joins,
-            join=frame.join,
-            gone=frame.gone,
-        )
 
     def _dropped(self, message: str, *args: object) -> None:
         self._counters["part_frames_dropped"] += 1
@@ -478,7 +475,10 @@ class AkoService(BaseService):
         """``peer`` is unreachable: its debt is charged first; a debt the budget refuses is
         not kept (the peer is forgotten for good: the replicas may then differ)."""
         debts = self._debts.setdefault(rank_key, {})
-        if peer in debts or peer in exchange.gone_peers:
+        if peer in exchange.gone_peers:  # (if taken back meanwhile, it is owed: no debt yet)
+            self._perform(rank_key, exchange.lose(peer))
+            return
+        if peer in debts:
             return
         try:
             debts[peer] = self._charge(rank_key[0], 8 * exchange.model.size, rank_key[1])
@@ -510,12 +510,13 @@ class AkoService(BaseService):
                 self._drop(rank_key, f"rank {rank} left job {job!r} ({reason})")
             elif rank in exchange.peers:
                 self._settle(rank_key, rank)
-                self._perform(rank_key, exchange.gone(rank))
+                self._perform(rank_key, exchange.left(rank))
         self._early.drop_rank(job, rank)
 
     def _drop(self, rank_key: RankKey, why: str, code: ErrorCode = ErrorCode.PEER_FAILED) -> None:
         self.exchanges.pop(rank_key)
         self._hellos.cancel(rank_key)
+        self._rehellos.cancel(rank_key)
         self._specs.pop(rank_key)
         self._profiles.pop(rank_key, None)
         self._of_job.discard(rank_key[0], rank_key)
@@ -547,6 +548,7 @@ class AkoService(BaseService):
 
     def _opened(self, rank_key: RankKey, action: Opened) -> None:
         self._hellos.cancel(rank_key)
+        self._rehellos.cancel(rank_key)
         spec = self._specs[rank_key]
         if action.joined_from is not None:
             self._counters["ranks_taken_back"] += 1
@@ -586,43 +588,7 @@ class AkoService(BaseService):
         if entry is None:
             return  # gone (membership's news forgets it), or not known yet (a HELLO: said again)
         spec = self._specs[rank_key] if spec is None else spec
-        if isinstance(action, SendSignal):
-            frame = Part(
-                job=job,
-                name=name,
-                src=src,
-                dst=action.dst,
-                round=None,
-                lo=0,
-                clock=0,
-                spec=spec,
-                nonce=action.nonce,
-                to=action.to,
-                signal=action.signal,
-            )
-            payload = b""
-        else:
-            frame = Part(
-                job=job,
-                name=name,
-                src=src,
-                dst=action.dst,
-                round=action.round,
-                lo=action.lo,
-                clock=action.clock,
-                spec=spec,
-                epoch=action.epoch,
-                flush=action.flush,
-                sent=action.sent,
-                sync=action.sync,
-                back=action.back,
-                nonce=action.nonce,
-                to=action.to,
-                joins=action.joins,
-                join=action.join,
-                gone=action.gone,
-            )
-            payload = action.payload.tobytes()  # (its own bytes: queued, it waits)
+        frame, payload = part_frame(job, name, src, action, spec)
         if entry.node == self.host.config.node_id:
             self._take(entry.node, frame, payload, self.host.now())
         else:
@@ -639,6 +605,7 @@ class AkoService(BaseService):
     def next_deadline(self) -> float | None:
         return earliest(
             self._hellos.next(),
+            self._rehellos.next(),
             self._gate.next_deadline(),
             self._early.next_deadline(),
             self._open.next_stall(),
@@ -650,6 +617,8 @@ class AkoService(BaseService):
             remote_log.warning(
                 "early", "parts for rank %d's %r: it did not open in time", rank_key[2], rank_key[1]
             )
+        for rank_key in self._rehellos.pop_due(now):
+            self._hello_again(rank_key, now)
         for rank_key in self._hellos.pop_due(now):
             exchange = self.exchanges.get(rank_key)
             if exchange is None or exchange.phase != "hello":
@@ -666,6 +635,14 @@ class AkoService(BaseService):
             row = self._stall_row(rank_key, now)
             if row is not None:
                 log.warning("%s", call_line(row))
+
+    def _hello_again(self, rank_key: RankKey, now: float) -> None:
+        exchange = self.exchanges.get(rank_key)
+        if exchange is None or exchange.phase == "running" or not exchange.unanswered:
+            return
+        for peer in sorted(exchange.unanswered):
+            self._perform(rank_key, exchange.hello_again(peer))
+        self._rehellos.set(rank_key, now + self.host.config.route_timeout / 4)
 
     def stalls(
         self, now: float, keep: Callable[[Meta], bool] | None = None, limit: int | None = None
@@ -780,21 +757,3 @@ class AkoService(BaseService):
             "Partial exchanges (rank, name) on this node",
             [(labels, len(stats))],
         )
-
-
-def _unfit(frame: Part, length: int) -> str | None:
-    """Why a PART of ``length`` payload bytes cannot be a part of the model its spec names
-    (checked before a buffer is given it, and before it is held); ``None``: it fits."""
-    spec = frame.spec
-    if spec["dtype"] not in FLOAT_DTYPES:
-        return f"a model of {spec['dtype']!r}"
-    itemsize = np.dtype(spec["dtype"]).itemsize
-    if frame.src >= spec["n"] or frame.dst >= spec["n"]:
-        return f"ranks {frame.src} and {frame.dst} in an exchange of {spec['n']}"
-    if frame.signal is not None:
-        return None if not length else f"a {frame.signal.value} signal with a payload"
-    if not length or length % itemsize or frame.lo + length // itemsize > spec["size"]:
-        return f"{length} B from element {frame.lo} in a model of {spec['size']} {spec['dtype']}"
-    if frame.sync and length != spec["size"] * itemsize:
-        return "a SYNC that is not a whole model"
-    return None

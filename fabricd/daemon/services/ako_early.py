@@ -5,7 +5,8 @@ peer's node and handed to the exchange when it opens.  What is held is bounded p
 most :data:`MAX_EARLY` frames and ``HELD_PAYLOADS`` x ``max_payload`` bytes, each for
 ``route_timeout`` (the parameter server's early frames have the same bounds).  A rank some
 of whose parts were dropped is remembered, with why: its open is refused, since its model
-would miss them (:meth:`EarlyParts.missed`).
+would miss them (:meth:`EarlyParts.missed`); until it opens, leaves, or :data:`MAX_EARLY` later
+ranks were remembered.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class EarlyParts:
         limit = HELD_PAYLOADS * self.host.config.max_payload
         if self.count >= MAX_EARLY or self._bytes + len(payload) > limit:
             self.counters["part_frames_dropped"] += 1
-            self._missed[rank_key] = "this node held too many parts for ranks not open yet"
+            self._miss(rank_key, "this node held too many parts for ranks not open yet")
             return False
         self._held.setdefault(rank_key, []).append(_Early(frame, payload))
         self.count += 1
@@ -76,9 +77,18 @@ class EarlyParts:
         return [(early.frame, early.payload) for early in held]
 
     def drop_rank(self, job: str, rank: int) -> None:
-        """Rank ``rank`` of ``job`` left: nothing waits for it any more."""
+        """Rank ``rank`` of ``job`` left: nothing waits for it any more, and what it missed
+        does not count against the next trainer of that rank."""
         for rank_key in [k for k in self._held if k[0] == job and k[2] == rank]:
             self.counters["part_frames_dropped"] += len(self.take(rank_key))
+        for rank_key in [k for k in self._missed if k[0] == job and k[2] == rank]:
+            del self._missed[rank_key]
+
+    def _miss(self, rank_key: RankKey, why: str) -> None:
+        self._missed.pop(rank_key, None)
+        self._missed[rank_key] = why
+        while len(self._missed) > MAX_EARLY:  # (the oldest go first)
+            del self._missed[next(iter(self._missed))]
 
     def next_deadline(self) -> float | None:
         return self._deadlines.next()
@@ -88,5 +98,5 @@ class EarlyParts:
         due = self._deadlines.pop_due(now)
         for rank_key in due:
             self.counters["part_frames_dropped"] += len(self.take(rank_key))
-            self._missed[rank_key] = "they were dropped when route_timeout passed"
+            self._miss(rank_key, "they were dropped when route_timeout passed")
         return due

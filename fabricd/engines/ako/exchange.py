@@ -52,10 +52,18 @@ Choices where the paper is silent, and why:
   own flush is complete; each adopts it once its own is complete too (§4.3: the failed worker
   "catches the model up from a peer", here the survivors do).  Parts a peer sends after its
   flush (its next rounds) are held until this rank's flush is complete, so that a model taken
-  from the lowest rank never overwrites them.  This needs the survivors to agree on who is
-  gone: a partition that membership resolves one way on one node and another way on another
-  (a rank gone for one survivor, reachable for the next) can leave a flush waiting for a SYNC
-  that does not come; its call is logged as stalled.
+  from the lowest rank never overwrites them.  The SYNC names the ranks it settles (``gone``):
+  each survivor settles those, so the next flush syncs again for any that went later.  A rank
+  can go when some survivors completed the flush with it and others have it absent: the
+  lowest, if done, sends its model at that flush when it hears (settling nothing: the next
+  flush syncs again), and a survivor done with a flush that gets a SYNC for it moves its model
+  by the difference from its own then (each keeps its model at its last flush for this).  A
+  rank that goes right after completing a flush, while the lowest never got its marker and a
+  survivor done with the flush got its next round, leaves that round in that replica only.
+  This needs the survivors to agree on who is gone: a partition that membership resolves one
+  way on one node and another way on another (a rank gone for one survivor, reachable for
+  the next) can leave a flush waiting for a SYNC that does not come; its call is logged as
+  stalled.
 * *A repartition to fewer parts* keeps the gate's old bound for as many rounds as the old
   count: a trainer let go under the old bound stays within it.
 * *A flush* (collective) sends each reachable peer everything it is owed in one frame (the
@@ -84,109 +92,69 @@ Choices where the paper is silent, and why:
   to them until then); the newcomer waits for their next flush (the trainer's open blocks
   until then; a job that never flushes again never takes it back).  A rank that opened
   FRESH to some peers and JOIN to others is gone to all of them once one marker lists it.
+  What makes it robust: each survivor keeps the join SYNC (its model at the take-back) until
+  a part of the newcomer's comes; the lowest sends it again on :meth:`Exchange.back` (one
+  unreachable at the take-back, :meth:`Exchange.lose` while gone, is taken back owed, not
+  live), and the next lowest sends its own if the lowest goes first; a newcomer that gets a
+  second join SYNC for the same flush from a higher rank moves its model by the two models'
+  difference (the first's sender went before the others took its model).  A newcomer that
+  leaves before it is taken back (:meth:`Exchange.left`), or whose nonce a newer HELLO
+  supersedes, is not: its nonce is dead, whatever marker lists it later.  A marker is read
+  only for this rank's open or next flush, and one sent again on :meth:`Exchange.back`
+  lists its joins again.  The newcomer settles only the gone ranks its SYNC names, and
+  survivors hear it at the lowest's clock (its marker's).  During a flush, frames from a
+  gone rank's incarnation not listed here yet are held (at most :data:`MAX_STRANGE`): the
+  marker that lists it may come later in the flush.  A rank waiting to be taken back
+  answers a HELLO FRESH at once (the survivors' answers decide).  Whichever survivor sends
+  the join SYNC, it carries the lowest's clock (its marker's), which every survivor hears the
+  newcomer at.
 * *No peers* (one rank): steps apply the rank's own gradient and are never held.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal
+from collections import deque
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from fabricd.dtypes import FLOAT_DTYPES
+from fabricd.engines.ako.actions import (
+    Action,
+    Array,
+    ExchangeStatistics,
+    Flushed,
+    Opened,
+    Phase,
+    SendPart,
+    SendSignal,
+    Stepped,
+)
 from fabricd.errors import LocalProtocolError, RemoteProtocolError, UsageError
 from fabricd.frames.ako import MAX_GONE, MAX_JOINS, Signal
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-Array = np.ndarray[Any, Any]
+__all__ = [
+    "MAX_PARTITIONS",
+    "Action",
+    "Exchange",
+    "ExchangeStatistics",
+    "Flushed",
+    "Opened",
+    "SendPart",
+    "SendSignal",
+    "Stepped",
+    "partition_bounds",
+]
 
 #: the most partitions an exchange cuts its gradients into
 MAX_PARTITIONS: Final = 1 << 16
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendPart:
-    """Send rank ``dst`` ``payload`` (values of the model's dtype) for the model's elements
-    from ``lo``: round ``round``'s part, or (``round`` ``None``) what ``dst`` was owed (a
-    catch-up or a flush).  ``clock`` is the sender's clock; ``flush``, the number of a flush
-    this frame ends for ``dst``, after ``sent`` round frames to it."""
-
-    dst: int
-    round: int | None
-    lo: int
-    payload: Array
-    clock: int
-    epoch: int = 0  #: the sender's flushes started when it sent this
-    flush: int | None = None
-    sent: int = 0  #: frames the sender sent ``dst`` (this one included; a SYNC aside)
-    sync: bool = False  #: the sender's whole model: adopt it (a flush after a loss)
-    back: bool = False  #: a debt after ``dst`` was unreachable: frames before it may be lost
-    nonce: int = 0  #: the sender's
-    to: int = 0  #: ``dst``'s nonce as the sender knows it (0: none heard yet)
-    #: returning ranks (rank, nonce) the survivors take back when this flush completes
-    joins: tuple[tuple[int, int], ...] = ()
-    join: bool = False  #: a SYNC for a rank taken back: ``gone`` are the sender's gone ranks
-    gone: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendSignal:
-    """Send rank ``dst`` a signal of the rejoin handshake (no payload)."""
-
-    dst: int
-    signal: Signal
-    nonce: int  #: the sender's
-    to: int  #: ``dst``'s, as the sender knows it (0: none heard yet)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Opened:
-    """The handshake is done: the open is answered.  ``joined_from``: the rank was taken
-    back, with that survivor's model (and its clock and flush count)."""
-
-    joined_from: int | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Stepped:
-    """The step of round ``round`` is done: the gate lets the next gradient be computed."""
-
-    round: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Flushed:
-    """Flush number ``flush`` is complete: every part sent before it, by every reachable
-    rank, is applied here; or (``synced_from``) a peer was absent and this rank took that
-    reachable rank's model, as every survivor did."""
-
-    flush: int
-    synced_from: int | None = None
-
-
-Action = SendPart | SendSignal | Opened | Stepped | Flushed
-Phase = Literal["hello", "joining", "running"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ExchangeStatistics:
-    """What ``fabricctl status`` and the metrics show of one rank's exchange."""
-
-    clock: int  #: rounds made
-    partitions: int
-    slowest: int | None  #: the least clock heard of a reachable peer (None: none)
-    held: bool  #: a step waits for the staleness gate
-    bytes_sent: int
-    bytes_received: int
-    parts_sent: int
-    parts_received: int
-    flushes: int
-    lost: tuple[int, ...]
-    gone: tuple[int, ...]
-    phase: Phase = "running"  #: "hello"/"joining": the open waits for answers/to be taken back
+#: the most frames held, during a flush, from a gone rank's incarnation not listed yet
+MAX_STRANGE: Final = 1024
+#: the most nonces kept per peer of incarnations that left or were superseded
+MAX_DEAD: Final = 16
 
 
 def partition_bounds(size: int, parts: int) -> list[tuple[int, int]]:
@@ -269,22 +237,42 @@ class Exchange:
         #: repartitioned to fewer parts: the old count bounds the gate until this clock
         self._gate: tuple[int, int] | None = None
         self._markers: dict[int, tuple[int, int]] = {}  #: peer -> (its flush, frames sent)
-        self._sync: tuple[int, int, Array] | None = None  #: (from, its flush, its model)
+        #: (from, its flush, its model, the absent ranks it settles)
+        self._sync: tuple[int, int, Array, tuple[int, ...]] | None = None
+        #: the model at this rank's last completed flush (its number, the model, whose SYNC
+        #: it took: None, its own), and the peers live then: a SYNC for that flush that comes
+        #: after moves the model by the difference
+        self._at: tuple[int, Array, int | None] | None = None
+        self._at_live: frozenset[int] = frozenset()
         self._later: list[tuple[int, dict[str, Any]]] = []  #: peers' parts after their flush
         self._held: int | None = None  #: a step whose answer waits for the gate
         self._flushes = 0  #: flushes started
         self._flushing = False
         self._bytes_sent = self._bytes_received = 0
+        self._init_rejoin()
+
+    def _init_rejoin(self) -> None:
+        """The state of the rejoin handshake and of taking ranks back (module docstring)."""
         #: the rejoin handshake (module docstring): "running" unless :meth:`start` was called
         self.phase: Phase = "running"
         self._unanswered: set[int] = set()  #: peers whose answer to HELLO has not come
         self._buffered: list[tuple[int, dict[str, Any]]] = []  #: frames before "running"
-        self._deferred: dict[int, int] = {}  #: HELLOs that came while joining: peer -> nonce
         self._nonce_of = dict.fromkeys(self.peers, 0)  #: each peer's, once heard (0: not yet)
         self._joins: dict[int, int] = {}  #: returning ranks to list in the next flush marker
         self._admit: dict[int, int] = {}  #: those this rank's open flush listed
         self._joins_heard: dict[int, dict[int, int]] = {}  #: flush -> ranks its markers listed
         self._floor = 0  #: the flush this rank was taken back at: frames from before it go
+        #: per peer, nonces of incarnations that left or were superseded: never taken back
+        self._dead: dict[int, deque[int]] = {}
+        #: ranks taken back and not heard from yet: their join SYNC (this rank's model then)
+        self._newcomers: dict[int, SendPart] = {}
+        self._sent_join: set[int] = set()  #: newcomers whose join SYNC is this rank's to send
+        self._away: set[int] = set()  #: gone peers membership says are unreachable
+        self._strange = 0  #: frames held this flush from a gone rank's unlisted incarnation
+        self._marker_joins: tuple[tuple[int, int], ...] = ()  #: the last flush marker's
+        self._flush_clock: dict[int, int] = {}  #: the clock each peer's last marker carried
+        #: taken back: the model adopted, and from whom, until this rank's next flush
+        self._base: tuple[int, Array] | None = None
 
     # -- the trainer's calls ----------------------------------------------------------------
     def step(self, gradient: Array, now: float) -> list[Action]:
@@ -347,7 +335,7 @@ class Exchange:
         self._flushing = True
         can_admit = len(self._gone) <= MAX_GONE
         self._admit = dict(sorted(self._joins.items())[:MAX_JOINS] if can_admit else ())
-        joins = tuple(self._admit.items())
+        joins = self._marker_joins = tuple(self._admit.items())
         out: list[Action] = []
         for i in sorted(self._live):
             owed = self._unsent(i)
@@ -422,17 +410,32 @@ class Exchange:
         return self._answered()
 
     def _hello(self, src: int, nonce: int) -> list[Action]:
-        if self.phase == "joining":  # (answered once this rank knows who is gone)
-            self._deferred[src] = nonce
-            return []
+        if nonce in self._dead.get(src, ()):
+            return []  # (a late HELLO of an incarnation that left or was superseded)
+        if self.phase == "joining":  # (not a member yet: the survivors' answers decide; the
+            self._nonce_of[src] = nonce  # SYNC's gone ranks still apply once it comes)
+            return [self._signal(src, Signal.FRESH)]
         out: list[Action] = []
         known = self._nonce_of[src]
+        self._away.discard(src)  # (it was heard: reachable, until membership says otherwise)
+        self._cancel(src, keep=nonce)  # (an incarnation listed before this one: superseded)
         if self._pending(src) == nonce or src in self._gone or known not in (0, nonce):
             out += self.gone(src)  # (its earlier incarnation, if it was still here)
             self._joins[src] = nonce
             return [*out, self._signal(src, Signal.JOIN, to=nonce)]
         self._nonce_of[src] = nonce
         return [self._signal(src, Signal.FRESH)]
+
+    def _cancel(self, peer: int, keep: int = 0) -> None:
+        """Every admission pending for ``peer`` with a nonce other than ``keep`` is dropped,
+        its nonce remembered as dead (a marker listing it later is ignored)."""
+        dead = self._dead.setdefault(peer, deque(maxlen=MAX_DEAD))
+        for joins in (self._joins, self._admit, *self._joins_heard.values()):
+            nonce = joins.get(peer, 0)
+            if nonce and nonce != keep:
+                del joins[peer]
+                if nonce not in dead:
+                    dead.append(nonce)
 
     def _answered(self) -> list[Action]:
         """Every peer answered FRESH (or is gone): the exchange runs, with the frames it was
@@ -447,10 +450,13 @@ class Exchange:
         """Taken back at ``src``'s flush ``flush``: its model, clock and flush count become
         this rank's; its gone ranks (and those gone here) are gone."""
         self.model[:] = model
+        self._base = (src, model.copy())
+        self._at = (flush, model.copy(), src)
+        self._at_live = frozenset(self.peers) - {i for i in gone if i in self._heard}
         self.clock = clock
         self._flushes = flush
-        self._gone |= {i for i in gone if i in self._heard}
-        self._settled = set(self._gone)
+        self._settled = {i for i in gone if i in self._heard}
+        self._gone |= self._settled  # (and those gone here: not settled, a SYNC is due)
         for i in self._gone:
             self._owed.pop(i, None)
         self._live = set(self.peers) - self._gone - set(self._owed)
@@ -464,18 +470,30 @@ class Exchange:
         self._unanswered.clear()
         return self._run(Opened(joined_from=src), floor=flush)
 
+    def _replace(self, src: int, model: Array, gone: tuple[int, ...]) -> list[Action]:
+        """A second join SYNC for the flush this rank was taken back at, from a higher rank:
+        the first's sender went before the survivors took its model (they took ``src``'s).
+        What was applied since stays: the model moves by the two models' difference."""
+        assert self._base is not None
+        self.model += model - self._base[1]
+        self._base = (src, model.copy())
+        self._at = (self._floor, model.copy(), src)
+        settled = {i for i in gone if i in self._heard}
+        self._settled |= settled
+        out: list[Action] = []
+        for i in sorted(settled - self._gone):
+            out += self.gone(i)
+        return out
+
     def _run(self, opened: Opened, *, floor: int) -> list[Action]:
         """Start running: the frames sent for this incarnation after the flush it was taken
-        back at (``floor``) are applied, and the HELLOs that waited are answered."""
+        back at (``floor``) are applied."""
         self.phase = "running"
         self._floor = floor
         out: list[Action] = [opened]
         buffered, self._buffered = self._buffered, []
         for src, fields in buffered:
             out += self.received(src, **fields)
-        deferred, self._deferred = self._deferred, {}
-        for src, nonce in deferred.items():
-            out += self._hello(src, nonce)
         return out
 
     def _pending(self, src: int) -> int:
@@ -485,32 +503,72 @@ class Exchange:
                 return joins[src]
         return 0
 
-    def _take_back(self, admitted: dict[int, int], send: bool) -> list[Action]:
+    def _take_back(self, admitted: dict[int, int], lowest: int) -> list[Action]:
         """The flush listing ``admitted`` completed: each is a member again, owed what this
-        rank makes from now on; ``send``: this rank is the survivor whose model they take."""
-        out: list[Action] = []
+        rank makes from now on; the ``lowest`` survivor sends them its model (a join SYNC,
+        kept until the newcomer is heard from: sent again if lost, or by the next lowest if
+        ``lowest`` goes).  One membership says is unreachable is owed it (lost), not live."""
+        admitted = {i: n for i, n in admitted.items() if n not in self._dead.get(i, ())}
         gone = tuple(sorted(self._gone - admitted.keys())[:MAX_GONE])
+        # the newcomer adopts the lowest's clock: the gate hears it at that clock
+        clock = self.clock if lowest == self.rank else self._flush_clock.get(lowest, self.clock)
+        out: list[Action] = []
         for peer, nonce in sorted(admitted.items()):
-            if self._joins.get(peer) == nonce:
-                del self._joins[peer]
+            self._cancel(peer, keep=nonce)
+            self._joins.pop(peer, None)
             self._gone.discard(peer)
             self._settled.discard(peer)
-            self._owed.pop(peer, None)
-            self._live.add(peer)
+            if peer in self._away:
+                self._owed[peer] = np.zeros(self.model.size)
+            else:
+                self._live.add(peer)
             self._nonce_of[peer] = nonce
             self._last[peer][:] = self.clock - 1
-            self._heard[peer] = self.clock
+            self._heard[peer] = min(clock, self.clock)
             self._sent_to[peer] = self._got_from[peer] = 0
             self._marked[peer] = self._flushes
             self._markers.pop(peer, None)
-            if send:
-                model = self.model.copy()
-                out.append(
-                    self._send(
-                        peer, None, 0, model, flush=self._flushes, sync=True, join=True, gone=gone
-                    )
-                )
+            sync = self._join_sync(peer, nonce, gone, clock)
+            self._newcomers[peer] = sync
+            if lowest == self.rank:
+                self._sent_join.add(peer)
+                if peer in self._live:
+                    out.append(sync)
         self._admit = {}
+        return out
+
+    def _join_sync(self, peer: int, nonce: int, gone: tuple[int, ...], clock: int) -> SendPart:
+        """``peer``'s join SYNC: this rank's model, and the lowest's clock (every survivor
+        hears the newcomer there, whichever of them sends it)."""
+        model = self.model.copy()
+        self._bytes_sent += model.nbytes
+        return SendPart(
+            dst=peer,
+            round=None,
+            lo=0,
+            payload=model,
+            clock=clock,
+            epoch=self._flushes,
+            flush=self._flushes,
+            sent=self._sent_to[peer],
+            sync=True,
+            nonce=self.nonce,
+            to=nonce,
+            join=True,
+            gone=gone,
+        )
+
+    def _sync_newcomers(self) -> list[Action]:
+        """This rank became the lowest survivor: the newcomers not heard from yet are sent
+        its join SYNC (the last lowest may have gone before it sent theirs)."""
+        if min(self._live | {self.rank}) != self.rank:
+            return []
+        out: list[Action] = []
+        for peer, sync in sorted(self._newcomers.items()):
+            if peer not in self._sent_join:
+                self._sent_join.add(peer)
+                if peer in self._live:
+                    out.append(sync)
         return out
 
     # -- a peer's frames --------------------------------------------------------------------
@@ -557,18 +615,27 @@ class Exchange:
             self._buffered.append((src, fields | {"payload": payload.copy()}))
             return []
         k = self._flushes
-        if join or epoch < self._floor or (epoch == self._floor == flush and flush):
+        if join:  # (a join SYNC sent again, or a replacement: the first sender went)
+            base = self._base
+            if sync and base is not None and flush == self._floor and src > base[0]:
+                return self._replace(src, payload, gone)
+            return []
+        if epoch < self._floor or (epoch == self._floor == flush and flush):
             return []  # (sent before this rank was taken back: its model holds it)
         if src in self._gone:
-            if nonce and self._pending(src) == nonce:  # taken back when this flush completes
-                self._later.append((src, fields | {"payload": payload.copy()}))
+            self._hold_gone(src, nonce, fields | {"payload": payload.copy()})
             return []
         if nonce and self._nonce_of[src] not in (0, nonce):
             return []  # (a late frame of an earlier incarnation)
         self._nonce_of[src] = self._nonce_of[src] or nonce
+        if nonce and self._newcomers.pop(src, None) is not None:
+            self._sent_join.discard(src)  # (heard from: its join SYNC came)
         self._heard[src] = max(self._heard[src], clock)
         if sync:
-            self._sync = (src, int(flush or 0), payload.copy())
+            at = self._at
+            if at is not None and flush == at[0] and (at[2] is None or src >= at[2]):
+                return self._late_sync(src, payload, gone)
+            self._sync = (src, int(flush or 0), payload.copy(), gone)
             return self._progress()
         if self._flushing and (epoch > k or (epoch == k and flush != k)):
             self._later.append((src, fields | {"payload": payload.copy()}))
@@ -581,8 +648,46 @@ class Exchange:
         out: list[Action] = []
         if flush is not None:
             self._markers[src] = max(self._markers.get(src, (0, 0)), (flush, sent))
+            self._flush_clock[src] = clock
             out += self._listed(flush, joins)
         return out + self._progress()
+
+    def _late_sync(self, src: int, model: Array, gone: tuple[int, ...]) -> list[Action]:
+        """A SYNC for the flush this rank completed last without one (a rank went, for the
+        sender, before its flush completed there, or after it completed here): the model
+        moves by the difference between that model and this rank's then, keeping what was
+        applied since; the ranks the sender settled are settled here too."""
+        assert self._at is not None
+        self.model += model - self._at[1]
+        self._at = (self._at[0], model.copy(), src)
+        self._settled |= {i for i in gone if i in self._heard}
+        return self._progress()
+
+    def _late(self, peer: int) -> list[Action]:
+        """``peer`` went after this rank completed its last flush with it live: if this rank is
+        the lowest, it sends every survivor its model at that flush (survivors still in it
+        had ``peer`` absent, and wait for one; those done take it by the difference).  It
+        settles nothing: ``peer``'s frames after that flush may have reached some ranks only,
+        so the next flush takes the lowest's model again."""
+        at = self._at
+        if at is None or peer not in self._at_live or peer in self._settled:
+            return []
+        if self.phase != "running" or min(self._live | {self.rank}) != self.rank:
+            return []
+        return [self._send(i, None, 0, at[1], flush=at[0], sync=True) for i in sorted(self._live)]
+
+    def _hold_gone(self, src: int, nonce: int, fields: dict[str, Any]) -> None:
+        """A frame from a rank gone here: one of the incarnation to be taken back when this
+        flush completes waits for it; so does (bounded) one of an incarnation no marker
+        listed here yet (its HELLO here may have been lost: the marker that lists it may
+        come later in this flush).  Others are dropped."""
+        if not nonce or nonce in self._dead.get(src, ()):
+            return
+        if self._pending(src) == nonce:
+            self._later.append((src, fields))
+        elif self._flushing and self._strange < MAX_STRANGE and nonce != self._nonce_of[src]:
+            self._strange += 1
+            self._later.append((src, fields))
 
     def _check_part(self, src: int, lo: int, payload: Array, sync_flush: int | None) -> None:
         if src not in self._heard:
@@ -601,17 +706,25 @@ class Exchange:
     def _listed(self, flush: int, joins: tuple[tuple[int, int], ...]) -> list[Action]:
         """A flush marker listed returning ranks: taken back when that flush completes (their
         earlier incarnations, if still members here, are gone now: none will flush)."""
+        k = self._flushes
+        if not (k < flush <= k + 1 or (flush == k and self._flushing)):
+            return []  # (a flush this rank completed, or one far ahead: no peer is there)
         out: list[Action] = []
         for peer, nonce in joins:
-            if peer in self._heard:
-                self._joins_heard.setdefault(flush, {})[peer] = nonce
-                out += self.gone(peer)
+            if peer not in self._heard or nonce in self._dead.get(peer, ()):
+                continue  # (an incarnation that left or was superseded)
+            if peer not in self._gone and self._nonce_of[peer] == nonce:
+                continue  # (taken back here already: a marker sent again)
+            self._joins_heard.setdefault(flush, {})[peer] = nonce
+            out += self.gone(peer)
         return out
 
     # -- peers lost and back ----------------------------------------------------------------
     def lose(self, peer: int) -> list[Action]:
         """``peer`` cannot be reached: out of the rotation and the clocks (a step waiting
         only for it goes on; a flush waits for it to be back or gone), its debt kept."""
+        if peer in self._gone:  # (if it is taken back meanwhile, it is owed, not live)
+            self._away.add(peer)
         if peer not in self._live:
             return []
         self._live.discard(peer)
@@ -620,6 +733,7 @@ class Exchange:
 
     def back(self, peer: int) -> list[Action]:
         """``peer`` is reachable again: it is sent its debt, and is in the rotation again."""
+        self._away.discard(peer)
         debt = self._owed.pop(peer, None)
         if debt is None or peer in self._gone:
             return []
@@ -627,9 +741,22 @@ class Exchange:
         if self.phase != "running":  # (nothing made yet: nothing owed)
             return self.hello_again(peer)
         self._last[peer][:] = self.clock - 1
-        # (with the marker of this rank's last flush if the peer missed it: it waits for it)
+        out: list[Action] = []
+        if peer in self._sent_join and peer in self._newcomers:  # (it may have been lost)
+            out.append(self._newcomers[peer])
+        # (with the marker of this rank's last flush if the peer missed it: it waits for it;
+        # and with the ranks that flush takes back, as the first said)
         missed = self._flushes if self._marked[peer] < self._flushes else None
-        return [self._send(peer, None, 0, debt, flush=missed, back=True)]
+        joins = self._marker_joins if missed is not None else ()
+        out.append(self._send(peer, None, 0, debt, flush=missed, back=True, joins=joins))
+        return out + self._progress()
+
+    def left(self, peer: int) -> list[Action]:
+        """``peer``'s rank left (membership's news): gone for good, and an incarnation of it
+        that was to be taken back is not (it left too: none will flush)."""
+        self._cancel(peer)
+        self._away.discard(peer)
+        return self.gone(peer)
 
     def gone(self, peer: int) -> list[Action]:
         """``peer`` is gone for good: forgotten, its debt dropped (the replicas may differ)."""
@@ -640,7 +767,10 @@ class Exchange:
         self._owed.pop(peer, None)
         self._markers.pop(peer, None)
         self._unanswered.discard(peer)
-        return self._answered() + self._progress()
+        self._newcomers.pop(peer, None)
+        self._sent_join.discard(peer)
+        out = self._sync_newcomers() if self.phase == "running" else []
+        return out + self._late(peer) + self._answered() + self._progress()
 
     # -- what it holds ----------------------------------------------------------------------
     def statistics(self) -> ExchangeStatistics:
@@ -801,21 +931,33 @@ class Exchange:
         absent = [i for i in self._gone if i not in self._settled]
         lowest = min(self._live | {self.rank})
         out: list[Action] = []
+        took: int | None = None
         if absent and lowest == self.rank:
             model = self.model.copy()
+            settles = tuple(sorted(absent)[:MAX_GONE])
             for i in sorted(self._live):
-                out.append(self._send(i, None, 0, model, flush=self._flushes, sync=True))
+                out.append(
+                    self._send(i, None, 0, model, flush=self._flushes, sync=True, gone=settles)
+                )
+            self._settled.update(settles)
         elif absent:
             sync = self._sync
             if sync is None or sync[0] != lowest or sync[1] < self._flushes:
                 return []
             self.model[:] = sync[2]
+            self._settled.update(i for i in sync[3] if i in self._heard)
+            took = lowest
         self._sync = None
         self._flushing = False
-        self._settled.update(absent)
+        self._strange = 0
+        self._base = None
+        self._at = (self._flushes, self.model.copy(), took)
+        self._at_live = frozenset(self._live)
         out.append(Flushed(flush=self._flushes, synced_from=lowest if absent else None))
         admitted = self._admit | self._joins_heard.pop(self._flushes, {})
-        out += self._take_back(admitted, send=lowest == self.rank)
+        for k in [k for k in self._joins_heard if k <= self._flushes]:
+            del self._joins_heard[k]
+        out += self._take_back(admitted, lowest)
         later, self._later = self._later, []
         for src, fields in later:
             out += self.received(src, **fields)
