@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 MIN_SECRET_BYTES: Final = 16
 #: the most secrets one source may hold: the current one and, during a rotation, the next
 MAX_SECRETS: Final = 2
+#: the most bytes a source may hold: two long secrets fit many times over; more is no secret
+#: (a wrong path, say) and is not read into memory
+MAX_SOURCE_BYTES: Final = 4096
 #: the settings that name a secret source; exactly one is set on a node of several
 SOURCE_KEYS: Final = ("secret_file", "secret_credential", "secret_env")
 
@@ -93,8 +96,11 @@ def parse_secrets(text: bytes, where: str) -> tuple[bytes, ...]:
     """One secret per non-blank line, stripped; one or :data:`MAX_SECRETS`, each long enough.
 
     Raises:
-        ConfigError: no secret, too many, or one shorter than :data:`MIN_SECRET_BYTES`.
+        ConfigError: no secret, too many, one shorter than :data:`MIN_SECRET_BYTES`, or a
+            source larger than :data:`MAX_SOURCE_BYTES`.
     """
+    if len(text) > MAX_SOURCE_BYTES:
+        raise ConfigError(f"{where} holds more than {MAX_SOURCE_BYTES} bytes: not a secret")
     found = tuple(line.strip() for line in text.splitlines() if line.strip())
     if not found:
         raise ConfigError(f"{where} holds no secret")
@@ -131,13 +137,26 @@ def _read_credential(name: str, environ: Mapping[str, str], where: str) -> bytes
 
 
 def _read_private_file(path: Path, where: str) -> bytes:
-    """The bytes of ``path``, once :func:`check_file_access` accepts who may read it."""
-    try:
-        status = path.stat()
-        check_file_access(status, where)
-        return path.read_bytes()
+    """The bytes of ``path``, once :func:`check_file_access` accepts who may read it.
+
+    The checks are made on the file that was opened (``fstat``), not on the name, so a file
+    renamed over it in between (as a rotation does) is never read unchecked.
+    """
+    try:  # (O_NONBLOCK: a FIFO put there must not hang the open; fstat then refuses it)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise ConfigError(f"{where}: {exc.strerror}") from None
+    try:
+        check_file_access(os.fstat(fd), where)
+        chunks, size = [], 0
+        while size <= MAX_SOURCE_BYTES and (chunk := os.read(fd, MAX_SOURCE_BYTES + 1)):
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise ConfigError(f"{where}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 def check_file_access(

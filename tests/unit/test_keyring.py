@@ -104,6 +104,12 @@ def test_a_refused_file_on_disk_names_the_fix(tmp_path: Path) -> None:
         read_secrets(Config(nodes=PEERS, secret_file=str(path)))
 
 
+def test_a_huge_file_is_refused_unread(tmp_path: Path) -> None:
+    path = private_file(tmp_path, "x" * (1 << 20))
+    with pytest.raises(ConfigError, match="more than 4096 bytes"):
+        read_secrets(Config(nodes=PEERS, secret_file=str(path)))
+
+
 def test_a_missing_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="No such file"):
         read_secrets(Config(nodes=PEERS, secret_file=str(tmp_path / "nope")))
@@ -118,6 +124,7 @@ def test_a_missing_file_is_refused(tmp_path: Path) -> None:
         (b"short", "secret 1 holds under 16 bytes"),
         (S1.encode() + b"\nshort\n", "secret 2 holds under 16 bytes"),
         (f"{S1}\n{S2}\n{S1}x".encode(), "holds 3 secrets"),
+        (b"x" * 5000, "more than 4096 bytes"),
     ],
 )
 def test_empty_short_or_too_many_secrets_are_refused(text: bytes, message: str) -> None:
