@@ -2,7 +2,9 @@
 
 Rules: this module reads the one configured secret source and returns its secrets; it never
 logs or prints a secret (messages name the source, the mode, the owner and the group only).
-The peering service re-reads it on SIGHUP (:meth:`fabricd.daemon.node.Daemon.reload_secrets`).
+The daemon reads it at start and again on SIGHUP
+(:meth:`fabricd.daemon.node.Daemon.reload_secrets`), and hands what it finds to the peering
+service for the next handshakes.
 
 Three sources, exactly one configured (:meth:`fabricd.daemon.config.Config.validate`):
 

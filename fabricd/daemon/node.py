@@ -569,6 +569,9 @@ class Daemon:
             log.error("reload refused, keeping the %d secret(s) held: %s", held, exc)
             return
         settings.secrets = found
+        if not found:  # one node, no peers: nothing to authenticate
+            log.info("reload: no secret source is configured; nothing to read")
+            return
         log.info(
             "reload: %d secret(s) from %s; new links %s",
             len(found),
