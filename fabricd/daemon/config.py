@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
-import stat
 import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from fabricd.daemon.keyring import SOURCE_KEYS
 from fabricd.engines.ownership import JobGrant
 from fabricd.errors import ConfigError
 from fabricd.ipc import default_socket_path
@@ -40,6 +39,8 @@ class Config:
     listen: str = ""
     socket: str = field(default_factory=default_socket_path)
     secret_file: str = ""
+    secret_credential: str = ""
+    secret_env: str = ""
     allowed_uids: tuple[int, ...] = ()
     allowed_gids: tuple[int, ...] = ()
     job_groups: tuple[str, ...] = ()
@@ -112,12 +113,31 @@ class Config:
                 split_address(address)
             except ValueError as exc:
                 raise ConfigError(f"{key}: {exc}") from None
-        if len(self.nodes) > 1 and not self.secret_file:
-            raise ConfigError("secret_file: required when nodes lists more than one node")
+        self._validate_secret_source()
         if not 0 < self.heartbeat_interval < self.suspect_after <= self.down_after:
             raise ConfigError("need 0 < heartbeat_interval < suspect_after <= down_after")
         if not 4096 <= self.chunk_size <= self.max_payload:
             raise ConfigError("chunk_size must be between 4096 and max_payload")
+
+    def _validate_secret_source(self) -> None:
+        """At most one secret source (:mod:`fabricd.daemon.keyring`), and one when there
+        are peers to authenticate: two could disagree, and which one wins would be a guess."""
+        chosen = [key for key in SOURCE_KEYS if getattr(self, key)]
+        if len(chosen) > 1:
+            raise ConfigError(
+                f"{', '.join(chosen)}: {len(chosen)} secret sources are set, they conflict; "
+                "configure exactly one"
+            )
+        if len(self.nodes) > 1 and not chosen:
+            raise ConfigError(
+                "secret_file, secret_credential or secret_env: one is required when nodes "
+                "lists more than one node"
+            )
+        if "/" in self.secret_credential or self.secret_credential in (".", ".."):
+            raise ConfigError(
+                f"secret_credential {self.secret_credential!r}: a credential name, not a path "
+                "(the name given to LoadCredential=)"
+            )
 
     def _validate_timers(self) -> None:
         """Every timeout is positive, and those the loop arms are at most a day."""
@@ -217,29 +237,6 @@ class Config:
             raise ConfigError(
                 "socket must be an absolute path (abstract sockets have no permissions)"
             )
-
-    def read_secret(self) -> bytes:
-        """Read the shared secret, refusing a file that others can read.
-
-        Raises:
-            ConfigError: missing, empty, or readable by group or others.
-        """
-        if not self.secret_file:
-            return b""
-        path = Path(self.secret_file)
-        try:
-            mode = path.stat().st_mode
-            secret = path.read_bytes().strip()
-        except OSError as exc:
-            raise ConfigError(f"secret_file {path}: {exc.strerror}") from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(
-                f"secret_file {path} is readable by group or others "
-                f"(mode {stat.S_IMODE(mode):04o}); run: chmod 600 {path}"
-            )
-        if len(secret) < 16:
-            raise ConfigError(f"secret_file {path} holds under 16 bytes; generate a longer secret")
-        return secret
 
 
 def _check_metrics_address(address: str) -> None:

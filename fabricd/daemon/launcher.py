@@ -268,9 +268,10 @@ class LocalCluster:
         return path
 
     def _forget_secret(self) -> None:
-        """Remove the secret file once every daemon has read it (each reads it once, at start):
-        a launcher killed with SIGKILL then leaves no secret behind, only its daemons' sockets
-        and logs, which the next launcher removes."""
+        """Remove the secret file once every daemon has read it (each reads it at start; a
+        SIGHUP later finds it gone and keeps the secret it read): a launcher killed with
+        SIGKILL then leaves no secret behind, only its daemons' sockets and logs, which the
+        next launcher removes."""
         assert self.directory is not None
         with contextlib.suppress(FileNotFoundError):
             (self.directory / "secret").unlink()

@@ -37,7 +37,8 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def serve(loaded: Loaded) -> None:
-    """Run one daemon until SIGTERM or SIGINT, then drain and return.
+    """Run one daemon until SIGTERM or SIGINT, then drain and return; SIGHUP reads the
+    secret source again (:meth:`~fabricd.daemon.node.Daemon.reload_secrets`).
 
     What the daemon made to start (its modules, classes, tables) lives as long as it does, so
     it is moved out of the garbage collector's sight (:func:`gc.freeze`): every full
@@ -51,6 +52,7 @@ async def serve(loaded: Loaded) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stop)
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload_secrets)
     await daemon.run()
 
 

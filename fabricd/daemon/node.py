@@ -31,7 +31,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
-from fabricd.daemon import access, status_counters
+from fabricd.daemon import access, keyring, status_counters
 from fabricd.daemon.config import held_bytes_limits
 from fabricd.daemon.ipc_server import IpcConnection, IpcServer
 from fabricd.daemon.logs import RateLimitedLog, flush_all
@@ -54,6 +54,7 @@ from fabricd.engines.actions import Failure
 from fabricd.engines.budget import ByteBudget
 from fabricd.engines.link.handshake import Channel
 from fabricd.errors import (
+    ConfigError,
     ErrorCode,
     FabricError,
     LocalProtocolError,
@@ -228,7 +229,7 @@ class Daemon:
         return HandshakeSettings(
             node=cfg.node_id,
             incarnation=self._incarnation,
-            secret=cfg.read_secret(),
+            secrets=keyring.read_secrets(cfg),
             fabric_size=len(cfg.nodes),
             data_integrity=cfg.data_integrity == "mac",
             limits=Limits(
@@ -548,6 +549,35 @@ class Daemon:
             if self.notifier is not None:
                 self.notifier.stopping()
             self._stopping.set()
+
+    def reload_secrets(self) -> None:
+        """Read the secret source again (SIGHUP, ``systemctl reload``): the next handshakes
+        prove and accept what it holds now, which is how a secret is rotated without
+        downtime (docs/operations.md, "Rotating the secret").
+
+        Only the secrets are read again, not the rest of the config.  Links already up keep
+        the session keys their handshake gave them.  A source that cannot be read or is
+        refused changes nothing: the error is logged and the secrets held are kept, so a
+        typo during a rotation never leaves the node unable to link.
+        """
+        settings = self.peering.settings
+        where = keyring.source_name(self.config)
+        try:
+            found = keyring.read_secrets(self.config)
+        except ConfigError as exc:
+            held = len(settings.secrets)
+            log.error("reload refused, keeping the %d secret(s) held: %s", held, exc)
+            return
+        settings.secrets = found
+        if not found:  # one node, no peers: nothing to authenticate
+            log.info("reload: no secret source is configured; nothing to read")
+            return
+        log.info(
+            "reload: %d secret(s) from %s; new links %s",
+            len(found),
+            where,
+            "accept either and prefer the newer" if len(found) > 1 else "use that one only",
+        )
 
     def _in_flight(self) -> int:
         return sum(service.in_flight() for service in self.services)

@@ -46,8 +46,10 @@ class Hello:
     """The first handshake frame each way: who the sender is, and its nonce.
 
     The initiator names the ``channel`` it opens; the acceptor answers with ``mac``, its proof of
-    the shared secret (:mod:`fabricd.engines.link.handshake` computes and checks it).  ``node`` is
-    only known to be a node id here: whether it lies in this fabric is the handshake's to check.
+    the shared secret (:mod:`fabricd.engines.link.handshake` computes and checks it), and
+    ``older_mac``, the same proof under its older secret, while it holds two (a rotation).
+    ``node`` is only known to be a node id here: whether it lies in this fabric is the
+    handshake's to check.
     """
 
     KIND: ClassVar[Kind] = Kind.HELLO
@@ -57,6 +59,7 @@ class Hello:
     nonce: bytes
     channel: str | None = None
     mac: bytes | None = None
+    older_mac: bytes | None = None
     #: whether the sender seals DATA payloads (``data_integrity = "mac"``): both ends must agree
     sealed_data: bool = False
 
@@ -72,6 +75,8 @@ class Hello:
             meta["channel"] = self.channel
         if self.mac is not None:
             meta["mac"] = self.mac
+        if self.older_mac is not None:
+            meta["older_mac"] = self.older_mac
         return meta
 
     @classmethod
@@ -98,6 +103,7 @@ class Hello:
             nonce=nonce,
             channel=get_str(meta, "channel") if "channel" in meta else None,
             mac=get_bytes(meta, "mac") if "mac" in meta else None,
+            older_mac=get_bytes(meta, "older_mac") if "older_mac" in meta else None,
             sealed_data=get_bool(meta, "sealed_data"),
         )
 

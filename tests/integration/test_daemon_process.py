@@ -121,20 +121,20 @@ def test_sigterm_fails_waiting_operations_with_daemon_stopping(tmp_path):
 def test_secret_file_readable_by_others_refuses_to_start(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("a-perfectly-long-shared-secret-value")
-    secret.chmod(0o640)
+    secret.chmod(0o644)
     daemon = _start(tmp_path, "--nodes", "127.0.0.1:0,127.0.0.1:1", "--secret-file", str(secret))
     daemon.wait(30)
     output = _output(tmp_path)
     assert daemon.returncode == EXIT_CONFIG
-    assert "readable by group or others (mode 0640)" in output
-    assert f"chmod 600 {secret}" in output
+    assert f"secret_file {secret} (mode 0644, owner uid {os.geteuid()}," in output
+    assert "is open to others; chmod 600" in output
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (("--node-id", "3"), "node_id 3 is not an index of nodes"),
-        (("--nodes", "127.0.0.1:0,127.0.0.1:1"), "secret_file: required"),
+        (("--nodes", "127.0.0.1:0,127.0.0.1:1"), "or secret_env: one is required"),
         (("--heartbeat-interval", "5"), "heartbeat_interval < suspect_after"),
         (("--listen", "nonsense"), "is not host:port"),
     ],

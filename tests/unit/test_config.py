@@ -106,23 +106,6 @@ def test_missing_file_is_a_config_error(tmp_path):
         load(str(tmp_path / "absent.toml"), environ={})
 
 
-def test_secret_file_must_be_private_and_long_enough(tmp_path):
-    secret = tmp_path / "secret"
-    secret.write_text("s" * 40 + "\n")
-    secret.chmod(0o600)
-    cfg = Config(nodes=("a:1", "b:2"), secret_file=str(secret))
-    assert cfg.read_secret() == b"s" * 40
-    secret.chmod(0o604)
-    with pytest.raises(ConfigError, match=r"mode 0604.*chmod 600"):
-        cfg.read_secret()
-    secret.chmod(0o600)
-    secret.write_text("short")
-    with pytest.raises(ConfigError, match="under 16 bytes"):
-        cfg.read_secret()
-    with pytest.raises(ConfigError, match="No such file"):
-        Config(secret_file=str(tmp_path / "nope")).read_secret()
-
-
 def test_job_groups_and_admin_gids_are_lists_from_a_file_or_the_environment(tmp_path):
     path = tmp_path / "jobs.toml"
     path.write_text('job_groups = ["train-*:2000", "ns:eval:2001"]\nadmin_gids = [4]\n')

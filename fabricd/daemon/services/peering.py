@@ -90,7 +90,9 @@ class HandshakeSettings:
 
     node: int
     incarnation: int
-    secret: bytes
+    #: the shared secrets, the older first: one, or two during a rotation (``()``: one node,
+    #: no peers).  Replaced by a reload (SIGHUP); links already up keep their session keys
+    secrets: tuple[bytes, ...]
     fabric_size: int
     limits: Limits  #: limits once authenticated
     #: DATA payloads are sealed too (``data_integrity = "mac"``); control frames always are
@@ -355,7 +357,8 @@ class PeeringService(BaseService):
         s = self.settings
         handshake = Handshake(
             role=role,
-            secret=s.secret,
+            secret=s.secrets[-1] if s.secrets else b"",
+            older_secret=s.secrets[0] if len(s.secrets) > 1 else None,
             node=s.node,
             incarnation=s.incarnation,
             nonce=secrets.token_bytes(32),
@@ -408,6 +411,16 @@ class PeeringService(BaseService):
         except BaseException:  # the dial waiting on this link must hear of it, or never redial
             sink.fail(link, "internal error while admitting the link (see the log)")
             raise
+        if admitted and sink.handshake.used_older_secret:  # how far a rotation has come
+            remote_log.log(
+                logging.INFO,
+                "older secret",
+                "%s link to node %d authenticated with this node's older secret: "
+                "node %d does not hold the newer one yet",
+                peer.channel,
+                peer.node,
+                peer.node,
+            )
         if admitted and not sink.done.done():
             sink.done.set_result(peer)
         self.owner.rearm()

@@ -19,6 +19,23 @@ Theory of operation (three frames; K is the shared secret, T the transcript)::
     T = msgpack([Ni, Na, initiator node, initiator inc, acceptor node, acceptor inc, channel])
     K = SHA-256("fabricd-v1-key" ‖ 0x00 ‖ secret)
 
+During a rotation a node holds two secrets, an older and a newer one, and accepts either.  Its
+HELLO as acceptor then carries a second proof, ``older_mac``, under the older secret; the
+initiator takes the newest secret of its own that one of the two proofs matches, and proves
+that one in AUTH; the acceptor checks AUTH against both.  So two nodes use the newer secret
+as soon as both hold it, the older one while only one does, and no link is refused while
+every pair shares a secret (docs/operations.md, "Rotating the secret")::
+
+    initiator holds   acceptor holds   K of the link
+    {S1}              {S1, S2}         S1
+    {S1, S2}          {S1}             S1
+    {S1, S2}          {S1, S2}         S2
+    {S2}              {S1, S2}         S2
+    {S1}              {S2}             refused: no common secret
+
+The transcript is the same with one secret or two, and an active attacker who strips
+``older_mac`` can only make the link fail or settle on a secret both nodes accept anyway.
+
 Each side proves it knows K over a nonce the *other* side chose, so a recorded exchange cannot
 be replayed, and the role labels keep one side's answer from being reflected as the other's.
 The incarnation (a number that grows with each daemon start) rides in the authenticated
@@ -107,7 +124,8 @@ class Handshake:
 
     Args:
         role: whether we opened the connection.
-        secret: the shared secret K.
+        secret: the shared secret; during a rotation the newer of the two.
+        older_secret: during a rotation, the older secret, accepted too (``None`` otherwise).
         node, incarnation: who we are.
         nonce: ``NONCE_SIZE`` fresh random bytes (injected, so tests are deterministic).
         fabric_size: node ids must be below this.
@@ -123,6 +141,7 @@ class Handshake:
         *,
         role: Role,
         secret: bytes,
+        older_secret: bytes | None = None,
         node: int,
         incarnation: int,
         nonce: bytes,
@@ -137,8 +156,11 @@ class Handshake:
             raise ValueError("an initiator must name its channel and the node it dialled")
         self.role = role
         # HMAC would pad a short secret with zeros and hash a long one, making b"k" and b"k\0"
-        # (or a long secret and its SHA-256) the same key; a derived key keeps them apart
-        self._key = hashlib.sha256(b"fabricd-v1-key\0" + secret).digest()
+        # (or a long secret and its SHA-256) the same key; a derived key keeps them apart.
+        # The newer first: it is the one preferred
+        held = [secret] if older_secret is None else [secret, older_secret]
+        self._keys = [hashlib.sha256(b"fabricd-v1-key\0" + k).digest() for k in held]
+        self._key = self._keys[0]  #: the link's K once chosen (the acceptor's HELLO: the newer)
         self._node = node
         self._incarnation = incarnation
         self._nonce = nonce
@@ -198,21 +220,30 @@ class Handshake:
         if self._state is _State.WAIT_HELLO and isinstance(frame, Hello):
             return self._on_hello(frame)
         if self._state is _State.WAIT_AUTH and isinstance(frame, Auth):
-            self._verify(frame.mac, Role.INITIATOR)
+            self._key = self._choose_key([frame.mac], Role.INITIATOR)
             self._state = _State.DONE
             return []
         raise RemoteProtocolError(
             f"unexpected {frame.KIND.name} during handshake ({self._state.name})"
         )
 
-    def _hello(self, mac: bytes | None = None) -> Hello:
-        channel = self._channel if self.role is Role.INITIATOR else None
+    def _hello(self) -> Hello:
+        if self.role is Role.INITIATOR:
+            assert self._channel is not None
+            return Hello(
+                node=self._node,
+                incarnation=self._incarnation,
+                nonce=self._nonce,
+                channel=self._channel.value,
+                sealed_data=self._sealed_data,
+            )
+        macs = [self._mac(Role.ACCEPTOR, key) for key in self._keys]
         return Hello(
             node=self._node,
             incarnation=self._incarnation,
             nonce=self._nonce,
-            channel=None if channel is None else channel.value,
-            mac=mac,
+            mac=macs[0],
+            older_mac=macs[1] if len(macs) > 1 else None,
             sealed_data=self._sealed_data,
         )
 
@@ -241,9 +272,10 @@ class Handshake:
             self._peer = PeerIdentity(node=node, incarnation=incarnation, channel=channel)
             if hello.mac is None:
                 raise RemoteProtocolError("the acceptor's HELLO carries no 'mac'")
-            self._verify(hello.mac, Role.ACCEPTOR)
+            offered = [hello.mac] if hello.older_mac is None else [hello.mac, hello.older_mac]
+            self._key = self._choose_key(offered, Role.ACCEPTOR)
             self._state = _State.DONE
-            return [Answer(frame=Auth(mac=self._mac(Role.INITIATOR)))]
+            return [Answer(frame=Auth(mac=self._mac(Role.INITIATOR, self._key)))]
         if hello.channel is None:
             raise RemoteProtocolError("the initiator's HELLO names no channel")
         try:
@@ -254,7 +286,7 @@ class Handshake:
         self._transcript = self._make_transcript(nonce, self._nonce, node, incarnation, channel)
         self._peer = PeerIdentity(node=node, incarnation=incarnation, channel=channel)
         self._state = _State.WAIT_AUTH
-        return [Answer(frame=self._hello(mac=self._mac(Role.ACCEPTOR)))]
+        return [Answer(frame=self._hello())]
 
     def _make_transcript(
         self, initiator_nonce: bytes, acceptor_nonce: bytes, peer: int, peer_inc: int, ch: Channel
@@ -266,13 +298,29 @@ class Handshake:
         packed: bytes = msgpack.packb([initiator_nonce, acceptor_nonce, *ids, ch.value])
         return packed
 
-    def _mac(self, role: Role) -> bytes:
+    def _mac(self, role: Role, key: bytes) -> bytes:
         label = b"fabricd-v1-" + role.value.encode()
-        return hmac.new(self._key, label + self._transcript, hashlib.sha256).digest()
+        return hmac.new(key, label + self._transcript, hashlib.sha256).digest()
 
-    def _verify(self, mac: bytes, role: Role) -> None:
-        if not hmac.compare_digest(mac, self._mac(role)):
-            raise AuthenticationFailed(
-                "authentication failed: the peer does not hold the same secret "
-                "(check secret_file on both nodes)"
-            )
+    def _choose_key(self, macs: list[bytes], role: Role) -> bytes:
+        """The newest key of ours under which one of ``macs`` is ``role``'s proof.
+
+        Raises:
+            AuthenticationFailed: none is; the peer holds none of our secrets.
+        """
+        for key in self._keys:
+            expected = self._mac(role, key)
+            if any(hmac.compare_digest(mac, expected) for mac in macs):
+                return key
+        held = " (neither of the 2 it holds)" if len(self._keys) > 1 else ""
+        raise AuthenticationFailed(
+            f"authentication failed: the peer does not hold the same secret as this node{held}; "
+            "compare the secret source on both nodes (during a rotation, every pair of nodes "
+            "must share one secret)"
+        )
+
+    @property
+    def used_older_secret(self) -> bool:
+        """Whether the link was authenticated with the older of two secrets (a rotation
+        under way on one of the two nodes)."""
+        return self._state is _State.DONE and self._key is not self._keys[0]
