@@ -560,8 +560,9 @@ class Exchange:
 
     def _sync_newcomers(self) -> list[Action]:
         """This rank became the lowest survivor: the newcomers not heard from yet are sent
-        its join SYNC (the last lowest may have gone before it sent theirs)."""
-        if min(self._live | {self.rank}) != self.rank:
+        its join SYNC (the last lowest may have gone before it sent theirs).  The newcomers
+        themselves are not candidates: they have no model to send."""
+        if min((self._live - set(self._newcomers)) | {self.rank}) != self.rank:
             return []
         out: list[Action] = []
         for peer, sync in sorted(self._newcomers.items()):
@@ -672,7 +673,11 @@ class Exchange:
         at = self._at
         if at is None or peer not in self._at_live or peer in self._settled:
             return []
-        if self.phase != "running" or min(self._live | {self.rank}) != self.rank:
+        if self._base is not None and at[0] == self._floor:
+            return []  # (this rank was taken back at that flush: not one of its ranks)
+        # the lowest among that flush's ranks (a rank taken back at it has no model of it)
+        lowest = min((self._live & self._at_live) | {self.rank})
+        if self.phase != "running" or lowest != self.rank:
             return []
         return [self._send(i, None, 0, at[1], flush=at[0], sync=True) for i in sorted(self._live)]
 
