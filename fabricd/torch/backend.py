@@ -55,7 +55,16 @@ import fabricd
 from fabricd.errors import UsageError
 from fabricd.torch import staging
 from fabricd.torch.completion import Call, Completer, Work, all_of
-from fabricd.torch.staging import Slot, Staging, as_bytes, dense, flat_view, reduce_dtype
+from fabricd.torch.staging import (
+    Slot,
+    Staging,
+    as_bytes,
+    dense,
+    flat_view,
+    pack,
+    reduce_dtype,
+    unpack,
+)
 
 if TYPE_CHECKING:
     import datetime
@@ -208,13 +217,13 @@ class FabricdProcessGroup(dist.ProcessGroup):
         mode = self._mode if what == "allreduce" and op in (_R.SUM, _R.AVG) else "sync"
         slot, span = self._named(name, count, ring="" if mode == "sync" else mode)
         stage = torch.from_numpy(slot.array)
-        _pack(parts, stage)
+        pack(parts, stage)
         collective = f"torch:ar:{NATIVE_OPS[op]}:{mode}:{slot.name}:{span}"
         handle = self.fab.allreduce_async(slot.array[:span], NATIVE_OPS[op], mode, name=collective)
 
         def finish() -> list[torch.Tensor]:
             if keep:
-                _unpack(stage, parts)
+                unpack(stage, parts)
                 write_back()
             return tensors
 
@@ -238,7 +247,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         def finish() -> list[torch.Tensor]:
             unstage(as_bytes(gathered).reshape(self._size, -1))
             if keep:
-                _unpack(LOCAL_OPS[op](gathered), flats)
+                unpack(LOCAL_OPS[op](gathered), flats)
                 write_back()
             return flats
 
@@ -253,13 +262,13 @@ class FabricdProcessGroup(dist.ProcessGroup):
         slot, span = self._named(WORDS, _words(sum(p.numel() for p in parts)))
         stage = _bytes_of(slot)
         if self._rank == root:
-            _pack(parts, stage)
+            pack(parts, stage)
         collective = f"torch:bc:{root}:{slot.name}:{span}"
         handle = self.fab.broadcast_async(slot.array[:span], root, name=collective)
 
         def finish() -> list[torch.Tensor]:
             if self._rank != root:
-                _unpack(stage, parts)
+                unpack(stage, parts)
                 write_back()
             return tensors
 
@@ -281,7 +290,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
 
         def finish() -> list[list[torch.Tensor]]:
             rows = [as_bytes(flat_view(out, "allgather")) for out in outputs[0]]
-            unstage(_Rows(rows))
+            unstage(rows)
             return outputs
 
         return self._call("allgather", handles, finish, slots)
@@ -324,7 +333,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             rows = torch.empty((self._size, joined.numel()), dtype=torch.uint8)
             unstage(rows)
             for r in range(self._size):
-                _unpack(rows[r], [as_bytes(flat_view(t, what)) for t in outputs[r]])
+                unpack(rows[r], [as_bytes(flat_view(t, what)) for t in outputs[r]])
             return outputs
 
         return self._call(what, handles, finish, slots)
@@ -348,7 +357,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
 
         def finish() -> list[list[torch.Tensor]]:
             if self._rank == root:
-                unstage(_Rows([as_bytes(flat_view(o, "gather")) for o in outputs[0]]))
+                unstage([as_bytes(flat_view(o, "gather")) for o in outputs[0]])
             return outputs
 
         return self._call("gather", handles, finish, slots)
@@ -474,14 +483,14 @@ class FabricdProcessGroup(dist.ProcessGroup):
         slot = self._any("uint8", count)
         stage = torch.from_numpy(slot.array)
         if kind == "send":
-            _pack(parts, stage)
+            pack(parts, stage)
             handle = self.fab.send_async(slot.array[:count], peer, tag)
         else:
             handle = self.fab.recv_async(slot.array[:count], peer, tag)
 
         def finish() -> list[torch.Tensor]:
             if kind == "recv":
-                _unpack(stage, parts)
+                unpack(stage, parts)
                 write_back()
             return tensors
 
@@ -622,16 +631,6 @@ class FabricdProcessGroup(dist.ProcessGroup):
         return Work(call.future)
 
 
-class _Rows:
-    """Tensors indexed as the rows of a gather's result."""
-
-    def __init__(self, rows: list[torch.Tensor]) -> None:
-        self.rows = rows
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.rows[index]
-
-
 def _words(nbytes: int) -> int:
     return -(-nbytes // 8)
 
@@ -665,20 +664,6 @@ def _split(
         out.append(flat[start * per_row : (start + size) * per_row])
         start += size
     return out
-
-
-def _pack(parts: list[torch.Tensor], stage: torch.Tensor) -> None:
-    start = 0
-    for part in parts:
-        stage[start : start + part.numel()].copy_(part)
-        start += part.numel()
-
-
-def _unpack(stage: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    start = 0
-    for part in parts:
-        part.copy_(stage[start : start + part.numel()])
-        start += part.numel()
 
 
 def _close(completer: Completer, fab: Client) -> None:

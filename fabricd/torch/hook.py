@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket, HashStore
 
 from fabricd.errors import UsageError
+from fabricd.torch.staging import pack, unpack
 
 if TYPE_CHECKING:
     from fabricd.client import Client
@@ -122,10 +123,10 @@ def broadcast_module(
         flat = torch.from_numpy(array)
         with torch.no_grad():
             if fab.rank == root:
-                _pack(tensors, flat)
+                pack(tensors, flat)
             fab.broadcast(array, root, timeout=timeout)
             if fab.rank != root:
-                _unpack(flat, tensors)
+                unpack(flat, tensors)
 
 
 @dataclass(slots=True, eq=False)
@@ -281,17 +282,3 @@ def _numpy_dtype(dtype: torch.dtype) -> str:
         return str(torch.empty((), dtype=dtype).numpy().dtype.name)
     except TypeError:
         raise UsageError(f"fabricd cannot move {dtype} tensors (no numpy equivalent)") from None
-
-
-def _pack(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
-    offset = 0
-    for tensor in tensors:
-        flat[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
-        offset += tensor.numel()
-
-
-def _unpack(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()

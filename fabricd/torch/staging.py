@@ -223,3 +223,19 @@ class Staging:
         slot = Slot(self.fab.array(name, (capacity,), dtype), name, key)
         slot.free.set()
         return slot
+
+
+def pack(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``tensors`` one after the other into the start of ``flat``."""
+    offset = 0
+    for tensor in tensors:
+        flat[offset : offset + tensor.numel()].copy_(tensor.reshape(-1))
+        offset += tensor.numel()
+
+
+def unpack(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy the start of ``flat`` back into ``tensors``, as :func:`pack` laid them out."""
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
