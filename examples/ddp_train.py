@@ -206,7 +206,13 @@ def train_gloo(rendezvous: str, rank: int, args: argparse.Namespace) -> Report:
         model = make_model(seed=rank).to(args.device)
         # DDP's constructor broadcasts rank 0's parameters, as broadcast_module does for fabricd
         ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb, **NO_BUFFER_SYNC)
-        return fit(ddp, model, rank, args, None)
+        try:
+            return fit(ddp, model, rank, args, None)
+        finally:
+            # (before the group goes: were DDP's Reducer the last to hold a gloo group, its
+            # destructor would join gloo's threads holding the GIL one of them may be waiting
+            # for, pytorch/pytorch#56297)
+            del ddp
     finally:
         dist.destroy_process_group()
 

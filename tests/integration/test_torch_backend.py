@@ -12,6 +12,7 @@ under different names.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import queue
@@ -244,6 +245,7 @@ def _the_rest(rank: int, n: int, gloo: Any, checks: list[tuple[str, bool, str]])
 def ops_rank(socket_path: str, init: str, rank: int, n: int, out: Any) -> None:
     """Every operation on the fabricd default group and a gloo group of the same ranks."""
     os.environ["FABRICD_SOCKET"] = socket_path
+    faulthandler.dump_traceback_later(STACKS_AFTER)
     checks: list[tuple[str, bool, str]] = []
     try:
         import fabricd.torch  # noqa: F401  (registers the backend)
@@ -259,6 +261,11 @@ def ops_rank(socket_path: str, init: str, rank: int, n: int, out: Any) -> None:
         out.put((rank, checks, traceback.format_exc()))
 
 
+#: seconds each rank has to report; a rank still running at STACKS_AFTER prints its stacks
+REPORT_WITHIN = 240
+STACKS_AFTER = REPORT_WITHIN - 20
+
+
 def _run(make_cluster: Any, spawn: Any, target: Any, n: int, *args: Any) -> list[Any]:
     cluster = make_cluster(n)
     results = multiprocessing.get_context("spawn").Queue()
@@ -271,10 +278,12 @@ def _run(make_cluster: Any, spawn: Any, target: Any, n: int, *args: Any) -> list
         reports = []
         for _ in processes:
             try:
-                reports.append(results.get(timeout=240))
+                reports.append(results.get(timeout=REPORT_WITHIN))
             except queue.Empty:
                 pytest.fail(
-                    f"a rank reported nothing; exit codes {[p.exitcode for p in processes]}"
+                    f"a rank reported nothing; exit codes {[p.exitcode for p in processes]}; "
+                    f"reports {[(r[0], r[2]) for r in reports]} (a hung rank's stacks are in "
+                    "the captured stderr)"
                 )
         for process in processes:
             process.join(30)
@@ -312,6 +321,7 @@ def _net() -> Any:
 def parity_rank(socket_path: str, init: str, rank: int, n: int, kind: str, out: Any) -> None:
     """20 steps of DDP (or FSDP) over the fabricd default group, and the same over gloo."""
     os.environ["FABRICD_SOCKET"] = socket_path
+    faulthandler.dump_traceback_later(STACKS_AFTER)
     try:
         import fabricd.torch  # noqa: F401
 
@@ -341,7 +351,13 @@ def parity_rank(socket_path: str, init: str, rank: int, n: int, kind: str, out: 
                 # (each rank's shards: DTensor's full_tensor() goes through torch's C++
                 # functional collectives, which a Python process group cannot serve)
                 results.append([p.to_local().detach().reshape(-1) for p in model.parameters()])
+        # (the gloo group must not die with DDP's Reducer: the Reducer's destructor holds the
+        # GIL, and gloo's joins its worker threads, one of which may be freeing a tensor and
+        # waiting for the GIL -- a deadlock, pytorch/pytorch#56297.  Dropped from Python last,
+        # the group is destroyed with the GIL released)
+        del model
         dist.destroy_process_group()
+        del gloo
         out.put((rank, [torch.cat(r).numpy() for r in results], None))
     except BaseException:
         out.put((rank, [], traceback.format_exc()))
@@ -367,6 +383,7 @@ def test_training_matches_gloo(make_cluster: Any, spawn: Any, kind: str, n: int)
 def dying_rank(socket_path: str, init: str, rank: int, n: int, out: Any) -> None:
     """The last rank dies once the group is up; the others' allreduce must fail, not hang."""
     os.environ["FABRICD_SOCKET"] = socket_path
+    faulthandler.dump_traceback_later(STACKS_AFTER)
     try:
         import fabricd.torch  # noqa: F401
 
@@ -406,6 +423,7 @@ def test_a_rank_killed_mid_operation_fails_the_others_wait(make_cluster: Any, sp
 
 def job_rank(socket_path: str, init: str, rank: int, n: int, value: float, out: Any) -> None:
     os.environ["FABRICD_SOCKET"] = socket_path
+    faulthandler.dump_traceback_later(STACKS_AFTER)
     try:
         import fabricd.torch  # noqa: F401
 
@@ -451,6 +469,7 @@ def solo_rank(socket_path: str, init: str, rank: int, n: int, early: Any, out: A
     """allreduce_mode "solo": ranks 0 and 1 make five all_reduces while rank 2 has not begun
     (it waits until they are done): a sync all_reduce would hold them for it for ever."""
     os.environ["FABRICD_SOCKET"] = socket_path
+    faulthandler.dump_traceback_later(STACKS_AFTER)
     try:
         import fabricd.torch  # noqa: F401
 
@@ -485,6 +504,7 @@ def test_solo_allreduce_does_not_wait_for_a_late_rank(make_cluster: Any, spawn: 
 def review_rank(socket_path: str, init: str, rank: int, n: int, out: Any) -> None:
     """The review's findings, each as torch users write it (two ranks)."""
     os.environ["FABRICD_SOCKET"] = socket_path
+    faulthandler.dump_traceback_later(STACKS_AFTER)
     checks: list[tuple[str, bool, str]] = []
     try:
         import fabricd.torch  # noqa: F401
