@@ -37,7 +37,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
-from bench.report import Column, Extra, Progress, Table, fmt_number, median, quiet, run_alone
+from bench.report import (
+    Column,
+    Extra,
+    Progress,
+    Table,
+    fmt_number,
+    median,
+    quiet,
+    rss,
+    run_alone,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -96,15 +106,6 @@ def cpu_seconds(pid: int) -> float:
     """CPU time of ``pid``'s main thread (its event loop), in ns precision (schedstat)."""
     with open(f"/proc/{pid}/schedstat") as fh:
         return int(fh.read().split()[0]) / 1e9
-
-
-def rss(pid: int) -> int:
-    """Resident memory of ``pid`` in bytes."""
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 def one_case(

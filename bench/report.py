@@ -361,6 +361,15 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def rss(pid: int) -> int:
+    """Resident memory of ``pid`` in bytes."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 class CpuMeter:
     """The CPU time named processes spend inside chosen stretches of a benchmark.
 

@@ -23,6 +23,7 @@ from bench import (
     hopfloor,
     integrity,
     latency,
+    mesh,
     rate,
     roundtrip,
     servicecost,
@@ -312,3 +313,20 @@ def test_skew_puts_the_hop_floor_of_its_message_beside_its_figures() -> None:
     assert set(extra["figures"]) == {"median", "p99"}
     assert 0 < extra["figures"]["median"] <= extra["figures"]["p99"]
     assert progress.count("hop floor") == len(skew.QUICK_RANKS)
+
+
+@pytest.mark.slow
+def test_mesh_counts_two_links_per_peer_and_extrapolates_to_a_thousand_nodes() -> None:
+    result, progress = run_bench("--quick", "--json", "--only", "mesh")
+    table = the_table(result, "mesh")
+    assert [row["label"] for row in table["rows"]] == ["1 node"] + [
+        f"{n} nodes" for n in mesh.QUICK_SIZES
+    ]
+    assert_ratios(table)
+    for size, row in zip(mesh.QUICK_SIZES, table["rows"][1:], strict=True):
+        assert row["figures"]["links"] == 2 * (size - 1)  # a full mesh: control and data
+        assert row["figures"]["frames_s"] > 0  # (an idle mesh still heartbeats)
+    [extra] = table["extras"]
+    assert extra["figures"]["links"] == 2 * (mesh.EXTRAPOLATE_TO - 1)
+    assert extra["figures"]["frames_s"] > 0
+    assert f"[mesh] {mesh.QUICK_SIZES[-1]} daemons: meshed" in progress

@@ -231,7 +231,9 @@ class LocalCluster:
         for node in self.nodes:
             while True:
                 with connect(socket_path=node.socket_path) as client:
-                    states = [p["state"] for p in client.status()["peers"]]
+                    # (a loaded machine may take longer than a status call's default)
+                    left = max(1.0, deadline - time.monotonic())
+                    states = [p["state"] for p in client.status(timeout=left)["peers"]]
                 if all(s == "up" for s in states):
                     break
                 if time.monotonic() > deadline:

@@ -13,6 +13,7 @@ from fabricd.engines.actions import Broadcast
 from fabricd.engines.monitor.estimator import BUSY_BYTES, Direction, WindowedMax
 from fabricd.engines.monitor.table import (
     DEFAULT_BPS,
+    REPORT_BUDGET,
     LinkFigures,
     Monitor,
     PathSample,
@@ -166,6 +167,30 @@ def test_a_peers_figures_age_and_go_stale_after_three_intervals() -> None:
     later = monitor.network(1.7)[1]
     assert monitor.stale(later)  # 0.75 s > 3 x 0.2 s
     assert (later.up, later.source) == (3 * MB, "configured")  # the last figures are kept
+
+
+@given(nodes=st.integers(2, 5000), interval=st.sampled_from([0.05, 0.2, 1.0]))
+def test_a_node_sends_at_most_the_report_budget_whatever_the_fabric_s_size(
+    nodes: int, interval: float
+) -> None:
+    monitor = Monitor(Settings(node=0, nodes=nodes, interval=interval), now=0.0)
+    due = monitor.next_deadline()
+    assert due is not None
+    cadence = monitor.settings.cadence
+    assert due == cadence >= interval  # never more often than configured
+    assert (nodes - 1) / cadence <= REPORT_BUDGET * (1 + 1e-9)  # reports a second, all peers
+    if (nodes - 1) / interval <= REPORT_BUDGET:
+        assert cadence == interval  # a fabric within the budget: the interval as configured
+    tick(monitor, [], due)
+    assert monitor.next_deadline() == pytest.approx(2 * cadence)
+
+
+def test_a_large_fabric_s_figures_go_stale_after_three_of_its_longer_cadences() -> None:
+    monitor = Monitor(Settings(node=0, nodes=1001, interval=0.2), now=0.0)
+    assert monitor.settings.cadence == pytest.approx(1000 / REPORT_BUDGET)  # 6.25 s
+    monitor.on_report(1, report(age=0.0), now=0.0)
+    assert not monitor.stale(monitor.network(3 * 6.25 - 0.1)[1])  # two reports missed
+    assert monitor.stale(monitor.network(3 * 6.25 + 0.1)[1])
 
 
 @pytest.mark.parametrize(

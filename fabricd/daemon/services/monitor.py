@@ -132,6 +132,7 @@ class MonitorService(BaseService):
         return {
             "network": self.rows(self.host.now()),
             "monitor_interval": self.engine.settings.interval,
+            "monitor_cadence": self.engine.settings.cadence,
             "counters": {
                 "monitor_readings": stats.readings,
                 "monitor_reports_sent": stats.reports_sent,
@@ -165,6 +166,6 @@ class MonitorService(BaseService):
         )
         yield gauge(
             "fabricd_link_figures_stale",
-            "1 where a node's figures are stale (older than 3 monitor intervals)",
+            "1 where a node's figures are stale (older than 3 reports' time, monitor_cadence)",
             [({"node": str(n)}, float(self.engine.stale(f))) for n, f in table.items()],
         )

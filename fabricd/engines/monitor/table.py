@@ -11,6 +11,8 @@ node's figures are its own: ``up`` and ``down`` (bytes/s available now) and ``rt
 typical round trip to its peers).  Each node measures its own and reports them to every peer
 every ``monitor_interval`` (the paper's t_lag, 0.2 s by default; 0 turns reports and sampling
 off), so a scheduler on any daemon reads every node's figures from :meth:`Monitor.network`.
+That is a report per peer per interval; past 33 nodes the interval stretches so that a node
+sends at most :data:`REPORT_BUDGET` reports a second (:attr:`Settings.cadence` says why).
 
 Where a node's own figure comes from, strongest first (the :class:`LinkFigures` ``source``):
 
@@ -31,7 +33,7 @@ one of the two is unknown.  ``rtt`` is the median smoothed RTT of the node's con
 reading; for a peer, the age its report gave plus the time since it arrived (transit ignored);
 ``math.inf`` for a peer never heard from.
 
-*Stale*: a peer whose figures are older than :data:`STALE_INTERVALS` intervals (it missed
+*Stale*: a peer whose figures are older than :data:`STALE_INTERVALS` cadences (it missed
 three reports running: down, cut off, its monitor off, or its reports refused).  Its last
 figures are kept -- a link's capacity does not change because its reports stopped, and the
 default would make a slow host look fast -- and ``stale`` marks them in status and metrics;
@@ -67,6 +69,10 @@ MAX_RTT: Final = 60.0
 MAX_AGE: Final = 86400.0
 #: figures older than this many intervals are stale
 STALE_INTERVALS: Final = 3
+#: the MONITOR reports a node sends per second, to all its peers together, at most: the
+#: interval stretches beyond ``monitor_interval`` once the fabric has more than 32 peers per
+#: node (:attr:`Settings.cadence`)
+REPORT_BUDGET: Final = 160.0
 #: the capacity window, in intervals (2 s at the paper's t_lag: the lag §7 found harmless)
 WINDOW_INTERVALS: Final = 10
 #: where a figure came from, weakest first
@@ -120,6 +126,22 @@ class Settings:
     up: float | None = None
     down: float | None = None
 
+    @property
+    def cadence(self) -> float:
+        """Seconds between two readings and two reports (0: off): ``interval``, stretched so
+        that this node sends at most :data:`REPORT_BUDGET` reports a second in all.
+
+        Every node reports to every peer, so a fabric's report traffic grows as the square of
+        its size: at 1,000 nodes and 0.2 s, each daemon would send and receive 5,000 frames a
+        second doing nothing else (docs/performance.md, "the mesh").  Past ``REPORT_BUDGET /
+        interval + 1`` nodes (33 at 0.2 s) the figures age more between reports instead:
+        MLfabric §7 found a lag of up to 2 s harmless, which this keeps up to 321 nodes.  Every
+        node of a fabric has the same ``nodes`` and so the same cadence, which staleness
+        relies on."""
+        if not self.interval:
+            return 0.0
+        return max(self.interval, (self.nodes - 1) / REPORT_BUDGET)
+
     def __post_init__(self) -> None:
         if not 0 <= self.node < self.nodes:
             raise ValueError(f"node {self.node} is not in 0..{self.nodes - 1}")
@@ -145,8 +167,8 @@ class Monitor:
 
     def __init__(self, settings: Settings, now: float) -> None:
         self.settings = settings
-        self.stale_after = STALE_INTERVALS * settings.interval
-        window = WINDOW_INTERVALS * (settings.interval or 1.0)
+        self.stale_after = STALE_INTERVALS * settings.cadence
+        window = WINDOW_INTERVALS * (settings.cadence or 1.0)
         self._up, self._down = Direction(window), Direction(window)
         self._rtt = 0.0
         self._read_at: float | None = None  #: when the links were last read
@@ -157,7 +179,7 @@ class Monitor:
         self._paths: dict[int, float] = {}
         #: per peer: its last report accepted, and when it arrived
         self._peers: dict[int, tuple[Report, float]] = {}
-        self._due = now + settings.interval if settings.interval else None
+        self._due = now + settings.cadence if settings.cadence else None
         self._counts = {"readings": 0, "sent": 0, "received": 0, "refused": 0}
 
     # -- this node's links ------------------------------------------------------------------
@@ -239,7 +261,7 @@ class Monitor:
         the links, :meth:`read`, just before.)"""
         if self._due is None or now < self._due:
             return []
-        self._due = max(self._due + self.settings.interval, now)  # no burst after a stall
+        self._due = max(self._due + self.settings.cadence, now)  # no burst after a stall
         own = self.own(now)
         paths = tuple(sorted(self._paths.items()))
         self._paths.clear()
@@ -283,9 +305,9 @@ class Monitor:
         return LinkFigures(report.up, report.down, report.rtt, age, report.source)
 
     def stale(self, figures: LinkFigures) -> bool:
-        """Whether ``figures`` are older than :data:`STALE_INTERVALS` intervals (with the
-        monitor off, only a peer never heard from is)."""
-        if not self.settings.interval:
+        """Whether ``figures`` are older than :data:`STALE_INTERVALS` reports' time
+        (:attr:`Settings.cadence`; with the monitor off, only a peer never heard from is)."""
+        if not self.settings.cadence:
             return math.isinf(figures.age)
         return figures.age > self.stale_after
 
