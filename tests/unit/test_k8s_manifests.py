@@ -24,7 +24,7 @@ import yaml
 
 from fabricd.daemon import keyring
 from fabricd.daemon.config import load
-from fabricd.daemon.ipc_server import Credentials
+from fabricd.daemon.ipc_server import Credentials, IpcServer
 from fabricd.deploy.kubernetes import Membership, render_config
 from fabricd.errors import ConfigError
 
@@ -190,6 +190,36 @@ def test_the_socket_directory_is_handed_to_the_daemons_user_and_nothing_more():
     assert context["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
     assert context["allowPrivilegeEscalation"] is False
     assert pod["initContainers"][0] is init  # before anything that needs the directory
+
+
+class NoRequests:
+    """A request handler for a server that is only started and stopped."""
+
+    def client_request(self, conn, meta, fds):
+        raise AssertionError("no client connects here")
+
+    def client_gone(self, conn):
+        raise AssertionError("no client connects here")
+
+
+async def test_the_daemon_serves_from_the_directory_socket_dir_leaves(tmp_path):
+    """The directory as the init container leaves it (the daemon's own, the manifest's mode):
+    the daemon accepts it, and its socket is 0660 in the daemon's group, the group that the
+    training pods hold and that the daemon admits."""
+    mode = shlex.split(container(daemon_pod(), "socket-dir")["command"][-1])[5]
+    directory = tmp_path / "run-fabricd"
+    directory.mkdir()
+    os.chmod(directory, int(mode, 8))
+    server = IpcServer(str(directory / "fabricd.sock"), NoRequests())
+    server.start()
+    try:
+        socket_stat = (directory / "fabricd.sock").stat()
+        assert stat.S_IMODE(socket_stat.st_mode) == 0o660
+        assert socket_stat.st_gid == os.getegid()  # runAsGroup, in the pod
+        rank = Credentials(pid=0, uid=65530, gid=65530, groups=frozenset({os.getegid()}))
+        assert rank.allowed(server.allowed_uids, server.allowed_gids)
+    finally:
+        server.close()
 
 
 def test_every_other_container_runs_non_root_without_capabilities():
