@@ -17,6 +17,7 @@ from fabricd.cli.config import config
 from fabricd.cli.daemon import main as daemon
 from fabricd.cli.demo import demo
 from fabricd.cli.graph import graph
+from fabricd.cli.k8s import k8s
 from fabricd.cli.local_cluster import local_cluster
 from fabricd.cli.stalls import stalls
 from fabricd.cli.status import peers, status
@@ -39,6 +40,7 @@ main.add_command(top)
 main.add_command(config)
 main.add_command(local_cluster)
 main.add_command(demo)
+main.add_command(k8s)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,10 @@ _RESCUE_READS: Final = -(-(REQUEST_LIMITS.max_meta + HEADER_SIZE) // _RECV_SIZE)
 _FD_SPACE: Final = socket.CMSG_SPACE(MAX_FDS_PER_REQUEST * struct.calcsize("i"))
 #: SO_PEERGROUPS from <asm-generic/socket.h>; the socket module does not name it
 _SO_PEERGROUPS: Final = getattr(socket, "SO_PEERGROUPS", 59)
-_MAX_GROUPS: Final = 1024
+#: the most supplementary groups read: Python's getsockopt reads at most 1024 bytes and raises
+#: for a longer buffer, which left every client without groups when this asked for 4096.  A
+#: peer in more groups gets ERANGE from the kernel and is judged by its uid and primary gid
+_MAX_GROUPS: Final = 256
 #: ``accept`` errors that leave the connection queued: the daemon or the system lacks something
 _OUT_OF_RESOURCES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 #: the first pause of accepting after such an error, in seconds; each next one doubles ...
@@ -127,10 +130,12 @@ def peer_credentials(sock: socket.socket) -> Credentials:
 
 
 def _peer_groups(sock: socket.socket) -> frozenset[int]:
-    """The peer's supplementary groups (Linux >= 4.13); empty where the kernel can't say.
+    """The peer's supplementary groups (Linux >= 4.13); empty where the kernel can't say, or
+    the peer is in more than :data:`_MAX_GROUPS`.
 
     SO_PEERCRED carries only the primary gid, but operators grant socket access by adding
-    training users to a group, which is usually a supplementary one.
+    training users to a group, which is usually a supplementary one (a Kubernetes pod's
+    ``supplementalGroups``: docs/deployment.md).
     """
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * _MAX_GROUPS)

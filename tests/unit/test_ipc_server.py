@@ -13,6 +13,8 @@ import errno
 import os
 import socket
 import stat
+import subprocess
+import sys
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -513,3 +515,44 @@ async def test_a_failed_write_disconnects_the_client_once_the_writer_has_returne
         client.close()
     assert seen == [(0, False), (0, False)]
     assert handler.gone == ["write failed: Broken pipe"]
+
+
+def test_peer_groups_are_this_processs_own_over_a_socketpair():
+    """What the kernel reports for a peer in this very process: its own supplementary groups
+    (none, for many test runners; the next test sets some)."""
+    left, right = socket.socketpair(socket.AF_UNIX)
+    with left, right:
+        creds = ipc_server.peer_credentials(left)
+    assert creds.uid == os.geteuid()
+    assert creds.groups == frozenset(os.getgroups())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="setting a child's groups needs root")
+@pytest.mark.parametrize(
+    ("groups", "seen"),
+    [
+        ([4242, 4243], {4242, 4243}),
+        # more than _MAX_GROUPS: the kernel answers ERANGE, and only the primary gid counts
+        (list(range(5000, 5000 + ipc_server._MAX_GROUPS + 1)), set()),
+    ],
+)
+def test_a_peers_supplementary_groups_are_read(tmp_path, groups, seen):
+    """SO_PEERGROUPS of another process: how a training user in the daemon's group (a pod's
+    supplementalGroups) is admitted.  A 4096-byte getsockopt once made this always empty."""
+    path = str(tmp_path / "s.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen()
+    listener.settimeout(30)
+    script = "import socket,sys; c=socket.socket(socket.AF_UNIX); c.connect(sys.argv[1]); c.recv(1)"
+    child = subprocess.Popen([sys.executable, "-c", script, path], extra_groups=groups)
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            creds = ipc_server.peer_credentials(conn)
+    finally:
+        listener.close()
+        child.wait(timeout=30)
+    assert creds.pid == child.pid
+    assert creds.groups == seen
+    assert creds.allowed(set(), {4243}) is (4243 in seen)
