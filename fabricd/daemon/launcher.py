@@ -226,14 +226,19 @@ class LocalCluster:
             ClusterError: the mesh did not form in time.
         """
         from fabricd.client import connect
+        from fabricd.errors import DaemonUnavailable, Timeout
 
         deadline = time.monotonic() + timeout
         for node in self.nodes:
             while True:
-                with connect(socket_path=node.socket_path) as client:
-                    # (a loaded machine may take longer than a status call's default)
-                    left = max(1.0, deadline - time.monotonic())
-                    states = [p["state"] for p in client.status(timeout=left)["peers"]]
+                # (a loaded machine may take longer than a call's default: the wait's deadline
+                # bounds every call, and a daemon too busy to answer is asked again)
+                left = max(1.0, deadline - time.monotonic())
+                try:
+                    with connect(socket_path=node.socket_path, timeout=left) as client:
+                        states = [p["state"] for p in client.status(timeout=left)["peers"]]
+                except (DaemonUnavailable, Timeout) as exc:
+                    states = [f"unknown ({exc})"]
                 if all(s == "up" for s in states):
                     break
                 if time.monotonic() > deadline:
