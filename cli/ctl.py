@@ -18,6 +18,7 @@ from fabricd.cli.daemon import main as daemon
 from fabricd.cli.demo import demo
 from fabricd.cli.graph import graph
 from fabricd.cli.local_cluster import local_cluster
+from fabricd.cli.slurm import slurm
 from fabricd.cli.stalls import stalls
 from fabricd.cli.status import peers, status
 from fabricd.cli.top import top
@@ -39,6 +40,7 @@ main.add_command(top)
 main.add_command(config)
 main.add_command(local_cluster)
 main.add_command(demo)
+main.add_command(slurm)
 
 
 if __name__ == "__main__":
