@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -43,7 +44,9 @@ with fabricd.connect(job="slurm-test") as fab:
     fab.allreduce(g)
     print(json.dumps({"rank": fab.rank, "size": fab.size, "sum": g.tolist(),
                       "socket": socket_candidates()[0],
-                      "job_socket_exists": os.path.exists(socket_candidates()[0])}))
+                      "job_socket_exists": os.path.exists(socket_candidates()[0]),
+                      "secret_mode": oct(os.stat(os.path.join(
+                          os.path.dirname(socket_candidates()[0]), "secret")).st_mode & 0o777)}))
 """
 
 
@@ -65,12 +68,15 @@ def _write_conf(directory: Path, node: str, first_job: int) -> Path:
     """A one-node slurm.conf whose files all live in ``directory``."""
     for name in ("state", "spool"):
         (directory / name).mkdir()
-    for name, command in (("prolog", "prolog"), ("epilog", "epilog")):
+    key = os.open(directory / "slurm.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(key, secrets.token_hex(32).encode())  # the site key: each job's secret is made of it
+    os.close(key)
+    for name, options in (("prolog", f"--key-file {directory}/slurm.key"), ("epilog", "")):
         script = directory / f"{name}.sh"
         script.write_text(
             "#!/bin/sh\n"  # slurmd gives a prolog no environment of ours: name the checkout
-            f"PYTHONPATH={ROOT} exec {sys.executable} -m fabricd.cli.ctl slurm {command} "
-            f">>{directory}/{name}.log 2>&1\n"
+            f"PYTHONPATH={ROOT} exec {sys.executable} -m fabricd.cli.ctl slurm {name} "
+            f"{options} >>{directory}/{name}.log 2>&1\n"
         )
         script.chmod(0o755)
     conf = directory / "slurm.conf"
@@ -195,6 +201,7 @@ def test_srun_starts_ranks_that_allreduce_through_the_job_daemon(slurm, tmp_path
     assert [(r["rank"], r["size"]) for r in ranks] == [(0, 2), (1, 2)]
     assert all(r["sum"] == [3.0] * 8 for r in ranks)  # 1 + 2
     assert all(r["job_socket_exists"] for r in ranks)
+    assert all(r["secret_mode"] == "0o600" for r in ranks)  # the job's secret, its user's only
     job = int(Path(ranks[0]["socket"]).parent.name)
     assert ranks[0]["socket"] == f"{job_directory(job)}/fabricd.sock"
     # the epilog runs after the job has ended: it stops the daemon and removes the directory
