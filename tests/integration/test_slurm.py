@@ -2,7 +2,8 @@
 
 A single-host Slurm (Debian's slurmctld and slurmd, ``auth/none``: no munge needed) runs in
 a private directory, with ``fabricctl slurm prolog`` and ``epilog`` as its Prolog and Epilog;
-``srun -N1 -n2`` then starts two ranks that connect with nothing but ``job=`` and allreduce.
+``srun -N1 -n2`` then starts two ranks that connect with nothing but ``job=`` and allreduce,
+and then examples/slurm_train.py the same way.
 Skips, with the reason, where Slurm is not installed (.ci/run installs it), not run by root
 (slurmd starts jobs as their users), or cannot start here.
 
@@ -210,6 +211,17 @@ def test_srun_starts_ranks_that_allreduce_through_the_job_daemon(slurm, tmp_path
         time.sleep(0.1)
     assert not os.path.exists(job_directory(job)), _tail(tmp_path / "epilog.log")
     assert "stopped" in (tmp_path / "epilog.log").read_text()
+    example = subprocess.run(
+        ["srun", "-N1", "-n2", "--overcommit", sys.executable, "examples/slurm_train.py"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert example.returncode == 0, example.stderr
+    drifts = sorted(line for line in example.stdout.splitlines() if "distance" in line)
+    assert drifts == [f"rank {r} of 2: distance to rank 0's model 0.0" for r in (0, 1)]
 
 
 def _launch(environ: dict[str, str]) -> dict[str, str]:
