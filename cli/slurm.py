@@ -38,18 +38,26 @@ def slurm() -> None:
     help="the site's key, the same on every node: each job's secret is derived from it",
 )
 @click.option(
+    "--listen-host",
+    default="",
+    metavar="ADDRESS",
+    help="listen here (e.g. 0.0.0.0) rather than where the node's name resolves",
+)
+@click.option(
     "--timeout",
     type=click.FloatRange(min=0.1),
     default=30.0,
     show_default=True,
     help="seconds to wait for the daemon to listen",
 )
-def prolog(key_file: str, timeout: float) -> None:
+def prolog(key_file: str, listen_host: str, timeout: float) -> None:
     """Start this job's daemon on this node (slurm.conf: Prolog=; runs as root)."""
     from fabricd.daemon.slurm_job import start_job_daemon
 
     try:
-        pid = start_job_daemon(os.environ, key_file=key_file, timeout=timeout)
+        pid = start_job_daemon(
+            os.environ, key_file=key_file, listen_host=listen_host, timeout=timeout
+        )
     except (FabricError, OSError) as exc:
         errors.print(f"[red]fabricctl slurm prolog:[/] {escape(str(exc))}", soft_wrap=True)
         sys.exit(1)

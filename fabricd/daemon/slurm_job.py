@@ -109,11 +109,13 @@ def job_secrets(keys: tuple[bytes, ...], cluster: str, job_id: int) -> tuple[str
     return tuple(hmac.new(key, message, hashlib.sha256).hexdigest() for key in keys)
 
 
-def job_settings(job: SlurmJob, secret_file: str) -> dict[str, Any]:
+def job_settings(job: SlurmJob, secret_file: str, listen_host: str = "") -> dict[str, Any]:
     """The config of the job's daemon on this node ("" for ``secret_file``: none).
 
-    The metrics endpoint is off: its fixed default port belongs to the node's own daemon, and
-    several jobs may share a node.
+    The daemon listens where its node's name resolves, unless ``listen_host`` names an address
+    (``0.0.0.0``: every interface, for a node whose own name resolves to a loopback address,
+    as Debian's ``127.0.1.1`` line in /etc/hosts makes it).  The metrics endpoint is off: its
+    fixed default port belongs to the node's own daemon, and several jobs may share a node.
     """
     settings: dict[str, Any] = {
         "nodes": [join_address(host, job.port) for host in job.nodes],
@@ -121,6 +123,8 @@ def job_settings(job: SlurmJob, secret_file: str) -> dict[str, Any]:
         "socket": job.socket_path,
         "metrics_address": "",
     }
+    if listen_host:
+        settings["listen"] = join_address(listen_host, job.port)
     if secret_file:
         settings["secret_file"] = secret_file
     return settings
@@ -130,6 +134,7 @@ def start_job_daemon(
     environ: Mapping[str, str],
     *,
     key_file: str = DEFAULT_KEY_FILE,
+    listen_host: str = "",
     timeout: float = 30.0,
 ) -> int:
     """The prolog's work (this module's docstring): start the job's daemon on this node.
@@ -146,15 +151,18 @@ def start_job_daemon(
     job = SlurmJob.from_environ(environ, socket.gethostname())
     owner = JobOwner.from_environ(environ)
     stop_job_daemon(job.job_id)  # a requeued job's first run may have left its directory
+    make_dirs(JOB_ROOT, 0o755)
+    os.mkdir(job.directory, 0o700)  # root's until every file in it is written (_start)
     try:
-        return _start(job, owner, environ.get("SLURM_CLUSTER_NAME", ""), key_file, timeout)
+        secret = _write_secret(job, owner, environ.get("SLURM_CLUSTER_NAME", ""), key_file)
+        return _start(job, owner, job_settings(job, secret, listen_host), timeout)
     except BaseException:
         stop_job_daemon(job.job_id)  # nothing of a failed start stays, the secret above all
         raise
 
 
-def _start(job: SlurmJob, owner: JobOwner, cluster: str, key_file: str, timeout: float) -> int:
-    """Make the job's directory and files, start the daemon, wait for it; its pid.
+def _start(job: SlurmJob, owner: JobOwner, settings: dict[str, Any], timeout: float) -> int:
+    """Write the job's config in its new directory, start the daemon, wait for it; its pid.
 
     Every file is written while the directory is still root's, and only then is the directory
     given to the job's user (whose daemon binds its socket there): a user who owns it could
@@ -162,10 +170,6 @@ def _start(job: SlurmJob, owner: JobOwner, cluster: str, key_file: str, timeout:
     created with ``O_EXCL | O_NOFOLLOW``.
     """
     directory = Path(job.directory)
-    make_dirs(JOB_ROOT, 0o755)
-    os.mkdir(directory, 0o700)
-    secret = _write_secret(job, owner, cluster, key_file)
-    settings = job_settings(job, secret)
     config = _create(directory / CONFIG_NAME, owner, 0o600)
     with os.fdopen(config, "w") as fh:
         fh.write("".join(f"{k} = {toml_value(v)}\n" for k, v in settings.items()))

@@ -109,6 +109,9 @@ def test_the_job_fabric_is_the_allocation_in_hostlist_order():
     assert settings["nodes"] == [f"{h}:{job.port}" for h in job.nodes]
     assert settings["node_id"] == 1
     assert settings["metrics_address"] == ""  # the node's own daemon has the default port
+    assert "listen" not in settings  # where the node's name resolves
+    assert job_settings(job, "", "0.0.0.0")["listen"] == f"0.0.0.0:{job.port}"
+    assert "secret_file" not in job_settings(job, "")
 
 
 def test_the_node_name_falls_back_to_the_host_name():
