@@ -21,9 +21,8 @@ Only a task of a job *step* has a rank: ``srun`` sets ``SLURM_STEP_NUM_TASKS``, 
 script's own process also has ``SLURM_PROCID=0`` and ``SLURM_NTASKS``, and taking those for a
 rank would make the batch script a rank 0 that never meets the others.
 
-Rules: pure functions of a mapping of variables, no I/O but :func:`job_socket_candidates`
-asking nothing either; the client imports this module (tests/unit/test_arrows.py), so it
-loads nothing of the daemon.
+Rules: pure functions of a mapping of variables, no I/O; the client imports this module
+(tests/unit/test_arrows.py), so it loads nothing of the daemon.
 """
 
 from __future__ import annotations
@@ -330,7 +329,8 @@ def task_identity(environ: Mapping[str, str]) -> TaskIdentity | None:
         return TaskIdentity(
             rank=rank,
             world_size=size,
-            local_rank=_int(environ, "LOCAL_RANK", rank),
+            # set by hand without LOCAL_RANK: Slurm's, if a task of srun, else one node's
+            local_rank=_int(environ, "LOCAL_RANK", _int(environ, "SLURM_LOCALID", rank)),
             local_world_size=_int(environ, "LOCAL_WORLD_SIZE", size),
             master_addr=environ.get("MASTER_ADDR", ""),
             master_port=_int(environ, "MASTER_PORT", 0),

@@ -192,6 +192,10 @@ def test_torchrun_variables_win_over_slurm():
     assert (identity.rank, identity.world_size, identity.local_rank) == (9, 16, 1)
     assert identity.source == "environment"
     assert launch_environment(torchrun) == {}  # nothing torchrun set is replaced
+    by_hand = task_identity({**_TASK, "RANK": "3", "WORLD_SIZE": "5"})  # no LOCAL_RANK
+    assert by_hand is not None
+    assert (by_hand.local_rank, by_hand.source) == (0, "environment")  # SLURM_LOCALID's
+    assert task_identity({"RANK": "2", "WORLD_SIZE": "4"}).local_rank == 2  # one node
 
 
 def test_the_launcher_adds_what_is_missing_and_replaces_stale_local_ranks():
