@@ -27,12 +27,15 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from fabricd.daemon.slurm_job import stop_job_daemon
 from fabricd.slurm import job_directory
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
+#: the most jobs one test submits (their ids follow FirstJobId)
+_MAX_JOBS = 8
 #: the variables a rank could be told by hand: none of them reaches srun
 _HAND_SET = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "FABRICD_SOCKET")
 
@@ -131,13 +134,17 @@ def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
     if os.geteuid() != 0:
         pytest.skip("slurmd must run as root (it starts each job as its user)")
     node = socket.gethostname().split(".")[0]
-    conf = _write_conf(tmp_path, node, random.randrange(1_000_000, 60_000_000))
+    first = random.randrange(1_000_000, 60_000_000)  # clear of other runs' job directories
+    conf = _write_conf(tmp_path, node, first)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     daemons = [_start(program, conf, env, tmp_path) for program in ("slurmctld", "slurmd")]
     try:
         _wait_idle(env, daemons, tmp_path)
         yield env
     finally:
+        for job in range(first, first + _MAX_JOBS):  # the epilogs may still run: wait for them
+            if not _gone(job_directory(job)):
+                stop_job_daemon(job)  # never leave a daemon behind, whatever failed
         for daemon in daemons:
             daemon.send_signal(signal.SIGTERM)
         for daemon in daemons:
@@ -146,6 +153,14 @@ def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait()
+
+
+def _gone(path: str, timeout: float = 60.0) -> bool:
+    """Wait until ``path`` is gone (an epilog removes its job's directory); whether it is."""
+    deadline = time.monotonic() + timeout
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not os.path.exists(path)
 
 
 def _start(program: str, conf: Path, env: dict[str, str], logs: Path) -> subprocess.Popen[bytes]:
@@ -206,10 +221,7 @@ def test_srun_starts_ranks_that_allreduce_through_the_job_daemon(slurm, tmp_path
     job = int(Path(ranks[0]["socket"]).parent.name)
     assert ranks[0]["socket"] == f"{job_directory(job)}/fabricd.sock"
     # the epilog runs after the job has ended: it stops the daemon and removes the directory
-    deadline = time.monotonic() + 60
-    while os.path.exists(job_directory(job)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not os.path.exists(job_directory(job)), _tail(tmp_path / "epilog.log")
+    assert _gone(job_directory(job)), _tail(tmp_path / "epilog.log")
     assert "stopped" in (tmp_path / "epilog.log").read_text()
     example = subprocess.run(
         ["srun", "-N1", "-n2", "--overcommit", sys.executable, "examples/slurm_train.py"],
@@ -222,6 +234,7 @@ def test_srun_starts_ranks_that_allreduce_through_the_job_daemon(slurm, tmp_path
     assert example.returncode == 0, example.stderr
     drifts = sorted(line for line in example.stdout.splitlines() if "distance" in line)
     assert drifts == [f"rank {r} of 2: distance to rank 0's model 0.0" for r in (0, 1)]
+    assert _gone(job_directory(job + 1)), _tail(tmp_path / "epilog.log")  # its epilog ran too
 
 
 def _launch(environ: dict[str, str]) -> dict[str, str]:
