@@ -65,7 +65,7 @@ socket_option = click.option(
     metavar="PATH",
     help=(
         "the daemon's socket (default: $FABRICD_SOCKET, else the first that answers of "
-        "$XDG_RUNTIME_DIR/fabricd/fabricd.sock and /run/fabricd/fabricd.sock)"
+        "a Slurm job's own, $XDG_RUNTIME_DIR/fabricd/fabricd.sock and /run/fabricd/fabricd.sock)"
     ),
 )
 

@@ -19,6 +19,7 @@ from fabricd.cli.demo import demo
 from fabricd.cli.graph import graph
 from fabricd.cli.k8s import k8s
 from fabricd.cli.local_cluster import local_cluster
+from fabricd.cli.slurm import slurm
 from fabricd.cli.stalls import stalls
 from fabricd.cli.status import peers, status
 from fabricd.cli.top import top
@@ -41,6 +42,7 @@ main.add_command(config)
 main.add_command(local_cluster)
 main.add_command(demo)
 main.add_command(k8s)
+main.add_command(slurm)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Training scripts use the client library::
 
     import fabricd
-    fab = fabricd.connect(job="demo")            # rank/size from RANK/WORLD_SIZE if not given
+    fab = fabricd.connect(job="demo")  # rank/size from RANK/WORLD_SIZE (else srun's) if not given
     g = fab.array("grad", (1024,), "float32")
     fab.send(g, to=1); fab.recv(g, src=1)
     fab.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Final
 
+from fabricd.slurm import job_socket_candidates
 from fabricd.wire import Kind, Limits, encode_head
 
 if TYPE_CHECKING:
@@ -56,10 +57,17 @@ SYSTEM_SOCKET = "/run/fabricd/fabricd.sock"
 def socket_candidates() -> tuple[str, ...]:
     """Where a client looks for its daemon when nothing names the socket, in order.
 
-    A non-root user with ``$XDG_RUNTIME_DIR`` first tries ``$XDG_RUNTIME_DIR/fabricd/fabricd.sock``
-    (a daemon of their own), then :data:`SYSTEM_SOCKET` (the one systemd runs for everybody):
-    looking only in the runtime dir would miss the system daemon.  Root has no runtime-dir daemon.
+    Inside a Slurm job (``$SLURM_JOB_ID``), the job's own daemon comes first, the one the
+    prolog started (:func:`fabricd.slurm.job_socket`; docs/slurm.md).  Then a non-root user
+    with ``$XDG_RUNTIME_DIR`` tries ``$XDG_RUNTIME_DIR/fabricd/fabricd.sock`` (a daemon of
+    their own), then :data:`SYSTEM_SOCKET` (the one systemd runs for everybody): looking only in
+    the runtime dir would miss the system daemon.  Root has no runtime-dir daemon.
     """
+    return job_socket_candidates(os.environ) + _node_candidates()
+
+
+def _node_candidates() -> tuple[str, ...]:
+    """The sockets of the node's daemons: the user's own, then the system's."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if os.geteuid() == 0 or not runtime:
         return (SYSTEM_SOCKET,)
@@ -69,10 +77,11 @@ def socket_candidates() -> tuple[str, ...]:
 def default_socket_path() -> str:
     """Where a daemon listens when neither its config nor ``$FABRICD_SOCKET`` names a socket.
 
-    The first of :func:`socket_candidates`: root (and systemd) use :data:`SYSTEM_SOCKET`, other
-    users their own runtime dir, where their clients look first.
+    The first of the node's candidates (:func:`socket_candidates` less a Slurm job's socket,
+    which only the job's daemon is told to use): root (and systemd) use :data:`SYSTEM_SOCKET`,
+    other users their own runtime dir, where their clients look first.
     """
-    return socket_candidates()[0]
+    return _node_candidates()[0]
 
 
 def closing_frame(code: ErrorCode, reason: str) -> bytes:

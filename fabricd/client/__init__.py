@@ -55,6 +55,7 @@ from fabricd.engines.ps.bounded import DivergenceBound
 from fabricd.engines.ps.filters import FilterSettings
 from fabricd.errors import DaemonUnavailable, Timeout, UsageError
 from fabricd.ipc import socket_candidates
+from fabricd.slurm import task_identity
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -660,9 +661,12 @@ def connect(
 ) -> Client:
     """Connect to the local daemon and, with ``job``, join it as ``rank`` of ``size``.
 
-    ``rank`` and ``size`` default to ``$RANK`` and ``$WORLD_SIZE`` (as torchrun sets them), the
-    job to ``$FABRICD_JOB``.  The socket is ``socket_path``, else ``$FABRICD_SOCKET``, else
-    the first that answers of ``$XDG_RUNTIME_DIR/fabricd/fabricd.sock`` (not for root) and
+    ``rank`` and ``size`` default to ``$RANK`` and ``$WORLD_SIZE`` (as torchrun sets them),
+    else, in a task that ``srun`` started, to Slurm's ``$SLURM_PROCID`` and
+    ``$SLURM_STEP_NUM_TASKS`` (:func:`fabricd.slurm.task_identity`); the job defaults to
+    ``$FABRICD_JOB``.  The socket is ``socket_path``, else ``$FABRICD_SOCKET``, else the first
+    that answers of the Slurm job's socket (inside a job whose prolog started a daemon,
+    docs/slurm.md), ``$XDG_RUNTIME_DIR/fabricd/fabricd.sock`` (not for root) and
     ``/run/fabricd/fabricd.sock``.  Without a job the client can only query the daemon
     (status, config).
 
@@ -677,14 +681,23 @@ def connect(
         UsageError: a job name that is not a str of 1..200 characters, rank or size missing or
             not ints, the rank outside ``0..size-1``, the rank is taken, or a spin outside
             0..0.01 s.
+        ConfigError: a Slurm variable the rank is read from is malformed
+            (:class:`fabricd.slurm.SlurmError`).
     """
     job = job if job is not None else os.environ.get("FABRICD_JOB")
     spun = checks.spin(_env_spin() if spin is None else spin)
     given_rank, given_size = _env_int(rank, "RANK"), _env_int(size, "WORLD_SIZE")
+    if job is not None and given_rank is None and given_size is None:
+        identity = task_identity(os.environ)  # a task of srun: the step's rank and size
+        if identity is not None:
+            given_rank, given_size = identity.rank, identity.world_size
     membership = None
     if job is not None:
         if given_rank is None or given_size is None:
-            raise UsageError(f"joining job {job!r} needs rank and size (or $RANK and $WORLD_SIZE)")
+            raise UsageError(
+                f"joining job {job!r} needs rank and size (or $RANK and $WORLD_SIZE, or a task "
+                "of srun)"
+            )
         membership = checks.membership(job, given_rank, given_size)
     connection = Connection.open(_socket_paths(socket_path))
     connection.spin = spun

@@ -94,6 +94,17 @@ def read_secrets(cfg: Config, environ: Mapping[str, str] | None = None) -> tuple
     return parse_secrets(text, where)
 
 
+def read_secret_file(path: Path, where: str) -> tuple[bytes, ...]:
+    """The secrets of the file ``path``, checked as ``secret_file`` is (the older first).
+
+    The Slurm prolog reads the site's key with it (:mod:`fabricd.daemon.slurm_job`).
+
+    Raises:
+        ConfigError: as :func:`read_secrets` does for ``secret_file``; ``where`` names it.
+    """
+    return parse_secrets(_read_private_file(path, where), where)
+
+
 def parse_secrets(text: bytes, where: str) -> tuple[bytes, ...]:
     """One secret per non-blank line, stripped; one or :data:`MAX_SECRETS`, each long enough.
 

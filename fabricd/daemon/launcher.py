@@ -146,9 +146,9 @@ class LocalCluster:
                 ports.append(port)
         hosts = self.hosts or ["127.0.0.1"] * self.size
         addresses = [f"{host}:{port}" for host, port in zip(hosts, ports[: self.size], strict=True)]
-        lines = [f"nodes = {_toml_value(addresses)}", f"secret_file = {_toml_value(str(secret))}"]
+        lines = [f"nodes = {toml_value(addresses)}", f"secret_file = {toml_value(str(secret))}"]
         for key, value in self.settings.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
         self.config_path = self.directory / "fabricd.toml"
         self.config_path.write_text("\n".join(lines) + "\n")
         log_dir = self.log_dir or self.directory
@@ -596,11 +596,12 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """``value`` (a bool, str, number or list of them) as a TOML value, for a written config."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return repr(value)
