@@ -599,6 +599,28 @@ def test_markers_list_ranks_only_for_the_flush_at_hand_and_not_live_ones() -> No
     assert not ex.gone_peers
 
 
+def test_a_marker_listing_an_incarnation_that_left_leaves_a_newer_member_alone() -> None:
+    """Incarnation 66 left before it was taken back, 77 is a member: a marker for the next
+    flush that lists 66 (late, or sent again) neither takes 66 back nor makes 77 gone."""
+    fab = _gone_and_settled(3, 2)
+    fab.revive(2, nonce=66)
+    fab.drain()
+    fab.kill(2)
+    for r in (0, 1):
+        fab.act(r, fab.ex[r].left(2))
+    fab.revive(2, nonce=77)
+    fab.drain()
+    fab.flush([0, 1])
+    fab.drain()
+    assert fab.opened[2] == Opened(joined_from=0)
+    ex = fab.ex[0]
+    frame: dict[str, Any] = {"round": None, "lo": 0, "payload": np.zeros(1), "clock": 0}
+    ex.received(1, **frame, flush=ex.statistics().flushes + 1, nonce=2, to=1, joins=((2, 66),))
+    assert not ex.gone_peers
+    assert ex._nonce_of[2] == 77
+    assert not ex._joins_heard
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.integers(4, 5), st.data())
 def test_the_lowest_survivor_dying_during_the_flush_that_takes_a_rank_back(

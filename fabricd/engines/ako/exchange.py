@@ -707,8 +707,9 @@ class Exchange:
         for peer, nonce in joins:
             if peer not in self._heard:
                 continue
-            if peer not in self._gone and self._nonce_of[peer] == nonce:
-                continue  # (taken back here already: a marker sent again)
+            here = self._nonce_of[peer] == nonce or self._is_dead(peer, nonce)
+            if peer not in self._gone and here:
+                continue  # (taken back here already, or a newer one was: a marker sent again)
             pending = self._pending(peer)
             if nonce not in (pending, self._nonce_of[peer]) and not self._is_dead(peer, nonce):
                 # (never heard here: the one that left unheard, or older than one pending)
@@ -776,8 +777,7 @@ class Exchange:
 
     def left(self, peer: int) -> list[Action]:
         """``peer``'s rank left (membership's news): gone for good.  What left is the newest
-        incarnation known here (one to be taken back dies), or, if that one left already, one
-        never heard here: the next nonce a marker lists (module docstring)."""
+        incarnation known here, else one never heard here (module docstring)."""
         self._away.discard(peer)
         if peer not in self._heard:
             return []
