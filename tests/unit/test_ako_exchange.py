@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from fabricd.engines.ako.cost import partitions_for
@@ -529,3 +529,78 @@ def test_the_gate_keeps_the_old_bound_after_a_repartition_to_fewer_parts() -> No
     assert ex.clock <= slowest + ex.bound  # the trainer let go at round 3 is within it
     held = ex.step(np.ones(SIZE), 0.0)
     assert not any(isinstance(a, Stepped) for a in held)  # the next one waits
+
+
+def test_a_flush_marker_lost_in_a_reset_is_sent_again_on_back() -> None:
+    """Both ranks flush; their markers are lost with the link 0-1 (reset), then it is back:
+    each sends its open flush's marker again, so both flushes complete (they once waited for
+    ever: ``back`` sent a marker only to a peer never sent one)."""
+    ring = _three_stepped(p=1)  # (a marker then carries nothing else: the sum stays exact)
+    ring.drain()
+    for rank in range(3):
+        _flush(ring, rank)
+    for pair in ((0, 1), (1, 0)):
+        ring.queues.get(pair, deque()).clear()
+    _cut(ring, 0, 1)
+    ring.drain()
+    _heal(ring, 0, 1)
+    ring.drain()
+    assert ring.flushed == [1, 1, 1]
+    for model in ring.models:
+        np.testing.assert_array_equal(model, -LR * ring.total)
+
+
+def test_a_marker_lost_after_its_sender_completed_the_flush_is_sent_again() -> None:
+    """Rank 0 completes its flush; its marker to rank 1 was lost with the link, and it steps
+    before the link is back: back, it sends the marker of that flush alone, then its debt (its
+    round after the flush), which rank 1 applies after its own flush completes."""
+    ring = _three_stepped(p=1)
+    ring.drain()
+    for rank in range(3):
+        _flush(ring, rank)
+    ring.queues[(0, 1)].clear()
+    ring.drain()
+    assert ring.flushed == [1, 0, 1]
+    _cut(ring, 0, 1)
+    assert ring.step(0, np.full(SIZE, 7.0))
+    ring.drain()
+    _heal(ring, 0, 1)
+    ring.drain()
+    assert ring.flushed == [1, 1, 1]
+    for rank in (1, 2):
+        assert ring.step(rank, np.full(SIZE, 10.0**rank))
+    ring.flush_all()
+    for model in ring.models:
+        np.testing.assert_array_equal(model, -LR * ring.total)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 4), st.data())
+def test_a_reset_at_any_point_of_a_flush_hangs_no_flush(n: int, data: st.DataObject) -> None:
+    """Link a-b resets at any point of a flush, the frames on it lost (markers among them);
+    a rank done with its flush may step before the link is back: every flush completes, and
+    the sum is exact (``p = 1`` and rounds delivered before the flush: a marker carries
+    nothing else, and a round made after the reset is a debt)."""
+    ring = Ring(n, 1, 5, np.zeros(SIZE))
+    for rank in range(n):
+        assert ring.step(rank, np.full(SIZE, rank + 1.0))
+    ring.drain()
+    for rank in range(n):
+        _flush(ring, rank)
+    for _ in range(data.draw(st.integers(0, 2 * n * n), label="frames before the reset")):
+        ring.deliver(data.draw(st.integers(0, 99)), any_order=False)
+    a, b = data.draw(st.permutations(range(n)), label="link")[:2]
+    for pair in ((a, b), (b, a)):
+        ring.queues.get(pair, deque()).clear()
+    _cut(ring, a, b)
+    for rank in (a, b):
+        if not ring.open[rank] and data.draw(st.booleans(), label=f"rank {rank} steps"):
+            assert ring.step(rank, np.full(SIZE, 10.0))
+    event(f"done before the reset: {sorted(r for r in (a, b) if ring.flushed[r])}")
+    ring.drain()
+    _heal(ring, a, b)
+    ring.drain()
+    assert ring.flushed == [1] * n
+    ring.flush_all()
+    for model in ring.models:
+        np.testing.assert_array_equal(model, -LR * ring.total)

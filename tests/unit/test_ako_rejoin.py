@@ -7,7 +7,8 @@ without it); the newcomer's open is answered with a survivor's model once the su
 afterwards every replica is equal, and after more steps and a flush every replica equals that
 model minus ``lr`` times every gradient made since, exactly (integer gradients), for any
 partition count, any delivery order, and whenever the newcomer's HELLO reaches each survivor
-(also when that newcomer dies again before it is taken back, and another opens).
+(also when that newcomer dies again before it is taken back or during the flush that takes it
+back, heard by each survivor before or after it completes that flush, and another opens).
 """
 
 from __future__ import annotations
@@ -205,8 +206,19 @@ def test_a_rank_that_comes_back_catches_up_and_the_sum_is_exact_again(
             fab.deliver(picks[0])
     for r in sorted(told_late):
         fab.act(r, fab.ex[r].gone(dead))
-    for flushes in range(1, 4):  # the survivors' flushes take it back (the next one it is in)
+    dies_in_flush = data.draw(st.booleans(), label="it dies during the flush that lists it")
+    for flushes in range(1, 5):  # the survivors' flushes take it back (the next one it is in)
         fab.flush(survivors)
+        if dies_in_flush and fab.opened[dead] is None:
+            dies_in_flush = False  # (some survivors done with the flush, others not)
+            for _ in range(data.draw(st.integers(0, 4 * n), label="frames before it dies")):
+                fab.deliver(picks[0])
+            fab.kill(dead)
+            for r in data.draw(st.permutations(survivors), label="told in this order"):
+                fab.act(r, fab.ex[r].left(dead))
+                for _ in range(data.draw(st.integers(0, n), label="frames in between")):
+                    fab.deliver(picks[0])
+            fab.revive(dead, nonce=3000 + dead)  # (the next flush syncs, and takes it back)
         fab.drain(picks)
         assert not any(fab.busy), "a survivor's flush waited for the rank that is gone"
         if fab.opened[dead] is not None:
@@ -587,6 +599,28 @@ def test_markers_list_ranks_only_for_the_flush_at_hand_and_not_live_ones() -> No
     assert not ex.gone_peers
 
 
+def test_a_marker_listing_an_incarnation_that_left_leaves_a_newer_member_alone() -> None:
+    """Incarnation 66 left before it was taken back, 77 is a member: a marker for the next
+    flush that lists 66 (late, or sent again) neither takes 66 back nor makes 77 gone."""
+    fab = _gone_and_settled(3, 2)
+    fab.revive(2, nonce=66)
+    fab.drain()
+    fab.kill(2)
+    for r in (0, 1):
+        fab.act(r, fab.ex[r].left(2))
+    fab.revive(2, nonce=77)
+    fab.drain()
+    fab.flush([0, 1])
+    fab.drain()
+    assert fab.opened[2] == Opened(joined_from=0)
+    ex = fab.ex[0]
+    frame: dict[str, Any] = {"round": None, "lo": 0, "payload": np.zeros(1), "clock": 0}
+    ex.received(1, **frame, flush=ex.statistics().flushes + 1, nonce=2, to=1, joins=((2, 66),))
+    assert not ex.gone_peers
+    assert ex._nonce_of[2] == 77
+    assert not ex._joins_heard
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.integers(4, 5), st.data())
 def test_the_lowest_survivor_dying_during_the_flush_that_takes_a_rank_back(
@@ -734,13 +768,10 @@ def test_the_next_lowest_sends_the_join_sync_though_the_newcomer_is_below_it() -
     assert fab.opened[0] == Opened(joined_from=2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known hang (third review): a newcomer that leaves during its admitting flush, "
-    "heard by one survivor before it completes and by another after, leaves them split on "
-    "whether its rank is settled; docs/ako.md, limits",
-)
 def test_a_newcomer_leaving_during_its_admitting_flush_hangs_no_flush() -> None:
+    """Rank 1 completes the flush that takes rank 2 back, then hears it left; rank 0 hears it
+    first: it does not take it back, but unsettles its rank, so both sync at the next flush
+    (rank 1 once waited for a model rank 0 did not send)."""
     fab = _gone_and_settled(3, 2)
     fab.revive(2, nonce=77)
     fab.queues.pop((2, 1))  # (its HELLO reaches rank 0 only)
@@ -754,14 +785,13 @@ def test_a_newcomer_leaving_during_its_admitting_flush_hangs_no_flush() -> None:
     fab.flush([0, 1])
     fab.drain()
     assert not any(fab.busy)
+    _equal_after_a_round(fab, [0, 1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known hang (third review): a marker listing a newcomer that arrives after "
-    "membership said it left takes the dead incarnation back; docs/ako.md, limits",
-)
 def test_a_listing_after_the_newcomer_left_does_not_take_it_back() -> None:
+    """Rank 1 never heard incarnation 77 and hears a departure of rank 2 after the one it
+    settled: the next nonce a marker lists (77) is the one that left, so rank 1 does not take
+    it back (its next flush once waited for it), and unsettles it as rank 0 does."""
     fab = _gone_and_settled(3, 2)
     fab.revive(2, nonce=77)
     fab.queues.pop((2, 1))
@@ -771,6 +801,51 @@ def test_a_listing_after_the_newcomer_left_does_not_take_it_back() -> None:
     for r in (0, 1):
         fab.act(r, fab.ex[r].left(2))
     fab.drain()
+    assert fab.ex[1].gone_peers == {2}
     fab.flush([0, 1])
     fab.drain()
     assert not any(fab.busy)
+    _equal_after_a_round(fab, [0, 1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(3, 5), st.data())
+def test_a_newcomer_leaving_at_any_point_of_its_admitting_flush_leaves_the_survivors_equal(
+    n: int, data: st.DataObject
+) -> None:
+    """The newcomer's HELLO reaches some survivors only; it dies at any point of the flush
+    that lists it (taken back by some survivors, by none, or by all; it may have stepped once
+    taken back), and each survivor hears it before or after completing that flush: every
+    survivor's flushes complete, and after a round and a flush every replica is equal."""
+    picks = data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=30), label="order")
+    newcomer = data.draw(st.integers(0, n - 1), label="newcomer")
+    fab = _gone_and_settled(n, newcomer)
+    survivors = [r for r in range(n) if r != newcomer]
+    fab.revive(newcomer, nonce=77)
+    reached = data.draw(st.sets(st.sampled_from(survivors), min_size=1), label="HELLO reaches")
+    for r in survivors:
+        if r not in reached:
+            fab.queues.pop((newcomer, r), None)
+    fab.drain(picks)
+    for r in survivors:
+        assert fab.step(r, np.full(SIZE, 2.0**r))
+    fab.drain(picks)
+    fab.flush(survivors)
+    for _ in range(data.draw(st.integers(0, 8 * n), label="frames before it dies")):
+        fab.deliver(picks[0])
+    if fab.opened[newcomer] is not None and data.draw(st.booleans(), label="it steps"):
+        fab.step(newcomer, np.full(SIZE, 64.0))
+        for _ in range(data.draw(st.integers(0, n), label="its round's frames delivered")):
+            fab.deliver(picks[0])
+    event(f"taken back by {sum(not fab.busy[r] for r in survivors)} of {n - 1} first")
+    fab.kill(newcomer)
+    for r in data.draw(st.permutations(survivors), label="told in this order"):
+        fab.act(r, fab.ex[r].left(newcomer))
+        for _ in range(data.draw(st.integers(0, 2 * n), label="frames in between")):
+            fab.deliver(picks[0])
+    fab.drain(picks)
+    assert not any(fab.busy)
+    fab.flush(survivors)
+    fab.drain(picks)
+    assert not any(fab.busy), "a survivor's flush waited for a model nobody sends"
+    _equal_after_a_round(fab, survivors)

@@ -40,30 +40,23 @@ Choices where the paper is silent, and why:
   out of the rotation and the clocks (the survivors never wait for it, §4.3), and what it is
   owed is kept whole: the parts of the window not sent it yet, plus every gradient made
   meanwhile (one array).  When it is back (:meth:`Exchange.back`) it is sent that debt in one
-  frame (with the marker of this rank's last flush, if it missed it) and the rotation goes on,
-  and nothing is lost.  One that is gone for good (:meth:`Exchange.gone`) is forgotten, debt
-  included; what it sent may have reached some ranks and not others.  §4.3 discards in-flight
-  gradients after a failure: so does a link reset here (frames lost with it are not sent
-  again; the debt after it carries its sender's frame count, so no flush waits for them); the
-  exact sum holds while no frame is lost.
-* *A flush after a peer went for good* cannot make the replicas equal by sums alone: the gone
-  rank's last parts reached the survivors unevenly.  The survivors then take one model: the
-  lowest reachable rank's, which it sends each other survivor (a SYNC part, whole) once its
-  own flush is complete; each adopts it once its own is complete too (§4.3: the failed worker
-  "catches the model up from a peer", here the survivors do).  Parts a peer sends after its
-  flush (its next rounds) are held until this rank's flush is complete, so that a model taken
-  from the lowest rank never overwrites them.  The SYNC names the ranks it settles (``gone``):
-  each survivor settles those, so the next flush syncs again for any that went later.  A rank
-  can go when some survivors completed the flush with it and others have it absent: the
-  lowest, if done, sends its model at that flush when it hears (settling nothing: the next
-  flush syncs again), and a survivor done with a flush that gets a SYNC for it moves its model
-  by the difference from its own then (each keeps its model at its last flush for this).  A
-  rank that goes right after completing a flush, while the lowest never got its marker and a
-  survivor done with the flush got its next round, leaves that round in that replica only.
-  This needs the survivors to agree on who is gone: a partition that membership resolves one
-  way on one node and another way on another (a rank gone for one survivor, reachable for
-  the next) can leave a flush waiting for a SYNC that does not come; its call is logged as
-  stalled.
+  frame and the rotation goes on.  One gone for good (:meth:`Exchange.gone`) is forgotten.
+  §4.3 discards in-flight gradients after a failure: so does a link reset here (the debt
+  carries its sender's frame count, so no flush waits for frames lost), but a lost flush
+  marker would leave the peer's flush waiting: the last one goes again (with the debt if its
+  flush is open, else alone: the debt then holds rounds after it; twice is as once).
+* *A flush after a peer went for good* cannot make the replicas equal by sums alone (the gone
+  rank's last parts reached the survivors unevenly): the survivors take the lowest reachable
+  rank's model, a SYNC it sends once its own flush is complete, each adopting it once its own
+  is complete too (§4.3: a failed worker "catches the model up from a peer"; here the
+  survivors do).  Parts a peer sends after its flush wait until this rank's is complete, so
+  the model taken never overwrites them.  The SYNC names the ranks it settles (``gone``); the
+  next flush syncs again for any that went later.  A rank gone when some survivors completed
+  the flush with it and others have it absent: the lowest, if done, sends its model at that
+  flush (settling nothing), and a survivor done with it moves its model by the difference
+  from its own then (each keeps its model at its last flush).  Limits (docs/ako.md): a round
+  of a rank that goes right after a flush can stay in one replica; the survivors must agree
+  on who is gone (else a flush can wait for a SYNC that does not come: logged as stalled).
 * *A repartition to fewer parts* keeps the gate's old bound for as many rounds as the old
   count: a trainer let go under the old bound stays within it.
 * *A flush* (collective) sends each reachable peer everything it is owed in one frame (the
@@ -72,48 +65,34 @@ Choices where the paper is silent, and why:
   of that number came, with every frame it counted, and no peer is unreachable: a flush waits
   for a lost peer to be back or gone (a step never does).  Afterwards every replica holds
   ``w0 - lr * (every gradient of every rank)`` (float rounding aside).
-* *A rank that comes back* (§4.3: "entries to the counters are re-added when workers
-  recover"; the issue adds that it catches the model up from a peer).  Every exchange has a
-  random ``nonce``; every frame carries its sender's and the nonce it believes its receiver
-  has (``to``; 0: none heard yet), so a frame for or from an earlier incarnation of a rank
-  is told apart and dropped.  An exchange that opens (:meth:`Exchange.start`) says HELLO to
-  every peer and is answered FRESH (it is a member: the job's first open) or JOIN (the peer
-  had it gone, or knew another nonce for it: it left, and this is its return).  A JOIN'd
-  rank takes no part until the survivors take it back, all at one flush: the peers it said
-  HELLO to list it (with its nonce) in their next flush marker, every survivor admits the
-  union of the lists it got with that flush's markers when the flush completes, and the
-  lowest survivor sends it its model then (a SYNC marked ``join``, with the ranks it has
-  gone).  The newcomer adopts that model, clock and flush count, and only then takes the
-  frames it was sent by survivors that admitted it (those carry its nonce); its open is
-  answered then.  Why at a flush: it is the one point where the survivors' models are equal
-  (or made equal by a SYNC), so the model adopted holds every gradient made before it, and
-  every survivor sends the newcomer exactly what it makes after: the exact sum holds again
-  from there.  The survivors never wait for a newcomer before it is taken back (it is gone
-  to them until then); the newcomer waits for their next flush (the trainer's open blocks
-  until then; a job that never flushes again never takes it back).  A rank that opened
-  FRESH to some peers and JOIN to others is gone to all of them once one marker lists it.
-  What makes it robust: each survivor keeps the join SYNC (its model at the take-back) until
-  a part of the newcomer's comes; the lowest sends it again on :meth:`Exchange.back` (one
-  unreachable at the take-back, :meth:`Exchange.lose` while gone, is taken back owed, not
-  live), and the next lowest sends its own if the lowest goes first; a newcomer that gets a
-  second join SYNC for the same flush from a higher rank moves its model by the two models'
-  difference (the first's sender went before the others took its model).  A newcomer that
-  leaves before it is taken back (:meth:`Exchange.left`), or whose nonce a newer HELLO
-  supersedes, is not: its nonce is dead, whatever marker lists it later.  A marker is read
-  only for this rank's open or next flush, and one sent again on :meth:`Exchange.back`
-  lists its joins again.  The newcomer settles only the gone ranks its SYNC names, and
-  survivors hear it at the lowest's clock (its marker's).  During a flush, frames from a
-  gone rank's incarnation not listed here yet are held (at most :data:`MAX_STRANGE`): the
-  marker that lists it may come later in the flush.  A rank waiting to be taken back
-  answers a HELLO FRESH at once (the survivors' answers decide).  Whichever survivor sends
-  the join SYNC, it carries the lowest's clock (its marker's), which every survivor hears the
-  newcomer at.
+* *A rank that comes back* (§4.3 re-adds a recovered worker to the counters; the issue adds
+  that it catches the model up from a peer; docs/ako.md tells it whole).  Every exchange has
+  a random ``nonce``, and every frame carries its sender's and its receiver's as known
+  (``to``), so frames for or from an earlier incarnation are dropped.  An open
+  (:meth:`Exchange.start`) says HELLO to every peer, answered FRESH (a member) or JOIN (the
+  peer had it gone, or knew another nonce).  The survivors take a JOIN'd rank back all at
+  one flush: those it said HELLO to list it (with its nonce) in their next flush marker,
+  every survivor takes back what that flush's markers listed when it completes, and the
+  lowest sends it its model (a SYNC marked ``join``, with its clock and gone ranks).  A flush
+  is where the survivors' models are equal (or made so by a SYNC): the model holds every
+  gradient made before, and every survivor sends the newcomer exactly what it makes after.
+  Until then it is gone to them (they never wait for it).  Each keeps the join SYNC until the
+  newcomer is heard from: the lowest sends it again on :meth:`Exchange.back`, the next lowest
+  its own if the lowest goes (the newcomer moves by the difference).
+* *A newcomer that dies* (it leaves, or a newer HELLO supersedes it) before or during the
+  flush that lists it: its nonce is dead, never taken back, and a flush whose markers list a
+  dead nonce *unsettles* its rank when it completes (the next flush takes the lowest's
+  model).  A survivor that took it back, then heard, ends the same: every survivor has one
+  view, whatever the order it heard the death in.  A departure (no nonce) is of the newest
+  incarnation known here or, if that one left already, of one never heard here: the next
+  nonce a marker lists (also dead if another is pending here: it is older).
 * *No peers* (one rank): steps apply the rank's own gradient and are never held.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -263,13 +242,17 @@ class Exchange:
         self._joins_heard: dict[int, dict[int, int]] = {}  #: flush -> ranks its markers listed
         self._floor = 0  #: the flush this rank was taken back at: frames from before it go
         #: per peer, nonces of incarnations that left or were superseded: never taken back
+        #: (a flush that lists one unsettles its rank instead)
         self._dead: dict[int, deque[int]] = {}
+        self._left_here: set[int] = set()  #: peers whose newest incarnation known here left
+        self._unheard_left: set[int] = set()  #: peers of which one not heard here left since
         #: ranks taken back and not heard from yet: their join SYNC (this rank's model then)
         self._newcomers: dict[int, SendPart] = {}
         self._sent_join: set[int] = set()  #: newcomers whose join SYNC is this rank's to send
         self._away: set[int] = set()  #: gone peers membership says are unreachable
         self._strange = 0  #: frames held this flush from a gone rank's unlisted incarnation
-        self._marker_joins: tuple[tuple[int, int], ...] = ()  #: the last flush marker's
+        #: this rank's last two flushes: its clock and the ranks its markers listed
+        self._marks: dict[int, tuple[int, tuple[tuple[int, int], ...]]] = {}
         self._flush_clock: dict[int, int] = {}  #: the clock each peer's last marker carried
         #: taken back: the model adopted, and from whom, until this rank's next flush
         self._base: tuple[int, Array] | None = None
@@ -335,7 +318,9 @@ class Exchange:
         self._flushing = True
         can_admit = len(self._gone) <= MAX_GONE
         self._admit = dict(sorted(self._joins.items())[:MAX_JOINS] if can_admit else ())
-        joins = self._marker_joins = tuple(self._admit.items())
+        joins = tuple(self._admit.items())
+        self._marks = {k: v for k, v in self._marks.items() if k == self._flushes - 1}
+        self._marks[self._flushes] = (self.clock, joins)
         out: list[Action] = []
         for i in sorted(self._live):
             owed = self._unsent(i)
@@ -410,8 +395,11 @@ class Exchange:
         return self._answered()
 
     def _hello(self, src: int, nonce: int) -> list[Action]:
-        if nonce in self._dead.get(src, ()):
+        if self._is_dead(src, nonce):
             return []  # (a late HELLO of an incarnation that left or was superseded)
+        # (heard here after its arrival here: a departure not heard of was an earlier one's)
+        self._left_here.discard(src)
+        self._unheard_left.discard(src)
         if self.phase == "joining":  # (not a member yet: the survivors' answers decide; the
             self._nonce_of[src] = nonce  # SYNC's gone ranks still apply once it comes)
             return [self._signal(src, Signal.FRESH)]
@@ -427,15 +415,14 @@ class Exchange:
         return [self._signal(src, Signal.FRESH)]
 
     def _cancel(self, peer: int, keep: int = 0) -> None:
-        """Every admission pending for ``peer`` with a nonce other than ``keep`` is dropped,
-        its nonce remembered as dead (a marker listing it later is ignored)."""
-        dead = self._dead.setdefault(peer, deque(maxlen=MAX_DEAD))
+        """Every admission pending for ``peer`` with a nonce other than ``keep`` dies: not
+        listed here any more, and a flush that lists it unsettles its rank (module docstring)."""
         for joins in (self._joins, self._admit, *self._joins_heard.values()):
             nonce = joins.get(peer, 0)
             if nonce and nonce != keep:
-                del joins[peer]
-                if nonce not in dead:
-                    dead.append(nonce)
+                self._kill(peer, nonce)
+        if peer in self._joins and self._joins[peer] != keep:
+            del self._joins[peer]
 
     def _answered(self) -> list[Action]:
         """Every peer answered FRESH (or is gone): the exchange runs, with the frames it was
@@ -497,10 +484,12 @@ class Exchange:
         return out
 
     def _pending(self, src: int) -> int:
-        """The nonce ``src`` is to be taken back with at a flush (0: none)."""
+        """The nonce ``src`` is to be taken back with at a flush (0: none; one that left is
+        not)."""
         for joins in (self._admit, *self._joins_heard.values(), self._joins):
-            if src in joins:
-                return joins[src]
+            nonce = joins.get(src, 0)
+            if nonce and not self._is_dead(src, nonce):
+                return nonce
         return 0
 
     def _take_back(self, admitted: dict[int, int], lowest: int) -> list[Action]:
@@ -508,7 +497,6 @@ class Exchange:
         rank makes from now on; the ``lowest`` survivor sends them its model (a join SYNC,
         kept until the newcomer is heard from: sent again if lost, or by the next lowest if
         ``lowest`` goes).  One membership says is unreachable is owed it (lost), not live."""
-        admitted = {i: n for i, n in admitted.items() if n not in self._dead.get(i, ())}
         gone = tuple(sorted(self._gone - admitted.keys())[:MAX_GONE])
         # the newcomer adopts the lowest's clock: the gate hears it at that clock
         clock = self.clock if lowest == self.rank else self._flush_clock.get(lowest, self.clock)
@@ -686,7 +674,7 @@ class Exchange:
         flush completes waits for it; so does (bounded) one of an incarnation no marker
         listed here yet (its HELLO here may have been lost: the marker that lists it may
         come later in this flush).  Others are dropped."""
-        if not nonce or nonce in self._dead.get(src, ()):
+        if not nonce or self._is_dead(src, nonce):
             return
         if self._pending(src) == nonce:
             self._later.append((src, fields))
@@ -710,19 +698,40 @@ class Exchange:
 
     def _listed(self, flush: int, joins: tuple[tuple[int, int], ...]) -> list[Action]:
         """A flush marker listed returning ranks: taken back when that flush completes (their
-        earlier incarnations, if still members here, are gone now: none will flush)."""
+        earlier incarnations, if still members here, are gone now: none will flush); one that
+        left is not, but its rank is unsettled then (:meth:`left`)."""
         k = self._flushes
         if not (k < flush <= k + 1 or (flush == k and self._flushing)):
             return []  # (a flush this rank completed, or one far ahead: no peer is there)
         out: list[Action] = []
         for peer, nonce in joins:
-            if peer not in self._heard or nonce in self._dead.get(peer, ()):
-                continue  # (an incarnation that left or was superseded)
-            if peer not in self._gone and self._nonce_of[peer] == nonce:
-                continue  # (taken back here already: a marker sent again)
-            self._joins_heard.setdefault(flush, {})[peer] = nonce
+            if peer not in self._heard:
+                continue
+            here = self._nonce_of[peer] == nonce or self._is_dead(peer, nonce)
+            if peer not in self._gone and here:
+                continue  # (taken back here already, or a newer one was: a marker sent again)
+            pending = self._pending(peer)
+            if nonce not in (pending, self._nonce_of[peer]) and not self._is_dead(peer, nonce):
+                # (never heard here: the one that left unheard, or older than one pending)
+                if peer in self._unheard_left or pending:
+                    self._kill(peer, nonce)
+                else:
+                    self._left_here.discard(peer)  # (the next departure is this one's)
+                self._unheard_left.discard(peer)
+            listed = self._joins_heard.setdefault(flush, {})
+            if peer not in listed or not self._is_dead(peer, nonce):
+                listed[peer] = nonce
             out += self.gone(peer)
         return out
+
+    def _is_dead(self, peer: int, nonce: int) -> bool:
+        """``nonce`` is of an incarnation of ``peer`` that left or was superseded."""
+        return nonce in self._dead.get(peer, ())
+
+    def _kill(self, peer: int, nonce: int) -> None:
+        dead = self._dead.setdefault(peer, deque(maxlen=MAX_DEAD))
+        if nonce not in dead:
+            dead.append(nonce)
 
     # -- peers lost and back ----------------------------------------------------------------
     def lose(self, peer: int) -> list[Action]:
@@ -749,18 +758,34 @@ class Exchange:
         out: list[Action] = []
         if peer in self._sent_join and peer in self._newcomers:  # (it may have been lost)
             out.append(self._newcomers[peer])
-        # (with the marker of this rank's last flush if the peer missed it: it waits for it;
-        # and with the ranks that flush takes back, as the first said)
-        missed = self._flushes if self._marked[peer] < self._flushes else None
-        joins = self._marker_joins if missed is not None else ()
+        # the last marker may have been lost with the link: again, alone if its flush is done
+        # (the debt holds rounds after it); the open flush's with the debt (all made before)
+        marked = self._marked[peer]
+        if marked in self._marks and (marked < self._flushes or not self._flushing):
+            out.append(self._marker_again(peer, marked))
+        missed = self._flushes if self._flushing else None
+        joins = self._marks[self._flushes][1] if missed is not None else ()
         out.append(self._send(peer, None, 0, debt, flush=missed, back=True, joins=joins))
         return out + self._progress()
 
+    def _marker_again(self, peer: int, flush: int) -> SendPart:
+        """``flush``'s marker for ``peer`` again, alone, as it was (its clock and the ranks it
+        listed), with one zero for a payload; a receiver takes it twice as once."""
+        clock, joins = self._marks[flush]
+        marker = self._send(peer, None, 0, np.zeros(1), flush=flush, back=True, joins=joins)
+        return replace(marker, clock=clock, epoch=flush)
+
     def left(self, peer: int) -> list[Action]:
-        """``peer``'s rank left (membership's news): gone for good, and an incarnation of it
-        that was to be taken back is not (it left too: none will flush)."""
-        self._cancel(peer)
+        """``peer``'s rank left (membership's news): gone for good.  What left is the newest
+        incarnation known here, else one never heard here (module docstring)."""
         self._away.discard(peer)
+        if peer not in self._heard:
+            return []
+        if self._pending(peer):
+            self._cancel(peer)
+        elif peer in self._gone and peer in self._left_here:
+            self._unheard_left.add(peer)
+        self._left_here.add(peer)
         return self.gone(peer)
 
     def gone(self, peer: int) -> list[Action]:
@@ -959,10 +984,16 @@ class Exchange:
         self._at = (self._flushes, self.model.copy(), took)
         self._at_live = frozenset(self._live)
         out.append(Flushed(flush=self._flushes, synced_from=lowest if absent else None))
-        admitted = self._admit | self._joins_heard.pop(self._flushes, {})
+        heard = self._joins_heard.pop(self._flushes, {})
+        admitted = self._admit | {
+            i: n for i, n in heard.items() if i not in self._admit or not self._is_dead(i, n)
+        }
         for k in [k for k in self._joins_heard if k <= self._flushes]:
             del self._joins_heard[k]
-        out += self._take_back(admitted, lowest)
+        # (one that died is not taken back, but unsettled, as where it was, then went)
+        left = {i for i, n in admitted.items() if self._is_dead(i, n)}
+        self._settled -= left
+        out += self._take_back({i: n for i, n in admitted.items() if i not in left}, lowest)
         later, self._later = self._later, []
         for src, fields in later:
             out += self.received(src, **fields)
