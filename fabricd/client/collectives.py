@@ -140,7 +140,7 @@ class Collectives:
         adds two arrays in float32 and rounds the sum to bfloat16, to nearest, ties to even,
         as gloo and NCCL do; so a sum of two ranks' arrays is exactly torch's, and of more ranks
         it may differ from a float32 sum rounded once by a few units in the last place
-        (README, "bfloat16").  ``late``
+        (docs/torch.md, "bfloat16").  ``late``
         (solo and majority): what a call gets when its rank missed rounds (it was behind, or
         started late): ``"sum"``, the sum of every result it missed, so that each replica
         applies every round's result once and the replicas stay alike; ``"latest"``, only
