@@ -197,3 +197,27 @@ def test_partial_modes_refuse_jobs_their_count_cannot_hold(
         g = fab.array("g", (8,), "bfloat16")
         with pytest.raises(fabricd.UsageError, match=r"exactly up to 256 ranks, not 257"):
             fab.allreduce_async(g, "sum", mode).wait(timeout=60)
+
+
+@pytest.mark.parametrize("algorithm", ["doubling", "ring"])
+def test_bfloat16_sends_half_the_bytes_of_float32(
+    make_cluster: Callable[..., LocalCluster], algorithm: str
+) -> None:
+    """What the daemons send each other for one allreduce of n elements: bfloat16 half of
+    float32's, byte for byte (payload counters)."""
+    cluster = make_cluster(2)
+    n = 100_000
+    with ranks(cluster, (0, 1), f"bf16-bytes-{algorithm}") as fabs:
+        sent = {}
+        for dtype in ("float32", "bfloat16"):
+            arrays = [fab.array(f"g-{dtype}", (n,), dtype) for fab in fabs]
+            for array in arrays:
+                array[:] = 1
+            start(fabs, lambda fab, r, a=arrays: fab.allreduce_async(a[r], algorithm=algorithm))
+            before = [fab.status()["counters"]["bytes_sent"] for fab in fabs]
+            start(fabs, lambda fab, r, a=arrays: fab.allreduce_async(a[r], algorithm=algorithm))
+            after = [fab.status()["counters"]["bytes_sent"] for fab in fabs]
+            sent[dtype] = [b - a for a, b in zip(before, after, strict=True)]
+            assert all(float(x) == 4 for a in arrays for x in a[:3])  # 1 + 1, twice
+    assert sent["float32"] == [4 * n, 4 * n]  # (2 nodes: each sends the other its array once)
+    assert sent["bfloat16"] == [2 * n, 2 * n]
