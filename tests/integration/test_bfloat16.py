@@ -95,7 +95,7 @@ TORCH_OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 
 
-@pytest.mark.parametrize("algorithm", ["doubling", "ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["doubling", "ring", "tree", "mlfabric"])
 def test_two_ranks_reduce_as_torch_does_bit_for_bit(
     make_cluster: Callable[..., LocalCluster], algorithm: str
 ) -> None:
@@ -121,14 +121,15 @@ def test_two_ranks_reduce_as_torch_does_bit_for_bit(
                     assert_same_bits(array, want, f"{op} {algorithm} rank {rank}")
 
 
-@pytest.mark.parametrize("algorithm", ["doubling", "ring"])
+@pytest.mark.parametrize("algorithm", ["doubling", "ring", "auto", "mlfabric"])
 def test_more_ranks_round_each_partial_sum_within_the_bound(
     make_cluster: Callable[..., LocalCluster], algorithm: str
 ) -> None:
     """Five ranks on three nodes (two reduce on one node first): every rank holds the same
-    bits, within (ranks - 1) half-ulps of the partial sums of the exact sum."""
+    bits, within (ranks - 1) half-ulps of the partial sums of the exact sum.  ``"auto"``
+    runs the direct exchange (3 nodes, past ``ring_from_bytes``)."""
     placement = (0, 1, 2, 0, 1)
-    cluster = make_cluster(3)
+    cluster = make_cluster(3, ring_from_bytes=4096)
     rng = np.random.default_rng(11)
     n = 20_000
     with ranks(cluster, placement, f"bf16-5-{algorithm}") as fabs:
