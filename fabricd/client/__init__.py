@@ -160,8 +160,8 @@ class Client:
         JAX array copies in with ``a[:] = np.asarray(x)`` and numpy arithmetic on it is
         bfloat16 arithmetic.  (Not 16-bit words with a separate ``dtype=``: on a ``uint16``
         array ``g += 1`` would silently add to the bits, and every call would need to repeat
-        the type.)  A torch tensor over it: ``torch.from_numpy(a.view(np.int16)).view(
-        torch.bfloat16)``.
+        the type.)  A torch tensor over it: ``fabricd.torch.tensor_of(a)`` (torch's
+        ``from_numpy`` does not take it).
 
         Raises:
             UsageError: a name that is not a non-empty str, a shape that is not ints >= 0, a
