@@ -156,6 +156,13 @@ class Client:
         """A zero-filled numpy array in shared memory that the daemon can move directly.
 
         Asking again for the same name returns the same array (shape and dtype must agree).
+        ``dtype`` is a numpy dtype or its name; ``"bfloat16"`` (or ``ml_dtypes.bfloat16``)
+        gives an array of ``ml_dtypes.bfloat16``, the numpy bfloat16 that JAX uses, so a
+        JAX array copies in with ``a[:] = np.asarray(x)`` and numpy arithmetic on it is
+        bfloat16 arithmetic.  (Not 16-bit words with a separate ``dtype=``: on a ``uint16``
+        array ``g += 1`` would silently add to the bits, and every call would need to repeat
+        the type.)  A torch tensor over it: ``fabricd.torch.tensor_of(a)`` (torch's
+        ``from_numpy`` does not take it).
 
         Raises:
             UsageError: a name that is not a non-empty str, a shape that is not ints >= 0, a

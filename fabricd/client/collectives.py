@@ -134,7 +134,13 @@ class Collectives:
         """Reduce ``array`` over every rank of the job, in place; see :class:`Result`.
 
         ``op``: ``"sum"``, ``"avg"`` (the sum divided by the job's size; integers floor),
-        ``"max"``, ``"min"``; partial modes take ``"sum"`` and ``"avg"`` only.  ``late``
+        ``"max"``, ``"min"``; partial modes take ``"sum"`` and ``"avg"`` only.  The array is
+        float16/32/64, bfloat16 (``fab.array(name, shape, "bfloat16")``) or int32/64.
+        bfloat16 travels as bfloat16 (half float32's bytes) and every step of the reduction
+        adds two arrays in float32 and rounds the sum to bfloat16, to nearest, ties to even,
+        as torch and gloo do; so a sum of two ranks' arrays is exactly torch's, and of more
+        ranks it may differ from a float32 sum rounded once by a few units in the last place
+        (docs/torch.md, "bfloat16").  ``late``
         (solo and majority): what a call gets when its rank missed rounds (it was behind, or
         started late): ``"sum"``, the sum of every result it missed, so that each replica
         applies every round's result once and the replicas stay alike; ``"latest"``, only

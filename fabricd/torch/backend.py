@@ -216,7 +216,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         count = sum(p.numel() for p in parts)
         mode = self._mode if what == "allreduce" and op in (_R.SUM, _R.AVG) else "sync"
         slot, span = self._named(name, count, ring="" if mode == "sync" else mode)
-        stage = torch.from_numpy(slot.array)
+        stage = staging.tensor_of(slot.array)
         pack(parts, stage)
         collective = f"torch:ar:{NATIVE_OPS[op]}:{mode}:{slot.name}:{span}"
         handle = self.fab.allreduce_async(slot.array[:span], NATIVE_OPS[op], mode, name=collective)
@@ -434,7 +434,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         chunk = staging.span_for(k, itemsize)
         every, _ = self._named(name, chunk * self._size)
         mine = self._any(name, chunk)
-        parts = torch.from_numpy(every.array[: chunk * self._size]).reshape(self._size, chunk)
+        parts = staging.tensor_of(every.array[: chunk * self._size]).reshape(self._size, chunk)
         parts[:, :k].copy_(whole.reshape(self._size, k))
         handle = self.fab.reduce_scatter_async(
             every.array[: chunk * self._size],
@@ -444,7 +444,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         )
 
         def finish() -> list[torch.Tensor]:
-            target.copy_(torch.from_numpy(mine.array[:k]))
+            target.copy_(staging.tensor_of(mine.array[:k]))
             return [output]
 
         return self._call(what, [handle], finish, [every, mine])

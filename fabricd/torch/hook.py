@@ -50,6 +50,10 @@ place, with no copy on either side::
     grad = torch.from_numpy(fab.array("grad", (n,), "float32"))
     grad.copy_(compute_gradient())        # or let torch write into it (out=grad)
     fab.allreduce(grad.numpy(), op="avg", mode="solo")   # .numpy() is the same memory again
+
+(For bfloat16, which torch's ``from_numpy`` and ``numpy()`` do not take, :func:`tensor_of` and
+:func:`array_of` of :mod:`fabricd.torch.staging` do the same.)  bfloat16 buckets are carried as
+bfloat16 (docs/torch.md, "bfloat16").
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket, HashStore
 
 from fabricd.errors import UsageError
-from fabricd.torch.staging import pack, unpack
+from fabricd.torch.staging import array_of, pack, tensor_of, unpack
 
 if TYPE_CHECKING:
     from fabricd.client import Client
@@ -120,7 +124,7 @@ def broadcast_module(
     for dtype, tensors in sorted(by_dtype.items(), key=lambda item: str(item[0])):
         name = _carried(dtype)
         array = fab.array(f"{prefix}:init:{name}", (sum(t.numel() for t in tensors),), name)
-        flat = torch.from_numpy(array)
+        flat = tensor_of(array)
         with torch.no_grad():
             if fab.rank == root:
                 pack(tensors, flat)
@@ -183,7 +187,7 @@ class HookState:
             shared.copy_(staging)
         name = f"{self.prefix}:bucket{index}:{numel}:{mode}"
         self.results[index] = self.fab.allreduce(
-            shared.numpy(), "avg", mode, name=name, timeout=self.timeout
+            array_of(shared), "avg", mode, name=name, timeout=self.timeout
         )
         if staging is None:
             buffer.copy_(shared)
@@ -200,7 +204,7 @@ class HookState:
         if old is not None and old.shared.numel() >= numel and old.layout[1] == buffer.dtype:
             return _Bucket(layout, old.shared, old.staging)
         name = f"{self.prefix}:bucket{index}:{numel}:{dtype}"
-        shared = torch.from_numpy(self.fab.array(name, (numel,), dtype))
+        shared = tensor_of(self.fab.array(name, (numel,), dtype))
         staging = None
         if buffer.is_cuda:
             staging = torch.empty(numel, dtype=buffer.dtype, pin_memory=True)
@@ -270,10 +274,9 @@ class _Bucket:
 
 
 def _carried(dtype: torch.dtype) -> str:
-    """The fabricd dtype a tensor of ``dtype`` is carried in: its numpy name, or float32 for
-    bfloat16 (numpy has none; every bfloat16 value is a float32, and a sum of them is
-    rounded back once, at the end)."""
-    return "float32" if dtype == torch.bfloat16 else _numpy_dtype(dtype)
+    """The fabricd dtype a tensor of ``dtype`` is carried in: its numpy name, bfloat16's
+    included (``ml_dtypes.bfloat16``, which torch's ``numpy()`` does not know)."""
+    return "bfloat16" if dtype == torch.bfloat16 else _numpy_dtype(dtype)
 
 
 def _numpy_dtype(dtype: torch.dtype) -> str:

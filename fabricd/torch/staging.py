@@ -26,12 +26,13 @@ Choices, and why:
   class, made when none is: a receive posted early must never make a later send wait for
   its array (the rings are kept apart from these, so rank-local traffic never shifts a
   collective's name).
-* *Element types.*  The daemons reduce float16/32/64 and int32/64.  bfloat16 is reduced in
-  float32 (numpy has no bfloat16; the sum of bfloat16 values rounded once at the end is what
-  gloo gives, or closer); int8, uint8, int16 and bool in int64, cast back with torch's own
-  wrap-around (bool: nonzero is True); complex as pairs of floats (sum and average only).
-  Anything only moved (broadcast, gathers, scatters, all-to-all, send and receive) travels as
-  its raw bytes, whatever its dtype.
+* *Element types.*  The daemons reduce float16/32/64, bfloat16 and int32/64.  bfloat16 is
+  staged as bfloat16 (``ml_dtypes.bfloat16`` arrays, which torch sees through
+  :func:`tensor_of`): half float32's bytes, each step of a reduction computed in float32 and
+  rounded to nearest even, as gloo does.  int8, uint8, int16 and bool are reduced in int64,
+  cast back with torch's own wrap-around (bool: nonzero is True); complex as pairs of floats
+  (sum and average only).  Anything only moved (broadcast, gathers, scatters, all-to-all,
+  send and receive) travels as its raw bytes, whatever its dtype.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
+from fabricd.dtypes import BFLOAT16
 from fabricd.errors import Timeout, UsageError
 
 if TYPE_CHECKING:
@@ -67,7 +69,7 @@ REDUCED_AS: Final[dict[torch.dtype, str]] = {
     torch.float64: "float64",
     torch.int32: "int32",
     torch.int64: "int64",
-    torch.bfloat16: "float32",
+    torch.bfloat16: "bfloat16",
     torch.int8: "int64",
     torch.uint8: "int64",
     torch.int16: "int64",
@@ -239,3 +241,19 @@ def unpack(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     for tensor in tensors:
         tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
         offset += tensor.numel()
+
+
+def tensor_of(array: np.ndarray[Any, Any]) -> torch.Tensor:
+    """``torch.from_numpy(array)``, the same memory, for bfloat16 too (torch does not know
+    ``ml_dtypes.bfloat16``; its bits are torch.bfloat16's)."""
+    if array.dtype == BFLOAT16:
+        return torch.from_numpy(array.view("int16")).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def array_of(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
+    """``tensor.numpy()``, the same memory, for bfloat16 too (then an ``ml_dtypes.bfloat16``
+    array)."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(BFLOAT16)
+    return tensor.numpy()

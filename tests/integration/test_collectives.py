@@ -122,18 +122,20 @@ def test_sync_allreduce_every_op_and_dtype_equals_numpy(make_cluster, size: int)
 
 
 @pytest.mark.parametrize(
-    ("mode", "op", "late"),
+    ("mode", "op", "late", "dtype"),
     [
-        ("solo", "sum", "sum"),
-        ("majority", "sum", "sum"),
-        ("solo", "avg", "sum"),
-        ("majority", "sum", "latest"),
-        ("solo", "sum", "latest"),
+        ("solo", "sum", "sum", "float64"),
+        ("majority", "sum", "sum", "float64"),
+        ("solo", "avg", "sum", "float64"),
+        ("majority", "sum", "latest", "float64"),
+        ("solo", "sum", "latest", "float64"),
+        ("solo", "sum", "sum", "bfloat16"),  # (the active count is a bfloat16 too)
+        ("majority", "avg", "sum", "bfloat16"),
     ],
 )
 @pytest.mark.parametrize("size", [2, 5, 8])
 def test_partial_allreduce_loses_no_contribution(
-    make_cluster, mode: str, op: str, late: str, size: int
+    make_cluster, mode: str, op: str, late: str, dtype: str, size: int
 ) -> None:
     """Ranks call in a random order with random skew, then rounds of zeros drain what waited.
     Each call gives one gift, a one-hot element of its own, so a result says which gifts it
@@ -151,8 +153,8 @@ def test_partial_allreduce_loses_no_contribution(
     applied = [np.zeros_like(given) for _ in range(size)]
     last = [-1] * size  #: the last round each rank got
     scale = size if op == "avg" else 1  # avg: the sum over the job's size, as eager-SGD does
-    with ranks(cluster, placement, f"{mode}{op}{late}{size}") as fabs:
-        arrays = [f.array("g", (size * steps,), "float64") for f in fabs]
+    with ranks(cluster, placement, f"{mode}{op}{late}{dtype}{size}") as fabs:
+        arrays = [f.array("g", (size * steps,), dtype) for f in fabs]
         for step in range(steps + drain):
             order = list(range(size))
             rng.shuffle(order)

@@ -18,6 +18,7 @@ import os
 import queue
 import tempfile
 import traceback
+from functools import partial
 from typing import Any
 
 import pytest
@@ -218,6 +219,60 @@ def _coalesced(rank: int, n: int, gloo: Any, checks: list[tuple[str, bool, str]]
     _compare(checks, "all_reduce_coalesced", got, ref)
 
 
+def _random_bf16(rank: int, length: int) -> torch.Tensor:
+    """bfloat16 values over many exponents, rank's own: their sums round."""
+    generator = torch.Generator().manual_seed(77 + rank)
+    scale = 2.0 ** torch.randint(-20, 20, (length,), generator=generator)
+    return (torch.randn(length, generator=generator) * scale).bfloat16()
+
+
+def _bf16_rounding(rank: int, n: int, gloo: Any, checks: list[tuple[str, bool, str]]) -> None:
+    """bfloat16 sums that round (not small integers): each reduction step adds in float32 and
+    rounds to nearest even, on fabricd as on gloo.  Two ranks make one addition, so the two
+    groups agree bit for bit; more ranks round every partial sum in an order each algorithm
+    picks (gloo's ring, the daemons' doubling or ring), so both must be within (n - 1) half
+    ulps of the partial sums of the exact sum, (n - 1) 2**-8 of the sum of magnitudes, and
+    need not agree bit for bit."""
+    for length in (1000, 70_000):  # a whole staging class, and a span of granules
+        k = length // n
+        rows = [_random_bf16(r, k * n) for r in range(n)]
+        exact = torch.stack([row.double() for row in rows]).sum(0)
+        bound = (n - 1) * 2.0**-8 * torch.stack([row.double().abs() for row in rows]).sum(0)
+        mine = slice(rank * k, (rank + 1) * k)
+        for what, run, part in (
+            ("all_reduce", partial(_ar_bf16, rows[rank]), slice(None)),
+            ("reduce_scatter_tensor", partial(_rs_bf16, rows[rank], n), mine),
+        ):
+            got, ref = _both(run, gloo)
+            for name, result in (("fabricd", got), ("gloo", ref)):
+                within = bool(((result.double() - exact[part]).abs() <= bound[part]).all())
+                checks.append((f"bf16 {what} {length} {name} within the bound", within, ""))
+            if n == 2:
+                same = torch.equal(got.view(torch.int16), ref.view(torch.int16))
+                checks.append((f"bf16 {what} {length} bit for bit", same, f"{got} {ref}"))
+        t = rows[rank].clone()
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        if n == 2:  # torch's own: the rounded sum, then the rounded half
+            _compare(checks, f"bf16 all_reduce avg {length}", t, (rows[0] + rows[1]) / 2)
+        else:  # the sum's bound, divided, and the division's own rounding
+            off = (t.double() - exact / n).abs() - bound / n - 2.0**-8 * (exact / n).abs()
+            checks.append(
+                (f"bf16 all_reduce avg {length} within the bound", bool((off <= 0).all()), "")
+            )
+
+
+def _ar_bf16(row: torch.Tensor, group: Any) -> torch.Tensor:
+    t = row.clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def _rs_bf16(whole: torch.Tensor, n: int, group: Any) -> torch.Tensor:
+    out = torch.zeros(whole.numel() // n, dtype=torch.bfloat16)
+    dist.reduce_scatter_tensor(out, whole, group=group)
+    return out
+
+
 def _the_rest(rank: int, n: int, gloo: Any, checks: list[tuple[str, bool, str]]) -> None:
     ring = torch.full((6,), float(rank))
     got = torch.zeros(6)
@@ -253,7 +308,7 @@ def ops_rank(socket_path: str, init: str, rank: int, n: int, out: Any) -> None:
         dist.init_process_group("fabricd", init_method=init, rank=rank, world_size=n)
         gloo = dist.new_group(backend="gloo")
         assert dist.get_backend() == "fabricd"
-        for part in (_reductions, _movements, _scatters, _coalesced, _the_rest):
+        for part in (_reductions, _bf16_rounding, _movements, _scatters, _coalesced, _the_rest):
             part(rank, n, gloo, checks)
         dist.destroy_process_group()
         out.put((rank, checks, None))

@@ -264,7 +264,9 @@ def test_ranks_whose_buckets_differ_are_told(make_cluster, spawn):
 
 def bfloat16_rank(socket_path: str, job: str, rank: int, out: Any) -> None:
     """A bfloat16 model: broadcast_module makes the ranks' models equal, and the hook's
-    gradients are the ranks' average made in float32 and rounded once."""
+    gradients, carried as bfloat16, are the ranks' average made in float32 and rounded once
+    (two ranks: one addition in float32 rounded to bfloat16, then a halving, exact but in
+    the subnormals, rounded the same way)."""
     torch.set_num_threads(1)
     with fabricd.connect(job=job, rank=rank, size=RANKS, socket_path=socket_path) as fab:
         group = fabtorch.init_local_process_group()

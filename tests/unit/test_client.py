@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 from fakedaemon import FakeDaemon, answer_like_a_daemon
@@ -212,6 +213,7 @@ def test_arrays_take_every_dtype_fabricd_moves_by_name_or_type(fake):
     for dtype in ITEMSIZE:
         assert fab.array(dtype, (np.int16(3),), np.dtype(dtype)).dtype.name == dtype
     assert fab.array("by-type", 2, np.float16).dtype == np.float16
+    assert fab.array("bf16", 2, ml_dtypes.bfloat16).dtype.name == "bfloat16"  # numpy's (JAX's)
     assert fab.array("0-d", np.array(3), "int8").shape == (3,)  # a numpy integer, 0-d
     with pytest.raises(fabricd.UsageError, match="an array's name must be a non-empty str"):
         fab.array("", 2)

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
     from fabricd.engines.schedule import Action
 
-DTYPES = ("float16", "float32", "float64", "int32", "int64")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
 SIZES = (1, 2, 3, 5, 8)
 BUILDERS: dict[Algorithm, Callable[[int, int, str], Schedule]] = {
     Algorithm.RING: allreduce_ring,
@@ -272,7 +272,7 @@ def tensors(
 
 def reference(arrays: list[np.ndarray], op: str, dtype: str) -> np.ndarray:
     """numpy's answer, in float64 for floats (the simulated order differs from numpy's)."""
-    stacked = np.stack(arrays).astype(np.float64 if dtype.startswith("float") else dtype)
+    stacked = np.stack(arrays).astype(np.float64 if not dtype.startswith("int") else dtype)
     result: np.ndarray
     match op:
         case "sum":
@@ -292,6 +292,8 @@ def check_result(result: np.ndarray, expected: np.ndarray, dtype: str, size: int
     assert result.dtype == np.dtype(dtype)
     if dtype == "float16":
         np.testing.assert_allclose(result, expected, rtol=1e-2, atol=1e-2 * size)
+    elif dtype == "bfloat16":  # 3 significand bits fewer than float16: 8 times its tolerance
+        np.testing.assert_allclose(result.astype(np.float64), expected, rtol=8e-2, atol=8e-2 * size)
     elif dtype == "float32":
         np.testing.assert_allclose(result, expected, rtol=1e-5, atol=1e-5 * size)
     else:

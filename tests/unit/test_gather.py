@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricd.dtypes import REDUCE_DTYPES
+from fabricd.dtypes import REDUCE_DTYPES, is_float
 from fabricd.engines.collectives.algorithms import chunk_bounds
 from fabricd.engines.collectives.gather import Blocks, allgather_ring, reduce_scatter_ring
 from fabricd.engines.collectives.persistent import Collective, Deliver, Spec, Transmit
@@ -72,7 +72,7 @@ def reduce(blocks: np.ndarray[Any, Any], op: str, size: int) -> np.ndarray[Any, 
             return blocks.sum(axis=0, dtype=blocks.dtype)
         case "avg":
             total = blocks.sum(axis=0, dtype=blocks.dtype)
-            return total / size if blocks.dtype.kind == "f" else total // size
+            return total / size if is_float(blocks.dtype) else total // size
         case "max":
             return blocks.max(axis=0)
     return blocks.min(axis=0)

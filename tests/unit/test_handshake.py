@@ -155,12 +155,12 @@ def test_frames_keep_their_wire_layout() -> None:
     i_nonce, a_nonce = b"i" * NONCE_SIZE, b"a" * NONCE_SIZE
     assert isinstance(answer.frame, link_frames.Hello)
     assert isinstance(auth.frame, link_frames.Auth)
-    ids = {"v": 14, "node": 0, "inc": 7, "nonce": i_nonce, "sealed_data": False}
+    ids = {"v": 15, "node": 0, "inc": 7, "nonce": i_nonce, "sealed_data": False}
     assert sent == [
         encode(Kind.HELLO, {**ids, "channel": "control"}),
         encode(
             Kind.HELLO,
-            {"v": 14, "node": 1, "inc": 9, "nonce": a_nonce, "sealed_data": False}
+            {"v": 15, "node": 1, "inc": 9, "nonce": a_nonce, "sealed_data": False}
             | {"mac": answer.frame.mac},
         ),
         encode(Kind.AUTH, {"mac": auth.frame.mac}),

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabricd.dtypes import is_float
 from fabricd.engines.collectives.algorithms import Algorithm
 from fabricd.engines.collectives.persistent import (
     Action,
@@ -167,7 +168,7 @@ PLACEMENTS = [
     (0, 0, 1, 1, 2, 2, 3, 3),
     (0, 1, 2, 3, 4),
 ]
-DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
 
 
 # -- sync ------------------------------------------------------------------------------------
@@ -203,7 +204,7 @@ def test_sync_allreduce_equals_numpy_every_round(
                 want = stacked.sum(axis=0, dtype=dtype)
             case "avg":
                 total = stacked.sum(axis=0, dtype=dtype)
-                want = total / size if np.dtype(dtype).kind == "f" else total // size
+                want = total / size if is_float(np.dtype(dtype)) else total // size
             case "max":
                 want = stacked.max(axis=0)
             case _:

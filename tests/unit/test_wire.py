@@ -364,8 +364,8 @@ def test_header_layout_is_as_documented() -> None:
     data = encode(Kind.RTS, {"a": 1}, b"xyz")
     assert HEADER_SIZE == 20
     assert MAGIC == b"FBRC"
-    assert PROTOCOL_VERSION == 14
-    assert data[:20] == b"FBRC" + bytes([14, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
+    assert PROTOCOL_VERSION == 15
+    assert data[:20] == b"FBRC" + bytes([15, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
         3
     ).to_bytes(8, "big")
     assert data[20:24] == b"\x81\xa1a\x01"
@@ -373,7 +373,7 @@ def test_header_layout_is_as_documented() -> None:
 
 
 def test_the_example_in_protocol_md() -> None:
-    documented = "46 42 52 43 0e 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
+    documented = "46 42 52 43 0f 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
     assert encode(Kind.CTS, {"msg": 1}) == bytes.fromhex(documented)
 
 
@@ -759,10 +759,10 @@ def test_kind_not_in_the_limits() -> None:
 
 def test_frames_before_the_bad_one_are_delivered() -> None:
     decoder = Decoder()
-    decoder.feed(encode(Kind.CTS, {"msg": 1}) + header(version=15) + b"\x80")
+    decoder.feed(encode(Kind.CTS, {"msg": 1}) + header(version=16) + b"\x80")
     assert isinstance(decoder.next_event(), FrameHead)
     assert isinstance(decoder.next_event(), Frame)
-    with pytest.raises(RemoteProtocolError, match="version 15"):
+    with pytest.raises(RemoteProtocolError, match="version 16"):
         decoder.next_event()
     assert_dead(decoder)
 

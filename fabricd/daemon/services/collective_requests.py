@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fabricd.daemon.services.jobs import region
-from fabricd.dtypes import ITEMSIZE, REDUCE_DTYPES
+from fabricd.dtypes import ITEMSIZE, REDUCE_DTYPES, exact_count
 from fabricd.engines.collectives.spec import GATHERS, Spec, asked
 from fabricd.errors import UsageError
 from fabricd.frames.fields import MAX_NAME
@@ -98,6 +98,11 @@ def parse(meta: Meta, session: ClientSession) -> Parsed:
         raise UsageError(f"kind {kind!r}: must be allreduce, broadcast, barrier, or a gather")
     spec = asked(Spec(**fields))
     spec.check()
+    if spec.partial and session.size > exact_count(dtype):
+        raise UsageError(
+            f"a {spec.mode} allreduce of {dtype} counts its active ranks in {dtype}, exactly "
+            f"up to {exact_count(dtype)} ranks, not {session.size}: use float32"
+        )
     return Parsed(spec=spec, name=name, array=array, output=output, regions=regions)
 
 

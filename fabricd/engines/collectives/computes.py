@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from fabricd.dtypes import is_float
 from fabricd.engines.collectives.landing import same
 from fabricd.engines.collectives.spec import REDUCE
 
@@ -32,8 +33,9 @@ def compute(
 
 
 def divide(array: np.ndarray[Any, Any], size: int, out: np.ndarray[Any, Any]) -> None:
-    """``out = array / size``, floored for integer dtypes (an ``avg``'s last step)."""
-    if out.dtype.kind == "f":
+    """``out = array / size``, floored for integer dtypes (an ``avg``'s last step; bfloat16
+    divides in float32 and rounds once, like its sums)."""
+    if is_float(out.dtype):
         np.divide(array, size, out=out)
     else:
         np.floor_divide(array, size, out=out)

@@ -29,6 +29,13 @@ if TYPE_CHECKING:
     from collections.abc import Collection
 
 
+def raw(array: np.ndarray[Any, Any]) -> memoryview:
+    """A contiguous 1-d ``array``'s bytes, the same memory, as a flat memoryview: what a send
+    hands the transport and a frame lands in.  Through a uint8 view, because numpy's buffer
+    protocol refuses bfloat16 (``ml_dtypes``: "cannot include dtype 'E' in a buffer")."""
+    return array.view(np.uint8).data
+
+
 def same(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
     """Whether ``a`` and ``b`` are the very same elements (a copy between them is none)."""
     return a.shape == b.shape and (not a.size or a.ctypes.data == b.ctypes.data)
@@ -76,7 +83,7 @@ class Landing:
             return
         if self.handed > self.got:
             self.torn = self.view[self.got : self.handed]
-        self.array, self.view = array, array.data.cast("B")
+        self.array, self.view = array, raw(array)
 
     def mend(self) -> None:
         """The torn frame arrived (in the old place): copy its bytes to where the landing is

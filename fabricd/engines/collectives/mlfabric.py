@@ -68,6 +68,8 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import numpy as np
 
+from fabricd.engines.collectives.computes import divide
+from fabricd.engines.collectives.landing import raw
 from fabricd.engines.collectives.persistent import Collective
 from fabricd.engines.collectives.spec import NOTICE, REDUCE, Spec, Transmit
 from fabricd.engines.monitor.table import DEFAULT_BPS
@@ -220,7 +222,7 @@ class MlfabricCollective(Collective):
         self, node: int, tag: int, payload: bytes | np.ndarray[Any, Any], round: int | None = None
     ) -> None:
         """Message ``tag`` of ``round`` (the current one by default) to ``node``."""
-        view = payload.data.cast("B") if isinstance(payload, np.ndarray) else memoryview(payload)
+        view = raw(payload) if isinstance(payload, np.ndarray) else memoryview(payload)
         self._out.append(
             Transmit(
                 node=node,
@@ -300,10 +302,7 @@ class MlfabricCollective(Collective):
         total = state.total
         assert total is not None
         if self.spec.op == "avg" and len(self.members_now) > 1:  # (alone: _ended divides)
-            if total.dtype.kind == "f":
-                np.divide(total, self.size, out=total)
-            else:
-                np.floor_divide(total, self.size, out=total)
+            divide(total, self.size, total)
         for node in self.members_now:
             if node != self.node:
                 self._send(node, RESULT, total)
@@ -349,7 +348,7 @@ class MlfabricCollective(Collective):
             else:
                 inbound = _Inbound(np.empty_like(self.data))
             state.inbound[node, tag] = inbound
-        view = inbound.array.data.cast("B")
+        view = raw(inbound.array)
         # a message's frames come in order on one link: each begins where the last ended
         if offset + nbytes > len(view) or offset != inbound.got:
             raise RemoteProtocolError(

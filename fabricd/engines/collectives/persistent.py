@@ -110,7 +110,7 @@ import numpy as np
 from fabricd.engines.collectives.calls import Call, Counters, Departures
 from fabricd.engines.collectives.computes import compute, divide
 from fabricd.engines.collectives.gather import Blocks
-from fabricd.engines.collectives.landing import Landing, detach, same
+from fabricd.engines.collectives.landing import Landing, detach, raw, same
 from fabricd.engines.collectives.layout import Layout, schedule_for
 from fabricd.engines.collectives.ledger import Held, Ledger, Note
 from fabricd.engines.collectives.partial import Contributions, Owed, Patience
@@ -529,7 +529,7 @@ class Collective:
         landing = self._landings.get((op, round))
         if landing is None:
             target = self._target(op, round, node)
-            landing = Landing(op=op, node=node, view=target.data.cast("B"), array=target)
+            landing = Landing(op=op, node=node, view=raw(target), array=target)
             self._landings[op, round] = landing
         if offset + nbytes > len(landing.view):
             raise RemoteProtocolError(
@@ -808,7 +808,7 @@ class Collective:
         tensor it just sent, as soon as the partner's arrives)."""
         if self.spec.doubling:
             return memoryview(source.tobytes())
-        return source.data.cast("B")
+        return raw(source)
 
     def _buffer(self, name: str, round: int = 0) -> np.ndarray[Any, Any]:
         return self.layout.buffer(name, round, self.data, self._landed)
