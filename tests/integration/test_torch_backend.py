@@ -633,6 +633,7 @@ def review_rank(socket_path: str, init: str, rank: int, n: int, out: Any) -> Non
             checks.append(("wait(timeout)", False, "returned"))
         except RuntimeError as exc:
             checks.append(("wait(timeout)", "did not finish within" in str(exc), str(exc)))
+        dist.barrier()  # (no send before both timed waits are over, however late one rank is)
         dist.send(torch.zeros(2), dst=peer, tag=99)
         slow.wait()
         # a parameter (requires grad) and a strided tensor, reduced in place
