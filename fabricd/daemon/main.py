@@ -56,6 +56,8 @@ async def serve(loaded: Loaded) -> None:
             ) from None
         registration = await roster.register(loaded.config)
         loaded = roster.registered(loaded, registration)
+        cfg = loaded.config  # from here on, lines are tagged with the node id etcd gave
+        logs.setup(cfg.log_level, cfg.log_format, cfg.node_id)
     daemon = Daemon(loaded, registration=registration)
     gc.collect()
     gc.freeze()

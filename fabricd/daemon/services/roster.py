@@ -232,7 +232,7 @@ async def _claim(
 ) -> Registration:
     """A lease, a slot (``slot``: this one only, registering again) and the view."""
     lease = await client.lease(settings.ttl)
-    name = settings.name
+    name, waiting = settings.name, False
     while True:
         held = {
             int(kv.key.rsplit(b"/", 1)[1]): kv.value.decode(errors="replace")
@@ -251,7 +251,9 @@ async def _claim(
         if choice is Claim.FULL:
             raise ConfigError(f"all {settings.max_nodes} slots (max_nodes) in etcd are taken")
         if choice is Claim.WAIT:
-            log.info("name %r still registered (an earlier run's lease): waiting for it", name)
+            if not waiting:  # (once: the wait lasts at most the earlier lease's TTL)
+                log.info("name %r still registered (an earlier run's lease): waiting", name)
+            waiting = True
             await asyncio.sleep(0.5)
             continue
         if await _take(client, settings, lease.id, choice):
