@@ -7,7 +7,8 @@ loopback and a real etcd (tests/etcd.py; Debian's etcd-server, installed when mi
 * etcd restarted under a running fabric: links and jobs keep working, every daemon says etcd
   was unreachable and then connected again, and registrations are all there;
 * etcd partitioned (SIGSTOP: connections hang): the fabric keeps its last view and says so in
-  ``status``; once etcd is back, registration comes back.
+  ``status``; once etcd is back, registration comes back;
+* etcd over TLS with client certificates and a password: daemons register and join the same.
 
 Leases last 2 s here.  Timeouts are hang guards only.
 """
@@ -23,7 +24,7 @@ import pytest
 
 import fabricd
 from fabricd.daemon.launcher import FAST_LIVENESS, LocalCluster
-from tests.etcd import Etcd, skip_reason
+from tests.etcd import Etcd, make_tls, skip_reason
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -53,15 +54,8 @@ def fabric(etcd: Etcd, tmp_path: Path) -> Iterator[Callable[[int], LocalCluster]
     for tracebacks) at teardown."""
     started: list[LocalCluster] = []
 
-    def make(size: int) -> LocalCluster:
-        settings: dict[str, Any] = {
-            **FAST_LIVENESS,
-            "membership": "etcd",
-            "etcd_endpoints": [etcd.endpoint],
-            "etcd_lease_ttl": TTL,
-            "max_nodes": 8,
-            "metrics_address": "",
-        }
+    def make(size: int, **settings: Any) -> LocalCluster:
+        settings = {**ETCD_SETTINGS, "etcd_endpoints": [etcd.endpoint], **settings}
         cluster = LocalCluster(size, settings=settings, log_dir=tmp_path / "logs")
         started.append(cluster)
         cluster.start()
@@ -74,6 +68,15 @@ def fabric(etcd: Etcd, tmp_path: Path) -> Iterator[Callable[[int], LocalCluster]
         for node in cluster.nodes:
             log = node.log_path.read_text(errors="replace")
             assert "Traceback" not in log, f"node {node.node} logged a traceback:\n{log}"
+
+
+ETCD_SETTINGS: dict[str, Any] = {
+    **FAST_LIVENESS,
+    "membership": "etcd",
+    "etcd_lease_ttl": TTL,
+    "max_nodes": 8,
+    "metrics_address": "",
+}
 
 
 def status(cluster: LocalCluster, i: int) -> dict[str, Any]:
@@ -221,3 +224,35 @@ def test_a_partitioned_etcd_leaves_the_last_view_and_says_so(fabric, etcd: Etcd)
             ),
         )
     allreduce_works(cluster, [0, 1, 2], "healed")
+
+
+def test_daemons_register_over_tls_with_a_password(tmp_path: Path) -> None:
+    reason = skip_reason()
+    tls = make_tls(tmp_path)
+    if reason is not None or isinstance(tls, str):
+        pytest.skip(reason or str(tls))
+    server = Etcd(tmp_path, tls)
+    server.start()
+    (tmp_path / "password").write_text("s3cret\n")
+    server.enable_auth("s3cret")
+    settings = {
+        **ETCD_SETTINGS,
+        "etcd_endpoints": [server.endpoint],
+        "etcd_ca_file": str(tls.ca),
+        "etcd_cert_file": str(tls.client_cert),
+        "etcd_key_file": str(tls.client_key),
+        "etcd_user": "root",
+        "etcd_password_file": str(tmp_path / "password"),
+    }
+    cluster = LocalCluster(2, settings=settings, log_dir=tmp_path / "logs")
+    try:
+        cluster.start()
+        cluster.wait_connected()
+        cluster.add_node()
+        cluster.wait_connected()
+        names = {"node0", "node1", "node2"}
+        for i in range(3):
+            wait_until(f"node{i} sees all three", lambda i=i: registered(cluster, i) == names)
+    finally:
+        cluster.stop()
+        server.stop()
