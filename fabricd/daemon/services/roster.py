@@ -219,10 +219,10 @@ def registered(loaded: Loaded, registration: Registration) -> Loaded:
     slot's address as read ("" where free), both with ``etcd`` as their source."""
     cfg = loaded.config
     nodes = [""] * cfg.max_nodes
-    for member in registration.members:
-        if 0 <= member.slot < cfg.max_nodes:
-            nodes[member.slot] = member.address
     nodes[registration.slot] = cfg.listen
+    for member in registration.members:  # as the engine takes them: the first of a slot
+        if 0 <= member.slot < cfg.max_nodes and not nodes[member.slot]:
+            nodes[member.slot] = member.address
     config = dataclasses.replace(cfg, node_id=registration.slot, nodes=tuple(nodes))
     return Loaded(config=config, sources={**loaded.sources, "node_id": "etcd", "nodes": "etcd"})
 
