@@ -60,9 +60,21 @@ class SlotTaken(Exception):
     """Registering again, this daemon's slot is held by another name."""
 
 
+class WatchEnded(Exception):
+    """etcd closed the watch without an error: changes would be missed from here on."""
+
+
 #: what a failed or lost call to etcd raises (aetcd maps gRPC's statuses to ClientError), and
 #: what this module finds wrong with etcd's answers: each makes etcd unreachable, and retried
-ETCD_ERRORS: Final = (aetcd.ClientError, grpc.RpcError, OSError, TimeoutError, LeaseLost, SlotTaken)
+ETCD_ERRORS: Final = (
+    aetcd.ClientError,
+    grpc.RpcError,
+    OSError,
+    TimeoutError,
+    LeaseLost,
+    SlotTaken,
+    WatchEnded,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -386,6 +398,7 @@ class RosterService(BaseService):
                 self._apply(self.engine.on_delete(name))
             elif (member := Member.decode(name, event.kv.value)) is not None:
                 self._apply(self.engine.on_put(member))
+        raise WatchEnded("etcd ended the watch")
 
     async def _reconnect(self, old: Registration) -> Registration:
         """Try etcd until it answers: the lease checked (registered again if it expired),
