@@ -10,7 +10,9 @@ down.  This module performs those decisions on real links:
   and closes links the engine refuses or whose handshake deadline passes;
 * it hands admitted links to the node (:meth:`LinkOwner.adopt_link`), which keeps the table of
   current links and routes their frames; a reset goes through :meth:`LinkOwner.reset_peer`;
-* it claims HEARTBEAT and BYE and sends heartbeats when the engine says so.
+* it claims HEARTBEAT and BYE and sends heartbeats when the engine says so;
+* under membership from etcd it takes each node's address as it registers or leaves
+  (:meth:`PeeringService.set_address`, from :mod:`fabricd.daemon.services.roster`).
 
 Each pair of nodes shares two links, control and data; the node with the lower id dials both
 (control first), the other accepts, so a pair never races to open duplicate connections.
