@@ -15,18 +15,6 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	$(BIN)/python -m pip install -e '.[test,demo]'
 	touch $@
 
-# Debian packages that integration tests run against (tests/integration/test_slurm.py starts a
-# single-host Slurm): installed where the user is root and has apt.  Elsewhere, or if the
-# install fails, those tests skip and say why; nothing else depends on them.
-SYSTEM_PACKAGES := slurmctld slurmd slurm-client
-$(VENV)/.system-packages: | $(BIN)/activate
-	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-			--no-install-recommends $(SYSTEM_PACKAGES); } \
-		|| echo "not installed: $(SYSTEM_PACKAGES); the tests that need them skip" >&2; \
-	fi
-	touch $@
-
 demo: $(VENV)/.installed
 	$(BIN)/fabricctl demo
 
@@ -36,7 +24,7 @@ lint: $(VENV)/.installed
 	$(BIN)/mypy
 	$(BIN)/mypy examples  # scripts, not a package: checked on their own
 
-test: lint $(VENV)/.system-packages
+test: lint
 	$(BIN)/pytest
 
 bench: $(VENV)/.installed

@@ -53,6 +53,8 @@ def status(socket_path: str | None, as_json: bool) -> None:
         f"  metrics {escape(_metrics_line(info))}",
         soft_wrap=True,  # an address or a path folded onto two lines cannot be pasted
     )
+    if "membership" in info:  # a daemon of an earlier release has no such line
+        console.print(_membership_line(info["membership"]), soft_wrap=True)
     if "eager_pool_bytes" in info:  # a daemon without the eager path has no such line
         console.print(_messages_line(info), soft_wrap=True)
     if info["peers"]:
@@ -109,6 +111,22 @@ def _messages_line(info: dict[str, Any]) -> str:
         f"RTR: {n.get('rtr_sent', 0)} sent, {n.get('rtr_answered', 0)} answered, "
         f"{n.get('rtr_dropped', 0)} dropped"
     )
+
+
+def _membership_line(membership: dict[str, Any]) -> Text:
+    """Where the node list comes from; from etcd, this node's name and whether etcd answers
+    (since when: a fabric cut off from etcd runs on its last view, docs/operations.md)."""
+    if membership.get("source") != "etcd":
+        return Text(f"membership: {membership.get('source', '-')} (the nodes setting)")
+    state = membership.get("state", "-")
+    line = Text(f"membership: etcd, {membership.get('name', '-')} in slot ")
+    line.append(f"{membership.get('slot', '-')} of {membership.get('max_nodes', '-')}, ")
+    line.append(state, style="green" if state == "connected" else "bold red")
+    line.append(f" for {ago(membership.get('since', 0.0))}")
+    if membership.get("error"):
+        line.append(f" ({membership['error']}; running on the last view)")
+    line.append(f", {len(membership.get('registered', {})) + 1} nodes registered")
+    return line
 
 
 def _metrics_line(info: dict[str, Any]) -> str:
@@ -292,9 +310,10 @@ def _peer_table(peers: list[dict[str, Any]]) -> Table:
     for peer in peers:
         style = STATE_STYLE.get(peer["state"], "")
         links = ",".join(ch for ch, up in peer["links"].items() if up) or "-"
+        name = f" ({peer['name']})" if peer.get("name") else ""  # membership from etcd
         table.add_row(
-            str(peer["node"]),
-            Text(peer["address"]),
+            str(peer["node"]) + name,
+            Text(peer["address"] or "(left)"),
             Text(peer["state"], style=style),
             ago(peer["state_for"]),
             ago(peer["silent_for"]),

@@ -87,6 +87,17 @@ class Config:
     monitor_interval: float = 0.2
     link_up_bps: float = 0.0
     link_down_bps: float = 0.0
+    membership: str = "static"
+    node_name: str = ""
+    max_nodes: int = 64
+    etcd_endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    etcd_prefix: str = "/fabricd/"
+    etcd_lease_ttl: int = 10
+    etcd_ca_file: str = ""
+    etcd_cert_file: str = ""
+    etcd_key_file: str = ""
+    etcd_user: str = ""
+    etcd_password_file: str = ""
 
     @property
     def listen_address(self) -> str:
@@ -95,6 +106,10 @@ class Config:
 
     def validate(self) -> None:
         """Raise ConfigError naming the key when a value cannot work."""
+        if self.membership == "etcd":
+            self._validate_etcd()
+        elif self.membership != "static":
+            raise ConfigError("membership must be 'static' or 'etcd'")
         self._validate_fabric()
         self._validate_timers()
         self._validate_limits()
@@ -119,6 +134,43 @@ class Config:
         if not 4096 <= self.chunk_size <= self.max_payload:
             raise ConfigError("chunk_size must be between 4096 and max_payload")
 
+    def _validate_etcd(self) -> None:
+        """Membership from etcd: the node ids and addresses come from there
+        (:mod:`fabricd.engines.roster`), so ``nodes`` and ``node_id`` must be left out."""
+        if self.nodes != _DEFAULT_NODES or self.node_id != 0:
+            raise ConfigError(
+                "nodes, node_id: set by etcd when membership = 'etcd'; leave them out"
+            )
+        if not self.listen:
+            raise ConfigError(
+                "listen: required when membership = 'etcd' (the host:port peers dial, "
+                "registered in etcd)"
+            )
+        if not 2 <= self.max_nodes <= 4096:
+            raise ConfigError("max_nodes must be between 2 and 4096")
+        if not self.etcd_endpoints:
+            raise ConfigError("etcd_endpoints: list at least one host:port")
+        for endpoint in self.etcd_endpoints:
+            try:
+                split_address(endpoint)
+            except ValueError as exc:
+                raise ConfigError(f"etcd_endpoints: {exc}") from None
+        if not self.etcd_prefix.endswith("/"):
+            raise ConfigError("etcd_prefix must end with '/'")
+        if not 2 <= self.etcd_lease_ttl <= 3600:
+            raise ConfigError("etcd_lease_ttl must be between 2 and 3600 seconds")
+        if "/" in self.node_name:
+            raise ConfigError(f"node_name {self.node_name!r}: a name, without '/'")
+        if bool(self.etcd_cert_file) != bool(self.etcd_key_file):
+            raise ConfigError("etcd_cert_file and etcd_key_file: set both or neither")
+        if bool(self.etcd_user) != bool(self.etcd_password_file):
+            raise ConfigError("etcd_user and etcd_password_file: set both or neither")
+
+    @property
+    def fabric_size(self) -> int:
+        """How many node ids there are: ``nodes`` listed, or ``max_nodes`` slots in etcd."""
+        return self.max_nodes if self.membership == "etcd" else len(self.nodes)
+
     def _validate_secret_source(self) -> None:
         """At most one secret source (:mod:`fabricd.daemon.keyring`), and one when there
         are peers to authenticate: two could disagree, and which one wins would be a guess."""
@@ -128,10 +180,10 @@ class Config:
                 f"{', '.join(chosen)}: {len(chosen)} secret sources are set, they conflict; "
                 "configure exactly one"
             )
-        if len(self.nodes) > 1 and not chosen:
+        if self.fabric_size > 1 and not chosen:
             raise ConfigError(
                 "secret_file, secret_credential or secret_env: one is required when nodes "
-                "lists more than one node"
+                "lists more than one node, or membership = 'etcd'"
             )
         if "/" in self.secret_credential or self.secret_credential in (".", ".."):
             raise ConfigError(
@@ -257,6 +309,7 @@ def _check_metrics_address(address: str) -> None:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_DEFAULT_NODES: Final = _FIELDS["nodes"].default
 
 
 def _coerce(key: str, value: Any, origin: str) -> Any:

@@ -100,6 +100,11 @@ class LocalCluster:
         wrappers: a command prefix for single nodes' daemons, e.g. ``ip netns exec <ns>`` to run
             one in its own network namespace (the network tests); it must exec the daemon, so
             that the process started is the daemon itself.
+
+    With ``membership = "etcd"`` in ``settings`` (and ``etcd_endpoints``), the config lists no
+    nodes: each daemon is told its ``listen`` address and its name (``node<i>``) and registers
+    in etcd, which gives it its node id; :meth:`add_node` starts one more into the running
+    fabric.  ``NodeProcess.node`` is then the launcher's index, not the node id.
     """
 
     size: int
@@ -146,7 +151,9 @@ class LocalCluster:
                 ports.append(port)
         hosts = self.hosts or ["127.0.0.1"] * self.size
         addresses = [f"{host}:{port}" for host, port in zip(hosts, ports[: self.size], strict=True)]
-        lines = [f"nodes = {toml_value(addresses)}", f"secret_file = {toml_value(str(secret))}"]
+        lines = [f"secret_file = {toml_value(str(secret))}"]
+        if not self.etcd:
+            lines.append(f"nodes = {toml_value(addresses)}")
         for key, value in self.settings.items():
             lines.append(f"{key} = {toml_value(value)}")
         self.config_path = self.directory / "fabricd.toml"
@@ -154,20 +161,47 @@ class LocalCluster:
         log_dir = self.log_dir or self.directory
         make_dirs(log_dir, 0o700)  # logs name jobs and pids: the user's own, whatever the umask
         for i, address in enumerate(addresses):
-            notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            notify.bind(str(self.directory / f"notify{i}"))
-            notify.setblocking(False)
-            self.nodes.append(
-                NodeProcess(
-                    node=i,
-                    address=address,
-                    socket_path=str(self.directory / f"node{i}.sock"),
-                    log_path=log_dir / f"node{i}.log",
-                    notify=notify,
-                    # on loopback, also inside a network namespace of its own
-                    metrics_address=f"127.0.0.1:{ports[self.size + i]}" if metrics else "",
-                )
-            )
+            # on loopback, also inside a network namespace of its own
+            self._add_process(address, f"127.0.0.1:{ports[self.size + i]}" if metrics else "")
+
+    @property
+    def etcd(self) -> bool:
+        """Whether the daemons take their membership from etcd."""
+        return self.settings.get("membership") == "etcd"
+
+    def _add_process(self, address: str, metrics_address: str) -> NodeProcess:
+        assert self.directory is not None
+        i = len(self.nodes)
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        notify.bind(str(self.directory / f"notify{i}"))
+        notify.setblocking(False)
+        node = NodeProcess(
+            node=i,
+            address=address,
+            socket_path=str(self.directory / f"node{i}.sock"),
+            log_path=(self.log_dir or self.directory) / f"node{i}.log",
+            notify=notify,
+            metrics_address=metrics_address,
+        )
+        self.nodes.append(node)
+        return node
+
+    def add_node(self, timeout: float = 30.0) -> NodeProcess:
+        """Start one more daemon into the running fabric (membership from etcd only: a
+        static node list cannot grow) and wait until it is ready."""
+        if not self.etcd or self.directory is None:
+            raise ClusterError("only a started cluster with membership = 'etcd' grows")
+        metrics = "metrics_address" not in self.settings
+        node = self._add_process(
+            f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}" if metrics else ""
+        )
+        self._write_secret()
+        try:
+            self._spawn(node)
+            self._wait_ready(timeout)
+        finally:
+            self._forget_secret()
+        return node
 
     def _spawn(self, node: NodeProcess) -> None:
         assert self.directory is not None
@@ -175,7 +209,11 @@ class LocalCluster:
         env = {
             **os.environ,
             "NOTIFY_SOCKET": str(self.directory / f"notify{node.node}"),
-            "FABRICD_NODE_ID": str(node.node),
+            **(
+                {"FABRICD_LISTEN": node.address, "FABRICD_NODE_NAME": f"node{node.node}"}
+                if self.etcd
+                else {"FABRICD_NODE_ID": str(node.node)}
+            ),
             "FABRICD_SOCKET": node.socket_path,
             **({"FABRICD_METRICS_ADDRESS": node.metrics_address} if node.metrics_address else {}),
             **self.node_env.get(node.node, {}),
@@ -239,7 +277,7 @@ class LocalCluster:
                         states = [p["state"] for p in client.status(timeout=left)["peers"]]
                 except (DaemonUnavailable, Timeout) as exc:
                     states = [f"unknown ({exc})"]
-                if all(s == "up" for s in states):
+                if len(states) >= len(self.nodes) - 1 and all(s == "up" for s in states):
                     break
                 if time.monotonic() > deadline:
                     raise ClusterError(f"node {node.node} sees peers {states} after {timeout}s")

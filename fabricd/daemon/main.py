@@ -46,7 +46,19 @@ async def serve(loaded: Loaded) -> None:
     every client pays (issue 28, item 1).  Garbage it holds that forms cycles is collected
     no more; there is none worth the pause.
     """
-    daemon = Daemon(loaded)
+    registration = None
+    if loaded.config.membership == "etcd":
+        try:  # an optional extra: only membership from etcd needs it
+            from fabricd.daemon.services import roster
+        except ImportError as exc:
+            raise ConfigError(
+                f"membership = 'etcd' needs the etcd extra (pip install 'fabricd[etcd]'): {exc}"
+            ) from None
+        registration = await roster.register(loaded.config)
+        loaded = roster.registered(loaded, registration)
+        cfg = loaded.config  # from here on, lines are tagged with the node id etcd gave
+        logs.setup(cfg.log_level, cfg.log_format, cfg.node_id)
+    daemon = Daemon(loaded, registration=registration)
     gc.collect()
     gc.freeze()
     loop = asyncio.get_running_loop()

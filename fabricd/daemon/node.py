@@ -87,6 +87,7 @@ if TYPE_CHECKING:
 
     from fabricd.daemon.config import Config, Loaded
     from fabricd.daemon.service import Service
+    from fabricd.daemon.services.roster import Registration, RosterService
     from fabricd.engines.membership import RankEvent, Suspicion
     from fabricd.engines.monitor.table import LinkFigures
     from fabricd.transports.base import Buffer, Link, Transport
@@ -149,6 +150,9 @@ class Daemon:
         transport: the peer transport; TCP (with one log line saying why not verbs) if omitted.
         services: builds the services besides peering; :func:`default_services` if omitted.
             A test can add a service of its own here without any change to the node.
+        registration: this daemon's registration in etcd (``membership = "etcd"``, made by
+            :func:`fabricd.daemon.services.roster.register` before the daemon is built): the
+            roster service keeps it and the peers' addresses true to etcd.
     """
 
     def __init__(
@@ -157,6 +161,7 @@ class Daemon:
         *,
         transport: Transport | None = None,
         services: Callable[[Daemon], Sequence[Service]] = default_services,
+        registration: Registration | None = None,
     ) -> None:
         cfg = loaded.config
         self.loaded = loaded
@@ -180,7 +185,13 @@ class Daemon:
         self.peering = PeeringService(self, self.transport, self._handshake_settings(cfg))
         #: the network monitor: built here, not in ``services``, since :meth:`network` reads it
         self.monitor = MonitorService(self, links=lambda: self.links)
-        self.services: list[Service] = [self.peering, self.monitor, *services(self)]
+        self.roster: RosterService | None = None
+        if registration is not None:  # aetcd is an optional extra: imported only for etcd
+            from fabricd.daemon.services.roster import RosterService
+
+            self.roster = RosterService(self, self.peering, registration)
+        roster = [self.roster] if self.roster is not None else []
+        self.services: list[Service] = [self.peering, *roster, self.monitor, *services(self)]
         check_claims(self.services)
         self._by_kind = {kind: s for s in self.services for kind in s.kinds}
         self._by_op = {op: s for s in self.services for op in s.ops}
@@ -499,6 +510,8 @@ class Daemon:
                 watchdog = tasks.create_task(self._watchdog(self.notifier))
             lag_probe = tasks.create_task(self._probe_lag())
             self.peering.start(self.now())
+            if self.roster is not None:
+                self.roster.start()
             self.rearm()
             log.info(
                 "node %d of %d serving: peers on %s (%s), clients on %s, incarnation %d",
@@ -762,6 +775,7 @@ class Daemon:
             parts.append(status_counters.service_counters(service, stats))
             stats.pop("counters", None)
             status.update(stats)
+        status.setdefault("membership", {"source": "static"})
         status["counters"] = status_counters.merge(parts)  # summed by name: see its module
         status["metrics"] = self.metrics.snapshot()  # what the endpoint serves, as JSON
         if asking is not None:

@@ -4,8 +4,8 @@ A single-host Slurm (Debian's slurmctld and slurmd, ``auth/none``: no munge need
 a private directory, with ``fabricctl slurm prolog`` and ``epilog`` as its Prolog and Epilog;
 ``srun -N1 -n2`` then starts two ranks that connect with nothing but ``job=`` and allreduce,
 and then examples/slurm_train.py the same way.
-Skips, with the reason, where Slurm is not installed (make test installs it), not run by root
-(slurmd starts jobs as their users), or cannot start here.
+Skips, with the reason, where Slurm is not installed and cannot be (tests/apt.py installs it as
+root with apt), not run by root (slurmd starts jobs as their users), or cannot start here.
 
 The launcher's handling of variables is tested without Slurm, by running it.
 """
@@ -16,7 +16,6 @@ import json
 import os
 import random
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +28,7 @@ import pytest
 
 from fabricd.daemon.slurm_job import stop_job_daemon
 from fabricd.slurm import job_directory
+from tests import apt
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -128,9 +128,14 @@ def _tail(path: Path) -> str:
 @pytest.fixture
 def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
     """A running single-host Slurm; yields the environment srun needs (``SLURM_CONF``)."""
-    missing = [p for p in ("slurmctld", "slurmd", "srun", "sinfo") if shutil.which(p) is None]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not installed (Debian: slurmctld slurmd slurm-client)")
+    for package, program in (
+        ("slurmctld", "slurmctld"),
+        ("slurmd", "slurmd"),
+        ("slurm-client", "srun"),
+    ):
+        why = apt.ensure(package, program)  # (installed here where root with apt: CI)
+        if why is not None:
+            pytest.skip(why)
     if os.geteuid() != 0:
         pytest.skip("slurmd must run as root (it starts each job as its user)")
     node = socket.gethostname().split(".")[0]

@@ -259,3 +259,44 @@ def test_status_lists_the_partial_exchanges_with_their_clock_and_bytes_per_round
     ]
     assert rows[0][2:] == ["3", "240", "21", "238", "gate", "9.4 KiB", "1", "5", "-"]
     assert rows[1][3:] == ["-", "-", "-", "", "-", "-", "-", "-"]
+
+
+def test_status_says_where_membership_comes_from_and_whether_etcd_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    status = _status_with_eager_use()
+    status["peers"] = [
+        {
+            "node": 3,
+            "name": "gpu-13",
+            "address": "",
+            "state": "suspect",
+            "state_for": 1.0,
+            "silent_for": 1.0,
+            "links": {"control": False, "data": False},
+            "bytes_sent": 0,
+            "bytes_received": 0,
+        }
+    ]
+    status["membership"] = {
+        "source": "etcd",
+        "state": "unreachable",
+        "since": 12.0,
+        "error": "no answer within 3.33s",
+        "name": "gpu-11",
+        "slot": 0,
+        "max_nodes": 64,
+        "registered": {"gpu-13": 3},
+    }
+    monkeypatch.setattr(common, "connect", lambda socket_path=None: _FakeClient(status))
+    result = CliRunner().invoke(fabricctl, ["status"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "membership: etcd, gpu-11 in slot 0 of 64, unreachable for 12.0 s" in result.output
+    assert "(no answer within 3.33s; running on the last view), 2 nodes registered" in (
+        result.output
+    )
+    assert "3 (gpu-13)" in result.output
+    assert "(left)" in result.output
+    status["membership"] = {"source": "static"}
+    result = CliRunner().invoke(fabricctl, ["status"], env={"COLUMNS": "200"})
+    assert "membership: static (the nodes setting)" in result.output

@@ -10,7 +10,9 @@ down.  This module performs those decisions on real links:
   and closes links the engine refuses or whose handshake deadline passes;
 * it hands admitted links to the node (:meth:`LinkOwner.adopt_link`), which keeps the table of
   current links and routes their frames; a reset goes through :meth:`LinkOwner.reset_peer`;
-* it claims HEARTBEAT and BYE and sends heartbeats when the engine says so.
+* it claims HEARTBEAT and BYE and sends heartbeats when the engine says so;
+* under membership from etcd it takes each node's address as it registers or leaves
+  (:meth:`PeeringService.set_address`, from :mod:`fabricd.daemon.services.roster`).
 
 Each pair of nodes shares two links, control and data; the node with the lower id dials both
 (control first), the other accepts, so a pair never races to open duplicate connections.
@@ -42,7 +44,7 @@ from fabricd.transports.base import split_address
 from fabricd.wire import Kind, Meta
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
     from fabricd.engines.actions import Answer
     from fabricd.engines.link.handshake import PeerIdentity
@@ -195,7 +197,11 @@ class PeeringService(BaseService):
         self.owner = owner
         self.transport = transport
         self.settings = settings
-        self.addresses = cfg.nodes
+        #: every node's ``host:port`` by id; "" for a node with none (a free slot under
+        #: membership from etcd, filled in by :meth:`set_address`)
+        self.addresses = list(cfg.nodes)
+        #: a node's name for status rows (membership from etcd names them; static lists do not)
+        self.name_of: Callable[[int], str] | None = None
         #: where dialled links leave from: this node's host as its peers know it
         self._source = split_address(cfg.nodes[cfg.node_id])[0] if transport.network else ""
         #: every node's addresses (node_hosts); a name that did not resolve has none yet
@@ -213,6 +219,7 @@ class PeeringService(BaseService):
             max_backoff=cfg.reconnect_max_backoff,
             hosts=self._hosts,
             spare_slots=cfg.handshake_spare_slots,
+            absent=frozenset(n for n, address in enumerate(cfg.nodes) if not address),
         )
         self._resolving = False  #: a retry of the names that did not resolve is under way
         self._resolved_at = -RESOLVE_RETRY  #: when the last retry began
@@ -243,6 +250,33 @@ class PeeringService(BaseService):
             await self._listener.aclose()
         for link, sink in list(self._pending.values()):
             sink.fail(link, "daemon stopping")
+
+    def set_address(self, node: int, address: str) -> None:
+        """``node``'s address is now ``address`` (``""``: it has none): membership from etcd
+        saw it register or leave.  A new address is resolved off the loop, then admitted and
+        dialled; a node without one is dialled no more and its links are refused on arrival,
+        while links it has up stay until the liveness rules take them."""
+        if self._closed or self.addresses[node] == address:
+            return
+        self.addresses[node] = address
+        if not address:
+            self._hosts[node] = frozenset()
+            self.engine.set_hosts(self._hosts)
+            self._perform(self.engine.set_present(node, False, self.owner.now()))
+            return
+        self.owner.spawn(self._adopt_address(node, address))
+
+    async def _adopt_address(self, node: int, address: str) -> None:
+        if self.transport.network:  # getaddrinfo blocks: off the loop
+            hosts = await asyncio.to_thread(node_hosts, [address])
+        else:
+            hosts = _one_host([address])
+        if self._closed or self.addresses[node] != address:  # changed again meanwhile
+            return
+        self._hosts[node] = hosts[0]
+        self.engine.set_hosts(self._hosts)
+        self._perform(self.engine.set_present(node, True, self.owner.now()))
+        self.owner.rearm()
 
     # -- the node's reports -----------------------------------------------------------------
     def heard(self, node: int, now: float) -> None:
@@ -276,11 +310,14 @@ class PeeringService(BaseService):
     def statistics(self) -> Meta:
         rows = []
         for info in self.engine.peers(self.owner.now()):
+            if not self.addresses[info.node] and info.state is PeerState.CONNECTING:
+                continue  # a free slot that never held a node
             links = {ch: self.owner.link(info.node, ch) for ch in Channel}  # up iff admitted
             stats = [link.statistics() for link in links.values() if link is not None]
             rows.append(
                 {
                     "node": info.node,
+                    **({"name": self.name_of(info.node)} if self.name_of else {}),
                     "address": self.addresses[info.node],
                     "state": info.state.value,
                     "incarnation": info.incarnation,
@@ -441,6 +478,8 @@ class PeeringService(BaseService):
 
     async def _connect(self, node: int, channel: Channel) -> Link:
         address, timeout = self.addresses[node], self.owner.config.handshake_timeout
+        if not address:  # it left between the dial and now
+            raise TransportError(f"node {node} has no address (not registered)")
         try:  # the kernel would retry a SYN into a partition for minutes; redial instead
             async with asyncio.timeout(timeout):
                 link = await self.transport.connect(address, HANDSHAKE_LIMITS, source=self._source)
@@ -563,6 +602,9 @@ def node_hosts(nodes: Sequence[str]) -> dict[int, frozenset[str]]:
     """
     hosts: dict[int, frozenset[str]] = {}
     for node, address in enumerate(nodes):
+        if not address:  # a free slot (membership from etcd): no host yet
+            hosts[node] = frozenset()
+            continue
         host = split_address(address)[0]
         try:
             infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
@@ -580,4 +622,4 @@ def node_hosts(nodes: Sequence[str]) -> dict[int, frozenset[str]]:
 
 def _one_host(nodes: Sequence[str]) -> dict[int, frozenset[str]]:
     """Without network addresses every link comes from one host (:data:`_NO_HOST`)."""
-    return {node: frozenset({_NO_HOST}) for node in range(len(nodes))}
+    return {node: frozenset({_NO_HOST} if address else ()) for node, address in enumerate(nodes)}

@@ -65,6 +65,10 @@ and a peer reset while connected is redialled :data:`FIRST_BACKOFF` later::
     WAITING --due--> DIALLING --data admitted--> CONNECTED (backoff back to FIRST_BACKOFF)
     WAITING --data admitted--> CONNECTED       CONNECTED --reset--> WAITING (now + FIRST_BACKOFF)
 
+A node with no address (a free slot under membership from etcd, :mod:`fabricd.engines.roster`)
+is *absent*: any move of its dialler but to CONNECTED lands in STOPPED instead, and
+:meth:`PeerTable.set_present` starts it (or brings a waiting dial forward) once it has one.
+
 Anything not listed in a table keeps the state.  Timers live in a
 :class:`~fabricd.engines.deadlines.Deadlines` heap (and the gate's own).  Silence is checked
 lazily: a frame only stores ``now``, and the silence deadline, which may fire early, re-arms
@@ -180,7 +184,7 @@ _ADMISSION: dict[tuple[Channel, _Verdict, _Links], _Ruling] = {
 
 
 class _Dial(enum.Enum):
-    STOPPED = enum.auto()  #: start() has not run yet: nothing is dialled
+    STOPPED = enum.auto()  #: start() has not run yet, or the node is absent: no dial
     WAITING = enum.auto()  #: the next Dial is due at the node's DIAL deadline
     DIALLING = enum.auto()  #: a Dial is under way, until it fails or its data link is admitted
     CONNECTED = enum.auto()  #: the data link is admitted
@@ -378,6 +382,8 @@ class PeerTable:
         hosts: every node's addresses (the hosts its links may come from); only the hosts of
             nodes that dial this one may begin a handshake here (:mod:`fabricd.engines.link.gate`).
         spare_slots: handshake slots per such host beyond one per node on it.
+        absent: nodes with no address yet (a free slot of membership from etcd): never
+            dialled until :meth:`set_present` says they are there.
     """
 
     def __init__(
@@ -391,6 +397,7 @@ class PeerTable:
         max_backoff: float = 5.0,
         hosts: Mapping[int, frozenset[str]] | None = None,
         spare_slots: int = SPARE_SLOTS,
+        absent: frozenset[int] = frozenset(),
     ) -> None:
         if not max_backoff > 0:
             raise ValueError("max_backoff must be more than 0 seconds")
@@ -407,6 +414,8 @@ class PeerTable:
         self._deadlines: Deadlines[tuple[_Timer, int]] = Deadlines()
         self._links_refused = 0
         self._resets = 0
+        self._absent = set(absent)
+        self._started = False
 
     # -- queries ------------------------------------------------------------------------------
     def state(self, node: int) -> PeerState:
@@ -448,8 +457,29 @@ class PeerTable:
 
     # -- dialling -----------------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
-        """Begin dialling: a :class:`Dial` for every dial target, at once."""
+        """Begin dialling: a :class:`Dial` for every dial target present, at once."""
+        self._started = True
         return [a for node in self._diallers for a in self._dial(node, _DialInput.START, now)]
+
+    def set_present(self, node: int, present: bool, now: float) -> list[Action]:
+        """``node`` has an address now (``present``), or no longer has one.
+
+        A node that arrives is dialled at once if this node dials it (a dial waiting for its
+        backoff is brought forward); one that goes is dialled no more, but links it has up stay
+        until the liveness rules take them (a node whose registration went may still be up).
+        """
+        if not present:
+            self._absent.add(node)
+            return []
+        self._absent.discard(node)
+        dialler = self._diallers.get(node)
+        if dialler is None or not self._started:
+            return []
+        if dialler.state is _Dial.WAITING:
+            dialler.backoff = self._first_backoff
+            self._deadlines.set((_Timer.DIAL, node), now)
+            return []
+        return self._dial(node, _DialInput.START, now) if dialler.state is _Dial.STOPPED else []
 
     def on_dial_failed(self, node: int, error: str, now: float) -> list[Action]:
         """The dial of ``node`` under way failed (``error`` says why); it is retried later.
@@ -667,6 +697,10 @@ class PeerTable:
         dialler = self._diallers[node]
         new = _DIAL_TRANSITIONS.get((dialler.state, event))
         if new is None:
+            return []
+        if node in self._absent and new is not _Dial.CONNECTED:  # no address: wait for one
+            dialler.state = _Dial.STOPPED
+            self._deadlines.cancel((_Timer.DIAL, node))
             return []
         dialler.state = new
         key = (_Timer.DIAL, node)

@@ -1,0 +1,470 @@
+"""The roster service: membership from etcd (``membership = "etcd"``), the I/O of it.
+
+Drives :mod:`fabricd.engines.roster`, which decides which slot to claim, what a registration
+means for the address table and what a partition changes.  This module talks to etcd through
+aetcd, an asyncio etcd v3 client (gRPC underneath; docs/operations.md, "Membership from etcd"):
+
+* :func:`register`, before the daemon is built: a lease of ``etcd_lease_ttl`` seconds, the
+  slot claimed in one transaction under it (``slots/<i>``, ``nodes/<name>``, and ``names/<name>``
+  remembered without a lease), and a full read of the registrations.  The daemon's node id is
+  the slot, its ``nodes`` the addresses read ("" for free slots), so every engine sees the small
+  integer ids it always has.  etcd unreachable at start is retried, with backoff, until it
+  answers: the daemon is not ready (no READY=1) before it is registered;
+* :class:`RosterService`, while the daemon runs: keeps the lease alive (every third of its
+  TTL), watches ``nodes/`` from the revision read, and hands every change to the peering
+  service (:meth:`~fabricd.daemon.services.peering.PeeringService.set_address`).  A call that
+  fails or takes longer than a third of the TTL makes etcd *unreachable*: the view is kept,
+  etcd is tried again with backoff (the next endpoint each time), and once it answers the
+  lease is checked, registered again if it expired meanwhile (the same slot: a node's id never
+  changes while it runs), and the view read whole again.  ``status`` says which
+  (``membership``); the drain revokes the lease, so the others see this node leave at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+import aetcd
+import grpc
+
+from fabricd.daemon.config import Loaded
+from fabricd.daemon.service import BaseService
+from fabricd.engines.roster import AddressChanged, Claim, Member, Roster, State, choose_slot
+from fabricd.errors import ConfigError
+from fabricd.transports.base import split_address
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from fabricd.daemon.config import Config
+    from fabricd.daemon.service import Host
+    from fabricd.daemon.services.peering import PeeringService
+    from fabricd.wire import Meta
+
+log = logging.getLogger("fabricd.roster")
+#: the longest pause between two tries to reach etcd
+MAX_RETRY: Final = 2.0
+
+
+class LeaseLost(Exception):
+    """etcd answered, but this daemon's lease is gone (it expired during a partition)."""
+
+
+class SlotTaken(Exception):
+    """Registering again, this daemon's slot is held by another name."""
+
+
+class WatchEnded(Exception):
+    """etcd closed the watch without an error: changes would be missed from here on."""
+
+
+#: what a failed or lost call to etcd raises (aetcd maps gRPC's statuses to ClientError), and
+#: what this module finds wrong with etcd's answers: each makes etcd unreachable, and retried
+ETCD_ERRORS: Final = (
+    aetcd.ClientError,
+    grpc.RpcError,
+    OSError,
+    TimeoutError,
+    LeaseLost,
+    SlotTaken,
+    WatchEnded,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EtcdSettings:
+    """What this daemon needs of its config to talk to etcd and register."""
+
+    endpoints: tuple[str, ...]
+    prefix: bytes
+    ttl: int
+    name: str
+    address: str
+    max_nodes: int
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    user: str = ""
+    password_file: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> EtcdSettings:
+        return cls(
+            endpoints=cfg.etcd_endpoints,
+            prefix=cfg.etcd_prefix.encode(),
+            ttl=cfg.etcd_lease_ttl,
+            name=cfg.node_name or socket.gethostname(),
+            address=cfg.listen,
+            max_nodes=cfg.max_nodes,
+            ca_file=cfg.etcd_ca_file,
+            cert_file=cfg.etcd_cert_file,
+            key_file=cfg.etcd_key_file,
+            user=cfg.etcd_user,
+            password_file=cfg.etcd_password_file,
+        )
+
+    @property
+    def call_timeout(self) -> float:
+        """How long one call to etcd may take: a third of the lease, so a keepalive that
+        hangs still leaves time for the next before the lease runs out."""
+        return self.ttl / 3
+
+    def key(self, *parts: str) -> bytes:
+        return self.prefix + "/".join(parts).encode()
+
+
+@dataclass(slots=True, kw_only=True)
+class Registration:
+    """A live registration: the client, its lease, the slot, and the view read with it."""
+
+    client: aetcd.Client
+    lease: int
+    slot: int
+    members: list[Member]
+    revision: int  #: the revision the view was read at: the watch starts after it
+    endpoint: int  #: the index of the endpoint the client talks to
+
+
+class _Client(aetcd.Client):
+    """aetcd's client, over TLS when the settings name a CA or a client certificate.
+
+    aetcd 1.0 opens plaintext channels only; this subclass opens the channel itself when TLS
+    is asked for and otherwise leaves everything (stubs, watcher, authentication) to aetcd.
+    """
+
+    def __init__(self, settings: EtcdSettings, endpoint: str) -> None:
+        host, port = split_address(endpoint)
+        user = settings.user or None
+        password = _read_password(settings.password_file) if user else None
+        timeout = max(1, int(settings.call_timeout))
+        super().__init__(host=host, port=port, username=user, password=password, timeout=timeout)
+        self._credentials = _credentials(settings)
+
+    async def connect(self) -> None:
+        if self._credentials is None or self._connected.is_set():
+            await super().connect()
+            return
+        rpc = aetcd.rpc
+        self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._credentials)
+        if self._username is not None:
+            self.auth_stub = rpc.AuthStub(self.channel)
+            request = rpc.AuthenticateRequest(name=self._username, password=self._password)
+            answer = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+            self.metadata = (("token", answer.token),)
+        self.kvstub = rpc.KVStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(
+            rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+        )
+        self._connected.set()
+
+
+def _read_password(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"etcd_password_file {path}: {exc.strerror}") from None
+
+
+def _credentials(settings: EtcdSettings) -> grpc.ChannelCredentials | None:
+    if not (settings.ca_file or settings.cert_file):
+        return None
+    files = {}
+    for key, path in (
+        ("root_certificates", settings.ca_file),
+        ("private_key", settings.key_file),
+        ("certificate_chain", settings.cert_file),
+    ):
+        if path:
+            try:
+                with open(path, "rb") as fh:
+                    files[key] = fh.read()
+            except OSError as exc:
+                raise ConfigError(f"etcd TLS file {path}: {exc.strerror}") from None
+    return grpc.ssl_channel_credentials(**files)
+
+
+async def _connect(settings: EtcdSettings, endpoint: int) -> aetcd.Client:
+    client = _Client(settings, settings.endpoints[endpoint % len(settings.endpoints)])
+    async with asyncio.timeout(settings.call_timeout):
+        await client.connect()
+    return client
+
+
+async def register(cfg: Config) -> Registration:
+    """Register this daemon in etcd (module docstring), trying until etcd answers.
+
+    Raises:
+        ConfigError: every slot is taken, or a TLS or password file cannot be read.
+    """
+    settings = EtcdSettings.from_config(cfg)
+    attempt, wait = 0, 0.1
+    while True:
+        client = None
+        try:
+            client = await _connect(settings, attempt)
+            return await _claim(client, settings, attempt, slot=None)
+        except ETCD_ERRORS as exc:
+            log.warning(
+                "etcd at %s: %s; retrying in %.1fs",
+                settings.endpoints[attempt % len(settings.endpoints)],
+                _why(exc, settings.call_timeout),
+                wait,
+            )
+            if client is not None:
+                await _close(client)
+        attempt, wait = attempt + 1, min(wait * 2, MAX_RETRY)
+        await asyncio.sleep(wait)
+
+
+def registered(loaded: Loaded, registration: Registration) -> Loaded:
+    """The config the daemon runs with once registered: its node id the slot, ``nodes`` every
+    slot's address as read ("" where free), both with ``etcd`` as their source."""
+    cfg = loaded.config
+    nodes = [""] * cfg.max_nodes
+    nodes[registration.slot] = cfg.listen
+    for member in registration.members:  # as the engine takes them: the first of a slot
+        if 0 <= member.slot < cfg.max_nodes and not nodes[member.slot]:
+            nodes[member.slot] = member.address
+    config = dataclasses.replace(cfg, node_id=registration.slot, nodes=tuple(nodes))
+    return Loaded(config=config, sources={**loaded.sources, "node_id": "etcd", "nodes": "etcd"})
+
+
+async def _claim(
+    client: aetcd.Client, settings: EtcdSettings, endpoint: int, *, slot: int | None
+) -> Registration:
+    """A lease, a slot (``slot``: this one only, registering again) and the view."""
+    lease = await client.lease(settings.ttl)
+    name, waiting = settings.name, False
+    while True:
+        held = {
+            int(kv.key.rsplit(b"/", 1)[1]): kv.value.decode(errors="replace")
+            for kv in await client.get_prefix(settings.key("slots/"))
+            if kv.key.rsplit(b"/", 1)[1].isdigit()
+        }
+        remembered = await client.get(settings.key("names", name))
+        choice = choose_slot(
+            held,
+            name,
+            slot if slot is not None else _int(remembered.value if remembered else b""),
+            settings.max_nodes,
+        )
+        if slot is not None and choice != slot and choice is not Claim.WAIT:
+            raise SlotTaken(f"slot {slot} is held by {held.get(slot)!r}")
+        if choice is Claim.FULL:
+            raise ConfigError(f"all {settings.max_nodes} slots (max_nodes) in etcd are taken")
+        if choice is Claim.WAIT:
+            if not waiting:  # (once: the wait lasts at most the earlier lease's TTL)
+                log.info("name %r still registered (an earlier run's lease): waiting", name)
+            waiting = True
+            await asyncio.sleep(0.5)
+            continue
+        if await _take(client, settings, lease.id, choice):
+            break
+    members, revision = await _read_view(client, settings)
+    log.info("registered in etcd as %r, slot %d", name, choice)
+    return Registration(
+        client=client,
+        lease=lease.id,
+        slot=choice,
+        members=[m for m in members if m.name != name],
+        revision=revision,
+        endpoint=endpoint,
+    )
+
+
+def _int(value: bytes) -> int | None:
+    return int(value) if value.isdigit() else None
+
+
+async def _take(client: aetcd.Client, settings: EtcdSettings, lease: int, slot: int) -> bool:
+    """Claim ``slot`` if it is still free: one transaction, under the lease."""
+    name, tx = settings.name, client.transactions
+    member = Member(name=name, address=settings.address, slot=slot)
+    ok, _ = await client.transaction(
+        compare=[tx.create(settings.key("slots", str(slot))) == 0],
+        success=[
+            tx.put(settings.key("slots", str(slot)), name.encode(), lease),
+            tx.put(settings.key("nodes", name), member.encode(), lease),
+            tx.put(settings.key("names", name), str(slot).encode()),
+        ],
+        failure=[],
+    )
+    return bool(ok)
+
+
+async def _read_view(client: aetcd.Client, settings: EtcdSettings) -> tuple[list[Member], int]:
+    """Every registration, and the revision they were read at."""
+    found = await client.get_prefix(settings.key("nodes/"))
+    members = []
+    for kv in found:
+        name = kv.key[len(settings.key("nodes/")) :].decode(errors="replace")
+        member = Member.decode(name, kv.value)
+        if member is not None:
+            members.append(member)
+    return members, found.header.revision
+
+
+def _why(exc: BaseException, timeout: float) -> str:
+    """What went wrong with etcd, in words (a timeout's own text is empty)."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout:g}s"
+    return str(exc) or type(exc).__name__
+
+
+async def _close(client: aetcd.Client) -> None:
+    with contextlib.suppress(*ETCD_ERRORS, asyncio.CancelledError):
+        async with asyncio.timeout(1.0):
+            await client.close()
+
+
+class RosterService(BaseService):
+    """Keeps this daemon registered and the peering service's addresses true to etcd."""
+
+    name = "roster"
+
+    def __init__(self, host: Host, peering: PeeringService, registration: Registration) -> None:
+        self.host = host
+        self.peering = peering
+        self.settings = EtcdSettings.from_config(host.config)
+        self._registration = registration
+        self.engine = Roster(
+            name=self.settings.name,
+            slot=registration.slot,
+            max_nodes=self.settings.max_nodes,
+            now=host.now(),
+            max_retry=min(MAX_RETRY, self.settings.call_timeout),
+        )
+        self._apply(self.engine.load(registration.members))
+        peering.name_of = self.engine.name_of
+        self._task: asyncio.Task[None] | None = None
+        self._events = 0  #: watch events applied
+
+    def start(self) -> None:
+        """Keep the lease and follow the registrations, until the drain."""
+        self._task = self.host.spawn(self._run())
+
+    async def _run(self) -> None:
+        registration = self._registration
+        while True:
+            try:
+                await self._follow(registration)
+            except* ETCD_ERRORS as failed:  # (from the keepalive's or the watch's task)
+                self._unreachable(failed.exceptions[0])
+            await _close(registration.client)
+            registration = await self._reconnect(registration)
+            self._registration = registration
+
+    def _unreachable(self, exc: BaseException) -> None:
+        why = _why(exc, self.settings.call_timeout)
+        if self.engine.state is State.CONNECTED:
+            log.warning("etcd unreachable (%s): keeping the last view", why)
+        self.engine.on_unreachable(self.host.now(), why)
+
+    async def _follow(self, registration: Registration) -> None:
+        """Keep the lease alive and apply the watch's events, until a call fails."""
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._keep_alive(registration))
+            tasks.create_task(self._watch(registration))
+
+    async def _keep_alive(self, registration: Registration) -> None:
+        while True:
+            await asyncio.sleep(self.settings.call_timeout)
+            async with asyncio.timeout(self.settings.call_timeout):
+                reply = await registration.client.refresh_lease(registration.lease)
+            if reply is None or reply.TTL <= 0:
+                raise LeaseLost("this daemon's lease expired")
+
+    async def _watch(self, registration: Registration) -> None:
+        prefix = self.settings.key("nodes/")
+        watch = await registration.client.watch_prefix(
+            prefix, start_revision=registration.revision + 1
+        )
+        async for event in watch:
+            name = event.kv.key[len(prefix) :].decode(errors="replace")
+            self._events += 1
+            if name == self.settings.name:
+                continue  # this daemon's own registration
+            if event.kind == aetcd.EventKind.DELETE:
+                self._apply(self.engine.on_delete(name))
+            elif (member := Member.decode(name, event.kv.value)) is not None:
+                self._apply(self.engine.on_put(member))
+        raise WatchEnded("etcd ended the watch")
+
+    async def _reconnect(self, old: Registration) -> Registration:
+        """Try etcd until it answers: the lease checked (registered again if it expired),
+        the view read whole again."""
+        endpoint = old.endpoint
+        while True:
+            await asyncio.sleep(self.engine.retry_in())
+            endpoint += 1
+            client = None
+            try:
+                client = await _connect(self.settings, endpoint)
+                return await self._resume(client, old, endpoint)
+            except ETCD_ERRORS as exc:
+                self._unreachable(exc)
+                if client is not None:
+                    await _close(client)
+
+    async def _resume(self, client: aetcd.Client, old: Registration, endpoint: int) -> Registration:
+        async with asyncio.timeout(self.settings.call_timeout):
+            info = await client.get_lease_info(old.lease, keys=False)
+        if info.TTL > 0:
+            members, revision = await _read_view(client, self.settings)
+            members = [m for m in members if m.name != self.settings.name]
+            fresh = Registration(
+                client=client,
+                lease=old.lease,
+                slot=old.slot,
+                members=members,
+                revision=revision,
+                endpoint=endpoint,
+            )
+        else:
+            log.warning("this daemon's etcd lease expired while unreachable: registering again")
+            fresh = await _claim(client, self.settings, endpoint, slot=old.slot)
+            self.engine.on_registered()
+        self.engine.on_connected(self.host.now())
+        self._apply(self.engine.load(fresh.members))
+        log.info("etcd reachable again: %d other nodes registered", len(fresh.members))
+        return fresh
+
+    def _apply(self, changes: Iterable[AddressChanged]) -> None:
+        for change in changes:
+            if change.address:
+                log.info("node %r (id %d) is at %s", change.name, change.slot, change.address)
+            else:
+                log.info("node %r (id %d) left etcd", change.name, change.slot)
+            self.peering.set_address(change.slot, change.address)
+
+    async def settle(self) -> None:
+        """Leave etcd at once (the lease revoked), so the others need not wait for its TTL."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *ETCD_ERRORS):
+                await self._task
+        registration = self._registration
+        with contextlib.suppress(*ETCD_ERRORS):
+            async with asyncio.timeout(1.0):
+                await registration.client.revoke_lease(registration.lease)
+        await _close(registration.client)
+
+    def statistics(self) -> Meta:
+        return {
+            "membership": self.engine.describe(self.host.now()),
+            "counters": {
+                "etcd_events": self._events,
+                "etcd_registrations": self.engine.registrations,
+                "etcd_ignored_registrations": self.engine.ignored,
+            },
+        }

@@ -1,0 +1,239 @@
+"""The node roster from etcd: which node (by name) holds which slot, at which address.
+
+Rules: this module decides everything about membership from etcd that is not I/O — which slot
+a daemon claims, what a registration read from etcd means for the address table, and what the
+daemon reports while etcd cannot be reached — and never touches etcd or a clock: the service
+(:mod:`fabricd.daemon.services.roster`) reads and writes etcd, hands what it read here with
+``now``, and performs the returned :class:`AddressChanged` actions on the peering service.
+
+Theory of operation.  The fabric's node ids stay small integers (every engine indexes by
+them), but in etcd mode they are *slots* in a fixed id space of ``max_nodes``, and a node's
+identity is its name.  A daemon registers under a lease, in one transaction:
+``<prefix>slots/<i>`` = name and ``<prefix>nodes/<name>`` = ``{"address", "slot"}`` (both under
+the lease, so both go when it expires), and ``<prefix>names/<name>`` = ``i`` (no lease: the
+slot it had, which it asks for again after a restart).  :func:`choose_slot` picks the slot:
+
+    remembered slot    held by            choice
+    i                  nobody             i   (a restarted node keeps its id)
+    i                  this name          WAIT (its previous lease has not expired yet)
+    i or none          someone else/none  the lowest free slot, or FULL
+
+Waiting rather than taking a slot held by the same name keeps two daemons that were given one
+name from holding two ids: the second registers once the first's lease is gone.
+
+The view (:class:`Roster`) is slot → member.  A full read (:meth:`Roster.load`, after every
+(re)connection) and each watch event (:meth:`Roster.on_put`, :meth:`Roster.on_delete`) move it,
+and every change of a slot's address comes out as :class:`AddressChanged`: an address to dial
+and admit, or ``""`` (the slot is free: never dialled, its links refused on arrival, like a
+node whose name does not resolve).  Links already up are not cut when a registration goes:
+the peers engine's liveness rules decide them (a node killed is silent, suspect, then down).
+A registration that claims this daemon's own slot, a slot outside ``0..max_nodes-1``, or a
+slot another name holds in the view is ignored and counted (a foreign or corrupt key).
+
+Partition.  While etcd cannot be reached the view is kept as it was (the fabric runs on its
+last view: no address is removed for a silence of etcd's), the state is ``unreachable`` since
+the first failure, and the service retries after :meth:`Roster.retry_in` (doubling from
+:data:`FIRST_RETRY` to ``max_retry``).  The first full read after it is back replaces the view,
+and the differences come out as changes.  Every operation is O(1) but a full read, O(slots).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+    from fabricd.wire import Meta
+
+#: the first pause before etcd is tried again after a failure
+FIRST_RETRY: Final = 0.1
+
+
+class Claim(enum.Enum):
+    """A slot choice that is not a slot."""
+
+    WAIT = "wait"  #: this name's own earlier registration still holds its slot
+    FULL = "full"  #: every slot is taken
+
+
+def choose_slot(
+    held: Mapping[int, str], name: str, remembered: int | None, max_nodes: int
+) -> int | Claim:
+    """The slot ``name`` claims, given the slots ``held`` now (slot → name) and the one it had
+    (``remembered``, ``None`` if none); the table is in the module docstring."""
+    if remembered is not None and 0 <= remembered < max_nodes:
+        holder = held.get(remembered)
+        if holder is None:
+            return remembered
+        if holder == name:
+            return Claim.WAIT
+    if name in held.values():
+        return Claim.WAIT
+    return next((slot for slot in range(max_nodes) if slot not in held), Claim.FULL)
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One registration: a node's name, the address its peers dial, and its slot (node id)."""
+
+    name: str
+    address: str
+    slot: int
+
+    def encode(self) -> bytes:
+        """The value of ``<prefix>nodes/<name>``."""
+        return json.dumps({"address": self.address, "slot": self.slot}).encode()
+
+    @classmethod
+    def decode(cls, name: str, value: bytes) -> Member | None:
+        """The registration ``value`` says, or ``None`` if it is not one (a foreign key)."""
+        try:
+            fields = json.loads(value)
+            address, slot = fields["address"], fields["slot"]
+        except (ValueError, TypeError, KeyError):
+            return None
+        if not isinstance(address, str) or not address or type(slot) is not int:
+            return None
+        return cls(name=name, address=address, slot=slot)
+
+
+@dataclass(frozen=True, slots=True)
+class AddressChanged:
+    """``slot``'s address is now ``address`` (``""``: nobody holds it)."""
+
+    slot: int
+    name: str
+    address: str
+
+
+class State(enum.Enum):
+    """How this daemon stands with etcd (``status``'s ``membership.state``)."""
+
+    CONNECTED = "connected"
+    UNREACHABLE = "unreachable"
+
+
+class Roster:
+    """The address table etcd's registrations make, and this daemon's standing with etcd.
+
+    Args:
+        name, slot: this daemon's name and the slot it registered with (its node id).
+        max_nodes: the size of the id space.
+        now: the time of the first registration (connected since then).
+        max_retry: the longest pause between two tries to reach etcd.
+    """
+
+    def __init__(
+        self, *, name: str, slot: int, max_nodes: int, now: float, max_retry: float = 2.0
+    ) -> None:
+        if not 0 <= slot < max_nodes:
+            raise ValueError(f"slot {slot} is not in 0..{max_nodes - 1}")
+        self.name, self.slot, self.max_nodes = name, slot, max_nodes
+        self.state, self.since = State.CONNECTED, now
+        self.error = ""  #: why etcd was last found unreachable
+        self.max_retry = max_retry
+        self._retry = FIRST_RETRY
+        self._by_slot: dict[int, Member] = {}
+        self._by_name: dict[str, Member] = {}
+        self.ignored = 0  #: registrations ignored (own slot, out of range, slot taken)
+        self.registrations = 1  #: times this daemon registered (more after a lease was lost)
+
+    # -- queries ------------------------------------------------------------------------------
+    def address(self, slot: int) -> str:
+        """``slot``'s address in the view ("" when nobody holds it)."""
+        member = self._by_slot.get(slot)
+        return member.address if member is not None else ""
+
+    def name_of(self, slot: int) -> str:
+        """The name holding ``slot`` ("" when nobody does; this daemon's own for its slot)."""
+        if slot == self.slot:
+            return self.name
+        member = self._by_slot.get(slot)
+        return member.name if member is not None else ""
+
+    def members(self) -> list[Member]:
+        """The other nodes registered, by slot."""
+        return [self._by_slot[slot] for slot in sorted(self._by_slot)]
+
+    def describe(self, now: float) -> Meta:
+        """``status``'s ``membership``: the source, the state and since when, the view."""
+        described: Meta = {
+            "source": "etcd",
+            "state": self.state.value,
+            "since": round(now - self.since, 3),
+            "name": self.name,
+            "slot": self.slot,
+            "max_nodes": self.max_nodes,
+            "registered": {m.name: m.slot for m in self.members()},
+        }
+        if self.state is State.UNREACHABLE:
+            described["error"] = self.error
+        return described
+
+    # -- the view -----------------------------------------------------------------------------
+    def load(self, members: Iterable[Member]) -> list[AddressChanged]:
+        """A full read of the registrations (after every (re)connection): the view becomes
+        it, and every slot whose address differs comes out changed."""
+        before = dict(self._by_slot)
+        self._by_slot.clear()
+        self._by_name.clear()
+        for member in members:
+            self._add(member)
+        changed = []
+        for slot in sorted(before.keys() | self._by_slot.keys()):
+            old, new = before.get(slot), self._by_slot.get(slot)
+            if old != new:
+                name = new.name if new is not None else old.name if old is not None else ""
+                changed.append(AddressChanged(slot, name, new.address if new else ""))
+        return changed
+
+    def on_put(self, member: Member) -> list[AddressChanged]:
+        """A registration was written (a node joined, or registered again)."""
+        old = self._by_name.get(member.name)
+        changes = self.on_delete(member.name) if old is not None and old != member else []
+        if old == member or not self._add(member):
+            return changes
+        changes = [c for c in changes if c.slot != member.slot]  # moved within one slot
+        return [*changes, AddressChanged(member.slot, member.name, member.address)]
+
+    def on_delete(self, name: str) -> list[AddressChanged]:
+        """A registration went (its node left, or its lease expired)."""
+        member = self._by_name.pop(name, None)
+        if member is None:
+            return []
+        del self._by_slot[member.slot]
+        return [AddressChanged(member.slot, name, "")]
+
+    def _add(self, member: Member) -> bool:
+        slot = member.slot
+        if slot == self.slot or not 0 <= slot < self.max_nodes or slot in self._by_slot:
+            self.ignored += 1
+            return False
+        self._by_slot[slot] = self._by_name[member.name] = member
+        return True
+
+    # -- etcd's reachability ------------------------------------------------------------------
+    def on_connected(self, now: float) -> None:
+        """etcd answered again (a full read follows: :meth:`load`)."""
+        if self.state is not State.CONNECTED:
+            self.state, self.since, self.error = State.CONNECTED, now, ""
+        self._retry = FIRST_RETRY
+
+    def on_unreachable(self, now: float, error: str) -> None:
+        """A call to etcd failed: the view is kept; the state says since when."""
+        if self.state is not State.UNREACHABLE:
+            self.state, self.since = State.UNREACHABLE, now
+        self.error = error
+
+    def on_registered(self) -> None:
+        """This daemon registered again (its lease had expired: a long partition)."""
+        self.registrations += 1
+
+    def retry_in(self) -> float:
+        """How long to wait before trying etcd again (doubling up to ``max_retry``)."""
+        wait, self._retry = self._retry, min(self._retry * 2, self.max_retry)
+        return min(wait, self.max_retry)

@@ -1,0 +1,262 @@
+"""Membership from etcd (docs/operations.md, "Membership from etcd"), with real daemons on
+loopback and a real etcd (tests/etcd.py; Debian's etcd-server, installed when missing):
+
+* a fourth daemon joins a running three-node fabric, nobody restarts, and a job spans all four;
+* a daemon killed: its peers see it down (liveness), its lease expires and its registration
+  goes; started again it takes its old id back;
+* etcd restarted under a running fabric: links and jobs keep working, every daemon says etcd
+  was unreachable and then connected again, and registrations are all there;
+* etcd partitioned (SIGSTOP: connections hang): the fabric keeps its last view and says so in
+  ``status``; once etcd is back, registration comes back;
+* etcd over TLS with client certificates and a password: daemons register and join the same.
+
+Leases last 2 s here; a silent peer is down after 4 s, not FAST_LIVENESS's 1 s: these tests
+are about etcd, and assert that links stay up, which a loaded machine's pauses of a second
+must not fail.  Timeouts are hang guards only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+import fabricd
+from fabricd.daemon.launcher import LocalCluster
+from tests.etcd import Etcd, make_tls, skip_reason
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from pathlib import Path
+
+    from fabricd.client import Client
+
+#: a hang guard for anything the fabric or etcd must get to
+GUARD = 60.0
+TTL = 2
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[Etcd]:
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    server = Etcd(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fabric(etcd: Etcd, tmp_path: Path) -> Iterator[Callable[[int], LocalCluster]]:
+    """Start a cluster of daemons that register in ``etcd``; stopped (and their logs checked
+    for tracebacks) at teardown."""
+    started: list[LocalCluster] = []
+
+    def make(size: int, **settings: Any) -> LocalCluster:
+        settings = {**ETCD_SETTINGS, "etcd_endpoints": [etcd.endpoint], **settings}
+        cluster = LocalCluster(size, settings=settings, log_dir=tmp_path / "logs")
+        started.append(cluster)
+        cluster.start()
+        cluster.wait_connected()
+        return cluster
+
+    yield make
+    for cluster in started:
+        cluster.stop()
+        for node in cluster.nodes:
+            log = node.log_path.read_text(errors="replace")
+            assert "Traceback" not in log, f"node {node.node} logged a traceback:\n{log}"
+
+
+ETCD_SETTINGS: dict[str, Any] = {
+    "heartbeat_interval": 0.2,
+    "suspect_after": 2.0,
+    "down_after": 4.0,
+    "membership": "etcd",
+    "etcd_lease_ttl": TTL,
+    "max_nodes": 8,
+    "metrics_address": "",
+}
+
+
+def status(cluster: LocalCluster, i: int) -> dict[str, Any]:
+    with fabricd.connect(socket_path=cluster.nodes[i].socket_path) as client:
+        return client.status()
+
+
+def wait_until(what: str, check: Callable[[], bool]) -> None:
+    """Poll ``check`` until it holds (a hang guard of GUARD seconds)."""
+    deadline = time.monotonic() + GUARD
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {GUARD}s: {what}")
+        time.sleep(0.05)
+
+
+def registered(cluster: LocalCluster, i: int) -> set[str]:
+    """The names node ``i`` sees registered, itself included."""
+    membership = status(cluster, i)["membership"]
+    return {membership["name"], *membership["registered"]}
+
+
+@contextlib.contextmanager
+def ranks(cluster: LocalCluster, nodes: list[int], job: str) -> Iterator[list[Client]]:
+    clients = [
+        fabricd.connect(job=job, rank=r, size=len(nodes), socket_path=cluster.nodes[n].socket_path)
+        for r, n in enumerate(nodes)
+    ]
+    try:
+        yield clients
+    finally:
+        for client in clients:
+            client.close()
+
+
+def allreduce_works(cluster: LocalCluster, nodes: list[int], job: str) -> None:
+    """One sum allreduce with a rank on each of ``nodes``: every rank gets the right sum."""
+    with ranks(cluster, nodes, job) as fabs:
+        arrays = [f.array("g", (1000,), "float32") for f in fabs]
+        for r, array in enumerate(arrays):
+            array[:] = r + 1
+        handles = [f.allreduce_async(a, "sum") for f, a in zip(fabs, arrays, strict=True)]
+        for handle in handles:
+            handle.wait(timeout=GUARD)
+        expected = sum(range(1, len(nodes) + 1))
+        for array in arrays:
+            assert np.all(array == expected)
+
+
+def test_a_fourth_daemon_joins_a_running_fabric_without_restarts(fabric) -> None:
+    cluster = fabric(3)
+    before = {i: status(cluster, i) for i in range(3)}
+    ids = {before[i]["node"] for i in range(3)}
+    assert len(ids) == 3  # each took its own slot
+    assert all(s["membership"]["source"] == "etcd" for s in before.values())
+    allreduce_works(cluster, [0, 1, 2], "three")
+
+    cluster.add_node()
+    cluster.wait_connected()
+    names = {f"node{i}" for i in range(4)}
+    for i in range(4):
+        wait_until(f"node{i} sees all four registered", lambda i=i: registered(cluster, i) == names)
+    after = {i: status(cluster, i) for i in range(4)}
+    for i in range(3):  # nobody restarted, and the fourth has its own id
+        assert after[i]["incarnation"] == before[i]["incarnation"]
+        assert after[i]["node"] == before[i]["node"]
+    assert after[3]["node"] not in ids
+    peer_names = {p["name"] for p in after[0]["peers"]}
+    assert peer_names == {"node1", "node2", "node3"}
+    allreduce_works(cluster, [0, 1, 2, 3], "four")
+
+
+def test_a_killed_daemon_is_down_its_lease_expires_and_it_comes_back(fabric) -> None:
+    cluster = fabric(3)
+    killed = status(cluster, 2)["node"]
+    cluster.kill(2)
+
+    def down_and_gone(i: int) -> bool:
+        seen = status(cluster, i)
+        peer = next(p for p in seen["peers"] if p["node"] == killed)
+        return peer["state"] == "down" and "node2" not in seen["membership"]["registered"]
+
+    for i in (0, 1):
+        wait_until(f"node{i} sees node2 down and unregistered", lambda i=i: down_and_gone(i))
+    allreduce_works(cluster, [0, 1], "survivors")
+
+    cluster.restart(2)
+    cluster.wait_connected()
+    assert status(cluster, 2)["node"] == killed  # its remembered slot
+    allreduce_works(cluster, [0, 1, 2], "back")
+
+
+def test_etcd_restarted_under_a_running_fabric(fabric, etcd: Etcd) -> None:
+    cluster = fabric(3)
+    resets = [status(cluster, i)["counters"]["peer_resets"] for i in range(3)]
+    etcd.stop()
+    for i in range(3):
+        wait_until(
+            f"node{i} says etcd is unreachable",
+            lambda i=i: status(cluster, i)["membership"]["state"] == "unreachable",
+        )
+    allreduce_works(cluster, [0, 1, 2], "without-etcd")
+    etcd.start()
+    names = {"node0", "node1", "node2"}
+    for i in range(3):
+        wait_until(
+            f"node{i} is connected to etcd again with every registration",
+            lambda i=i: (
+                status(cluster, i)["membership"]["state"] == "connected"
+                and registered(cluster, i) == names
+            ),
+        )
+    allreduce_works(cluster, [0, 1, 2], "after-etcd")
+    for i in range(3):  # links were never touched
+        seen = status(cluster, i)
+        assert seen["counters"]["peer_resets"] == resets[i]
+        assert all(p["state"] == "up" for p in seen["peers"])
+
+
+def test_a_partitioned_etcd_leaves_the_last_view_and_says_so(fabric, etcd: Etcd) -> None:
+    cluster = fabric(3)
+    names = {"node0", "node1", "node2"}
+    etcd.pause()
+    try:
+        for i in range(3):
+            wait_until(
+                f"node{i} says etcd is unreachable",
+                lambda i=i: status(cluster, i)["membership"]["state"] == "unreachable",
+            )
+        for i in range(3):
+            seen = status(cluster, i)
+            assert registered(cluster, i) == names  # the last view, kept
+            assert seen["membership"]["error"]
+            assert all(p["state"] == "up" for p in seen["peers"])
+        allreduce_works(cluster, [0, 1, 2], "partitioned")
+        time.sleep(TTL + 1)  # long enough for every lease to run out meanwhile
+    finally:
+        etcd.resume()
+    for i in range(3):
+        wait_until(
+            f"node{i} is registered and connected again",
+            lambda i=i: (
+                status(cluster, i)["membership"]["state"] == "connected"
+                and registered(cluster, i) == names
+            ),
+        )
+    allreduce_works(cluster, [0, 1, 2], "healed")
+
+
+def test_daemons_register_over_tls_with_a_password(tmp_path: Path) -> None:
+    reason = skip_reason()
+    tls = make_tls(tmp_path)
+    if reason is not None or isinstance(tls, str):
+        pytest.skip(reason or str(tls))
+    server = Etcd(tmp_path, tls)
+    server.start()
+    (tmp_path / "password").write_text("s3cret\n")
+    server.enable_auth("s3cret")
+    settings = {
+        **ETCD_SETTINGS,
+        "etcd_endpoints": [server.endpoint],
+        "etcd_ca_file": str(tls.ca),
+        "etcd_cert_file": str(tls.client_cert),
+        "etcd_key_file": str(tls.client_key),
+        "etcd_user": "root",
+        "etcd_password_file": str(tmp_path / "password"),
+    }
+    cluster = LocalCluster(2, settings=settings, log_dir=tmp_path / "logs")
+    try:
+        cluster.start()
+        cluster.wait_connected()
+        cluster.add_node()
+        cluster.wait_connected()
+        names = {"node0", "node1", "node2"}
+        for i in range(3):
+            wait_until(f"node{i} sees all three", lambda i=i: registered(cluster, i) == names)
+    finally:
+        cluster.stop()
+        server.stop()

@@ -1,0 +1,115 @@
+"""The roster engine (fabricd/engines/roster.py): slot choice, the view from etcd's
+registrations and watch events, and what a partition changes, on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from fabricd.engines.roster import (
+    FIRST_RETRY,
+    AddressChanged,
+    Claim,
+    Member,
+    Roster,
+    State,
+    choose_slot,
+)
+
+
+def test_a_new_name_takes_the_lowest_free_slot() -> None:
+    assert choose_slot({}, "a", None, 4) == 0
+    assert choose_slot({0: "x", 2: "y"}, "a", None, 4) == 1
+
+
+def test_a_restarted_node_gets_its_remembered_slot_back_when_free() -> None:
+    assert choose_slot({0: "x"}, "a", 3, 4) == 3
+
+
+def test_a_name_still_holding_its_slot_waits_for_its_old_lease() -> None:
+    assert choose_slot({3: "a"}, "a", 3, 4) is Claim.WAIT
+    assert choose_slot({1: "a"}, "a", None, 4) is Claim.WAIT  # never a second id per name
+
+
+def test_a_remembered_slot_someone_else_took_falls_back_to_the_lowest_free() -> None:
+    assert choose_slot({3: "b"}, "a", 3, 4) == 0
+    assert choose_slot({0: "x", 1: "y"}, "a", 7, 2) is Claim.FULL
+
+
+def test_member_values_round_trip_and_foreign_values_are_refused() -> None:
+    member = Member("n1", "10.0.0.1:7700", 2)
+    assert Member.decode("n1", member.encode()) == member
+    for junk in (b"", b"[]", b'{"address": 5, "slot": 1}', b'{"address": "a:1", "slot": true}'):
+        assert Member.decode("n1", junk) is None
+
+
+def roster(now: float = 0.0) -> Roster:
+    return Roster(name="me", slot=0, max_nodes=4, now=now, max_retry=1.0)
+
+
+def test_watch_events_move_the_address_table() -> None:
+    r = roster()
+    assert r.on_put(Member("b", "h:2", 2)) == [AddressChanged(2, "b", "h:2")]
+    assert r.on_put(Member("b", "h:2", 2)) == []  # the same registration again: no news
+    assert r.address(2) == "h:2"
+    assert r.name_of(2) == "b"
+    assert r.name_of(0) == "me"
+    assert r.on_put(Member("b", "h:3", 2)) == [AddressChanged(2, "b", "h:3")]  # new address
+    assert r.on_delete("b") == [AddressChanged(2, "b", "")]
+    assert r.address(2) == ""
+    assert r.on_delete("b") == []
+
+
+def test_a_registration_that_moves_slot_frees_the_old_one() -> None:
+    r = roster()
+    r.on_put(Member("b", "h:2", 2))
+    assert r.on_put(Member("b", "h:2", 3)) == [
+        AddressChanged(2, "b", ""),
+        AddressChanged(3, "b", "h:2"),
+    ]
+
+
+def test_registrations_for_own_taken_or_foreign_slots_are_ignored_and_counted() -> None:
+    r = roster()
+    r.on_put(Member("b", "h:2", 2))
+    assert r.on_put(Member("c", "h:9", 2)) == []  # b holds it
+    assert r.on_put(Member("d", "h:9", 0)) == []  # this daemon's own
+    assert r.on_put(Member("e", "h:9", 4)) == []  # outside max_nodes
+    assert r.ignored == 3
+    assert r.address(2) == "h:2"
+
+
+def test_a_full_read_replaces_the_view_and_reports_only_differences() -> None:
+    r = roster()
+    r.load([Member("b", "h:1", 1), Member("c", "h:2", 2)])
+    changes = r.load([Member("b", "h:1", 1), Member("d", "h:3", 3)])
+    assert changes == [AddressChanged(2, "c", ""), AddressChanged(3, "d", "h:3")]
+    assert [m.name for m in r.members()] == ["b", "d"]
+
+
+def test_a_partition_keeps_the_view_and_says_since_when() -> None:
+    r = roster(now=10.0)
+    r.load([Member("b", "h:1", 1)])
+    r.on_unreachable(12.0, "deadline exceeded")
+    r.on_unreachable(13.0, "connection refused")  # still since the first failure
+    described = r.describe(15.0)
+    assert described["state"] == "unreachable"
+    assert described["since"] == 3.0
+    assert described["error"] == "connection refused"
+    assert r.address(1) == "h:1"  # the last view is kept
+    r.on_connected(20.0)
+    assert r.state is State.CONNECTED
+    assert r.describe(21.0)["since"] == 1.0
+    assert "error" not in r.describe(21.0)
+
+
+def test_retries_back_off_to_the_cap_and_start_over_once_connected() -> None:
+    r = roster()
+    waits = [r.retry_in() for _ in range(6)]
+    assert waits == [FIRST_RETRY, 0.2, 0.4, 0.8, 1.0, 1.0]
+    r.on_connected(1.0)
+    assert r.retry_in() == FIRST_RETRY
+
+
+def test_the_own_slot_must_be_in_the_id_space() -> None:
+    with pytest.raises(ValueError, match="slot 4"):
+        Roster(name="me", slot=4, max_nodes=4, now=0.0)
