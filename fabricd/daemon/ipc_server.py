@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
 import errno
 import functools
 import itertools
@@ -87,10 +88,12 @@ _RESCUE_READS: Final = -(-(REQUEST_LIMITS.max_meta + HEADER_SIZE) // _RECV_SIZE)
 _FD_SPACE: Final = socket.CMSG_SPACE(MAX_FDS_PER_REQUEST * struct.calcsize("i"))
 #: SO_PEERGROUPS from <asm-generic/socket.h>; the socket module does not name it
 _SO_PEERGROUPS: Final = getattr(socket, "SO_PEERGROUPS", 59)
-#: the most supplementary groups read: Python's getsockopt reads at most 1024 bytes and raises
-#: for a longer buffer, which left every client without groups when this asked for 4096.  A
-#: peer in more groups gets ERANGE from the kernel and is judged by its uid and primary gid
+#: the supplementary groups read through Python's getsockopt, which reads at most 1024 bytes and
+#: raises for a longer buffer (which left every client without groups when this asked for
+#: 4096); a peer in more groups gets ERANGE, and is read again through libc (_peer_groups_libc)
 _MAX_GROUPS: Final = 256
+#: Linux's NGROUPS_MAX: the most supplementary groups a process can have
+_NGROUPS_MAX: Final = 65536
 #: ``accept`` errors that leave the connection queued: the daemon or the system lacks something
 _OUT_OF_RESOURCES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 #: the first pause of accepting after such an error, in seconds; each next one doubles ...
@@ -130,8 +133,7 @@ def peer_credentials(sock: socket.socket) -> Credentials:
 
 
 def _peer_groups(sock: socket.socket) -> frozenset[int]:
-    """The peer's supplementary groups (Linux >= 4.13); empty where the kernel can't say, or
-    the peer is in more than :data:`_MAX_GROUPS`.
+    """The peer's supplementary groups (Linux >= 4.13); empty where the kernel can't say.
 
     SO_PEERCRED carries only the primary gid, but operators grant socket access by adding
     training users to a group, which is usually a supplementary one (a Kubernetes pod's
@@ -139,9 +141,26 @@ def _peer_groups(sock: socket.socket) -> frozenset[int]:
     """
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * _MAX_GROUPS)
-    except OSError:
-        return frozenset()
+    except OSError as exc:
+        if exc.errno != errno.ERANGE:
+            return frozenset()
+        raw = _peer_groups_libc(sock.fileno())
     return frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+
+
+def _peer_groups_libc(fd: int) -> bytes:
+    """SO_PEERGROUPS of ``fd`` read through libc's getsockopt, with room for
+    :data:`_NGROUPS_MAX` groups (a peer in more than Python's getsockopt can hold); b"" when
+    that fails too.  Called only for such a peer, so the 256 KiB buffer is rare."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return b""
+    buffer = ctypes.create_string_buffer(4 * _NGROUPS_MAX)
+    length = ctypes.c_uint32(len(buffer))
+    if libc.getsockopt(fd, socket.SOL_SOCKET, _SO_PEERGROUPS, buffer, ctypes.byref(length)):
+        return b""
+    return buffer.raw[: length.value]
 
 
 class RequestHandler(Protocol):
