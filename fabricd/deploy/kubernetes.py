@@ -130,9 +130,14 @@ def wait_for_members(
     """Ask DNS for ``service`` until it lists ``expect`` addresses of this node's family, this
     node's among them, at most ``attempts`` times, :data:`RETRY_INTERVAL` apart.
 
+    More addresses than ``expect`` is waited out too, not an error at once: during a rollout a
+    Service that publishes not-ready addresses still lists the terminating pods for a while,
+    and failing then would put every restarting pod in CrashLoopBackOff.
+
     Raises:
-        ConfigError: the Service lists more than ``expect`` addresses (``--expect`` is wrong,
-            or the DaemonSet runs where it should not), or still too few after ``attempts``.
+        ConfigError: the Service still lists other than ``expect`` addresses, or not this
+            node's, after ``attempts`` queries (``--expect`` is wrong, the DaemonSet runs where
+            it should not, or pods are missing).
     """
     me = _address(host_ip, "the host IP")
     found: set[Address] = set()
@@ -141,13 +146,14 @@ def wait_for_members(
             sleep(RETRY_INTERVAL)
         answers = {_address(a, "a DNS answer") for a in lookup(service)}
         found = {a for a in answers if a.version == me.version}
-        if len(found) > expect:
-            raise ConfigError(
-                f"Service {service} lists {len(found)} addresses, more than the {expect} "
-                "expected; set --expect to the number of nodes the DaemonSet runs on"
-            )
         if len(found) == expect and me in found:
             return members(map(str, found), host_ip, port)
+    if len(found) > expect:
+        raise ConfigError(
+            f"Service {service} still lists {len(found)} addresses, more than the {expect} "
+            f"expected, after {attempts} queries; set --expect to the number of nodes the "
+            "DaemonSet runs on"
+        )
     raise ConfigError(
         f"Service {service} lists {len(found)} of the {expect} addresses expected "
         f"({', '.join(sorted(map(str, found))) or 'none'}; this node is {me}) after "

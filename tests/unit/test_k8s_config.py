@@ -150,11 +150,20 @@ def test_the_wait_ignores_the_other_familys_answers():
     assert len(dns.queries) == 2
 
 
-def test_more_pods_than_expected_fail_at_once():
+def test_more_pods_than_expected_are_waited_out_as_a_rollout_terminates_them():
+    """A Service publishing not-ready addresses lists a terminating pod for a while during a
+    rollout: failing at once put every restarting pod in CrashLoopBackOff."""
+    rolling = ["10.0.0.1", "10.0.0.2", "10.0.0.9"]
+    dns = FakeDns(rolling, rolling, ["10.0.0.1", "10.0.0.2"])
+    assert dns.wait(expect=2).nodes == ("10.0.0.1:7700", "10.0.0.2:7700")
+    assert dns.sleeps == [RETRY_INTERVAL] * 2
+
+
+def test_more_pods_than_expected_fail_only_after_the_attempts():
     dns = FakeDns(["10.0.0.1", "10.0.0.2", "10.0.0.3"])
-    with pytest.raises(ConfigError, match="lists 3 addresses, more than the 2 expected"):
-        dns.wait(expect=2)
-    assert dns.sleeps == []
+    with pytest.raises(ConfigError, match="still lists 3 addresses, more than the 2 expected"):
+        dns.wait(expect=2, attempts=4)
+    assert len(dns.queries) == 4
 
 
 def test_too_few_pods_fail_after_the_attempts_with_what_was_seen():
