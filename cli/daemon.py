@@ -50,9 +50,19 @@ def load_from_cli(config_path: str | None, flags: dict[str, Any]) -> config_modu
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @config_flags
-def main(config_path: str | None, **flags: Any) -> None:
+@click.option(
+    "--no-dump",
+    is_flag=True,
+    help="make the process undumpable (no core, no ptrace by its uid): a Slurm job's daemon",
+)
+def main(config_path: str | None, no_dump: bool, **flags: Any) -> None:
     """Run the fabricd daemon of this node (SIGTERM drains and exits 0)."""
     from fabricd.daemon.main import EXIT_CONFIG, run
+
+    if no_dump:
+        from fabricd.daemon.slurm_job import forbid_dumps
+
+        forbid_dumps()
 
     try:
         loaded = load_from_cli(config_path, flags)

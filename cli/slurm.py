@@ -22,7 +22,13 @@ from rich.markup import escape
 
 from fabricd.cli.common import console, emit_json, errors, json_option
 from fabricd.errors import FabricError
-from fabricd.slurm import DEFAULT_KEY_FILE, job_id_of, job_socket_candidates, launch_environment
+from fabricd.slurm import (
+    DEFAULT_KEY_FILE,
+    job_id_of,
+    job_socket_candidates,
+    launch_environment,
+    stale_rank_warning,
+)
 
 
 @click.group()
@@ -87,6 +93,9 @@ def epilog(timeout: float) -> None:
 def _variables() -> dict[str, str]:
     """What this task's launcher adds to its environment; ends the command on an error."""
     sockets = job_socket_candidates(os.environ)
+    warning = stale_rank_warning(os.environ)
+    if warning:
+        errors.print(f"[yellow]fabricctl slurm:[/] {escape(warning)}", soft_wrap=True)
     try:
         return launch_environment(os.environ, bool(sockets) and os.path.exists(sockets[0]))
     except FabricError as exc:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Final
 
-from fabricd.slurm import job_socket_candidates
+from fabricd.slurm import job_has_daemon, job_socket_candidates
 from fabricd.wire import Kind, Limits, encode_head
 
 if TYPE_CHECKING:
@@ -62,7 +62,15 @@ def socket_candidates() -> tuple[str, ...]:
     with ``$XDG_RUNTIME_DIR`` tries ``$XDG_RUNTIME_DIR/fabricd/fabricd.sock`` (a daemon of
     their own), then :data:`SYSTEM_SOCKET` (the one systemd runs for everybody): looking only in
     the runtime dir would miss the system daemon.  Root has no runtime-dir daemon.
+
+    A job whose prolog started a daemon for it (its directory is there:
+    :func:`fabricd.slurm.job_has_daemon`) gets that daemon's socket alone: if it is missing or
+    refuses, falling back to the node's daemon would put the job's ranks on another fabric
+    (another node list, another secret) without a word, so the client fails naming the job's
+    socket instead.
     """
+    if job_has_daemon(os.environ):
+        return job_socket_candidates(os.environ)
     return job_socket_candidates(os.environ) + _node_candidates()
 
 

@@ -21,12 +21,14 @@ Only a task of a job *step* has a rank: ``srun`` sets ``SLURM_STEP_NUM_TASKS``, 
 script's own process also has ``SLURM_PROCID=0`` and ``SLURM_NTASKS``, and taking those for a
 rank would make the batch script a rank 0 that never meets the others.
 
-Rules: pure functions of a mapping of variables, no I/O; the client imports this module
+Rules: pure functions of a mapping of variables, no I/O but :func:`job_has_daemon`'s look
+at the job's directory; the client imports this module
 (tests/unit/test_arrows.py), so it loads nothing of the daemon.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -249,6 +251,11 @@ class SlurmJob:
         return job_directory(self.job_id)
 
     @property
+    def run_directory(self) -> str:
+        """The job user's part of :attr:`directory`: where the daemon binds its socket."""
+        return job_run_directory(self.job_id)
+
+    @property
     def socket_path(self) -> str:
         """Where the job's daemon listens for the job's ranks on this node."""
         return job_socket(self.job_id)
@@ -264,15 +271,31 @@ def job_directory(job_id: int) -> str:
     return f"{JOB_ROOT}/{job_id}"
 
 
+def job_run_directory(job_id: int) -> str:
+    """The subdirectory of :func:`job_directory` that the job's user owns (its socket's).
+
+    The job directory itself stays root's: the files root reads back in the epilog (the
+    daemon's pid) must be out of the user's reach (docs/slurm.md, "Security").
+    """
+    return f"{job_directory(job_id)}/run"
+
+
 def job_socket(job_id: int) -> str:
     """The client socket of job ``job_id``'s daemon on each of its nodes."""
-    return f"{job_directory(job_id)}/fabricd.sock"
+    return f"{job_run_directory(job_id)}/fabricd.sock"
 
 
 def job_socket_candidates(environ: Mapping[str, str]) -> tuple[str, ...]:
     """Where a client inside a Slurm job looks first: its job's socket; ``()`` outside one."""
     job = job_id_of(environ)
     return () if job is None else (job_socket(job),)
+
+
+def job_has_daemon(environ: Mapping[str, str]) -> bool:
+    """Whether the prolog made this job a daemon of its own on this node (its directory is
+    there): then a client must use that daemon's socket and no other."""
+    job = job_id_of(environ)
+    return job is not None and os.path.isdir(job_directory(job))
 
 
 def job_id_of(environ: Mapping[str, str]) -> int | None:
@@ -375,6 +398,25 @@ def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> i
         return int(raw)
     except ValueError:
         raise SlurmError(f"${name}={raw!r} is not an integer") from None
+
+
+def stale_rank_warning(environ: Mapping[str, str]) -> str:
+    """Why ``WORLD_SIZE`` looks stale in a task of ``srun``, or "" when it does not.
+
+    ``RANK`` and ``WORLD_SIZE`` win over Slurm's (:func:`task_identity`), and ``srun`` passes
+    the submitting shell's on: ones exported there by hand, for another run, would silently
+    make a wrong world.  Outside torchrun (no ``TORCHELASTIC_*`` variable), a ``WORLD_SIZE``
+    other than the step's task count is most likely that.
+    """
+    size, tasks = environ.get("WORLD_SIZE"), environ.get("SLURM_STEP_NUM_TASKS")
+    if size is None or tasks is None or size == tasks:
+        return ""
+    if any(name.startswith("TORCHELASTIC_") for name in environ):
+        return ""
+    return (
+        f"WORLD_SIZE={size} is set, but this srun step has {tasks} tasks: the set RANK and "
+        "WORLD_SIZE win; unset them if the submitting shell exported them for another run"
+    )
 
 
 def launch_environment(

@@ -61,6 +61,7 @@ from fabricd.client import checks
 from fabricd.client.protocol import ClientProtocol, Event, Reply, State
 from fabricd.errors import DaemonUnavailable, Timeout
 from fabricd.ipc import socket_candidates
+from fabricd.slurm import job_directory, job_has_daemon, job_id_of
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -125,6 +126,13 @@ class Connection:
                 tried.append(f"{path} ({exc.strerror or exc})")
                 continue
             return cls(sock, path)
+        if tuple(paths) == socket_candidates() and job_has_daemon(os.environ):
+            raise DaemonUnavailable(
+                f"this Slurm job's own daemon does not answer on {' or '.join(tried)}; the "
+                f"prolog started it for this job ({job_directory(job_id_of(os.environ) or 0)} "
+                "is there), so the node's other daemons, on another fabric, are not tried: "
+                "see docs/slurm.md, section: The job's daemon"
+            )
         raise DaemonUnavailable(
             f"no fabricd daemon answers on {' or '.join(tried)}. Start one with "
             f"`fabricd --config /etc/fabricd/fabricd.toml` (or `systemctl start fabricd`), or "

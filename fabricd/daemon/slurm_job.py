@@ -6,23 +6,29 @@ What the prolog does on each node, as root (slurmd runs it before the job's firs
 1. reads the job from Slurm's variables (:class:`fabricd.slurm.SlurmJob`): the allocation's
    hosts in hostlist order are the fabric's ``nodes``, this host's place in it its
    ``node_id``, and every daemon of the job listens on the port its job id gives;
-2. makes the job's directory, ``/run/fabricd-slurm/<job id>``, mode 0700 and owned by the job's
-   user, and writes in it the job's secret (below) and config;
-3. starts ``fabricd`` there *as the job's user* (uid, gid and groups), in a session of its
-   own so that slurmd, which kills what its prolog leaves in the prolog's process group, leaves
-   it alone; and waits for its ``READY=1`` (sd_notify on a socket of its own), so that the job's
-   tasks find it listening.  A daemon that does not start in time fails the prolog, which
-   Slurm answers by draining the node: the job could not communicate there.
+2. makes the job's directory, ``/run/fabricd-slurm/<job id>``, root's and 0755, and writes in
+   it the config (root's), the job's secret (below) and the log (the job user's, 0600); gives
+   the user only its subdirectory ``run/``, where the daemon binds its socket.  The files root
+   reads back (the pid record, the log's tail) are out of the user's reach to replace;
+3. starts ``fabricd --no-dump`` *as the job's user* (uid, gid and groups; undumpable, so the
+   user cannot ptrace it), in a session of its own so that slurmd, which kills what its prolog
+   leaves in the prolog's process group, leaves it alone; records its pid, start time and uid
+   (``fabricd.pid``); and waits for its ``READY=1`` (sd_notify on a socket of its own), so
+   that the job's tasks find it listening.  A daemon that does not start in time fails the
+   prolog, which Slurm answers by draining the node: the job could not communicate there.
 
 The secret: every daemon of a job must hold the same one, and no other job's daemon may.  Each
 prolog derives it from the site's key (``/etc/fabricd/slurm.key``: root's, mode 0600, the same
-on every node, as munge's key is), the cluster's name and the job id, with HMAC-SHA256; so
+on every node, as munge's key is), the cluster's name, the job id and the job's uid, with
+HMAC-SHA256 (the uid: job ids restart after a reset or wrap, and a reused id of another
+user's must not give the same secret); so
 nodes agree without talking, and a job's user, who can read their job's secret, learns nothing
 of another job's.  A key file holding two keys (a rotation) gives two job secrets, and
 the daemons accept either (docs/operations.md, "Rotating the secret").  A job on one node needs
 no secret, and gets none when there is no key.
 
-The epilog stops the job's daemon (SIGTERM, then SIGKILL after the drain) and removes the
+The epilog stops the job's daemon's whole session (SIGTERM, then SIGKILL after the drain), if
+the recorded pid is still the process the prolog started, and removes the
 directory, secret and all.  A job requeued under the same id finds the directory of its first
 run: its prolog does what the epilog would first.
 """
@@ -30,13 +36,16 @@ run: its prolog does what the epilog would first.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import hmac
+import logging
 import os
 import pwd
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -60,6 +69,10 @@ SECRET_NAME: Final = "secret"
 PID_NAME: Final = "fabricd.pid"
 LOG_NAME: Final = "fabricd.log"
 NOTIFY_NAME: Final = "notify"
+#: prctl's option from <linux/prctl.h>
+_PR_SET_DUMPABLE: Final = 4
+
+_log = logging.getLogger("fabricd.daemon")
 
 
 #: the variables that would override the job's own config: never passed to its daemon
@@ -103,9 +116,14 @@ class JobOwner:
         return cls(uid=uid, gid=gid, groups=groups)
 
 
-def job_secrets(keys: tuple[bytes, ...], cluster: str, job_id: int) -> tuple[str, ...]:
-    """The job's secrets, one per site key, in the keys' order (hex, 64 characters)."""
-    message = f"fabricd slurm job {cluster} {job_id}".encode()
+def job_secrets(keys: tuple[bytes, ...], cluster: str, job_id: int, uid: int) -> tuple[str, ...]:
+    """The job's secrets, one per site key, in the keys' order (hex, 64 characters).
+
+    Every node of the job derives the same from what each prolog is told alike (cluster, job
+    id, the job's uid); a 22.05 prolog has no per-job start time to add, so an id reused by
+    the same user after a reset repeats that user's own secret, never another user's.
+    """
+    message = f"fabricd slurm job {cluster} {job_id} uid {uid}".encode()
     return tuple(hmac.new(key, message, hashlib.sha256).hexdigest() for key in keys)
 
 
@@ -152,9 +170,11 @@ def start_job_daemon(
     owner = JobOwner.from_environ(environ)
     stop_job_daemon(job.job_id)  # a requeued job's first run may have left its directory
     make_dirs(JOB_ROOT, 0o755)
-    os.mkdir(job.directory, 0o700)  # root's until every file in it is written (_start)
+    os.mkdir(job.directory)
+    os.chmod(job.directory, 0o755)  # root's for good: the user reaches run/ and reads the log
     try:
-        secret = _write_secret(job, owner, environ.get("SLURM_CLUSTER_NAME", ""), key_file)
+        cluster = environ.get("SLURM_CLUSTER_NAME", "")
+        secret = _write_secret(job, owner, cluster, key_file)
         return _start(job, owner, job_settings(job, secret, listen_host), timeout)
     except BaseException:
         stop_job_daemon(job.job_id)  # nothing of a failed start stays, the secret above all
@@ -164,25 +184,26 @@ def start_job_daemon(
 def _start(job: SlurmJob, owner: JobOwner, settings: dict[str, Any], timeout: float) -> int:
     """Write the job's config in its new directory, start the daemon, wait for it; its pid.
 
-    Every file is written while the directory is still root's, and only then is the directory
-    given to the job's user (whose daemon binds its socket there): a user who owns it could
-    put a symlink where root is about to write.  The one file written later, the pid file, is
-    created with ``O_EXCL | O_NOFOLLOW``.
+    The job's directory stays root's (0755): the user can neither replace nor add a file in it,
+    so the pid record the epilog reads back is root's own.
+    The user owns only ``run/`` in it, where the daemon binds its socket, and the files root
+    gives them (secret, log), which they can write but not swap for a link or a FIFO.
     """
     directory = Path(job.directory)
-    config = _create(directory / CONFIG_NAME, owner, 0o600)
+    config = _create(directory / CONFIG_NAME, None, 0o644)
     with os.fdopen(config, "w") as fh:
         fh.write("".join(f"{k} = {toml_value(v)}\n" for k, v in settings.items()))
+    os.mkdir(job.run_directory, 0o700)
+    os.chown(job.run_directory, owner.uid, owner.gid)
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
         notify.bind(str(directory / NOTIFY_NAME))
         os.chown(directory / NOTIFY_NAME, owner.uid, owner.gid)  # the daemon sends to it
         with os.fdopen(_create(directory / LOG_NAME, owner, 0o600), "ab") as log:
-            os.chown(directory, owner.uid, owner.gid)
-            process = _spawn(directory, owner, log)
+            process = _spawn(directory, Path(job.run_directory), owner, log)
         with os.fdopen(_create(directory / PID_NAME, None, 0o644), "w") as fh:
-            fh.write(f"{process.pid}\n")
-        _wait_ready(process, notify, directory, timeout)
+            fh.write(f"{process.pid} {_start_time(process.pid)} {owner.uid}\n")
+        _wait_ready(process, notify, directory, owner, timeout)
     finally:
         notify.close()
         with contextlib.suppress(FileNotFoundError):
@@ -218,12 +239,17 @@ def _write_secret(job: SlurmJob, owner: JobOwner, cluster: str, key_file: str) -
     keys = read_secret_file(Path(key_file), f"site key {key_file}")
     path = Path(job.directory) / SECRET_NAME
     with os.fdopen(_create(path, owner, 0o600), "w") as fh:
-        fh.write("\n".join(job_secrets(keys, cluster, job.job_id)) + "\n")
+        fh.write("\n".join(job_secrets(keys, cluster, job.job_id, owner.uid)) + "\n")
     return str(path)
 
 
-def _spawn(directory: Path, owner: JobOwner, log: BinaryIO) -> subprocess.Popen[bytes]:
-    """Start the daemon as the job's user, detached from the prolog, logging to ``log``."""
+def _spawn(directory: Path, run: Path, owner: JobOwner, log: BinaryIO) -> subprocess.Popen[bytes]:
+    """Start the daemon as the job's user, detached from the prolog, logging to ``log``.
+
+    ``--no-dump`` makes it undumpable (``PR_SET_DUMPABLE`` 0) as soon as it runs: after the
+    switch to the user and ``execve`` the kernel makes it dumpable, and the user could then
+    ptrace it or read its memory; the epilog stops its whole session.
+    """
     # slurmd's own variables stay behind; FABRICD_<KEY> settings of its environment pass on,
     # but for those that make the job's fabric
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM") and k not in _OURS}
@@ -232,9 +258,12 @@ def _spawn(directory: Path, owner: JobOwner, log: BinaryIO) -> subprocess.Popen[
     if os.geteuid() != owner.uid:
         switch = {"user": owner.uid, "group": owner.gid, "extra_groups": list(owner.groups)}
     return subprocess.Popen(
-        [sys.executable, "-m", "fabricd.cli.daemon", "--config", str(directory / CONFIG_NAME)],
+        [
+            *(sys.executable, "-m", "fabricd.cli.daemon", "--no-dump"),
+            *("--config", str(directory / CONFIG_NAME)),
+        ],
         env=env,
-        cwd=directory,
+        cwd=run,
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=log,
@@ -244,7 +273,11 @@ def _spawn(directory: Path, owner: JobOwner, log: BinaryIO) -> subprocess.Popen[
 
 
 def _wait_ready(
-    process: subprocess.Popen[bytes], notify: socket.socket, directory: Path, timeout: float
+    process: subprocess.Popen[bytes],
+    notify: socket.socket,
+    directory: Path,
+    owner: JobOwner,
+    timeout: float,
 ) -> None:
     """Wait for the daemon's READY=1; kill it and raise if it exits or stays silent."""
     notify.settimeout(0.1)
@@ -256,49 +289,70 @@ def _wait_ready(
         if process.poll() is not None:
             raise JobDaemonError(
                 f"the job's daemon exited with status {process.returncode}:\n"
-                + _log_tail(directory)
+                + _log_tail(directory, owner.uid)
             )
     process.kill()
     process.wait()
     raise JobDaemonError(
-        f"the job's daemon was not ready after {timeout}s:\n{_log_tail(directory)}"
+        f"the job's daemon was not ready after {timeout}s:\n{_log_tail(directory, owner.uid)}"
     )
 
 
-def _log_tail(directory: Path, lines: int = 20) -> str:
-    """The last lines of the daemon's log, for an error message."""
-    try:  # the job's user owns the directory: never through a symlink put there
-        fd = os.open(directory / LOG_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as fh:
-            text = fh.read(1 << 20).decode(errors="replace")
-    except OSError:
+def _log_tail(directory: Path, uid: int, lines: int = 20) -> str:
+    """The last lines of the daemon's log (owned by ``uid``), for an error message."""
+    raw = read_back(directory / LOG_NAME, uid, 1 << 16, tail=True)
+    if raw is None:
         return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
+    return "\n".join(raw.decode(errors="replace").splitlines()[-lines:])
+
+
+def read_back(path: Path, uid: int, limit: int, *, tail: bool = False) -> bytes | None:
+    """At most ``limit`` bytes of ``path`` (its last ones with ``tail``), or None unless it is
+    a regular file owned by ``uid``.
+
+    Every file root reads back goes through here: never through a symlink (``O_NOFOLLOW``),
+    never blocked by a FIFO or a device put in its place (``O_NONBLOCK``, then ``fstat``).
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+            return None
+        if tail and info.st_size > limit:
+            fh.seek(info.st_size - limit)
+        return fh.read(limit)
 
 
 def stop_job_daemon(job_id: int, timeout: float = 30.0) -> bool:
     """The epilog's work: stop job ``job_id``'s daemon on this node and remove its directory.
 
-    SIGTERM lets the daemon drain; one still running after ``timeout`` seconds is killed.  A
-    pid is only signalled while it runs the job's own config (``/proc/<pid>/cmdline``): after a
-    crash, the pid may have gone to another process.
+    The daemon leads a session of its own: SIGTERM goes to its whole process group, and lets
+    it drain; a group whose leader still runs after ``timeout`` seconds is killed.  The pid is
+    only signalled while it is the process the prolog started: same start time, same uid
+    (after a crash, the pid may have gone to another process).
 
     Returns:
         whether a daemon was running.
     """
     directory = Path(job_directory(job_id))
-    pid = _daemon_pid(directory)
-    if pid is not None:
+    record = _record(directory)
+    running = record is not None and _is_daemon(record)
+    if record is not None and running:  # (record: for the type checker)
+        pid = record[0]
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+            os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _runs_config(pid, directory) and time.monotonic() < deadline:
+        while _is_daemon(record) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _runs_config(pid, directory):
+        if _is_daemon(record):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)
     shutil.rmtree(directory, ignore_errors=True)
-    return pid is not None
+    return running
 
 
 def stop_from_environ(environ: Mapping[str, str], timeout: float = 30.0) -> bool:
@@ -313,23 +367,48 @@ def stop_from_environ(environ: Mapping[str, str], timeout: float = 30.0) -> bool
     return stop_job_daemon(job, timeout)
 
 
-def _daemon_pid(directory: Path) -> int | None:
-    """The pid the prolog recorded, if that process still runs the job's daemon."""
-    try:  # (the job's user may have replaced the file: it only names a pid to check)
-        fd = os.open(directory / PID_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as fh:
-            text = fh.read(32).decode(errors="replace").strip()
-    except OSError:
+def _record(directory: Path) -> tuple[int, int, int] | None:
+    """The prolog's record of the daemon, ``(pid, start time, uid)``, if it is root's own."""
+    raw = read_back(directory / PID_NAME, os.geteuid(), 100)
+    fields = raw.decode(errors="replace").split() if raw is not None else []
+    if len(fields) != 3 or not all(field.isdigit() for field in fields):
         return None
-    pid = int(text) if text.isdigit() else None
-    return pid if pid is not None and _runs_config(pid, directory) else None
+    return int(fields[0]), int(fields[1]), int(fields[2])
 
 
-def _runs_config(pid: int, directory: Path) -> bool:
-    """Whether process ``pid`` is alive (not a zombie) and runs the config in ``directory``."""
+def _is_daemon(record: tuple[int, int, int] | None) -> bool:
+    """Whether the recorded process still runs (not a zombie) with its start time and uid."""
+    if record is None:
+        return False
+    pid, started, uid = record
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        status = Path(f"/proc/{pid}/status").read_text()
     except (OSError, IndexError):
         return False
-    return state != "Z" and str(directory / CONFIG_NAME).encode() in cmdline
+    uids = [line.split()[1:2] for line in status.splitlines() if line.startswith("Uid:")]
+    return fields[0] != "Z" and fields[19:20] == [str(started)] and uids == [[str(uid)]]
+
+
+def _start_time(pid: int) -> int:
+    """Process ``pid``'s start time (clock ticks since boot, ``/proc/<pid>/stat`` field 22):
+    with the pid, it names one process for good."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+def forbid_dumps() -> None:
+    """Make this process undumpable (``prctl(PR_SET_DUMPABLE, 0)``): no core file, and no
+    ptrace or ``/proc/<pid>/mem`` for its uid; best effort, where Linux's prctl is there.
+
+    The job's daemon (``fabricd --no-dump``) runs as the job's user, who could otherwise
+    ptrace it: read its session keys, or make it do what the daemon's peers would not accept
+    from a client; a failure is logged, not fatal.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        failed = libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0
+        reason = os.strerror(ctypes.get_errno())
+    except (OSError, AttributeError) as exc:
+        failed, reason = True, str(exc)
+    if failed:
+        _log.warning("could not make the daemon undumpable (prctl PR_SET_DUMPABLE): %s", reason)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from fabricd.daemon.slurm_job import stop_job_daemon
-from fabricd.slurm import job_directory
+from fabricd.slurm import job_directory, job_socket
 from tests import apt
 
 if TYPE_CHECKING:
@@ -42,6 +42,8 @@ _HAND_SET = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "
 _RANK_SCRIPT = """
 import json, os, fabricd
 from fabricd.ipc import socket_candidates
+job_dir = os.path.dirname(os.path.dirname(socket_candidates()[0]))
+pid = open(os.path.join(job_dir, "fabricd.pid")).read().split()[0]
 with fabricd.connect(job="slurm-test") as fab:
     g = fab.array("g", (8,), "float32")
     g[:] = fab.rank + 1
@@ -49,8 +51,10 @@ with fabricd.connect(job="slurm-test") as fab:
     print(json.dumps({"rank": fab.rank, "size": fab.size, "sum": g.tolist(),
                       "socket": socket_candidates()[0],
                       "job_socket_exists": os.path.exists(socket_candidates()[0]),
-                      "secret_mode": oct(os.stat(os.path.join(
-                          os.path.dirname(socket_candidates()[0]), "secret")).st_mode & 0o777)}))
+                      "secret_mode": oct(os.stat(os.path.join(job_dir, "secret")).st_mode & 0o777),
+                      "job_dir_mode": oct(os.stat(job_dir).st_mode & 0o777),
+                      "record": open(os.path.join(job_dir, "fabricd.pid")).read().split(),
+                      "no_dump": "--no-dump" in open(f"/proc/{pid}/cmdline").read().split(chr(0))}))
 """
 
 
@@ -223,8 +227,11 @@ def test_srun_starts_ranks_that_allreduce_through_the_job_daemon(slurm, tmp_path
     assert all(r["sum"] == [3.0] * 8 for r in ranks)  # 1 + 2
     assert all(r["job_socket_exists"] for r in ranks)
     assert all(r["secret_mode"] == "0o600" for r in ranks)  # the job's secret, its user's only
-    job = int(Path(ranks[0]["socket"]).parent.name)
-    assert ranks[0]["socket"] == f"{job_directory(job)}/fabricd.sock"
+    job = int(Path(ranks[0]["socket"]).parent.parent.name)
+    assert ranks[0]["socket"] == job_socket(job)  # the socket the client looks for
+    assert all(r["job_dir_mode"] == "0o755" for r in ranks)  # root's: the user's is run/ only
+    assert len(ranks[0]["record"]) == 3  # pid, start time, uid: one process for good
+    assert ranks[0]["no_dump"]  # the daemon makes itself undumpable
     # the epilog runs after the job has ended: it stops the daemon and removes the directory
     assert _gone(job_directory(job)), _tail(tmp_path / "epilog.log")
     assert "stopped" in (tmp_path / "epilog.log").read_text()

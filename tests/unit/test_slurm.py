@@ -21,6 +21,7 @@ from fabricd.slurm import (
     expand_task_counts,
     job_port,
     launch_environment,
+    stale_rank_warning,
     task_identity,
 )
 
@@ -104,7 +105,7 @@ def test_the_job_fabric_is_the_allocation_in_hostlist_order():
     assert job.nodes == ("gpu01", "gpu02", "cpu1")
     assert (job.node_name, job.node_id) == ("gpu02", 1)
     assert job.port == PORT_BASE + 2 * 7 == job_port(4007 + PORT_SLOTS)
-    assert job.socket_path == "/run/fabricd-slurm/4007/fabricd.sock"
+    assert job.socket_path == "/run/fabricd-slurm/4007/run/fabricd.sock"
     settings = job_settings(job, "/run/fabricd-slurm/4007/secret")
     assert settings["nodes"] == [f"{h}:{job.port}" for h in job.nodes]
     assert settings["node_id"] == 1
@@ -125,12 +126,14 @@ def test_the_node_name_falls_back_to_the_host_name():
 
 def test_job_secrets_agree_across_nodes_and_differ_between_jobs():
     keys = (b"k" * 32, b"n" * 32)
-    first = job_secrets(keys, "cluster", 7)
-    assert first == job_secrets(keys, "cluster", 7)  # every node derives the same
+    first = job_secrets(keys, "cluster", 7, 1000)
+    assert first == job_secrets(keys, "cluster", 7, 1000)  # every node derives the same
     assert len(first) == 2
     assert all(len(s) == 64 for s in first)
-    assert set(first).isdisjoint(job_secrets(keys, "cluster", 8))
-    assert set(first).isdisjoint(job_secrets(keys, "other", 7))
+    assert set(first).isdisjoint(job_secrets(keys, "cluster", 8, 1000))
+    assert set(first).isdisjoint(job_secrets(keys, "other", 7, 1000))
+    # job ids restart after a reset or wrap: another user's job under a reused id
+    assert set(first).isdisjoint(job_secrets(keys, "cluster", 7, 1001))
 
 
 def test_the_job_owner_comes_from_the_prolog_variables():
@@ -204,7 +207,7 @@ def test_the_launcher_adds_what_is_missing_and_replaces_stale_local_ranks():
     assert added["RANK"] == "3"
     assert added["LOCAL_RANK"] == "0"
     assert "MASTER_PORT" not in added  # set by the user: theirs
-    assert added["FABRICD_SOCKET"] == "/run/fabricd-slurm/12/fabricd.sock"
+    assert added["FABRICD_SOCKET"] == "/run/fabricd-slurm/12/run/fabricd.sock"
     assert "FABRICD_SOCKET" not in launch_environment(_TASK, job_socket_exists=False)
     named = {**_TASK, "FABRICD_SOCKET": "/elsewhere.sock"}
     assert "FABRICD_SOCKET" not in launch_environment(named, job_socket_exists=True)
@@ -225,7 +228,7 @@ def test_malformed_task_variables_are_refused(change, why):
 
 def test_a_client_in_a_job_looks_for_the_job_daemon_first(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "31")
-    assert socket_candidates()[0] == "/run/fabricd-slurm/31/fabricd.sock"
+    assert socket_candidates()[0] == "/run/fabricd-slurm/31/run/fabricd.sock"
     assert default_socket_path() != socket_candidates()[0]  # a daemon never takes it unasked
     monkeypatch.delenv("SLURM_JOB_ID")
     assert all("slurm" not in path for path in socket_candidates())
@@ -245,3 +248,12 @@ def test_fabricctl_slurm_env_prints_export_lines_for_a_task_prolog(monkeypatch):
     refused = CliRunner().invoke(fabricctl, ["slurm", "env"])
     assert refused.exit_code == 1
     assert "run this as a task of srun" in " ".join(refused.output.split())
+
+
+def test_a_stale_world_size_outside_torchrun_is_warned_about():
+    """srun passes on the submitting shell's WORLD_SIZE, which wins over Slurm's."""
+    assert stale_rank_warning(_TASK) == ""  # Slurm's own: nothing to say
+    stale = {**_TASK, "RANK": "0", "WORLD_SIZE": "16"}
+    assert "WORLD_SIZE=16 is set, but this srun step has 5 tasks" in stale_rank_warning(stale)
+    assert stale_rank_warning({**stale, "TORCHELASTIC_RUN_ID": "x"}) == ""  # torchrun's own
+    assert stale_rank_warning({**stale, "WORLD_SIZE": "5"}) == ""
