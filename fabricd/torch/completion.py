@@ -9,6 +9,12 @@ waits for them, copies the results out and completes the call's future.  Choices
   collectives, and must not hold those up.  The thread waits on the oldest call's operation
   in short slices (:data:`SLICE` seconds: a reply for that call wakes it at once) and looks at
   the others between slices, so an out-of-order completion waits at most a slice.
+* *Calls of one collective, one after the other.*  A daemon takes one call of a named
+  collective per rank at a time, and the backend gives every call of one operation, dtype
+  and span the same name (a new name costs the daemons a new collective: buffers the size
+  of the tensor, faulted in over its first two rounds).  A call made while its name's
+  previous call is still under way here is *deferred*: this thread starts it once that one's
+  operations are done (its ``after``), and the caller does not wait.
 * *Futures are completed on other threads* (a small pool), never on this one: a future's
   ``then`` callbacks run where it is completed, and a callback may wait for another call of
   the group (torch's PowerSGD DDP hook does), which this thread must be free to finish.
@@ -49,7 +55,8 @@ NOTIFIERS: Final = 16
 
 @dataclass(slots=True, eq=False)
 class Call:
-    """A call in flight: the daemon's operations it waits for, what to do then, its slots."""
+    """A call in flight: the daemon's operations it waits for, what to do then, its slots;
+    a deferred one also what starts its operations, and the call they wait for."""
 
     what: str
     handles: list[Handle[Any]]
@@ -58,6 +65,34 @@ class Call:
     release: Callable[[Slot], None]
     deadline: float
     future: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
+    start: Callable[[], list[Handle[Any]]] | None = None  #: deferred: what starts it
+    after: Call | None = None  #: deferred: it starts once this call's operations are done
+    failure: BaseException | None = None  #: what its start raised
+
+    def begin(self) -> None:
+        """Start the call's operations (a failure to start fails the call)."""
+        if self.start is None:
+            return
+        try:
+            self.handles = self.start()
+        except Exception as exc:
+            self.failure = exc
+        # (only now: until its handles are in place the call is not settled to a caller
+        # reading it from another thread)
+        self.start = self.after = None
+
+
+def settled(call: Call) -> bool:
+    """Whether ``call``'s operations are over on the daemon: started and each one answered
+    (or failed), or the call itself completed."""
+    if call.future.done():
+        return True
+    if call.start is not None:
+        return False
+    try:
+        return all(h.done() for h in call.handles)
+    except Exception:  # (a failed reply: answered)
+        return True
 
 
 class Completer:
@@ -104,9 +139,12 @@ class Completer:
                 if not self._calls:
                     return
                 pending = list(self._calls)
+            for call in pending:
+                if call.start is not None and (call.after is None or settled(call.after)):
+                    call.begin()
             done = [call for call in pending if self._ready(call)]
             if not done:
-                self._wait_a_slice(pending[0])
+                self._wait_a_slice(pending)
                 continue
             for call in done:
                 self._complete(call)
@@ -116,24 +154,31 @@ class Completer:
 
     @staticmethod
     def _ready(call: Call) -> bool:
-        try:
-            return time.monotonic() >= call.deadline or all(h.done() for h in call.handles)
-        except Exception:  # (a failed reply: _complete says what failed)
+        if time.monotonic() >= call.deadline or call.failure is not None:
             return True
+        return call.start is None and settled(call)
 
-    @staticmethod
-    def _wait_a_slice(call: Call) -> None:
-        left = call.deadline - time.monotonic()
-        for handle in call.handles:
-            try:
-                if not handle.done():
-                    handle.wait(max(min(SLICE, left), 0.0))
+    def _wait_a_slice(self, pending: list[Call]) -> None:
+        """Wait up to a slice for the oldest started call's next answer (one that comes wakes
+        it at once)."""
+        for call in pending:
+            left = call.deadline - time.monotonic()
+            for handle in call.handles:
+                try:
+                    if not handle.done():
+                        handle.wait(max(min(SLICE, left), 0.0))
+                        return
+                except Exception:  # (Timeout: a slice passed; a failure: _complete reports it)
                     return
-            except Exception:  # (Timeout: a slice passed; a failure: _complete reports it)
-                return
+        with self._cond:  # (nothing started to wait on: a new call or a slice)
+            self._cond.wait(SLICE)
 
     def _complete(self, call: Call) -> None:
         try:
+            if call.failure is not None:
+                raise call.failure
+            if call.start is not None:
+                raise Timeout(f"{call.what} waited past its timeout for its collective's last call")
             for handle in call.handles:
                 handle.wait(max(call.deadline - time.monotonic(), 0.0))
             with torch.no_grad():  # (grad mode is per thread; outputs may require grad)
