@@ -657,7 +657,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             if collective is not None:
                 self._last[collective] = call
             self._completer.add(call)
-        return Work(call.future)
+        return Work(call.future, call, self._completer)
 
 
 @dataclass(slots=True)

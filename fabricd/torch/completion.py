@@ -22,6 +22,11 @@ waits for them, copies the results out and completes the call's future.  Choices
   this thread reached it.  A call that times out breaks the group, as NCCL's does: its
   daemon operation is still open, so a peer arriving late would pair with it, and every later
   call would be shifted by one.  Later calls fail at once, saying so.
+* *A thread that waits for a call finishes it* (``Work.wait``): it reads the daemon's reply
+  itself, copies the result out and completes the future, instead of waking this thread and
+  then a notifier.  Each such hand-off is a wake-up on cores the daemons share; at 4 ranks
+  they were a quarter of a 4 MiB allgather (docs/performance.md).  Whichever of the two
+  claims a call first finishes it.
 * :class:`Work`'s ``wait(timeout)`` honours its timeout (a Work torch makes from a future
   ignores it, and returns ``True`` from ``wait()`` even when the future failed).
 """
@@ -68,6 +73,7 @@ class Call:
     start: Callable[[], list[Handle[Any]]] | None = None  #: deferred: what starts it
     after: Call | None = None  #: deferred: it starts once this call's operations are done
     failure: BaseException | None = None  #: what its start raised
+    claimed: bool = False  #: a thread is finishing it (this group's, or one waiting for it)
 
     def begin(self) -> None:
         """Start the call's operations (a failure to start fails the call)."""
@@ -147,10 +153,38 @@ class Completer:
                 self._wait_a_slice(pending)
                 continue
             for call in done:
-                self._complete(call)
+                if self._claim(call):
+                    self._complete(call)
             with self._cond:
                 for call in done:
-                    self._calls.remove(call)
+                    if call in self._calls:
+                        self._calls.remove(call)
+
+    def finish_here(self, call: Call, timeout: float) -> None:
+        """Finish ``call`` in this thread (one waiting for it) once its operations are done,
+        unless it is deferred, fails, takes longer than ``timeout`` (0: its deadline), or
+        the group's thread has it already: then that thread finishes it, as any other."""
+        if call.start is not None or call.future.done():
+            return
+        end = min(call.deadline, time.monotonic() + timeout) if timeout > 0 else call.deadline
+        try:
+            for handle in call.handles:
+                handle.wait(max(end - time.monotonic(), 0.0))
+        except Exception:  # (a timeout, or a failure: the group's thread reports it)
+            return
+        if not self._claim(call):
+            return
+        self._complete(call, here=True)
+        with self._cond:
+            if call in self._calls:
+                self._calls.remove(call)
+
+    def _claim(self, call: Call) -> bool:
+        with self._cond:
+            if call.claimed:
+                return False
+            call.claimed = True
+            return True
 
     @staticmethod
     def _ready(call: Call) -> bool:
@@ -173,7 +207,9 @@ class Completer:
         with self._cond:  # (nothing started to wait on: a new call or a slice)
             self._cond.wait(SLICE)
 
-    def _complete(self, call: Call) -> None:
+    def _complete(self, call: Call, here: bool = False) -> None:
+        """Finish ``call``: copy its result out, give its slots back, and complete its future
+        (``here``: in this thread, a caller's that waits for it; else on a notifier)."""
         try:
             if call.failure is not None:
                 raise call.failure
@@ -196,20 +232,31 @@ class Completer:
             return
         for slot in call.slots:
             call.release(slot)
-        self._notifiers.submit(call.future.set_result, value)
+        if here:
+            call.future.set_result(value)
+        else:
+            self._notifiers.submit(call.future.set_result, value)
 
 
 class Work(dist.Work):
     """A call's ``Work`` (module docstring)."""
 
-    def __init__(self, future: torch.futures.Future[Any]) -> None:
+    def __init__(
+        self,
+        future: torch.futures.Future[Any],
+        call: Call | None = None,
+        completer: Completer | None = None,
+    ) -> None:
         super().__init__()
         self._future = future
+        self._call, self._completer = call, completer  #: (a call of its own: finished here)
         self._done = threading.Event()
         future.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         seconds = timeout.total_seconds() if timeout is not None else 0.0
+        if self._call is not None and self._completer is not None:
+            self._completer.finish_here(self._call, seconds)
         if seconds > 0 and not self._done.wait(seconds):
             raise RuntimeError(f"fabricd backend: the call did not finish within {seconds} s")
         self._future.wait()
