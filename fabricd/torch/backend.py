@@ -605,8 +605,9 @@ class FabricdProcessGroup(dist.ProcessGroup):
 
     # -- the rest -----------------------------------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
-        """The daemons' barrier; barriers in flight at once take names round robin, as the
-        staging slots do (a name's last barrier is waited for before it is used again)."""
+        """The daemons' barrier; barriers in flight at once take :data:`BARRIERS` names round
+        robin (a name's last barrier is waited for before it is used again: barriers carry no
+        data, so a few names cost the daemons nothing)."""
         if len(self._barriers) == BARRIERS:
             self._barriers.popleft().wait(self._timeout)
         name = f"torch:barrier:{self._barrier_count % BARRIERS}"
