@@ -17,11 +17,17 @@ its own draw), its socket found as :func:`fabricd.connect` finds it.
 
 A call copies its tensors into staging arrays (:mod:`fabricd.torch.staging`), starts the
 daemon's operations at once, in the caller's thread, and returns a ``Work`` whose future one
-thread per process group completes, oldest first: it waits for the daemon, copies the result
-out and sets the future (where DDP's ``then`` callbacks run, as on gloo's threads).  Starting
-in the caller's thread keeps every rank's calls in the order torch made them, and lets a later
-call (a receive) start while an earlier one (a send to a peer that has not received yet) still
-waits.  A call that fails (a rank left: ``PeerFailed``; ``timeout`` passed) fails its future,
+thread per process group completes, as each call's operations end: it waits for the daemon,
+copies the result out and sets the future (where DDP's ``then`` callbacks run, as on gloo's
+threads).  Starting in the caller's thread keeps every rank's calls in the order torch made
+them, and lets a later call (a receive) start while an earlier one (a send to a peer that has
+not received yet) still waits.  Every call of one operation, dtype and span is one collective
+on the daemons, of one name: a collective is built once and warm from its third round, where
+a name per call (or per slot of a ring) would build one per name, with buffers the size of
+the tensor.  The daemon takes one call of a collective per rank at a time, so a call whose
+collective's previous call is still under way is deferred: the group's thread starts it when
+that one's operations end (:mod:`fabricd.torch.completion`), in the same order on every
+rank.  A call that fails (a rank left: ``PeerFailed``; ``timeout`` passed) fails its future,
 so ``wait()`` raises, and never hangs.
 
 What each operation is on the daemons: ``allreduce`` (sum, average, max, min),
@@ -45,6 +51,7 @@ import threading
 import time
 import uuid
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, ParamSpec, TypeVar
 
 import numpy as np
@@ -54,7 +61,7 @@ import torch.distributed as dist
 import fabricd
 from fabricd.errors import UsageError
 from fabricd.torch import staging
-from fabricd.torch.completion import Call, Completer, Work, all_of
+from fabricd.torch.completion import Call, Completer, Work, all_of, settled
 from fabricd.torch.staging import (
     Slot,
     Staging,
@@ -85,6 +92,8 @@ BACKEND: Final = "fabricd"
 WORDS: Final = "int64"
 #: point-to-point tags from here on are the backend's own (scatter, all-to-all)
 INTERNAL_TAGS: Final = 1 << 30
+#: barrier names, used round robin: barriers in flight at once
+BARRIERS: Final = 8
 _R = dist.ReduceOp
 #: the reductions the daemons make, by their names there
 NATIVE_OPS: Final[dict[Any, Op]] = {_R.SUM: "sum", _R.AVG: "avg", _R.MAX: "max", _R.MIN: "min"}
@@ -139,6 +148,8 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self._barrier_count = 0
         self._taken = threading.local()  #: slots taken by the call being made (this thread)
         self._internal = 0  #: the backend's point-to-point calls so far (their tags)
+        self._last: dict[str, Call] = {}  #: each collective's last call (the next waits for it)
+        self._starting = threading.Lock()  #: a call's start and its place after the last
         self._group_name = ""
         self._mode: Mode = "sync"
         self._finalizer = weakref.finalize(self, _close, self._completer, fab)
@@ -215,11 +226,15 @@ class FabricdProcessGroup(dist.ProcessGroup):
             raise UsageError(f"the fabricd backend's {what} of {dtype} sums or averages only")
         count = sum(p.numel() for p in parts)
         mode = self._mode if what == "allreduce" and op in (_R.SUM, _R.AVG) else "sync"
-        slot, span = self._named(name, count, ring="" if mode == "sync" else mode)
+        slot = self._take(name, count)
+        span = staging.span_for(count, slot.array.itemsize)
         stage = staging.tensor_of(slot.array)
         pack(parts, stage)
-        collective = f"torch:ar:{NATIVE_OPS[op]}:{mode}:{slot.name}:{span}"
-        handle = self.fab.allreduce_async(slot.array[:span], NATIVE_OPS[op], mode, name=collective)
+        collective = f"torch:ar:{NATIVE_OPS[op]}:{mode}:{name}:{span}"
+        array = slot.array[:span]
+
+        def start() -> list[Handle[Any]]:
+            return [self.fab.allreduce_async(array, NATIVE_OPS[op], mode, name=collective)]
 
         def finish() -> list[torch.Tensor]:
             if keep:
@@ -227,7 +242,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
                 write_back()
             return tensors
 
-        return self._call(what, [handle], finish, [slot])
+        return self._call(what, start, finish, [slot], collective)
 
     def _reduce_here(
         self,
@@ -242,16 +257,16 @@ class FabricdProcessGroup(dist.ProcessGroup):
             raise UsageError(f"the fabricd backend's {what} with {op} takes integers or bool")
         joined = torch.cat(flats) if len(flats) > 1 else flats[0]
         gathered = torch.empty((self._size, joined.numel()), dtype=joined.dtype)
-        handles, slots, unstage = self._gather_start(as_bytes(joined), what)
+        gathering = self._gather_start(as_bytes(joined))
 
         def finish() -> list[torch.Tensor]:
-            unstage(as_bytes(gathered).reshape(self._size, -1))
+            gathering.unstage(as_bytes(gathered).reshape(self._size, -1))
             if keep:
                 unpack(LOCAL_OPS[op](gathered), flats)
                 write_back()
             return flats
 
-        return self._call(what, handles, finish, slots)
+        return self._gathered(what, gathering, finish)
 
     # -- moving -----------------------------------------------------------------------------
     @_giving_back
@@ -259,12 +274,17 @@ class FabricdProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         copies, write_back = dense(tensors)
         parts = [as_bytes(flat_view(t, "broadcast")) for t in copies]
-        slot, span = self._named(WORDS, _words(sum(p.numel() for p in parts)))
+        count = _words(sum(p.numel() for p in parts))
+        slot = self._take(WORDS, count)
+        span = staging.span_for(count, slot.array.itemsize)
         stage = _bytes_of(slot)
         if self._rank == root:
             pack(parts, stage)
-        collective = f"torch:bc:{root}:{slot.name}:{span}"
-        handle = self.fab.broadcast_async(slot.array[:span], root, name=collective)
+        collective = f"torch:bc:{root}:{span}"
+        array = slot.array[:span]
+
+        def start() -> list[Handle[Any]]:
+            return [self.fab.broadcast_async(array, root, name=collective)]
 
         def finish() -> list[torch.Tensor]:
             if self._rank != root:
@@ -272,7 +292,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
                 write_back()
             return tensors
 
-        return self._call("broadcast", [handle], finish, [slot])
+        return self._call("broadcast", start, finish, [slot], collective)
 
     @_giving_back
     def allgather(
@@ -286,14 +306,14 @@ class FabricdProcessGroup(dist.ProcessGroup):
         for out in outputs[0]:
             if out.dtype != inputs[0].dtype or out.numel() != inputs[0].numel():
                 raise UsageError("the fabricd backend's allgather takes equal tensors")
-        handles, slots, unstage = self._gather_start(source, "allgather")
+        gathering = self._gather_start(source)
 
         def finish() -> list[list[torch.Tensor]]:
             rows = [as_bytes(flat_view(out, "allgather")) for out in outputs[0]]
-            unstage(rows)
+            gathering.unstage(rows)
             return outputs
 
-        return self._call("allgather", handles, finish, slots)
+        return self._gathered("allgather", gathering, finish)
 
     @_giving_back
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
@@ -304,13 +324,13 @@ class FabricdProcessGroup(dist.ProcessGroup):
                 f"the fabricd backend's all_gather_single needs an output of {self._size} "
                 "times the input, of its dtype"
             )
-        handles, slots, unstage = self._gather_start(source, "all_gather_single")
+        gathering = self._gather_start(source)
 
         def finish() -> list[torch.Tensor]:
-            unstage(target.reshape(self._size, -1))
+            gathering.unstage(target.reshape(self._size, -1))
             return [output]
 
-        return self._call("all_gather_single", handles, finish, slots)
+        return self._gathered("all_gather_single", gathering, finish)
 
     _allgather_base = all_gather_single
 
@@ -327,16 +347,16 @@ class FabricdProcessGroup(dist.ProcessGroup):
         if len(outputs) != self._size or any(len(row) != len(inputs) for row in outputs):
             raise UsageError(f"the fabricd backend's {what} takes {self._size} output lists")
         joined = torch.cat(sources) if sources else torch.empty(0, dtype=torch.uint8)
-        handles, slots, unstage = self._gather_start(joined, what)
+        gathering = self._gather_start(joined)
 
         def finish() -> list[list[torch.Tensor]]:
             rows = torch.empty((self._size, joined.numel()), dtype=torch.uint8)
-            unstage(rows)
+            gathering.unstage(rows)
             for r in range(self._size):
                 unpack(rows[r], [as_bytes(flat_view(t, what)) for t in outputs[r]])
             return outputs
 
-        return self._call(what, handles, finish, slots)
+        return self._gathered(what, gathering, finish)
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -353,37 +373,37 @@ class FabricdProcessGroup(dist.ProcessGroup):
     ) -> Any:
         root = opts.rootRank if opts is not None else 0
         source = as_bytes(flat_view(inputs[0], "gather"))
-        handles, slots, unstage = self._gather_start(source, "gather")
+        gathering = self._gather_start(source)
 
         def finish() -> list[list[torch.Tensor]]:
             if self._rank == root:
-                unstage([as_bytes(flat_view(o, "gather")) for o in outputs[0]])
+                gathering.unstage([as_bytes(flat_view(o, "gather")) for o in outputs[0]])
             return outputs
 
-        return self._call("gather", handles, finish, slots)
+        return self._gathered("gather", gathering, finish)
 
-    def _gather_start(
-        self, source: torch.Tensor, what: str
-    ) -> tuple[list[Handle[Any]], list[Slot], Callable[[Any], None]]:
-        """Start gathering every rank's ``source`` bytes (the daemons' allgather); returns the
-        handles, the slots, and what copies the rows out once they are done."""
+    def _gather_start(self, source: torch.Tensor) -> _Gathering:
+        """Stage gathering every rank's ``source`` bytes (the daemons' allgather)."""
         nbytes = source.numel()
         chunk = staging.span_for(nbytes, 1)
-        mine = self._any("uint8", chunk)
-        every, _ = self._named("uint8", chunk * self._size)
+        mine = self._take("uint8", chunk)
+        every = self._take("uint8", chunk * self._size)
         torch.from_numpy(mine.array[:nbytes]).copy_(source)
         rows = torch.from_numpy(every.array[: chunk * self._size]).reshape(self._size, chunk)
-        handle = self.fab.allgather_async(
-            mine.array[:chunk],
-            every.array[: chunk * self._size],
-            name=f"torch:ag:{every.name}:{chunk}",
-        )
+        name = f"torch:ag:{chunk}"
+        inputs, output = mine.array[:chunk], every.array[: chunk * self._size]
+
+        def start() -> list[Handle[Any]]:
+            return [self.fab.allgather_async(inputs, output, name=name)]
 
         def unstage(into: Any) -> None:
             for r in range(self._size):
                 into[r].copy_(rows[r, :nbytes])
 
-        return [handle], [mine, every], unstage
+        return _Gathering(name, start, [mine, every], unstage)
+
+    def _gathered(self, what: str, gathering: _Gathering, finish: Callable[[], object]) -> Any:
+        return self._call(what, gathering.start, finish, gathering.slots, gathering.name)
 
     @_giving_back
     def reduce_scatter(
@@ -432,22 +452,21 @@ class FabricdProcessGroup(dist.ProcessGroup):
         name = reduce_dtype(whole.dtype, what)
         itemsize = torch.empty(0, dtype=whole.dtype).element_size()
         chunk = staging.span_for(k, itemsize)
-        every, _ = self._named(name, chunk * self._size)
-        mine = self._any(name, chunk)
+        every = self._take(name, chunk * self._size)
+        mine = self._take(name, chunk)
         parts = staging.tensor_of(every.array[: chunk * self._size]).reshape(self._size, chunk)
         parts[:, :k].copy_(whole.reshape(self._size, k))
-        handle = self.fab.reduce_scatter_async(
-            every.array[: chunk * self._size],
-            mine.array[:chunk],
-            NATIVE_OPS[op],
-            name=f"torch:rs:{NATIVE_OPS[op]}:{every.name}:{chunk}",
-        )
+        collective = f"torch:rs:{NATIVE_OPS[op]}:{name}:{chunk}"
+        inputs, result = every.array[: chunk * self._size], mine.array[:chunk]
+
+        def start() -> list[Handle[Any]]:
+            return [self.fab.reduce_scatter_async(inputs, result, NATIVE_OPS[op], name=collective)]
 
         def finish() -> list[torch.Tensor]:
             target.copy_(staging.tensor_of(mine.array[:k]))
             return [output]
 
-        return self._call(what, [handle], finish, [every, mine])
+        return self._call(what, start, finish, [every, mine], collective)
 
     def _allreduced_part(
         self, target: torch.Tensor, whole: torch.Tensor, op: Any, what: str, output: torch.Tensor
@@ -480,13 +499,16 @@ class FabricdProcessGroup(dist.ProcessGroup):
         copies, write_back = dense(tensors)
         parts = [as_bytes(flat_view(t, kind)) for t in copies]
         count = sum(p.numel() for p in parts)
-        slot = self._any("uint8", count)
+        slot = self._take("uint8", count)
         stage = torch.from_numpy(slot.array)
         if kind == "send":
             pack(parts, stage)
-            handle = self.fab.send_async(slot.array[:count], peer, tag)
-        else:
-            handle = self.fab.recv_async(slot.array[:count], peer, tag)
+        array = slot.array[:count]
+
+        def start() -> list[Handle[Any]]:
+            if kind == "send":
+                return [self.fab.send_async(array, peer, tag)]
+            return [self.fab.recv_async(array, peer, tag)]
 
         def finish() -> list[torch.Tensor]:
             if kind == "recv":
@@ -494,7 +516,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
                 write_back()
             return tensors
 
-        return self._call(f"{kind} with rank {peer} (tag {tag})", [handle], finish, [slot])
+        return self._call(f"{kind} with rank {peer} (tag {tag})", start, finish, [slot])
 
     @_giving_back
     def scatter(
@@ -552,8 +574,8 @@ class FabricdProcessGroup(dist.ProcessGroup):
         tag = INTERNAL_TAGS + self._internal % INTERNAL_TAGS
         self._internal += 1
         out_bytes, in_bytes = sum(t.numel() for t in sends), sum(t.numel() for t in receives)
-        out_slot = self._any("uint8", out_bytes)
-        in_slot = self._any("uint8", in_bytes)
+        out_slot = self._take("uint8", out_bytes)
+        in_slot = self._take("uint8", in_bytes)
         handles: list[Handle[Any]] = []
         plans: list[tuple[torch.Tensor, torch.Tensor]] = []
         start_out = start_in = 0
@@ -579,27 +601,23 @@ class FabricdProcessGroup(dist.ProcessGroup):
             for into, came in plans:
                 into.copy_(came)
 
-        return self._call(what, handles, finish, [out_slot, in_slot])
+        return self._call(what, lambda: handles, finish, [out_slot, in_slot])
 
     # -- the rest -----------------------------------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
-        """The daemons' barrier; barriers in flight at once take names round robin, as the
-        staging slots do (a name's last barrier is waited for before it is used again)."""
-        if len(self._barriers) == staging.SLOTS:
+        """The daemons' barrier; barriers in flight at once take :data:`BARRIERS` names round
+        robin (a name's last barrier is waited for before it is used again: barriers carry no
+        data, so a few names cost the daemons nothing)."""
+        if len(self._barriers) == BARRIERS:
             self._barriers.popleft().wait(self._timeout)
-        name = f"torch:barrier:{self._barrier_count % staging.SLOTS}"
+        name = f"torch:barrier:{self._barrier_count % BARRIERS}"
         self._barrier_count += 1
         handle = self.fab.barrier_async(name=name)
         self._barriers.append(handle)
-        return self._call("barrier", [handle], lambda: [], [])
+        return self._call("barrier", lambda: [handle], lambda: [], [])
 
-    def _named(self, dtype: str, count: int, ring: str = "") -> tuple[Slot, int]:
-        slot, span = self._staging.take_named(dtype, max(count, 1), self._timeout, ring)
-        self._holding().append(slot)
-        return slot, span
-
-    def _any(self, dtype: str, count: int) -> Slot:
-        slot = self._staging.take_any(dtype, max(count, 1))
+    def _take(self, dtype: str, count: int) -> Slot:
+        slot = self._staging.take(dtype, max(count, 1))
         self._holding().append(slot)
         return slot
 
@@ -614,21 +632,44 @@ class FabricdProcessGroup(dist.ProcessGroup):
     def _call(
         self,
         what: str,
-        handles: list[Handle[Any]],
+        start: Callable[[], list[Handle[Any]]],
         finish: Callable[[], object],
         slots: list[Slot],
+        collective: str | None = None,
     ) -> Any:
-        self._holding().clear()
+        """Start the call's operations (``start``) now, or, when ``collective``'s last call
+        is still under way, once it is done (module docstring); hand it to the completer."""
         call = Call(
             what=what,
-            handles=handles,
+            handles=[],
             finish=finish,
             slots=slots,
             release=self._staging.release,
             deadline=time.monotonic() + self._timeout,
+            start=start,
         )
-        self._completer.add(call)
-        return Work(call.future)
+        with self._starting:
+            last = self._last.get(collective) if collective is not None else None
+            if last is not None and not settled(last):
+                call.after = last
+            else:
+                call.handles, call.start = start(), None  # (raises here: slots given back)
+            self._holding().clear()
+            if collective is not None:
+                self._last[collective] = call
+            self._completer.add(call)
+        return Work(call.future, call, self._completer)
+
+
+@dataclass(slots=True)
+class _Gathering:
+    """A gather staged: its collective's name, what starts it, its slots, and what copies the
+    rows out once it is done."""
+
+    name: str
+    start: Callable[[], list[Handle[Any]]]
+    slots: list[Slot]
+    unstage: Callable[[Any], None]
 
 
 def _words(nbytes: int) -> int:

@@ -9,6 +9,12 @@ waits for them, copies the results out and completes the call's future.  Choices
   collectives, and must not hold those up.  The thread waits on the oldest call's operation
   in short slices (:data:`SLICE` seconds: a reply for that call wakes it at once) and looks at
   the others between slices, so an out-of-order completion waits at most a slice.
+* *Calls of one collective, one after the other.*  A daemon takes one call of a named
+  collective per rank at a time, and the backend gives every call of one operation, dtype
+  and span the same name (a new name costs the daemons a new collective: buffers the size
+  of the tensor, faulted in over its first two rounds).  A call made while its name's
+  previous call is still under way here is *deferred*: this thread starts it once that one's
+  operations are done (its ``after``), and the caller does not wait.
 * *Futures are completed on other threads* (a small pool), never on this one: a future's
   ``then`` callbacks run where it is completed, and a callback may wait for another call of
   the group (torch's PowerSGD DDP hook does), which this thread must be free to finish.
@@ -16,6 +22,11 @@ waits for them, copies the results out and completes the call's future.  Choices
   this thread reached it.  A call that times out breaks the group, as NCCL's does: its
   daemon operation is still open, so a peer arriving late would pair with it, and every later
   call would be shifted by one.  Later calls fail at once, saying so.
+* *A thread that waits for a call finishes it* (``Work.wait``): it reads the daemon's reply
+  itself, copies the result out and completes the future, instead of waking this thread and
+  then a notifier.  Each such hand-off is a wake-up on cores the daemons share; at 4 ranks
+  they were a quarter of a 4 MiB allgather (docs/performance.md).  Whichever of the two
+  claims a call first finishes it.
 * :class:`Work`'s ``wait(timeout)`` honours its timeout (a Work torch makes from a future
   ignores it, and returns ``True`` from ``wait()`` even when the future failed).
 """
@@ -49,7 +60,8 @@ NOTIFIERS: Final = 16
 
 @dataclass(slots=True, eq=False)
 class Call:
-    """A call in flight: the daemon's operations it waits for, what to do then, its slots."""
+    """A call in flight: the daemon's operations it waits for, what to do then, its slots;
+    a deferred one also what starts its operations, and the call they wait for."""
 
     what: str
     handles: list[Handle[Any]]
@@ -58,6 +70,35 @@ class Call:
     release: Callable[[Slot], None]
     deadline: float
     future: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
+    start: Callable[[], list[Handle[Any]]] | None = None  #: deferred: what starts it
+    after: Call | None = None  #: deferred: it starts once this call's operations are done
+    failure: BaseException | None = None  #: what its start raised
+    claimed: bool = False  #: a thread is finishing it (this group's, or one waiting for it)
+
+    def begin(self) -> None:
+        """Start the call's operations (a failure to start fails the call)."""
+        if self.start is None:
+            return
+        try:
+            self.handles = self.start()
+        except Exception as exc:
+            self.failure = exc
+        # (only now: until its handles are in place the call is not settled to a caller
+        # reading it from another thread)
+        self.start = self.after = None
+
+
+def settled(call: Call) -> bool:
+    """Whether ``call``'s operations are over on the daemon: started and each one answered
+    (or failed), or the call itself completed."""
+    if call.future.done():
+        return True
+    if call.start is not None:
+        return False
+    try:
+        return all(h.done() for h in call.handles)
+    except Exception:  # (a failed reply: answered)
+        return True
 
 
 class Completer:
@@ -104,36 +145,76 @@ class Completer:
                 if not self._calls:
                     return
                 pending = list(self._calls)
+            for call in pending:
+                if call.start is not None and (call.after is None or settled(call.after)):
+                    call.begin()
             done = [call for call in pending if self._ready(call)]
             if not done:
-                self._wait_a_slice(pending[0])
+                self._wait_a_slice(pending)
                 continue
             for call in done:
-                self._complete(call)
+                if self._claim(call):
+                    self._complete(call)
             with self._cond:
                 for call in done:
-                    self._calls.remove(call)
+                    if call in self._calls:
+                        self._calls.remove(call)
 
-    @staticmethod
-    def _ready(call: Call) -> bool:
+    def finish_here(self, call: Call, timeout: float) -> None:
+        """Finish ``call`` in this thread (one waiting for it) once its operations are done,
+        unless it is deferred, fails, takes longer than ``timeout`` (0: its deadline), or
+        the group's thread has it already: then that thread finishes it, as any other."""
+        if call.start is not None or call.future.done():
+            return
+        end = min(call.deadline, time.monotonic() + timeout) if timeout > 0 else call.deadline
         try:
-            return time.monotonic() >= call.deadline or all(h.done() for h in call.handles)
-        except Exception:  # (a failed reply: _complete says what failed)
+            for handle in call.handles:
+                handle.wait(max(end - time.monotonic(), 0.0))
+        except Exception:  # (a timeout, or a failure: the group's thread reports it)
+            return
+        if not self._claim(call):
+            return
+        self._complete(call, here=True)
+        with self._cond:
+            if call in self._calls:
+                self._calls.remove(call)
+
+    def _claim(self, call: Call) -> bool:
+        with self._cond:
+            if call.claimed:
+                return False
+            call.claimed = True
             return True
 
     @staticmethod
-    def _wait_a_slice(call: Call) -> None:
-        left = call.deadline - time.monotonic()
-        for handle in call.handles:
-            try:
-                if not handle.done():
-                    handle.wait(max(min(SLICE, left), 0.0))
-                    return
-            except Exception:  # (Timeout: a slice passed; a failure: _complete reports it)
-                return
+    def _ready(call: Call) -> bool:
+        if time.monotonic() >= call.deadline or call.failure is not None:
+            return True
+        return call.start is None and settled(call)
 
-    def _complete(self, call: Call) -> None:
+    def _wait_a_slice(self, pending: list[Call]) -> None:
+        """Wait up to a slice for the oldest started call's next answer (one that comes wakes
+        it at once)."""
+        for call in pending:
+            left = call.deadline - time.monotonic()
+            for handle in call.handles:
+                try:
+                    if not handle.done():
+                        handle.wait(max(min(SLICE, left), 0.0))
+                        return
+                except Exception:  # (Timeout: a slice passed; a failure: _complete reports it)
+                    return
+        with self._cond:  # (nothing started to wait on: a new call or a slice)
+            self._cond.wait(SLICE)
+
+    def _complete(self, call: Call, here: bool = False) -> None:
+        """Finish ``call``: copy its result out, give its slots back, and complete its future
+        (``here``: in this thread, a caller's that waits for it; else on a notifier)."""
         try:
+            if call.failure is not None:
+                raise call.failure
+            if call.start is not None:
+                raise Timeout(f"{call.what} waited past its timeout for its collective's last call")
             for handle in call.handles:
                 handle.wait(max(call.deadline - time.monotonic(), 0.0))
             with torch.no_grad():  # (grad mode is per thread; outputs may require grad)
@@ -151,20 +232,31 @@ class Completer:
             return
         for slot in call.slots:
             call.release(slot)
-        self._notifiers.submit(call.future.set_result, value)
+        if here:
+            call.future.set_result(value)
+        else:
+            self._notifiers.submit(call.future.set_result, value)
 
 
 class Work(dist.Work):
     """A call's ``Work`` (module docstring)."""
 
-    def __init__(self, future: torch.futures.Future[Any]) -> None:
+    def __init__(
+        self,
+        future: torch.futures.Future[Any],
+        call: Call | None = None,
+        completer: Completer | None = None,
+    ) -> None:
         super().__init__()
         self._future = future
+        self._call, self._completer = call, completer  #: (a call of its own: finished here)
         self._done = threading.Event()
         future.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         seconds = timeout.total_seconds() if timeout is not None else 0.0
+        if self._call is not None and self._completer is not None:
+            self._completer.finish_here(self._call, seconds)
         if seconds > 0 and not self._done.wait(seconds):
             raise RuntimeError(f"fabricd backend: the call did not finish within {seconds} s")
         self._future.wait()

@@ -17,15 +17,12 @@ Choices, and why:
   rounded up to a sixteenth of its class (:func:`span_for`; at most 1/16 more bytes).  For a
   reduction the elements past the tensor are reduced and dropped; for a broadcast or a
   gather they are carried and dropped.
-* *Slots.*  A named collective's arrays come from a ring of :data:`SLOTS` per (dtype, class),
-  used round robin in the order the calls come, which is the same order on every rank (torch
-  requires it): the k-th call of a class takes slot ``k mod SLOTS`` and, if that slot's last
-  call is still in flight, waits for it.  The slot is in the collective's name, so two calls
-  in flight never share a collective either, and every rank names them alike.  What names
-  no collective (point-to-point messages, a gather's own part) takes any free array of its
-  class, made when none is: a receive posted early must never make a later send wait for
-  its array (the rings are kept apart from these, so rank-local traffic never shifts a
-  collective's name).
+* *Warm arrays.*  A call takes any free array of its (dtype, class), made only when none is
+  free, and gives it back when it is done: in a loop the same arrays serve every call, their
+  pages already faulted in here and mapped by the daemon.  A fresh array costs both (a 64
+  MiB one tens of milliseconds), so arrays are never tied to a collective's name.  Which
+  collective a call is, and how two calls of one collective in flight are kept apart, is the
+  backend's business (one name per operation, dtype and span: :mod:`fabricd.torch.backend`).
 * *Element types.*  The daemons reduce float16/32/64, bfloat16 and int32/64.  bfloat16 is
   staged as bfloat16 (``ml_dtypes.bfloat16`` arrays, which torch sees through
   :func:`tensor_of`): half float32's bytes, each step of a reduction computed in float32 and
@@ -38,13 +35,13 @@ Choices, and why:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
 from fabricd.dtypes import BFLOAT16
-from fabricd.errors import Timeout, UsageError
+from fabricd.errors import UsageError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -57,8 +54,6 @@ if TYPE_CHECKING:
 MIN_CLASS: Final = 256
 #: up to this many bytes a collective runs over its whole staging class (module docstring)
 SMALL_BYTES: Final = 64 * 1024
-#: staging arrays per (dtype, class) of named collectives: calls of one class in flight at once
-SLOTS: Final = 8
 #: a large collective's span is its count rounded up to a GRANULES-th of its class
 GRANULES: Final = 16
 
@@ -146,12 +141,11 @@ def span_for(count: int, itemsize: int) -> int:
 
 @dataclass(slots=True)
 class Slot:
-    """One staging array and whether a call in flight holds it."""
+    """One staging array, and the pool it goes back to."""
 
     array: np.ndarray[Any, Any]
     name: str
-    key: tuple[str, int, str] = ("", 0, "")  #: its pool (an anonymous one) or ring
-    free: threading.Event = field(default_factory=threading.Event)
+    key: tuple[str, int]  #: its pool: (dtype, class)
 
 
 class Staging:
@@ -160,71 +154,28 @@ class Staging:
     def __init__(self, fab: Client, prefix: str) -> None:
         self.fab = fab
         self.prefix = prefix
-        self._rings: dict[tuple[str, int, str], list[Slot]] = {}
-        self._calls: dict[tuple[str, int, str], int] = {}  #: calls per ring so far
-        self._pools: dict[tuple[str, int, str], list[Slot]] = {}  #: anonymous, free ones
-        self._made: dict[tuple[str, int, str], int] = {}  #: arrays made per pool
+        self._pools: dict[tuple[str, int], list[Slot]] = {}  #: the free ones
+        self._made: dict[tuple[str, int], int] = {}  #: arrays made per pool
         self._lock = threading.Lock()
 
-    def take_named(
-        self, dtype: str, count: int, timeout: float, ring: str = ""
-    ) -> tuple[Slot, int]:
-        """A slot of a named collective's ring, whose array holds at least ``count`` elements
-        of ``dtype``, and the span the collective runs over (:func:`span_for`).  The k-th
-        call of a (dtype, class) takes slot ``k mod SLOTS``, the same on every rank (calls
-        come in the same order everywhere), waiting for its previous call if still in
-        flight; ``ring``: a ring of its own, of one slot (a partial allreduce's collective
-        must keep its name: a rank that missed rounds joins the same one later).  Its name
-        goes into the collective's name.
-
-        Raises:
-            fabricd.Timeout: the slot's last call did not finish within ``timeout``.
-        """
+    def take(self, dtype: str, count: int) -> Slot:
+        """A free staging array of at least ``count`` elements of ``dtype`` (made if none is
+        free), the call's until :meth:`release`."""
         capacity = size_class(count)
-        key = ("named:" + dtype, capacity, ring)
-        with self._lock:
-            calls = self._calls.get(key, 0)
-            self._calls[key] = calls + 1
-            slots = self._rings.setdefault(key, [])
-            index = calls % (SLOTS if not ring else 1)
-            if index == len(slots):
-                name = f"{self.prefix}:{dtype}:{capacity}:{ring or index}"
-                slots.append(self._make(name, capacity, dtype, key))
-            slot = slots[index]
-        if not slot.free.wait(timeout):
-            raise Timeout(f"staging array {slot.name} stayed busy for {timeout} s")
-        slot.free.clear()
-        return slot, span_for(count, slot.array.itemsize)
-
-    def take_any(self, dtype: str, count: int) -> Slot:
-        """A free staging array of at least ``count`` elements (made if none is free): for
-        what names no collective (point-to-point messages, a gather's own part)."""
-        capacity = size_class(count)
-        key = ("any:" + dtype, capacity, "")
+        key = (dtype, capacity)
         with self._lock:
             free = self._pools.setdefault(key, [])
             if free:
-                slot = free.pop()
-            else:
-                made = self._made.get(key, 0)
-                self._made[key] = made + 1
-                slot = self._make(
-                    f"{self.prefix}:any:{dtype}:{capacity}:{made}", capacity, dtype, key
-                )
-        slot.free.clear()
-        return slot
+                return free.pop()
+            made = self._made.get(key, 0)
+            self._made[key] = made + 1
+        name = f"{self.prefix}:{dtype}:{capacity}:{made}"
+        return Slot(self.fab.array(name, (capacity,), dtype), name, key)
 
     def release(self, slot: Slot) -> None:
         """``slot``'s call is done: the next may take it."""
-        if slot.key[0].startswith("any:"):
-            with self._lock:
-                self._pools[slot.key].append(slot)
-        slot.free.set()
-
-    def _make(self, name: str, capacity: int, dtype: str, key: tuple[str, int, str]) -> Slot:
-        slot = Slot(self.fab.array(name, (capacity,), dtype), name, key)
-        slot.free.set()
-        return slot
+        with self._lock:
+            self._pools[slot.key].append(slot)
 
 
 def pack(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:

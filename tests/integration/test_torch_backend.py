@@ -663,3 +663,54 @@ def test_the_review_s_findings_stay_fixed(make_cluster: Any, spawn: Any) -> None
         wrong = [(what, detail) for what, ok, detail in checks if not ok]
         assert not wrong, f"rank {rank}: {wrong}"
         assert len(checks) == 9
+
+
+def in_flight_rank(socket_path: str, init: str, rank: int, n: int, out: Any) -> None:
+    """Many calls of one collective in flight at once (the later ones deferred until the one
+    before ends), then how many collectives the daemon built for them."""
+    os.environ["FABRICD_SOCKET"] = socket_path
+    checks: list[tuple[str, bool, str]] = []
+    try:
+        import fabricd.torch  # noqa: F401
+        from fabricd.client.top import total
+
+        dist.init_process_group("fabricd", init_method=init, rank=rank, world_size=n)
+        rounds, k = 12, 4096
+        gathered = [torch.zeros(k * n) for _ in range(rounds)]
+        parts = [torch.zeros(k) for _ in range(rounds)]
+        works = []
+        for i in range(rounds):  # (no wait in between: all in flight together)
+            works.append(
+                dist.all_gather_into_tensor(
+                    gathered[i], torch.full((k,), 1.0 * i + rank), async_op=True
+                )
+            )
+            whole = torch.arange(k * n, dtype=torch.float32) + i
+            works.append(dist.reduce_scatter_tensor(parts[i], whole, async_op=True))
+            works.append(dist.all_reduce(torch.ones(k), async_op=True))
+        for work in works:
+            work.wait()
+        for i in range(rounds):
+            want = torch.cat([torch.full((k,), 1.0 * i + r) for r in range(n)])
+            _compare(checks, f"all_gather {i}", gathered[i], want)
+            mine = (torch.arange(k * n, dtype=torch.float32) + i)[rank * k : (rank + 1) * k] * n
+            _compare(checks, f"reduce_scatter {i}", parts[i], mine)
+        # one collective per operation, dtype and size on the daemon, whatever the calls in
+        # flight: the allgather, the reduce-scatter, the allreduce (and a name per barrier
+        # the init made)
+        status = dist.group.WORLD.fab.status()  # type: ignore[union-attr]
+        built = total(status, "fabricd_collectives")
+        checks.append(("one collective each", 3 <= built <= 3 + 8, f"{built} collectives"))
+        dist.destroy_process_group()
+        out.put((rank, checks, None))
+    except BaseException:
+        out.put((rank, checks, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_calls_of_one_collective_in_flight_at_once(make_cluster: Any, spawn: Any, n: int) -> None:
+    for rank, checks, error in _run(make_cluster, spawn, in_flight_rank, n):
+        assert error is None, f"rank {rank}: {error}"
+        wrong = [(what, detail) for what, ok, detail in checks if not ok]
+        assert not wrong, f"rank {rank}: {wrong}"
+        assert len(checks) == 12 * 2 + 1
