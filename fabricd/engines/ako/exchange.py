@@ -43,8 +43,10 @@ Choices where the paper is silent, and why:
   frame and the rotation goes on.  One gone for good (:meth:`Exchange.gone`) is forgotten.
   §4.3 discards in-flight gradients after a failure: so does a link reset here (the debt
   carries its sender's frame count, so no flush waits for frames lost), but a lost flush
-  marker would leave the peer's flush waiting: the last one goes again (with the debt if its
-  flush is open, else alone: the debt then holds rounds after it; twice is as once).
+  marker would leave the peer's flush waiting: the last one goes again, with the payload it
+  first had (the window's unsent parts, kept per peer until the next flush), applied only by
+  a peer that had not had that flush's marker (FIFO: a first that came, came before); the debt
+  follows (rounds after it), or is the marker if the open flush's was never sent.
 * *A flush after a peer went for good* cannot make the replicas equal by sums alone (the gone
   rank's last parts reached the survivors unevenly): the survivors take the lowest reachable
   rank's model, a SYNC it sends once its own flush is complete, each adopting it once its own
@@ -189,6 +191,8 @@ class Exchange(Rejoin):
         self._sent_to = dict.fromkeys(self.peers, 0)
         self._got_from = dict.fromkeys(self.peers, 0)
         self._marked = dict.fromkeys(self.peers, 0)  #: the last flush marked to each peer
+        #: the payload of that marker (none: zeros), sent again with it after a reset
+        self._marker_parts: dict[int, Array] = {}
         #: repartitioned to fewer parts: the old count bounds the gate until this clock
         self._gate: tuple[int, int] | None = None
         self._markers: dict[int, tuple[int, int]] = {}  #: peer -> (its flush, frames sent)
@@ -271,6 +275,7 @@ class Exchange(Rejoin):
         self._marks = {k: v for k, v in self._marks.items() if k == self._flushes - 1}
         self._marks[self._flushes] = (self.clock, joins)
         out: list[Action] = []
+        self._news = False  # (its markers list every death known)
         for i in sorted(self._live):
             owed = self._unsent(i)
             self._last[i][:] = self.clock - 1
@@ -323,6 +328,8 @@ class Exchange(Rejoin):
         joins: tuple[tuple[int, int], ...] = (),
         join: bool = False,
         gone: tuple[int, ...] = (),
+        unsettled: tuple[int, ...] = (),
+        dead: tuple[tuple[int, int], ...] = (),
     ) -> list[Action]:
         """A part from ``src`` (a :class:`SendPart` of its): applied to the model at once;
         its clock heard; a flush marker kept (with the returning ranks it lists); a model to
@@ -341,17 +348,20 @@ class Exchange(Rejoin):
         fields: dict[str, Any] = {"round": round, "lo": lo, "payload": payload, "clock": clock}
         fields["epoch"] = epoch
         fields |= {"flush": flush, "sent": sent, "sync": sync, "back": back, "nonce": nonce}
-        fields |= {"to": to, "joins": joins, "join": join, "gone": gone}
+        fields |= {"to": to, "joins": joins, "join": join, "gone": gone, "dead": dead}
+        fields["unsettled"] = unsettled
         if self.phase != "running":
             if sync and join and flush is not None and nonce:
-                return self._adopt(src, nonce, payload, clock, flush, gone)
+                return self._adopt(src, nonce, payload, clock, flush, (gone, unsettled))
             self._buffered.append((src, fields | {"payload": payload.copy()}))
             return []
+        if dead:  # (facts whatever the frame's fate)
+            return self._obituaries(dead) + self.received(src, **(fields | {"dead": ()}))
         k = self._flushes
         if join:  # (a join SYNC sent again, or a replacement: the first sender went)
             base = self._base
             if sync and base is not None and flush == self._floor and src > base[0]:
-                return self._replace(src, payload, gone)
+                return self._replace(src, payload, (gone, unsettled))
             return []
         if epoch < self._floor or (epoch == self._floor == flush and flush):
             return []  # (sent before this rank was taken back: its model holds it)
@@ -373,15 +383,18 @@ class Exchange(Rejoin):
         if self._flushing and (epoch > k or (epoch == k and flush != k)):
             self._later.append((src, fields | {"payload": payload.copy()}))
             return self._progress()
-        view = self.model[lo : lo + payload.size]
-        view -= (self.lr * payload).astype(self.model.dtype, copy=False)
+        marked = self._markers.get(src, (0, 0))[0]
+        if not (back and flush is not None and marked >= flush):  # (else a marker again,
+            view = self.model[lo : lo + payload.size]  # its first came: FIFO, before it)
+            view -= (self.lr * payload).astype(self.model.dtype, copy=False)
         self._bytes_received += payload.nbytes
         # a debt after a reset: what was in flight before it may be lost (its count with it)
         self._got_from[src] = max(self._got_from[src] + 1, sent if back else 0)
         out: list[Action] = []
         if flush is not None:
             self._markers[src] = max(self._markers.get(src, (0, 0)), (flush, sent))
-            self._flush_clock[src] = clock
+            if flush >= marked:
+                self._flush_clock[src] = clock
             out += self._listed(flush, joins)
         return out + self._progress()
 
@@ -452,21 +465,24 @@ class Exchange(Rejoin):
         out: list[Action] = []
         if peer in self._sent_join and peer in self._newcomers:  # (it may have been lost)
             out.append(self._newcomers[peer])
-        # the last marker may have been lost with the link: again, alone if its flush is done
-        # (the debt holds rounds after it); the open flush's with the debt (all made before)
+        # the last marker may have been lost with the link: again, alone, as it was (the debt
+        # holds rounds after it); if the open flush's was not sent, the debt is its marker
         marked = self._marked[peer]
-        if marked in self._marks and (marked < self._flushes or not self._flushing):
+        if marked in self._marks:
             out.append(self._marker_again(peer, marked))
-        missed = self._flushes if self._flushing else None
-        joins = self._marks[self._flushes][1] if missed is not None else ()
-        out.append(self._send(peer, None, 0, debt, flush=missed, back=True, joins=joins))
+        if not self._flushing or marked < self._flushes:  # (else nothing made since: none)
+            missed = self._flushes if self._flushing else None
+            joins = self._marks[self._flushes][1] if missed is not None else ()
+            out.append(self._send(peer, None, 0, debt, flush=missed, back=True, joins=joins))
         return out + self._progress()
 
     def _marker_again(self, peer: int, flush: int) -> SendPart:
-        """``flush``'s marker for ``peer`` again, alone, as it was (its clock and the ranks it
-        listed), with one zero for a payload; a receiver takes it twice as once."""
+        """``flush``'s marker for ``peer`` again, as it was (its clock, the ranks it listed and
+        its payload: what the window owed ``peer`` then, one zero if nothing), with the dead
+        incarnations known now; a receiver that had it applies nothing of it again."""
         clock, joins = self._marks[flush]
-        marker = self._send(peer, None, 0, np.zeros(1), flush=flush, back=True, joins=joins)
+        payload = self._marker_parts.get(peer, np.zeros(1))
+        marker = self._send(peer, None, 0, payload, flush=flush, back=True, joins=joins)
         return replace(marker, clock=clock, epoch=flush)
 
     def gone(self, peer: int) -> list[Action]:
@@ -477,6 +493,7 @@ class Exchange(Rejoin):
         self._live.discard(peer)
         self._owed.pop(peer, None)
         self._markers.pop(peer, None)
+        self._marker_parts.pop(peer, None)
         self._unanswered.discard(peer)
         self._newcomers.pop(peer, None)
         self._sent_join.discard(peer)
@@ -532,6 +549,10 @@ class Exchange(Rejoin):
         if not sync:
             self._sent_to[peer] += 1
         if flush is not None and not sync:
+            if self._marked[peer] != flush:  # (its first marker of that flush: kept)
+                self._marker_parts.pop(peer, None)
+                if payload.any():
+                    self._marker_parts[peer] = payload
             self._marked[peer] = flush
         return SendPart(
             dst=peer,
@@ -549,6 +570,7 @@ class Exchange(Rejoin):
             joins=joins,
             join=join,
             gone=gone,
+            dead=tuple(self._obits) if flush is not None and not sync else (),
         )
 
     def _signal(self, peer: int, signal: Signal, to: int | None = None) -> SendSignal:

@@ -26,9 +26,19 @@ clock.
   flush that lists it: its nonce is dead, never taken back, and a flush whose markers list a
   dead nonce *unsettles* its rank when it completes (the next flush takes the lowest's
   model).  A survivor that took it back, then heard, ends the same: every survivor has one
-  view, whatever the order it heard the death in.  A departure (no nonce) is of the newest
-  incarnation known here or, if that one left already, of one never heard here: the next
-  nonce a marker lists (also dead if another is pending here: it is older).
+  view, whatever the order it heard the death in.  A departure (no nonce) is of the
+  incarnation pending here, or of the member; if the rank is gone here with none pending, of
+  one never heard here (it never opened, or its HELLO here was lost): nothing tells which,
+  so it is ignored, never guessed (a guess killed the next, live, incarnation at one survivor
+  while another took it back).  The survivors that heard the dead one say so instead: every
+  flush marker lists the dead incarnations its sender knows (``dead``), and a death heard
+  during an open flush sends that flush's marker again with them, so a survivor that took
+  one back (it heard of it only through a marker) loses it, unsettled, before its next flush
+  completes, as every survivor does.  A listed nonce never heard here is dead if another is
+  pending here (it is older).
+* *A join SYNC* names the gone ranks a flush settled (``gone``) apart from those none did
+  yet (``unsettled``, such as one that died during the admitting flush): the newcomer waits
+  for the SYNC that settles the latter, as the survivors do.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ import numpy as np
 
 from fabricd.engines.ako.actions import Action, Array, Opened, Phase, SendPart, SendSignal
 from fabricd.errors import LocalProtocolError, RemoteProtocolError
-from fabricd.frames.ako import MAX_GONE, Signal
+from fabricd.frames.ako import MAX_DEAD_LISTED, MAX_GONE, Signal
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -74,6 +84,7 @@ class Rejoin:
     _got_from: dict[int, int]
     _marked: dict[int, int]
     _markers: dict[int, tuple[int, int]]
+    _marker_parts: dict[int, Array]
     _at: tuple[int, Array, int | None] | None
     _at_live: frozenset[int]
     _later: list[tuple[int, dict[str, Any]]]
@@ -86,6 +97,7 @@ class Rejoin:
 
         def gone(self, peer: int) -> list[Action]: ...
         def _signal(self, peer: int, signal: Signal, to: int | None = None) -> SendSignal: ...
+        def _marker_again(self, peer: int, flush: int) -> SendPart: ...
 
     def _init_rejoin(self) -> None:
         """The state of the rejoin handshake and of taking ranks back (module docstring)."""
@@ -101,8 +113,12 @@ class Rejoin:
         #: per peer, nonces of incarnations that left or were superseded: never taken back
         #: (a flush that lists one unsettles its rank instead)
         self._dead: dict[int, deque[int]] = {}
-        self._left_here: set[int] = set()  #: peers whose newest incarnation known here left
-        self._unheard_left: set[int] = set()  #: peers of which one not heard here left since
+        #: those dead nonces as (rank, nonce), the latest learned last: every flush marker
+        #: lists them, so a survivor that took one back (it heard its departure first, when
+        #: it could not tell whose it was) learns it died before that survivor's next flush
+        self._obits: deque[tuple[int, int]] = deque(maxlen=MAX_DEAD_LISTED)
+        self._news = False  #: a nonce died here since the open flush's markers went
+        self._taken: dict[int, int] = {}  #: the incarnation of each peer taken back here
         #: ranks taken back and not heard from yet: their join SYNC (this rank's model then)
         self._newcomers: dict[int, SendPart] = {}
         self._sent_join: set[int] = set()  #: newcomers whose join SYNC is this rank's to send
@@ -156,9 +172,6 @@ class Rejoin:
     def _hello(self, src: int, nonce: int) -> list[Action]:
         if self._is_dead(src, nonce):
             return []  # (a late HELLO of an incarnation that left or was superseded)
-        # (heard here after its arrival here: a departure not heard of was an earlier one's)
-        self._left_here.discard(src)
-        self._unheard_left.discard(src)
         if self.phase == "joining":  # (not a member yet: the survivors' answers decide; the
             self._nonce_of[src] = nonce  # SYNC's gone ranks still apply once it comes)
             return [self._signal(src, Signal.FRESH)]
@@ -191,18 +204,26 @@ class Rejoin:
         return self._run(Opened(), floor=0)
 
     def _adopt(
-        self, src: int, nonce: int, model: Array, clock: int, flush: int, gone: tuple[int, ...]
+        self,
+        src: int,
+        nonce: int,
+        model: Array,
+        clock: int,
+        flush: int,
+        gone: tuple[tuple[int, ...], tuple[int, ...]],
     ) -> list[Action]:
         """Taken back at ``src``'s flush ``flush``: its model, clock and flush count become
-        this rank's; its gone ranks (and those gone here) are gone."""
+        this rank's; its gone ranks (and those gone here) are gone: ``gone``'s first ones
+        settled, its second ones (and those gone here) not: a flush's SYNC is due for them."""
         self.model[:] = model
         self._base = (src, model.copy())
         self._at = (flush, model.copy(), src)
-        self._at_live = frozenset(self.peers) - {i for i in gone if i in self._heard}
+        self._settled = {i for i in gone[0] if i in self._heard}
+        unsettled = {i for i in gone[1] if i in self._heard}
+        self._at_live = frozenset(self.peers) - self._settled - unsettled
         self.clock = clock
         self._flushes = flush
-        self._settled = {i for i in gone if i in self._heard}
-        self._gone |= self._settled  # (and those gone here: not settled, a SYNC is due)
+        self._gone |= self._settled | unsettled  # (and those gone here: not settled either)
         for i in self._gone:
             self._owed.pop(i, None)
         self._live = set(self.peers) - self._gone - set(self._owed)
@@ -216,7 +237,9 @@ class Rejoin:
         self._unanswered.clear()
         return self._run(Opened(joined_from=src), floor=flush)
 
-    def _replace(self, src: int, model: Array, gone: tuple[int, ...]) -> list[Action]:
+    def _replace(
+        self, src: int, model: Array, gone: tuple[tuple[int, ...], tuple[int, ...]]
+    ) -> list[Action]:
         """A second join SYNC for the flush this rank was taken back at, from a higher rank:
         the first's sender went before the survivors took its model (they took ``src``'s).
         What was applied since stays: the model moves by the two models' difference."""
@@ -224,10 +247,10 @@ class Rejoin:
         self.model += model - self._base[1]
         self._base = (src, model.copy())
         self._at = (self._floor, model.copy(), src)
-        settled = {i for i in gone if i in self._heard}
+        settled = {i for i in gone[0] if i in self._heard}
         self._settled |= settled
         out: list[Action] = []
-        for i in sorted(settled - self._gone):
+        for i in sorted((settled | {i for i in gone[1] if i in self._heard}) - self._gone):
             out += self.gone(i)
         return out
 
@@ -256,7 +279,13 @@ class Rejoin:
         rank makes from now on; the ``lowest`` survivor sends them its model (a join SYNC,
         kept until the newcomer is heard from: sent again if lost, or by the next lowest if
         ``lowest`` goes).  One membership says is unreachable is owed it (lost), not live."""
-        gone = tuple(sorted(self._gone - admitted.keys())[:MAX_GONE])
+        # (the ranks no flush settled yet, one that died during this flush among them, are
+        # sent apart: the newcomer waits for the SYNC that settles them, as the survivors do)
+        absent = sorted(self._gone - admitted.keys())
+        gone = (
+            tuple([i for i in absent if i in self._settled][:MAX_GONE]),
+            tuple([i for i in absent if i not in self._settled][:MAX_GONE]),
+        )
         # the newcomer adopts the lowest's clock: the gate hears it at that clock
         clock = self.clock if lowest == self.rank else self._flush_clock.get(lowest, self.clock)
         out: list[Action] = []
@@ -269,12 +298,13 @@ class Rejoin:
                 self._owed[peer] = np.zeros(self.model.size)
             else:
                 self._live.add(peer)
-            self._nonce_of[peer] = nonce
+            self._nonce_of[peer] = self._taken[peer] = nonce
             self._last[peer][:] = self.clock - 1
             self._heard[peer] = min(clock, self.clock)
             self._sent_to[peer] = self._got_from[peer] = 0
             self._marked[peer] = self._flushes
             self._markers.pop(peer, None)
+            self._marker_parts.pop(peer, None)
             sync = self._join_sync(peer, nonce, gone, clock)
             self._newcomers[peer] = sync
             if lowest == self.rank:
@@ -284,7 +314,9 @@ class Rejoin:
         self._admit = {}
         return out
 
-    def _join_sync(self, peer: int, nonce: int, gone: tuple[int, ...], clock: int) -> SendPart:
+    def _join_sync(
+        self, peer: int, nonce: int, gone: tuple[tuple[int, ...], tuple[int, ...]], clock: int
+    ) -> SendPart:
         """``peer``'s join SYNC: this rank's model, and the lowest's clock (every survivor
         hears the newcomer there, whichever of them sends it)."""
         model = self.model.copy()
@@ -302,7 +334,8 @@ class Rejoin:
             nonce=self.nonce,
             to=nonce,
             join=True,
-            gone=gone,
+            gone=gone[0],
+            unsettled=gone[1],
         )
 
     def _sync_newcomers(self) -> list[Action]:
@@ -347,13 +380,8 @@ class Rejoin:
             if peer not in self._gone and here:
                 continue  # (taken back here already, or a newer one was: a marker sent again)
             pending = self._pending(peer)
-            if nonce not in (pending, self._nonce_of[peer]) and not self._is_dead(peer, nonce):
-                # (never heard here: the one that left unheard, or older than one pending)
-                if peer in self._unheard_left or pending:
-                    self._kill(peer, nonce)
-                else:
-                    self._left_here.discard(peer)  # (the next departure is this one's)
-                self._unheard_left.discard(peer)
+            if pending and nonce != pending and not self._is_dead(peer, nonce):
+                self._kill(peer, nonce)  # (never heard here: older than the one pending)
             listed = self._joins_heard.setdefault(flush, {})
             if peer not in listed or not self._is_dead(peer, nonce):
                 listed[peer] = nonce
@@ -365,19 +393,50 @@ class Rejoin:
         return nonce in self._dead.get(peer, ())
 
     def _kill(self, peer: int, nonce: int) -> None:
+        """``peer``'s incarnation ``nonce`` left or was superseded: never taken back, and
+        listed dead in this rank's flush markers."""
         dead = self._dead.setdefault(peer, deque(maxlen=MAX_DEAD))
         if nonce not in dead:
             dead.append(nonce)
+            self._obits.append((peer, nonce))
+            self._news = True
+
+    def _obituaries(self, dead: tuple[tuple[int, int], ...]) -> list[Action]:
+        """A peer's flush marker listed incarnations it knows died: dead here too (a member
+        of those is gone, unsettled: the next flush syncs, as at every survivor)."""
+        out: list[Action] = []
+        for peer, nonce in dead:
+            if peer not in self._heard or self._is_dead(peer, nonce):
+                continue
+            self._kill(peer, nonce)
+            if self._joins.get(peer) == nonce:
+                del self._joins[peer]
+            if self._nonce_of[peer] == nonce and peer not in self._gone:
+                out += self.gone(peer)
+        self._news = False  # (learned from a marker: its sender lists them to every peer)
+        return out
+
+    def _announce(self) -> list[Action]:
+        """Nonces died here during this rank's open flush, after its markers went: each
+        reachable peer is sent its marker again, listing them (a peer that took one back
+        would wait for it at its next flush for ever, module docstring)."""
+        news, self._news = self._news, False
+        if not news or not self._flushing or self.phase != "running":
+            return []
+        k = self._flushes
+        return [self._marker_again(i, k) for i in sorted(self._live) if self._marked[i] == k]
 
     def left(self, peer: int) -> list[Action]:
-        """``peer``'s rank left (membership's news): gone for good.  What left is the newest
-        incarnation known here, else one never heard here (module docstring)."""
+        """``peer``'s rank left (membership's news): gone for good.  What left is the
+        incarnation pending here or the member, else one never heard here, which is not
+        known: such a departure is ignored (module docstring)."""
         self._away.discard(peer)
         if peer not in self._heard:
             return []
         if self._pending(peer):
             self._cancel(peer)
-        elif peer in self._gone and peer in self._left_here:
-            self._unheard_left.add(peer)
-        self._left_here.add(peer)
-        return self.gone(peer)
+        elif peer in self._gone:
+            return []  # (never opened, or its HELLO is yet to come: those that heard it tell)
+        elif self._taken.get(peer, 0) == self._nonce_of[peer] != 0:
+            self._kill(peer, self._nonce_of[peer])  # (its HELLO came before: it is this one)
+        return self.gone(peer) + self._announce()
