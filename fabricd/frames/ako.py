@@ -20,6 +20,8 @@ MAX_JOINS: Final = 256
 #: the most gone ranks a SYNC for a returning rank lists: a job that lost more for good takes
 #: no rank back (its open waits, logged as stalled)
 MAX_GONE: Final = 1000
+#: the most dead incarnations (rank, nonce) one flush marker lists: the latest learned
+MAX_DEAD_LISTED: Final = 256
 
 
 class Signal(enum.Enum):
@@ -72,8 +74,10 @@ class Part:
     ``nonce``: the sender exchange's, and ``to``, the one it knows ``dst`` by (0: none yet);
     ``signal``: a rejoin handshake's HELLO, FRESH or JOIN, with no payload; ``joins``: on a
     flush marker, the returning ranks (rank, nonce) taken back when that flush completes;
-    ``join``: a SYNC for a rank taken back, with ``gone``, the sender's gone ranks
-    (fabricd/engines/ako/exchange.py).  ``spec`` says
+    ``join``: a SYNC for a rank taken back, with ``gone``, the sender's gone ranks a flush
+    settled, and ``unsettled``, those none settled yet; ``dead``: on a flush marker, the
+    incarnations (rank, nonce) the sender knows left or were superseded
+    (fabricd/engines/ako/rejoin.py).  ``spec`` says
     what every rank agrees on, so a node whose rank has not opened the exchange yet can hold
     the frame for it."""
 
@@ -98,6 +102,8 @@ class Part:
     joins: tuple[tuple[int, int], ...] = ()
     join: bool = False
     gone: tuple[int, ...] = ()
+    unsettled: tuple[int, ...] = ()
+    dead: tuple[tuple[int, int], ...] = ()
 
     def to_meta(self) -> Meta:
         meta: Meta = {
@@ -131,6 +137,10 @@ class Part:
             meta["jo"] = True
         if self.join or self.gone:
             meta["gn"] = list(self.gone)
+        if self.unsettled:
+            meta["us"] = list(self.unsettled)
+        if self.dead:
+            meta["dd"] = [list(pair) for pair in self.dead]
         return meta
 
     @classmethod
@@ -156,15 +166,17 @@ class Part:
             nonce=get_int(meta, "i", lo=1) if "i" in meta else 0,
             to=get_int(meta, "to", lo=1) if "to" in meta else 0,
             signal=_signal(meta),
-            joins=_joins(meta),
+            joins=_pairs(meta, "jn", MAX_JOINS),
             join=get_bool(meta, "jo") if "jo" in meta else False,
             gone=_ranks(meta, "gn", MAX_GONE),
+            unsettled=_ranks(meta, "us", MAX_GONE),
+            dead=_pairs(meta, "dd", MAX_DEAD_LISTED),
         )
         if frame.src == frame.dst:
             raise RemoteProtocolError("a PART from a rank to itself")
         if frame.sync and (frame.flush is None or frame.round is not None or frame.lo):
             raise RemoteProtocolError("a SYNC part is a whole model, at the end of a flush")
-        if frame.join and not frame.sync:
+        if (frame.join or frame.unsettled) and not (frame.sync and frame.join):
             raise RemoteProtocolError("a returning rank is sent a SYNC, whole")
         if frame.signal not in (None, Signal.FRESH) and not frame.nonce:
             raise RemoteProtocolError("a HELLO or a JOIN names its sender's nonce")
@@ -188,14 +200,15 @@ def _ranks(meta: Meta, key: str, most: int) -> tuple[int, ...]:
     return tuple(get_int({"r": v}, "r", hi=MAX_RANK) for v in values)
 
 
-def _joins(meta: Meta) -> tuple[tuple[int, int], ...]:
-    pairs = meta.get("jn", [])
-    if not isinstance(pairs, list) or len(pairs) > MAX_JOINS:
-        raise RemoteProtocolError(f"field 'jn' lists at most {MAX_JOINS} returning ranks")
+def _pairs(meta: Meta, key: str, most: int) -> tuple[tuple[int, int], ...]:
+    """Field ``key``: at most ``most`` ``[rank, nonce]`` pairs (returning or dead ranks)."""
+    pairs = meta.get(key, [])
+    if not isinstance(pairs, list) or len(pairs) > most:
+        raise RemoteProtocolError(f"field {key!r} lists at most {most} [rank, nonce] pairs")
     joins = []
     for pair in pairs:
         if not isinstance(pair, list) or len(pair) != 2:
-            raise RemoteProtocolError("a returning rank is [rank, nonce]")
+            raise RemoteProtocolError(f"field {key!r} holds [rank, nonce] pairs")
         rank, nonce = pair
         joins.append((get_int({"r": rank}, "r", hi=MAX_RANK), get_int({"n": nonce}, "n", lo=1)))
     return tuple(joins)

@@ -54,6 +54,8 @@ def part_frame(
         joins=action.joins,
         join=action.join,
         gone=action.gone,
+        unsettled=action.unsettled,
+        dead=action.dead,
     )
     return frame, action.payload.tobytes()
 
@@ -76,6 +78,8 @@ def received(exchange: Exchange, frame: Part, values: np.ndarray[Any, Any]) -> l
         joins=frame.joins,
         join=frame.join,
         gone=frame.gone,
+        unsettled=frame.unsettled,
+        dead=frame.dead,
     )
 
 

@@ -37,6 +37,10 @@ class SendPart:
     joins: tuple[tuple[int, int], ...] = ()
     join: bool = False  #: a SYNC for a rank taken back: ``gone`` are the sender's gone ranks
     gone: tuple[int, ...] = ()
+    #: on a join SYNC: the sender's gone ranks no flush settled yet (``gone`` are settled)
+    unsettled: tuple[int, ...] = ()
+    #: on a flush marker: incarnations (rank, nonce) the sender knows left or were superseded
+    dead: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

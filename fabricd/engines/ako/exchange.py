@@ -43,8 +43,10 @@ Choices where the paper is silent, and why:
   frame and the rotation goes on.  One gone for good (:meth:`Exchange.gone`) is forgotten.
   §4.3 discards in-flight gradients after a failure: so does a link reset here (the debt
   carries its sender's frame count, so no flush waits for frames lost), but a lost flush
-  marker would leave the peer's flush waiting: the last one goes again (with the debt if its
-  flush is open, else alone: the debt then holds rounds after it; twice is as once).
+  marker would leave the peer's flush waiting: the last one goes again, with the payload it
+  first had (the window's unsent parts, kept per peer until the next flush), applied only by
+  a peer that had not had that flush's marker (FIFO: a first that came, came before); the debt
+  follows (rounds after it), or is the marker if the open flush's was never sent.
 * *A flush after a peer went for good* cannot make the replicas equal by sums alone (the gone
   rank's last parts reached the survivors unevenly): the survivors take the lowest reachable
   rank's model, a SYNC it sends once its own flush is complete, each adopting it once its own
@@ -65,33 +67,13 @@ Choices where the paper is silent, and why:
   of that number came, with every frame it counted, and no peer is unreachable: a flush waits
   for a lost peer to be back or gone (a step never does).  Afterwards every replica holds
   ``w0 - lr * (every gradient of every rank)`` (float rounding aside).
-* *A rank that comes back* (§4.3 re-adds a recovered worker to the counters; the issue adds
-  that it catches the model up from a peer; docs/ako.md tells it whole).  Every exchange has
-  a random ``nonce``, and every frame carries its sender's and its receiver's as known
-  (``to``), so frames for or from an earlier incarnation are dropped.  An open
-  (:meth:`Exchange.start`) says HELLO to every peer, answered FRESH (a member) or JOIN (the
-  peer had it gone, or knew another nonce).  The survivors take a JOIN'd rank back all at
-  one flush: those it said HELLO to list it (with its nonce) in their next flush marker,
-  every survivor takes back what that flush's markers listed when it completes, and the
-  lowest sends it its model (a SYNC marked ``join``, with its clock and gone ranks).  A flush
-  is where the survivors' models are equal (or made so by a SYNC): the model holds every
-  gradient made before, and every survivor sends the newcomer exactly what it makes after.
-  Until then it is gone to them (they never wait for it).  Each keeps the join SYNC until the
-  newcomer is heard from: the lowest sends it again on :meth:`Exchange.back`, the next lowest
-  its own if the lowest goes (the newcomer moves by the difference).
-* *A newcomer that dies* (it leaves, or a newer HELLO supersedes it) before or during the
-  flush that lists it: its nonce is dead, never taken back, and a flush whose markers list a
-  dead nonce *unsettles* its rank when it completes (the next flush takes the lowest's
-  model).  A survivor that took it back, then heard, ends the same: every survivor has one
-  view, whatever the order it heard the death in.  A departure (no nonce) is of the newest
-  incarnation known here or, if that one left already, of one never heard here: the next
-  nonce a marker lists (also dead if another is pending here: it is older).
+* *A rank that comes back*, and *a newcomer that dies*: the rejoin handshake and taking
+  ranks back (fabricd/engines/ako/rejoin.py, :class:`Rejoin`, which :class:`Exchange` extends).
 * *No peers* (one rank): steps apply the rank's own gradient and are never held.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final
 
@@ -104,11 +86,11 @@ from fabricd.engines.ako.actions import (
     ExchangeStatistics,
     Flushed,
     Opened,
-    Phase,
     SendPart,
     SendSignal,
     Stepped,
 )
+from fabricd.engines.ako.rejoin import Rejoin
 from fabricd.errors import LocalProtocolError, RemoteProtocolError, UsageError
 from fabricd.frames.ako import MAX_GONE, MAX_JOINS, Signal
 
@@ -130,10 +112,6 @@ __all__ = [
 
 #: the most partitions an exchange cuts its gradients into
 MAX_PARTITIONS: Final = 1 << 16
-#: the most frames held, during a flush, from a gone rank's incarnation not listed yet
-MAX_STRANGE: Final = 1024
-#: the most nonces kept per peer of incarnations that left or were superseded
-MAX_DEAD: Final = 16
 
 
 def partition_bounds(size: int, parts: int) -> list[tuple[int, int]]:
@@ -148,7 +126,7 @@ def partition_bounds(size: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-class Exchange:
+class Exchange(Rejoin):
     """Rank ``rank`` of ``ranks``' exchange of ``model``'s gradients (module docstring).
 
     Raises:
@@ -213,6 +191,8 @@ class Exchange:
         self._sent_to = dict.fromkeys(self.peers, 0)
         self._got_from = dict.fromkeys(self.peers, 0)
         self._marked = dict.fromkeys(self.peers, 0)  #: the last flush marked to each peer
+        #: the payload of that marker (none: zeros), sent again with it after a reset
+        self._marker_parts: dict[int, Array] = {}
         #: repartitioned to fewer parts: the old count bounds the gate until this clock
         self._gate: tuple[int, int] | None = None
         self._markers: dict[int, tuple[int, int]] = {}  #: peer -> (its flush, frames sent)
@@ -229,33 +209,6 @@ class Exchange:
         self._flushing = False
         self._bytes_sent = self._bytes_received = 0
         self._init_rejoin()
-
-    def _init_rejoin(self) -> None:
-        """The state of the rejoin handshake and of taking ranks back (module docstring)."""
-        #: the rejoin handshake (module docstring): "running" unless :meth:`start` was called
-        self.phase: Phase = "running"
-        self._unanswered: set[int] = set()  #: peers whose answer to HELLO has not come
-        self._buffered: list[tuple[int, dict[str, Any]]] = []  #: frames before "running"
-        self._nonce_of = dict.fromkeys(self.peers, 0)  #: each peer's, once heard (0: not yet)
-        self._joins: dict[int, int] = {}  #: returning ranks to list in the next flush marker
-        self._admit: dict[int, int] = {}  #: those this rank's open flush listed
-        self._joins_heard: dict[int, dict[int, int]] = {}  #: flush -> ranks its markers listed
-        self._floor = 0  #: the flush this rank was taken back at: frames from before it go
-        #: per peer, nonces of incarnations that left or were superseded: never taken back
-        #: (a flush that lists one unsettles its rank instead)
-        self._dead: dict[int, deque[int]] = {}
-        self._left_here: set[int] = set()  #: peers whose newest incarnation known here left
-        self._unheard_left: set[int] = set()  #: peers of which one not heard here left since
-        #: ranks taken back and not heard from yet: their join SYNC (this rank's model then)
-        self._newcomers: dict[int, SendPart] = {}
-        self._sent_join: set[int] = set()  #: newcomers whose join SYNC is this rank's to send
-        self._away: set[int] = set()  #: gone peers membership says are unreachable
-        self._strange = 0  #: frames held this flush from a gone rank's unlisted incarnation
-        #: this rank's last two flushes: its clock and the ranks its markers listed
-        self._marks: dict[int, tuple[int, tuple[tuple[int, int], ...]]] = {}
-        self._flush_clock: dict[int, int] = {}  #: the clock each peer's last marker carried
-        #: taken back: the model adopted, and from whom, until this rank's next flush
-        self._base: tuple[int, Array] | None = None
 
     # -- the trainer's calls ----------------------------------------------------------------
     def step(self, gradient: Array, now: float) -> list[Action]:
@@ -322,6 +275,7 @@ class Exchange:
         self._marks = {k: v for k, v in self._marks.items() if k == self._flushes - 1}
         self._marks[self._flushes] = (self.clock, joins)
         out: list[Action] = []
+        self._news = False  # (its markers list every death known)
         for i in sorted(self._live):
             owed = self._unsent(i)
             self._last[i][:] = self.clock - 1
@@ -355,211 +309,6 @@ class Exchange:
         self._last = {i: np.full(partitions, self.clock - 1) for i in self.peers}
         return out
 
-    # -- the rejoin handshake (module docstring) ----------------------------------------------
-    def start(self) -> list[Action]:
-        """The exchange opened: say HELLO to every peer; :class:`Opened` once every peer
-        answered FRESH (or is gone), or once a survivor's model came (one answered JOIN)."""
-        if self.phase != "running" or self.clock or self._flushes:
-            raise LocalProtocolError("an exchange starts once, before its first step")
-        self.phase = "hello"
-        self._unanswered = set(self.peers)
-        return [self._signal(i, Signal.HELLO) for i in self.peers] + self._answered()
-
-    def hello_again(self, peer: int) -> list[Action]:
-        """``peer`` became reachable: say HELLO again if its answer has not come (the first
-        may not have reached it)."""
-        if self.phase == "running" or peer not in self._unanswered:
-            return []
-        return [self._signal(peer, Signal.HELLO)]
-
-    def signal(self, src: int, signal: Signal, *, nonce: int, to: int = 0) -> list[Action]:
-        """A signal from ``src`` (of nonce ``nonce``) of the handshake.
-
-        Raises:
-            RemoteProtocolError: ``src`` is not a peer, or a nonce of 0.
-        """
-        if src not in self._heard:
-            raise RemoteProtocolError(f"rank {src} is not a peer of rank {self.rank}")
-        if not nonce and signal is not Signal.FRESH:  # (FRESH for a rank not open yet has none)
-            raise RemoteProtocolError(f"rank {src} sent a {signal.value} without its nonce")
-        if to and to != self.nonce:
-            return []  # (an answer to an earlier incarnation of this rank)
-        if signal is Signal.HELLO:
-            return self._hello(src, nonce)
-        if self.phase == "running" or src not in self._unanswered:
-            return []  # (a late answer)
-        self._unanswered.discard(src)
-        self._nonce_of[src] = self._nonce_of[src] or nonce
-        if signal is Signal.JOIN:
-            self.phase = "joining"
-        return self._answered()
-
-    def _hello(self, src: int, nonce: int) -> list[Action]:
-        if self._is_dead(src, nonce):
-            return []  # (a late HELLO of an incarnation that left or was superseded)
-        # (heard here after its arrival here: a departure not heard of was an earlier one's)
-        self._left_here.discard(src)
-        self._unheard_left.discard(src)
-        if self.phase == "joining":  # (not a member yet: the survivors' answers decide; the
-            self._nonce_of[src] = nonce  # SYNC's gone ranks still apply once it comes)
-            return [self._signal(src, Signal.FRESH)]
-        out: list[Action] = []
-        known = self._nonce_of[src]
-        self._away.discard(src)  # (it was heard: reachable, until membership says otherwise)
-        self._cancel(src, keep=nonce)  # (an incarnation listed before this one: superseded)
-        if self._pending(src) == nonce or src in self._gone or known not in (0, nonce):
-            out += self.gone(src)  # (its earlier incarnation, if it was still here)
-            self._joins[src] = nonce
-            return [*out, self._signal(src, Signal.JOIN, to=nonce)]
-        self._nonce_of[src] = nonce
-        return [self._signal(src, Signal.FRESH)]
-
-    def _cancel(self, peer: int, keep: int = 0) -> None:
-        """Every admission pending for ``peer`` with a nonce other than ``keep`` dies: not
-        listed here any more, and a flush that lists it unsettles its rank (module docstring)."""
-        for joins in (self._joins, self._admit, *self._joins_heard.values()):
-            nonce = joins.get(peer, 0)
-            if nonce and nonce != keep:
-                self._kill(peer, nonce)
-        if peer in self._joins and self._joins[peer] != keep:
-            del self._joins[peer]
-
-    def _answered(self) -> list[Action]:
-        """Every peer answered FRESH (or is gone): the exchange runs, with the frames it was
-        sent meanwhile."""
-        if self.phase != "hello" or self._unanswered:
-            return []
-        return self._run(Opened(), floor=0)
-
-    def _adopt(
-        self, src: int, nonce: int, model: Array, clock: int, flush: int, gone: tuple[int, ...]
-    ) -> list[Action]:
-        """Taken back at ``src``'s flush ``flush``: its model, clock and flush count become
-        this rank's; its gone ranks (and those gone here) are gone."""
-        self.model[:] = model
-        self._base = (src, model.copy())
-        self._at = (flush, model.copy(), src)
-        self._at_live = frozenset(self.peers) - {i for i in gone if i in self._heard}
-        self.clock = clock
-        self._flushes = flush
-        self._settled = {i for i in gone if i in self._heard}
-        self._gone |= self._settled  # (and those gone here: not settled, a SYNC is due)
-        for i in self._gone:
-            self._owed.pop(i, None)
-        self._live = set(self.peers) - self._gone - set(self._owed)
-        for i in self.peers:
-            self._last[i][:] = clock - 1
-            self._heard[i] = clock
-            self._sent_to[i] = self._got_from[i] = 0
-            self._marked[i] = flush
-        self._markers = {}
-        self._nonce_of[src] = nonce
-        self._unanswered.clear()
-        return self._run(Opened(joined_from=src), floor=flush)
-
-    def _replace(self, src: int, model: Array, gone: tuple[int, ...]) -> list[Action]:
-        """A second join SYNC for the flush this rank was taken back at, from a higher rank:
-        the first's sender went before the survivors took its model (they took ``src``'s).
-        What was applied since stays: the model moves by the two models' difference."""
-        assert self._base is not None
-        self.model += model - self._base[1]
-        self._base = (src, model.copy())
-        self._at = (self._floor, model.copy(), src)
-        settled = {i for i in gone if i in self._heard}
-        self._settled |= settled
-        out: list[Action] = []
-        for i in sorted(settled - self._gone):
-            out += self.gone(i)
-        return out
-
-    def _run(self, opened: Opened, *, floor: int) -> list[Action]:
-        """Start running: the frames sent for this incarnation after the flush it was taken
-        back at (``floor``) are applied."""
-        self.phase = "running"
-        self._floor = floor
-        out: list[Action] = [opened]
-        buffered, self._buffered = self._buffered, []
-        for src, fields in buffered:
-            out += self.received(src, **fields)
-        return out
-
-    def _pending(self, src: int) -> int:
-        """The nonce ``src`` is to be taken back with at a flush (0: none; one that left is
-        not)."""
-        for joins in (self._admit, *self._joins_heard.values(), self._joins):
-            nonce = joins.get(src, 0)
-            if nonce and not self._is_dead(src, nonce):
-                return nonce
-        return 0
-
-    def _take_back(self, admitted: dict[int, int], lowest: int) -> list[Action]:
-        """The flush listing ``admitted`` completed: each is a member again, owed what this
-        rank makes from now on; the ``lowest`` survivor sends them its model (a join SYNC,
-        kept until the newcomer is heard from: sent again if lost, or by the next lowest if
-        ``lowest`` goes).  One membership says is unreachable is owed it (lost), not live."""
-        gone = tuple(sorted(self._gone - admitted.keys())[:MAX_GONE])
-        # the newcomer adopts the lowest's clock: the gate hears it at that clock
-        clock = self.clock if lowest == self.rank else self._flush_clock.get(lowest, self.clock)
-        out: list[Action] = []
-        for peer, nonce in sorted(admitted.items()):
-            self._cancel(peer, keep=nonce)
-            self._joins.pop(peer, None)
-            self._gone.discard(peer)
-            self._settled.discard(peer)
-            if peer in self._away:
-                self._owed[peer] = np.zeros(self.model.size)
-            else:
-                self._live.add(peer)
-            self._nonce_of[peer] = nonce
-            self._last[peer][:] = self.clock - 1
-            self._heard[peer] = min(clock, self.clock)
-            self._sent_to[peer] = self._got_from[peer] = 0
-            self._marked[peer] = self._flushes
-            self._markers.pop(peer, None)
-            sync = self._join_sync(peer, nonce, gone, clock)
-            self._newcomers[peer] = sync
-            if lowest == self.rank:
-                self._sent_join.add(peer)
-                if peer in self._live:
-                    out.append(sync)
-        self._admit = {}
-        return out
-
-    def _join_sync(self, peer: int, nonce: int, gone: tuple[int, ...], clock: int) -> SendPart:
-        """``peer``'s join SYNC: this rank's model, and the lowest's clock (every survivor
-        hears the newcomer there, whichever of them sends it)."""
-        model = self.model.copy()
-        self._bytes_sent += model.nbytes
-        return SendPart(
-            dst=peer,
-            round=None,
-            lo=0,
-            payload=model,
-            clock=clock,
-            epoch=self._flushes,
-            flush=self._flushes,
-            sent=self._sent_to[peer],
-            sync=True,
-            nonce=self.nonce,
-            to=nonce,
-            join=True,
-            gone=gone,
-        )
-
-    def _sync_newcomers(self) -> list[Action]:
-        """This rank became the lowest survivor: the newcomers not heard from yet are sent
-        its join SYNC (the last lowest may have gone before it sent theirs).  The newcomers
-        themselves are not candidates: they have no model to send."""
-        if min((self._live - set(self._newcomers)) | {self.rank}) != self.rank:
-            return []
-        out: list[Action] = []
-        for peer, sync in sorted(self._newcomers.items()):
-            if peer not in self._sent_join:
-                self._sent_join.add(peer)
-                if peer in self._live:
-                    out.append(sync)
-        return out
-
     # -- a peer's frames --------------------------------------------------------------------
     def received(
         self,
@@ -579,6 +328,8 @@ class Exchange:
         joins: tuple[tuple[int, int], ...] = (),
         join: bool = False,
         gone: tuple[int, ...] = (),
+        unsettled: tuple[int, ...] = (),
+        dead: tuple[tuple[int, int], ...] = (),
     ) -> list[Action]:
         """A part from ``src`` (a :class:`SendPart` of its): applied to the model at once;
         its clock heard; a flush marker kept (with the returning ranks it lists); a model to
@@ -597,17 +348,20 @@ class Exchange:
         fields: dict[str, Any] = {"round": round, "lo": lo, "payload": payload, "clock": clock}
         fields["epoch"] = epoch
         fields |= {"flush": flush, "sent": sent, "sync": sync, "back": back, "nonce": nonce}
-        fields |= {"to": to, "joins": joins, "join": join, "gone": gone}
+        fields |= {"to": to, "joins": joins, "join": join, "gone": gone, "dead": dead}
+        fields["unsettled"] = unsettled
         if self.phase != "running":
             if sync and join and flush is not None and nonce:
-                return self._adopt(src, nonce, payload, clock, flush, gone)
+                return self._adopt(src, nonce, payload, clock, flush, (gone, unsettled))
             self._buffered.append((src, fields | {"payload": payload.copy()}))
             return []
+        if dead:  # (facts whatever the frame's fate)
+            return self._obituaries(dead) + self.received(src, **(fields | {"dead": ()}))
         k = self._flushes
         if join:  # (a join SYNC sent again, or a replacement: the first sender went)
             base = self._base
             if sync and base is not None and flush == self._floor and src > base[0]:
-                return self._replace(src, payload, gone)
+                return self._replace(src, payload, (gone, unsettled))
             return []
         if epoch < self._floor or (epoch == self._floor == flush and flush):
             return []  # (sent before this rank was taken back: its model holds it)
@@ -629,15 +383,18 @@ class Exchange:
         if self._flushing and (epoch > k or (epoch == k and flush != k)):
             self._later.append((src, fields | {"payload": payload.copy()}))
             return self._progress()
-        view = self.model[lo : lo + payload.size]
-        view -= (self.lr * payload).astype(self.model.dtype, copy=False)
+        marked = self._markers.get(src, (0, 0))[0]
+        if not (back and flush is not None and marked >= flush):  # (else a marker again,
+            view = self.model[lo : lo + payload.size]  # its first came: FIFO, before it)
+            view -= (self.lr * payload).astype(self.model.dtype, copy=False)
         self._bytes_received += payload.nbytes
         # a debt after a reset: what was in flight before it may be lost (its count with it)
         self._got_from[src] = max(self._got_from[src] + 1, sent if back else 0)
         out: list[Action] = []
         if flush is not None:
             self._markers[src] = max(self._markers.get(src, (0, 0)), (flush, sent))
-            self._flush_clock[src] = clock
+            if flush >= marked:
+                self._flush_clock[src] = clock
             out += self._listed(flush, joins)
         return out + self._progress()
 
@@ -669,19 +426,6 @@ class Exchange:
             return []
         return [self._send(i, None, 0, at[1], flush=at[0], sync=True) for i in sorted(self._live)]
 
-    def _hold_gone(self, src: int, nonce: int, fields: dict[str, Any]) -> None:
-        """A frame from a rank gone here: one of the incarnation to be taken back when this
-        flush completes waits for it; so does (bounded) one of an incarnation no marker
-        listed here yet (its HELLO here may have been lost: the marker that lists it may
-        come later in this flush).  Others are dropped."""
-        if not nonce or self._is_dead(src, nonce):
-            return
-        if self._pending(src) == nonce:
-            self._later.append((src, fields))
-        elif self._flushing and self._strange < MAX_STRANGE and nonce != self._nonce_of[src]:
-            self._strange += 1
-            self._later.append((src, fields))
-
     def _check_part(self, src: int, lo: int, payload: Array, sync_flush: int | None) -> None:
         if src not in self._heard:
             raise RemoteProtocolError(f"rank {src} is not a peer of rank {self.rank}")
@@ -695,43 +439,6 @@ class Exchange:
             raise RemoteProtocolError(f"rank {src} sent a part holding a NaN or an infinity")
         if sync_flush is None or (sync_flush and (lo or payload.size != self.model.size)):
             raise RemoteProtocolError(f"rank {src} sent a SYNC that is not a whole model")
-
-    def _listed(self, flush: int, joins: tuple[tuple[int, int], ...]) -> list[Action]:
-        """A flush marker listed returning ranks: taken back when that flush completes (their
-        earlier incarnations, if still members here, are gone now: none will flush); one that
-        left is not, but its rank is unsettled then (:meth:`left`)."""
-        k = self._flushes
-        if not (k < flush <= k + 1 or (flush == k and self._flushing)):
-            return []  # (a flush this rank completed, or one far ahead: no peer is there)
-        out: list[Action] = []
-        for peer, nonce in joins:
-            if peer not in self._heard:
-                continue
-            here = self._nonce_of[peer] == nonce or self._is_dead(peer, nonce)
-            if peer not in self._gone and here:
-                continue  # (taken back here already, or a newer one was: a marker sent again)
-            pending = self._pending(peer)
-            if nonce not in (pending, self._nonce_of[peer]) and not self._is_dead(peer, nonce):
-                # (never heard here: the one that left unheard, or older than one pending)
-                if peer in self._unheard_left or pending:
-                    self._kill(peer, nonce)
-                else:
-                    self._left_here.discard(peer)  # (the next departure is this one's)
-                self._unheard_left.discard(peer)
-            listed = self._joins_heard.setdefault(flush, {})
-            if peer not in listed or not self._is_dead(peer, nonce):
-                listed[peer] = nonce
-            out += self.gone(peer)
-        return out
-
-    def _is_dead(self, peer: int, nonce: int) -> bool:
-        """``nonce`` is of an incarnation of ``peer`` that left or was superseded."""
-        return nonce in self._dead.get(peer, ())
-
-    def _kill(self, peer: int, nonce: int) -> None:
-        dead = self._dead.setdefault(peer, deque(maxlen=MAX_DEAD))
-        if nonce not in dead:
-            dead.append(nonce)
 
     # -- peers lost and back ----------------------------------------------------------------
     def lose(self, peer: int) -> list[Action]:
@@ -758,35 +465,25 @@ class Exchange:
         out: list[Action] = []
         if peer in self._sent_join and peer in self._newcomers:  # (it may have been lost)
             out.append(self._newcomers[peer])
-        # the last marker may have been lost with the link: again, alone if its flush is done
-        # (the debt holds rounds after it); the open flush's with the debt (all made before)
+        # the last marker may have been lost with the link: again, alone, as it was (the debt
+        # holds rounds after it); if the open flush's was not sent, the debt is its marker
         marked = self._marked[peer]
-        if marked in self._marks and (marked < self._flushes or not self._flushing):
+        if marked in self._marks:
             out.append(self._marker_again(peer, marked))
-        missed = self._flushes if self._flushing else None
-        joins = self._marks[self._flushes][1] if missed is not None else ()
-        out.append(self._send(peer, None, 0, debt, flush=missed, back=True, joins=joins))
+        if not self._flushing or marked < self._flushes:  # (else nothing made since: none)
+            missed = self._flushes if self._flushing else None
+            joins = self._marks[self._flushes][1] if missed is not None else ()
+            out.append(self._send(peer, None, 0, debt, flush=missed, back=True, joins=joins))
         return out + self._progress()
 
     def _marker_again(self, peer: int, flush: int) -> SendPart:
-        """``flush``'s marker for ``peer`` again, alone, as it was (its clock and the ranks it
-        listed), with one zero for a payload; a receiver takes it twice as once."""
+        """``flush``'s marker for ``peer`` again, as it was (its clock, the ranks it listed and
+        its payload: what the window owed ``peer`` then, one zero if nothing), with the dead
+        incarnations known now; a receiver that had it applies nothing of it again."""
         clock, joins = self._marks[flush]
-        marker = self._send(peer, None, 0, np.zeros(1), flush=flush, back=True, joins=joins)
+        payload = self._marker_parts.get(peer, np.zeros(1))
+        marker = self._send(peer, None, 0, payload, flush=flush, back=True, joins=joins)
         return replace(marker, clock=clock, epoch=flush)
-
-    def left(self, peer: int) -> list[Action]:
-        """``peer``'s rank left (membership's news): gone for good.  What left is the newest
-        incarnation known here, else one never heard here (module docstring)."""
-        self._away.discard(peer)
-        if peer not in self._heard:
-            return []
-        if self._pending(peer):
-            self._cancel(peer)
-        elif peer in self._gone and peer in self._left_here:
-            self._unheard_left.add(peer)
-        self._left_here.add(peer)
-        return self.gone(peer)
 
     def gone(self, peer: int) -> list[Action]:
         """``peer`` is gone for good: forgotten, its debt dropped (the replicas may differ)."""
@@ -796,6 +493,7 @@ class Exchange:
         self._live.discard(peer)
         self._owed.pop(peer, None)
         self._markers.pop(peer, None)
+        self._marker_parts.pop(peer, None)
         self._unanswered.discard(peer)
         self._newcomers.pop(peer, None)
         self._sent_join.discard(peer)
@@ -851,6 +549,10 @@ class Exchange:
         if not sync:
             self._sent_to[peer] += 1
         if flush is not None and not sync:
+            if self._marked[peer] != flush:  # (its first marker of that flush: kept)
+                self._marker_parts.pop(peer, None)
+                if payload.any():
+                    self._marker_parts[peer] = payload
             self._marked[peer] = flush
         return SendPart(
             dst=peer,
@@ -868,6 +570,7 @@ class Exchange:
             joins=joins,
             join=join,
             gone=gone,
+            dead=tuple(self._obits) if flush is not None and not sync else (),
         )
 
     def _signal(self, peer: int, signal: Signal, to: int | None = None) -> SendSignal:
