@@ -28,7 +28,9 @@ and admit, or ``""`` (the slot is free: never dialled, its links refused on arri
 node whose name does not resolve).  Links already up are not cut when a registration goes:
 the peers engine's liveness rules decide them (a node killed is silent, suspect, then down).
 A registration that claims this daemon's own slot, a slot outside ``0..max_nodes-1``, or a
-slot another name holds in the view is ignored and counted (a foreign or corrupt key).
+slot another name holds in the view is ignored and counted (a foreign or corrupt key); so is
+one whose value does not decode or whose address cannot be dialled (:func:`dialable`:
+:meth:`Roster.invalid`).
 
 Partition.  While etcd cannot be reached the view is kept as it was (the fabric runs on its
 last view: no address is removed for a silence of etcd's), the state is ``unreachable`` since
@@ -40,6 +42,7 @@ and the differences come out as changes.  Every operation is O(1) but a full rea
 from __future__ import annotations
 
 import enum
+import ipaddress
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -96,9 +99,26 @@ class Member:
             address, slot = fields["address"], fields["slot"]
         except (ValueError, TypeError, KeyError):
             return None
-        if not isinstance(address, str) or not address or type(slot) is not int:
+        if not isinstance(address, str) or not dialable(address) or type(slot) is not int:
             return None
         return cls(name=name, address=address, slot=slot)
+
+
+def dialable(address: str) -> bool:
+    """Whether ``address`` is a ``host:port`` a peer can dial: anything else written to etcd
+    (by mistake or by someone with write access to the prefix) must never reach the peering
+    service, which would fail on it; a wildcard (0.0.0.0, ::) is a listen address, not one
+    to dial."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        return False
+    if any(c.isspace() or c in "/[]" for c in host):
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return ":" not in host  # a name (an IPv6 address that does not parse is refused)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +159,7 @@ class Roster:
         self._retry = FIRST_RETRY
         self._by_slot: dict[int, Member] = {}
         self._by_name: dict[str, Member] = {}
-        self.ignored = 0  #: registrations ignored (own slot, out of range, slot taken)
+        self.ignored = 0  #: registrations ignored (undecodable, own slot, out of range, slot taken)
         self.registrations = 1  #: times this daemon registered (more after a lease was lost)
 
     # -- queries ------------------------------------------------------------------------------
@@ -207,6 +227,11 @@ class Roster:
             return []
         del self._by_slot[member.slot]
         return [AddressChanged(member.slot, name, "")]
+
+    def invalid(self, count: int = 1) -> None:
+        """``count`` registrations were read that are not ones (:meth:`Member.decode` refused
+        them)."""
+        self.ignored += count
 
     def _add(self, member: Member) -> bool:
         slot = member.slot

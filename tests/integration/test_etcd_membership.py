@@ -230,6 +230,24 @@ def test_a_partitioned_etcd_leaves_the_last_view_and_says_so(fabric, etcd: Etcd)
     allreduce_works(cluster, [0, 1, 2], "healed")
 
 
+def test_a_malformed_registration_is_ignored_not_fatal(etcd: Etcd, fabric) -> None:
+    """A value nobody can dial, written to etcd before and while the fabric runs: every
+    daemon starts, keeps running, and counts it ignored."""
+    garbage = b'{"address": "garbage", "slot": 3}'
+    etcd.put(b"/fabricd/nodes/bad0", garbage)
+    cluster = fabric(2)
+    etcd.put(b"/fabricd/nodes/bad1", b'{"address": "0.0.0.0:7", "slot": 4}')
+    for i in range(2):
+        wait_until(
+            f"node{i} counts both ignored",
+            lambda i=i: status(cluster, i)["counters"]["etcd_ignored_registrations"] >= 2,
+        )
+        assert registered(cluster, i) == {"node0", "node1"}
+    cluster.add_node()
+    cluster.wait_connected()
+    allreduce_works(cluster, [0, 1, 2], "after garbage")
+
+
 def test_daemons_register_over_tls_with_a_password(tmp_path: Path) -> None:
     reason = skip_reason()
     tls = make_tls(tmp_path)

@@ -3,6 +3,8 @@ registrations and watch events, and what a partition changes, on a fake clock.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fabricd.engines.roster import (
@@ -40,6 +42,24 @@ def test_member_values_round_trip_and_foreign_values_are_refused() -> None:
     assert Member.decode("n1", member.encode()) == member
     for junk in (b"", b"[]", b'{"address": 5, "slot": 1}', b'{"address": "a:1", "slot": true}'):
         assert Member.decode("n1", junk) is None
+
+
+def test_an_address_that_cannot_be_dialled_is_not_a_registration() -> None:
+    """A value written by mistake (or by whoever can write the prefix) must never reach the
+    peering service, where an address that does not split would end the daemon."""
+    for address in ("garbage", "0.0.0.0:7700", "[::]:7700", ":7700", "h:0", "h:x", "h:99999"):
+        value = json.dumps({"address": address, "slot": 3}).encode()
+        assert Member.decode("n1", value) is None, address
+    for address in ("gpu-11:7700", "10.0.0.1:7700", "[::1]:7700"):
+        value = json.dumps({"address": address, "slot": 3}).encode()
+        assert Member.decode("n1", value) == Member("n1", address, 3)
+
+
+def test_refused_registrations_are_counted() -> None:
+    r = roster()
+    r.invalid(2)
+    r.invalid()
+    assert r.ignored == 3
 
 
 def roster(now: float = 0.0) -> Roster:

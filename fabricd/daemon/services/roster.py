@@ -129,6 +129,7 @@ class Registration:
     members: list[Member]
     revision: int  #: the revision the view was read at: the watch starts after it
     endpoint: int  #: the index of the endpoint the client talks to
+    refused: int = 0  #: registrations read that are not ones (:meth:`Member.decode`)
 
 
 class _Client(aetcd.Client):
@@ -270,7 +271,7 @@ async def _claim(
             continue
         if await _take(client, settings, lease.id, choice):
             break
-    members, revision = await _read_view(client, settings)
+    members, revision, refused = await _read_view(client, settings)
     log.info("registered in etcd as %r, slot %d", name, choice)
     return Registration(
         client=client,
@@ -279,6 +280,7 @@ async def _claim(
         members=[m for m in members if m.name != name],
         revision=revision,
         endpoint=endpoint,
+        refused=refused,
     )
 
 
@@ -302,16 +304,27 @@ async def _take(client: aetcd.Client, settings: EtcdSettings, lease: int, slot: 
     return bool(ok)
 
 
-async def _read_view(client: aetcd.Client, settings: EtcdSettings) -> tuple[list[Member], int]:
-    """Every registration, and the revision they were read at."""
+async def _read_view(client: aetcd.Client, settings: EtcdSettings) -> tuple[list[Member], int, int]:
+    """Every registration, the revision they were read at, and how many were refused."""
     found = await client.get_prefix(settings.key("nodes/"))
-    members = []
+    members, refused = [], 0
     for kv in found:
         name = kv.key[len(settings.key("nodes/")) :].decode(errors="replace")
-        member = Member.decode(name, kv.value)
+        member = _decode(name, kv.value)
         if member is not None:
             members.append(member)
-    return members, found.header.revision
+        else:
+            refused += 1
+    return members, found.header.revision, refused
+
+
+def _decode(name: str, value: bytes) -> Member | None:
+    """The registration ``value`` says; one that is not (a foreign key, an address that
+    cannot be dialled) is logged and ``None``."""
+    member = Member.decode(name, value)
+    if member is None:
+        log.warning("ignoring registration %r in etcd: not a dialable address and slot", name)
+    return member
 
 
 def _why(exc: BaseException, timeout: float) -> str:
@@ -344,6 +357,7 @@ class RosterService(BaseService):
             now=host.now(),
             max_retry=min(MAX_RETRY, self.settings.call_timeout),
         )
+        self.engine.invalid(registration.refused)
         self._apply(self.engine.load(registration.members))
         peering.name_of = self.engine.name_of
         self._task: asyncio.Task[None] | None = None
@@ -396,8 +410,10 @@ class RosterService(BaseService):
                 continue  # this daemon's own registration
             if event.kind == aetcd.EventKind.DELETE:
                 self._apply(self.engine.on_delete(name))
-            elif (member := Member.decode(name, event.kv.value)) is not None:
+            elif (member := _decode(name, event.kv.value)) is not None:
                 self._apply(self.engine.on_put(member))
+            else:
+                self.engine.invalid()
         raise WatchEnded("etcd ended the watch")
 
     async def _reconnect(self, old: Registration) -> Registration:
@@ -420,7 +436,7 @@ class RosterService(BaseService):
         async with asyncio.timeout(self.settings.call_timeout):
             info = await client.get_lease_info(old.lease, keys=False)
         if info.TTL > 0:
-            members, revision = await _read_view(client, self.settings)
+            members, revision, refused = await _read_view(client, self.settings)
             members = [m for m in members if m.name != self.settings.name]
             fresh = Registration(
                 client=client,
@@ -429,12 +445,14 @@ class RosterService(BaseService):
                 members=members,
                 revision=revision,
                 endpoint=endpoint,
+                refused=refused,
             )
         else:
             log.warning("this daemon's etcd lease expired while unreachable: registering again")
             fresh = await _claim(client, self.settings, endpoint, slot=old.slot)
             self.engine.on_registered()
         self.engine.on_connected(self.host.now())
+        self.engine.invalid(fresh.refused)
         self._apply(self.engine.load(fresh.members))
         log.info("etcd reachable again: %d other nodes registered", len(fresh.members))
         return fresh
