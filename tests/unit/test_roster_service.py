@@ -4,9 +4,18 @@ them, so the engine's first view changes nothing the peering service was built w
 
 from __future__ import annotations
 
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import aetcd
+
 from fabricd.daemon.config import load
-from fabricd.daemon.services.roster import Registration, registered
+from fabricd.daemon.services import roster
+from fabricd.daemon.services.roster import Registration, RosterService, registered
 from fabricd.engines.roster import Member, Roster
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
 
 FLAGS = {"membership": "etcd", "listen": "10.0.0.1:7700", "secret_env": "S", "max_nodes": 4}
 
@@ -31,3 +40,76 @@ def test_the_registered_config_has_the_slot_as_id_and_every_address_by_slot() ->
     assert {c.slot: c.address for c in changes} == {
         n: a for n, a in enumerate(run.config.nodes) if a and n != 2
     }
+
+
+class _Peering:
+    """The peering service as the roster service sees it: addresses set, names asked."""
+
+    def __init__(self) -> None:
+        self.addresses: dict[int, str] = {}
+        self.name_of: Callable[[int], str] | None = None
+
+    def set_address(self, node: int, address: str) -> None:
+        self.addresses[node] = address
+
+
+class _Host:
+    def __init__(self) -> None:
+        self.config = load(environ={}, flags=FLAGS).config
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        return asyncio.ensure_future(coro)
+
+
+class _DownClient:
+    """etcd down: every call fails; closing takes a while (a channel being torn down)."""
+
+    def __init__(self) -> None:
+        self.closing = asyncio.Event()
+        self.revoked = False  #: the drain tried to revoke the lease
+
+    async def close(self) -> None:
+        self.closing.set()
+        await asyncio.sleep(0.5)
+
+    async def get_lease_info(self, *_: object, **__: object) -> None:
+        raise aetcd.ClientError("down")
+
+    async def revoke_lease(self, *_: object) -> None:
+        self.revoked = True
+        raise aetcd.ClientError("down")
+
+
+def _service(client: object) -> RosterService:
+    registration = Registration(client=client, lease=1, slot=0, members=[], revision=1, endpoint=0)
+    return RosterService(_Host(), _Peering(), registration)  # type: ignore[arg-type]
+
+
+def test_the_drain_ends_the_roster_task_even_while_it_closes_a_client(monkeypatch) -> None:
+    """A cancellation that lands inside the client's close must end the task, not send it
+    back to etcd: the drain would wait for it forever."""
+    client = _DownClient()
+
+    async def connect(settings: object, endpoint: int) -> _DownClient:
+        return client
+
+    monkeypatch.setattr(roster, "_connect", connect)
+
+    async def scenario() -> bool:
+        service = _service(client)
+
+        async def follow(registration: Registration) -> None:
+            raise aetcd.ClientError("boom")
+
+        service._follow = follow  # type: ignore[method-assign]
+        service.start()
+        await client.closing.wait()  # the task is inside _close now
+        settle = asyncio.ensure_future(service.settle())
+        await asyncio.wait({settle}, timeout=30)  # a hang guard
+        assert service._task is not None
+        return settle.done() and service._task.done() and client.revoked
+
+    assert asyncio.run(scenario())

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("fabricd.roster")
 #: the longest pause between two tries to reach etcd
 MAX_RETRY: Final = 2.0
+#: how long the drain waits for the roster task to end once cancelled (a hang guard)
+SETTLE_TIMEOUT: Final = 2.0
 
 
 class LeaseLost(Exception):
@@ -335,7 +337,9 @@ def _why(exc: BaseException, timeout: float) -> str:
 
 
 async def _close(client: aetcd.Client) -> None:
-    with contextlib.suppress(*ETCD_ERRORS, asyncio.CancelledError):
+    """Close ``client``, whatever etcd answers; a cancellation of the caller goes through
+    (swallowed, it would send the roster task back to etcd and hang the drain)."""
+    with contextlib.suppress(Exception):
         async with asyncio.timeout(1.0):
             await client.close()
 
@@ -467,10 +471,9 @@ class RosterService(BaseService):
 
     async def settle(self) -> None:
         """Leave etcd at once (the lease revoked), so the others need not wait for its TTL."""
-        if self._task is not None:
+        if self._task is not None:  # (waited for, not awaited: its outcome is no news here)
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, *ETCD_ERRORS):
-                await self._task
+            await asyncio.wait({self._task}, timeout=SETTLE_TIMEOUT)
         registration = self._registration
         with contextlib.suppress(*ETCD_ERRORS):
             async with asyncio.timeout(1.0):
