@@ -8,11 +8,13 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 import aetcd
+import grpc
 
 from fabricd.daemon.config import load
 from fabricd.daemon.services import roster
 from fabricd.daemon.services.roster import Registration, RosterService, registered
-from fabricd.engines.roster import Member, Roster
+from fabricd.engines.roster import Member, Roster, State
+from fabricd.errors import ConfigError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -113,3 +115,38 @@ def test_the_drain_ends_the_roster_task_even_while_it_closes_a_client(monkeypatc
         return settle.done() and service._task.done() and client.revoked
 
     assert asyncio.run(scenario())
+
+
+def test_an_unexpected_error_makes_etcd_unreachable_not_the_daemon_exit(monkeypatch) -> None:
+    """grpc's UsageError (no RpcError) from a call, and a password file that cannot be read
+    again while reconnecting: each is etcd unreachable, retried, and said in ``status``."""
+    tries = 0
+    tried_twice = asyncio.Event()
+
+    async def connect(settings: object, endpoint: int) -> _DownClient:
+        nonlocal tries
+        tries += 1
+        if tries >= 2:
+            tried_twice.set()
+        raise ConfigError("etcd_password_file p: No such file or directory")
+
+    monkeypatch.setattr(roster, "_connect", connect)
+
+    async def scenario() -> tuple[bool, State, str]:
+        service = _service(_DownClient())
+
+        async def follow(registration: Registration) -> None:
+            raise grpc.aio.UsageError("channel closed")
+
+        service._follow = follow  # type: ignore[method-assign]
+        service.start()
+        await asyncio.wait_for(tried_twice.wait(), timeout=30)  # a hang guard
+        assert service._task is not None
+        running = not service._task.done()
+        await service.settle()
+        return running, service.engine.state, service.engine.error
+
+    running, state, error = asyncio.run(scenario())
+    assert running
+    assert state is State.UNREACHABLE
+    assert error.startswith("ConfigError: etcd_password_file")

@@ -67,7 +67,9 @@ class WatchEnded(Exception):
 
 
 #: what a failed or lost call to etcd raises (aetcd maps gRPC's statuses to ClientError), and
-#: what this module finds wrong with etcd's answers: each makes etcd unreachable, and retried
+#: what this module finds wrong with etcd's answers: each makes etcd unreachable, and retried;
+#: so does any other exception while the daemon runs (grpc's UsageError, a password file that
+#: cannot be read again), which is logged with its type
 ETCD_ERRORS: Final = (
     aetcd.ClientError,
     grpc.RpcError,
@@ -216,7 +218,11 @@ async def register(cfg: Config) -> Registration:
         try:
             client = await _connect(settings, attempt)
             return await _claim(client, settings, attempt, slot=None)
-        except ETCD_ERRORS as exc:
+        except ConfigError:
+            if client is not None:
+                await _close(client)
+            raise
+        except Exception as exc:  # (grpc's UsageError and InternalError are no RpcError)
             log.warning(
                 "etcd at %s: %s; retrying in %.1fs",
                 settings.endpoints[attempt % len(settings.endpoints)],
@@ -333,6 +339,8 @@ def _why(exc: BaseException, timeout: float) -> str:
     """What went wrong with etcd, in words (a timeout's own text is empty)."""
     if isinstance(exc, TimeoutError):
         return f"no answer within {timeout:g}s"
+    if not isinstance(exc, ETCD_ERRORS):  # unexpected: say what it was
+        return f"{type(exc).__name__}: {exc}"
     return str(exc) or type(exc).__name__
 
 
@@ -376,7 +384,7 @@ class RosterService(BaseService):
         while True:
             try:
                 await self._follow(registration)
-            except* ETCD_ERRORS as failed:  # (from the keepalive's or the watch's task)
+            except* Exception as failed:  # (from the keepalive's or the watch's task)
                 self._unreachable(failed.exceptions[0])
             await _close(registration.client)
             registration = await self._reconnect(registration)
@@ -431,7 +439,7 @@ class RosterService(BaseService):
             try:
                 client = await _connect(self.settings, endpoint)
                 return await self._resume(client, old, endpoint)
-            except ETCD_ERRORS as exc:
+            except Exception as exc:  # (any: a daemon must not end for etcd's sake)
                 self._unreachable(exc)
                 if client is not None:
                     await _close(client)
@@ -475,7 +483,7 @@ class RosterService(BaseService):
             self._task.cancel()
             await asyncio.wait({self._task}, timeout=SETTLE_TIMEOUT)
         registration = self._registration
-        with contextlib.suppress(*ETCD_ERRORS):
+        with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):
                 await registration.client.revoke_lease(registration.lease)
         await _close(registration.client)
