@@ -58,14 +58,19 @@ async def serve(loaded: Loaded) -> None:
         loaded = roster.registered(loaded, registration)
         cfg = loaded.config  # from here on, lines are tagged with the node id etcd gave
         logs.setup(cfg.log_level, cfg.log_format, cfg.node_id)
-    daemon = Daemon(loaded, registration=registration)
-    gc.collect()
-    gc.freeze()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, daemon.stop)
-    loop.add_signal_handler(signal.SIGHUP, daemon.reload_secrets)
-    await daemon.run()
+    try:
+        daemon = Daemon(loaded, registration=registration)
+        gc.collect()
+        gc.freeze()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.stop)
+        loop.add_signal_handler(signal.SIGHUP, daemon.reload_secrets)
+        await daemon.run()
+    except Exception:
+        if registration is not None:  # (failed before serving, or crashed: leave etcd now)
+            await roster.release(registration)
+        raise
 
 
 def run(loaded: Loaded) -> int:

@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import aetcd
 import grpc
+import pytest
 
+from fabricd.daemon import main
 from fabricd.daemon.config import load
 from fabricd.daemon.services import roster
 from fabricd.daemon.services.roster import Registration, RosterService, registered
 from fabricd.engines.roster import Member, Roster, State
-from fabricd.errors import ConfigError
+from fabricd.errors import ConfigError, TransportError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -150,3 +152,47 @@ def test_an_unexpected_error_makes_etcd_unreachable_not_the_daemon_exit(monkeypa
     assert running
     assert state is State.UNREACHABLE
     assert error.startswith("ConfigError: etcd_password_file")
+
+
+def test_a_connection_that_fails_is_closed(monkeypatch) -> None:
+    """With a password the channel is open before the authentication fails: left open, an
+    outage would leak one channel per retry."""
+    made: list[_FailingClient] = []
+
+    class _FailingClient:
+        def __init__(self, settings: object, endpoint: str) -> None:
+            self.closed = False
+            made.append(self)
+
+        async def connect(self) -> None:
+            raise aetcd.ClientError("authentication failed")
+
+        async def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(roster, "_Client", _FailingClient)
+    settings = roster.EtcdSettings.from_config(load(environ={}, flags=FLAGS).config)
+    for endpoint in range(3):
+        with pytest.raises(aetcd.ClientError):
+            asyncio.run(roster._connect(settings, endpoint))
+    assert [client.closed for client in made] == [True, True, True]
+
+
+def test_a_daemon_that_fails_before_serving_leaves_etcd_at_once(monkeypatch) -> None:
+    """Its registration would otherwise hold the slot (and the name) for a whole TTL."""
+    client = _DownClient()
+    registration = Registration(client=client, lease=1, slot=0, members=[], revision=1, endpoint=0)
+
+    async def register(cfg: object) -> Registration:
+        return registration
+
+    def cannot_bind(*_: object, **__: object) -> None:
+        raise TransportError("cannot bind 10.0.0.1:7700")
+
+    monkeypatch.setattr(roster, "register", register)
+    monkeypatch.setattr(main, "Daemon", cannot_bind)
+    monkeypatch.setattr(main.logs, "setup", lambda *_: None)
+    with pytest.raises(TransportError):
+        asyncio.run(main.serve(load(environ={}, flags=FLAGS)))
+    assert client.revoked
+    assert client.closing.is_set()

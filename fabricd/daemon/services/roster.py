@@ -200,9 +200,22 @@ def _credentials(settings: EtcdSettings) -> grpc.ChannelCredentials | None:
 
 async def _connect(settings: EtcdSettings, endpoint: int) -> aetcd.Client:
     client = _Client(settings, settings.endpoints[endpoint % len(settings.endpoints)])
-    async with asyncio.timeout(settings.call_timeout):
-        await client.connect()
+    try:  # (closed on failure: with a password the channel is open by then, one per retry)
+        async with asyncio.timeout(settings.call_timeout):
+            await client.connect()
+    except BaseException:
+        await _close(client)
+        raise
     return client
+
+
+async def release(registration: Registration) -> None:
+    """Leave etcd at once: the lease revoked (the others see this node go without waiting
+    for its TTL) and the client closed, whatever etcd answers."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await registration.client.revoke_lease(registration.lease)
+    await _close(registration.client)
 
 
 async def register(cfg: Config) -> Registration:
@@ -482,11 +495,7 @@ class RosterService(BaseService):
         if self._task is not None:  # (waited for, not awaited: its outcome is no news here)
             self._task.cancel()
             await asyncio.wait({self._task}, timeout=SETTLE_TIMEOUT)
-        registration = self._registration
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(1.0):
-                await registration.client.revoke_lease(registration.lease)
-        await _close(registration.client)
+        await release(self._registration)
 
     def statistics(self) -> Meta:
         return {
