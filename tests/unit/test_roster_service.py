@@ -5,6 +5,7 @@ them, so the engine's first view changes nothing the peering service was built w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import aetcd
@@ -196,3 +197,76 @@ def test_a_daemon_that_fails_before_serving_leaves_etcd_at_once(monkeypatch) -> 
         asyncio.run(main.serve(load(environ={}, flags=FLAGS)))
     assert client.revoked
     assert client.closing.is_set()
+
+
+class _KV:
+    def __init__(self, key: bytes, value: bytes) -> None:
+        self.key, self.value = key, value
+
+
+class _Found(list[_KV]):
+    header = type("Header", (), {"revision": 7})
+
+
+class _Etcd:
+    """Just what a registration calls, recorded: ``slots/3`` is held by this daemon's
+    earlier run for the first ``held_for`` reads."""
+
+    def __init__(self, held_for: int) -> None:
+        self.calls: list[str] = []
+        self.held_for = held_for
+        self.transactions = aetcd.Client().transactions
+        self.refreshed = 0
+
+    async def get_prefix(self, key: bytes) -> _Found:
+        self.calls.append("read " + key.decode().rsplit("/", 2)[-2])
+        if key.endswith(b"slots/") and self.held_for > 0:
+            self.held_for -= 1
+            return _Found([_KV(b"/fabricd/slots/3", b"a")])
+        return _Found()
+
+    async def get(self, key: bytes) -> _KV:
+        return _KV(key, b"3")
+
+    async def lease(self, ttl: int) -> object:
+        self.calls.append("lease")
+        return type("Lease", (), {"id": 9})
+
+    async def transaction(self, compare: object, success: object, failure: object) -> tuple:
+        self.calls.append("take")
+        return True, None
+
+    async def refresh_lease(self, lease: int) -> object:
+        self.refreshed += 1
+        return type("Reply", (), {"TTL": 10})
+
+    async def watch_prefix(self, prefix: bytes, start_revision: int) -> Any:
+        await asyncio.Event().wait()  # no events: wait for the drain
+
+    async def revoke_lease(self, lease: int) -> None:
+        self.calls.append("revoke")
+
+    async def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_the_lease_is_granted_after_waiting_for_an_earlier_run_and_refreshed_at_start() -> None:
+    """Granted before the wait, the lease aged through it and could expire right after the
+    start, losing the registration of a daemon that just started."""
+    etcd = _Etcd(held_for=2)
+    settings = roster.EtcdSettings.from_config(load(environ={}, flags=FLAGS).config)
+    settings = dataclasses.replace(settings, name="a")
+
+    async def scenario() -> int:
+        registration = await roster._claim(etcd, settings, 0, slot=None)  # type: ignore[arg-type]
+        assert registration.slot == 3
+        service = RosterService(_Host(), _Peering(), registration)  # type: ignore[arg-type]
+        service.start()
+        for _ in range(5):  # a few turns of the loop, no time: the first refresh is at once
+            await asyncio.sleep(0)
+        refreshed = etcd.refreshed
+        await service.settle()
+        return refreshed
+
+    assert asyncio.run(scenario()) >= 1
+    assert etcd.calls.index("lease") > max(i for i, c in enumerate(etcd.calls) if c == "read slots")

@@ -264,8 +264,11 @@ def registered(loaded: Loaded, registration: Registration) -> Loaded:
 async def _claim(
     client: aetcd.Client, settings: EtcdSettings, endpoint: int, *, slot: int | None
 ) -> Registration:
-    """A lease, a slot (``slot``: this one only, registering again) and the view."""
-    lease = await client.lease(settings.ttl)
+    """A slot (``slot``: this one only, registering again) under a new lease, and the view.
+
+    The lease is granted just before the slot is taken, never before a WAIT: a lease that
+    aged while this daemon waited for its earlier run's would expire soon after the start.
+    """
     name, waiting = settings.name, False
     while True:
         held = {
@@ -290,8 +293,11 @@ async def _claim(
             waiting = True
             await asyncio.sleep(0.5)
             continue
+        lease = await client.lease(settings.ttl)
         if await _take(client, settings, lease.id, choice):
             break
+        with contextlib.suppress(Exception):  # (lost the race: it would expire anyway)
+            await client.revoke_lease(lease.id)
     members, revision, refused = await _read_view(client, settings)
     log.info("registered in etcd as %r, slot %d", name, choice)
     return Registration(
@@ -416,12 +422,14 @@ class RosterService(BaseService):
             tasks.create_task(self._watch(registration))
 
     async def _keep_alive(self, registration: Registration) -> None:
+        """Refresh the lease every third of its TTL, the first time at once: the daemon was
+        built between the registration and this start."""
         while True:
-            await asyncio.sleep(self.settings.call_timeout)
             async with asyncio.timeout(self.settings.call_timeout):
                 reply = await registration.client.refresh_lease(registration.lease)
             if reply is None or reply.TTL <= 0:
                 raise LeaseLost("this daemon's lease expired")
+            await asyncio.sleep(self.settings.call_timeout)
 
     async def _watch(self, registration: Registration) -> None:
         prefix = self.settings.key("nodes/")
