@@ -15,11 +15,14 @@ slot it had, which it asks for again after a restart).  :func:`choose_slot` pick
 
     remembered slot    held by            choice
     i                  nobody             i   (a restarted node keeps its id)
-    i                  this name          WAIT (its previous lease has not expired yet)
+    any                this name holds    WAIT (its previous lease has not expired yet)
+                       one (any slot)
     i or none          someone else/none  the lowest free slot, or FULL
 
-Waiting rather than taking a slot held by the same name keeps two daemons that were given one
-name from holding two ids: the second registers once the first's lease is gone.
+Waiting rather than taking a slot while the same name holds one keeps two daemons that were
+given one name from holding two ids: the second registers once the first's lease is gone.  The
+transaction that takes a slot also requires that the name holds no registration, so two such
+daemons racing cannot both win.
 
 The view (:class:`Roster`) is slot → member.  A full read (:meth:`Roster.load`, after every
 (re)connection) and each watch event (:meth:`Roster.on_put`, :meth:`Roster.on_delete`) move it,
@@ -68,14 +71,10 @@ def choose_slot(
 ) -> int | Claim:
     """The slot ``name`` claims, given the slots ``held`` now (slot → name) and the one it had
     (``remembered``, ``None`` if none); the table is in the module docstring."""
-    if remembered is not None and 0 <= remembered < max_nodes:
-        holder = held.get(remembered)
-        if holder is None:
-            return remembered
-        if holder == name:
-            return Claim.WAIT
-    if name in held.values():
+    if name in held.values():  # whichever slot it holds: never a second one
         return Claim.WAIT
+    if remembered is not None and 0 <= remembered < max_nodes and remembered not in held:
+        return remembered
     return next((slot for slot in range(max_nodes) if slot not in held), Claim.FULL)
 
 

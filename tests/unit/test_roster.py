@@ -30,6 +30,7 @@ def test_a_restarted_node_gets_its_remembered_slot_back_when_free() -> None:
 def test_a_name_still_holding_its_slot_waits_for_its_old_lease() -> None:
     assert choose_slot({3: "a"}, "a", 3, 4) is Claim.WAIT
     assert choose_slot({1: "a"}, "a", None, 4) is Claim.WAIT  # never a second id per name
+    assert choose_slot({3: "x"}, "x", 1, 4) is Claim.WAIT  # even if the remembered one is free
 
 
 def test_a_remembered_slot_someone_else_took_falls_back_to_the_lowest_free() -> None:

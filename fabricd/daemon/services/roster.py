@@ -316,11 +316,15 @@ def _int(value: bytes) -> int | None:
 
 
 async def _take(client: aetcd.Client, settings: EtcdSettings, lease: int, slot: int) -> bool:
-    """Claim ``slot`` if it is still free: one transaction, under the lease."""
+    """Claim ``slot`` if it is still free and this name holds no registration (two daemons
+    given one name racing: only one wins): one transaction, under the lease."""
     name, tx = settings.name, client.transactions
     member = Member(name=name, address=settings.address, slot=slot)
     ok, _ = await client.transaction(
-        compare=[tx.create(settings.key("slots", str(slot))) == 0],
+        compare=[
+            tx.create(settings.key("slots", str(slot))) == 0,
+            tx.version(settings.key("nodes", name)) == 0,
+        ],
         success=[
             tx.put(settings.key("slots", str(slot)), name.encode(), lease),
             tx.put(settings.key("nodes", name), member.encode(), lease),
