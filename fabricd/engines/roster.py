@@ -17,9 +17,12 @@ slot it had, which it asks for again after a restart).  :func:`choose_slot` pick
     i                  nobody             i   (a restarted node keeps its id)
     any                this name holds    WAIT (its previous lease has not expired yet)
                        one (any slot)
-    i or none          someone else/none  the lowest free slot, or FULL
+    i or none          someone else/none  the lowest free slot no other name remembers,
+                                          else the lowest free slot, or FULL
 
-Waiting rather than taking a slot while the same name holds one keeps two daemons that were
+A slot another name remembers is the last taken: its node may be away only from etcd (a
+partition longer than the TTL) and still linked to the others as that id.  Waiting rather
+than taking a slot while the same name holds one keeps two daemons that were
 given one name from holding two ids: the second registers once the first's lease is gone.  The
 transaction that takes a slot also requires that the name holds no registration, so two such
 daemons racing cannot both win.
@@ -30,6 +33,9 @@ and every change of a slot's address comes out as :class:`AddressChanged`: an ad
 and admit, or ``""`` (the slot is free: never dialled, its links refused on arrival, like a
 node whose name does not resolve).  Links already up are not cut when a registration goes:
 the peers engine's liveness rules decide them (a node killed is silent, suspect, then down).
+But a slot that another name registers in than the one that held it last comes out
+``replaced``: the old holder's links go (a node that lost etcd for longer than the TTL may
+still be up and linked as that id; one id never means two nodes).
 A registration that claims this daemon's own slot, a slot outside ``0..max_nodes-1``, or a
 slot another name holds in the view is ignored and counted (a foreign or corrupt key); so is
 one whose value does not decode or whose address cannot be dialled (:func:`dialable`:
@@ -44,6 +50,7 @@ and the differences come out as changes.  Every operation is O(1) but a full rea
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import ipaddress
 import json
@@ -51,7 +58,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Collection, Iterable, Mapping
 
     from fabricd.wire import Meta
 
@@ -67,15 +74,24 @@ class Claim(enum.Enum):
 
 
 def choose_slot(
-    held: Mapping[int, str], name: str, remembered: int | None, max_nodes: int
+    held: Mapping[int, str],
+    name: str,
+    remembered: int | None,
+    max_nodes: int,
+    others_remember: Collection[int] = (),
 ) -> int | Claim:
-    """The slot ``name`` claims, given the slots ``held`` now (slot → name) and the one it had
-    (``remembered``, ``None`` if none); the table is in the module docstring."""
+    """The slot ``name`` claims, given the slots ``held`` now (slot → name), the one it had
+    (``remembered``, ``None`` if none) and the slots other names had (``others_remember``);
+    the table is in the module docstring."""
     if name in held.values():  # whichever slot it holds: never a second one
         return Claim.WAIT
     if remembered is not None and 0 <= remembered < max_nodes and remembered not in held:
         return remembered
-    return next((slot for slot in range(max_nodes) if slot not in held), Claim.FULL)
+    free = [slot for slot in range(max_nodes) if slot not in held]
+    if not free:
+        return Claim.FULL
+    others = set(others_remember)
+    return next((slot for slot in free if slot not in others), free[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +138,13 @@ def dialable(address: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class AddressChanged:
-    """``slot``'s address is now ``address`` (``""``: nobody holds it)."""
+    """``slot``'s address is now ``address`` (``""``: nobody holds it); ``replaced``: the
+    slot was last held by another name (links to that node must go: one id, one node)."""
 
     slot: int
     name: str
     address: str
+    replaced: bool = False
 
 
 class State(enum.Enum):
@@ -158,6 +176,7 @@ class Roster:
         self._retry = FIRST_RETRY
         self._by_slot: dict[int, Member] = {}
         self._by_name: dict[str, Member] = {}
+        self._last: dict[int, str] = {}  #: slot → the name that held it last (gone or not)
         self.ignored = 0  #: registrations ignored (undecodable, own slot, out of range, slot taken)
         self.registrations = 1  #: times this daemon registered (more after a lease was lost)
 
@@ -200,15 +219,14 @@ class Roster:
         before = dict(self._by_slot)
         self._by_slot.clear()
         self._by_name.clear()
-        for member in members:
-            self._add(member)
+        replaced = {m.slot for m in members if self._add(m) and self._took_over(m)}
         changed = []
         for slot in sorted(before.keys() | self._by_slot.keys()):
             old, new = before.get(slot), self._by_slot.get(slot)
             if old != new:
                 name = new.name if new is not None else old.name if old is not None else ""
                 changed.append(AddressChanged(slot, name, new.address if new else ""))
-        return changed
+        return [dataclasses.replace(c, replaced=True) if c.slot in replaced else c for c in changed]
 
     def on_put(self, member: Member) -> list[AddressChanged]:
         """A registration was written (a node joined, or registered again)."""
@@ -217,7 +235,8 @@ class Roster:
         if old == member or not self._add(member):
             return changes
         changes = [c for c in changes if c.slot != member.slot]  # moved within one slot
-        return [*changes, AddressChanged(member.slot, member.name, member.address)]
+        replaced = self._took_over(member)
+        return [*changes, AddressChanged(member.slot, member.name, member.address, replaced)]
 
     def on_delete(self, name: str) -> list[AddressChanged]:
         """A registration went (its node left, or its lease expired)."""
@@ -231,6 +250,11 @@ class Roster:
         """``count`` registrations were read that are not ones (:meth:`Member.decode` refused
         them)."""
         self.ignored += count
+
+    def _took_over(self, member: Member) -> bool:
+        """Whether ``member`` (just added) holds a slot another name held last."""
+        last, self._last[member.slot] = self._last.get(member.slot), member.name
+        return last is not None and last != member.name
 
     def _add(self, member: Member) -> bool:
         slot = member.slot

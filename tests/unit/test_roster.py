@@ -99,6 +99,26 @@ def test_registrations_for_own_taken_or_foreign_slots_are_ignored_and_counted() 
     assert r.address(2) == "h:2"
 
 
+def test_a_slot_that_another_name_registers_in_comes_out_replaced() -> None:
+    """The old holder may still be up and linked as that id (it lost etcd, not the fabric):
+    the peering service must drop it.  The same name back in its slot is no replacement."""
+    r = roster()
+    r.load([Member("a", "h:1", 2)])
+    assert r.on_delete("a") == [AddressChanged(2, "a", "")]
+    assert r.on_put(Member("a", "h:1", 2)) == [AddressChanged(2, "a", "h:1")]
+    r.on_delete("a")
+    assert r.on_put(Member("d", "h:4", 2)) == [AddressChanged(2, "d", "h:4", replaced=True)]
+    assert r.load([Member("e", "h:5", 2)]) == [AddressChanged(2, "e", "h:5", replaced=True)]
+    assert r.load([Member("e", "h:5", 2)]) == []
+
+
+def test_a_new_name_prefers_a_slot_no_other_name_remembers() -> None:
+    """A slot another name had may belong to a node away only from etcd: it is taken last."""
+    assert choose_slot({0: "x"}, "n", None, 4, others_remember=[1, 2]) == 3
+    assert choose_slot({0: "x"}, "n", None, 4, others_remember=[1, 2, 3]) == 1
+    assert choose_slot({0: "x"}, "n", 2, 4, others_remember=[2]) == 2  # its own, remembered
+
+
 def test_a_full_read_replaces_the_view_and_reports_only_differences() -> None:
     r = roster()
     r.load([Member("b", "h:1", 1), Member("c", "h:2", 2)])

@@ -52,10 +52,15 @@ class _Peering:
 
     def __init__(self) -> None:
         self.addresses: dict[int, str] = {}
+        self.calls: list[str] = []
         self.name_of: Callable[[int], str] | None = None
 
     def set_address(self, node: int, address: str) -> None:
         self.addresses[node] = address
+        self.calls.append(f"address {node} {address}")
+
+    def replace(self, node: int) -> None:
+        self.calls.append(f"replace {node}")
 
 
 class _Host:
@@ -212,8 +217,9 @@ class _Etcd:
     """Just what a registration calls, recorded: ``slots/3`` is held by this daemon's
     earlier run for the first ``held_for`` reads."""
 
-    def __init__(self, held_for: int) -> None:
+    def __init__(self, held_for: int, holder: bytes = b"a") -> None:
         self.calls: list[str] = []
+        self.holder = holder
         self.held_for = held_for
         self.transactions = aetcd.Client().transactions
         self.refreshed = 0
@@ -222,11 +228,13 @@ class _Etcd:
         self.calls.append("read " + key.decode().rsplit("/", 2)[-2])
         if key.endswith(b"slots/") and self.held_for > 0:
             self.held_for -= 1
-            return _Found([_KV(b"/fabricd/slots/3", b"a")])
+            return _Found([_KV(b"/fabricd/slots/3", self.holder)])
+        if key.endswith(b"names/"):
+            return _Found([_KV(b"/fabricd/names/a", b"3")])
         return _Found()
 
-    async def get(self, key: bytes) -> _KV:
-        return _KV(key, b"3")
+    async def get_lease_info(self, lease: int, keys: bool) -> object:
+        return type("Info", (), {"TTL": -1})
 
     async def lease(self, ttl: int) -> object:
         self.calls.append("lease")
@@ -270,3 +278,58 @@ def test_the_lease_is_granted_after_waiting_for_an_earlier_run_and_refreshed_at_
 
     assert asyncio.run(scenario()) >= 1
     assert etcd.calls.index("lease") > max(i for i, c in enumerate(etcd.calls) if c == "read slots")
+
+
+def test_a_daemon_whose_slot_went_to_another_node_stops_serving_as_it(monkeypatch) -> None:
+    """Its lease expired while etcd was unreachable and node "d" took slot 3: it stops (the
+    drain closes its links) and exits non-zero, to register afresh, never serving on as id 3."""
+    etcd = _Etcd(held_for=1_000, holder=b"d")
+
+    async def connect(settings: object, endpoint: int) -> _Etcd:
+        return etcd
+
+    monkeypatch.setattr(roster, "_connect", connect)
+    stopped = asyncio.Event()
+
+    async def scenario() -> RosterService:
+        registration = Registration(
+            client=etcd, lease=1, slot=3, members=[], revision=1, endpoint=0
+        )
+        service = RosterService(
+            _Host(),
+            _Peering(),
+            registration,
+            on_slot_lost=stopped.set,  # type: ignore[arg-type]
+        )
+
+        async def follow(registration: Registration) -> None:
+            raise roster.LeaseLost("this daemon's lease expired")
+
+        service._follow = follow  # type: ignore[method-assign]
+        service.start()
+        await asyncio.wait_for(stopped.wait(), timeout=30)  # a hang guard
+        assert service._task is not None
+        await asyncio.wait({service._task}, timeout=30)
+        assert service._task.done()
+        await service.settle()
+        return service
+
+    assert asyncio.run(scenario()).slot_lost
+    assert "lease" not in etcd.calls  # never registered again in another slot by itself
+
+
+def test_a_slot_with_a_new_name_replaces_the_peer_before_its_address_is_set() -> None:
+    """The old holder's links go first; then the new holder is dialled and admitted."""
+    peering = _Peering()
+
+    async def scenario() -> None:
+        registration = Registration(
+            client=None, lease=1, slot=0, members=[], revision=1, endpoint=0
+        )
+        service = RosterService(_Host(), peering, registration)  # type: ignore[arg-type]
+        service._apply(service.engine.on_put(Member("a", "h:1", 2)))
+        service._apply(service.engine.on_delete("a"))
+        service._apply(service.engine.on_put(Member("d", "h:4", 2)))
+
+    asyncio.run(scenario())
+    assert peering.calls == ["address 2 h:1", "address 2 ", "replace 2", "address 2 h:4"]

@@ -266,6 +266,13 @@ class PeeringService(BaseService):
             return
         self.owner.spawn(self._adopt_address(node, address))
 
+    def replace(self, node: int) -> None:
+        """``node``'s id went to another node (membership from etcd: its slot has a new
+        name): the old holder's links are closed and refused from now on."""
+        if not self._closed:
+            self._perform(self.engine.replace(node, self.owner.now()))
+            self.owner.rearm()
+
     async def _adopt_address(self, node: int, address: str) -> None:
         if self.transport.network:  # getaddrinfo blocks: off the loop
             hosts = await asyncio.to_thread(node_hosts, [address])

@@ -40,7 +40,7 @@ from fabricd.errors import ConfigError
 from fabricd.transports.base import split_address
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from fabricd.daemon.config import Config
     from fabricd.daemon.service import Host
@@ -76,7 +76,6 @@ ETCD_ERRORS: Final = (
     OSError,
     TimeoutError,
     LeaseLost,
-    SlotTaken,
     WatchEnded,
 )
 
@@ -276,13 +275,14 @@ async def _claim(
             for kv in await client.get_prefix(settings.key("slots/"))
             if kv.key.rsplit(b"/", 1)[1].isdigit()
         }
-        remembered = await client.get(settings.key("names", name))
-        choice = choose_slot(
-            held,
-            name,
-            slot if slot is not None else _int(remembered.value if remembered else b""),
-            settings.max_nodes,
-        )
+        remembered, others = None, []
+        for kv in await client.get_prefix(settings.key("names/")):
+            if kv.key == settings.key("names", name):
+                remembered = _int(kv.value)
+            elif (other := _int(kv.value)) is not None:
+                others.append(other)
+        remembered = slot if slot is not None else remembered
+        choice = choose_slot(held, name, remembered, settings.max_nodes, others)
         if slot is not None and choice != slot and choice is not Claim.WAIT:
             raise SlotTaken(f"slot {slot} is held by {held.get(slot)!r}")
         if choice is Claim.FULL:
@@ -380,8 +380,18 @@ class RosterService(BaseService):
 
     name = "roster"
 
-    def __init__(self, host: Host, peering: PeeringService, registration: Registration) -> None:
+    def __init__(
+        self,
+        host: Host,
+        peering: PeeringService,
+        registration: Registration,
+        *,
+        on_slot_lost: Callable[[], None] = lambda: None,
+    ) -> None:
         self.host = host
+        #: called when this daemon's slot went to another node: the daemon must stop
+        self.on_slot_lost = on_slot_lost
+        self.slot_lost = False  #: so it did: the daemon exits non-zero, to register afresh
         self.peering = peering
         self.settings = EtcdSettings.from_config(host.config)
         self._registration = registration
@@ -410,8 +420,26 @@ class RosterService(BaseService):
             except* Exception as failed:  # (from the keepalive's or the watch's task)
                 self._unreachable(failed.exceptions[0])
             await _close(registration.client)
-            registration = await self._reconnect(registration)
+            try:
+                registration = await self._reconnect(registration)
+            except SlotTaken as exc:
+                self._lost_slot(exc)
+                return
             self._registration = registration
+
+    def _lost_slot(self, exc: SlotTaken) -> None:
+        """This daemon's lease expired (a whole TTL without a keepalive) and another node
+        took its slot: serving on as that id would make it mean two nodes, so the daemon
+        stops (its links closed by the drain) and exits non-zero; restarted, it registers
+        afresh in another slot."""
+        log.error(
+            "etcd gave this daemon's slot %d to another node while its lease was lost (%s): "
+            "stopping; it registers afresh when restarted",
+            self._registration.slot,
+            exc,
+        )
+        self.slot_lost = True
+        self.on_slot_lost()
 
     def _unreachable(self, exc: BaseException) -> None:
         why = _why(exc, self.settings.call_timeout)
@@ -464,6 +492,10 @@ class RosterService(BaseService):
             try:
                 client = await _connect(self.settings, endpoint)
                 return await self._resume(client, old, endpoint)
+            except SlotTaken:
+                if client is not None:
+                    await _close(client)
+                raise
             except Exception as exc:  # (any: a daemon must not end for etcd's sake)
                 self._unreachable(exc)
                 if client is not None:
@@ -496,6 +528,13 @@ class RosterService(BaseService):
 
     def _apply(self, changes: Iterable[AddressChanged]) -> None:
         for change in changes:
+            if change.replaced:  # (first: the old holder's links go before the new is dialled)
+                log.warning(
+                    "node id %d now belongs to %r: closing the links of its last holder",
+                    change.slot,
+                    change.name,
+                )
+                self.peering.replace(change.slot)
             if change.address:
                 log.info("node %r (id %d) is at %s", change.name, change.slot, change.address)
             else:
