@@ -220,6 +220,7 @@ class _Etcd:
     def __init__(self, held_for: int, holder: bytes = b"a") -> None:
         self.calls: list[str] = []
         self.holder = holder
+        self.nodes: list[_KV] = []  #: the registrations under nodes/
         self.held_for = held_for
         self.transactions = aetcd.Client().transactions
         self.refreshed = 0
@@ -231,7 +232,12 @@ class _Etcd:
             return _Found([_KV(b"/fabricd/slots/3", self.holder)])
         if key.endswith(b"names/"):
             return _Found([_KV(b"/fabricd/names/a", b"3")])
+        if key.endswith(b"nodes/"):
+            return _Found(self.nodes)
         return _Found()
+
+    async def get(self, key: bytes) -> _KV:
+        return _KV(key, Member(self.holder.decode(), "10.0.0.9:7700", 3).encode())
 
     async def get_lease_info(self, lease: int, keys: bool) -> object:
         return type("Info", (), {"TTL": -1})
@@ -333,3 +339,36 @@ def test_a_slot_with_a_new_name_replaces_the_peer_before_its_address_is_set() ->
 
     asyncio.run(scenario())
     assert peering.calls == ["address 2 h:1", "address 2 ", "replace 2", "address 2 h:4"]
+
+
+def test_a_name_another_daemon_holds_is_given_up_after_two_ttls() -> None:
+    """Two daemons given one name: the second says where the first is, and does not start."""
+    etcd = _Etcd(held_for=1_000_000)
+    settings = roster.EtcdSettings.from_config(load(environ={}, flags=FLAGS).config)
+    settings = dataclasses.replace(settings, name="a", ttl=1)
+    with pytest.raises(ConfigError, match=r"'a' is still registered .* at 10\.0\.0\.9:7700"):
+        asyncio.run(roster._claim(etcd, settings, 0, slot=None))  # type: ignore[arg-type]
+    assert "lease" not in etcd.calls
+
+
+def test_the_view_is_read_whole_again_while_the_watch_says_nothing(monkeypatch) -> None:
+    """aetcd's watch can die without ending: a periodic full read still brings news."""
+    monkeypatch.setattr(roster, "RESYNC_INTERVAL", 0.01)
+    etcd = _Etcd(held_for=0)
+    etcd.nodes = [_KV(b"/fabricd/nodes/b", Member("b", "10.0.0.2:7700", 1).encode())]
+    peering = _Peering()
+
+    async def scenario() -> None:
+        registration = Registration(
+            client=etcd, lease=1, slot=0, members=[], revision=1, endpoint=0
+        )
+        service = RosterService(_Host(), peering, registration)  # type: ignore[arg-type]
+        service.start()
+        for _ in range(3000):  # a hang guard: 30 s
+            if peering.calls:
+                break
+            await asyncio.sleep(0.01)
+        await service.settle()
+
+    asyncio.run(scenario())
+    assert peering.calls[0] == "address 1 10.0.0.2:7700"

@@ -11,7 +11,8 @@ aetcd, an asyncio etcd v3 client (gRPC underneath; docs/operations.md, "Membersh
   integer ids it always has.  etcd unreachable at start is retried, with backoff, until it
   answers: the daemon is not ready (no READY=1) before it is registered;
 * :class:`RosterService`, while the daemon runs: keeps the lease alive (every third of its
-  TTL), watches ``nodes/`` from the revision read, and hands every change to the peering
+  TTL), watches ``nodes/`` from the revision read (and reads it whole every
+  :data:`RESYNC_INTERVAL`), and hands every change to the peering
   service (:meth:`~fabricd.daemon.services.peering.PeeringService.set_address`).  A call that
   fails or takes longer than a third of the TTL makes etcd *unreachable*: the view is kept,
   etcd is tried again with backoff (the next endpoint each time), and once it answers the
@@ -50,6 +51,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("fabricd.roster")
 #: the longest pause between two tries to reach etcd
 MAX_RETRY: Final = 2.0
+#: how often the view is read whole while the watch runs (a watch that died silently)
+RESYNC_INTERVAL: Final = 60.0
+#: the longest pause between two keepalives: etcd's authentication tokens expire after 300 s
+#: unused (``--auth-token-ttl``), so a third of a long TTL would let them
+MAX_KEEPALIVE: Final = 60.0
 #: how long the drain waits for the roster task to end once cancelled (a hang guard)
 SETTLE_TIMEOUT: Final = 2.0
 
@@ -268,7 +274,7 @@ async def _claim(
     The lease is granted just before the slot is taken, never before a WAIT: a lease that
     aged while this daemon waited for its earlier run's would expire soon after the start.
     """
-    name, waiting = settings.name, False
+    name, waiting_since = settings.name, 0.0
     while True:
         held = {
             int(kv.key.rsplit(b"/", 1)[1]): kv.value.decode(errors="replace")
@@ -288,10 +294,9 @@ async def _claim(
         if choice is Claim.FULL:
             raise ConfigError(f"all {settings.max_nodes} slots (max_nodes) in etcd are taken")
         if choice is Claim.WAIT:
-            if not waiting:  # (once: the wait lasts at most the earlier lease's TTL)
-                log.info("name %r still registered (an earlier run's lease): waiting", name)
-            waiting = True
-            await asyncio.sleep(0.5)
+            now = asyncio.get_running_loop().time()
+            waiting_since = waiting_since or now
+            await _wait_for_name(client, settings, waited=now - waiting_since)
             continue
         lease = await client.lease(settings.ttl)
         if await _take(client, settings, lease.id, choice):
@@ -309,6 +314,28 @@ async def _claim(
         endpoint=endpoint,
         refused=refused,
     )
+
+
+async def _wait_for_name(client: aetcd.Client, settings: EtcdSettings, *, waited: float) -> None:
+    """This daemon's name holds a slot (for ``waited`` seconds so far): an earlier run's
+    lease, which expires within a TTL, or another daemon given the same name, which never
+    lets go: said with the holder's address, and given up (ConfigError) after two TTLs."""
+    if waited == 0 or waited >= 2 * settings.ttl:
+        found = await client.get(settings.key("nodes", settings.name))
+        holder = Member.decode(settings.name, found.value) if found is not None else None
+        at = holder.address if holder is not None else "an unknown address"
+        if waited:
+            raise ConfigError(
+                f"node_name {settings.name!r} is still registered in etcd, by a daemon at {at},"
+                f" after {waited:.0f}s: two daemons were given one name"
+            )
+        log.warning(
+            "name %r is registered in etcd (by %s): an earlier run's lease? waiting up to %ds",
+            settings.name,
+            at,
+            2 * settings.ttl,
+        )
+    await asyncio.sleep(0.5)
 
 
 def _int(value: bytes) -> int | None:
@@ -452,16 +479,27 @@ class RosterService(BaseService):
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self._keep_alive(registration))
             tasks.create_task(self._watch(registration))
+            tasks.create_task(self._resync(registration))
+
+    async def _resync(self, registration: Registration) -> None:
+        """Read the view whole every :data:`RESYNC_INTERVAL`: a watch that died silently
+        (aetcd 1.0 never ends its iterator when the server ends the stream) would otherwise
+        leave the view stale for good."""
+        while True:
+            await asyncio.sleep(RESYNC_INTERVAL)
+            async with asyncio.timeout(self.settings.call_timeout):
+                members, _, _ = await _read_view(registration.client, self.settings)
+            self._apply(self.engine.load([m for m in members if m.name != self.settings.name]))
 
     async def _keep_alive(self, registration: Registration) -> None:
-        """Refresh the lease every third of its TTL, the first time at once: the daemon was
-        built between the registration and this start."""
+        """Refresh the lease every third of its TTL (at most :data:`MAX_KEEPALIVE`), the
+        first time at once: the daemon was built between the registration and this start."""
         while True:
             async with asyncio.timeout(self.settings.call_timeout):
                 reply = await registration.client.refresh_lease(registration.lease)
             if reply is None or reply.TTL <= 0:
                 raise LeaseLost("this daemon's lease expired")
-            await asyncio.sleep(self.settings.call_timeout)
+            await asyncio.sleep(min(self.settings.call_timeout, MAX_KEEPALIVE))
 
     async def _watch(self, registration: Registration) -> None:
         prefix = self.settings.key("nodes/")
