@@ -158,6 +158,13 @@ class Etcd:
             auth.UserGrantRole(grant, timeout=10)
             auth.AuthEnable(aetcd.rpc.AuthEnableRequest(), timeout=10)
 
+    def put(self, key: bytes, value: bytes) -> None:
+        """Write ``key`` as any client with write access could (plaintext servers only)."""
+        assert self.tls is None, "a plaintext server only"
+        with grpc.insecure_channel(self.endpoint) as channel:
+            kv = aetcd.rpc.KVStub(channel)
+            kv.Put(aetcd.rpc.PutRequest(key=key, value=value), timeout=10)
+
     def stop(self) -> None:
         """SIGTERM and wait (SIGKILL past the guard); its data stays for the next start."""
         if self.process is None or self.process.poll() is not None:

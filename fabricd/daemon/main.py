@@ -23,6 +23,9 @@ log = logging.getLogger("fabricd.daemon")
 EXIT_CONFIG = 78
 #: exit status when the peer address cannot be bound (sysexits EX_UNAVAILABLE)
 EXIT_UNAVAILABLE = 69
+#: exit status when etcd gave this daemon's slot to another node (sysexits EX_TEMPFAIL): the
+#: daemon stopped serving as that id, and registers afresh when restarted
+EXIT_SLOT_LOST = 75
 
 
 def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -36,9 +39,10 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
-async def serve(loaded: Loaded) -> None:
-    """Run one daemon until SIGTERM or SIGINT, then drain and return; SIGHUP reads the
-    secret source again (:meth:`~fabricd.daemon.node.Daemon.reload_secrets`).
+async def serve(loaded: Loaded) -> int:
+    """Run one daemon until SIGTERM or SIGINT, then drain and return the exit status (0, or
+    :data:`EXIT_SLOT_LOST`); SIGHUP reads the secret source again
+    (:meth:`~fabricd.daemon.node.Daemon.reload_secrets`).
 
     What the daemon made to start (its modules, classes, tables) lives as long as it does, so
     it is moved out of the garbage collector's sight (:func:`gc.freeze`): every full
@@ -58,14 +62,20 @@ async def serve(loaded: Loaded) -> None:
         loaded = roster.registered(loaded, registration)
         cfg = loaded.config  # from here on, lines are tagged with the node id etcd gave
         logs.setup(cfg.log_level, cfg.log_format, cfg.node_id)
-    daemon = Daemon(loaded, registration=registration)
-    gc.collect()
-    gc.freeze()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, daemon.stop)
-    loop.add_signal_handler(signal.SIGHUP, daemon.reload_secrets)
-    await daemon.run()
+    try:
+        daemon = Daemon(loaded, registration=registration)
+        gc.collect()
+        gc.freeze()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.stop)
+        loop.add_signal_handler(signal.SIGHUP, daemon.reload_secrets)
+        await daemon.run()
+    except Exception:
+        if registration is not None:  # (failed before serving, or crashed: leave etcd now)
+            await roster.release(registration)
+        raise
+    return EXIT_SLOT_LOST if daemon.roster is not None and daemon.roster.slot_lost else 0
 
 
 def run(loaded: Loaded) -> int:
@@ -74,11 +84,11 @@ def run(loaded: Loaded) -> int:
     logs.setup(cfg.log_level, cfg.log_format, cfg.node_id)
     try:
         with asyncio.Runner(loop_factory=_loop_factory(cfg.event_loop)) as runner:
-            runner.run(serve(loaded))
+            status = runner.run(serve(loaded))
     except ConfigError as exc:
         log.error("cannot start: %s", exc)
         return EXIT_CONFIG
     except TransportError as exc:
         log.error("cannot start: %s", exc)
         return EXIT_UNAVAILABLE
-    return 0
+    return status

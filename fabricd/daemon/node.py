@@ -189,7 +189,7 @@ class Daemon:
         if registration is not None:  # aetcd is an optional extra: imported only for etcd
             from fabricd.daemon.services.roster import RosterService
 
-            self.roster = RosterService(self, self.peering, registration)
+            self.roster = RosterService(self, self.peering, registration, on_slot_lost=self.stop)
         roster = [self.roster] if self.roster is not None else []
         self.services: list[Service] = [self.peering, *roster, self.monitor, *services(self)]
         check_claims(self.services)

@@ -15,11 +15,17 @@ slot it had, which it asks for again after a restart).  :func:`choose_slot` pick
 
     remembered slot    held by            choice
     i                  nobody             i   (a restarted node keeps its id)
-    i                  this name          WAIT (its previous lease has not expired yet)
-    i or none          someone else/none  the lowest free slot, or FULL
+    any                this name holds    WAIT (its previous lease has not expired yet)
+                       one (any slot)
+    i or none          someone else/none  the lowest free slot no other name remembers,
+                                          else the lowest free slot, or FULL
 
-Waiting rather than taking a slot held by the same name keeps two daemons that were given one
-name from holding two ids: the second registers once the first's lease is gone.
+A slot another name remembers is the last taken: its node may be away only from etcd (a
+partition longer than the TTL) and still linked to the others as that id.  Waiting rather
+than taking a slot while the same name holds one keeps two daemons that were
+given one name from holding two ids: the second registers once the first's lease is gone.  The
+transaction that takes a slot also requires that the name holds no registration, so two such
+daemons racing cannot both win.
 
 The view (:class:`Roster`) is slot → member.  A full read (:meth:`Roster.load`, after every
 (re)connection) and each watch event (:meth:`Roster.on_put`, :meth:`Roster.on_delete`) move it,
@@ -27,8 +33,13 @@ and every change of a slot's address comes out as :class:`AddressChanged`: an ad
 and admit, or ``""`` (the slot is free: never dialled, its links refused on arrival, like a
 node whose name does not resolve).  Links already up are not cut when a registration goes:
 the peers engine's liveness rules decide them (a node killed is silent, suspect, then down).
+But a slot that another name registers in than the one that held it last comes out
+``replaced``: the old holder's links go (a node that lost etcd for longer than the TTL may
+still be up and linked as that id; one id never means two nodes).
 A registration that claims this daemon's own slot, a slot outside ``0..max_nodes-1``, or a
-slot another name holds in the view is ignored and counted (a foreign or corrupt key).
+slot another name holds in the view is ignored and counted (a foreign or corrupt key); so is
+one whose value does not decode or whose address cannot be dialled (:func:`dialable`:
+:meth:`Roster.invalid`).
 
 Partition.  While etcd cannot be reached the view is kept as it was (the fabric runs on its
 last view: no address is removed for a silence of etcd's), the state is ``unreachable`` since
@@ -39,13 +50,15 @@ and the differences come out as changes.  Every operation is O(1) but a full rea
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import ipaddress
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping
+    from collections.abc import Collection, Iterable, Mapping
 
     from fabricd.wire import Meta
 
@@ -61,19 +74,24 @@ class Claim(enum.Enum):
 
 
 def choose_slot(
-    held: Mapping[int, str], name: str, remembered: int | None, max_nodes: int
+    held: Mapping[int, str],
+    name: str,
+    remembered: int | None,
+    max_nodes: int,
+    others_remember: Collection[int] = (),
 ) -> int | Claim:
-    """The slot ``name`` claims, given the slots ``held`` now (slot → name) and the one it had
-    (``remembered``, ``None`` if none); the table is in the module docstring."""
-    if remembered is not None and 0 <= remembered < max_nodes:
-        holder = held.get(remembered)
-        if holder is None:
-            return remembered
-        if holder == name:
-            return Claim.WAIT
-    if name in held.values():
+    """The slot ``name`` claims, given the slots ``held`` now (slot → name), the one it had
+    (``remembered``, ``None`` if none) and the slots other names had (``others_remember``);
+    the table is in the module docstring."""
+    if name in held.values():  # whichever slot it holds: never a second one
         return Claim.WAIT
-    return next((slot for slot in range(max_nodes) if slot not in held), Claim.FULL)
+    if remembered is not None and 0 <= remembered < max_nodes and remembered not in held:
+        return remembered
+    free = [slot for slot in range(max_nodes) if slot not in held]
+    if not free:
+        return Claim.FULL
+    others = set(others_remember)
+    return next((slot for slot in free if slot not in others), free[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,18 +114,37 @@ class Member:
             address, slot = fields["address"], fields["slot"]
         except (ValueError, TypeError, KeyError):
             return None
-        if not isinstance(address, str) or not address or type(slot) is not int:
+        if not isinstance(address, str) or not dialable(address) or type(slot) is not int:
             return None
         return cls(name=name, address=address, slot=slot)
 
 
+def dialable(address: str) -> bool:
+    """Whether ``address`` is a ``host:port`` a peer can dial: anything else written to etcd
+    (by mistake or by someone with write access to the prefix) must never reach the peering
+    service, which would fail on it; a wildcard (0.0.0.0, ::) is a listen address, not one
+    to dial."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        return False
+    if any(c.isspace() or c in "/[]" for c in host):
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return ":" not in host  # a name (an IPv6 address that does not parse is refused)
+
+
 @dataclass(frozen=True, slots=True)
 class AddressChanged:
-    """``slot``'s address is now ``address`` (``""``: nobody holds it)."""
+    """``slot``'s address is now ``address`` (``""``: nobody holds it); ``replaced``: the
+    slot was last held by another name (links to that node must go: one id, one node)."""
 
     slot: int
     name: str
     address: str
+    replaced: bool = False
 
 
 class State(enum.Enum):
@@ -139,7 +176,8 @@ class Roster:
         self._retry = FIRST_RETRY
         self._by_slot: dict[int, Member] = {}
         self._by_name: dict[str, Member] = {}
-        self.ignored = 0  #: registrations ignored (own slot, out of range, slot taken)
+        self._last: dict[int, str] = {}  #: slot → the name that held it last (gone or not)
+        self.ignored = 0  #: registrations ignored (undecodable, own slot, out of range, slot taken)
         self.registrations = 1  #: times this daemon registered (more after a lease was lost)
 
     # -- queries ------------------------------------------------------------------------------
@@ -181,15 +219,14 @@ class Roster:
         before = dict(self._by_slot)
         self._by_slot.clear()
         self._by_name.clear()
-        for member in members:
-            self._add(member)
+        replaced = {m.slot for m in members if self._add(m) and self._took_over(m)}
         changed = []
         for slot in sorted(before.keys() | self._by_slot.keys()):
             old, new = before.get(slot), self._by_slot.get(slot)
             if old != new:
                 name = new.name if new is not None else old.name if old is not None else ""
                 changed.append(AddressChanged(slot, name, new.address if new else ""))
-        return changed
+        return [dataclasses.replace(c, replaced=True) if c.slot in replaced else c for c in changed]
 
     def on_put(self, member: Member) -> list[AddressChanged]:
         """A registration was written (a node joined, or registered again)."""
@@ -198,7 +235,8 @@ class Roster:
         if old == member or not self._add(member):
             return changes
         changes = [c for c in changes if c.slot != member.slot]  # moved within one slot
-        return [*changes, AddressChanged(member.slot, member.name, member.address)]
+        replaced = self._took_over(member)
+        return [*changes, AddressChanged(member.slot, member.name, member.address, replaced)]
 
     def on_delete(self, name: str) -> list[AddressChanged]:
         """A registration went (its node left, or its lease expired)."""
@@ -207,6 +245,16 @@ class Roster:
             return []
         del self._by_slot[member.slot]
         return [AddressChanged(member.slot, name, "")]
+
+    def invalid(self, count: int = 1) -> None:
+        """``count`` registrations were read that are not ones (:meth:`Member.decode` refused
+        them)."""
+        self.ignored += count
+
+    def _took_over(self, member: Member) -> bool:
+        """Whether ``member`` (just added) holds a slot another name held last."""
+        last, self._last[member.slot] = self._last.get(member.slot), member.name
+        return last is not None and last != member.name
 
     def _add(self, member: Member) -> bool:
         slot = member.slot

@@ -17,7 +17,9 @@ must not fail.  Timeouts are hang guards only.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +27,10 @@ import numpy as np
 import pytest
 
 import fabricd
+from fabricd.daemon.config import load
 from fabricd.daemon.launcher import LocalCluster
+from fabricd.daemon.services import roster
+from fabricd.daemon.services.roster import EtcdSettings
 from tests.etcd import Etcd, make_tls, skip_reason
 
 if TYPE_CHECKING:
@@ -228,6 +233,44 @@ def test_a_partitioned_etcd_leaves_the_last_view_and_says_so(fabric, etcd: Etcd)
             ),
         )
     allreduce_works(cluster, [0, 1, 2], "healed")
+
+
+def test_a_malformed_registration_is_ignored_not_fatal(etcd: Etcd, fabric) -> None:
+    """A value nobody can dial, written to etcd before and while the fabric runs: every
+    daemon starts, keeps running, and counts it ignored."""
+    garbage = b'{"address": "garbage", "slot": 3}'
+    etcd.put(b"/fabricd/nodes/bad0", garbage)
+    cluster = fabric(2)
+    etcd.put(b"/fabricd/nodes/bad1", b'{"address": "0.0.0.0:7", "slot": 4}')
+    for i in range(2):
+        wait_until(
+            f"node{i} counts both ignored",
+            lambda i=i: status(cluster, i)["counters"]["etcd_ignored_registrations"] >= 2,
+        )
+        assert registered(cluster, i) == {"node0", "node1"}
+    cluster.add_node()
+    cluster.wait_connected()
+    allreduce_works(cluster, [0, 1, 2], "after garbage")
+
+
+def test_one_name_cannot_take_two_slots(etcd: Etcd) -> None:
+    """Two daemons given one name, racing for two free slots: the transaction lets one win."""
+    config = load(
+        environ={}, flags={**ETCD_SETTINGS, "listen": "127.0.0.1:7700", "secret_env": "S"}
+    )
+    settings = dataclasses.replace(
+        EtcdSettings.from_config(config.config), endpoints=(etcd.endpoint,), name="twin"
+    )
+
+    async def race() -> list[bool]:
+        client = await roster._connect(settings, 0)
+        try:
+            lease = await client.lease(TTL)
+            return [await roster._take(client, settings, lease.id, slot) for slot in (1, 2)]
+        finally:
+            await client.close()
+
+    assert asyncio.run(race()) == [True, False]
 
 
 def test_daemons_register_over_tls_with_a_password(tmp_path: Path) -> None:

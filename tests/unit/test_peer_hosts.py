@@ -33,6 +33,12 @@ def test_a_name_that_does_not_resolve_gives_its_node_no_host() -> None:
     assert node_hosts(["127.0.0.1:1", "no-such-host.invalid:2"])[1] == frozenset()
 
 
+def test_an_address_that_does_not_split_gives_its_node_no_host() -> None:
+    """Treated as a name that does not resolve, never raised: one from etcd would otherwise
+    end the daemon."""
+    assert node_hosts(["127.0.0.1:1", "garbage"]) == {0: {"127.0.0.1"}, 1: frozenset()}
+
+
 def test_slots_go_to_the_hosts_of_the_nodes_that_dial_this_one() -> None:
     hosts = {
         0: frozenset({"a"}),

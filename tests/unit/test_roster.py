@@ -3,6 +3,8 @@ registrations and watch events, and what a partition changes, on a fake clock.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fabricd.engines.roster import (
@@ -28,6 +30,7 @@ def test_a_restarted_node_gets_its_remembered_slot_back_when_free() -> None:
 def test_a_name_still_holding_its_slot_waits_for_its_old_lease() -> None:
     assert choose_slot({3: "a"}, "a", 3, 4) is Claim.WAIT
     assert choose_slot({1: "a"}, "a", None, 4) is Claim.WAIT  # never a second id per name
+    assert choose_slot({3: "x"}, "x", 1, 4) is Claim.WAIT  # even if the remembered one is free
 
 
 def test_a_remembered_slot_someone_else_took_falls_back_to_the_lowest_free() -> None:
@@ -40,6 +43,24 @@ def test_member_values_round_trip_and_foreign_values_are_refused() -> None:
     assert Member.decode("n1", member.encode()) == member
     for junk in (b"", b"[]", b'{"address": 5, "slot": 1}', b'{"address": "a:1", "slot": true}'):
         assert Member.decode("n1", junk) is None
+
+
+def test_an_address_that_cannot_be_dialled_is_not_a_registration() -> None:
+    """A value written by mistake (or by whoever can write the prefix) must never reach the
+    peering service, where an address that does not split would end the daemon."""
+    for address in ("garbage", "0.0.0.0:7700", "[::]:7700", ":7700", "h:0", "h:x", "h:99999"):
+        value = json.dumps({"address": address, "slot": 3}).encode()
+        assert Member.decode("n1", value) is None, address
+    for address in ("gpu-11:7700", "10.0.0.1:7700", "[::1]:7700"):
+        value = json.dumps({"address": address, "slot": 3}).encode()
+        assert Member.decode("n1", value) == Member("n1", address, 3)
+
+
+def test_refused_registrations_are_counted() -> None:
+    r = roster()
+    r.invalid(2)
+    r.invalid()
+    assert r.ignored == 3
 
 
 def roster(now: float = 0.0) -> Roster:
@@ -76,6 +97,26 @@ def test_registrations_for_own_taken_or_foreign_slots_are_ignored_and_counted() 
     assert r.on_put(Member("e", "h:9", 4)) == []  # outside max_nodes
     assert r.ignored == 3
     assert r.address(2) == "h:2"
+
+
+def test_a_slot_that_another_name_registers_in_comes_out_replaced() -> None:
+    """The old holder may still be up and linked as that id (it lost etcd, not the fabric):
+    the peering service must drop it.  The same name back in its slot is no replacement."""
+    r = roster()
+    r.load([Member("a", "h:1", 2)])
+    assert r.on_delete("a") == [AddressChanged(2, "a", "")]
+    assert r.on_put(Member("a", "h:1", 2)) == [AddressChanged(2, "a", "h:1")]
+    r.on_delete("a")
+    assert r.on_put(Member("d", "h:4", 2)) == [AddressChanged(2, "d", "h:4", replaced=True)]
+    assert r.load([Member("e", "h:5", 2)]) == [AddressChanged(2, "e", "h:5", replaced=True)]
+    assert r.load([Member("e", "h:5", 2)]) == []
+
+
+def test_a_new_name_prefers_a_slot_no_other_name_remembers() -> None:
+    """A slot another name had may belong to a node away only from etcd: it is taken last."""
+    assert choose_slot({0: "x"}, "n", None, 4, others_remember=[1, 2]) == 3
+    assert choose_slot({0: "x"}, "n", None, 4, others_remember=[1, 2, 3]) == 1
+    assert choose_slot({0: "x"}, "n", 2, 4, others_remember=[2]) == 2  # its own, remembered
 
 
 def test_a_full_read_replaces_the_view_and_reports_only_differences() -> None:

@@ -4,9 +4,23 @@ them, so the engine's first view changes nothing the peering service was built w
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import aetcd
+import grpc
+import pytest
+
+from fabricd.daemon import main
 from fabricd.daemon.config import load
-from fabricd.daemon.services.roster import Registration, registered
-from fabricd.engines.roster import Member, Roster
+from fabricd.daemon.services import roster
+from fabricd.daemon.services.roster import Registration, RosterService, registered
+from fabricd.engines.roster import Member, Roster, State
+from fabricd.errors import ConfigError, TransportError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
 
 FLAGS = {"membership": "etcd", "listen": "10.0.0.1:7700", "secret_env": "S", "max_nodes": 4}
 
@@ -31,3 +45,330 @@ def test_the_registered_config_has_the_slot_as_id_and_every_address_by_slot() ->
     assert {c.slot: c.address for c in changes} == {
         n: a for n, a in enumerate(run.config.nodes) if a and n != 2
     }
+
+
+class _Peering:
+    """The peering service as the roster service sees it: addresses set, names asked."""
+
+    def __init__(self) -> None:
+        self.addresses: dict[int, str] = {}
+        self.calls: list[str] = []
+        self.name_of: Callable[[int], str] | None = None
+
+    def set_address(self, node: int, address: str) -> None:
+        self.addresses[node] = address
+        self.calls.append(f"address {node} {address}")
+
+    def replace(self, node: int) -> None:
+        self.calls.append(f"replace {node}")
+
+
+class _Host:
+    def __init__(self) -> None:
+        self.config = load(environ={}, flags=FLAGS).config
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        return asyncio.ensure_future(coro)
+
+
+class _DownClient:
+    """etcd down: every call fails; closing takes a while (a channel being torn down)."""
+
+    def __init__(self) -> None:
+        self.closing = asyncio.Event()
+        self.revoked = False  #: the drain tried to revoke the lease
+
+    async def close(self) -> None:
+        self.closing.set()
+        await asyncio.sleep(0.5)
+
+    async def get_lease_info(self, *_: object, **__: object) -> None:
+        raise aetcd.ClientError("down")
+
+    async def revoke_lease(self, *_: object) -> None:
+        self.revoked = True
+        raise aetcd.ClientError("down")
+
+
+def _service(client: object) -> RosterService:
+    registration = Registration(client=client, lease=1, slot=0, members=[], revision=1, endpoint=0)
+    return RosterService(_Host(), _Peering(), registration)  # type: ignore[arg-type]
+
+
+def test_the_drain_ends_the_roster_task_even_while_it_closes_a_client(monkeypatch) -> None:
+    """A cancellation that lands inside the client's close must end the task, not send it
+    back to etcd: the drain would wait for it forever."""
+    client = _DownClient()
+
+    async def connect(settings: object, endpoint: int) -> _DownClient:
+        return client
+
+    monkeypatch.setattr(roster, "_connect", connect)
+
+    async def scenario() -> bool:
+        service = _service(client)
+
+        async def follow(registration: Registration) -> None:
+            raise aetcd.ClientError("boom")
+
+        service._follow = follow  # type: ignore[method-assign]
+        service.start()
+        await client.closing.wait()  # the task is inside _close now
+        settle = asyncio.ensure_future(service.settle())
+        await asyncio.wait({settle}, timeout=30)  # a hang guard
+        assert service._task is not None
+        return settle.done() and service._task.done() and client.revoked
+
+    assert asyncio.run(scenario())
+
+
+def test_an_unexpected_error_makes_etcd_unreachable_not_the_daemon_exit(monkeypatch) -> None:
+    """grpc's UsageError (no RpcError) from a call, and a password file that cannot be read
+    again while reconnecting: each is etcd unreachable, retried, and said in ``status``."""
+    tries = 0
+    tried_twice = asyncio.Event()
+
+    async def connect(settings: object, endpoint: int) -> _DownClient:
+        nonlocal tries
+        tries += 1
+        if tries >= 2:
+            tried_twice.set()
+        raise ConfigError("etcd_password_file p: No such file or directory")
+
+    monkeypatch.setattr(roster, "_connect", connect)
+
+    async def scenario() -> tuple[bool, State, str]:
+        service = _service(_DownClient())
+
+        async def follow(registration: Registration) -> None:
+            raise grpc.aio.UsageError("channel closed")
+
+        service._follow = follow  # type: ignore[method-assign]
+        service.start()
+        await asyncio.wait_for(tried_twice.wait(), timeout=30)  # a hang guard
+        assert service._task is not None
+        running = not service._task.done()
+        await service.settle()
+        return running, service.engine.state, service.engine.error
+
+    running, state, error = asyncio.run(scenario())
+    assert running
+    assert state is State.UNREACHABLE
+    assert error.startswith("ConfigError: etcd_password_file")
+
+
+def test_a_connection_that_fails_is_closed(monkeypatch) -> None:
+    """With a password the channel is open before the authentication fails: left open, an
+    outage would leak one channel per retry."""
+    made: list[_FailingClient] = []
+
+    class _FailingClient:
+        def __init__(self, settings: object, endpoint: str) -> None:
+            self.closed = False
+            made.append(self)
+
+        async def connect(self) -> None:
+            raise aetcd.ClientError("authentication failed")
+
+        async def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(roster, "_Client", _FailingClient)
+    settings = roster.EtcdSettings.from_config(load(environ={}, flags=FLAGS).config)
+    for endpoint in range(3):
+        with pytest.raises(aetcd.ClientError):
+            asyncio.run(roster._connect(settings, endpoint))
+    assert [client.closed for client in made] == [True, True, True]
+
+
+def test_a_daemon_that_fails_before_serving_leaves_etcd_at_once(monkeypatch) -> None:
+    """Its registration would otherwise hold the slot (and the name) for a whole TTL."""
+    client = _DownClient()
+    registration = Registration(client=client, lease=1, slot=0, members=[], revision=1, endpoint=0)
+
+    async def register(cfg: object) -> Registration:
+        return registration
+
+    def cannot_bind(*_: object, **__: object) -> None:
+        raise TransportError("cannot bind 10.0.0.1:7700")
+
+    monkeypatch.setattr(roster, "register", register)
+    monkeypatch.setattr(main, "Daemon", cannot_bind)
+    monkeypatch.setattr(main.logs, "setup", lambda *_: None)
+    with pytest.raises(TransportError):
+        asyncio.run(main.serve(load(environ={}, flags=FLAGS)))
+    assert client.revoked
+    assert client.closing.is_set()
+
+
+class _KV:
+    def __init__(self, key: bytes, value: bytes) -> None:
+        self.key, self.value = key, value
+
+
+class _Found(list[_KV]):
+    header = type("Header", (), {"revision": 7})
+
+
+class _Etcd:
+    """Just what a registration calls, recorded: ``slots/3`` is held by this daemon's
+    earlier run for the first ``held_for`` reads."""
+
+    def __init__(self, held_for: int, holder: bytes = b"a") -> None:
+        self.calls: list[str] = []
+        self.holder = holder
+        self.nodes: list[_KV] = []  #: the registrations under nodes/
+        self.held_for = held_for
+        self.transactions = aetcd.Client().transactions
+        self.refreshed = 0
+
+    async def get_prefix(self, key: bytes) -> _Found:
+        self.calls.append("read " + key.decode().rsplit("/", 2)[-2])
+        if key.endswith(b"slots/") and self.held_for > 0:
+            self.held_for -= 1
+            return _Found([_KV(b"/fabricd/slots/3", self.holder)])
+        if key.endswith(b"names/"):
+            return _Found([_KV(b"/fabricd/names/a", b"3")])
+        if key.endswith(b"nodes/"):
+            return _Found(self.nodes)
+        return _Found()
+
+    async def get(self, key: bytes) -> _KV:
+        return _KV(key, Member(self.holder.decode(), "10.0.0.9:7700", 3).encode())
+
+    async def get_lease_info(self, lease: int, keys: bool) -> object:
+        return type("Info", (), {"TTL": -1})
+
+    async def lease(self, ttl: int) -> object:
+        self.calls.append("lease")
+        return type("Lease", (), {"id": 9})
+
+    async def transaction(self, compare: object, success: object, failure: object) -> tuple:
+        self.calls.append("take")
+        return True, None
+
+    async def refresh_lease(self, lease: int) -> object:
+        self.refreshed += 1
+        return type("Reply", (), {"TTL": 10})
+
+    async def watch_prefix(self, prefix: bytes, start_revision: int) -> Any:
+        await asyncio.Event().wait()  # no events: wait for the drain
+
+    async def revoke_lease(self, lease: int) -> None:
+        self.calls.append("revoke")
+
+    async def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_the_lease_is_granted_after_waiting_for_an_earlier_run_and_refreshed_at_start() -> None:
+    """Granted before the wait, the lease aged through it and could expire right after the
+    start, losing the registration of a daemon that just started."""
+    etcd = _Etcd(held_for=2)
+    settings = roster.EtcdSettings.from_config(load(environ={}, flags=FLAGS).config)
+    settings = dataclasses.replace(settings, name="a")
+
+    async def scenario() -> int:
+        registration = await roster._claim(etcd, settings, 0, slot=None)  # type: ignore[arg-type]
+        assert registration.slot == 3
+        service = RosterService(_Host(), _Peering(), registration)  # type: ignore[arg-type]
+        service.start()
+        for _ in range(5):  # a few turns of the loop, no time: the first refresh is at once
+            await asyncio.sleep(0)
+        refreshed = etcd.refreshed
+        await service.settle()
+        return refreshed
+
+    assert asyncio.run(scenario()) >= 1
+    assert etcd.calls.index("lease") > max(i for i, c in enumerate(etcd.calls) if c == "read slots")
+
+
+def test_a_daemon_whose_slot_went_to_another_node_stops_serving_as_it(monkeypatch) -> None:
+    """Its lease expired while etcd was unreachable and node "d" took slot 3: it stops (the
+    drain closes its links) and exits non-zero, to register afresh, never serving on as id 3."""
+    etcd = _Etcd(held_for=1_000, holder=b"d")
+
+    async def connect(settings: object, endpoint: int) -> _Etcd:
+        return etcd
+
+    monkeypatch.setattr(roster, "_connect", connect)
+    stopped = asyncio.Event()
+
+    async def scenario() -> RosterService:
+        registration = Registration(
+            client=etcd, lease=1, slot=3, members=[], revision=1, endpoint=0
+        )
+        service = RosterService(
+            _Host(),
+            _Peering(),
+            registration,
+            on_slot_lost=stopped.set,  # type: ignore[arg-type]
+        )
+
+        async def follow(registration: Registration) -> None:
+            raise roster.LeaseLost("this daemon's lease expired")
+
+        service._follow = follow  # type: ignore[method-assign]
+        service.start()
+        await asyncio.wait_for(stopped.wait(), timeout=30)  # a hang guard
+        assert service._task is not None
+        await asyncio.wait({service._task}, timeout=30)
+        assert service._task.done()
+        await service.settle()
+        return service
+
+    assert asyncio.run(scenario()).slot_lost
+    assert "lease" not in etcd.calls  # never registered again in another slot by itself
+
+
+def test_a_slot_with_a_new_name_replaces_the_peer_before_its_address_is_set() -> None:
+    """The old holder's links go first; then the new holder is dialled and admitted."""
+    peering = _Peering()
+
+    async def scenario() -> None:
+        registration = Registration(
+            client=None, lease=1, slot=0, members=[], revision=1, endpoint=0
+        )
+        service = RosterService(_Host(), peering, registration)  # type: ignore[arg-type]
+        service._apply(service.engine.on_put(Member("a", "h:1", 2)))
+        service._apply(service.engine.on_delete("a"))
+        service._apply(service.engine.on_put(Member("d", "h:4", 2)))
+
+    asyncio.run(scenario())
+    assert peering.calls == ["address 2 h:1", "address 2 ", "replace 2", "address 2 h:4"]
+
+
+def test_a_name_another_daemon_holds_is_given_up_after_two_ttls() -> None:
+    """Two daemons given one name: the second says where the first is, and does not start."""
+    etcd = _Etcd(held_for=1_000_000)
+    settings = roster.EtcdSettings.from_config(load(environ={}, flags=FLAGS).config)
+    settings = dataclasses.replace(settings, name="a", ttl=1)
+    with pytest.raises(ConfigError, match=r"'a' is still registered .* at 10\.0\.0\.9:7700"):
+        asyncio.run(roster._claim(etcd, settings, 0, slot=None))  # type: ignore[arg-type]
+    assert "lease" not in etcd.calls
+
+
+def test_the_view_is_read_whole_again_while_the_watch_says_nothing(monkeypatch) -> None:
+    """aetcd's watch can die without ending: a periodic full read still brings news."""
+    monkeypatch.setattr(roster, "RESYNC_INTERVAL", 0.01)
+    etcd = _Etcd(held_for=0)
+    etcd.nodes = [_KV(b"/fabricd/nodes/b", Member("b", "10.0.0.2:7700", 1).encode())]
+    peering = _Peering()
+
+    async def scenario() -> None:
+        registration = Registration(
+            client=etcd, lease=1, slot=0, members=[], revision=1, endpoint=0
+        )
+        service = RosterService(_Host(), peering, registration)  # type: ignore[arg-type]
+        service.start()
+        for _ in range(3000):  # a hang guard: 30 s
+            if peering.calls:
+                break
+            await asyncio.sleep(0.01)
+        await service.settle()
+
+    asyncio.run(scenario())
+    assert peering.calls[0] == "address 1 10.0.0.2:7700"

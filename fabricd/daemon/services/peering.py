@@ -266,6 +266,13 @@ class PeeringService(BaseService):
             return
         self.owner.spawn(self._adopt_address(node, address))
 
+    def replace(self, node: int) -> None:
+        """``node``'s id went to another node (membership from etcd: its slot has a new
+        name): the old holder's links are closed and refused from now on."""
+        if not self._closed:
+            self._perform(self.engine.replace(node, self.owner.now()))
+            self.owner.rearm()
+
     async def _adopt_address(self, node: int, address: str) -> None:
         if self.transport.network:  # getaddrinfo blocks: off the loop
             hosts = await asyncio.to_thread(node_hosts, [address])
@@ -605,10 +612,11 @@ def node_hosts(nodes: Sequence[str]) -> dict[int, frozenset[str]]:
         if not address:  # a free slot (membership from etcd): no host yet
             hosts[node] = frozenset()
             continue
-        host = split_address(address)[0]
-        try:
+        try:  # (an address from etcd is checked before, but never crash on one)
+            host = split_address(address)[0]
             infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
+            host = address
             log.warning(
                 "node %d's host %s does not resolve (%s): its links are refused until it does",
                 node,

@@ -11,7 +11,8 @@ aetcd, an asyncio etcd v3 client (gRPC underneath; docs/operations.md, "Membersh
   integer ids it always has.  etcd unreachable at start is retried, with backoff, until it
   answers: the daemon is not ready (no READY=1) before it is registered;
 * :class:`RosterService`, while the daemon runs: keeps the lease alive (every third of its
-  TTL), watches ``nodes/`` from the revision read, and hands every change to the peering
+  TTL), watches ``nodes/`` from the revision read (and reads it whole every
+  :data:`RESYNC_INTERVAL`), and hands every change to the peering
   service (:meth:`~fabricd.daemon.services.peering.PeeringService.set_address`).  A call that
   fails or takes longer than a third of the TTL makes etcd *unreachable*: the view is kept,
   etcd is tried again with backoff (the next endpoint each time), and once it answers the
@@ -40,7 +41,7 @@ from fabricd.errors import ConfigError
 from fabricd.transports.base import split_address
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from fabricd.daemon.config import Config
     from fabricd.daemon.service import Host
@@ -50,6 +51,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("fabricd.roster")
 #: the longest pause between two tries to reach etcd
 MAX_RETRY: Final = 2.0
+#: how often the view is read whole while the watch runs (a watch that died silently)
+RESYNC_INTERVAL: Final = 60.0
+#: the longest pause between two keepalives: etcd's authentication tokens expire after 300 s
+#: unused (``--auth-token-ttl``), so a third of a long TTL would let them
+MAX_KEEPALIVE: Final = 60.0
+#: how long the drain waits for the roster task to end once cancelled (a hang guard)
+SETTLE_TIMEOUT: Final = 2.0
 
 
 class LeaseLost(Exception):
@@ -65,14 +73,15 @@ class WatchEnded(Exception):
 
 
 #: what a failed or lost call to etcd raises (aetcd maps gRPC's statuses to ClientError), and
-#: what this module finds wrong with etcd's answers: each makes etcd unreachable, and retried
+#: what this module finds wrong with etcd's answers: each makes etcd unreachable, and retried;
+#: so does any other exception while the daemon runs (grpc's UsageError, a password file that
+#: cannot be read again), which is logged with its type
 ETCD_ERRORS: Final = (
     aetcd.ClientError,
     grpc.RpcError,
     OSError,
     TimeoutError,
     LeaseLost,
-    SlotTaken,
     WatchEnded,
 )
 
@@ -129,6 +138,7 @@ class Registration:
     members: list[Member]
     revision: int  #: the revision the view was read at: the watch starts after it
     endpoint: int  #: the index of the endpoint the client talks to
+    refused: int = 0  #: registrations read that are not ones (:meth:`Member.decode`)
 
 
 class _Client(aetcd.Client):
@@ -195,9 +205,22 @@ def _credentials(settings: EtcdSettings) -> grpc.ChannelCredentials | None:
 
 async def _connect(settings: EtcdSettings, endpoint: int) -> aetcd.Client:
     client = _Client(settings, settings.endpoints[endpoint % len(settings.endpoints)])
-    async with asyncio.timeout(settings.call_timeout):
-        await client.connect()
+    try:  # (closed on failure: with a password the channel is open by then, one per retry)
+        async with asyncio.timeout(settings.call_timeout):
+            await client.connect()
+    except BaseException:
+        await _close(client)
+        raise
     return client
+
+
+async def release(registration: Registration) -> None:
+    """Leave etcd at once: the lease revoked (the others see this node go without waiting
+    for its TTL) and the client closed, whatever etcd answers."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await registration.client.revoke_lease(registration.lease)
+    await _close(registration.client)
 
 
 async def register(cfg: Config) -> Registration:
@@ -213,7 +236,11 @@ async def register(cfg: Config) -> Registration:
         try:
             client = await _connect(settings, attempt)
             return await _claim(client, settings, attempt, slot=None)
-        except ETCD_ERRORS as exc:
+        except ConfigError:
+            if client is not None:
+                await _close(client)
+            raise
+        except Exception as exc:  # (grpc's UsageError and InternalError are no RpcError)
             log.warning(
                 "etcd at %s: %s; retrying in %.1fs",
                 settings.endpoints[attempt % len(settings.endpoints)],
@@ -242,35 +269,41 @@ def registered(loaded: Loaded, registration: Registration) -> Loaded:
 async def _claim(
     client: aetcd.Client, settings: EtcdSettings, endpoint: int, *, slot: int | None
 ) -> Registration:
-    """A lease, a slot (``slot``: this one only, registering again) and the view."""
-    lease = await client.lease(settings.ttl)
-    name, waiting = settings.name, False
+    """A slot (``slot``: this one only, registering again) under a new lease, and the view.
+
+    The lease is granted just before the slot is taken, never before a WAIT: a lease that
+    aged while this daemon waited for its earlier run's would expire soon after the start.
+    """
+    name, waiting_since = settings.name, 0.0
     while True:
         held = {
             int(kv.key.rsplit(b"/", 1)[1]): kv.value.decode(errors="replace")
             for kv in await client.get_prefix(settings.key("slots/"))
             if kv.key.rsplit(b"/", 1)[1].isdigit()
         }
-        remembered = await client.get(settings.key("names", name))
-        choice = choose_slot(
-            held,
-            name,
-            slot if slot is not None else _int(remembered.value if remembered else b""),
-            settings.max_nodes,
-        )
+        remembered, others = None, []
+        for kv in await client.get_prefix(settings.key("names/")):
+            if kv.key == settings.key("names", name):
+                remembered = _int(kv.value)
+            elif (other := _int(kv.value)) is not None:
+                others.append(other)
+        remembered = slot if slot is not None else remembered
+        choice = choose_slot(held, name, remembered, settings.max_nodes, others)
         if slot is not None and choice != slot and choice is not Claim.WAIT:
             raise SlotTaken(f"slot {slot} is held by {held.get(slot)!r}")
         if choice is Claim.FULL:
             raise ConfigError(f"all {settings.max_nodes} slots (max_nodes) in etcd are taken")
         if choice is Claim.WAIT:
-            if not waiting:  # (once: the wait lasts at most the earlier lease's TTL)
-                log.info("name %r still registered (an earlier run's lease): waiting", name)
-            waiting = True
-            await asyncio.sleep(0.5)
+            now = asyncio.get_running_loop().time()
+            waiting_since = waiting_since or now
+            await _wait_for_name(client, settings, waited=now - waiting_since)
             continue
+        lease = await client.lease(settings.ttl)
         if await _take(client, settings, lease.id, choice):
             break
-    members, revision = await _read_view(client, settings)
+        with contextlib.suppress(Exception):  # (lost the race: it would expire anyway)
+            await client.revoke_lease(lease.id)
+    members, revision, refused = await _read_view(client, settings)
     log.info("registered in etcd as %r, slot %d", name, choice)
     return Registration(
         client=client,
@@ -279,7 +312,30 @@ async def _claim(
         members=[m for m in members if m.name != name],
         revision=revision,
         endpoint=endpoint,
+        refused=refused,
     )
+
+
+async def _wait_for_name(client: aetcd.Client, settings: EtcdSettings, *, waited: float) -> None:
+    """This daemon's name holds a slot (for ``waited`` seconds so far): an earlier run's
+    lease, which expires within a TTL, or another daemon given the same name, which never
+    lets go: said with the holder's address, and given up (ConfigError) after two TTLs."""
+    if waited == 0 or waited >= 2 * settings.ttl:
+        found = await client.get(settings.key("nodes", settings.name))
+        holder = Member.decode(settings.name, found.value) if found is not None else None
+        at = holder.address if holder is not None else "an unknown address"
+        if waited:
+            raise ConfigError(
+                f"node_name {settings.name!r} is still registered in etcd, by a daemon at {at},"
+                f" after {waited:.0f}s: two daemons were given one name"
+            )
+        log.warning(
+            "name %r is registered in etcd (by %s): an earlier run's lease? waiting up to %ds",
+            settings.name,
+            at,
+            2 * settings.ttl,
+        )
+    await asyncio.sleep(0.5)
 
 
 def _int(value: bytes) -> int | None:
@@ -287,11 +343,15 @@ def _int(value: bytes) -> int | None:
 
 
 async def _take(client: aetcd.Client, settings: EtcdSettings, lease: int, slot: int) -> bool:
-    """Claim ``slot`` if it is still free: one transaction, under the lease."""
+    """Claim ``slot`` if it is still free and this name holds no registration (two daemons
+    given one name racing: only one wins): one transaction, under the lease."""
     name, tx = settings.name, client.transactions
     member = Member(name=name, address=settings.address, slot=slot)
     ok, _ = await client.transaction(
-        compare=[tx.create(settings.key("slots", str(slot))) == 0],
+        compare=[
+            tx.create(settings.key("slots", str(slot))) == 0,
+            tx.version(settings.key("nodes", name)) == 0,
+        ],
         success=[
             tx.put(settings.key("slots", str(slot)), name.encode(), lease),
             tx.put(settings.key("nodes", name), member.encode(), lease),
@@ -302,27 +362,42 @@ async def _take(client: aetcd.Client, settings: EtcdSettings, lease: int, slot: 
     return bool(ok)
 
 
-async def _read_view(client: aetcd.Client, settings: EtcdSettings) -> tuple[list[Member], int]:
-    """Every registration, and the revision they were read at."""
+async def _read_view(client: aetcd.Client, settings: EtcdSettings) -> tuple[list[Member], int, int]:
+    """Every registration, the revision they were read at, and how many were refused."""
     found = await client.get_prefix(settings.key("nodes/"))
-    members = []
+    members, refused = [], 0
     for kv in found:
         name = kv.key[len(settings.key("nodes/")) :].decode(errors="replace")
-        member = Member.decode(name, kv.value)
+        member = _decode(name, kv.value)
         if member is not None:
             members.append(member)
-    return members, found.header.revision
+        else:
+            refused += 1
+    return members, found.header.revision, refused
+
+
+def _decode(name: str, value: bytes) -> Member | None:
+    """The registration ``value`` says; one that is not (a foreign key, an address that
+    cannot be dialled) is logged and ``None``."""
+    member = Member.decode(name, value)
+    if member is None:
+        log.warning("ignoring registration %r in etcd: not a dialable address and slot", name)
+    return member
 
 
 def _why(exc: BaseException, timeout: float) -> str:
     """What went wrong with etcd, in words (a timeout's own text is empty)."""
     if isinstance(exc, TimeoutError):
         return f"no answer within {timeout:g}s"
+    if not isinstance(exc, ETCD_ERRORS):  # unexpected: say what it was
+        return f"{type(exc).__name__}: {exc}"
     return str(exc) or type(exc).__name__
 
 
 async def _close(client: aetcd.Client) -> None:
-    with contextlib.suppress(*ETCD_ERRORS, asyncio.CancelledError):
+    """Close ``client``, whatever etcd answers; a cancellation of the caller goes through
+    (swallowed, it would send the roster task back to etcd and hang the drain)."""
+    with contextlib.suppress(Exception):
         async with asyncio.timeout(1.0):
             await client.close()
 
@@ -332,8 +407,18 @@ class RosterService(BaseService):
 
     name = "roster"
 
-    def __init__(self, host: Host, peering: PeeringService, registration: Registration) -> None:
+    def __init__(
+        self,
+        host: Host,
+        peering: PeeringService,
+        registration: Registration,
+        *,
+        on_slot_lost: Callable[[], None] = lambda: None,
+    ) -> None:
         self.host = host
+        #: called when this daemon's slot went to another node: the daemon must stop
+        self.on_slot_lost = on_slot_lost
+        self.slot_lost = False  #: so it did: the daemon exits non-zero, to register afresh
         self.peering = peering
         self.settings = EtcdSettings.from_config(host.config)
         self._registration = registration
@@ -344,6 +429,7 @@ class RosterService(BaseService):
             now=host.now(),
             max_retry=min(MAX_RETRY, self.settings.call_timeout),
         )
+        self.engine.invalid(registration.refused)
         self._apply(self.engine.load(registration.members))
         peering.name_of = self.engine.name_of
         self._task: asyncio.Task[None] | None = None
@@ -358,11 +444,29 @@ class RosterService(BaseService):
         while True:
             try:
                 await self._follow(registration)
-            except* ETCD_ERRORS as failed:  # (from the keepalive's or the watch's task)
+            except* Exception as failed:  # (from the keepalive's or the watch's task)
                 self._unreachable(failed.exceptions[0])
             await _close(registration.client)
-            registration = await self._reconnect(registration)
+            try:
+                registration = await self._reconnect(registration)
+            except SlotTaken as exc:
+                self._lost_slot(exc)
+                return
             self._registration = registration
+
+    def _lost_slot(self, exc: SlotTaken) -> None:
+        """This daemon's lease expired (a whole TTL without a keepalive) and another node
+        took its slot: serving on as that id would make it mean two nodes, so the daemon
+        stops (its links closed by the drain) and exits non-zero; restarted, it registers
+        afresh in another slot."""
+        log.error(
+            "etcd gave this daemon's slot %d to another node while its lease was lost (%s): "
+            "stopping; it registers afresh when restarted",
+            self._registration.slot,
+            exc,
+        )
+        self.slot_lost = True
+        self.on_slot_lost()
 
     def _unreachable(self, exc: BaseException) -> None:
         why = _why(exc, self.settings.call_timeout)
@@ -375,14 +479,27 @@ class RosterService(BaseService):
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self._keep_alive(registration))
             tasks.create_task(self._watch(registration))
+            tasks.create_task(self._resync(registration))
+
+    async def _resync(self, registration: Registration) -> None:
+        """Read the view whole every :data:`RESYNC_INTERVAL`: a watch that died silently
+        (aetcd 1.0 never ends its iterator when the server ends the stream) would otherwise
+        leave the view stale for good."""
+        while True:
+            await asyncio.sleep(RESYNC_INTERVAL)
+            async with asyncio.timeout(self.settings.call_timeout):
+                members, _, _ = await _read_view(registration.client, self.settings)
+            self._apply(self.engine.load([m for m in members if m.name != self.settings.name]))
 
     async def _keep_alive(self, registration: Registration) -> None:
+        """Refresh the lease every third of its TTL (at most :data:`MAX_KEEPALIVE`), the
+        first time at once: the daemon was built between the registration and this start."""
         while True:
-            await asyncio.sleep(self.settings.call_timeout)
             async with asyncio.timeout(self.settings.call_timeout):
                 reply = await registration.client.refresh_lease(registration.lease)
             if reply is None or reply.TTL <= 0:
                 raise LeaseLost("this daemon's lease expired")
+            await asyncio.sleep(min(self.settings.call_timeout, MAX_KEEPALIVE))
 
     async def _watch(self, registration: Registration) -> None:
         prefix = self.settings.key("nodes/")
@@ -396,8 +513,10 @@ class RosterService(BaseService):
                 continue  # this daemon's own registration
             if event.kind == aetcd.EventKind.DELETE:
                 self._apply(self.engine.on_delete(name))
-            elif (member := Member.decode(name, event.kv.value)) is not None:
+            elif (member := _decode(name, event.kv.value)) is not None:
                 self._apply(self.engine.on_put(member))
+            else:
+                self.engine.invalid()
         raise WatchEnded("etcd ended the watch")
 
     async def _reconnect(self, old: Registration) -> Registration:
@@ -411,7 +530,11 @@ class RosterService(BaseService):
             try:
                 client = await _connect(self.settings, endpoint)
                 return await self._resume(client, old, endpoint)
-            except ETCD_ERRORS as exc:
+            except SlotTaken:
+                if client is not None:
+                    await _close(client)
+                raise
+            except Exception as exc:  # (any: a daemon must not end for etcd's sake)
                 self._unreachable(exc)
                 if client is not None:
                     await _close(client)
@@ -420,7 +543,7 @@ class RosterService(BaseService):
         async with asyncio.timeout(self.settings.call_timeout):
             info = await client.get_lease_info(old.lease, keys=False)
         if info.TTL > 0:
-            members, revision = await _read_view(client, self.settings)
+            members, revision, refused = await _read_view(client, self.settings)
             members = [m for m in members if m.name != self.settings.name]
             fresh = Registration(
                 client=client,
@@ -429,18 +552,27 @@ class RosterService(BaseService):
                 members=members,
                 revision=revision,
                 endpoint=endpoint,
+                refused=refused,
             )
         else:
             log.warning("this daemon's etcd lease expired while unreachable: registering again")
             fresh = await _claim(client, self.settings, endpoint, slot=old.slot)
             self.engine.on_registered()
         self.engine.on_connected(self.host.now())
+        self.engine.invalid(fresh.refused)
         self._apply(self.engine.load(fresh.members))
         log.info("etcd reachable again: %d other nodes registered", len(fresh.members))
         return fresh
 
     def _apply(self, changes: Iterable[AddressChanged]) -> None:
         for change in changes:
+            if change.replaced:  # (first: the old holder's links go before the new is dialled)
+                log.warning(
+                    "node id %d now belongs to %r: closing the links of its last holder",
+                    change.slot,
+                    change.name,
+                )
+                self.peering.replace(change.slot)
             if change.address:
                 log.info("node %r (id %d) is at %s", change.name, change.slot, change.address)
             else:
@@ -449,15 +581,10 @@ class RosterService(BaseService):
 
     async def settle(self) -> None:
         """Leave etcd at once (the lease revoked), so the others need not wait for its TTL."""
-        if self._task is not None:
+        if self._task is not None:  # (waited for, not awaited: its outcome is no news here)
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, *ETCD_ERRORS):
-                await self._task
-        registration = self._registration
-        with contextlib.suppress(*ETCD_ERRORS):
-            async with asyncio.timeout(1.0):
-                await registration.client.revoke_lease(registration.lease)
-        await _close(registration.client)
+            await asyncio.wait({self._task}, timeout=SETTLE_TIMEOUT)
+        await release(self._registration)
 
     def statistics(self) -> Meta:
         return {

@@ -68,6 +68,8 @@ and a peer reset while connected is redialled :data:`FIRST_BACKOFF` later::
 A node with no address (a free slot under membership from etcd, :mod:`fabricd.engines.roster`)
 is *absent*: any move of its dialler but to CONNECTED lands in STOPPED instead, and
 :meth:`PeerTable.set_present` starts it (or brings a waiting dial forward) once it has one.
+When the slot goes to another name, :meth:`PeerTable.replace` resets the peer and refuses the
+old holder's incarnations: one id never means two nodes.
 
 Anything not listed in a table keeps the state.  Timers live in a
 :class:`~fabricd.engines.deadlines.Deadlines` heap (and the gate's own).  Silence is checked
@@ -355,6 +357,9 @@ class _Peer:
     since: float = 0.0
     links: set[Channel] = field(default_factory=set)
     leaving: bool = False  #: it said BYE: its links closing is expected
+    #: the id was given to another node (:meth:`PeerTable.replace`): incarnations up to this
+    #: one are the old holder's, refused
+    retired: int | None = None
 
 
 @dataclass(slots=True)
@@ -480,6 +485,19 @@ class PeerTable:
             self._deadlines.set((_Timer.DIAL, node), now)
             return []
         return self._dial(node, _DialInput.START, now) if dialler.state is _Dial.STOPPED else []
+
+    def replace(self, node: int, now: float) -> list[Action]:
+        """Another node holds ``node``'s id now (membership from etcd gave its slot to a new
+        name): the old holder's links are closed (a reset) and its incarnations refused from
+        here on, so the id never means two nodes, to this node or to the others.
+        """
+        peer = self._peers[node]
+        if peer.incarnation is not None:
+            peer.retired = max(peer.incarnation, peer.retired or 0)
+        if not peer.links:
+            return []
+        reason = "its id went to another node"
+        return self._reset(node, reason, now) + self._move(node, _Input.DEAD, now, reason)
 
     def on_dial_failed(self, node: int, error: str, now: float) -> list[Action]:
         """The dial of ``node`` under way failed (``error`` says why); it is retried later.
@@ -615,6 +633,8 @@ class PeerTable:
 
     # -- internals ----------------------------------------------------------------------------
     def _verdict(self, peer: _Peer, incarnation: int) -> _Verdict:
+        if peer.retired is not None and incarnation <= peer.retired:
+            return _Verdict.STALE
         known = peer.incarnation
         if known is None:
             return _Verdict.FIRST
