@@ -16,6 +16,7 @@ import faulthandler
 import multiprocessing
 import os
 import queue
+import re
 import tempfile
 import traceback
 from functools import partial
@@ -473,7 +474,9 @@ def test_a_rank_killed_mid_operation_fails_the_others_wait(make_cluster: Any, sp
     for rank, said, error in reports[:2]:
         assert error is None, f"rank {rank}: {error}"
         assert "allreduce failed" in said, said
-        assert "rank 2" in said, said
+        # (rank 2 gone while the allreduce waits: "rank 2 left"; gone before it began: the
+        # allreduce waits route_timeout "for ranks 2 to join", as for a rank never started)
+        assert re.search(r"\branks? 2\b", said), said
 
 
 def job_rank(socket_path: str, init: str, rank: int, n: int, value: float, out: Any) -> None:
