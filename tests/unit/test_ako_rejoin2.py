@@ -14,6 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabricd.engines.ako.exchange import Exchange
+from fabricd.engines.ako.rejoin import MAX_DEAD
 from fabricd.errors import RemoteProtocolError
 from fabricd.frames.ako import Part
 from tests.unit.test_ako_rejoin import (
@@ -229,3 +231,49 @@ def test_one_of_two_ranks_coming_back_dying_at_any_point_hangs_no_flush(
     assert not any(fab.busy)
     fab.act(a, fab.ex[a].left(b))  # (its daemon heard it too: a no-op if gone there)
     _next_flushes_complete(fab, sorted([*survivors, a]))
+
+
+def test_a_death_that_completes_the_knower_s_flush_is_still_announced() -> None:
+    """Rank 2's new incarnation is heard by rank 0 alone and dies after both took it back
+    (rank 1 through 0's marker, ignoring the departure it could not attribute).  When rank 0
+    learns of the death during the next flush, the death completes that flush at once: its
+    marker listing the death must still go to rank 1, or rank 1 waits for rank 2 for ever."""
+    fab = Fabric(3, 1, 2)
+    fab.drain()
+    fab.kill(2)
+    for r in (0, 1):
+        fab.act(r, fab.ex[r].left(2))
+    fab.flush([0, 1])
+    fab.drain()
+    fab.revive(2, 101)
+    fab.queues.pop((2, 1))  # (its HELLO to rank 1 is lost)
+    _deliver_pair(fab, 2, 0)
+    _deliver_pair(fab, 0, 2)
+    fab.flush([0, 1])  # this flush's markers list (2, 101)
+    fab.kill(2)
+    fab.act(1, fab.ex[1].left(2))  # not attributable at rank 1: ignored
+    fab.drain()  # both take 101 back
+    for r in (0, 1):
+        fab.step(r, np.ones(SIZE))
+        fab.drain()
+    fab.flush([0, 1])
+    _deliver_pair(fab, 1, 0)
+    _deliver_pair(fab, 0, 1)  # the next flush's markers, neither listing the death
+    fab.act(0, fab.ex[0].left(2))  # rank 0 learns of it: its flush completes at once
+    fab.drain()
+    assert fab.busy == [False, False, False]  # no flush waits
+    assert all(2 in fab.ex[r]._gone for r in (0, 1))
+
+
+def test_an_incarnation_killed_again_is_listed_once() -> None:
+    """A marker listing more dead nonces of one rank than a rank remembers (MAX_DEAD) makes
+    it kill the evicted ones again at every marker: each is listed dead once, and another
+    rank's obituary is kept."""
+    ex = Exchange(rank=0, ranks=4, model=np.zeros(4), partitions=1, lr=0.5, staleness=1, nonce=7)
+    ex._kill(2, 999)
+    dead = tuple((3, 1000 + i) for i in range(MAX_DEAD + 4))
+    for _ in range(14):
+        ex._obituaries(dead)
+    listed = list(ex._obits)
+    assert len(listed) == len(set(listed))  # no duplicates
+    assert (2, 999) in listed

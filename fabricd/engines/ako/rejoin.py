@@ -398,8 +398,9 @@ class Rejoin:
         dead = self._dead.setdefault(peer, deque(maxlen=MAX_DEAD))
         if nonce not in dead:
             dead.append(nonce)
-            self._obits.append((peer, nonce))
-            self._news = True
+            if (peer, nonce) not in self._obits:  # (one evicted from dead, killed again)
+                self._obits.append((peer, nonce))
+                self._news = True
 
     def _obituaries(self, dead: tuple[tuple[int, int], ...]) -> list[Action]:
         """A peer's flush marker listed incarnations it knows died: dead here too (a member
@@ -439,4 +440,7 @@ class Rejoin:
             return []  # (never opened, or its HELLO is yet to come: those that heard it tell)
         elif self._taken.get(peer, 0) == self._nonce_of[peer] != 0:
             self._kill(peer, self._nonce_of[peer])  # (its HELLO came before: it is this one)
-        return self.gone(peer) + self._announce()
+        # (the markers listing the death go before gone(), which may complete the open flush:
+        # after it, nothing would tell a peer that took the incarnation back through a marker)
+        announced = self._announce()
+        return announced + self.gone(peer)
