@@ -58,9 +58,24 @@ def _spawn_rank(spawn, queue, cluster: LocalCluster, node: int, rank: int, size:
     return process
 
 
+def _asleep(pid: int) -> bool:
+    """Whether ``pid``'s main thread is blocked (state S): past its request, in the wait."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0] == "S"
+
+
 def _stop(process: Any, queue: Any) -> list[str]:
-    """Ctrl-C the trainer, and return the interrupt's notes once its process is gone."""
+    """Ctrl-C the trainer, and return the interrupt's notes once its process is gone.
+
+    The daemon has the call by now (``_open_calls``), but a loaded machine may not yet have
+    let the trainer from its request into the wait that gives the interrupt its note: it is
+    interrupted once its main thread blocks (in the wait: nothing else blocks after the
+    request), or after 5 s regardless."""
     assert process.pid is not None
+    for _ in range(500):
+        if _asleep(process.pid):
+            break
+        time.sleep(0.01)
     os.kill(process.pid, signal.SIGINT)  # Ctrl-C
     how, notes = queue.get(timeout=WAIT)
     process.join(WAIT)
