@@ -123,17 +123,25 @@ def dialable(address: str) -> bool:
     """Whether ``address`` is a ``host:port`` a peer can dial: anything else written to etcd
     (by mistake or by someone with write access to the prefix) must never reach the peering
     service, which would fail on it; a wildcard (0.0.0.0, ::) is a listen address, not one
-    to dial."""
+    to dial, and a name the resolver cannot encode (an empty label as in ``h..``, one over
+    63 characters, a control character) is never found."""
     host, sep, port = address.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         return False
-    if any(c.isspace() or c in "/[]" for c in host):
+    if any(c.isspace() or c in "/[]" for c in host) or not host.isprintable():
         return False
     try:
         return not ipaddress.ip_address(host).is_unspecified
     except ValueError:
-        return ":" not in host  # a name (an IPv6 address that does not parse is refused)
+        pass
+    if ":" in host:  # an IPv6 address that does not parse
+        return False
+    try:  # as the resolver will encode it: an empty or 64-character label fails there
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)

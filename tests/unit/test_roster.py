@@ -15,6 +15,7 @@ from fabricd.engines.roster import (
     Roster,
     State,
     choose_slot,
+    dialable,
 )
 
 
@@ -51,7 +52,9 @@ def test_an_address_that_cannot_be_dialled_is_not_a_registration() -> None:
     for address in ("garbage", "0.0.0.0:7700", "[::]:7700", ":7700", "h:0", "h:x", "h:99999"):
         value = json.dumps({"address": address, "slot": 3}).encode()
         assert Member.decode("n1", value) is None, address
-    for address in ("gpu-11:7700", "10.0.0.1:7700", "[::1]:7700"):
+    for address in ("h..:7450", f"{'a' * 64}:7450", ".:1", "h\x00:7450", "h\x7f:1", "[h..]:1"):
+        assert not dialable(address), address  # the resolver could not encode the name
+    for address in ("gpu-11:7700", "10.0.0.1:7700", "[::1]:7700", f"{'a' * 63}.b:1", "é:1"):
         value = json.dumps({"address": address, "slot": 3}).encode()
         assert Member.decode("n1", value) == Member("n1", address, 3)
 
