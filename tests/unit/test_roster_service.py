@@ -205,8 +205,8 @@ def test_a_daemon_that_fails_before_serving_leaves_etcd_at_once(monkeypatch) -> 
 
 
 class _KV:
-    def __init__(self, key: bytes, value: bytes) -> None:
-        self.key, self.value = key, value
+    def __init__(self, key: bytes, value: bytes, mod_revision: int = 0) -> None:
+        self.key, self.value, self.mod_revision = key, value, mod_revision
 
 
 class _Found(list[_KV]):
@@ -221,6 +221,7 @@ class _Etcd:
         self.calls: list[str] = []
         self.holder = holder
         self.nodes: list[_KV] = []  #: the registrations under nodes/
+        self.names = [_KV(b"/fabricd/names/a", b"3")]  #: the slots names remember
         self.held_for = held_for
         self.transactions = aetcd.Client().transactions
         self.refreshed = 0
@@ -231,7 +232,7 @@ class _Etcd:
             self.held_for -= 1
             return _Found([_KV(b"/fabricd/slots/3", self.holder)])
         if key.endswith(b"names/"):
-            return _Found([_KV(b"/fabricd/names/a", b"3")])
+            return _Found(self.names)
         if key.endswith(b"nodes/"):
             return _Found(self.nodes)
         return _Found()
@@ -322,6 +323,68 @@ def test_a_daemon_whose_slot_went_to_another_node_stops_serving_as_it(monkeypatc
 
     assert asyncio.run(scenario()).slot_lost
     assert "lease" not in etcd.calls  # never registered again in another slot by itself
+
+
+def _lose_the_lease(etcd: _Etcd, monkeypatch: pytest.MonkeyPatch) -> RosterService:
+    """Run a roster service for "a" in slot 3 whose lease is lost at once, until it stops
+    or registers again (a hang guard: 30 s)."""
+    monkeypatch.setattr(roster, "_connect", lambda settings, endpoint: _ready(etcd))
+    stopped = asyncio.Event()
+
+    async def scenario() -> RosterService:
+        registration = Registration(
+            client=etcd, lease=1, slot=3, members=[], revision=1, endpoint=0
+        )
+        host = _Host()
+        host.config = dataclasses.replace(host.config, node_name="a")
+        service = RosterService(
+            host,  # type: ignore[arg-type]
+            _Peering(),  # type: ignore[arg-type]
+            registration,
+            on_slot_lost=stopped.set,
+        )
+        lost = [roster.LeaseLost("this daemon's lease expired")]
+
+        async def follow(registration: Registration) -> None:
+            if lost:
+                raise lost.pop()
+            stopped.set()  # registered again: following the new registration
+
+        service._follow = follow  # type: ignore[method-assign]
+        service.start()
+        await asyncio.wait_for(stopped.wait(), timeout=30)
+        await service.settle()
+        return service
+
+    return asyncio.run(scenario())
+
+
+async def _ready(client: _Etcd) -> _Etcd:
+    return client
+
+
+def test_a_slot_another_name_held_while_the_lease_was_lost_is_not_taken_back(
+    monkeypatch,
+) -> None:
+    """Node b took slot 3 while a was away from etcd and left again: the peers retired a's
+    incarnation when b took over, so a registering again as the same incarnation would be
+    refused by all of them for good: it stops (exit 75) and comes back as a new one."""
+    etcd = _Etcd(held_for=0)  # the slot is free again
+    etcd.names = [_KV(b"/fabricd/names/a", b"3", 5), _KV(b"/fabricd/names/b", b"3", 9)]
+    service = _lose_the_lease(etcd, monkeypatch)
+    assert service.slot_lost
+    assert "lease" not in etcd.calls
+
+
+def test_a_slot_nobody_held_since_is_registered_in_again(monkeypatch) -> None:
+    """Another name remembering the slot from before this name's registration (an earlier
+    holder) is no reason to stop: the lease lost, the slot is taken back."""
+    etcd = _Etcd(held_for=0)
+    etcd.names = [_KV(b"/fabricd/names/a", b"3", 5), _KV(b"/fabricd/names/b", b"3", 2)]
+    service = _lose_the_lease(etcd, monkeypatch)
+    assert not service.slot_lost
+    assert [c for c in etcd.calls if c in ("lease", "take")] == ["lease", "take"]
+    assert service.engine.registrations == 2
 
 
 def test_a_slot_with_a_new_name_replaces_the_peer_before_its_address_is_set() -> None:

@@ -17,7 +17,8 @@ aetcd, an asyncio etcd v3 client (gRPC underneath; docs/operations.md, "Membersh
   fails or takes longer than a third of the TTL makes etcd *unreachable*: the view is kept,
   etcd is tried again with backoff (the next endpoint each time), and once it answers the
   lease is checked, registered again if it expired meanwhile (the same slot: a node's id never
-  changes while it runs), and the view read whole again.  ``status`` says which
+  changes while it runs; a slot another name took, or held meanwhile, stops the daemon:
+  exit 75, a fresh incarnation on restart), and the view read whole again.  ``status`` says which
   (``membership``); the drain revokes the lease, so the others see this node leave at once.
 """
 
@@ -281,12 +282,7 @@ async def _claim(
             for kv in await client.get_prefix(settings.key("slots/"))
             if kv.key.rsplit(b"/", 1)[1].isdigit()
         }
-        remembered, others = None, []
-        for kv in await client.get_prefix(settings.key("names/")):
-            if kv.key == settings.key("names", name):
-                remembered = _int(kv.value)
-            elif (other := _int(kv.value)) is not None:
-                others.append(other)
+        remembered, others = await _memories(client, settings, slot)
         remembered = slot if slot is not None else remembered
         choice = choose_slot(held, name, remembered, settings.max_nodes, others)
         if slot is not None and choice != slot and choice is not Claim.WAIT:
@@ -314,6 +310,34 @@ async def _claim(
         endpoint=endpoint,
         refused=refused,
     )
+
+
+async def _memories(
+    client: aetcd.Client, settings: EtcdSettings, slot: int | None
+) -> tuple[int | None, list[int]]:
+    """The slot this name remembers (``names/``) and those other names remember.
+
+    Registering again (``slot``, after the lease was lost): another name that remembers
+    ``slot`` from after this name's own registration held the slot meanwhile, and the peers
+    have retired this daemon's incarnation when it took over (one id, one node): taken back
+    under the same incarnation, every link this daemon made would be refused for good, so
+    it is :class:`SlotTaken` (the daemon stops and comes back as a fresh incarnation), even
+    though the holder has left again.
+
+    Raises:
+        SlotTaken: registering again, and ``slot`` had another holder meanwhile.
+    """
+    remembered, own, others = None, 0, {}
+    for kv in await client.get_prefix(settings.key("names/")):
+        if kv.key == settings.key("names", settings.name):
+            remembered, own = _int(kv.value), kv.mod_revision
+        elif (other := _int(kv.value)) is not None:
+            others[kv.key] = (other, kv.mod_revision)
+    for key, (other, revision) in others.items():
+        if slot is not None and other == slot and revision > own:
+            holder = key.rsplit(b"/", 1)[1].decode(errors="replace")
+            raise SlotTaken(f"slot {slot} was held by {holder!r} meanwhile")
+    return remembered, [other for other, _ in others.values()]
 
 
 async def _wait_for_name(client: aetcd.Client, settings: EtcdSettings, *, waited: float) -> None:
