@@ -435,3 +435,68 @@ def test_the_view_is_read_whole_again_while_the_watch_says_nothing(monkeypatch) 
 
     asyncio.run(scenario())
     assert peering.calls[0] == "address 1 10.0.0.2:7700"
+
+
+class _Event:
+    def __init__(self, kind: aetcd.EventKind, kv: _KV) -> None:
+        self.kind, self.kv = kind, kv
+
+
+class _Watched(_Etcd):
+    """etcd whose watch brings "a" leaving and "b" taking slot 3 (revisions 8 and 9), while
+    every full read answers from revision 7, before them (a slow or lagging member)."""
+
+    def __init__(self) -> None:
+        super().__init__(held_for=0)
+        self.nodes = [_KV(b"/fabricd/nodes/a", Member("a", "10.0.0.5:7700", 3).encode(), 3)]
+        self.reads = 0
+
+    async def get_prefix(self, key: bytes) -> _Found:
+        self.reads += key.endswith(b"nodes/")
+        return await super().get_prefix(key)
+
+    async def watch_prefix(self, prefix: bytes, start_revision: int) -> Any:
+        async def events() -> Any:
+            b = Member("b", "10.0.0.6:7700", 3).encode()
+            yield _Event(aetcd.EventKind.DELETE, _KV(b"/fabricd/nodes/a", b"", 8))
+            yield _Event(aetcd.EventKind.PUT, _KV(b"/fabricd/nodes/b", b, 9))
+            yield _Event(aetcd.EventKind.PUT, _KV(b"/fabricd/nodes/a", b"x", 6))  # read before
+            await asyncio.Event().wait()
+
+        return events()
+
+
+def test_a_full_read_older_than_the_watchs_events_is_dropped(monkeypatch) -> None:
+    """Applied, it would put "a" back in slot 3 after the watch gave it to "b": two spurious
+    replacements, the second retiring b's incarnation."""
+    monkeypatch.setattr(roster, "RESYNC_INTERVAL", 0.01)
+    etcd = _Watched()
+    peering = _Peering()
+
+    async def scenario() -> RosterService:
+        registration = Registration(
+            client=etcd,
+            lease=1,
+            slot=0,
+            members=[Member("a", "10.0.0.5:7700", 3)],
+            revision=7,
+            endpoint=0,
+        )
+        service = RosterService(_Host(), peering, registration)  # type: ignore[arg-type]
+        service.start()
+        for _ in range(3000):  # a hang guard: 30 s
+            if etcd.reads >= 3:
+                break
+            await asyncio.sleep(0.01)
+        await service.settle()
+        return service
+
+    service = asyncio.run(scenario())
+    assert etcd.reads >= 3
+    assert peering.calls == [
+        "address 3 10.0.0.5:7700",
+        "address 3 ",
+        "replace 3",
+        "address 3 10.0.0.6:7700",
+    ]
+    assert service.engine.ignored == 0  # the stale event was skipped, not refused

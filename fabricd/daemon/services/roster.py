@@ -12,7 +12,9 @@ aetcd, an asyncio etcd v3 client (gRPC underneath; docs/operations.md, "Membersh
   answers: the daemon is not ready (no READY=1) before it is registered;
 * :class:`RosterService`, while the daemon runs: keeps the lease alive (every third of its
   TTL), watches ``nodes/`` from the revision read (and reads it whole every
-  :data:`RESYNC_INTERVAL`), and hands every change to the peering
+  :data:`RESYNC_INTERVAL`; a read older than an event the watch applied is dropped, and an
+  event a read already brought is skipped: the view never goes back in etcd's history), and
+  hands every change to the peering
   service (:meth:`~fabricd.daemon.services.peering.PeeringService.set_address`).  A call that
   fails or takes longer than a third of the TTL makes etcd *unreachable*: the view is kept,
   etcd is tried again with backoff (the next endpoint each time), and once it answers the
@@ -458,6 +460,12 @@ class RosterService(BaseService):
         peering.name_of = self.engine.name_of
         self._task: asyncio.Task[None] | None = None
         self._events = 0  #: watch events applied
+        #: the revision of the last full read the view was made from: the watch's events up
+        #: to it are in the view already
+        self._read_at = registration.revision
+        #: the newest revision in the view (the read's, or a watch event's after it): a
+        #: periodic read older than it would put back a state the watch moved on from
+        self._newest = registration.revision
 
     def start(self) -> None:
         """Keep the lease and follow the registrations, until the drain."""
@@ -512,8 +520,15 @@ class RosterService(BaseService):
         while True:
             await asyncio.sleep(RESYNC_INTERVAL)
             async with asyncio.timeout(self.settings.call_timeout):
-                members, _, _ = await _read_view(registration.client, self.settings)
-            self._apply(self.engine.load([m for m in members if m.name != self.settings.name]))
+                members, revision, _ = await _read_view(registration.client, self.settings)
+            if revision < self._newest:  # (the watch applied newer events meanwhile)
+                continue
+            self._load(members, revision)
+
+    def _load(self, members: Iterable[Member], revision: int) -> None:
+        """Make the view a full read's, at ``revision``."""
+        self._read_at = self._newest = revision
+        self._apply(self.engine.load([m for m in members if m.name != self.settings.name]))
 
     async def _keep_alive(self, registration: Registration) -> None:
         """Refresh the lease every third of its TTL (at most :data:`MAX_KEEPALIVE`), the
@@ -533,8 +548,9 @@ class RosterService(BaseService):
         async for event in watch:
             name = event.kv.key[len(prefix) :].decode(errors="replace")
             self._events += 1
-            if name == self.settings.name:
-                continue  # this daemon's own registration
+            if name == self.settings.name or event.kv.mod_revision <= self._read_at:
+                continue  # this daemon's own registration, or one a full read brought already
+            self._newest = max(self._newest, event.kv.mod_revision)
             if event.kind == aetcd.EventKind.DELETE:
                 self._apply(self.engine.on_delete(name))
             elif (member := _decode(name, event.kv.value)) is not None:
@@ -584,7 +600,7 @@ class RosterService(BaseService):
             self.engine.on_registered()
         self.engine.on_connected(self.host.now())
         self.engine.invalid(fresh.refused)
-        self._apply(self.engine.load(fresh.members))
+        self._load(fresh.members, fresh.revision)
         log.info("etcd reachable again: %d other nodes registered", len(fresh.members))
         return fresh
 
