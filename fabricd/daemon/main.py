@@ -62,6 +62,7 @@ async def serve(loaded: Loaded) -> int:
         loaded = roster.registered(loaded, registration)
         cfg = loaded.config  # from here on, lines are tagged with the node id etcd gave
         logs.setup(cfg.log_level, cfg.log_format, cfg.node_id)
+    daemon = None
     try:
         daemon = Daemon(loaded, registration=registration)
         gc.collect()
@@ -71,8 +72,10 @@ async def serve(loaded: Loaded) -> int:
             loop.add_signal_handler(sig, daemon.stop)
         loop.add_signal_handler(signal.SIGHUP, daemon.reload_secrets)
         await daemon.run()
-    except Exception:
-        if registration is not None:  # (failed before serving, or crashed: leave etcd now)
+    except BaseException:  # (a crash, a cancel, an interrupt: leave etcd now, then go on)
+        if daemon is not None and daemon.roster is not None:  # its registration, which is
+            await daemon.roster.settle()  # another lease and client after registering again
+        elif registration is not None:  # (failed before serving)
             await roster.release(registration)
         raise
     return EXIT_SLOT_LOST if daemon.roster is not None and daemon.roster.slot_lost else 0

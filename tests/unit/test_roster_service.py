@@ -204,6 +204,40 @@ def test_a_daemon_that_fails_before_serving_leaves_etcd_at_once(monkeypatch) -> 
     assert client.closing.is_set()
 
 
+def test_a_daemon_that_crashes_leaves_etcd_with_its_current_registration(monkeypatch) -> None:
+    """Registered again after a lost lease, the roster service holds another lease and client
+    than the startup's: those are released, not the startup's long-gone lease."""
+    startup = _DownClient()
+    registration = Registration(client=startup, lease=1, slot=0, members=[], revision=1, endpoint=0)
+    settled: list[bool] = []
+
+    class _Roster:
+        async def settle(self) -> None:
+            settled.append(True)
+
+    class _Crashing:
+        def __init__(self, *_: object, **__: object) -> None:
+            self.roster = _Roster()
+
+        def stop(self) -> None: ...
+
+        def reload_secrets(self) -> None: ...
+
+        async def run(self) -> None:
+            raise RuntimeError("a bug")
+
+    async def register(cfg: object) -> Registration:
+        return registration
+
+    monkeypatch.setattr(roster, "register", register)
+    monkeypatch.setattr(main, "Daemon", _Crashing)
+    monkeypatch.setattr(main.logs, "setup", lambda *_: None)
+    with pytest.raises(RuntimeError):
+        asyncio.run(main.serve(load(environ={}, flags=FLAGS)))
+    assert settled == [True]
+    assert not startup.revoked
+
+
 class _KV:
     def __init__(self, key: bytes, value: bytes, mod_revision: int = 0) -> None:
         self.key, self.value, self.mod_revision = key, value, mod_revision
