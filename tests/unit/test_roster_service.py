@@ -293,7 +293,7 @@ class _Etcd:
         await asyncio.Event().wait()  # no events: wait for the drain
 
     async def revoke_lease(self, lease: int) -> None:
-        self.calls.append("revoke")
+        self.calls.append(f"revoke {lease}")
 
     async def close(self) -> None:
         self.calls.append("close")
@@ -534,3 +534,71 @@ def test_a_full_read_older_than_the_watchs_events_is_dropped(monkeypatch) -> Non
         "address 3 10.0.0.6:7700",
     ]
     assert service.engine.ignored == 0  # the stale event was skipped, not refused
+
+
+def test_a_cancel_the_task_group_drops_still_ends_the_roster_task(monkeypatch) -> None:
+    """A child of the follow failing in the same turn as the drain's cancel: the task group
+    raises the child's error and drops the cancel (Python 3.11); the task must not go back to
+    etcd, or the drain waits for it in vain and the task outlives the daemon."""
+    tries: list[int] = []
+
+    async def connect(settings: object, endpoint: int) -> _DownClient:
+        tries.append(endpoint)
+        raise aetcd.ClientError("down")
+
+    monkeypatch.setattr(roster, "_connect", connect)
+    following = asyncio.Event()
+
+    async def scenario() -> bool:
+        service = _service(_DownClient())
+
+        async def follow(registration: Registration) -> None:
+            following.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:  # as the group does: the child's error instead
+                raise OSError("the watch failed in the same turn") from None
+
+        service._follow = follow  # type: ignore[method-assign]
+        service.start()
+        await asyncio.wait_for(following.wait(), timeout=30)  # a hang guard
+        await service.settle()
+        assert service._task is not None
+        return service._task.done()
+
+    assert asyncio.run(scenario())
+    assert tries == []
+
+
+def test_a_cancel_while_registering_again_revokes_the_new_lease_and_closes_the_client(
+    monkeypatch,
+) -> None:
+    """The drain's cancel landing after the lease was granted: left alone, the lease would
+    hold the slot for a TTL and the client stay open."""
+    taking = asyncio.Event()
+
+    class _Hanging(_Etcd):
+        async def transaction(self, compare: object, success: object, failure: object) -> tuple:
+            taking.set()
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+    etcd = _Hanging(held_for=0)
+    monkeypatch.setattr(roster, "_connect", lambda settings, endpoint: _ready(etcd))
+
+    async def scenario() -> None:
+        registration = Registration(
+            client=_DownClient(), lease=1, slot=3, members=[], revision=1, endpoint=0
+        )
+        service = RosterService(_Host(), _Peering(), registration)  # type: ignore[arg-type]
+
+        async def follow(registration: Registration) -> None:
+            raise roster.LeaseLost("this daemon's lease expired")
+
+        service._follow = follow  # type: ignore[method-assign]
+        service.start()
+        await asyncio.wait_for(taking.wait(), timeout=30)  # a hang guard
+        await service.settle()
+
+    asyncio.run(scenario())
+    assert etcd.calls[-2:] == ["revoke 9", "close"]

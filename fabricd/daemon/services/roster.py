@@ -220,10 +220,15 @@ async def _connect(settings: EtcdSettings, endpoint: int) -> aetcd.Client:
 async def release(registration: Registration) -> None:
     """Leave etcd at once: the lease revoked (the others see this node go without waiting
     for its TTL) and the client closed, whatever etcd answers."""
+    await _revoke(registration.client, registration.lease)
+    await _close(registration.client)
+
+
+async def _revoke(client: aetcd.Client, lease: int) -> None:
+    """Revoke ``lease``, whatever etcd answers (within a second)."""
     with contextlib.suppress(Exception):
         async with asyncio.timeout(1.0):
-            await registration.client.revoke_lease(registration.lease)
-    await _close(registration.client)
+            await client.revoke_lease(lease)
 
 
 async def register(cfg: Config) -> Registration:
@@ -297,11 +302,14 @@ async def _claim(
             await _wait_for_name(client, settings, waited=now - waiting_since)
             continue
         lease = await client.lease(settings.ttl)
-        if await _take(client, settings, lease.id, choice):
-            break
-        with contextlib.suppress(Exception):  # (lost the race: it would expire anyway)
-            await client.revoke_lease(lease.id)
-    members, revision, refused = await _read_view(client, settings)
+        try:
+            if await _take(client, settings, lease.id, choice):
+                members, revision, refused = await _read_view(client, settings)
+                break
+        except BaseException:  # (a failure or a cancel: the lease would hold the slot a TTL)
+            await _revoke(client, lease.id)
+            raise
+        await _revoke(client, lease.id)  # (lost the race: it would expire anyway)
     log.info("registered in etcd as %r, slot %d", name, choice)
     return Registration(
         client=client,
@@ -459,6 +467,9 @@ class RosterService(BaseService):
         self._apply(self.engine.load(registration.members))
         peering.name_of = self.engine.name_of
         self._task: asyncio.Task[None] | None = None
+        #: the drain has begun (:meth:`settle`): a cancel the task group dropped (a child
+        #: failing in the same turn) must not send the task back to etcd
+        self._stopping = False
         self._events = 0  #: watch events applied
         #: the revision of the last full read the view was made from: the watch's events up
         #: to it are in the view already
@@ -478,6 +489,8 @@ class RosterService(BaseService):
                 await self._follow(registration)
             except* Exception as failed:  # (from the keepalive's or the watch's task)
                 self._unreachable(failed.exceptions[0])
+            if self._stopping:  # (settle releases the registration)
+                return
             await _close(registration.client)
             try:
                 registration = await self._reconnect(registration)
@@ -570,14 +583,12 @@ class RosterService(BaseService):
             try:
                 client = await _connect(self.settings, endpoint)
                 return await self._resume(client, old, endpoint)
-            except SlotTaken:
+            except BaseException as exc:  # (a cancel too: the client is no one else's)
                 if client is not None:
                     await _close(client)
-                raise
-            except Exception as exc:  # (any: a daemon must not end for etcd's sake)
-                self._unreachable(exc)
-                if client is not None:
-                    await _close(client)
+                if isinstance(exc, SlotTaken) or not isinstance(exc, Exception):
+                    raise
+                self._unreachable(exc)  # (any other: a daemon must not end for etcd's sake)
 
     async def _resume(self, client: aetcd.Client, old: Registration, endpoint: int) -> Registration:
         async with asyncio.timeout(self.settings.call_timeout):
@@ -621,6 +632,7 @@ class RosterService(BaseService):
 
     async def settle(self) -> None:
         """Leave etcd at once (the lease revoked), so the others need not wait for its TTL."""
+        self._stopping = True
         if self._task is not None:  # (waited for, not awaited: its outcome is no news here)
             self._task.cancel()
             await asyncio.wait({self._task}, timeout=SETTLE_TIMEOUT)
