@@ -40,8 +40,9 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def serve(loaded: Loaded) -> int:
-    """Run one daemon until SIGTERM or SIGINT, then drain and return the exit status (0, or
-    :data:`EXIT_SLOT_LOST`); SIGHUP reads the secret source again
+    """Run one daemon until SIGTERM or SIGINT, then drain and return the exit status (0,
+    :data:`EXIT_SLOT_LOST`, or :data:`EXIT_CONFIG` when registering again found its name
+    another daemon's); SIGHUP reads the secret source again
     (:meth:`~fabricd.daemon.node.Daemon.reload_secrets`).
 
     What the daemon made to start (its modules, classes, tables) lives as long as it does, so
@@ -78,6 +79,8 @@ async def serve(loaded: Loaded) -> int:
         elif registration is not None:  # (failed before serving)
             await roster.release(registration)
         raise
+    if daemon.roster is not None and daemon.roster.name_taken:
+        return EXIT_CONFIG  # (its name is another daemon's: said in the log)
     return EXIT_SLOT_LOST if daemon.roster is not None and daemon.roster.slot_lost else 0
 
 

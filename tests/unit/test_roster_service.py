@@ -359,9 +359,9 @@ def test_a_daemon_whose_slot_went_to_another_node_stops_serving_as_it(monkeypatc
     assert "lease" not in etcd.calls  # never registered again in another slot by itself
 
 
-def _lose_the_lease(etcd: _Etcd, monkeypatch: pytest.MonkeyPatch) -> RosterService:
-    """Run a roster service for "a" in slot 3 whose lease is lost at once, until it stops
-    or registers again (a hang guard: 30 s)."""
+def _lose_the_lease(etcd: _Etcd, monkeypatch: pytest.MonkeyPatch, ttl: int = 10) -> RosterService:
+    """Run a roster service for "a" in slot 3 (lease ``ttl``) whose lease is lost at once,
+    until it stops or registers again (a hang guard: 30 s)."""
     monkeypatch.setattr(roster, "_connect", lambda settings, endpoint: _ready(etcd))
     stopped = asyncio.Event()
 
@@ -370,7 +370,7 @@ def _lose_the_lease(etcd: _Etcd, monkeypatch: pytest.MonkeyPatch) -> RosterServi
             client=etcd, lease=1, slot=3, members=[], revision=1, endpoint=0
         )
         host = _Host()
-        host.config = dataclasses.replace(host.config, node_name="a")
+        host.config = dataclasses.replace(host.config, node_name="a", etcd_lease_ttl=ttl)
         service = RosterService(
             host,  # type: ignore[arg-type]
             _Peering(),  # type: ignore[arg-type]
@@ -602,3 +602,12 @@ def test_a_cancel_while_registering_again_revokes_the_new_lease_and_closes_the_c
 
     asyncio.run(scenario())
     assert etcd.calls[-2:] == ["revoke 9", "close"]
+
+
+def test_a_name_another_daemon_holds_when_registering_again_stops_the_daemon(monkeypatch) -> None:
+    """Not etcd unreachable, retried for ever: the daemon stops and exits 78, as at start."""
+    etcd = _Etcd(held_for=1_000_000)  # "a" holds slot 3 for good: another daemon named "a"
+    service = _lose_the_lease(etcd, monkeypatch, ttl=1)
+    assert service.name_taken
+    assert not service.slot_lost
+    assert "lease" not in etcd.calls

@@ -71,6 +71,10 @@ class SlotTaken(Exception):
     """Registering again, this daemon's slot is held by another name."""
 
 
+class NameTaken(ConfigError):
+    """This daemon's name stays registered by another daemon (two were given one name)."""
+
+
 class WatchEnded(Exception):
     """etcd closed the watch without an error: changes would be missed from here on."""
 
@@ -359,7 +363,7 @@ async def _wait_for_name(client: aetcd.Client, settings: EtcdSettings, *, waited
         holder = Member.decode(settings.name, found.value) if found is not None else None
         at = holder.address if holder is not None else "an unknown address"
         if waited:
-            raise ConfigError(
+            raise NameTaken(
                 f"node_name {settings.name!r} is still registered in etcd, by a daemon at {at},"
                 f" after {waited:.0f}s: two daemons were given one name"
             )
@@ -450,9 +454,13 @@ class RosterService(BaseService):
         on_slot_lost: Callable[[], None] = lambda: None,
     ) -> None:
         self.host = host
-        #: called when this daemon's slot went to another node: the daemon must stop
+        #: called when this daemon's slot went to another node, or its name is another
+        #: daemon's: the daemon must stop
         self.on_slot_lost = on_slot_lost
         self.slot_lost = False  #: so it did: the daemon exits non-zero, to register afresh
+        #: registering again, another daemon held this one's name: the daemon stopped, and
+        #: exits as a configuration error
+        self.name_taken = False
         self.peering = peering
         self.settings = EtcdSettings.from_config(host.config)
         self._registration = registration
@@ -497,7 +505,18 @@ class RosterService(BaseService):
             except SlotTaken as exc:
                 self._lost_slot(exc)
                 return
+            except NameTaken as exc:
+                self._lost_name(exc)
+                return
             self._registration = registration
+
+    def _lost_name(self, exc: NameTaken) -> None:
+        """Registering again, another daemon holds this daemon's name: waiting on would never
+        end (retried as etcd unreachable), so the daemon stops and exits as a configuration
+        error (78), as it does when that is found at the start."""
+        log.error("cannot register in etcd again: %s: stopping", exc)
+        self.name_taken = True
+        self.on_slot_lost()
 
     def _lost_slot(self, exc: SlotTaken) -> None:
         """This daemon's lease expired (a whole TTL without a keepalive) and another node
@@ -586,7 +605,7 @@ class RosterService(BaseService):
             except BaseException as exc:  # (a cancel too: the client is no one else's)
                 if client is not None:
                     await _close(client)
-                if isinstance(exc, SlotTaken) or not isinstance(exc, Exception):
+                if isinstance(exc, SlotTaken | NameTaken) or not isinstance(exc, Exception):
                     raise
                 self._unreachable(exc)  # (any other: a daemon must not end for etcd's sake)
 
