@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 from typing import TYPE_CHECKING, Any
 
 import aetcd
@@ -452,7 +453,11 @@ def test_the_view_is_read_whole_again_while_the_watch_says_nothing(monkeypatch) 
     """aetcd's watch can die without ending: a periodic full read still brings news."""
     monkeypatch.setattr(roster, "RESYNC_INTERVAL", 0.01)
     etcd = _Etcd(held_for=0)
-    etcd.nodes = [_KV(b"/fabricd/nodes/b", Member("b", "10.0.0.2:7700", 1).encode())]
+    own = roster.EtcdSettings.from_config(_Host().config).key("nodes", socket.gethostname())
+    etcd.nodes = [
+        _KV(b"/fabricd/nodes/b", Member("b", "10.0.0.2:7700", 1).encode()),
+        _KV(own, Member("me", "10.0.0.1:7700", 0).encode()),  # (this daemon's own)
+    ]
     peering = _Peering()
 
     async def scenario() -> None:
@@ -611,3 +616,59 @@ def test_a_name_another_daemon_holds_when_registering_again_stops_the_daemon(mon
     assert service.name_taken
     assert not service.slot_lost
     assert "lease" not in etcd.calls
+
+
+class _Deleted(_Etcd):
+    """etcd where this daemon's registration ("a", slot 3) is deleted under its live lease
+    (etcdctl del) at revision 8; from then on a full read finds it registered again."""
+
+    def __init__(self) -> None:
+        super().__init__(held_for=0)
+        self.registered = False
+
+    async def get_lease_info(self, lease: int, keys: bool) -> object:
+        return type("Info", (), {"TTL": 5})  # alive
+
+    async def transaction(self, compare: object, success: object, failure: object) -> tuple:
+        self.registered = True
+        return await super().transaction(compare, success, failure)
+
+    async def get_prefix(self, key: bytes) -> _Found:
+        if key.endswith(b"nodes/") and self.registered:
+            return _Found([_KV(key + b"a", Member("a", "10.0.0.1:7700", 3).encode())])
+        return await super().get_prefix(key)
+
+    async def watch_prefix(self, prefix: bytes, start_revision: int) -> Any:
+        async def events() -> Any:
+            if not self.registered:
+                yield _Event(aetcd.EventKind.DELETE, _KV(prefix + b"a", b"", 8))
+            await asyncio.Event().wait()
+
+        return events()
+
+
+def test_a_registration_deleted_under_a_live_lease_is_made_again(monkeypatch) -> None:
+    """Otherwise the others never see this node again until it restarts: its lease lives, so
+    nothing else would ever put the registration back."""
+    etcd = _Deleted()
+    monkeypatch.setattr(roster, "_connect", lambda settings, endpoint: _ready(etcd))
+
+    async def scenario() -> RosterService:
+        registration = Registration(
+            client=etcd, lease=1, slot=3, members=[], revision=7, endpoint=0
+        )
+        host = _Host()
+        host.config = dataclasses.replace(host.config, node_name="a")
+        service = RosterService(host, _Peering(), registration)  # type: ignore[arg-type]
+        service.start()
+        for _ in range(3000):  # a hang guard: 30 s
+            if service.engine.registrations == 2:
+                break
+            await asyncio.sleep(0.01)
+        await service.settle()
+        return service
+
+    service = asyncio.run(scenario())
+    assert service.engine.registrations == 2
+    assert etcd.calls.index("revoke 1") < etcd.calls.index("lease")  # the slot let go first
+    assert "take" in etcd.calls

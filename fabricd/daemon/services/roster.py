@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import aetcd
 import grpc
@@ -308,7 +308,7 @@ async def _claim(
         lease = await client.lease(settings.ttl)
         try:
             if await _take(client, settings, lease.id, choice):
-                members, revision, refused = await _read_view(client, settings)
+                view = await _read_view(client, settings)
                 break
         except BaseException:  # (a failure or a cancel: the lease would hold the slot a TTL)
             await _revoke(client, lease.id)
@@ -319,10 +319,10 @@ async def _claim(
         client=client,
         lease=lease.id,
         slot=choice,
-        members=[m for m in members if m.name != name],
-        revision=revision,
+        members=view.members,
+        revision=view.revision,
         endpoint=endpoint,
-        refused=refused,
+        refused=view.refused,
     )
 
 
@@ -400,18 +400,28 @@ async def _take(client: aetcd.Client, settings: EtcdSettings, lease: int, slot: 
     return bool(ok)
 
 
-async def _read_view(client: aetcd.Client, settings: EtcdSettings) -> tuple[list[Member], int, int]:
-    """Every registration, the revision they were read at, and how many were refused."""
+class _View(NamedTuple):
+    """A full read of ``nodes/``."""
+
+    members: list[Member]  #: every other node's registration
+    revision: int  #: the revision it was read at
+    refused: int  #: registrations read that are not ones
+    registered: bool  #: this daemon's own registration is there
+
+
+async def _read_view(client: aetcd.Client, settings: EtcdSettings) -> _View:
+    """Every registration but this daemon's, and whether its own is there."""
     found = await client.get_prefix(settings.key("nodes/"))
-    members, refused = [], 0
+    members, refused, registered = [], 0, False
     for kv in found:
         name = kv.key[len(settings.key("nodes/")) :].decode(errors="replace")
-        member = _decode(name, kv.value)
-        if member is not None:
+        if name == settings.name:
+            registered = True
+        elif (member := _decode(name, kv.value)) is not None:
             members.append(member)
         else:
             refused += 1
-    return members, found.header.revision, refused
+    return _View(members, found.header.revision, refused, registered)
 
 
 def _decode(name: str, value: bytes) -> Member | None:
@@ -552,15 +562,17 @@ class RosterService(BaseService):
         while True:
             await asyncio.sleep(RESYNC_INTERVAL)
             async with asyncio.timeout(self.settings.call_timeout):
-                members, revision, _ = await _read_view(registration.client, self.settings)
-            if revision < self._newest:  # (the watch applied newer events meanwhile)
+                view = await _read_view(registration.client, self.settings)
+            if view.revision < self._newest:  # (the watch applied newer events meanwhile)
                 continue
-            self._load(members, revision)
+            if not view.registered:  # deleted (etcdctl del), the lease alive: register again
+                raise LeaseLost("this daemon's registration is gone from etcd")
+            self._load(view.members, view.revision)
 
-    def _load(self, members: Iterable[Member], revision: int) -> None:
+    def _load(self, members: list[Member], revision: int) -> None:
         """Make the view a full read's, at ``revision``."""
         self._read_at = self._newest = revision
-        self._apply(self.engine.load([m for m in members if m.name != self.settings.name]))
+        self._apply(self.engine.load(members))
 
     async def _keep_alive(self, registration: Registration) -> None:
         """Refresh the lease every third of its TTL (at most :data:`MAX_KEEPALIVE`), the
@@ -580,8 +592,12 @@ class RosterService(BaseService):
         async for event in watch:
             name = event.kv.key[len(prefix) :].decode(errors="replace")
             self._events += 1
-            if name == self.settings.name or event.kv.mod_revision <= self._read_at:
-                continue  # this daemon's own registration, or one a full read brought already
+            if event.kv.mod_revision <= self._read_at:
+                continue  # a full read brought it already
+            if name == self.settings.name:  # this daemon's own registration
+                if event.kind == aetcd.EventKind.DELETE:  # (etcdctl del, the lease alive)
+                    raise LeaseLost("this daemon's registration was deleted from etcd")
+                continue
             self._newest = max(self._newest, event.kv.mod_revision)
             if event.kind == aetcd.EventKind.DELETE:
                 self._apply(self.engine.on_delete(name))
@@ -612,20 +628,22 @@ class RosterService(BaseService):
     async def _resume(self, client: aetcd.Client, old: Registration, endpoint: int) -> Registration:
         async with asyncio.timeout(self.settings.call_timeout):
             info = await client.get_lease_info(old.lease, keys=False)
-        if info.TTL > 0:
-            members, revision, refused = await _read_view(client, self.settings)
-            members = [m for m in members if m.name != self.settings.name]
+        view = await _read_view(client, self.settings) if info.TTL > 0 else None
+        if view is not None and view.registered:
             fresh = Registration(
                 client=client,
                 lease=old.lease,
                 slot=old.slot,
-                members=members,
-                revision=revision,
+                members=view.members,
+                revision=view.revision,
                 endpoint=endpoint,
-                refused=refused,
+                refused=view.refused,
             )
-        else:
-            log.warning("this daemon's etcd lease expired while unreachable: registering again")
+        else:  # (the lease expired, or the registration was deleted under it)
+            log.warning("this daemon's etcd registration was lost: registering again")
+            if view is not None:  # (its lease still holds the slot: let go of it first)
+                async with asyncio.timeout(self.settings.call_timeout):
+                    await client.revoke_lease(old.lease)
             fresh = await _claim(client, self.settings, endpoint, slot=old.slot)
             self.engine.on_registered()
         self.engine.on_connected(self.host.now())
