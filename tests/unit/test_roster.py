@@ -61,8 +61,10 @@ def test_an_address_that_cannot_be_dialled_is_not_a_registration() -> None:
 
 def test_refused_registrations_are_counted() -> None:
     r = roster()
-    r.invalid(2)
-    r.invalid()
+    r.invalid([("b", b"x"), ("c", b"y")])
+    r.invalid([("b", b"x")])  # the same, read again (every full read): counted once
+    assert r.ignored == 2
+    r.invalid([("b", b"z")])  # written again, as wrong
     assert r.ignored == 3
 
 
@@ -98,6 +100,8 @@ def test_registrations_for_own_taken_or_foreign_slots_are_ignored_and_counted() 
     assert r.on_put(Member("c", "h:9", 2)) == []  # b holds it
     assert r.on_put(Member("d", "h:9", 0)) == []  # this daemon's own
     assert r.on_put(Member("e", "h:9", 4)) == []  # outside max_nodes
+    assert r.ignored == 3
+    r.load([Member("b", "h:2", 2), Member("c", "h:9", 2), Member("e", "h:9", 4)])  # read again
     assert r.ignored == 3
     assert r.address(2) == "h:2"
 

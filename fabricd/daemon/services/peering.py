@@ -622,11 +622,11 @@ def node_hosts(nodes: Sequence[str]) -> dict[int, frozenset[str]]:
         if not address:  # a free slot (membership from etcd): no host yet
             hosts[node] = frozenset()
             continue
+        host = address  # (said whole if it does not split)
         try:  # (an address from etcd is checked before, but never crash on one)
             host = split_address(address)[0]
             infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
         except (OSError, ValueError) as exc:
-            host = address
             log.warning(
                 "node %d's host %s does not resolve (%s): its links are refused until it does",
                 node,

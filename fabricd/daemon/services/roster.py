@@ -145,7 +145,8 @@ class Registration:
     members: list[Member]
     revision: int  #: the revision the view was read at: the watch starts after it
     endpoint: int  #: the index of the endpoint the client talks to
-    refused: int = 0  #: registrations read that are not ones (:meth:`Member.decode`)
+    #: registrations read that are not ones (:meth:`Member.decode`): names and values
+    refused: list[tuple[str, bytes]] = dataclasses.field(default_factory=list)
 
 
 class _Client(aetcd.Client):
@@ -405,14 +406,16 @@ class _View(NamedTuple):
 
     members: list[Member]  #: every other node's registration
     revision: int  #: the revision it was read at
-    refused: int  #: registrations read that are not ones
+    refused: list[tuple[str, bytes]]  #: registrations read that are not ones
     registered: bool  #: this daemon's own registration is there
 
 
 async def _read_view(client: aetcd.Client, settings: EtcdSettings) -> _View:
     """Every registration but this daemon's, and whether its own is there."""
     found = await client.get_prefix(settings.key("nodes/"))
-    members, refused, registered = [], 0, False
+    members: list[Member] = []
+    refused: list[tuple[str, bytes]] = []
+    registered = False
     for kv in found:
         name = kv.key[len(settings.key("nodes/")) :].decode(errors="replace")
         if name == settings.name:
@@ -420,7 +423,7 @@ async def _read_view(client: aetcd.Client, settings: EtcdSettings) -> _View:
         elif (member := _decode(name, kv.value)) is not None:
             members.append(member)
         else:
-            refused += 1
+            refused.append((name, kv.value))
     return _View(members, found.header.revision, refused, registered)
 
 
@@ -567,6 +570,7 @@ class RosterService(BaseService):
                 continue
             if not view.registered:  # deleted (etcdctl del), the lease alive: register again
                 raise LeaseLost("this daemon's registration is gone from etcd")
+            self.engine.invalid(view.refused)
             self._load(view.members, view.revision)
 
     def _load(self, members: list[Member], revision: int) -> None:
@@ -604,7 +608,7 @@ class RosterService(BaseService):
             elif (member := _decode(name, event.kv.value)) is not None:
                 self._apply(self.engine.on_put(member))
             else:
-                self.engine.invalid()
+                self.engine.invalid([(name, event.kv.value)])
         raise WatchEnded("etcd ended the watch")
 
     async def _reconnect(self, old: Registration) -> Registration:
