@@ -323,6 +323,10 @@ class TcpTransport(Transport):
             _, link = await loop.create_connection(
                 lambda: TcpLink(address, limits), host, port, local_addr=local
             )
+        except ValueError as exc:  # a host name that cannot be looked up at all: the IDNA
+            # codec's UnicodeError (an empty or 64-character label), a NUL in it; one bad
+            # address in nodes or etcd must fail its dial, not the caller (which expects this)
+            raise TransportError(f"cannot connect to {address}: {exc}") from exc
         except OSError as exc:
             why = exc.strerror or exc
             if local is not None and exc.errno == errno.EADDRNOTAVAIL:

@@ -40,8 +40,9 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def serve(loaded: Loaded) -> int:
-    """Run one daemon until SIGTERM or SIGINT, then drain and return the exit status (0, or
-    :data:`EXIT_SLOT_LOST`); SIGHUP reads the secret source again
+    """Run one daemon until SIGTERM or SIGINT, then drain and return the exit status (0,
+    :data:`EXIT_SLOT_LOST`, or :data:`EXIT_CONFIG` when registering again found its name
+    another daemon's); SIGHUP reads the secret source again
     (:meth:`~fabricd.daemon.node.Daemon.reload_secrets`).
 
     What the daemon made to start (its modules, classes, tables) lives as long as it does, so
@@ -62,6 +63,7 @@ async def serve(loaded: Loaded) -> int:
         loaded = roster.registered(loaded, registration)
         cfg = loaded.config  # from here on, lines are tagged with the node id etcd gave
         logs.setup(cfg.log_level, cfg.log_format, cfg.node_id)
+    daemon = None
     try:
         daemon = Daemon(loaded, registration=registration)
         gc.collect()
@@ -71,10 +73,14 @@ async def serve(loaded: Loaded) -> int:
             loop.add_signal_handler(sig, daemon.stop)
         loop.add_signal_handler(signal.SIGHUP, daemon.reload_secrets)
         await daemon.run()
-    except Exception:
-        if registration is not None:  # (failed before serving, or crashed: leave etcd now)
+    except BaseException:  # (a crash, a cancel, an interrupt: leave etcd now, then go on)
+        if daemon is not None and daemon.roster is not None:  # its registration, which is
+            await daemon.roster.settle()  # another lease and client after registering again
+        elif registration is not None:  # (failed before serving)
             await roster.release(registration)
         raise
+    if daemon.roster is not None and daemon.roster.name_taken:
+        return EXIT_CONFIG  # (its name is another daemon's: said in the log)
     return EXIT_SLOT_LOST if daemon.roster is not None and daemon.roster.slot_lost else 0
 
 

@@ -123,17 +123,25 @@ def dialable(address: str) -> bool:
     """Whether ``address`` is a ``host:port`` a peer can dial: anything else written to etcd
     (by mistake or by someone with write access to the prefix) must never reach the peering
     service, which would fail on it; a wildcard (0.0.0.0, ::) is a listen address, not one
-    to dial."""
+    to dial, and a name the resolver cannot encode (an empty label as in ``h..``, one over
+    63 characters, a control character) is never found."""
     host, sep, port = address.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         return False
-    if any(c.isspace() or c in "/[]" for c in host):
+    if any(c.isspace() or c in "/[]" for c in host) or not host.isprintable():
         return False
     try:
         return not ipaddress.ip_address(host).is_unspecified
     except ValueError:
-        return ":" not in host  # a name (an IPv6 address that does not parse is refused)
+        pass
+    if ":" in host:  # an IPv6 address that does not parse
+        return False
+    try:  # as the resolver will encode it: an empty or 64-character label fails there
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +185,9 @@ class Roster:
         self._by_slot: dict[int, Member] = {}
         self._by_name: dict[str, Member] = {}
         self._last: dict[int, str] = {}  #: slot → the name that held it last (gone or not)
-        self.ignored = 0  #: registrations ignored (undecodable, own slot, out of range, slot taken)
+        #: registrations ignored (undecodable, own slot, out of range, slot taken), each once
+        #: however often it is read again (every full read)
+        self._ignored: set[Member | tuple[str, bytes]] = set()
         self.registrations = 1  #: times this daemon registered (more after a lease was lost)
 
     # -- queries ------------------------------------------------------------------------------
@@ -246,10 +256,15 @@ class Roster:
         del self._by_slot[member.slot]
         return [AddressChanged(member.slot, name, "")]
 
-    def invalid(self, count: int = 1) -> None:
-        """``count`` registrations were read that are not ones (:meth:`Member.decode` refused
-        them)."""
-        self.ignored += count
+    @property
+    def ignored(self) -> int:
+        """How many registrations were ignored, each counted once."""
+        return len(self._ignored)
+
+    def invalid(self, keys: Iterable[tuple[str, bytes]]) -> None:
+        """Registrations were read that are not ones (:meth:`Member.decode` refused them):
+        their names and values (one read again is not counted again)."""
+        self._ignored.update(keys)
 
     def _took_over(self, member: Member) -> bool:
         """Whether ``member`` (just added) holds a slot another name held last."""
@@ -259,7 +274,7 @@ class Roster:
     def _add(self, member: Member) -> bool:
         slot = member.slot
         if slot == self.slot or not 0 <= slot < self.max_nodes or slot in self._by_slot:
-            self.ignored += 1
+            self._ignored.add(member)
             return False
         self._by_slot[slot] = self._by_name[member.name] = member
         return True

@@ -711,6 +711,21 @@ def test_tcp_connect_and_listen_errors_are_transport_errors() -> None:
     run(("tcp", "asyncio"), check)
 
 
+def test_a_tcp_host_that_cannot_be_looked_up_fails_the_dial_as_a_transport_error() -> None:
+    """An empty label, one over 63 characters (the IDNA codec's UnicodeError) or a NUL
+    (ValueError) in a host: the dialler catches TransportError only, and anything else would
+    end the daemon's task group, from a static config or etcd alike."""
+
+    async def check(kind: str) -> None:
+        transport = TcpTransport()
+        for address in ("h..:7450", f"{'a' * 64}:7450", ".:1", "h\x00:7450"):
+            with pytest.raises(TransportError, match="cannot connect to"):
+                await transport.connect(address, DEFAULT_LIMITS)
+
+    for loop in LOOPS:
+        run(("tcp", loop), check)
+
+
 def test_inproc_connect_and_listen_errors_are_transport_errors() -> None:
     async def check(kind: str) -> None:
         async with network(kind) as net:

@@ -29,14 +29,16 @@ def test_node_hosts_resolve_every_configured_node() -> None:
     assert "127.0.0.1" in hosts[2]  # a name: every address it resolves to
 
 
-def test_a_name_that_does_not_resolve_gives_its_node_no_host() -> None:
+def test_a_name_that_does_not_resolve_gives_its_node_no_host(caplog) -> None:
     assert node_hosts(["127.0.0.1:1", "no-such-host.invalid:2"])[1] == frozenset()
+    assert "host no-such-host.invalid does not resolve" in caplog.text  # the host, no port
 
 
-def test_an_address_that_does_not_split_gives_its_node_no_host() -> None:
+def test_an_address_that_does_not_split_gives_its_node_no_host(caplog) -> None:
     """Treated as a name that does not resolve, never raised: one from etcd would otherwise
     end the daemon."""
     assert node_hosts(["127.0.0.1:1", "garbage"]) == {0: {"127.0.0.1"}, 1: frozenset()}
+    assert "host garbage does not resolve" in caplog.text
 
 
 def test_slots_go_to_the_hosts_of_the_nodes_that_dial_this_one() -> None:

@@ -92,7 +92,7 @@ def test_an_id_given_to_another_node_closes_the_old_holders_links_and_refuses_it
     for channel in (Channel.CONTROL, Channel.DATA):
         peers.on_link_authenticated(2, channel, a, 0.1)
     assert peers.state(2) is PeerState.UP
-    actions = peers.replace(2, 1.0)
+    actions = peers.replace(2, a, 1.0)
     assert [x.node for x in actions if isinstance(x, ResetPeer)] == [2]
     assert peers.state(2) is PeerState.DOWN
     refused = peers.on_link_authenticated(2, Channel.CONTROL, a, 1.1)
@@ -107,7 +107,26 @@ def test_an_id_given_to_another_node_closes_the_old_holders_links_and_refuses_it
 def test_an_id_given_to_another_node_with_no_links_changes_nothing_but_fences() -> None:
     peers = table(frozenset())
     peers.start(0.0)
-    assert peers.replace(3, 1.0) == []  # never linked: nothing to close, nothing to refuse
+    assert peers.replace(3, None, 1.0) == []  # never linked: nothing to close, nothing to refuse
     for channel in (Channel.CONTROL, Channel.DATA):
         peers.on_link_authenticated(3, channel, 300, 1.1)
     assert peers.state(3) is PeerState.UP
+
+
+def test_replacing_an_id_leaves_the_new_holders_links_alone() -> None:
+    """The new holder D linked before the roster said the slot was its (or a replace came
+    late): only the old holder A's incarnation is retired, never D's, which would be
+    refused until it restarts."""
+    peers = table(frozenset())
+    peers.start(0.0)
+    a, d = 100, 200
+    peers.on_link_authenticated(2, Channel.CONTROL, a, 0.1)
+    peers.on_link_authenticated(2, Channel.CONTROL, d, 0.2)  # newer: D's links replace A's
+    assert peers.incarnation(2) == d
+    assert peers.replace(2, a, 1.0) == []  # D's links stay
+    assert peers.state(2) is PeerState.UP
+    assert [type(x) for x in peers.on_link_authenticated(2, Channel.CONTROL, a, 1.1)] == [
+        RefuseLink
+    ]
+    again = peers.on_link_authenticated(2, Channel.CONTROL, d, 1.2)
+    assert any(isinstance(x, AdmitLink) for x in again)

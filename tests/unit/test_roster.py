@@ -15,6 +15,7 @@ from fabricd.engines.roster import (
     Roster,
     State,
     choose_slot,
+    dialable,
 )
 
 
@@ -51,15 +52,19 @@ def test_an_address_that_cannot_be_dialled_is_not_a_registration() -> None:
     for address in ("garbage", "0.0.0.0:7700", "[::]:7700", ":7700", "h:0", "h:x", "h:99999"):
         value = json.dumps({"address": address, "slot": 3}).encode()
         assert Member.decode("n1", value) is None, address
-    for address in ("gpu-11:7700", "10.0.0.1:7700", "[::1]:7700"):
+    for address in ("h..:7450", f"{'a' * 64}:7450", ".:1", "h\x00:7450", "h\x7f:1", "[h..]:1"):
+        assert not dialable(address), address  # the resolver could not encode the name
+    for address in ("gpu-11:7700", "10.0.0.1:7700", "[::1]:7700", f"{'a' * 63}.b:1", "é:1"):
         value = json.dumps({"address": address, "slot": 3}).encode()
         assert Member.decode("n1", value) == Member("n1", address, 3)
 
 
 def test_refused_registrations_are_counted() -> None:
     r = roster()
-    r.invalid(2)
-    r.invalid()
+    r.invalid([("b", b"x"), ("c", b"y")])
+    r.invalid([("b", b"x")])  # the same, read again (every full read): counted once
+    assert r.ignored == 2
+    r.invalid([("b", b"z")])  # written again, as wrong
     assert r.ignored == 3
 
 
@@ -95,6 +100,8 @@ def test_registrations_for_own_taken_or_foreign_slots_are_ignored_and_counted() 
     assert r.on_put(Member("c", "h:9", 2)) == []  # b holds it
     assert r.on_put(Member("d", "h:9", 0)) == []  # this daemon's own
     assert r.on_put(Member("e", "h:9", 4)) == []  # outside max_nodes
+    assert r.ignored == 3
+    r.load([Member("b", "h:2", 2), Member("c", "h:9", 2), Member("e", "h:9", 4)])  # read again
     assert r.ignored == 3
     assert r.address(2) == "h:2"
 

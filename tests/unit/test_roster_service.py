@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 from typing import TYPE_CHECKING, Any
 
 import aetcd
@@ -204,9 +205,43 @@ def test_a_daemon_that_fails_before_serving_leaves_etcd_at_once(monkeypatch) -> 
     assert client.closing.is_set()
 
 
+def test_a_daemon_that_crashes_leaves_etcd_with_its_current_registration(monkeypatch) -> None:
+    """Registered again after a lost lease, the roster service holds another lease and client
+    than the startup's: those are released, not the startup's long-gone lease."""
+    startup = _DownClient()
+    registration = Registration(client=startup, lease=1, slot=0, members=[], revision=1, endpoint=0)
+    settled: list[bool] = []
+
+    class _Roster:
+        async def settle(self) -> None:
+            settled.append(True)
+
+    class _Crashing:
+        def __init__(self, *_: object, **__: object) -> None:
+            self.roster = _Roster()
+
+        def stop(self) -> None: ...
+
+        def reload_secrets(self) -> None: ...
+
+        async def run(self) -> None:
+            raise RuntimeError("a bug")
+
+    async def register(cfg: object) -> Registration:
+        return registration
+
+    monkeypatch.setattr(roster, "register", register)
+    monkeypatch.setattr(main, "Daemon", _Crashing)
+    monkeypatch.setattr(main.logs, "setup", lambda *_: None)
+    with pytest.raises(RuntimeError):
+        asyncio.run(main.serve(load(environ={}, flags=FLAGS)))
+    assert settled == [True]
+    assert not startup.revoked
+
+
 class _KV:
-    def __init__(self, key: bytes, value: bytes) -> None:
-        self.key, self.value = key, value
+    def __init__(self, key: bytes, value: bytes, mod_revision: int = 0) -> None:
+        self.key, self.value, self.mod_revision = key, value, mod_revision
 
 
 class _Found(list[_KV]):
@@ -221,6 +256,7 @@ class _Etcd:
         self.calls: list[str] = []
         self.holder = holder
         self.nodes: list[_KV] = []  #: the registrations under nodes/
+        self.names = [_KV(b"/fabricd/names/a", b"3")]  #: the slots names remember
         self.held_for = held_for
         self.transactions = aetcd.Client().transactions
         self.refreshed = 0
@@ -231,7 +267,7 @@ class _Etcd:
             self.held_for -= 1
             return _Found([_KV(b"/fabricd/slots/3", self.holder)])
         if key.endswith(b"names/"):
-            return _Found([_KV(b"/fabricd/names/a", b"3")])
+            return _Found(self.names)
         if key.endswith(b"nodes/"):
             return _Found(self.nodes)
         return _Found()
@@ -258,7 +294,7 @@ class _Etcd:
         await asyncio.Event().wait()  # no events: wait for the drain
 
     async def revoke_lease(self, lease: int) -> None:
-        self.calls.append("revoke")
+        self.calls.append(f"revoke {lease}")
 
     async def close(self) -> None:
         self.calls.append("close")
@@ -324,6 +360,68 @@ def test_a_daemon_whose_slot_went_to_another_node_stops_serving_as_it(monkeypatc
     assert "lease" not in etcd.calls  # never registered again in another slot by itself
 
 
+def _lose_the_lease(etcd: _Etcd, monkeypatch: pytest.MonkeyPatch, ttl: int = 10) -> RosterService:
+    """Run a roster service for "a" in slot 3 (lease ``ttl``) whose lease is lost at once,
+    until it stops or registers again (a hang guard: 30 s)."""
+    monkeypatch.setattr(roster, "_connect", lambda settings, endpoint: _ready(etcd))
+    stopped = asyncio.Event()
+
+    async def scenario() -> RosterService:
+        registration = Registration(
+            client=etcd, lease=1, slot=3, members=[], revision=1, endpoint=0
+        )
+        host = _Host()
+        host.config = dataclasses.replace(host.config, node_name="a", etcd_lease_ttl=ttl)
+        service = RosterService(
+            host,  # type: ignore[arg-type]
+            _Peering(),  # type: ignore[arg-type]
+            registration,
+            on_slot_lost=stopped.set,
+        )
+        lost = [roster.LeaseLost("this daemon's lease expired")]
+
+        async def follow(registration: Registration) -> None:
+            if lost:
+                raise lost.pop()
+            stopped.set()  # registered again: following the new registration
+
+        service._follow = follow  # type: ignore[method-assign]
+        service.start()
+        await asyncio.wait_for(stopped.wait(), timeout=30)
+        await service.settle()
+        return service
+
+    return asyncio.run(scenario())
+
+
+async def _ready(client: _Etcd) -> _Etcd:
+    return client
+
+
+def test_a_slot_another_name_held_while_the_lease_was_lost_is_not_taken_back(
+    monkeypatch,
+) -> None:
+    """Node b took slot 3 while a was away from etcd and left again: the peers retired a's
+    incarnation when b took over, so a registering again as the same incarnation would be
+    refused by all of them for good: it stops (exit 75) and comes back as a new one."""
+    etcd = _Etcd(held_for=0)  # the slot is free again
+    etcd.names = [_KV(b"/fabricd/names/a", b"3", 5), _KV(b"/fabricd/names/b", b"3", 9)]
+    service = _lose_the_lease(etcd, monkeypatch)
+    assert service.slot_lost
+    assert "lease" not in etcd.calls
+
+
+def test_a_slot_nobody_held_since_is_registered_in_again(monkeypatch) -> None:
+    """Another name remembering the slot from before this name's registration (an earlier
+    holder) is no reason to stop: the lease lost, the slot is taken back."""
+    etcd = _Etcd(held_for=0)
+    etcd.names = [_KV(b"/fabricd/names/a", b"3", 5), _KV(b"/fabricd/names/b", b"3", 2)]
+    service = _lose_the_lease(etcd, monkeypatch)
+    assert not service.slot_lost
+    assert [c for c in etcd.calls if c in ("lease", "take")] == ["lease", "take"]
+    assert service.engine.registrations == 2
+
+
 def test_a_slot_with_a_new_name_replaces_the_peer_before_its_address_is_set() -> None:
     """The old holder's links go first; then the new holder is dialled and admitted."""
     peering = _Peering()
@@ -355,7 +453,11 @@ def test_the_view_is_read_whole_again_while_the_watch_says_nothing(monkeypatch) 
     """aetcd's watch can die without ending: a periodic full read still brings news."""
     monkeypatch.setattr(roster, "RESYNC_INTERVAL", 0.01)
     etcd = _Etcd(held_for=0)
-    etcd.nodes = [_KV(b"/fabricd/nodes/b", Member("b", "10.0.0.2:7700", 1).encode())]
+    own = roster.EtcdSettings.from_config(_Host().config).key("nodes", socket.gethostname())
+    etcd.nodes = [
+        _KV(b"/fabricd/nodes/b", Member("b", "10.0.0.2:7700", 1).encode()),
+        _KV(own, Member("me", "10.0.0.1:7700", 0).encode()),  # (this daemon's own)
+    ]
     peering = _Peering()
 
     async def scenario() -> None:
@@ -372,3 +474,201 @@ def test_the_view_is_read_whole_again_while_the_watch_says_nothing(monkeypatch) 
 
     asyncio.run(scenario())
     assert peering.calls[0] == "address 1 10.0.0.2:7700"
+
+
+class _Event:
+    def __init__(self, kind: aetcd.EventKind, kv: _KV) -> None:
+        self.kind, self.kv = kind, kv
+
+
+class _Watched(_Etcd):
+    """etcd whose watch brings "a" leaving and "b" taking slot 3 (revisions 8 and 9), while
+    every full read answers from revision 7, before them (a slow or lagging member)."""
+
+    def __init__(self) -> None:
+        super().__init__(held_for=0)
+        self.nodes = [_KV(b"/fabricd/nodes/a", Member("a", "10.0.0.5:7700", 3).encode(), 3)]
+        self.reads = 0
+
+    async def get_prefix(self, key: bytes) -> _Found:
+        self.reads += key.endswith(b"nodes/")
+        return await super().get_prefix(key)
+
+    async def watch_prefix(self, prefix: bytes, start_revision: int) -> Any:
+        async def events() -> Any:
+            b = Member("b", "10.0.0.6:7700", 3).encode()
+            yield _Event(aetcd.EventKind.DELETE, _KV(b"/fabricd/nodes/a", b"", 8))
+            yield _Event(aetcd.EventKind.PUT, _KV(b"/fabricd/nodes/b", b, 9))
+            yield _Event(aetcd.EventKind.PUT, _KV(b"/fabricd/nodes/a", b"x", 6))  # read before
+            await asyncio.Event().wait()
+
+        return events()
+
+
+def test_a_full_read_older_than_the_watchs_events_is_dropped(monkeypatch) -> None:
+    """Applied, it would put "a" back in slot 3 after the watch gave it to "b": two spurious
+    replacements, the second retiring b's incarnation."""
+    monkeypatch.setattr(roster, "RESYNC_INTERVAL", 0.01)
+    etcd = _Watched()
+    peering = _Peering()
+
+    async def scenario() -> RosterService:
+        registration = Registration(
+            client=etcd,
+            lease=1,
+            slot=0,
+            members=[Member("a", "10.0.0.5:7700", 3)],
+            revision=7,
+            endpoint=0,
+        )
+        service = RosterService(_Host(), peering, registration)  # type: ignore[arg-type]
+        service.start()
+        for _ in range(3000):  # a hang guard: 30 s
+            if etcd.reads >= 3:
+                break
+            await asyncio.sleep(0.01)
+        await service.settle()
+        return service
+
+    service = asyncio.run(scenario())
+    assert etcd.reads >= 3
+    assert peering.calls == [
+        "address 3 10.0.0.5:7700",
+        "address 3 ",
+        "replace 3",
+        "address 3 10.0.0.6:7700",
+    ]
+    assert service.engine.ignored == 0  # the stale event was skipped, not refused
+
+
+def test_a_cancel_the_task_group_drops_still_ends_the_roster_task(monkeypatch) -> None:
+    """A child of the follow failing in the same turn as the drain's cancel: the task group
+    raises the child's error and drops the cancel (Python 3.11); the task must not go back to
+    etcd, or the drain waits for it in vain and the task outlives the daemon."""
+    tries: list[int] = []
+
+    async def connect(settings: object, endpoint: int) -> _DownClient:
+        tries.append(endpoint)
+        raise aetcd.ClientError("down")
+
+    monkeypatch.setattr(roster, "_connect", connect)
+    following = asyncio.Event()
+
+    async def scenario() -> bool:
+        service = _service(_DownClient())
+
+        async def follow(registration: Registration) -> None:
+            following.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:  # as the group does: the child's error instead
+                raise OSError("the watch failed in the same turn") from None
+
+        service._follow = follow  # type: ignore[method-assign]
+        service.start()
+        await asyncio.wait_for(following.wait(), timeout=30)  # a hang guard
+        await service.settle()
+        assert service._task is not None
+        return service._task.done()
+
+    assert asyncio.run(scenario())
+    assert tries == []
+
+
+def test_a_cancel_while_registering_again_revokes_the_new_lease_and_closes_the_client(
+    monkeypatch,
+) -> None:
+    """The drain's cancel landing after the lease was granted: left alone, the lease would
+    hold the slot for a TTL and the client stay open."""
+    taking = asyncio.Event()
+
+    class _Hanging(_Etcd):
+        async def transaction(self, compare: object, success: object, failure: object) -> tuple:
+            taking.set()
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+    etcd = _Hanging(held_for=0)
+    monkeypatch.setattr(roster, "_connect", lambda settings, endpoint: _ready(etcd))
+
+    async def scenario() -> None:
+        registration = Registration(
+            client=_DownClient(), lease=1, slot=3, members=[], revision=1, endpoint=0
+        )
+        service = RosterService(_Host(), _Peering(), registration)  # type: ignore[arg-type]
+
+        async def follow(registration: Registration) -> None:
+            raise roster.LeaseLost("this daemon's lease expired")
+
+        service._follow = follow  # type: ignore[method-assign]
+        service.start()
+        await asyncio.wait_for(taking.wait(), timeout=30)  # a hang guard
+        await service.settle()
+
+    asyncio.run(scenario())
+    assert etcd.calls[-2:] == ["revoke 9", "close"]
+
+
+def test_a_name_another_daemon_holds_when_registering_again_stops_the_daemon(monkeypatch) -> None:
+    """Not etcd unreachable, retried for ever: the daemon stops and exits 78, as at start."""
+    etcd = _Etcd(held_for=1_000_000)  # "a" holds slot 3 for good: another daemon named "a"
+    service = _lose_the_lease(etcd, monkeypatch, ttl=1)
+    assert service.name_taken
+    assert not service.slot_lost
+    assert "lease" not in etcd.calls
+
+
+class _Deleted(_Etcd):
+    """etcd where this daemon's registration ("a", slot 3) is deleted under its live lease
+    (etcdctl del) at revision 8; from then on a full read finds it registered again."""
+
+    def __init__(self) -> None:
+        super().__init__(held_for=0)
+        self.registered = False
+
+    async def get_lease_info(self, lease: int, keys: bool) -> object:
+        return type("Info", (), {"TTL": 5})  # alive
+
+    async def transaction(self, compare: object, success: object, failure: object) -> tuple:
+        self.registered = True
+        return await super().transaction(compare, success, failure)
+
+    async def get_prefix(self, key: bytes) -> _Found:
+        if key.endswith(b"nodes/") and self.registered:
+            return _Found([_KV(key + b"a", Member("a", "10.0.0.1:7700", 3).encode())])
+        return await super().get_prefix(key)
+
+    async def watch_prefix(self, prefix: bytes, start_revision: int) -> Any:
+        async def events() -> Any:
+            if not self.registered:
+                yield _Event(aetcd.EventKind.DELETE, _KV(prefix + b"a", b"", 8))
+            await asyncio.Event().wait()
+
+        return events()
+
+
+def test_a_registration_deleted_under_a_live_lease_is_made_again(monkeypatch) -> None:
+    """Otherwise the others never see this node again until it restarts: its lease lives, so
+    nothing else would ever put the registration back."""
+    etcd = _Deleted()
+    monkeypatch.setattr(roster, "_connect", lambda settings, endpoint: _ready(etcd))
+
+    async def scenario() -> RosterService:
+        registration = Registration(
+            client=etcd, lease=1, slot=3, members=[], revision=7, endpoint=0
+        )
+        host = _Host()
+        host.config = dataclasses.replace(host.config, node_name="a")
+        service = RosterService(host, _Peering(), registration)  # type: ignore[arg-type]
+        service.start()
+        for _ in range(3000):  # a hang guard: 30 s
+            if service.engine.registrations == 2:
+                break
+            await asyncio.sleep(0.01)
+        await service.settle()
+        return service
+
+    service = asyncio.run(scenario())
+    assert service.engine.registrations == 2
+    assert etcd.calls.index("revoke 1") < etcd.calls.index("lease")  # the slot let go first
+    assert "take" in etcd.calls

@@ -202,6 +202,9 @@ class PeeringService(BaseService):
         self.addresses = list(cfg.nodes)
         #: a node's name for status rows (membership from etcd names them; static lists do not)
         self.name_of: Callable[[int], str] | None = None
+        #: node → the name that held it and the newest incarnation admitted under that name:
+        #: what :meth:`replace` retires (never the new holder's, if it linked first)
+        self._admitted: dict[int, tuple[str, int]] = {}
         #: where dialled links leave from: this node's host as its peers know it
         self._source = split_address(cfg.nodes[cfg.node_id])[0] if transport.network else ""
         #: every node's addresses (node_hosts); a name that did not resolve has none yet
@@ -268,10 +271,15 @@ class PeeringService(BaseService):
 
     def replace(self, node: int) -> None:
         """``node``'s id went to another node (membership from etcd: its slot has a new
-        name): the old holder's links are closed and refused from now on."""
-        if not self._closed:
-            self._perform(self.engine.replace(node, self.owner.now()))
-            self.owner.rearm()
+        name, :attr:`name_of` says which): the old holder's links are closed and its
+        incarnation refused from now on; one admitted under the new name is left alone."""
+        if self._closed:
+            return
+        name, incarnation = self._admitted.get(node, ("", None))
+        if self.name_of is not None and name == self.name_of(node):
+            incarnation = None  # the new holder's own
+        self._perform(self.engine.replace(node, incarnation, self.owner.now()))
+        self.owner.rearm()
 
     async def _adopt_address(self, node: int, address: str) -> None:
         if self.transport.network:  # getaddrinfo blocks: off the loop
@@ -438,6 +446,8 @@ class PeeringService(BaseService):
         now = self.owner.now()
         actions = self.engine.on_link_authenticated(peer.node, peer.channel, peer.incarnation, now)
         admitted = any(isinstance(a, peers.AdmitLink) for a in actions)
+        if admitted and self.name_of is not None:  # under which holder (for replace)
+            self._admitted[peer.node] = (self.name_of(peer.node), peer.incarnation)
         if not admitted:
             reason = next(
                 (a.reason for a in actions if isinstance(a, peers.RefuseLink)), "link refused"
@@ -612,11 +622,11 @@ def node_hosts(nodes: Sequence[str]) -> dict[int, frozenset[str]]:
         if not address:  # a free slot (membership from etcd): no host yet
             hosts[node] = frozenset()
             continue
+        host = address  # (said whole if it does not split)
         try:  # (an address from etcd is checked before, but never crash on one)
             host = split_address(address)[0]
             infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
         except (OSError, ValueError) as exc:
-            host = address
             log.warning(
                 "node %d's host %s does not resolve (%s): its links are refused until it does",
                 node,

@@ -12,12 +12,15 @@ aetcd, an asyncio etcd v3 client (gRPC underneath; docs/operations.md, "Membersh
   answers: the daemon is not ready (no READY=1) before it is registered;
 * :class:`RosterService`, while the daemon runs: keeps the lease alive (every third of its
   TTL), watches ``nodes/`` from the revision read (and reads it whole every
-  :data:`RESYNC_INTERVAL`), and hands every change to the peering
+  :data:`RESYNC_INTERVAL`; a read older than an event the watch applied is dropped, and an
+  event a read already brought is skipped: the view never goes back in etcd's history), and
+  hands every change to the peering
   service (:meth:`~fabricd.daemon.services.peering.PeeringService.set_address`).  A call that
   fails or takes longer than a third of the TTL makes etcd *unreachable*: the view is kept,
   etcd is tried again with backoff (the next endpoint each time), and once it answers the
   lease is checked, registered again if it expired meanwhile (the same slot: a node's id never
-  changes while it runs), and the view read whole again.  ``status`` says which
+  changes while it runs; a slot another name took, or held meanwhile, stops the daemon:
+  exit 75, a fresh incarnation on restart), and the view read whole again.  ``status`` says which
   (``membership``); the drain revokes the lease, so the others see this node leave at once.
 """
 
@@ -29,7 +32,7 @@ import dataclasses
 import logging
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import aetcd
 import grpc
@@ -66,6 +69,10 @@ class LeaseLost(Exception):
 
 class SlotTaken(Exception):
     """Registering again, this daemon's slot is held by another name."""
+
+
+class NameTaken(ConfigError):
+    """This daemon's name stays registered by another daemon (two were given one name)."""
 
 
 class WatchEnded(Exception):
@@ -138,7 +145,8 @@ class Registration:
     members: list[Member]
     revision: int  #: the revision the view was read at: the watch starts after it
     endpoint: int  #: the index of the endpoint the client talks to
-    refused: int = 0  #: registrations read that are not ones (:meth:`Member.decode`)
+    #: registrations read that are not ones (:meth:`Member.decode`): names and values
+    refused: list[tuple[str, bytes]] = dataclasses.field(default_factory=list)
 
 
 class _Client(aetcd.Client):
@@ -217,10 +225,15 @@ async def _connect(settings: EtcdSettings, endpoint: int) -> aetcd.Client:
 async def release(registration: Registration) -> None:
     """Leave etcd at once: the lease revoked (the others see this node go without waiting
     for its TTL) and the client closed, whatever etcd answers."""
+    await _revoke(registration.client, registration.lease)
+    await _close(registration.client)
+
+
+async def _revoke(client: aetcd.Client, lease: int) -> None:
+    """Revoke ``lease``, whatever etcd answers (within a second)."""
     with contextlib.suppress(Exception):
         async with asyncio.timeout(1.0):
-            await registration.client.revoke_lease(registration.lease)
-    await _close(registration.client)
+            await client.revoke_lease(lease)
 
 
 async def register(cfg: Config) -> Registration:
@@ -281,12 +294,7 @@ async def _claim(
             for kv in await client.get_prefix(settings.key("slots/"))
             if kv.key.rsplit(b"/", 1)[1].isdigit()
         }
-        remembered, others = None, []
-        for kv in await client.get_prefix(settings.key("names/")):
-            if kv.key == settings.key("names", name):
-                remembered = _int(kv.value)
-            elif (other := _int(kv.value)) is not None:
-                others.append(other)
+        remembered, others = await _memories(client, settings, slot)
         remembered = slot if slot is not None else remembered
         choice = choose_slot(held, name, remembered, settings.max_nodes, others)
         if slot is not None and choice != slot and choice is not Claim.WAIT:
@@ -299,21 +307,52 @@ async def _claim(
             await _wait_for_name(client, settings, waited=now - waiting_since)
             continue
         lease = await client.lease(settings.ttl)
-        if await _take(client, settings, lease.id, choice):
-            break
-        with contextlib.suppress(Exception):  # (lost the race: it would expire anyway)
-            await client.revoke_lease(lease.id)
-    members, revision, refused = await _read_view(client, settings)
+        try:
+            if await _take(client, settings, lease.id, choice):
+                view = await _read_view(client, settings)
+                break
+        except BaseException:  # (a failure or a cancel: the lease would hold the slot a TTL)
+            await _revoke(client, lease.id)
+            raise
+        await _revoke(client, lease.id)  # (lost the race: it would expire anyway)
     log.info("registered in etcd as %r, slot %d", name, choice)
     return Registration(
         client=client,
         lease=lease.id,
         slot=choice,
-        members=[m for m in members if m.name != name],
-        revision=revision,
+        members=view.members,
+        revision=view.revision,
         endpoint=endpoint,
-        refused=refused,
+        refused=view.refused,
     )
+
+
+async def _memories(
+    client: aetcd.Client, settings: EtcdSettings, slot: int | None
+) -> tuple[int | None, list[int]]:
+    """The slot this name remembers (``names/``) and those other names remember.
+
+    Registering again (``slot``, after the lease was lost): another name that remembers
+    ``slot`` from after this name's own registration held the slot meanwhile, and the peers
+    have retired this daemon's incarnation when it took over (one id, one node): taken back
+    under the same incarnation, every link this daemon made would be refused for good, so
+    it is :class:`SlotTaken` (the daemon stops and comes back as a fresh incarnation), even
+    though the holder has left again.
+
+    Raises:
+        SlotTaken: registering again, and ``slot`` had another holder meanwhile.
+    """
+    remembered, own, others = None, 0, {}
+    for kv in await client.get_prefix(settings.key("names/")):
+        if kv.key == settings.key("names", settings.name):
+            remembered, own = _int(kv.value), kv.mod_revision
+        elif (other := _int(kv.value)) is not None:
+            others[kv.key] = (other, kv.mod_revision)
+    for key, (other, revision) in others.items():
+        if slot is not None and other == slot and revision > own:
+            holder = key.rsplit(b"/", 1)[1].decode(errors="replace")
+            raise SlotTaken(f"slot {slot} was held by {holder!r} meanwhile")
+    return remembered, [other for other, _ in others.values()]
 
 
 async def _wait_for_name(client: aetcd.Client, settings: EtcdSettings, *, waited: float) -> None:
@@ -325,7 +364,7 @@ async def _wait_for_name(client: aetcd.Client, settings: EtcdSettings, *, waited
         holder = Member.decode(settings.name, found.value) if found is not None else None
         at = holder.address if holder is not None else "an unknown address"
         if waited:
-            raise ConfigError(
+            raise NameTaken(
                 f"node_name {settings.name!r} is still registered in etcd, by a daemon at {at},"
                 f" after {waited:.0f}s: two daemons were given one name"
             )
@@ -362,18 +401,30 @@ async def _take(client: aetcd.Client, settings: EtcdSettings, lease: int, slot: 
     return bool(ok)
 
 
-async def _read_view(client: aetcd.Client, settings: EtcdSettings) -> tuple[list[Member], int, int]:
-    """Every registration, the revision they were read at, and how many were refused."""
+class _View(NamedTuple):
+    """A full read of ``nodes/``."""
+
+    members: list[Member]  #: every other node's registration
+    revision: int  #: the revision it was read at
+    refused: list[tuple[str, bytes]]  #: registrations read that are not ones
+    registered: bool  #: this daemon's own registration is there
+
+
+async def _read_view(client: aetcd.Client, settings: EtcdSettings) -> _View:
+    """Every registration but this daemon's, and whether its own is there."""
     found = await client.get_prefix(settings.key("nodes/"))
-    members, refused = [], 0
+    members: list[Member] = []
+    refused: list[tuple[str, bytes]] = []
+    registered = False
     for kv in found:
         name = kv.key[len(settings.key("nodes/")) :].decode(errors="replace")
-        member = _decode(name, kv.value)
-        if member is not None:
+        if name == settings.name:
+            registered = True
+        elif (member := _decode(name, kv.value)) is not None:
             members.append(member)
         else:
-            refused += 1
-    return members, found.header.revision, refused
+            refused.append((name, kv.value))
+    return _View(members, found.header.revision, refused, registered)
 
 
 def _decode(name: str, value: bytes) -> Member | None:
@@ -416,9 +467,13 @@ class RosterService(BaseService):
         on_slot_lost: Callable[[], None] = lambda: None,
     ) -> None:
         self.host = host
-        #: called when this daemon's slot went to another node: the daemon must stop
+        #: called when this daemon's slot went to another node, or its name is another
+        #: daemon's: the daemon must stop
         self.on_slot_lost = on_slot_lost
         self.slot_lost = False  #: so it did: the daemon exits non-zero, to register afresh
+        #: registering again, another daemon held this one's name: the daemon stopped, and
+        #: exits as a configuration error
+        self.name_taken = False
         self.peering = peering
         self.settings = EtcdSettings.from_config(host.config)
         self._registration = registration
@@ -433,7 +488,16 @@ class RosterService(BaseService):
         self._apply(self.engine.load(registration.members))
         peering.name_of = self.engine.name_of
         self._task: asyncio.Task[None] | None = None
+        #: the drain has begun (:meth:`settle`): a cancel the task group dropped (a child
+        #: failing in the same turn) must not send the task back to etcd
+        self._stopping = False
         self._events = 0  #: watch events applied
+        #: the revision of the last full read the view was made from: the watch's events up
+        #: to it are in the view already
+        self._read_at = registration.revision
+        #: the newest revision in the view (the read's, or a watch event's after it): a
+        #: periodic read older than it would put back a state the watch moved on from
+        self._newest = registration.revision
 
     def start(self) -> None:
         """Keep the lease and follow the registrations, until the drain."""
@@ -446,13 +510,26 @@ class RosterService(BaseService):
                 await self._follow(registration)
             except* Exception as failed:  # (from the keepalive's or the watch's task)
                 self._unreachable(failed.exceptions[0])
+            if self._stopping:  # (settle releases the registration)
+                return
             await _close(registration.client)
             try:
                 registration = await self._reconnect(registration)
             except SlotTaken as exc:
                 self._lost_slot(exc)
                 return
+            except NameTaken as exc:
+                self._lost_name(exc)
+                return
             self._registration = registration
+
+    def _lost_name(self, exc: NameTaken) -> None:
+        """Registering again, another daemon holds this daemon's name: waiting on would never
+        end (retried as etcd unreachable), so the daemon stops and exits as a configuration
+        error (78), as it does when that is found at the start."""
+        log.error("cannot register in etcd again: %s: stopping", exc)
+        self.name_taken = True
+        self.on_slot_lost()
 
     def _lost_slot(self, exc: SlotTaken) -> None:
         """This daemon's lease expired (a whole TTL without a keepalive) and another node
@@ -488,8 +565,18 @@ class RosterService(BaseService):
         while True:
             await asyncio.sleep(RESYNC_INTERVAL)
             async with asyncio.timeout(self.settings.call_timeout):
-                members, _, _ = await _read_view(registration.client, self.settings)
-            self._apply(self.engine.load([m for m in members if m.name != self.settings.name]))
+                view = await _read_view(registration.client, self.settings)
+            if view.revision < self._newest:  # (the watch applied newer events meanwhile)
+                continue
+            if not view.registered:  # deleted (etcdctl del), the lease alive: register again
+                raise LeaseLost("this daemon's registration is gone from etcd")
+            self.engine.invalid(view.refused)
+            self._load(view.members, view.revision)
+
+    def _load(self, members: list[Member], revision: int) -> None:
+        """Make the view a full read's, at ``revision``."""
+        self._read_at = self._newest = revision
+        self._apply(self.engine.load(members))
 
     async def _keep_alive(self, registration: Registration) -> None:
         """Refresh the lease every third of its TTL (at most :data:`MAX_KEEPALIVE`), the
@@ -509,14 +596,19 @@ class RosterService(BaseService):
         async for event in watch:
             name = event.kv.key[len(prefix) :].decode(errors="replace")
             self._events += 1
-            if name == self.settings.name:
-                continue  # this daemon's own registration
+            if event.kv.mod_revision <= self._read_at:
+                continue  # a full read brought it already
+            if name == self.settings.name:  # this daemon's own registration
+                if event.kind == aetcd.EventKind.DELETE:  # (etcdctl del, the lease alive)
+                    raise LeaseLost("this daemon's registration was deleted from etcd")
+                continue
+            self._newest = max(self._newest, event.kv.mod_revision)
             if event.kind == aetcd.EventKind.DELETE:
                 self._apply(self.engine.on_delete(name))
             elif (member := _decode(name, event.kv.value)) is not None:
                 self._apply(self.engine.on_put(member))
             else:
-                self.engine.invalid()
+                self.engine.invalid([(name, event.kv.value)])
         raise WatchEnded("etcd ended the watch")
 
     async def _reconnect(self, old: Registration) -> Registration:
@@ -530,37 +622,37 @@ class RosterService(BaseService):
             try:
                 client = await _connect(self.settings, endpoint)
                 return await self._resume(client, old, endpoint)
-            except SlotTaken:
+            except BaseException as exc:  # (a cancel too: the client is no one else's)
                 if client is not None:
                     await _close(client)
-                raise
-            except Exception as exc:  # (any: a daemon must not end for etcd's sake)
-                self._unreachable(exc)
-                if client is not None:
-                    await _close(client)
+                if isinstance(exc, SlotTaken | NameTaken) or not isinstance(exc, Exception):
+                    raise
+                self._unreachable(exc)  # (any other: a daemon must not end for etcd's sake)
 
     async def _resume(self, client: aetcd.Client, old: Registration, endpoint: int) -> Registration:
         async with asyncio.timeout(self.settings.call_timeout):
             info = await client.get_lease_info(old.lease, keys=False)
-        if info.TTL > 0:
-            members, revision, refused = await _read_view(client, self.settings)
-            members = [m for m in members if m.name != self.settings.name]
+        view = await _read_view(client, self.settings) if info.TTL > 0 else None
+        if view is not None and view.registered:
             fresh = Registration(
                 client=client,
                 lease=old.lease,
                 slot=old.slot,
-                members=members,
-                revision=revision,
+                members=view.members,
+                revision=view.revision,
                 endpoint=endpoint,
-                refused=refused,
+                refused=view.refused,
             )
-        else:
-            log.warning("this daemon's etcd lease expired while unreachable: registering again")
+        else:  # (the lease expired, or the registration was deleted under it)
+            log.warning("this daemon's etcd registration was lost: registering again")
+            if view is not None:  # (its lease still holds the slot: let go of it first)
+                async with asyncio.timeout(self.settings.call_timeout):
+                    await client.revoke_lease(old.lease)
             fresh = await _claim(client, self.settings, endpoint, slot=old.slot)
             self.engine.on_registered()
         self.engine.on_connected(self.host.now())
         self.engine.invalid(fresh.refused)
-        self._apply(self.engine.load(fresh.members))
+        self._load(fresh.members, fresh.revision)
         log.info("etcd reachable again: %d other nodes registered", len(fresh.members))
         return fresh
 
@@ -581,6 +673,7 @@ class RosterService(BaseService):
 
     async def settle(self) -> None:
         """Leave etcd at once (the lease revoked), so the others need not wait for its TTL."""
+        self._stopping = True
         if self._task is not None:  # (waited for, not awaited: its outcome is no news here)
             self._task.cancel()
             await asyncio.wait({self._task}, timeout=SETTLE_TIMEOUT)

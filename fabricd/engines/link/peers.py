@@ -486,15 +486,19 @@ class PeerTable:
             return []
         return self._dial(node, _DialInput.START, now) if dialler.state is _Dial.STOPPED else []
 
-    def replace(self, node: int, now: float) -> list[Action]:
+    def replace(self, node: int, incarnation: int | None, now: float) -> list[Action]:
         """Another node holds ``node``'s id now (membership from etcd gave its slot to a new
-        name): the old holder's links are closed (a reset) and its incarnations refused from
-        here on, so the id never means two nodes, to this node or to the others.
+        name): the old holder's ``incarnation`` (the newest admitted while it held the id;
+        ``None``: it never linked) and those before it are refused from here on, and its
+        links closed (a reset), so the id never means two nodes, to this node or to the
+        others.  Links of another incarnation (the new holder's, linked first) stay: only
+        the old holder's are the caller's to retire.
         """
         peer = self._peers[node]
-        if peer.incarnation is not None:
-            peer.retired = max(peer.incarnation, peer.retired or 0)
-        if not peer.links:
+        if incarnation is None:
+            return []
+        peer.retired = max(incarnation, peer.retired or 0)
+        if not peer.links or peer.incarnation != incarnation:
             return []
         reason = "its id went to another node"
         return self._reset(node, reason, now) + self._move(node, _Input.DEAD, now, reason)
