@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 
 #: the first pause before etcd is tried again after a failure
 FIRST_RETRY: Final = 0.1
+#: distinct ignored registrations remembered, so that one read again is not counted again
+MAX_IGNORED_REMEMBERED: Final = 1024
 
 
 class Claim(enum.Enum):
@@ -188,6 +190,7 @@ class Roster:
         #: registrations ignored (undecodable, own slot, out of range, slot taken), each once
         #: however often it is read again (every full read)
         self._ignored: set[Member | tuple[str, bytes]] = set()
+        self._ignored_count = 0
         self.registrations = 1  #: times this daemon registered (more after a lease was lost)
 
     # -- queries ------------------------------------------------------------------------------
@@ -258,13 +261,22 @@ class Roster:
 
     @property
     def ignored(self) -> int:
-        """How many registrations were ignored, each counted once."""
-        return len(self._ignored)
+        """How many registrations were ignored, each counted once (of the first
+        :data:`MAX_IGNORED_REMEMBERED` distinct ones; later ones may count again)."""
+        return self._ignored_count
 
     def invalid(self, keys: Iterable[tuple[str, bytes]]) -> None:
         """Registrations were read that are not ones (:meth:`Member.decode` refused them):
         their names and values (one read again is not counted again)."""
-        self._ignored.update(keys)
+        for key in keys:
+            self._ignore(key)
+
+    def _ignore(self, key: Member | tuple[str, bytes]) -> None:
+        if key in self._ignored:
+            return
+        self._ignored_count += 1
+        if len(self._ignored) < MAX_IGNORED_REMEMBERED:  # (bounded: values may keep changing)
+            self._ignored.add(key)
 
     def _took_over(self, member: Member) -> bool:
         """Whether ``member`` (just added) holds a slot another name held last."""
@@ -274,7 +286,7 @@ class Roster:
     def _add(self, member: Member) -> bool:
         slot = member.slot
         if slot == self.slot or not 0 <= slot < self.max_nodes or slot in self._by_slot:
-            self._ignored.add(member)
+            self._ignore(member)
             return False
         self._by_slot[slot] = self._by_name[member.name] = member
         return True

@@ -9,6 +9,7 @@ import pytest
 
 from fabricd.engines.roster import (
     FIRST_RETRY,
+    MAX_IGNORED_REMEMBERED,
     AddressChanged,
     Claim,
     Member,
@@ -161,3 +162,14 @@ def test_retries_back_off_to_the_cap_and_start_over_once_connected() -> None:
 def test_the_own_slot_must_be_in_the_id_space() -> None:
     with pytest.raises(ValueError, match="slot 4"):
         Roster(name="me", slot=4, max_nodes=4, now=0.0)
+
+
+def test_ignored_registrations_are_remembered_within_a_bound() -> None:
+    """A tool writing ever-changing bad values under the prefix: each is counted, and what is
+    remembered (so that one read again is not counted again) stays bounded."""
+    r = Roster(name="me", slot=0, max_nodes=4, now=0.0, max_retry=1.0)
+    for i in range(MAX_IGNORED_REMEMBERED + 50):
+        r.invalid([("junk", str(i).encode())])
+    r.invalid([("junk", b"0")])  # (remembered: not counted again)
+    assert r.ignored == MAX_IGNORED_REMEMBERED + 50
+    assert len(r._ignored) == MAX_IGNORED_REMEMBERED

@@ -672,3 +672,40 @@ def test_a_registration_deleted_under_a_live_lease_is_made_again(monkeypatch) ->
     assert service.engine.registrations == 2
     assert etcd.calls.index("revoke 1") < etcd.calls.index("lease")  # the slot let go first
     assert "take" in etcd.calls
+
+
+def test_reads_that_stay_behind_the_watch_make_the_daemon_reconnect(monkeypatch) -> None:
+    """etcd restored from a snapshot goes back in revisions, and its watch dies silently: if
+    every periodic read, with no watch event meanwhile, stays older than what the watch applied,
+    the daemon takes etcd as unreachable and reconnects, rather than drop every read for good."""
+    monkeypatch.setattr(roster, "RESYNC_INTERVAL", 0.01)
+    etcd = _Watched()
+    never = asyncio.Event()
+
+    async def connect(settings: object, endpoint: int) -> object:
+        await never.wait()  # (the reconnect waits: the test looks at the state meanwhile)
+
+    monkeypatch.setattr(roster, "_connect", connect)
+
+    async def scenario() -> RosterService:
+        registration = Registration(
+            client=etcd,
+            lease=1,
+            slot=0,
+            members=[Member("a", "10.0.0.5:7700", 3)],
+            revision=7,
+            endpoint=0,
+        )
+        service = RosterService(_Host(), _Peering(), registration)  # type: ignore[arg-type]
+        service.start()
+        for _ in range(3000):  # a hang guard: 30 s
+            if service.engine.state is State.UNREACHABLE:
+                break
+            await asyncio.sleep(0.01)
+        await service.settle()
+        return service
+
+    service = asyncio.run(scenario())
+    assert etcd.reads >= roster.STALE_READS
+    assert service.engine.state is State.UNREACHABLE
+    assert "behind the watch" in service.engine.error

@@ -75,6 +75,11 @@ class NameTaken(ConfigError):
     """This daemon's name stays registered by another daemon (two were given one name)."""
 
 
+#: periodic reads in a row older than what the watch applied, with no watch event
+#: meanwhile, after which etcd is taken to have gone back (restored from a snapshot)
+STALE_READS: Final = 3
+
+
 class WatchEnded(Exception):
     """etcd closed the watch without an error: changes would be missed from here on."""
 
@@ -562,12 +567,21 @@ class RosterService(BaseService):
         """Read the view whole every :data:`RESYNC_INTERVAL`: a watch that died silently
         (aetcd 1.0 never ends its iterator when the server ends the stream) would otherwise
         leave the view stale for good."""
+        behind = 0  # reads in a row older than the watch's news, no event meanwhile
         while True:
             await asyncio.sleep(RESYNC_INTERVAL)
+            events = self._events
             async with asyncio.timeout(self.settings.call_timeout):
                 view = await _read_view(registration.client, self.settings)
             if view.revision < self._newest:  # (the watch applied newer events meanwhile)
+                behind = behind + 1 if self._events == events else 0
+                if behind >= STALE_READS:  # (etcd went back, a restore: the watch is dead)
+                    raise WatchEnded(
+                        f"etcd's reads stay at revision {view.revision}, behind the watch's "
+                        f"{self._newest}"
+                    )
                 continue
+            behind = 0
             if not view.registered:  # deleted (etcdctl del), the lease alive: register again
                 raise LeaseLost("this daemon's registration is gone from etcd")
             self.engine.invalid(view.refused)
