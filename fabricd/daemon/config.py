@@ -125,9 +125,11 @@ class Config:
             )
         for key, address in [("nodes", a) for a in self.nodes] + [("listen", self.listen_address)]:
             try:
-                split_address(address)
+                host, _ = split_address(address)
             except ValueError as exc:
                 raise ConfigError(f"{key}: {exc}") from None
+            if not _resolvable(host):  # (else every dial would fail, retried for ever)
+                raise ConfigError(f"{key}: {address!r}: no resolver can look up {host!r}")
         self._validate_secret_source()
         if not 0 < self.heartbeat_interval < self.suspect_after <= self.down_after:
             raise ConfigError("need 0 < heartbeat_interval < suspect_after <= down_after")
@@ -449,3 +451,21 @@ def _cgroup_memory_limit(
         if text.isdigit():
             return min(unlimited, int(text))
     return unlimited
+
+
+def _resolvable(host: str) -> bool:
+    """Whether ``host`` is an IP address or a name the resolver can encode: not one with an
+    empty label (``h..``), a label over 63 characters, or a control character."""
+    if not host.isprintable():
+        return False
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        pass
+    else:
+        return True
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True

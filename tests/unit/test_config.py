@@ -92,6 +92,10 @@ def test_describe_lists_every_key_with_value_and_source(config_file):
         ("client_frame_timeout = nan\n", "client_frame_timeout must be more than 0"),
         ("client_hello_timeout = inf\n", "client_hello_timeout must be at most 86400"),
         ('data_integrity = "hmac"\n', "data_integrity must be 'mac' or 'none'"),
+        # (names no resolver can look up: every dial would fail, retried for ever)
+        ('nodes = ["h..:7700"]\n', "no resolver can look up 'h..'"),
+        (f'nodes = ["{"a" * 64}.example:7700"]\n', "no resolver can look up"),
+        ('nodes = ["h\\u0001x:7700"]\n', "no resolver can look up"),
     ],
 )
 def test_invalid_files_name_the_problem(tmp_path, text, message):
