@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from fabricd.daemon.keyring import SOURCE_KEYS
 from fabricd.engines.ownership import JobGrant
+from fabricd.engines.roster import resolvable
 from fabricd.errors import ConfigError
 from fabricd.ipc import default_socket_path
 from fabricd.transports.base import split_address
@@ -128,7 +129,7 @@ class Config:
                 host, _ = split_address(address)
             except ValueError as exc:
                 raise ConfigError(f"{key}: {exc}") from None
-            if not _resolvable(host):  # (else every dial would fail, retried for ever)
+            if not resolvable(host):  # (else every dial would fail, retried for ever)
                 raise ConfigError(f"{key}: {address!r}: no resolver can look up {host!r}")
         self._validate_secret_source()
         if not 0 < self.heartbeat_interval < self.suspect_after <= self.down_after:
@@ -451,21 +452,3 @@ def _cgroup_memory_limit(
         if text.isdigit():
             return min(unlimited, int(text))
     return unlimited
-
-
-def _resolvable(host: str) -> bool:
-    """Whether ``host`` is an IP address or a name the resolver can encode: not one with an
-    empty label (``h..``), a label over 63 characters, or a control character."""
-    if not host.isprintable():
-        return False
-    try:
-        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
-    except ValueError:
-        pass
-    else:
-        return True
-    try:
-        host.encode("idna")
-    except UnicodeError:
-        return False
-    return True

@@ -131,15 +131,28 @@ def dialable(address: str) -> bool:
     host = host.removeprefix("[").removesuffix("]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         return False
-    if any(c.isspace() or c in "/[]" for c in host) or not host.isprintable():
+    if any(c.isspace() or c in "/[]" for c in host):
         return False
     try:
         return not ipaddress.ip_address(host).is_unspecified
     except ValueError:
         pass
-    if ":" in host:  # an IPv6 address that does not parse
+    return ":" not in host and resolvable(host)  # (":": an IPv6 address that does not parse)
+
+
+def resolvable(host: str) -> bool:
+    """Whether ``host`` (brackets allowed around an IPv6 address) is an IP address or a name
+    the resolver can encode: not one with an empty label (``h..``), a label over 63
+    characters, or a control character.  The config's addresses are checked with it too."""
+    if not host.isprintable():
         return False
-    try:  # as the resolver will encode it: an empty or 64-character label fails there
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        pass
+    else:
+        return True
+    try:  # as the resolver will encode it
         host.encode("idna")
     except UnicodeError:
         return False

@@ -56,25 +56,17 @@ def etcd(tmp_path: Path) -> Iterator[Etcd]:
 
 
 @pytest.fixture
-def fabric(etcd: Etcd, tmp_path: Path) -> Iterator[Callable[[int], LocalCluster]]:
-    """Start a cluster of daemons that register in ``etcd``; stopped (and their logs checked
-    for tracebacks) at teardown."""
-    started: list[LocalCluster] = []
+def fabric(etcd: Etcd, make_cluster: Any) -> Callable[..., LocalCluster]:
+    """Start a cluster of daemons that register in ``etcd`` (``make_cluster``'s: stopped, and
+    their logs checked for tracebacks, at teardown)."""
 
     def make(size: int, **settings: Any) -> LocalCluster:
-        settings = {**ETCD_SETTINGS, "etcd_endpoints": [etcd.endpoint], **settings}
-        cluster = LocalCluster(size, settings=settings, log_dir=tmp_path / "logs")
-        started.append(cluster)
-        cluster.start()
-        cluster.wait_connected()
+        cluster: LocalCluster = make_cluster(
+            size, **{**ETCD_SETTINGS, "etcd_endpoints": [etcd.endpoint], **settings}
+        )
         return cluster
 
-    yield make
-    for cluster in started:
-        cluster.stop()
-        for node in cluster.nodes:
-            log = node.log_path.read_text(errors="replace")
-            assert "Traceback" not in log, f"node {node.node} logged a traceback:\n{log}"
+    return make
 
 
 ETCD_SETTINGS: dict[str, Any] = {

@@ -26,6 +26,16 @@ if TYPE_CHECKING:
 FLAGS = {"membership": "etcd", "listen": "10.0.0.1:7700", "secret_env": "S", "max_nodes": 4}
 
 
+async def _serve_until(service: RosterService, done: Callable[[], bool]) -> None:
+    """Start ``service``, wait until ``done()`` holds (a hang guard: 30 s), and settle it."""
+    service.start()
+    for _ in range(3000):
+        if done():
+            break
+        await asyncio.sleep(0.01)
+    await service.settle()
+
+
 def test_the_registered_config_has_the_slot_as_id_and_every_address_by_slot() -> None:
     loaded = load(environ={}, flags=FLAGS)
     members = [
@@ -465,12 +475,7 @@ def test_the_view_is_read_whole_again_while_the_watch_says_nothing(monkeypatch) 
             client=etcd, lease=1, slot=0, members=[], revision=1, endpoint=0
         )
         service = RosterService(_Host(), peering, registration)  # type: ignore[arg-type]
-        service.start()
-        for _ in range(3000):  # a hang guard: 30 s
-            if peering.calls:
-                break
-            await asyncio.sleep(0.01)
-        await service.settle()
+        await _serve_until(service, lambda: peering.calls)
 
     asyncio.run(scenario())
     assert peering.calls[0] == "address 1 10.0.0.2:7700"
@@ -522,12 +527,7 @@ def test_a_full_read_older_than_the_watchs_events_is_dropped(monkeypatch) -> Non
             endpoint=0,
         )
         service = RosterService(_Host(), peering, registration)  # type: ignore[arg-type]
-        service.start()
-        for _ in range(3000):  # a hang guard: 30 s
-            if etcd.reads >= 3:
-                break
-            await asyncio.sleep(0.01)
-        await service.settle()
+        await _serve_until(service, lambda: etcd.reads >= 3)
         return service
 
     service = asyncio.run(scenario())
@@ -660,12 +660,7 @@ def test_a_registration_deleted_under_a_live_lease_is_made_again(monkeypatch) ->
         host = _Host()
         host.config = dataclasses.replace(host.config, node_name="a")
         service = RosterService(host, _Peering(), registration)  # type: ignore[arg-type]
-        service.start()
-        for _ in range(3000):  # a hang guard: 30 s
-            if service.engine.registrations == 2:
-                break
-            await asyncio.sleep(0.01)
-        await service.settle()
+        await _serve_until(service, lambda: service.engine.registrations == 2)
         return service
 
     service = asyncio.run(scenario())
@@ -697,12 +692,7 @@ def test_reads_that_stay_behind_the_watch_make_the_daemon_reconnect(monkeypatch)
             endpoint=0,
         )
         service = RosterService(_Host(), _Peering(), registration)  # type: ignore[arg-type]
-        service.start()
-        for _ in range(3000):  # a hang guard: 30 s
-            if service.engine.state is State.UNREACHABLE:
-                break
-            await asyncio.sleep(0.01)
-        await service.settle()
+        await _serve_until(service, lambda: service.engine.state is State.UNREACHABLE)
         return service
 
     service = asyncio.run(scenario())
