@@ -127,6 +127,18 @@ def allreduce_works(cluster: LocalCluster, nodes: list[int], job: str) -> None:
             assert np.all(array == expected)
 
 
+def connected_again(cluster: LocalCluster, names: set[str]) -> None:
+    """Wait until every node is connected to etcd and sees every one of ``names``."""
+    for i in range(len(cluster.nodes)):
+        wait_until(
+            f"node{i} is connected to etcd again with every registration",
+            lambda i=i: (
+                status(cluster, i)["membership"]["state"] == "connected"
+                and registered(cluster, i) == names
+            ),
+        )
+
+
 def test_a_fourth_daemon_joins_a_running_fabric_without_restarts(fabric) -> None:
     cluster = fabric(3)
     before = {i: status(cluster, i) for i in range(3)}
@@ -181,15 +193,7 @@ def test_etcd_restarted_under_a_running_fabric(fabric, etcd: Etcd) -> None:
         )
     allreduce_works(cluster, [0, 1, 2], "without-etcd")
     etcd.start()
-    names = {"node0", "node1", "node2"}
-    for i in range(3):
-        wait_until(
-            f"node{i} is connected to etcd again with every registration",
-            lambda i=i: (
-                status(cluster, i)["membership"]["state"] == "connected"
-                and registered(cluster, i) == names
-            ),
-        )
+    connected_again(cluster, {"node0", "node1", "node2"})
     allreduce_works(cluster, [0, 1, 2], "after-etcd")
     for i in range(3):  # links were never touched
         seen = status(cluster, i)
@@ -216,14 +220,7 @@ def test_a_partitioned_etcd_leaves_the_last_view_and_says_so(fabric, etcd: Etcd)
         time.sleep(TTL + 1)  # long enough for every lease to run out meanwhile
     finally:
         etcd.resume()
-    for i in range(3):
-        wait_until(
-            f"node{i} is registered and connected again",
-            lambda i=i: (
-                status(cluster, i)["membership"]["state"] == "connected"
-                and registered(cluster, i) == names
-            ),
-        )
+    connected_again(cluster, names)
     allreduce_works(cluster, [0, 1, 2], "healed")
 
 

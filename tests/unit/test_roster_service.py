@@ -499,6 +499,11 @@ class _Watched(_Etcd):
         self.reads += key.endswith(b"nodes/")
         return await super().get_prefix(key)
 
+    def registration(self) -> Registration:
+        """This daemon's, read at revision 7: "a" in slot 3."""
+        members = [Member("a", "10.0.0.5:7700", 3)]
+        return Registration(client=self, lease=1, slot=0, members=members, revision=7, endpoint=0)
+
     async def watch_prefix(self, prefix: bytes, start_revision: int) -> Any:
         async def events() -> Any:
             b = Member("b", "10.0.0.6:7700", 3).encode()
@@ -518,14 +523,7 @@ def test_a_full_read_older_than_the_watchs_events_is_dropped(monkeypatch) -> Non
     peering = _Peering()
 
     async def scenario() -> RosterService:
-        registration = Registration(
-            client=etcd,
-            lease=1,
-            slot=0,
-            members=[Member("a", "10.0.0.5:7700", 3)],
-            revision=7,
-            endpoint=0,
-        )
+        registration = etcd.registration()
         service = RosterService(_Host(), peering, registration)  # type: ignore[arg-type]
         await _serve_until(service, lambda: etcd.reads >= 3)
         return service
@@ -683,14 +681,7 @@ def test_reads_that_stay_behind_the_watch_make_the_daemon_reconnect(monkeypatch)
     monkeypatch.setattr(roster, "_connect", connect)
 
     async def scenario() -> RosterService:
-        registration = Registration(
-            client=etcd,
-            lease=1,
-            slot=0,
-            members=[Member("a", "10.0.0.5:7700", 3)],
-            revision=7,
-            endpoint=0,
-        )
+        registration = etcd.registration()
         service = RosterService(_Host(), _Peering(), registration)  # type: ignore[arg-type]
         await _serve_until(service, lambda: service.engine.state is State.UNREACHABLE)
         return service
