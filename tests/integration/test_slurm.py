@@ -234,6 +234,10 @@ def test_srun_starts_ranks_that_allreduce_through_the_job_daemon(slurm, tmp_path
     assert ranks[0]["no_dump"]  # the daemon makes itself undumpable
     # the epilog runs after the job has ended: it stops the daemon and removes the directory
     assert _gone(job_directory(job)), _tail(tmp_path / "epilog.log")
+    for _ in range(300):  # (the epilog removes the directory before it logs: 30 s guard)
+        if "stopped" in (tmp_path / "epilog.log").read_text():
+            break
+        time.sleep(0.1)
     assert "stopped" in (tmp_path / "epilog.log").read_text()
     example = subprocess.run(
         ["srun", "-N1", "-n2", "--overcommit", sys.executable, "examples/slurm_train.py"],
