@@ -329,7 +329,7 @@ class CollectiveService(BaseService):
         """
         job, name = key
         node = self.host.config.node_id
-        inplace = Collective.IN_PLACE and in_place(spec, ranks.count(node))
+        inplace = Collective.IN_PLACE and in_place(spec, ranks, node)
         local = ranks.count(node)
         nbytes = held_bytes(spec, len(set(ranks)), inplace=inplace, local=local, size=len(ranks))
         owner = self.membership.owner(job)

@@ -43,7 +43,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from fabricd.engines.collectives.algorithms import REDUCTIONS, chunk, slot
+from fabricd.engines.collectives.algorithms import EMPTY, REDUCTIONS, chunk, slot
+from fabricd.engines.collectives.landing import same
 from fabricd.engines.collectives.spec import GATHERS, REDUCE, Spec
 from fabricd.engines.schedule import Op, Schedule
 from fabricd.errors import UsageError
@@ -58,19 +59,28 @@ def _check(rank: int, size: int, op: str = "sum") -> None:
         raise UsageError(f"op {op!r}: must be one of {', '.join(REDUCTIONS)}")
 
 
-def allgather_ring(rank: int, size: int) -> Schedule:
+def allgather_ring(rank: int, size: int, *, acknowledge: bool = False) -> Schedule:
     """Ring allgather of ``"data"`` in ``size`` chunks, chunk ``rank`` given here.  Tag ``s``
-    is step ``s``; a chunk is sent on only once it was copied into place."""
+    is step ``s``; a chunk is sent on only once it was copied into place.  ``acknowledge``:
+    as the ring allreduce's (:func:`~fabricd.engines.collectives.algorithms.allreduce_ring`),
+    an empty message to the left once every message from it is in (tag ``size - 1``), and
+    the round here ends only with the right neighbour's: nothing of the round still reads
+    ``"data"``, which in place is the caller's output.  Every rank must agree on it."""
     _check(rank, size)
     ops = [Op.nop()]
     right, left = (rank + 1) % size, (rank - 1) % size
     last = _CALL
+    recvs = []
     for step in range(size - 1):
         mine, theirs = chunk((rank - step) % size), chunk((rank - step - 1) % size)
         ops.append(Op.send(right, mine, tag=step, after=(last,)))
         ops.append(Op.recv(left, slot(left, step), tag=step))
+        recvs.append(len(ops) - 1)
         ops.append(Op.compute("copy", theirs, (slot(left, step),), after=(_CALL, len(ops) - 1)))
         last = len(ops) - 1
+    if acknowledge and size > 1:
+        ops.append(Op.send(left, EMPTY, tag=size - 1, after=tuple(recvs)))
+        ops.append(Op.recv(right, EMPTY, tag=size - 1))
     return Schedule(ops=tuple(ops), activation=_CALL)
 
 
@@ -163,5 +173,5 @@ class Blocks:
             output.reshape(self.size, self.count)[self.order] = result.reshape(
                 self.size, self.count
             )
-        else:
+        elif not same(output, result):  # in place, the result is the output
             np.copyto(output, result)

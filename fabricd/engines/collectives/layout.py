@@ -2,8 +2,32 @@
 lives: which recv takes a peer's message, the landing slots, and (in place) the allgather
 messages that land straight in the caller's array.
 
-Split from :mod:`~fabricd.engines.collectives.persistent`, whose module docstring gives the
-buffers' rules ("Buffers"); it rebuilds a :class:`Layout` at each view change.
+Split from :mod:`~fabricd.engines.collectives.persistent`, which rebuilds a :class:`Layout`
+at each view change.
+
+Buffers: ``data`` (the round's working tensor, the result ends there; sync calls reduce into
+it as they come), ``result`` (the last result, for late callers), ``accumulator`` and
+``snapshot`` (partial modes: what ranks gave since the last round, and the round's
+contribution, held if the round is abandoned), and two landing slots per required recv
+with bytes (one per round parity: the engine's one-round overlap).  A send is complete once
+handed to the service; the transport may keep a view of a queued payload until the kernel
+took it, so a send hands over a view only where nothing writes those bytes before the peer
+surely has them.  ``data`` and ``result`` swap at each round's end, so round ``r``'s tensor
+is written again only in round ``r + 2``, once round ``r + 1`` ended; that needed every
+member's round ``r + 1`` messages (ring allreduce, and the activation broadcast's allreduce,
+need every member each round; the binary tree each node it sends to, its parent and children;
+a broadcast's acknowledgements climb its whole tree), each
+sent after its sender ended round ``r``, which needed this node's round ``r`` messages: on
+a FIFO link, those were gone first.  Ring steps write a chunk only after the send that read
+it was answered round the ring; broadcast slots are the same per round parity (and the binary
+tree's: its ``allreduce_tree`` says why its sends may be views).  Recursive
+doubling reduces into the very tensor it sent as soon as the partner's arrives, so its sends
+are copies.  A view change allocates a fresh ``data`` and ``result``: frames of the abandoned
+round, and round ``r - 1``'s to a node the new view lost (no round waits for it any more), may
+still be queued reading the old ones.  In place (a node's only rank: its allreduce, its
+allgather), ``data`` is the caller's array, written by the caller as soon as its call
+completes: such rounds end with acknowledgements (docs/architecture.md, "In place for a
+node's only rank").
 """
 
 from __future__ import annotations
@@ -15,6 +39,7 @@ import numpy as np
 from fabricd.engines.collectives import algorithms as collectives
 from fabricd.engines.collectives.algorithms import Region, chunk_bounds
 from fabricd.engines.collectives.gather import allgather_ring, reduce_scatter_ring
+from fabricd.engines.collectives.spec import in_place
 from fabricd.engines.schedule import Kind, Schedule
 from fabricd.errors import LocalProtocolError
 
@@ -39,8 +64,8 @@ def schedule_for(
             return collectives.barrier(me, n)
         case "broadcast":
             return collectives.broadcast(me, n, members.index(ranks[spec.root]))
-        case "allgather":
-            return allgather_ring(me, n)
+        case "allgather":  # acknowledged where a node runs it in place
+            return allgather_ring(me, n, acknowledge=any(in_place(spec, ranks, m) for m in members))
         case "reduce_scatter":
             return reduce_scatter_ring(me, n, spec.op)
     fn = "sum" if spec.partial else spec.op
@@ -76,9 +101,13 @@ class Layout:
         members: tuple[int, ...],
         inplace: bool,
         bounds: tuple[int, ...] | None = None,
+        early: bool = False,
     ) -> None:
         self.schedule = schedule
         self.bounds = bounds
+        #: in place, whether a message may come before its round runs here (an allgather's:
+        #: it then lands in a slot)
+        self.early = early
         self.elements, self.dtype, self.parts, self.inplace = (
             elements,
             dtype,
@@ -126,9 +155,17 @@ class Layout:
         elements = stop - start
         if self.inplace and reader.fn == "copy" and elements:
             self.direct[recv] = reader.buffer
+            if not self.early:
+                return
+            self.slots[recv] = (np.zeros(elements, self.dtype), np.zeros(elements, self.dtype))
             return
         first = np.zeros(elements, self.dtype)
         self.slots[recv] = (first, first if self.inplace else np.zeros_like(first))
+
+    def slotted(self, op: int, array: np.ndarray[Any, Any]) -> bool:
+        """Whether ``array`` is one of recv ``op``'s slots (a direct recv's message that came
+        early landed there)."""
+        return any(array is slot for slot in self.slots.get(op, ()))
 
     def lands(self, op: int) -> bool:
         """Whether recv ``op``'s messages carry bytes that land somewhere."""
@@ -152,7 +189,7 @@ class Layout:
                 return data[start:stop]
             case Region.SLOT:
                 op = self.recv_of[buffer.peer, buffer.tag]
-                if op in self.direct:
+                if op in landed:  # in place, landed straight in its chunk
                     return landed[op]
                 return self.slots[op][round % 2]
             case Region.EMPTY:

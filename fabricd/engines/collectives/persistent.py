@@ -78,26 +78,9 @@ Theory of operation.
   ``late="sum"`` too: this node never had it).  A node that finds itself among a frame's lost
   nodes is excluded: its calls fail.
 
-Buffers: ``data`` (the round's working tensor, the result ends there; sync calls reduce into
-it as they come), ``result`` (the last result, for late callers), ``accumulator`` and
-``snapshot`` (partial modes: what ranks gave since the last round, and the round's
-contribution, held if the round is abandoned), and two landing slots per required recv
-with bytes (one per round parity: the engine's one-round overlap).  A send is complete once
-handed to the service; the transport may keep a view of a queued payload until the kernel
-took it, so a send hands over a view only where nothing writes those bytes before the peer
-surely has them.  ``data`` and ``result`` swap at each round's end, so round ``r``'s tensor
-is written again only in round ``r + 2``, once round ``r + 1`` ended; that needed every
-member's round ``r + 1`` messages (ring allreduce, and the activation broadcast's allreduce,
-need every member each round; the binary tree each node it sends to, its parent and children;
-a broadcast's acknowledgements climb its whole tree), each
-sent after its sender ended round ``r``, which needed this node's round ``r`` messages: on
-a FIFO link, those were gone first.  Ring steps write a chunk only after the send that read
-it was answered round the ring; broadcast slots are the same per round parity (and the binary
-tree's: its ``allreduce_tree`` says why its sends may be views).  Recursive
-doubling reduces into the very tensor it sent as soon as the partner's arrives, so its sends
-are copies.  A view change allocates a fresh ``data`` and ``result``: frames of the abandoned
-round, and round ``r - 1``'s to a node the new view lost (no round waits for it any more), may
-still be queued reading the old ones.
+Buffers: ``data`` (the round's working tensor), ``result`` (the last result), the partial
+modes' ``accumulator`` and ``snapshot``, and the landing slots; when each may be written while a
+send may still read it is :mod:`~fabricd.engines.collectives.layout`'s "Buffers".
 """
 
 from __future__ import annotations
@@ -195,8 +178,9 @@ class Collective:
         elements = spec.count + spec.partial if self.blocks is None else self.blocks.elements
         self._elements = elements
         dtype = np.dtype(spec.dtype)
-        #: the node's only rank's sync ring allreduce runs in that rank's array ("In place")
-        self.inplace = self.IN_PLACE and in_place(spec, len(self.local))
+        #: the node's only rank's sync ring allreduce (or allgather) runs in its array (its
+        #: output): "In place"
+        self.inplace = self.IN_PLACE and in_place(spec, ranks, node)
         #: in place, ``data`` is the round's caller's array and ``result`` the last one's
         self._idle = np.zeros(0, dtype)
         self.data = self._idle if self.inplace else np.zeros(elements, dtype)
@@ -254,6 +238,7 @@ class Collective:
             members=members,
             inplace=self.inplace,
             bounds=None if self.blocks is None else self.blocks.bounds,
+            early=self.blocks is not None,
         )
         self._landings.clear()
         self._held.clear()  # messages of the first round in the old view: void
@@ -286,6 +271,8 @@ class Collective:
             )
         if self.broken is not None:
             raise UsageError(self.broken[1])
+        if self.blocks is not None and output is None:
+            raise UsageError(f"a {self.spec.kind} call needs its output array")
         self.counters.calls += 1
         kept = self._left.kept.pop(rank, None)
         call = Call(token=token, rank=rank, array=array, output=output, round=self.round)
@@ -366,9 +353,11 @@ class Collective:
         reads ``data`` only once every local rank gave, and a call made while it runs waits
         for its end (``_later``), so nothing else touches ``data`` meanwhile.  In place, the
         call's array *is* ``data`` for the round: nothing is copied."""
-        data, array = self.data, call.array
-        if array is not None and self.inplace:
-            self.data = array
+        data, array, own = self.data, call.array, self._own(call)
+        if array is not None and own is not None and self.inplace:
+            self.data = own
+            if self.blocks is not None:  # an allgather: the rank's block, in place
+                self.blocks.give(self.data, call.rank, array, op=self.spec.op, first=True)
         elif array is not None and self.blocks is not None:
             self.blocks.give(data, call.rank, array, op=self.spec.op, first=not self._given)
         elif array is not None and self.spec.kind == "allreduce":
@@ -396,7 +385,7 @@ class Collective:
         call = self._calls.get(token)
         if call is None:
             return []
-        if call.array is not None and call.array is self.data:
+        if call.array is not None and self._own(call) is self.data:
             self._let_go()  # (a frame landing in it meanwhile is copied over when it is in)
         self._forget(call)
         gave = call.rank in self._given and call.round == self.round
@@ -540,10 +529,13 @@ class Collective:
 
     def _target(self, op: int, round: int, node: int) -> np.ndarray[Any, Any]:
         """Where recv ``op``'s message of ``round`` lands: its slot, or (in place) its chunk
-        of the round's ``data``, which a message can reach only once the round runs here."""
-        if op not in self.layout.direct:
+        of the round's ``data`` once the round runs here.  An allreduce's message cannot come
+        before; an allgather's may (its left neighbour's call came first): it lands in a slot,
+        which its ``copy`` reads (the layout's ``early``)."""
+        running = round == self._activated and len(self.data) == self._elements
+        if op not in self.layout.direct or (not running and op in self.layout.slots):
             return self.layout.slots[op][round % 2]
-        if round != self._activated or len(self.data) != self._elements:
+        if not running:
             raise RemoteProtocolError(
                 f"allgather message of round {round} from node {node} came before this node "
                 "sent its reduce-scatter share of that round"
@@ -582,8 +574,8 @@ class Collective:
             if landing.got < len(landing.view):
                 return self._flush()
             del self._landings[op, round]
-            if op in self.layout.direct:  # what its "copy" reads: (still) the chunk it landed in
-                self._landed[op] = landing.array
+            if op in self.layout.direct and not self.layout.slotted(op, landing.array):
+                self._landed[op] = landing.array  # what its "copy" reads: the chunk it landed in
         peer = self.index[node]
         if self._agreed:
             self._perform(self.executor.arrived(peer, tag, round, now), now)
@@ -885,7 +877,7 @@ class Collective:
         ``results`` results its rank missed (``late="sum"``)."""
         result = self.result[: self.spec.count] if owed is None else owed
         array = call.array if copy and self.spec.kind != "barrier" else None
-        if self.blocks is not None and call.output is not None:  # its part of the result
+        if self.blocks is not None and call.output is not None and copy:  # its part of it
             self.blocks.take(self.result, call.rank, call.output)
         elif array is not None and not same(array, result):  # in place, it is there already
             np.copyto(array, result)
@@ -909,10 +901,15 @@ class Collective:
         call = self._calls.get(token)
         if call is None:
             return
-        held = call.array is not None and call.array is self.data and self._let_go()
+        held = call.array is not None and self._own(call) is self.data and self._let_go()
         self._forget(call)
         fail = Fail(token=token, code=code, message=call.failed(message), node=node)
         (self._withheld if held else self._out).append(fail)
+
+    def _own(self, call: Call) -> np.ndarray[Any, Any] | None:
+        """The array ``call``'s round runs in, in place: its output (an allgather's), or its
+        array."""
+        return call.output if self.blocks is not None else call.array
 
     def _let_go(self) -> bool:
         """In place, the round's caller is gone (its call failed, or its client left): the

@@ -77,7 +77,7 @@ class Spec:
 
     @property
     def doubling(self) -> bool:
-        """Whether it runs recursive doubling (whose sends must be copies: the engine's
+        """Whether it runs recursive doubling (whose sends must be copies: the layout's
         module docstring, "Buffers")."""
         return self.kind == "allreduce" and not self.ring and not self.tree and not self.mlfabric
 
@@ -202,10 +202,17 @@ def algorithm(spec: Spec) -> collectives.Algorithm:
     return collectives.Algorithm.RING if spec.ring else collectives.Algorithm.RECURSIVE_DOUBLING
 
 
-def in_place(spec: Spec, local_ranks: int) -> bool:
-    """Whether a node with ``local_ranks`` ranks runs ``spec`` in its only rank's array: a sync
-    ring allreduce of a node's only rank (the engine's "In place")."""
-    return spec.kind == "allreduce" and not spec.partial and spec.ring and local_ranks == 1
+def in_place(spec: Spec, ranks: tuple[int, ...], node: int) -> bool:
+    """Whether node ``node`` (``ranks``: the node of every rank) runs ``spec`` in its only
+    rank's array (the engine's "In place"): a sync ring allreduce, or an allgather into the
+    rank's output where every node's ranks are consecutive (the node's tensor is then the
+    output, block for block: :class:`~fabricd.engines.collectives.gather.Blocks`).  A
+    reduce-scatter never does: it would reduce into the caller's input."""
+    if spec.partial or ranks.count(node) != 1:
+        return False
+    if spec.kind == "allgather":
+        return list(ranks) == sorted(ranks)
+    return spec.kind == "allreduce" and spec.ring
 
 
 def held_bytes(spec: Spec, nodes: int, *, inplace: bool, local: int = 1, size: int = 1) -> int:
