@@ -206,3 +206,39 @@ def test_a_newcomer_and_some_of_its_knowers_dying_at_any_point_hang_no_flush(
     fab.drain(picks)
     assert not any(fab.busy), "a survivor's flush waited for the newcomer that died"
     _equal_after_a_round(fab, left)
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: docs/ako.md, 'Hangs left'")
+@pytest.mark.parametrize("newcomer_lives", [True, False])
+def test_a_lister_dying_with_its_markers_half_sent_splits_the_survivors(
+    newcomer_lives: bool,
+) -> None:
+    """Rank 0 comes back as 77; its HELLO reaches rank 1 alone, whose markers listing it reach
+    rank 3 and not rank 2 when rank 1 dies.  Rank 3 takes 77 back at that flush, rank 2 does
+    not: the next flushes must still complete everywhere."""
+    fab = _gone_and_settled(4, 0)
+    fab.revive(0, nonce=77)
+    for r in (2, 3):
+        fab.queues.pop((0, r))
+    fab.drain()
+    for r in (1, 2, 3):
+        assert fab.step(r, np.full(SIZE, 2.0**r))
+        fab.drain()
+    fab.flush([1, 2, 3])
+    _deliver_pair(fab, 1, 3)
+    fab.kill(1)
+    for r in (2, 3):
+        fab.act(r, fab.ex[r].lose(1))
+        fab.act(r, fab.ex[r].left(1))
+    if newcomer_lives:
+        for r in (2, 3):  # (its HELLO goes again: route_timeout / 4)
+            fab.act(0, fab.ex[0].hello_again(r))
+    else:
+        _trainer_dies(fab, 0)
+    fab.drain()
+    ranks = [0, 2, 3] if newcomer_lives else [2, 3]
+    for _ in range(2):
+        fab.flush([r for r in ranks if fab.opened[r] is not None and not fab.busy[r]])
+        fab.drain()
+    assert not any(fab.busy)
+    assert fab.opened[0] is not None or not newcomer_lives

@@ -35,7 +35,10 @@ clock.
   during an open flush sends that flush's marker again with them, so a survivor that took
   one back (it heard of it only through a marker) loses it, unsettled, before its next flush
   completes, as every survivor does.  A listed nonce never heard here is dead if another is
-  pending here (it is older).
+  pending here (it is older).  Those listings need a survivor that heard the dead one to live
+  to list it: when an exchange closes, its daemon also sends every peer a death notice naming
+  it (:meth:`Rejoin.death_notices`), taken as a listing is (:meth:`Rejoin.died`), so the
+  survivors agree when the only one that heard it died too.
 * *A join SYNC* names the gone ranks a flush settled (``gone``) apart from those none did
   yet (``unsettled``, such as one that died during the admitting flush): the newcomer waits
   for the SYNC that settles the latter, as the survivors do.
