@@ -76,7 +76,8 @@ class Part:
     flush marker, the returning ranks (rank, nonce) taken back when that flush completes;
     ``join``: a SYNC for a rank taken back, with ``gone``, the sender's gone ranks a flush
     settled, and ``unsettled``, those none settled yet; ``dead``: on a flush marker, the
-    incarnations (rank, nonce) the sender knows left or were superseded
+    incarnations (rank, nonce) the sender knows left or were superseded, or (no ``flush``, no
+    payload) a death notice: the sender's own, from its daemon (:attr:`notice`)
     (fabricd/engines/ako/rejoin.py).  ``spec`` says
     what every rank agrees on, so a node whose rank has not opened the exchange yet can hold
     the frame for it."""
@@ -180,7 +181,18 @@ class Part:
             raise RemoteProtocolError("a returning rank is sent a SYNC, whole")
         if frame.signal not in (None, Signal.FRESH) and not frame.nonce:
             raise RemoteProtocolError("a HELLO or a JOIN names its sender's nonce")
+        if frame.notice and (
+            frame.sync or frame.signal is not None or frame.dead != ((frame.src, frame.nonce),)
+        ):
+            raise RemoteProtocolError("a death notice (dd without fl) names its sender alone")
         return frame
+
+    @property
+    def notice(self) -> bool:
+        """A death notice: ``dead`` without ``flush`` (and no payload), its sender's daemon
+        saying the sender's incarnation (``nonce``) died: its trainer left, or its open failed
+        (fabricd/engines/ako/rejoin.py, ``died``)."""
+        return bool(self.dead) and self.flush is None
 
 
 def _signal(meta: Meta) -> Signal | None:

@@ -2,8 +2,9 @@
 three daemons step with integer gradients and flush, and every replica is then exactly
 ``w0 - lr * (every rank's gradients)``, for p = 1, 2, 3 and "auto"; a daemon killed mid-run
 leaves the survivors stepping, and after their flush their models are equal; a trainer that
-leaves and opens the exchange again is taken back at the survivors' next flush with rank 0's
-model, and the sum is exact again from there.
+leaves (its daemon sends every peer's daemon a death notice naming its incarnation) and opens
+the exchange again is taken back at the survivors' next flush with rank 0's model, and the sum
+is exact again from there.
 
 Ranks are clients in this process, one connection each; every call is started with its
 ``_async`` form and then waited for, so one thread plays all ranks.
@@ -11,6 +12,7 @@ Ranks are clients in this process, one connection each; every call is started wi
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -132,6 +134,7 @@ def test_a_trainer_that_comes_back_is_taken_back_with_a_survivor_s_model(
         for _ in range(3):
             step_all(fabs, exchanges, grads, np.zeros(COUNT), rng, everyone)
         fabs[4].close()
+        _death_noticed(fabs[:3], 5)  # (its daemon tells each peer's: the hang of two failures)
         survivors = [r for r in everyone if r != 4]
         for _ in range(3):
             step_all(fabs, exchanges, grads, np.zeros(COUNT), rng, survivors)
@@ -167,6 +170,16 @@ def test_a_trainer_that_comes_back_is_taken_back_with_a_survivor_s_model(
         assert {row["phase"] for row in rows} == {"running"}
         taken_back = sum(f.status()["counters"]["ranks_taken_back"] for f in fabs[:3])
         assert taken_back == 1
+
+
+def _death_noticed(daemons: list[Client], expected: int) -> None:
+    """Poll until the daemons (a client of each) took ``expected`` death notices in all (a
+    hang guard of 60 s)."""
+    deadline = time.monotonic() + 60.0
+    while sum(f.status()["counters"]["death_notices"] for f in daemons) < expected:
+        assert time.monotonic() < deadline, "a closed exchange's death notices did not come"
+        time.sleep(0.05)
+    assert sum(f.status()["counters"]["death_notices"] for f in daemons) == expected
 
 
 def test_bad_opens_are_refused_with_what_to_do(make_cluster: Any) -> None:

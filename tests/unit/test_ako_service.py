@@ -430,3 +430,57 @@ def test_an_open_says_hello_again_to_a_peer_that_did_not_answer() -> None:
     host.t = 2.0
     svc.on_timer(2.0)
     assert not link.sent
+
+
+def _notice(src: int, dst: int, nonce: int) -> Part:
+    """Rank ``src``'s daemon's death notice of its incarnation ``nonce``, for ``dst``."""
+    return Part(
+        job=JOB,
+        name=NAME,
+        src=src,
+        dst=dst,
+        round=None,
+        lo=0,
+        clock=0,
+        spec=SPEC3,
+        nonce=nonce,
+        dead=((src, nonce),),
+    )
+
+
+def test_a_closed_exchange_sends_every_peer_its_death_notice() -> None:
+    """(The two-failure hang) a trainer that leaves: its daemon tells every peer, on its node
+    and on others, that its exchange's incarnation died, naming it."""
+    svc, host, _ = service((0, 0, 1))
+    link = Link()
+    link.writable = True
+    host.links[1] = link
+    s = [client(r, 3) for r in range(2)]
+    for r in range(2):
+        open_(svc, s[r], r + 1)
+    nonce = svc.exchanges[(JOB, NAME, 1)].nonce
+    link.sent.clear()
+    svc.client_gone(s[1], 0.0)
+    assert [(m["src"], m["dst"], m["dd"], "fl" in m) for m in link.sent] == [
+        (1, 2, [[1, nonce]], False)
+    ]
+    ex0 = svc.exchanges[(JOB, NAME, 0)]
+    assert ex0._is_dead(1, nonce)
+    assert ex0.gone_peers == {1}
+
+
+def test_a_death_notice_is_taken_from_a_node_whose_rank_already_left() -> None:
+    """The notice of incarnation 77 of rank 2 (on node 1) comes after its departure, when the
+    table no longer has rank 2 there: taken all the same (it can only kill the incarnation it
+    names); one with a payload is not a notice (it waits for rank 2's announcement as any
+    part from a rank not known here)."""
+    svc, _, table = service((0, 0, 1))
+    s = [client(r, 3) for r in range(2)]
+    for r in range(2):
+        open_(svc, s[r], r + 1)
+    entry = table.entries.pop((JOB, 2))
+    svc.on_rank_event(RankLeft(entry=entry, reason="left", lost=False), 0.0)
+    _deliver(svc, 1, _notice(2, 0, 77))
+    _deliver(svc, 1, _notice(2, 1, 78), np.zeros(8).tobytes())
+    assert svc.exchanges[(JOB, NAME, 0)]._is_dead(2, 77)
+    assert not svc.exchanges[(JOB, NAME, 1)]._is_dead(2, 78)

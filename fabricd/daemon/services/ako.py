@@ -133,6 +133,7 @@ class AkoService(BaseService):
             "part_frames_dropped": 0,
             "repartitions": 0,
             "ranks_taken_back": 0,  #: opens answered with a survivor's model
+            "death_notices": 0,  #: peers' death notices taken by an exchange here
         }
         self._early = EarlyParts(host, self._counters)
         self._gate = Gate(
@@ -356,6 +357,9 @@ class AkoService(BaseService):
 
     def on_data(self, node: int, frame: registry.PayloadFrame, length: int, now: float) -> None:
         assert isinstance(frame, Part)
+        if not length and frame.notice:  # (a death notice: taken from any node, below)
+            self._take(node, frame, b"", now)
+            return
         if not length:  # (a handshake signal: no payload, so no buffer was asked for)
             verdict = self._gate.judge(node, frame.job, frame.src)
             if verdict is Sender.NOT_YET:
@@ -392,7 +396,10 @@ class AkoService(BaseService):
             return
         rank_key = (frame.job, frame.name, frame.dst)
         if rank_key in self.exchanges:
+            self._counters["death_notices"] += frame.notice
             self._apply(frame, payload)
+        elif frame.notice:
+            return  # (of a peer's incarnation: a rank not open here has nothing of it)
         elif frame.signal is Signal.HELLO:  # (answered for a rank not open yet: a member)
             fresh = SendSignal(dst=frame.src, signal=Signal.FRESH, nonce=0, to=frame.nonce)
             self._send(rank_key, fresh, frame.spec)
@@ -514,10 +521,15 @@ class AkoService(BaseService):
         self._early.drop_rank(job, rank)
 
     def _drop(self, rank_key: RankKey, why: str, code: ErrorCode = ErrorCode.PEER_FAILED) -> None:
-        self.exchanges.pop(rank_key)
+        """``rank_key``'s exchange is closed: its peers are sent its death notices (a peer
+        that took it back through another's marker may have no other way to learn it died)
+        and what it holds goes."""
+        exchange = self.exchanges.pop(rank_key)
         self._hellos.cancel(rank_key)
         self._rehellos.cancel(rank_key)
-        self._specs.pop(rank_key)
+        spec = self._specs.pop(rank_key)
+        for notice in exchange.death_notices():
+            self._send(rank_key, notice, spec)
         self._profiles.pop(rank_key, None)
         self._of_job.discard(rank_key[0], rank_key)
         for charge in self._charges.pop(rank_key):

@@ -94,6 +94,8 @@ def unfit(frame: Part, length: int) -> str | None:
         return f"ranks {frame.src} and {frame.dst} in an exchange of {spec['n']}"
     if frame.signal is not None:
         return None if not length else f"a {frame.signal.value} signal with a payload"
+    if frame.notice:
+        return None if not length else "a death notice with a payload"
     if not length or length % itemsize or frame.lo + length // itemsize > spec["size"]:
         return f"{length} B from element {frame.lo} in a model of {spec['size']} {spec['dtype']}"
     if frame.sync and length != spec["size"] * itemsize:

@@ -342,6 +342,10 @@ class Exchange(Rejoin):
             RemoteProtocolError: ``src`` is not a peer, or the part is not of the model's
                 dtype or does not fit in it, or holds a NaN or an infinity (nothing changed).
         """
+        if dead and flush is None:  # (a death notice from the dead incarnation's daemon)
+            if src not in self._heard or dead != ((src, nonce),) or payload.size or sync:
+                raise RemoteProtocolError(f"rank {src} sent a death notice not of itself")
+            return self.died(src, nonce)
         self._check_part(src, lo, payload, flush if sync else 0)
         if to and to != self.nonce:
             return []

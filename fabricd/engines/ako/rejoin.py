@@ -35,7 +35,10 @@ clock.
   during an open flush sends that flush's marker again with them, so a survivor that took
   one back (it heard of it only through a marker) loses it, unsettled, before its next flush
   completes, as every survivor does.  A listed nonce never heard here is dead if another is
-  pending here (it is older).
+  pending here (it is older).  Those listings need a survivor that heard the dead one to live
+  to list it: when an exchange closes, its daemon also sends every peer a death notice naming
+  it (:meth:`Rejoin.death_notices`), taken as a listing is (:meth:`Rejoin.died`), so the
+  survivors agree when the only one that heard it died too.
 * *A join SYNC* names the gone ranks a flush settled (``gone``) apart from those none did
   yet (``unsettled``, such as one that died during the admitting flush): the newcomer waits
   for the SYNC that settles the latter, as the survivors do.
@@ -417,15 +420,53 @@ class Rejoin:
         self._news = False  # (learned from a marker: its sender lists them to every peer)
         return out
 
-    def _announce(self) -> list[Action]:
+    def _announce(self, dying: int) -> list[Action]:
         """Nonces died here during this rank's open flush, after its markers went: each
-        reachable peer is sent its marker again, listing them (a peer that took one back
-        would wait for it at its next flush for ever, module docstring)."""
+        reachable peer but ``dying`` (the rank whose death this is) is sent its marker again,
+        listing them (a peer that took one back would wait for it at its next flush for ever,
+        module docstring)."""
         news, self._news = self._news, False
         if not news or not self._flushing or self.phase != "running":
             return []
         k = self._flushes
-        return [self._marker_again(i, k) for i in sorted(self._live) if self._marked[i] == k]
+        live = sorted(self._live - {dying})
+        return [self._marker_again(i, k) for i in live if self._marked[i] == k]
+
+    def died(self, peer: int, nonce: int) -> list[Action]:
+        """``peer``'s incarnation ``nonce`` died: its own daemon says so (a death notice: its
+        trainer left, or its open failed).  Unlike a departure, the notice names the
+        incarnation, so it counts wherever it was heard or not: dead, never taken back, listed
+        in this rank's markers (and the open flush's sent again with it); if it is the member
+        here, it is gone, unsettled.  A flush whose markers list it unsettles its rank as for
+        any dead nonce, so every survivor ends the same, whatever it heard first (module
+        docstring)."""
+        if self._is_dead(peer, nonce):
+            return []
+        self._kill(peer, nonce)
+        if self._joins.get(peer) == nonce:
+            del self._joins[peer]
+        member = self._nonce_of[peer] == nonce and peer not in self._gone
+        announced = self._announce(peer)  # (before gone(), which may complete the open flush)
+        return announced + (self.gone(peer) if member else [])
+
+    def death_notices(self) -> list[SendPart]:
+        """This incarnation is closed (its trainer left, or its open failed): a death notice
+        for every peer, naming it (:meth:`died`; its daemon sends them).  A peer that took it
+        back through another's marker, having heard of it nothing else, learns it died."""
+        empty = self.model[:0].copy()
+        return [
+            SendPart(
+                dst=i,
+                round=None,
+                lo=0,
+                payload=empty,
+                clock=self.clock,
+                nonce=self.nonce,
+                to=self._nonce_of[i],
+                dead=((self.rank, self.nonce),),
+            )
+            for i in self.peers
+        ]
 
     def left(self, peer: int) -> list[Action]:
         """``peer``'s rank left (membership's news): gone for good.  What left is the
@@ -442,5 +483,5 @@ class Rejoin:
             self._kill(peer, self._nonce_of[peer])  # (its HELLO came before: it is this one)
         # (the markers listing the death go before gone(), which may complete the open flush:
         # after it, nothing would tell a peer that took the incarnation back through a marker)
-        announced = self._announce()
+        announced = self._announce(peer)
         return announced + self.gone(peer)
