@@ -386,12 +386,12 @@ class FabricdProcessGroup(dist.ProcessGroup):
         """Stage gathering every rank's ``source`` bytes (the daemons' allgather)."""
         nbytes = source.numel()
         chunk = staging.span_for(nbytes, 1)
-        mine = self._take("uint8", chunk)
         every = self._take("uint8", chunk * self._size)
-        torch.from_numpy(mine.array[:nbytes]).copy_(source)
         rows = torch.from_numpy(every.array[: chunk * self._size]).reshape(self._size, chunk)
+        rows[self._rank, :nbytes].copy_(source)  # given in its own block (MPI_IN_PLACE)
         name = f"torch:ag:{chunk}"
-        inputs, output = mine.array[:chunk], every.array[: chunk * self._size]
+        output = every.array[: chunk * self._size]
+        inputs = output[self._rank * chunk : (self._rank + 1) * chunk]
 
         def start() -> list[Handle[Any]]:
             return [self.fab.allgather_async(inputs, output, name=name)]
@@ -400,7 +400,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             for r in range(self._size):
                 into[r].copy_(rows[r, :nbytes])
 
-        return _Gathering(name, start, [mine, every], unstage)
+        return _Gathering(name, start, [every], unstage)
 
     def _gathered(self, what: str, gathering: _Gathering, finish: Callable[[], object]) -> Any:
         return self._call(what, gathering.start, finish, gathering.slots, gathering.name)
