@@ -63,7 +63,7 @@ import fabricd
 from fabricd.errors import UsageError
 from fabricd.torch import staging
 from fabricd.torch.completion import Call, Completer, Work, all_of, settled
-from fabricd.torch.devices import CPU, device_of, future_for, ready, settle
+from fabricd.torch.devices import CPU, CopyStreams, device_of, future_for, ready, settle
 from fabricd.torch.staging import (
     Slot,
     Staging,
@@ -146,6 +146,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._staging = Staging(fab, "torch")
         self._completer = Completer()
+        self._copies = CopyStreams()  #: where the output copies of CUDA calls are made
         self._barriers: collections.deque[Handle[Any]] = collections.deque()
         self._barrier_count = 0
         self._taken = threading.local()  #: slots taken by the call being made (this thread)
@@ -213,7 +214,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         return self._allreduce(tensors, _op(opts), "reduce", keep=self._rank == root)
 
     def _allreduce(self, tensors: list[torch.Tensor], op: Any, what: str, keep: bool = True) -> Any:
-        device = self._device(tensors, what)
+        device = device_of(tensors, what)
         copies, write_back = dense(tensors)
         flats = [flat_view(t, what) for t in copies]
         if len({f.dtype for f in flats}) > 1:
@@ -275,7 +276,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
     @_giving_back
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
-        device = self._device(tensors, "broadcast")
+        device = device_of(tensors, "broadcast")
         copies, write_back = dense(tensors)
         parts = [as_bytes(flat_view(t, "broadcast")) for t in copies]
         count = _words(sum(p.numel() for p in parts))
@@ -306,7 +307,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             raise UsageError(
                 f"the fabricd backend's allgather takes one input and {self._size} outputs"
             )
-        self._device([*inputs, *outputs[0]], "allgather")
+        device_of([*inputs, *outputs[0]], "allgather")
         source = as_bytes(flat_view(inputs[0].contiguous(), "allgather"))
         for out in outputs[0]:
             if out.dtype != inputs[0].dtype or out.numel() != inputs[0].numel():
@@ -322,7 +323,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
 
     @_giving_back
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        self._device([input, output], "all_gather_single")
+        device_of([input, output], "all_gather_single")
         source = as_bytes(flat_view(input.contiguous(), "all_gather_single"))
         target = as_bytes(flat_view(output, "all_gather_single"))
         if output.dtype != input.dtype or target.numel() != source.numel() * self._size:
@@ -349,7 +350,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
     ) -> Any:
         """``outputs[r][i]`` becomes rank r's ``inputs[i]``: one allgather of them all."""
         what = "allgather_coalesced"
-        device = self._device([*inputs, *(t for row in outputs for t in row)], what)
+        device = device_of([*inputs, *(t for row in outputs for t in row)], what)
         sources = [as_bytes(flat_view(t, what)) for t in inputs]
         if len(outputs) != self._size or any(len(row) != len(inputs) for row in outputs):
             raise UsageError(f"the fabricd backend's {what} takes {self._size} output lists")
@@ -379,7 +380,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
         root = opts.rootRank if opts is not None else 0
-        self._device([*inputs, *(t for row in outputs for t in row)], "gather")
+        device_of([*inputs, *(t for row in outputs for t in row)], "gather")
         source = as_bytes(flat_view(inputs[0], "gather"))
         gathering = self._gather_start(source)
 
@@ -423,7 +424,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             raise UsageError(
                 f"the fabricd backend's reduce_scatter takes {self._size} inputs and one output"
             )
-        self._device([*outputs, *inputs[0]], "reduce_scatter")
+        device_of([*outputs, *inputs[0]], "reduce_scatter")
         whole = torch.cat([flat_view(t, "reduce_scatter") for t in inputs[0]])
         return self._scatter_reduced(outputs[0], whole, _op(opts), "reduce_scatter")
 
@@ -431,7 +432,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Any:
-        self._device([input, output], "reduce_scatter_single")
+        device_of([input, output], "reduce_scatter_single")
         whole = flat_view(input, "reduce_scatter_single")
         return self._scatter_reduced(output, whole, _op(opts), "reduce_scatter_single")
 
@@ -509,7 +510,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         raise UsageError("the fabricd backend receives from a named rank only (recv_anysource)")
 
     def _p2p(self, kind: str, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
-        device = self._device(tensors, kind)
+        device = device_of(tensors, kind)
         copies, write_back = dense(tensors)
         parts = [as_bytes(flat_view(t, kind)) for t in copies]
         count = sum(p.numel() for p in parts)
@@ -537,7 +538,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
         root = opts.rootRank if opts is not None else 0
-        self._device([*outputs, *(t for row in inputs for t in row)], "scatter")
+        device_of([*outputs, *(t for row in inputs for t in row)], "scatter")
         target = as_bytes(flat_view(outputs[0], "scatter"))
         chunks = (
             [as_bytes(flat_view(t, "scatter")) for t in inputs[0]]
@@ -550,7 +551,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        self._device([*inputs, *outputs], "alltoall")
+        device_of([*inputs, *outputs], "alltoall")
         sends = [as_bytes(flat_view(t, "alltoall")) for t in inputs]
         receives = [as_bytes(flat_view(t, "alltoall")) for t in outputs]
         return self._exchange("alltoall", sends, receives)
@@ -564,7 +565,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         input_split_sizes: Sequence[int] | None,
         opts: Any = None,
     ) -> Any:
-        self._device([input, output], "all_to_all_single")
+        device_of([input, output], "all_to_all_single")
         source, target = (
             flat_view(input, "all_to_all_single"),
             flat_view(output, "all_to_all_single"),
@@ -636,17 +637,6 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self._barriers.append(handle)
         return self._call("barrier", lambda: [handle], lambda: [], [], CPU)
 
-    def _device(self, tensors: Sequence[torch.Tensor], what: str) -> torch.device:
-        """The one device of call ``what``'s ``tensors``, the caller's work on it done
-        (:mod:`fabricd.torch.devices`).
-
-        Raises:
-            UsageError: tensors on different devices, or not on the CPU or a CUDA device.
-        """
-        device = device_of(tensors, what)
-        ready(device)
-        return device
-
     def _take(self, dtype: str, count: int, device: torch.device) -> Slot:
         """A staging array for a call on ``device`` (page-locked for CUDA)."""
         slot = self._staging.take(dtype, max(count, 1))
@@ -672,12 +662,16 @@ class FabricdProcessGroup(dist.ProcessGroup):
     ) -> Any:
         """Start the call's operations (``start``) now, or, when ``collective``'s last call
         is still under way, once it is done (module docstring); hand it to the completer.
-        A call on a CUDA ``device`` has a CUDA-aware future, set once the copies ``finish``
-        made on the device are done (:mod:`fabricd.torch.devices`)."""
+        A call on a CUDA ``device`` waits here for the caller's stream (its input copies and
+        any device work the call added to it), makes its output copies on the group's copy
+        stream, and has a CUDA-aware future, set once they are done
+        (:mod:`fabricd.torch.devices`)."""
+        ready(device)
 
         def finished() -> object:
-            value = finish()
-            settle(device)
+            with self._copies.on(device):
+                value = finish()
+                settle(device)
             return value
 
         call = Call(

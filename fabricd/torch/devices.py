@@ -15,22 +15,25 @@ and why:
   ``torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags)``; torch's own checkpoint stager
   registers shared memory the same way), so the DMA lands in the memory the daemon reads:
   one copy each way.  A staging array is registered the first time a CUDA call takes it and
-  stays registered while it lives (arrays are reused from call to call, so the cost, about a
-  page-table walk of the array, is paid once), and unregistered when the group shuts down.
+  stays registered while it lives (arrays are reused from call to call, so a loop pays the
+  registration once, not per call), and unregistered when the group shuts down.
   Registration is *portable* (flag 1): the pages count as pinned for every device.
 * *Registration off the caller's thread.*  A failed CUDA runtime call leaves its error as the
   thread's "last error", which torch reads after its next kernel launch and raises there, far
   from the cause.  So registering and unregistering run on a thread of their own
   (:class:`PageLocker`), and a failure is kept there: that array's copies go through pageable
   memory (correct, slower), and the group says so once in its log.
-* *Synchronised, not stream-ordered.*  At the start of a CUDA call the caller's current stream
-  is synchronised (:func:`ready`): the producer's work on the tensors is done before the input
-  copies read them, and no earlier work still uses an output's memory (the caching allocator
-  hands out memory in stream order) when a later copy writes it from another thread.  The
-  copies themselves are blocking (``non_blocking=False``).  The output copies run in the
-  thread that finishes the call, and that stream is synchronised again before the call's
-  future is set (:func:`settle`, for the device-to-device copies some calls add), so the
-  values are on the device before ``wait()`` returns.  The future of a CUDA call is a
+* *Synchronised, not stream-ordered.*  The copies are blocking (``non_blocking=False``).  The
+  input copies run on the caller's current stream, after the producer's work on it; before
+  the daemon is handed the arrays, that stream is synchronised (:func:`ready`), so the device
+  work the call itself added (a contiguous copy of a strided tensor, a concatenation) is done,
+  and no earlier work still uses an output's memory (the caching allocator hands out memory in
+  stream order) when the output copies write it from another thread.  The output copies run
+  in the thread that finishes the call, on a stream of the group's own per device
+  (:class:`CopyStreams`: on the caller's stream, or on the default stream, which work queued
+  after the call also fills, they would wait for that work), which is synchronised before the
+  call's future is set (:func:`settle`, for the device-to-device copies some calls add), so
+  the values are on the device before ``wait()`` returns.  The future of a CUDA call is a
   CUDA-aware ``torch.futures.Future(devices=[device])`` (:func:`future_for`), as NCCL's are:
   ``wait()`` and ``then`` callbacks see the values on their current streams.
 * *One device per call.*  A call's tensors must all be on one device (``UsageError`` naming
@@ -40,10 +43,11 @@ and why:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import threading
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
@@ -101,6 +105,26 @@ def future_for(device: torch.device) -> torch.futures.Future[object]:
     if device.type == "cuda":
         return torch.futures.Future(devices=[device])
     return torch.futures.Future()
+
+
+class CopyStreams:
+    """A process group's streams for the output copies of its CUDA calls, one per device,
+    made at the first call on it (module docstring)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+        self._lock = threading.Lock()
+
+    def on(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        """The copy stream of ``device`` made current (nothing for the CPU)."""
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+                self._streams[device] = stream
+        return torch.cuda.stream(stream)
 
 
 def cuda_register(ptr: int, nbytes: int) -> int:

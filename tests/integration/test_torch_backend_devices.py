@@ -3,9 +3,10 @@
 Every operation of the process group runs on tensors of the device under test (the CPU, and a
 CUDA device where torch sees one: both ranks share ``cuda:0``), and the same operation runs on
 a gloo group of the same ranks over CPU tensors of the same values: the results must be equal,
-and stay on the device.  The CUDA case also produces its input on a side stream and calls with
-that stream current (the call must see the producer's work, and the caller's stream the
-result after ``wait()``), and refuses a call whose tensors are on two devices.
+and stay on the device.  Each case also makes an input on a side stream and calls with that
+stream current (on CUDA the call must see the producer's work, and the stream the result after
+``wait()``; on the CPU the stream is nothing), and trains DDP on the device to the parameters
+DDP over gloo reaches on the CPU; on CUDA a call whose tensors are on two devices is refused.
 
 The CPU case runs everywhere (it exercises the same lines as the CUDA case: copies with
 ``copy_`` between the tensors and the staging arrays).  The CUDA case skips without a GPU
@@ -207,6 +208,29 @@ def _streams(rank: int, n: int, device: str, checks: Checks) -> None:
     _compare(checks, f"{device}: side stream", float(total), float(50 * n * (1 << 20)))
 
 
+def _ddp(rank: int, device: str, gloo: Any, checks: Checks) -> None:
+    """DDP trains a model on ``device`` over the fabricd group to the parameters DDP over gloo
+    reaches on the CPU (to float rounding: a GPU's matmuls round otherwise)."""
+    params = []
+    for group, dev in ((None, device), (gloo, "cpu")):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        model = torch.nn.parallel.DistributedDataParallel(
+            net.to(dev), process_group=group, bucket_cap_mb=0.0001
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(5):
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = (model(x.to(dev)) - x.sum(dim=1, keepdim=True).to(dev)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        params.append(torch.cat([p.detach().cpu().reshape(-1) for p in model.parameters()]))
+        del model
+    close = torch.allclose(params[0], params[1], rtol=1e-4, atol=1e-5)
+    checks.append((f"{device}: DDP as over gloo", close, f"{params[0]} {params[1]}"))
+
+
 def _refusals(device: str, checks: Checks) -> None:
     if device != "cuda":
         return
@@ -239,6 +263,7 @@ def devices_rank(socket_path: str, init: str, rank: int, n: int, device: str, ou
             _compare(checks, f"{device}: {name}", got.cpu(), ref)
         dist.barrier()
         _streams(rank, n, device, checks)
+        _ddp(rank, device, gloo, checks)
         _refusals(device, checks)
         dist.barrier()
         dist.destroy_process_group()
@@ -255,4 +280,4 @@ def test_every_operation_on_the_device_matches_gloo(
         assert error is None, f"rank {rank}: {error}"
         wrong = [(what, detail) for what, ok, detail in checks if not ok]
         assert not wrong, f"rank {rank}: {wrong}"
-        assert len(checks) == 2 * 23 + 1 + (device == "cuda")
+        assert len(checks) == 2 * 23 + 2 + (device == "cuda")

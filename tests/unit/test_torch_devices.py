@@ -17,7 +17,7 @@ import torch
 
 from fabricd.errors import UsageError
 from fabricd.torch.backend import FabricdProcessGroup
-from fabricd.torch.devices import CPU, PageLocker, device_of, future_for
+from fabricd.torch.devices import CPU, CopyStreams, PageLocker, device_of, future_for
 from fabricd.torch.staging import Staging
 
 CUDA = torch.device("cuda", 0)  # (a device object: made without a GPU, never used as one)
@@ -158,3 +158,10 @@ def test_a_cpu_call_s_future_is_a_plain_one() -> None:
     future = future_for(CPU)
     future.set_result([torch.ones(1)])
     assert torch.equal(future.wait()[0], torch.ones(1))  # type: ignore[index]
+
+
+def test_a_cpu_call_s_output_copies_get_no_stream() -> None:
+    streams = CopyStreams()
+    with streams.on(CPU) as stream:
+        assert stream is None
+    assert streams._streams == {}
