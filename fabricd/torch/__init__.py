@@ -4,7 +4,8 @@ Two ways in (docs/torch.md):
 
 * the ``torch.distributed`` backend ``"fabricd"`` (:mod:`fabricd.torch.backend`), registered
   by importing this package: ``dist.init_process_group("fabricd")``, and DDP, FSDP and every
-  ``dist.*`` call run over the daemons unchanged (sync, as with gloo);
+  ``dist.*`` call run over the daemons unchanged (sync, as with gloo), on CPU tensors and on
+  CUDA tensors through page-locked host memory (:mod:`fabricd.torch.devices`);
 * the DDP communication hook (:mod:`fabricd.torch.hook`): gradient buckets averaged through
   fabricd in eager-SGD's partial modes (``solo``, ``majority``) as well as ``sync``.
 

@@ -8,14 +8,15 @@
 How it is built.  torch 2.13 accepts a process group written in Python: a subclass of
 ``torch.distributed.ProcessGroup`` whose methods (``allreduce``, ``all_gather_single``, ...)
 torch's Python API and its C++ callers (DDP's reducer) reach through pybind, registered with
-``Backend.register_backend(name, creator, devices=["cpu"])`` (torch's own "threaded" test
+``Backend.register_backend(name, creator, devices=["cpu", "cuda"])`` (torch's own "threaded" test
 backend is built this way; ``dist.BackendBase``, which newer documentation describes, is not
 in 2.13).  Each process group is one fabricd client: a job of the group's ranks, named by
 ``$FABRICD_JOB`` for the default group (else drawn by rank 0 and shared through the
 rendezvous store, so two runs on one fabric never collide; a subgroup's job is that name and
 its own draw), its socket found as :func:`fabricd.connect` finds it.
 
-A call copies its tensors into staging arrays (:mod:`fabricd.torch.staging`), starts the
+A call copies its tensors into staging arrays (:mod:`fabricd.torch.staging`; a CUDA tensor
+through page-locked ones, device to host and back, the same lines: :mod:`.devices`), starts the
 daemon's operations at once, in the caller's thread, and returns a ``Work`` whose future one
 thread per process group completes, as each call's operations end: it waits for the daemon,
 copies the result out and sets the future (where DDP's ``then`` callbacks run, as on gloo's
@@ -62,6 +63,7 @@ import fabricd
 from fabricd.errors import UsageError
 from fabricd.torch import staging
 from fabricd.torch.completion import Call, Completer, Work, all_of, settled
+from fabricd.torch.devices import CPU, CopyStreams, device_of, future_for, ready, settle
 from fabricd.torch.staging import (
     Slot,
     Staging,
@@ -144,6 +146,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._staging = Staging(fab, "torch")
         self._completer = Completer()
+        self._copies = CopyStreams()  #: where the output copies of CUDA calls are made
         self._barriers: collections.deque[Handle[Any]] = collections.deque()
         self._barrier_count = 0
         self._taken = threading.local()  #: slots taken by the call being made (this thread)
@@ -152,7 +155,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self._starting = threading.Lock()  #: a call's start and its place after the last
         self._group_name = ""
         self._mode: Mode = "sync"
-        self._finalizer = weakref.finalize(self, _close, self._completer, fab)
+        self._finalizer = weakref.finalize(self, _close, self._completer, self._staging, fab)
 
     # -- what torch asks of every process group ---------------------------------------------
     def getBackendName(self) -> str:
@@ -211,6 +214,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         return self._allreduce(tensors, _op(opts), "reduce", keep=self._rank == root)
 
     def _allreduce(self, tensors: list[torch.Tensor], op: Any, what: str, keep: bool = True) -> Any:
+        device = device_of(tensors, what)
         copies, write_back = dense(tensors)
         flats = [flat_view(t, what) for t in copies]
         if len({f.dtype for f in flats}) > 1:
@@ -226,7 +230,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             raise UsageError(f"the fabricd backend's {what} of {dtype} sums or averages only")
         count = sum(p.numel() for p in parts)
         mode = self._mode if what == "allreduce" and op in (_R.SUM, _R.AVG) else "sync"
-        slot = self._take(name, count)
+        slot = self._take(name, count, device)
         span = staging.span_for(count, slot.array.itemsize)
         stage = staging.tensor_of(slot.array)
         pack(parts, stage)
@@ -242,7 +246,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
                 write_back()
             return tensors
 
-        return self._call(what, start, finish, [slot], collective)
+        return self._call(what, start, finish, [slot], device, collective)
 
     def _reduce_here(
         self,
@@ -272,10 +276,11 @@ class FabricdProcessGroup(dist.ProcessGroup):
     @_giving_back
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
+        device = device_of(tensors, "broadcast")
         copies, write_back = dense(tensors)
         parts = [as_bytes(flat_view(t, "broadcast")) for t in copies]
         count = _words(sum(p.numel() for p in parts))
-        slot = self._take(WORDS, count)
+        slot = self._take(WORDS, count, device)
         span = staging.span_for(count, slot.array.itemsize)
         stage = _bytes_of(slot)
         if self._rank == root:
@@ -292,7 +297,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
                 write_back()
             return tensors
 
-        return self._call("broadcast", start, finish, [slot], collective)
+        return self._call("broadcast", start, finish, [slot], device, collective)
 
     @_giving_back
     def allgather(
@@ -302,6 +307,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             raise UsageError(
                 f"the fabricd backend's allgather takes one input and {self._size} outputs"
             )
+        device_of([*inputs, *outputs[0]], "allgather")
         source = as_bytes(flat_view(inputs[0].contiguous(), "allgather"))
         for out in outputs[0]:
             if out.dtype != inputs[0].dtype or out.numel() != inputs[0].numel():
@@ -317,6 +323,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
 
     @_giving_back
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        device_of([input, output], "all_gather_single")
         source = as_bytes(flat_view(input.contiguous(), "all_gather_single"))
         target = as_bytes(flat_view(output, "all_gather_single"))
         if output.dtype != input.dtype or target.numel() != source.numel() * self._size:
@@ -343,10 +350,11 @@ class FabricdProcessGroup(dist.ProcessGroup):
     ) -> Any:
         """``outputs[r][i]`` becomes rank r's ``inputs[i]``: one allgather of them all."""
         what = "allgather_coalesced"
+        device = device_of([*inputs, *(t for row in outputs for t in row)], what)
         sources = [as_bytes(flat_view(t, what)) for t in inputs]
         if len(outputs) != self._size or any(len(row) != len(inputs) for row in outputs):
             raise UsageError(f"the fabricd backend's {what} takes {self._size} output lists")
-        joined = torch.cat(sources) if sources else torch.empty(0, dtype=torch.uint8)
+        joined = torch.cat(sources) if sources else torch.empty(0, dtype=torch.uint8, device=device)
         gathering = self._gather_start(joined)
 
         def finish() -> list[list[torch.Tensor]]:
@@ -372,6 +380,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
         root = opts.rootRank if opts is not None else 0
+        device_of([*inputs, *(t for row in outputs for t in row)], "gather")
         source = as_bytes(flat_view(inputs[0], "gather"))
         gathering = self._gather_start(source)
 
@@ -386,7 +395,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         """Stage gathering every rank's ``source`` bytes (the daemons' allgather)."""
         nbytes = source.numel()
         chunk = staging.span_for(nbytes, 1)
-        every = self._take("uint8", chunk * self._size)
+        every = self._take("uint8", chunk * self._size, source.device)
         rows = torch.from_numpy(every.array[: chunk * self._size]).reshape(self._size, chunk)
         rows[self._rank, :nbytes].copy_(source)  # given in its own block (MPI_IN_PLACE)
         name = f"torch:ag:{chunk}"
@@ -400,10 +409,12 @@ class FabricdProcessGroup(dist.ProcessGroup):
             for r in range(self._size):
                 into[r].copy_(rows[r, :nbytes])
 
-        return _Gathering(name, start, [every], unstage)
+        return _Gathering(name, start, [every], unstage, source.device)
 
     def _gathered(self, what: str, gathering: _Gathering, finish: Callable[[], object]) -> Any:
-        return self._call(what, gathering.start, finish, gathering.slots, gathering.name)
+        return self._call(
+            what, gathering.start, finish, gathering.slots, gathering.device, gathering.name
+        )
 
     @_giving_back
     def reduce_scatter(
@@ -413,6 +424,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             raise UsageError(
                 f"the fabricd backend's reduce_scatter takes {self._size} inputs and one output"
             )
+        device_of([*outputs, *inputs[0]], "reduce_scatter")
         whole = torch.cat([flat_view(t, "reduce_scatter") for t in inputs[0]])
         return self._scatter_reduced(outputs[0], whole, _op(opts), "reduce_scatter")
 
@@ -420,6 +432,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Any:
+        device_of([input, output], "reduce_scatter_single")
         whole = flat_view(input, "reduce_scatter_single")
         return self._scatter_reduced(output, whole, _op(opts), "reduce_scatter_single")
 
@@ -452,8 +465,8 @@ class FabricdProcessGroup(dist.ProcessGroup):
         name = reduce_dtype(whole.dtype, what)
         itemsize = torch.empty(0, dtype=whole.dtype).element_size()
         chunk = staging.span_for(k, itemsize)
-        every = self._take(name, chunk * self._size)
-        mine = self._take(name, chunk)
+        every = self._take(name, chunk * self._size, whole.device)
+        mine = self._take(name, chunk, whole.device)
         parts = staging.tensor_of(every.array[: chunk * self._size]).reshape(self._size, chunk)
         parts[:, :k].copy_(whole.reshape(self._size, k))
         collective = f"torch:rs:{NATIVE_OPS[op]}:{name}:{chunk}"
@@ -466,7 +479,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             target.copy_(staging.tensor_of(mine.array[:k]))
             return [output]
 
-        return self._call(what, start, finish, [every, mine], collective)
+        return self._call(what, start, finish, [every, mine], whole.device, collective)
 
     def _allreduced_part(
         self, target: torch.Tensor, whole: torch.Tensor, op: Any, what: str, output: torch.Tensor
@@ -479,6 +492,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         def take_part(future: torch.futures.Future[Any]) -> list[torch.Tensor]:
             future.value()
             target.copy_(whole[self._rank * k : (self._rank + 1) * k])
+            settle(target.device)  # (a device-to-device copy: done before the future is)
             return [output]
 
         return Work(reduced.get_future().then(take_part))
@@ -496,10 +510,11 @@ class FabricdProcessGroup(dist.ProcessGroup):
         raise UsageError("the fabricd backend receives from a named rank only (recv_anysource)")
 
     def _p2p(self, kind: str, tensors: list[torch.Tensor], peer: int, tag: int) -> Any:
+        device = device_of(tensors, kind)
         copies, write_back = dense(tensors)
         parts = [as_bytes(flat_view(t, kind)) for t in copies]
         count = sum(p.numel() for p in parts)
-        slot = self._take("uint8", count)
+        slot = self._take("uint8", count, device)
         stage = torch.from_numpy(slot.array)
         if kind == "send":
             pack(parts, stage)
@@ -516,13 +531,14 @@ class FabricdProcessGroup(dist.ProcessGroup):
                 write_back()
             return tensors
 
-        return self._call(f"{kind} with rank {peer} (tag {tag})", start, finish, [slot])
+        return self._call(f"{kind} with rank {peer} (tag {tag})", start, finish, [slot], device)
 
     @_giving_back
     def scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
         root = opts.rootRank if opts is not None else 0
+        device_of([*outputs, *(t for row in inputs for t in row)], "scatter")
         target = as_bytes(flat_view(outputs[0], "scatter"))
         chunks = (
             [as_bytes(flat_view(t, "scatter")) for t in inputs[0]]
@@ -535,6 +551,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
     def alltoall(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
+        device_of([*inputs, *outputs], "alltoall")
         sends = [as_bytes(flat_view(t, "alltoall")) for t in inputs]
         receives = [as_bytes(flat_view(t, "alltoall")) for t in outputs]
         return self._exchange("alltoall", sends, receives)
@@ -548,6 +565,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
         input_split_sizes: Sequence[int] | None,
         opts: Any = None,
     ) -> Any:
+        device_of([input, output], "all_to_all_single")
         source, target = (
             flat_view(input, "all_to_all_single"),
             flat_view(output, "all_to_all_single"),
@@ -574,8 +592,9 @@ class FabricdProcessGroup(dist.ProcessGroup):
         tag = INTERNAL_TAGS + self._internal % INTERNAL_TAGS
         self._internal += 1
         out_bytes, in_bytes = sum(t.numel() for t in sends), sum(t.numel() for t in receives)
-        out_slot = self._take("uint8", out_bytes)
-        in_slot = self._take("uint8", in_bytes)
+        device = receives[0].device
+        out_slot = self._take("uint8", out_bytes, device)
+        in_slot = self._take("uint8", in_bytes, device)
         handles: list[Handle[Any]] = []
         plans: list[tuple[torch.Tensor, torch.Tensor]] = []
         start_out = start_in = 0
@@ -588,7 +607,9 @@ class FabricdProcessGroup(dist.ProcessGroup):
             receiving = root is None or peer == root
             if peer == self._rank:
                 if root is None or self._rank == root:
-                    plans.append((receives[peer], sends[peer].clone()))
+                    # (through the host, as every other part: a copy the finishing thread
+                    # makes from the device would race the caller's stream)
+                    plans.append((receives[peer], sends[peer].to(CPU, copy=True)))
                 continue
             if sending and n_out:
                 torch.from_numpy(view_out).copy_(sends[peer])
@@ -601,7 +622,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             for into, came in plans:
                 into.copy_(came)
 
-        return self._call(what, lambda: handles, finish, [out_slot, in_slot])
+        return self._call(what, lambda: handles, finish, [out_slot, in_slot], device)
 
     # -- the rest -----------------------------------------------------------------------------
     def barrier(self, opts: Any = None) -> Any:
@@ -614,12 +635,13 @@ class FabricdProcessGroup(dist.ProcessGroup):
         self._barrier_count += 1
         handle = self.fab.barrier_async(name=name)
         self._barriers.append(handle)
-        return self._call("barrier", lambda: [handle], lambda: [], [])
+        return self._call("barrier", lambda: [handle], lambda: [], [], CPU)
 
-    def _take(self, dtype: str, count: int) -> Slot:
+    def _take(self, dtype: str, count: int, device: torch.device) -> Slot:
+        """A staging array for a call on ``device`` (page-locked for CUDA)."""
         slot = self._staging.take(dtype, max(count, 1))
         self._holding().append(slot)
-        return slot
+        return self._staging.for_device(slot, device)
 
     def _holding(self) -> list[Slot]:
         """The slots the call this thread is making took so far (given back if it fails
@@ -635,17 +657,31 @@ class FabricdProcessGroup(dist.ProcessGroup):
         start: Callable[[], list[Handle[Any]]],
         finish: Callable[[], object],
         slots: list[Slot],
+        device: torch.device,
         collective: str | None = None,
     ) -> Any:
         """Start the call's operations (``start``) now, or, when ``collective``'s last call
-        is still under way, once it is done (module docstring); hand it to the completer."""
+        is still under way, once it is done (module docstring); hand it to the completer.
+        A call on a CUDA ``device`` waits here for the caller's stream (its input copies and
+        any device work the call added to it), makes its output copies on the group's copy
+        stream, and has a CUDA-aware future, set once they are done
+        (:mod:`fabricd.torch.devices`)."""
+        ready(device)
+
+        def finished() -> object:
+            with self._copies.on(device):
+                value = finish()
+                settle(device)
+            return value
+
         call = Call(
             what=what,
             handles=[],
-            finish=finish,
+            finish=finish if device.type == "cpu" else finished,
             slots=slots,
             release=self._staging.release,
             deadline=time.monotonic() + self._timeout,
+            future=future_for(device),
             start=start,
         )
         with self._starting:
@@ -670,6 +706,7 @@ class _Gathering:
     start: Callable[[], list[Handle[Any]]]
     slots: list[Slot]
     unstage: Callable[[Any], None]
+    device: torch.device  #: where the gathered tensors are
 
 
 def _words(nbytes: int) -> int:
@@ -707,8 +744,9 @@ def _split(
     return out
 
 
-def _close(completer: Completer, fab: Client) -> None:
+def _close(completer: Completer, staging: Staging, fab: Client) -> None:
     completer.close()
+    staging.close()
     fab.close()
 
 
@@ -734,4 +772,4 @@ def create(store: Store, rank: int, size: int, timeout: datetime.timedelta) -> F
     return FabricdProcessGroup(fab, rank, size, timeout.total_seconds(), job)
 
 
-dist.Backend.register_backend(BACKEND, create, devices=["cpu"])
+dist.Backend.register_backend(BACKEND, create, devices=["cpu", "cuda"])

@@ -5,7 +5,8 @@ A tensor that torch hands the process group lives in torch's memory, not in a se
 daemon has mapped, so it is copied into a staging array before the call and out after it: one
 copy each way, the bound the issue sets (a tensor made by ``torch.from_numpy(fab.array(...))``
 needs none through the client's own calls; the DDP hook in :mod:`fabricd.torch.hook` stages
-its buckets the same way).
+its buckets the same way).  For a CUDA tensor too: device to a page-locked staging array and
+back (:meth:`Staging.for_device`, :mod:`fabricd.torch.devices`).
 
 Choices, and why:
 
@@ -42,6 +43,7 @@ import torch
 
 from fabricd.dtypes import BFLOAT16
 from fabricd.errors import UsageError
+from fabricd.torch.devices import PageLocker
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -92,14 +94,10 @@ def reduce_dtype(dtype: torch.dtype, what: str) -> str:
 
 def flat_view(tensor: torch.Tensor, what: str) -> torch.Tensor:
     """``tensor`` as one dimension (the same memory, out of autograd's sight: a call writes
-    into a parameter as gloo does), or a UsageError if it is not dense or not on the CPU."""
+    into a parameter as gloo does), or a UsageError if it is not dense.  On the CPU or a CUDA
+    device alike: a call checks its tensors' device once (:mod:`fabricd.torch.devices`)."""
     if not tensor.is_contiguous():
         raise UsageError(f"the fabricd backend's {what} takes contiguous tensors here")
-    if tensor.device.type != "cpu":
-        raise UsageError(
-            f"the fabricd backend's {what} takes CPU tensors, not {tensor.device}: use "
-            "another backend for them (the hook fabricd.torch.register moves CUDA buckets)"
-        )
     return tensor.detach().reshape(-1)
 
 
@@ -146,14 +144,16 @@ class Slot:
     array: np.ndarray[Any, Any]
     name: str
     key: tuple[str, int]  #: its pool: (dtype, class)
+    locked: bool | None = None  #: page-locked for CUDA copies (None: no CUDA call took it yet)
 
 
 class Staging:
     """One process group's staging arrays (module docstring), on its client ``fab``."""
 
-    def __init__(self, fab: Client, prefix: str) -> None:
+    def __init__(self, fab: Client, prefix: str, locker: PageLocker | None = None) -> None:
         self.fab = fab
         self.prefix = prefix
+        self.locker = locker  #: page-locks arrays for CUDA calls (made at the first one)
         self._pools: dict[tuple[str, int], list[Slot]] = {}  #: the free ones
         self._made: dict[tuple[str, int], int] = {}  #: arrays made per pool
         self._lock = threading.Lock()
@@ -176,6 +176,23 @@ class Staging:
         """``slot``'s call is done: the next may take it."""
         with self._lock:
             self._pools[slot.key].append(slot)
+
+    def for_device(self, slot: Slot, device: torch.device) -> Slot:
+        """``slot``, made ready for copies from and to ``device``: for a CUDA device its
+        array page-locked, once (:mod:`fabricd.torch.devices`); nothing for the CPU."""
+        if device.type != "cuda" or slot.locked is not None:
+            return slot
+        with self._lock:
+            if self.locker is None:
+                self.locker = PageLocker()
+            locker = self.locker
+        slot.locked = locker.lock(slot.array.ctypes.data, slot.array.nbytes)
+        return slot
+
+    def close(self) -> None:
+        """Unlock the page-locked arrays (before the client unmaps them)."""
+        if self.locker is not None:
+            self.locker.close()
 
 
 def pack(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
