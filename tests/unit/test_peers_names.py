@@ -65,6 +65,7 @@ def test_a_stale_view_refuses_the_new_holder_until_it_names_it_then_admits_it() 
 
     assert peers.set_holder(2, "", None, 2.0) == []  # a's registration went: still not d's
     assert refused(link(peers, 2, "d", 100, 2.1))
+    assert "(free)" in refused(link(peers, 2, "", 100, 2.2))[0]  # no name holds a free slot
     assert peers.set_holder(2, "d", 100, 3.0) == []  # the view caught up
     actions = link(peers, 2, "d", 100, 3.1)
     assert admitted(actions) == [Channel.CONTROL, Channel.DATA]

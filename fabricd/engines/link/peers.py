@@ -678,7 +678,7 @@ class PeerTable:
         """Why ``name``'s ``incarnation`` does not hold ``node`` in this node's view of etcd
         (``""``: it does).  Refused, not fenced: the view may be the one behind."""
         peer = self._peers[node]
-        if name != peer.holder:
+        if not peer.holder or name != peer.holder:  # (a free slot: no name, "" included)
             held = f"held by {peer.holder!r}" if peer.holder else "free"
             return (
                 f"{name!r} does not hold node id {node} in this node's view of etcd ({held}); "
