@@ -227,6 +227,10 @@ def test_a_stale_view_refuses_a_slots_new_holder_until_it_catches_up(fabric, etc
             "node2 refuses node3 as node 0",
             lambda: "'node3' does not hold node id 0" in cluster.nodes[2].log_path.read_text(),
         )
+        wait_until(  # refused before its HELLO is answered: node3 sees failed dials, backs off
+            "node3's dials of node2 fail",
+            lambda: status(cluster, 3)["dial_failures"].get("2", 0) >= 2,
+        )
         stale = status(cluster, 2)
         assert stale["membership"]["registered"][f"node{victim}"] == 0  # the view is stale
         assert not any(peer_row(cluster, 2, 0)["links"].values())  # node3 is not admitted

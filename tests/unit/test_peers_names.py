@@ -202,3 +202,15 @@ def test_a_static_list_looks_at_no_name() -> None:
     assert peers.on_link_authenticated(1, Channel.CONTROL, 500, 0.3, "renamed")[0] == ResetPeer(
         node=1, reason="reconnected"
     )
+
+
+def test_the_view_check_is_asked_of_a_hello_before_it_is_answered() -> None:
+    """The peering service asks it of an accepted link's HELLO, so a refused dialler sees a
+    failed dial (and backs off) rather than a link that comes up and is closed at once."""
+    peers = table()
+    peers.set_holder(2, "a", 500, 0.0)
+    assert peers.not_in_view(2, "a", 500) == ""
+    assert "held by 'a'" in peers.not_in_view(2, "d", 100)
+    assert "not the one registered" in peers.not_in_view(2, "a", 400)
+    assert "(free)" in peers.not_in_view(1, "b", 1)
+    assert table(named=False).not_in_view(2, "anyone", 1) == ""

@@ -39,7 +39,7 @@ from fabricd.engines.link import peers
 from fabricd.engines.link.gate import CloseHandshake, RefuseHandshake
 from fabricd.engines.link.handshake import HANDSHAKE_LIMITS, Channel, Handshake, Role
 from fabricd.engines.link.peers import PeerState, PeerTable, Timeouts
-from fabricd.errors import ProtocolError, TransportError
+from fabricd.errors import ProtocolError, RemoteProtocolError, TransportError
 from fabricd.frames import link as link_frames
 from fabricd.integrity import FAILURE, Opener, Sealer
 from fabricd.transports.base import split_address
@@ -123,7 +123,10 @@ class _PendingSink:
     def frame_received(self, link: Link, frame: Frame) -> None:
         try:
             view = link_frames.parse_handshake(frame.kind, frame.meta)
-            self._send(link, self.handshake.on_frame(view))
+            answers = self.handshake.on_frame(view)
+            if isinstance(view, link_frames.Hello) and self.handshake.role is Role.ACCEPTOR:
+                self.service.check_view(view)
+            self._send(link, answers)
         except ProtocolError as exc:
             remote_log.warning("refused link", "refused link from %s: %s", link.peer_address, exc)
             self.service.handshake_over(self.link_id, failed=True)
@@ -432,6 +435,18 @@ class PeeringService(BaseService):
             self.handshake_over(link_id)
             raise
         return sink
+
+    def check_view(self, hello: link_frames.Hello) -> None:
+        """Refuse an accepted link whose HELLO names a node (or incarnation) the view of etcd
+        does not have in its slot, before answering: the dialler then sees its dial fail and
+        backs off.  The claim is not proven yet, but refusing on it costs only the claimant;
+        the proven one is ruled on again once the link is authenticated.
+
+        Raises:
+            RemoteProtocolError: not the holder in this node's view (a retryable refusal).
+        """
+        if why := self.engine.not_in_view(hello.node, hello.name, hello.incarnation):
+            raise RemoteProtocolError(why)
 
     def handshake_over(self, link_id: int, *, failed: bool = False) -> None:
         """A link left its handshake (authenticated, refused or closed)."""

@@ -79,8 +79,10 @@ carries.  Before the admission table, a link is refused unless its name is the s
 in the view and, when the registration carries one, its incarnation is the registered one.
 The refusal fences nothing: a view that is stale (cut off from etcd, a watch behind) refuses
 the new holder for now, the dialler retries, and once the view has it the same HELLO is
-admitted (a waiting dial of that node is brought forward); the old holder's late links stay
-refused, as its name or incarnation is no longer the view's.  Incarnations are compared by
+admitted (a waiting dial of that node is brought forward; the daemon asks
+:meth:`PeerTable.not_in_view` of an accepted link's HELLO before answering it, so a dialler
+refused sees a failed dial and backs off); the old holder's late links stay refused, as its
+name or incarnation is no longer the view's.  Incarnations are compared by
 equality with the registered one, never ordered, so clocks that disagree between nodes do
 not matter; only a link of the name admitted last is ordered by start time (its SAME or
 NEWER), and only when the registration carries no incarnation.  When the view gives the slot
@@ -460,6 +462,28 @@ class PeerTable:
         """The nodes this node dials: every node with a higher id."""
         return sorted(self._diallers)
 
+    def not_in_view(self, node: int, name: str, incarnation: int) -> str:
+        """Why ``name``'s ``incarnation`` does not hold ``node`` in this node's view of etcd
+        (``""``: it does, or the table is not ``named``).  Refused, not fenced: the view may be
+        the one behind.  The peering service also asks it of an accepted link's HELLO, before
+        answering, so that the dialler sees its dial fail and backs off (refused only after
+        AUTH, the dial looks like a success to it, and it dials again at once)."""
+        if not self._named:
+            return ""
+        peer = self._peers[node]
+        if not peer.holder or name != peer.holder:  # (a free slot: no name, "" included)
+            held = f"held by {peer.holder!r}" if peer.holder else "free"
+            return (
+                f"{name!r} does not hold node id {node} in this node's view of etcd ({held}); "
+                "refused until the view has it"
+            )
+        if peer.registered is not None and incarnation != peer.registered:
+            return (
+                f"incarnation {incarnation} of {name!r} is not the one registered in etcd "
+                f"({peer.registered}); refused until the view has it"
+            )
+        return ""
+
     def peers(self, now: float) -> list[PeerInfo]:
         return [
             PeerInfo(
@@ -565,7 +589,7 @@ class PeerTable:
         ``named`` a name or incarnation the view does not have in that slot is refused first.
         """
         peer = self._peers[node]
-        if self._named and (why := self._not_in_view(node, name, incarnation)):
+        if why := self.not_in_view(node, name, incarnation):
             return [self._refuse(node, channel, why)]
         verdict = self._verdict(peer, incarnation, name)
         if verdict is _Verdict.STALE:
@@ -674,23 +698,6 @@ class PeerTable:
         return actions + self._gate.on_timer(now)
 
     # -- internals ----------------------------------------------------------------------------
-    def _not_in_view(self, node: int, name: str, incarnation: int) -> str:
-        """Why ``name``'s ``incarnation`` does not hold ``node`` in this node's view of etcd
-        (``""``: it does).  Refused, not fenced: the view may be the one behind."""
-        peer = self._peers[node]
-        if not peer.holder or name != peer.holder:  # (a free slot: no name, "" included)
-            held = f"held by {peer.holder!r}" if peer.holder else "free"
-            return (
-                f"{name!r} does not hold node id {node} in this node's view of etcd ({held}); "
-                "refused until the view has it"
-            )
-        if peer.registered is not None and incarnation != peer.registered:
-            return (
-                f"incarnation {incarnation} of {name!r} is not the one registered in etcd "
-                f"({peer.registered}); refused until the view has it"
-            )
-        return ""
-
     def _verdict(self, peer: _Peer, incarnation: int, name: str) -> _Verdict:
         known = peer.incarnation
         if known is None:
