@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from fabricd.integrity import Opener
 
 MAGIC: Final = b"FBRC"
-PROTOCOL_VERSION: Final = 15
+PROTOCOL_VERSION: Final = 16
 _HEADER: Final = struct.Struct(">4sBBHIQ")
 HEADER_SIZE: Final = _HEADER.size
 

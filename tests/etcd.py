@@ -2,18 +2,21 @@
 (:mod:`tests.apt`), on free loopback ports with its data in a temporary directory.
 
 The tests stop it (a restart under a running fabric), and pause it with SIGSTOP (a partition:
-its port still accepts, nothing answers, as behind a dropped route).  With ``tls`` it serves
-clients over TLS only and asks each for a certificate (made with openssl: :func:`make_tls`),
-and :meth:`Etcd.enable_auth` turns authentication on.  Timeouts here are hang guards only.
+its port still accepts, nothing answers, as behind a dropped route); :class:`Line` cuts one
+daemon alone off from it.  With ``tls`` it serves clients over TLS only and asks each for a
+certificate (made with openssl: :func:`make_tls`), and :meth:`Etcd.enable_auth` turns
+authentication on.  Timeouts here are hang guards only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
 import signal
 import ssl
 import subprocess
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -191,3 +194,75 @@ class Etcd:
             text = (self.directory / "etcd.log").read_text(errors="replace")
             return "\n".join(text.splitlines()[-lines:])
         return "(no log)"
+
+
+class Line:
+    """One daemon's own way to etcd: a byte forwarder on 127.0.0.1 that the test can cut, so
+    that this daemon alone is cut off from etcd (its view goes stale) while the others, and
+    etcd itself, go on.  Cut, it resets every connection and closes each new one at once:
+    the daemon's calls fail and it keeps its last view, retrying.  Run by an event loop on a
+    thread of its own; timeouts are hang guards only."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.port = _free_port()
+        self._cut = False
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._accept, "127.0.0.1", self.port), self._loop
+        )
+        self._server = future.result(START_GUARD)
+
+    def cut(self) -> None:
+        """Sever the line: every connection reset, every new one closed at once."""
+        asyncio.run_coroutine_threadsafe(self._sever(), self._loop).result(START_GUARD)
+
+    def mend(self) -> None:
+        """Let new connections through again (the daemon reconnects by itself)."""
+        self._loop.call_soon_threadsafe(setattr, self, "_cut", False)
+
+    def close(self) -> None:
+        async def shut() -> None:
+            self._server.close()
+            await self._sever()
+
+        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(START_GUARD)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(START_GUARD)
+        self._loop.close()
+
+    async def _sever(self) -> None:
+        self._cut = True
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._cut:
+            writer.transport.abort()
+            return
+        host, port = self.upstream.rsplit(":", 1)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.transport.abort()
+        self._writers.discard(writer)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from fabricd.daemon.keyring import SOURCE_KEYS
+from fabricd.engines.link.handshake import MAX_NAME
 from fabricd.engines.ownership import JobGrant
 from fabricd.engines.roster import resolvable
 from fabricd.errors import ConfigError
@@ -111,6 +112,8 @@ class Config:
             self._validate_etcd()
         elif self.membership != "static":
             raise ConfigError("membership must be 'static' or 'etcd'")
+        if len(self.node_name.encode()) > MAX_NAME:  # (every HELLO carries it)
+            raise ConfigError(f"node_name: at most {MAX_NAME} bytes (UTF-8)")
         self._validate_fabric()
         self._validate_timers()
         self._validate_limits()

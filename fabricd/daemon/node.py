@@ -165,7 +165,8 @@ class Daemon:
     ) -> None:
         cfg = loaded.config
         self.loaded = loaded
-        self._incarnation = time.time_ns()  # grows across restarts: peers fence older ones
+        # grows across restarts; under etcd the one registered (peers admit it by equality)
+        self._incarnation = registration.incarnation if registration else time.time_ns()
         self.started = time.time()
         self.loop = asyncio.get_running_loop()
         self.transport = transport or _default_transport()
@@ -182,7 +183,7 @@ class Daemon:
         #: what the daemon holds on each tenant's behalf, against its byte budgets
         self.budget = ByteBudget(per_uid=per_uid, per_job=per_job, node=cfg.node_id)
         self.address = cfg.listen_address
-        self.peering = PeeringService(self, self.transport, self._handshake_settings(cfg))
+        self.peering = PeeringService(self, self.transport, self._handshake(cfg, registration))
         #: the network monitor: built here, not in ``services``, since :meth:`network` reads it
         self.monitor = MonitorService(self, links=lambda: self.links)
         self.roster: RosterService | None = None
@@ -235,11 +236,14 @@ class Daemon:
         self.metrics_server = MetricsServer(self.metrics.exposition)
         self._metrics_error = ""
 
-    def _handshake_settings(self, cfg: Config) -> HandshakeSettings:
-        """What the peering service proves and checks in every handshake."""
+    def _handshake(self, cfg: Config, registration: Registration | None) -> HandshakeSettings:
+        """What the peering service proves and checks in every handshake; the name every
+        HELLO carries is the one registered in etcd (a static list's ``node_name``, which
+        no peer checks)."""
         return HandshakeSettings(
             node=cfg.node_id,
             incarnation=self._incarnation,
+            name=registration.name if registration is not None else cfg.node_name,
             secrets=keyring.read_secrets(cfg),
             fabric_size=len(cfg.nodes),
             data_integrity=cfg.data_integrity == "mac",

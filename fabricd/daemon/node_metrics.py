@@ -165,7 +165,7 @@ class DaemonCollector:
         yield counter(
             "fabricd_links_refused",
             "Authenticated links refused (an older incarnation, a data link before its control "
-            "link, a second one).",
+            "link, a second one; under etcd, a name or incarnation the view does not have).",
             [({}, engine.links_refused)],
         )
         yield counter(

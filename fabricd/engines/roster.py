@@ -9,9 +9,10 @@ daemon reports while etcd cannot be reached — and never touches etcd or a cloc
 Theory of operation.  The fabric's node ids stay small integers (every engine indexes by
 them), but in etcd mode they are *slots* in a fixed id space of ``max_nodes``, and a node's
 identity is its name.  A daemon registers under a lease, in one transaction:
-``<prefix>slots/<i>`` = name and ``<prefix>nodes/<name>`` = ``{"address", "slot"}`` (both under
-the lease, so both go when it expires), and ``<prefix>names/<name>`` = ``i`` (no lease: the
-slot it had, which it asks for again after a restart).  :func:`choose_slot` picks the slot:
+``<prefix>slots/<i>`` = name and ``<prefix>nodes/<name>`` = ``{"address", "slot", "inc"}``
+(``inc``: the daemon's incarnation; both keys under the lease, so both go when it expires),
+and ``<prefix>names/<name>`` = ``i`` (no lease: the slot it had, which it asks for again after
+a restart).  :func:`choose_slot` picks the slot:
 
     remembered slot    held by            choice
     i                  nobody             i   (a restarted node keeps its id)
@@ -33,9 +34,12 @@ and every change of a slot's address comes out as :class:`AddressChanged`: an ad
 and admit, or ``""`` (the slot is free: never dialled, its links refused on arrival, like a
 node whose name does not resolve).  Links already up are not cut when a registration goes:
 the peers engine's liveness rules decide them (a node killed is silent, suspect, then down).
-But a slot that another name registers in than the one that held it last comes out
-``replaced``: the old holder's links go (a node that lost etcd for longer than the TTL may
-still be up and linked as that id; one id never means two nodes).
+Each change also says who holds the slot now (its name, and the incarnation the registration
+carries): the peers engine admits links as that id from that node only, so a view that is
+behind refuses the new holder for now rather than admitting it under the old holder's name
+(:mod:`fabricd.engines.link.peers`, "Names"), and closes the links of another holder.  A slot
+that another name registers in than the one that held it last comes out ``replaced`` (for the
+log: a node that lost etcd for longer than the TTL may still be up and linked as that id).
 A registration that claims this daemon's own slot, a slot outside ``0..max_nodes-1``, or a
 slot another name holds in the view is ignored and counted (a foreign or corrupt key); so is
 one whose value does not decode or whose address cannot be dialled (:func:`dialable`:
@@ -98,27 +102,34 @@ def choose_slot(
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """One registration: a node's name, the address its peers dial, and its slot (node id)."""
+    """One registration: a node's name, the address its peers dial, its slot (node id), and
+    the incarnation of the daemon that registered (``None``: a registration without one)."""
 
     name: str
     address: str
     slot: int
+    incarnation: int | None = None
 
     def encode(self) -> bytes:
         """The value of ``<prefix>nodes/<name>``."""
-        return json.dumps({"address": self.address, "slot": self.slot}).encode()
+        fields: dict[str, str | int] = {"address": self.address, "slot": self.slot}
+        if self.incarnation is not None:
+            fields["inc"] = self.incarnation
+        return json.dumps(fields).encode()
 
     @classmethod
     def decode(cls, name: str, value: bytes) -> Member | None:
         """The registration ``value`` says, or ``None`` if it is not one (a foreign key)."""
         try:
             fields = json.loads(value)
-            address, slot = fields["address"], fields["slot"]
-        except (ValueError, TypeError, KeyError):
+            address, slot, inc = fields["address"], fields["slot"], fields.get("inc")
+        except (ValueError, TypeError, KeyError, AttributeError):
             return None
         if not isinstance(address, str) or not dialable(address) or type(slot) is not int:
             return None
-        return cls(name=name, address=address, slot=slot)
+        if inc is not None and type(inc) is not int:
+            return None
+        return cls(name=name, address=address, slot=slot, incarnation=inc)
 
 
 def dialable(address: str) -> bool:
@@ -161,13 +172,15 @@ def resolvable(host: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class AddressChanged:
-    """``slot``'s address is now ``address`` (``""``: nobody holds it); ``replaced``: the
-    slot was last held by another name (links to that node must go: one id, one node)."""
+    """``slot``'s address is now ``address`` (``""``: nobody holds it), held by ``name``
+    registered as ``incarnation`` (``None``: the registration does not say; free slots have
+    none); ``replaced``: the slot was last held by another name."""
 
     slot: int
     name: str
     address: str
     replaced: bool = False
+    incarnation: int | None = None
 
 
 class State(enum.Enum):
@@ -251,7 +264,8 @@ class Roster:
             old, new = before.get(slot), self._by_slot.get(slot)
             if old != new:
                 name = new.name if new is not None else old.name if old is not None else ""
-                changed.append(AddressChanged(slot, name, new.address if new else ""))
+                address, inc = (new.address, new.incarnation) if new else ("", None)
+                changed.append(AddressChanged(slot, name, address, incarnation=inc))
         return [dataclasses.replace(c, replaced=True) if c.slot in replaced else c for c in changed]
 
     def on_put(self, member: Member) -> list[AddressChanged]:
@@ -262,7 +276,10 @@ class Roster:
             return changes
         changes = [c for c in changes if c.slot != member.slot]  # moved within one slot
         replaced = self._took_over(member)
-        return [*changes, AddressChanged(member.slot, member.name, member.address, replaced)]
+        change = AddressChanged(
+            member.slot, member.name, member.address, replaced, member.incarnation
+        )
+        return [*changes, change]
 
     def on_delete(self, name: str) -> list[AddressChanged]:
         """A registration went (its node left, or its lease expired)."""

@@ -49,7 +49,10 @@ class Hello:
     the shared secret (:mod:`fabricd.engines.link.handshake` computes and checks it), and
     ``older_mac``, the same proof under its older secret, while it holds two (a rotation).
     ``node`` is only known to be a node id here: whether it lies in this fabric is the
-    handshake's to check.
+    handshake's to check.  ``name`` is the sender's node name (``""`` when it has none, as a
+    node of a static list may): under membership from etcd a node id is a slot that several
+    names hold in turn, and the receiver admits only the name its view of etcd has for that
+    slot (:mod:`fabricd.engines.link.peers`, "Names").
     """
 
     KIND: ClassVar[Kind] = Kind.HELLO
@@ -57,6 +60,7 @@ class Hello:
     node: int
     incarnation: int
     nonce: bytes
+    name: str = ""
     channel: str | None = None
     mac: bytes | None = None
     older_mac: bytes | None = None
@@ -70,6 +74,7 @@ class Hello:
             "inc": self.incarnation,
             "nonce": self.nonce,
             "sealed_data": self.sealed_data,
+            "name": self.name,
         }
         if self.channel is not None:
             meta["channel"] = self.channel
@@ -96,11 +101,15 @@ class Hello:
             raise RemoteProtocolError(
                 f"handshake nonce has the wrong size ({len(nonce)} B, not {NONCE_SIZE} B)"
             )
+        name = meta.get("name")
+        if not isinstance(name, str):
+            raise RemoteProtocolError("field 'name' must be a string")
         return cls(
             version=version,
             node=node,
             incarnation=incarnation,
             nonce=nonce,
+            name=name,
             channel=get_str(meta, "channel") if "channel" in meta else None,
             mac=get_bytes(meta, "mac") if "mac" in meta else None,
             older_mac=get_bytes(meta, "older_mac") if "older_mac" in meta else None,

@@ -8,6 +8,9 @@ loopback and a real etcd (tests/etcd.py; Debian's etcd-server, installed when mi
   was unreachable and then connected again, and registrations are all there;
 * etcd partitioned (SIGSTOP: connections hang): the fabric keeps its last view and says so in
   ``status``; once etcd is back, registration comes back;
+* one daemon cut off from etcd while a slot changes hands: its stale view refuses the new
+  holder (by name) instead of admitting it under the old holder's name, and admits it once
+  the view has it;
 * etcd over TLS with client certificates and a password: daemons register and join the same.
 
 Leases last 2 s here; a silent peer is down after 4 s, not FAST_LIVENESS's 1 s: these tests
@@ -31,7 +34,7 @@ from fabricd.daemon.config import load
 from fabricd.daemon.launcher import LocalCluster
 from fabricd.daemon.services import roster
 from fabricd.daemon.services.roster import EtcdSettings
-from tests.etcd import Etcd, make_tls, skip_reason
+from tests.etcd import Etcd, Line, make_tls, skip_reason
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -182,6 +185,71 @@ def test_a_killed_daemon_is_down_its_lease_expires_and_it_comes_back(fabric) -> 
     allreduce_works(cluster, [0, 1, 2], "back")
 
 
+def peer_row(cluster: LocalCluster, i: int, node: int) -> dict[str, Any]:
+    """Node ``i``'s ``status`` row of peer ``node`` ({} when it has none)."""
+    return next((p for p in status(cluster, i)["peers"] if p["node"] == node), {})
+
+
+def test_a_stale_view_refuses_a_slots_new_holder_until_it_catches_up(fabric, etcd) -> None:
+    """node2 is cut off from etcd (its own line to it; a long lease keeps it registered) while
+    the holder of slot 0 dies and node3 takes the slot.  node2's view still names the dead
+    holder: node3's links are refused, by name, not admitted as the old holder.  Once node2
+    reaches etcd again its view names node3, which it then admits; before names were in the
+    handshake it admitted node3 under the old name and, catching up, refused it for good."""
+    cluster = fabric(2, max_nodes=3)
+    line = Line(etcd.endpoint)
+    line.start()
+    try:
+        cluster.node_env[2] = {
+            "FABRICD_ETCD_ENDPOINTS": line.endpoint,
+            "FABRICD_ETCD_LEASE_TTL": "60",
+        }
+        cluster.add_node()
+        cluster.wait_connected()
+        slots = {i: status(cluster, i)["node"] for i in range(3)}
+        assert slots[2] == 2  # the two first took 0 and 1
+        victim = next(i for i in (0, 1) if slots[i] == 0)
+        survivor = 1 - victim
+
+        line.cut()
+        wait_until(
+            "node2 says etcd is unreachable",
+            lambda: status(cluster, 2)["membership"]["state"] == "unreachable",
+        )
+        cluster.kill(victim)
+        wait_until(
+            f"node{survivor} sees node{victim}'s registration go",
+            lambda: f"node{victim}" not in registered(cluster, survivor),
+        )
+        cluster.add_node()  # node3: slot 0, the only one free; it dials node2 (slot 2)
+        assert status(cluster, 3)["node"] == 0
+        wait_until(
+            "node2 refuses node3 as node 0",
+            lambda: "'node3' does not hold node id 0" in cluster.nodes[2].log_path.read_text(),
+        )
+        wait_until(  # refused before its HELLO is answered: node3 sees failed dials, backs off
+            "node3's dials of node2 fail",
+            lambda: status(cluster, 3)["dial_failures"].get("2", 0) >= 2,
+        )
+        stale = status(cluster, 2)
+        assert stale["membership"]["registered"][f"node{victim}"] == 0  # the view is stale
+        assert not any(peer_row(cluster, 2, 0)["links"].values())  # node3 is not admitted
+
+        line.mend()
+        wait_until(
+            "node2's view has node3 in slot 0, and its links are up",
+            lambda: (
+                status(cluster, 2)["membership"]["registered"].get("node3") == 0
+                and peer_row(cluster, 2, 0).get("state") == "up"
+                and all(peer_row(cluster, 2, 0)["links"].values())
+            ),
+        )
+        assert peer_row(cluster, 2, 0)["name"] == "node3"
+        allreduce_works(cluster, [survivor, 2, 3], "after-the-handover")
+    finally:
+        line.close()
+
+
 def test_etcd_restarted_under_a_running_fabric(fabric, etcd: Etcd) -> None:
     cluster = fabric(3)
     resets = [status(cluster, i)["counters"]["peer_resets"] for i in range(3)]
@@ -255,7 +323,7 @@ def test_one_name_cannot_take_two_slots(etcd: Etcd) -> None:
         client = await roster._connect(settings, 0)
         try:
             lease = await client.lease(TTL)
-            return [await roster._take(client, settings, lease.id, slot) for slot in (1, 2)]
+            return [await roster._take(client, settings, lease.id, slot, 5) for slot in (1, 2)]
         finally:
             await client.close()
 

@@ -31,6 +31,7 @@ def test_membership_from_etcd_gives_max_nodes_ids() -> None:
         ({**ETCD, "etcd_prefix": "/f"}, "etcd_prefix"),
         ({**ETCD, "etcd_lease_ttl": 1}, "etcd_lease_ttl"),
         ({**ETCD, "node_name": "a/b"}, "node_name"),
+        ({**ETCD, "node_name": "é" * 128}, "at most 255 bytes"),  # (every HELLO carries it)
         ({**ETCD, "etcd_cert_file": "c.pem"}, "etcd_key_file"),
         ({**ETCD, "etcd_user": "u"}, "etcd_password_file"),
     ],

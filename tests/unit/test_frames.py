@@ -117,7 +117,7 @@ HANDSHAKE_EXAMPLES: list[link_frames.HandshakeFrame] = [
     link_frames.Auth(mac=b"m" * 32),
 ]
 #: a well-formed HELLO's metadata, for the malformed ones below
-HELLO_META: Meta = {"v": PROTOCOL_VERSION, "node": 0, "inc": 1, "nonce": NONCE}
+HELLO_META: Meta = {"v": PROTOCOL_VERSION, "node": 0, "inc": 1, "nonce": NONCE, "name": ""}
 
 
 def without(meta: Meta, key: str) -> Meta:
@@ -185,6 +185,8 @@ def test_a_hello_of_another_protocol_version_names_both() -> None:
         (Kind.HELLO, {**HELLO_META, "node": -1}, "'node'"),
         (Kind.HELLO, without(HELLO_META, "inc"), "'inc'"),
         (Kind.HELLO, without(HELLO_META, "v"), "'v'"),
+        (Kind.HELLO, without(HELLO_META, "name"), "'name'"),
+        (Kind.HELLO, {**HELLO_META, "name": 7}, "'name'"),
         (Kind.HELLO, {**HELLO_META, "channel": 1}, "'channel'"),
         (Kind.HELLO, {**HELLO_META, "mac": "m"}, "'mac'"),
         (Kind.AUTH, {}, "'mac'"),

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from fabricd.engines.link.handshake import (
     HANDSHAKE_LIMITS,
+    MAX_NAME,
     AuthenticationFailed,
     Channel,
     Handshake,
@@ -48,11 +49,13 @@ def initiator(
     channel: Channel = Channel.CONTROL,
     expected: int = 1,
     sealed_data: bool = False,
+    name: str = "alpha",
 ) -> Handshake:
     return Handshake(
         role=Role.INITIATOR,
         secret=secret,
         node=node,
+        name=name,
         incarnation=incarnation,
         nonce=nonce,
         fabric_size=FABRIC,
@@ -69,11 +72,13 @@ def acceptor(
     incarnation: int = 9,
     nonce: bytes = b"a" * NONCE_SIZE,
     sealed_data: bool = False,
+    name: str = "beta",
 ) -> Handshake:
     return Handshake(
         role=Role.ACCEPTOR,
         secret=secret,
         node=node,
+        name=name,
         incarnation=incarnation,
         nonce=nonce,
         fabric_size=FABRIC,
@@ -139,12 +144,13 @@ def test_both_sides_agree_on_who_is_on_the_other_end(channel: Channel) -> None:
 
     assert [k for k, _ in log.by_initiator] == [Kind.HELLO, Kind.AUTH]
     assert [k for k, _ in log.by_acceptor] == [Kind.HELLO]
-    assert init.peer == PeerIdentity(node=1, incarnation=9, channel=channel)
-    assert acc.peer == PeerIdentity(node=0, incarnation=7, channel=channel)
+    assert init.peer == PeerIdentity(node=1, incarnation=9, channel=channel, name="beta")
+    assert acc.peer == PeerIdentity(node=0, incarnation=7, channel=channel, name="alpha")
 
 
 def test_frames_keep_their_wire_layout() -> None:
-    """The same keys, values and order as every release of protocol 7 sends: peers interoperate."""
+    """The same keys, values and order as every release of protocol 16 sends: peers
+    interoperate."""
     init, acc = initiator(), acceptor()
     acc.start()
     (hello,) = init.start()
@@ -155,13 +161,13 @@ def test_frames_keep_their_wire_layout() -> None:
     i_nonce, a_nonce = b"i" * NONCE_SIZE, b"a" * NONCE_SIZE
     assert isinstance(answer.frame, link_frames.Hello)
     assert isinstance(auth.frame, link_frames.Auth)
-    ids = {"v": 15, "node": 0, "inc": 7, "nonce": i_nonce, "sealed_data": False}
+    ids = {"v": 16, "node": 0, "inc": 7, "nonce": i_nonce, "sealed_data": False, "name": "alpha"}
     assert sent == [
         encode(Kind.HELLO, {**ids, "channel": "control"}),
         encode(
             Kind.HELLO,
-            {"v": 15, "node": 1, "inc": 9, "nonce": a_nonce, "sealed_data": False}
-            | {"mac": answer.frame.mac},
+            {"v": 16, "node": 1, "inc": 9, "nonce": a_nonce, "sealed_data": False}
+            | {"name": "beta", "mac": answer.frame.mac},
         ),
         encode(Kind.AUTH, {"mac": auth.frame.mac}),
     ]
@@ -251,8 +257,8 @@ def test_acceptor_with_another_secret_is_refused_by_the_initiator() -> None:
 def proof(secret: bytes, role: Role, hello: Meta, answer: Meta) -> bytes:
     """A MAC computed independently of the engine, from the module docstring's formula."""
     transcript = msgpack.packb(
-        [hello["nonce"], answer["nonce"], hello["node"], hello["inc"], answer["node"],
-         answer["inc"], hello["channel"]]
+        [hello["nonce"], answer["nonce"], hello["node"], hello["inc"], hello["name"],
+         answer["node"], answer["inc"], answer["name"], hello["channel"]]
     )  # fmt: skip
     label = b"fabricd-v1-" + role.value.encode()
     key = hashlib.sha256(b"fabricd-v1-key\0" + secret).digest()
@@ -273,7 +279,9 @@ def test_acceptor_checks_the_initiators_proof(secret: bytes, accepted: bool) -> 
     auth = {"mac": proof(secret, Role.INITIATOR, hello_meta, answer_meta)}
     if accepted:
         assert receive(acc, Kind.AUTH, auth) == []
-        assert acc.peer == PeerIdentity(node=0, incarnation=7, channel=Channel.CONTROL)
+        assert acc.peer == PeerIdentity(
+            node=0, incarnation=7, channel=Channel.CONTROL, name="alpha"
+        )
     else:
         with pytest.raises(AuthenticationFailed, match="same secret"):
             receive(acc, Kind.AUTH, auth)
@@ -493,8 +501,8 @@ def test_equal_secrets_always_authenticate(secret: bytes, nonce_i: bytes, nonce_
     init = initiator(secret=secret, nonce=nonce_i, channel=Channel.DATA)
     acc = acceptor(secret=secret, nonce=nonce_a)
     run(init, acc)
-    assert init.peer == PeerIdentity(node=1, incarnation=9, channel=Channel.DATA)
-    assert acc.peer == PeerIdentity(node=0, incarnation=7, channel=Channel.DATA)
+    assert init.peer == PeerIdentity(node=1, incarnation=9, channel=Channel.DATA, name="beta")
+    assert acc.peer == PeerIdentity(node=0, incarnation=7, channel=Channel.DATA, name="alpha")
 
 
 @given(mine=secret_bytes, theirs=secret_bytes, initiator_wrong=st.booleans())
@@ -564,3 +572,53 @@ def test_no_session_keys_before_the_handshake_is_done() -> None:
     for shake in (init, acc):
         with pytest.raises(RuntimeError, match="before the handshake is done"):
             shake.session_keys()
+
+
+# -- names ------------------------------------------------------------------------------------
+def test_a_name_changed_on_the_way_fails_the_proof() -> None:
+    """The names are in the transcript: one rewritten in the initiator's HELLO (to pass a
+    holder check under membership from etcd) makes the acceptor's proof fail at the
+    initiator, so a link never comes up under a name its sender did not send."""
+    init, acc = initiator(), acceptor()
+    acc.start()
+    (hello,) = init.start()
+    kind, meta = transmit(hello)
+    (answer,) = receive(acc, kind, {**meta, "name": "mallory"})
+    assert acc.peer is None  # (not done before AUTH)
+    with pytest.raises(AuthenticationFailed, match="same secret"):
+        receive(init, *transmit(answer))
+    assert_dead(init)
+
+
+def test_a_hello_without_a_name_is_refused() -> None:
+    acc = acceptor()
+    acc.start()
+    (hello,) = initiator().start()
+    kind, meta = transmit(hello)
+    del meta["name"]
+    with pytest.raises(RemoteProtocolError, match="'name'"):
+        receive(acc, kind, meta)
+
+
+def test_the_longest_name_fits_the_handshake_limits_and_an_empty_one_is_allowed() -> None:
+    """A static list's node may have no name (``""``); an etcd name of MAX_NAME bytes, with
+    every other field at its largest (an acceptor's two proofs), fits HANDSHAKE_LIMITS."""
+    longest = "n" * MAX_NAME
+    init = initiator(name="")
+    acc = Handshake(
+        role=Role.ACCEPTOR,
+        secret=SECRET,
+        older_secret=b"an older secret, still accepted",
+        node=1,
+        incarnation=2**63 - 1,
+        nonce=b"a" * NONCE_SIZE,
+        fabric_size=FABRIC,
+        name=longest,
+        sealed_data=False,
+    )
+    log = run(init, acc)
+    assert "older_mac" in log.by_acceptor[0][1]
+    assert init.peer is not None
+    assert init.peer.name == longest
+    assert acc.peer is not None
+    assert acc.peer.name == ""

@@ -7,13 +7,10 @@ from __future__ import annotations
 from fabricd.engines.link.handshake import Channel
 from fabricd.engines.link.peers import (
     FIRST_BACKOFF,
-    AdmitLink,
     Dial,
     PeerState,
     PeerTable,
     PeerUp,
-    RefuseLink,
-    ResetPeer,
     Timeouts,
 )
 
@@ -81,52 +78,3 @@ def test_a_node_that_loses_its_address_keeps_its_links_until_liveness_says_down(
     fired = fire(peers, 5.0)  # silent: suspect, then down and reset, and never redialled
     assert peers.state(1) is PeerState.DOWN
     assert dials(fired) == []
-
-
-def test_an_id_given_to_another_node_closes_the_old_holders_links_and_refuses_it() -> None:
-    """Node A (slot 2) lost etcd, not the fabric, past its TTL, and D took slot 2: A's links
-    go at once and its incarnation is refused, D's is admitted: id 2 means D only."""
-    peers = table(frozenset())
-    peers.start(0.0)
-    a, d = 100, 200
-    for channel in (Channel.CONTROL, Channel.DATA):
-        peers.on_link_authenticated(2, channel, a, 0.1)
-    assert peers.state(2) is PeerState.UP
-    actions = peers.replace(2, a, 1.0)
-    assert [x.node for x in actions if isinstance(x, ResetPeer)] == [2]
-    assert peers.state(2) is PeerState.DOWN
-    refused = peers.on_link_authenticated(2, Channel.CONTROL, a, 1.1)
-    assert [type(x) for x in refused] == [RefuseLink]
-    for channel in (Channel.CONTROL, Channel.DATA):
-        admitted = peers.on_link_authenticated(2, channel, d, 1.2)
-        assert any(isinstance(x, AdmitLink) for x in admitted)
-    assert peers.state(2) is PeerState.UP
-    assert peers.incarnation(2) == d
-
-
-def test_an_id_given_to_another_node_with_no_links_changes_nothing_but_fences() -> None:
-    peers = table(frozenset())
-    peers.start(0.0)
-    assert peers.replace(3, None, 1.0) == []  # never linked: nothing to close, nothing to refuse
-    for channel in (Channel.CONTROL, Channel.DATA):
-        peers.on_link_authenticated(3, channel, 300, 1.1)
-    assert peers.state(3) is PeerState.UP
-
-
-def test_replacing_an_id_leaves_the_new_holders_links_alone() -> None:
-    """The new holder D linked before the roster said the slot was its (or a replace came
-    late): only the old holder A's incarnation is retired, never D's, which would be
-    refused until it restarts."""
-    peers = table(frozenset())
-    peers.start(0.0)
-    a, d = 100, 200
-    peers.on_link_authenticated(2, Channel.CONTROL, a, 0.1)
-    peers.on_link_authenticated(2, Channel.CONTROL, d, 0.2)  # newer: D's links replace A's
-    assert peers.incarnation(2) == d
-    assert peers.replace(2, a, 1.0) == []  # D's links stay
-    assert peers.state(2) is PeerState.UP
-    assert [type(x) for x in peers.on_link_authenticated(2, Channel.CONTROL, a, 1.1)] == [
-        RefuseLink
-    ]
-    again = peers.on_link_authenticated(2, Channel.CONTROL, d, 1.2)
-    assert any(isinstance(x, AdmitLink) for x in again)

@@ -47,6 +47,29 @@ def test_member_values_round_trip_and_foreign_values_are_refused() -> None:
         assert Member.decode("n1", junk) is None
 
 
+def test_a_registration_carries_the_incarnation_of_the_daemon_that_made_it() -> None:
+    """The peers admit that incarnation of the name by equality (no clock ordering); a
+    registration without one (another release's) is still one, and an ``inc`` that is not
+    an integer makes it none."""
+    member = Member("n1", "10.0.0.1:7700", 2, incarnation=1_700_000_000_123_456_789)
+    assert json.loads(member.encode())["inc"] == 1_700_000_000_123_456_789
+    assert Member.decode("n1", member.encode()) == member
+    assert Member.decode("n1", b'{"address": "a:1", "slot": 1}') == Member("n1", "a:1", 1)
+    for inc in (b'"5"', b"true", b"1.5"):
+        assert Member.decode("n1", b'{"address": "a:1", "slot": 1, "inc": ' + inc + b"}") is None
+
+
+def test_every_change_names_the_holder_and_its_registered_incarnation() -> None:
+    """What the peers engine admits as the slot's holder (peers.py, "Names"): a load, a put,
+    and the same name registered again by a new daemon (a new incarnation) all say it."""
+    r = roster()
+    assert r.load([Member("a", "h:1", 2, 500)]) == [AddressChanged(2, "a", "h:1", incarnation=500)]
+    assert r.on_put(Member("a", "h:1", 2, 150)) == [AddressChanged(2, "a", "h:1", incarnation=150)]
+    assert r.load([Member("a", "h:1", 2, 150)]) == []
+    assert r.load([Member("a", "h:1", 2, 90)]) == [AddressChanged(2, "a", "h:1", incarnation=90)]
+    assert r.on_delete("a") == [AddressChanged(2, "a", "")]
+
+
 def test_an_address_that_cannot_be_dialled_is_not_a_registration() -> None:
     """A value written by mistake (or by whoever can write the prefix) must never reach the
     peering service, where an address that does not split would end the daemon."""

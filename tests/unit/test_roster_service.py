@@ -59,7 +59,8 @@ def test_the_registered_config_has_the_slot_as_id_and_every_address_by_slot() ->
 
 
 class _Peering:
-    """The peering service as the roster service sees it: addresses set, names asked."""
+    """The peering service as the roster service sees it: holders and addresses set, names
+    asked."""
 
     def __init__(self) -> None:
         self.addresses: dict[int, str] = {}
@@ -70,8 +71,8 @@ class _Peering:
         self.addresses[node] = address
         self.calls.append(f"address {node} {address}")
 
-    def replace(self, node: int) -> None:
-        self.calls.append(f"replace {node}")
+    def set_holder(self, node: int, name: str, incarnation: int | None) -> None:
+        self.calls.append(f"holder {node} {name!r} {incarnation}")
 
 
 class _Host:
@@ -318,8 +319,8 @@ def test_the_lease_is_granted_after_waiting_for_an_earlier_run_and_refreshed_at_
     settings = dataclasses.replace(settings, name="a")
 
     async def scenario() -> int:
-        registration = await roster._claim(etcd, settings, 0, slot=None)  # type: ignore[arg-type]
-        assert registration.slot == 3
+        registration = await roster._claim(etcd, settings, 0, slot=None, incarnation=5)  # type: ignore[arg-type]
+        assert (registration.slot, registration.incarnation) == (3, 5)
         service = RosterService(_Host(), _Peering(), registration)  # type: ignore[arg-type]
         service.start()
         for _ in range(5):  # a few turns of the loop, no time: the first refresh is at once
@@ -432,8 +433,9 @@ def test_a_slot_nobody_held_since_is_registered_in_again(monkeypatch) -> None:
     assert service.engine.registrations == 2
 
 
-def test_a_slot_with_a_new_name_replaces_the_peer_before_its_address_is_set() -> None:
-    """The old holder's links go first; then the new holder is dialled and admitted."""
+def test_a_slot_with_a_new_name_names_its_holder_before_its_address_is_set() -> None:
+    """The holder (and its registered incarnation) is set first, so the old holder's links go
+    and only the new one is admitted; then the new holder is dialled."""
     peering = _Peering()
 
     async def scenario() -> None:
@@ -441,12 +443,19 @@ def test_a_slot_with_a_new_name_replaces_the_peer_before_its_address_is_set() ->
             client=None, lease=1, slot=0, members=[], revision=1, endpoint=0
         )
         service = RosterService(_Host(), peering, registration)  # type: ignore[arg-type]
-        service._apply(service.engine.on_put(Member("a", "h:1", 2)))
+        service._apply(service.engine.on_put(Member("a", "h:1", 2, incarnation=500)))
         service._apply(service.engine.on_delete("a"))
-        service._apply(service.engine.on_put(Member("d", "h:4", 2)))
+        service._apply(service.engine.on_put(Member("d", "h:4", 2, incarnation=100)))
 
     asyncio.run(scenario())
-    assert peering.calls == ["address 2 h:1", "address 2 ", "replace 2", "address 2 h:4"]
+    assert peering.calls == [
+        "holder 2 'a' 500",
+        "address 2 h:1",
+        "holder 2 '' None",
+        "address 2 ",
+        "holder 2 'd' 100",
+        "address 2 h:4",
+    ]
 
 
 def test_a_name_another_daemon_holds_is_given_up_after_two_ttls() -> None:
@@ -455,7 +464,7 @@ def test_a_name_another_daemon_holds_is_given_up_after_two_ttls() -> None:
     settings = roster.EtcdSettings.from_config(load(environ={}, flags=FLAGS).config)
     settings = dataclasses.replace(settings, name="a", ttl=1)
     with pytest.raises(ConfigError, match=r"'a' is still registered .* at 10\.0\.0\.9:7700"):
-        asyncio.run(roster._claim(etcd, settings, 0, slot=None))  # type: ignore[arg-type]
+        asyncio.run(roster._claim(etcd, settings, 0, slot=None, incarnation=5))  # type: ignore[arg-type]
     assert "lease" not in etcd.calls
 
 
@@ -478,7 +487,7 @@ def test_the_view_is_read_whole_again_while_the_watch_says_nothing(monkeypatch) 
         await _serve_until(service, lambda: peering.calls)
 
     asyncio.run(scenario())
-    assert peering.calls[0] == "address 1 10.0.0.2:7700"
+    assert peering.calls[:2] == ["holder 1 'b' None", "address 1 10.0.0.2:7700"]
 
 
 class _Event:
@@ -517,7 +526,7 @@ class _Watched(_Etcd):
 
 def test_a_full_read_older_than_the_watchs_events_is_dropped(monkeypatch) -> None:
     """Applied, it would put "a" back in slot 3 after the watch gave it to "b": two spurious
-    replacements, the second retiring b's incarnation."""
+    replacements, the second closing b's links."""
     monkeypatch.setattr(roster, "RESYNC_INTERVAL", 0.01)
     etcd = _Watched()
     peering = _Peering()
@@ -531,9 +540,11 @@ def test_a_full_read_older_than_the_watchs_events_is_dropped(monkeypatch) -> Non
     service = asyncio.run(scenario())
     assert etcd.reads >= 3
     assert peering.calls == [
+        "holder 3 'a' None",
         "address 3 10.0.0.5:7700",
+        "holder 3 '' None",
         "address 3 ",
-        "replace 3",
+        "holder 3 'b' None",
         "address 3 10.0.0.6:7700",
     ]
     assert service.engine.ignored == 0  # the stale event was skipped, not refused

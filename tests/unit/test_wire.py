@@ -364,8 +364,8 @@ def test_header_layout_is_as_documented() -> None:
     data = encode(Kind.RTS, {"a": 1}, b"xyz")
     assert HEADER_SIZE == 20
     assert MAGIC == b"FBRC"
-    assert PROTOCOL_VERSION == 15
-    assert data[:20] == b"FBRC" + bytes([15, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
+    assert PROTOCOL_VERSION == 16
+    assert data[:20] == b"FBRC" + bytes([16, 6]) + b"\x00\x00" + (4).to_bytes(4, "big") + (
         3
     ).to_bytes(8, "big")
     assert data[20:24] == b"\x81\xa1a\x01"
@@ -373,7 +373,7 @@ def test_header_layout_is_as_documented() -> None:
 
 
 def test_the_example_in_protocol_md() -> None:
-    documented = "46 42 52 43 0f 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
+    documented = "46 42 52 43 10 07 00 00 00 00 00 06 00 00 00 00 00 00 00 00 81 a3 6d 73 67 01"
     assert encode(Kind.CTS, {"msg": 1}) == bytes.fromhex(documented)
 
 
@@ -684,14 +684,15 @@ def test_lengths_exactly_at_the_limits_are_accepted() -> None:
 
 def test_handshake_limits() -> None:
     hello = {"v": 1, "node": 1, "inc": 2**62, "nonce": bytes(32), "channel": "control"}
+    hello["name"] = "n" * 255  # the longest node name (MAX_NAME bytes)
     [frame] = decode_frames(encode(Kind.HELLO, hello), HANDSHAKE_LIMITS)
     assert frame.meta == hello
-    assert HANDSHAKE_LIMITS.max_meta == 512
-    assert_rejected(header(Kind.HELLO, meta_len=513), HANDSHAKE_LIMITS, "metadata of 513 B")
+    assert HANDSHAKE_LIMITS.max_meta == 768
+    assert_rejected(header(Kind.HELLO, meta_len=769), HANDSHAKE_LIMITS, "metadata of 769 B")
     assert_rejected(header(Kind.AUTH, meta_len=3, payload_len=1), HANDSHAKE_LIMITS, "payload")
     for kind in set(Kind) - {Kind.HELLO, Kind.AUTH}:
         assert_rejected(encode(kind, {}), HANDSHAKE_LIMITS, f"{kind.name} is not allowed")
-    assert_rejected(encode(Kind.HELLO, {"s": "x" * 65}), HANDSHAKE_LIMITS, "malformed")
+    assert_rejected(encode(Kind.HELLO, {"s": "x" * 256}), HANDSHAKE_LIMITS, "malformed")
     assert_rejected(encode(Kind.HELLO, {"a": list(range(9))}), HANDSHAKE_LIMITS, "malformed")
 
 
@@ -733,7 +734,7 @@ def test_a_prefix_of_the_magic_waits_for_more() -> None:
         assert decoder.next_event() is NEED_DATA
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 5, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 5, 15, 255])
 def test_wrong_version(version: int) -> None:
     assert_rejected(header(version=version) + b"\x80", match=f"protocol version {version}")
 
@@ -759,10 +760,10 @@ def test_kind_not_in_the_limits() -> None:
 
 def test_frames_before_the_bad_one_are_delivered() -> None:
     decoder = Decoder()
-    decoder.feed(encode(Kind.CTS, {"msg": 1}) + header(version=16) + b"\x80")
+    decoder.feed(encode(Kind.CTS, {"msg": 1}) + header(version=17) + b"\x80")
     assert isinstance(decoder.next_event(), FrameHead)
     assert isinstance(decoder.next_event(), Frame)
-    with pytest.raises(RemoteProtocolError, match="version 16"):
+    with pytest.raises(RemoteProtocolError, match="version 17"):
         decoder.next_event()
     assert_dead(decoder)
 
@@ -860,7 +861,7 @@ def test_encode_head_refuses_oversize_metadata() -> None:
     with pytest.raises(LocalProtocolError, match="metadata of"):
         encode_head(Kind.REPLY, {"b": bytes(DEFAULT_LIMITS.max_meta)})
     with pytest.raises(LocalProtocolError, match="metadata of"):
-        encode_head(Kind.HELLO, {"b": bytes(600)}, limits=HANDSHAKE_LIMITS)
+        encode_head(Kind.HELLO, {"b": bytes(800)}, limits=HANDSHAKE_LIMITS)
 
 
 def test_encode_head_refuses_oversize_payload() -> None:

@@ -12,7 +12,9 @@ down.  This module performs those decisions on real links:
   current links and routes their frames; a reset goes through :meth:`LinkOwner.reset_peer`;
 * it claims HEARTBEAT and BYE and sends heartbeats when the engine says so;
 * under membership from etcd it takes each node's address as it registers or leaves
-  (:meth:`PeeringService.set_address`, from :mod:`fabricd.daemon.services.roster`).
+  (:meth:`PeeringService.set_address`), and the name and incarnation registered in each slot
+  (:meth:`PeeringService.set_holder`), from :mod:`fabricd.daemon.services.roster`: the engine
+  admits only those.
 
 Each pair of nodes shares two links, control and data; the node with the lower id dials both
 (control first), the other accepts, so a pair never races to open duplicate connections.
@@ -37,7 +39,7 @@ from fabricd.engines.link import peers
 from fabricd.engines.link.gate import CloseHandshake, RefuseHandshake
 from fabricd.engines.link.handshake import HANDSHAKE_LIMITS, Channel, Handshake, Role
 from fabricd.engines.link.peers import PeerState, PeerTable, Timeouts
-from fabricd.errors import ProtocolError, TransportError
+from fabricd.errors import ProtocolError, RemoteProtocolError, TransportError
 from fabricd.frames import link as link_frames
 from fabricd.integrity import FAILURE, Opener, Sealer
 from fabricd.transports.base import split_address
@@ -92,6 +94,8 @@ class HandshakeSettings:
 
     node: int
     incarnation: int
+    #: this node's name, sent in every HELLO (under membership from etcd, its registered one)
+    name: str = ""
     #: the shared secrets, the older first: one, or two during a rotation (``()``: one node,
     #: no peers).  Replaced by a reload (SIGHUP); links already up keep their session keys
     secrets: tuple[bytes, ...]
@@ -119,7 +123,10 @@ class _PendingSink:
     def frame_received(self, link: Link, frame: Frame) -> None:
         try:
             view = link_frames.parse_handshake(frame.kind, frame.meta)
-            self._send(link, self.handshake.on_frame(view))
+            answers = self.handshake.on_frame(view)
+            if isinstance(view, link_frames.Hello) and self.handshake.role is Role.ACCEPTOR:
+                self.service.check_view(view)
+            self._send(link, answers)
         except ProtocolError as exc:
             remote_log.warning("refused link", "refused link from %s: %s", link.peer_address, exc)
             self.service.handshake_over(self.link_id, failed=True)
@@ -202,9 +209,6 @@ class PeeringService(BaseService):
         self.addresses = list(cfg.nodes)
         #: a node's name for status rows (membership from etcd names them; static lists do not)
         self.name_of: Callable[[int], str] | None = None
-        #: node → the name that held it and the newest incarnation admitted under that name:
-        #: what :meth:`replace` retires (never the new holder's, if it linked first)
-        self._admitted: dict[int, tuple[str, int]] = {}
         #: where dialled links leave from: this node's host as its peers know it
         self._source = split_address(cfg.nodes[cfg.node_id])[0] if transport.network else ""
         #: every node's addresses (node_hosts); a name that did not resolve has none yet
@@ -223,6 +227,7 @@ class PeeringService(BaseService):
             hosts=self._hosts,
             spare_slots=cfg.handshake_spare_slots,
             absent=frozenset(n for n, address in enumerate(cfg.nodes) if not address),
+            named=cfg.membership == "etcd",
         )
         self._resolving = False  #: a retry of the names that did not resolve is under way
         self._resolved_at = -RESOLVE_RETRY  #: when the last retry began
@@ -269,17 +274,18 @@ class PeeringService(BaseService):
             return
         self.owner.spawn(self._adopt_address(node, address))
 
-    def replace(self, node: int) -> None:
-        """``node``'s id went to another node (membership from etcd: its slot has a new
-        name, :attr:`name_of` says which): the old holder's links are closed and its
-        incarnation refused from now on; one admitted under the new name is left alone."""
+    def set_holder(self, node: int, name: str, incarnation: int | None) -> None:
+        """Membership from etcd has ``name`` (``""``: nobody) in ``node``'s slot, registered
+        as ``incarnation`` (``None``: the registration does not say): only that node's links
+        are admitted as ``node`` from now on, and links of another that were admitted are
+        closed (:meth:`~fabricd.engines.link.peers.PeerTable.set_holder`)."""
         if self._closed:
             return
-        name, incarnation = self._admitted.get(node, ("", None))
-        if self.name_of is not None and name == self.name_of(node):
-            incarnation = None  # the new holder's own
-        self._perform(self.engine.replace(node, incarnation, self.owner.now()))
-        self.owner.rearm()
+        due = self.engine.next_deadline()
+        actions = self.engine.set_holder(node, name, incarnation, self.owner.now())
+        self._perform(actions)
+        if actions or self.engine.next_deadline() != due:  # (none while the daemon is built)
+            self.owner.rearm()
 
     async def _adopt_address(self, node: int, address: str) -> None:
         if self.transport.network:  # getaddrinfo blocks: off the loop
@@ -415,6 +421,7 @@ class PeeringService(BaseService):
             incarnation=s.incarnation,
             nonce=secrets.token_bytes(32),
             fabric_size=s.fabric_size,
+            name=s.name,
             channel=channel,
             expected_node=None if node < 0 else node,
             sealed_data=s.data_integrity,
@@ -428,6 +435,18 @@ class PeeringService(BaseService):
             self.handshake_over(link_id)
             raise
         return sink
+
+    def check_view(self, hello: link_frames.Hello) -> None:
+        """Refuse an accepted link whose HELLO names a node (or incarnation) the view of etcd
+        does not have in its slot, before answering: the dialler then sees its dial fail and
+        backs off.  The claim is not proven yet, but refusing on it costs only the claimant;
+        the proven one is ruled on again once the link is authenticated.
+
+        Raises:
+            RemoteProtocolError: not the holder in this node's view (a retryable refusal).
+        """
+        if why := self.engine.not_in_view(hello.node, hello.name, hello.incarnation):
+            raise RemoteProtocolError(why)
 
     def handshake_over(self, link_id: int, *, failed: bool = False) -> None:
         """A link left its handshake (authenticated, refused or closed)."""
@@ -444,10 +463,10 @@ class PeeringService(BaseService):
         data = self.settings.data_integrity
         link.secure(Sealer(keys.send, cover_data=data), Opener(keys.receive, require_data=data))
         now = self.owner.now()
-        actions = self.engine.on_link_authenticated(peer.node, peer.channel, peer.incarnation, now)
+        actions = self.engine.on_link_authenticated(
+            peer.node, peer.channel, peer.incarnation, now, peer.name
+        )
         admitted = any(isinstance(a, peers.AdmitLink) for a in actions)
-        if admitted and self.name_of is not None:  # under which holder (for replace)
-            self._admitted[peer.node] = (self.name_of(peer.node), peer.incarnation)
         if not admitted:
             reason = next(
                 (a.reason for a in actions if isinstance(a, peers.RefuseLink)), "link refused"

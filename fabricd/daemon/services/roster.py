@@ -5,8 +5,9 @@ means for the address table and what a partition changes.  This module talks to 
 aetcd, an asyncio etcd v3 client (gRPC underneath; docs/operations.md, "Membership from etcd"):
 
 * :func:`register`, before the daemon is built: a lease of ``etcd_lease_ttl`` seconds, the
-  slot claimed in one transaction under it (``slots/<i>``, ``nodes/<name>``, and ``names/<name>``
-  remembered without a lease), and a full read of the registrations.  The daemon's node id is
+  slot claimed in one transaction under it (``slots/<i>``, ``nodes/<name>`` with the daemon's
+  incarnation, chosen here and kept by the daemon, and ``names/<name>`` remembered without a
+  lease), and a full read of the registrations.  The daemon's node id is
   the slot, its ``nodes`` the addresses read ("" for free slots), so every engine sees the small
   integer ids it always has.  etcd unreachable at start is retried, with backoff, until it
   answers: the daemon is not ready (no READY=1) before it is registered;
@@ -15,7 +16,8 @@ aetcd, an asyncio etcd v3 client (gRPC underneath; docs/operations.md, "Membersh
   :data:`RESYNC_INTERVAL`; a read older than an event the watch applied is dropped, and an
   event a read already brought is skipped: the view never goes back in etcd's history), and
   hands every change to the peering
-  service (:meth:`~fabricd.daemon.services.peering.PeeringService.set_address`).  A call that
+  service (:meth:`~fabricd.daemon.services.peering.PeeringService.set_holder`, then
+  :meth:`~fabricd.daemon.services.peering.PeeringService.set_address`).  A call that
   fails or takes longer than a third of the TTL makes etcd *unreachable*: the view is kept,
   etcd is tried again with backoff (the next endpoint each time), and once it answers the
   lease is checked, registered again if it expired meanwhile (the same slot: a node's id never
@@ -31,6 +33,7 @@ import contextlib
 import dataclasses
 import logging
 import socket
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, NamedTuple
 
@@ -152,6 +155,9 @@ class Registration:
     endpoint: int  #: the index of the endpoint the client talks to
     #: registrations read that are not ones (:meth:`Member.decode`): names and values
     refused: list[tuple[str, bytes]] = dataclasses.field(default_factory=list)
+    name: str = ""  #: the name registered (sent in every HELLO)
+    #: the incarnation registered: the daemon's own (its start, ns), which peers admit
+    incarnation: int = dataclasses.field(default_factory=time.time_ns)
 
 
 class _Client(aetcd.Client):
@@ -248,12 +254,13 @@ async def register(cfg: Config) -> Registration:
         ConfigError: every slot is taken, or a TLS or password file cannot be read.
     """
     settings = EtcdSettings.from_config(cfg)
+    incarnation = time.time_ns()  # the daemon's: registered, so peers admit it by equality
     attempt, wait = 0, 0.1
     while True:
         client = None
         try:
             client = await _connect(settings, attempt)
-            return await _claim(client, settings, attempt, slot=None)
+            return await _claim(client, settings, attempt, slot=None, incarnation=incarnation)
         except ConfigError:
             if client is not None:
                 await _close(client)
@@ -285,9 +292,15 @@ def registered(loaded: Loaded, registration: Registration) -> Loaded:
 
 
 async def _claim(
-    client: aetcd.Client, settings: EtcdSettings, endpoint: int, *, slot: int | None
+    client: aetcd.Client,
+    settings: EtcdSettings,
+    endpoint: int,
+    *,
+    slot: int | None,
+    incarnation: int,
 ) -> Registration:
-    """A slot (``slot``: this one only, registering again) under a new lease, and the view.
+    """A slot (``slot``: this one only, registering again) under a new lease, registered as
+    ``incarnation``, and the view.
 
     The lease is granted just before the slot is taken, never before a WAIT: a lease that
     aged while this daemon waited for its earlier run's would expire soon after the start.
@@ -313,7 +326,7 @@ async def _claim(
             continue
         lease = await client.lease(settings.ttl)
         try:
-            if await _take(client, settings, lease.id, choice):
+            if await _take(client, settings, lease.id, choice, incarnation):
                 view = await _read_view(client, settings)
                 break
         except BaseException:  # (a failure or a cancel: the lease would hold the slot a TTL)
@@ -329,6 +342,8 @@ async def _claim(
         revision=view.revision,
         endpoint=endpoint,
         refused=view.refused,
+        name=name,
+        incarnation=incarnation,
     )
 
 
@@ -339,10 +354,10 @@ async def _memories(
 
     Registering again (``slot``, after the lease was lost): another name that remembers
     ``slot`` from after this name's own registration held the slot meanwhile, and the peers
-    have retired this daemon's incarnation when it took over (one id, one node): taken back
-    under the same incarnation, every link this daemon made would be refused for good, so
-    it is :class:`SlotTaken` (the daemon stops and comes back as a fresh incarnation), even
-    though the holder has left again.
+    closed this daemon's links when it took over (one id, one node) and failed what was
+    under way with it: the id meant another node in between, so this daemon does not resume
+    as if nothing happened; it is :class:`SlotTaken` (the daemon stops and comes back as a
+    fresh incarnation), even though the holder has left again.
 
     Raises:
         SlotTaken: registering again, and ``slot`` had another holder meanwhile.
@@ -386,11 +401,13 @@ def _int(value: bytes) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-async def _take(client: aetcd.Client, settings: EtcdSettings, lease: int, slot: int) -> bool:
+async def _take(
+    client: aetcd.Client, settings: EtcdSettings, lease: int, slot: int, incarnation: int
+) -> bool:
     """Claim ``slot`` if it is still free and this name holds no registration (two daemons
     given one name racing: only one wins): one transaction, under the lease."""
     name, tx = settings.name, client.transactions
-    member = Member(name=name, address=settings.address, slot=slot)
+    member = Member(name=name, address=settings.address, slot=slot, incarnation=incarnation)
     ok, _ = await client.transaction(
         compare=[
             tx.create(settings.key("slots", str(slot))) == 0,
@@ -656,13 +673,17 @@ class RosterService(BaseService):
                 revision=view.revision,
                 endpoint=endpoint,
                 refused=view.refused,
+                name=old.name,
+                incarnation=old.incarnation,
             )
         else:  # (the lease expired, or the registration was deleted under it)
             log.warning("this daemon's etcd registration was lost: registering again")
             if view is not None:  # (its lease still holds the slot: let go of it first)
                 async with asyncio.timeout(self.settings.call_timeout):
                     await client.revoke_lease(old.lease)
-            fresh = await _claim(client, self.settings, endpoint, slot=old.slot)
+            fresh = await _claim(
+                client, self.settings, endpoint, slot=old.slot, incarnation=old.incarnation
+            )
             self.engine.on_registered()
         self.engine.on_connected(self.host.now())
         self.engine.invalid(fresh.refused)
@@ -672,13 +693,15 @@ class RosterService(BaseService):
 
     def _apply(self, changes: Iterable[AddressChanged]) -> None:
         for change in changes:
-            if change.replaced:  # (first: the old holder's links go before the new is dialled)
+            if change.replaced:
                 log.warning(
                     "node id %d now belongs to %r: closing the links of its last holder",
                     change.slot,
                     change.name,
                 )
-                self.peering.replace(change.slot)
+            # (first: only the holder is admitted, and another's links go, before it is dialled)
+            holder = change.name if change.address else ""
+            self.peering.set_holder(change.slot, holder, change.incarnation)
             if change.address:
                 log.info("node %r (id %d) is at %s", change.name, change.slot, change.address)
             else:

@@ -11,12 +11,14 @@ enforces the time limit.
 Theory of operation (three frames; K is the shared secret, T the transcript)::
 
     initiator                                            acceptor
-      HELLO {v, node, inc, nonce=Ni, channel}  ─────►
-                                               ◄─────  HELLO {v, node, inc, nonce=Na,
+      HELLO {v, node, inc, name, nonce=Ni,
+             channel}                          ─────►
+                                               ◄─────  HELLO {v, node, inc, name, nonce=Na,
                                                               mac=HMAC(K, "acceptor" ‖ T)}
       AUTH {mac=HMAC(K, "initiator" ‖ T)}     ─────►
 
-    T = msgpack([Ni, Na, initiator node, initiator inc, acceptor node, acceptor inc, channel])
+    T = msgpack([Ni, Na, initiator node, initiator inc, initiator name,
+                 acceptor node, acceptor inc, acceptor name, channel])
     K = SHA-256("fabricd-v1-key" ‖ 0x00 ‖ secret)
 
 During a rotation a node holds two secrets, an older and a newer one, and accepts either.  Its
@@ -38,8 +40,11 @@ The transcript is the same with one secret or two, and an active attacker who st
 
 Each side proves it knows K over a nonce the *other* side chose, so a recorded exchange cannot
 be replayed, and the role labels keep one side's answer from being reflected as the other's.
-The incarnation (a number that grows with each daemon start) rides in the authenticated
-transcript, so the daemon can reject links of a dead incarnation of a restarted peer.
+The incarnation (a number that grows with each daemon start) and the node's name ride in the
+authenticated transcript, so the daemon can reject links of a dead incarnation of a restarted
+peer, and, under membership from etcd, of a node its view does not (yet) have in that slot
+(:mod:`fabricd.engines.link.peers`, "Names").  This module checks neither: it only says who
+the peer claims to be, proven with the secret.
 
 Once done, both sides derive the link's two session keys (:meth:`Handshake.session_keys`), one
 per direction, that seal every later frame (:mod:`fabricd.integrity`)::
@@ -67,11 +72,13 @@ from fabricd.errors import RemoteProtocolError
 from fabricd.frames.link import HANDSHAKE_KINDS, NONCE_SIZE, Auth, HandshakeFrame, Hello
 from fabricd.wire import Limits
 
+#: the longest node name a HELLO carries, in UTF-8 bytes (the config refuses longer ones)
+MAX_NAME: Final = 255
 #: decoder limits while a link is unauthenticated: a few KiB at most, handshake frames only
 HANDSHAKE_LIMITS: Final = Limits(
-    max_meta=512,
+    max_meta=768,
     max_payload=0,
-    max_str=64,
+    max_str=MAX_NAME,
     max_array=8,
     max_map=8,
     kinds=HANDSHAKE_KINDS,
@@ -109,6 +116,7 @@ class PeerIdentity:
     node: int
     incarnation: int
     channel: Channel
+    name: str = ""  #: the name it sent (``""``: none, as a node of a static list may send)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,6 +135,7 @@ class Handshake:
         secret: the shared secret; during a rotation the newer of the two.
         older_secret: during a rotation, the older secret, accepted too (``None`` otherwise).
         node, incarnation: who we are.
+        name: our node name (``""``: none), sent in HELLO and bound into the transcript.
         nonce: ``NONCE_SIZE`` fresh random bytes (injected, so tests are deterministic).
         fabric_size: node ids must be below this.
         channel: which channel we open (initiator only).
@@ -146,6 +155,7 @@ class Handshake:
         incarnation: int,
         nonce: bytes,
         fabric_size: int,
+        name: str = "",
         channel: Channel | None = None,
         expected_node: int | None = None,
         sealed_data: bool = False,
@@ -163,6 +173,7 @@ class Handshake:
         self._key = self._keys[0]  #: the link's K once chosen (the acceptor's HELLO: the newer)
         self._node = node
         self._incarnation = incarnation
+        self._name = name
         self._nonce = nonce
         self._fabric_size = fabric_size
         self._channel = channel
@@ -234,6 +245,7 @@ class Handshake:
                 node=self._node,
                 incarnation=self._incarnation,
                 nonce=self._nonce,
+                name=self._name,
                 channel=self._channel.value,
                 sealed_data=self._sealed_data,
             )
@@ -242,6 +254,7 @@ class Handshake:
             node=self._node,
             incarnation=self._incarnation,
             nonce=self._nonce,
+            name=self._name,
             mac=macs[0],
             older_mac=macs[1] if len(macs) > 1 else None,
             sealed_data=self._sealed_data,
@@ -268,8 +281,10 @@ class Handshake:
                 )
             assert self._channel is not None
             channel = self._channel
-            self._transcript = self._make_transcript(self._nonce, nonce, node, incarnation, channel)
-            self._peer = PeerIdentity(node=node, incarnation=incarnation, channel=channel)
+            self._transcript = self._make_transcript(self._nonce, nonce, hello, channel)
+            self._peer = PeerIdentity(
+                node=node, incarnation=incarnation, channel=channel, name=hello.name
+            )
             if hello.mac is None:
                 raise RemoteProtocolError("the acceptor's HELLO carries no 'mac'")
             offered = [hello.mac] if hello.older_mac is None else [hello.mac, hello.older_mac]
@@ -283,18 +298,19 @@ class Handshake:
         except ValueError:
             raise RemoteProtocolError(f"unknown channel {hello.channel!r} in HELLO") from None
         self._channel = channel
-        self._transcript = self._make_transcript(nonce, self._nonce, node, incarnation, channel)
-        self._peer = PeerIdentity(node=node, incarnation=incarnation, channel=channel)
+        self._transcript = self._make_transcript(nonce, self._nonce, hello, channel)
+        self._peer = PeerIdentity(
+            node=node, incarnation=incarnation, channel=channel, name=hello.name
+        )
         self._state = _State.WAIT_AUTH
         return [Answer(frame=self._hello())]
 
     def _make_transcript(
-        self, initiator_nonce: bytes, acceptor_nonce: bytes, peer: int, peer_inc: int, ch: Channel
+        self, initiator_nonce: bytes, acceptor_nonce: bytes, hello: Hello, ch: Channel
     ) -> bytes:
-        if self.role is Role.INITIATOR:
-            ids = [self._node, self._incarnation, peer, peer_inc]
-        else:
-            ids = [peer, peer_inc, self._node, self._incarnation]
+        ours = [self._node, self._incarnation, self._name]
+        theirs = [hello.node, hello.incarnation, hello.name]
+        ids = ours + theirs if self.role is Role.INITIATOR else theirs + ours
         packed: bytes = msgpack.packb([initiator_nonce, acceptor_nonce, *ids, ch.value])
         return packed
 

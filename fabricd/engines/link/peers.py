@@ -21,9 +21,12 @@ caps how many accepted links may wait for that and closes any that takes longer 
 each daemon start).  It is compared with the newest incarnation seen from that node: SAME,
 NEWER (the peer restarted, or it is the first one seen: FIRST), or STALE (older, while the peer
 is not down: a dead process's link).  Once the peer is DOWN any other incarnation is its new
-life, so a clock that stepped back across a restart cannot lock a node out for good.  Links
-are ruled on as follows (*links* are those admitted now; a data link is only ever up beside a
-control link of the same incarnation)::
+life, so a clock that stepped back across a restart cannot lock a node out for good (under
+membership from etcd, "Names" below: a name or registered incarnation the view does not have
+is refused first, and a link of another name than the last admitted, or of the registered
+incarnation, is NEWER, never ordered by clock).  Links are ruled on as follows (*links* are
+those admitted now; a data link is only ever up beside a control link of the same
+incarnation)::
 
     channel  incarnation  links          ruling: actions, in order
     any      STALE        any            RefuseLink
@@ -68,8 +71,25 @@ and a peer reset while connected is redialled :data:`FIRST_BACKOFF` later::
 A node with no address (a free slot under membership from etcd, :mod:`fabricd.engines.roster`)
 is *absent*: any move of its dialler but to CONNECTED lands in STOPPED instead, and
 :meth:`PeerTable.set_present` starts it (or brings a waiting dial forward) once it has one.
-When the slot goes to another name, :meth:`PeerTable.replace` resets the peer and refuses the
-old holder's incarnations: one id never means two nodes.
+
+*Names* (membership from etcd, ``named``).  A node id is then a slot that names hold in turn,
+and every HELLO carries the sender's name.  :meth:`PeerTable.set_holder` tells the table
+which name this node's view of etcd has in each slot, and the incarnation its registration
+carries.  Before the admission table, a link is refused unless its name is the slot's holder
+in the view and, when the registration carries one, its incarnation is the registered one.
+The refusal fences nothing: a view that is stale (cut off from etcd, a watch behind) refuses
+the new holder for now, the dialler retries, and once the view has it the same HELLO is
+admitted (a waiting dial of that node is brought forward; the daemon asks
+:meth:`PeerTable.not_in_view` of an accepted link's HELLO before answering it, so a dialler
+refused sees a failed dial and backs off); the old holder's late links stay refused, as its
+name or incarnation is no longer the view's.  Incarnations are compared by
+equality with the registered one, never ordered, so clocks that disagree between nodes do
+not matter; only a link of the name admitted last is ordered by start time (its SAME or
+NEWER), and only when the registration carries no incarnation.  When the view gives the slot
+to another name, or registers another incarnation of its name, the links admitted before
+are reset and the peer is down: one id never means two nodes.  A slot that goes free keeps
+its links (the liveness rules decide them).  Without ``named`` (a static list) names are not
+looked at.
 
 Anything not listed in a table keeps the state.  Timers live in a
 :class:`~fabricd.engines.deadlines.Deadlines` heap (and the gate's own).  Silence is checked
@@ -357,9 +377,11 @@ class _Peer:
     since: float = 0.0
     links: set[Channel] = field(default_factory=set)
     leaving: bool = False  #: it said BYE: its links closing is expected
-    #: the id was given to another node (:meth:`PeerTable.replace`): incarnations up to this
-    #: one are the old holder's, refused
-    retired: int | None = None
+    name: str = ""  #: the name the newest admitted incarnation sent
+    #: named only: the name the view of etcd has in this slot ("": free), and the
+    #: incarnation its registration carries (None: it carries none)
+    holder: str = ""
+    registered: int | None = None
 
 
 @dataclass(slots=True)
@@ -389,6 +411,8 @@ class PeerTable:
         spare_slots: handshake slots per such host beyond one per node on it.
         absent: nodes with no address yet (a free slot of membership from etcd): never
             dialled until :meth:`set_present` says they are there.
+        named: membership from etcd: a link is admitted only from the name (and registered
+            incarnation) :meth:`set_holder` gave its slot (module docstring, "Names").
     """
 
     def __init__(
@@ -403,6 +427,7 @@ class PeerTable:
         hosts: Mapping[int, frozenset[str]] | None = None,
         spare_slots: int = SPARE_SLOTS,
         absent: frozenset[int] = frozenset(),
+        named: bool = False,
     ) -> None:
         if not max_backoff > 0:
             raise ValueError("max_backoff must be more than 0 seconds")
@@ -420,6 +445,7 @@ class PeerTable:
         self._links_refused = 0
         self._resets = 0
         self._absent = set(absent)
+        self._named = named
         self._started = False
 
     # -- queries ------------------------------------------------------------------------------
@@ -435,6 +461,28 @@ class PeerTable:
     def dial_targets(self) -> list[int]:
         """The nodes this node dials: every node with a higher id."""
         return sorted(self._diallers)
+
+    def not_in_view(self, node: int, name: str, incarnation: int) -> str:
+        """Why ``name``'s ``incarnation`` does not hold ``node`` in this node's view of etcd
+        (``""``: it does, or the table is not ``named``).  Refused, not fenced: the view may be
+        the one behind.  The peering service also asks it of an accepted link's HELLO, before
+        answering, so that the dialler sees its dial fail and backs off (refused only after
+        AUTH, the dial looks like a success to it, and it dials again at once)."""
+        if not self._named:
+            return ""
+        peer = self._peers[node]
+        if not peer.holder or name != peer.holder:  # (a free slot: no name, "" included)
+            held = f"held by {peer.holder!r}" if peer.holder else "free"
+            return (
+                f"{name!r} does not hold node id {node} in this node's view of etcd ({held}); "
+                "refused until the view has it"
+            )
+        if peer.registered is not None and incarnation != peer.registered:
+            return (
+                f"incarnation {incarnation} of {name!r} is not the one registered in etcd "
+                f"({peer.registered}); refused until the view has it"
+            )
+        return ""
 
     def peers(self, now: float) -> list[PeerInfo]:
         return [
@@ -481,27 +529,37 @@ class PeerTable:
         if dialler is None or not self._started:
             return []
         if dialler.state is _Dial.WAITING:
-            dialler.backoff = self._first_backoff
-            self._deadlines.set((_Timer.DIAL, node), now)
+            self._bring_forward(node, now)
             return []
         return self._dial(node, _DialInput.START, now) if dialler.state is _Dial.STOPPED else []
 
-    def replace(self, node: int, incarnation: int | None, now: float) -> list[Action]:
-        """Another node holds ``node``'s id now (membership from etcd gave its slot to a new
-        name): the old holder's ``incarnation`` (the newest admitted while it held the id;
-        ``None``: it never linked) and those before it are refused from here on, and its
-        links closed (a reset), so the id never means two nodes, to this node or to the
-        others.  Links of another incarnation (the new holder's, linked first) stay: only
-        the old holder's are the caller's to retire.
+    def set_holder(self, node: int, name: str, incarnation: int | None, now: float) -> list[Action]:
+        """This node's view of etcd has ``name`` (``""``: nobody) in ``node``'s slot, its
+        registration carrying ``incarnation`` (``None``: none); only that name (and that
+        incarnation) is admitted from now on (module docstring, "Names").
+
+        Links admitted from another name, or another incarnation than the registered one, are
+        closed (a reset; the peer is down): one id never means two nodes.  A slot that goes
+        free keeps its links.  A dial of ``node`` waiting for its backoff is brought forward:
+        it may have been refused while the view lagged.
         """
         peer = self._peers[node]
-        if incarnation is None:
+        peer.holder, peer.registered = name, incarnation
+        if not name:
             return []
-        peer.retired = max(incarnation, peer.retired or 0)
-        if not peer.links or peer.incarnation != incarnation:
-            return []
-        reason = "its id went to another node"
-        return self._reset(node, reason, now) + self._move(node, _Input.DEAD, now, reason)
+        actions: list[Action] = []
+        other = peer.name != name or incarnation not in (None, peer.incarnation)
+        if peer.links and other:
+            reason = (
+                f"its id went to {name!r}"
+                if peer.name != name
+                else f"{name!r} registered again as incarnation {incarnation}"
+            )
+            actions = self._reset(node, reason, now) + self._move(node, _Input.DEAD, now, reason)
+        dialler = self._diallers.get(node)
+        if dialler is not None and dialler.state is _Dial.WAITING and node not in self._absent:
+            self._bring_forward(node, now)
+        return actions
 
     def on_dial_failed(self, node: int, error: str, now: float) -> list[Action]:
         """The dial of ``node`` under way failed (``error`` says why); it is retried later.
@@ -521,15 +579,19 @@ class PeerTable:
 
     # -- authenticated links ------------------------------------------------------------------
     def on_link_authenticated(
-        self, node: int, channel: Channel, incarnation: int, now: float
+        self, node: int, channel: Channel, incarnation: int, now: float, name: str = ""
     ) -> list[Action]:
-        """A link passed its handshake as ``node``'s ``channel`` of ``incarnation``.
+        """A link passed its handshake as ``node``'s ``channel`` of ``incarnation``, sent by
+        the node called ``name``.
 
         Returns the ruling of the admission table (module docstring), in the order to perform
-        it; the link is kept only if the actions contain an :class:`AdmitLink`.
+        it; the link is kept only if the actions contain an :class:`AdmitLink`.  Under
+        ``named`` a name or incarnation the view does not have in that slot is refused first.
         """
         peer = self._peers[node]
-        verdict = self._verdict(peer, incarnation)
+        if why := self.not_in_view(node, name, incarnation):
+            return [self._refuse(node, channel, why)]
+        verdict = self._verdict(peer, incarnation, name)
         if verdict is _Verdict.STALE:
             return [self._refuse(node, channel, f"incarnation {incarnation} is dead")]
         match _ADMISSION[channel, verdict, _links(peer)]:
@@ -554,7 +616,7 @@ class PeerTable:
                     admitted += self._dial(node, _DialInput.ADMITTED, now)
                 return [*admitted, PeerUp(node=node)]
             case ruling:
-                return self._admit_control(node, incarnation, ruling, now)
+                return self._admit_control(node, incarnation, name, ruling, now)
 
     def on_link_closed(self, node: int, channel: Channel, now: float) -> list[Action]:
         """``node``'s current (admitted) link of ``channel`` closed: the peer is reset.
@@ -636,20 +698,21 @@ class PeerTable:
         return actions + self._gate.on_timer(now)
 
     # -- internals ----------------------------------------------------------------------------
-    def _verdict(self, peer: _Peer, incarnation: int) -> _Verdict:
-        if peer.retired is not None and incarnation <= peer.retired:
-            return _Verdict.STALE
+    def _verdict(self, peer: _Peer, incarnation: int, name: str) -> _Verdict:
         known = peer.incarnation
         if known is None:
             return _Verdict.FIRST
-        if incarnation == known:
+        same_node = not self._named or name == peer.name  # (a static list: names not looked at)
+        if incarnation == known and same_node:
             return _Verdict.SAME
+        if not same_node or (self._named and peer.registered is not None):
+            return _Verdict.NEWER  # another node, or the one etcd registered: never by clock
         if incarnation > known or peer.state is PeerState.DOWN:
             return _Verdict.NEWER
         return _Verdict.STALE
 
     def _admit_control(
-        self, node: int, incarnation: int, ruling: _Ruling, now: float
+        self, node: int, incarnation: int, name: str, ruling: _Ruling, now: float
     ) -> list[Action]:
         peer = self._peers[node]
         peer.leaving = False
@@ -665,11 +728,16 @@ class PeerTable:
                     node=node, old_incarnation=peer.incarnation, new_incarnation=incarnation
                 )
             )
-        peer.incarnation = incarnation
+        peer.incarnation, peer.name = incarnation, name
         peer.last_heard = now
         self._deadlines.set((_Timer.BEAT, node), now)  # the first heartbeat goes out at once
         actions += self._move(node, _Input.ESTABLISHED, now, "authenticated")
         return actions
+
+    def _bring_forward(self, node: int, now: float) -> None:
+        """The waiting dial of ``node`` is due now, its backoff back to the first."""
+        self._diallers[node].backoff = self._first_backoff
+        self._deadlines.set((_Timer.DIAL, node), now)
 
     def _refuse(self, node: int, channel: Channel, reason: str) -> RefuseLink:
         self._links_refused += 1
