@@ -250,15 +250,18 @@ class Work(dist.Work):
         super().__init__()
         self._future = future
         self._call, self._completer = call, completer  #: (a call of its own: finished here)
-        self._done = threading.Event()
-        future.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         seconds = timeout.total_seconds() if timeout is not None else 0.0
         if self._call is not None and self._completer is not None:
             self._completer.finish_here(self._call, seconds)
-        if seconds > 0 and not self._done.wait(seconds):
-            raise RuntimeError(f"fabricd backend: the call did not finish within {seconds} s")
+        if seconds > 0 and not self._future.done():
+            # (a callback only here: torch runs it at once if the future is done meanwhile;
+            # added for every Work, it cost tens of microseconds a call)
+            done = threading.Event()
+            self._future.add_done_callback(lambda _: done.set())
+            if not done.wait(seconds):
+                raise RuntimeError(f"fabricd backend: the call did not finish within {seconds} s")
         self._future.wait()
         return True
 
