@@ -1,7 +1,7 @@
 """Finishing the ``fabricd`` process group's calls: their Works, and the thread that completes
 them (:mod:`fabricd.torch.backend`).
 
-A call's daemon operations are started in the caller's thread; one thread per group then
+A call's daemon operations are started in the caller's thread; a thread of the group's then
 waits for them, copies the results out and completes the call's future.  Choices, and why:
 
 * *Each call when its own operations are done*, not in the order the calls were made: a
@@ -15,9 +15,14 @@ waits for them, copies the results out and completes the call's future.  Choices
   of the tensor, faulted in over its first two rounds).  A call made while its name's
   previous call is still under way here is *deferred*: this thread starts it once that one's
   operations are done (its ``after``), and the caller does not wait.
-* *Futures are completed on other threads* (a small pool), never on this one: a future's
-  ``then`` callbacks run where it is completed, and a callback may wait for another call of
-  the group (torch's PowerSGD DDP hook does), which this thread must be free to finish.
+* *Leader and followers* (a small pool, :data:`THREADS` at most): one thread at a time
+  *leads* (waits for the daemon, starts deferred calls); the one that finds a call done hands
+  the lead to another and then completes the call's future itself.  A future's ``then``
+  callbacks run where it is completed, and a callback may wait for another call of the group
+  (torch's PowerSGD DDP hook does), which the new leader is free to finish.  The reply
+  reaches the future in one thread: an earlier build handed every completed call to a
+  notifier thread, a second wake-up on the way to DDP, which waits on futures (2 ranks, one
+  small bucket a step: 0.87-0.90x gloo's steps/s; docs/performance.md).
 * *A call's deadline counts from when it was made* (the group's ``timeout``), not from when
   this thread reached it.  A call that times out breaks the group, as NCCL's does: its
   daemon operation is still open, so a peer arriving late would pair with it, and every later
@@ -34,7 +39,6 @@ waits for them, copies the results out and completes the call's future.  Choices
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,8 +58,9 @@ if TYPE_CHECKING:
 
 #: seconds the thread waits on the oldest call before it looks at the others again
 SLICE: Final = 0.002
-#: threads that complete futures (and run their callbacks)
-NOTIFIERS: Final = 16
+#: the group's threads at most (leader and followers: one for each future whose callbacks
+#: are running at once, and one to lead)
+THREADS: Final = 16
 
 
 @dataclass(slots=True, eq=False)
@@ -102,18 +107,17 @@ def settled(call: Call) -> bool:
 
 
 class Completer:
-    """Finishes a process group's calls (module docstring), on a thread of its own."""
+    """Finishes a process group's calls (module docstring), on threads of its own."""
 
     def __init__(self) -> None:
         self.broken: str | None = None  #: why the group is broken (a call timed out)
         self._calls: collections.deque[Call] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
-        self._notifiers = concurrent.futures.ThreadPoolExecutor(
-            NOTIFIERS, thread_name_prefix="fabricd-torch-notify"
-        )
-        self._thread = threading.Thread(target=self._run, name="fabricd-torch", daemon=True)
-        self._thread.start()
+        self._lead = threading.Lock()  #: held by the thread that leads
+        self._threads: list[threading.Thread] = []
+        self._followers = 0  #: threads waiting to lead
+        self._spawn()
 
     def add(self, call: Call) -> None:
         """Finish ``call`` once its operations are done.
@@ -132,18 +136,48 @@ class Completer:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(5)
-        self._notifiers.shutdown(wait=False)
+            self._cond.notify_all()
+            threads = list(self._threads)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(5)
+
+    def _spawn(self) -> None:
+        """A thread more (under ``_cond``, or before any runs)."""
+        name = f"fabricd-torch-{len(self._threads)}"
+        thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def _run(self) -> None:
+        """Lead until a call is done, hand the lead on, complete that call; again."""
+        while True:
+            with self._cond:
+                self._followers += 1
+            with self._lead:
+                with self._cond:
+                    self._followers -= 1
+                call = self._next_done()
+                if call is not None:
+                    with self._cond:  # someone to lead while this thread completes it
+                        if not self._followers and len(self._threads) < THREADS:
+                            self._spawn()
+            if call is None:
+                return
+            self._complete(call)
+            with self._cond:
+                if call in self._calls:
+                    self._calls.remove(call)
+
+    def _next_done(self) -> Call | None:
+        """Lead: start deferred calls, and wait until a call is done (claimed, for this
+        thread to complete); ``None`` once the group is closed and no call is left."""
         while True:
             with self._cond:
                 while not self._calls and not self._closed:
                     self._cond.wait()
                 if not self._calls:
-                    return
+                    return None
                 pending = list(self._calls)
             for call in pending:
                 if call.start is not None and (call.after is None or settled(call.after)):
@@ -154,9 +188,8 @@ class Completer:
                 continue
             for call in done:
                 if self._claim(call):
-                    self._complete(call)
-            with self._cond:
-                for call in done:
+                    return call
+                with self._cond:  # (a thread that waits for it finishes it)
                     if call in self._calls:
                         self._calls.remove(call)
 
@@ -174,7 +207,7 @@ class Completer:
             return
         if not self._claim(call):
             return
-        self._complete(call, here=True)
+        self._complete(call)
         with self._cond:
             if call in self._calls:
                 self._calls.remove(call)
@@ -207,9 +240,9 @@ class Completer:
         with self._cond:  # (nothing started to wait on: a new call or a slice)
             self._cond.wait(SLICE)
 
-    def _complete(self, call: Call, here: bool = False) -> None:
-        """Finish ``call``: copy its result out, give its slots back, and complete its future
-        (``here``: in this thread, a caller's that waits for it; else on a notifier)."""
+    def _complete(self, call: Call) -> None:
+        """Finish ``call`` in this thread: copy its result out, give its slots back, and
+        complete its future (its callbacks run here)."""
         try:
             if call.failure is not None:
                 raise call.failure
@@ -227,15 +260,11 @@ class Completer:
                 )
             for slot in call.slots:
                 call.release(slot)
-            error = RuntimeError(f"fabricd backend: {call.what} failed: {exc}")
-            self._notifiers.submit(call.future.set_exception, error)
+            call.future.set_exception(RuntimeError(f"fabricd backend: {call.what} failed: {exc}"))
             return
         for slot in call.slots:
             call.release(slot)
-        if here:
-            call.future.set_result(value)
-        else:
-            self._notifiers.submit(call.future.set_result, value)
+        call.future.set_result(value)
 
 
 class Work(dist.Work):
