@@ -164,8 +164,9 @@ class DaemonCollector:
         counters = peering.statistics().get("counters", {})
         yield counter(
             "fabricd_links_refused",
-            "Authenticated links refused (an older incarnation, a data link before its control "
-            "link, a second one; under etcd, a name or incarnation the view does not have).",
+            "Links refused for who they are: authenticated ones (an older incarnation, a data "
+            "link before its control link, a second one), and under etcd a name or incarnation "
+            "the view does not have (on its HELLO, before authentication, or after).",
             [({}, engine.links_refused)],
         )
         yield counter(

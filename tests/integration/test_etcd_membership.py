@@ -11,6 +11,8 @@ loopback and a real etcd (tests/etcd.py; Debian's etcd-server, installed when mi
 * one daemon cut off from etcd while a slot changes hands: its stale view refuses the new
   holder (by name) instead of admitting it under the old holder's name, and admits it once
   the view has it;
+* one daemon cut off from etcd while the peer it dials restarts: it refuses the new
+  incarnation before sending AUTH, so that peer never admits and resets its links;
 * etcd over TLS with client certificates and a password: daemons register and join the same.
 
 Leases last 2 s here; a silent peer is down after 4 s, not FAST_LIVENESS's 1 s: these tests
@@ -246,6 +248,59 @@ def test_a_stale_view_refuses_a_slots_new_holder_until_it_catches_up(fabric, etc
         )
         assert peer_row(cluster, 2, 0)["name"] == "node3"
         allreduce_works(cluster, [survivor, 2, 3], "after-the-handover")
+    finally:
+        line.close()
+
+
+def test_a_lagging_dialler_refuses_a_restarted_peer_before_its_auth(fabric, etcd) -> None:
+    """node2 (slot 2) is cut off from etcd while node3 (slot 3, which node2 dials) restarts
+    under its name, slot and address with a new incarnation.  node2's view still has the old
+    one, and refuses node3's proven HELLO before it sends AUTH: node3 sees unfinished
+    handshakes, never admits a link that is then closed, and so never resets node2 (before,
+    it did every backoff for as long as node2's view lagged).  Once node2's view catches up
+    the two connect."""
+    cluster = fabric(2, max_nodes=4)
+    line = Line(etcd.endpoint)
+    line.start()
+    try:
+        cluster.node_env[2] = {
+            "FABRICD_ETCD_ENDPOINTS": line.endpoint,
+            "FABRICD_ETCD_LEASE_TTL": "60",
+        }
+        cluster.add_node()  # node2: slot 2
+        cluster.add_node()  # node3: slot 3
+        cluster.wait_connected()
+        assert [status(cluster, i)["node"] for i in (2, 3)] == [2, 3]
+        line.cut()
+        wait_until(
+            "node2 says etcd is unreachable",
+            lambda: status(cluster, 2)["membership"]["state"] == "unreachable",
+        )
+        cluster.kill(3)
+        killed = cluster.nodes[3].process
+        assert killed is not None
+        killed.wait(GUARD)
+        cluster.restart(3)  # a new incarnation registered; node2's view keeps the old one
+        wait_until(
+            "node2 refuses node3's new incarnation three times",
+            lambda: cluster.nodes[2].log_path.read_text().count("not the one registered") >= 3,
+        )
+        stale, fresh = status(cluster, 2), status(cluster, 3)
+        assert stale["dial_failures"].get("3", 0) >= 2  # failed dials: node2 backs off
+        assert stale["counters"]["refused_links"] >= 3
+        assert fresh["counters"]["peer_resets"] == 0  # never admitted, so never reset
+        assert not any(peer_row(cluster, 3, 2)["links"].values())
+
+        line.mend()
+        wait_until(
+            "node2's view has node3's new incarnation, and their links are up",
+            lambda: (
+                peer_row(cluster, 2, 3).get("state") == "up"
+                and all(peer_row(cluster, 2, 3)["links"].values())
+            ),
+        )
+        assert peer_row(cluster, 2, 3)["incarnation"] == status(cluster, 3)["incarnation"]
+        allreduce_works(cluster, [2, 3], "after-the-restart")
     finally:
         line.close()
 

@@ -205,8 +205,10 @@ def test_a_static_list_looks_at_no_name() -> None:
 
 
 def test_the_view_check_is_asked_of_a_hello_before_it_is_answered() -> None:
-    """The peering service asks it of an accepted link's HELLO, so a refused dialler sees a
-    failed dial (and backs off) rather than a link that comes up and is closed at once."""
+    """The peering service asks it (on_hello) of every HELLO before answering it, so a refused
+    dialler sees a failed dial (and backs off) and a refused acceptor an unfinished handshake,
+    rather than a link that comes up and is closed at once (that the service asks it first:
+    test_peering_view_check.py).  A refusal there counts as a refused link."""
     peers = table()
     peers.set_holder(2, "a", 500, 0.0)
     assert peers.not_in_view(2, "a", 500) == ""
@@ -214,3 +216,8 @@ def test_the_view_check_is_asked_of_a_hello_before_it_is_answered() -> None:
     assert "not the one registered" in peers.not_in_view(2, "a", 400)
     assert "(free)" in peers.not_in_view(1, "b", 1)
     assert table(named=False).not_in_view(2, "anyone", 1) == ""
+    assert peers.statistics().links_refused == 0  # not_in_view only asks
+    assert peers.on_hello(2, "a", 500) == ""
+    assert peers.on_hello(2, "a", 400) == peers.not_in_view(2, "a", 400)
+    assert peers.statistics().links_refused == 1
+    assert peers.statistics().handshakes_refused == 0

@@ -28,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fabricd.engines.link.handshake import HANDSHAKE_LIMITS
 from fabricd.errors import RemoteProtocolError
 from fabricd.frames.p2p import Write
 from fabricd.transports.inproc import InprocLink, InprocTransport
@@ -394,7 +395,6 @@ def random_key(rng: random.Random) -> bytes:
 def test_seeded_metadata_soup() -> None:
     """10^4 random msgpack token runs as metadata: plain values or RemoteProtocolError."""
     rng = random.Random(SEED)
-    handshake = Limits(max_meta=512, max_payload=0, max_str=64, max_array=8, max_map=8)
     accepted = 0
     for i in range(10_000):
         n = rng.randint(1, 4)
@@ -402,7 +402,7 @@ def test_seeded_metadata_soup() -> None:
         if rng.random() < 0.1:
             meta = random_msgpack(rng)  # not a map, most of the time
         head = LAYOUT.pack(b"FBRC", PROTOCOL_VERSION, rng.choice(list(Kind)), 0, len(meta), 0)
-        reader = Reader(handshake if i % 4 == 0 else DEFAULT_LIMITS)
+        reader = Reader(HANDSHAKE_LIMITS if i % 4 == 0 else DEFAULT_LIMITS)
         try:
             error = reader.read_all(random_chunks(rng, head + meta))
         except Exception as exc:

@@ -39,7 +39,7 @@ from fabricd.engines.link import peers
 from fabricd.engines.link.gate import CloseHandshake, RefuseHandshake
 from fabricd.engines.link.handshake import HANDSHAKE_LIMITS, Channel, Handshake, Role
 from fabricd.engines.link.peers import PeerState, PeerTable, Timeouts
-from fabricd.errors import ProtocolError, RemoteProtocolError, TransportError
+from fabricd.errors import ProtocolError, TransportError
 from fabricd.frames import link as link_frames
 from fabricd.integrity import FAILURE, Opener, Sealer
 from fabricd.transports.base import split_address
@@ -124,13 +124,16 @@ class _PendingSink:
         try:
             view = link_frames.parse_handshake(frame.kind, frame.meta)
             answers = self.handshake.on_frame(view)
-            if isinstance(view, link_frames.Hello) and self.handshake.role is Role.ACCEPTOR:
-                self.service.check_view(view)
+            # The view is asked of every HELLO before it is answered: an acceptor's is not
+            # proven yet; an initiator's (the acceptor's, proven by its MAC) is refused before
+            # AUTH goes out, so that the acceptor sees an unfinished handshake, not a link it
+            # admits and then loses (and resets its peer for, every backoff while the view lags)
+            if isinstance(view, link_frames.Hello) and (why := self.service.check_view(view)):
+                self._refuse(link, why, failed=False)  # the engine counted a refused link
+                return
             self._send(link, answers)
         except ProtocolError as exc:
-            remote_log.warning("refused link", "refused link from %s: %s", link.peer_address, exc)
-            self.service.handshake_over(self.link_id, failed=True)
-            self.fail(link, str(exc))
+            self._refuse(link, str(exc), failed=True)
             return
         peer = self.handshake.peer
         if peer is not None:
@@ -147,6 +150,12 @@ class _PendingSink:
                 "refused link", "refused link from %s: %s", link.peer_address, reason
             )
         self._settle(TransportError(reason))
+
+    def _refuse(self, link: Link, reason: str, *, failed: bool) -> None:
+        """Close ``link`` before it authenticated; ``failed``: count a failed handshake."""
+        remote_log.warning("refused link", "refused link from %s: %s", link.peer_address, reason)
+        self.service.handshake_over(self.link_id, failed=failed)
+        self.fail(link, reason)
 
     def fail(self, link: Link, reason: str) -> None:
         """Close the link; whoever dialled it sees a TransportError and retries later."""
@@ -436,17 +445,17 @@ class PeeringService(BaseService):
             raise
         return sink
 
-    def check_view(self, hello: link_frames.Hello) -> None:
-        """Refuse an accepted link whose HELLO names a node (or incarnation) the view of etcd
-        does not have in its slot, before answering: the dialler then sees its dial fail and
-        backs off.  The claim is not proven yet, but refusing on it costs only the claimant;
-        the proven one is ruled on again once the link is authenticated.
+    def check_view(self, hello: link_frames.Hello) -> str:
+        """Why a link whose HELLO names a node (or incarnation) the view of etcd does not have
+        in its slot is refused before that HELLO is answered (``""``: it is not).
 
-        Raises:
-            RemoteProtocolError: not the holder in this node's view (a retryable refusal).
+        Asked on both sides: the acceptor's dialler then sees its dial fail and backs off (the
+        claim is not proven yet, but refusing on it costs only the claimant, and the proven
+        one is ruled on again once authenticated); the dialler refuses the acceptor's proven
+        HELLO before sending AUTH, so the acceptor never admits a link that is then closed.
+        The engine counts the refusal as a refused link, not a failed handshake.
         """
-        if why := self.engine.not_in_view(hello.node, hello.name, hello.incarnation):
-            raise RemoteProtocolError(why)
+        return self.engine.on_hello(hello.node, hello.name, hello.incarnation)
 
     def handshake_over(self, link_id: int, *, failed: bool = False) -> None:
         """A link left its handshake (authenticated, refused or closed)."""

@@ -80,8 +80,10 @@ in the view and, when the registration carries one, its incarnation is the regis
 The refusal fences nothing: a view that is stale (cut off from etcd, a watch behind) refuses
 the new holder for now, the dialler retries, and once the view has it the same HELLO is
 admitted (a waiting dial of that node is brought forward; the daemon asks
-:meth:`PeerTable.not_in_view` of an accepted link's HELLO before answering it, so a dialler
-refused sees a failed dial and backs off); the old holder's late links stay refused, as its
+:meth:`PeerTable.on_hello` of every HELLO before answering it, the acceptor of the dialler's
+and the dialler of the acceptor's, so a dialler refused sees a failed dial and backs off, and
+an acceptor refused never admits a link the dialler then closes, nor resets its peer for it;
+counted as refused links); the old holder's late links stay refused, as its
 name or incarnation is no longer the view's.  Incarnations are compared by
 equality with the registered one, never ordered, so clocks that disagree between nodes do
 not matter; only a link of the name admitted last is ordered by start time (its SAME or
@@ -364,7 +366,9 @@ class PeerStatistics:
     handshakes_pending: int  #: links in their handshake now, accepted or dialled
     handshakes_refused: int  #: refused on arrival, evicted, past the deadline, or failed
     gate: GateStatistics  #: the handshake gate's counters (hosts refused, links evicted)
-    links_refused: int  #: authenticated but refused: stale, early, or a second one
+    #: authenticated but refused: stale, early, or a second one; or, under ``named``, refused
+    #: on its HELLO, before authentication, by :meth:`PeerTable.on_hello`
+    links_refused: int
     resets: int  #: ResetPeer actions returned
     dial_attempts: dict[int, int]  #: per dialled node: failed dials since the last success
 
@@ -465,9 +469,10 @@ class PeerTable:
     def not_in_view(self, node: int, name: str, incarnation: int) -> str:
         """Why ``name``'s ``incarnation`` does not hold ``node`` in this node's view of etcd
         (``""``: it does, or the table is not ``named``).  Refused, not fenced: the view may be
-        the one behind.  The peering service also asks it of an accepted link's HELLO, before
-        answering, so that the dialler sees its dial fail and backs off (refused only after
-        AUTH, the dial looks like a success to it, and it dials again at once)."""
+        the one behind.  The peering service also asks it (:meth:`on_hello`) of every HELLO
+        before answering it: refused only after AUTH, the dial would look like a success to
+        the acceptor's dialler, which dials again at once, and an acceptor would admit a link
+        the dialler then closes, and reset its peer for it."""
         if not self._named:
             return ""
         peer = self._peers[node]
@@ -483,6 +488,15 @@ class PeerTable:
                 f"({peer.registered}); refused until the view has it"
             )
         return ""
+
+    def on_hello(self, node: int, name: str, incarnation: int) -> str:
+        """:meth:`not_in_view` of a link's HELLO, asked before the HELLO is answered (or, by
+        the dialler, before it sends AUTH); a refusal is counted as a refused link, as one
+        ruled after authentication is (``links_refused``), not as a failed handshake."""
+        why = self.not_in_view(node, name, incarnation)
+        if why:
+            self._links_refused += 1
+        return why
 
     def peers(self, now: float) -> list[PeerInfo]:
         return [
