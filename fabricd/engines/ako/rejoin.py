@@ -436,18 +436,29 @@ class Rejoin:
         """``peer``'s incarnation ``nonce`` died: its own daemon says so (a death notice: its
         trainer left, or its open failed).  Unlike a departure, the notice names the
         incarnation, so it counts wherever it was heard or not: dead, never taken back, listed
-        in this rank's markers (and the open flush's sent again with it); if it is the member
-        here, it is gone, unsettled.  A flush whose markers list it unsettles its rank as for
-        any dead nonce, so every survivor ends the same, whatever it heard first (module
-        docstring)."""
+        in this rank's markers; if it is the member here, it is gone, unsettled.  A flush
+        whose markers list it unsettles its rank as for any dead nonce, so every survivor ends
+        the same, whatever it heard first (module docstring).  The open flush's marker goes
+        again with it only if a marker may have listed it (pending, listed or taken back
+        here), as for a departure: an original member no marker listed, no peer can have
+        taken back, and the markers are model-sized with ``p > 1``."""
         if self._is_dead(peer, nonce):
             return []
+        news = self._news
         self._kill(peer, nonce)
+        if not self._admitted_here(peer, nonce):
+            self._news = news  # (listed from the next flush's markers on, nothing resent)
         if self._joins.get(peer) == nonce:
             del self._joins[peer]
         member = self._nonce_of[peer] == nonce and peer not in self._gone
         announced = self._announce(peer)  # (before gone(), which may complete the open flush)
         return announced + (self.gone(peer) if member else [])
+
+    def _admitted_here(self, peer: int, nonce: int) -> bool:
+        """``peer``'s incarnation ``nonce`` is to be, or was, taken back here: a flush marker
+        listed it, or will."""
+        lists = (self._joins, self._admit, *self._joins_heard.values())
+        return self._taken.get(peer, 0) == nonce or any(j.get(peer) == nonce for j in lists)
 
     def death_notices(self) -> list[SendPart]:
         """This incarnation is closed (its trainer left, or its open failed): a death notice
