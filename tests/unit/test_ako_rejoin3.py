@@ -152,7 +152,7 @@ def test_an_original_member_dying_during_a_flush_sends_no_marker_again(how: str)
         actions = ex0.received(3, **_fields(notice))
     assert not [a for a in actions if isinstance(a, SendPart) and a.back]
     assert ex0.gone_peers == {3}
-    assert ex0._is_dead(3, nonce) == (how == "notice")
+    assert ex0.is_dead(3, nonce) == (how == "notice")
 
 
 def _fields(part: SendPart) -> dict[str, object]:

@@ -465,7 +465,7 @@ def test_a_closed_exchange_sends_every_peer_its_death_notice() -> None:
         (1, 2, [[1, nonce]], False)
     ]
     ex0 = svc.exchanges[(JOB, NAME, 0)]
-    assert ex0._is_dead(1, nonce)
+    assert ex0.is_dead(1, nonce)
     assert ex0.gone_peers == {1}
 
 
@@ -482,5 +482,72 @@ def test_a_death_notice_is_taken_from_a_node_whose_rank_already_left() -> None:
     svc.on_rank_event(RankLeft(entry=entry, reason="left", lost=False), 0.0)
     _deliver(svc, 1, _notice(2, 0, 77))
     _deliver(svc, 1, _notice(2, 1, 78), np.zeros(8).tobytes())
-    assert svc.exchanges[(JOB, NAME, 0)]._is_dead(2, 77)
-    assert not svc.exchanges[(JOB, NAME, 1)]._is_dead(2, 78)
+    assert svc.exchanges[(JOB, NAME, 0)].is_dead(2, 77)
+    assert not svc.exchanges[(JOB, NAME, 1)].is_dead(2, 78)
+
+
+def test_a_death_notice_counts_only_from_its_ranks_node() -> None:
+    """(Issue 28's rule) node 1 hosts no rank of the job: its notices as rank 2 are refused
+    and counted so, whatever they name.  One with another spec breaks nothing (a PART from
+    there is refused before its spec is read; a notice's spec is its sender's word alone);
+    one naming rank 2's live nonce leaves it live; sixteen with forged nonces do not push a
+    real dead one out of rank 0's bounded list of them."""
+    svc, _, _ = service((0, 0, 0))
+    s = [client(r, 3) for r in range(3)]
+    for r in range(3):
+        open_(svc, s[r], r + 1)
+    ex0 = svc.exchanges[(JOB, NAME, 0)]
+    live = svc.exchanges[(JOB, NAME, 2)].nonce
+    other = {**SPEC3, "lr": 2.0}
+    _deliver(svc, 1, dataclasses.replace(_notice(2, 0, 12345), spec=other))
+    _deliver(svc, 1, _notice(2, 0, live))
+    _deliver(svc, 0, _notice(2, 0, 1000))  # (a real one, from rank 2's node)
+    for k in range(16):
+        _deliver(svc, 1, _notice(2, 0, 5000 + k))
+    assert not svc._broken
+    assert ex0.gone_peers == set()
+    assert not ex0.is_dead(2, live)
+    assert ex0.is_dead(2, 1000)
+    counters = svc.statistics()["counters"]
+    assert counters["frames_refused_not_member"] == 18
+    assert counters["death_notices"] == 1
+
+
+def test_a_death_notice_from_its_ranks_node_with_another_spec_is_dropped() -> None:
+    """A notice whose spec differs from the exchange's is dropped, not taken as news of an
+    exchange opened two ways: no call fails for it."""
+    svc, host, _ = service((0, 0, 1))
+    s = [client(r, 3) for r in range(2)]
+    for r in range(2):
+        open_(svc, s[r], r + 1)
+    _deliver(svc, 1, dataclasses.replace(_notice(2, 0, 77), spec={**SPEC3, "lr": 2.0}))
+    assert not host.answered  # (the opens wait for rank 2's answer; none failed)
+    assert not svc._broken
+    assert not svc.exchanges[(JOB, NAME, 0)].is_dead(2, 77)
+    assert svc.statistics()["counters"]["part_frames_dropped"] == 1
+
+
+def test_a_departed_ranks_notice_counts_from_its_last_node_for_route_timeout() -> None:
+    """Rank 2 (node 1) left: its notices count from node 1 within ``route_timeout`` of the
+    departure (they may come after it), never from another node, and once only."""
+    svc, host, table = service((0, 0, 1), route_timeout=1.0)
+    s = [client(r, 3) for r in range(2)]
+    for r in range(2):
+        open_(svc, s[r], r + 1)
+    entry = table.entries.pop((JOB, 2))
+    svc.on_rank_event(RankLeft(entry=entry, reason="left", lost=False), 0.0)
+    ex0 = svc.exchanges[(JOB, NAME, 0)]
+    _deliver(svc, 0, _notice(2, 0, 76))  # (this node never hosted rank 2: held, then refused)
+    _deliver(svc, 1, _notice(2, 0, 77))
+    _deliver(svc, 1, _notice(2, 0, 77))  # (known: not counted again)
+    host.t = 1.5
+    svc.on_timer(1.5)
+    _deliver(svc, 1, _notice(2, 0, 78))  # (too late: held for rank 2's arrival, then refused)
+    host.t = 3.0
+    svc.on_timer(3.0)
+    assert ex0.is_dead(2, 77)
+    assert not ex0.is_dead(2, 76)
+    assert not ex0.is_dead(2, 78)
+    counters = svc.statistics()["counters"]
+    assert counters["death_notices"] == 1
+    assert counters["frames_refused_not_member"] == 2
