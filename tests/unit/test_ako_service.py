@@ -3,6 +3,7 @@ sockets: the review's findings, each with the behaviour it now has (issue 29).""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -25,7 +26,7 @@ from fabricd.engines.membership import (
     RankLeft,
     RankSuspected,
 )
-from fabricd.errors import OperationFailed, UsageError
+from fabricd.errors import ErrorCode, OperationFailed, UsageError
 from fabricd.frames import registry
 from fabricd.frames.ako import Part, Signal
 from fabricd.wire import Kind
@@ -551,3 +552,28 @@ def test_a_departed_ranks_notice_counts_from_its_last_node_for_route_timeout() -
     counters = svc.statistics()["counters"]
     assert counters["death_notices"] == 1
     assert counters["frames_refused_not_member"] == 2
+
+
+def test_a_stopping_daemon_sends_its_death_notices_before_its_links_close() -> None:
+    """A clean stop closes every exchange here while the links are up (the node cancels its
+    tasks, says BYE and closes the links after ``settle``): each peer on another node gets
+    its death notice, behind the frames queued for it before, and the open call fails
+    ``daemon_stopping``."""
+
+    async def scenario() -> tuple[list[Any], Any, int]:
+        svc, host, _ = service((0, 1))
+        link = host.links[1] = Link()  # (not writable: frames queue behind backpressure)
+        s0 = client(0, 2)
+        open_(svc, s0, 1)  # (its HELLO waits in the queue)
+        nonce = svc.exchanges[(JOB, NAME, 0)].nonce
+        settle = asyncio.ensure_future(svc.settle())
+        for _ in range(20):
+            await asyncio.sleep(0)
+            if link.pending is not None and not link.pending.done():
+                link.pending.set_result(None)
+        assert settle.done()
+        return link.sent, host.answered[1], nonce
+
+    sent, answer, nonce = asyncio.run(scenario())
+    assert [(m.get("sg"), m.get("dd")) for m in sent] == [("hello", None), (None, [[0, nonce]])]
+    assert answer.code is ErrorCode.DAEMON_STOPPING

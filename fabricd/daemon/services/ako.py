@@ -38,6 +38,8 @@ exchange holds (its window, its sum, each debt) is charged to the job's byte bud
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import secrets
 from typing import TYPE_CHECKING, Any, Final
@@ -95,6 +97,8 @@ RankKey = tuple[str, str, int]  #: (job, exchange name, rank)
 
 #: steps a rank with ``partitions="auto"`` measures its gradient rate over
 PROFILE_STEPS: Final = 5
+#: seconds a stopping daemon waits for its queued PART frames (its last death notices) to go
+STOP_GRACE: Final = 2.0
 
 
 class AkoService(BaseService):
@@ -713,6 +717,18 @@ class AkoService(BaseService):
             "peer_node_state": None,
             "client_left": False,
         }
+
+    async def settle(self) -> None:
+        """The daemon stops: every exchange here closes now, while the links are up, so its
+        peers get its death notices (after this the node cancels its tasks, says BYE and
+        closes the links); the frames queued go first, within :data:`STOP_GRACE`."""
+        for rank_key in list(self.exchanges):
+            if rank_key in self.exchanges:
+                why = "the daemon is stopping; retry later"
+                self._drop(rank_key, why, code=ErrorCode.DAEMON_STOPPING)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STOP_GRACE):
+                await self._frames.sent_all()
 
     def shutdown(self, failure: Failure) -> None:
         for rank_key in [rank_key for rank_key, _ in self._open.items()]:
