@@ -176,10 +176,29 @@ def test_a_death_notice_round_trips_and_is_checked() -> None:
 
 def test_a_newcomer_whose_open_failed_is_told_dead_to_every_peer() -> None:
     """An exchange closed while it waits for answers (its open failed: NoSuchRank) names
-    itself dead to every peer; a peer with its HELLO pending drops it."""
+    itself dead to every peer; a peer with its HELLO pending drops it (the next flush lists
+    and takes back nothing, and sends no marker again), and so does one it never reached."""
     ex = Exchange(rank=1, ranks=3, model=np.zeros(4), partitions=1, lr=0.5, staleness=1, nonce=9)
     ex.start()
     assert {p.dst for p in ex.death_notices()} == {0, 2}
+    fab = _gone_and_settled(3, 1)
+    fab.revive(1, nonce=77)
+    fab.queues.pop((1, 2))  # (its HELLO reaches rank 0 alone, which answers JOIN)
+    _deliver_pair(fab, 1, 0)
+    assert fab.ex[0]._pending(1) == 77
+    _trainer_dies(fab, 1)  # (its open failed: its daemon closes it)
+    _deliver_notices(fab, 1, [0, 2])
+    assert not fab.queues.get((0, 2))  # (nothing sent again)
+    assert not fab.queues.get((2, 0))
+    for r in (0, 2):
+        assert fab.ex[r].is_dead(1, 77)
+        assert fab.ex[r]._pending(1) == 0
+    fab.flush([0, 2])
+    assert [p.joins for p in (fab.queues[(0, 2)][-1], fab.queues[(2, 0)][-1])] == [(), ()]
+    fab.drain()
+    assert not any(fab.busy)
+    assert fab.ex[0].gone_peers == fab.ex[2].gone_peers == {1}
+    _equal_after_a_round(fab, [0, 2])
 
 
 @settings(max_examples=150, deadline=None)

@@ -577,3 +577,23 @@ def test_a_stopping_daemon_sends_its_death_notices_before_its_links_close() -> N
     sent, answer, nonce = asyncio.run(scenario())
     assert [(m.get("sg"), m.get("dd")) for m in sent] == [("hello", None), (None, [[0, nonce]])]
     assert answer.code is ErrorCode.DAEMON_STOPPING
+
+
+def test_an_open_unanswered_within_route_timeout_fails_and_tells_its_peers() -> None:
+    """Rank 1 never answers rank 0's HELLO: at ``route_timeout`` the open fails
+    ``no_such_rank``, the exchange closes, and rank 1's node is sent its death notice (a peer
+    that took the HELLO late must not take the incarnation back)."""
+    svc, host, _ = service((0, 1), route_timeout=1.0)
+    link = host.links[1] = Link()
+    link.writable = True
+    open_(svc, client(0, 2), 1)
+    nonce = svc.exchanges[(JOB, NAME, 0)].nonce
+    host.t = 1.0
+    svc.on_timer(1.0)
+    assert host.answered[1].code is ErrorCode.NO_SUCH_RANK
+    assert not svc.exchanges
+    assert [(m["src"], m["dst"], m.get("sg"), m.get("dd")) for m in link.sent] == [
+        (0, 1, "hello", None),
+        (0, 1, "hello", None),  # (said again at route_timeout / 4)
+        (0, 1, None, [[0, nonce]]),
+    ]
