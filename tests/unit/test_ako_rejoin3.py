@@ -96,8 +96,9 @@ def test_a_newcomer_and_its_only_knower_dying_hang_no_flush(knower: int, notice:
 
 
 def test_a_death_notice_unsettles_a_member_and_is_listed_in_the_markers() -> None:
-    """A death notice of a member: gone, unsettled (the next flush syncs), and the open
-    flush's marker goes again listing it; a second notice, or one already known, does
+    """A death notice of an original member: gone, unsettled (the next flush syncs), and
+    listed in the next flush's markers; the open flush's marker does not go again (no marker
+    listed the member: no peer took it back); a second notice, or one already known, does
     nothing; a notice naming another incarnation is refused."""
     fab = Fabric(3, 1, 0)
     fab.drain()
@@ -112,19 +113,46 @@ def test_a_death_notice_unsettles_a_member_and_is_listed_in_the_markers() -> Non
     fab.kill(2)
     fab.act(2, notices)
     _deliver_pair(fab, 2, 0)
-    again = fab.queues[(0, 1)]
-    assert len(again) == 1
-    assert again[0].dead == ((2, 3),)
-    assert again[0].flush == 1
+    assert not fab.queues.get((0, 1)), "a marker went again for an original member"
     assert fab.ex[0].gone_peers == {2}
     assert 2 not in fab.ex[0]._settled
     assert fab.ex[0].received(2, **_fields(notices[0])) == []  # (known)
+    fab.drain()
+    assert not any(fab.busy)
+    fab.flush([0, 1])
+    assert fab.queues[(0, 1)][-1].dead == ((2, 3),)  # (the next flush's marker lists it)
     fab.drain()
     assert not any(fab.busy)
     _equal_after_a_round(fab, [0, 1])
     forged = _fields(notices[0]) | {"dead": ((2, 999),)}
     with pytest.raises(RemoteProtocolError, match="death notice"):
         fab.ex[0].received(2, **forged)
+
+
+@pytest.mark.parametrize("how", ["departure", "notice"])
+def test_an_original_member_dying_during_a_flush_sends_no_marker_again(how: str) -> None:
+    """Four ranks, ``p = 3`` (a marker carries the kept part, so sending it again costs a
+    model's worth): rank 3, never taken back, dies once every marker of the open flush went.
+    No survivor can have taken it back through a marker: none is sent again, whether its
+    departure or its death notice comes first."""
+    fab = Fabric(4, 3, 0)
+    fab.drain()
+    for r in range(4):
+        assert fab.step(r, np.arange(SIZE, dtype=np.float64) + r)
+        fab.drain()
+    for r in range(4):
+        assert fab.step(r, np.arange(SIZE, dtype=np.float64) * 2 + r)
+    fab.flush([0, 1, 2, 3])
+    ex0 = fab.ex[0]
+    nonce = ex0._nonce_of[3]
+    if how == "departure":
+        actions = ex0.left(3)
+    else:
+        notice = next(p for p in fab.ex[3].death_notices() if p.dst == 0)
+        actions = ex0.received(3, **_fields(notice))
+    assert not [a for a in actions if isinstance(a, SendPart) and a.back]
+    assert ex0.gone_peers == {3}
+    assert ex0.is_dead(3, nonce) == (how == "notice")
 
 
 def _fields(part: SendPart) -> dict[str, object]:
@@ -148,10 +176,29 @@ def test_a_death_notice_round_trips_and_is_checked() -> None:
 
 def test_a_newcomer_whose_open_failed_is_told_dead_to_every_peer() -> None:
     """An exchange closed while it waits for answers (its open failed: NoSuchRank) names
-    itself dead to every peer; a peer with its HELLO pending drops it."""
+    itself dead to every peer; a peer with its HELLO pending drops it (the next flush lists
+    and takes back nothing, and sends no marker again), and so does one it never reached."""
     ex = Exchange(rank=1, ranks=3, model=np.zeros(4), partitions=1, lr=0.5, staleness=1, nonce=9)
     ex.start()
     assert {p.dst for p in ex.death_notices()} == {0, 2}
+    fab = _gone_and_settled(3, 1)
+    fab.revive(1, nonce=77)
+    fab.queues.pop((1, 2))  # (its HELLO reaches rank 0 alone, which answers JOIN)
+    _deliver_pair(fab, 1, 0)
+    assert fab.ex[0]._pending(1) == 77
+    _trainer_dies(fab, 1)  # (its open failed: its daemon closes it)
+    _deliver_notices(fab, 1, [0, 2])
+    assert not fab.queues.get((0, 2))  # (nothing sent again)
+    assert not fab.queues.get((2, 0))
+    for r in (0, 2):
+        assert fab.ex[r].is_dead(1, 77)
+        assert fab.ex[r]._pending(1) == 0
+    fab.flush([0, 2])
+    assert [p.joins for p in (fab.queues[(0, 2)][-1], fab.queues[(2, 0)][-1])] == [(), ()]
+    fab.drain()
+    assert not any(fab.busy)
+    assert fab.ex[0].gone_peers == fab.ex[2].gone_peers == {1}
+    _equal_after_a_round(fab, [0, 2])
 
 
 @settings(max_examples=150, deadline=None)

@@ -3,6 +3,7 @@ sockets: the review's findings, each with the behaviour it now has (issue 29).""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -25,7 +26,7 @@ from fabricd.engines.membership import (
     RankLeft,
     RankSuspected,
 )
-from fabricd.errors import OperationFailed, UsageError
+from fabricd.errors import ErrorCode, OperationFailed, UsageError
 from fabricd.frames import registry
 from fabricd.frames.ako import Part, Signal
 from fabricd.wire import Kind
@@ -465,7 +466,7 @@ def test_a_closed_exchange_sends_every_peer_its_death_notice() -> None:
         (1, 2, [[1, nonce]], False)
     ]
     ex0 = svc.exchanges[(JOB, NAME, 0)]
-    assert ex0._is_dead(1, nonce)
+    assert ex0.is_dead(1, nonce)
     assert ex0.gone_peers == {1}
 
 
@@ -482,5 +483,117 @@ def test_a_death_notice_is_taken_from_a_node_whose_rank_already_left() -> None:
     svc.on_rank_event(RankLeft(entry=entry, reason="left", lost=False), 0.0)
     _deliver(svc, 1, _notice(2, 0, 77))
     _deliver(svc, 1, _notice(2, 1, 78), np.zeros(8).tobytes())
-    assert svc.exchanges[(JOB, NAME, 0)]._is_dead(2, 77)
-    assert not svc.exchanges[(JOB, NAME, 1)]._is_dead(2, 78)
+    assert svc.exchanges[(JOB, NAME, 0)].is_dead(2, 77)
+    assert not svc.exchanges[(JOB, NAME, 1)].is_dead(2, 78)
+
+
+def test_a_death_notice_counts_only_from_its_ranks_node() -> None:
+    """(Issue 28's rule) node 1 hosts no rank of the job: its notices as rank 2 are refused
+    and counted so, whatever they name.  One with another spec breaks nothing (a PART from
+    there is refused before its spec is read; a notice's spec is its sender's word alone);
+    one naming rank 2's live nonce leaves it live; sixteen with forged nonces do not push a
+    real dead one out of rank 0's bounded list of them."""
+    svc, _, _ = service((0, 0, 0))
+    s = [client(r, 3) for r in range(3)]
+    for r in range(3):
+        open_(svc, s[r], r + 1)
+    ex0 = svc.exchanges[(JOB, NAME, 0)]
+    live = svc.exchanges[(JOB, NAME, 2)].nonce
+    other = {**SPEC3, "lr": 2.0}
+    _deliver(svc, 1, dataclasses.replace(_notice(2, 0, 12345), spec=other))
+    _deliver(svc, 1, _notice(2, 0, live))
+    _deliver(svc, 0, _notice(2, 0, 1000))  # (a real one, from rank 2's node)
+    for k in range(16):
+        _deliver(svc, 1, _notice(2, 0, 5000 + k))
+    assert not svc._broken
+    assert ex0.gone_peers == set()
+    assert not ex0.is_dead(2, live)
+    assert ex0.is_dead(2, 1000)
+    counters = svc.statistics()["counters"]
+    assert counters["frames_refused_not_member"] == 18
+    assert counters["death_notices"] == 1
+
+
+def test_a_death_notice_from_its_ranks_node_with_another_spec_is_dropped() -> None:
+    """A notice whose spec differs from the exchange's is dropped, not taken as news of an
+    exchange opened two ways: no call fails for it."""
+    svc, host, _ = service((0, 0, 1))
+    s = [client(r, 3) for r in range(2)]
+    for r in range(2):
+        open_(svc, s[r], r + 1)
+    _deliver(svc, 1, dataclasses.replace(_notice(2, 0, 77), spec={**SPEC3, "lr": 2.0}))
+    assert not host.answered  # (the opens wait for rank 2's answer; none failed)
+    assert not svc._broken
+    assert not svc.exchanges[(JOB, NAME, 0)].is_dead(2, 77)
+    assert svc.statistics()["counters"]["part_frames_dropped"] == 1
+
+
+def test_a_departed_ranks_notice_counts_from_its_last_node_for_route_timeout() -> None:
+    """Rank 2 (node 1) left: its notices count from node 1 within ``route_timeout`` of the
+    departure (they may come after it), never from another node, and once only."""
+    svc, host, table = service((0, 0, 1), route_timeout=1.0)
+    s = [client(r, 3) for r in range(2)]
+    for r in range(2):
+        open_(svc, s[r], r + 1)
+    entry = table.entries.pop((JOB, 2))
+    svc.on_rank_event(RankLeft(entry=entry, reason="left", lost=False), 0.0)
+    ex0 = svc.exchanges[(JOB, NAME, 0)]
+    _deliver(svc, 0, _notice(2, 0, 76))  # (this node never hosted rank 2: held, then refused)
+    _deliver(svc, 1, _notice(2, 0, 77))
+    _deliver(svc, 1, _notice(2, 0, 77))  # (known: not counted again)
+    host.t = 1.5
+    svc.on_timer(1.5)
+    _deliver(svc, 1, _notice(2, 0, 78))  # (too late: held for rank 2's arrival, then refused)
+    host.t = 3.0
+    svc.on_timer(3.0)
+    assert ex0.is_dead(2, 77)
+    assert not ex0.is_dead(2, 76)
+    assert not ex0.is_dead(2, 78)
+    counters = svc.statistics()["counters"]
+    assert counters["death_notices"] == 1
+    assert counters["frames_refused_not_member"] == 2
+
+
+def test_a_stopping_daemon_sends_its_death_notices_before_its_links_close() -> None:
+    """A clean stop closes every exchange here while the links are up (the node cancels its
+    tasks, says BYE and closes the links after ``settle``): each peer on another node gets
+    its death notice, behind the frames queued for it before, and the open call fails
+    ``daemon_stopping``."""
+
+    async def scenario() -> tuple[list[Any], Any, int]:
+        svc, host, _ = service((0, 1))
+        link = host.links[1] = Link()  # (not writable: frames queue behind backpressure)
+        s0 = client(0, 2)
+        open_(svc, s0, 1)  # (its HELLO waits in the queue)
+        nonce = svc.exchanges[(JOB, NAME, 0)].nonce
+        settle = asyncio.ensure_future(svc.settle())
+        for _ in range(20):
+            await asyncio.sleep(0)
+            if link.pending is not None and not link.pending.done():
+                link.pending.set_result(None)
+        assert settle.done()
+        return link.sent, host.answered[1], nonce
+
+    sent, answer, nonce = asyncio.run(scenario())
+    assert [(m.get("sg"), m.get("dd")) for m in sent] == [("hello", None), (None, [[0, nonce]])]
+    assert answer.code is ErrorCode.DAEMON_STOPPING
+
+
+def test_an_open_unanswered_within_route_timeout_fails_and_tells_its_peers() -> None:
+    """Rank 1 never answers rank 0's HELLO: at ``route_timeout`` the open fails
+    ``no_such_rank``, the exchange closes, and rank 1's node is sent its death notice (a peer
+    that took the HELLO late must not take the incarnation back)."""
+    svc, host, _ = service((0, 1), route_timeout=1.0)
+    link = host.links[1] = Link()
+    link.writable = True
+    open_(svc, client(0, 2), 1)
+    nonce = svc.exchanges[(JOB, NAME, 0)].nonce
+    host.t = 1.0
+    svc.on_timer(1.0)
+    assert host.answered[1].code is ErrorCode.NO_SUCH_RANK
+    assert not svc.exchanges
+    assert [(m["src"], m["dst"], m.get("sg"), m.get("dd")) for m in link.sent] == [
+        (0, 1, "hello", None),
+        (0, 1, "hello", None),  # (said again at route_timeout / 4)
+        (0, 1, None, [[0, nonce]]),
+    ]

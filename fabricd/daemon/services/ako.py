@@ -38,6 +38,8 @@ exchange holds (its window, its sum, each debt) is charged to the job's byte bud
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import secrets
 from typing import TYPE_CHECKING, Any, Final
@@ -49,6 +51,7 @@ from fabricd.daemon.metrics import OperationStats, counter, gauge
 from fabricd.daemon.service import BaseService
 from fabricd.daemon.services.ako_early import EarlyParts
 from fabricd.daemon.services.ako_frames import part_frame, received, unfit
+from fabricd.daemon.services.ako_notices import NoticeSenders
 from fabricd.daemon.services.data_queues import DataQueues
 from fabricd.daemon.services.jobs import Groups, OpenCall, OpenCalls, refuse_while_draining
 from fabricd.daemon.services.senders import Gate, Sender, earliest
@@ -94,6 +97,8 @@ RankKey = tuple[str, str, int]  #: (job, exchange name, rank)
 
 #: steps a rank with ``partitions="auto"`` measures its gradient rate over
 PROFILE_STEPS: Final = 5
+#: seconds a stopping daemon waits for its queued PART frames (its last death notices) to go
+STOP_GRACE: Final = 2.0
 
 
 class AkoService(BaseService):
@@ -133,12 +138,13 @@ class AkoService(BaseService):
             "part_frames_dropped": 0,
             "repartitions": 0,
             "ranks_taken_back": 0,  #: opens answered with a survivor's model
-            "death_notices": 0,  #: peers' death notices taken by an exchange here
+            "death_notices": 0,  #: peers' death notices that killed an incarnation here
         }
         self._early = EarlyParts(host, self._counters)
         self._gate = Gate(
             host, membership, remote_log, self._counters, "part_frames_dropped", self._replay
         )
+        self._notices = NoticeSenders(host, membership, self._gate)
 
     def _count_sent(self, nbytes: int) -> None:
         self._counters["part_bytes_sent"] += nbytes
@@ -357,11 +363,8 @@ class AkoService(BaseService):
 
     def on_data(self, node: int, frame: registry.PayloadFrame, length: int, now: float) -> None:
         assert isinstance(frame, Part)
-        if not length and frame.notice:  # (a death notice: taken from any node, below)
-            self._take(node, frame, b"", now)
-            return
-        if not length:  # (a handshake signal: no payload, so no buffer was asked for)
-            verdict = self._gate.judge(node, frame.job, frame.src)
+        if not length:  # (a handshake signal or a death notice: no buffer was asked for)
+            verdict = self._judge(node, frame)
             if verdict is Sender.NOT_YET:
                 self._gate.hold(node, frame.job, frame.src, frame, 0)
                 self._gate.landed(node, frame, now)
@@ -379,10 +382,16 @@ class AkoService(BaseService):
         does not host that rank may not speak for it)."""
         frame = held.frame
         assert isinstance(frame, Part)
-        if self._gate.judge(held.node, frame.job, frame.src) is not Sender.MEMBER:
+        if self._judge(held.node, frame) is not Sender.MEMBER:
             self._counters["part_frames_dropped"] += 1
             return
         self._take(held.node, frame, bytes(held.payload or b""), now)
+
+    def _judge(self, node: int, frame: Part) -> Sender:
+        """Whether ``node`` may send ``frame`` as its rank (a death notice also from the
+        node that rank left: :mod:`~fabricd.daemon.services.ako_notices`)."""
+        judge = self._notices.judge if frame.notice else self._gate.judge
+        return judge(node, frame.job, frame.src)
 
     def _take(self, node: int, frame: Part, payload: bytes | bytearray, now: float) -> None:
         """A PART (with its bytes) from ``node``: applied, or held for its rank's open."""
@@ -396,7 +405,6 @@ class AkoService(BaseService):
             return
         rank_key = (frame.job, frame.name, frame.dst)
         if rank_key in self.exchanges:
-            self._counters["death_notices"] += frame.notice
             self._apply(frame, payload)
         elif frame.notice:
             return  # (of a peer's incarnation: a rank not open here has nothing of it)
@@ -417,6 +425,9 @@ class AkoService(BaseService):
         rank_key = (frame.job, frame.name, frame.dst)
         exchange = self.exchanges[rank_key]
         spec = self._specs[rank_key]
+        if frame.spec != spec and frame.notice:  # (its sender's word alone: nothing broken)
+            self._dropped("a death notice of rank %d's %r opened otherwise", frame.src, frame.name)
+            return
         if frame.spec != spec:
             self._counters["part_frames_dropped"] += 1
             self._break(
@@ -429,6 +440,7 @@ class AkoService(BaseService):
                 self._send(rank_key, SendSignal(dst=frame.src, signal=Signal.FRESH, nonce=0, to=0))
             return
         values = np.frombuffer(payload, dtype=exchange.model.dtype)
+        news = frame.notice and not exchange.is_dead(frame.src, frame.nonce)
         try:
             if frame.signal is not None:
                 actions = exchange.signal(frame.src, frame.signal, nonce=frame.nonce, to=frame.to)
@@ -437,6 +449,7 @@ class AkoService(BaseService):
         except RemoteProtocolError as exc:  # (a member's: its link, every job's, stays up)
             self._dropped("a part from rank %d refused: %s", frame.src, exc)
             return
+        self._counters["death_notices"] += news
         self._perform(rank_key, actions)
 
     def _dropped(self, message: str, *args: object) -> None:
@@ -453,6 +466,7 @@ class AkoService(BaseService):
     def on_rank_event(self, event: RankEvent, now: float) -> None:
         job, rank = event.entry.job, event.entry.rank
         if isinstance(event, RankLeft):
+            self._notices.departed(event.entry, now)
             if not event.lost:  # (one lost with its node's links: on_suspicion decides)
                 self._forget(job, rank, event.reason)
             return
@@ -476,6 +490,7 @@ class AkoService(BaseService):
                         self._settle(rank_key, entry.rank)
                         self._perform(rank_key, exchange.back(entry.rank))
             case RankGone(entry=entry, reason=reason):
+                self._notices.departed(entry, now)
                 self._forget(entry.job, entry.rank, reason)
 
     def _owe(self, rank_key: RankKey, exchange: Exchange, peer: int) -> None:
@@ -702,6 +717,18 @@ class AkoService(BaseService):
             "peer_node_state": None,
             "client_left": False,
         }
+
+    async def settle(self) -> None:
+        """The daemon stops: every exchange here closes now, while the links are up, so its
+        peers get its death notices (after this the node cancels its tasks, says BYE and
+        closes the links); the frames queued go first, within :data:`STOP_GRACE`."""
+        for rank_key in list(self.exchanges):
+            if rank_key in self.exchanges:
+                why = "the daemon is stopping; retry later"
+                self._drop(rank_key, why, code=ErrorCode.DAEMON_STOPPING)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STOP_GRACE):
+                await self._frames.sent_all()
 
     def shutdown(self, failure: Failure) -> None:
         for rank_key in [rank_key for rank_key, _ in self._open.items()]:

@@ -89,6 +89,13 @@ class DataQueues:
         """Frames waiting in all queues."""
         return sum(len(q) for q in self._queues.values())
 
+    async def sent_all(self) -> None:
+        """Wait until every queue is handed to its link (or dropped): a stopping daemon
+        cancels its tasks, and what they still held would be lost, while what a link holds
+        goes out as it closes.  (Cancelling the wait leaves the senders alone.)"""
+        if self._senders:
+            await asyncio.wait(set(self._senders.values()))
+
     async def _drain(
         self,
         node: int,

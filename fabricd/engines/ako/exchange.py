@@ -693,12 +693,12 @@ class Exchange(Rejoin):
         out.append(Flushed(flush=self._flushes, synced_from=lowest if absent else None))
         heard = self._joins_heard.pop(self._flushes, {})
         admitted = self._admit | {
-            i: n for i, n in heard.items() if i not in self._admit or not self._is_dead(i, n)
+            i: n for i, n in heard.items() if i not in self._admit or not self.is_dead(i, n)
         }
         for k in [k for k in self._joins_heard if k <= self._flushes]:
             del self._joins_heard[k]
         # (one that died is not taken back, but unsettled, as where it was, then went)
-        left = {i for i, n in admitted.items() if self._is_dead(i, n)}
+        left = {i for i, n in admitted.items() if self.is_dead(i, n)}
         self._settled -= left
         out += self._take_back({i: n for i, n in admitted.items() if i not in left}, lowest)
         later, self._later = self._later, []

@@ -173,7 +173,7 @@ class Rejoin:
         return self._answered()
 
     def _hello(self, src: int, nonce: int) -> list[Action]:
-        if self._is_dead(src, nonce):
+        if self.is_dead(src, nonce):
             return []  # (a late HELLO of an incarnation that left or was superseded)
         if self.phase == "joining":  # (not a member yet: the survivors' answers decide; the
             self._nonce_of[src] = nonce  # SYNC's gone ranks still apply once it comes)
@@ -273,7 +273,7 @@ class Rejoin:
         not)."""
         for joins in (self._admit, *self._joins_heard.values(), self._joins):
             nonce = joins.get(src, 0)
-            if nonce and not self._is_dead(src, nonce):
+            if nonce and not self.is_dead(src, nonce):
                 return nonce
         return 0
 
@@ -360,7 +360,7 @@ class Rejoin:
         flush completes waits for it; so does (bounded) one of an incarnation no marker
         listed here yet (its HELLO here may have been lost: the marker that lists it may
         come later in this flush).  Others are dropped."""
-        if not nonce or self._is_dead(src, nonce):
+        if not nonce or self.is_dead(src, nonce):
             return
         if self._pending(src) == nonce:
             self._later.append((src, fields))
@@ -379,19 +379,19 @@ class Rejoin:
         for peer, nonce in joins:
             if peer not in self._heard:
                 continue
-            here = self._nonce_of[peer] == nonce or self._is_dead(peer, nonce)
+            here = self._nonce_of[peer] == nonce or self.is_dead(peer, nonce)
             if peer not in self._gone and here:
                 continue  # (taken back here already, or a newer one was: a marker sent again)
             pending = self._pending(peer)
-            if pending and nonce != pending and not self._is_dead(peer, nonce):
+            if pending and nonce != pending and not self.is_dead(peer, nonce):
                 self._kill(peer, nonce)  # (never heard here: older than the one pending)
             listed = self._joins_heard.setdefault(flush, {})
-            if peer not in listed or not self._is_dead(peer, nonce):
+            if peer not in listed or not self.is_dead(peer, nonce):
                 listed[peer] = nonce
             out += self.gone(peer)
         return out
 
-    def _is_dead(self, peer: int, nonce: int) -> bool:
+    def is_dead(self, peer: int, nonce: int) -> bool:
         """``nonce`` is of an incarnation of ``peer`` that left or was superseded."""
         return nonce in self._dead.get(peer, ())
 
@@ -410,7 +410,7 @@ class Rejoin:
         of those is gone, unsettled: the next flush syncs, as at every survivor)."""
         out: list[Action] = []
         for peer, nonce in dead:
-            if peer not in self._heard or self._is_dead(peer, nonce):
+            if peer not in self._heard or self.is_dead(peer, nonce):
                 continue
             self._kill(peer, nonce)
             if self._joins.get(peer) == nonce:
@@ -436,18 +436,29 @@ class Rejoin:
         """``peer``'s incarnation ``nonce`` died: its own daemon says so (a death notice: its
         trainer left, or its open failed).  Unlike a departure, the notice names the
         incarnation, so it counts wherever it was heard or not: dead, never taken back, listed
-        in this rank's markers (and the open flush's sent again with it); if it is the member
-        here, it is gone, unsettled.  A flush whose markers list it unsettles its rank as for
-        any dead nonce, so every survivor ends the same, whatever it heard first (module
-        docstring)."""
-        if self._is_dead(peer, nonce):
+        in this rank's markers; if it is the member here, it is gone, unsettled.  A flush
+        whose markers list it unsettles its rank as for any dead nonce, so every survivor ends
+        the same, whatever it heard first (module docstring).  The open flush's marker goes
+        again with it only if a marker may have listed it (pending, listed or taken back
+        here), as for a departure: an original member no marker listed, no peer can have
+        taken back, and the markers are model-sized with ``p > 1``."""
+        if self.is_dead(peer, nonce):
             return []
+        news = self._news
         self._kill(peer, nonce)
+        if not self._admitted_here(peer, nonce):
+            self._news = news  # (listed from the next flush's markers on, nothing resent)
         if self._joins.get(peer) == nonce:
             del self._joins[peer]
         member = self._nonce_of[peer] == nonce and peer not in self._gone
         announced = self._announce(peer)  # (before gone(), which may complete the open flush)
         return announced + (self.gone(peer) if member else [])
+
+    def _admitted_here(self, peer: int, nonce: int) -> bool:
+        """``peer``'s incarnation ``nonce`` is to be, or was, taken back here: a flush marker
+        listed it, or will."""
+        lists = (self._joins, self._admit, *self._joins_heard.values())
+        return self._taken.get(peer, 0) == nonce or any(j.get(peer) == nonce for j in lists)
 
     def death_notices(self) -> list[SendPart]:
         """This incarnation is closed (its trainer left, or its open failed): a death notice
