@@ -29,6 +29,9 @@ waits for them, copies the results out and completes the call's future.  Choices
   claims a call first finishes it.
 * :class:`Work`'s ``wait(timeout)`` honours its timeout (a Work torch makes from a future
   ignores it, and returns ``True`` from ``wait()`` even when the future failed).
+* *A CUDA call's future is completed with its device current* (:func:`_set`): a CUDA-aware
+  future records its events on, and runs its callbacks with, the current device's streams,
+  and a thread that never set a device works on device 0.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from fabricd.errors import Timeout, UsageError
+from fabricd.torch.devices import CPU, on_device
 
 if TYPE_CHECKING:
     import datetime
@@ -70,6 +74,7 @@ class Call:
     release: Callable[[Slot], None]
     deadline: float
     future: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
+    device: torch.device = CPU  #: its tensors' device (current when its future is set)
     start: Callable[[], list[Handle[Any]]] | None = None  #: deferred: what starts it
     after: Call | None = None  #: deferred: it starts once this call's operations are done
     failure: BaseException | None = None  #: what its start raised
@@ -228,14 +233,21 @@ class Completer:
             for slot in call.slots:
                 call.release(slot)
             error = RuntimeError(f"fabricd backend: {call.what} failed: {exc}")
-            self._notifiers.submit(call.future.set_exception, error)
+            self._notifiers.submit(_set, call.device, call.future.set_exception, error)
             return
         for slot in call.slots:
             call.release(slot)
         if here:
-            call.future.set_result(value)
+            _set(call.device, call.future.set_result, value)
         else:
-            self._notifiers.submit(call.future.set_result, value)
+            self._notifiers.submit(_set, call.device, call.future.set_result, value)
+
+
+def _set(device: torch.device, complete: Callable[[Any], None], outcome: Any) -> None:
+    """``complete(outcome)`` (a future's ``set_result`` or ``set_exception``) with ``device``
+    current (module docstring)."""
+    with on_device(device):
+        complete(outcome)
 
 
 class Work(dist.Work):

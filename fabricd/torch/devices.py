@@ -47,7 +47,7 @@ import contextlib
 import functools
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import torch
 
@@ -63,6 +63,10 @@ DEVICE_TYPES: Final = ("cpu", "cuda")
 #: cudaHostRegisterPortable: the pages count as pinned for every CUDA context
 PORTABLE: Final = 1
 CPU: Final = torch.device("cpu")
+#: how long a caller waits for the page-locking thread (a registration, or close's unregistering)
+LOCKER_WAIT: Final = 60.0
+
+T = TypeVar("T")
 
 
 def device_of(tensors: Iterable[torch.Tensor], what: str) -> torch.device:
@@ -98,6 +102,15 @@ def settle(device: torch.device) -> None:
     its future is set.  Nothing for the CPU."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``device`` made this thread's current CUDA device for the block (nothing for the CPU):
+    a thread that never set one works on device 0, and would make a CUDA context there for a
+    process on another device."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def future_for(device: torch.device) -> torch.futures.Future[object]:
@@ -141,55 +154,121 @@ def cuda_unregister(ptr: int) -> int:
 
 
 class PageLocker:
-    """Page-locks host memory for CUDA copies (module docstring), on a thread of its own.
+    """Page-locks host memory for CUDA copies (module docstring), on a thread of its own,
+    with ``device`` current there (None: left as it is).
 
     ``register`` and ``unregister`` are the CUDA calls (:func:`cuda_register`,
-    :func:`cuda_unregister`; a test gives its own).
+    :func:`cuda_unregister`; a test gives its own).  Once :meth:`close` has begun, nothing is
+    locked any more and no thread is started: :meth:`lock` answers False (pageable copies),
+    and a registration in flight then is undone on the thread as soon as it returns.
     """
 
     def __init__(
         self,
         register: Callable[[int, int], int] = cuda_register,
         unregister: Callable[[int], int] = cuda_unregister,
+        device: torch.device | None = None,
     ) -> None:
         self._register, self._unregister = register, unregister
+        self._device = device
         self._locked: list[int] = []  #: the addresses registered, to unregister at close
         self._lock = threading.Lock()
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._ident: int | None = None  #: the page-locking thread's
+        self._closed = False
         self._warned = False
 
     def lock(self, ptr: int, nbytes: int) -> bool:
         """Page-lock ``nbytes`` at ``ptr``; whether it is (else copies go through pageable
         memory: correct, slower; said once in the log)."""
-        error = self._on_thread(functools.partial(self._register, ptr, nbytes))
-        if error == 0:
-            with self._lock:
-                self._locked.append(ptr)
-            return True
-        if not self._warned:
-            self._warned = True
-            log.warning(
-                "fabricd backend: cudaHostRegister of a staging array failed (CUDA error "
-                "%d); its CUDA copies go through pageable memory, slower",
-                error,
-            )
-        return False
+        with self._lock:
+            if self._closed:
+                return False
+            if self._thread is None:
+                self._thread = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="fabricd-torch-pin", initializer=self._started
+                )
+            thread = self._thread
+        try:
+            error = self._run(thread, functools.partial(self._register_one, ptr, nbytes))
+        except concurrent.futures.TimeoutError:  # (if it ends later, close undoes it)
+            self._warn(f"did not return within {LOCKER_WAIT:g} s")
+            return False
+        except RuntimeError as exc:  # (the pool shut down by close, or its thread failed)
+            if not self._closed:
+                self._warn(f"could not run: {exc}")
+            return False
+        if error is None:  # (close came first, and undid it)
+            return False
+        if error != 0:
+            self._warn(f"failed (CUDA error {error})")
+        return error == 0
 
     def close(self) -> None:
-        """Unregister everything registered (before the memory is unmapped)."""
+        """Unregister everything registered (before the memory is unmapped), on the thread;
+        here when this is that thread (the group's cleanup run by the garbage collector
+        there would wait for itself) or when its pool is gone (at interpreter exit Python
+        shuts thread pools down before exit-time cleanup runs)."""
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+        if thread is None:  # (nothing was ever locked)
+            return
+        finished = True
+        try:
+            self._run(thread, self._unregister_all)
+        except concurrent.futures.TimeoutError:
+            log.warning(
+                "fabricd backend: unregistering the staging arrays did not return within "
+                "%g s; the arrays are unmapped anyway",
+                LOCKER_WAIT,
+            )
+            finished = False
+        except RuntimeError:  # (at interpreter exit: no pool to run it on)
+            with on_device(self._device or CPU):
+                self._unregister_all()
+        thread.shutdown(wait=finished and threading.get_ident() != self._ident)
+
+    def _run(self, thread: concurrent.futures.ThreadPoolExecutor, work: Callable[[], T]) -> T:
+        """``work`` on the page-locking thread (here, if this is it), waited for at most
+        :data:`LOCKER_WAIT` seconds."""
+        if threading.get_ident() == self._ident:
+            return work()
+        return thread.submit(work).result(LOCKER_WAIT)
+
+    def _started(self) -> None:
+        """The page-locking thread's start: ``device`` made its current one (as torch's
+        DataLoader does in its pin-memory thread), so a CUDA context is not made on device 0
+        for a process that uses another."""
+        self._ident = threading.get_ident()
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+
+    def _register_one(self, ptr: int, nbytes: int) -> int | None:
+        """Register ``ptr`` and note it; None if close began meanwhile (then undone)."""
+        error = self._register(ptr, nbytes)
+        if error != 0:
+            return error
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._locked.append(ptr)
+        if closed:
+            self._unregister(ptr)
+            return None
+        return 0
+
+    def _unregister_all(self) -> None:
         with self._lock:
             locked, self._locked = self._locked, []
         for ptr in locked:
-            self._on_thread(functools.partial(self._unregister, ptr))
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
+            self._unregister(ptr)
 
-    def _on_thread(self, call: Callable[[], int]) -> int:
-        with self._lock:
-            if self._thread is None:
-                self._thread = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="fabricd-torch-pin"
-                )
-            thread = self._thread
-        return thread.submit(call).result()
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "fabricd backend: cudaHostRegister of a staging array %s; its CUDA copies "
+                "go through pageable memory, slower",
+                why,
+            )
