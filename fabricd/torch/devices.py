@@ -4,8 +4,25 @@ CPU tensors as they are, CUDA tensors through page-locked staging arrays.
 The daemon works on host shared memory (the staging arrays of :mod:`fabricd.torch.staging`).
 A call copies its tensors into them with ``copy_`` and out of them with ``copy_``, the same
 lines for both devices: for a CPU tensor a memory copy, for a CUDA tensor a device-to-host
-copy on the way in and a host-to-device one on the way out -- one copy each way.  Choices,
-and why:
+copy on the way in and a host-to-device one on the way out -- one copy each way, with
+these exceptions (their copies go through a temporary or pageable memory; correct, slower):
+
+* a reduce-scatter whose staging chunk is longer than a rank's part (the span rounding of
+  :func:`fabricd.torch.staging.span_for`) copies its input into the strided view
+  ``parts[:, :k]``: torch makes a contiguous temporary for a copy across devices into
+  strided memory, so the input takes a second copy;
+* int8, uint8, int16 and bool reductions are staged as int64: the copy converts, through a
+  temporary, each way;
+* ``allgather_coalesced`` gathers into a CPU ``rows`` tensor (pageable) and copies the
+  outputs from it; product and bitwise reductions gather into a CPU tensor (pageable) and
+  reduce there; a reduce-scatter the daemons do not make (product, bitwise, complex) is an
+  allreduce of a device copy of the whole input, its part copied on the device;
+* an all-to-all's (or a scatter root's) own part goes device -> pageable CPU copy ->
+  device;
+* strided tensors get a contiguous copy on the device first (and one back for in-place
+  calls).
+
+Choices, and why:
 
 * *Page-locked staging arrays, not a pinned bounce buffer.*  A copy between the device and
   pageable memory is staged by the driver through pinned buffers of its own, in pieces; into
@@ -18,11 +35,21 @@ and why:
   stays registered while it lives (arrays are reused from call to call, so a loop pays the
   registration once, not per call), and unregistered when the group shuts down.
   Registration is *portable* (flag 1): the pages count as pinned for every device.
+* *The device made current in every thread of the group's that touches CUDA.*  A thread
+  that never sets a device works on device 0, and its first CUDA call makes a context
+  there: for a rank on ``cuda:N``, memory on another rank's GPU.  The page-locking thread
+  sets the first CUDA call's device when it starts (as torch's DataLoader pin thread does);
+  the output copies, and completing a CUDA call's future, run under
+  ``torch.cuda.device(device)`` (:func:`on_device`).
 * *Registration off the caller's thread.*  A failed CUDA runtime call leaves its error as the
   thread's "last error", which torch reads after its next kernel launch and raises there, far
   from the cause.  So registering and unregistering run on a thread of their own
   (:class:`PageLocker`), and a failure is kept there: that array's copies go through pageable
-  memory (correct, slower), and the group says so once in its log.
+  memory (correct, slower), and the group says so once in its log.  A caller waits for
+  the thread at most :data:`LOCKER_WAIT` seconds (then pageable copies too).  Closing
+  unregisters on that thread, or here when this is that thread (the garbage collector may
+  run the group's cleanup there) or when Python has already shut thread pools down (at
+  interpreter exit, before exit-time cleanup); after close nothing is registered again.
 * *Synchronised, not stream-ordered.*  The copies are blocking (``non_blocking=False``).  The
   input copies run on the caller's current stream, after the producer's work on it; before
   the daemon is handed the arrays, that stream is synchronised (:func:`ready`), so the device
