@@ -63,7 +63,15 @@ import fabricd
 from fabricd.errors import UsageError
 from fabricd.torch import staging
 from fabricd.torch.completion import Call, Completer, Work, all_of, settled
-from fabricd.torch.devices import CPU, CopyStreams, device_of, future_for, ready, settle
+from fabricd.torch.devices import (
+    CPU,
+    CopyStreams,
+    device_of,
+    future_for,
+    on_device,
+    ready,
+    settle,
+)
 from fabricd.torch.staging import (
     Slot,
     Staging,
@@ -668,8 +676,8 @@ class FabricdProcessGroup(dist.ProcessGroup):
         (:mod:`fabricd.torch.devices`)."""
         ready(device)
 
-        def finished() -> object:
-            with self._copies.on(device):
+        def finished() -> object:  # (on a thread of the group's, or a waiting caller's)
+            with on_device(device), self._copies.on(device):
                 value = finish()
                 settle(device)
             return value
@@ -682,6 +690,7 @@ class FabricdProcessGroup(dist.ProcessGroup):
             release=self._staging.release,
             deadline=time.monotonic() + self._timeout,
             future=future_for(device),
+            device=device,
             start=start,
         )
         with self._starting:
@@ -745,9 +754,15 @@ def _split(
 
 
 def _close(completer: Completer, staging: Staging, fab: Client) -> None:
-    completer.close()
-    staging.close()
-    fab.close()
+    """The group's cleanup (shutdown, the garbage collector, or interpreter exit): each step
+    runs even if one before it fails, the client's close last."""
+    try:
+        try:
+            completer.close()
+        finally:
+            staging.close()
+    finally:
+        fab.close()
 
 
 def _job(store: Store, rank: int, world: bool) -> str:

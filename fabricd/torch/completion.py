@@ -28,12 +28,15 @@ waits for them, copies the results out and completes the call's future.  Choices
   daemon operation is still open, so a peer arriving late would pair with it, and every later
   call would be shifted by one.  Later calls fail at once, saying so.
 * *A thread that waits for a call finishes it* (``Work.wait``): it reads the daemon's reply
-  itself, copies the result out and completes the future, instead of waking this thread and
-  then a notifier.  Each such hand-off is a wake-up on cores the daemons share; at 4 ranks
-  they were a quarter of a 4 MiB allgather (docs/performance.md).  Whichever of the two
-  claims a call first finishes it.
+  itself, copies the result out and completes the future, instead of waking the leader.  Each
+  such hand-off is a wake-up on cores the daemons share; at 4 ranks they were a quarter of a
+  4 MiB allgather (docs/performance.md).  Whichever of the two claims a call first finishes
+  it.
 * :class:`Work`'s ``wait(timeout)`` honours its timeout (a Work torch makes from a future
   ignores it, and returns ``True`` from ``wait()`` even when the future failed).
+* *A CUDA call's future is completed with its device current* (:func:`_set`): a CUDA-aware
+  future records its events on, and runs its callbacks with, the current device's streams,
+  and a thread that never set a device works on device 0.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from fabricd.errors import Timeout, UsageError
+from fabricd.torch.devices import CPU, on_device
 
 if TYPE_CHECKING:
     import datetime
@@ -75,6 +79,7 @@ class Call:
     release: Callable[[Slot], None]
     deadline: float
     future: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
+    device: torch.device = CPU  #: its tensors' device (current when its future is set)
     start: Callable[[], list[Handle[Any]]] | None = None  #: deferred: what starts it
     after: Call | None = None  #: deferred: it starts once this call's operations are done
     failure: BaseException | None = None  #: what its start raised
@@ -260,11 +265,22 @@ class Completer:
                 )
             for slot in call.slots:
                 call.release(slot)
-            call.future.set_exception(RuntimeError(f"fabricd backend: {call.what} failed: {exc}"))
+            _set(
+                call.device,
+                call.future.set_exception,
+                RuntimeError(f"fabricd backend: {call.what} failed: {exc}"),
+            )
             return
         for slot in call.slots:
             call.release(slot)
-        call.future.set_result(value)
+        _set(call.device, call.future.set_result, value)
+
+
+def _set(device: torch.device, complete: Callable[[Any], None], outcome: Any) -> None:
+    """``complete(outcome)`` (a future's ``set_result`` or ``set_exception``) with ``device``
+    current (module docstring)."""
+    with on_device(device):
+        complete(outcome)
 
 
 class Work(dist.Work):

@@ -156,6 +156,7 @@ class Staging:
         self.locker = locker  #: page-locks arrays for CUDA calls (made at the first one)
         self._pools: dict[tuple[str, int], list[Slot]] = {}  #: the free ones
         self._made: dict[tuple[str, int], int] = {}  #: arrays made per pool
+        self._locked: list[Slot] = []  #: the slots page-locked (pageable again at close)
         self._lock = threading.Lock()
 
     def take(self, dtype: str, count: int) -> Slot:
@@ -179,20 +180,29 @@ class Staging:
 
     def for_device(self, slot: Slot, device: torch.device) -> Slot:
         """``slot``, made ready for copies from and to ``device``: for a CUDA device its
-        array page-locked, once (:mod:`fabricd.torch.devices`); nothing for the CPU."""
+        array page-locked, once, by a thread with ``device`` current (the first CUDA call's:
+        :mod:`fabricd.torch.devices`); nothing for the CPU."""
         if device.type != "cuda" or slot.locked is not None:
             return slot
         with self._lock:
             if self.locker is None:
-                self.locker = PageLocker()
+                self.locker = PageLocker(device=device)
             locker = self.locker
         slot.locked = locker.lock(slot.array.ctypes.data, slot.array.nbytes)
+        if slot.locked:
+            with self._lock:
+                self._locked.append(slot)
         return slot
 
     def close(self) -> None:
-        """Unlock the page-locked arrays (before the client unmaps them)."""
+        """Unlock the page-locked arrays (before the client unmaps them); their slots say
+        so."""
         if self.locker is not None:
             self.locker.close()
+        with self._lock:
+            locked, self._locked = self._locked, []
+        for slot in locked:
+            slot.locked = False
 
 
 def pack(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:

@@ -204,8 +204,8 @@ def _streams(rank: int, n: int, device: str, checks: Checks) -> None:
             t += 1
         work = dist.all_reduce(t, async_op=True)
         work.wait()
-        total = t.sum()  # (on the side stream, after wait())
-    _compare(checks, f"{device}: side stream", float(total), float(50 * n * (1 << 20)))
+        total = float(t.sum())  # (summed and read on the side stream, after wait())
+    _compare(checks, f"{device}: side stream", total, float(50 * n * (1 << 20)))
 
 
 def _ddp(rank: int, device: str, gloo: Any, checks: Checks) -> None:
