@@ -579,6 +579,26 @@ def test_a_stopping_daemon_sends_its_death_notices_before_its_links_close() -> N
     assert answer.code is ErrorCode.DAEMON_STOPPING
 
 
+def test_a_stopping_daemon_fails_every_open_call_even_one_a_local_notice_would_answer() -> None:
+    # review: ranks 0 and 1 on one node, rank 1's steps held at the staleness gate for rank
+    # 0; the stop closed rank 0's exchange first, and its notice, handed to rank 1 at once,
+    # let rank 1's step succeed (its peer gone) instead of failing daemon_stopping
+
+    async def scenario() -> dict[int, Any]:
+        svc, host, _ = service((0, 0))
+        s0, s1 = client(0, 2), client(1, 2)
+        open_(svc, s0, 1)
+        open_(svc, s1, 2)
+        step(svc, s1, 3, 1.0)
+        step(svc, s1, 4, 1.0)  # (held: rank 0 has not stepped)
+        assert 4 not in host.answered
+        await svc.settle()
+        return dict(host.answered)
+
+    answered = asyncio.run(scenario())
+    assert answered[4].code is ErrorCode.DAEMON_STOPPING
+
+
 def test_an_open_unanswered_within_route_timeout_fails_and_tells_its_peers() -> None:
     """Rank 1 never answers rank 0's HELLO: at ``route_timeout`` the open fails
     ``no_such_rank``, the exchange closes, and rank 1's node is sent its death notice (a peer

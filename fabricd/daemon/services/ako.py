@@ -722,9 +722,10 @@ class AkoService(BaseService):
         """The daemon stops: every exchange here closes now, while the links are up, so its
         peers get its death notices (after this the node cancels its tasks, says BYE and
         closes the links); the frames queued go first, within :data:`STOP_GRACE`."""
-        for rank_key in list(self.exchanges):
+        why = "the daemon is stopping; retry later"
+        self.shutdown(Failure(code=ErrorCode.DAEMON_STOPPING, message=why))  # (first: a local
+        for rank_key in list(self.exchanges):  # peer's notice must answer no open call)
             if rank_key in self.exchanges:
-                why = "the daemon is stopping; retry later"
                 self._drop(rank_key, why, code=ErrorCode.DAEMON_STOPPING)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(STOP_GRACE):
