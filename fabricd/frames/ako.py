@@ -77,7 +77,8 @@ class Part:
     ``join``: a SYNC for a rank taken back, with ``gone``, the sender's gone ranks a flush
     settled, and ``unsettled``, those none settled yet; ``dead``: on a flush marker, the
     incarnations (rank, nonce) the sender knows left or were superseded, or (no ``flush``, no
-    payload) a death notice: the sender's own, from its daemon (:attr:`notice`)
+    payload) a death notice: the sender's own, from its daemon (:attr:`notice`); ``final``:
+    on a flush marker, its ``joins`` are those a survivor completed that flush with
     (fabricd/engines/ako/rejoin.py).  ``spec`` says
     what every rank agrees on, so a node whose rank has not opened the exchange yet can hold
     the frame for it."""
@@ -105,6 +106,7 @@ class Part:
     gone: tuple[int, ...] = ()
     unsettled: tuple[int, ...] = ()
     dead: tuple[tuple[int, int], ...] = ()
+    final: bool = False
 
     def to_meta(self) -> Meta:
         meta: Meta = {
@@ -142,6 +144,8 @@ class Part:
             meta["us"] = list(self.unsettled)
         if self.dead:
             meta["dd"] = [list(pair) for pair in self.dead]
+        if self.final:
+            meta["fi"] = True
         return meta
 
     @classmethod
@@ -172,6 +176,7 @@ class Part:
             gone=_ranks(meta, "gn", MAX_GONE),
             unsettled=_ranks(meta, "us", MAX_GONE),
             dead=_pairs(meta, "dd", MAX_DEAD_LISTED),
+            final=get_bool(meta, "fi") if "fi" in meta else False,
         )
         if frame.src == frame.dst:
             raise RemoteProtocolError("a PART from a rank to itself")
@@ -179,6 +184,8 @@ class Part:
             raise RemoteProtocolError("a SYNC part is a whole model, at the end of a flush")
         if (frame.join or frame.unsettled) and not (frame.sync and frame.join):
             raise RemoteProtocolError("a returning rank is sent a SYNC, whole")
+        if frame.final and (frame.flush is None or frame.sync):
+            raise RemoteProtocolError("only a flush marker's listing is final")
         if frame.signal not in (None, Signal.FRESH) and not frame.nonce:
             raise RemoteProtocolError("a HELLO or a JOIN names its sender's nonce")
         if frame.notice and (

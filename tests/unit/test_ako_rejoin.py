@@ -512,25 +512,30 @@ def test_a_newcomer_waits_for_the_survivors_sync_of_a_rank_it_had_gone_itself() 
     _equal_after_a_round(fab, [0, 1, 3])
 
 
-def test_a_newcomers_part_before_the_marker_listing_it_is_held_not_dropped() -> None:
-    """A6: its HELLO to rank 1 was lost; its first part reaches 1 before 0's marker."""
-    fab = _gone_and_settled(3, 2)
-    fab.revive(2, nonce=77)
-    fab.queues[(2, 1)].clear()
+def test_a_newcomers_part_before_the_flush_taking_it_back_completes_is_held() -> None:
+    """A6: its HELLOs to ranks 1 and 2 were lost; they learn it from rank 0's marker and
+    relay it; its first part reaches 1 before 1's flush completes: held, not dropped."""
+    fab = _gone_and_settled(4, 3)
+    fab.revive(3, nonce=77)
+    fab.queues[(3, 1)].clear()
+    fab.queues[(3, 2)].clear()
     fab.drain()
-    assert fab.ex[0]._joins == {2: 77}
+    assert fab.ex[0]._joins == {3: 77}
     assert not fab.ex[1]._joins
-    fab.flush([0, 1])
-    fab.deliver(_pick(fab, (1, 0)))
-    fab.deliver(_pick(fab, (0, 2)))
-    assert fab.opened[2] == Opened(joined_from=0)
-    assert fab.step(2, np.full(SIZE, 4.0))
-    fab.deliver(_pick(fab, (2, 1)))
+    fab.flush([0, 1, 2])
+    for pair in ((0, 1), (0, 2), (1, 0), (2, 0)):
+        _deliver_pair(fab, *pair)  # (1 and 2 relay the listing to 0)
+    assert fab.queues[(1, 2)][-1].joins == ((3, 77),)
+    _deliver_pair(fab, 0, 3)
+    assert fab.opened[3] == Opened(joined_from=0)
+    assert fab.busy[1]
+    assert fab.step(3, np.full(SIZE, 4.0))
+    fab.deliver(_pick(fab, (3, 1)))
     fab.drain()
     assert not any(fab.busy)
-    assert fab.ex[1]._got_from[2] == 1
+    assert fab.ex[1]._got_from[3] == 1
     np.testing.assert_array_equal(fab.ex[1].model, fab.ex[0].model)
-    _equal_after_a_round(fab, [0, 1, 2])
+    _equal_after_a_round(fab, [0, 1, 2, 3])
 
 
 def test_a_joining_rank_answers_a_first_openers_hello_at_once() -> None:

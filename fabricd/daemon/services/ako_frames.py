@@ -56,6 +56,7 @@ def part_frame(
         gone=action.gone,
         unsettled=action.unsettled,
         dead=action.dead,
+        final=action.final,
     )
     return frame, action.payload.tobytes()
 
@@ -80,6 +81,7 @@ def received(exchange: Exchange, frame: Part, values: np.ndarray[Any, Any]) -> l
         gone=frame.gone,
         unsettled=frame.unsettled,
         dead=frame.dead,
+        final=frame.final,
     )
 
 

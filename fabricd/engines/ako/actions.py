@@ -41,6 +41,8 @@ class SendPart:
     unsettled: tuple[int, ...] = ()
     #: on a flush marker: incarnations (rank, nonce) the sender knows left or were superseded
     dead: tuple[tuple[int, int], ...] = ()
+    #: on a flush marker: its ``joins`` are final, those a survivor completed that flush with
+    final: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

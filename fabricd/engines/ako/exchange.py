@@ -198,6 +198,8 @@ class Exchange(Rejoin):
         self._markers: dict[int, tuple[int, int]] = {}  #: peer -> (its flush, frames sent)
         #: (from, its flush, its model, the absent ranks it settles)
         self._sync: tuple[int, int, Array, tuple[int, ...]] | None = None
+        #: the last SYNC for the flush this rank completed last that it did not take
+        self._early: tuple[int, int, Array, tuple[int, ...]] | None = None
         #: the model at this rank's last completed flush (its number, the model, whose SYNC
         #: it took: None, its own), and the peers live then: a SYNC for that flush that comes
         #: after moves the model by the difference
@@ -271,7 +273,7 @@ class Exchange(Rejoin):
         self._flushing = True
         can_admit = len(self._gone) <= MAX_GONE
         self._admit = dict(sorted(self._joins.items())[:MAX_JOINS] if can_admit else ())
-        joins = tuple(self._admit.items())
+        joins = self._open_listing()
         self._marks = {k: v for k, v in self._marks.items() if k == self._flushes - 1}
         self._marks[self._flushes] = (self.clock, joins)
         out: list[Action] = []
@@ -330,6 +332,7 @@ class Exchange(Rejoin):
         gone: tuple[int, ...] = (),
         unsettled: tuple[int, ...] = (),
         dead: tuple[tuple[int, int], ...] = (),
+        final: bool = False,
     ) -> list[Action]:
         """A part from ``src`` (a :class:`SendPart` of its): applied to the model at once;
         its clock heard; a flush marker kept (with the returning ranks it lists); a model to
@@ -350,10 +353,9 @@ class Exchange(Rejoin):
         if to and to != self.nonce:
             return []
         fields: dict[str, Any] = {"round": round, "lo": lo, "payload": payload, "clock": clock}
-        fields["epoch"] = epoch
         fields |= {"flush": flush, "sent": sent, "sync": sync, "back": back, "nonce": nonce}
         fields |= {"to": to, "joins": joins, "join": join, "gone": gone, "dead": dead}
-        fields["unsettled"] = unsettled
+        fields |= {"epoch": epoch, "unsettled": unsettled, "final": final}
         if self.phase != "running":
             if sync and join and flush is not None and nonce:
                 return self._adopt(src, nonce, payload, clock, flush, (gone, unsettled))
@@ -399,7 +401,7 @@ class Exchange(Rejoin):
             self._markers[src] = max(self._markers.get(src, (0, 0)), (flush, sent))
             if flush >= marked:
                 self._flush_clock[src] = clock
-            out += self._listed(flush, joins)
+            out += self._relay(src, flush, joins, final)
         return out + self._progress()
 
     def _late_sync(self, src: int, model: Array, gone: tuple[int, ...]) -> list[Action]:
@@ -418,7 +420,9 @@ class Exchange(Rejoin):
         the lowest, it sends every survivor its model at that flush (survivors still in it
         had ``peer`` absent, and wait for one; those done take it by the difference).  It
         settles nothing: ``peer``'s frames after that flush may have reached some ranks only,
-        so the next flush takes the lowest's model again."""
+        so the next flush takes the lowest's model again.  If the lowest's SYNC of that flush
+        settling ``peer`` came before this rank completed it (``peer`` was gone there then),
+        it is taken now, as one coming after, and ``peer`` is settled, as it is there."""
         at = self._at
         if at is None or peer not in self._at_live or peer in self._settled:
             return []
@@ -426,6 +430,9 @@ class Exchange(Rejoin):
             return []  # (this rank was taken back at that flush: not one of its ranks)
         # the lowest among that flush's ranks (a rank taken back at it has no model of it)
         lowest = min((self._live & self._at_live) | {self.rank})
+        early = self._early
+        if early is not None and early[:2] == (lowest, at[0]) and peer in early[3]:
+            return self._late_sync(early[0], early[2], early[3])
         if self.phase != "running" or lowest != self.rank:
             return []
         return [self._send(i, None, 0, at[1], flush=at[0], sync=True) for i in sorted(self._live)]
@@ -486,7 +493,10 @@ class Exchange(Rejoin):
         incarnations known now; a receiver that had it applies nothing of it again."""
         clock, joins = self._marks[flush]
         payload = self._marker_parts.get(peer, np.zeros(1))
-        marker = self._send(peer, None, 0, payload, flush=flush, back=True, joins=joins)
+        final = flush in self._fixed or not (self._flushing and flush == self._flushes)
+        marker = self._send(
+            peer, None, 0, payload, flush=flush, back=True, joins=joins, final=final
+        )
         return replace(marker, clock=clock, epoch=flush)
 
     def gone(self, peer: int) -> list[Action]:
@@ -547,12 +557,14 @@ class Exchange(Rejoin):
         joins: tuple[tuple[int, int], ...] = (),
         join: bool = False,
         gone: tuple[int, ...] = (),
+        final: bool = False,
     ) -> SendPart:
         payload = values.astype(self.model.dtype)  # (a copy: the window moves on)
         self._bytes_sent += payload.nbytes
         if not sync:
             self._sent_to[peer] += 1
-        if flush is not None and not sync:
+        # (a final listing of an earlier flush than the last marked leaves that one's alone)
+        if flush is not None and not sync and flush >= self._marked[peer]:
             if self._marked[peer] != flush:  # (its first marker of that flush: kept)
                 self._marker_parts.pop(peer, None)
                 if payload.any():
@@ -575,6 +587,7 @@ class Exchange(Rejoin):
             join=join,
             gone=gone,
             dead=tuple(self._obits) if flush is not None and not sync else (),
+            final=final,
         )
 
     def _signal(self, peer: int, signal: Signal, to: int | None = None) -> SendSignal:
@@ -657,6 +670,7 @@ class Exchange(Rejoin):
                 and self._got_from[i] >= self._markers[i][1]
                 for i in self._live
             )
+            and self._agreed()
         ):
             out += self._complete()
         return out
@@ -684,6 +698,10 @@ class Exchange(Rejoin):
             self.model[:] = sync[2]
             self._settled.update(i for i in sync[3] if i in self._heard)
             took = lowest
+        # (a SYNC of this flush not taken: its sender had a rank gone that is live here; if
+        # it goes here and that sender is then the lowest, its model is taken late)
+        sync = self._sync
+        self._early = sync if sync is not None and sync[1] == self._flushes else None
         self._sync = None
         self._flushing = False
         self._strange = 0
@@ -697,6 +715,7 @@ class Exchange(Rejoin):
         }
         for k in [k for k in self._joins_heard if k <= self._flushes]:
             del self._joins_heard[k]
+        self._listings_done()
         # (one that died is not taken back, but unsettled, as where it was, then went)
         left = {i for i, n in admitted.items() if self.is_dead(i, n)}
         self._settled -= left

@@ -39,6 +39,15 @@ clock.
   to list it: when an exchange closes, its daemon also sends every peer a death notice naming
   it (:meth:`Rejoin.death_notices`), taken as a listing is (:meth:`Rejoin.died`), so the
   survivors agree when the only one that heard it died too.
+* *The survivors agree on a flush's listing without its lister* (one that heard the HELLO
+  can die with its markers half sent: taking back what each got listed would split them).
+  A marker relays every listing its sender heard for that flush (``_told``), one heard
+  after the open flush's markers went sends them again, and a flush completes only once
+  every reachable peer's latest marker of it lists exactly this rank's (``_agreed``), so two
+  that complete it while reachable to each other agree.  A marker of a flush this rank
+  completed (or whose listing is fixed) listing otherwise is answered *final* (its listing
+  is what a survivor completed with), and a rank still in that flush takes it as its own
+  (``_fixed``): a listing learned after another survivor completed without it is dropped.
 * *A join SYNC* names the gone ranks a flush settled (``gone``) apart from those none did
   yet (``unsettled``, such as one that died during the admitting flush): the newcomer waits
   for the SYNC that settles the latter, as the survivors do.
@@ -47,13 +56,14 @@ clock.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from fabricd.engines.ako.actions import Action, Array, Opened, Phase, SendPart, SendSignal
 from fabricd.errors import LocalProtocolError, RemoteProtocolError
-from fabricd.frames.ako import MAX_DEAD_LISTED, MAX_GONE, Signal
+from fabricd.frames.ako import MAX_DEAD_LISTED, MAX_GONE, MAX_JOINS, Signal
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -101,6 +111,20 @@ class Rejoin:
         def gone(self, peer: int) -> list[Action]: ...
         def _signal(self, peer: int, signal: Signal, to: int | None = None) -> SendSignal: ...
         def _marker_again(self, peer: int, flush: int) -> SendPart: ...
+        def _send(
+            self,
+            peer: int,
+            t: int | None,
+            lo: int,
+            values: Array,
+            flush: int | None = None,
+            sync: bool = False,
+            back: bool = False,
+            joins: tuple[tuple[int, int], ...] = (),
+            join: bool = False,
+            gone: tuple[int, ...] = (),
+            final: bool = False,
+        ) -> SendPart: ...
 
     def _init_rejoin(self) -> None:
         """The state of the rejoin handshake and of taking ranks back (module docstring)."""
@@ -132,6 +156,12 @@ class Rejoin:
         self._flush_clock: dict[int, int] = {}  #: the clock each peer's last marker carried
         #: taken back: the model adopted, and from whom, until this rank's next flush
         self._base: tuple[int, Array] | None = None
+        #: per flush (the open one, the next), the listing its markers carry: what this rank
+        #: lists and every listing its peers' markers of it carried (they relay theirs too)
+        self._told: dict[int, set[tuple[int, int]]] = {}
+        self._fixed: set[int] = set()  #: flushes whose listing a final marker fixed
+        #: per peer, per flush, the listing its latest marker of that flush carried
+        self._echo: dict[int, dict[int, frozenset[tuple[int, int]]]] = {}
 
     # -- the rejoin handshake (module docstring) ----------------------------------------------
     def start(self) -> list[Action]:
@@ -496,3 +526,96 @@ class Rejoin:
         # after it, nothing would tell a peer that took the incarnation back through a marker)
         announced = self._announce(peer)
         return announced + self.gone(peer)
+
+    # -- agreeing on a flush's listing without its lister (module docstring) ----------------
+    def _open_listing(self) -> tuple[tuple[int, int], ...]:
+        """The listing of the flush this rank opens: the ranks it takes back (``_admit``) and
+        what its peers' markers of it listed so far; a listing fixed already stays, and this
+        rank's own are taken back only if it holds them (the others wait for a later flush)."""
+        k = self._flushes
+        told = self._told.setdefault(k, set())
+        if k in self._fixed:
+            self._admit = {i: n for i, n in self._admit.items() if (i, n) in told}
+        else:
+            told |= set(self._admit.items())
+        return tuple(sorted(told))[:MAX_JOINS]
+
+    def _relay(
+        self, src: int, flush: int, joins: tuple[tuple[int, int], ...], final: bool
+    ) -> list[Action]:
+        """``src``'s marker of ``flush`` listed ``joins``.  For the open or next flush: taken
+        into this rank's listing (a new one sends the open flush's markers again, relaying
+        it), or, ``final``, made it (a survivor completed the flush with it).  A marker of a
+        flush this rank completed, or whose listing is fixed, listing otherwise, is answered
+        with this rank's final listing (module docstring)."""
+        listing = frozenset(joins)
+        self._echo.setdefault(src, {})[flush] = listing
+        k = self._flushes
+        is_open = self._flushing and flush == k
+        if not (is_open or flush == k + 1):
+            done = flush in self._marks and listing != set(self._marks[flush][1])
+            if final or not done or src not in self._live or flush > k:
+                return []
+            return [self._final_reply(src, flush)]
+        told = self._told.setdefault(flush, set())
+        before = frozenset(told)
+        if final:
+            self._fix(flush, listing)
+        elif flush in self._fixed:
+            if listing == told or not is_open or self._marked[src] != k:
+                return []
+            return [self._final_reply(src, flush)]
+        else:
+            told |= listing
+        out = self._listed(flush, tuple(sorted(listing & told)))
+        if is_open and told != before:
+            out = self._relisted() + out
+        return out
+
+    def _fix(self, flush: int, listing: frozenset[tuple[int, int]]) -> None:
+        """A survivor completed ``flush`` with ``listing``: it is this rank's too; a rank it
+        does not list is not taken back at that flush (one this rank heard itself stays in
+        ``_joins``, for the next)."""
+        told = self._told.setdefault(flush, set())
+        told.clear()
+        told |= listing
+        self._fixed.add(flush)
+        heard = self._joins_heard.get(flush, {})
+        for peer, nonce in list(heard.items()):
+            if (peer, nonce) not in listing:
+                del heard[peer]
+        if self._flushing and flush == self._flushes:
+            self._admit = {i: n for i, n in self._admit.items() if (i, n) in listing}
+
+    def _relisted(self) -> list[Action]:
+        """The open flush's listing changed after its markers went: each reachable peer is
+        sent its marker again with it (final if fixed)."""
+        k = self._flushes
+        self._marks[k] = (self._marks[k][0], tuple(sorted(self._told[k]))[:MAX_JOINS])
+        return [self._marker_again(i, k) for i in sorted(self._live) if self._marked[i] == k]
+
+    def _final_reply(self, peer: int, flush: int) -> SendPart:
+        """``flush``'s final listing for ``peer``, whose marker listed otherwise: a marker
+        again with no payload (``peer`` had this rank's first marker of it: FIFO)."""
+        clock, joins = self._marks[flush]
+        marker = self._send(
+            peer, None, 0, np.zeros(1), flush=flush, back=True, joins=joins, final=True
+        )
+        return replace(marker, clock=clock, epoch=flush)
+
+    def _agreed(self) -> bool:
+        """Every reachable peer's latest marker of the open flush listed what this rank's
+        listing is: a flush completes only then."""
+        k = self._flushes
+        told = frozenset(self._told.get(k, ()))
+        return all(self._echo.get(i, {}).get(k) == told for i in self._live)
+
+    def _listings_done(self) -> None:
+        """This rank completed its open flush: the listings of it and before are forgotten
+        (its markers' kept listing answers a late marker)."""
+        k = self._flushes
+        self._told = {f: v for f, v in self._told.items() if f > k}
+        self._fixed = {f for f in self._fixed if f > k}
+        for echoes in self._echo.values():
+            for f in [f for f in echoes if f <= k]:
+                del echoes[f]
