@@ -15,11 +15,14 @@ waits for them, copies the results out and completes the call's future.  Choices
   of the tensor, faulted in over its first two rounds).  A call made while its name's
   previous call is still under way here is *deferred*: this thread starts it once that one's
   operations are done (its ``after``), and the caller does not wait.
-* *Leader and followers* (a small pool, :data:`THREADS` at most): one thread at a time
+* *Leader and followers* (a pool that grows as needed): one thread at a time
   *leads* (waits for the daemon, starts deferred calls); the one that finds a call done hands
   the lead to another and then completes the call's future itself.  A future's ``then``
   callbacks run where it is completed, and a callback may wait for another call of the group
-  (torch's PowerSGD DDP hook does), which the new leader is free to finish.  The reply
+  (torch's PowerSGD DDP hook does), which the new leader is free to finish.  A thread is
+  added only when none waits to lead (all are completing calls, or in callbacks), so there
+  is always one to lead, however many callbacks wait at once (a bound of 16 hung the group
+  when 16 callbacks waited together).  The reply
   reaches the future in one thread: an earlier build handed every completed call to a
   notifier thread, a second wake-up on the way to DDP, which waits on futures (2 ranks, one
   small bucket a step: 0.87-0.90x gloo's steps/s; docs/performance.md).
@@ -42,6 +45,7 @@ waits for them, copies the results out and completes the call's future.  Choices
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,6 +57,8 @@ import torch.distributed as dist
 from fabricd.errors import Timeout, UsageError
 from fabricd.torch.devices import CPU, on_device
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     import datetime
     from collections.abc import Callable
@@ -62,9 +68,8 @@ if TYPE_CHECKING:
 
 #: seconds the thread waits on the oldest call before it looks at the others again
 SLICE: Final = 0.002
-#: the group's threads at most (leader and followers: one for each future whose callbacks
-#: are running at once, and one to lead)
-THREADS: Final = 16
+#: seconds :meth:`Completer.close` waits for the group's threads, all of them together
+CLOSE_WAIT: Final = 5.0
 
 
 @dataclass(slots=True, eq=False)
@@ -139,13 +144,17 @@ class Completer:
             self._cond.notify()
 
     def close(self) -> None:
+        """No more calls; wait up to :data:`CLOSE_WAIT` in all for the threads (a call still
+        open, such as an unmatched receive, keeps its leader until the client closes and
+        fails it: the waits share one deadline, or each thread would add its own)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
             threads = list(self._threads)
+        deadline = time.monotonic() + CLOSE_WAIT
         for thread in threads:
             if thread is not threading.current_thread():
-                thread.join(5)
+                thread.join(max(deadline - time.monotonic(), 0.0))
 
     def _spawn(self) -> None:
         """A thread more (under ``_cond``, or before any runs)."""
@@ -165,14 +174,18 @@ class Completer:
                 call = self._next_done()
                 if call is not None:
                     with self._cond:  # someone to lead while this thread completes it
-                        if not self._followers and len(self._threads) < THREADS:
+                        if not self._followers and not self._closed:
                             self._spawn()
             if call is None:
                 return
-            self._complete(call)
-            with self._cond:
-                if call in self._calls:
-                    self._calls.remove(call)
+            try:
+                self._complete(call)
+            except Exception:  # (a future that refused its outcome: this thread goes on)
+                log.exception("fabricd backend: completing %s failed", call.what)
+            finally:
+                with self._cond:
+                    if call in self._calls:
+                        self._calls.remove(call)
 
     def _next_done(self) -> Call | None:
         """Lead: start deferred calls, and wait until a call is done (claimed, for this
@@ -298,14 +311,16 @@ class Work(dist.Work):
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         seconds = timeout.total_seconds() if timeout is not None else 0.0
+        end = time.monotonic() + seconds  # (one timeout for both waits below)
         if self._call is not None and self._completer is not None:
             self._completer.finish_here(self._call, seconds)
         if seconds > 0 and not self._future.done():
-            # (a callback only here: torch runs it at once if the future is done meanwhile;
-            # added for every Work, it cost tens of microseconds a call)
+            # (a callback only now, not for every Work: it cost tens of microseconds a call;
+            # torch runs it at once if the future is done meanwhile)
             done = threading.Event()
             self._future.add_done_callback(lambda _: done.set())
-            if not done.wait(seconds):
+            # (a future is done before its callbacks run, and earlier ones may take long)
+            if not done.wait(max(end - time.monotonic(), 0.0)) and not self._future.done():
                 raise RuntimeError(f"fabricd backend: the call did not finish within {seconds} s")
         self._future.wait()
         return True
