@@ -534,11 +534,10 @@ class Rejoin:
         rank's own are taken back only if it holds them (the others wait for a later flush)."""
         k = self._flushes
         told = self._told.setdefault(k, set())
-        if k in self._fixed:
-            self._admit = {i: n for i, n in self._admit.items() if (i, n) in told}
-        else:
+        if k not in self._fixed:
             told |= set(self._admit.items())
-        return tuple(sorted(told))[:MAX_JOINS]
+        self._restrict(k, _first(told))
+        return tuple(sorted(told))
 
     def _relay(
         self, src: int, flush: int, joins: tuple[tuple[int, int], ...], final: bool
@@ -549,8 +548,9 @@ class Rejoin:
         flush this rank completed, or whose listing is fixed, listing otherwise, is answered
         with this rank's final listing (module docstring)."""
         listing = frozenset(joins)
-        self._echo.setdefault(src, {})[flush] = listing
         k = self._flushes
+        if flush <= k + 1:  # (later ones, never pruned, only a broken peer sends)
+            self._echo.setdefault(src, {})[flush] = listing
         is_open = self._flushing and flush == k
         if not (is_open or flush == k + 1):
             done = flush in self._marks and listing != set(self._marks[flush][1])
@@ -567,6 +567,7 @@ class Rejoin:
             return [self._final_reply(src, flush)]
         else:
             told |= listing
+            self._restrict(flush, _first(told))
         out = self._listed(flush, tuple(sorted(listing & told)))
         if is_open and told != before:
             out = self._relisted() + out
@@ -576,10 +577,16 @@ class Rejoin:
         """A survivor completed ``flush`` with ``listing``: it is this rank's too; a rank it
         does not list is not taken back at that flush (one this rank heard itself stays in
         ``_joins``, for the next)."""
+        self._fixed.add(flush)
+        self._restrict(flush, listing)
+
+    def _restrict(self, flush: int, listing: frozenset[tuple[int, int]]) -> None:
+        """``flush``'s listing is ``listing`` (a final one, or the first :data:`MAX_JOINS` of
+        the pairs heard: what a marker carries, so that what survivors compare is what they
+        send); a rank heard here and cut stays in ``_joins``, for a later flush."""
         told = self._told.setdefault(flush, set())
         told.clear()
         told |= listing
-        self._fixed.add(flush)
         heard = self._joins_heard.get(flush, {})
         for peer, nonce in list(heard.items()):
             if (peer, nonce) not in listing:
@@ -619,3 +626,9 @@ class Rejoin:
         for echoes in self._echo.values():
             for f in [f for f in echoes if f <= k]:
                 del echoes[f]
+
+
+def _first(pairs: set[tuple[int, int]]) -> frozenset[tuple[int, int]]:
+    """The first :data:`MAX_JOINS` of a listing's ``(rank, nonce)`` pairs: what a marker
+    carries."""
+    return frozenset(sorted(pairs)[:MAX_JOINS])
