@@ -184,8 +184,8 @@ class Part:
             raise RemoteProtocolError("a SYNC part is a whole model, at the end of a flush")
         if (frame.join or frame.unsettled) and not (frame.sync and frame.join):
             raise RemoteProtocolError("a returning rank is sent a SYNC, whole")
-        if frame.final and (frame.flush is None or frame.sync):
-            raise RemoteProtocolError("only a flush marker's listing is final")
+        if frame.final and (frame.flush is None or frame.sync or not frame.back):
+            raise RemoteProtocolError("only a flush marker sent again has a final listing")
         if frame.signal not in (None, Signal.FRESH) and not frame.nonce:
             raise RemoteProtocolError("a HELLO or a JOIN names its sender's nonce")
         if frame.notice and (

@@ -186,7 +186,7 @@ def test_a_final_listing_round_trips_and_is_only_a_markers() -> None:
     assert marker.to_meta()["fi"] is True
     assert Part.from_meta(marker.to_meta()) == marker
     assert "fi" not in replace(marker, final=False).to_meta()  # (optional: older peers)
-    for bad in ({"fl": None}, {"sy": True}):
+    for bad in ({"fl": None}, {"sy": True}, {"bk": None}):  # (bk: review, a forged final)
         meta = {k: v for k, v in (marker.to_meta() | bad).items() if v is not None}
         with pytest.raises(RemoteProtocolError, match="final"):
             Part.from_meta(meta)
