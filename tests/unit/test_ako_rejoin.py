@@ -302,18 +302,46 @@ def _deliver_pair(fab: Fabric, src: int, dst: int) -> None:
         fab.deliver(_pick(fab, (src, dst)))
 
 
-def _gone_and_settled(n: int, dead: int) -> Fabric:
-    """``n`` ranks; ``dead`` left, and the survivors flushed without it."""
-    fab = Fabric(n, 1, 0)
+def _gone_and_settled(n: int, *dead: int, partitions: int = 1) -> Fabric:
+    """``n`` ranks; the ``dead`` left, and the survivors flushed without them."""
+    fab = Fabric(n, partitions, 0)
     fab.drain()
-    fab.kill(dead)
-    survivors = [r for r in range(n) if r != dead]
+    for rank in dead:
+        fab.kill(rank)
+    survivors = [r for r in range(n) if r not in dead]
     for r in survivors:
-        fab.act(r, fab.ex[r].left(dead))
+        for rank in dead:
+            fab.act(r, fab.ex[r].left(rank))
     fab.flush(survivors)
     fab.drain()
     assert not any(fab.busy)
     return fab
+
+
+def _newcomer_in_its_flush(
+    n: int, data: st.DataObject
+) -> tuple[Fabric, list[int], int, list[int], set[int]]:
+    """A rank drawn among ``n`` left and comes back as incarnation 77; its HELLO reaches a
+    drawn set of the survivors; every survivor steps and flushes, and a drawn number of
+    frames is delivered.  Returns the fabric, the delivery order drawn, the newcomer, the
+    survivors and those its HELLO reached."""
+    picks = data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=30), label="order")
+    newcomer = data.draw(st.integers(0, n - 1), label="newcomer")
+    fab = _gone_and_settled(n, newcomer)
+    survivors = [r for r in range(n) if r != newcomer]
+    fab.revive(newcomer, nonce=77)
+    reached = data.draw(st.sets(st.sampled_from(survivors), min_size=1), label="HELLO reaches")
+    for r in survivors:
+        if r not in reached:
+            fab.queues.pop((newcomer, r), None)
+    fab.drain(picks)
+    for r in survivors:
+        assert fab.step(r, np.full(SIZE, 2.0**r))
+    fab.drain(picks)
+    fab.flush(survivors)
+    for _ in range(data.draw(st.integers(0, 8 * n), label="frames before it dies")):
+        fab.deliver(picks[0])
+    return fab, picks, newcomer, survivors, reached
 
 
 def _steps_go_on(fab: Fabric, ranks: list[int], times: int = 3) -> None:
@@ -822,22 +850,7 @@ def test_a_newcomer_leaving_at_any_point_of_its_admitting_flush_leaves_the_survi
     that lists it (taken back by some survivors, by none, or by all; it may have stepped once
     taken back), and each survivor hears it before or after completing that flush: every
     survivor's flushes complete, and after a round and a flush every replica is equal."""
-    picks = data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=30), label="order")
-    newcomer = data.draw(st.integers(0, n - 1), label="newcomer")
-    fab = _gone_and_settled(n, newcomer)
-    survivors = [r for r in range(n) if r != newcomer]
-    fab.revive(newcomer, nonce=77)
-    reached = data.draw(st.sets(st.sampled_from(survivors), min_size=1), label="HELLO reaches")
-    for r in survivors:
-        if r not in reached:
-            fab.queues.pop((newcomer, r), None)
-    fab.drain(picks)
-    for r in survivors:
-        assert fab.step(r, np.full(SIZE, 2.0**r))
-    fab.drain(picks)
-    fab.flush(survivors)
-    for _ in range(data.draw(st.integers(0, 8 * n), label="frames before it dies")):
-        fab.deliver(picks[0])
+    fab, picks, newcomer, survivors, _ = _newcomer_in_its_flush(n, data)
     if fab.opened[newcomer] is not None and data.draw(st.booleans(), label="it steps"):
         fab.step(newcomer, np.full(SIZE, 64.0))
         for _ in range(data.draw(st.integers(0, n), label="its round's frames delivered")):

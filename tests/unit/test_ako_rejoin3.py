@@ -30,6 +30,7 @@ from tests.unit.test_ako_rejoin import (
     _deliver_pair,
     _equal_after_a_round,
     _gone_and_settled,
+    _newcomer_in_its_flush,
 )
 
 
@@ -230,22 +231,7 @@ def test_a_newcomer_and_some_of_its_knowers_dying_at_any_point_hang_no_flush(
     at any point or not at all, and its death notices come at any point: every flush of the
     remaining survivors completes, and after a round and a flush every replica is equal."""
     n = survivors_n + 1
-    picks = data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=30), label="order")
-    newcomer = data.draw(st.integers(0, n - 1), label="newcomer")
-    fab = _gone_and_settled(n, newcomer)
-    survivors = [r for r in range(n) if r != newcomer]
-    fab.revive(newcomer, nonce=77)
-    reached = data.draw(st.sets(st.sampled_from(survivors), min_size=1), label="HELLO reaches")
-    for r in survivors:
-        if r not in reached:
-            fab.queues.pop((newcomer, r), None)
-    fab.drain(picks)
-    for r in survivors:
-        assert fab.step(r, np.full(SIZE, 2.0**r))
-    fab.drain(picks)
-    fab.flush(survivors)
-    for _ in range(data.draw(st.integers(0, 8 * n), label="frames before it dies")):
-        fab.deliver(picks[0])
+    fab, picks, newcomer, survivors, reached = _newcomer_in_its_flush(n, data)
     doomed = data.draw(st.sets(st.sampled_from(sorted(reached)), max_size=len(reached)))
     if len(doomed) == len(survivors):
         doomed = set(sorted(doomed)[1:])
@@ -324,14 +310,8 @@ def test_a_lister_dying_with_its_markers_reaching_any_survivors_splits_none(
     picks = data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=30), label="order")
     newcomer = data.draw(st.integers(0, n - 1), label="newcomer")
     p = data.draw(st.integers(1, 3), label="p")
-    fab = Fabric(n, p, 0)
-    fab.drain()
-    fab.kill(newcomer)
+    fab = _gone_and_settled(n, newcomer, partitions=p)
     survivors = [r for r in range(n) if r != newcomer]
-    for r in survivors:
-        fab.act(r, fab.ex[r].left(newcomer))
-    fab.flush(survivors)
-    fab.drain()
     lister = data.draw(st.sampled_from(survivors), label="lister")
     fab.revive(newcomer, nonce=77)
     for r in survivors:
@@ -393,15 +373,7 @@ def test_listings_over_what_a_marker_carries_still_agree_with_no_failure(
     # MAX_JOINS stands in as 1: ranks 0 and 1 each heard a different newcomer
     monkeypatch.setattr(rejoin, "MAX_JOINS", 1)
     monkeypatch.setattr(exchange, "MAX_JOINS", 1)
-    fab = Fabric(5, 1, 0)
-    fab.drain()
-    for dead in (3, 4):
-        fab.kill(dead)
-    for r in (0, 1, 2):
-        for dead in (3, 4):
-            fab.act(r, fab.ex[r].left(dead))
-    fab.flush([0, 1, 2])
-    fab.drain()
+    fab = _gone_and_settled(5, 3, 4)
     fab.revive(3, nonce=77)
     fab.revive(4, nonce=88)
     for r in (1, 2):

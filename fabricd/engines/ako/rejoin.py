@@ -537,7 +537,7 @@ class Rejoin:
         if k not in self._fixed:
             told |= set(self._admit.items())
         self._restrict(k, _first(told))
-        return tuple(sorted(told))
+        return tuple(sorted(told))  # (at most MAX_JOINS now)
 
     def _relay(
         self, src: int, flush: int, joins: tuple[tuple[int, int], ...], final: bool
@@ -598,7 +598,7 @@ class Rejoin:
         """The open flush's listing changed after its markers went: each reachable peer is
         sent its marker again with it (final if fixed)."""
         k = self._flushes
-        self._marks[k] = (self._marks[k][0], tuple(sorted(self._told[k]))[:MAX_JOINS])
+        self._marks[k] = (self._marks[k][0], tuple(sorted(self._told[k])))  # (capped: _restrict)
         return [self._marker_again(i, k) for i in sorted(self._live) if self._marked[i] == k]
 
     def _final_reply(self, peer: int, flush: int) -> SendPart:

@@ -59,13 +59,15 @@ def schedule_for(
     """The schedule node ``node`` runs among ``members`` (sorted node ids) for ``spec``;
     ``ranks``: the node of every rank of the job."""
     me, n = members.index(node), len(members)
+    #: a node runs it in the caller's array: the rounds end with acknowledgements, everywhere
+    ack = any(in_place(spec, ranks, m) for m in members)
     match spec.kind:
         case "barrier":
             return collectives.barrier(me, n)
         case "broadcast":
             return collectives.broadcast(me, n, members.index(ranks[spec.root]))
-        case "allgather":  # acknowledged where a node runs it in place
-            return allgather_ring(me, n, acknowledge=any(in_place(spec, ranks, m) for m in members))
+        case "allgather":
+            return allgather_ring(me, n, acknowledge=ack)
         case "reduce_scatter":
             return reduce_scatter_ring(me, n, spec.op)
     fn = "sum" if spec.partial else spec.op
@@ -73,7 +75,6 @@ def schedule_for(
     if spec.tree:
         schedule = collectives.allreduce_tree(me, n, fn)
     elif spec.ring:
-        ack = not spec.partial and any(ranks.count(m) == 1 for m in members)
         if spec.direct:
             schedule = collectives.allreduce_direct(me, n, fn, acknowledge=ack)
         else:
